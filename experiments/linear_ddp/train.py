@@ -1,0 +1,29 @@
+"""Linear(10, 5) on random data with MSE and SGD: the smallest DDP job that still all-reduces."""
+
+import torch
+from torch import nn
+
+
+def train(ctx):
+    cfg = ctx.cfg
+    # The data set is drawn from the base seed so every rank sees the same 100 samples.
+    data = torch.randn(cfg.samples, 10, generator=torch.Generator().manual_seed(ctx.seed))
+    loader = ctx.loader(data, batch_size=cfg.batch_size)
+    model = ctx.ddp(nn.Linear(10, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    loss_fn = nn.MSELoss()
+
+    step = 0
+    for epoch in ctx.epochs(cfg.epochs):
+        model.train()
+        for batch in loader:
+            batch = batch.to(ctx.device)
+            optimizer.zero_grad()
+            output = model(batch)
+            target = torch.randn_like(output)  # from this rank's seeded generator
+            loss = loss_fn(output, target)
+            loss.backward()
+            optimizer.step()
+            ctx.log({"loss": loss}, step)
+            step += 1
+        ctx.print(f"epoch {epoch + 1}/{cfg.epochs} loss {loss.item():.4f}")

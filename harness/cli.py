@@ -1,0 +1,100 @@
+"""The `harness` command line: parse, call the library, print. torch and mlflow load only when needed."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from harness.errors import EXIT_USAGE, HarnessError
+
+_TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
+
+
+def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """HarnessError -> `Error: ...` on one line and its exit code; no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HarnessError as err:
+            click.echo(f"Error: {err}", err=True)
+            sys.exit(err.exit_code)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="harness")
+def main() -> None:
+    """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
+
+    Exit codes: 0 success / reproduced, 1 training failed / diverged, 2 bad input,
+    130 interrupted (SIGINT), 143 terminated (SIGTERM).
+    """
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.argument("experiment_dir", type=click.Path(path_type=Path))
+@click.argument("overrides", nargs=-1)
+@click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def run(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, tracking_uri: str | None) -> None:
+    """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
+
+    Prints progress on stderr and the MLflow run id as the last line of stdout.
+    """
+    from harness import runner
+    from harness.tracking import Tracker
+
+    outcome = runner.run(experiment_dir, list(overrides), require_clean=require_clean, tracking_uri=tracking_uri)
+    _finish(outcome, Tracker(tracking_uri))
+
+
+def _finish(outcome: Any, tracker: Any) -> None:
+    if outcome.message:
+        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+    click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
+    click.echo(outcome.run_id)
+    sys.exit(outcome.exit_code)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=5000, show_default=True, help="Port to listen on.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def ui(host: str, port: int, tracking_uri: str | None) -> None:
+    """Start the MLflow UI on the tracking store (runs, replays and verdicts)."""
+    import os
+    import subprocess
+
+    from harness.tracking import resolve_uri, ui_command
+
+    uri = resolve_uri(tracking_uri)
+    click.echo(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C to stop)", err=True)
+    try:
+        sys.exit(subprocess.call(ui_command(uri, host, port), env=os.environ.copy()))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+@main.command()
+@click.argument("experiment", required=False)
+@click.option("-n", "--limit", default=20, show_default=True, help="How many runs to list.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def runs(experiment: str | None, limit: int, tracking_uri: str | None) -> None:
+    """List recent runs: id, experiment, start, status, world size, commit, image digest, last verdict."""
+    from harness.listing import render_runs
+
+    click.echo(render_runs(tracking_uri, experiment, limit))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

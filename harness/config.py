@@ -1,0 +1,284 @@
+"""The experiment schema: experiment.yaml + KEY=VALUE overrides -> a validated, resolved config."""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
+from harness.errors import ConfigError
+
+EXPERIMENT_FILE = "experiment.yaml"
+
+
+class Backend(enum.Enum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Device(enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Level(enum.Enum):
+    """How hard determinism is enforced in every rank."""
+
+    strict = "strict"  # deterministic algorithms (errors on nondeterministic ops), cuDNN/TF32/cuBLAS pinned
+    warn = "warn"  # same settings, but nondeterministic ops only warn
+    off = "off"  # nothing is changed; the run is recorded as such
+
+
+class Executor(enum.Enum):
+    local = "local"
+    docker = "docker"
+
+
+@dataclass
+class DeterminismConfig:
+    level: Level = Level.strict
+    """strict | warn | off (see Level)."""
+
+
+@dataclass
+class Tolerance:
+    rtol: float = 0.0
+    """Relative tolerance: |replay - original| <= atol + rtol * |original|."""
+    atol: float = 0.0
+    """Absolute tolerance."""
+
+
+@dataclass
+class ToleranceConfig:
+    default: Tolerance = field(default_factory=Tolerance)
+    """Applies to every metric not listed under `metrics`."""
+    metrics: Dict[str, Tolerance] = field(default_factory=dict)
+    """Per-metric tolerances, keyed by metric name."""
+
+
+@dataclass
+class ReplayConfig:
+    tolerance: ToleranceConfig = field(default_factory=ToleranceConfig)
+
+
+@dataclass
+class ExperimentConfig:
+    image: str = MISSING
+    """Container image the experiment is meant to run in: `name:tag` or `name@sha256:...`."""
+    entry: str = MISSING
+    """Training function as `FILE.py:FUNCTION`, relative to the experiment folder."""
+    world_size: int = 1
+    """Number of ranks (processes) started by mp.spawn."""
+    backend: Backend = Backend.auto
+    """auto picks nccl on cuda, gloo on cpu."""
+    device: Device = Device.auto
+    """auto picks cuda when a GPU is visible, else cpu."""
+    seed: int = 0
+    """Base seed; every rank's seed is derived from it and recorded."""
+    threads_per_rank: int = 1
+    """torch intra-op threads in each rank (results depend on it)."""
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    flush_interval_s: float = 2.0
+    """How often logged metrics are written to MLflow in the background."""
+    fingerprint_every: int = 100
+    """Hash the model parameters every this many steps (and at the end)."""
+    executor: Executor = Executor.local
+    """local: ranks run on this machine; docker: inside the pinned image."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    train: Dict[str, Any] = field(default_factory=dict)
+    """The experiment's own hyper-parameters, free-form; `ctx.cfg` in the training code."""
+
+
+
+_ENTRY_RE = re.compile(r"^(?P<file>[^:]+\.py):(?P<func>[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def _valid_keys(node: Any) -> str:
+    try:
+        return ", ".join(str(k) for k in node.keys())
+    except Exception:  # pragma: no cover - defensive, message only
+        return "?"
+
+
+def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictConfig) -> ConfigError:
+    """Turn an OmegaConf error into one line naming the key and the valid choices."""
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    if isinstance(err, oc_errors.ConfigKeyError):
+        parent_key = str(key).rpartition(".")[0]
+        parent = OmegaConf.select(schema, parent_key) if parent_key else schema
+        return ConfigError(
+            f"{source}: unknown key '{key}'. Valid keys here: {_valid_keys(parent)}."
+        )
+    if isinstance(err, oc_errors.ValidationError):
+        default = _default_of(str(key))
+        if isinstance(default, enum.Enum):
+            expected = "one of " + ", ".join(m.value for m in type(default))
+        else:
+            expected = _TYPE_NAMES.get(type(default), "a valid value")
+        value = getattr(err, "value", None)
+        return ConfigError(f"{source}: invalid value {value!r} for '{key}'; expected {expected}.")
+    return ConfigError(f"{source}: {str(err).splitlines()[0]}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _default_of(key: str) -> Any:
+    obj: Any = ExperimentConfig()
+    for part in key.split("."):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            return None
+    return obj
+
+
+def _merge(base: DictConfig, other: Any, source: str, schema: DictConfig) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+    except oc_errors.OmegaConfBaseException as err:
+        raise _explain(err, source, schema) from None
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """KEY=VALUE (Hydra-style dotlist) -> a config fragment."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not KEY=VALUE (e.g. train.lr=0.1).")
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except oc_errors.OmegaConfBaseException as err:
+        raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
+
+
+def compose(sources: list[tuple[str, Any]]) -> DictConfig:
+    """Merge config fragments (name, content) onto the schema and validate the result."""
+    schema = OmegaConf.structured(ExperimentConfig)
+    cfg = schema
+    for name, content in sources:
+        cfg = _merge(cfg, content, name, schema)
+    return cfg
+
+
+def load_experiment(
+    exp_dir: Path, overrides: list[str] | None = None, check_entry: bool = True
+) -> DictConfig:
+    """Read EXP_DIR/experiment.yaml, apply overrides, validate; nothing runs before this passes."""
+    exp_dir = Path(exp_dir)
+    path = exp_dir / EXPERIMENT_FILE
+    if not exp_dir.is_dir():
+        raise ConfigError(f"experiment folder '{exp_dir}' does not exist. Pass a folder holding {EXPERIMENT_FILE}.")
+    if not path.is_file():
+        raise ConfigError(f"'{exp_dir}' has no {EXPERIMENT_FILE}. Create one (see README: The experiment format).")
+    try:
+        content = OmegaConf.load(path)
+    except Exception as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}).") from None
+    if not isinstance(content, DictConfig):
+        raise ConfigError(f"{path}: must be a mapping of keys (image, entry, world_size, ...).")
+    sources: list[tuple[str, Any]] = [(str(path), content)]
+    if overrides:
+        sources.append(("overrides", parse_overrides(overrides)))
+    cfg = compose(sources)
+    validate(cfg, exp_dir if check_entry else None)
+    return cfg
+
+
+def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
+    """Checks the schema cannot express: required keys, ranges, the entry function exists."""
+    for key in ("image", "entry"):
+        if OmegaConf.is_missing(cfg, key):
+            raise ConfigError(f"missing required key '{key}'. Set it in {EXPERIMENT_FILE}.")
+    if cfg.world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {cfg.world_size}.")
+    if cfg.threads_per_rank < 1:
+        raise ConfigError(f"threads_per_rank must be >= 1, got {cfg.threads_per_rank}.")
+    if cfg.fingerprint_every < 1:
+        raise ConfigError(f"fingerprint_every must be >= 1, got {cfg.fingerprint_every}.")
+    if cfg.flush_interval_s <= 0:
+        raise ConfigError(f"flush_interval_s must be > 0, got {cfg.flush_interval_s}.")
+    if cfg.backend == Backend.nccl and cfg.device == Device.cpu:
+        raise ConfigError("backend nccl needs device cuda (or auto); use backend gloo for cpu.")
+    if not str(cfg.image).strip():
+        raise ConfigError("image is empty; pin a container image as name:tag or name@sha256:<digest>.")
+    for name in ("default", *cfg.replay.tolerance.metrics.keys()):
+        tol = cfg.replay.tolerance.default if name == "default" else cfg.replay.tolerance.metrics[name]
+        if tol.rtol < 0 or tol.atol < 0:
+            raise ConfigError(f"replay.tolerance '{name}': rtol and atol must be >= 0.")
+    match = _ENTRY_RE.match(str(cfg.entry))
+    if not match:
+        raise ConfigError(f"entry '{cfg.entry}' must be FILE.py:FUNCTION, e.g. train.py:train.")
+    if exp_dir is not None:
+        check_entry(exp_dir, match["file"], match["func"])
+
+
+def check_entry(exp_dir: Path, file: str, func: str) -> None:
+    """The entry file must exist and define the function (found by parsing, not importing)."""
+    import ast
+
+    path = Path(exp_dir) / file
+    if not path.is_file():
+        raise ConfigError(f"entry file '{path}' does not exist. Fix 'entry' in {EXPERIMENT_FILE}.")
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as err:
+        raise ConfigError(f"entry file '{path}' has a syntax error at line {err.lineno}: {err.msg}.") from None
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if func not in names:
+        found = ", ".join(names) or "none"
+        raise ConfigError(f"entry function '{func}' not found in '{path}'. Functions there: {found}.")
+
+
+def split_entry(entry: str) -> tuple[str, str]:
+    match = _ENTRY_RE.match(entry)
+    assert match, entry
+    return match["file"], match["func"]
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def from_yaml(text: str, source: str = "recorded config") -> DictConfig:
+    """A stored resolved config back into a validated DictConfig (replay never reads the folder's YAML)."""
+    cfg = compose([(source, OmegaConf.create(text))])
+    validate(cfg, None)
+    return cfg
+
+
+def flatten(cfg: DictConfig) -> dict[str, str]:
+    """Resolved config as dotted params, the way MLflow shows them."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            if not node and prefix:
+                out[prefix] = "{}"
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", to_container(cfg))
+    return out
+
+
+def load_module_function(path: Path, func: str) -> Any:
+    """Import FILE.py by path (the experiment is not a package) and return FUNCTION."""
+    spec = importlib.util.spec_from_file_location(f"harness_entry_{path.stem}", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, func)

@@ -1,0 +1,241 @@
+"""`harness run`: record everything that decides the result, launch the ranks, record how it ended."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from harness import __version__
+from harness import tags as T
+from harness.config import flatten, split_entry, to_container, to_yaml
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
+from harness.gitsource import GitState
+from harness.tracking import Tracker
+
+
+@dataclass
+class Outcome:
+    run_id: str
+    status: str  # FINISHED | FAILED | KILLED
+    exit_code: int
+    message: str = ""
+    fingerprints: dict[int, str] = field(default_factory=dict)
+
+
+def experiment_name(exp_dir: Path) -> str:
+    return Path(exp_dir).resolve().name
+
+
+def image_facts(image: str) -> dict[str, str]:
+    """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
+    from harness import docker
+
+    digest, image_id, reason = docker.local_digest_or_reason(image)
+    facts = {T.IMAGE: image, T.IMAGE_DIGEST: digest or "unknown"}
+    if image_id:
+        facts[T.IMAGE_ID] = image_id
+    if reason:
+        facts[T.IMAGE_DIGEST_REASON] = reason
+    return facts
+
+
+def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState) -> dict[str, str]:
+    """Tags known before anything runs: code, image, seeds, topology as configured."""
+    from harness.determinism import derive_rank_seeds
+
+    rel = Path(exp_dir).resolve().relative_to(git.root.resolve()).as_posix()
+    source = f"{rel}/{split_entry(cfg.entry)[0]}"
+    tags: dict[str, str] = {
+        T.VERSION: __version__,
+        T.KIND: "run",
+        T.EXPERIMENT_PATH: rel,
+        T.ENTRY: str(cfg.entry),
+        T.GIT_COMMIT: git.commit,
+        T.GIT_BRANCH: git.branch or "(detached)",
+        T.GIT_DIRTY: str(git.dirty).lower(),
+        T.MLFLOW_GIT_COMMIT: git.commit,
+        T.MLFLOW_SOURCE_NAME: source,
+        T.MLFLOW_SOURCE_TYPE: "PROJECT",
+        T.SEED: str(cfg.seed),
+        T.RANK_SEEDS: ",".join(map(str, derive_rank_seeds(cfg.seed, cfg.world_size))),
+        T.WORLD_SIZE: str(cfg.world_size),
+        T.THREADS_PER_RANK: str(cfg.threads_per_rank),
+        T.EXECUTOR: cfg.executor.value,
+    }
+    if git.branch:
+        tags[T.MLFLOW_GIT_BRANCH] = git.branch
+    if git.repo_url:
+        tags[T.GIT_REPO_URL] = git.repo_url
+        tags[T.MLFLOW_GIT_REPO_URL] = git.repo_url
+    if git.dirty:
+        import hashlib
+
+        tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch.encode()).hexdigest()
+    tags.update(image_facts(str(cfg.image)))
+    return tags
+
+
+def create_record(
+    tracker: Tracker,
+    cfg: DictConfig,
+    exp_dir: Path,
+    git: GitState,
+    *,
+    extra_tags: dict[str, str] | None = None,
+    run_name: str | None = None,
+    experiment: str | None = None,
+) -> str:
+    """One MLflow run holding the resolved config, the code state and the package lock."""
+    from harness.provenance import package_lock
+
+    tags = record_tags(cfg, exp_dir, git)
+    tags.update(extra_tags or {})
+    run_id = tracker.create_run(experiment or experiment_name(exp_dir), tags, run_name=run_name)
+    try:
+        tracker.log_params(run_id, flatten(cfg))
+        tracker.log_text(run_id, to_yaml(cfg), T.ARTIFACT_CONFIG)
+        if git.dirty:
+            tracker.log_text(run_id, git.patch, T.ARTIFACT_PATCH)
+        tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)
+    except BaseException:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    return run_id
+
+
+def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> Outcome:
+    """Measure the runtime, run every rank, stream metrics, and end the MLflow run accordingly."""
+    from harness.console import Console
+    from harness.context import MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_METRICS, MSG_TOTAL
+    from harness.determinism import derive_rank_seeds
+    from harness.launch import LaunchSpec, failure_details, launch, resolve_device
+    from harness.provenance import runtime_facts
+
+    log_dir = Path(tempfile.mkdtemp(prefix="harness-logs-"))
+    writer = None
+    console = None
+    fingerprints: dict[int, str] = {}
+    final: dict[str, Any] = {}
+    status, code, message = "FAILED", EXIT_FAILED, ""
+    try:
+        device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
+        facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
+        facts.update({T.DEVICE: device, T.BACKEND: backend})
+        tracker.set_tags(run_id, facts)
+
+        entry_file, entry_func = split_entry(str(cfg.entry))
+        spec = LaunchSpec(
+            code_dir=str(Path(code_dir).resolve()),
+            entry_file=entry_file,
+            entry_func=entry_func,
+            world_size=cfg.world_size,
+            device=device,
+            backend=backend,
+            seed=cfg.seed,
+            rank_seeds=derive_rank_seeds(cfg.seed, cfg.world_size),
+            threads_per_rank=cfg.threads_per_rank,
+            determinism=cfg.determinism.level.value,
+            fingerprint_every=cfg.fingerprint_every,
+            train_cfg=to_container(cfg)["train"],
+            log_dir=str(log_dir),
+        )
+        writer = tracker.metric_writer(run_id, cfg.flush_interval_s)
+        console = Console(log_dir / "rank0.log", f"{experiment_name(code_dir)} x{cfg.world_size}")
+
+        def on_message(msg: tuple) -> None:
+            kind = msg[0]
+            if kind == MSG_METRICS:
+                writer.add(msg[1], msg[2], msg[3])
+                console.step(msg[1])
+            elif kind == MSG_FINGERPRINT:
+                fingerprints[msg[1]] = msg[2]
+            elif kind == MSG_FINAL:
+                final["fingerprint"] = msg[1]
+            elif kind == MSG_DETERMINISM:
+                final["determinism"], final["vars"] = msg[1], msg[2]
+            elif kind == MSG_TOTAL:
+                console.total(msg[1])
+
+        try:
+            launch(spec, on_message)
+            status, code = "FINISHED", EXIT_OK
+        except RunFailed as err:
+            rank, tb = failure_details(err)
+            message = str(err)
+            tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
+            tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
+        except Interrupted as err:
+            status, code, message = "KILLED", err.exit_code, str(err)
+            tracker.set_tags(run_id, {T.STATUS_REASON: message})
+    except KeyboardInterrupt:
+        status, code, message = "KILLED", 130, "interrupted by SIGINT"
+    except BaseException as err:
+        message = str(err)
+        tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
+        raise
+    finally:
+        if console is not None:
+            console.close()
+        try:
+            if writer is not None:
+                writer.close()
+            _record_results(tracker, run_id, fingerprints, final, log_dir)
+        finally:
+            tracker.end_run(run_id, status)
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return Outcome(run_id, status, code, message, fingerprints)
+
+
+def _record_results(
+    tracker: Tracker, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], log_dir: Path
+) -> None:
+    tags: dict[str, str] = {}
+    if "determinism" in final:
+        tags.update({T.DETERMINISM_PREFIX + k: v for k, v in final["determinism"].items()})
+        tags.update({T.VAR_PREFIX + k: v for k, v in final["vars"].items()})
+    if final.get("fingerprint"):
+        tags[T.FINGERPRINT] = final["fingerprint"]
+    tracker.set_tags(run_id, tags)
+    if fingerprints or final.get("fingerprint"):
+        doc = {"steps": {str(k): v for k, v in sorted(fingerprints.items())}, "final": final.get("fingerprint")}
+        tracker.log_text(run_id, json.dumps(doc, indent=2), T.ARTIFACT_FINGERPRINTS)
+    if any(log_dir.iterdir()):
+        tracker.log_dir(run_id, log_dir, T.ARTIFACT_LOGS_DIR)
+
+
+def run(
+    exp_dir: Path,
+    overrides: list[str],
+    *,
+    require_clean: bool = False,
+    tracking_uri: str | None = None,
+) -> Outcome:
+    """Validate, record, launch. Bad input raises HarnessError before any run is created."""
+    from harness import gitsource
+    from harness.config import load_experiment
+    from harness.launch import resolve_device
+
+    cfg = load_experiment(Path(exp_dir), overrides)
+    git = gitsource.inspect(Path(exp_dir))
+    if git.dirty:
+        if require_clean:
+            raise HarnessError(
+                f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
+                "Commit or stash them."
+            )
+        print(
+            "Warning: uncommitted changes; they are recorded as a patch (git/uncommitted.patch) and the run "
+            "is tagged dirty.",
+            file=sys.stderr,
+        )
+    resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)  # refuse before recording
+    tracker = Tracker(tracking_uri)
+    run_id = create_record(tracker, cfg, Path(exp_dir), git)
+    return execute(tracker, run_id, cfg, Path(exp_dir))

@@ -1,0 +1,67 @@
+"""Every tag, param-prefix and artifact name harness writes to MLflow, in one place."""
+
+from __future__ import annotations
+
+# MLflow's own tags, so the UI and other tools understand the run.
+MLFLOW_GIT_COMMIT = "mlflow.source.git.commit"
+MLFLOW_GIT_BRANCH = "mlflow.source.git.branch"
+MLFLOW_GIT_REPO_URL = "mlflow.source.git.repoURL"
+MLFLOW_SOURCE_NAME = "mlflow.source.name"
+MLFLOW_SOURCE_TYPE = "mlflow.source.type"
+MLFLOW_PARENT_RUN_ID = "mlflow.parentRunId"
+MLFLOW_RUN_NOTE = "mlflow.note.content"
+
+PREFIX = "harness."
+# Marks a run as made by harness (replay refuses others); value = harness version.
+VERSION = "harness.version"
+KIND = "harness.kind"  # run | replay
+EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
+ENTRY = "harness.entry"
+
+GIT_COMMIT = "harness.git.commit"
+GIT_BRANCH = "harness.git.branch"
+GIT_DIRTY = "harness.git.dirty"
+GIT_REPO_URL = "harness.git.repo_url"
+GIT_PATCH_SHA256 = "harness.git.patch_sha256"
+
+IMAGE = "harness.image"  # as pinned in experiment.yaml
+IMAGE_DIGEST = "harness.image.digest"  # registry digest, or "unknown"
+IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why unknown
+IMAGE_ID = "harness.image.id"  # local image id when the engine knows it
+EXECUTOR = "harness.executor"  # local | docker
+IN_IMAGE = "harness.in_image"  # true when the job ran inside the pinned image
+
+SEED = "harness.seed"
+RANK_SEEDS = "harness.seed.ranks"  # comma-separated, rank order
+WORLD_SIZE = "harness.world_size"
+BACKEND = "harness.backend"
+DEVICE = "harness.device"
+THREADS_PER_RANK = "harness.threads_per_rank"
+
+# Runtime environment, measured where the ranks run (harness.env.<name>).
+ENV_PREFIX = "harness.env."
+# Effective determinism settings read back in rank 0 (harness.determinism.<name>).
+DETERMINISM_PREFIX = "harness.determinism."
+# NCCL_*, OMP_*, MKL_*, CUBLAS_* ... variables in force (harness.var.<NAME>).
+VAR_PREFIX = "harness.var."
+
+FINGERPRINT = "harness.fingerprint"
+FAILED_RANK = "harness.failed_rank"
+STATUS_REASON = "harness.status_reason"
+
+# Replay / compare.
+REPLAY_OF = "harness.replay_of"
+VERDICT = "harness.verdict"
+CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
+LATEST_REPLAY = "harness.latest_replay"  # set on the original: "<run id> <verdict>"
+
+# Artifacts.
+ARTIFACT_CONFIG = "config.yaml"
+ARTIFACT_PATCH = "git/uncommitted.patch"
+ARTIFACT_LOCK = "environment/requirements.lock"
+ARTIFACT_LOGS_DIR = "logs"
+ARTIFACT_FINGERPRINTS = "fingerprints.json"
+ARTIFACT_FAILURE = "failure.txt"
+ARTIFACT_REPORT = "replay/report.md"
+ARTIFACT_PLOTS_DIR = "replay"
+ARTIFACT_COMPARISON = "replay/comparison.json"

@@ -1,0 +1,271 @@
+"""The only boundary to MLflow: the store, runs, params, tags, artifacts, background metric writes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from harness import tags as T
+from harness.errors import HarnessError
+
+STORE_DIR = "mlruns"
+_DB_NAME = "mlflow.db"
+_BATCH = 1000  # MLflow's per-request limit for metrics in log_batch
+
+
+def default_uri(cwd: Path | None = None) -> str:
+    """A SQLite store under ./mlruns (MLflow 3 no longer accepts a plain folder as a store)."""
+    root = (cwd or Path.cwd()).resolve() / STORE_DIR
+    return f"sqlite:///{root / _DB_NAME}"
+
+
+def resolve_uri(uri: str | None) -> str:
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+
+
+def _artifact_root(uri: str) -> str | None:
+    # A local SQLite store keeps artifacts beside the database, not in the cwd of whoever ran it.
+    if uri.startswith("sqlite:///"):
+        return str(Path(uri[len("sqlite:///"):]).parent / "artifacts")
+    return None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    experiment: str
+    experiment_id: str
+    run_name: str
+    status: str
+    start_time: int | None
+    end_time: int | None
+    tags: dict[str, str]
+    params: dict[str, str]
+    metric_keys: list[str]
+    artifact_uri: str
+
+
+class Tracker:
+    """An MLflow client bound to one tracking store."""
+
+    def __init__(self, uri: str | None = None) -> None:
+        self.uri = resolve_uri(uri)
+        if self.uri.startswith("sqlite:///"):
+            Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        # MLflow's store migrations log at INFO on first use; the CLI's stderr is for the user.
+        for name in ("mlflow", "alembic", "sqlalchemy"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def experiment_id(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        root = _artifact_root(self.uri)
+        location = Path(root, name).as_uri() if root else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except Exception:
+            exp = self.client.get_experiment_by_name(name)  # created concurrently
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def create_run(self, experiment: str, tags: dict[str, str], run_name: str | None = None) -> str:
+        run = self.client.create_run(self.experiment_id(experiment), tags=tags, run_name=run_name)
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+
+    def set_tags(self, run_id: str, values: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        if values:
+            self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:8000]) for k, v in values.items()])
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    def log_dir(self, run_id: str, local_dir: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(run_id, str(local_dir), artifact_path)
+
+    def log_file(self, run_id: str, local_file: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(local_file), artifact_path)
+
+    def end_run(self, run_id: str, status: str) -> None:
+        self.client.set_terminated(run_id, status)
+
+    def metric_writer(self, run_id: str, flush_interval_s: float) -> "MetricWriter":
+        return MetricWriter(self, run_id, flush_interval_s)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get_run(self, run_id: str) -> RunSummary:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            raise HarnessError(
+                f"no run '{run_id}' in the tracking store {self.uri}. "
+                "List runs with `harness runs`, or pass --tracking-uri for another store."
+            ) from None
+        exp = self.client.get_experiment(run.info.experiment_id)
+        return RunSummary(
+            run_id=run.info.run_id,
+            experiment=exp.name,
+            experiment_id=exp.experiment_id,
+            run_name=run.info.run_name,
+            status=run.info.status,
+            start_time=run.info.start_time,
+            end_time=run.info.end_time,
+            tags=dict(run.data.tags),
+            params=dict(run.data.params),
+            metric_keys=sorted(run.data.metrics),
+            artifact_uri=run.info.artifact_uri,
+        )
+
+    def harness_run(self, run_id: str) -> RunSummary:
+        """get_run, refusing runs that harness did not make (they lack what a replay needs)."""
+        run = self.get_run(run_id)
+        if T.VERSION not in run.tags:
+            raise HarnessError(
+                f"run '{run_id}' was not made by harness (no {T.VERSION} tag); only `harness run` records "
+                "what a replay needs."
+            )
+        return run
+
+    def read_text(self, run_id: str, artifact_file: str) -> str | None:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self.client.download_artifacts(run_id, artifact_file, tmp)
+            except Exception:
+                return None
+            return Path(local).read_text()
+
+    def metric_history(self, run_id: str, key: str) -> tuple[list[int], list[float]]:
+        """All values of one metric, by step (last write wins for a repeated step)."""
+        by_step: dict[int, tuple[int, float]] = {}
+        for m in self.client.get_metric_history(run_id, key):
+            prev = by_step.get(m.step)
+            if prev is None or m.timestamp >= prev[0]:
+                by_step[m.step] = (m.timestamp, m.value)
+        steps = sorted(by_step)
+        return steps, [by_step[s][1] for s in steps]
+
+    def search(self, experiment: str | None = None, max_results: int = 50) -> list[RunSummary]:
+        if experiment:
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise HarnessError(f"no MLflow experiment '{experiment}' in {self.uri}. Run `harness runs` to list all.")
+            exps = [exp]
+        else:
+            exps = self.client.search_experiments()
+        names = {e.experiment_id: e.name for e in exps}
+        if not names:
+            return []
+        runs = self.client.search_runs(list(names), max_results=max_results, order_by=["attributes.start_time DESC"])
+        return [
+            RunSummary(
+                run_id=r.info.run_id,
+                experiment=names[r.info.experiment_id],
+                experiment_id=r.info.experiment_id,
+                run_name=r.info.run_name,
+                status=r.info.status,
+                start_time=r.info.start_time,
+                end_time=r.info.end_time,
+                tags=dict(r.data.tags),
+                params=dict(r.data.params),
+                metric_keys=sorted(r.data.metrics),
+                artifact_uri=r.info.artifact_uri,
+            )
+            for r in runs
+        ]
+
+    def ui_hint(self, run: str | RunSummary) -> str:
+        summary = run if isinstance(run, RunSummary) else self.get_run(run)
+        store = "" if self.uri == default_uri() else f" --tracking-uri {self.uri}"
+        return (
+            f"Open it in the MLflow UI: harness ui{store}, then "
+            f"http://127.0.0.1:5000/#/experiments/{summary.experiment_id}/runs/{summary.run_id}"
+        )
+
+
+class MetricWriter:
+    """Buffers metrics and writes them with log_batch from a background thread.
+
+    A per-call log_metric costs a store round trip (~11 ms on SQLite); the training loop
+    must never pay that, so add() only appends to a deque.
+    """
+
+    def __init__(self, tracker: Tracker, run_id: str, flush_interval_s: float) -> None:
+        self._tracker = tracker
+        self._run_id = run_id
+        self._interval = flush_interval_s
+        self._pending: deque[tuple[str, float, int, int]] = deque()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one flush at a time
+        self.written = 0
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._loop, name="harness-metrics", daemon=True)
+        self._thread.start()
+
+    def add(self, step: int, values: dict[str, float], timestamp_ms: int) -> None:
+        for key, value in values.items():
+            self._pending.append((key, value, timestamp_ms, step))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()
+
+    def flush(self) -> None:
+        from mlflow.entities import Metric
+
+        with self._lock:
+            while self._pending:
+                batch = []
+                while self._pending and len(batch) < _BATCH:
+                    key, value, ts, step = self._pending.popleft()
+                    batch.append(Metric(key, value, ts, step))
+                try:
+                    self._tracker.client.log_batch(self._run_id, metrics=batch, synchronous=True)
+                    self.written += len(batch)
+                except Exception as err:  # keep the data; retried at the next flush
+                    self.error = err
+                    self._pending.extendleft(
+                        reversed([(m.key, m.value, m.timestamp, m.step) for m in batch])
+                    )
+                    return
+
+    def close(self) -> None:
+        """Stop the thread and write everything still buffered (also after a failure)."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.flush()
+        if self._pending and self.error is not None:
+            raise HarnessError(f"could not write {len(self._pending)} metrics to MLflow: {self.error}")
+
+
+def ui_command(uri: str, host: str, port: int) -> list[str]:
+    """`mlflow server` on this store, as an argument list."""
+    import sys
+
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    root = _artifact_root(uri)
+    if root:
+        cmd += ["--default-artifact-root", Path(root).as_uri()]
+    return cmd

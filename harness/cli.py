@@ -65,6 +65,82 @@ def _finish(outcome: Any, tracker: Any) -> None:
 
 
 @main.command()
+@click.argument("run_id")
+@click.argument("overrides", nargs=-1)
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
+@click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def replay(
+    run_id: str, overrides: tuple[str, ...], world_size: int | None, allow_changes: bool, tracking_uri: str | None
+) -> None:
+    """Rerun RUN_ID exactly as recorded and say whether it reproduced.
+
+    The recorded commit (and patch) is checked out in a temporary git worktree; the recorded
+    config, seed, world size and determinism settings are used. The replay is a new MLflow run
+    nested under the original, with a report and plots. The last two lines of stdout are
+    `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged, 2 bad input.
+    """
+    from harness.replay import replay as do_replay
+
+    result = do_replay(
+        run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
+        tracking_uri=tracking_uri,
+    )
+    _print_comparison(result.comparison, result.changes)
+    from harness.tracking import Tracker
+
+    click.echo(Tracker(tracking_uri).ui_hint(result.outcome.run_id), err=True)
+    click.echo(f"verdict: {result.comparison.summary()}")
+    click.echo(result.outcome.run_id)
+    sys.exit(result.comparison.exit_code)
+
+
+def _print_comparison(cmp: Any, changes: list[str]) -> None:
+    if changes:
+        click.echo("Changes requested: " + ", ".join(changes))
+    if not cmp.bitwise_possible:
+        click.echo("A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers))
+    if cmp.delta:
+        click.echo("Environment delta (original -> replay):")
+        for d in cmp.delta:
+            flag = "!" if d.breaks_bitwise else " "
+            click.echo(f" {flag} {d.name}: {d.a} -> {d.b}" + (f"  ({d.note})" if d.note else ""))
+    else:
+        click.echo("Environment delta: none")
+    for m in cmp.metrics:
+        first = "-" if m.first_divergence is None else str(m.first_divergence)
+        click.echo(
+            f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
+            f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
+        )
+
+
+@main.command()
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole comparison as JSON.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def compare(run_a: str, run_b: str, as_json: bool, tracking_uri: str | None) -> None:
+    """Compare two existing runs (any experiments): environment delta and verdict, no rerun.
+
+    RUN_A is the reference; its tolerance applies. Exit 0 reproduced, 1 diverged, 2 bad input.
+    """
+    import json
+
+    from harness.replay import compare as do_compare
+
+    cmp = do_compare(run_a, run_b, tracking_uri)
+    if as_json:
+        click.echo(json.dumps(cmp.to_dict(), indent=2))
+    else:
+        _print_comparison(cmp, [])
+        click.echo(f"verdict: {cmp.summary()}")
+    sys.exit(cmp.exit_code)
+
+
+@main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=5000, show_default=True, help="Port to listen on.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)

@@ -276,9 +276,17 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
 
 
 def load_module_function(path: Path, func: str) -> Any:
-    """Import FILE.py by path (the experiment is not a package) and return FUNCTION."""
-    spec = importlib.util.spec_from_file_location(f"harness_entry_{path.stem}", path)
+    """Import FILE.py by path and return FUNCTION.
+
+    The module is registered under its file name, with its folder on sys.path, so that objects
+    defined there (a Dataset class) pickle by reference into DataLoader worker processes.
+    """
+    import sys
+
+    name = path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return getattr(module, func)

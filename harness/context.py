@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Mapping
@@ -103,6 +104,10 @@ class Context:
             drop_last=drop_last,
         )
         self._samplers.append(sampler)
+        if num_workers > 0 and "fork" in mp.get_all_start_methods():
+            # Ranks are spawned, and workers would inherit that: spawning a worker re-imports
+            # torch every epoch (seconds); fork is PyTorch's own default on Linux.
+            loader_kwargs.setdefault("multiprocessing_context", "fork")
         generator = torch.Generator()
         generator.manual_seed(self.rank_seed)
         dl = DataLoader(

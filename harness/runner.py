@@ -17,7 +17,7 @@ from harness import tags as T
 from harness.config import flatten, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.gitsource import GitState
-from harness.tracking import Tracker
+from harness.tracking import Tracker, save_series
 
 
 @dataclass
@@ -118,7 +118,9 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
     from harness.launch import LaunchSpec, failure_details, launch, resolve_device
     from harness.provenance import runtime_facts
 
-    log_dir = Path(tempfile.mkdtemp(prefix="harness-logs-"))
+    work = Path(tempfile.mkdtemp(prefix="harness-run-"))
+    log_dir = work / "logs"
+    log_dir.mkdir()
     writer = None
     console = None
     fingerprints: dict[int, str] = {}
@@ -186,15 +188,16 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
         try:
             if writer is not None:
                 writer.close()
-            _record_results(tracker, run_id, fingerprints, final, log_dir)
+                save_series(writer.series, work / "series.npz")
+            _record_results(tracker, run_id, fingerprints, final, work)
         finally:
             tracker.end_run(run_id, status)
-            shutil.rmtree(log_dir, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
     return Outcome(run_id, status, code, message, fingerprints)
 
 
 def _record_results(
-    tracker: Tracker, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], log_dir: Path
+    tracker: Tracker, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path
 ) -> None:
     tags: dict[str, str] = {}
     if "determinism" in final:
@@ -206,8 +209,10 @@ def _record_results(
     if fingerprints or final.get("fingerprint"):
         doc = {"steps": {str(k): v for k, v in sorted(fingerprints.items())}, "final": final.get("fingerprint")}
         tracker.log_text(run_id, json.dumps(doc, indent=2), T.ARTIFACT_FINGERPRINTS)
-    if any(log_dir.iterdir()):
-        tracker.log_dir(run_id, log_dir, T.ARTIFACT_LOGS_DIR)
+    if (work / "series.npz").exists():
+        tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
+    if any((work / "logs").iterdir()):
+        tracker.log_dir(run_id, work / "logs", T.ARTIFACT_LOGS_DIR)
 
 
 def run(

@@ -53,7 +53,6 @@ STATUS_REASON = "harness.status_reason"
 REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
-LATEST_REPLAY = "harness.latest_replay"  # set on the original: "<run id> <verdict>"
 
 # Artifacts.
 ARTIFACT_CONFIG = "config.yaml"
@@ -61,6 +60,7 @@ ARTIFACT_PATCH = "git/uncommitted.patch"
 ARTIFACT_LOCK = "environment/requirements.lock"
 ARTIFACT_LOGS_DIR = "logs"
 ARTIFACT_FINGERPRINTS = "fingerprints.json"
+ARTIFACT_SERIES = "metrics/series.npz"  # every logged value, exact, for fast comparison
 ARTIFACT_FAILURE = "failure.txt"
 ARTIFACT_REPORT = "replay/report.md"
 ARTIFACT_PLOTS_DIR = "replay"

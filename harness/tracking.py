@@ -12,7 +12,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.compare import RunRecord
 
 from harness import tags as T
 from harness.errors import HarnessError
@@ -61,10 +64,13 @@ class Tracker:
         self.uri = resolve_uri(uri)
         if self.uri.startswith("sqlite:///"):
             Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        from mlflow.tracking import MlflowClient
+
         # MLflow's store migrations log at INFO on first use; the CLI's stderr is for the user.
+        # (After the import: importing mlflow resets its logger's level.)
         for name in ("mlflow", "alembic", "sqlalchemy"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.uri)
 
@@ -167,7 +173,40 @@ class Tracker:
         steps = sorted(by_step)
         return steps, [by_step[s][1] for s in steps]
 
-    def search(self, experiment: str | None = None, max_results: int = 50) -> list[RunSummary]:
+    def load_record(self, run_id: str) -> "RunRecord":
+        """Everything the comparison needs about one harness run."""
+        import numpy as np
+        from omegaconf import OmegaConf
+
+        from harness.compare import RunRecord
+
+        run = self.harness_run(run_id)
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp)
+                metrics = load_series(Path(local))
+            except Exception:  # a run cut off before its series was written: MLflow's history
+                metrics = {}
+                for key in run.metric_keys:
+                    steps, values = self.metric_history(run_id, key)
+                    metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
+        fp = json.loads(self.read_text(run_id, T.ARTIFACT_FINGERPRINTS) or "{}")
+        config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
+        return RunRecord(
+            run_id=run_id,
+            experiment=run.experiment,
+            status=run.status,
+            facts={k: v for k, v in run.tags.items() if k.startswith(T.PREFIX)},
+            lock=(self.read_text(run_id, T.ARTIFACT_LOCK) or "").splitlines(),
+            metrics=metrics,
+            fingerprints={int(k): v for k, v in fp.get("steps", {}).items()},
+            final_fingerprint=fp.get("final"),
+            config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
+        )
+
+    def search(
+        self, experiment: str | None = None, max_results: int = 50, filter_string: str = ""
+    ) -> list[RunSummary]:
         if experiment:
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
@@ -178,7 +217,9 @@ class Tracker:
         names = {e.experiment_id: e.name for e in exps}
         if not names:
             return []
-        runs = self.client.search_runs(list(names), max_results=max_results, order_by=["attributes.start_time DESC"])
+        runs = self.client.search_runs(
+            list(names), filter_string=filter_string, max_results=max_results, order_by=["attributes.start_time DESC"]
+        )
         return [
             RunSummary(
                 run_id=r.info.run_id,
@@ -205,6 +246,26 @@ class Tracker:
         )
 
 
+def save_series(series: dict[str, dict[int, float]], path: Path) -> None:
+    """Metric series as exact int64 steps / float64 values in one .npz."""
+    import numpy as np
+
+    arrays: dict[str, Any] = {"keys": np.array(json.dumps(sorted(series)))}
+    for i, key in enumerate(sorted(series)):
+        steps = sorted(series[key])
+        arrays[f"steps_{i}"] = np.array(steps, dtype=np.int64)
+        arrays[f"values_{i}"] = np.array([series[key][s] for s in steps], dtype=np.float64)
+    np.savez_compressed(path, **arrays)
+
+
+def load_series(path: Path) -> dict[str, tuple[Any, Any]]:
+    import numpy as np
+
+    with np.load(path) as data:
+        keys = json.loads(str(data["keys"]))
+        return {k: (data[f"steps_{i}"], data[f"values_{i}"]) for i, k in enumerate(keys)}
+
+
 class MetricWriter:
     """Buffers metrics and writes them with log_batch from a background thread.
 
@@ -221,12 +282,16 @@ class MetricWriter:
         self._lock = threading.Lock()  # one flush at a time
         self.written = 0
         self.error: Exception | None = None
+        # Every value as logged, for series.npz: reading 100k steps back through MLflow's
+        # metric history takes seconds per metric, the comparison needs them in milliseconds.
+        self.series: dict[str, dict[int, float]] = {}
         self._thread = threading.Thread(target=self._loop, name="harness-metrics", daemon=True)
         self._thread.start()
 
     def add(self, step: int, values: dict[str, float], timestamp_ms: int) -> None:
         for key, value in values.items():
             self._pending.append((key, value, timestamp_ms, step))
+            self.series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

@@ -1,0 +1,149 @@
+"""`harness replay` and `harness compare`: rerun a recorded run and judge it against the record."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness import gitsource, runner
+from harness import tags as T
+from harness.compare import Comparison, RunRecord, compare_runs, default_tolerance
+from harness.config import compose, parse_overrides, validate
+from harness.errors import HarnessError
+from harness.tracking import RunSummary, Tracker
+
+
+@dataclass
+class ReplayResult:
+    original: RunSummary
+    outcome: runner.Outcome
+    comparison: Comparison
+    changes: list[str]
+
+
+def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
+    """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
+    text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
+    if text is None:
+        raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
+    pinned: dict[str, str] = {}
+    for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)):
+        if tag in run.tags:
+            pinned[key] = run.tags[tag]
+    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
+
+
+def apply_changes(
+    cfg: DictConfig, world_size: int | None, overrides: list[str], allow_changes: bool
+) -> tuple[DictConfig, list[str]]:
+    """--world-size and KEY=VALUE changes; the latter only with --allow-changes. Returns what changed."""
+    if overrides and not allow_changes:
+        raise HarnessError(
+            f"replay uses the recorded config; overrides {' '.join(overrides)} would change it. "
+            "Pass --allow-changes to replay with them (they are recorded and reported)."
+        )
+    changes = list(overrides)
+    fragments = [("recorded config", cfg)]
+    if overrides:
+        fragments.append(("overrides", parse_overrides(overrides)))
+    if world_size is not None and world_size != cfg.world_size:
+        fragments.append(("--world-size", OmegaConf.create({"world_size": world_size})))
+        changes.append(f"world_size={world_size}")
+    if len(fragments) == 1:
+        return cfg, []
+    new = compose(fragments)
+    validate(new, None)
+    return new, changes
+
+
+def replay(
+    run_id: str,
+    *,
+    world_size: int | None = None,
+    overrides: list[str] | None = None,
+    allow_changes: bool = False,
+    tracking_uri: str | None = None,
+    repo: Path | None = None,
+) -> ReplayResult:
+    tracker = Tracker(tracking_uri)
+    original = tracker.harness_run(run_id)
+    cfg, changes = apply_changes(recorded_config(tracker, original), world_size, overrides or [], allow_changes)
+
+    commit = original.tags[T.GIT_COMMIT]
+    root = gitsource.open_repo(repo or Path.cwd()).working_tree_dir
+    if not gitsource.has_commit(Path(root), commit):
+        url = original.tags.get(T.GIT_REPO_URL)
+        source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
+        raise HarnessError(
+            f"commit {commit[:12]} of run {run_id} is not in the repository at {root}. "
+            f"Fetch it ({source}) or run replay inside a clone that has it."
+        )
+    patch = None
+    if original.tags.get(T.GIT_DIRTY) == "true":
+        patch = tracker.read_text(run_id, T.ARTIFACT_PATCH)
+        if patch is None:
+            raise HarnessError(f"run {run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
+
+    with gitsource.worktree(Path(root), commit, patch) as tree:
+        exp_dir = tree / original.tags[T.EXPERIMENT_PATH]
+        validate(cfg, exp_dir)  # the entry must exist in the recorded code
+        from harness.launch import resolve_device
+
+        resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
+        git = gitsource.inspect(exp_dir)
+        extra = {
+            T.KIND: "replay",
+            T.REPLAY_OF: run_id,
+            T.MLFLOW_PARENT_RUN_ID: run_id,
+        }
+        if changes:
+            extra[T.CHANGES] = " ".join(changes)
+        replay_id = runner.create_record(
+            tracker,
+            cfg,
+            exp_dir,
+            git,
+            extra_tags=extra,
+            run_name=f"replay-of-{original.run_name}",
+            experiment=original.experiment,
+        )
+        outcome = runner.execute(tracker, replay_id, cfg, exp_dir)
+
+    comparison = judge(tracker, run_id, replay_id, outcome)
+    record_verdict(tracker, replay_id, tracker.load_record(run_id), tracker.load_record(replay_id), comparison, changes)
+    return ReplayResult(original, outcome, comparison, changes)
+
+
+def judge(tracker: Tracker, original_id: str, replay_id: str, outcome: runner.Outcome | None = None) -> Comparison:
+    a, b = tracker.load_record(original_id), tracker.load_record(replay_id)
+    failed = None
+    if outcome is not None and outcome.status != "FINISHED":
+        failed = f"the replay {outcome.status}: {outcome.message}"
+    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)
+
+
+def record_verdict(
+    tracker: Tracker, replay_id: str, a: RunRecord, b: RunRecord, comparison: Comparison, changes: list[str]
+) -> None:
+    """Verdict tag, markdown report, comparison JSON and one plot per metric on the replay run."""
+    from harness.report import plot_metrics, render_markdown
+
+    markdown = render_markdown(comparison, changes)
+    tracker.set_tags(replay_id, {T.VERDICT: comparison.verdict, T.MLFLOW_RUN_NOTE: markdown})
+    tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
+    tracker.log_text(replay_id, json.dumps(comparison.to_dict(), indent=2), T.ARTIFACT_COMPARISON)
+    with tempfile.TemporaryDirectory() as tmp:
+        plot_metrics(a, b, comparison, Path(tmp))
+        tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
+
+
+def compare(run_a: str, run_b: str, tracking_uri: str | None = None) -> Comparison:
+    """Delta and verdict between two existing runs, judged by run A's tolerance; nothing is rerun."""
+    tracker = Tracker(tracking_uri)
+    a, b = tracker.load_record(run_a), tracker.load_record(run_b)
+    failed = None if b.status == "FINISHED" else f"run {run_b} is {b.status}"
+    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)

@@ -1,0 +1,124 @@
+"""Shared fixtures: a real git repository in a tmp dir (with a space in its path), a real SQLite
+MLflow store, and the real `harness` CLI run as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = ROOT / "experiments"
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def last_line(self) -> str:
+        lines = self.stdout.strip().splitlines()
+        return lines[-1] if lines else ""
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=repo, check=True, capture_output=True, text=True,
+        env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+             "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"},
+    ).stdout.rstrip("\n")
+
+
+class Project:
+    """A researcher's repository holding copies of the example experiments."""
+
+    def __init__(self, root: Path, store: Path) -> None:
+        self.root = root
+        self.store = store
+        self.uri = f"sqlite:///{store / 'mlflow.db'}"
+
+    def harness(self, *args: str, cwd: Path | None = None, timeout: float = 600,
+                env: dict[str, str] | None = None) -> Result:
+        env = {**os.environ, "MLFLOW_TRACKING_URI": self.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.run(
+            [sys.executable, "-m", "harness", *args], cwd=cwd or self.root, env=env,
+            capture_output=True, text=True, timeout=timeout,
+        )
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+
+    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = {**os.environ, "MLFLOW_TRACKING_URI": self.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
+        return subprocess.Popen(
+            [sys.executable, "-m", "harness", *args], cwd=self.root, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+
+    def add_experiment(self, name: str, source: str = "linear_ddp", train_py: str | None = None,
+                       yaml_extra: str = "", commit: bool = True) -> Path:
+        dest = self.root / "experiments" / name
+        shutil.copytree(EXPERIMENTS / source, dest)
+        if train_py is not None:
+            (dest / "train.py").write_text(train_py)
+        if yaml_extra:
+            with open(dest / "experiment.yaml", "a") as fh:
+                fh.write(yaml_extra)
+        if commit:
+            git(self.root, "add", "-A")
+            git(self.root, "commit", "-qm", f"add {name}")
+        return dest
+
+    def client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self.uri)
+
+    def all_runs(self) -> list:
+        client = self.client()
+        ids = [e.experiment_id for e in client.search_experiments()]
+        return client.search_runs(ids) if ids else []
+
+
+def make_project(base: Path) -> Project:
+    root = base / "my project"  # a space: paths must survive quoting nowhere
+    (root / "experiments").mkdir(parents=True)
+    store = base / "store"
+    store.mkdir()
+    for name in ("linear_ddp", "digits_cnn"):
+        shutil.copytree(EXPERIMENTS / name, root / "experiments" / name)
+    (root / ".gitignore").write_text("mlruns/\n__pycache__/\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "remote", "add", "origin", "https://alice:s3cret@example.invalid/lab/project.git")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "experiments")
+    return Project(root, store)
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    """One repository and store for the session: runs are slow, many tests read the same ones."""
+    return make_project(tmp_path_factory.mktemp("session"))
+
+
+@pytest.fixture
+def fresh_project(tmp_path: Path) -> Project:
+    return make_project(tmp_path)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for every purpose but the process table.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,289 @@
+"""`harness run` end to end: real git repo, real SQLite MLflow store, real 2-rank gloo workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, Project, git, pid_alive
+
+GOLDEN = ROOT / "tests" / "golden" / "linear_ddp_losses.json"
+
+
+def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
+    out: set[str] = set()
+    for f in client.list_artifacts(run_id, path):
+        out |= artifact_paths(client, run_id, f.path) if f.is_dir else {f.path}
+    return out
+
+
+def read_artifact(client, run_id: str, path: str, tmp: Path) -> str:
+    return Path(client.download_artifacts(run_id, path, str(tmp))).read_text()
+
+
+def losses(client, run_id: str, key: str = "loss") -> list[float]:
+    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+@pytest.fixture(scope="module")
+def linear_run(project: Project):
+    result = project.harness("run", "experiments/linear_ddp")
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_help_answers_without_torch_or_mlflow() -> None:
+    code = (
+        "import sys\n"
+        "from harness.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mlflow')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "Usage:" in out and out.strip().endswith("[]")
+
+
+def test_every_command_has_help() -> None:
+    from harness.cli import main
+
+    for name, command in main.commands.items():
+        assert command.help and len(command.help.strip()) > 20, f"`harness {name}` has no help text"
+
+
+def test_run_prints_run_id_last_and_finishes(project: Project, linear_run) -> None:
+    run_id = linear_run.last_line
+    run = project.client().get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert len(run_id) == 32
+    assert "harness ui" in linear_run.stderr and run_id in linear_run.stderr
+    assert project.client().get_experiment(run.info.experiment_id).name == "linear_ddp"
+
+
+def test_run_records_provenance(project: Project, linear_run, tmp_path: Path) -> None:
+    client = project.client()
+    run_id = linear_run.last_line
+    run = client.get_run(run_id)
+    tags, params = run.data.tags, run.data.params
+    head = git(project.root, "rev-parse", "HEAD")
+    assert tags["harness.git.commit"] == tags["mlflow.source.git.commit"] == head
+    assert tags["harness.git.branch"] == "main" and tags["harness.git.dirty"] == "false"
+    # Credentials never reach the store.
+    assert tags["mlflow.source.git.repoURL"] == "https://example.invalid/lab/project.git"
+    assert tags["mlflow.source.name"] == "experiments/linear_ddp/train.py"
+    assert tags["harness.experiment.path"] == "experiments/linear_ddp"
+    assert tags["harness.image"] == "localhost:5000/harness-cpu:0.1"
+    assert tags["harness.image.digest"].startswith("sha256:") or tags["harness.image.digest_reason"]
+    from harness.determinism import derive_rank_seeds
+
+    assert tags["harness.seed"] == "0"
+    assert tags["harness.seed.ranks"] == ",".join(map(str, derive_rank_seeds(0, 2)))
+    assert (tags["harness.world_size"], tags["harness.backend"], tags["harness.device"]) == ("2", "gloo", "cpu")
+    assert tags["harness.threads_per_rank"] == "1"
+    assert tags["harness.env.torch"] == torch.__version__
+    assert tags["harness.env.python"] == ".".join(map(str, sys.version_info[:3]))
+    for key in ("cuda", "cudnn", "nccl", "gpu", "gpu_driver", "cpu", "hostname", "os"):
+        assert tags[f"harness.env.{key}"], key
+    # Determinism as read back inside rank 0.
+    assert tags["harness.determinism.level"] == "strict"
+    assert tags["harness.determinism.deterministic_algorithms"] == "True"
+    assert tags["harness.determinism.cudnn_benchmark"] == "False"
+    assert tags["harness.determinism.cuda_matmul_tf32"] == "False"
+    assert tags["harness.determinism.cublas_workspace_config"] == ":4096:8"
+    assert tags["harness.var.OMP_NUM_THREADS"] == "1"
+    # Params: the flattened resolved config.
+    assert params["train.lr"] == "0.01" and params["world_size"] == "2"
+    assert params["determinism.level"] == "strict" and params["entry"] == "train.py:train"
+    arts = artifact_paths(client, run_id)
+    assert {"config.yaml", "environment/requirements.lock", "logs/rank0.log", "logs/rank1.log",
+            "fingerprints.json", "metrics/series.npz"} <= arts
+    assert "git/uncommitted.patch" not in arts
+    lock = read_artifact(client, run_id, "environment/requirements.lock", tmp_path)
+    assert f"torch=={torch.__version__}" in lock.splitlines()
+    config = read_artifact(client, run_id, "config.yaml", tmp_path)
+    assert "lr: 0.01" in config and "world_size: 2" in config
+    assert "epoch 5/5" in read_artifact(client, run_id, "logs/rank0.log", tmp_path)
+
+
+def test_fingerprints_series_and_final_tag(project: Project, linear_run, tmp_path: Path) -> None:
+    client = project.client()
+    run_id = linear_run.last_line
+    doc = json.loads(read_artifact(client, run_id, "fingerprints.json", tmp_path))
+    assert sorted(int(s) for s in doc["steps"]) == [0, 5, 10, 15, 20]  # fingerprint_every: 5
+    assert client.get_run(run_id).data.tags["harness.fingerprint"] == doc["final"]
+    assert len(set(doc["steps"].values())) == 5  # the weights changed between them
+
+
+def test_losses_match_golden_file_bit_for_bit(project: Project, linear_run) -> None:
+    values = losses(project.client(), linear_run.last_line)
+    assert len(values) == 25
+    if os.environ.get("HARNESS_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps({"torch": torch.__version__, "loss": [v.hex() for v in values]}, indent=1))
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["torch"] == torch.__version__, "golden file made with another torch; regenerate it"
+    assert [v.hex() for v in values] == golden["loss"]
+
+
+def test_two_runs_of_one_config_are_identical(project: Project, linear_run) -> None:
+    again = project.harness("run", "experiments/linear_ddp")
+    assert again.returncode == 0, again.stderr
+    client = project.client()
+    a, b = linear_run.last_line, again.last_line
+    assert [v.hex() for v in losses(client, a)] == [v.hex() for v in losses(client, b)]
+    assert client.get_run(a).data.tags["harness.fingerprint"] == client.get_run(b).data.tags["harness.fingerprint"]
+
+
+def test_override_is_recorded(project: Project) -> None:
+    result = project.harness("run", "experiments/linear_ddp", "train.lr=0.05", "train.epochs=1")
+    assert result.returncode == 0, result.stderr
+    params = project.client().get_run(result.last_line).data.params
+    assert params["train.lr"] == "0.05" and params["train.epochs"] == "1"
+
+
+def test_dirty_tree_is_recorded_as_patch(fresh_project: Project, tmp_path: Path) -> None:
+    p = fresh_project
+    train = p.root / "experiments/linear_ddp/train.py"
+    train.write_text(train.read_text().replace("loss_fn = nn.MSELoss()", "loss_fn = nn.MSELoss()  # edited"))
+    (p.root / "experiments/linear_ddp/notes.txt").write_text("untracked note\n")
+    refused = p.harness("run", "experiments/linear_ddp", "--require-clean")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().startswith("Error:") and "--require-clean" in refused.stderr
+    assert p.all_runs() == []
+    result = p.harness("run", "experiments/linear_ddp", "train.epochs=1")
+    assert result.returncode == 0, result.stderr
+    assert "uncommitted changes" in result.stderr
+    client = p.client()
+    run = client.get_run(result.last_line)
+    assert run.data.tags["harness.git.dirty"] == "true"
+    patch = read_artifact(client, result.last_line, "git/uncommitted.patch", tmp_path)
+    assert "+    loss_fn = nn.MSELoss()  # edited" in patch
+    assert "+untracked note" in patch
+    # The user's index was not touched: the untracked file is still untracked.
+    assert git(p.root, "status", "--porcelain").splitlines() == [
+        " M experiments/linear_ddp/train.py", "?? experiments/linear_ddp/notes.txt"]
+
+
+BAD = [
+    (["foo=1"], "unknown key 'foo'"),
+    (["determinism.bogus=1"], "unknown key 'determinism.bogus'. Valid keys here: level"),
+    (["world_size=two"], "invalid value 'two' for 'world_size'; expected an integer"),
+    (["world_size=0"], "world_size must be >= 1"),
+    (["determinism.level=sometimes"], "expected one of strict, warn, off"),
+    (["backend=mpi"], "expected one of auto, gloo, nccl"),
+    (["entry=missing.py:train"], "entry file"),
+    (["entry=train.py:nope"], "entry function 'nope' not found"),
+    (["entry=train"], "must be FILE.py:FUNCTION"),
+    (["lr"], "is not KEY=VALUE"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_config_is_one_line_exit_2_and_records_nothing(project: Project, overrides, message) -> None:
+    before = len(project.all_runs())
+    result = project.harness("run", "experiments/linear_ddp", *overrides)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
+    assert result.stdout == ""
+    assert len(project.all_runs()) == before
+
+
+def test_unknown_key_in_yaml_and_missing_folder(project: Project, tmp_path: Path) -> None:
+    exp = project.add_experiment("typo", yaml_extra="wrld_size: 2\n", commit=False)
+    result = project.harness("run", str(exp))
+    assert result.returncode == 2 and "unknown key 'wrld_size'" in result.stderr
+    assert "world_size" in result.stderr  # the valid keys are listed
+    missing = project.harness("run", "experiments/nope")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    import shutil
+
+    shutil.rmtree(exp)
+
+
+def test_outside_git_repository_is_refused(project: Project, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(ROOT / "experiments" / "linear_ddp", tmp_path / "exp")
+    result = project.harness("run", str(tmp_path / "exp"), cwd=tmp_path)
+    assert result.returncode == 2 and "not inside a git repository" in result.stderr
+
+
+CRASHING = '''
+import os, pathlib, time
+import torch
+from torch import nn
+
+
+def train(ctx):
+    pathlib.Path(os.environ["PID_DIR"], f"rank{ctx.rank}").write_text(str(os.getpid()))
+    model = ctx.ddp(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(ctx.cfg.steps):
+        if ctx.rank == ctx.cfg.fail_rank and step == ctx.cfg.fail_step:
+            raise RuntimeError("boom at step %d" % step)
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        ctx.log({"loss": float(step)}, step)
+        time.sleep(ctx.cfg.sleep)
+'''
+
+
+def _crash_experiment(project: Project, name: str, steps: int, fail_rank: int, fail_step: int, sleep: float) -> str:
+    exp = project.root / "experiments" / name
+    if not exp.exists():
+        project.add_experiment(name, train_py=CRASHING)
+    return (f"experiments/{name}", f"train={{steps: {steps}, fail_rank: {fail_rank}, "
+            f"fail_step: {fail_step}, sleep: {sleep}}}")
+
+
+def test_rank_that_raises_fails_the_run_fast_and_leaves_nothing(project: Project, tmp_path: Path) -> None:
+    exp, train = _crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
+    start = time.monotonic()
+    result = project.harness("run", exp, train, env={"PID_DIR": str(tmp_path)})
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    assert "rank 1 raised: RuntimeError: boom at step 3" in result.stderr
+    # Without the fail-fast path rank 0 would wait in the all-reduce until gloo's 30-minute timeout.
+    assert elapsed < 120
+    client = project.client()
+    run = client.get_run(result.last_line)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["harness.failed_rank"] == "1"
+    failure = read_artifact(client, result.last_line, "failure.txt", tmp_path / "dl")
+    assert failure.startswith("rank: 1") and "RuntimeError: boom at step 3" in failure and "Traceback" in failure
+    # What rank 0 logged before the failure is kept.
+    assert [m.step for m in sorted(client.get_metric_history(result.last_line, "loss"), key=lambda m: m.step)] == [0, 1, 2]
+    for rank in (0, 1):
+        assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_signal_kills_run_and_every_rank(project: Project, tmp_path: Path, signum: int, code: int) -> None:
+    exp, train = _crash_experiment(project, "crashing", steps=100000, fail_rank=-1, fail_step=-1, sleep=0.05)
+    proc = project.popen("run", exp, train, env={"PID_DIR": str(tmp_path)})
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.2)
+    time.sleep(3)  # let it log some steps
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)  # what a terminal's Ctrl-C does: the whole foreground group
+    else:
+        proc.send_signal(signum)  # what a scheduler does: the launcher only
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    run_id = out.strip().splitlines()[-1]
+    client = project.client()
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert len(client.get_metric_history(run_id, "loss")) > 0
+    for rank in (0, 1):
+        assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"

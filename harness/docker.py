@@ -178,7 +178,9 @@ def run_args(
     args += ["-w", workdir_container]
     for key in sorted(env):
         if not key or "=" in key:
-            raise DockerError(f"invalid environment variable name {key!r} for the container. Use NAME=VALUE names without '='.")
+            raise DockerError(
+                f"invalid environment variable name {key!r} for the container. Use NAME=VALUE names without '='."
+            )
         args += ["-e", f"{key}={env[key]}"]
     return [*args, image, *command]
 
@@ -245,12 +247,18 @@ def _failure(what: str, proc: subprocess.CompletedProcess[str]) -> DockerError:
 
 
 def _is_no_such(stderr: str) -> bool:
-    return "no such image" in stderr.lower() or "no such container" in stderr.lower() or "no such object" in stderr.lower()
+    return (
+        "no such image" in stderr.lower() or "no such container" in stderr.lower() or "no such object" in stderr.lower()
+    )
 
 
 def _is_engine_down(stderr: str) -> bool:
     text = stderr.lower()
-    return "cannot connect to the docker daemon" in text or "error during connect" in text or "is the docker daemon running" in text
+    return (
+        "cannot connect to the docker daemon" in text
+        or "error during connect" in text
+        or "is the docker daemon running" in text
+    )
 
 
 def _first_line(text: str) -> str:

@@ -1,0 +1,425 @@
+"""Tests for the replay verdict logic and its reports, on synthetic run records."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import tags
+from harness.compare import (
+    BITWISE,
+    DIVERGED,
+    WITHIN_TOLERANCE,
+    Comparison,
+    RunRecord,
+    compare_runs,
+    environment_delta,
+)
+from harness.report import plot_metrics, render_markdown
+
+FACTS = {
+    tags.VERSION: "0.1.0",
+    tags.GIT_COMMIT: "a" * 40,
+    tags.WORLD_SIZE: "2",
+    tags.BACKEND: "gloo",
+    tags.DEVICE: "cpu",
+    tags.THREADS_PER_RANK: "1",
+    tags.SEED: "0",
+    tags.ENV_PREFIX + "torch": "2.13.0",
+    tags.ENV_PREFIX + "hostname": "box-a",
+    tags.DETERMINISM_PREFIX + "level": "strict",
+    tags.KIND: "run",
+}
+LOCK = ["numpy==2.1.0", "torch==2.13.0", "tqdm==4.66.0"]
+
+
+def tol(rtol: float = 0.0, atol: float = 0.0, metrics: dict | None = None) -> dict:
+    return {"default": {"rtol": rtol, "atol": atol}, "metrics": metrics or {}}
+
+
+def make_record(
+    run_id: str = "orig0000",
+    n: int = 20,
+    metrics: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    facts: dict[str, str] | None = None,
+    lock: list[str] | None = None,
+    fingerprints: dict[int, str] | None = None,
+    final: str | None = "f" * 64,
+    status: str = "FINISHED",
+    tolerance: dict | None = None,
+) -> RunRecord:
+    steps = np.arange(n, dtype=np.int64)
+    if metrics is None:
+        metrics = {
+            "loss": (steps.copy(), 1.0 / (steps + 1.0)),
+            "acc": (steps.copy(), np.linspace(0.1, 0.9, n)),
+        }
+    return RunRecord(
+        run_id=run_id,
+        experiment="exp",
+        status=status,
+        facts=dict(FACTS if facts is None else facts),
+        lock=list(LOCK if lock is None else lock),
+        metrics=metrics,
+        fingerprints=dict({0: "0" * 64, 10: "1" * 64} if fingerprints is None else fingerprints),
+        final_fingerprint=final,
+        config={"replay": {"tolerance": tolerance or tol()}},
+    )
+
+
+def clone(rec: RunRecord, run_id: str = "repl0000", **changes: object) -> RunRecord:
+    """An independent copy (arrays copied, so edits don't leak into the original)."""
+    new = RunRecord(
+        run_id=run_id,
+        experiment=rec.experiment,
+        status=rec.status,
+        facts=dict(rec.facts),
+        lock=list(rec.lock),
+        metrics={k: (s.copy(), v.copy()) for k, (s, v) in rec.metrics.items()},
+        fingerprints=dict(rec.fingerprints),
+        final_fingerprint=rec.final_fingerprint,
+        config=rec.config,
+    )
+    for key, value in changes.items():
+        setattr(new, key, value)
+    return new
+
+
+def test_identical_runs_are_bitwise() -> None:
+    a = make_record()
+    b = clone(a)
+    b.facts[tags.KIND] = "replay"  # role tags are not facts
+    b.facts[tags.REPLAY_OF] = a.run_id
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == BITWISE
+    assert cmp.exit_code == 0
+    assert cmp.bitwise_possible and cmp.bitwise_blockers == []
+    assert cmp.delta == []
+    assert cmp.divergence is None
+    assert cmp.fingerprints.compared == 3 and cmp.fingerprints.equal == 3
+    assert all(m.bitwise_equal and m.steps_compared == 20 for m in cmp.metrics)
+    assert cmp.summary() == "BITWISE: 2 metrics x 20 steps bit-identical, 3 fingerprints equal"
+
+
+def test_one_ulp_at_step_7_with_zero_tolerance_diverges() -> None:
+    a = make_record()
+    b = clone(a)
+    orig = a.metrics["loss"][1][7]
+    b.metrics["loss"][1][7] = np.nextafter(orig, np.inf)
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == DIVERGED and cmp.exit_code == 1
+    d = cmp.divergence
+    assert d is not None
+    assert (d.kind, d.step, d.metric) == ("value", 7, "loss")
+    assert d.original == orig and d.replay == np.nextafter(orig, np.inf)
+    ulp = np.nextafter(orig, np.inf) - orig
+    assert d.abs_diff == ulp
+    assert d.rel_diff == pytest.approx(ulp / abs(orig), rel=1e-12)
+    loss = next(m for m in cmp.metrics if m.name == "loss")
+    assert loss.first_divergence == 7 and not loss.bitwise_equal and loss.max_abs_diff == ulp
+    acc = next(m for m in cmp.metrics if m.name == "acc")
+    assert acc.first_divergence is None and acc.bitwise_equal
+    assert cmp.summary().startswith("DIVERGED at step 7: loss 0.125 vs 0.12500000000000003")
+
+
+def test_one_ulp_within_atol() -> None:
+    a = make_record()
+    b = clone(a)
+    b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
+    cmp = compare_runs(a, b, tolerance=tol(atol=1e-12))
+    assert cmp.verdict == WITHIN_TOLERANCE and cmp.exit_code == 0
+    assert cmp.divergence is None
+    # Same records judged with the tolerance stored in the original's config.
+    a.config = {"replay": {"tolerance": tol(atol=1e-12)}}
+    assert compare_runs(a, b).verdict == WITHIN_TOLERANCE
+
+
+def test_per_metric_tolerance_overrides_default() -> None:
+    a = make_record()
+    b = clone(a)
+    b.metrics["acc"][1][:] += 1e-3
+    # Default would pass it, the stricter per-metric entry must not.
+    cmp = compare_runs(a, b, tolerance=tol(atol=1e-2, metrics={"acc": {"rtol": 0.0, "atol": 1e-6}}))
+    assert cmp.verdict == DIVERGED
+    assert (cmp.divergence.metric, cmp.divergence.step) == ("acc", 0)
+    # And the other way round: a loose per-metric entry beats a zero default.
+    cmp = compare_runs(a, b, tolerance=tol(metrics={"acc": {"rtol": 0.0, "atol": 1e-2}}))
+    assert cmp.verdict == WITHIN_TOLERANCE
+    acc = next(m for m in cmp.metrics if m.name == "acc")
+    assert acc.atol == 1e-2 and acc.max_abs_diff == pytest.approx(1e-3)
+
+
+def test_relative_tolerance_uses_original_magnitude() -> None:
+    a = make_record(metrics={"x": (np.arange(3), np.array([100.0, 100.0, 100.0]))})
+    b = clone(a)
+    b.metrics["x"][1][:] = [100.5, 101.0, 101.5]
+    cmp = compare_runs(a, b, tolerance=tol(rtol=0.01))
+    assert cmp.verdict == DIVERGED
+    assert cmp.divergence.step == 2 and cmp.divergence.rel_diff == pytest.approx(0.015)
+
+
+def test_missing_step_diverges_at_that_step() -> None:
+    a = make_record()
+    b = clone(a)
+    s, v = b.metrics["acc"]
+    b.metrics["acc"] = (np.delete(s, 12), np.delete(v, 12))
+    cmp = compare_runs(a, b, tolerance=tol(atol=1.0))
+    assert cmp.verdict == DIVERGED
+    d = cmp.divergence
+    assert (d.kind, d.step, d.metric) == ("missing_step", 12, "acc")
+    assert d.original == a.metrics["acc"][1][12] and d.replay is None
+    acc = next(m for m in cmp.metrics if m.name == "acc")
+    assert acc.steps_compared == 19 and acc.missing_steps == 1
+
+
+def test_extra_step_diverges() -> None:
+    a = make_record()
+    b = clone(a)
+    s, v = b.metrics["loss"]
+    b.metrics["loss"] = (np.append(s, 25), np.append(v, 0.5))
+    cmp = compare_runs(a, b)
+    assert (cmp.divergence.kind, cmp.divergence.step) == ("extra_step", 25)
+
+
+def test_earliest_step_wins_then_metric_name() -> None:
+    a = make_record()
+    b = clone(a)
+    b.metrics["loss"][1][5] += 1.0
+    b.metrics["acc"][1][9] += 1.0
+    assert compare_runs(a, b).divergence.metric == "loss"
+    b.metrics["acc"][1][5] += 1.0  # tie at step 5: "acc" < "loss"
+    d = compare_runs(a, b).divergence
+    assert (d.metric, d.step) == ("acc", 5)
+
+
+def test_extra_metric_diverges() -> None:
+    a = make_record()
+    b = clone(a)
+    b.metrics["lr"] = (np.arange(3, 20, dtype=np.int64), np.full(17, 0.1))
+    cmp = compare_runs(a, b, tolerance=tol(atol=1.0))
+    assert cmp.verdict == DIVERGED
+    assert (cmp.divergence.kind, cmp.divergence.metric, cmp.divergence.step) == ("extra_metric", "lr", 3)
+    c = clone(a)
+    del c.metrics["acc"]
+    cmp = compare_runs(a, c, tolerance=tol(atol=1.0))
+    assert (cmp.divergence.kind, cmp.divergence.metric, cmp.divergence.step) == ("missing_metric", "acc", 0)
+
+
+def test_fingerprint_mismatch_with_zero_tolerance_diverges() -> None:
+    a = make_record()
+    b = clone(a)
+    b.fingerprints[10] = "2" * 64
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == DIVERGED
+    assert (cmp.divergence.kind, cmp.divergence.step) == ("fingerprint", 10)
+    assert cmp.fingerprints.first_mismatch_step == 10 and cmp.fingerprints.equal == 2
+    # With any tolerance the metrics decide, and identical metrics pass.
+    assert compare_runs(a, b, tolerance=tol(rtol=1e-9)).verdict == WITHIN_TOLERANCE
+
+
+def test_final_fingerprint_mismatch_blocks_bitwise() -> None:
+    a = make_record()
+    b = clone(a, final_fingerprint="e" * 64)
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == DIVERGED and cmp.divergence.kind == "fingerprint"
+    assert cmp.fingerprints.final_equal is False and cmp.divergence.step is None
+
+
+def test_world_size_change_blocks_bitwise() -> None:
+    a = make_record()
+    b = clone(a)
+    b.facts[tags.WORLD_SIZE] = "4"
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == WITHIN_TOLERANCE
+    assert cmp.bitwise_possible is False
+    assert [d.name for d in cmp.delta] == [tags.WORLD_SIZE]
+    d = cmp.delta[0]
+    assert (d.a, d.b, d.breaks_bitwise) == ("2", "4", True)
+    assert "world size" in d.note
+    assert len(cmp.bitwise_blockers) == 1 and tags.WORLD_SIZE in cmp.bitwise_blockers[0]
+
+
+def test_delta_rules_and_order() -> None:
+    a = make_record()
+    b = clone(a)
+    b.facts[tags.ENV_PREFIX + "hostname"] = "box-b"
+    b.facts[tags.GIT_COMMIT] = "b" * 40
+    b.facts[tags.DETERMINISM_PREFIX + "level"] = "off"
+    b.facts[tags.VAR_PREFIX + "NCCL_DEBUG"] = "INFO"
+    b.facts[tags.VERDICT] = "BITWISE"  # outcome, not a fact
+    delta = {d.name: d for d in environment_delta(a, b)}
+    assert list(delta) == sorted(delta)
+    assert tags.VERDICT not in delta
+    assert delta[tags.ENV_PREFIX + "hostname"].breaks_bitwise is False
+    assert delta[tags.GIT_COMMIT].breaks_bitwise is False and delta[tags.GIT_COMMIT].note == "code differs"
+    assert delta[tags.DETERMINISM_PREFIX + "level"].breaks_bitwise is True
+    var = delta[tags.VAR_PREFIX + "NCCL_DEBUG"]
+    assert (var.a, var.b, var.breaks_bitwise) == (None, "INFO", False)
+
+
+def test_replay_failed_diverges_but_keeps_metric_table() -> None:
+    a = make_record()
+    b = clone(a, status="FAILED")
+    b.metrics = {k: (s[:8], v[:8]) for k, (s, v) in b.metrics.items()}
+    cmp = compare_runs(a, b, replay_failed="rank 1 raised RuntimeError")
+    assert cmp.verdict == DIVERGED and cmp.exit_code == 1
+    assert cmp.divergence.kind == "replay_failed"
+    assert "rank 1 raised RuntimeError" in cmp.divergence.detail
+    assert cmp.divergence.step == 8  # where the logged metrics stop
+    assert [m.steps_compared for m in cmp.metrics] == [8, 8]
+    assert all(m.max_abs_diff == 0.0 for m in cmp.metrics)
+    # A non-FINISHED status alone is enough.
+    c = clone(a, status="KILLED")
+    cmp = compare_runs(a, c)
+    assert cmp.verdict == DIVERGED and "KILLED" in cmp.divergence.detail
+
+
+def test_nan_matches_nan_but_not_a_number() -> None:
+    a = make_record()
+    a.metrics["loss"][1][3] = np.nan
+    b = clone(a)
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == BITWISE
+    b.metrics["loss"][1][3] = 0.25
+    cmp = compare_runs(a, b, tolerance=tol(rtol=1.0, atol=1.0))
+    assert cmp.verdict == DIVERGED
+    assert (cmp.divergence.step, cmp.divergence.metric) == (3, "loss")
+    assert math.isnan(cmp.divergence.original) and cmp.divergence.replay == 0.25
+
+
+def test_infinite_values() -> None:
+    a = make_record(metrics={"x": (np.arange(3), np.array([1.0, np.inf, 2.0]))})
+    b = clone(a)
+    assert compare_runs(a, b).verdict == BITWISE
+    b.metrics["x"][1][1] = 1e300
+    # rtol * |inf| is inf, but an infinite difference must still fail.
+    assert compare_runs(a, b, tolerance=tol(rtol=0.5)).verdict == DIVERGED
+
+
+def test_negative_zero_is_within_tolerance_not_bitwise() -> None:
+    a = make_record(metrics={"x": (np.arange(4), np.array([1.0, 0.0, 2.0, 3.0]))})
+    b = clone(a)
+    b.metrics["x"][1][1] = -0.0
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == WITHIN_TOLERANCE
+    assert cmp.metrics[0].bitwise_equal is False and cmp.metrics[0].max_abs_diff == 0.0
+
+
+def test_rel_diff_is_inf_when_original_is_zero() -> None:
+    a = make_record(metrics={"x": (np.arange(2), np.array([0.0, 1.0]))})
+    b = clone(a)
+    b.metrics["x"][1][0] = 1e-3
+    d = compare_runs(a, b).divergence
+    assert d.abs_diff == 1e-3 and d.rel_diff == math.inf
+
+
+def test_lock_delta_names_changed_package() -> None:
+    a = make_record()
+    b = clone(a, lock=["numpy==2.2.0", "torch==2.13.0", "tqdm==4.66.0", "rich==13.0"])
+    delta = {d.name: d for d in environment_delta(a, b)}
+    assert set(delta) == {"lock:numpy", "lock:rich"}
+    assert (delta["lock:numpy"].a, delta["lock:numpy"].b) == ("2.1.0", "2.2.0")
+    assert (delta["lock:rich"].a, delta["lock:rich"].b) == (None, "13.0")
+    c = clone(a, lock=["numpy==2.1.0", "torch==2.14.0", "tqdm==4.66.0"])
+    torch_delta = [d for d in environment_delta(a, c) if d.name == "lock:torch"]
+    assert len(torch_delta) == 1 and torch_delta[0].breaks_bitwise
+
+
+def test_to_dict_is_json_serialisable() -> None:
+    a = make_record()
+    b = clone(a)
+    b.facts[tags.WORLD_SIZE] = "4"
+    b.metrics["loss"][1][0] = np.nan
+    a.metrics["acc"][1][0] = 0.0
+    b.metrics["acc"][1][0] = 1.0  # rel diff inf
+    cmp = compare_runs(a, b)
+    text = json.dumps(cmp.to_dict(), allow_nan=False)
+    back = json.loads(text)
+    assert back["verdict"] == DIVERGED and back["exit_code"] == 1
+    assert back["bitwise_possible"] is False
+    by_name = {m["name"]: m for m in back["metrics"]}
+    assert by_name["loss"]["max_abs_diff"] == "nan"
+    assert by_name["acc"]["max_rel_diff"] == "inf"
+    assert back["divergence"]["step"] == 0 and back["divergence"]["rel_diff"] == "inf"
+    assert back["delta"][0]["name"] == tags.WORLD_SIZE
+
+
+def test_render_markdown_has_verdict_and_delta_table() -> None:
+    a = make_record()
+    b = clone(a)
+    b.facts[tags.WORLD_SIZE] = "4"
+    b.facts[tags.ENV_PREFIX + "hostname"] = "box|b"
+    b.metrics["loss"][1][7] += 0.5
+    cmp = compare_runs(a, b)
+    md = render_markdown(cmp, changes=["world_size=4"])
+    assert md.startswith("# Replay verdict: DIVERGED")
+    assert cmp.summary() in md
+    assert "## Environment delta" in md and "| Fact | Original | Replay | Note |" in md
+    assert f"| **{tags.WORLD_SIZE}** (breaks bitwise) | `2` | `4` |" in md
+    assert "box\\|b" in md  # a pipe in a value must not split the row
+    assert "Bitwise impossible" in md
+    assert "world_size=4" in md
+    assert "| loss | 20 |" in md
+    assert "7 (value)" in md
+    md_ok = render_markdown(compare_runs(a, clone(a)))
+    assert md_ok.startswith("# Replay verdict: BITWISE") and "No differences" in md_ok
+    assert "Bitwise impossible" not in md_ok
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5_000
+
+
+def test_plot_metrics_writes_one_png_per_metric(tmp_path: Path) -> None:
+    a = make_record()
+    a.metrics["train/loss step"] = (np.arange(20, dtype=np.int64), np.cos(np.arange(20.0)))
+    b = clone(a)
+    b.metrics["loss"][1][7] += 0.5
+    cmp = compare_runs(a, b)
+    paths = plot_metrics(a, b, cmp, tmp_path / "plots")
+    assert sorted(p.name for p in paths) == ["metric_acc.png", "metric_loss.png", "metric_train_loss_step.png"]
+    for p in paths:
+        _assert_png(p)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(p.name for p in paths)
+
+
+def test_plot_metrics_handles_metric_in_one_run_and_many_points(tmp_path: Path) -> None:
+    n = 50_000
+    steps = np.arange(n, dtype=np.int64)
+    a = make_record(n=n, metrics={"loss": (steps, np.exp(-steps / 1e4))})
+    b = clone(a)
+    b.metrics["loss"][1][40_000:] *= 1.001
+    b.metrics["extra"] = (steps[:10], np.ones(10))
+    cmp = compare_runs(a, b)
+    paths = plot_metrics(a, b, cmp, tmp_path)
+    assert [p.name for p in paths] == ["metric_extra.png", "metric_loss.png"]
+    for p in paths:
+        _assert_png(p)
+
+
+def test_unsorted_duplicate_steps_are_normalised() -> None:
+    a = make_record(metrics={"x": (np.array([2, 0, 1, 1]), np.array([3.0, 1.0, 9.0, 2.0]))})
+    b = make_record(run_id="r", metrics={"x": (np.array([0, 1, 2]), np.array([1.0, 2.0, 3.0]))})
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == BITWISE and cmp.metrics[0].steps_compared == 3
+
+
+def test_large_comparison_finds_first_divergence() -> None:
+    # Speed is measured in benchmarks/compare_bench.py, not asserted here (machines are noisy).
+    n = 100_000
+    steps = np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    metrics = {f"m{i}": (steps.copy(), rng.standard_normal(n)) for i in range(4)}
+    a = make_record(n=n, metrics=metrics)
+    b = clone(a)
+    b.metrics["m3"][1][90_000] += 1.0
+    s, v = b.metrics["m2"]
+    b.metrics["m2"] = (np.delete(s, 95_000), np.delete(v, 95_000))
+    cmp: Comparison = compare_runs(a, b)
+    assert (cmp.divergence.metric, cmp.divergence.step) == ("m3", 90_000)

@@ -1,0 +1,196 @@
+"""`harness replay`, `harness compare` and `harness runs` against real runs in a real store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import Project, git
+
+
+def verdict_line(stdout: str) -> str:
+    lines = stdout.strip().splitlines()
+    assert len(lines) >= 2, stdout
+    assert lines[-2].startswith("verdict: "), stdout
+    return lines[-2]
+
+
+def steps_values(client, run_id: str, key: str = "loss") -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+@pytest.fixture(scope="module")
+def original(project: Project) -> str:
+    result = project.harness("run", "experiments/linear_ddp")
+    assert result.returncode == 0, result.stderr
+    return result.last_line
+
+
+@pytest.fixture(scope="module")
+def clean_replay(project: Project, original: str):
+    return project.harness("replay", original)
+
+
+def test_replay_of_clean_run_is_bitwise(project: Project, original: str, clean_replay) -> None:
+    assert clean_replay.returncode == 0, clean_replay.stderr
+    assert verdict_line(clean_replay.stdout).startswith("verdict: BITWISE")
+    replay_id = clean_replay.last_line
+    client = project.client()
+    run = client.get_run(replay_id)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert tags["mlflow.parentRunId"] == original  # nested under the original in the UI
+    assert tags["harness.replay_of"] == original and tags["harness.verdict"] == "BITWISE"
+    assert tags["harness.kind"] == "replay"
+    assert run.info.experiment_id == client.get_run(original).info.experiment_id
+    assert tags["harness.fingerprint"] == client.get_run(original).data.tags["harness.fingerprint"]
+    arts = {f.path for f in client.list_artifacts(replay_id, "replay")}
+    assert {"replay/report.md", "replay/comparison.json", "replay/metric_loss.png"} <= arts
+    png = Path(client.download_artifacts(replay_id, "replay/metric_loss.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = Path(client.download_artifacts(replay_id, "replay/report.md")).read_text()
+    assert "BITWISE" in report and "loss" in report
+
+
+def test_replay_never_touches_the_working_tree(project: Project, original: str, clean_replay) -> None:
+    assert git(project.root, "worktree", "list").count("\n") == 0  # the temporary worktree is gone
+    assert git(project.root, "status", "--porcelain") == ""
+
+
+def test_runs_lists_the_latest_verdict(project: Project, original: str, clean_replay) -> None:
+    result = project.harness("runs", "linear_ddp")
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith(original))
+    assert "BITWISE" in row and "FINISHED" in row and "run" in row
+    assert "RUN ID" in result.stdout.splitlines()[0]
+
+
+def test_compare_two_runs_and_json(project: Project, original: str, clean_replay) -> None:
+    result = project.harness("compare", original, clean_replay.last_line)
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1].startswith("verdict: BITWISE")
+    as_json = project.harness("compare", original, clean_replay.last_line, "--json")
+    doc = json.loads(as_json.stdout)
+    assert doc["verdict"] == "BITWISE" and doc["original_id"] == original
+
+
+def test_replay_with_other_world_size_is_judged_by_tolerance(project: Project, original: str) -> None:
+    result = project.harness("replay", original, "--world-size", "1")
+    assert result.returncode in (0, 1), result.stderr
+    line = verdict_line(result.stdout)
+    assert not line.startswith("verdict: BITWISE")
+    assert "harness.world_size: 2 -> 1" in result.stdout
+    assert "bitwise match is impossible" in result.stdout
+    tags = project.client().get_run(result.last_line).data.tags
+    assert tags["harness.world_size"] == "1" and tags["harness.replay.changes"] == "world_size=1"
+
+
+def test_changed_lr_diverges_at_the_first_differing_step(project: Project, original: str) -> None:
+    refused = project.harness("replay", original, "train.lr=0.02")
+    assert refused.returncode == 2 and "--allow-changes" in refused.stderr
+    result = project.harness("replay", original, "--allow-changes", "train.lr=0.02")
+    assert result.returncode == 1, result.stderr
+    client = project.client()
+    a, b = steps_values(client, original), steps_values(client, result.last_line)
+    first = min(s for s in a if a[s] != b[s])  # found independently of harness' comparison
+    assert first == 1  # step 0's loss is computed before the first update
+    assert verdict_line(result.stdout).startswith(f"verdict: DIVERGED at step {first}: loss")
+    assert "Changes requested: train.lr=0.02" in result.stdout
+    assert client.get_run(result.last_line).data.tags["harness.verdict"] == "DIVERGED"
+
+
+UNSEEDED = '''
+import os
+import torch
+from torch import nn
+
+
+def train(ctx):
+    data = torch.randn(100, 10, generator=torch.Generator().manual_seed(ctx.seed))
+    loader = ctx.loader(data, batch_size=10)
+    model = ctx.ddp(nn.Linear(10, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = 0
+    for _ in ctx.epochs(2):
+        for batch in loader:
+            opt.zero_grad()
+            out = model(batch)
+            if step >= 3:  # from step 3 on, targets come from the OS: nothing can replay them
+                target = torch.randn(out.shape, generator=torch.Generator().manual_seed(
+                    int.from_bytes(os.urandom(4), "little")))
+            else:
+                target = torch.randn_like(out)
+            loss = nn.functional.mse_loss(out, target)
+            loss.backward()
+            opt.step()
+            ctx.log({"loss": loss}, step)
+            step += 1
+'''
+
+
+def test_unseeded_randomness_diverges_at_its_step(project: Project) -> None:
+    project.add_experiment("unseeded", train_py=UNSEEDED)
+    run = project.harness("run", "experiments/unseeded")
+    assert run.returncode == 0, run.stderr
+    result = project.harness("replay", run.last_line)
+    assert result.returncode == 1, result.stderr
+    assert verdict_line(result.stdout).startswith("verdict: DIVERGED at step 3: loss")
+
+
+def test_replay_of_dirty_run_applies_the_patch(fresh_project: Project) -> None:
+    p = fresh_project
+    yaml = p.root / "experiments/linear_ddp/experiment.yaml"
+    yaml.write_text(yaml.read_text().replace("epochs: 5", "epochs: 2"))
+    train = p.root / "experiments/linear_ddp/train.py"
+    train.write_text(train.read_text().replace("loss_fn = nn.MSELoss()", "loss_fn = nn.L1Loss()"))
+    (p.root / "experiments/linear_ddp/helper.py").write_text("SCALE = 3\n")  # untracked
+    run = p.harness("run", "experiments/linear_ddp")
+    assert run.returncode == 0, run.stderr
+    # Restore the tree: the replay must take the code from the recorded patch, not from here.
+    git(p.root, "checkout", "--", ".")
+    (p.root / "experiments/linear_ddp/helper.py").unlink()
+    result = p.harness("replay", run.last_line)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert verdict_line(result.stdout).startswith("verdict: BITWISE")
+    tags = p.client().get_run(result.last_line).data.tags
+    assert tags["harness.git.dirty"] == "true"
+    assert tags["harness.git.patch_sha256"] == p.client().get_run(run.last_line).data.tags["harness.git.patch_sha256"]
+    assert git(p.root, "status", "--porcelain") == ""
+
+
+def test_replay_uses_recorded_config_not_the_yaml_on_disk(fresh_project: Project) -> None:
+    p = fresh_project
+    run = p.harness("run", "experiments/linear_ddp", "train.lr=0.03", "train.epochs=2")
+    assert run.returncode == 0, run.stderr
+    yaml = p.root / "experiments/linear_ddp/experiment.yaml"
+    yaml.write_text(yaml.read_text().replace("lr: 0.01", "lr: 0.5"))
+    git(p.root, "commit", "-qam", "change lr")
+    result = p.harness("replay", run.last_line)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert verdict_line(result.stdout).startswith("verdict: BITWISE")
+    assert p.client().get_run(result.last_line).data.params["train.lr"] == "0.03"
+
+
+def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tmp_path: Path) -> None:
+    unknown = project.harness("replay", "0123456789abcdef0123456789abcdef")
+    assert unknown.returncode == 2 and unknown.stderr.strip().startswith("Error: no run '0123456789abcdef")
+    assert len(unknown.stderr.strip().splitlines()) == 1
+
+    client = project.client()
+    exp = client.get_experiment_by_name("linear_ddp").experiment_id
+    foreign = client.create_run(exp).info.run_id
+    client.set_terminated(foreign)
+    result = project.harness("replay", foreign)
+    assert result.returncode == 2 and "was not made by harness" in result.stderr
+
+    other = tmp_path / "other repo"
+    other.mkdir()
+    git(other, "init", "-q")
+    (other / "README").write_text("x")
+    git(other, "add", "-A")
+    git(other, "commit", "-qm", "unrelated")
+    missing = project.harness("replay", original, cwd=other)
+    assert missing.returncode == 2
+    assert "is not in the repository" in missing.stderr and "git fetch https://example.invalid/lab/project.git" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1

@@ -42,9 +42,19 @@ def main() -> None:
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
+@click.option("--executor", type=click.Choice(["local", "docker"]), default=None,
+              help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image.")
+@click.option("--allow-unpinned", is_flag=True, help="Accept an image pinned by the moving 'latest' tag.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def run(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, tracking_uri: str | None) -> None:
+def run(
+    experiment_dir: Path,
+    overrides: tuple[str, ...],
+    require_clean: bool,
+    executor: str | None,
+    allow_unpinned: bool,
+    tracking_uri: str | None,
+) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
 
     Prints progress on stderr and the MLflow run id as the last line of stdout.
@@ -52,7 +62,10 @@ def run(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, t
     from harness import runner
     from harness.tracking import Tracker
 
-    outcome = runner.run(experiment_dir, list(overrides), require_clean=require_clean, tracking_uri=tracking_uri)
+    outcome = runner.run(
+        experiment_dir, list(overrides), require_clean=require_clean, tracking_uri=tracking_uri,
+        executor=executor, allow_unpinned=allow_unpinned,
+    )
     _finish(outcome, Tracker(tracking_uri))
 
 
@@ -69,10 +82,17 @@ def _finish(outcome: Any, tracker: Any) -> None:
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--executor", type=click.Choice(["local", "docker"]), default=None,
+              help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def replay(
-    run_id: str, overrides: tuple[str, ...], world_size: int | None, allow_changes: bool, tracking_uri: str | None
+    run_id: str,
+    overrides: tuple[str, ...],
+    world_size: int | None,
+    allow_changes: bool,
+    executor: str | None,
+    tracking_uri: str | None,
 ) -> None:
     """Rerun RUN_ID exactly as recorded and say whether it reproduced.
 
@@ -85,7 +105,7 @@ def replay(
 
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
-        tracking_uri=tracking_uri,
+        tracking_uri=tracking_uri, executor=executor,
     )
     _print_comparison(result.comparison, result.changes)
     from harness.tracking import Tracker
@@ -138,6 +158,21 @@ def compare(run_a: str, run_b: str, as_json: bool, tracking_uri: str | None) -> 
         _print_comparison(cmp, [])
         click.echo(f"verdict: {cmp.summary()}")
     sys.exit(cmp.exit_code)
+
+
+@main.command(name="_execute", hidden=True)
+@click.argument("run_id")
+@click.option("--code-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def execute(run_id: str, code_dir: Path, tracking_uri: str | None) -> None:
+    """Run an already recorded run where this command runs (the docker executor's entry point)."""
+    from harness import runner
+
+    outcome = runner.execute_recorded(run_id, code_dir, tracking_uri)
+    if outcome.message:
+        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+    sys.exit(outcome.exit_code)
 
 
 @main.command()

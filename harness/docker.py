@@ -168,7 +168,9 @@ def run_args(
     network_host: bool = True,
 ) -> list[str]:
     """The `docker run` argument list that runs `command` in `image` with the workdir bind-mounted."""
-    args = ["docker", "run", "--rm", "--name", name, "--ipc=host"]  # ipc=host: DataLoader/NCCL shared memory
+    # ipc=host: DataLoader workers and NCCL need shared memory. --init: a real PID 1 that forwards
+    # SIGTERM/SIGINT to the harness inside (a bare Python PID 1 ignores signals it has no handler for).
+    args = ["docker", "run", "--rm", "--init", "--name", name, "--ipc=host"]
     if gpus:
         args += ["--gpus", "all"]
     if network_host:
@@ -183,6 +185,16 @@ def run_args(
             )
         args += ["-e", f"{key}={env[key]}"]
     return [*args, image, *command]
+
+
+def start_container(args: list[str]) -> subprocess.Popen:
+    """Start `docker run` (from run_args) attached: the container's output streams to our stderr,
+    keeping stdout for the run id."""
+    import sys
+
+    if shutil.which("docker") is None:
+        raise EngineUnavailable(f"docker CLI not found on PATH. {_INSTALL_HINT}", "docker CLI not found")
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr)
 
 
 def container_exists(name: str) -> bool:

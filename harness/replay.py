@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,18 +24,6 @@ class ReplayResult:
     outcome: runner.Outcome
     comparison: Comparison
     changes: list[str]
-
-
-def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
-    """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
-    text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
-    if text is None:
-        raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
-    pinned: dict[str, str] = {}
-    for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)):
-        if tag in run.tags:
-            pinned[key] = run.tags[tag]
-    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
 
 
 def apply_changes(
@@ -68,10 +57,19 @@ def replay(
     allow_changes: bool = False,
     tracking_uri: str | None = None,
     repo: Path | None = None,
+    executor: str | None = None,
 ) -> ReplayResult:
+    from harness import container
+    from harness.config import Executor
+    from harness.launch import resolve_device
+
     tracker = Tracker(tracking_uri)
     original = tracker.harness_run(run_id)
-    cfg, changes = apply_changes(recorded_config(tracker, original), world_size, overrides or [], allow_changes)
+    cfg, changes = apply_changes(runner.recorded_config(tracker, original), world_size, overrides or [], allow_changes)
+    if executor is not None and executor != cfg.executor.value:
+        # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
+        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
+        changes.append(f"executor={executor}")
 
     commit = original.tags[T.GIT_COMMIT]
     root = gitsource.open_repo(repo or Path.cwd()).working_tree_dir
@@ -91,9 +89,25 @@ def replay(
     with gitsource.worktree(Path(root), commit, patch) as tree:
         exp_dir = tree / original.tags[T.EXPERIMENT_PATH]
         validate(cfg, exp_dir)  # the entry must exist in the recorded code
-        from harness.launch import resolve_device
-
-        resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
+        pinned = None
+        if cfg.executor == Executor.docker:
+            digest = original.tags.get(T.IMAGE_DIGEST, "unknown")
+            if not digest.startswith("sha256:"):
+                raise HarnessError(
+                    f"run {run_id} recorded no image digest ({original.tags.get(T.IMAGE_DIGEST_REASON, 'unknown')}), "
+                    "so there is no exact image to replay in. Replay it with --executor local."
+                )
+            pinned = container.pin(original.tags[T.IMAGE], digest=digest)
+            image = container.image_tags(pinned)
+            if pinned.tag_digest and pinned.tag_digest != digest:
+                print(
+                    f"Note: {original.tags[T.IMAGE]} now points to {pinned.tag_digest}; the replay runs the "
+                    f"recorded digest {digest}.",
+                    file=sys.stderr,
+                )
+        else:
+            resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
+            image = runner.local_image_tags(str(cfg.image))
         git = gitsource.inspect(exp_dir)
         extra = {
             T.KIND: "replay",
@@ -107,11 +121,18 @@ def replay(
             cfg,
             exp_dir,
             git,
+            image=image,
             extra_tags=extra,
             run_name=f"replay-of-{original.run_name}",
             experiment=original.experiment,
         )
-        outcome = runner.execute(tracker, replay_id, cfg, exp_dir)
+        if pinned is not None:
+            status, code, message = container.run_in_container(
+                tracker, replay_id, pinned, tree, original.tags[T.EXPERIMENT_PATH], container.wants_gpus(cfg.device.value)
+            )
+            outcome = runner.Outcome(replay_id, status, code, message)
+        else:
+            outcome = runner.execute(tracker, replay_id, cfg, exp_dir)
 
     comparison = judge(tracker, run_id, replay_id, outcome)
     record_verdict(tracker, replay_id, tracker.load_record(run_id), tracker.load_record(replay_id), comparison, changes)

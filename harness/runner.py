@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -17,7 +18,8 @@ from harness import tags as T
 from harness.config import flatten, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.gitsource import GitState
-from harness.tracking import Tracker, save_series
+from harness.container import ENV_DIGEST
+from harness.tracking import RunSummary, Tracker, save_series
 
 
 @dataclass
@@ -33,12 +35,17 @@ def experiment_name(exp_dir: Path) -> str:
     return Path(exp_dir).resolve().name
 
 
-def image_facts(image: str) -> dict[str, str]:
-    """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
+def local_image_tags(image: str) -> dict[str, str]:
+    """Local executor: the pinned image and, when a local engine knows it, its registry digest (else why not)."""
     from harness import docker
 
     digest, image_id, reason = docker.local_digest_or_reason(image)
-    facts = {T.IMAGE: image, T.IMAGE_DIGEST: digest or "unknown"}
+    facts = {
+        T.IMAGE: image,
+        T.IMAGE_DIGEST: digest or "unknown",
+        T.EXECUTOR: "local",
+        T.IMAGE_NOTE: "ran outside the pinned image (local executor): the environment is this machine's",
+    }
     if image_id:
         facts[T.IMAGE_ID] = image_id
     if reason:
@@ -46,7 +53,20 @@ def image_facts(image: str) -> dict[str, str]:
     return facts
 
 
-def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState) -> dict[str, str]:
+def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
+    """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
+    from omegaconf import OmegaConf
+
+    from harness.config import compose
+
+    text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
+    if text is None:
+        raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
+    pinned = {key: run.tags[tag] for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)) if tag in run.tags}
+    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
+
+
+def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
     """Tags known before anything runs: code, image, seeds, topology as configured."""
     from harness.determinism import derive_rank_seeds
 
@@ -67,7 +87,6 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState) -> dict[str, str]
         T.RANK_SEEDS: ",".join(map(str, derive_rank_seeds(cfg.seed, cfg.world_size))),
         T.WORLD_SIZE: str(cfg.world_size),
         T.THREADS_PER_RANK: str(cfg.threads_per_rank),
-        T.EXECUTOR: cfg.executor.value,
     }
     if git.branch:
         tags[T.MLFLOW_GIT_BRANCH] = git.branch
@@ -78,7 +97,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState) -> dict[str, str]
         import hashlib
 
         tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch.encode()).hexdigest()
-    tags.update(image_facts(str(cfg.image)))
+    tags.update(image)
     return tags
 
 
@@ -88,14 +107,13 @@ def create_record(
     exp_dir: Path,
     git: GitState,
     *,
+    image: dict[str, str],
     extra_tags: dict[str, str] | None = None,
     run_name: str | None = None,
     experiment: str | None = None,
 ) -> str:
-    """One MLflow run holding the resolved config, the code state and the package lock."""
-    from harness.provenance import package_lock
-
-    tags = record_tags(cfg, exp_dir, git)
+    """One MLflow run holding the resolved config and the code state."""
+    tags = record_tags(cfg, exp_dir, git, image)
     tags.update(extra_tags or {})
     run_id = tracker.create_run(experiment or experiment_name(exp_dir), tags, run_name=run_name)
     try:
@@ -103,7 +121,6 @@ def create_record(
         tracker.log_text(run_id, to_yaml(cfg), T.ARTIFACT_CONFIG)
         if git.dirty:
             tracker.log_text(run_id, git.patch, T.ARTIFACT_PATCH)
-        tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)
     except BaseException:
         tracker.end_run(run_id, "FAILED")
         raise
@@ -116,7 +133,7 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
     from harness.context import MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_METRICS, MSG_TOTAL
     from harness.determinism import derive_rank_seeds
     from harness.launch import LaunchSpec, failure_details, launch, resolve_device
-    from harness.provenance import runtime_facts
+    from harness.provenance import package_lock, runtime_facts
 
     work = Path(tempfile.mkdtemp(prefix="harness-run-"))
     log_dir = work / "logs"
@@ -130,7 +147,13 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
         device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
         facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
         facts.update({T.DEVICE: device, T.BACKEND: backend})
+        # Where the ranks run: inside the pinned image only if the docker executor said so.
+        in_image = bool(os.environ.get(ENV_DIGEST))
+        facts[T.IN_IMAGE] = str(in_image).lower()
+        if in_image:
+            facts[T.IMAGE_NOTE] = f"ran inside the pinned image {os.environ[ENV_DIGEST]}"
         tracker.set_tags(run_id, facts)
+        tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)  # where the ranks run
 
         entry_file, entry_func = split_entry(str(cfg.entry))
         spec = LaunchSpec(
@@ -221,12 +244,16 @@ def run(
     *,
     require_clean: bool = False,
     tracking_uri: str | None = None,
+    executor: str | None = None,
+    allow_unpinned: bool = False,
 ) -> Outcome:
     """Validate, record, launch. Bad input raises HarnessError before any run is created."""
-    from harness import gitsource
-    from harness.config import load_experiment
+    from harness import container, gitsource
+    from harness.config import Executor, load_experiment
     from harness.launch import resolve_device
 
+    if executor is not None:
+        overrides = [*overrides, f"executor={executor}"]
     cfg = load_experiment(Path(exp_dir), overrides)
     git = gitsource.inspect(Path(exp_dir))
     if git.dirty:
@@ -240,7 +267,25 @@ def run(
             "is tagged dirty.",
             file=sys.stderr,
         )
+    if cfg.executor == Executor.docker:
+        pinned = container.pin(str(cfg.image), allow_unpinned=allow_unpinned)
+        tracker = Tracker(tracking_uri)
+        run_id = create_record(tracker, cfg, Path(exp_dir), git, image=container.image_tags(pinned))
+        rel = Path(exp_dir).resolve().relative_to(git.root.resolve()).as_posix()
+        status, code, message = container.run_in_container(
+            tracker, run_id, pinned, git.root, rel, container.wants_gpus(cfg.device.value)
+        )
+        return Outcome(run_id, status, code, message)
     resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)  # refuse before recording
     tracker = Tracker(tracking_uri)
-    run_id = create_record(tracker, cfg, Path(exp_dir), git)
+    run_id = create_record(tracker, cfg, Path(exp_dir), git, image=local_image_tags(str(cfg.image)))
     return execute(tracker, run_id, cfg, Path(exp_dir))
+
+
+def execute_recorded(run_id: str, code_dir: Path, tracking_uri: str | None = None) -> Outcome:
+    """Inside the container: run an already recorded run from its stored config."""
+    tracker = Tracker(tracking_uri)
+    run = tracker.harness_run(run_id)
+    if run.status != "RUNNING":
+        raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
+    return execute(tracker, run_id, recorded_config(tracker, run), code_dir)

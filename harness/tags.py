@@ -28,6 +28,8 @@ IMAGE = "harness.image"  # as pinned in experiment.yaml
 IMAGE_DIGEST = "harness.image.digest"  # registry digest, or "unknown"
 IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why unknown
 IMAGE_ID = "harness.image.id"  # local image id when the engine knows it
+IMAGE_TAG_DIGEST = "harness.image.tag_digest"  # what the pinned tag resolved to when this run started
+IMAGE_NOTE = "harness.image.note"  # plain words on where the job ran relative to its image
 EXECUTOR = "harness.executor"  # local | docker
 IN_IMAGE = "harness.in_image"  # true when the job ran inside the pinned image
 

@@ -17,92 +17,7 @@ from harness import docker
 from harness.docker import DockerError
 
 ROOT = Path(__file__).resolve().parents[1]
-STATE_DIR = Path(os.environ.get("HARNESS_DOCKER_STATE", "/tmp/harness-docker"))
-REGISTRY = "127.0.0.1:5000"
-IMAGE = "localhost:5000/harness-cpu:0.1"
-REPOSITORY, TAG = "harness-cpu", "0.1"
-MANIFEST_TYPES = ", ".join(
-    [
-        "application/vnd.docker.distribution.manifest.v2+json",
-        "application/vnd.docker.distribution.manifest.list.v2+json",
-        "application/vnd.oci.image.manifest.v1+json",
-        "application/vnd.oci.image.index.v1+json",
-    ]
-)
-
-
-def _registry_answers() -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{REGISTRY}/v2/", timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-def _unavailable(reason: str) -> None:
-    # CI promises a Docker engine: there, its absence is a failure, not a reason to skip.
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"Docker is required in CI: {reason}")
-    pytest.skip(f"no Docker engine/registry here: {reason}")
-
-
-def _tail(text: str, lines: int = 5) -> str:
-    return " | ".join(text.strip().splitlines()[-lines:])
-
-
-@pytest.fixture(scope="session")
-def engine() -> Iterator[str]:
-    """A running engine + registry with the CPU image pushed; yields the image tag.
-
-    Reuses an engine and registry that already answer; otherwise runs scripts/docker-up.sh with its
-    state (and so the image cache) in $HARNESS_DOCKER_STATE (default /tmp/harness-docker), and stops
-    what it started at the end. The first build of the image takes minutes; later runs reuse it.
-    """
-    started_engine = False
-    if not (docker.engine_available()[0] and _registry_answers()):
-        started_engine = not docker.engine_available()[0]
-        try:
-            proc = subprocess.run(
-                ["bash", str(ROOT / "scripts" / "docker-up.sh"), str(STATE_DIR)],
-                capture_output=True,
-                text=True,
-                timeout=900,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            _unavailable(f"scripts/docker-up.sh could not run: {err}")
-        if proc.returncode != 0:
-            _unavailable(f"scripts/docker-up.sh {STATE_DIR} failed: {_tail(proc.stderr + proc.stdout)}")
-    info = docker.inspect_image(IMAGE)
-    if info is None or info.digest is None or _registry_digest(REPOSITORY, TAG) is None:
-        proc = subprocess.run(
-            ["bash", str(ROOT / "docker" / "build-cpu-image.sh"), "--push", IMAGE],
-            capture_output=True,
-            text=True,
-            timeout=3600,
-            check=False,
-        )
-        if proc.returncode != 0:
-            pytest.fail(f"docker/build-cpu-image.sh --push failed: {_tail(proc.stderr + proc.stdout, 15)}")
-    yield IMAGE
-    if started_engine and os.environ.get("HARNESS_DOCKER_KEEP") != "1":
-        subprocess.run(["bash", str(ROOT / "scripts" / "docker-down.sh"), str(STATE_DIR)], check=False, timeout=120)
-
-
-def _registry_digest(repository: str, tag: str) -> str | None:
-    """The manifest digest the registry itself serves for repository:tag (None if it has none)."""
-    request = urllib.request.Request(
-        f"http://{REGISTRY}/v2/{repository}/manifests/{tag}", headers={"Accept": MANIFEST_TYPES}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            body = response.read()
-            header: str = response.headers["Docker-Content-Digest"]
-    except OSError:
-        return None
-    # The header must be the digest of the exact bytes served: guards against a misread header.
-    assert header == "sha256:" + hashlib.sha256(body).hexdigest()
-    return header
+from conftest import IMAGE, REPOSITORY, TAG, _registry_digest  # noqa: E402  (engine fixture: conftest)
 
 
 @pytest.fixture
@@ -183,7 +98,7 @@ def test_run_args_golden(tmp_path: Path) -> None:
         name="harness-abc123",
     )
     assert args == [
-        "docker", "run", "--rm", "--name", "harness-abc123", "--ipc=host",
+        "docker", "run", "--rm", "--init", "--name", "harness-abc123", "--ipc=host",
         "--gpus", "all",
         "--network", "host",
         "-v", f"{tmp_path}/my exp (v2):/workspace",
@@ -209,6 +124,7 @@ def test_run_args_cpu_bridge_relative_path(tmp_path: Path, monkeypatch: pytest.M
         "docker",
         "run",
         "--rm",
+        "--init",
         "--name",
         "n",
         "--ipc=host",

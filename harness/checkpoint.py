@@ -148,8 +148,13 @@ def _snapshot(obj: Any) -> Any:
     # overwrite before the dict is saved if the caller keeps it around.
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, _PLAIN_MAPPINGS):
-        return type(obj)((k, _snapshot(v)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        copy: dict[Any, Any] = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+        copy.update((k, _snapshot(v)) for k, v in obj.items())
+        # Module state_dicts carry per-module versions here; load_state_dict reads them to upgrade layouts.
+        if hasattr(obj, "_metadata"):
+            copy._metadata = obj._metadata  # type: ignore[attr-defined]
+        return copy
     if isinstance(obj, list):
         return [_snapshot(v) for v in obj]
     if isinstance(obj, tuple):

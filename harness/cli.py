@@ -183,15 +183,28 @@ def execute(run_id: str, code_dir: Path, tracking_uri: str | None) -> None:
 def ui(host: str, port: int, tracking_uri: str | None) -> None:
     """Start the MLflow UI on the tracking store (runs, replays and verdicts)."""
     import os
+    import signal
     import subprocess
 
     from harness.tracking import resolve_uri, ui_command
 
     uri = resolve_uri(tracking_uri)
     click.echo(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C to stop)", err=True)
+    server = subprocess.Popen(ui_command(uri, host, port), env=os.environ.copy())
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        sys.exit(subprocess.call(ui_command(uri, host, port), env=os.environ.copy()))
+        sys.exit(server.wait())
     except KeyboardInterrupt:
+        # The server and its workers go with us, whoever sent the signal.
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
         sys.exit(130)
 
 

@@ -195,6 +195,7 @@ def test_build_snapshots_instead_of_aliasing_live_parameters() -> None:
     with torch.no_grad():
         model.body[0].weight.add_(1.0)
     assert not torch.equal(ckpt["model"]["body.0.weight"], model.body[0].weight)
+    assert ckpt["model"]._metadata == model.state_dict()._metadata  # module versions travel along
 
 
 # -- atomic writes and loading -------------------------------------------------------------------------

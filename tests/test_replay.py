@@ -194,3 +194,65 @@ def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tm
     assert missing.returncode == 2
     assert "is not in the repository" in missing.stderr and "git fetch https://example.invalid/lab/project.git" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ui_shows_the_replay_nested_with_its_verdict(project: Project, original: str, clean_replay,
+                                                     tmp_path: Path) -> None:
+    """`harness ui` (a real MLflow server) seen through a real headless Chromium."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is required in CI (apt-get install chromium)")
+        pytest.skip("no chromium here for the real-browser check")
+    port = _free_port()
+    server = project.popen("ui", "--port", str(port))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, server.communicate()
+                assert time.monotonic() < deadline, "MLflow UI did not come up"
+                time.sleep(1)
+        replay_id = clean_replay.last_line
+        with urllib.request.urlopen(f"{base}/api/2.0/mlflow/runs/get?run_id={replay_id}", timeout=30) as r:
+            tags = {t["key"]: t["value"] for t in json.load(r)["run"]["data"]["tags"]}
+        assert tags["mlflow.parentRunId"] == original and tags["harness.verdict"] == "BITWISE"
+        report_url = f"{base}/get-artifact?path=replay%2Freport.md&run_uuid={replay_id}"
+        with urllib.request.urlopen(report_url, timeout=30) as r:
+            assert "BITWISE" in r.read().decode()
+        exp_id = project.client().get_run(original).info.experiment_id
+        dom = subprocess.run(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1000",
+             "--virtual-time-budget=20000", "--dump-dom", f"{base}/#/experiments/{exp_id}/runs/{replay_id}"],
+            capture_output=True, text=True, timeout=120,
+        ).stdout
+        run_name = project.client().get_run(replay_id).info.run_name
+        assert run_name.startswith("replay-of-") and run_name in dom
+        assert "harness.verdict" in dom and "BITWISE" in dom
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 130
+    # The server went with `harness ui`: nothing listens on the port any more.
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)

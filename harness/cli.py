@@ -160,16 +160,33 @@ def compare(run_a: str, run_b: str, as_json: bool, tracking_uri: str | None) -> 
     sys.exit(cmp.exit_code)
 
 
+@main.command()
+@click.argument("run_id")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def resume(run_id: str, tracking_uri: str | None) -> None:
+    """Continue a FAILED or KILLED run from its last complete checkpoint, in the same MLflow run.
+
+    Uses the recorded code, config and environment like replay; metrics continue at their steps.
+    Needs `checkpoint_every` > 0 in the run's config.
+    """
+    from harness.resume import resume as do_resume
+    from harness.tracking import Tracker
+
+    _finish(do_resume(run_id, tracking_uri=tracking_uri), Tracker(tracking_uri))
+
+
 @main.command(name="_execute", hidden=True)
 @click.argument("run_id")
 @click.option("--code-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--resume-step", type=int, default=None)
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def execute(run_id: str, code_dir: Path, tracking_uri: str | None) -> None:
+def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
     """Run an already recorded run where this command runs (the docker executor's entry point)."""
     from harness import runner
 
-    outcome = runner.execute_recorded(run_id, code_dir, tracking_uri)
+    outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step)
     if outcome.message:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)
     sys.exit(outcome.exit_code)

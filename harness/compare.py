@@ -125,6 +125,7 @@ class RunRecord:
     fingerprints: dict[int, str]
     final_fingerprint: str | None
     config: dict
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
 
 
 @dataclass

@@ -90,6 +90,8 @@ class ExperimentConfig:
     """How often logged metrics are written to MLflow in the background."""
     fingerprint_every: int = 100
     """Hash the model parameters every this many steps (and at the end)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (and at step 0); 0 disables. Needed by resume and audit."""
     executor: Executor = Executor.local
     """local: ranks run on this machine; docker: inside the pinned image."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -203,6 +205,8 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
         raise ConfigError(f"threads_per_rank must be >= 1, got {cfg.threads_per_rank}.")
     if cfg.fingerprint_every < 1:
         raise ConfigError(f"fingerprint_every must be >= 1, got {cfg.fingerprint_every}.")
+    if cfg.checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every must be >= 0 (0 disables), got {cfg.checkpoint_every}.")
     if cfg.flush_interval_s <= 0:
         raise ConfigError(f"flush_interval_s must be > 0, got {cfg.flush_interval_s}.")
     if cfg.backend == Backend.nccl and cfg.device == Device.cpu:

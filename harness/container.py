@@ -88,7 +88,8 @@ def _store_mounts(tracker: Tracker, run_id: str) -> list[tuple[Path, str]]:
 
 
 def run_in_container(
-    tracker: Tracker, run_id: str, image: PinnedImage, code_root: Path, exp_rel: str, gpus: bool
+    tracker: Tracker, run_id: str, image: PinnedImage, code_root: Path, exp_rel: str, gpus: bool,
+    extra_args: list[str] | None = None,
 ) -> tuple[str, int, str]:
     """Run `harness _execute` for `run_id` in the image; returns (status, exit code, message)."""
     name = f"harness-{run_id[:12]}"
@@ -100,7 +101,7 @@ def run_in_container(
         mounts=_store_mounts(tracker, run_id),
         env={"MLFLOW_TRACKING_URI": tracker.uri, ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1"},
         gpus=gpus,
-        command=["harness", "_execute", run_id, "--code-dir", workdir],
+        command=["harness", "_execute", run_id, "--code-dir", workdir, *(extra_args or [])],
         name=name,
     )
     interrupted: list[int] = []

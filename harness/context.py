@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from harness import checkpoint as ckpt
 from harness.fingerprint import fingerprint
 
 # Messages rank 0 sends to the launcher, as tuples whose first item is one of these.
@@ -21,6 +24,35 @@ MSG_FINGERPRINT = "fingerprint"  # (MSG_FINGERPRINT, step, sha256)
 MSG_FINAL = "final"  # (MSG_FINAL, sha256 or None)
 MSG_DETERMINISM = "determinism"  # (MSG_DETERMINISM, {setting: value}, {ENV_VAR: value}) as in rank 0
 MSG_TOTAL = "total"  # (MSG_TOTAL, expected number of steps) for the progress bar
+MSG_CHECKPOINT = "checkpoint"  # (MSG_CHECKPOINT, step, sha256 of the weights saved)
+MSG_SEGMENT_END = "segment_end"  # (MSG_SEGMENT_END, step, sha256) when an audit segment stops
+
+
+@dataclass
+class CheckpointPlan:
+    """Where and how often ranks checkpoint, and what this launch resumes from or stops at."""
+
+    directory: str
+    every: int  # 0: never save (a resume or audit may still load)
+    resume_step: int | None = None  # load the checkpoint of this step before the first epoch
+    stop_at: int | None = None  # an audit segment ends when this many steps are done
+
+
+class StopSegment(BaseException):
+    """Raised out of the training loop when an audit segment reaches its end (not an error)."""
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose iteration ctx drives: step counting, checkpoints, resume, audit stops."""
+
+    _harness_ctx: "Context | None" = None
+    _harness_raw = False
+
+    def __iter__(self):  # type: ignore[override]
+        ctx = self._harness_ctx
+        if ctx is None or self._harness_raw or ctx._train_loader is not self:
+            return super().__iter__()
+        return ctx._train_iter(self)
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -48,6 +80,7 @@ class Context:
         rank_seed: int,
         fingerprint_every: int,
         channel: Connection | None,
+        checkpoints: CheckpointPlan | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -63,6 +96,16 @@ class Context:
         self._steps_per_epoch: int | None = None
         self._next_fingerprint = 0
         self._last_step: int | None = None
+        self._plan = checkpoints
+        self._tracked: dict[str, Any] = {}
+        self._loaders: list[DataLoader] = []
+        self._train_loader: DataLoader | None = None
+        self._global_step = 0  # training batches handed out so far (= steps started)
+        self._epoch = 0
+        self._epoch_start_generator: torch.Tensor | None = None
+        self._resume: tuple[ckpt.TrainingPosition, dict] | None = None  # until the first batch after it
+        self.step = 0
+        """Index of the current training step (0-based): the batch just handed out by the training loader."""
 
     @property
     def is_main(self) -> bool:
@@ -83,6 +126,12 @@ class Context:
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         return DDP(model, **ddp_kwargs)
+
+    def track(self, optimizer: Any = None, *, scheduler: Any = None, scaler: Any = None) -> None:
+        """Register what a checkpoint must hold besides the model (optimizer, LR scheduler, GradScaler)."""
+        for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+            if obj is not None:
+                self._tracked[name] = obj
 
     def loader(
         self,
@@ -110,7 +159,7 @@ class Context:
             loader_kwargs.setdefault("multiprocessing_context", "fork")
         generator = torch.Generator()
         generator.manual_seed(self.rank_seed)
-        dl = DataLoader(
+        dl = _Loader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
@@ -121,7 +170,11 @@ class Context:
             pin_memory=self.device.type == "cuda",
             **loader_kwargs,
         )
-        if self._steps_per_epoch is None and shuffle:
+        dl._harness_ctx = self
+        self._loaders.append(dl)
+        if self._train_loader is None and shuffle:
+            # The first shuffled loader is the training loader: its batches are the steps.
+            self._train_loader = dl
             self._steps_per_epoch = len(dl)
         return dl
 
@@ -130,9 +183,13 @@ class Context:
         per_epoch = steps_per_epoch or self._steps_per_epoch
         if per_epoch:
             self._send((MSG_TOTAL, n * per_epoch))
-        for epoch in range(n):
+        start = 0
+        if self._plan is not None and self._plan.resume_step is not None:
+            start = self._load_checkpoint(self._plan.resume_step)
+        for epoch in range(start, n):
             for sampler in self._samplers:
                 sampler.set_epoch(epoch)
+            self._epoch = epoch
             yield epoch
 
     # -- recording ------------------------------------------------------------------------------
@@ -157,6 +214,71 @@ class Context:
     def _send(self, message: tuple) -> None:
         if self._channel is not None:
             self._channel.send(message)
+
+    def _train_iter(self, loader: "_Loader") -> Iterator[Any]:
+        """Hand out the training batches of one epoch; checkpoint before fetching a step's batch."""
+        epoch, first = self._epoch, 0
+        loader._harness_raw = True  # iter(loader) inside here must be DataLoader's own
+        try:
+            if self._resume is not None and self._resume[0].epoch == epoch:
+                position, rng = self._resume
+                iterator = ckpt.resume_iterator(loader, position)  # replays this epoch's first batches
+                self._epoch_start_generator = position.epoch_start_generator
+                ckpt.set_rng_state(rng)  # after the replay: it drew from the RNGs as the original did
+                self._resume, first = None, position.batch_in_epoch
+            else:
+                self._epoch_start_generator = ckpt.generator_state(loader.generator)
+                iterator = iter(loader)
+        finally:
+            loader._harness_raw = False
+        n = len(loader)
+        for i in range(first, n):
+            step = self._global_step
+            # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
+            self._maybe_checkpoint(epoch, i)
+            if self._plan is not None and self._plan.stop_at is not None and step >= self._plan.stop_at:
+                self._send((MSG_SEGMENT_END, step, fingerprint(self._model) if self._model is not None else None))
+                raise StopSegment()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.step = step
+            yield batch
+            self._global_step += 1
+
+    def _maybe_checkpoint(self, epoch: int, batch_in_epoch: int) -> None:
+        plan, step = self._plan, self._global_step
+        if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step:
+            return
+        if self._model is None:
+            raise RuntimeError("checkpoint_every is set but no model was registered: call ctx.ddp(model).")
+        position = ckpt.TrainingPosition(step, epoch, batch_in_epoch, self._epoch_start_generator)
+        generators = {str(i): dl.generator for i, dl in enumerate(self._loaders) if dl is not self._train_loader}
+        state = ckpt.build(
+            model=self._model, position=position, loader_generators=generators,
+            extra={"next_fingerprint": self._next_fingerprint}, **self._tracked,
+        )
+        directory = Path(plan.directory)
+        ckpt.save_atomic(state, ckpt.path_for(directory, step, self.rank))
+        self.barrier()  # every rank's file is on disk before the step is marked complete
+        if self.is_main:
+            ckpt.mark_complete(directory, step, self.world_size)
+            self._send((MSG_CHECKPOINT, step, state["fingerprint"]))
+
+    def _load_checkpoint(self, step: int) -> int:
+        """Restore model, optimizer, ... and the other loaders' generators; returns the epoch to start."""
+        assert self._plan is not None and self._model is not None, "resume needs ctx.ddp(model) first"
+        state = ckpt.load(ckpt.path_for(Path(self._plan.directory), step, self.rank))
+        position = ckpt.restore(state, model=self._model, **self._tracked)
+        for i, dl in enumerate(self._loaders):
+            key = str(i)
+            if dl is not self._train_loader and key in state["loader_generators"]:
+                ckpt.set_generator_state(dl.generator, state["loader_generators"][key])
+        self._global_step = position.step
+        self._next_fingerprint = int(state["extra"]["next_fingerprint"])
+        self._resume = (position, state["rng"])
+        return position.epoch
 
     def _finish(self) -> None:
         if self.is_main:

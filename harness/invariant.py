@@ -33,6 +33,9 @@ _TAG_SAMPLE = 0
 _TAG_SHARD = 1
 _TAG_EPOCH = 2
 _FP32_BYTES = 4
+# Below this size canonical_allreduce all-gathers: on gloo over loopback (2-4 ranks) one collective beats
+# 2*log2(W) point-to-point rounds up to a few MiB, while at 4 MiB and W=4 all-gathering is 2x slower.
+GATHER_BELOW_BYTES = 1 << 20
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -245,12 +248,15 @@ def _exchange(send: Tensor, recv: Tensor, peer: int, group: Any) -> None:
         request.wait()
 
 
-def canonical_allreduce(flat: Tensor, group: Any = None) -> Tensor:
+def canonical_allreduce(flat: Tensor, group: Any = None, *, gather_below_bytes: int = GATHER_BELOW_BYTES) -> Tensor:
     """Sum a 1-D tensor over ranks as the canonical tree does above the rank subtrees: ((r0+r1)+(r2+r3))+...
 
     Recursive halving (partner rank^1, then ^2, ^4, ...) reduce-scatters, recursive doubling all-gathers:
     each rank sends 2*(W-1)/W of the vector, as a ring all-reduce does, and every element is added in the
-    same grouping on every rank and for every W. Returns a new tensor (`flat` itself when W == 1).
+    same grouping on every rank and for every W. Vectors under `gather_below_bytes` go through
+    `allgather_reduce` instead: the same bits, one collective instead of 2*log2(W) point-to-point rounds,
+    which is what decides the time when latency, not bandwidth, dominates. Returns a new tensor (`flat`
+    itself when W == 1).
     """
     world, rank = _group_size_rank(group)
     if world == 1:
@@ -259,6 +265,8 @@ def canonical_allreduce(flat: Tensor, group: Any = None) -> Tensor:
         raise ValueError(f"canonical_allreduce needs a power-of-two world size, got {world}")
     if flat.dim() != 1:
         raise ValueError(f"canonical_allreduce takes a 1-D tensor, got shape {tuple(flat.shape)}")
+    if flat.numel() * flat.element_size() < gather_below_bytes:
+        return allgather_reduce(flat, group)
     n = flat.numel()
     padded = -(-n // world) * world  # every halving then splits evenly
     work = flat.new_zeros(padded)

@@ -42,6 +42,7 @@ class LaunchSpec:
     log_dir: str
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    checkpoints: Any = None  # context.CheckpointPlan | None
 
 
 def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str]:
@@ -121,7 +122,7 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
     from omegaconf import OmegaConf
 
     from harness.config import Level, load_module_function
-    from harness.context import MSG_DETERMINISM, Context
+    from harness.context import MSG_DETERMINISM, Context, StopSegment
     from harness.determinism import seed_everything, set_determinism
     from harness.provenance import env_vars
 
@@ -150,10 +151,14 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
             rank_seed=spec.rank_seeds[rank],
             fingerprint_every=spec.fingerprint_every,
             channel=channel,
+            checkpoints=spec.checkpoints,
         )
         ctx._send((MSG_DETERMINISM, settings, env_vars()))
-        fn(ctx)
-        ctx._finish()
+        try:
+            fn(ctx)
+            ctx._finish()
+        except StopSegment:  # an audit segment ended: every rank stops at the same step
+            pass
         dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()  # into the rank's log; spawn also hands it to the launcher

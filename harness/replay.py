@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -49,6 +51,30 @@ def apply_changes(
     return new, changes
 
 
+@contextlib.contextmanager
+def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Iterator[Path]:
+    """The run's recorded code (commit + patch) in a temporary worktree; yields its experiment folder.
+
+    The user's working tree and index are never touched.
+    """
+    commit = run.tags[T.GIT_COMMIT]
+    root = Path(gitsource.open_repo(repo or Path.cwd()).working_tree_dir)
+    if not gitsource.has_commit(root, commit):
+        url = run.tags.get(T.GIT_REPO_URL)
+        source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
+        raise HarnessError(
+            f"commit {commit[:12]} of run {run.run_id} is not in the repository at {root}. "
+            f"Fetch it ({source}) or run this inside a clone that has it."
+        )
+    patch = None
+    if run.tags.get(T.GIT_DIRTY) == "true":
+        patch = tracker.read_text(run.run_id, T.ARTIFACT_PATCH)
+        if patch is None:
+            raise HarnessError(f"run {run.run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
+    with gitsource.worktree(root, commit, patch) as tree:
+        yield tree / run.tags[T.EXPERIMENT_PATH]
+
+
 def replay(
     run_id: str,
     *,
@@ -71,23 +97,8 @@ def replay(
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
         changes.append(f"executor={executor}")
 
-    commit = original.tags[T.GIT_COMMIT]
-    root = gitsource.open_repo(repo or Path.cwd()).working_tree_dir
-    if not gitsource.has_commit(Path(root), commit):
-        url = original.tags.get(T.GIT_REPO_URL)
-        source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
-        raise HarnessError(
-            f"commit {commit[:12]} of run {run_id} is not in the repository at {root}. "
-            f"Fetch it ({source}) or run replay inside a clone that has it."
-        )
-    patch = None
-    if original.tags.get(T.GIT_DIRTY) == "true":
-        patch = tracker.read_text(run_id, T.ARTIFACT_PATCH)
-        if patch is None:
-            raise HarnessError(f"run {run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
-
-    with gitsource.worktree(Path(root), commit, patch) as tree:
-        exp_dir = tree / original.tags[T.EXPERIMENT_PATH]
+    with checkout(tracker, original, repo) as exp_dir:
+        tree = exp_dir.parents[len(Path(original.tags[T.EXPERIMENT_PATH]).parts) - 1]
         validate(cfg, exp_dir)  # the entry must exist in the recorded code
         pinned = None
         if cfg.executor == Executor.docker:

@@ -127,12 +127,54 @@ def create_record(
     return run_id
 
 
-def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> Outcome:
-    """Measure the runtime, run every rank, stream metrics, and end the MLflow run accordingly."""
-    from harness.console import Console
-    from harness.context import MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_METRICS, MSG_TOTAL
+def launch_spec(
+    cfg: DictConfig, code_dir: Path, device: str, backend: str, log_dir: Path, checkpoints: Any = None
+) -> Any:
+    """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
     from harness.determinism import derive_rank_seeds
-    from harness.launch import LaunchSpec, failure_details, launch, resolve_device
+    from harness.launch import LaunchSpec
+
+    entry_file, entry_func = split_entry(str(cfg.entry))
+    return LaunchSpec(
+        code_dir=str(Path(code_dir).resolve()),
+        entry_file=entry_file,
+        entry_func=entry_func,
+        world_size=cfg.world_size,
+        device=device,
+        backend=backend,
+        seed=cfg.seed,
+        rank_seeds=derive_rank_seeds(cfg.seed, cfg.world_size),
+        threads_per_rank=cfg.threads_per_rank,
+        determinism=cfg.determinism.level.value,
+        fingerprint_every=cfg.fingerprint_every,
+        train_cfg=to_container(cfg)["train"],
+        log_dir=str(log_dir),
+        checkpoints=checkpoints,
+    )
+
+
+def checkpoint_plan(tracker: Tracker, run_id: str, cfg: DictConfig, **kwargs: Any) -> Any:
+    """Checkpoints live in the run's own artifact folder, so the MLflow UI lists them with the run."""
+    from harness.context import CheckpointPlan
+
+    if cfg.checkpoint_every <= 0 and not kwargs:
+        return None
+    return CheckpointPlan(str(tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS), cfg.checkpoint_every, **kwargs)
+
+
+def execute(
+    tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path, resume_step: int | None = None
+) -> Outcome:
+    """Measure the runtime, run every rank, stream metrics, and end the MLflow run accordingly.
+
+    With `resume_step`, the ranks continue from that checkpoint in the same MLflow run: metrics and
+    fingerprints already recorded are kept, and values re-logged identically are not written twice.
+    """
+    from harness.console import Console
+    from harness.context import (
+        MSG_CHECKPOINT, MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_METRICS, MSG_TOTAL,
+    )
+    from harness.launch import failure_details, launch, resolve_device
     from harness.provenance import package_lock, runtime_facts
 
     work = Path(tempfile.mkdtemp(prefix="harness-run-"))
@@ -141,7 +183,12 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
     writer = None
     console = None
     fingerprints: dict[int, str] = {}
-    final: dict[str, Any] = {}
+    final: dict[str, Any] = {"checkpoints": {}}
+    prior = None
+    if resume_step is not None:
+        prior = tracker.load_record(run_id)
+        fingerprints = {k: v for k, v in prior.fingerprints.items() if k < resume_step}
+        final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
     status, code, message = "FAILED", EXIT_FAILED, ""
     try:
         device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
@@ -155,23 +202,11 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
         tracker.set_tags(run_id, facts)
         tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)  # where the ranks run
 
-        entry_file, entry_func = split_entry(str(cfg.entry))
-        spec = LaunchSpec(
-            code_dir=str(Path(code_dir).resolve()),
-            entry_file=entry_file,
-            entry_func=entry_func,
-            world_size=cfg.world_size,
-            device=device,
-            backend=backend,
-            seed=cfg.seed,
-            rank_seeds=derive_rank_seeds(cfg.seed, cfg.world_size),
-            threads_per_rank=cfg.threads_per_rank,
-            determinism=cfg.determinism.level.value,
-            fingerprint_every=cfg.fingerprint_every,
-            train_cfg=to_container(cfg)["train"],
-            log_dir=str(log_dir),
-        )
+        plan = checkpoint_plan(tracker, run_id, cfg, **({} if resume_step is None else {"resume_step": resume_step}))
+        spec = launch_spec(cfg, code_dir, device, backend, log_dir, plan)
         writer = tracker.metric_writer(run_id, cfg.flush_interval_s)
+        if prior is not None:
+            writer.prime(prior.metrics)
         console = Console(log_dir / "rank0.log", f"{experiment_name(code_dir)} x{cfg.world_size}")
 
         def on_message(msg: tuple) -> None:
@@ -187,6 +222,8 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
                 final["determinism"], final["vars"] = msg[1], msg[2]
             elif kind == MSG_TOTAL:
                 console.total(msg[1])
+            elif kind == MSG_CHECKPOINT:
+                final["checkpoints"][msg[1]] = msg[2]
 
         try:
             launch(spec, on_message)
@@ -212,7 +249,8 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
             if writer is not None:
                 writer.close()
                 save_series(writer.series, work / "series.npz")
-            _record_results(tracker, run_id, fingerprints, final, work)
+            logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
+            _record_results(tracker, run_id, fingerprints, final, work, logs)
         finally:
             tracker.end_run(run_id, status)
             shutil.rmtree(work, ignore_errors=True)
@@ -220,7 +258,7 @@ def execute(tracker: Tracker, run_id: str, cfg: DictConfig, code_dir: Path) -> O
 
 
 def _record_results(
-    tracker: Tracker, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path
+    tracker: Tracker, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path, logs: str
 ) -> None:
     tags: dict[str, str] = {}
     if "determinism" in final:
@@ -229,13 +267,17 @@ def _record_results(
     if final.get("fingerprint"):
         tags[T.FINGERPRINT] = final["fingerprint"]
     tracker.set_tags(run_id, tags)
-    if fingerprints or final.get("fingerprint"):
-        doc = {"steps": {str(k): v for k, v in sorted(fingerprints.items())}, "final": final.get("fingerprint")}
+    if fingerprints or final.get("fingerprint") or final["checkpoints"]:
+        doc = {
+            "steps": {str(k): v for k, v in sorted(fingerprints.items())},
+            "final": final.get("fingerprint"),
+            "checkpoints": {str(k): v for k, v in sorted(final["checkpoints"].items())},
+        }
         tracker.log_text(run_id, json.dumps(doc, indent=2), T.ARTIFACT_FINGERPRINTS)
     if (work / "series.npz").exists():
         tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
     if any((work / "logs").iterdir()):
-        tracker.log_dir(run_id, work / "logs", T.ARTIFACT_LOGS_DIR)
+        tracker.log_dir(run_id, work / "logs", logs)
 
 
 def run(
@@ -282,10 +324,12 @@ def run(
     return execute(tracker, run_id, cfg, Path(exp_dir))
 
 
-def execute_recorded(run_id: str, code_dir: Path, tracking_uri: str | None = None) -> Outcome:
+def execute_recorded(
+    run_id: str, code_dir: Path, tracking_uri: str | None = None, resume_step: int | None = None
+) -> Outcome:
     """Inside the container: run an already recorded run from its stored config."""
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
     if run.status != "RUNNING":
         raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
-    return execute(tracker, run_id, recorded_config(tracker, run), code_dir)
+    return execute(tracker, run_id, recorded_config(tracker, run), code_dir, resume_step=resume_step)

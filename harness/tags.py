@@ -49,6 +49,7 @@ VAR_PREFIX = "harness.var."
 
 FINGERPRINT = "harness.fingerprint"
 FAILED_RANK = "harness.failed_rank"
+RESUMES = "harness.resumed_from"  # checkpoint steps this run was resumed from, comma-separated
 STATUS_REASON = "harness.status_reason"
 
 # Replay / compare.
@@ -62,6 +63,7 @@ ARTIFACT_PATCH = "git/uncommitted.patch"
 ARTIFACT_LOCK = "environment/requirements.lock"
 ARTIFACT_LOGS_DIR = "logs"
 ARTIFACT_FINGERPRINTS = "fingerprints.json"
+ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts
 ARTIFACT_SERIES = "metrics/series.npz"  # every logged value, exact, for fast comparison
 ARTIFACT_FAILURE = "failure.txt"
 ARTIFACT_REPORT = "replay/report.md"

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import tempfile
+import struct
 import threading
 import time
 from collections import deque
@@ -113,8 +114,24 @@ class Tracker:
     def log_file(self, run_id: str, local_file: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(local_file), artifact_path)
 
+    def reopen(self, run_id: str) -> None:
+        """Mark an ended run RUNNING again (a resume continues it)."""
+        self.client.update_run(run_id, status="RUNNING")
+
     def end_run(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status)
+
+    def local_artifact_dir(self, run_id: str) -> Path:
+        """The run's artifact folder on this machine (checkpoints are written straight into it)."""
+        uri = self.get_run(run_id).artifact_uri
+        if uri.startswith("file://"):
+            return Path(uri[len("file://"):])
+        if uri.startswith("/"):
+            return Path(uri)
+        raise HarnessError(
+            f"checkpoints need a local artifact store, but run {run_id} stores artifacts at {uri}. "
+            "Use a file:// artifact root (the default SQLite store has one), or set checkpoint_every: 0."
+        )
 
     def metric_writer(self, run_id: str, flush_interval_s: float) -> "MetricWriter":
         return MetricWriter(self, run_id, flush_interval_s)
@@ -201,6 +218,7 @@ class Tracker:
             metrics=metrics,
             fingerprints={int(k): v for k, v in fp.get("steps", {}).items()},
             final_fingerprint=fp.get("final"),
+            checkpoints={int(k): v for k, v in fp.get("checkpoints", {}).items()},
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 
@@ -285,13 +303,22 @@ class MetricWriter:
         # Every value as logged, for series.npz: reading 100k steps back through MLflow's
         # metric history takes seconds per metric, the comparison needs them in milliseconds.
         self.series: dict[str, dict[int, float]] = {}
+        self._known: dict[str, dict[int, float]] = {}
         self._thread = threading.Thread(target=self._loop, name="harness-metrics", daemon=True)
         self._thread.start()
 
+    def prime(self, metrics: dict[str, tuple[Any, Any]]) -> None:
+        """Values already in the run (a resume): logged again bit-identically, they are not rewritten."""
+        self._known = {key: dict(zip(steps.tolist(), values.tolist())) for key, (steps, values) in metrics.items()}
+        self.series = {key: dict(known) for key, known in self._known.items()}
+
     def add(self, step: int, values: dict[str, float], timestamp_ms: int) -> None:
         for key, value in values.items():
-            self._pending.append((key, value, timestamp_ms, step))
+            known = self._known.get(key, {}).get(step)
             self.series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
+            if known is not None and struct.pack("<d", known) == struct.pack("<d", value):
+                continue
+            self._pending.append((key, value, timestamp_ms, step))
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

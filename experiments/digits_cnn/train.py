@@ -73,9 +73,9 @@ def train(ctx):
 
     model = ctx.ddp(make_model(cfg.dropout))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    ctx.track(optimizer)  # part of every checkpoint (momentum buffers included)
     loss_fn = nn.CrossEntropyLoss()
 
-    step = 0
     for epoch in ctx.epochs(cfg.epochs):
         for x, y in train_loader:
             x, y = x.to(ctx.device), y.to(ctx.device)
@@ -83,8 +83,7 @@ def train(ctx):
             loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
-            ctx.log({"train_loss": loss}, step)
-            step += 1
+            ctx.log({"train_loss": loss}, ctx.step)
         acc = evaluate(ctx, model, val_loader)
-        ctx.log({"val_acc": acc, "epoch": epoch}, step - 1)
+        ctx.log({"val_acc": acc, "epoch": epoch}, ctx.step)  # at the epoch's last step
         ctx.print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {loss.item():.4f}  val_acc {acc:.4f}")

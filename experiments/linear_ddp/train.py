@@ -11,9 +11,9 @@ def train(ctx):
     loader = ctx.loader(data, batch_size=cfg.batch_size)
     model = ctx.ddp(nn.Linear(10, 5))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    ctx.track(optimizer)  # part of every checkpoint
     loss_fn = nn.MSELoss()
 
-    step = 0
     for epoch in ctx.epochs(cfg.epochs):
         model.train()
         for batch in loader:
@@ -24,6 +24,5 @@ def train(ctx):
             loss = loss_fn(output, target)
             loss.backward()
             optimizer.step()
-            ctx.log({"loss": loss}, step)
-            step += 1
+            ctx.log({"loss": loss}, ctx.step)
         ctx.print(f"epoch {epoch + 1}/{cfg.epochs} loss {loss.item():.4f}")

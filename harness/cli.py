@@ -176,6 +176,34 @@ def resume(run_id: str, tracking_uri: str | None) -> None:
     _finish(do_resume(run_id, tracking_uri=tracking_uri), Tracker(tracking_uri))
 
 
+@main.command()
+@click.argument("run_id")
+@click.option("--segments", "-k", type=click.IntRange(min=1), required=True,
+              help="How many checkpoint-to-checkpoint segments to replay.")
+@click.option("--seed", type=int, default=None, help="Seed of the random draw (printed; default: random).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None) -> None:
+    """Verify a FINISHED run by replaying K random segments between its checkpoints.
+
+    Each drawn segment restarts from its start checkpoint and must reach the fingerprint the run
+    recorded at its end, with bit-identical metrics. Prints the probability of catching one bad
+    segment (K/N) and the compute spent relative to a full replay. The last two lines of stdout are
+    `verdict: ...` and the audit's run id. Exit 0 all segments reproduced, 1 one did not, 2 bad input.
+    """
+    from harness.audit import audit as do_audit
+
+    result = do_audit(run_id, segments=segments, seed=seed, tracking_uri=tracking_uri)
+    for s in result.drawn:
+        click.echo(f"segment {s.index} steps {s.start}-{s.end}: {'ok' if s.ok else 'FAILED'}"
+                   f"{'' if s.ok else ' - ' + s.detail} ({s.seconds:.1f}s)")
+    click.echo(f"P(catching one bad segment) = {len(result.drawn)}/{result.segments_total} = "
+               f"{result.catch_probability:.2f}; compute = {result.step_fraction:.1%} of a full replay's steps")
+    click.echo(f"verdict: {result.summary()}")
+    click.echo(result.audit_id)
+    sys.exit(result.exit_code)
+
+
 @main.command(name="_execute", hidden=True)
 @click.argument("run_id")
 @click.option("--code-dir", type=click.Path(path_type=Path), required=True)

@@ -126,6 +126,7 @@ class RunRecord:
     final_fingerprint: str | None
     config: dict
     checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
+    steps_total: int | None = None  # training steps the run completed
 
 
 @dataclass

@@ -21,11 +21,12 @@ from harness.fingerprint import fingerprint
 # Messages rank 0 sends to the launcher, as tuples whose first item is one of these.
 MSG_METRICS = "metrics"  # (MSG_METRICS, step, {key: float}, unix_ms)
 MSG_FINGERPRINT = "fingerprint"  # (MSG_FINGERPRINT, step, sha256)
-MSG_FINAL = "final"  # (MSG_FINAL, sha256 or None)
+MSG_FINAL = "final"  # (MSG_FINAL, sha256 or None, training steps done)
 MSG_DETERMINISM = "determinism"  # (MSG_DETERMINISM, {setting: value}, {ENV_VAR: value}) as in rank 0
 MSG_TOTAL = "total"  # (MSG_TOTAL, expected number of steps) for the progress bar
 MSG_CHECKPOINT = "checkpoint"  # (MSG_CHECKPOINT, step, sha256 of the weights saved)
 MSG_SEGMENT_END = "segment_end"  # (MSG_SEGMENT_END, step, sha256) when an audit segment stops
+MSG_SEGMENT_START = "segment_start"  # (MSG_SEGMENT_START, index) before an audit segment runs
 
 
 @dataclass
@@ -282,4 +283,4 @@ class Context:
 
     def _finish(self) -> None:
         if self.is_main:
-            self._send((MSG_FINAL, fingerprint(self._model) if self._model is not None else None))
+            self._send((MSG_FINAL, fingerprint(self._model) if self._model is not None else None, self._global_step))

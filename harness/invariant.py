@@ -160,18 +160,24 @@ class ShardBatchSampler(Sampler[list]):
 class EvalSampler(Sampler[tuple]):
     """Contiguous split of range(n) over W ranks without padding or duplicates: exact counts for any W.
 
-    Rank r gets [r*n//W, (r+1)*n//W); block sizes differ by at most one. Items are `(epoch, index)` keys.
+    Rank r gets [r*n//W, (r+1)*n//W); block sizes differ by at most one. With `chunk=c` the blocks are made
+    of whole chunks of c samples instead (sizes then differ by at most c): a DataLoader with batch_size=c
+    then forms the same batches for every W, so per-sample outputs, not just counts, are W-independent.
+    Items are `(epoch, index)` keys.
     """
 
-    def __init__(self, dataset_len: int, world_size: int, rank: int, epoch: int = 0) -> None:
+    def __init__(self, dataset_len: int, world_size: int, rank: int, epoch: int = 0, *, chunk: int = 1) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world_size {world_size}. Pass 0 <= rank < world_size.")
+        if chunk < 1:
+            raise ConfigError(f"EvalSampler chunk must be >= 1, got {chunk}. Pass the evaluation batch size.")
         self.dataset_len = dataset_len
         self.world_size = world_size
         self.rank = rank
         self.epoch = epoch
-        self.start = rank * dataset_len // world_size
-        self.stop = (rank + 1) * dataset_len // world_size
+        chunks = -(-dataset_len // chunk)
+        self.start = min(rank * chunks // world_size * chunk, dataset_len)
+        self.stop = min((rank + 1) * chunks // world_size * chunk, dataset_len)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -384,6 +390,8 @@ class InvariantStep:
         self._numel = 0
         self._rows = torch.empty(0)
         self._views: list[list[Tensor]] = []
+        self._grad = torch.empty(0)
+        self._grad_views: list[Tensor] = []
 
     def _prepare(self, model: nn.Module) -> list[nn.Parameter]:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -395,9 +403,18 @@ class InvariantStep:
             self._key = key
             self._params = params
             self._numel = sum(p.numel() for p in params)
-            # One fp32 row per local shard: its flat gradient, then K loss slots (zero except its own), so one
+            # One row per local shard: its flat gradient, then K loss slots (zero except its own), so one
             # reduction carries gradients and losses together; adding zeros is exact.
-            self._rows = torch.zeros(self.local_shards, self._numel + self.shards, dtype=torch.float32, device=params[0].device)
+            # fp32, or fp64 when a parameter is fp64, so no gradient loses precision in the sum.
+            dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+            device = params[0].device
+            self._rows = torch.zeros(self.local_shards, self._numel + self.shards, dtype=dtype, device=device)
+            self._grad = torch.empty(self._numel, dtype=dtype, device=device)
+            self._grad_views = []
+            offset = 0
+            for p in params:
+                self._grad_views.append(self._grad[offset : offset + p.numel()].view(p.shape))
+                offset += p.numel()
             self._views = []
             for j in range(self.local_shards):
                 views, offset = [], 0
@@ -429,19 +446,20 @@ class InvariantStep:
                     else:
                         view.copy_(grad)
                 # + 0.0 turns a -0.0 into +0.0, which summing with the zero slots of other ranks would do anyway.
-                rows[j, numel + g] = loss.detach().to(torch.float32) + 0.0
+                rows[j, numel + g] = loss.detach().to(rows.dtype) + 0.0
         local = _tree_sum_rows_(rows)
         total = self._reduce(local, group=self._group)
 
-        grad = total[:numel].div(self.shards)  # K is a power of two: exact, and the same for every W
-        offset = 0
-        for p in params:
-            flat = grad[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = flat.to(dtype=p.dtype, copy=True)
-            else:
-                p.grad.copy_(flat)
+        torch.div(total[:numel], self.shards, out=self._grad)  # K is a power of two: exact, the same for every W
+        for p, view in zip(params, self._grad_views):
+            if view.dtype != p.dtype:  # half-precision parameters: reduced in fp32, cast back
+                if p.grad is None:
+                    p.grad = view.to(p.dtype)
+                else:
+                    p.grad.copy_(view)
+            elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                # .grad is a view of one persistent buffer (as DDP's gradient_as_bucket_view): no copy per step.
+                p.grad = view
 
         losses = total[numel:].to(torch.float64)
         while losses.numel() > 1:

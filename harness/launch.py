@@ -43,6 +43,8 @@ class LaunchSpec:
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     checkpoints: Any = None  # context.CheckpointPlan | None
+    # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
+    segments: list[Any] = field(default_factory=list)
 
 
 def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str]:
@@ -122,7 +124,7 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
     from omegaconf import OmegaConf
 
     from harness.config import Level, load_module_function
-    from harness.context import MSG_DETERMINISM, Context, StopSegment
+    from harness.context import MSG_DETERMINISM, MSG_SEGMENT_START, Context, StopSegment
     from harness.determinism import seed_everything, set_determinism
     from harness.provenance import env_vars
 
@@ -141,24 +143,32 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
         os.chdir(spec.code_dir)
         sys.path.insert(0, spec.code_dir)  # the entry may import its sibling modules
         fn = load_module_function(Path(spec.code_dir) / spec.entry_file, spec.entry_func)
-        ctx = Context(
-            rank=rank,
-            world_size=spec.world_size,
-            local_rank=rank,
-            device=device,
-            cfg=OmegaConf.create(spec.train_cfg),
-            seed=spec.seed,
-            rank_seed=spec.rank_seeds[rank],
-            fingerprint_every=spec.fingerprint_every,
-            channel=channel,
-            checkpoints=spec.checkpoints,
-        )
-        ctx._send((MSG_DETERMINISM, settings, env_vars()))
-        try:
-            fn(ctx)
-            ctx._finish()
-        except StopSegment:  # an audit segment ended: every rank stops at the same step
-            pass
+
+        def make_context(plan: Any) -> Context:
+            return Context(
+                rank=rank,
+                world_size=spec.world_size,
+                local_rank=rank,
+                device=device,
+                cfg=OmegaConf.create(spec.train_cfg),
+                seed=spec.seed,
+                rank_seed=spec.rank_seeds[rank],
+                fingerprint_every=spec.fingerprint_every,
+                channel=channel,
+                checkpoints=plan,
+            )
+
+        if channel is not None:
+            channel.send((MSG_DETERMINISM, settings, env_vars()))
+        for index, plan in enumerate(spec.segments or [spec.checkpoints]):
+            ctx = make_context(plan)
+            if spec.segments:
+                ctx._send((MSG_SEGMENT_START, index))
+            try:
+                fn(ctx)
+                ctx._finish()
+            except StopSegment:  # an audit segment ended: every rank stops at the same step
+                pass
         dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()  # into the rank's log; spawn also hands it to the launcher

@@ -217,7 +217,7 @@ def execute(
             elif kind == MSG_FINGERPRINT:
                 fingerprints[msg[1]] = msg[2]
             elif kind == MSG_FINAL:
-                final["fingerprint"] = msg[1]
+                final["fingerprint"], final["steps_total"] = msg[1], msg[2]
             elif kind == MSG_DETERMINISM:
                 final["determinism"], final["vars"] = msg[1], msg[2]
             elif kind == MSG_TOTAL:
@@ -271,6 +271,7 @@ def _record_results(
         doc = {
             "steps": {str(k): v for k, v in sorted(fingerprints.items())},
             "final": final.get("fingerprint"),
+            "steps_total": final.get("steps_total"),
             "checkpoints": {str(k): v for k, v in sorted(final["checkpoints"].items())},
         }
         tracker.log_text(run_id, json.dumps(doc, indent=2), T.ARTIFACT_FINGERPRINTS)

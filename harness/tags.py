@@ -57,6 +57,10 @@ REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
 
+AUDIT_OF = "harness.audit_of"
+AUDIT_SEGMENTS = "harness.audit.segments"  # drawn segment indices
+AUDIT_SEED = "harness.audit.seed"
+
 # Artifacts.
 ARTIFACT_CONFIG = "config.yaml"
 ARTIFACT_PATCH = "git/uncommitted.patch"
@@ -69,3 +73,5 @@ ARTIFACT_FAILURE = "failure.txt"
 ARTIFACT_REPORT = "replay/report.md"
 ARTIFACT_PLOTS_DIR = "replay"
 ARTIFACT_COMPARISON = "replay/comparison.json"
+ARTIFACT_AUDIT = "audit/report.md"
+ARTIFACT_AUDIT_JSON = "audit/segments.json"

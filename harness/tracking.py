@@ -219,6 +219,7 @@ class Tracker:
             fingerprints={int(k): v for k, v in fp.get("steps", {}).items()},
             final_fingerprint=fp.get("final"),
             checkpoints={int(k): v for k, v in fp.get("checkpoints", {}).items()},
+            steps_total=fp.get("steps_total"),
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 

@@ -111,12 +111,12 @@ def train(ctx):
     loader = ctx.loader(data, batch_size=10)
     model = ctx.ddp(nn.Linear(10, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = 0
+    ctx.track(opt)
     for _ in ctx.epochs(2):
         for batch in loader:
             opt.zero_grad()
             out = model(batch)
-            if step >= 3:  # from step 3 on, targets come from the OS: nothing can replay them
+            if ctx.step >= 3:  # from step 3 on, targets come from the OS: nothing can replay them
                 target = torch.randn(out.shape, generator=torch.Generator().manual_seed(
                     int.from_bytes(os.urandom(4), "little")))
             else:
@@ -124,8 +124,7 @@ def train(ctx):
             loss = nn.functional.mse_loss(out, target)
             loss.backward()
             opt.step()
-            ctx.log({"loss": loss}, step)
-            step += 1
+            ctx.log({"loss": loss}, ctx.step)
 '''
 
 

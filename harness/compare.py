@@ -321,7 +321,16 @@ def _is_fact(name: str) -> bool:
     return name.startswith(tags.PREFIX) and name not in IGNORED_TAGS
 
 
+def _world_size_invariant(facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> bool:
+    """Both runs trained in world-size-invariant mode with the same shards."""
+    flag, shards = tags.DETERMINISM_PREFIX + "world_size_invariant", tags.DETERMINISM_PREFIX + "shards"
+    return facts_a.get(flag) == facts_b.get(flag) == "True" and facts_a.get(shards) == facts_b.get(shards)
+
+
 def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> tuple[bool, str]:
+    if name in (tags.WORLD_SIZE, tags.RANK_SEEDS) and _world_size_invariant(facts_a, facts_b):
+        # Fixed shards, per-shard randomness and one canonical summation order: W does not enter the arithmetic.
+        return False, "world size changed in world-size-invariant mode (same shards): bitwise still possible"
     if name in _BREAKING_FACTS:
         return True, _BREAKING_FACTS[name]
     if name.startswith(tags.DETERMINISM_PREFIX):

@@ -46,6 +46,10 @@ class Executor(enum.Enum):
 class DeterminismConfig:
     level: Level = Level.strict
     """strict | warn | off (see Level)."""
+    world_size_invariant: bool = False
+    """Train so that any world size dividing `shards` gives bit-identical results (see README)."""
+    shards: int = 8
+    """Invariant mode: fixed shards per global step (a power of two); batch_size is the shard size."""
 
 
 @dataclass
@@ -209,6 +213,10 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
         raise ConfigError(f"checkpoint_every must be >= 0 (0 disables), got {cfg.checkpoint_every}.")
     if cfg.flush_interval_s <= 0:
         raise ConfigError(f"flush_interval_s must be > 0, got {cfg.flush_interval_s}.")
+    if cfg.determinism.world_size_invariant:
+        from harness.invariant import check_layout
+
+        check_layout(cfg.determinism.shards, cfg.world_size)
     if cfg.backend == Backend.nccl and cfg.device == Device.cpu:
         raise ConfigError("backend nccl needs device cuda (or auto); use backend gloo for cpu.")
     if not str(cfg.image).strip():

@@ -82,6 +82,7 @@ class Context:
         fingerprint_every: int,
         channel: Connection | None,
         checkpoints: CheckpointPlan | None = None,
+        invariant_shards: int = 0,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -98,6 +99,8 @@ class Context:
         self._next_fingerprint = 0
         self._last_step: int | None = None
         self._plan = checkpoints
+        self._shards = invariant_shards  # > 0: world-size-invariant mode
+        self._invariant_step: Any = None
         self._tracked: dict[str, Any] = {}
         self._loaders: list[DataLoader] = []
         self._train_loader: DataLoader | None = None
@@ -124,6 +127,14 @@ class Context:
 
         model = model.to(self.device)
         self._model = model
+        if self._shards:
+            # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
+            # all-reduce would add them in a world-size-dependent order. Start from rank 0's weights, as DDP does.
+            from harness.invariant import InvariantStep, broadcast_parameters
+
+            broadcast_parameters(model)
+            self._invariant_step = InvariantStep(self._shards, self.world_size, self.rank, self.seed)
+            return model
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         return DDP(model, **ddp_kwargs)
@@ -144,7 +155,15 @@ class Context:
         drop_last: bool = False,
         **loader_kwargs: Any,
     ) -> DataLoader:
-        """A DataLoader over this rank's shard: seeded DistributedSampler, seeded generator, seeded workers."""
+        """A DataLoader over this rank's shard: seeded DistributedSampler, seeded generator, seeded workers.
+
+        In world-size-invariant mode, `batch_size` is the shard size: a training step is
+        determinism.shards shards (K/W of them on each rank, the incomplete last global batch dropped),
+        validation (shuffle=False) splits the data in whole batches without padding, and every item's
+        randomness is keyed by (seed, epoch, sample index).
+        """
+        if self._shards:
+            return self._invariant_loader(dataset, batch_size, shuffle, num_workers, **loader_kwargs)
         sampler = DistributedSampler(
             dataset,
             num_replicas=self.world_size,
@@ -154,23 +173,49 @@ class Context:
             drop_last=drop_last,
         )
         self._samplers.append(sampler)
-        if num_workers > 0 and "fork" in mp.get_all_start_methods():
-            # Ranks are spawned, and workers would inherit that: spawning a worker re-imports
-            # torch every epoch (seconds); fork is PyTorch's own default on Linux.
-            loader_kwargs.setdefault("multiprocessing_context", "fork")
-        generator = torch.Generator()
-        generator.manual_seed(self.rank_seed)
         dl = _Loader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
             num_workers=num_workers,
             drop_last=drop_last,
+            **self._loader_common(num_workers, loader_kwargs),
+        )
+        return self._register(dl, shuffle)
+
+    def _invariant_loader(
+        self, dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int, **loader_kwargs: Any
+    ) -> DataLoader:
+        from harness.invariant import EvalSampler, KeyedDataset, ShardBatchSampler
+
+        keyed = KeyedDataset(dataset, self.seed)
+        common = self._loader_common(num_workers, loader_kwargs)
+        if shuffle:
+            sampler: Any = ShardBatchSampler(
+                len(dataset), batch_size, self._shards, self.world_size, self.rank, self.seed  # type: ignore[arg-type]
+            )
+            dl = _Loader(keyed, batch_sampler=sampler, num_workers=num_workers, **common)
+        else:
+            sampler = EvalSampler(len(dataset), self.world_size, self.rank, chunk=batch_size)  # type: ignore[arg-type]
+            dl = _Loader(keyed, batch_size=batch_size, sampler=sampler, num_workers=num_workers, **common)
+        self._samplers.append(sampler)
+        return self._register(dl, shuffle)
+
+    def _loader_common(self, num_workers: int, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+        if num_workers > 0 and "fork" in mp.get_all_start_methods():
+            # Ranks are spawned, and workers would inherit that: spawning a worker re-imports
+            # torch every epoch (seconds); fork is PyTorch's own default on Linux.
+            loader_kwargs.setdefault("multiprocessing_context", "fork")
+        generator = torch.Generator()
+        generator.manual_seed(self.rank_seed)
+        return dict(
             generator=generator,
             worker_init_fn=_seed_worker,
             pin_memory=self.device.type == "cuda",
             **loader_kwargs,
         )
+
+    def _register(self, dl: "_Loader", shuffle: bool) -> DataLoader:
         dl._harness_ctx = self
         self._loaders.append(dl)
         if self._train_loader is None and shuffle:
@@ -178,6 +223,21 @@ class Context:
             self._train_loader = dl
             self._steps_per_epoch = len(dl)
         return dl
+
+    def backward(self, batch: Any, loss_fn: Any) -> torch.Tensor:
+        """Gradients of `loss_fn(*batch)` (the mean loss of a batch) in every parameter's .grad; returns the loss.
+
+        Standard mode: loss_fn(*batch).backward() (DDP averages over ranks). World-size-invariant
+        mode: the batch is split into this rank's shards, each differentiated with its own
+        (seed, step, shard) randomness, and the gradients summed in one canonical order; the
+        returned loss is then the global mean, the same on every rank and for every world size.
+        """
+        if self._invariant_step is not None:
+            return self._invariant_step.backward(self._model, batch, loss_fn, self.step)
+        args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        loss = loss_fn(*args)
+        loss.backward()
+        return loss.detach()
 
     def epochs(self, n: int, steps_per_epoch: int | None = None) -> Iterator[int]:
         """range(n) that calls set_epoch on every sampler made by ctx.loader (reshuffles each epoch)."""

@@ -43,6 +43,7 @@ class LaunchSpec:
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     checkpoints: Any = None  # context.CheckpointPlan | None
+    invariant_shards: int = 0  # > 0: world-size-invariant mode with this many shards
     # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
     segments: list[Any] = field(default_factory=list)
 
@@ -133,6 +134,8 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
         with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
             torch.set_num_interop_threads(1)
         settings = set_determinism(Level(spec.determinism))
+        settings["world_size_invariant"] = str(spec.invariant_shards > 0)
+        settings["shards"] = str(spec.invariant_shards or "none")
         seed_everything(spec.rank_seeds[rank])
         if spec.device == "cuda":
             torch.cuda.set_device(rank)
@@ -156,6 +159,7 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
                 fingerprint_every=spec.fingerprint_every,
                 channel=channel,
                 checkpoints=plan,
+                invariant_shards=spec.invariant_shards,
             )
 
         if channel is not None:

@@ -150,6 +150,7 @@ def launch_spec(
         train_cfg=to_container(cfg)["train"],
         log_dir=str(log_dir),
         checkpoints=checkpoints,
+        invariant_shards=cfg.determinism.shards if cfg.determinism.world_size_invariant else 0,
     )
 
 

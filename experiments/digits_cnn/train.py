@@ -78,10 +78,10 @@ def train(ctx):
 
     for epoch in ctx.epochs(cfg.epochs):
         for x, y in train_loader:
-            x, y = x.to(ctx.device), y.to(ctx.device)
             optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            # loss.backward() in standard DDP; per-shard gradients summed in a fixed order in
+            # world-size-invariant mode. The same line works in both.
+            loss = ctx.backward((x.to(ctx.device), y.to(ctx.device)), lambda x, y: loss_fn(model(x), y))
             optimizer.step()
             ctx.log({"train_loss": loss}, ctx.step)
         acc = evaluate(ctx, model, val_loader)

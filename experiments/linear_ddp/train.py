@@ -14,15 +14,16 @@ def train(ctx):
     ctx.track(optimizer)  # part of every checkpoint
     loss_fn = nn.MSELoss()
 
+    def batch_loss(batch):
+        output = model(batch)
+        target = torch.randn_like(output)  # random targets, from the seeded generator
+        return loss_fn(output, target)
+
     for epoch in ctx.epochs(cfg.epochs):
         model.train()
         for batch in loader:
-            batch = batch.to(ctx.device)
             optimizer.zero_grad()
-            output = model(batch)
-            target = torch.randn_like(output)  # from this rank's seeded generator
-            loss = loss_fn(output, target)
-            loss.backward()
+            loss = ctx.backward(batch.to(ctx.device), batch_loss)
             optimizer.step()
             ctx.log({"loss": loss}, ctx.step)
         ctx.print(f"epoch {epoch + 1}/{cfg.epochs} loss {loss.item():.4f}")

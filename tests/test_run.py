@@ -15,7 +15,9 @@ import torch
 
 from conftest import ROOT, Project, git, pid_alive
 
-GOLDEN = ROOT / "tests" / "golden" / "linear_ddp_losses.json"
+GOLDEN = ROOT / "tests" / "golden"
+# Invariant mode needs shards dividing the data: 2 shards of 5 samples per step.
+INVARIANT = ["determinism.world_size_invariant=true", "determinism.shards=2", "train.batch_size=5"]
 
 
 def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
@@ -121,12 +123,19 @@ def test_fingerprints_series_and_final_tag(project: Project, linear_run, tmp_pat
     assert len(set(doc["steps"].values())) == 5  # the weights changed between them
 
 
-def test_losses_match_golden_file_bit_for_bit(project: Project, linear_run) -> None:
-    values = losses(project.client(), linear_run.last_line)
-    assert len(values) == 25
+@pytest.mark.parametrize("mode", ["standard", "invariant"])
+def test_losses_match_golden_file_bit_for_bit(project: Project, linear_run, mode: str) -> None:
+    if mode == "standard":
+        run_id, path, steps = linear_run.last_line, GOLDEN / "linear_ddp_losses.json", 25
+    else:
+        result = project.harness("run", "experiments/linear_ddp", *INVARIANT)
+        assert result.returncode == 0, result.stderr
+        run_id, path, steps = result.last_line, GOLDEN / "linear_ddp_invariant_losses.json", 50
+    values = losses(project.client(), run_id)
+    assert len(values) == steps
     if os.environ.get("HARNESS_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"torch": torch.__version__, "loss": [v.hex() for v in values]}, indent=1))
-    golden = json.loads(GOLDEN.read_text())
+        path.write_text(json.dumps({"torch": torch.__version__, "loss": [v.hex() for v in values]}, indent=1))
+    golden = json.loads(path.read_text())
     assert golden["torch"] == torch.__version__, "golden file made with another torch; regenerate it"
     assert [v.hex() for v in values] == golden["loss"]
 

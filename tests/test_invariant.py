@@ -135,9 +135,13 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     try:
         result: dict[str, Any] = {}
         vector = rank_vector(rank)
-        canonical = canonical_allreduce(vector)
-        gathered = allgather_reduce(vector)
-        torch.save({"canonical": canonical, "allgather": gathered, "input": vector}, Path(out) / f"reduce_w{world}_r{rank}.pt")
+        record = {
+            "input": vector,
+            "halving": canonical_allreduce(vector, gather_below_bytes=0),  # forces the point-to-point path
+            "default": canonical_allreduce(vector),  # small: takes the all-gather path
+            "allgather": allgather_reduce(vector),
+        }
+        torch.save(record, Path(out) / f"reduce_w{world}_r{rank}.pt")
         # The DataLoader runs in a worker process at W=2 only: keys, not workers, decide the noise.
         result["invariant"] = train_invariant(rank, world, num_workers=1 if world == 2 else 0)
         if world <= 2:
@@ -194,9 +198,9 @@ def test_canonical_allreduce_is_the_tree_on_every_rank(runs: Path, world: int) -
         assert torch.equal(rec["input"], inputs[r])
     expected = tree_sum(inputs)
     for r, rec in enumerate(records):
-        assert rec["canonical"].shape == (VECTOR_LEN,)
-        assert torch.equal(bits(rec["canonical"]), bits(expected)), f"rank {r} differs from the canonical tree"
-        assert torch.equal(bits(rec["allgather"]), bits(expected)), f"rank {r}: allgather_reduce differs"
+        for path in ("halving", "default", "allgather"):
+            assert rec[path].shape == (VECTOR_LEN,)
+            assert torch.equal(bits(rec[path]), bits(expected)), f"rank {r}, {path}: not the canonical tree"
     if world == 4:
         left_fold = ((inputs[0] + inputs[1]) + inputs[2]) + inputs[3]
         assert not torch.equal(bits(expected), bits(left_fold)), "inputs too tame: grouping would not be detected"
@@ -280,6 +284,22 @@ def test_eval_sampler_splits_without_padding() -> None:
     assert list(sampler) == [(3, 2), (3, 3), (3, 4)]
 
 
+def test_eval_sampler_chunks_form_the_same_batches_for_every_world_size() -> None:
+    n, chunk = 23, 4
+
+    def batches(world: int) -> list[list[int]]:
+        out = []
+        for r in range(world):
+            keys = list(EvalSampler(n, world, r, chunk=chunk))
+            out += [[i for _, i in keys[k : k + chunk]] for k in range(0, len(keys), chunk)]
+        return out
+
+    reference = batches(1)
+    assert [i for b in reference for i in b] == list(range(n))
+    for world in (2, 3, 4):
+        assert batches(world) == reference, f"W={world} forms other evaluation batches"
+
+
 def test_keyed_dataset_draws_by_key_and_pickles() -> None:
     keyed = KeyedDataset(NoisyPoints(), SEED)
     torch.manual_seed(1)
@@ -297,7 +317,9 @@ def test_invariant_step_single_process_matches_the_definition() -> None:
     x, y = torch.randn(8 * 2, 5), torch.randn(8 * 2, 2)
     stepper = InvariantStep(8, 1, 0, SEED)
     loss_fn = nn.MSELoss()
+    rng_before = torch.get_rng_state()
     loss = stepper.backward(model, [x, y], lambda a, b: loss_fn(model(a), b), step=0)
+    assert torch.equal(rng_before, torch.get_rng_state()), "backward left the global generator reseeded"
     shard_losses, shard_grads = [], []
     for j in range(8):
         # Fresh copies, as InvariantStep makes: a view at an offset into x can round differently.

@@ -58,6 +58,22 @@ class RunSummary:
     artifact_uri: str
 
 
+def _summary(run: Any, experiment: str) -> RunSummary:
+    return RunSummary(
+        run_id=run.info.run_id,
+        experiment=experiment,
+        experiment_id=run.info.experiment_id,
+        run_name=run.info.run_name,
+        status=run.info.status,
+        start_time=run.info.start_time,
+        end_time=run.info.end_time,
+        tags=dict(run.data.tags),
+        params=dict(run.data.params),
+        metric_keys=sorted(run.data.metrics),
+        artifact_uri=run.info.artifact_uri,
+    )
+
+
 class Tracker:
     """An MLflow client bound to one tracking store."""
 
@@ -147,20 +163,7 @@ class Tracker:
                 f"no run '{run_id}' in the tracking store {self.uri}. "
                 "List runs with `harness runs`, or pass --tracking-uri for another store."
             ) from None
-        exp = self.client.get_experiment(run.info.experiment_id)
-        return RunSummary(
-            run_id=run.info.run_id,
-            experiment=exp.name,
-            experiment_id=exp.experiment_id,
-            run_name=run.info.run_name,
-            status=run.info.status,
-            start_time=run.info.start_time,
-            end_time=run.info.end_time,
-            tags=dict(run.data.tags),
-            params=dict(run.data.params),
-            metric_keys=sorted(run.data.metrics),
-            artifact_uri=run.info.artifact_uri,
-        )
+        return _summary(run, self.client.get_experiment(run.info.experiment_id).name)
 
     def harness_run(self, run_id: str) -> RunSummary:
         """get_run, refusing runs that harness did not make (they lack what a replay needs)."""
@@ -239,22 +242,7 @@ class Tracker:
         runs = self.client.search_runs(
             list(names), filter_string=filter_string, max_results=max_results, order_by=["attributes.start_time DESC"]
         )
-        return [
-            RunSummary(
-                run_id=r.info.run_id,
-                experiment=names[r.info.experiment_id],
-                experiment_id=r.info.experiment_id,
-                run_name=r.info.run_name,
-                status=r.info.status,
-                start_time=r.info.start_time,
-                end_time=r.info.end_time,
-                tags=dict(r.data.tags),
-                params=dict(r.data.params),
-                metric_keys=sorted(r.data.metrics),
-                artifact_uri=r.info.artifact_uri,
-            )
-            for r in runs
-        ]
+        return [_summary(r, names[r.info.experiment_id]) for r in runs]
 
     def ui_hint(self, run: str | RunSummary) -> str:
         summary = run if isinstance(run, RunSummary) else self.get_run(run)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import click
 
-from harness.errors import EXIT_USAGE, HarnessError
+from harness.errors import HarnessError
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
 

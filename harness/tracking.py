@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import tempfile
 import struct
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path

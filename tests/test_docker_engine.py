@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +14,7 @@ from harness import docker
 from harness.docker import DockerError
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import IMAGE, REPOSITORY, TAG, _registry_digest  # noqa: E402  (engine fixture: conftest)
+from conftest import REPOSITORY, TAG, _registry_digest  # noqa: E402  (engine fixture: conftest)
 
 
 @pytest.fixture

@@ -37,7 +37,8 @@ def rows(runs: list[RunSummary], verdicts: dict[str, str]) -> list[list[str]]:
         if r.tags.get(T.GIT_DIRTY) == "true":
             commit += "+dirty"
         kind = r.tags.get(T.KIND, "-")
-        verdict = r.tags.get(T.VERDICT, "") if kind == "replay" else verdicts.get(r.run_id, "")
+        # A replay or audit carries its own verdict; a run shows its latest replay's.
+        verdict = r.tags.get(T.VERDICT, "") if kind in ("replay", "audit") else verdicts.get(r.run_id, "")
         out.append(
             [r.run_id, r.experiment, _when(r.start_time), r.status, kind, r.tags.get(T.WORLD_SIZE, "-"),
              commit, _digest(r.tags), verdict or "-"]

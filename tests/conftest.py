@@ -66,6 +66,10 @@ class Project:
     def add_experiment(self, name: str, source: str = "linear_ddp", train_py: str | None = None,
                        yaml_extra: str = "", commit: bool = True) -> Path:
         dest = self.root / "experiments" / name
+        if dest.exists():  # the session's project is shared: another module may have added it
+            if train_py is not None:
+                assert (dest / "train.py").read_text() == train_py, f"experiment {name} exists with other code"
+            return dest
         shutil.copytree(EXPERIMENTS / source, dest)
         if train_py is not None:
             (dest / "train.py").write_text(train_py)

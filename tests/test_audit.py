@@ -75,8 +75,7 @@ def test_altered_checkpoint_is_caught_when_drawn(project: Project) -> None:
 
 
 def test_nondeterministic_step_is_caught(project: Project) -> None:
-    if not (project.root / "experiments/unseeded").exists():
-        project.add_experiment("unseeded", train_py=UNSEEDED)
+    project.add_experiment("unseeded", train_py=UNSEEDED)
     run = project.harness("run", "experiments/unseeded", "checkpoint_every=2")
     assert run.returncode == 0, run.stderr
     result, lines = audit(project, run.last_line, "--segments", "5", "--seed", "0")

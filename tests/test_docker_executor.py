@@ -129,9 +129,8 @@ def test_failing_rank_in_container_fails_run_and_removes_container(dproject: Pro
 
 
 def test_sigterm_stops_the_container_and_kills_the_run(dproject: Project) -> None:
-    if not (dproject.root / "experiments/crash_in_container").exists():
-        dproject.add_experiment("crash_in_container", train_py=CRASHING.replace(
-            'pathlib.Path(os.environ["PID_DIR"], f"rank{ctx.rank}").write_text(str(os.getpid()))', "pass"))
+    dproject.add_experiment("crash_in_container", train_py=CRASHING.replace(
+        'pathlib.Path(os.environ["PID_DIR"], f"rank{ctx.rank}").write_text(str(os.getpid()))', "pass"))
     proc = dproject.popen("run", "experiments/crash_in_container", "--executor", "docker",
                           "train={steps: 100000, fail_rank: -1, fail_step: -1, sleep: 0.05}")
     client = dproject.client()

@@ -246,9 +246,7 @@ def train(ctx):
 
 
 def _crash_experiment(project: Project, name: str, steps: int, fail_rank: int, fail_step: int, sleep: float) -> str:
-    exp = project.root / "experiments" / name
-    if not exp.exists():
-        project.add_experiment(name, train_py=CRASHING)
+    project.add_experiment(name, train_py=CRASHING)
     return (f"experiments/{name}", f"train={{steps: {steps}, fail_rank: {fail_rank}, "
             f"fail_step: {fail_step}, sleep: {sleep}}}")
 

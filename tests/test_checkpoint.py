@@ -422,7 +422,7 @@ def test_resume_iterator_refuses_persistent_workers_and_overlong_positions() -> 
         ck.resume_iterator(make_loader(SeedEcho(), seed=1), ck.TrainingPosition(9, 0, 9, start))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none exists on CPU-only CI machines)")
 def test_cuda_generators_and_models_round_trip() -> None:
     torch.cuda.manual_seed_all(3)
     saved = saved_bytes(ck.rng_state())

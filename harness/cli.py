@@ -222,7 +222,7 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=5000, show_default=True, help="Port to listen on.")
+@click.option("--port", default=5050, show_default=True, help="Port to listen on (5000 is left to a local registry).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def ui(host: str, port: int, tracking_uri: str | None) -> None:

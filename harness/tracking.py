@@ -20,6 +20,8 @@ from harness import tags as T
 from harness.errors import HarnessError
 
 STORE_DIR = "mlruns"
+# Not MLflow's 5000: a local Docker registry (the docker executor's) usually listens there.
+UI_PORT = 5050
 _DB_NAME = "mlflow.db"
 _BATCH = 1000  # MLflow's per-request limit for metrics in log_batch
 
@@ -247,7 +249,7 @@ class Tracker:
         store = "" if self.uri == default_uri() else f" --tracking-uri {self.uri}"
         return (
             f"Open it in the MLflow UI: harness ui{store}, then "
-            f"http://127.0.0.1:5000/#/experiments/{summary.experiment_id}/runs/{summary.run_id}"
+            f"http://127.0.0.1:{UI_PORT}/#/experiments/{summary.experiment_id}/runs/{summary.run_id}"
         )
 
 

@@ -131,7 +131,8 @@ def run_in_container(
         signum = interrupted[0]
         if status == "RUNNING":
             tracker.end_run(run_id, "KILLED")
-        return "KILLED", 128 + signum, str(Interrupted(signum))
+            status = "KILLED"
+        return status, 128 + signum, str(Interrupted(signum))
     if status == "RUNNING":  # the container died without ending the run (OOM kill, engine error)
         reason = f"container exited with code {code} before the run ended"
         tracker.set_tags(run_id, {T.STATUS_REASON: reason})

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import DictConfig
 
@@ -244,18 +247,39 @@ def execute(
         tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
         raise
     finally:
-        if console is not None:
-            console.close()
-        try:
-            if writer is not None:
-                writer.close()
-                save_series(writer.series, work / "series.npz")
-            logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
-            _record_results(tracker, run_id, fingerprints, final, work, logs)
-        finally:
-            tracker.end_run(run_id, status)
-            shutil.rmtree(work, ignore_errors=True)
+        # A signal now would cut the record short and leave the run RUNNING: it waits until the run is closed.
+        with _deferred_signals() as deferred:
+            if console is not None:
+                console.close()
+            try:
+                if writer is not None:
+                    writer.close()
+                    save_series(writer.series, work / "series.npz")
+                logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
+                _record_results(tracker, run_id, fingerprints, final, work, logs)
+            finally:
+                tracker.end_run(run_id, status)
+                shutil.rmtree(work, ignore_errors=True)
+    if deferred:
+        print(f"{signal.Signals(deferred[0]).name} arrived while the run was being recorded; it was recorded "
+              "in full first.", file=sys.stderr)
+        code = 128 + deferred[0]
     return Outcome(run_id, status, code, message, fingerprints)
+
+
+@contextlib.contextmanager
+def _deferred_signals() -> Iterator[list[int]]:
+    """Hold SIGINT/SIGTERM back for the duration; yields the list of signals that arrived."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _record_results(

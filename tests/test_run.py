@@ -294,3 +294,33 @@ def test_signal_kills_run_and_every_rank(project: Project, tmp_path: Path, signu
     assert len(client.get_metric_history(run_id, "loss")) > 0
     for rank in (0, 1):
         assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"
+
+
+def test_signal_while_recording_waits_until_the_run_is_closed(project: Project) -> None:
+    # The signal is sent from inside the recording step itself, so that it lands in that window every
+    # time; everything else is the real launcher, ranks and store.
+    script = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from harness import runner\n"
+        "original = runner._record_results\n"
+        "def record(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return original(*args, **kwargs)\n"
+        "runner._record_results = record\n"
+        "if __name__ == '__main__':\n"
+        "    outcome = runner.run(Path('experiments/linear_ddp'), ['train.epochs=1'])\n"
+        "    print(outcome.run_id)\n"
+        "    sys.exit(outcome.exit_code)\n"
+    )
+    (project.root.parent / "signal_in_recording.py").write_text(script)
+    proc = subprocess.run(
+        [sys.executable, str(project.root.parent / "signal_in_recording.py")], cwd=project.root,
+        env={**os.environ, "MLFLOW_TRACKING_URI": project.uri}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 143, proc.stderr
+    assert "SIGTERM arrived while the run was being recorded" in proc.stderr
+    run_id = proc.stdout.strip().splitlines()[-1]
+    client = project.client()
+    assert client.get_run(run_id).info.status == "FINISHED"  # training had ended; the record is whole
+    assert {"fingerprints.json", "metrics/series.npz", "logs/rank0.log"} <= artifact_paths(client, run_id)

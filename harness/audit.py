@@ -110,7 +110,7 @@ def audit(
     cfg = runner.recorded_config(tracker, run)
     directory = tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS
     device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
-    with checkout(tracker, run, repo) as exp_dir:
+    with checkout(tracker, run, repo) as (_, exp_dir):
         validate(cfg, exp_dir)
         pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
         while pending:

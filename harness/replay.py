@@ -52,8 +52,8 @@ def apply_changes(
 
 
 @contextlib.contextmanager
-def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Iterator[Path]:
-    """The run's recorded code (commit + patch) in a temporary worktree; yields its experiment folder.
+def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
+    """The run's recorded code (commit + patch) in a temporary worktree; yields (worktree, experiment folder).
 
     The user's working tree and index are never touched.
     """
@@ -72,7 +72,7 @@ def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Ite
         if patch is None:
             raise HarnessError(f"run {run.run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
     with gitsource.worktree(root, commit, patch) as tree:
-        yield tree / run.tags[T.EXPERIMENT_PATH]
+        yield tree, tree / run.tags[T.EXPERIMENT_PATH]
 
 
 def replay(
@@ -97,8 +97,7 @@ def replay(
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
         changes.append(f"executor={executor}")
 
-    with checkout(tracker, original, repo) as exp_dir:
-        tree = exp_dir.parents[len(Path(original.tags[T.EXPERIMENT_PATH]).parts) - 1]
+    with checkout(tracker, original, repo) as (tree, exp_dir):
         validate(cfg, exp_dir)  # the entry must exist in the recorded code
         pinned = None
         if cfg.executor == Executor.docker:

@@ -34,7 +34,7 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
             f"run {run_id} has no complete checkpoint in {directory} (checkpoint_every was 0, or it died "
             f"before the first). Rerun it instead: harness replay {run_id}"
         )
-    with checkout(tracker, run, repo) as exp_dir:
+    with checkout(tracker, run, repo) as (tree, exp_dir):
         validate(cfg, exp_dir)
         if cfg.executor == Executor.docker:
             digest = run.tags[T.IMAGE_DIGEST]
@@ -46,7 +46,6 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
         tracker.set_tags(run_id, {T.RESUMES: f"{previous},{step}" if previous else str(step)})
         print(f"Resuming run {run_id} from the checkpoint of step {step}.", file=sys.stderr, flush=True)
         if cfg.executor == Executor.docker:
-            tree = exp_dir.parents[len(Path(run.tags[T.EXPERIMENT_PATH]).parts) - 1]
             status, code, message = container.run_in_container(
                 tracker, run_id, pinned, tree, run.tags[T.EXPERIMENT_PATH],
                 container.wants_gpus(cfg.device.value), extra_args=["--resume-step", str(step)],

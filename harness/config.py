@@ -74,6 +74,12 @@ class ReplayConfig:
 
 
 @dataclass
+class RecordConfig:
+    max_untracked_mib: float = 10.0
+    """Untracked files larger than this are refused from the code record (commit, ignore or declare them as data)."""
+
+
+@dataclass
 class ExperimentConfig:
     image: str = MISSING
     """Container image the experiment is meant to run in: `name:tag` or `name@sha256:...`."""
@@ -98,6 +104,11 @@ class ExperimentConfig:
     """Save a checkpoint every this many steps (and at step 0); 0 disables. Needed by resume and audit."""
     executor: Executor = Executor.local
     """local: ranks run on this machine; docker: inside the pinned image."""
+    heartbeat_s: float = 30.0
+    """How often the launcher marks the run alive in MLflow; `harness runs` calls a silent RUNNING run STALE."""
+    timeout_s: float = 1800.0
+    """A rank or collective that makes no progress for this long ends the job (also the process-group timeout)."""
+    record: RecordConfig = field(default_factory=RecordConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: Dict[str, Any] = field(default_factory=dict)
     """The experiment's own hyper-parameters, free-form; `ctx.cfg` in the training code."""

@@ -51,6 +51,14 @@ FINGERPRINT = "harness.fingerprint"
 FAILED_RANK = "harness.failed_rank"
 RESUMES = "harness.resumed_from"  # checkpoint steps this run was resumed from, comma-separated
 STATUS_REASON = "harness.status_reason"
+# Liveness: the launcher rewrites HEARTBEAT (unix seconds) every HEARTBEAT_S seconds while the job runs;
+# a RUNNING run whose heartbeat is older than STALE_FACTOR intervals has lost its launcher.
+HEARTBEAT = "harness.heartbeat"
+HEARTBEAT_S = "harness.heartbeat_s"
+STALE_FACTOR = 3
+# "false" when the registered model ended with the weights it started with: nothing was trained.
+WEIGHTS_CHANGED = "harness.weights_changed"
+INITIAL_FINGERPRINT = "harness.fingerprint.initial"
 
 # Replay / compare.
 REPLAY_OF = "harness.replay_of"
@@ -63,7 +71,7 @@ AUDIT_SEED = "harness.audit.seed"
 
 # Artifacts.
 ARTIFACT_CONFIG = "config.yaml"
-ARTIFACT_PATCH = "git/uncommitted.patch"
+ARTIFACT_PATCH = "git/uncommitted.patch"  # bytes of `git diff --binary`, never decoded
 ARTIFACT_LOCK = "environment/requirements.lock"
 ARTIFACT_LOGS_DIR = "logs"
 ARTIFACT_FINGERPRINTS = "fingerprints.json"

@@ -78,6 +78,27 @@ def _finish(outcome: Any, tracker: Any) -> None:
 
 
 @main.command()
+@click.argument("experiment_dir", type=click.Path(path_type=Path))
+@click.argument("overrides", nargs=-1)
+@click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
+@_expected_errors
+def check(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool) -> None:
+    """Check EXPERIMENT_DIR and KEY=VALUE overrides as `harness run` would, without running or recording.
+
+    Validates the config, the code record (the uncommitted changes) and the world size against this
+    machine. Exit 0 when `harness run` would start, 2 with the reason when it would refuse.
+    """
+    from harness import runner
+
+    checked = runner.preflight(experiment_dir, list(overrides), require_clean=require_clean)
+    for warning in checked.warnings:
+        click.echo(f"Warning: {warning}", err=True)
+    cfg = checked.cfg
+    dirty = "+uncommitted changes" if checked.git.dirty else "clean"
+    click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} {dirty})")
+
+
+@main.command()
 @click.argument("run_id")
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")

@@ -115,6 +115,14 @@ class ExperimentConfig:
 
 
 
+MAX_SEED = 2**63 - 1  # torch.manual_seed and the samplers' generators take a signed 64-bit seed
+NO_IMAGE = "none"  # `image: none`: an experiment that only runs locally pins no container image
+
+
+def is_no_image(image: str) -> bool:
+    return image.strip().lower() == NO_IMAGE
+
+
 _ENTRY_RE = re.compile(r"^(?P<file>[^:]+\.py):(?P<func>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -125,14 +133,17 @@ def _valid_keys(node: Any) -> str:
         return "?"
 
 
-def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictConfig) -> ConfigError:
+def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictConfig, base: DictConfig) -> ConfigError:
     """Turn an OmegaConf error into one line naming the key and the valid choices."""
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
     if isinstance(err, oc_errors.ConfigKeyError):
         parent_key = str(key).rpartition(".")[0]
         parent = OmegaConf.select(schema, parent_key) if parent_key else schema
+        hint = ""
+        if not parent_key and str(key) in (base.get("train") or {}):
+            hint = f" Did you mean train.{key}? (the experiment's own settings live under train:)"
         return ConfigError(
-            f"{source}: unknown key '{key}'. Valid keys here: {_valid_keys(parent)}."
+            f"{source}: unknown key '{key}'.{hint} Valid keys here: {_valid_keys(parent)}."
         )
     if isinstance(err, oc_errors.ValidationError):
         default = _default_of(str(key))
@@ -162,16 +173,31 @@ def _merge(base: DictConfig, other: Any, source: str, schema: DictConfig) -> Dic
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except oc_errors.OmegaConfBaseException as err:
-        raise _explain(err, source, schema) from None
+        raise _explain(err, source, schema, base) from None
+    except (ValueError, TypeError) as err:  # e.g. a YAML value OmegaConf cannot hold
+        raise ConfigError(f"{source}: {str(err).splitlines()[0] if str(err) else type(err).__name__}.") from None
 
 
 def parse_overrides(overrides: list[str]) -> DictConfig:
     """KEY=VALUE (Hydra-style dotlist) -> a config fragment."""
     for item in overrides:
-        if "=" not in item or item.startswith("="):
+        key, _, value = item.partition("=")
+        if "=" not in item or not key.strip():
             raise ConfigError(f"override '{item}' is not KEY=VALUE (e.g. train.lr=0.1).")
+        if not value.strip():
+            # `train.lr=` would silently become None and fail later, inside a rank.
+            raise ConfigError(
+                f"override '{item}' has no value. Give one ({key}=VALUE), or write {key}=null to set it to null."
+            )
+    fragments = []
+    for item in overrides:  # one by one, so that an error names its override
+        try:
+            fragments.append(OmegaConf.from_dotlist([item]))
+        except Exception as err:  # YAML parse errors and OmegaConf's own: the value is the user's, not ours
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"override '{item}' is not a valid value ({first}). Quote strings, e.g. key='a b'.") from None
     try:
-        return OmegaConf.from_dotlist(overrides)
+        return OmegaConf.merge(*fragments) if fragments else OmegaConf.create()  # type: ignore[return-value]
     except oc_errors.OmegaConfBaseException as err:
         raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
 
@@ -191,6 +217,9 @@ def load_experiment(
     """Read EXP_DIR/experiment.yaml, apply overrides, validate; nothing runs before this passes."""
     exp_dir = Path(exp_dir)
     path = exp_dir / EXPERIMENT_FILE
+    if exp_dir.is_file():
+        folder = exp_dir.parent.as_posix() or "."
+        raise ConfigError(f"'{exp_dir}' is a file; pass its folder: harness run {folder}")
     if not exp_dir.is_dir():
         raise ConfigError(f"experiment folder '{exp_dir}' does not exist. Pass a folder holding {EXPERIMENT_FILE}.")
     if not path.is_file():
@@ -198,7 +227,8 @@ def load_experiment(
     try:
         content = OmegaConf.load(path)
     except Exception as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}).") from None
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{path}: not valid YAML ({first}).") from None
     if not isinstance(content, DictConfig):
         raise ConfigError(f"{path}: must be a mapping of keys (image, entry, world_size, ...).")
     sources: list[tuple[str, Any]] = [(str(path), content)]
@@ -211,18 +241,29 @@ def load_experiment(
 
 def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
     """Checks the schema cannot express: required keys, ranges, the entry function exists."""
-    for key in ("image", "entry"):
-        if OmegaConf.is_missing(cfg, key):
-            raise ConfigError(f"missing required key '{key}'. Set it in {EXPERIMENT_FILE}.")
+    if OmegaConf.is_missing(cfg, "image"):
+        raise ConfigError(
+            f"missing required key 'image'. Set it in {EXPERIMENT_FILE} to the container image the experiment "
+            "runs in (name:tag or name@sha256:<digest>), or to `image: none` for an experiment that only runs locally."
+        )
+    if OmegaConf.is_missing(cfg, "entry"):
+        raise ConfigError(f"missing required key 'entry'. Set it in {EXPERIMENT_FILE}, e.g. entry: train.py:train.")
     if cfg.world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {cfg.world_size}.")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(f"seed must be within [0, 2**63-1] (0 to {MAX_SEED}), got {cfg.seed}.")
+    for name in ("heartbeat_s", "timeout_s"):
+        if not cfg[name] > 0:
+            raise ConfigError(f"{name} must be > 0 seconds, got {cfg[name]}.")
+    if not cfg.record.max_untracked_mib >= 0:
+        raise ConfigError(f"record.max_untracked_mib must be >= 0, got {cfg.record.max_untracked_mib}.")
     if cfg.threads_per_rank < 1:
         raise ConfigError(f"threads_per_rank must be >= 1, got {cfg.threads_per_rank}.")
     if cfg.fingerprint_every < 1:
         raise ConfigError(f"fingerprint_every must be >= 1, got {cfg.fingerprint_every}.")
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be >= 0 (0 disables), got {cfg.checkpoint_every}.")
-    if cfg.flush_interval_s <= 0:
+    if not cfg.flush_interval_s > 0:  # `not >`: NaN must fail too
         raise ConfigError(f"flush_interval_s must be > 0, got {cfg.flush_interval_s}.")
     if cfg.determinism.world_size_invariant:
         from harness.invariant import check_layout
@@ -231,10 +272,15 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
     if cfg.backend == Backend.nccl and cfg.device == Device.cpu:
         raise ConfigError("backend nccl needs device cuda (or auto); use backend gloo for cpu.")
     if not str(cfg.image).strip():
-        raise ConfigError("image is empty; pin a container image as name:tag or name@sha256:<digest>.")
+        raise ConfigError(
+            "image is empty; pin a container image as name:tag or name@sha256:<digest>, or write `image: none` "
+            "for an experiment that only runs locally."
+        )
+    if is_no_image(str(cfg.image)) and cfg.executor == Executor.docker:
+        raise ConfigError("executor docker needs an image, but image is none. Pin one (name:tag or name@sha256:...).")
     for name in ("default", *cfg.replay.tolerance.metrics.keys()):
         tol = cfg.replay.tolerance.default if name == "default" else cfg.replay.tolerance.metrics[name]
-        if tol.rtol < 0 or tol.atol < 0:
+        if not (tol.rtol >= 0 and tol.atol >= 0):
             raise ConfigError(f"replay.tolerance '{name}': rtol and atol must be >= 0.")
     match = _ENTRY_RE.match(str(cfg.entry))
     if not match:

@@ -14,7 +14,11 @@ class Console:
 
     def __init__(self, log_path: Path, description: str) -> None:
         self._log_path = log_path
-        self._bar = tqdm(total=None, unit="step", desc=description, file=sys.stderr, mininterval=0.5, leave=True)
+        # Only a terminal gets a bar: redrawn with carriage returns, it would fill a log file with them.
+        self._bar = tqdm(
+            total=None, unit="step", desc=description, file=sys.stderr, mininterval=0.5, leave=True,
+            disable=not sys.stderr.isatty(),
+        )
         self._last = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="harness-console", daemon=True)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import numbers
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -16,12 +17,14 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from harness import checkpoint as ckpt
+from harness.errors import ExperimentError
 from harness.fingerprint import fingerprint
 
 # Messages rank 0 sends to the launcher, as tuples whose first item is one of these.
 MSG_METRICS = "metrics"  # (MSG_METRICS, step, {key: float}, unix_ms)
 MSG_FINGERPRINT = "fingerprint"  # (MSG_FINGERPRINT, step, sha256)
 MSG_FINAL = "final"  # (MSG_FINAL, sha256 or None, training steps done)
+MSG_INITIAL = "initial"  # (MSG_INITIAL, sha256 of the weights when the model was registered)
 MSG_DETERMINISM = "determinism"  # (MSG_DETERMINISM, {setting: value}, {ENV_VAR: value}) as in rank 0
 MSG_TOTAL = "total"  # (MSG_TOTAL, expected number of steps) for the progress bar
 MSG_CHECKPOINT = "checkpoint"  # (MSG_CHECKPOINT, step, sha256 of the weights saved)
@@ -51,8 +54,10 @@ class _Loader(DataLoader):
 
     def __iter__(self):  # type: ignore[override]
         ctx = self._harness_ctx
-        if ctx is None or self._harness_raw or ctx._train_loader is not self:
+        if ctx is None or self._harness_raw:
             return super().__iter__()
+        if ctx._train_loader is not self:
+            return ctx._beating(super().__iter__())
         return ctx._train_iter(self)
 
 
@@ -83,6 +88,8 @@ class Context:
         channel: Connection | None,
         checkpoints: CheckpointPlan | None = None,
         invariant_shards: int = 0,
+        progress: Callable[[int], None] | None = None,
+        output_dir: str = "",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -108,8 +115,15 @@ class Context:
         self._epoch = 0
         self._epoch_start_generator: torch.Tensor | None = None
         self._resume: tuple[ckpt.TrainingPosition, dict] | None = None  # until the first batch after it
+        self._progress = progress  # tells the launcher this rank is alive, and at which step
+        self._in_backward = False  # invariant mode: gradients may reach the model only inside ctx.backward
         self.step = 0
         """Index of the current training step (0-based): the batch just handed out by the training loader."""
+        self.output_dir = Path(output_dir) if output_dir else Path.cwd() / "outputs"
+        """A folder for files the run produces (checkpoints of your own, samples, plots): they become the
+        run's artifacts under outputs/. Write there, not into the experiment folder, which is code."""
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def is_main(self) -> bool:
@@ -130,14 +144,35 @@ class Context:
         if self._shards:
             # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
             # all-reduce would add them in a world-size-dependent order. Start from rank 0's weights, as DDP does.
-            from harness.invariant import InvariantStep, broadcast_parameters
+            from harness.invariant import InvariantModule, InvariantStep, broadcast_parameters
 
             broadcast_parameters(model)
             self._invariant_step = InvariantStep(self._shards, self.world_size, self.rank, self.seed)
-            return model
+            self._guard_gradients(model)
+            self._send((MSG_INITIAL, fingerprint(model)) if self.is_main else None)
+            return InvariantModule(model)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
-        return DDP(model, **ddp_kwargs)
+        wrapped = DDP(model, **ddp_kwargs)  # broadcasts rank 0's weights: the initial fingerprint comes after
+        self._send((MSG_INITIAL, fingerprint(model)) if self.is_main else None)
+        return wrapped
+
+    def _guard_gradients(self, model: torch.nn.Module) -> None:
+        """Invariant mode: a gradient that reaches the model outside ctx.backward is never synchronised across
+        ranks (there is no DDP to do it), so the ranks would silently train apart. Fail at that step instead."""
+
+        def check(grad: torch.Tensor) -> torch.Tensor:
+            if not self._in_backward:
+                raise ExperimentError(
+                    f"step {self.step}: gradients reached the model outside ctx.backward in world-size-invariant "
+                    "mode, where nothing else synchronises them across ranks. Replace loss.backward() with "
+                    "loss = ctx.backward(batch, loss_fn) (see README: world-size-invariant mode)."
+                )
+            return grad
+
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_hook(check)
 
     def track(self, optimizer: Any = None, *, scheduler: Any = None, scaler: Any = None) -> None:
         """Register what a checkpoint must hold besides the model (optimizer, LR scheduler, GradScaler)."""
@@ -195,6 +230,9 @@ class Context:
                 len(dataset), batch_size, self._shards, self.world_size, self.rank, self.seed  # type: ignore[arg-type]
             )
             dl = _Loader(keyed, batch_sampler=sampler, num_workers=num_workers, **common)
+            # DataLoader calls a batch sampler's loader.sampler a SequentialSampler; user code that calls
+            # loader.sampler.set_epoch(epoch), as with a DistributedSampler, must keep working.
+            object.__setattr__(dl, "sampler", sampler)
         else:
             sampler = EvalSampler(len(dataset), self.world_size, self.rank, chunk=batch_size)  # type: ignore[arg-type]
             dl = _Loader(keyed, batch_size=batch_size, sampler=sampler, num_workers=num_workers, **common)
@@ -202,18 +240,25 @@ class Context:
         return self._register(dl, shuffle)
 
     def _loader_common(self, num_workers: int, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """harness's DataLoader defaults; the caller's keyword arguments win, except those that would undo the sharding."""
+        for key in ("sampler", "batch_sampler"):
+            if key in loader_kwargs:
+                raise ExperimentError(
+                    f"ctx.loader(..., {key}=...): ctx.loader makes the sampler itself (this rank's shard of one "
+                    "seeded permutation). Remove it and use shuffle=True/False, or build a DataLoader yourself."
+                )
+        generator = torch.Generator()
+        generator.manual_seed(self.rank_seed)
+        common: dict[str, Any] = dict(generator=generator, worker_init_fn=_seed_worker, pin_memory=self.device.type == "cuda")
         if num_workers > 0 and "fork" in mp.get_all_start_methods():
             # Ranks are spawned, and workers would inherit that: spawning a worker re-imports
             # torch every epoch (seconds); fork is PyTorch's own default on Linux.
-            loader_kwargs.setdefault("multiprocessing_context", "fork")
-        generator = torch.Generator()
-        generator.manual_seed(self.rank_seed)
-        return dict(
-            generator=generator,
-            worker_init_fn=_seed_worker,
-            pin_memory=self.device.type == "cuda",
-            **loader_kwargs,
-        )
+            common["multiprocessing_context"] = "fork"
+        user_init = loader_kwargs.pop("worker_init_fn", None)
+        if user_init is not None:
+            common["worker_init_fn"] = _Chained(_seed_worker, user_init)  # seeded first, then the user's own set-up
+        common.update(loader_kwargs)
+        return common
 
     def _register(self, dl: "_Loader", shuffle: bool) -> DataLoader:
         dl._harness_ctx = self
@@ -233,7 +278,11 @@ class Context:
         returned loss is then the global mean, the same on every rank and for every world size.
         """
         if self._invariant_step is not None:
-            return self._invariant_step.backward(self._model, batch, loss_fn, self.step)
+            self._in_backward = True
+            try:
+                return self._invariant_step.backward(self._model, batch, loss_fn, self.step)
+            finally:
+                self._in_backward = False
         args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         loss = loss_fn(*args)
         loss.backward()
@@ -258,7 +307,7 @@ class Context:
         """Record rank 0's values at `step` (other ranks' calls are ignored). Never blocks on MLflow."""
         if not self.is_main:
             return
-        values = {k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        values = {str(k): _number(k, v) for k, v in metrics.items()}
         step = int(step)
         self._last_step = step if self._last_step is None else max(self._last_step, step)
         if self._model is not None and step >= self._next_fingerprint:
@@ -272,9 +321,19 @@ class Context:
             dist.barrier()
 
     # -- used by the launcher ---------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
-        if self._channel is not None:
+    def _send(self, message: tuple | None) -> None:
+        if self._channel is not None and message is not None:
             self._channel.send(message)
+
+    def _beat(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress(step)
+
+    def _beating(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Another loader's batches (validation): each one is progress too."""
+        for batch in batches:
+            self._beat(self.step)
+            yield batch
 
     def _train_iter(self, loader: "_Loader") -> Iterator[Any]:
         """Hand out the training batches of one epoch; checkpoint before fetching a step's batch."""
@@ -305,6 +364,7 @@ class Context:
             except StopIteration:
                 return
             self.step = step
+            self._beat(step)
             yield batch
             self._global_step += 1
 
@@ -342,5 +402,56 @@ class Context:
         return position.epoch
 
     def _finish(self) -> None:
+        self._check_replicas_equal()
         if self.is_main:
             self._send((MSG_FINAL, fingerprint(self._model) if self._model is not None else None, self._global_step))
+
+    def _check_replicas_equal(self) -> None:
+        """Data parallelism promises one model: ranks whose parameters differ at the end trained apart."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        # Parameters only: buffers such as BatchNorm statistics may legitimately differ between DDP ranks.
+        mine = fingerprint(self._model, buffers=False) if self._model is not None else None
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        if mine is not None and len(set(every)) > 1:
+            groups: dict[str, list[int]] = {}
+            for rank, sha in enumerate(every):
+                groups.setdefault(str(sha)[:12], []).append(rank)
+            shown = "; ".join(
+                f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))}: {sha}" for sha, ranks in groups.items()
+            )
+            raise ExperimentError(
+                f"the ranks ended with different parameters ({shown}): their gradients were not synchronised. "
+                "Train the model ctx.ddp returned (not model.module) and call optimizer.step() on every rank."
+            )
+
+
+def _number(key: Any, value: Any) -> float:
+    """A metric value as a float (NaN and +-inf kept); anything else names the key and its type."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ExperimentError(
+                f"ctx.log: metric '{key}' is a tensor of shape {tuple(value.shape)}; log one number per key "
+                "(e.g. loss.item(), or a 0-d tensor)."
+            )
+        value = value.item()
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ExperimentError(
+            f"ctx.log: metric '{key}' is a {type(value).__name__} ({value!r:.40}); log numbers (int, float or a "
+            "one-element tensor)."
+        )
+    return float(value)
+
+
+class _Chained:
+    """Picklable (DataLoader workers may be spawned): call `first`, then `second`."""
+
+    def __init__(self, first: Callable[[int], None], second: Callable[[int], None]) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, worker_id: int) -> None:
+        self.first(worker_id)
+        self.second(worker_id)

@@ -25,6 +25,15 @@ class ConfigError(HarnessError):
     """The experiment's YAML or an override is invalid."""
 
 
+class ExperimentError(HarnessError):
+    """Raised inside a rank when the experiment's code misuses the training API (or cannot be imported).
+
+    The launcher reports its message as the one line of the failure, without a traceback.
+    """
+
+    exit_code = EXIT_FAILED
+
+
 class RunFailed(HarnessError):
     """A rank raised or died; the run is recorded as FAILED."""
 

@@ -7,10 +7,11 @@ import hashlib
 import torch
 
 
-def fingerprint(module: torch.nn.Module) -> str:
+def fingerprint(module: torch.nn.Module, *, buffers: bool = True) -> str:
+    """sha256 of the parameters and (unless buffers=False) buffers, by sorted name."""
     digest = hashlib.sha256()
     # state_dict covers buffers too (BatchNorm statistics decide results as much as weights do).
-    state = module.state_dict()
+    state = module.state_dict() if buffers else dict(module.named_parameters())
     for name in sorted(state):
         tensor = state[name].detach()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())

@@ -17,6 +17,7 @@ from harness.errors import ConfigError
 
 __all__ = [
     "EvalSampler",
+    "InvariantModule",
     "InvariantStep",
     "KeyedDataset",
     "ShardBatchSampler",
@@ -354,6 +355,21 @@ def _refuse_running_stats(model: nn.Module) -> None:
                 f"module {name or type(module).__name__} updates BatchNorm running statistics, which invariant mode "
                 "cannot keep independent of world_size. Use GroupNorm/LayerNorm or track_running_stats=False."
             )
+
+
+class InvariantModule(nn.Module):
+    """What ctx.ddp returns in invariant mode: the model under `.module`, as DDP holds it.
+
+    Code written for DDP (model.module.state_dict(), model(x)) keeps working; no gradient hook, no
+    all-reduce - ctx.backward does the reduction.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
 
 
 class InvariantStep:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
+import json
+import logging
 import os
 import re
 import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +22,20 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from harness.errors import Interrupted, RunFailed, HarnessError
+from harness.errors import HarnessError, Interrupted, RunFailed
 
 MASTER_ADDR = "127.0.0.1"
 _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
+# The process group's own timeout is timeout_s plus this margin, so that the launcher's progress check,
+# which can name the silent rank, fires before a waiting rank's collective gives up with a peer error.
+_PG_MARGIN_S = 30.0
+_STACK_WAIT_S = 1.0  # how long a rank gets to write its stacks when the job is stopped for no progress
+# Errors a rank raises only because a peer died or hung: they are consequences, never the cause.
+_PEER_ERROR = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ProcessGroupGloo|ProcessGroupNCCL|"
+    r"NCCL communicator was aborted|Socket Timeout|Timed out waiting|recvBytes|sendBytes|DistNetworkError",
+    re.I,
+)
 
 
 @dataclass
@@ -44,6 +59,8 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)
     checkpoints: Any = None  # context.CheckpointPlan | None
     invariant_shards: int = 0  # > 0: world-size-invariant mode with this many shards
+    timeout_s: float = 1800.0  # no progress from a rank for this long ends the job
+    output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts
     # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
     segments: list[Any] = field(default_factory=list)
 
@@ -66,6 +83,23 @@ def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str
     if backend == "nccl" and device != "cuda":
         raise HarnessError("backend nccl needs device cuda. Use backend gloo on cpu.")
     return device, backend
+
+
+def capacity_warning(device: str, world_size: int, threads_per_rank: int) -> str | None:
+    """More rank threads than CPU cores: the job still runs and results do not change, only its speed."""
+    if device != "cpu":
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    threads = world_size * threads_per_rank
+    if threads <= cores:
+        return None
+    return (
+        f"world_size {world_size} x threads_per_rank {threads_per_rank} = {threads} threads on {cores} CPU "
+        f"core{'s' if cores != 1 else ''}: the ranks will share cores (results are unaffected, speed is not)."
+    )
 
 
 def free_port() -> int:
@@ -110,12 +144,20 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
+def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
     """One rank: rendezvous, seeds, determinism, then the experiment's entry function."""
     _die_with_parent()
     # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _redirect_output(Path(spec.log_dir) / f"rank{rank}.log")
+    _beat(progress, rank, -1)
+    import faulthandler
+
+    # The launcher asks a silent rank where it is stuck: every thread's stack, into a file of its own
+    # (not the log, which the terminal shows). The file object must live as long as the process.
+    global _STACKS
+    _STACKS = open(Path(spec.log_dir) / f"rank{rank}.stacks.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
     if rank != 0 and channel is not None:
         channel.close()
         channel = None
@@ -124,7 +166,7 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from harness.config import Level, load_module_function
+    from harness.config import Level
     from harness.context import MSG_DETERMINISM, MSG_SEGMENT_START, Context, StopSegment
     from harness.determinism import seed_everything, set_determinism
     from harness.provenance import env_vars
@@ -142,10 +184,15 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
             device = torch.device("cuda", rank)
         else:
             device = torch.device("cpu")
-        dist.init_process_group(spec.backend, rank=rank, world_size=spec.world_size, init_method="env://")
+        dist.init_process_group(
+            spec.backend, rank=rank, world_size=spec.world_size, init_method="env://",
+            timeout=datetime.timedelta(seconds=spec.timeout_s + _PG_MARGIN_S),
+        )
+        _beat(progress, rank, -1)
         os.chdir(spec.code_dir)
         sys.path.insert(0, spec.code_dir)  # the entry may import its sibling modules
-        fn = load_module_function(Path(spec.code_dir) / spec.entry_file, spec.entry_func)
+        fn = _import_entry(spec)
+        _beat(progress, rank, -1)
 
         def make_context(plan: Any) -> Context:
             return Context(
@@ -160,6 +207,8 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
                 channel=channel,
                 checkpoints=plan,
                 invariant_shards=spec.invariant_shards,
+                progress=functools.partial(_beat, progress, rank),
+                output_dir=spec.output_dir,
             )
 
         if channel is not None:
@@ -174,12 +223,83 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any) -> None:
             except StopSegment:  # an audit segment ended: every rank stops at the same step
                 pass
         dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()  # into the rank's log; spawn also hands it to the launcher
+    except BaseException as err:
+        _write_failure(spec, rank, err)
         raise
     finally:
         if channel is not None:
             channel.close()
+
+
+def _beat(progress: Any, rank: int, step: int) -> None:
+    """This rank is alive and at `step` (-1: before the first one); read by the launcher's progress check."""
+    if progress is not None:
+        progress[2 * rank] = step
+        progress[2 * rank + 1] = time.monotonic()  # CLOCK_MONOTONIC is one clock for every process
+
+
+def _import_entry(spec: LaunchSpec) -> Any:
+    """The entry function; an import error becomes one line naming the file and line, not a wall of traceback."""
+    from harness.config import load_module_function
+    from harness.errors import ExperimentError
+
+    path = Path(spec.code_dir) / spec.entry_file
+    try:
+        fn = load_module_function(path, spec.entry_func)
+    except Exception as err:
+        where = _user_frame(err, spec.code_dir) or spec.entry_file
+        if isinstance(err, SyntaxError) and err.filename:
+            where = f"{os.path.relpath(err.filename, spec.code_dir)}, line {err.lineno}"
+        raise ExperimentError(f"entry import failed: {type(err).__name__}: {err} ({where})") from err
+    if not callable(fn):
+        raise ExperimentError(f"entry {spec.entry_file}:{spec.entry_func} is not a function. Fix 'entry' in experiment.yaml.")
+    return fn
+
+
+def _user_frame(err: BaseException, code_dir: str) -> str | None:
+    """'train.py, line 12' for the innermost frame of the traceback that lies in the experiment's code."""
+    root = os.path.realpath(code_dir) + os.sep
+    found = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if os.path.realpath(frame.filename).startswith(root):
+            found = f"{os.path.relpath(frame.filename, code_dir)}, line {frame.lineno}"
+    return found
+
+
+def _is_peer_error(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistNetworkError", ())
+    return isinstance(err, dist_error) or bool(_PEER_ERROR.search(f"{type(err).__name__}: {err}"))
+
+
+def _write_failure(spec: LaunchSpec, rank: int, err: BaseException) -> None:
+    """What this rank died of, for the launcher to tell cause from consequence; the traceback stays out of the log."""
+    from harness.errors import HarnessError
+
+    message = str(err).strip()
+    first = message.splitlines()[0] if message else ""
+    if isinstance(err, HarnessError):
+        line = first
+    else:
+        where = _user_frame(err, spec.code_dir)
+        line = f"{type(err).__name__}: {first}" + (f" ({where})" if where else "")
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "line": line,
+        "expected": isinstance(err, HarnessError),
+        "peer": _is_peer_error(err),
+        "traceback": "".join(traceback.format_exception(err)),
+    }
+    path = Path(spec.log_dir) / f"rank{rank}.error.json"
+    with contextlib.suppress(OSError):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)  # whole or absent: the launcher may read it while this rank is being stopped
+
+
+_STACKS: Any = None  # a rank's stack-dump file, kept open for faulthandler
 
 
 class _Terminate(BaseException):
@@ -202,15 +322,21 @@ _RAISED = re.compile(r"-- Process (\d+) terminated with the following error:\n",
 
 
 def launch(spec: LaunchSpec, on_message: Callable[[tuple], None]) -> None:
-    """Run all ranks to completion. Raises RunFailed (a rank failed) or Interrupted (SIGINT/SIGTERM).
+    """Run all ranks to completion. Raises RunFailed (a rank failed or made no progress) or Interrupted.
 
     `on_message` is called from a background thread with every message rank 0 sends.
     """
     if spec.port == 0:
         spec.port = free_port()
     Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+    # torch logs each rank it terminates; which rank failed, and why, is said once by harness.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     spawn_ctx = mp.get_context("spawn")
     reader, writer = spawn_ctx.Pipe(duplex=False)
+    # Per rank: the step it is at and when it last made progress (time.monotonic()).
+    progress = spawn_ctx.Array("d", 2 * spec.world_size, lock=False)
+    for rank in range(spec.world_size):
+        _beat(progress, rank, -1)
 
     def on_term(signum: int, frame: Any) -> None:
         raise _Terminate()
@@ -219,21 +345,21 @@ def launch(spec: LaunchSpec, on_message: Callable[[tuple], None]) -> None:
     procs: Any = None
     drain: threading.Thread | None = None
     try:
-        procs = mp.spawn(_worker, args=(spec, writer), nprocs=spec.world_size, join=False, start_method="spawn")
+        procs = mp.spawn(
+            _worker, args=(spec, writer, progress), nprocs=spec.world_size, join=False, start_method="spawn"
+        )
         writer.close()  # the ranks hold the only write ends now: EOF once they are gone
         drain = threading.Thread(target=_read_channel, args=(reader, on_message), name="harness-channel", daemon=True)
         drain.start()
         try:
             while not procs.join(timeout=0.5, grace_period=_GRACE_S):
-                pass
-        except mp.ProcessRaisedException as err:
-            message = str(err)
-            match = _RAISED.search(message)
-            tb = message[match.end():] if match else message
-            raise RunFailed(f"rank {err.error_index} raised: {_last_line(tb)}", ) from _RankError(err.error_index, tb)
-        except mp.ProcessExitedException as err:
-            how = f"was killed by {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
-            raise RunFailed(f"rank {err.error_index} {how}") from _RankError(err.error_index, str(err))
+                silent = _silent_ranks(progress, procs.processes, spec.timeout_s)
+                if silent:
+                    raise _stalled(spec, procs.processes, progress, silent)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            _stop_all(procs.processes)  # every rank's error record is final before it is read
+            rank, line, text, expected = _diagnose(spec, err)
+            raise RunFailed(line) from _RankError(rank, text, expected)
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None
     except _Terminate:
@@ -241,6 +367,9 @@ def launch(spec: LaunchSpec, on_message: Callable[[tuple], None]) -> None:
     finally:
         if procs is not None:
             _stop_all(procs.processes)
+        for stacks in Path(spec.log_dir).glob("rank*.stacks.txt"):
+            if stacks.stat().st_size == 0:  # nobody asked for this rank's stacks
+                stacks.unlink()
         with contextlib.suppress(Exception):
             writer.close()
         if drain is not None:
@@ -250,20 +379,105 @@ def launch(spec: LaunchSpec, on_message: Callable[[tuple], None]) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _silent_ranks(progress: Any, processes: list[Any], timeout_s: float) -> list[int]:
+    now = time.monotonic()
+    return [r for r, p in enumerate(processes) if p.is_alive() and now - progress[2 * r + 1] > timeout_s]
+
+
+def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list[int]) -> RunFailed:
+    """Ask the silent ranks for their stacks, then say which ranks stopped where."""
+    for rank in silent:
+        with contextlib.suppress(OSError, AttributeError):
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+    time.sleep(_STACK_WAIT_S)
+    parts = []
+    for rank in sorted(silent, key=lambda r: (progress[2 * r], r)):
+        step = int(progress[2 * rank])
+        at = "before its first step" if step < 0 else f"at step {step}"
+        where = _stack_location(Path(spec.log_dir) / f"rank{rank}.stacks.txt", spec.code_dir)
+        parts.append(f"rank {rank} {at}" + (f" in {where}" if where else ""))
+    line = (
+        f"no progress for {spec.timeout_s:g} s (timeout_s): " + ", ".join(parts)
+        + ". Their stacks are in logs/rank<N>.stacks.txt; raise timeout_s if a step can take longer."
+    )
+    failure = RunFailed(line)
+    failure.__cause__ = _RankError(min(silent, key=lambda r: (progress[2 * r], r)), line, True)
+    return failure
+
+
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
+
+
+def _stack_location(path: Path, code_dir: str) -> str | None:
+    """The innermost frame of the experiment's code in the main thread's dumped stack."""
+    try:
+        dump = path.read_text(errors="replace")
+    except OSError:
+        return None
+    root = os.path.realpath(code_dir) + os.sep
+    # faulthandler prints one block per thread, innermost frame first; the main thread runs _worker.
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
+        frames = list(_FRAME.finditer(block))
+        if not any(f["func"] == "_worker" for f in frames):
+            continue
+        for f in frames:
+            if os.path.realpath(f["file"]).startswith(root):
+                return f"{os.path.relpath(f['file'], code_dir)}:{f['line']} ({f['func']})"
+        if frames:
+            return f"{frames[0]['file']}:{frames[0]['line']} ({frames[0]['func']})"
+    return None
+
+
+def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
+    """(rank, one line, traceback, whether the line says it all) of the failure that caused the others: a peer's connection error never is."""
+    records = []
+    for path in sorted(Path(spec.log_dir).glob("rank*.error.json")):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    killed = isinstance(err, mp.ProcessExitedException)
+    failing = err.error_index
+    if killed and not any(r["rank"] == failing for r in records):
+        how = f"was killed by {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
+        root = {"rank": failing, "line": how, "expected": True, "traceback": str(err)}
+        line = f"rank {failing} {how}"
+    else:
+        causes = [r for r in records if not r["peer"]] or records
+        if causes:
+            root = min(causes, key=lambda r: r["time"])
+        else:  # it died before it could say why: spawn's own report is all there is
+            message = str(err)
+            match = _RAISED.search(message)
+            text = message[match.end():] if match else message
+            root = {"rank": failing, "line": _last_line(text), "expected": False, "traceback": text}
+        line = f"rank {root['rank']}: {root['line']}" if root["expected"] else f"rank {root['rank']} raised {root['line']}"
+    others = [r for r in records if r["rank"] != root["rank"]]
+    for words, group in (
+        ("failed the same way", [r for r in others if not r["peer"] and r["line"] == root["line"]]),
+        ("failed too", [r for r in others if not r["peer"] and r["line"] != root["line"]]),
+        ("stopped as a consequence", [r for r in others if r["peer"]]),
+    ):
+        if group:
+            ranks = sorted(r["rank"] for r in group)
+            line += f" ({'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} {words})"
+    return root["rank"], line, root["traceback"], bool(root["expected"])
+
+
 class _RankError(Exception):
     """Carries the failing rank and its traceback from launch() to whoever records the failure."""
 
-    def __init__(self, rank: int, traceback_text: str) -> None:
+    def __init__(self, rank: int, traceback_text: str, expected: bool = False) -> None:
         super().__init__(traceback_text)
         self.rank = rank
         self.traceback_text = traceback_text
+        self.expected = expected  # the one line says it all: no traceback for the terminal
 
 
-def failure_details(err: BaseException) -> tuple[int | None, str]:
+def failure_details(err: BaseException) -> tuple[int | None, str, bool]:
+    """(failing rank, its traceback, whether the error's one line says it all)."""
     cause = err.__cause__
     if isinstance(cause, _RankError):
-        return cause.rank, cause.traceback_text
-    return None, "".join(traceback.format_exception(err))
+        return cause.rank, cause.traceback_text, cause.expected
+    return None, "".join(traceback.format_exception(err)), False
 
 
 def _last_line(text: str) -> str:

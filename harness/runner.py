@@ -41,8 +41,12 @@ def experiment_name(exp_dir: Path) -> str:
 def local_image_tags(image: str) -> dict[str, str]:
     """Local executor: the pinned image and, when a local engine knows it, its registry digest (else why not)."""
     from harness import docker
+    from harness.config import is_no_image
 
-    digest, image_id, reason = docker.local_digest_or_reason(image)
+    if is_no_image(image):
+        digest, image_id, reason = None, None, "no image pinned (image: none): a local-only experiment"
+    else:
+        digest, image_id, reason = docker.local_digest_or_reason(image)
     facts = {
         T.IMAGE: image,
         T.IMAGE_DIGEST: digest or "unknown",
@@ -154,6 +158,8 @@ def launch_spec(
         log_dir=str(log_dir),
         checkpoints=checkpoints,
         invariant_shards=cfg.determinism.shards if cfg.determinism.world_size_invariant else 0,
+        timeout_s=float(cfg.timeout_s),
+        output_dir=str(Path(log_dir).parent / "outputs"),
     )
 
 
@@ -176,7 +182,7 @@ def execute(
     """
     from harness.console import Console
     from harness.context import (
-        MSG_CHECKPOINT, MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_METRICS, MSG_TOTAL,
+        MSG_CHECKPOINT, MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_INITIAL, MSG_METRICS, MSG_TOTAL,
     )
     from harness.launch import failure_details, launch, resolve_device
     from harness.provenance import package_lock, runtime_facts
@@ -186,6 +192,8 @@ def execute(
     log_dir.mkdir()
     writer = None
     console = None
+    heartbeat = None
+    failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
     fingerprints: dict[int, str] = {}
     final: dict[str, Any] = {"checkpoints": {}}
     prior = None
@@ -206,6 +214,7 @@ def execute(
         tracker.set_tags(run_id, facts)
         tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)  # where the ranks run
 
+        heartbeat = tracker.heartbeat(run_id, cfg.heartbeat_s)
         plan = checkpoint_plan(tracker, run_id, cfg, **({} if resume_step is None else {"resume_step": resume_step}))
         spec = launch_spec(cfg, code_dir, device, backend, log_dir, plan)
         writer = tracker.metric_writer(run_id, cfg.flush_interval_s)
@@ -222,6 +231,8 @@ def execute(
                 fingerprints[msg[1]] = msg[2]
             elif kind == MSG_FINAL:
                 final["fingerprint"], final["steps_total"] = msg[1], msg[2]
+            elif kind == MSG_INITIAL:
+                final["initial"] = msg[1]
             elif kind == MSG_DETERMINISM:
                 final["determinism"], final["vars"] = msg[1], msg[2]
             elif kind == MSG_TOTAL:
@@ -233,7 +244,8 @@ def execute(
             launch(spec, on_message)
             status, code = "FINISHED", EXIT_OK
         except RunFailed as err:
-            rank, tb = failure_details(err)
+            rank, tb, expected = failure_details(err)
+            failure_text = "" if expected else tb
             message = str(err)
             tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
             tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
@@ -251,12 +263,18 @@ def execute(
         with _deferred_signals() as deferred:
             if console is not None:
                 console.close()
+            if failure_text:
+                print(failure_text.rstrip(), file=sys.stderr)
             try:
+                if heartbeat is not None:
+                    heartbeat.close()
                 if writer is not None:
                     writer.close()
                     save_series(writer.series, work / "series.npz")
                 logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
                 _record_results(tracker, run_id, fingerprints, final, work, logs)
+                if status == "FINISHED":
+                    _warn_if_vacuous(tracker, run_id, writer, final)
             finally:
                 tracker.end_run(run_id, status)
                 shutil.rmtree(work, ignore_errors=True)
@@ -304,6 +322,63 @@ def _record_results(
         tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
     if any((work / "logs").iterdir()):
         tracker.log_dir(run_id, work / "logs", logs)
+    outputs = work / "outputs"
+    if outputs.is_dir() and any(outputs.iterdir()):
+        tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+def _warn_if_vacuous(tracker: Tracker, run_id: str, writer: Any, final: dict[str, Any]) -> None:
+    """A finished run that logged nothing, or whose model never changed, proves nothing: say so, and record it."""
+    if writer is not None and not writer.series:
+        print("Warning: the run logged no metrics (call ctx.log(...) in train); a replay can only compare "
+              "the model's fingerprints.", file=sys.stderr)
+    initial, last = final.get("initial"), final.get("fingerprint")
+    if initial and last:
+        changed = initial != last
+        tracker.set_tags(run_id, {T.INITIAL_FINGERPRINT: initial, T.WEIGHTS_CHANGED: str(changed).lower()})
+        if not changed:
+            print("Warning: the model's weights never changed (its fingerprint at the end equals the one at "
+                  "ctx.ddp): nothing was trained. Check the loss, the learning rate and optimizer.step().",
+                  file=sys.stderr)
+
+
+@dataclass
+class Preflight:
+    """What `harness run` checked before recording: the validated config, the code state, and warnings."""
+
+    cfg: DictConfig
+    git: GitState
+    warnings: list[str]
+
+
+def preflight(
+    exp_dir: Path, overrides: list[str], *, require_clean: bool = False, executor: str | None = None
+) -> Preflight:
+    """Every check that needs neither the store nor an engine; raises HarnessError, records nothing."""
+    from harness import gitsource
+    from harness.config import Executor, load_experiment
+    from harness.launch import capacity_warning, resolve_device
+
+    if executor is not None:
+        overrides = [*overrides, f"executor={executor}"]
+    cfg = load_experiment(Path(exp_dir), overrides)
+    git = gitsource.inspect(Path(exp_dir))
+    warnings: list[str] = []
+    if git.dirty:
+        if require_clean:
+            raise HarnessError(
+                f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
+                "Commit or stash them."
+            )
+        warnings.append(
+            "uncommitted changes; they are recorded as a patch (git/uncommitted.patch) and the run is tagged dirty."
+        )
+    if cfg.executor == Executor.local:
+        device, _ = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)  # refuse before recording
+        warning = capacity_warning(device, cfg.world_size, cfg.threads_per_rank)
+        if warning:
+            warnings.append(warning)
+    return Preflight(cfg, git, warnings)
 
 
 def run(
@@ -316,25 +391,13 @@ def run(
     allow_unpinned: bool = False,
 ) -> Outcome:
     """Validate, record, launch. Bad input raises HarnessError before any run is created."""
-    from harness import container, gitsource
-    from harness.config import Executor, load_experiment
-    from harness.launch import resolve_device
+    from harness import container
+    from harness.config import Executor
 
-    if executor is not None:
-        overrides = [*overrides, f"executor={executor}"]
-    cfg = load_experiment(Path(exp_dir), overrides)
-    git = gitsource.inspect(Path(exp_dir))
-    if git.dirty:
-        if require_clean:
-            raise HarnessError(
-                f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
-                "Commit or stash them."
-            )
-        print(
-            "Warning: uncommitted changes; they are recorded as a patch (git/uncommitted.patch) and the run "
-            "is tagged dirty.",
-            file=sys.stderr,
-        )
+    checked = preflight(exp_dir, overrides, require_clean=require_clean, executor=executor)
+    cfg, git = checked.cfg, checked.git
+    for warning in checked.warnings:
+        print(f"Warning: {warning}", file=sys.stderr)
     if cfg.executor == Executor.docker:
         pinned = container.pin(str(cfg.image), allow_unpinned=allow_unpinned)
         tracker = Tracker(tracking_uri)
@@ -344,7 +407,6 @@ def run(
             tracker, run_id, pinned, git.root, rel, container.wants_gpus(cfg.device.value)
         )
         return Outcome(run_id, status, code, message)
-    resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)  # refuse before recording
     tracker = Tracker(tracking_uri)
     run_id = create_record(tracker, cfg, Path(exp_dir), git, image=local_image_tags(str(cfg.image)))
     return execute(tracker, run_id, cfg, Path(exp_dir))

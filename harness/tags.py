@@ -78,6 +78,7 @@ ARTIFACT_FINGERPRINTS = "fingerprints.json"
 ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts
 ARTIFACT_SERIES = "metrics/series.npz"  # every logged value, exact, for fast comparison
 ARTIFACT_FAILURE = "failure.txt"
+ARTIFACT_OUTPUTS_DIR = "outputs"  # what the ranks wrote into ctx.output_dir
 ARTIFACT_REPORT = "replay/report.md"
 ARTIFACT_PLOTS_DIR = "replay"
 ARTIFACT_COMPARISON = "replay/comparison.json"

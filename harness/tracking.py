@@ -8,6 +8,7 @@ import os
 import tempfile
 import struct
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,9 @@ class Tracker:
 
     def metric_writer(self, run_id: str, flush_interval_s: float) -> "MetricWriter":
         return MetricWriter(self, run_id, flush_interval_s)
+
+    def heartbeat(self, run_id: str, interval_s: float) -> "Heartbeat":
+        return Heartbeat(self, run_id, interval_s)
 
     # -- reading ---------------------------------------------------------------------------------
     def get_run(self, run_id: str) -> RunSummary:
@@ -350,3 +354,31 @@ def ui_command(uri: str, host: str, port: int) -> list[str]:
     if root:
         cmd += ["--default-artifact-root", Path(root).as_uri()]
     return cmd
+
+
+class Heartbeat:
+    """Marks a run alive (tag HEARTBEAT = unix seconds) every `interval_s` from a background thread.
+
+    A RUNNING run whose launcher was SIGKILLed cannot mark itself ended; its heartbeat going stale is
+    how `harness runs` and `harness mark` tell it from a live one.
+    """
+
+    def __init__(self, tracker: Tracker, run_id: str, interval_s: float) -> None:
+        self._tracker = tracker
+        self._run_id = run_id
+        self._interval = interval_s
+        self._stop = threading.Event()
+        tracker.set_tags(run_id, {T.HEARTBEAT_S: f"{interval_s:g}", T.HEARTBEAT: f"{time.time():.3f}"})
+        self._thread = threading.Thread(target=self._loop, name="harness-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._tracker.set_tags(self._run_id, {T.HEARTBEAT: f"{time.time():.3f}"})
+            except Exception:  # a store hiccup: the next beat tries again; the run goes on
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)

@@ -449,7 +449,7 @@ def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
             match = _RAISED.search(message)
             text = message[match.end():] if match else message
             root = {"rank": failing, "line": _last_line(text), "expected": False, "traceback": text}
-        line = f"rank {root['rank']}: {root['line']}" if root["expected"] else f"rank {root['rank']} raised {root['line']}"
+        line = f"rank {root['rank']}: {root['line']}" if root["expected"] else f"rank {root['rank']} raised: {root['line']}"
     others = [r for r in records if r["rank"] != root["rank"]]
     for words, group in (
         ("failed the same way", [r for r in others if not r["peer"] and r["line"] == root["line"]]),

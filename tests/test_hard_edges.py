@@ -1,0 +1,374 @@
+"""Hard edges, tried as a new user would: every bad input or broken rank ends in one line, a documented exit
+code and a closed run - never a traceback from harness, a hang, or silent wrong training.
+
+Real CLI, real git repository, real SQLite store, real 2-rank gloo workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import Project, Result, git, pid_alive
+
+# A small training script whose misbehaviour is chosen by train.mode; every rank writes its pid first.
+EDGES = '''
+import os, pathlib, time
+import torch
+from torch import nn
+
+
+def train(ctx):
+    mode = ctx.cfg.mode
+    pathlib.Path(ctx.cfg.pid_dir, f"rank{ctx.rank}").write_text(str(os.getpid()))
+    data = torch.randn(40, 4, generator=torch.Generator().manual_seed(ctx.seed))
+    loader = ctx.loader(data, batch_size=5, pin_memory=True)
+    if mode == "nolog":
+        return
+    model = ctx.ddp(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0 if mode == "frozen" else 0.1)
+    for epoch in ctx.epochs(2):
+        for x in loader:
+            opt.zero_grad()
+            if mode == "apart":  # trains the replica, not the DDP model: gradients are never all-reduced
+                loss = model.module(x * (ctx.rank + 1)).pow(2).mean()
+            else:
+                loss = model(x).pow(2).mean()
+            if mode == "hang" and ctx.rank == 1 and ctx.step == 2:
+                time.sleep(600)  # HANG_LINE
+            loss.backward()
+            opt.step()
+            if mode == "str":
+                ctx.log({"accuracy": "high"}, ctx.step)
+            ctx.log({"loss": loss, "nan": float("nan"), "inf": float("inf"), "ninf": -float("inf")}, ctx.step)
+    if ctx.is_main:
+        (ctx.output_dir / "note.txt").write_text("written by rank 0")
+'''
+HANG_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "HANG_LINE" in line)
+
+# The plain-DDP habits (loss.backward(), loader.sampler.set_epoch, model.module) under world-size-invariant mode.
+PLAIN = '''
+import torch
+from torch import nn
+
+
+def train(ctx):
+    data = torch.randn(64, 4, generator=torch.Generator().manual_seed(ctx.seed))
+    loader = ctx.loader(data, batch_size=4)
+    model = ctx.ddp(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        for x in loader:
+            opt.zero_grad()
+            if ctx.cfg.use_ctx_backward:
+                loss = ctx.backward(x, lambda x: model(x).pow(2).mean())
+            else:
+                loss = model(x).pow(2).mean()
+                loss.backward()
+            opt.step()
+            ctx.log({"loss": loss}, ctx.step)
+    torch.save(model.module.state_dict(), ctx.output_dir / "weights.pt")
+'''
+INVARIANT = ["determinism.world_size_invariant=true", "determinism.shards=4"]
+
+
+def run_edges(project: Project, tmp_path: Path, mode: str, *extra: str) -> Result:
+    project.add_experiment("edges", train_py=EDGES, yaml_extra="timeout_s: 1800\n")
+    return project.harness("run", "experiments/edges", f"train={{mode: {mode}, pid_dir: '{tmp_path}'}}", *extra)
+
+
+def only_error_line(result: Result) -> str:
+    """The stderr of a refused command: exactly one line, `Error: ...`, and nothing on stdout."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def assert_ranks_gone(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"
+
+
+# -- ranks that fail, hang or train wrongly ----------------------------------------------------------
+
+
+def test_failing_rank_is_named_first_and_peers_are_summarised(project: Project, tmp_path: Path) -> None:
+    from test_run import _crash_experiment
+
+    exp, train = _crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
+    result = project.harness("run", exp, train, env={"PID_DIR": str(tmp_path)})
+    assert result.returncode == 1
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED: ")]
+    assert len(failed) == 1 and failed[0].startswith(
+        "FAILED: rank 1 raised: RuntimeError: boom at step 3 (train.py, line 14)"), result.stderr
+    # The user's own traceback is shown once; the peer's "connection closed" never is.
+    assert result.stderr.count("Traceback") == 1 and "Connection closed by peer" not in result.stderr
+    assert result.stderr.index("Traceback") < result.stderr.index("FAILED: ")
+    run = project.client().get_run(result.last_line)
+    assert run.info.status == "FAILED" and run.data.tags["harness.status_reason"] == failed[0][len("FAILED: "):]
+
+
+def test_a_hanging_rank_ends_the_job_naming_it(project: Project, tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = run_edges(project, tmp_path, "hang", "timeout_s=25")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    reason = project.client().get_run(result.last_line).data.tags["harness.status_reason"]
+    assert reason.startswith("no progress for 25 s (timeout_s): "), reason
+    # Rank 1 sleeps at its step 2 (where the stack dump shows it); rank 0 waits for it in the all-reduce.
+    assert f"rank 1 at step 2 in train.py:{HANG_LINE} (train)" in reason, reason
+    assert "rank 0 at step 2" in reason and "raise timeout_s" in reason
+    assert project.client().get_run(result.last_line).info.status == "FAILED"
+    assert elapsed < 150  # 25 s of silence, not gloo's own 30-minute timeout
+    assert_ranks_gone(tmp_path)
+
+
+def test_entry_that_cannot_be_imported_is_one_line(project: Project) -> None:
+    project.add_experiment("unimportable", train_py="import torch\nimport not_a_module_anywhere\n\n\ndef train(ctx):\n    pass\n")
+    result = project.harness("run", "experiments/unimportable")
+    assert result.returncode == 1
+    assert ("FAILED: rank 0: entry import failed: ModuleNotFoundError: No module named 'not_a_module_anywhere' "
+            "(train.py, line 2)") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert project.client().get_run(result.last_line).info.status == "FAILED"
+
+
+def test_non_numeric_metric_names_key_and_type(project: Project, tmp_path: Path) -> None:
+    result = run_edges(project, tmp_path, "str")
+    assert result.returncode == 1
+    assert ("FAILED: rank 0: ctx.log: metric 'accuracy' is a str ('high'); log numbers (int, float or a "
+            "one-element tensor).") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert project.client().get_run(result.last_line).info.status == "FAILED"
+    assert_ranks_gone(tmp_path)
+
+
+def test_ranks_that_train_apart_fail_the_run(project: Project, tmp_path: Path) -> None:
+    result = run_edges(project, tmp_path, "apart")
+    assert result.returncode == 1
+    assert "the ranks ended with different parameters (rank 0: " in result.stderr, result.stderr
+    assert "their gradients were not synchronised" in result.stderr
+
+
+def test_invariant_mode_refuses_gradients_outside_ctx_backward(project: Project) -> None:
+    project.add_experiment("plain", train_py=PLAIN)
+    result = project.harness("run", "experiments/plain", *INVARIANT, "train.use_ctx_backward=false")
+    assert result.returncode == 1
+    assert ("FAILED: rank 0: step 0: gradients reached the model outside ctx.backward in world-size-invariant "
+            "mode") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    run = project.client().get_run(result.last_line)
+    assert run.info.status == "FAILED" and "loss = ctx.backward(batch, loss_fn)" in run.data.tags["harness.status_reason"]
+
+
+def test_plain_script_converted_to_ctx_backward_trains_equal_replicas(project: Project, tmp_path: Path) -> None:
+    # set_epoch on loader.sampler and model.module keep working in invariant mode; finishing at all proves
+    # the replicas ended with equal parameters (checked across ranks at the end of every run).
+    project.add_experiment("plain", train_py=PLAIN)
+    result = project.harness("run", "experiments/plain", *INVARIANT, "train.use_ctx_backward=true")
+    assert result.returncode == 0, result.stderr
+    client = project.client()
+    import torch
+
+    weights = torch.load(client.download_artifacts(result.last_line, "outputs/weights.pt", str(tmp_path)), weights_only=True)
+    assert set(weights) == {"weight", "bias"}
+    losses = [m.value for m in client.get_metric_history(result.last_line, "loss")]
+    assert len(losses) == 8 and losses[-1] < losses[0]  # 64 samples, 4 shards of 4 per step, 2 epochs
+
+
+# -- what a finished run proves ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nan_run(project: Project, tmp_path_factory: pytest.TempPathFactory) -> Result:
+    tmp = tmp_path_factory.mktemp("nan")
+    result = run_edges(project, tmp, "nan")
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_nan_and_inf_are_recorded_exactly_and_outputs_become_artifacts(project: Project, nan_run: Result, tmp_path: Path) -> None:
+    from harness.tracking import Tracker
+
+    record = Tracker(project.uri).load_record(nan_run.last_line)
+    assert np.isnan(record.metrics["nan"][1]).all() and len(record.metrics["nan"][1]) == 16
+    assert (record.metrics["inf"][1] == np.inf).all() and (record.metrics["ninf"][1] == -np.inf).all()
+    note = project.client().download_artifacts(nan_run.last_line, "outputs/note.txt", str(tmp_path))
+    assert Path(note).read_text() == "written by rank 0"
+    # No progress bar off a terminal: its carriage returns would litter logs.
+    assert "\r" not in nan_run.stderr
+
+
+def test_run_that_logs_nothing_warns(project: Project, tmp_path: Path) -> None:
+    result = run_edges(project, tmp_path, "nolog")
+    assert result.returncode == 0
+    assert "Warning: the run logged no metrics" in result.stderr
+
+
+def test_model_that_never_changed_is_called_out(project: Project, tmp_path: Path) -> None:
+    result = run_edges(project, tmp_path, "frozen")
+    assert result.returncode == 0
+    assert "Warning: the model's weights never changed" in result.stderr
+    tags = project.client().get_run(result.last_line).data.tags
+    assert tags["harness.weights_changed"] == "false"
+    assert tags["harness.fingerprint.initial"] == tags["harness.fingerprint"]
+
+
+def test_loader_refuses_a_sampler_of_its_own(project: Project) -> None:
+    script = ("import torch\n\n\ndef train(ctx):\n    data = torch.zeros(8, 2)\n"
+              "    ctx.loader(data, batch_size=2, sampler=torch.utils.data.SequentialSampler(data))\n")
+    project.add_experiment("own_sampler", train_py=script)
+    result = project.harness("run", "experiments/own_sampler")
+    assert result.returncode == 1
+    assert "FAILED: rank 0: ctx.loader(..., sampler=...): ctx.loader makes the sampler itself" in result.stderr
+
+
+# -- liveness ---------------------------------------------------------------------------------------------
+
+
+def test_killed_launcher_leaves_a_stale_run_that_mark_closes(project: Project, tmp_path: Path) -> None:
+    project.add_experiment("edges", train_py=EDGES, yaml_extra="timeout_s: 1800\n")
+    proc = project.popen("run", "experiments/edges", f"train={{mode: hang, pid_dir: '{tmp_path}'}}", "heartbeat_s=1")
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.2)
+    client = project.client()
+    edges = client.get_experiment_by_name("edges").experiment_id
+    running = client.search_runs([edges], "attributes.status = 'RUNNING'")
+    assert len(running) == 1
+    run_id = running[0].info.run_id
+    live = project.harness("mark", run_id, "--status", "FAILED")
+    assert live.returncode == 2 and "heartbeat" in only_error_line(live)
+    os.kill(proc.pid, signal.SIGKILL)  # nothing can record this: the run stays RUNNING
+    proc.communicate(timeout=30)
+    assert_ranks_gone(tmp_path)  # the ranks die with their launcher
+    time.sleep(4)  # > STALE_FACTOR heartbeats
+    listing = project.harness("runs")
+    row = next(line for line in listing.stdout.splitlines() if line.startswith(run_id))
+    assert "STALE" in row.split(), listing.stdout
+    closed = project.harness("mark", run_id, "--status", "FAILED")
+    assert closed.returncode == 0, closed.stderr
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+# -- validation before launch ---------------------------------------------------------------------------
+
+REFUSED = [
+    (["seed=-1"], "Error: seed must be within [0, 2**63-1] (0 to 9223372036854775807), got -1."),
+    (["seed=99999999999999999999999"], "Error: seed must be within [0, 2**63-1] (0 to 9223372036854775807), got 99999999999999999999999."),
+    (["train.lr="], "Error: override 'train.lr=' has no value. Give one (train.lr=VALUE), or write train.lr=null to set it to null."),
+    (["lr=0.1"], "Error: overrides: unknown key 'lr'. Did you mean train.lr? (the experiment's own settings live under train:)"),
+    (["train.x=[1,"], "Error: override 'train.x=[1,' is not a valid value (while parsing a flow node)."),
+    (["timeout_s=0"], "Error: timeout_s must be > 0 seconds, got 0.0."),
+    (["flush_interval_s=nan"], "Error: flush_interval_s must be > 0, got nan."),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSED, ids=[r[0][0] for r in REFUSED])
+def test_bad_override_is_refused_before_anything_runs(project: Project, overrides: list[str], message: str) -> None:
+    before = len(project.all_runs())
+    result = project.harness("run", "experiments/linear_ddp", *overrides)
+    assert result.returncode == 2 and result.stdout == ""
+    assert only_error_line(result).startswith(message)
+    assert len(project.all_runs()) == before
+
+
+def test_file_passed_as_experiment_and_missing_image(project: Project) -> None:
+    result = project.harness("run", "experiments/linear_ddp/train.py")
+    assert result.returncode == 2
+    assert only_error_line(result) == "Error: 'experiments/linear_ddp/train.py' is a file; pass its folder: harness run experiments/linear_ddp"
+    exp = project.root / "experiments" / "imageless"
+    exp.mkdir(exist_ok=True)
+    (exp / "experiment.yaml").write_text("entry: train.py:train\n")
+    (exp / "train.py").write_text("def train(ctx):\n    pass\n")
+    result = project.harness("check", "experiments/imageless")
+    assert result.returncode == 2
+    assert "or to `image: none` for an experiment that only runs locally" in only_error_line(result)
+    (exp / "experiment.yaml").write_text("image: none\nentry: train.py:train\nworld_size: 64\n")
+    result = project.harness("check", "experiments/imageless")
+    assert result.returncode == 0, result.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert f"Warning: world_size 64 x threads_per_rank 1 = 64 threads on {cores} CPU cores" in result.stderr
+    assert result.stdout.startswith("ok: experiments/imageless (world_size 64")
+    import shutil
+
+    shutil.rmtree(exp)
+
+
+# -- fuzz: experiment.yaml contents and overrides never make harness print a traceback -------------------
+
+_KEYS = ["image", "entry", "world_size", "backend", "device", "seed", "threads_per_rank", "determinism",
+         "determinism.level", "determinism.shards", "determinism.world_size_invariant", "flush_interval_s",
+         "fingerprint_every", "checkpoint_every", "executor", "heartbeat_s", "timeout_s", "record.max_untracked_mib",
+         "replay.tolerance.default.rtol", "replay.tolerance.metrics", "train", "train.lr", "lr", "nope", "a.b"]
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.sampled_from(["auto", "cpu", "cuda", "gloo", "nccl", "strict", "off", "local", "docker", "none", "train.py:train",
+                     "[1,", "{a: 1}", "${oops}", "???", "null", "", "'x'", "1e400", "-0"]),
+)
+_VALUES = st.one_of(_SCALARS, st.lists(_SCALARS, max_size=3), st.dictionaries(st.sampled_from(_KEYS), _SCALARS, max_size=3))
+
+
+def _nested(flat: dict[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                break
+            node = child
+        else:
+            node[last] = value
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    yaml_fields=st.dictionaries(st.sampled_from(_KEYS), _VALUES, max_size=6),
+    raw_yaml=st.one_of(st.none(), st.text(max_size=40)),
+    overrides=st.lists(
+        st.one_of(st.tuples(st.sampled_from(_KEYS), st.text(max_size=10)).map(lambda kv: f"{kv[0]}={kv[1]}"),
+                  st.text(max_size=12)),
+        max_size=3,
+    ),
+)
+def test_fuzzed_config_never_prints_a_traceback(fuzz_repo: Path, yaml_fields, raw_yaml, overrides) -> None:
+    import yaml
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    base = {"image": "none", "entry": "train.py:train"}
+    content = raw_yaml if raw_yaml is not None else yaml.safe_dump({**base, **_nested(yaml_fields)})
+    (fuzz_repo / "exp" / "experiment.yaml").write_text(content)
+    result = CliRunner().invoke(main, ["check", str(fuzz_repo / "exp"), *overrides], catch_exceptions=True)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (content, overrides, result.output)
+    assert result.exit_code in (0, 2), (content, overrides, result.output)
+    if result.exit_code == 2:
+        errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+        assert len(errors) == 1, (content, overrides, result.output)
+
+
+@pytest.fixture(scope="module")
+def fuzz_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz")
+    (root / "exp").mkdir()
+    (root / "exp" / "train.py").write_text("def train(ctx):\n    pass\n")
+    (root / "exp" / "experiment.yaml").write_text("image: none\nentry: train.py:train\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "fuzz")
+    return root

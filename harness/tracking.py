@@ -237,6 +237,10 @@ def _probe_sqlite(uri: str, writable: bool) -> None:
             f"cannot create the folder {folder} of the tracking store {shown}: {err.strerror}. "
             f"Check the path, {_OTHER_STORE}."
         ) from None
+    if path.is_dir():
+        raise HarnessError(
+            f"the tracking store {shown} names a folder, not a database file. Use sqlite:///{path / _DB_NAME}."
+        )
     exists = path.exists()
     if writable or not exists:  # a missing database is created, which writes too
         try:

@@ -175,3 +175,18 @@ def test_file_that_is_not_a_database(fresh_project: Project) -> None:
     assert seconds < FAST_S
     assert db.read_bytes() == before
     assert sorted(p.name for p in fresh_project.store.iterdir()) == ["mlflow.db"]
+
+
+def test_store_failing_mid_command_is_not_no_run(tmp_path: Path) -> None:
+    """Only MLflow's "not found" means no run; a store that breaks after opening is named as failing."""
+    from harness.errors import HarnessError
+    from harness.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = tracker.create_run("e", {})
+    with pytest.raises(HarnessError, match="^no run '0{32}' in the tracking store"):
+        tracker.get_run("0" * 32)
+    (tmp_path / "mlflow.db").write_bytes(b"x" * 4096)  # the database is lost under the running command
+    for read in (lambda: tracker.get_run(run_id), lambda: tracker.read_text(run_id, "a.txt"), tracker.search):
+        with pytest.raises(HarnessError, match=r"^the tracking store sqlite:///.* failed: .*file is not a database"):
+            read()

@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import ssl
-import sqlite3
 import tempfile
 import struct
 import threading

@@ -2,13 +2,17 @@
 # Build the offline CPU image of the harness (no Docker Hub): a debootstrap base, the torch CPU
 # wheel from /opt/wheels, the PyPI dependencies, then the harness source.
 #   docker/build-cpu-image.sh [--push] [--no-cache] [TAG]   (TAG defaults to localhost:5000/harness-cpu:0.1)
+#   docker/build-cpu-image.sh --print-mirror                 (the Debian archive the base would use)
 # --push pushes TAG to its registry so the image gets a RepoDigest (what experiment.yaml pins).
 # --no-cache rebuilds every layer (the debootstrap base is reused if present).
+# The base is bootstrapped from this machine's own Debian archive, read from its apt sources
+# (/etc/apt/sources.list, sources.list.d/*.list and *.sources); DEBIAN_MIRROR=URL overrides it.
 # Needs a running engine (scripts/docker-up.sh STATE_DIR), and for --push the local registry.
 set -euo pipefail
 
-usage() { echo "usage: $0 [--push] [--no-cache] [TAG]" >&2; exit 2; }
+usage() { echo "usage: $0 [--push] [--no-cache] [TAG] | --print-mirror" >&2; exit 2; }
 PUSH=0
+PRINT_MIRROR=0
 CACHE=()
 TAG=localhost:5000/harness-cpu:0.1
 tag_set=0
@@ -16,6 +20,7 @@ for arg in "$@"; do
   case $arg in
     --push) PUSH=1 ;;
     --no-cache) CACHE=(--no-cache) ;;
+    --print-mirror) PRINT_MIRROR=1 ;;
     -h | --help) usage ;;
     -*) echo "unknown option $arg" >&2; usage ;;
     *) ((tag_set == 0)) || usage; TAG=$arg; tag_set=1 ;;
@@ -24,11 +29,67 @@ done
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BASE=${HARNESS_BASE_IMAGE:-harness/base:bookworm}
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+SUITE=bookworm
+APT_ETC=${APT_ETC:-/etc/apt}  # where the apt sources are read from (another folder for a dry check)
 WHEELS=${TORCH_WHEEL_DIR:-/opt/wheels}
 
 step() { echo "build-cpu-image: $*"; }
 die() { echo "build-cpu-image: error: $*" >&2; exit 1; }
+
+# The first Debian main archive for $SUITE in the machine's apt sources: the mirror this network is
+# known to reach. Security, updates and third-party archives do not qualify (other suites).
+apt_debian_mirror() {
+  local files=() f
+  [[ -f $APT_ETC/sources.list ]] && files+=("$APT_ETC/sources.list")
+  shopt -s nullglob
+  for f in "$APT_ETC"/sources.list.d/*; do
+    case $f in *.list | *.sources) files+=("$f") ;; esac
+  done
+  shopt -u nullglob
+  for f in "${files[@]}"; do
+    if [[ $f == *.sources ]]; then
+      # deb822: paragraphs of "Field: value" lines (Types, URIs, Suites, Components, Enabled).
+      awk -v suite="$SUITE" '
+        function has(list, word,   n, i, a) { n = split(list, a, /[ \t]+/); for (i = 1; i <= n; i++) if (a[i] == word) return 1; return 0 }
+        function flush() {
+          if (has(f["types"], "deb") && has(f["suites"], suite) && has(f["components"], "main") && tolower(f["enabled"]) != "no") {
+            split(f["uris"], u, /[ \t]+/); if (u[1] != "") print u[1]
+          }
+          delete f
+        }
+        /^[ \t]*#/ { next }
+        /^[ \t]*$/ { flush(); next }
+        /^[A-Za-z-]+:/ { key = tolower(substr($0, 1, index($0, ":") - 1)); val = substr($0, index($0, ":") + 1)
+                         gsub(/^[ \t]+|[ \t]+$/, "", val); f[key] = val; next }
+        END { flush() }' "$f"
+    else
+      # one-line: deb [options] URI SUITE COMPONENT...
+      awk -v suite="$SUITE" '
+        $1 != "deb" { next }
+        { i = 2; if ($i ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
+          uri = $i; if ($(i + 1) != suite) next
+          for (j = i + 2; j <= NF; j++) if ($j == "main") { print uri; next } }' "$f"
+    fi
+  done
+}
+
+debian_mirror() {
+  if [[ -n ${DEBIAN_MIRROR:-} ]]; then
+    echo "$DEBIAN_MIRROR"
+    return
+  fi
+  local found
+  found=$(apt_debian_mirror)
+  found=${found%%$'\n'*}
+  [[ -n $found ]] || die "no Debian $SUITE main archive in the apt sources under $APT_ETC (sources.list, \
+sources.list.d/*.list, *.sources). Set DEBIAN_MIRROR to the URL of a Debian mirror this machine can reach."
+  echo "${found%/}"
+}
+
+if ((PRINT_MIRROR)); then
+  debian_mirror
+  exit 0
+fi
 
 docker version >/dev/null 2>&1 \
   || die "Docker engine is not running. Start it with scripts/docker-up.sh STATE_DIR and retry."
@@ -41,10 +102,11 @@ if docker image inspect "$BASE" >/dev/null 2>&1; then
   step "base $BASE present"
 else
   command -v debootstrap >/dev/null || die "debootstrap not found. apt-get install -y debootstrap, or run scripts/docker-up.sh."
-  step "debootstrap bookworm (minbase + python3.11, venv, pip) into $TMP/rootfs"
+  MIRROR=$(debian_mirror)
+  step "debootstrap $SUITE from $MIRROR (minbase + python3.11, venv, pip) into $TMP/rootfs"
   start=$SECONDS
   debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
-    bookworm "$TMP/rootfs" "$MIRROR" >"$TMP/debootstrap.log" 2>&1 \
+    "$SUITE" "$TMP/rootfs" "$MIRROR" >"$TMP/debootstrap.log" 2>&1 \
     || { tail -n 20 "$TMP/debootstrap.log" >&2; die "debootstrap failed (mirror $MIRROR)."; }
   rm -rf "$TMP/rootfs/var/cache/apt/archives/"*.deb "$TMP/rootfs/var/lib/apt/lists/"*
   tar -C "$TMP/rootfs" -c . | docker import \

@@ -15,7 +15,11 @@ _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlit
 
 
 def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """HarnessError -> `Error: ...` on one line and its exit code; no traceback."""
+    """HarnessError -> `Error: ...` on one line and its exit code; no traceback.
+
+    A tracking-store failure that got past the Tracker (MLflow, SQLAlchemy or HTTP) is one line too:
+    it is the store failing, not a bug to show a traceback for.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -24,6 +28,14 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except HarnessError as err:
             click.echo(f"Error: {err}", err=True)
             sys.exit(err.exit_code)
+        except Exception as err:
+            from harness.tracking import is_store_error, resolve_uri, store_failure
+
+            if not is_store_error(err):
+                raise
+            failure = store_failure(err, resolve_uri(kwargs.get("tracking_uri")))
+            click.echo(f"Error: {failure}", err=True)
+            sys.exit(failure.exit_code)
 
     return wrapper
 

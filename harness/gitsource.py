@@ -9,9 +9,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-from urllib.parse import urlsplit, urlunsplit
-
 from harness.errors import HarnessError
+from harness.urls import strip_credentials
 
 
 @dataclass(frozen=True)
@@ -28,15 +27,6 @@ def _git():  # lazy: gitpython spawns `git` on import checks
     import git
 
     return git
-
-
-def strip_credentials(url: str) -> str:
-    """https://user:token@host/x -> https://host/x; scp-style git@host:x is left as is."""
-    parts = urlsplit(url)
-    if parts.scheme and "@" in parts.netloc:
-        host = parts.netloc.rsplit("@", 1)[1]
-        return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
-    return url
 
 
 def open_repo(path: Path):

@@ -47,7 +47,7 @@ def rows(runs: list[RunSummary], verdicts: dict[str, str]) -> list[list[str]]:
 
 
 def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) -> str:
-    tracker = Tracker(tracking_uri)
+    tracker = Tracker(tracking_uri, writable=False)  # listing only reads: a read-only store will do
     runs = tracker.search(experiment, max_results=limit)
     if not runs:
         return f"No runs in {tracker.uri}" + (f" for experiment '{experiment}'." if experiment else ".")

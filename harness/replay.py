@@ -174,7 +174,7 @@ def record_verdict(
 
 def compare(run_a: str, run_b: str, tracking_uri: str | None = None) -> Comparison:
     """Delta and verdict between two existing runs, judged by run A's tolerance; nothing is rerun."""
-    tracker = Tracker(tracking_uri)
+    tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
     a, b = tracker.load_record(run_a), tracker.load_record(run_b)
     failed = None if b.status == "FINISHED" else f"run {run_b} is {b.status}"
     return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)

@@ -266,6 +266,15 @@ def _user_frame(err: BaseException, code_dir: str) -> str | None:
     return found
 
 
+def _from_user_code(tb: Any) -> Any:
+    """The traceback without harness's own outer frames (the rank's set-up): it starts where the user's code does."""
+    own = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    start = tb
+    while start is not None and start.tb_frame.f_code.co_filename.startswith(own):
+        start = start.tb_next
+    return start or tb
+
+
 def _is_peer_error(err: BaseException) -> bool:
     import torch.distributed as dist
 
@@ -290,7 +299,7 @@ def _write_failure(spec: LaunchSpec, rank: int, err: BaseException) -> None:
         "line": line,
         "expected": isinstance(err, HarnessError),
         "peer": _is_peer_error(err),
-        "traceback": "".join(traceback.format_exception(err)),
+        "traceback": "".join(traceback.format_exception(type(err), err, _from_user_code(err.__traceback__))),
     }
     path = Path(spec.log_dir) / f"rank{rank}.error.json"
     with contextlib.suppress(OSError):
@@ -443,7 +452,9 @@ def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
     else:
         causes = [r for r in records if not r["peer"]] or records
         if causes:
-            root = min(causes, key=lambda r: r["time"])
+            first = min(causes, key=lambda r: r["time"])
+            # Ranks that failed alike (every rank importing a broken entry) are one cause: name the lowest.
+            root = min((r for r in causes if r["line"] == first["line"]), key=lambda r: r["rank"])
         else:  # it died before it could say why: spawn's own report is all there is
             message = str(err)
             match = _RAISED.search(message)

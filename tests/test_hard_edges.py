@@ -109,7 +109,7 @@ def test_failing_rank_is_named_first_and_peers_are_summarised(project: Project, 
     assert result.returncode == 1
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED: ")]
     assert len(failed) == 1 and failed[0].startswith(
-        "FAILED: rank 1 raised: RuntimeError: boom at step 3 (train.py, line 14)"), result.stderr
+        "FAILED: rank 1 raised: RuntimeError: boom at step 3 (train.py, line 13)"), result.stderr
     # The user's own traceback is shown once; the peer's "connection closed" never is.
     assert result.stderr.count("Traceback") == 1 and "Connection closed by peer" not in result.stderr
     assert result.stderr.index("Traceback") < result.stderr.index("FAILED: ")
@@ -200,7 +200,7 @@ def test_nan_and_inf_are_recorded_exactly_and_outputs_become_artifacts(project: 
     from harness.tracking import Tracker
 
     record = Tracker(project.uri).load_record(nan_run.last_line)
-    assert np.isnan(record.metrics["nan"][1]).all() and len(record.metrics["nan"][1]) == 16
+    assert np.isnan(record.metrics["nan"][1]).all() and len(record.metrics["nan"][1]) == 8
     assert (record.metrics["inf"][1] == np.inf).all() and (record.metrics["ninf"][1] == -np.inf).all()
     note = project.client().download_artifacts(nan_run.last_line, "outputs/note.txt", str(tmp_path))
     assert Path(note).read_text() == "written by rank 0"

@@ -1,0 +1,295 @@
+"""Reaching the tracking store before MLflow uses it: a deadline, and one line that says what failed.
+
+Without this an unreachable store costs minutes: MLflow retries HTTP requests 7 times with
+exponential backoff (~250 s) and SQLAlchemy engine creation 10 times (~100 s).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import ssl
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from harness.errors import HarnessError
+from harness.urls import strip_credentials
+
+DB_NAME = "mlflow.db"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite:///PATH URI (None for an in-memory one)."""
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+# --- ---------------------------------------------------------------------------
+# Without these, an unreachable store costs minutes: MLflow retries HTTP requests 7 times with
+# exponential backoff (~250 s) and SQLAlchemy engine creation 10 times (~100 s). Every outside call
+# gets a deadline instead, and every failure is one line naming the store.
+
+TIMEOUT_ENV = "HARNESS_STORE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 10.0
+# MLflow's own HTTP calls after the probe: a slow server still gets time, a dead one is given up quickly.
+MLFLOW_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+# Concurrent runs sharing one SQLite file take turns for its write lock (metric batches are short);
+# waiting up to 30 s beats pysqlite's 5 s "database is locked", and nothing retries beyond it.
+_SQLITE_BUSY_TIMEOUT_S = 30
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_DATABASES = ("postgresql", "mysql", "mssql")
+_PROBE_PATH = "/api/2.0/mlflow/experiments/search?max_results=1"
+_FORMS = (
+    "Use one of sqlite:///PATH (a local database file), http(s)://HOST:PORT (an MLflow server), "
+    "postgresql://... or mysql://..., in --tracking-uri or MLFLOW_TRACKING_URI"
+)
+OTHER_STORE = "or use another store with --tracking-uri or MLFLOW_TRACKING_URI"
+
+
+def store_timeout() -> float:
+    """Seconds allowed to reach the store: $HARNESS_STORE_TIMEOUT_S, else 10."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise HarnessError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds. Set it to a positive number, e.g. 10.")
+    return value
+
+
+def display_uri(uri: str) -> str:
+    """The store's URI as it may be printed: no user name or password."""
+    return strip_credentials(uri)
+
+
+def _scheme(uri: str) -> str:
+    # postgresql+psycopg2://... is SQLAlchemy's dialect+driver form; the dialect decides.
+    return urlsplit(uri).scheme.split("+", 1)[0].lower() if "://" in uri else ""
+
+
+def _with_query(uri: str, key: str, value: str) -> str:
+    """uri with key=value added to its query, unless the user already chose a value."""
+    # By string, not urlunsplit: that would drop a slash of sqlite:////abs/path.
+    base, _, query = uri.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k == key for k, _ in pairs):
+        return uri
+    return f"{base}?{urlencode([*pairs, (key, value)])}"
+
+
+def reason_of(err: BaseException) -> str:
+    """The first line of an error, short enough for a one-line message."""
+    text = getattr(err, "message", None) or str(err) or type(err).__name__
+    line = str(text).strip().splitlines()[0] if str(text).strip() else type(err).__name__
+    return strip_credentials(line[:300].rstrip("."))
+
+
+def probe_store(uri: str, writable: bool, timeout_s: float) -> str:
+    """Reach the store before anything uses it; returns the URI MLflow should open (with deadlines).
+
+    Raises HarnessError, one line naming the store, for a store that cannot be used.
+    """
+    scheme = _scheme(uri)
+    if scheme in ("http", "https"):
+        _probe_http(uri, timeout_s)
+        return uri
+    if scheme == "sqlite":
+        _probe_sqlite(uri, writable)
+        return _with_query(uri, "timeout", str(_SQLITE_BUSY_TIMEOUT_S)) if sqlite_path(uri) else uri
+    if scheme in _DATABASES:
+        if scheme == "mssql":
+            return uri
+        uri = _with_query(uri, "connect_timeout", str(max(1, round(timeout_s))))
+        _probe_database(uri, display_uri(uri.split("?", 1)[0]))
+        return uri
+    if scheme == "":
+        raise HarnessError(
+            f"'{uri}' is a plain path, which MLflow 3 does not accept as a tracking store. "
+            f"{_FORMS}; for a local folder: sqlite:///{Path(uri).resolve() / DB_NAME}."
+        )
+    raise HarnessError(f"unsupported tracking store URI '{display_uri(uri)}' (scheme {scheme}://). {_FORMS}.")
+
+
+def _probe_http(uri: str, timeout_s: float) -> None:
+    """One plain GET of an MLflow REST endpoint with a deadline: no MLflow, no retries."""
+    shown = display_uri(uri)
+    parts = urlsplit(uri)
+    headers = {"Accept": "application/json"}
+    user, password = parts.username, parts.password
+    user = user or os.environ.get("MLFLOW_TRACKING_USERNAME")
+    password = password or os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
+    elif user:
+        token = base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    url = shown.rstrip("/") + _PROBE_PATH
+    context = None
+    if parts.scheme == "https":
+        # The same TLS settings MLflow itself honours, so the probe and MLflow agree.
+        if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("true", "1"):
+            context = ssl._create_unverified_context()
+        else:
+            context = ssl.create_default_context(cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None)
+    check = f"Check that an MLflow server runs there (`harness ui` starts one) and the address is right, {OTHER_STORE}."
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s, context=context) as r:
+            body = r.read(1 << 20)
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            raise HarnessError(
+                f"the tracking store {shown} refused the credentials (HTTP {err.code}). Set MLFLOW_TRACKING_USERNAME "
+                "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for it."
+            ) from None
+        if err.code >= 500:
+            raise HarnessError(
+                f"the tracking store {shown} is failing: GET {_PROBE_PATH} answered HTTP {err.code}. "
+                f"Check the MLflow server's log, {OTHER_STORE}."
+            ) from None
+        raise HarnessError(
+            f"{shown} is not an MLflow tracking server: GET {_PROBE_PATH} answered HTTP {err.code}. "
+            f"Check the host, port and path in --tracking-uri or MLFLOW_TRACKING_URI."
+        ) from None
+    except (TimeoutError, socket.timeout):
+        raise HarnessError(f"the tracking store {shown} did not answer within {timeout_s:g} s. {check}") from None
+    except urllib.error.URLError as err:
+        raise HarnessError(f"cannot reach the tracking store {shown}: {_url_reason(err.reason, timeout_s)}. {check}") from None
+    except OSError as err:  # a connection reset or closed mid-answer
+        raise HarnessError(f"cannot reach the tracking store {shown}: {_url_reason(err, timeout_s)}. {check}") from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise HarnessError(
+            f"{shown} is not an MLflow tracking server: GET {_PROBE_PATH} did not answer with MLflow's JSON. "
+            "Check the host, port and path in --tracking-uri or MLFLOW_TRACKING_URI."
+        )
+
+
+def _url_reason(reason: object, timeout_s: float) -> str:
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return f"no answer within {timeout_s:g} s"
+    if isinstance(reason, socket.gaierror):
+        return "host name not found"
+    if isinstance(reason, ssl.SSLError):
+        return f"TLS failed ({reason.reason or reason}); set MLFLOW_TRACKING_SERVER_CERT_PATH to its CA"
+    if isinstance(reason, BaseException):
+        return reason_of(reason)
+    return str(reason)
+
+
+def _probe_sqlite(uri: str, writable: bool) -> None:
+    """The folder exists (or is made) and, for a command that records, is writable; the file is SQLite."""
+    shown = display_uri(uri)
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise HarnessError(
+            f"cannot create the folder {folder} of the tracking store {shown}: {err.strerror}. "
+            f"Check the path, {OTHER_STORE}."
+        ) from None
+    if path.is_dir():
+        raise HarnessError(
+            f"the tracking store {shown} names a folder, not a database file. Use sqlite:///{path / DB_NAME}."
+        )
+    exists = path.exists()
+    if writable or not exists:  # a missing database is created, which writes too
+        try:
+            # sqlite writes a journal beside the database: the folder itself must take new files.
+            with tempfile.TemporaryFile(dir=folder, prefix=".harness-probe-"):
+                pass
+            if exists:
+                with open(path, "r+b"):
+                    pass
+        except OSError as err:
+            what = "this command records runs" if writable else "the database does not exist yet"
+            where = path if exists and err.filename == str(path) else folder
+            raise HarnessError(
+                f"the tracking store {shown} is read-only: {where} is not writable ({err.strerror}) and {what}. "
+                f"Make {folder} and {path.name} writable for this user, {OTHER_STORE}."
+            ) from None
+    if exists:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(len(_SQLITE_MAGIC))
+        except OSError as err:
+            raise HarnessError(
+                f"cannot read the tracking store {shown}: {err.strerror}. Check the permissions of {path}."
+            ) from None
+        if head and head != _SQLITE_MAGIC:  # sqlite treats an empty file as an empty database
+            raise HarnessError(
+                f"{path} is not an SQLite database, so it cannot be the tracking store {shown}. "
+                f"Move the file away, {OTHER_STORE}."
+            )
+
+
+def _probe_database(uri: str, shown: str) -> None:
+    """One connection attempt with the connect timeout, instead of MLflow's 10 retries."""
+    import sqlalchemy
+    import sqlalchemy.exc
+
+    try:
+        engine = sqlalchemy.create_engine(uri)
+    except ImportError as err:
+        raise HarnessError(
+            f"the tracking store {shown} needs the database driver {err.name or err}, which is not installed. "
+            "Install it (postgresql: pip install psycopg2-binary; mysql: pip install pymysql) and name it in the URI, "
+            "e.g. postgresql+psycopg2://..."
+        ) from None
+    except sqlalchemy.exc.ArgumentError as err:
+        raise HarnessError(f"the tracking store URI {shown} is malformed: {reason_of(err)}. {_FORMS}.") from None
+    try:
+        with engine.connect():
+            pass
+    except sqlalchemy.exc.SQLAlchemyError as err:
+        raise HarnessError(
+            f"cannot reach the tracking store {shown}: {reason_of(getattr(err, 'orig', None) or err)}. "
+            f"Check that the database server runs and accepts these credentials, {OTHER_STORE}."
+        ) from None
+    finally:
+        engine.dispose()
+
+
+def schema_error(shown: str, found: str) -> HarnessError:
+    """A database made by another MLflow version: name the revision and the way out."""
+    import mlflow
+
+    known = False
+    try:
+        from mlflow.store.db.utils import _get_alembic_config
+        from alembic.script import ScriptDirectory
+
+        known = any(s.revision == found for s in ScriptDirectory.from_config(_get_alembic_config("")).walk_revisions())
+    except Exception:  # MLflow's migration layout is not public: an unknown answer is the safe one
+        known = False
+    if known:
+        return HarnessError(
+            f"the tracking store {shown} has the older database schema revision {found}, and this MLflow "
+            f"({mlflow.__version__}) needs a newer one. Back it up, then run `mlflow db upgrade {shown}`, or use the "
+            "MLflow version that made it."
+        )
+    return HarnessError(
+        f"the tracking store {shown} has database schema revision {found}, which this MLflow ({mlflow.__version__}) "
+        f"does not know: another MLflow version made it. Use the MLflow version that made it, {OTHER_STORE}."
+    )
+
+

@@ -201,11 +201,14 @@ class Tracker:
         from harness.compare import RunRecord
 
         run = self.harness_run(run_id)
+        exact = True
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 local = self.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp)
                 metrics = load_series(Path(local))
             except Exception:  # a run cut off before its series was written: MLflow's history
+                # ...which holds +-inf clamped to +-DBL_MAX: the comparison must not call such values identical.
+                exact = not run.metric_keys
                 metrics = {}
                 for key in run.metric_keys:
                     steps, values = self.metric_history(run_id, key)
@@ -223,6 +226,7 @@ class Tracker:
             final_fingerprint=fp.get("final"),
             checkpoints={int(k): v for k, v in fp.get("checkpoints", {}).items()},
             steps_total=fp.get("steps_total"),
+            metrics_exact=exact,
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 

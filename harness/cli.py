@@ -33,7 +33,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 def main() -> None:
     """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
 
-    Exit codes: 0 success / reproduced, 1 training failed / diverged, 2 bad input,
+    Exit codes: 0 success / reproduced, 1 training failed / diverged / nothing to compare, 2 bad input,
     130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
 

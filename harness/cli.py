@@ -45,7 +45,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 def main() -> None:
     """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
 
-    Exit codes: 0 success / reproduced, 1 training failed / diverged, 2 bad input,
+    Exit codes: 0 success / reproduced, 1 training failed / diverged / nothing to compare, 2 bad input,
     130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
 
@@ -117,6 +117,10 @@ def check(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool)
 @click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
 @click.option("--executor", type=click.Choice(["local", "docker"]), default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Replay a FAILED or KILLED run and compare only the steps it reached.")
+@click.option("--no-follow", is_flag=True,
+              help="Replay a replay or audit run itself, not the original it was made from.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def replay(
@@ -125,6 +129,8 @@ def replay(
     world_size: int | None,
     allow_changes: bool,
     executor: str | None,
+    allow_incomplete: bool,
+    no_follow: bool,
     tracking_uri: str | None,
 ) -> None:
     """Rerun RUN_ID exactly as recorded and say whether it reproduced.
@@ -132,13 +138,14 @@ def replay(
     The recorded commit (and patch) is checked out in a temporary git worktree; the recorded
     config, seed, world size and determinism settings are used. The replay is a new MLflow run
     nested under the original, with a report and plots. The last two lines of stdout are
-    `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged, 2 bad input.
+    `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged or nothing to compare,
+    2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """
     from harness.replay import replay as do_replay
 
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
-        tracking_uri=tracking_uri, executor=executor,
+        tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
     )
     _print_comparison(result.comparison, result.changes)
     from harness.tracking import Tracker
@@ -154,11 +161,23 @@ def _print_comparison(cmp: Any, changes: list[str]) -> None:
         click.echo("Changes requested: " + ", ".join(changes))
     if not cmp.bitwise_possible:
         click.echo("A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers))
+    for note in cmp.notes:
+        click.echo(f"Note: {note}")
+    arrow = " -> ".join(cmp.labels)
+    if cmp.config_delta:
+        click.echo(f"Config delta ({arrow}):")
+        for c in cmp.config_delta:
+            click.echo(f"   {c.key}: {c.a} -> {c.b}" + ("" if c.affects_result else "  (does not affect the result)"))
+    else:
+        click.echo("Config delta: none")
     if cmp.delta:
-        click.echo("Environment delta (original -> replay):")
+        click.echo(f"Environment delta ({arrow}):")
         for d in cmp.delta:
             flag = "!" if d.breaks_bitwise else " "
             click.echo(f" {flag} {d.name}: {d.a} -> {d.b}" + (f"  ({d.note})" if d.note else ""))
+    elif cmp.config_delta:
+        # The runs do differ: "none" alone would read as "nothing changed".
+        click.echo(f"Environment delta ({arrow}): none besides the config delta above")
     else:
         click.echo("Environment delta: none")
     for m in cmp.metrics:
@@ -292,10 +311,35 @@ def ui(host: str, port: int, tracking_uri: str | None) -> None:
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def runs(experiment: str | None, limit: int, tracking_uri: str | None) -> None:
-    """List recent runs: id, experiment, start, status, world size, commit, image digest, last verdict."""
+    """List recent runs: id, experiment, start, status, world size, commit, image digest, replay verdicts.
+
+    STATUS is STALE for a RUNNING run whose launcher stopped writing its heartbeat (close it with
+    `harness mark`). VERDICTS counts every replay of a run by verdict, e.g. `BITWISE 2, DIVERGED 1
+    (with changes)`, replays made with --allow-changes or --world-size counted apart.
+    """
     from harness.listing import render_runs
 
     click.echo(render_runs(tracking_uri, experiment, limit))
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--status", "status", type=click.Choice(["FAILED", "KILLED"]), required=True,
+              help="How to close the run.")
+@click.option("--force", is_flag=True, help="Close a run that has no heartbeat tags (nothing shows it is alive).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def mark(run_id: str, status: str, force: bool, tracking_uri: str | None) -> None:
+    """Close a RUNNING run whose launcher is gone (stale heartbeat) as FAILED or KILLED.
+
+    Refuses a run that is not RUNNING, or whose heartbeat is fresh (its launcher still runs:
+    stop that with Ctrl-C or SIGTERM), or that has no heartbeat tags unless --force.
+    Exit 0 closed, 2 refused.
+    """
+    from harness.liveness import mark as do_mark
+
+    reason = do_mark(run_id, status, force=force, tracking_uri=tracking_uri)
+    click.echo(f"Run {run_id} is now {status}: {reason}.")
 
 
 if __name__ == "__main__":  # pragma: no cover

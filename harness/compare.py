@@ -9,12 +9,15 @@ from typing import Any, Mapping
 import numpy as np
 
 from harness import tags
+from harness.configdelta import ConfigChange, config_delta
 from harness.errors import EXIT_FAILED, EXIT_OK
 
 BITWISE = "BITWISE"
 WITHIN_TOLERANCE = "WITHIN_TOLERANCE"
 DIVERGED = "DIVERGED"
-VERDICTS = (BITWISE, WITHIN_TOLERANCE, DIVERGED)
+# Neither run logged a metric or a fingerprint: agreement would be vacuous, so it is not a pass.
+NOTHING_TO_COMPARE = "NOTHING_TO_COMPARE"
+VERDICTS = (BITWISE, WITHIN_TOLERANCE, DIVERGED, NOTHING_TO_COMPARE)
 
 # Divergence kinds.
 KIND_VALUE = "value"  # a metric left its tolerance at a step both runs logged
@@ -40,8 +43,16 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.FINGERPRINT,
         tags.FAILED_RANK,
         tags.STATUS_REASON,
+        # Liveness and training outcomes: they describe how the run went, not what it ran under.
+        tags.HEARTBEAT,
+        tags.HEARTBEAT_S,
+        tags.WEIGHTS_CHANGED,
+        tags.INITIAL_FINGERPRINT,
     }
 )
+
+# MLflow's SQL store writes +-inf as +-DBL_MAX; a record read back from its history cannot tell them apart.
+_CLAMPED = np.finfo(np.float64).max
 
 # Which fact changes make a bit-identical replay impossible.
 # Rule: anything that changes which floating-point operations run, or in what order, breaks
@@ -127,6 +138,8 @@ class RunRecord:
     config: dict
     checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
     steps_total: int | None = None  # training steps the run completed
+    # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
+    metrics_exact: bool = True
 
 
 @dataclass
@@ -269,13 +282,36 @@ class Comparison:
     fingerprints: FingerprintStats
     divergence: Divergence | None
     tolerance: dict[str, Any] = field(default_factory=dict)
+    config_delta: list[ConfigChange] = field(default_factory=list)
+    of_replay: bool = True  # run B is a replay of run A (else two independent runs)
+    unchanged_weights: list[str] = field(default_factory=list)  # labels of runs that trained nothing
+    reached: tuple[str, int] | None = None  # (status, steps) of an incomplete original judged up to where it stopped
+    notes: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
-        return EXIT_FAILED if self.verdict == DIVERGED else EXIT_OK
+        return EXIT_FAILED if self.verdict in (DIVERGED, NOTHING_TO_COMPARE) else EXIT_OK
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return ("original", "replay") if self.of_replay else ("run A", "run B")
 
     def summary(self) -> str:
-        """The verdict in one line."""
+        """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
+        line = self._verdict_line()
+        if self.reached is not None:
+            status, steps = self.reached
+            line += f" (compared the {steps} steps the {status} original reached)"
+        if len(self.unchanged_weights) == 2:
+            line += " - but the model's weights never changed: nothing was trained"
+        elif self.unchanged_weights:
+            line += f" - but {_the(self.unchanged_weights[0])}'s model weights never changed: nothing was trained in it"
+        return line
+
+    def _verdict_line(self) -> str:
+        if self.verdict == NOTHING_TO_COMPARE:
+            return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
+                    "log metrics with ctx.log and register the model with ctx.ddp")
         if self.verdict == DIVERGED and self.divergence is not None:
             if self.divergence.kind == KIND_REPLAY_FAILED:
                 return f"{DIVERGED}: {self.divergence.describe()}"
@@ -310,6 +346,11 @@ class Comparison:
             "fingerprints": self.fingerprints.to_dict(),
             "divergence": self.divergence.to_dict() if self.divergence else None,
             "tolerance": _json_tree(self.tolerance),
+            "config_delta": [c.to_dict() for c in self.config_delta],
+            "of_replay": self.of_replay,
+            "weights_unchanged_in": list(self.unchanged_weights),
+            "reached": None if self.reached is None else {"status": self.reached[0], "steps": self.reached[1]},
+            "notes": list(self.notes),
         }
 
 
@@ -484,7 +525,7 @@ def _metric_only_in_one(name: str, steps: np.ndarray, values: np.ndarray, in_ori
 
 
 def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, vb: np.ndarray,
-                    rtol: float, atol: float) -> tuple[MetricStats, Divergence | None]:
+                    rtol: float, atol: float, clamped: tuple[bool, bool] = (False, False)) -> tuple[MetricStats, Divergence | None]:
     if sa.size == sb.size and np.array_equal(sa, sb):
         # The usual case: both runs logged the same steps, so no set operations are needed.
         common, a, b = sa, va, vb
@@ -495,7 +536,15 @@ def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, v
         only_a = np.setdiff1d(sa, sb, assume_unique=True)
         only_b = np.setdiff1d(sb, sa, assume_unique=True)
 
-    bit_equal = a.view(np.int64) == b.view(np.int64)
+    # NaN on both sides is equal whatever its payload bits: the payload says nothing about the
+    # arithmetic. x86 returns a negative "default NaN" for an invalid operation, ARM a positive one,
+    # and which operand's payload survives NaN + NaN depends on an operand order that compilers
+    # may swap for a commutative op without changing any other result.
+    bit_equal = (a.view(np.int64) == b.view(np.int64)) | (np.isnan(a) & np.isnan(b))
+    for values, read_back_clamped in ((a, clamped[0]), (b, clamped[1])):
+        if read_back_clamped:
+            # +-DBL_MAX read from MLflow's history may have been +-inf: equal, but not provably bit-identical.
+            bit_equal &= np.abs(values) != _CLAMPED
     # Equal values (including inf == inf and -0.0 == 0.0) and NaN on both sides are always
     # within tolerance; the subtraction below would turn them into NaN.
     same = (a == b) | (np.isnan(a) & np.isnan(b))
@@ -544,8 +593,12 @@ def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, v
     return stats, first
 
 
-def _compare_fingerprints(original: RunRecord, replay: RunRecord) -> FingerprintStats:
+def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bool = False) -> FingerprintStats:
     fa, fb = original.fingerprints, replay.fingerprints
+    if incomplete:
+        # Only the steps the original reached; it has no final fingerprint to hold the replay to.
+        last = max(fa, default=-1)
+        fb = {k: v for k, v in fb.items() if k <= last}
     stats = FingerprintStats()
     for step in sorted(fa.keys() | fb.keys()):
         stats.compared += 1
@@ -554,7 +607,7 @@ def _compare_fingerprints(original: RunRecord, replay: RunRecord) -> Fingerprint
             stats.equal += 1
         elif stats.first_mismatch_step is None:
             stats.first_mismatch_step = int(step)
-    if original.final_fingerprint is not None or replay.final_fingerprint is not None:
+    if not incomplete and (original.final_fingerprint is not None or replay.final_fingerprint is not None):
         stats.compared += 1
         stats.final_equal = original.final_fingerprint == replay.final_fingerprint
         stats.equal += int(stats.final_equal)
@@ -566,17 +619,38 @@ def compare_runs(
     replay: RunRecord,
     tolerance: dict | None = None,
     replay_failed: str | None = None,
+    incomplete_original: bool = False,
 ) -> Comparison:
-    """Compare a replay with its original and give the verdict (BITWISE, WITHIN_TOLERANCE, DIVERGED)."""
+    """Compare a replay with its original and give the verdict (one of VERDICTS).
+
+    With `incomplete_original` (a FAILED or KILLED original), only the steps the original reached
+    are judged, and its missing final fingerprint is no divergence.
+    """
     tol = default_tolerance(original.config) if tolerance is None else tolerance
     delta = environment_delta(original, replay)
     blockers = [f"{d.name}: {d.note}" for d in delta if d.breaks_bitwise]
+    of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id
+    labels = ("original", "replay") if of_replay else ("run A", "run B")
+    notes = [
+        f"metrics of {_the(label)} {rec.run_id} were read from MLflow's metric history ({tags.ARTIFACT_SERIES} is missing), "
+        "which stores +-inf as +-1.8e308: such values are not counted as bit-identical"
+        for label, rec in zip(labels, (original, replay)) if not rec.metrics_exact
+    ]
+    if bool(original.config) != bool(replay.config):
+        notes.append(f"config recorded in {_the(labels[0] if original.config else labels[1])} only: no config delta")
 
     orig_metrics = {k: as_series(*v) for k, v in original.metrics.items()}
     rep_metrics = {k: as_series(*v) for k, v in replay.metrics.items()}
     # A key with no logged values carries no evidence; treat it as absent.
     orig_metrics = {k: v for k, v in orig_metrics.items() if v[0].size}
     rep_metrics = {k: v for k, v in rep_metrics.items() if v[0].size}
+    reached = None
+    if incomplete_original:
+        last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=-1)
+        rep_metrics = {k: (s[s <= last], v[s <= last]) for k, (s, v) in rep_metrics.items() if s[0] <= last}
+        steps = np.unique(np.concatenate([s for s, _ in orig_metrics.values()])) if orig_metrics else []
+        reached = (original.status, len(steps))
+    clamped = (not original.metrics_exact, not replay.metrics_exact)
 
     stats: list[MetricStats] = []
     firsts: list[Divergence] = []
@@ -587,14 +661,14 @@ def compare_runs(
         elif name not in orig_metrics:
             st, div = _metric_only_in_one(name, *rep_metrics[name], False, rtol, atol)
         else:
-            st, div = _compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol)
+            st, div = _compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol, clamped)
         stats.append(st)
         if div is not None:
             firsts.append(div)
 
     # Smallest step wins, ties by metric name (stats are already in name order).
     metric_div = min(firsts, key=lambda d: (d.step, d.metric or "")) if firsts else None
-    fps = _compare_fingerprints(original, replay)
+    fps = _compare_fingerprints(original, replay, incomplete_original)
 
     failure = replay_failed
     if failure is None and replay.status != FINISHED:
@@ -611,6 +685,8 @@ def compare_runs(
         else:
             divergence = Divergence(KIND_REPLAY_FAILED, None, detail=detail)
         verdict = DIVERGED
+    elif not stats and fps.compared == 0:
+        divergence, verdict = None, NOTHING_TO_COMPARE
     elif metric_div is not None:
         divergence, verdict = metric_div, DIVERGED
     elif not fps.all_equal and _zero_everywhere(tol):
@@ -638,6 +714,12 @@ def compare_runs(
         fingerprints=fps,
         divergence=divergence,
         tolerance=tol,
+        config_delta=config_delta(original.config, replay.config, original.facts, replay.facts),
+        of_replay=of_replay,
+        unchanged_weights=[label for label, rec in zip(labels, (original, replay))
+                           if rec.facts.get(tags.WEIGHTS_CHANGED) == "false"],
+        reached=reached,
+        notes=notes,
     )
 
 
@@ -669,6 +751,11 @@ def fmt_short(x: float | None) -> str:
     if math.isnan(x) or math.isinf(x):
         return str(x)
     return f"{x:.3g}"
+
+
+def _the(label: str) -> str:
+    """ "the original", "the replay", but "run A", "run B"."""
+    return label if label.startswith("run ") else f"the {label}"
 
 
 def _sort_key(x: float) -> float:

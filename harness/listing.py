@@ -1,11 +1,17 @@
-"""`harness runs`: recent runs as a table, with the verdict of each run's latest replay."""
+"""`harness runs`: recent runs as a table, with the verdicts of every replay of each run."""
 
 from __future__ import annotations
 
 import datetime as dt
+import time
+from collections import Counter
 
 from harness import tags as T
+from harness.compare import VERDICTS
+from harness.liveness import RUNNING, is_stale
 from harness.tracking import RunSummary, Tracker
+
+STALE = "STALE"
 
 
 def _when(ms: int | None) -> str:
@@ -19,28 +25,48 @@ def _digest(tags: dict[str, str]) -> str:
     return digest.split(":", 1)[1][:12] if digest.startswith("sha256:") else digest
 
 
-def latest_verdicts(tracker: Tracker, experiment: str | None) -> dict[str, str]:
-    """original run id -> verdict of its most recent replay."""
-    replays = tracker.search(experiment, max_results=1000, filter_string=f"tags.`{T.KIND}` = 'replay'")
-    latest: dict[str, str] = {}
-    for r in replays:  # newest first
+def _order(verdict: str) -> tuple[int, str]:
+    # Verdicts in their documented order; a replay without one (still running, crashed) shows its status after.
+    return (VERDICTS.index(verdict), "") if verdict in VERDICTS else (len(VERDICTS), verdict)
+
+
+def tally(replays: list[RunSummary]) -> dict[str, str]:
+    """original run id -> every replay's verdict counted, e.g. "BITWISE 2, DIVERGED 1 (with changes)"."""
+    counts: dict[str, Counter[tuple[bool, str]]] = {}
+    for r in replays:
         original = r.tags.get(T.REPLAY_OF)
-        if original and original not in latest:
-            latest[original] = r.tags.get(T.VERDICT, r.status)
-    return latest
+        if original:
+            # A replay with --allow-changes or --world-size answers another question than "does it reproduce".
+            counts.setdefault(original, Counter())[(T.CHANGES in r.tags, r.tags.get(T.VERDICT, r.status))] += 1
+    out: dict[str, str] = {}
+    for original, counter in counts.items():
+        parts = [f"{verdict} {n}" + (" (with changes)" if changed else "")
+                 for (changed, verdict), n in sorted(counter.items(), key=lambda kv: (kv[0][0], _order(kv[0][1])))]
+        out[original] = ", ".join(parts)
+    return out
 
 
-def rows(runs: list[RunSummary], verdicts: dict[str, str]) -> list[list[str]]:
+def replay_verdicts(tracker: Tracker, experiment: str | None) -> dict[str, str]:
+    """The verdicts of every replay in the store (or experiment), in one store query."""
+    return tally(tracker.search(experiment, max_results=5000, filter_string=f"tags.`{T.KIND}` = 'replay'"))
+
+
+def status_of(run: RunSummary, now: float) -> str:
+    return STALE if run.status == RUNNING and is_stale(run.tags, now) else run.status
+
+
+def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = None) -> list[list[str]]:
+    now = time.time() if now is None else now
     out = []
     for r in runs:
         commit = r.tags.get(T.GIT_COMMIT, "-")[:10]
         if r.tags.get(T.GIT_DIRTY) == "true":
             commit += "+dirty"
         kind = r.tags.get(T.KIND, "-")
-        # A replay or audit carries its own verdict; a run shows its latest replay's.
+        # A replay or audit carries its own verdict; a run shows its replays' verdicts.
         verdict = r.tags.get(T.VERDICT, "") if kind in ("replay", "audit") else verdicts.get(r.run_id, "")
         out.append(
-            [r.run_id, r.experiment, _when(r.start_time), r.status, kind, r.tags.get(T.WORLD_SIZE, "-"),
+            [r.run_id, r.experiment, _when(r.start_time), status_of(r, now), kind, r.tags.get(T.WORLD_SIZE, "-"),
              commit, _digest(r.tags), verdict or "-"]
         )
     return out
@@ -51,7 +77,7 @@ def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) ->
     runs = tracker.search(experiment, max_results=limit)
     if not runs:
         return f"No runs in {tracker.uri}" + (f" for experiment '{experiment}'." if experiment else ".")
-    header = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "VERDICT"]
-    table = [header, *rows(runs, latest_verdicts(tracker, experiment))]
+    header = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "VERDICTS"]
+    table = [header, *rows(runs, replay_verdicts(tracker, experiment))]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

@@ -6,13 +6,14 @@ import contextlib
 import json
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import gitsource, runner
+from harness import gitsource, liveness, runner
 from harness import tags as T
 from harness.compare import Comparison, RunRecord, compare_runs, default_tolerance
 from harness.config import compose, parse_overrides, validate
@@ -51,6 +52,50 @@ def apply_changes(
     return new, changes
 
 
+_INCOMPLETE = ("FAILED", "KILLED")
+_DERIVED_OF = {"replay": T.REPLAY_OF, "audit": T.AUDIT_OF}  # kind -> tag naming the run it was made from
+
+
+def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
+    """The run a replay or an audit was made from (and so on), which is what replaying it means."""
+    seen = {run.run_id}
+    while (tag := _DERIVED_OF.get(run.tags.get(T.KIND, ""))) and run.tags.get(tag):
+        source = tracker.harness_run(run.tags[tag])
+        if source.run_id in seen:  # a hand-edited tag could close a loop
+            break
+        print(f"run {run.run_id} is {'an audit' if tag == T.AUDIT_OF else 'a replay'} of {source.run_id}; "
+              f"replaying {source.run_id}", file=sys.stderr)
+        seen.add(source.run_id)
+        run = source
+    return run
+
+
+def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
+    """Refuse a run whose record is not complete: there is no end to judge a replay against."""
+    rid = run.run_id
+    if run.status == liveness.RUNNING:
+        now = time.time()
+        if liveness.is_stale(run.tags, now):
+            raise HarnessError(
+                f"run {rid} is RUNNING but its launcher is gone (no heartbeat for "
+                f"{liveness.heartbeat_age(run.tags, now):.0f} s). Close it with `harness mark {rid} --status FAILED`, "
+                "then replay it with --allow-incomplete."
+            )
+        raise HarnessError(
+            f"run {rid} is still RUNNING; its record is not complete. Wait until it ends, then replay it."
+        )
+    if run.status in _INCOMPLETE and not allow_incomplete:
+        try:  # the flattened config is in the params; a resume needs checkpoints
+            checkpointed = int(run.params.get("checkpoint_every", "0")) > 0
+        except ValueError:
+            checkpointed = False
+        resume = f"Resume it with `harness resume {rid}` (it has checkpoints), or pass" if checkpointed else "Pass"
+        raise HarnessError(
+            f"run {rid} is {run.status}: it stopped before its end, so a full replay cannot be judged against it. "
+            f"{resume} --allow-incomplete to replay it and compare only the steps it reached."
+        )
+
+
 @contextlib.contextmanager
 def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
     """The run's recorded code (commit + patch) in a temporary worktree; yields (worktree, experiment folder).
@@ -84,6 +129,8 @@ def replay(
     tracking_uri: str | None = None,
     repo: Path | None = None,
     executor: str | None = None,
+    allow_incomplete: bool = False,
+    follow: bool = True,
 ) -> ReplayResult:
     from harness import container
     from harness.config import Executor
@@ -91,6 +138,11 @@ def replay(
 
     tracker = Tracker(tracking_uri)
     original = tracker.harness_run(run_id)
+    if follow:
+        original = follow_original(tracker, original)
+        run_id = original.run_id
+    check_replayable(original, allow_incomplete)
+    incomplete = original.status in _INCOMPLETE
     cfg, changes = apply_changes(runner.recorded_config(tracker, original), world_size, overrides or [], allow_changes)
     if executor is not None and executor != cfg.executor.value:
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
@@ -144,17 +196,19 @@ def replay(
         else:
             outcome = runner.execute(tracker, replay_id, cfg, exp_dir)
 
-    comparison = judge(tracker, run_id, replay_id, outcome)
+    comparison = judge(tracker, run_id, replay_id, outcome, incomplete)
     record_verdict(tracker, replay_id, tracker.load_record(run_id), tracker.load_record(replay_id), comparison, changes)
     return ReplayResult(original, outcome, comparison, changes)
 
 
-def judge(tracker: Tracker, original_id: str, replay_id: str, outcome: runner.Outcome | None = None) -> Comparison:
+def judge(
+    tracker: Tracker, original_id: str, replay_id: str, outcome: runner.Outcome | None = None, incomplete: bool = False
+) -> Comparison:
     a, b = tracker.load_record(original_id), tracker.load_record(replay_id)
     failed = None
     if outcome is not None and outcome.status != "FINISHED":
         failed = f"the replay {outcome.status}: {outcome.message}"
-    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)
+    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed, incomplete_original=incomplete)
 
 
 def record_verdict(

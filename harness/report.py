@@ -11,6 +11,7 @@ import numpy as np
 from harness.compare import (
     BITWISE,
     KIND_REPLAY_FAILED,
+    NOTHING_TO_COMPARE,
     Comparison,
     MetricStats,
     RunRecord,
@@ -23,6 +24,7 @@ _VERDICT_WORDS = {
     BITWISE: "bit-identical to the original",
     "WITHIN_TOLERANCE": "within tolerance of the original",
     "DIVERGED": "diverged from the original",
+    NOTHING_TO_COMPARE: "could not be judged: neither run logged a metric or a fingerprint",
 }
 
 
@@ -64,6 +66,15 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         f"- Outcome: the replay {_VERDICT_WORDS.get(cmp.verdict, cmp.verdict)} (exit code {cmp.exit_code})",
         "",
     ]
+    if cmp.unchanged_weights:
+        who = "either run" if len(cmp.unchanged_weights) == 2 else cmp.unchanged_weights[0]
+        out += [f"> **The model's weights never changed in {who}**: it ended with exactly the weights it started "
+                "with, so nothing was trained and agreement proves little.", ""]
+    if cmp.reached is not None:
+        out += [f"> The original is {cmp.reached[0]}: only the {cmp.reached[1]} steps it reached were compared, "
+                "and its missing final fingerprint is not held against the replay.", ""]
+    if cmp.notes:
+        out += ["Notes:", ""] + [f"- {_cell(n)}" for n in cmp.notes] + [""]
 
     if not cmp.bitwise_possible:
         out += ["> **Bitwise impossible** because the environment changed in ways that alter the arithmetic:", ">"]
@@ -78,13 +89,24 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out.append("None: the replay used the recorded configuration.")
     out.append("")
 
+    # The report belongs to a replay run, so its columns are always the original and the replay.
+    a_label, b_label = "Original", "Replay"
+    out += ["## Config delta", ""]
+    if cmp.config_delta:
+        rows = [[_code(c.key), _code(c.a), _code(c.b), "yes" if c.affects_result else "no (how it is run or judged)"]
+                for c in cmp.config_delta]
+        out += _table(["Key", a_label, b_label, "Affects the result"], rows)
+    else:
+        out.append("No differences in the recorded config.")
+    out.append("")
+
     out += ["## Environment delta", ""]
     if cmp.delta:
         rows = []
         for d in cmp.delta:
             name = f"**{_cell(d.name)}** (breaks bitwise)" if d.breaks_bitwise else _cell(d.name)
             rows.append([name, _code(d.a), _code(d.b), _cell(d.note)])
-        out += _table(["Fact", "Original", "Replay", "Note"], rows)
+        out += _table(["Fact", a_label, b_label, "Note"], rows)
     else:
         out.append("No differences in recorded facts or locked packages.")
     out.append("")

@@ -309,6 +309,7 @@ class Tracker:
         from harness.compare import RunRecord
 
         run = self.harness_run(run_id)
+        exact = True
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 local = self.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp)
@@ -316,6 +317,8 @@ class Tracker:
             except Exception as err:  # a run cut off before its series was written: MLflow's history
                 if is_store_error(err) and not _missing(err):
                     raise
+                # ...which holds +-inf clamped to +-DBL_MAX: the comparison must not call such values identical.
+                exact = not run.metric_keys
                 metrics = {}
                 for key in run.metric_keys:
                     steps, values = self.metric_history(run_id, key)
@@ -333,6 +336,7 @@ class Tracker:
             final_fingerprint=fp.get("final"),
             checkpoints={int(k): v for k, v in fp.get("checkpoints", {}).items()},
             steps_total=fp.get("steps_total"),
+            metrics_exact=exact,
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 

@@ -13,6 +13,8 @@ from harness import tags
 from harness.compare import (
     BITWISE,
     DIVERGED,
+    NOTHING_TO_COMPARE,
+    VERDICTS,
     WITHIN_TOLERANCE,
     Comparison,
     RunRecord,
@@ -423,3 +425,104 @@ def test_large_comparison_finds_first_divergence() -> None:
     b.metrics["m2"] = (np.delete(s, 95_000), np.delete(v, 95_000))
     cmp: Comparison = compare_runs(a, b)
     assert (cmp.divergence.metric, cmp.divergence.step) == ("m3", 90_000)
+
+
+def _nan(payload: int, negative: bool = False) -> float:
+    bits = 0x7FF8000000000000 | payload | (1 << 63 if negative else 0)
+    return float(np.array([bits], dtype=np.uint64).view(np.float64)[0])
+
+
+def test_nan_with_other_payload_and_inf_are_bitwise() -> None:
+    x = np.array([1.0, _nan(0), np.inf, -np.inf, 0.5])
+    a = make_record(metrics={"x": (np.arange(5), x)})
+    b = clone(a)
+    b.metrics["x"][1][1] = _nan(0x1234, negative=True)  # another payload and sign: still NaN
+    assert b.metrics["x"][1][1:2].view(np.int64)[0] != a.metrics["x"][1][1:2].view(np.int64)[0]
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == BITWISE and cmp.metrics[0].bitwise_equal
+    assert cmp.summary().startswith("BITWISE: 1 metric x 5 steps bit-identical")
+    b.metrics["x"][1][2] = -np.inf  # inf != -inf
+    assert compare_runs(a, b, tolerance=tol(rtol=1.0, atol=1.0)).divergence.step == 2
+
+
+def test_clamped_history_values_are_never_bitwise() -> None:
+    big = np.finfo(np.float64).max  # what MLflow's SQL store makes of inf
+    a = make_record(metrics={"x": (np.arange(3), np.array([1.0, big, 2.0]))})
+    a.metrics_exact = False  # read from MLflow's history: series.npz was missing
+    b = clone(a)
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == WITHIN_TOLERANCE and not cmp.metrics[0].bitwise_equal
+    assert cmp.notes == [f"metrics of run A {a.run_id} were read from MLflow's metric history "
+                         "(metrics/series.npz is missing), which stores +-inf as +-1.8e308: such values are not "
+                         "counted as bit-identical"]
+    exact = make_record(metrics={"x": (np.arange(3), np.array([1.0, 3.0, 2.0]))})
+    exact.metrics_exact = False  # history without clamped values is exact: BITWISE stays possible
+    assert compare_runs(exact, clone(exact)).verdict == BITWISE
+
+
+def test_nothing_to_compare_is_not_a_pass() -> None:
+    a = make_record(metrics={}, fingerprints={}, final=None)
+    cmp = compare_runs(a, clone(a))
+    assert NOTHING_TO_COMPARE in VERDICTS
+    assert cmp.verdict == NOTHING_TO_COMPARE and cmp.exit_code == 1
+    assert cmp.summary() == (
+        "NOTHING_TO_COMPARE: there was nothing to compare (no metrics, no fingerprints): "
+        "log metrics with ctx.log and register the model with ctx.ddp"
+    )
+    assert json.loads(json.dumps(cmp.to_dict()))["verdict"] == NOTHING_TO_COMPARE
+    assert render_markdown(cmp).startswith("# Replay verdict: NOTHING_TO_COMPARE")
+    # A fingerprint alone is something to compare.
+    assert compare_runs(make_record(metrics={}, fingerprints={}), clone(make_record(metrics={}, fingerprints={}))).verdict == BITWISE
+
+
+def test_weights_that_never_changed_are_said_next_to_the_verdict() -> None:
+    a = make_record(metrics={"loss": (np.arange(160), np.ones(160))}, fingerprints={0: "0" * 64})
+    a.facts[tags.WEIGHTS_CHANGED] = "false"
+    a.facts[tags.INITIAL_FINGERPRINT] = "f" * 64
+    b = clone(a)
+    b.facts[tags.REPLAY_OF] = a.run_id
+    cmp = compare_runs(a, b)
+    assert cmp.delta == []  # outcome tags are no environment facts
+    assert cmp.summary() == ("BITWISE: 1 metric x 160 steps bit-identical, 2 fingerprints equal - but the model's "
+                             "weights never changed: nothing was trained")
+    assert "weights never changed" in render_markdown(cmp)
+    b.facts[tags.WEIGHTS_CHANGED] = "true"
+    assert compare_runs(a, b).summary().endswith("but the original's model weights never changed: nothing was trained in it")
+    assert compare_runs(clone(a, facts=FACTS), clone(a, facts=FACTS)).summary().endswith("fingerprints equal")
+
+
+def test_config_delta_lists_every_key_and_marks_the_harmless_ones() -> None:
+    a = make_record()
+    a.config = {"world_size": 2, "device": "auto", "flush_interval_s": 2.0,
+                "train": {"lr": 0.01, "batch_size": 10}, "replay": {"tolerance": tol()}}
+    b = clone(a)
+    b.config = {"world_size": 2, "device": "cpu", "flush_interval_s": 5.0,
+                "train": {"lr": 0.02, "batch_size": 10}, "replay": {"tolerance": tol(atol=1.0)}}
+    cmp = compare_runs(a, b)
+    got = {c.key: (c.a, c.b, c.affects_result) for c in cmp.config_delta}
+    # "auto" resolved to what the run recorded (cpu) is no change.
+    assert got == {
+        "flush_interval_s": ("2.0", "5.0", False),
+        "replay.tolerance.default.atol": ("0.0", "1.0", False),
+        "train.lr": ("0.01", "0.02", True),
+    }
+    assert cmp.to_dict()["config_delta"][2] == {"key": "train.lr", "a": "0.01", "b": "0.02", "affects_result": True}
+    md = render_markdown(cmp)
+    assert "## Config delta" in md and "| `train.lr` | `0.01` | `0.02` | yes |" in md
+    assert md.index("## Config delta") < md.index("## Environment delta")
+
+
+def test_incomplete_original_is_judged_up_to_where_it_stopped() -> None:
+    full = make_record(n=20, fingerprints={0: "0" * 64, 10: "1" * 64, 15: "2" * 64})
+    failed = clone(full, run_id="orig0000", status="FAILED", final_fingerprint=None,
+                  fingerprints={0: "0" * 64, 10: "1" * 64})
+    failed.metrics = {k: (s[:12], v[:12]) for k, (s, v) in full.metrics.items()}  # died after step 11
+    replay = clone(full)
+    replay.facts[tags.REPLAY_OF] = failed.run_id
+    cmp = compare_runs(failed, replay, incomplete_original=True)
+    assert cmp.verdict == BITWISE, cmp.summary()
+    assert cmp.summary() == ("BITWISE: 2 metrics x 12 steps bit-identical, 2 fingerprints equal "
+                             "(compared the 12 steps the FAILED original reached)")
+    assert compare_runs(failed, replay).verdict == DIVERGED  # without it, the missing steps count
+    replay.metrics["loss"][1][11] += 1e-9
+    assert compare_runs(failed, replay, incomplete_original=True).divergence.step == 11

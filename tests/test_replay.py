@@ -255,3 +255,89 @@ def test_ui_shows_the_replay_nested_with_its_verdict(project: Project, original:
     # The server went with `harness ui`: nothing listens on the port any more.
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+FAILS_ONCE = '''
+import os
+import torch
+from torch import nn
+
+
+def train(ctx):
+    cfg = ctx.cfg
+    data = torch.randn(cfg.samples, 10, generator=torch.Generator().manual_seed(ctx.seed))
+    loader = ctx.loader(data, batch_size=cfg.batch_size)
+    model = ctx.ddp(nn.Linear(10, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    ctx.track(opt)
+    for _ in ctx.epochs(cfg.epochs):
+        for batch in loader:
+            # Only when the test asks: the original fails at step 7, its replay does not.
+            if ctx.step == 7 and os.environ.get("HARNESS_TEST_FAIL_AT_7") == "1":
+                raise RuntimeError("failing at step 7 on purpose")
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(batch), torch.randn(batch.shape[0], 5))
+            loss.backward()
+            opt.step()
+            ctx.log({"loss": loss}, ctx.step)
+'''
+
+
+@pytest.fixture(scope="module")
+def failed_run(project: Project) -> str:
+    project.add_experiment("fails_once", train_py=FAILS_ONCE)
+    result = project.harness("run", "experiments/fails_once", "checkpoint_every=5",
+                             env={"HARNESS_TEST_FAIL_AT_7": "1"})
+    assert result.returncode == 1, result.stderr
+    return result.last_line
+
+
+def test_replay_of_a_failed_run_is_refused_with_the_ways_out(project: Project, failed_run: str) -> None:
+    before = len(project.all_runs())
+    result = project.harness("replay", failed_run)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        f"Error: run {failed_run} is FAILED: it stopped before its end, so a full replay cannot be judged against "
+        f"it. Resume it with `harness resume {failed_run}` (it has checkpoints), or pass --allow-incomplete to "
+        "replay it and compare only the steps it reached."
+    )
+    assert len(project.all_runs()) == before  # nothing recorded
+    assert git(project.root, "worktree", "list").count("\n") == 0  # nothing checked out
+
+
+def test_allow_incomplete_compares_the_steps_the_original_reached(project: Project, failed_run: str) -> None:
+    reached = steps_values(project.client(), failed_run)
+    assert reached and max(reached) <= 6  # it raised at step 7, before logging it
+    result = project.harness("replay", failed_run, "--allow-incomplete")
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = verdict_line(result.stdout)
+    assert line.startswith("verdict: BITWISE: 1 metric x")
+    assert line.endswith(f"(compared the {len(reached)} steps the FAILED original reached)")
+    client = project.client()
+    assert client.get_run(result.last_line).info.status == "FINISHED"
+    doc = json.loads(Path(client.download_artifacts(result.last_line, "replay/comparison.json")).read_text())
+    assert doc["reached"] == {"status": "FAILED", "steps": len(reached)} and doc["config_delta"] == []
+
+
+def test_replaying_a_replay_replays_its_original(project: Project, original: str, clean_replay) -> None:
+    replay_id = clean_replay.last_line
+    result = project.harness("replay", replay_id)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"run {replay_id} is a replay of {original}; replaying {original}" in result.stderr
+    assert project.client().get_run(result.last_line).data.tags["harness.replay_of"] == original
+    assert "Config delta: none" in result.stdout and "Environment delta: none" in result.stdout
+    listed = project.harness("runs", "linear_ddp", "-n", "100")
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(original))
+    assert "BITWISE 2" in row  # every replay counted, not just the latest
+
+
+def test_compare_lists_the_config_delta_first(project: Project, original: str) -> None:
+    other = project.harness("run", "experiments/linear_ddp", "train.lr=0.02", "flush_interval_s=1.0")
+    assert other.returncode == 0, other.stderr
+    result = project.harness("compare", original, other.last_line)
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout
+    assert "Config delta (run A -> run B):\n   flush_interval_s: 2.0 -> 1.0  (does not affect the result)\n" \
+           "   train.lr: 0.01 -> 0.02\n" in out
+    assert "Environment delta: none" not in out
+    assert out.index("Config delta") < out.index("Environment delta")

@@ -1,0 +1,75 @@
+"""Which recorded config values differ between two runs, and whether each can change the result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from harness import tags
+
+# Keys that decide how a run is recorded, watched or judged, not what it computes.
+_NO_EFFECT_KEYS: frozenset[str] = frozenset(
+    {"flush_interval_s", "heartbeat_s", "timeout_s", "executor", "fingerprint_every", "checkpoint_every"}
+)
+_NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.")
+
+# "auto" in a config is resolved at launch and recorded as a tag; a replay pins it to that value,
+# so "auto" -> "cpu" is no change when the original did run on cpu.
+_RESOLVED_BY: dict[str, str] = {"device": tags.DEVICE, "backend": tags.BACKEND}
+
+
+@dataclass
+class ConfigChange:
+    """One dotted config key whose value differs (None: absent from that run's config)."""
+
+    key: str
+    a: str | None
+    b: str | None
+    affects_result: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "a": self.a, "b": self.b, "affects_result": self.affects_result}
+
+
+def affects_result(key: str) -> bool:
+    return key not in _NO_EFFECT_KEYS and not key.startswith(_NO_EFFECT_PREFIXES)
+
+
+def flatten(config: Mapping[str, Any]) -> dict[str, str]:
+    """Dotted keys to str values, as the run's MLflow params show them."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, Mapping):
+            if not node and prefix:
+                out[prefix] = "{}"
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", config)
+    return out
+
+
+def _effective(config: Mapping[str, Any], facts: Mapping[str, str]) -> dict[str, str]:
+    flat = flatten(config)
+    for key, tag in _RESOLVED_BY.items():
+        if flat.get(key) == "auto" and tag in facts:
+            flat[key] = facts[tag]
+    return flat
+
+
+def config_delta(
+    config_a: Mapping[str, Any], config_b: Mapping[str, Any],
+    facts_a: Mapping[str, str] | None = None, facts_b: Mapping[str, str] | None = None,
+) -> list[ConfigChange]:
+    """Every differing key, sorted; empty when either run recorded no config (nothing to hold against)."""
+    if not config_a or not config_b:
+        return []
+    fa, fb = _effective(config_a, facts_a or {}), _effective(config_b, facts_b or {})
+    return [
+        ConfigChange(key, fa.get(key), fb.get(key), affects_result(key))
+        for key in sorted(fa.keys() | fb.keys())
+        if fa.get(key) != fb.get(key)
+    ]

@@ -45,6 +45,8 @@ def main() -> None:
 @click.option("--executor", type=click.Choice(["local", "docker"]), default=None,
               help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image.")
 @click.option("--allow-unpinned", is_flag=True, help="Accept an image pinned by the moving 'latest' tag.")
+@click.option("--allow-untracked-secrets", is_flag=True,
+              help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def run(
@@ -53,6 +55,7 @@ def run(
     require_clean: bool,
     executor: str | None,
     allow_unpinned: bool,
+    allow_untracked_secrets: bool,
     tracking_uri: str | None,
 ) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
@@ -64,7 +67,7 @@ def run(
 
     outcome = runner.run(
         experiment_dir, list(overrides), require_clean=require_clean, tracking_uri=tracking_uri,
-        executor=executor, allow_unpinned=allow_unpinned,
+        executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
     )
     _finish(outcome, Tracker(tracking_uri))
 

@@ -99,7 +99,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
     if git.dirty:
         import hashlib
 
-        tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch.encode()).hexdigest()
+        tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch).hexdigest()
     tags.update(image)
     return tags
 
@@ -123,7 +123,7 @@ def create_record(
         tracker.log_params(run_id, flatten(cfg))
         tracker.log_text(run_id, to_yaml(cfg), T.ARTIFACT_CONFIG)
         if git.dirty:
-            tracker.log_text(run_id, git.patch, T.ARTIFACT_PATCH)
+            tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
     except BaseException:
         tracker.end_run(run_id, "FAILED")
         raise
@@ -314,6 +314,7 @@ def run(
     tracking_uri: str | None = None,
     executor: str | None = None,
     allow_unpinned: bool = False,
+    allow_untracked_secrets: bool = False,
 ) -> Outcome:
     """Validate, record, launch. Bad input raises HarnessError before any run is created."""
     from harness import container, gitsource
@@ -323,7 +324,11 @@ def run(
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     cfg = load_experiment(Path(exp_dir), overrides)
-    git = gitsource.inspect(Path(exp_dir))
+    git = gitsource.inspect(
+        Path(exp_dir),
+        max_untracked_mib=cfg.record.max_untracked_mib,
+        allow_secrets=allow_untracked_secrets,
+    )
     if git.dirty:
         if require_clean:
             raise HarnessError(

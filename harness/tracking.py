@@ -124,6 +124,15 @@ class Tracker:
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
 
+    def log_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
+        """Store `data` exactly (log_text would encode a str and is for text only)."""
+        artifact = Path(artifact_file)
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp, artifact.name)
+            local.write_bytes(data)
+            parent = artifact.parent.as_posix()
+            self.client.log_artifact(run_id, str(local), None if parent == "." else parent)
+
     def log_dir(self, run_id: str, local_dir: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifacts(run_id, str(local_dir), artifact_path)
 
@@ -182,6 +191,15 @@ class Tracker:
             except Exception:
                 return None
             return Path(local).read_text()
+
+    def read_bytes(self, run_id: str, artifact_file: str) -> bytes | None:
+        """The artifact's exact bytes; None when the run has no such artifact."""
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self.client.download_artifacts(run_id, artifact_file, tmp)
+            except Exception:
+                return None
+            return Path(local).read_bytes()
 
     def metric_history(self, run_id: str, key: str) -> tuple[list[int], list[float]]:
         """All values of one metric, by step (last write wins for a repeated step)."""

@@ -151,7 +151,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool) -> 
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
             raise HarnessError(
-                f"'{_show(rel.rstrip(b'/'))}' is an untracked git repository inside {root}; the code record "
+                f"'{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
                 "cannot hold it. Add it to .gitignore, or add it as a submodule and commit the submodule."
             )
         pattern = secret_pattern(rel)

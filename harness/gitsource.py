@@ -30,11 +30,17 @@ SECRET_PATTERNS = (
     "id_ed25519*", "credentials*", ".netrc", "_netrc", ".pypirc", ".git-credentials", "*.kdbx", "secrets.*",
 )
 # Options that pin the patch's format: the user's diff config (noprefix, mnemonicPrefix, color,
-# external diff, textconv, renames, submodule log format) must not change the bytes recorded.
+# external diff, textconv, renames, context lines, algorithm, order, relative, submodule log format) must not change
+# the bytes recorded, nor make a patch that `git apply` rejects.
 _DIFF_ARGS = (
-    "--binary", "--full-index", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv",
-    "--no-relative", "--ignore-submodules=none", "--submodule=short", "--src-prefix=a/", "--dst-prefix=b/",
+    "--binary", "--full-index", "--unified=3", "--diff-algorithm=myers", "--indent-heuristic", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv",
+    "--no-relative", "--ignore-submodules=none", "--submodule=short", "-O/dev/null", "--src-prefix=a/",
+    "--dst-prefix=b/",
 )
+
+# Settings with no command-line option that still change the bytes: fixed, so the same tree gives
+# the same patch (and sha256) whoever records it. Names stay readable UTF-8 in the patch.
+_DIFF_CONFIG = ("core.quotepath=off", "diff.suppressBlankEmpty=false")
 
 
 @dataclass(frozen=True)
@@ -70,14 +76,15 @@ def _git():  # lazy: gitpython spawns `git` on import checks
     return git
 
 
-def _run(cwd: Path, args: list[str], index: Path | None = None) -> bytes:
-    """`git ARGS` in `cwd`, stdout as bytes; with `index`, against that index file instead of the user's."""
+def _run(cwd: Path, args: list[str], index: Path | None = None, config: tuple[str, ...] = ()) -> bytes:
+    """`git -c CONFIG.. ARGS` in `cwd`, stdout as bytes; with `index`, against that index file, not the user's."""
     env = dict(os.environ)
     if index is not None:
         env["GIT_INDEX_FILE"] = str(index)
     try:
         proc = subprocess.run(
-            ["git", *args], cwd=cwd, env=env, capture_output=True, timeout=GIT_TIMEOUT_S, check=False
+            ["git", *(arg for item in config for arg in ("-c", item)), *args],
+            cwd=cwd, env=env, capture_output=True, timeout=GIT_TIMEOUT_S, check=False,
         )
     except subprocess.TimeoutExpired:
         raise HarnessError(
@@ -181,9 +188,9 @@ def _working_tree_patch(root: Path, commit: str) -> bytes:
         index = Path(tmp, "index")
         _run(root, ["read-tree", commit], index)
         # safecrlf would stop `add` with git's own message; the round trip below names the file instead.
-        _run(root, ["-c", "core.safecrlf=false", "add", "-A"], index)
+        _run(root, ["add", "-A"], index, ("core.safecrlf=false",))
         _refuse_gitlinks(root, commit, index)
-        patch = _run(root, ["diff", "--cached", *_DIFF_ARGS, commit], index)
+        patch = _run(root, ["diff", "--cached", *_DIFF_ARGS, commit], index, _DIFF_CONFIG)
         if not patch:
             return b""
         tree = _run(root, ["write-tree"], index).strip().decode("ascii")

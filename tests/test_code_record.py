@@ -82,7 +82,7 @@ def expected_patch(repo: Path, tmp: Path) -> bytes:
     index = tmp / "independent-index"
     git_bytes(repo, "read-tree", "HEAD", index=index)
     git_bytes(repo, "add", "-A", index=index)
-    return git_bytes(repo, "diff", "--cached", "--binary", "--full-index", "--no-renames", "--no-color",
+    return git_bytes(repo, "-c", "core.quotepath=off", "diff", "--cached", "--binary", "--full-index", "--no-renames", "--no-color",
                      "--src-prefix=a/", "--dst-prefix=b/", "HEAD", index=index)
 
 
@@ -260,6 +260,35 @@ def test_no_secret_reaches_the_store(fresh_project: Project) -> None:
         data = f.read_bytes()
         for planted in [*secrets.values(), "s3cret"]:
             assert planted.encode() not in data, f"{planted} found in {f}"
+
+
+HOSTILE_DIFF_CONFIG = {
+    "diff.noprefix": "true", "diff.mnemonicPrefix": "true", "color.ui": "always", "color.diff": "always",
+    "diff.external": "/bin/false", "diff.renames": "copies", "diff.relative": "true", "diff.context": "0",
+    "diff.submodule": "log", "diff.suppressBlankEmpty": "true", "core.quotepath": "true",
+    "diff.algorithm": "patience", "diff.indentHeuristic": "false",
+}
+
+
+def test_user_diff_config_does_not_change_the_patch(tmp_path: Path) -> None:
+    root = tmp_path / "repo ü"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    (root / "a.py").write_text("def f():\n    return 1\n\n\ndef g():\n    return 2\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "base")
+    (root / "a.py").write_text("def f():\n    return 10\n\n\ndef g():\n\n    return 2\n")
+    (root / "données.txt").write_bytes(b"x\r\n")
+    (root / "renamed.py").write_bytes((root / "a.py").read_bytes())
+    plain = gitsource.inspect(root, max_untracked_mib=None)
+    order = tmp_path / "order"
+    order.write_text("renamed.py\n")
+    for key, value in {**HOSTILE_DIFF_CONFIG, "diff.orderFile": str(order)}.items():
+        git(root, "config", key, value)
+    hostile = gitsource.inspect(root, max_untracked_mib=None)
+    assert hostile.patch == plain.patch
+    with gitsource.worktree(root, hostile.commit, hostile.patch) as tree:
+        assert _snapshot(tree) == _snapshot(root)
 
 
 # --- the round trip as a property, straight through gitsource ------------------------------------

@@ -99,8 +99,10 @@ def _run(cwd: Path, args: list[str], index: Path | None = None, config: tuple[st
 
 
 def _show(path: bytes) -> str:
-    """A git path for a one-line message (never for git itself)."""
-    return os.fsdecode(path).encode("unicode_escape").decode("ascii") if b"\n" in path else os.fsdecode(path)
+    """A git path for a one-line message (never for git itself): a newline or a byte that is not
+    UTF-8 in a name is shown escaped, so the message stays one printable line."""
+    text = os.fsdecode(path)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def strip_credentials(url: str) -> str:

@@ -291,6 +291,30 @@ def test_user_diff_config_does_not_change_the_patch(tmp_path: Path) -> None:
         assert _snapshot(tree) == _snapshot(root)
 
 
+def test_file_converted_on_checkout_is_refused_at_replay(tmp_path: Path) -> None:
+    """The recorded bytes were right, but `git apply` in the replay worktree writes through an attribute."""
+    from harness.errors import HarnessError
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    (root / ".gitattributes").write_text("*.dat text eol=crlf\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "crlf on checkout")
+    (root / ".gitattributes").write_text("")  # the dirty tree drops the attribute: its .dat stays LF
+    (root / "x.dat").write_bytes(b"1\n2\n")
+    state = gitsource.inspect(root, max_untracked_mib=None)
+    recorded, converted = gitsource.blob_id(b"1\n2\n"), gitsource.blob_id(b"1\r\n2\r\n")
+    with pytest.raises(HarnessError) as err:
+        with gitsource.worktree(root, state.commit, state.patch):
+            pass
+    assert str(err.value) == (
+        f"'x.dat' in the replay worktree is not what was recorded (mode 100644 blob {converted} instead of mode "
+        f"100644 blob {recorded}): git converted it on checkout (a .gitattributes filter or eol setting, or "
+        "core.autocrlf of this repository). Remove that setting for it, or replay in a clone without it.")
+    assert git(root, "worktree", "list").count("\n") == 0  # the temporary worktree is gone
+
+
 # --- the round trip as a property, straight through gitsource ------------------------------------
 
 # "\udce9": the byte 0xe9 alone, a name that is not UTF-8 (os.fsencode gives it back as is).

@@ -30,14 +30,13 @@ SECRET_PATTERNS = (
     "id_ed25519*", "credentials*", ".netrc", "_netrc", ".pypirc", ".git-credentials", "*.kdbx", "secrets.*",
 )
 # Options that pin the patch's format: the user's diff config (noprefix, mnemonicPrefix, color,
-# external diff, textconv, renames, context lines, algorithm, order, relative, submodule log format) must not change
-# the bytes recorded, nor make a patch that `git apply` rejects.
+# external diff, textconv, renames, context lines, algorithm, order, relative, submodule log
+# format) must not change the bytes recorded, nor make a patch that `git apply` rejects.
 _DIFF_ARGS = (
-    "--binary", "--full-index", "--unified=3", "--diff-algorithm=myers", "--indent-heuristic", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv",
-    "--no-relative", "--ignore-submodules=none", "--submodule=short", "-O/dev/null", "--src-prefix=a/",
-    "--dst-prefix=b/",
+    "--binary", "--full-index", "--unified=3", "--diff-algorithm=myers", "--indent-heuristic", "--no-renames",
+    "--no-color", "--no-ext-diff", "--no-textconv", "--no-relative", "--ignore-submodules=none",
+    "--submodule=short", "-O/dev/null", "--src-prefix=a/", "--dst-prefix=b/",
 )
-
 # Settings with no command-line option that still change the bytes: fixed, so the same tree gives
 # the same patch (and sha256) whoever records it. Names stay readable UTF-8 in the patch.
 _DIFF_CONFIG = ("core.quotepath=off", "diff.suppressBlankEmpty=false")

@@ -57,6 +57,8 @@ def main() -> None:
 @click.option("--executor", type=click.Choice(["local", "docker"]), default=None,
               help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image.")
 @click.option("--allow-unpinned", is_flag=True, help="Accept an image pinned by the moving 'latest' tag.")
+@click.option("--allow-untracked-secrets", is_flag=True,
+              help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def run(
@@ -65,6 +67,7 @@ def run(
     require_clean: bool,
     executor: str | None,
     allow_unpinned: bool,
+    allow_untracked_secrets: bool,
     tracking_uri: str | None,
 ) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
@@ -76,7 +79,7 @@ def run(
 
     outcome = runner.run(
         experiment_dir, list(overrides), require_clean=require_clean, tracking_uri=tracking_uri,
-        executor=executor, allow_unpinned=allow_unpinned,
+        executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
     )
     _finish(outcome, Tracker(tracking_uri))
 
@@ -93,8 +96,10 @@ def _finish(outcome: Any, tracker: Any) -> None:
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
 @click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
+@click.option("--allow-untracked-secrets", is_flag=True,
+              help="Accept untracked files whose names mark them as secrets (they would be recorded).")
 @_expected_errors
-def check(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool) -> None:
+def check(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, allow_untracked_secrets: bool) -> None:
     """Check EXPERIMENT_DIR and KEY=VALUE overrides as `harness run` would, without running or recording.
 
     Validates the config, the code record (the uncommitted changes) and the world size against this
@@ -102,7 +107,9 @@ def check(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool)
     """
     from harness import runner
 
-    checked = runner.preflight(experiment_dir, list(overrides), require_clean=require_clean)
+    checked = runner.preflight(
+        experiment_dir, list(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets
+    )
     for warning in checked.warnings:
         click.echo(f"Warning: {warning}", err=True)
     cfg = checked.cfg

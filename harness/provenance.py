@@ -6,11 +6,16 @@ import os
 import platform
 import socket
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 
 # Variables that change numerics or communication; recorded when set.
 _VAR_PREFIXES = ("NCCL_", "OMP_", "MKL_", "CUBLAS_", "CUDA_", "GLOO_", "TORCH_", "KMP_", "OPENBLAS_")
 _VAR_NAMES = ("PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
+# A captured variable whose name says it holds a credential (TORCH_TOKEN, NCCL_AUTH_KEY...) is
+# recorded by name only: its presence can matter to a delta, its value must never reach the store.
+_SECRET_NAME_PARTS = ("TOKEN", "SECRET", "KEY", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+REDACTED = "<redacted>"
 
 
 def _cpu_model() -> str:
@@ -73,9 +78,14 @@ def runtime_facts() -> dict[str, str]:
     }
 
 
-def env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
+def env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that change numerics or communication, secrets' values replaced by REDACTED."""
     env = os.environ if environ is None else environ
-    return {k: v for k, v in sorted(env.items()) if k.startswith(_VAR_PREFIXES) or k in _VAR_NAMES}
+    return {
+        k: REDACTED if any(part in k.upper() for part in _SECRET_NAME_PARTS) else v
+        for k, v in sorted(env.items())
+        if k.startswith(_VAR_PREFIXES) or k in _VAR_NAMES
+    }
 
 
 def package_lock() -> list[str]:

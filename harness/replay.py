@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import sys
 import tempfile
@@ -113,9 +114,17 @@ def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Ite
         )
     patch = None
     if run.tags.get(T.GIT_DIRTY) == "true":
-        patch = tracker.read_text(run.run_id, T.ARTIFACT_PATCH)
+        patch = tracker.read_bytes(run.run_id, T.ARTIFACT_PATCH)
         if patch is None:
             raise HarnessError(f"run {run.run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
+        expected = run.tags.get(T.GIT_PATCH_SHA256, "(no tag)")
+        got = hashlib.sha256(patch).hexdigest()
+        if got != expected:
+            raise HarnessError(
+                f"the recorded patch of run {run.run_id} was altered ({T.ARTIFACT_PATCH}: sha256 expected "
+                f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a "
+                "backup of the store, or replay another run."
+            )
     with gitsource.worktree(root, commit, patch) as tree:
         yield tree, tree / run.tags[T.EXPERIMENT_PATH]
 
@@ -170,7 +179,9 @@ def replay(
         else:
             resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
             image = runner.local_image_tags(str(cfg.image))
-        git = gitsource.inspect(exp_dir)
+        # The worktree holds exactly the recorded code (checked above), which was admitted when it
+        # was recorded: its untracked files are not refused a second time.
+        git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
         extra = {
             T.KIND: "replay",
             T.REPLAY_OF: run_id,

@@ -103,7 +103,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
     if git.dirty:
         import hashlib
 
-        tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch.encode()).hexdigest()
+        tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch).hexdigest()
     tags.update(image)
     return tags
 
@@ -127,7 +127,7 @@ def create_record(
         tracker.log_params(run_id, flatten(cfg))
         tracker.log_text(run_id, to_yaml(cfg), T.ARTIFACT_CONFIG)
         if git.dirty:
-            tracker.log_text(run_id, git.patch, T.ARTIFACT_PATCH)
+            tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
     except BaseException:
         tracker.end_run(run_id, "FAILED")
         raise
@@ -352,7 +352,12 @@ class Preflight:
 
 
 def preflight(
-    exp_dir: Path, overrides: list[str], *, require_clean: bool = False, executor: str | None = None
+    exp_dir: Path,
+    overrides: list[str],
+    *,
+    require_clean: bool = False,
+    executor: str | None = None,
+    allow_untracked_secrets: bool = False,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing."""
     from harness import gitsource
@@ -362,7 +367,9 @@ def preflight(
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     cfg = load_experiment(Path(exp_dir), overrides)
-    git = gitsource.inspect(Path(exp_dir))
+    git = gitsource.inspect(
+        Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets
+    )
     warnings: list[str] = []
     if git.dirty:
         if require_clean:
@@ -389,12 +396,16 @@ def run(
     tracking_uri: str | None = None,
     executor: str | None = None,
     allow_unpinned: bool = False,
+    allow_untracked_secrets: bool = False,
 ) -> Outcome:
     """Validate, record, launch. Bad input raises HarnessError before any run is created."""
     from harness import container
     from harness.config import Executor
 
-    checked = preflight(exp_dir, overrides, require_clean=require_clean, executor=executor)
+    checked = preflight(
+        exp_dir, overrides, require_clean=require_clean, executor=executor,
+        allow_untracked_secrets=allow_untracked_secrets,
+    )
     cfg, git = checked.cfg, checked.git
     for warning in checked.warnings:
         print(f"Warning: {warning}", file=sys.stderr)

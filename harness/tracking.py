@@ -216,6 +216,16 @@ class Tracker:
         self.client.log_text(run_id, text, artifact_file)
 
     @_store_call
+    def log_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
+        """Store `data` exactly (log_text would encode a str and is for text only)."""
+        artifact = Path(artifact_file)
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp, artifact.name)
+            local.write_bytes(data)
+            parent = artifact.parent.as_posix()
+            self.client.log_artifact(run_id, str(local), None if parent == "." else parent)
+
+    @_store_call
     def log_dir(self, run_id: str, local_dir: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifacts(run_id, str(local_dir), artifact_path)
 
@@ -288,6 +298,18 @@ class Tracker:
                     return None
                 raise
             return Path(local).read_text()
+
+    @_store_call
+    def read_bytes(self, run_id: str, artifact_file: str) -> bytes | None:
+        """The artifact's exact bytes, None if the run has no such artifact (a store failure raises)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self.client.download_artifacts(run_id, artifact_file, tmp)
+            except Exception as err:
+                if _missing(err) or isinstance(err, FileNotFoundError):
+                    return None
+                raise
+            return Path(local).read_bytes()
 
     @_store_call
     def metric_history(self, run_id: str, key: str) -> tuple[list[int], list[float]]:

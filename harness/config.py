@@ -7,7 +7,7 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
@@ -327,12 +327,12 @@ def from_yaml(text: str, source: str = "recorded config") -> DictConfig:
     return cfg
 
 
-def flatten(cfg: DictConfig) -> dict[str, str]:
-    """Resolved config as dotted params, the way MLflow shows them."""
+def flatten(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
+    """Resolved config (or its plain-dict form) as dotted params, the way MLflow shows them."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
+        if isinstance(node, Mapping):
             if not node and prefix:
                 out[prefix] = "{}"
             for k, v in node.items():
@@ -340,7 +340,7 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
         else:
             out[prefix] = str(node)
 
-    walk("", to_container(cfg))
+    walk("", to_container(cfg) if isinstance(cfg, DictConfig) else cfg)
     return out
 
 

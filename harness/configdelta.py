@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from harness import tags
+from harness.config import flatten
 
 # Keys that decide how a run is recorded, watched or judged, not what it computes.
 _NO_EFFECT_KEYS: frozenset[str] = frozenset(
@@ -33,23 +34,6 @@ class ConfigChange:
 
 def affects_result(key: str) -> bool:
     return key not in _NO_EFFECT_KEYS and not key.startswith(_NO_EFFECT_PREFIXES)
-
-
-def flatten(config: Mapping[str, Any]) -> dict[str, str]:
-    """Dotted keys to str values, as the run's MLflow params show them."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, Mapping):
-            if not node and prefix:
-                out[prefix] = "{}"
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            out[prefix] = str(node)
-
-    walk("", config)
-    return out
 
 
 def _effective(config: Mapping[str, Any], facts: Mapping[str, str]) -> dict[str, str]:

@@ -287,17 +287,10 @@ class Tracker:
             )
         return run
 
-    @_store_call
     def read_text(self, run_id: str, artifact_file: str) -> str | None:
-        """The artifact's text, None if the run has no such artifact (a store failure raises)."""
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                local = self.client.download_artifacts(run_id, artifact_file, tmp)
-            except Exception as err:
-                if _missing(err) or isinstance(err, FileNotFoundError):
-                    return None
-                raise
-            return Path(local).read_text()
+        """A text artifact harness wrote itself (UTF-8); None if the run has no such artifact."""
+        data = self.read_bytes(run_id, artifact_file)
+        return None if data is None else data.decode("utf-8")
 
     @_store_call
     def read_bytes(self, run_id: str, artifact_file: str) -> bytes | None:

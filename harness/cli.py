@@ -98,8 +98,12 @@ def _finish(outcome: Any, tracker: Any) -> None:
 @click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Accept untracked files whose names mark them as secrets (they would be recorded).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def check(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, allow_untracked_secrets: bool) -> None:
+def check(
+    experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, allow_untracked_secrets: bool,
+    tracking_uri: str | None,
+) -> None:
     """Check EXPERIMENT_DIR and KEY=VALUE overrides as `harness run` would, without running or recording.
 
     Validates the config, the code record (the uncommitted changes) and the world size against this
@@ -108,7 +112,8 @@ def check(experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool,
     from harness import runner
 
     checked = runner.preflight(
-        experiment_dir, list(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets
+        experiment_dir, list(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets,
+        tracking_uri=tracking_uri,
     )
     for warning in checked.warnings:
         click.echo(f"Warning: {warning}", err=True)

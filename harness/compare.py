@@ -175,8 +175,9 @@ class Divergence:
     rel_diff: float | None = None
     detail: str = ""
 
-    def describe(self) -> str:
-        """One human line, without the verdict."""
+    def describe(self, labels: tuple[str, str] = ("original", "replay")) -> str:
+        """One human line, without the verdict; `labels` name the two runs (run A / run B for a plain compare)."""
+        a, b = labels
         where = f"step {self.step}" if self.step is not None else "the end"
         if self.kind == KIND_VALUE:
             return (
@@ -184,13 +185,13 @@ class Divergence:
                 f"(abs {fmt_short(self.abs_diff)}, rel {fmt_short(self.rel_diff)})"
             )
         if self.kind == KIND_MISSING_STEP:
-            return f"at {where}: {self.metric} logged by the original but not by the replay"
+            return f"at {where}: {self.metric} logged by {_the(a)} but not by {_the(b)}"
         if self.kind == KIND_EXTRA_STEP:
-            return f"at {where}: {self.metric} logged by the replay but not by the original"
+            return f"at {where}: {self.metric} logged by {_the(b)} but not by {_the(a)}"
         if self.kind == KIND_MISSING_METRIC:
-            return f"at {where}: metric {self.metric} missing from the replay"
+            return f"at {where}: metric {self.metric} missing from {_the(b)}"
         if self.kind == KIND_EXTRA_METRIC:
-            return f"at {where}: metric {self.metric} appears only in the replay"
+            return f"at {where}: metric {self.metric} appears only in {_the(b)}"
         if self.kind == KIND_FINGERPRINT:
             return f"at {where}: parameter fingerprints differ ({self.detail})"
         if self.kind == KIND_REPLAY_FAILED:
@@ -286,6 +287,7 @@ class Comparison:
     of_replay: bool = True  # run B is a replay of run A (else two independent runs)
     unchanged_weights: list[str] = field(default_factory=list)  # labels of runs that trained nothing
     reached: tuple[str, int] | None = None  # (status, steps) of an incomplete original judged up to where it stopped
+    failed_alike: bool = False  # the replay of an incomplete original failed with the original's own reason
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -301,7 +303,8 @@ class Comparison:
         line = self._verdict_line()
         if self.reached is not None:
             status, steps = self.reached
-            line += f" (compared the {steps} steps the {status} original reached)"
+            alike = "; the replay failed the same way" if self.failed_alike else ""
+            line += f" (compared the {steps} steps the {status} original reached{alike})"
         if len(self.unchanged_weights) == 2:
             line += " - but the model's weights never changed: nothing was trained"
         elif self.unchanged_weights:
@@ -314,12 +317,12 @@ class Comparison:
                     "log metrics with ctx.log and register the model with ctx.ddp")
         if self.verdict == DIVERGED and self.divergence is not None:
             if self.divergence.kind == KIND_REPLAY_FAILED:
-                return f"{DIVERGED}: {self.divergence.describe()}"
-            return f"{DIVERGED} {self.divergence.describe()}"
+                return f"{DIVERGED}: {self.divergence.describe(self.labels)}"
+            return f"{DIVERGED} {self.divergence.describe(self.labels)}"
         shape = _shape(self.metrics)
         fps = self.fingerprints
         if self.verdict == BITWISE:
-            return f"{BITWISE}: {shape} bit-identical, {fps.compared} fingerprints equal"
+            return f"{BITWISE}: {shape} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
         if all(m.bitwise_equal for m in self.metrics):
             body = f"{shape} bit-identical"
         else:
@@ -347,6 +350,7 @@ class Comparison:
             "divergence": self.divergence.to_dict() if self.divergence else None,
             "tolerance": _json_tree(self.tolerance),
             "config_delta": [c.to_dict() for c in self.config_delta],
+            "failed_alike": self.failed_alike,
             "of_replay": self.of_replay,
             "weights_unchanged_in": list(self.unchanged_weights),
             "reached": None if self.reached is None else {"status": self.reached[0], "steps": self.reached[1]},
@@ -673,13 +677,22 @@ def compare_runs(
     failure = replay_failed
     if failure is None and replay.status != FINISHED:
         reason = replay.facts.get(tags.STATUS_REASON)
-        failure = f"replay status {replay.status}" + (f" ({reason})" if reason else "")
+        failure = f"{labels[1]} status {replay.status}" + (f" ({reason})" if reason else "")
+    failed_alike = bool(
+        incomplete_original and failure is not None and replay.status == original.status
+        and replay.facts.get(tags.STATUS_REASON) is not None
+        and replay.facts.get(tags.STATUS_REASON) == original.facts.get(tags.STATUS_REASON)
+    )
+    if failed_alike:
+        # A deterministic failure that recurs at the same point, for the same reason, is reproduced too.
+        notes.append(f"{_the(labels[1])} failed as {_the(labels[0])} did: {replay.facts[tags.STATUS_REASON]}")
+        failure = None
 
     divergence: Divergence | None
     if failure is not None:
-        detail = f"replay failed: {failure}"
+        detail = f"{labels[1]} failed: {failure}"
         if metric_div is not None:
-            detail += f"; first metric difference {metric_div.describe()}"
+            detail += f"; first metric difference {metric_div.describe(labels)}"
             divergence = Divergence(KIND_REPLAY_FAILED, metric_div.step, metric_div.metric, metric_div.original,
                                     metric_div.replay, metric_div.abs_diff, metric_div.rel_diff, detail)
         else:
@@ -720,6 +733,7 @@ def compare_runs(
                            if rec.facts.get(tags.WEIGHTS_CHANGED) == "false"],
         reached=reached,
         notes=notes,
+        failed_alike=failed_alike,
     )
 
 

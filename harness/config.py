@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import enum
 import importlib.util
 import re
@@ -140,8 +141,12 @@ def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictCon
         parent_key = str(key).rpartition(".")[0]
         parent = OmegaConf.select(schema, parent_key) if parent_key else schema
         hint = ""
+        name = str(key).rpartition(".")[2]
+        close = difflib.get_close_matches(name, [str(k) for k in parent.keys()], n=1) if parent is not None else []
         if not parent_key and str(key) in (base.get("train") or {}):
             hint = f" Did you mean train.{key}? (the experiment's own settings live under train:)"
+        elif close:
+            hint = f" Did you mean {parent_key + '.' if parent_key else ''}{close[0]}?"
         return ConfigError(
             f"{source}: unknown key '{key}'.{hint} Valid keys here: {_valid_keys(parent)}."
         )
@@ -180,10 +185,17 @@ def _merge(base: DictConfig, other: Any, source: str, schema: DictConfig) -> Dic
 
 def parse_overrides(overrides: list[str]) -> DictConfig:
     """KEY=VALUE (Hydra-style dotlist) -> a config fragment."""
+    seen: dict[str, str] = {}
     for item in overrides:
         key, _, value = item.partition("=")
         if "=" not in item or not key.strip():
             raise ConfigError(f"override '{item}' is not KEY=VALUE (e.g. train.lr=0.1).")
+        if key[:1] in "+~" and key[1:]:
+            # Hydra's +key / ~key: here one KEY=VALUE form both sets keys and adds new ones under train:.
+            raise ConfigError(f"override '{item}': drop the '{key[0]}'; write {key[1:]}={value} (KEY=VALUE adds keys under train: too).")
+        if key in seen:
+            raise ConfigError(f"override '{key}' is given twice ({seen[key]}, {item}); give it once.")
+        seen[key] = item
         if not value.strip():
             # `train.lr=` would silently become None and fail later, inside a rank.
             raise ConfigError(
@@ -207,8 +219,28 @@ def compose(sources: list[tuple[str, Any]]) -> DictConfig:
     schema = OmegaConf.structured(ExperimentConfig)
     cfg = schema
     for name, content in sources:
+        _check_sections(content, schema, name)
         cfg = _merge(cfg, content, name, schema)
     return cfg
+
+
+def _check_sections(content: Any, schema: DictConfig, source: str, prefix: str = "") -> None:
+    """A plain value where the schema has a section (`determinism=strict`): OmegaConf's own error names no key."""
+    if not isinstance(content, DictConfig):
+        return
+    for key in content.keys():
+        node = schema.get(key) if key in schema else None
+        if not isinstance(node, DictConfig):
+            continue
+        full = f"{prefix}{key}"
+        value = content._get_node(key)
+        if isinstance(value, DictConfig):
+            _check_sections(value, node, source, f"{full}.")
+            continue
+        keys = list(node.keys())
+        example = f"{full}.{keys[0]}=..." if keys else f"{full}.NAME=..."
+        what = f"a section with keys {', '.join(map(str, keys))}" if keys else "a section of named settings"
+        raise ConfigError(f"{source}: '{full}' is {what}; set them by name (e.g. {example}), not {full}={value._value()!r}.")
 
 
 def load_experiment(
@@ -219,7 +251,7 @@ def load_experiment(
     path = exp_dir / EXPERIMENT_FILE
     if exp_dir.is_file():
         folder = exp_dir.parent.as_posix() or "."
-        raise ConfigError(f"'{exp_dir}' is a file; pass its folder: harness run {folder}")
+        raise ConfigError(f"'{exp_dir}' is a file; pass the experiment's folder, {folder}")
     if not exp_dir.is_dir():
         raise ConfigError(f"experiment folder '{exp_dir}' does not exist. Pass a folder holding {EXPERIMENT_FILE}.")
     if not path.is_file():

@@ -49,6 +49,7 @@ class GitState:
     dirty: bool
     patch: bytes  # tracked and untracked (not ignored) changes against `commit`, exact bytes, never decoded
     repo_url: str | None  # origin's URL with any credentials stripped
+    excluded: tuple[str, ...] = ()  # paths left out of the record though not ignored (the store's own files)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ def _git():  # lazy: gitpython spawns `git` on import checks
     return git
 
 
-def _run(cwd: Path, args: list[str], index: Path | None = None, config: tuple[str, ...] = ()) -> bytes:
+def _run(
+    cwd: Path, args: list[str], index: Path | None = None, config: tuple[str, ...] = (), stdin: bytes | None = None
+) -> bytes:
     """`git -c CONFIG.. ARGS` in `cwd`, stdout as bytes; with `index`, against that index file, not the user's."""
     env = dict(os.environ)
     if index is not None:
@@ -82,7 +85,7 @@ def _run(cwd: Path, args: list[str], index: Path | None = None, config: tuple[st
     try:
         proc = subprocess.run(
             ["git", *(arg for item in config for arg in ("-c", item)), *args],
-            cwd=cwd, env=env, capture_output=True, timeout=GIT_TIMEOUT_S, check=False,
+            cwd=cwd, env=env, capture_output=True, timeout=GIT_TIMEOUT_S, check=False, input=stdin,
         )
     except subprocess.TimeoutExpired:
         raise HarnessError(
@@ -114,12 +117,16 @@ def open_repo(path: Path):
         ) from None
 
 
-def inspect(path: Path, *, max_untracked_mib: float | None, allow_secrets: bool = False) -> GitState:
+def inspect(
+    path: Path, *, max_untracked_mib: float | None, allow_secrets: bool = False, exclude: tuple[Path, ...] = ()
+) -> GitState:
     """Read the repository holding `path`; the user's index and tree are never modified.
 
     Refuses (HarnessError) a tree the patch could not hold exactly: untracked secrets (unless
     `allow_secrets`), untracked files over `max_untracked_mib` MiB (None: no limit), nested
     repositories and moved submodules, and files git stores differently from their bytes on disk.
+    Paths in `exclude` (a tracking store inside the repository) are left out of the record; those
+    present and not ignored are named in `GitState.excluded`.
     """
     repo = open_repo(path)
     if not repo.head.is_valid():
@@ -127,14 +134,37 @@ def inspect(path: Path, *, max_untracked_mib: float | None, allow_secrets: bool 
     root = Path(repo.working_tree_dir)
     commit = repo.head.commit.hexsha
     branch = None if repo.head.is_detached else repo.active_branch.name
+    pathspec, excluded = _exclusions(root, exclude)
     # Before `add -A`: a secret or a huge file must not even be hashed into the object store.
-    _check_untracked(root, max_untracked_mib, allow_secrets)
-    patch = _working_tree_patch(root, commit)
+    _check_untracked(root, max_untracked_mib, allow_secrets, pathspec)
+    patch = _working_tree_patch(root, commit, pathspec)
     url = None
     with contextlib.suppress(Exception):
         remote = repo.remotes.origin if "origin" in repo.remotes else (repo.remotes[0] if repo.remotes else None)
         url = strip_credentials(next(remote.urls)) if remote is not None else None
-    return GitState(root, commit, branch, bool(patch), patch, url)
+    return GitState(root, commit, branch, bool(patch), patch, url, excluded)
+
+
+def _exclusions(root: Path, paths: tuple[Path, ...]) -> tuple[list[str], tuple[str, ...]]:
+    """(pathspec selecting the tree without `paths`, those of `paths` present there and not ignored)."""
+    top = root.resolve()
+    inside = []
+    for path in paths:
+        with contextlib.suppress(ValueError):
+            inside.append(Path(path).resolve().relative_to(top).as_posix())
+    inside = [rel for rel in inside if rel != "."]
+    present = [rel for rel in inside if (top / rel).exists()]
+    ignored = set()
+    if present:
+        names = b"".join(os.fsencode(rel) + b"\0" for rel in present)
+        try:  # check-ignore exits 1 when none of them is ignored
+            ignored = {os.fsdecode(p) for p in _run(root, ["check-ignore", "-z", "--stdin"], stdin=names).split(b"\0") if p}
+        except GitFailed:
+            ignored = set()
+    excluded = tuple(rel for rel in present if rel not in ignored)
+    # Only what git would otherwise add: naming an ignored path in a pathspec makes `git add` fail.
+    spec = [".", *(f":(exclude,literal){rel}" for rel in excluded)] if excluded else []
+    return spec, excluded
 
 
 def secret_pattern(name: bytes) -> str | None:
@@ -143,8 +173,9 @@ def secret_pattern(name: bytes) -> str | None:
     return next((p for p in SECRET_PATTERNS if fnmatch.fnmatchcase(base, p)), None)
 
 
-def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool) -> None:
-    out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard"])
+def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str]) -> None:
+    out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
+    secrets: list[tuple[bytes, str]] = []
     for rel in filter(None, out.split(b"\0")):
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
@@ -154,11 +185,8 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool) -> 
             )
         pattern = secret_pattern(rel)
         if pattern is not None and not allow_secrets:
-            raise HarnessError(
-                f"'{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
-                "stored with the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
-                "--allow-untracked-secrets knowingly."
-            )
+            secrets.append((rel, pattern))
+            continue
         if max_mib is None:
             continue
         with contextlib.suppress(FileNotFoundError):  # deleted meanwhile: `add -A` will not see it either
@@ -170,16 +198,29 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool) -> 
                     "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
                     "limit (record.max_untracked_mib=50)."
                 )
+    if len(secrets) == 1:
+        (rel, pattern), = secrets
+        raise HarnessError(
+            f"'{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
+            "stored with the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
+            "--allow-untracked-secrets knowingly."
+        )
+    if secrets:  # every one at once: fixing them one run at a time would be tedious
+        names = ", ".join(f"'{_show(rel)}'" for rel, _ in secrets[:10]) + (f" and {len(secrets) - 10} more" if len(secrets) > 10 else "")
+        raise HarnessError(
+            f"{names} are untracked files whose names mark them as secrets; they would be stored with the run's "
+            "code. Add them to .gitignore, commit those that hold no secret, or pass --allow-untracked-secrets knowingly."
+        )
 
 
-def _working_tree_patch(root: Path, commit: str) -> bytes:
+def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         # A throwaway index seeded from HEAD: `add -A` then sees untracked files too, and the
         # user's real index (staged work) stays exactly as it was.
         index = Path(tmp, "index")
         _run(root, ["read-tree", commit], index)
         # safecrlf would stop `add` with git's own message; the round trip below names the file instead.
-        _run(root, ["add", "-A"], index, ("core.safecrlf=false",))
+        _run(root, ["add", "-A", "--", *pathspec], index, ("core.safecrlf=false",))
         _refuse_gitlinks(root, commit, index)
         patch = _run(root, ["diff", "--cached", *_DIFF_ARGS, commit], index, _DIFF_CONFIG)
         if not patch:

@@ -399,42 +399,50 @@ def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list
         with contextlib.suppress(OSError, AttributeError):
             os.kill(processes[rank].pid, signal.SIGUSR1)
     time.sleep(_STACK_WAIT_S)
+    found = {r: _stack_location(Path(spec.log_dir) / f"rank{r}.stacks.txt", spec.code_dir) for r in silent}
+    # A rank stuck in the experiment's own code (a sleep, a loop) is the likely culprit; ranks stuck
+    # inside torch are usually waiting for it in a collective. Culprits first.
+    order = sorted(silent, key=lambda r: (found[r][1] != "own", progress[2 * r], r))
     parts = []
-    for rank in sorted(silent, key=lambda r: (progress[2 * r], r)):
+    for rank in order:
         step = int(progress[2 * rank])
         at = "before its first step" if step < 0 else f"at step {step}"
-        where = _stack_location(Path(spec.log_dir) / f"rank{rank}.stacks.txt", spec.code_dir)
-        parts.append(f"rank {rank} {at}" + (f" in {where}" if where else ""))
+        where, kind = found[rank]
+        if where:
+            at += f" waiting in a call made at {where}" if kind == "call" else f" in {where}"
+        parts.append(f"rank {rank} {at}")
     line = (
         f"no progress for {spec.timeout_s:g} s (timeout_s): " + ", ".join(parts)
         + ". Their stacks are in logs/rank<N>.stacks.txt; raise timeout_s if a step can take longer."
     )
     failure = RunFailed(line)
-    failure.__cause__ = _RankError(min(silent, key=lambda r: (progress[2 * r], r)), line, True)
+    failure.__cause__ = _RankError(order[0], line, True)
     return failure
 
 
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
 
 
-def _stack_location(path: Path, code_dir: str) -> str | None:
-    """The innermost frame of the experiment's code in the main thread's dumped stack."""
+def _stack_location(path: Path, code_dir: str) -> tuple[str | None, str]:
+    """Where the main thread's dumped stack is: (frame, "own") when it ends in the experiment's code,
+    (the experiment's innermost frame, "call") when it is inside a library called from there, else
+    (the innermost frame, "other")."""
     try:
         dump = path.read_text(errors="replace")
     except OSError:
-        return None
+        return None, "other"
     root = os.path.realpath(code_dir) + os.sep
     # faulthandler prints one block per thread, innermost frame first; the main thread runs _worker.
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
         frames = list(_FRAME.finditer(block))
         if not any(f["func"] == "_worker" for f in frames):
             continue
-        for f in frames:
+        for i, f in enumerate(frames):
             if os.path.realpath(f["file"]).startswith(root):
-                return f"{os.path.relpath(f['file'], code_dir)}:{f['line']} ({f['func']})"
+                return f"{os.path.relpath(f['file'], code_dir)}:{f['line']} ({f['func']})", "own" if i == 0 else "call"
         if frames:
-            return f"{frames[0]['file']}:{frames[0]['line']} ({frames[0]['func']})"
-    return None
+            return f"{frames[0]['file']}:{frames[0]['line']} ({frames[0]['func']})", "other"
+    return None, "other"
 
 
 def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:

@@ -141,11 +141,11 @@ def replay(
     allow_incomplete: bool = False,
     follow: bool = True,
 ) -> ReplayResult:
+    tracker = Tracker(tracking_uri)  # first: an unreachable store is said before torch is even loaded
     from harness import container
     from harness.config import Executor
     from harness.launch import resolve_device
 
-    tracker = Tracker(tracking_uri)
     original = tracker.harness_run(run_id)
     if follow:
         original = follow_original(tracker, original)

@@ -329,10 +329,14 @@ def _record_results(
 
 def _warn_if_vacuous(tracker: Tracker, run_id: str, writer: Any, final: dict[str, Any]) -> None:
     """A finished run that logged nothing, or whose model never changed, proves nothing: say so, and record it."""
-    if writer is not None and not writer.series:
-        print("Warning: the run logged no metrics (call ctx.log(...) in train); a replay can only compare "
-              "the model's fingerprints.", file=sys.stderr)
     initial, last = final.get("initial"), final.get("fingerprint")
+    if writer is not None and not writer.series:
+        if initial or last:
+            print("Warning: the run logged no metrics (call ctx.log(...) in train); a replay can only compare "
+                  "the model's fingerprints.", file=sys.stderr)
+        else:
+            print("Warning: the run logged no metrics and registered no model (ctx.log(...), ctx.ddp(model)): a "
+                  "replay will have nothing to compare.", file=sys.stderr)
     if initial and last:
         changed = initial != last
         tracker.set_tags(run_id, {T.INITIAL_FINGERPRINT: initial, T.WEIGHTS_CHANGED: str(changed).lower()})
@@ -358,19 +362,29 @@ def preflight(
     require_clean: bool = False,
     executor: str | None = None,
     allow_untracked_secrets: bool = False,
+    tracking_uri: str | None = None,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing."""
     from harness import gitsource
     from harness.config import Executor, load_experiment
     from harness.launch import capacity_warning, resolve_device
+    from harness.store import local_paths
+    from harness.tracking import resolve_uri
 
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     cfg = load_experiment(Path(exp_dir), overrides)
     git = gitsource.inspect(
-        Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets
+        Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
+        exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
     )
     warnings: list[str] = []
+    if git.excluded:
+        shown = ", ".join(git.excluded)
+        warnings.append(
+            f"the tracking store's files ({shown}) lie inside the repository and are not ignored; they are left out "
+            "of the code record. Add them to .gitignore (e.g. mlruns/)."
+        )
     if git.dirty:
         if require_clean:
             raise HarnessError(
@@ -378,7 +392,7 @@ def preflight(
                 "Commit or stash them."
             )
         warnings.append(
-            "uncommitted changes; they are recorded as a patch (git/uncommitted.patch) and the run is tagged dirty."
+            "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
         )
     if cfg.executor == Executor.local:
         device, _ = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)  # refuse before recording
@@ -401,10 +415,14 @@ def run(
     """Validate, record, launch. Bad input raises HarnessError before any run is created."""
     from harness import container
     from harness.config import Executor
+    from harness.store import probe_store, store_timeout
+    from harness.tracking import resolve_uri
 
+    # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
+    probe_store(resolve_uri(tracking_uri), True, store_timeout())
     checked = preflight(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
-        allow_untracked_secrets=allow_untracked_secrets,
+        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri,
     )
     cfg, git = checked.cfg, checked.git
     for warning in checked.warnings:

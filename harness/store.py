@@ -29,7 +29,24 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
-# --- ---------------------------------------------------------------------------
+def artifact_root(uri: str) -> str | None:
+    """A local SQLite store keeps artifacts beside the database, not in the cwd of whoever ran it."""
+    if uri.startswith("sqlite:///"):
+        path = sqlite_path(uri)
+        return str(path.parent / "artifacts") if path else None
+    return None
+
+
+def local_paths(uri: str) -> list[Path]:
+    """The files and folders of a local store (database, its journals, artifacts): never part of the code record."""
+    db = sqlite_path(uri) if uri.startswith("sqlite:///") else None
+    if db is None:
+        return []
+    root = artifact_root(uri)
+    return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm")), *([Path(root)] if root else [])]
+
+
+# --- deadlines ---------------------------------------------------------------------------------
 # Without these, an unreachable store costs minutes: MLflow retries HTTP requests 7 times with
 # exponential backoff (~250 s) and SQLAlchemy engine creation 10 times (~100 s). Every outside call
 # gets a deadline instead, and every failure is one line naming the store.

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, display_uri, probe_store, reason_of, schema_error, sqlite_path,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_root, display_uri, probe_store, reason_of, schema_error,
     store_timeout,
 )
 
@@ -39,14 +39,6 @@ def default_uri(cwd: Path | None = None) -> str:
 
 def resolve_uri(uri: str | None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
-
-
-def _artifact_root(uri: str) -> str | None:
-    # A local SQLite store keeps artifacts beside the database, not in the cwd of whoever ran it.
-    if uri.startswith("sqlite:///"):
-        path = sqlite_path(uri)
-        return str(path.parent / "artifacts") if path else None
-    return None
 
 
 def _open_error(shown: str, err: BaseException) -> HarnessError:
@@ -183,7 +175,7 @@ class Tracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
-        root = _artifact_root(self.uri)
+        root = artifact_root(self.uri)
         location = Path(root, name).as_uri() if root else None
         try:
             return self.client.create_experiment(name, artifact_location=location)
@@ -481,7 +473,7 @@ def ui_command(uri: str, host: str, port: int) -> list[str]:
     import sys
 
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
-    root = _artifact_root(uri)
+    root = artifact_root(uri)
     if root:
         cmd += ["--default-artifact-root", Path(root).as_uri()]
     return cmd

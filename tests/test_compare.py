@@ -526,3 +526,31 @@ def test_incomplete_original_is_judged_up_to_where_it_stopped() -> None:
     assert compare_runs(failed, replay).verdict == DIVERGED  # without it, the missing steps count
     replay.metrics["loss"][1][11] += 1e-9
     assert compare_runs(failed, replay, incomplete_original=True).divergence.step == 11
+
+
+def test_a_failure_that_recurs_the_same_way_is_reproduced() -> None:
+    full = make_record(n=20, fingerprints={0: "0" * 64, 10: "1" * 64})
+    reason = "rank 0 raised: ValueError: boom at step 12 (train.py, line 16)"
+    failed = clone(full, run_id="orig0000", status="FAILED", final_fingerprint=None)
+    failed.facts[tags.STATUS_REASON] = reason
+    failed.metrics = {k: (s[:12], v[:12]) for k, (s, v) in full.metrics.items()}
+    replay = clone(failed)
+    replay.facts[tags.REPLAY_OF] = failed.run_id
+    cmp = compare_runs(failed, replay, replay_failed=f"the replay FAILED: {reason}", incomplete_original=True)
+    assert cmp.verdict == BITWISE and cmp.failed_alike, cmp.summary()
+    assert cmp.summary().endswith("(compared the 12 steps the FAILED original reached; the replay failed the same way)")
+    assert f"the replay failed as the original did: {reason}" in cmp.notes
+    # Another reason is a divergence, even over identical steps.
+    replay.facts[tags.STATUS_REASON] = "rank 1 was killed by SIGKILL"
+    other = compare_runs(failed, replay, replay_failed="the replay FAILED: rank 1 was killed by SIGKILL",
+                         incomplete_original=True)
+    assert other.verdict == DIVERGED and other.summary().startswith("DIVERGED: replay failed: the replay FAILED")
+
+
+def test_two_plain_runs_are_named_run_a_and_run_b() -> None:
+    a = make_record(n=10)
+    b = clone(a, run_id="runb0000")
+    b.metrics = {k: (s[:8], v[:8]) for k, (s, v) in a.metrics.items()}
+    cmp = compare_runs(a, b)
+    assert cmp.verdict == DIVERGED and not cmp.of_replay
+    assert "logged by run A but not by run B" in cmp.summary(), cmp.summary()

@@ -52,6 +52,7 @@ def train(ctx):
         (ctx.output_dir / "note.txt").write_text("written by rank 0")
 '''
 HANG_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "HANG_LINE" in line)
+BACKWARD_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "loss.backward()" in line)
 
 # The plain-DDP habits (loss.backward(), loader.sampler.set_epoch, model.module) under world-size-invariant mode.
 PLAIN = '''
@@ -125,8 +126,11 @@ def test_a_hanging_rank_ends_the_job_naming_it(project: Project, tmp_path: Path)
     reason = project.client().get_run(result.last_line).data.tags["harness.status_reason"]
     assert reason.startswith("no progress for 25 s (timeout_s): "), reason
     # Rank 1 sleeps at its step 2 (where the stack dump shows it); rank 0 waits for it in the all-reduce.
-    assert f"rank 1 at step 2 in train.py:{HANG_LINE} (train)" in reason, reason
-    assert "rank 0 at step 2" in reason and "raise timeout_s" in reason
+    # Rank 1, stuck in the experiment's own code, comes first; rank 0 waits inside torch for it.
+    assert reason.startswith(
+        f"no progress for 25 s (timeout_s): rank 1 at step 2 in train.py:{HANG_LINE} (train), rank 0 at step 2 "
+        f"waiting in a call made at train.py:{BACKWARD_LINE} (train)."), reason
+    assert "raise timeout_s" in reason
     assert project.client().get_run(result.last_line).info.status == "FAILED"
     assert elapsed < 150  # 25 s of silence, not gloo's own 30-minute timeout
     assert_ranks_gone(tmp_path)
@@ -210,10 +214,13 @@ def test_nan_and_inf_are_recorded_exactly_and_outputs_become_artifacts(project: 
     assert replay.returncode == 0 and "verdict: BITWISE: 4 metrics x 8 steps bit-identical" in replay.stdout, replay.stdout
 
 
-def test_run_that_logs_nothing_warns(project: Project, tmp_path: Path) -> None:
+def test_run_that_logs_nothing_warns_and_its_replay_has_nothing_to_compare(project: Project, tmp_path: Path) -> None:
     result = run_edges(project, tmp_path, "nolog")
     assert result.returncode == 0
-    assert "Warning: the run logged no metrics" in result.stderr
+    assert "Warning: the run logged no metrics and registered no model" in result.stderr
+    replay = project.harness("replay", result.last_line)
+    assert replay.returncode == 1
+    assert "verdict: NOTHING_TO_COMPARE: there was nothing to compare" in replay.stdout
 
 
 def test_model_that_never_changed_is_called_out(project: Project, tmp_path: Path) -> None:
@@ -273,6 +280,11 @@ REFUSED = [
     (["train.x=[1,"], "Error: override 'train.x=[1,' is not a valid value (while parsing a flow node)."),
     (["timeout_s=0"], "Error: timeout_s must be > 0 seconds, got 0.0."),
     (["flush_interval_s=nan"], "Error: flush_interval_s must be > 0, got nan."),
+    (["determinism=strict"], "Error: overrides: 'determinism' is a section with keys level, world_size_invariant, "
+                             "shards; set them by name (e.g. determinism.level=...), not determinism='strict'."),
+    (["fingerprint_evry=3"], "Error: overrides: unknown key 'fingerprint_evry'. Did you mean fingerprint_every?"),
+    (["+train.extra=1"], "Error: override '+train.extra=1': drop the '+'; write train.extra=1"),
+    (["world_size=2", "world_size=3"], "Error: override 'world_size' is given twice (world_size=2, world_size=3); give it once."),
 ]
 
 
@@ -288,7 +300,7 @@ def test_bad_override_is_refused_before_anything_runs(project: Project, override
 def test_file_passed_as_experiment_and_missing_image(project: Project) -> None:
     result = project.harness("run", "experiments/linear_ddp/train.py")
     assert result.returncode == 2
-    assert only_error_line(result) == "Error: 'experiments/linear_ddp/train.py' is a file; pass its folder: harness run experiments/linear_ddp"
+    assert only_error_line(result) == "Error: 'experiments/linear_ddp/train.py' is a file; pass the experiment's folder, experiments/linear_ddp"
     exp = project.root / "experiments" / "imageless"
     exp.mkdir(exist_ok=True)
     (exp / "experiment.yaml").write_text("entry: train.py:train\n")
@@ -374,3 +386,23 @@ def fuzz_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     git(root, "add", "-A")
     git(root, "commit", "-qm", "fuzz")
     return root
+
+
+def test_a_store_inside_the_repository_is_not_recorded_as_code(project: Project, tmp_path: Path) -> None:
+    # The README's default store is ./mlruns: in a repository that does not ignore it, the database and
+    # the artifacts of earlier runs must not become the next run's "uncommitted changes".
+    store = project.root / "inside-store"
+    (store / "artifacts" / "1").mkdir(parents=True)
+    (store / "mlflow.db").write_bytes(b"SQLite format 3\x00" + b"\x00" * 100)
+    (store / "artifacts" / "1" / "metrics.npz").write_bytes(b"\x01" * 10)
+    try:
+        result = project.harness("check", "experiments/linear_ddp", "--require-clean",
+                                 "--tracking-uri", f"sqlite:///{store / 'mlflow.db'}")
+        assert result.returncode == 0, result.stderr
+        assert "clean)" in result.stdout
+        assert ("Warning: the tracking store's files (inside-store/mlflow.db, inside-store/artifacts) lie inside the "
+                "repository and are not ignored; they are left out of the code record.") in result.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(store)

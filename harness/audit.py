@@ -24,6 +24,7 @@ from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
 from harness.config import validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
+from harness.messages import Final, Message, Metrics, SegmentEnd, SegmentStart
 from harness.replay import checkout
 from harness.tracking import Tracker
 
@@ -147,7 +148,7 @@ def _run_segments(
     segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, device: str, backend: str
 ) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
-    from harness.context import MSG_FINAL, MSG_METRICS, MSG_SEGMENT_END, MSG_SEGMENT_START, CheckpointPlan
+    from harness.context import CheckpointPlan
     from harness.launch import launch
 
     plans = [
@@ -163,17 +164,18 @@ def _run_segments(
     logged: dict[int, dict[tuple[str, int], float]] = {}
     started: dict[int, float] = {}
 
-    def on_message(msg: tuple) -> None:
-        if msg[0] == MSG_SEGMENT_START:
-            current.append(msg[1])
-            started[msg[1]] = time.monotonic()
-        elif msg[0] == MSG_METRICS:
-            for key, value in msg[2].items():
-                logged.setdefault(current[-1], {})[(key, msg[1])] = value
-        elif msg[0] == MSG_SEGMENT_END:
-            ends[current[-1]] = (msg[1], msg[2])
-        elif msg[0] == MSG_FINAL:
-            ends[current[-1]] = (msg[2], msg[1])
+    def on_message(msg: Message) -> None:
+        match msg:
+            case SegmentStart(index):
+                current.append(index)
+                started[index] = time.monotonic()
+            case Metrics(step, values):
+                for key, value in values.items():
+                    logged.setdefault(current[-1], {})[(key, step)] = value
+            case SegmentEnd(step, sha256):
+                ends[current[-1]] = (step, sha256)
+            case Final(sha256, steps):
+                ends[current[-1]] = (steps, sha256)
 
     leftover: list[Segment] = []
     try:

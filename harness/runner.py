@@ -21,6 +21,7 @@ from harness import tags as T
 from harness.config import flatten, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.gitsource import GitState
+from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, Total
 from harness.container import ENV_DIGEST
 from harness.tracking import RunSummary, Tracker, save_series
 
@@ -181,9 +182,6 @@ def execute(
     fingerprints already recorded are kept, and values re-logged identically are not written twice.
     """
     from harness.console import Console
-    from harness.context import (
-        MSG_CHECKPOINT, MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_INITIAL, MSG_METRICS, MSG_TOTAL,
-    )
     from harness.launch import failure_details, launch, resolve_device
     from harness.provenance import package_lock, runtime_facts
 
@@ -222,23 +220,23 @@ def execute(
             writer.prime(prior.metrics)
         console = Console(log_dir / "rank0.log", f"{experiment_name(code_dir)} x{cfg.world_size}")
 
-        def on_message(msg: tuple) -> None:
-            kind = msg[0]
-            if kind == MSG_METRICS:
-                writer.add(msg[1], msg[2], msg[3])
-                console.step(msg[1])
-            elif kind == MSG_FINGERPRINT:
-                fingerprints[msg[1]] = msg[2]
-            elif kind == MSG_FINAL:
-                final["fingerprint"], final["steps_total"] = msg[1], msg[2]
-            elif kind == MSG_INITIAL:
-                final["initial"] = msg[1]
-            elif kind == MSG_DETERMINISM:
-                final["determinism"], final["vars"] = msg[1], msg[2]
-            elif kind == MSG_TOTAL:
-                console.total(msg[1])
-            elif kind == MSG_CHECKPOINT:
-                final["checkpoints"][msg[1]] = msg[2]
+        def on_message(msg: Message) -> None:
+            match msg:
+                case Metrics(step, values, unix_ms):
+                    writer.add(step, values, unix_ms)
+                    console.step(step)
+                case Fingerprint(step, sha256):
+                    fingerprints[step] = sha256
+                case Final(sha256, steps):
+                    final["fingerprint"], final["steps_total"] = sha256, steps
+                case Initial(sha256):
+                    final["initial"] = sha256
+                case Determinism(settings, env):
+                    final["determinism"], final["vars"] = settings, env
+                case Total(steps):
+                    console.total(steps)
+                case Checkpoint(step, sha256):
+                    final["checkpoints"][step] = sha256
 
         try:
             launch(spec, on_message)

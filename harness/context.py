@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from harness import checkpoint as ckpt
 from harness.errors import ExperimentError
 from harness.fingerprint import fingerprint
-from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, Metrics, SegmentEnd, Total
+from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, Metrics, SegmentEnd, SegmentStart, Total
 
 @dataclass
 class CheckpointPlan:
@@ -309,7 +309,21 @@ class Context:
         if dist.is_initialized():
             dist.barrier()
 
-    # -- used by the launcher ---------------------------------------------------------------------
+    # -- used by the launcher, not by the training code ------------------------------------------
+    def announce_segment(self, index: int) -> None:
+        """Tell the launcher that audit segment `index` is about to run (rank 0 only). Called by the launcher."""
+        if self.is_main:
+            self._send(SegmentStart(index))
+
+    def finish(self) -> None:
+        """End training: check the ranks hold one model, and send rank 0's final fingerprint and step count.
+
+        Called by the launcher after train(ctx) returns, not by the training code.
+        """
+        self._check_replicas_equal()
+        if self.is_main:
+            self._send(Final(fingerprint(self._model) if self._model is not None else None, self._global_step))
+
     def _send(self, message: Message | None) -> None:
         if self._channel is not None and message is not None:
             self._channel.send(message)
@@ -389,11 +403,6 @@ class Context:
         self._next_fingerprint = int(state["extra"]["next_fingerprint"])
         self._resume = (position, state["rng"])
         return position.epoch
-
-    def _finish(self) -> None:
-        self._check_replicas_equal()
-        if self.is_main:
-            self._send(Final(fingerprint(self._model) if self._model is not None else None, self._global_step))
 
     def _check_replicas_equal(self) -> None:
         """Data parallelism promises one model: ranks whose parameters differ at the end trained apart."""

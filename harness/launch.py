@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from harness.errors import HarnessError, Interrupted, RunFailed
-from harness.messages import Determinism, Message, SegmentStart
+from harness.messages import Determinism, Message
 
 MASTER_ADDR = "127.0.0.1"
 _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
@@ -217,10 +217,10 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
         for index, plan in enumerate(spec.segments or [spec.checkpoints]):
             ctx = make_context(plan)
             if spec.segments:
-                ctx._send(SegmentStart(index))
+                ctx.announce_segment(index)
             try:
                 fn(ctx)
-                ctx._finish()
+                ctx.finish()
             except StopSegment:  # an audit segment ended: every rank stops at the same step
                 pass
         dist.destroy_process_group()

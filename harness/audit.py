@@ -89,7 +89,7 @@ def audit(
 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
-    if run.status != "FINISHED":
+    if run.status != T.FINISHED:
         raise HarnessError(f"run {run_id} is {run.status}; only a FINISHED run has an end to verify. Resume it first.")
     record = tracker.load_record(run_id)
     chain = segments_of(record.checkpoints, record.final_fingerprint, record.steps_total)
@@ -219,7 +219,7 @@ def _record(tracker: Tracker, run, result: AuditResult) -> str:
 
     tags = {
         T.VERSION: run.tags[T.VERSION],
-        T.KIND: "audit",
+        T.KIND: T.KIND_AUDIT,
         T.AUDIT_OF: run.run_id,
         T.MLFLOW_PARENT_RUN_ID: run.run_id,
         T.VERDICT: result.verdict,
@@ -236,7 +236,7 @@ def _record(tracker: Tracker, run, result: AuditResult) -> str:
            "segments": [asdict(s) for s in result.drawn], "step_fraction": result.step_fraction,
            "catch_probability": result.catch_probability}
     tracker.log_text(audit_id, json.dumps(doc, indent=2), T.ARTIFACT_AUDIT_JSON)
-    tracker.end_run(audit_id, "FINISHED")
+    tracker.end_run(audit_id, T.FINISHED)
     return audit_id
 
 

@@ -28,8 +28,6 @@ KIND_EXTRA_METRIC = "extra_metric"  # the metric exists in the replay only
 KIND_FINGERPRINT = "fingerprint"
 KIND_REPLAY_FAILED = "replay_failed"
 
-FINISHED = "FINISHED"
-
 # Tags that describe the run's role or outcome rather than the conditions it ran under;
 # they differ between an original and its replay by construction.
 IGNORED_TAGS: frozenset[str] = frozenset(
@@ -675,7 +673,7 @@ def compare_runs(
     fps = _compare_fingerprints(original, replay, incomplete_original)
 
     failure = replay_failed
-    if failure is None and replay.status != FINISHED:
+    if failure is None and replay.status != tags.FINISHED:
         reason = replay.facts.get(tags.STATUS_REASON)
         failure = f"{labels[1]} status {replay.status}" + (f" ({reason})" if reason else "")
     failed_alike = bool(

@@ -129,16 +129,16 @@ def run_in_container(
     status = tracker.get_run(run_id).status
     if interrupted:
         signum = interrupted[0]
-        if status == "RUNNING":
-            tracker.end_run(run_id, "KILLED")
-            status = "KILLED"
+        if status == T.RUNNING:
+            tracker.end_run(run_id, T.KILLED)
+            status = T.KILLED
         return status, 128 + signum, str(Interrupted(signum))
-    if status == "RUNNING":  # the container died without ending the run (OOM kill, engine error)
+    if status == T.RUNNING:  # the container died without ending the run (OOM kill, engine error)
         reason = f"container exited with code {code} before the run ended"
         tracker.set_tags(run_id, {T.STATUS_REASON: reason})
-        tracker.end_run(run_id, "FAILED")
-        return "FAILED", EXIT_FAILED, reason
-    if status == "FINISHED" and code == 0:
+        tracker.end_run(run_id, T.FAILED)
+        return T.FAILED, EXIT_FAILED, reason
+    if status == T.FINISHED and code == EXIT_OK:
         return status, EXIT_OK, ""
     reason = tracker.get_run(run_id).tags.get(T.STATUS_REASON, f"container exited with code {code}")
     return status, code if code else EXIT_FAILED, reason

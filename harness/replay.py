@@ -53,8 +53,7 @@ def apply_changes(
     return new, changes
 
 
-_INCOMPLETE = ("FAILED", "KILLED")
-_DERIVED_OF = {"replay": T.REPLAY_OF, "audit": T.AUDIT_OF}  # kind -> tag naming the run it was made from
+_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}  # kind -> tag naming the run it was made from
 
 
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
@@ -74,7 +73,7 @@ def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
 def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
     """Refuse a run whose record is not complete: there is no end to judge a replay against."""
     rid = run.run_id
-    if run.status == liveness.RUNNING:
+    if run.status == T.RUNNING:
         now = time.time()
         if liveness.is_stale(run.tags, now):
             raise HarnessError(
@@ -85,7 +84,7 @@ def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
         raise HarnessError(
             f"run {rid} is still RUNNING; its record is not complete. Wait until it ends, then replay it."
         )
-    if run.status in _INCOMPLETE and not allow_incomplete:
+    if run.status in T.INCOMPLETE and not allow_incomplete:
         try:  # the flattened config is in the params; a resume needs checkpoints
             checkpointed = int(run.params.get("checkpoint_every", "0")) > 0
         except ValueError:
@@ -151,7 +150,7 @@ def replay(
         original = follow_original(tracker, original)
         run_id = original.run_id
     check_replayable(original, allow_incomplete)
-    incomplete = original.status in _INCOMPLETE
+    incomplete = original.status in T.INCOMPLETE
     cfg, changes = apply_changes(runner.recorded_config(tracker, original), world_size, overrides or [], allow_changes)
     if executor is not None and executor != cfg.executor.value:
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
@@ -183,7 +182,7 @@ def replay(
         # was recorded: its untracked files are not refused a second time.
         git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
         extra = {
-            T.KIND: "replay",
+            T.KIND: T.KIND_REPLAY,
             T.REPLAY_OF: run_id,
             T.MLFLOW_PARENT_RUN_ID: run_id,
         }
@@ -217,7 +216,7 @@ def judge(
 ) -> Comparison:
     a, b = tracker.load_record(original_id), tracker.load_record(replay_id)
     failed = None
-    if outcome is not None and outcome.status != "FINISHED":
+    if outcome is not None and outcome.status != T.FINISHED:
         failed = f"the replay {outcome.status}: {outcome.message}"
     return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed, incomplete_original=incomplete)
 
@@ -241,5 +240,5 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None) -> Comparis
     """Delta and verdict between two existing runs, judged by run A's tolerance; nothing is rerun."""
     tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
     a, b = tracker.load_record(run_a), tracker.load_record(run_b)
-    failed = None if b.status == "FINISHED" else f"run {run_b} is {b.status}"
+    failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
     return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)

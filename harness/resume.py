@@ -19,11 +19,11 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
-    if run.status not in ("FAILED", "KILLED"):
+    if run.status not in T.INCOMPLETE:
         hint = (
             " If its launcher itself was SIGKILLed, nothing could mark it; check no rank still runs, then "
             "mark it: `mlflow runs` or MlflowClient().set_terminated(id, 'FAILED')."
-            if run.status == "RUNNING" else ""
+            if run.status == T.RUNNING else ""
         )
         raise HarnessError(f"run {run_id} is {run.status}; only FAILED or KILLED runs are resumed.{hint}")
     cfg = runner.recorded_config(tracker, run)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from harness import __version__
 from harness import tags as T
 from harness.config import flatten, split_entry, to_container, to_yaml
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
+from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, HarnessError, Interrupted, RunFailed
 from harness.gitsource import GitState
 from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, Total
 from harness.container import ENV_DIGEST
@@ -82,7 +82,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
     source = f"{rel}/{split_entry(cfg.entry)[0]}"
     tags: dict[str, str] = {
         T.VERSION: __version__,
-        T.KIND: "run",
+        T.KIND: T.KIND_RUN,
         T.EXPERIMENT_PATH: rel,
         T.ENTRY: str(cfg.entry),
         T.GIT_COMMIT: git.commit,
@@ -130,7 +130,7 @@ def create_record(
         if git.dirty:
             tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
     except BaseException:
-        tracker.end_run(run_id, "FAILED")
+        tracker.end_run(run_id, T.FAILED)
         raise
     return run_id
 
@@ -199,7 +199,7 @@ def execute(
         prior = tracker.load_record(run_id)
         fingerprints = {k: v for k, v in prior.fingerprints.items() if k < resume_step}
         final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
-    status, code, message = "FAILED", EXIT_FAILED, ""
+    status, code, message = T.FAILED, EXIT_FAILED, ""
     try:
         device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
         facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
@@ -240,7 +240,7 @@ def execute(
 
         try:
             launch(spec, on_message)
-            status, code = "FINISHED", EXIT_OK
+            status, code = T.FINISHED, EXIT_OK
         except RunFailed as err:
             rank, tb, expected = failure_details(err)
             failure_text = "" if expected else tb
@@ -248,10 +248,10 @@ def execute(
             tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
             tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
         except Interrupted as err:
-            status, code, message = "KILLED", err.exit_code, str(err)
+            status, code, message = T.KILLED, err.exit_code, str(err)
             tracker.set_tags(run_id, {T.STATUS_REASON: message})
     except KeyboardInterrupt:
-        status, code, message = "KILLED", 130, "interrupted by SIGINT"
+        status, code, message = T.KILLED, EXIT_SIGINT, "interrupted by SIGINT"
     except BaseException as err:
         message = str(err)
         tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
@@ -271,7 +271,7 @@ def execute(
                     save_series(writer.series, work / "series.npz")
                 logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
                 _record_results(tracker, run_id, fingerprints, final, work, logs)
-                if status == "FINISHED":
+                if status == T.FINISHED:
                     _warn_if_vacuous(tracker, run_id, writer, final)
             finally:
                 tracker.end_run(run_id, status)
@@ -445,6 +445,6 @@ def execute_recorded(
     """Inside the container: run an already recorded run from its stored config."""
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
-    if run.status != "RUNNING":
+    if run.status != T.RUNNING:
         raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
     return execute(tracker, run_id, recorded_config(tracker, run), code_dir, resume_step=resume_step)

@@ -228,7 +228,7 @@ class Tracker:
     @_store_call
     def reopen(self, run_id: str) -> None:
         """Mark an ended run RUNNING again (a resume continues it)."""
-        self.client.update_run(run_id, status="RUNNING")
+        self.client.update_run(run_id, status=T.RUNNING)
 
     @_store_call
     def end_run(self, run_id: str, status: str) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 from harness import tags
 from harness.configdelta import ConfigChange, config_delta
 from harness.errors import EXIT_FAILED, EXIT_OK
+from harness.tracking import RunRecord
 
 BITWISE = "BITWISE"
 WITHIN_TOLERANCE = "WITHIN_TOLERANCE"
@@ -119,25 +120,6 @@ _BREAKING_PACKAGES: frozenset[str] = frozenset({"torch", "triton", "mkl", "intel
 _BREAKING_PACKAGE_PREFIXES: tuple[str, ...] = ("nvidia-",)
 
 _UNKNOWN_DIGEST = "unknown"
-
-
-@dataclass
-class RunRecord:
-    """Everything harness stored for one run, as the comparison needs it."""
-
-    run_id: str
-    experiment: str
-    status: str
-    facts: dict[str, str]
-    lock: list[str]
-    metrics: dict[str, tuple[np.ndarray, np.ndarray]]
-    fingerprints: dict[int, str]
-    final_fingerprint: str | None
-    config: dict
-    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
-    steps_total: int | None = None  # training steps the run completed
-    # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
-    metrics_exact: bool = True
 
 
 @dataclass

@@ -16,10 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import gitsource, liveness, runner
 from harness import tags as T
-from harness.compare import Comparison, RunRecord, compare_runs, default_tolerance
+from harness.compare import Comparison, compare_runs, default_tolerance
 from harness.config import compose, parse_overrides, validate
 from harness.errors import HarnessError
-from harness.tracking import RunSummary, Tracker
+from harness.tracking import RunRecord, RunSummary, Tracker
 
 
 @dataclass

@@ -11,12 +11,12 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
-    from harness.compare import RunRecord
+    import numpy as np
 
 from harness import tags as T
 from harness.errors import HarnessError
@@ -121,6 +121,25 @@ class RunSummary:
     params: dict[str, str]
     metric_keys: list[str]
     artifact_uri: str
+
+
+@dataclass
+class RunRecord:
+    """Everything harness stored for one run, as the comparison needs it."""
+
+    run_id: str
+    experiment: str
+    status: str
+    facts: dict[str, str]
+    lock: list[str]
+    metrics: dict[str, tuple[np.ndarray, np.ndarray]]
+    fingerprints: dict[int, str]
+    final_fingerprint: str | None
+    config: dict
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
+    steps_total: int | None = None  # training steps the run completed
+    # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
+    metrics_exact: bool = True
 
 
 def _summary(run: Any, experiment: str) -> RunSummary:
@@ -308,12 +327,10 @@ class Tracker:
         return steps, [by_step[s][1] for s in steps]
 
     @_store_call
-    def load_record(self, run_id: str) -> "RunRecord":
+    def load_record(self, run_id: str) -> RunRecord:
         """Everything the comparison needs about one harness run."""
         import numpy as np
         from omegaconf import OmegaConf
-
-        from harness.compare import RunRecord
 
         run = self.harness_run(run_id)
         exact = True

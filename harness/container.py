@@ -14,6 +14,7 @@ from typing import Any
 from harness import docker
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
+from harness.store import artifact_path, database_file
 from harness.tracking import Tracker
 
 WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted
@@ -73,13 +74,12 @@ def image_tags(image: PinnedImage) -> dict[str, str]:
 def _store_mounts(tracker: Tracker, run_id: str) -> list[tuple[Path, str]]:
     """Local store paths the container must see at the same absolute paths (URIs stay valid)."""
     paths: list[Path] = []
-    if tracker.uri.startswith("sqlite:///"):
-        paths.append(Path(tracker.uri[len("sqlite:///"):]).parent)
-    artifact_uri = tracker.get_run(run_id).artifact_uri
-    if artifact_uri.startswith("file://"):
-        paths.append(Path(artifact_uri[len("file://"):]).parent.parent)  # the experiment's artifact folder
-    elif artifact_uri.startswith("/"):
-        paths.append(Path(artifact_uri).parent.parent)
+    db = database_file(tracker.uri)
+    if db is not None:
+        paths.append(db.parent)
+    artifacts = artifact_path(tracker.get_run(run_id).artifact_uri)
+    if artifacts is not None:
+        paths.append(artifacts.parent.parent)  # the experiment's artifact folder
     unique: list[Path] = []
     for p in paths:
         if not any(p == u or u in p.parents for u in unique):

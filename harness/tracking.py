@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_root, display_uri, probe_store, reason_of, schema_error,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, probe_store, reason_of, schema_error,
     store_timeout,
 )
 
@@ -256,10 +256,9 @@ class Tracker:
     def local_artifact_dir(self, run_id: str) -> Path:
         """The run's artifact folder on this machine (checkpoints are written straight into it)."""
         uri = self.get_run(run_id).artifact_uri
-        if uri.startswith("file://"):
-            return Path(uri[len("file://"):])
-        if uri.startswith("/"):
-            return Path(uri)
+        path = artifact_path(uri)
+        if path is not None:
+            return path
         raise HarnessError(
             f"checkpoints need a local artifact store, but run {run_id} stores artifacts at {uri}. "
             "Use a file:// artifact root (the default SQLite store has one), or set checkpoint_every: 0."

@@ -22,10 +22,9 @@ from pathlib import Path
 from harness import checkpoint, runner
 from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
-from harness.config import validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
 from harness.messages import Final, Message, Metrics, SegmentEnd, SegmentStart
-from harness.replay import checkout
+from harness.recorded import RecordedRun
 from harness.tracking import Tracker
 
 
@@ -108,11 +107,11 @@ def audit(
         f"P(catching one bad segment) = {segments}/{len(chain)} = {segments / len(chain):.2f}",
         file=sys.stderr,
     )
-    cfg = runner.recorded_config(tracker, run)
+    recorded = RecordedRun.load(tracker, run)
+    cfg = recorded.cfg
     directory = tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS
     device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
-    with checkout(tracker, run, repo) as (_, exp_dir):
-        validate(cfg, exp_dir)
+    with recorded.code(repo) as (_, exp_dir):
         pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
         while pending:
             # All pending segments in one launch; a segment that crashes its ranks fails alone.

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,6 +16,7 @@ from harness import tags as T
 from harness.compare import Comparison, compare_runs, default_tolerance
 from harness.config import compose, parse_overrides, validate
 from harness.errors import HarnessError
+from harness.recorded import RecordedRun
 from harness.tracking import RunRecord, RunSummary, Tracker
 
 
@@ -96,38 +94,6 @@ def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
         )
 
 
-@contextlib.contextmanager
-def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
-    """The run's recorded code (commit + patch) in a temporary worktree; yields (worktree, experiment folder).
-
-    The user's working tree and index are never touched.
-    """
-    commit = run.tags[T.GIT_COMMIT]
-    root = Path(gitsource.open_repo(repo or Path.cwd()).working_tree_dir)
-    if not gitsource.has_commit(root, commit):
-        url = run.tags.get(T.GIT_REPO_URL)
-        source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
-        raise HarnessError(
-            f"commit {commit[:12]} of run {run.run_id} is not in the repository at {root}. "
-            f"Fetch it ({source}) or run this inside a clone that has it."
-        )
-    patch = None
-    if run.tags.get(T.GIT_DIRTY) == "true":
-        patch = tracker.read_bytes(run.run_id, T.ARTIFACT_PATCH)
-        if patch is None:
-            raise HarnessError(f"run {run.run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
-        expected = run.tags.get(T.GIT_PATCH_SHA256, "(no tag)")
-        got = hashlib.sha256(patch).hexdigest()
-        if got != expected:
-            raise HarnessError(
-                f"the recorded patch of run {run.run_id} was altered ({T.ARTIFACT_PATCH}: sha256 expected "
-                f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a "
-                "backup of the store, or replay another run."
-            )
-    with gitsource.worktree(root, commit, patch) as tree:
-        yield tree, tree / run.tags[T.EXPERIMENT_PATH]
-
-
 def replay(
     run_id: str,
     *,
@@ -151,14 +117,15 @@ def replay(
         run_id = original.run_id
     check_replayable(original, allow_incomplete)
     incomplete = original.status in T.INCOMPLETE
-    cfg, changes = apply_changes(runner.recorded_config(tracker, original), world_size, overrides or [], allow_changes)
+    recorded = RecordedRun.load(tracker, original)
+    cfg, changes = apply_changes(recorded.cfg, world_size, overrides or [], allow_changes)
     if executor is not None and executor != cfg.executor.value:
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
         changes.append(f"executor={executor}")
+    recorded.cfg = cfg
 
-    with checkout(tracker, original, repo) as (tree, exp_dir):
-        validate(cfg, exp_dir)  # the entry must exist in the recorded code
+    with recorded.code(repo) as (tree, exp_dir):
         pinned = None
         if cfg.executor == Executor.docker:
             digest = original.tags.get(T.IMAGE_DIGEST, "unknown")

@@ -29,7 +29,8 @@ def naive(client, run_id: str, steps: int) -> float:
 
 def harness_path(tracker, run_id: str, steps: int) -> tuple[float, float]:
     """Per-call cost inside the loop, and the one-off cost of the final flush."""
-    from harness.context import MSG_METRICS, Context
+    from harness.context import Context
+    from harness.messages import Metrics
 
     reader, writer_end = mp.Pipe(duplex=False)
     metrics = tracker.metric_writer(run_id, flush_interval_s=2.0)
@@ -40,8 +41,9 @@ def harness_path(tracker, run_id: str, steps: int) -> tuple[float, float]:
                 msg = reader.recv()
             except EOFError:
                 return
-            if msg[0] == MSG_METRICS:
-                metrics.add(msg[1], msg[2], msg[3])
+            match msg:
+                case Metrics(step, values, unix_ms):
+                    metrics.add(step, values, unix_ms)
 
     thread = threading.Thread(target=drain, daemon=True)
     thread.start()

@@ -22,9 +22,9 @@ from pathlib import Path
 from harness import checkpoint, runner
 from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
-from harness.config import validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
-from harness.replay import checkout
+from harness.messages import Final, Message, Metrics, SegmentEnd, SegmentStart
+from harness.recorded import RecordedRun
 from harness.tracking import Tracker
 
 
@@ -88,7 +88,7 @@ def audit(
 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
-    if run.status != "FINISHED":
+    if run.status != T.FINISHED:
         raise HarnessError(f"run {run_id} is {run.status}; only a FINISHED run has an end to verify. Resume it first.")
     record = tracker.load_record(run_id)
     chain = segments_of(record.checkpoints, record.final_fingerprint, record.steps_total)
@@ -107,11 +107,11 @@ def audit(
         f"P(catching one bad segment) = {segments}/{len(chain)} = {segments / len(chain):.2f}",
         file=sys.stderr,
     )
-    cfg = runner.recorded_config(tracker, run)
+    recorded = RecordedRun.load(tracker, run)
+    cfg = recorded.cfg
     directory = tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS
     device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
-    with checkout(tracker, run, repo) as (_, exp_dir):
-        validate(cfg, exp_dir)
+    with recorded.code(repo) as (_, exp_dir):
         pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
         while pending:
             # All pending segments in one launch; a segment that crashes its ranks fails alone.
@@ -147,7 +147,7 @@ def _run_segments(
     segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, device: str, backend: str
 ) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
-    from harness.context import MSG_FINAL, MSG_METRICS, MSG_SEGMENT_END, MSG_SEGMENT_START, CheckpointPlan
+    from harness.context import CheckpointPlan
     from harness.launch import launch
 
     plans = [
@@ -163,17 +163,18 @@ def _run_segments(
     logged: dict[int, dict[tuple[str, int], float]] = {}
     started: dict[int, float] = {}
 
-    def on_message(msg: tuple) -> None:
-        if msg[0] == MSG_SEGMENT_START:
-            current.append(msg[1])
-            started[msg[1]] = time.monotonic()
-        elif msg[0] == MSG_METRICS:
-            for key, value in msg[2].items():
-                logged.setdefault(current[-1], {})[(key, msg[1])] = value
-        elif msg[0] == MSG_SEGMENT_END:
-            ends[current[-1]] = (msg[1], msg[2])
-        elif msg[0] == MSG_FINAL:
-            ends[current[-1]] = (msg[2], msg[1])
+    def on_message(msg: Message) -> None:
+        match msg:
+            case SegmentStart(index):
+                current.append(index)
+                started[index] = time.monotonic()
+            case Metrics(step, values):
+                for key, value in values.items():
+                    logged.setdefault(current[-1], {})[(key, step)] = value
+            case SegmentEnd(step, sha256):
+                ends[current[-1]] = (step, sha256)
+            case Final(sha256, steps):
+                ends[current[-1]] = (steps, sha256)
 
     leftover: list[Segment] = []
     try:
@@ -217,7 +218,7 @@ def _record(tracker: Tracker, run, result: AuditResult) -> str:
 
     tags = {
         T.VERSION: run.tags[T.VERSION],
-        T.KIND: "audit",
+        T.KIND: T.KIND_AUDIT,
         T.AUDIT_OF: run.run_id,
         T.MLFLOW_PARENT_RUN_ID: run.run_id,
         T.VERDICT: result.verdict,
@@ -234,7 +235,7 @@ def _record(tracker: Tracker, run, result: AuditResult) -> str:
            "segments": [asdict(s) for s in result.drawn], "step_fraction": result.step_fraction,
            "catch_probability": result.catch_probability}
     tracker.log_text(audit_id, json.dumps(doc, indent=2), T.ARTIFACT_AUDIT_JSON)
-    tracker.end_run(audit_id, "FINISHED")
+    tracker.end_run(audit_id, T.FINISHED)
     return audit_id
 
 

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import click
 
-from harness.errors import HarnessError
+from harness import tags as T
+from harness.errors import EXIT_SIGINT, HarnessError
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
 
@@ -314,7 +315,7 @@ def ui(host: str, port: int, tracking_uri: str | None) -> None:
             server.wait(timeout=10)
         except subprocess.TimeoutExpired:
             server.kill()
-        sys.exit(130)
+        sys.exit(EXIT_SIGINT)
 
 
 @main.command()
@@ -336,7 +337,7 @@ def runs(experiment: str | None, limit: int, tracking_uri: str | None) -> None:
 
 @main.command()
 @click.argument("run_id")
-@click.option("--status", "status", type=click.Choice(["FAILED", "KILLED"]), required=True,
+@click.option("--status", "status", type=click.Choice(list(T.INCOMPLETE)), required=True,
               help="How to close the run.")
 @click.option("--force", is_flag=True, help="Close a run that has no heartbeat tags (nothing shows it is alive).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)

@@ -11,6 +11,7 @@ import numpy as np
 from harness import tags
 from harness.configdelta import ConfigChange, config_delta
 from harness.errors import EXIT_FAILED, EXIT_OK
+from harness.tracking import RunRecord
 
 BITWISE = "BITWISE"
 WITHIN_TOLERANCE = "WITHIN_TOLERANCE"
@@ -27,8 +28,6 @@ KIND_MISSING_METRIC = "missing_metric"  # the metric exists in the original only
 KIND_EXTRA_METRIC = "extra_metric"  # the metric exists in the replay only
 KIND_FINGERPRINT = "fingerprint"
 KIND_REPLAY_FAILED = "replay_failed"
-
-FINISHED = "FINISHED"
 
 # Tags that describe the run's role or outcome rather than the conditions it ran under;
 # they differ between an original and its replay by construction.
@@ -121,25 +120,6 @@ _BREAKING_PACKAGES: frozenset[str] = frozenset({"torch", "triton", "mkl", "intel
 _BREAKING_PACKAGE_PREFIXES: tuple[str, ...] = ("nvidia-",)
 
 _UNKNOWN_DIGEST = "unknown"
-
-
-@dataclass
-class RunRecord:
-    """Everything harness stored for one run, as the comparison needs it."""
-
-    run_id: str
-    experiment: str
-    status: str
-    facts: dict[str, str]
-    lock: list[str]
-    metrics: dict[str, tuple[np.ndarray, np.ndarray]]
-    fingerprints: dict[int, str]
-    final_fingerprint: str | None
-    config: dict
-    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
-    steps_total: int | None = None  # training steps the run completed
-    # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
-    metrics_exact: bool = True
 
 
 @dataclass
@@ -675,7 +655,7 @@ def compare_runs(
     fps = _compare_fingerprints(original, replay, incomplete_original)
 
     failure = replay_failed
-    if failure is None and replay.status != FINISHED:
+    if failure is None and replay.status != tags.FINISHED:
         reason = replay.facts.get(tags.STATUS_REASON)
         failure = f"{labels[1]} status {replay.status}" + (f" ({reason})" if reason else "")
     failed_alike = bool(

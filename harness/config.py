@@ -271,6 +271,26 @@ def load_experiment(
     return cfg
 
 
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def check_layout(shards: int, world_size: int) -> None:
+    """Refuse a shard count K and world size W for which ranks cannot own whole subtrees of the K-shard tree."""
+    if not is_power_of_two(shards):
+        up = 1 << max(shards - 1, 0).bit_length()
+        raise ConfigError(f"invariant shards={shards} is not a power of two. Use a power of two such as {up}.")
+    if not is_power_of_two(world_size):
+        raise ConfigError(
+            f"invariant mode needs a power-of-two world_size, got {world_size}. Use 1, 2, 4, ... up to shards={shards}."
+        )
+    if shards % world_size:
+        raise ConfigError(
+            f"invariant shards={shards} is not a multiple of world_size={world_size}. "
+            f"Raise shards to at least {world_size} or lower world_size to at most {shards}."
+        )
+
+
 def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
     """Checks the schema cannot express: required keys, ranges, the entry function exists."""
     if OmegaConf.is_missing(cfg, "image"):
@@ -298,8 +318,6 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
     if not cfg.flush_interval_s > 0:  # `not >`: NaN must fail too
         raise ConfigError(f"flush_interval_s must be > 0, got {cfg.flush_interval_s}.")
     if cfg.determinism.world_size_invariant:
-        from harness.invariant import check_layout
-
         check_layout(cfg.determinism.shards, cfg.world_size)
     if cfg.backend == Backend.nccl and cfg.device == Device.cpu:
         raise ConfigError("backend nccl needs device cuda (or auto); use backend gloo for cpu.")

@@ -14,6 +14,7 @@ from typing import Any
 from harness import docker
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
+from harness.store import artifact_path, database_file
 from harness.tracking import Tracker
 
 WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted
@@ -73,13 +74,12 @@ def image_tags(image: PinnedImage) -> dict[str, str]:
 def _store_mounts(tracker: Tracker, run_id: str) -> list[tuple[Path, str]]:
     """Local store paths the container must see at the same absolute paths (URIs stay valid)."""
     paths: list[Path] = []
-    if tracker.uri.startswith("sqlite:///"):
-        paths.append(Path(tracker.uri[len("sqlite:///"):]).parent)
-    artifact_uri = tracker.get_run(run_id).artifact_uri
-    if artifact_uri.startswith("file://"):
-        paths.append(Path(artifact_uri[len("file://"):]).parent.parent)  # the experiment's artifact folder
-    elif artifact_uri.startswith("/"):
-        paths.append(Path(artifact_uri).parent.parent)
+    db = database_file(tracker.uri)
+    if db is not None:
+        paths.append(db.parent)
+    artifacts = artifact_path(tracker.get_run(run_id).artifact_uri)
+    if artifacts is not None:
+        paths.append(artifacts.parent.parent)  # the experiment's artifact folder
     unique: list[Path] = []
     for p in paths:
         if not any(p == u or u in p.parents for u in unique):
@@ -129,16 +129,16 @@ def run_in_container(
     status = tracker.get_run(run_id).status
     if interrupted:
         signum = interrupted[0]
-        if status == "RUNNING":
-            tracker.end_run(run_id, "KILLED")
-            status = "KILLED"
+        if status == T.RUNNING:
+            tracker.end_run(run_id, T.KILLED)
+            status = T.KILLED
         return status, 128 + signum, str(Interrupted(signum))
-    if status == "RUNNING":  # the container died without ending the run (OOM kill, engine error)
+    if status == T.RUNNING:  # the container died without ending the run (OOM kill, engine error)
         reason = f"container exited with code {code} before the run ended"
         tracker.set_tags(run_id, {T.STATUS_REASON: reason})
-        tracker.end_run(run_id, "FAILED")
-        return "FAILED", EXIT_FAILED, reason
-    if status == "FINISHED" and code == 0:
+        tracker.end_run(run_id, T.FAILED)
+        return T.FAILED, EXIT_FAILED, reason
+    if status == T.FINISHED and code == EXIT_OK:
         return status, EXIT_OK, ""
     reason = tracker.get_run(run_id).tags.get(T.STATUS_REASON, f"container exited with code {code}")
     return status, code if code else EXIT_FAILED, reason

@@ -19,18 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from harness import checkpoint as ckpt
 from harness.errors import ExperimentError
 from harness.fingerprint import fingerprint
-
-# Messages rank 0 sends to the launcher, as tuples whose first item is one of these.
-MSG_METRICS = "metrics"  # (MSG_METRICS, step, {key: float}, unix_ms)
-MSG_FINGERPRINT = "fingerprint"  # (MSG_FINGERPRINT, step, sha256)
-MSG_FINAL = "final"  # (MSG_FINAL, sha256 or None, training steps done)
-MSG_INITIAL = "initial"  # (MSG_INITIAL, sha256 of the weights when the model was registered)
-MSG_DETERMINISM = "determinism"  # (MSG_DETERMINISM, {setting: value}, {ENV_VAR: value}) as in rank 0
-MSG_TOTAL = "total"  # (MSG_TOTAL, expected number of steps) for the progress bar
-MSG_CHECKPOINT = "checkpoint"  # (MSG_CHECKPOINT, step, sha256 of the weights saved)
-MSG_SEGMENT_END = "segment_end"  # (MSG_SEGMENT_END, step, sha256) when an audit segment stops
-MSG_SEGMENT_START = "segment_start"  # (MSG_SEGMENT_START, index) before an audit segment runs
-
+from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, Metrics, SegmentEnd, SegmentStart, Total
 
 @dataclass
 class CheckpointPlan:
@@ -149,12 +138,12 @@ class Context:
             broadcast_parameters(model)
             self._invariant_step = InvariantStep(self._shards, self.world_size, self.rank, self.seed)
             self._guard_gradients(model)
-            self._send((MSG_INITIAL, fingerprint(model)) if self.is_main else None)
+            self._send(Initial(fingerprint(model)) if self.is_main else None)
             return InvariantModule(model)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         wrapped = DDP(model, **ddp_kwargs)  # broadcasts rank 0's weights: the initial fingerprint comes after
-        self._send((MSG_INITIAL, fingerprint(model)) if self.is_main else None)
+        self._send(Initial(fingerprint(model)) if self.is_main else None)
         return wrapped
 
     def _guard_gradients(self, model: torch.nn.Module) -> None:
@@ -292,7 +281,7 @@ class Context:
         """range(n) that calls set_epoch on every sampler made by ctx.loader (reshuffles each epoch)."""
         per_epoch = steps_per_epoch or self._steps_per_epoch
         if per_epoch:
-            self._send((MSG_TOTAL, n * per_epoch))
+            self._send(Total(n * per_epoch))
         start = 0
         if self._plan is not None and self._plan.resume_step is not None:
             start = self._load_checkpoint(self._plan.resume_step)
@@ -312,16 +301,30 @@ class Context:
         self._last_step = step if self._last_step is None else max(self._last_step, step)
         if self._model is not None and step >= self._next_fingerprint:
             # Taken at the first log() of a step on or past each multiple of fingerprint_every.
-            self._send((MSG_FINGERPRINT, step, fingerprint(self._model)))
+            self._send(Fingerprint(step, fingerprint(self._model)))
             self._next_fingerprint = (step // self._every + 1) * self._every
-        self._send((MSG_METRICS, step, values, int(time.time() * 1000)))
+        self._send(Metrics(step, values, int(time.time() * 1000)))
 
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
 
-    # -- used by the launcher ---------------------------------------------------------------------
-    def _send(self, message: tuple | None) -> None:
+    # -- used by the launcher, not by the training code ------------------------------------------
+    def announce_segment(self, index: int) -> None:
+        """Tell the launcher that audit segment `index` is about to run (rank 0 only). Called by the launcher."""
+        if self.is_main:
+            self._send(SegmentStart(index))
+
+    def finish(self) -> None:
+        """End training: check the ranks hold one model, and send rank 0's final fingerprint and step count.
+
+        Called by the launcher after train(ctx) returns, not by the training code.
+        """
+        self._check_replicas_equal()
+        if self.is_main:
+            self._send(Final(fingerprint(self._model) if self._model is not None else None, self._global_step))
+
+    def _send(self, message: Message | None) -> None:
         if self._channel is not None and message is not None:
             self._channel.send(message)
 
@@ -357,7 +360,7 @@ class Context:
             # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
             self._maybe_checkpoint(epoch, i)
             if self._plan is not None and self._plan.stop_at is not None and step >= self._plan.stop_at:
-                self._send((MSG_SEGMENT_END, step, fingerprint(self._model) if self._model is not None else None))
+                self._send(SegmentEnd(step, fingerprint(self._model) if self._model is not None else None))
                 raise StopSegment()
             try:
                 batch = next(iterator)
@@ -385,7 +388,7 @@ class Context:
         self.barrier()  # every rank's file is on disk before the step is marked complete
         if self.is_main:
             ckpt.mark_complete(directory, step, self.world_size)
-            self._send((MSG_CHECKPOINT, step, state["fingerprint"]))
+            self._send(Checkpoint(step, state["fingerprint"]))
 
     def _load_checkpoint(self, step: int) -> int:
         """Restore model, optimizer, ... and the other loaders' generators; returns the epoch to start."""
@@ -400,11 +403,6 @@ class Context:
         self._next_fingerprint = int(state["extra"]["next_fingerprint"])
         self._resume = (position, state["rng"])
         return position.epoch
-
-    def _finish(self) -> None:
-        self._check_replicas_equal()
-        if self.is_main:
-            self._send((MSG_FINAL, fingerprint(self._model) if self._model is not None else None, self._global_step))
 
     def _check_replicas_equal(self) -> None:
         """Data parallelism promises one model: ranks whose parameters differ at the end trained apart."""

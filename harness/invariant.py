@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
+from harness.config import check_layout, is_power_of_two
 from harness.errors import ConfigError
 
 __all__ = [
@@ -37,26 +38,6 @@ _FP32_BYTES = 4
 # Below this size canonical_allreduce all-gathers. Measured on gloo over loopback: at 150 KiB one all-gather
 # is 2-7x faster than the 2*log2(W) point-to-point rounds (latency-bound); at 4 MiB and W=4 it is 2x slower.
 GATHER_BELOW_BYTES = 1 << 20
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def check_layout(shards: int, world_size: int) -> None:
-    """Refuse a shard count K and world size W for which ranks cannot own whole subtrees of the K-shard tree."""
-    if not _is_power_of_two(shards):
-        up = 1 << max(shards - 1, 0).bit_length()
-        raise ConfigError(f"invariant shards={shards} is not a power of two. Use a power of two such as {up}.")
-    if not _is_power_of_two(world_size):
-        raise ConfigError(
-            f"invariant mode needs a power-of-two world_size, got {world_size}. Use 1, 2, 4, ... up to shards={shards}."
-        )
-    if shards % world_size:
-        raise ConfigError(
-            f"invariant shards={shards} is not a multiple of world_size={world_size}. "
-            f"Raise shards to at least {world_size} or lower world_size to at most {shards}."
-        )
 
 
 def _derive(*words: int) -> int:
@@ -217,7 +198,7 @@ class KeyedDataset(Dataset):
 
 def tree_sum(parts: Sequence[Tensor]) -> Tensor:
     """Canonical pairwise tree: level by level, (0+1), (2+3), ... until one remains. len must be a power of two."""
-    if not _is_power_of_two(len(parts)):
+    if not is_power_of_two(len(parts)):
         raise ValueError(f"tree_sum needs a power-of-two number of parts, got {len(parts)}")
     level = list(parts)
     if len(level) == 1:
@@ -268,7 +249,7 @@ def canonical_allreduce(flat: Tensor, group: Any = None, *, gather_below_bytes: 
     world, rank = _group_size_rank(group)
     if world == 1:
         return flat
-    if not _is_power_of_two(world):
+    if not is_power_of_two(world):
         raise ValueError(f"canonical_allreduce needs a power-of-two world size, got {world}")
     if flat.dim() != 1:
         raise ValueError(f"canonical_allreduce takes a 1-D tensor, got shape {tuple(flat.shape)}")

@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from harness.errors import HarnessError, Interrupted, RunFailed
+from harness.messages import Determinism, Message
 
 MASTER_ADDR = "127.0.0.1"
 _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
@@ -167,7 +168,7 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
     from omegaconf import OmegaConf
 
     from harness.config import Level
-    from harness.context import MSG_DETERMINISM, MSG_SEGMENT_START, Context, StopSegment
+    from harness.context import Context, StopSegment
     from harness.determinism import seed_everything, set_determinism
     from harness.provenance import env_vars
 
@@ -212,14 +213,14 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
             )
 
         if channel is not None:
-            channel.send((MSG_DETERMINISM, settings, env_vars()))
+            channel.send(Determinism(settings, env_vars()))
         for index, plan in enumerate(spec.segments or [spec.checkpoints]):
             ctx = make_context(plan)
             if spec.segments:
-                ctx._send((MSG_SEGMENT_START, index))
+                ctx.announce_segment(index)
             try:
                 fn(ctx)
-                ctx._finish()
+                ctx.finish()
             except StopSegment:  # an audit segment ended: every rank stops at the same step
                 pass
         dist.destroy_process_group()
@@ -315,7 +316,7 @@ class _Terminate(BaseException):
     """Raised in the launcher's main thread by the SIGTERM handler."""
 
 
-def _read_channel(conn: Any, on_message: Callable[[tuple], None]) -> None:
+def _read_channel(conn: Any, on_message: Callable[[Message], None]) -> None:
     while True:
         try:
             message = conn.recv()
@@ -330,7 +331,7 @@ def _read_channel(conn: Any, on_message: Callable[[tuple], None]) -> None:
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error:\n", re.M)
 
 
-def launch(spec: LaunchSpec, on_message: Callable[[tuple], None]) -> None:
+def launch(spec: LaunchSpec, on_message: Callable[[Message], None]) -> None:
     """Run all ranks to completion. Raises RunFailed (a rank failed or made no progress) or Interrupted.
 
     `on_message` is called from a background thread with every message rank 0 sends.

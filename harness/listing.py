@@ -8,7 +8,7 @@ from collections import Counter
 
 from harness import tags as T
 from harness.compare import VERDICTS
-from harness.liveness import RUNNING, is_stale
+from harness.liveness import is_stale
 from harness.tracking import RunSummary, Tracker
 
 STALE = "STALE"
@@ -52,7 +52,7 @@ def replay_verdicts(tracker: Tracker, experiment: str | None) -> dict[str, str]:
 
 
 def status_of(run: RunSummary, now: float) -> str:
-    return STALE if run.status == RUNNING and is_stale(run.tags, now) else run.status
+    return STALE if run.status == T.RUNNING and is_stale(run.tags, now) else run.status
 
 
 def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = None) -> list[list[str]]:
@@ -64,7 +64,7 @@ def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = N
             commit += "+dirty"
         kind = r.tags.get(T.KIND, "-")
         # A replay or audit carries its own verdict; a run shows its replays' verdicts.
-        verdict = r.tags.get(T.VERDICT, "") if kind in ("replay", "audit") else verdicts.get(r.run_id, "")
+        verdict = r.tags.get(T.VERDICT, "") if kind in (T.KIND_REPLAY, T.KIND_AUDIT) else verdicts.get(r.run_id, "")
         out.append(
             [r.run_id, r.experiment, _when(r.start_time), status_of(r, now), kind, r.tags.get(T.WORLD_SIZE, "-"),
              commit, _digest(r.tags), verdict or "-"]

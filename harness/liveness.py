@@ -8,8 +8,6 @@ from typing import Mapping
 from harness import tags as T
 from harness.errors import HarnessError
 
-RUNNING = "RUNNING"
-MARKABLE = ("FAILED", "KILLED")
 
 
 def _float(tags: Mapping[str, str], name: str) -> float | None:
@@ -45,13 +43,13 @@ def mark(run_id: str, status: str, *, force: bool = False, tracking_uri: str | N
     """Close a RUNNING run whose launcher is gone as FAILED or KILLED; returns the reason recorded."""
     from harness.tracking import Tracker
 
-    if status not in MARKABLE:
-        raise HarnessError(f"--status must be one of {', '.join(MARKABLE)}, not '{status}'.")
+    if status not in T.INCOMPLETE:
+        raise HarnessError(f"--status must be one of {', '.join(T.INCOMPLETE)}, not '{status}'.")
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
-    if run.status != RUNNING:
+    if run.status != T.RUNNING:
         raise HarnessError(
-            f"run {run_id} is {run.status}, not {RUNNING}; only a RUNNING run can be marked. Nothing to do."
+            f"run {run_id} is {run.status}, not {T.RUNNING}; only a RUNNING run can be marked. Nothing to do."
         )
     now = time.time()
     age, interval = heartbeat_age(run.tags, now), heartbeat_interval(run.tags)

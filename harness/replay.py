@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
 from harness import gitsource, liveness, runner
 from harness import tags as T
-from harness.compare import Comparison, RunRecord, compare_runs, default_tolerance
+from harness.compare import Comparison, compare_runs, default_tolerance
 from harness.config import compose, parse_overrides, validate
 from harness.errors import HarnessError
-from harness.tracking import RunSummary, Tracker
+from harness.recorded import RecordedRun
+from harness.tracking import RunRecord, RunSummary, Tracker
 
 
 @dataclass
@@ -53,8 +51,7 @@ def apply_changes(
     return new, changes
 
 
-_INCOMPLETE = ("FAILED", "KILLED")
-_DERIVED_OF = {"replay": T.REPLAY_OF, "audit": T.AUDIT_OF}  # kind -> tag naming the run it was made from
+_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}  # kind -> tag naming the run it was made from
 
 
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
@@ -74,7 +71,7 @@ def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
 def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
     """Refuse a run whose record is not complete: there is no end to judge a replay against."""
     rid = run.run_id
-    if run.status == liveness.RUNNING:
+    if run.status == T.RUNNING:
         now = time.time()
         if liveness.is_stale(run.tags, now):
             raise HarnessError(
@@ -85,7 +82,7 @@ def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
         raise HarnessError(
             f"run {rid} is still RUNNING; its record is not complete. Wait until it ends, then replay it."
         )
-    if run.status in _INCOMPLETE and not allow_incomplete:
+    if run.status in T.INCOMPLETE and not allow_incomplete:
         try:  # the flattened config is in the params; a resume needs checkpoints
             checkpointed = int(run.params.get("checkpoint_every", "0")) > 0
         except ValueError:
@@ -95,38 +92,6 @@ def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
             f"run {rid} is {run.status}: it stopped before its end, so a full replay cannot be judged against it. "
             f"{resume} --allow-incomplete to replay it and compare only the steps it reached."
         )
-
-
-@contextlib.contextmanager
-def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
-    """The run's recorded code (commit + patch) in a temporary worktree; yields (worktree, experiment folder).
-
-    The user's working tree and index are never touched.
-    """
-    commit = run.tags[T.GIT_COMMIT]
-    root = Path(gitsource.open_repo(repo or Path.cwd()).working_tree_dir)
-    if not gitsource.has_commit(root, commit):
-        url = run.tags.get(T.GIT_REPO_URL)
-        source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
-        raise HarnessError(
-            f"commit {commit[:12]} of run {run.run_id} is not in the repository at {root}. "
-            f"Fetch it ({source}) or run this inside a clone that has it."
-        )
-    patch = None
-    if run.tags.get(T.GIT_DIRTY) == "true":
-        patch = tracker.read_bytes(run.run_id, T.ARTIFACT_PATCH)
-        if patch is None:
-            raise HarnessError(f"run {run.run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
-        expected = run.tags.get(T.GIT_PATCH_SHA256, "(no tag)")
-        got = hashlib.sha256(patch).hexdigest()
-        if got != expected:
-            raise HarnessError(
-                f"the recorded patch of run {run.run_id} was altered ({T.ARTIFACT_PATCH}: sha256 expected "
-                f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a "
-                "backup of the store, or replay another run."
-            )
-    with gitsource.worktree(root, commit, patch) as tree:
-        yield tree, tree / run.tags[T.EXPERIMENT_PATH]
 
 
 def replay(
@@ -151,15 +116,16 @@ def replay(
         original = follow_original(tracker, original)
         run_id = original.run_id
     check_replayable(original, allow_incomplete)
-    incomplete = original.status in _INCOMPLETE
-    cfg, changes = apply_changes(runner.recorded_config(tracker, original), world_size, overrides or [], allow_changes)
+    incomplete = original.status in T.INCOMPLETE
+    recorded = RecordedRun.load(tracker, original)
+    cfg, changes = apply_changes(recorded.cfg, world_size, overrides or [], allow_changes)
     if executor is not None and executor != cfg.executor.value:
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
         changes.append(f"executor={executor}")
+    recorded.cfg = cfg
 
-    with checkout(tracker, original, repo) as (tree, exp_dir):
-        validate(cfg, exp_dir)  # the entry must exist in the recorded code
+    with recorded.code(repo) as (tree, exp_dir):
         pinned = None
         if cfg.executor == Executor.docker:
             digest = original.tags.get(T.IMAGE_DIGEST, "unknown")
@@ -183,7 +149,7 @@ def replay(
         # was recorded: its untracked files are not refused a second time.
         git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
         extra = {
-            T.KIND: "replay",
+            T.KIND: T.KIND_REPLAY,
             T.REPLAY_OF: run_id,
             T.MLFLOW_PARENT_RUN_ID: run_id,
         }
@@ -217,7 +183,7 @@ def judge(
 ) -> Comparison:
     a, b = tracker.load_record(original_id), tracker.load_record(replay_id)
     failed = None
-    if outcome is not None and outcome.status != "FINISHED":
+    if outcome is not None and outcome.status != T.FINISHED:
         failed = f"the replay {outcome.status}: {outcome.message}"
     return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed, incomplete_original=incomplete)
 
@@ -241,5 +207,5 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None) -> Comparis
     """Delta and verdict between two existing runs, judged by run A's tolerance; nothing is rerun."""
     tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
     a, b = tracker.load_record(run_a), tracker.load_record(run_b)
-    failed = None if b.status == "FINISHED" else f"run {run_b} is {b.status}"
+    failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
     return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)

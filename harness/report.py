@@ -14,11 +14,11 @@ from harness.compare import (
     NOTHING_TO_COMPARE,
     Comparison,
     MetricStats,
-    RunRecord,
     fmt_value,
     as_series,
     fmt_short,
 )
+from harness.tracking import RunRecord
 
 _VERDICT_WORDS = {
     BITWISE: "bit-identical to the original",

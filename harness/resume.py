@@ -7,9 +7,9 @@ from pathlib import Path
 
 from harness import checkpoint, runner
 from harness import tags as T
-from harness.config import Executor, validate
+from harness.config import Executor
 from harness.errors import HarnessError
-from harness.replay import checkout
+from harness.recorded import RecordedRun
 from harness.tracking import Tracker
 
 
@@ -19,14 +19,15 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
-    if run.status not in ("FAILED", "KILLED"):
+    if run.status not in T.INCOMPLETE:
         hint = (
             " If its launcher itself was SIGKILLed, nothing could mark it; check no rank still runs, then "
             "mark it: `mlflow runs` or MlflowClient().set_terminated(id, 'FAILED')."
-            if run.status == "RUNNING" else ""
+            if run.status == T.RUNNING else ""
         )
         raise HarnessError(f"run {run_id} is {run.status}; only FAILED or KILLED runs are resumed.{hint}")
-    cfg = runner.recorded_config(tracker, run)
+    recorded = RecordedRun.load(tracker, run)
+    cfg = recorded.cfg
     directory = tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS
     step = checkpoint.latest_complete(directory, cfg.world_size)
     if step is None:
@@ -34,8 +35,7 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
             f"run {run_id} has no complete checkpoint in {directory} (checkpoint_every was 0, or it died "
             f"before the first). Rerun it instead: harness replay {run_id}"
         )
-    with checkout(tracker, run, repo) as (tree, exp_dir):
-        validate(cfg, exp_dir)
+    with recorded.code(repo) as (tree, exp_dir):
         if cfg.executor == Executor.docker:
             digest = run.tags[T.IMAGE_DIGEST]
             pinned = container.pin(run.tags[T.IMAGE], digest=digest)

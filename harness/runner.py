@@ -19,8 +19,9 @@ from omegaconf import DictConfig
 from harness import __version__
 from harness import tags as T
 from harness.config import flatten, split_entry, to_container, to_yaml
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
+from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, HarnessError, Interrupted, RunFailed
 from harness.gitsource import GitState
+from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, Total
 from harness.container import ENV_DIGEST
 from harness.tracking import RunSummary, Tracker, save_series
 
@@ -81,7 +82,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
     source = f"{rel}/{split_entry(cfg.entry)[0]}"
     tags: dict[str, str] = {
         T.VERSION: __version__,
-        T.KIND: "run",
+        T.KIND: T.KIND_RUN,
         T.EXPERIMENT_PATH: rel,
         T.ENTRY: str(cfg.entry),
         T.GIT_COMMIT: git.commit,
@@ -129,7 +130,7 @@ def create_record(
         if git.dirty:
             tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
     except BaseException:
-        tracker.end_run(run_id, "FAILED")
+        tracker.end_run(run_id, T.FAILED)
         raise
     return run_id
 
@@ -181,9 +182,6 @@ def execute(
     fingerprints already recorded are kept, and values re-logged identically are not written twice.
     """
     from harness.console import Console
-    from harness.context import (
-        MSG_CHECKPOINT, MSG_DETERMINISM, MSG_FINAL, MSG_FINGERPRINT, MSG_INITIAL, MSG_METRICS, MSG_TOTAL,
-    )
     from harness.launch import failure_details, launch, resolve_device
     from harness.provenance import package_lock, runtime_facts
 
@@ -201,7 +199,7 @@ def execute(
         prior = tracker.load_record(run_id)
         fingerprints = {k: v for k, v in prior.fingerprints.items() if k < resume_step}
         final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
-    status, code, message = "FAILED", EXIT_FAILED, ""
+    status, code, message = T.FAILED, EXIT_FAILED, ""
     try:
         device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
         facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
@@ -222,27 +220,27 @@ def execute(
             writer.prime(prior.metrics)
         console = Console(log_dir / "rank0.log", f"{experiment_name(code_dir)} x{cfg.world_size}")
 
-        def on_message(msg: tuple) -> None:
-            kind = msg[0]
-            if kind == MSG_METRICS:
-                writer.add(msg[1], msg[2], msg[3])
-                console.step(msg[1])
-            elif kind == MSG_FINGERPRINT:
-                fingerprints[msg[1]] = msg[2]
-            elif kind == MSG_FINAL:
-                final["fingerprint"], final["steps_total"] = msg[1], msg[2]
-            elif kind == MSG_INITIAL:
-                final["initial"] = msg[1]
-            elif kind == MSG_DETERMINISM:
-                final["determinism"], final["vars"] = msg[1], msg[2]
-            elif kind == MSG_TOTAL:
-                console.total(msg[1])
-            elif kind == MSG_CHECKPOINT:
-                final["checkpoints"][msg[1]] = msg[2]
+        def on_message(msg: Message) -> None:
+            match msg:
+                case Metrics(step, values, unix_ms):
+                    writer.add(step, values, unix_ms)
+                    console.step(step)
+                case Fingerprint(step, sha256):
+                    fingerprints[step] = sha256
+                case Final(sha256, steps):
+                    final["fingerprint"], final["steps_total"] = sha256, steps
+                case Initial(sha256):
+                    final["initial"] = sha256
+                case Determinism(settings, env):
+                    final["determinism"], final["vars"] = settings, env
+                case Total(steps):
+                    console.total(steps)
+                case Checkpoint(step, sha256):
+                    final["checkpoints"][step] = sha256
 
         try:
             launch(spec, on_message)
-            status, code = "FINISHED", EXIT_OK
+            status, code = T.FINISHED, EXIT_OK
         except RunFailed as err:
             rank, tb, expected = failure_details(err)
             failure_text = "" if expected else tb
@@ -250,10 +248,10 @@ def execute(
             tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
             tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
         except Interrupted as err:
-            status, code, message = "KILLED", err.exit_code, str(err)
+            status, code, message = T.KILLED, err.exit_code, str(err)
             tracker.set_tags(run_id, {T.STATUS_REASON: message})
     except KeyboardInterrupt:
-        status, code, message = "KILLED", 130, "interrupted by SIGINT"
+        status, code, message = T.KILLED, EXIT_SIGINT, "interrupted by SIGINT"
     except BaseException as err:
         message = str(err)
         tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
@@ -273,7 +271,7 @@ def execute(
                     save_series(writer.series, work / "series.npz")
                 logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
                 _record_results(tracker, run_id, fingerprints, final, work, logs)
-                if status == "FINISHED":
+                if status == T.FINISHED:
                     _warn_if_vacuous(tracker, run_id, writer, final)
             finally:
                 tracker.end_run(run_id, status)
@@ -447,6 +445,6 @@ def execute_recorded(
     """Inside the container: run an already recorded run from its stored config."""
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
-    if run.status != "RUNNING":
+    if run.status != T.RUNNING:
         raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
     return execute(tracker, run_id, recorded_config(tracker, run), code_dir, resume_step=resume_step)

@@ -37,9 +37,23 @@ def artifact_root(uri: str) -> str | None:
     return None
 
 
+def database_file(uri: str) -> Path | None:
+    """The database file of a local SQLite store's URI; None for an in-memory or any other store."""
+    return sqlite_path(uri) if uri.startswith("sqlite:///") else None
+
+
+def artifact_path(uri: str) -> Path | None:
+    """The local folder of a file:// or absolute-path artifact URI; None for a remote one."""
+    if uri.startswith("file://"):
+        return Path(uri[len("file://"):])
+    if uri.startswith("/"):
+        return Path(uri)
+    return None
+
+
 def local_paths(uri: str) -> list[Path]:
     """The files and folders of a local store (database, its journals, artifacts): never part of the code record."""
-    db = sqlite_path(uri) if uri.startswith("sqlite:///") else None
+    db = database_file(uri)
     if db is None:
         return []
     root = artifact_root(uri)

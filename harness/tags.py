@@ -1,4 +1,4 @@
-"""Every tag, param-prefix and artifact name harness writes to MLflow, in one place."""
+"""Every tag, param-prefix and artifact name harness writes to MLflow, and the run statuses and kinds, in one place."""
 
 from __future__ import annotations
 
@@ -11,10 +11,21 @@ MLFLOW_SOURCE_TYPE = "mlflow.source.type"
 MLFLOW_PARENT_RUN_ID = "mlflow.parentRunId"
 MLFLOW_RUN_NOTE = "mlflow.note.content"
 
+# MLflow run statuses harness sets and checks.
+RUNNING = "RUNNING"
+FINISHED = "FINISHED"
+FAILED = "FAILED"
+KILLED = "KILLED"
+# Ended before training did: replay needs --allow-incomplete, resume continues it, `harness mark` closes a stale run as one.
+INCOMPLETE = (FAILED, KILLED)
+
 PREFIX = "harness."
 # Marks a run as made by harness (replay refuses others); value = harness version.
 VERSION = "harness.version"
-KIND = "harness.kind"  # run | replay
+KIND = "harness.kind"  # KIND_RUN | KIND_REPLAY | KIND_AUDIT
+KIND_RUN = "run"
+KIND_REPLAY = "replay"
+KIND_AUDIT = "audit"
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
 

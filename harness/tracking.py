@@ -11,17 +11,17 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
-    from harness.compare import RunRecord
+    import numpy as np
 
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_root, display_uri, probe_store, reason_of, schema_error,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, probe_store, reason_of, schema_error,
     store_timeout,
 )
 
@@ -121,6 +121,25 @@ class RunSummary:
     params: dict[str, str]
     metric_keys: list[str]
     artifact_uri: str
+
+
+@dataclass
+class RunRecord:
+    """Everything harness stored for one run, as the comparison needs it."""
+
+    run_id: str
+    experiment: str
+    status: str
+    facts: dict[str, str]
+    lock: list[str]
+    metrics: dict[str, tuple[np.ndarray, np.ndarray]]
+    fingerprints: dict[int, str]
+    final_fingerprint: str | None
+    config: dict
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
+    steps_total: int | None = None  # training steps the run completed
+    # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
+    metrics_exact: bool = True
 
 
 def _summary(run: Any, experiment: str) -> RunSummary:
@@ -228,7 +247,7 @@ class Tracker:
     @_store_call
     def reopen(self, run_id: str) -> None:
         """Mark an ended run RUNNING again (a resume continues it)."""
-        self.client.update_run(run_id, status="RUNNING")
+        self.client.update_run(run_id, status=T.RUNNING)
 
     @_store_call
     def end_run(self, run_id: str, status: str) -> None:
@@ -237,10 +256,9 @@ class Tracker:
     def local_artifact_dir(self, run_id: str) -> Path:
         """The run's artifact folder on this machine (checkpoints are written straight into it)."""
         uri = self.get_run(run_id).artifact_uri
-        if uri.startswith("file://"):
-            return Path(uri[len("file://"):])
-        if uri.startswith("/"):
-            return Path(uri)
+        path = artifact_path(uri)
+        if path is not None:
+            return path
         raise HarnessError(
             f"checkpoints need a local artifact store, but run {run_id} stores artifacts at {uri}. "
             "Use a file:// artifact root (the default SQLite store has one), or set checkpoint_every: 0."
@@ -308,12 +326,10 @@ class Tracker:
         return steps, [by_step[s][1] for s in steps]
 
     @_store_call
-    def load_record(self, run_id: str) -> "RunRecord":
+    def load_record(self, run_id: str) -> RunRecord:
         """Everything the comparison needs about one harness run."""
         import numpy as np
         from omegaconf import OmegaConf
-
-        from harness.compare import RunRecord
 
         run = self.harness_run(run_id)
         exact = True

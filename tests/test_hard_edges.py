@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -318,6 +320,27 @@ def test_file_passed_as_experiment_and_missing_image(project: Project) -> None:
 
     shutil.rmtree(exp)
 
+
+def test_validating_an_invariant_config_does_not_import_torch(tmp_path: Path) -> None:
+    exp = tmp_path / "an experiment"
+    exp.mkdir()
+    (exp / "experiment.yaml").write_text(
+        "image: none\nentry: train.py:train\nworld_size: 2\ndeterminism:\n  world_size_invariant: true\n  shards: 4\n"
+    )
+    (exp / "train.py").write_text("def train(ctx):\n    pass\n")
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from harness.config import load_experiment\n"
+        "from harness.errors import ConfigError\n"
+        "load_experiment(Path(sys.argv[1]))\n"
+        "try:\n    load_experiment(Path(sys.argv[1]), ['determinism.shards=3'])\n"
+        "except ConfigError as err:\n    print(err)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(exp)], capture_output=True, text=True, check=True).stdout
+    assert "invariant shards=3 is not a power of two" in out
+    assert out.strip().endswith("[]")
 
 # -- fuzz: experiment.yaml contents and overrides never make harness print a traceback -------------------
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import checkpoint, runner
+from harness import checkpoint
 from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
@@ -148,6 +148,7 @@ def _run_segments(
 ) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
     from harness.context import CheckpointPlan
+    from harness.executors.local import launch_spec
     from harness.launch import launch
 
     plans = [
@@ -156,7 +157,7 @@ def _run_segments(
         for seg in segments
     ]
     work = Path(tempfile.mkdtemp(prefix="harness-audit-"))
-    spec = runner.launch_spec(cfg, exp_dir, device, backend, work / "logs")
+    spec = launch_spec(cfg, exp_dir, device, backend, work / "logs")
     spec.segments = plans
     current: list[int] = []
     ends: dict[int, tuple[int, str]] = {}

@@ -276,10 +276,12 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
-    """Run an already recorded run where this command runs (the docker executor's entry point)."""
+    """Run an already recorded run where this command runs (inside a container, or a Slurm job's task)."""
     from harness import runner
 
-    outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step)
+    from harness.executors.multinode import topology_from_env
+
+    outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
     if outcome.message:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)
     sys.exit(outcome.exit_code)

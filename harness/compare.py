@@ -47,6 +47,9 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.HEARTBEAT_S,
         tags.WEIGHTS_CHANGED,
         tags.INITIAL_FINGERPRINT,
+        # Which scheduler job and which rendezvous address: where it ran, never what decided it.
+        tags.SLURM_JOB_ID,
+        tags.MASTER,
     }
 )
 
@@ -89,6 +92,11 @@ _NOTES: dict[str, str] = {
     tags.IMAGE_DIGEST_REASON: "digest lookup differs",
     tags.EXECUTOR: "executor differs (see image and library versions)",
     tags.IN_IMAGE: "ran inside the pinned image in one run only",
+    tags.NNODES: "number of nodes differs (same world size and backend: the arithmetic is the same)",
+    tags.NPROC_PER_NODE: "ranks per node differ (same world size: the arithmetic is the same)",
+    tags.LAUNCHER: "launched differently (mp.spawn, Slurm or torchrun): the ranks run the same code",
+    tags.SLURM_NODELIST: "ran on other Slurm nodes",
+    tags.NODES_DIFFER: "which nodes' environments differ from node 0's changed",
     tags.ENV_PREFIX + "hostname": "different host",
     tags.ENV_PREFIX + "os": "operating system differs",
     tags.ENV_PREFIX + "gpu_driver": "GPU driver differs (usually harmless)",
@@ -379,6 +387,13 @@ def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str
         return False, "environment variable differs"
     if name in _NOTES:
         return False, _NOTES[name]
+    if name.startswith(tags.NODE_PREFIX):
+        node, _, fact = name[len(tags.NODE_PREFIX):].partition(".")
+        if a is None or b is None:
+            return False, f"node {node} exists in one run only"
+        if tags.ENV_PREFIX + fact in _BREAKING_FACTS:
+            return True, f"node {node}: " + _BREAKING_FACTS[tags.ENV_PREFIX + fact]
+        return False, f"node {node}: environment differs"
     if name.startswith(tags.ENV_PREFIX):
         return False, "environment differs"
     return False, "differs"

@@ -41,6 +41,7 @@ class Level(enum.Enum):
 class Executor(enum.Enum):
     local = "local"
     docker = "docker"
+    slurm = "slurm"
 
 
 @dataclass
@@ -81,6 +82,22 @@ class RecordConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """How `executor: slurm` asks for resources: one task per node, the node's ranks spawned inside it."""
+
+    nodes: int = 1
+    """Nodes to run on; world_size must be a multiple of it (world_size / nodes ranks per node)."""
+    partition: Optional[str] = None
+    time: Optional[str] = None
+    """Time limit as sbatch takes it (e.g. 01:00:00); none: the partition's default."""
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    """CPUs for each node's task; none: threads_per_rank x ranks per node."""
+    poll_s: float = 2.0
+    """How often the submitting process asks the scheduler whether the job still runs."""
+
+
+@dataclass
 class ExperimentConfig:
     image: str = MISSING
     """Container image the experiment is meant to run in: `name:tag` or `name@sha256:...`."""
@@ -104,7 +121,11 @@ class ExperimentConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (and at step 0); 0 disables. Needed by resume and audit."""
     executor: Executor = Executor.local
-    """local: ranks run on this machine; docker: inside the pinned image."""
+    """local: ranks run on this machine (or on several, one `harness run --nnodes` each); docker: inside the
+    pinned image; slurm: submitted as a batch job, one task per node."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    rendezvous_timeout_s: float = 300.0
+    """How long node 0 waits for the other nodes of a multi-node job to join before it gives up."""
     heartbeat_s: float = 30.0
     """How often the launcher marks the run alive in MLflow; `harness runs` calls a silent RUNNING run STALE."""
     timeout_s: float = 1800.0
@@ -275,6 +296,17 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def check_nodes(nnodes: int, world_size: int, what: str) -> None:
+    """A job of world_size ranks on nnodes nodes runs the same number of ranks on each."""
+    if nnodes < 1:
+        raise ConfigError(f"{what} must be >= 1, got {nnodes}.")
+    if world_size % nnodes:
+        raise ConfigError(
+            f"world_size {world_size} cannot be split evenly over {nnodes} nodes ({what}). "
+            f"Use a world_size that is a multiple of {nnodes}."
+        )
+
+
 def check_layout(shards: int, world_size: int) -> None:
     """Refuse a shard count K and world size W for which ranks cannot own whole subtrees of the K-shard tree."""
     if not is_power_of_two(shards):
@@ -304,7 +336,7 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
         raise ConfigError(f"world_size must be >= 1, got {cfg.world_size}.")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"seed must be within [0, 2**63-1] (0 to {MAX_SEED}), got {cfg.seed}.")
-    for name in ("heartbeat_s", "timeout_s"):
+    for name in ("heartbeat_s", "timeout_s", "rendezvous_timeout_s"):
         if not cfg[name] > 0:
             raise ConfigError(f"{name} must be > 0 seconds, got {cfg[name]}.")
     if not cfg.record.max_untracked_mib >= 0:
@@ -328,6 +360,13 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
         )
     if is_no_image(str(cfg.image)) and cfg.executor == Executor.docker:
         raise ConfigError("executor docker needs an image, but image is none. Pin one (name:tag or name@sha256:...).")
+    check_nodes(cfg.slurm.nodes, cfg.world_size, "slurm.nodes (--nodes)")
+    if cfg.slurm.gpus_per_node < 0:
+        raise ConfigError(f"slurm.gpus_per_node must be >= 0, got {cfg.slurm.gpus_per_node}.")
+    if cfg.slurm.cpus_per_task is not None and cfg.slurm.cpus_per_task < 1:
+        raise ConfigError(f"slurm.cpus_per_task must be >= 1, got {cfg.slurm.cpus_per_task}.")
+    if not cfg.slurm.poll_s > 0:
+        raise ConfigError(f"slurm.poll_s must be > 0 seconds, got {cfg.slurm.poll_s}.")
     for name in ("default", *cfg.replay.tolerance.metrics.keys()):
         tol = cfg.replay.tolerance.default if name == "default" else cfg.replay.tolerance.metrics[name]
         if not (tol.rtol >= 0 and tol.atol >= 0):

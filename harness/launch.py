@@ -26,6 +26,7 @@ from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.messages import Determinism, Message
 
 MASTER_ADDR = "127.0.0.1"
+RANKS_PREFIX = "ranks/"  # the ranks' keys in the job's store; the launchers' own keys live beside them
 _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
 # The process group's own timeout is timeout_s plus this margin, so that the launcher's progress check,
 # which can name the silent rank, fires before a waiting rank's collective gives up with a peer error.
@@ -64,6 +65,19 @@ class LaunchSpec:
     output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts
     # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
     segments: list[Any] = field(default_factory=list)
+    # Topology: this launcher spawns `nproc` ranks (0: all of world_size), global ranks from
+    # node_rank * nproc. Every rank meets the others through the TCPStore at master_addr:port, which
+    # this launcher hosts on a single node, and node 0's launcher hosts across nodes.
+    node_rank: int = 0
+    nproc: int = 0
+    master_addr: str = MASTER_ADDR
+
+    @property
+    def local_ranks(self) -> int:
+        return self.nproc or self.world_size
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.local_ranks + local_rank
 
 
 def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str]:
@@ -103,26 +117,42 @@ def capacity_warning(device: str, world_size: int, threads_per_rank: int) -> str
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((MASTER_ADDR, 0))
-        return sock.getsockname()[1]
-
-
-def rank_env(spec: LaunchSpec, rank: int) -> dict[str, str]:
-    """The env:// rendezvous variables and the per-rank thread settings."""
+def rank_env(spec: LaunchSpec, local_rank: int) -> dict[str, str]:
+    """The standard rendezvous variables (user code may read them) and the per-rank thread settings."""
     env = {
-        "MASTER_ADDR": MASTER_ADDR,
+        "MASTER_ADDR": spec.master_addr,
         "MASTER_PORT": str(spec.port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        "RANK": str(spec.global_rank(local_rank)),
+        "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.local_ranks),
         "OMP_NUM_THREADS": str(spec.threads_per_rank),
     }
-    if spec.backend == "gloo":
-        env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    if spec.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo binds to the address the hostname resolves to unless told: on one node the loopback,
+        # across nodes the interface that reaches the master.
+        env["GLOO_SOCKET_IFNAME"] = "lo" if spec.master_addr == MASTER_ADDR else interface_to(spec.master_addr)
     env.update(spec.env)
     return env
+
+
+def interface_to(host: str) -> str:
+    """The name of this host's network interface that routes to `host` (no packet is sent)."""
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((host, 9))
+            address = sock.getsockname()[0]
+        except OSError as err:
+            raise HarnessError(f"no route from this host to the master {host}: {err}. Check --master-addr.") from err
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    raise HarnessError(
+        f"no interface of this host holds {address}, the address that reaches {host}. "
+        "Set GLOO_SOCKET_IFNAME to the interface the nodes talk over."
+    )
 
 
 def _die_with_parent() -> None:
@@ -145,13 +175,14 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
+def _worker(local_rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
     """One rank: rendezvous, seeds, determinism, then the experiment's entry function."""
     _die_with_parent()
+    rank = spec.global_rank(local_rank)
     # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _redirect_output(Path(spec.log_dir) / f"rank{rank}.log")
-    _beat(progress, rank, -1)
+    _beat(progress, local_rank, -1)
     import faulthandler
 
     # The launcher asks a silent rank where it is stuck: every thread's stack, into a file of its own
@@ -162,7 +193,7 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
     if rank != 0 and channel is not None:
         channel.close()
         channel = None
-    os.environ.update(rank_env(spec, rank))
+    os.environ.update(rank_env(spec, local_rank))
 
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -181,25 +212,28 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
         settings["shards"] = str(spec.invariant_shards or "none")
         seed_everything(spec.rank_seeds[rank])
         if spec.device == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
         else:
             device = torch.device("cpu")
+        timeout = datetime.timedelta(seconds=spec.timeout_s + _PG_MARGIN_S)
+        # Every rank is a client of the launcher's store (node 0's across nodes): one port per job.
+        store = dist.TCPStore(spec.master_addr, spec.port, is_master=False, timeout=timeout)
         dist.init_process_group(
-            spec.backend, rank=rank, world_size=spec.world_size, init_method="env://",
-            timeout=datetime.timedelta(seconds=spec.timeout_s + _PG_MARGIN_S),
+            spec.backend, store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=spec.world_size,
+            timeout=timeout,
         )
-        _beat(progress, rank, -1)
+        _beat(progress, local_rank, -1)
         os.chdir(spec.code_dir)
         sys.path.insert(0, spec.code_dir)  # the entry may import its sibling modules
         fn = _import_entry(spec)
-        _beat(progress, rank, -1)
+        _beat(progress, local_rank, -1)
 
         def make_context(plan: Any) -> Context:
             return Context(
                 rank=rank,
                 world_size=spec.world_size,
-                local_rank=rank,
+                local_rank=local_rank,
                 device=device,
                 cfg=OmegaConf.create(spec.train_cfg),
                 seed=spec.seed,
@@ -208,7 +242,7 @@ def _worker(rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
                 channel=channel,
                 checkpoints=plan,
                 invariant_shards=spec.invariant_shards,
-                progress=functools.partial(_beat, progress, rank),
+                progress=functools.partial(_beat, progress, local_rank),
                 output_dir=spec.output_dir,
             )
 
@@ -331,45 +365,77 @@ def _read_channel(conn: Any, on_message: Callable[[Message], None]) -> None:
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error:\n", re.M)
 
 
-def launch(spec: LaunchSpec, on_message: Callable[[Message], None]) -> None:
-    """Run all ranks to completion. Raises RunFailed (a rank failed or made no progress) or Interrupted.
+def host_store(addr: str, port: int, timeout_s: float) -> Any:
+    """A TCPStore served by this process (port 0: any free one); the job's ranks are its clients."""
+    import torch.distributed as dist
 
-    `on_message` is called from a background thread with every message rank 0 sends.
+    try:
+        return dist.TCPStore(
+            addr, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except Exception as err:  # torch raises DistNetworkError / RuntimeError with a C++ message
+        raise HarnessError(f"cannot listen on {addr}:{port} for the job's rendezvous ({_last_line(str(err))}). "
+                           "Choose another --master-port, or check --master-addr is this host's.") from err
+
+
+def launch(
+    spec: LaunchSpec,
+    on_message: Callable[[Message], None],
+    *,
+    store: Any = None,
+    cancelled: Callable[[], int | None] | None = None,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Run this node's ranks to completion. Raises RunFailed (a rank failed or made no progress) or Interrupted.
+
+    `on_message` is called from a background thread with every message rank 0 sends. `store` is the
+    job's rendezvous store when another launcher hosts it (multi-node); otherwise one is hosted here.
+    `cancelled` is polled: a signal number stops the ranks (Interrupted). `check` is polled too and
+    raises RunFailed when the job failed elsewhere (another node).
     """
-    if spec.port == 0:
-        spec.port = free_port()
+    own_store = None
+    if store is None:
+        own_store = host_store(spec.master_addr, spec.port, spec.timeout_s + _PG_MARGIN_S)
+        spec.port = own_store.port
     Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
     # torch logs each rank it terminates; which rank failed, and why, is said once by harness.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     spawn_ctx = mp.get_context("spawn")
     reader, writer = spawn_ctx.Pipe(duplex=False)
-    # Per rank: the step it is at and when it last made progress (time.monotonic()).
-    progress = spawn_ctx.Array("d", 2 * spec.world_size, lock=False)
-    for rank in range(spec.world_size):
+    # Per local rank: the step it is at and when it last made progress (time.monotonic()).
+    progress = spawn_ctx.Array("d", 2 * spec.local_ranks, lock=False)
+    for rank in range(spec.local_ranks):
         _beat(progress, rank, -1)
 
     def on_term(signum: int, frame: Any) -> None:
         raise _Terminate()
 
-    previous = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
+    previous = None
+    if cancelled is None and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, on_term)
     procs: Any = None
     drain: threading.Thread | None = None
     try:
         procs = mp.spawn(
-            _worker, args=(spec, writer, progress), nprocs=spec.world_size, join=False, start_method="spawn"
+            _worker, args=(spec, writer, progress), nprocs=spec.local_ranks, join=False, start_method="spawn"
         )
         writer.close()  # the ranks hold the only write ends now: EOF once they are gone
         drain = threading.Thread(target=_read_channel, args=(reader, on_message), name="harness-channel", daemon=True)
         drain.start()
         try:
             while not procs.join(timeout=0.5, grace_period=_GRACE_S):
+                signum = cancelled() if cancelled is not None else None
+                if signum:
+                    raise Interrupted(signum)
+                if check is not None:
+                    check()
                 silent = _silent_ranks(progress, procs.processes, spec.timeout_s)
                 if silent:
                     raise _stalled(spec, procs.processes, progress, silent)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             _stop_all(procs.processes)  # every rank's error record is final before it is read
-            rank, line, text, expected = _diagnose(spec, err)
-            raise RunFailed(line) from _RankError(rank, text, expected)
+            rank, line, text, expected, peer = _diagnose(spec, err)
+            raise RunFailed(line) from _RankError(rank, text, expected, peer)
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None
     except _Terminate:
@@ -387,6 +453,7 @@ def launch(spec: LaunchSpec, on_message: Callable[[Message], None]) -> None:
         reader.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        del own_store  # the store's server stops with its last reference
 
 
 def _silent_ranks(progress: Any, processes: list[Any], timeout_s: float) -> list[int]:
@@ -400,7 +467,9 @@ def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list
         with contextlib.suppress(OSError, AttributeError):
             os.kill(processes[rank].pid, signal.SIGUSR1)
     time.sleep(_STACK_WAIT_S)
-    found = {r: _stack_location(Path(spec.log_dir) / f"rank{r}.stacks.txt", spec.code_dir) for r in silent}
+    found = {
+        r: _stack_location(Path(spec.log_dir) / f"rank{spec.global_rank(r)}.stacks.txt", spec.code_dir) for r in silent
+    }
     # A rank stuck in the experiment's own code (a sleep, a loop) is the likely culprit; ranks stuck
     # inside torch are usually waiting for it in a collective. Culprits first.
     order = sorted(silent, key=lambda r: (found[r][1] != "own", progress[2 * r], r))
@@ -411,13 +480,13 @@ def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list
         where, kind = found[rank]
         if where:
             at += f" waiting in a call made at {where}" if kind == "call" else f" in {where}"
-        parts.append(f"rank {rank} {at}")
+        parts.append(f"rank {spec.global_rank(rank)} {at}")
     line = (
         f"no progress for {spec.timeout_s:g} s (timeout_s): " + ", ".join(parts)
         + ". Their stacks are in logs/rank<N>.stacks.txt; raise timeout_s if a step can take longer."
     )
     failure = RunFailed(line)
-    failure.__cause__ = _RankError(order[0], line, True)
+    failure.__cause__ = _RankError(spec.global_rank(order[0]), line, True)
     return failure
 
 
@@ -453,7 +522,7 @@ def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text()))
     killed = isinstance(err, mp.ProcessExitedException)
-    failing = err.error_index
+    failing = spec.global_rank(err.error_index)
     if killed and not any(r["rank"] == failing for r in records):
         how = f"was killed by {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
         root = {"rank": failing, "line": how, "expected": True, "traceback": str(err)}
@@ -479,17 +548,29 @@ def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
         if group:
             ranks = sorted(r["rank"] for r in group)
             line += f" ({'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} {words})"
-    return root["rank"], line, root["traceback"], bool(root["expected"])
+    return root["rank"], line, root["traceback"], bool(root["expected"]), bool(root.get("peer"))
 
 
 class _RankError(Exception):
     """Carries the failing rank and its traceback from launch() to whoever records the failure."""
 
-    def __init__(self, rank: int, traceback_text: str, expected: bool = False) -> None:
+    def __init__(self, rank: int | None, traceback_text: str, expected: bool = False, peer: bool = False) -> None:
         super().__init__(traceback_text)
         self.rank = rank
         self.traceback_text = traceback_text
         self.expected = expected  # the one line says it all: no traceback for the terminal
+        self.peer = peer  # the failing rank only lost a peer: the cause is elsewhere (another node)
+
+
+def failed(line: str, rank: int | None, cls: type[RunFailed] = RunFailed) -> RunFailed:
+    """A failure whose one line says it all (no traceback), blamed on `rank` when known."""
+    err = cls(line)
+    err.__cause__ = _RankError(rank, line, True)
+    return err
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    return isinstance(err.__cause__, _RankError) and err.__cause__.peer
 
 
 def failure_details(err: BaseException) -> tuple[int | None, str, bool]:

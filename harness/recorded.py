@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from omegaconf import DictConfig
 
@@ -32,6 +32,16 @@ class RecordedRun:
     @classmethod
     def load(cls, tracker: Tracker, run: RunSummary) -> RecordedRun:
         return cls(tracker, run, runner.recorded_config(tracker, run))
+
+    def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
+        """The job that runs this recorded code (inside `code()`); its image digest is the recorded one."""
+        from harness.executors import Job, Topology
+
+        tags = self.run.tags
+        return Job(
+            self.tracker, self.cfg, tree, exp_dir, record=record, recorded=self.run, topology=topology or Topology(),
+            code_id=runner.code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), **fields,
+        )
 
     @contextlib.contextmanager
     def code(self, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:

@@ -16,6 +16,7 @@ from harness import tags as T
 from harness.compare import Comparison, compare_runs, default_tolerance
 from harness.config import compose, parse_overrides, validate
 from harness.errors import HarnessError
+from harness.executors import Outcome, Topology
 from harness.recorded import RecordedRun
 from harness.tracking import RunRecord, RunSummary, Tracker
 
@@ -23,7 +24,7 @@ from harness.tracking import RunRecord, RunSummary, Tracker
 @dataclass
 class ReplayResult:
     original: RunSummary
-    outcome: runner.Outcome
+    outcome: Outcome
     comparison: Comparison
     changes: list[str]
 
@@ -105,11 +106,10 @@ def replay(
     executor: str | None = None,
     allow_incomplete: bool = False,
     follow: bool = True,
+    topology: Topology | None = None,
 ) -> ReplayResult:
     tracker = Tracker(tracking_uri)  # first: an unreachable store is said before torch is even loaded
-    from harness import container
-    from harness.config import Executor
-    from harness.launch import resolve_device
+    from harness import executors
 
     original = tracker.harness_run(run_id)
     if follow:
@@ -124,54 +124,24 @@ def replay(
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
         changes.append(f"executor={executor}")
     recorded.cfg = cfg
+    extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id}
+    if changes:
+        extra[T.CHANGES] = " ".join(changes)
 
     with recorded.code(repo) as (tree, exp_dir):
-        pinned = None
-        if cfg.executor == Executor.docker:
-            digest = original.tags.get(T.IMAGE_DIGEST, "unknown")
-            if not digest.startswith("sha256:"):
-                raise HarnessError(
-                    f"run {run_id} recorded no image digest ({original.tags.get(T.IMAGE_DIGEST_REASON, 'unknown')}), "
-                    "so there is no exact image to replay in. Replay it with --executor local."
-                )
-            pinned = container.pin(original.tags[T.IMAGE], digest=digest)
-            image = container.image_tags(pinned)
-            if pinned.tag_digest and pinned.tag_digest != digest:
-                print(
-                    f"Note: {original.tags[T.IMAGE]} now points to {pinned.tag_digest}; the replay runs the "
-                    f"recorded digest {digest}.",
-                    file=sys.stderr,
-                )
-        else:
-            resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
-            image = runner.local_image_tags(str(cfg.image))
         # The worktree holds exactly the recorded code (checked above), which was admitted when it
         # was recorded: its untracked files are not refused a second time.
         git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
-        extra = {
-            T.KIND: T.KIND_REPLAY,
-            T.REPLAY_OF: run_id,
-            T.MLFLOW_PARENT_RUN_ID: run_id,
-        }
-        if changes:
-            extra[T.CHANGES] = " ".join(changes)
-        replay_id = runner.create_record(
-            tracker,
-            cfg,
-            exp_dir,
-            git,
-            image=image,
-            extra_tags=extra,
-            run_name=f"replay-of-{original.run_name}",
-            experiment=original.experiment,
-        )
-        if pinned is not None:
-            status, code, message = container.run_in_container(
-                tracker, replay_id, pinned, tree, original.tags[T.EXPERIMENT_PATH], container.wants_gpus(cfg.device.value)
+
+        def record(tags: dict[str, str]) -> str:
+            return runner.create_record(
+                tracker, cfg, exp_dir, git, image=tags, extra_tags=extra,
+                run_name=f"replay-of-{original.run_name}", experiment=original.experiment,
             )
-            outcome = runner.Outcome(replay_id, status, code, message)
-        else:
-            outcome = runner.execute(tracker, replay_id, cfg, exp_dir)
+
+        job = recorded.job(tree, exp_dir, record=record, topology=topology)
+        outcome = executors.run(job)
+        replay_id = outcome.run_id
 
     comparison = judge(tracker, run_id, replay_id, outcome, incomplete)
     record_verdict(tracker, replay_id, tracker.load_record(run_id), tracker.load_record(replay_id), comparison, changes)
@@ -179,7 +149,7 @@ def replay(
 
 
 def judge(
-    tracker: Tracker, original_id: str, replay_id: str, outcome: runner.Outcome | None = None, incomplete: bool = False
+    tracker: Tracker, original_id: str, replay_id: str, outcome: Outcome | None = None, incomplete: bool = False
 ) -> Comparison:
     a, b = tracker.load_record(original_id), tracker.load_record(replay_id)
     failed = None

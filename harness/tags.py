@@ -41,8 +41,18 @@ IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why unknown
 IMAGE_ID = "harness.image.id"  # local image id when the engine knows it
 IMAGE_TAG_DIGEST = "harness.image.tag_digest"  # what the pinned tag resolved to when this run started
 IMAGE_NOTE = "harness.image.note"  # plain words on where the job ran relative to its image
-EXECUTOR = "harness.executor"  # local | docker
+EXECUTOR = "harness.executor"  # local | docker | slurm
 IN_IMAGE = "harness.in_image"  # true when the job ran inside the pinned image
+
+# Topology: one MLflow run per job, however many nodes it spans.
+NNODES = "harness.nnodes"
+NPROC_PER_NODE = "harness.nproc_per_node"
+LAUNCHER = "harness.launcher"  # spawn | slurm | torchrun: who started the launcher processes
+MASTER = "harness.master"  # host:port of node 0's rendezvous store (multi-node only)
+NODE_PREFIX = "harness.node."  # harness.node.<R>.<fact>: node R's provenance (node 0's is harness.env.*)
+NODES_DIFFER = "harness.nodes.differ"  # "node 1: cpu, torch": nodes whose environments differ from node 0's
+SLURM_JOB_ID = "harness.slurm.job_id"
+SLURM_NODELIST = "harness.slurm.nodelist"
 
 SEED = "harness.seed"
 RANK_SEEDS = "harness.seed.ranks"  # comma-separated, rank order
@@ -84,6 +94,7 @@ AUDIT_SEED = "harness.audit.seed"
 ARTIFACT_CONFIG = "config.yaml"
 ARTIFACT_PATCH = "git/uncommitted.patch"  # bytes of `git diff --binary`, never decoded
 ARTIFACT_LOCK = "environment/requirements.lock"
+ARTIFACT_NODES = "environment/nodes.json"  # every node's provenance, node rank -> facts
 ARTIFACT_LOGS_DIR = "logs"
 ARTIFACT_FINGERPRINTS = "fingerprints.json"
 ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts

@@ -1,0 +1,183 @@
+"""The docker backend: run a recorded job inside its pinned image, by digest, and see it ended.
+
+The container runs `harness _execute RUN_ID`, which runs the ranks with the local backend and records
+into the same store (mounted, or reached over HTTP); this side only starts, stops and checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from harness import docker
+from harness import tags as T
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
+from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.executors.local import ENV_DIGEST
+from harness.store import artifact_path, database_file
+from harness.tracking import Tracker
+
+WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted
+
+
+@dataclass(frozen=True)
+class PinnedImage:
+    reference: str  # as pinned in experiment.yaml
+    digest: str  # registry manifest digest
+    image_id: str
+    run_reference: str  # repository@digest: what actually runs
+    tag_digest: str | None  # what the reference's tag resolves to now (None for a digest-only pin)
+
+
+def pin(reference: str, *, allow_unpinned: bool = False, digest: str | None = None) -> PinnedImage:
+    """Resolve the experiment's image to a registry digest (pulling if absent).
+
+    `digest` (replay) forces that digest whatever the tag points to now.
+    """
+    if docker.is_unpinned(reference) and not allow_unpinned and digest is None:
+        raise HarnessError(
+            f"image {reference!r} uses the 'latest' tag, which moves; pin a version or a digest "
+            "(name@sha256:...) in experiment.yaml, or pass --allow-unpinned."
+        )
+    repository, tag, pinned_digest = docker.parse_reference(reference)
+    tag_digest = None
+    if tag is not None or pinned_digest is None:
+        tag_ref = f"{repository}:{tag or 'latest'}"
+        # A first run pulls the tag if needed; a replay only looks where the tag points now.
+        info = docker.resolve_image(tag_ref) if digest is None else docker.inspect_image(tag_ref)
+        tag_digest = info.digest if info is not None else None
+    want = digest or pinned_digest or tag_digest
+    if want is None:
+        raise HarnessError(
+            f"image {reference!r} has no registry digest (built here, never pushed). Push it to a registry "
+            "(docker push) so that the run can be replayed by digest."
+        )
+    run_reference = f"{repository}@{want}"
+    info = docker.resolve_image(run_reference)
+    if pinned_digest is None and digest is None:
+        print(
+            f"Warning: image {reference!r} is pinned by tag; it resolved to {want}. Pin the digest for "
+            f"replays elsewhere: image: {run_reference}",
+            file=sys.stderr,
+        )
+    return PinnedImage(reference, want, info.image_id, run_reference, tag_digest)
+
+
+def image_tags(image: PinnedImage) -> dict[str, str]:
+    tags = {T.IMAGE: image.reference, T.IMAGE_DIGEST: image.digest, T.IMAGE_ID: image.image_id, T.EXECUTOR: "docker"}
+    if image.tag_digest is not None:
+        tags[T.IMAGE_TAG_DIGEST] = image.tag_digest
+    return tags
+
+
+def _store_mounts(tracker: Tracker, run_id: str) -> list[tuple[Path, str]]:
+    """Local store paths the container must see at the same absolute paths (URIs stay valid)."""
+    paths: list[Path] = []
+    db = database_file(tracker.uri)
+    if db is not None:
+        paths.append(db.parent)
+    artifacts = artifact_path(tracker.get_run(run_id).artifact_uri)
+    if artifacts is not None:
+        paths.append(artifacts.parent.parent)  # the experiment's artifact folder
+    unique: list[Path] = []
+    for p in paths:
+        if not any(p == u or u in p.parents for u in unique):
+            unique = [u for u in unique if p not in u.parents] + [p]
+    return [(p, str(p)) for p in unique]
+
+
+class DockerExecutor(Executor):
+    name = "docker"
+
+    def prepare(self, job: Job) -> dict[str, str]:
+        """Pin the image: the config's reference on a first run, the recorded digest on a replay or resume."""
+        if job.topology.multi_node:
+            raise HarnessError("the docker executor runs one node; for several, use --executor slurm or local --nnodes.")
+        if job.recorded is None:
+            self.pinned = pin(str(job.cfg.image), allow_unpinned=bool(job.options.get("allow_unpinned")))
+        else:
+            tags = job.recorded.tags
+            digest = tags.get(T.IMAGE_DIGEST, "unknown")
+            if not digest.startswith("sha256:"):
+                raise HarnessError(
+                    f"run {job.recorded.run_id} recorded no image digest "
+                    f"({tags.get(T.IMAGE_DIGEST_REASON, 'unknown')}), so there is no exact image to run it in. "
+                    "Use --executor local."
+                )
+            self.pinned = pin(tags[T.IMAGE], digest=digest)
+            if self.pinned.tag_digest and self.pinned.tag_digest != digest:
+                print(f"Note: {tags[T.IMAGE]} now points to {self.pinned.tag_digest}; the recorded digest {digest} runs.",
+                      file=sys.stderr)
+        return image_tags(self.pinned)
+
+    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+        if job.record is not None:
+            job.run_id = job.record(job.placement)
+        extra = [] if job.resume_step is None else ["--resume-step", str(job.resume_step)]
+        return ContainerHandle(job, self.pinned, extra)
+
+
+EXECUTOR = DockerExecutor
+
+
+class ContainerHandle(Handle):
+    """`docker run` of `harness _execute` for the job's run; its output streams to our stderr."""
+
+    def __init__(self, job: Job, image: PinnedImage, extra_args: list[str]) -> None:
+        self.job = job
+        self.name = f"harness-{job.run_id[:12]}"
+        tracker = job.tracker
+        args = docker.run_args(
+            image.run_reference,
+            workdir_host=job.code_root,
+            workdir_container=WORKSPACE,
+            mounts=_store_mounts(tracker, job.run_id),
+            env={"MLFLOW_TRACKING_URI": tracker.uri, ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1"},
+            gpus=wants_gpus(job.cfg.device.value),
+            command=["harness", "_execute", job.run_id, "--code-dir", f"{WORKSPACE}/{job.exp_rel}", *extra_args],
+            name=self.name,
+        )
+        self.interrupted: list[int] = []
+        self.proc = docker.start_container(args)
+
+    def cancel(self, signum: int) -> None:
+        self.interrupted.append(signum)
+        # Stopping the container sends SIGTERM to the harness inside, which marks the run KILLED.
+        threading.Thread(target=docker.stop_container, args=(self.name,), daemon=True).start()
+
+    def wait(self) -> Outcome:
+        tracker, run_id = self.job.tracker, self.job.run_id
+        try:
+            code = self.proc.wait()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            with contextlib.suppress(docker.DockerError):
+                if docker.container_exists(self.name):
+                    docker.stop_container(self.name)
+        status = tracker.get_run(run_id).status
+        if self.interrupted:
+            signum = self.interrupted[0]
+            if status == T.RUNNING:
+                tracker.end_run(run_id, T.KILLED)
+                status = T.KILLED
+            return Outcome(run_id, status, 128 + signum, str(Interrupted(signum)))
+        if status == T.RUNNING:  # the container died without ending the run (OOM kill, engine error)
+            reason = f"container exited with code {code} before the run ended"
+            tracker.set_tags(run_id, {T.STATUS_REASON: reason})
+            tracker.end_run(run_id, T.FAILED)
+            return Outcome(run_id, T.FAILED, EXIT_FAILED, reason)
+        if status == T.FINISHED and code == EXIT_OK:
+            return Outcome(run_id, status, EXIT_OK, "")
+        reason = tracker.get_run(run_id).tags.get(T.STATUS_REASON, f"container exited with code {code}")
+        return Outcome(run_id, status, code if code else EXIT_FAILED, reason)
+
+
+def wants_gpus(device: str) -> bool:
+    """--gpus all when the job runs on cuda, or on auto when this host has NVIDIA GPUs."""
+    return device == "cuda" or (device == "auto" and shutil.which("nvidia-smi") is not None)

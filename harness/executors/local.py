@@ -1,0 +1,413 @@
+"""The local backend: this machine's ranks, started by mp.spawn; several machines with one launcher each.
+
+The launcher process that runs global rank 0 records the job: runtime facts, rank 0's messages
+(metrics, fingerprints, checkpoints), logs, and how it ended. On other nodes the launcher only runs
+its ranks and reports to node 0 through the rendezvous (executors/multinode.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from harness import tags as T
+from harness.config import split_entry, to_container, to_yaml
+from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
+from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, Total
+from harness.tracking import Tracker, save_series
+
+ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
+
+
+def local_image_tags(image: str) -> dict[str, str]:
+    """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
+    from harness import docker
+    from harness.config import is_no_image
+
+    if is_no_image(image):
+        digest, image_id, reason = None, None, "no image pinned (image: none): a local-only experiment"
+    else:
+        digest, image_id, reason = docker.local_digest_or_reason(image)
+    facts = {
+        T.IMAGE: image,
+        T.IMAGE_DIGEST: digest or "unknown",
+        T.EXECUTOR: "local",
+        T.IMAGE_NOTE: "ran outside the pinned image (local executor): the environment is this machine's",
+    }
+    if image_id:
+        facts[T.IMAGE_ID] = image_id
+    if reason:
+        facts[T.IMAGE_DIGEST_REASON] = reason
+    return facts
+
+
+def launch_spec(
+    cfg: DictConfig, code_dir: Path, device: str, backend: str, log_dir: Path, checkpoints: Any = None
+) -> Any:
+    """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
+    from harness.determinism import derive_rank_seeds
+    from harness.launch import LaunchSpec
+
+    entry_file, entry_func = split_entry(str(cfg.entry))
+    return LaunchSpec(
+        code_dir=str(Path(code_dir).resolve()),
+        entry_file=entry_file,
+        entry_func=entry_func,
+        world_size=cfg.world_size,
+        device=device,
+        backend=backend,
+        seed=cfg.seed,
+        rank_seeds=derive_rank_seeds(cfg.seed, cfg.world_size),
+        threads_per_rank=cfg.threads_per_rank,
+        determinism=cfg.determinism.level.value,
+        fingerprint_every=cfg.fingerprint_every,
+        train_cfg=to_container(cfg)["train"],
+        log_dir=str(log_dir),
+        checkpoints=checkpoints,
+        invariant_shards=cfg.determinism.shards if cfg.determinism.world_size_invariant else 0,
+        timeout_s=float(cfg.timeout_s),
+        output_dir=str(Path(log_dir).parent / "outputs"),
+    )
+
+
+def checkpoint_plan(tracker: Tracker, run_id: str, cfg: DictConfig, **kwargs: Any) -> Any:
+    """Checkpoints live in the run's own artifact folder, so the MLflow UI lists them with the run."""
+    from harness.context import CheckpointPlan
+
+    if cfg.checkpoint_every <= 0 and not kwargs:
+        return None
+    return CheckpointPlan(str(tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS), cfg.checkpoint_every, **kwargs)
+
+
+def config_id(cfg: DictConfig) -> str:
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
+
+
+class LocalExecutor(Executor):
+    name = "local"
+
+    def prepare(self, job: Job) -> dict[str, str]:
+        from harness.config import check_nodes
+        from harness.executors.multinode import check_topology
+        from harness.launch import resolve_device
+
+        check_topology(job.topology)
+        check_nodes(job.topology.nnodes, job.cfg.world_size, "--nnodes")
+        resolve_device(job.cfg.device.value, job.cfg.backend.value, job.cfg.world_size // job.topology.nnodes)
+        return local_image_tags(str(job.cfg.image))
+
+    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+        handle = LocalHandle(job, on_event, job.placement)
+        handle.start()
+        return handle
+
+
+EXECUTOR = LocalExecutor
+
+
+class LocalHandle(Handle):
+    """This node's ranks; on the node that runs rank 0, also the job's record."""
+
+    def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str]) -> None:
+        self.job = job
+        self.on_event = on_event
+        self.placement = placement
+        self.node: Any = None
+        self.cancelled: int | None = None
+        self.deferred: list[int] = []  # signals that arrived while the run was being recorded
+        self.recording = False
+        self.work = Path(tempfile.mkdtemp(prefix="harness-run-"))
+
+    @property
+    def records(self) -> bool:
+        return self.job.topology.node_rank == 0
+
+    def cancel(self, signum: int) -> None:
+        if self.recording:  # a signal now would cut the record short: it waits until the run is closed
+            self.deferred.append(signum)
+        else:
+            self.cancelled = signum
+
+    def start(self) -> None:
+        """Rendezvous with the other nodes (if any), then record the run (node 0) or attach to it."""
+        job, topo = self.job, self.job.topology
+        tags = {**self.placement, T.NNODES: str(topo.nnodes), T.NPROC_PER_NODE: str(job.cfg.world_size // topo.nnodes),
+                T.LAUNCHER: topo.launcher}
+        if topo.scheduler.get("job_id"):
+            tags[T.SLURM_JOB_ID] = topo.scheduler["job_id"]
+            tags[T.SLURM_NODELIST] = topo.scheduler.get("nodelist", "")
+        try:
+            if not topo.multi_node:
+                job.run_id = job.record(tags) if job.record else job.run_id
+                return
+            from harness.executors.multinode import Node, node_facts
+
+            self.node = Node(topo, float(job.cfg.rendezvous_timeout_s))
+            joined = self.node.join(node_facts(job.code_id, config_id(job.cfg)))
+            if joined is None:
+                job.run_id = self.node.attach()
+                print(f"node {topo.node_rank}: joined run {job.run_id}", file=sys.stderr, flush=True)
+                return
+            tags[T.MASTER] = f"{topo.master_addr}:{topo.master_port}"
+            tags.update(_node_tags(joined.nodes))
+            try:
+                job.run_id = job.record(tags) if job.record else job.run_id
+            except BaseException as err:
+                self.node.fail(f"node 0 could not record the run: {err}")
+                raise
+            job.tracker.log_text(job.run_id, json.dumps({str(k): v for k, v in joined.nodes.items()}, indent=2),
+                                 T.ARTIFACT_NODES)
+            self.node.publish(job.run_id)
+        except BaseException:
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
+
+    def wait(self) -> Outcome:
+        try:
+            if self.records:
+                return self._run_and_record()
+            return self._run_ranks_only()
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    # -- the node that runs rank 0 -----------------------------------------------------------------
+    def _run_and_record(self) -> Outcome:
+        from harness.console import Console
+        from harness.launch import failure_details, launch, resolve_device
+        from harness.provenance import package_lock, runtime_facts
+
+        job, tracker, run_id, cfg = self.job, self.job.tracker, self.job.run_id, self.job.cfg
+        resume_step = job.resume_step
+        log_dir = self.work / "logs"
+        log_dir.mkdir()
+        writer = console = heartbeat = None
+        failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
+        fingerprints: dict[int, str] = {}
+        final: dict[str, Any] = {"checkpoints": {}}
+        prior = None
+        if resume_step is not None:
+            prior = tracker.load_record(run_id)
+            fingerprints = {k: v for k, v in prior.fingerprints.items() if k < resume_step}
+            final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
+        status, code, message = T.FAILED, EXIT_FAILED, ""
+        try:
+            import os
+
+            nproc = cfg.world_size // job.topology.nnodes
+            device, backend = resolve_device(cfg.device.value, cfg.backend.value, nproc)
+            facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
+            facts.update({T.DEVICE: device, T.BACKEND: backend})
+            # Where the ranks run: inside the pinned image only if the docker backend said so.
+            in_image = bool(os.environ.get(ENV_DIGEST))
+            facts[T.IN_IMAGE] = str(in_image).lower()
+            if in_image:
+                facts[T.IMAGE_NOTE] = f"ran inside the pinned image {os.environ[ENV_DIGEST]}"
+            tracker.set_tags(run_id, facts)
+            tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)  # where the ranks run
+
+            heartbeat = tracker.heartbeat(run_id, cfg.heartbeat_s)
+            plan = checkpoint_plan(tracker, run_id, cfg, **({} if resume_step is None else {"resume_step": resume_step}))
+            spec = self._spec(device, backend, log_dir, plan)
+            writer = tracker.metric_writer(run_id, cfg.flush_interval_s)
+            if prior is not None:
+                writer.prime(prior.metrics)
+            console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}")
+
+            def on_message(msg: Message) -> None:
+                match msg:
+                    case Metrics(step, values, unix_ms):
+                        writer.add(step, values, unix_ms)
+                        console.step(step)
+                    case Fingerprint(step, sha256):
+                        fingerprints[step] = sha256
+                    case Final(sha256, steps):
+                        final["fingerprint"], final["steps_total"] = sha256, steps
+                    case Initial(sha256):
+                        final["initial"] = sha256
+                    case Determinism(settings, env):
+                        final["determinism"], final["vars"] = settings, env
+                    case Total(steps):
+                        console.total(steps)
+                    case Checkpoint(step, sha256):
+                        final["checkpoints"][step] = sha256
+                self.on_event(msg)
+
+            try:
+                self._launch(launch, spec, on_message)
+                status, code = T.FINISHED, EXIT_OK
+            except RunFailed as err:
+                rank, tb, expected = failure_details(err)
+                failure_text = "" if expected else tb
+                message = str(err)
+                tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
+                tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
+            except Interrupted as err:
+                status, code, message = T.KILLED, err.exit_code, str(err)
+                tracker.set_tags(run_id, {T.STATUS_REASON: message})
+        except BaseException as err:
+            message = str(err)
+            if self.node is not None:
+                self.node.fail(f"node 0: {message}")
+            tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
+            raise
+        finally:
+            self.recording = True
+            if console is not None:
+                console.close()
+            if failure_text:
+                print(failure_text.rstrip(), file=sys.stderr)
+            try:
+                if heartbeat is not None:
+                    heartbeat.close()
+                if writer is not None:
+                    writer.close()
+                    save_series(writer.series, self.work / "series.npz")
+                logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
+                _record_results(tracker, run_id, fingerprints, final, self.work, logs)
+                if status == T.FINISHED:
+                    _warn_if_vacuous(tracker, run_id, writer, final)
+            finally:
+                tracker.end_run(run_id, status)
+        if self.deferred:
+            import signal
+
+            print(f"{signal.Signals(self.deferred[0]).name} arrived while the run was being recorded; it was recorded "
+                  "in full first.", file=sys.stderr)
+            code = 128 + self.deferred[0]
+        return Outcome(run_id, status, code, message, fingerprints)
+
+    # -- another node --------------------------------------------------------------------------------
+    def _run_ranks_only(self) -> Outcome:
+        from harness.launch import launch, resolve_device
+
+        job, cfg = self.job, self.job.cfg
+        log_dir = self.work / "logs"
+        log_dir.mkdir()
+        device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size // job.topology.nnodes)
+        plan = checkpoint_plan(job.tracker, job.run_id, cfg,
+                               **({} if job.resume_step is None else {"resume_step": job.resume_step}))
+        spec = self._spec(device, backend, log_dir, plan)
+        status, code, message = T.FINISHED, EXIT_OK, ""
+        try:
+            self._launch(launch, spec, self.on_event)
+        except RunFailed as err:
+            status, code, message = T.FAILED, EXIT_FAILED, str(err)
+        except Interrupted as err:
+            status, code, message = T.KILLED, err.exit_code, str(err)
+        finally:
+            self.recording = True
+            try:  # every rank's log belongs to the one run; names carry the global rank
+                if any(log_dir.iterdir()):
+                    job.tracker.log_dir(job.run_id, log_dir, T.ARTIFACT_LOGS_DIR)
+            except Exception as err:  # the store is node 0's to keep; this node only loses its logs
+                print(f"node {job.topology.node_rank}: could not upload its rank logs: {err}", file=sys.stderr)
+        return Outcome(job.run_id, status, code, message)
+
+    # -- shared --------------------------------------------------------------------------------------
+    def _spec(self, device: str, backend: str, log_dir: Path, plan: Any) -> Any:
+        topo = self.job.topology
+        spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan)
+        if topo.multi_node:
+            spec.node_rank, spec.nproc = topo.node_rank, self.job.cfg.world_size // topo.nnodes
+            spec.master_addr, spec.port = str(topo.master_addr), int(topo.master_port)
+        return spec
+
+    def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None]) -> None:
+        """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
+        from harness.launch import failure_details, is_peer_failure
+
+        node = self.node
+        if node is None:
+            launch(spec, on_message, cancelled=lambda: self.cancelled)
+            return
+        try:
+            launch(spec, on_message, store=node.raw, cancelled=lambda: self.cancelled, check=node.check)
+        except RunFailed as err:
+            from harness.executors.multinode import NodeFailed
+
+            if isinstance(err, NodeFailed):
+                raise
+            line = node.blame(str(err), is_peer_failure(err))
+            node.fail(line, failure_details(err)[0])
+            raise RunFailed(line) from err.__cause__
+        except Interrupted as err:
+            node.fail(f"node {self.job.topology.node_rank} was interrupted ({err})")
+            raise
+        else:
+            node.done()
+            if node.is_master:
+                late = node.wait_done()
+                if late:
+                    raise RunFailed(f"node {', '.join(map(str, late))} did not finish (its ranks ended on node 0's side)")
+
+
+def _node_tags(nodes: dict[int, dict[str, Any]]) -> dict[str, str]:
+    from harness.executors.multinode import differing
+
+    tags: dict[str, str] = {}
+    for n, node in nodes.items():
+        if n == 0:
+            continue
+        for key in ("hostname", "cpu", "gpu", "gpu_driver", "torch", "cuda", "nccl", "python"):
+            if key in node["facts"]:
+                tags[f"{T.NODE_PREFIX}{n}.{key}"] = str(node["facts"][key])
+    differ = differing(nodes)
+    if differ:
+        tags[T.NODES_DIFFER] = "; ".join(f"node {n}: {', '.join(keys)}" for n, keys in differ.items())
+        print(f"Warning: the nodes' environments differ ({tags[T.NODES_DIFFER]}); recorded, and a replay's delta "
+              "will show it.", file=sys.stderr)
+    return tags
+
+
+def _record_results(
+    tracker: Tracker, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path, logs: str
+) -> None:
+    tags: dict[str, str] = {}
+    if "determinism" in final:
+        tags.update({T.DETERMINISM_PREFIX + k: v for k, v in final["determinism"].items()})
+        tags.update({T.VAR_PREFIX + k: v for k, v in final["vars"].items()})
+    if final.get("fingerprint"):
+        tags[T.FINGERPRINT] = final["fingerprint"]
+    tracker.set_tags(run_id, tags)
+    if fingerprints or final.get("fingerprint") or final["checkpoints"]:
+        doc = {
+            "steps": {str(k): v for k, v in sorted(fingerprints.items())},
+            "final": final.get("fingerprint"),
+            "steps_total": final.get("steps_total"),
+            "checkpoints": {str(k): v for k, v in sorted(final["checkpoints"].items())},
+        }
+        tracker.log_text(run_id, json.dumps(doc, indent=2), T.ARTIFACT_FINGERPRINTS)
+    if (work / "series.npz").exists():
+        tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
+    if any((work / "logs").iterdir()):
+        tracker.log_dir(run_id, work / "logs", logs)
+    outputs = work / "outputs"
+    if outputs.is_dir() and any(outputs.iterdir()):
+        tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+def _warn_if_vacuous(tracker: Tracker, run_id: str, writer: Any, final: dict[str, Any]) -> None:
+    """A finished run that logged nothing, or whose model never changed, proves nothing: say so, and record it."""
+    initial, last = final.get("initial"), final.get("fingerprint")
+    if writer is not None and not writer.series:
+        if initial or last:
+            print("Warning: the run logged no metrics (call ctx.log(...) in train); a replay can only compare "
+                  "the model's fingerprints.", file=sys.stderr)
+        else:
+            print("Warning: the run logged no metrics and registered no model (ctx.log(...), ctx.ddp(model)): a "
+                  "replay will have nothing to compare.", file=sys.stderr)
+    if initial and last:
+        changed = initial != last
+        tracker.set_tags(run_id, {T.INITIAL_FINGERPRINT: initial, T.WEIGHTS_CHANGED: str(changed).lower()})
+        if not changed:
+            print("Warning: the model's weights never changed (its fingerprint at the end equals the one at "
+                  "ctx.ddp): nothing was trained. Check the loss, the learning rate and optimizer.step().",
+                  file=sys.stderr)

@@ -1,0 +1,274 @@
+"""Multi-node jobs on top of the local executor: one launcher per node, met through node 0's TCPStore.
+
+Node 0's launcher hosts the job's store at --master-addr:--master-port. Every launcher writes its
+node's provenance there; node 0 waits for all of them (up to rendezvous_timeout_s, then names the
+nodes that never came), refuses nodes whose code or config differ, records the one MLflow run and
+publishes its id. Then each node spawns its own ranks, which meet in the same store. While they run,
+every launcher beats a counter in the store and watches for a failure posted by another node: any
+node failing ends the whole job, and node 0 records which node and rank it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import HarnessError, RunFailed
+from harness.executors.base import Topology
+
+_KEYS = "launchers/"  # beside the ranks' own prefix in the same store
+_POLL_S = 0.2
+_LOST_AFTER_S = 10.0  # a node whose beat counter stood still this long is gone
+_LAST_WORD_S = 5.0  # after a peer error, how long node 0 waits for the node at fault to say what happened
+
+
+class NodeFailed(RunFailed):
+    """Another node of the job failed, or stopped answering."""
+
+
+def topology_from_env(environ: dict[str, str] | None = None) -> Topology | None:
+    """The job's layout when a scheduler started this process (one task per node), else None.
+
+    Slurm: SLURM_NODEID / SLURM_NNODES, with MASTER_ADDR and MASTER_PORT set by the batch script.
+    Plain variables (NODE_RANK, NNODES, MASTER_ADDR, MASTER_PORT) work for any other scheduler.
+    """
+    env = os.environ if environ is None else environ
+    if "SLURM_NODEID" in env and "SLURM_NNODES" in env and env.get("SLURM_JOB_ID"):
+        node_rank, nnodes, launcher = env["SLURM_NODEID"], env["SLURM_NNODES"], "slurm"
+        scheduler = {"job_id": env["SLURM_JOB_ID"], "nodelist": env.get("SLURM_JOB_NODELIST", "")}
+    elif "NODE_RANK" in env and "NNODES" in env:
+        node_rank, nnodes, launcher, scheduler = env["NODE_RANK"], env["NNODES"], "spawn", {}
+    else:
+        return None
+    try:
+        topo = Topology(
+            nnodes=int(nnodes), node_rank=int(node_rank), master_addr=env.get("MASTER_ADDR") or None,
+            master_port=int(env.get("MASTER_PORT") or 0), launcher=launcher, scheduler=scheduler,
+        )
+    except ValueError as err:
+        raise HarnessError(f"the scheduler's node variables are not numbers ({err}).") from err
+    if topo.nnodes > 1 and (topo.master_addr is None or not topo.master_port):
+        raise HarnessError(
+            f"this is node {topo.node_rank} of {topo.nnodes} but MASTER_ADDR/MASTER_PORT are not set: export the "
+            "first node's address and a free port in the job script."
+        )
+    return topo
+
+
+def check_topology(topo: Topology) -> None:
+    if topo.nnodes < 1 or not 0 <= topo.node_rank < topo.nnodes:
+        raise HarnessError(f"--node-rank must be within 0..{topo.nnodes - 1} for --nnodes {topo.nnodes}, got {topo.node_rank}.")
+    if topo.multi_node and (not topo.master_addr or not 0 < topo.master_port < 65536):
+        raise HarnessError(
+            "a multi-node job needs --master-addr (node 0's address, reachable from every node) and "
+            "--master-port (a free TCP port there)."
+        )
+
+
+@dataclass
+class Joined:
+    """What node 0 learned at the rendezvous: every node's facts, by node rank."""
+
+    nodes: dict[int, dict[str, Any]]
+
+
+class Node:
+    """This launcher's end of the job's rendezvous store."""
+
+    def __init__(self, topo: Topology, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        from harness.launch import host_store
+
+        self.topo = topo
+        self.timeout_s = timeout_s
+        addr, port = str(topo.master_addr), int(topo.master_port)
+        if topo.node_rank == 0:
+            self.raw = host_store(addr, port, timeout_s)
+        else:
+            try:  # the client retries until node 0 listens, up to the deadline
+                self.raw = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+            except Exception as err:
+                raise HarnessError(
+                    f"node {topo.node_rank}: node 0 did not answer at {addr}:{port} within {timeout_s:g} s "
+                    "(rendezvous_timeout_s). Start node 0 with the same --master-addr/--master-port, and check "
+                    "that this host can reach it."
+                ) from err
+        self.store = dist.PrefixStore(_KEYS, self.raw)
+        self.store.set_timeout(datetime.timedelta(seconds=30))
+        self._seen: dict[int, tuple[int, float]] = {}  # node -> (last beat count, when it last changed)
+
+    @property
+    def is_master(self) -> bool:
+        return self.topo.node_rank == 0
+
+    # -- rendezvous --------------------------------------------------------------------------------
+    def join(self, facts: dict[str, Any]) -> Joined | None:
+        """Announce this node; node 0 waits for all and returns their facts (others return None)."""
+        self.store.set(f"node/{self.topo.node_rank}", json.dumps(facts))
+        self.beat()
+        if not self.is_master:
+            return None
+        deadline = time.monotonic() + self.timeout_s
+        missing = list(range(1, self.topo.nnodes))
+        while missing and time.monotonic() < deadline:
+            missing = [n for n in missing if not self.store.check([f"node/{n}"])]
+            if missing:
+                time.sleep(_POLL_S)
+        if missing:
+            line = (
+                f"node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {self.topo.nnodes} never "
+                f"joined within {self.timeout_s:g} s (rendezvous_timeout_s). Start `harness run ... --node-rank N` "
+                f"on every node with --master-addr {self.topo.master_addr} --master-port {self.topo.master_port}."
+            )
+            self.fail(line)
+            raise HarnessError(line)
+        nodes = {n: json.loads(self.store.get(f"node/{n}")) for n in range(self.topo.nnodes)}
+        for n in range(1, self.topo.nnodes):
+            for key, what in (("code", "code"), ("config", "resolved config")):
+                if nodes[n].get(key) != nodes[0].get(key):
+                    line = (
+                        f"node {n} ({nodes[n]['facts'].get('hostname', '?')}) runs another {what} than node 0 "
+                        f"({nodes[n].get(key)} vs {nodes[0].get(key)}). Check out the same commit and pass the same "
+                        "overrides on every node."
+                    )
+                    self.fail(line)
+                    raise HarnessError(line)
+        return Joined(nodes)
+
+    def publish(self, run_id: str) -> None:
+        self.store.set("run", run_id)
+
+    def attach(self) -> str:
+        """The run id node 0 recorded (or its refusal, raised here too)."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.store.check(["failed"]):
+                raise HarnessError(self._failure()["line"])
+            if self.store.check(["run"]):
+                return self.store.get("run").decode()
+            time.sleep(_POLL_S)
+        raise HarnessError(f"node 0 recorded no run within {self.timeout_s:g} s (rendezvous_timeout_s).")
+
+    # -- while the ranks run -----------------------------------------------------------------------
+    def beat(self) -> None:
+        self.store.add(f"beat/{self.topo.node_rank}", 1)
+
+    def fail(self, line: str, rank: int | None = None) -> None:
+        """Post this node's failure for the others (the first one posted is the job's)."""
+        record = json.dumps({"node": self.topo.node_rank, "rank": rank, "line": line})
+        try:
+            self.store.compare_set("failed", "", record)
+        except Exception:  # node 0 is gone: there is no one left to tell
+            pass
+
+    def _failure(self) -> dict[str, Any]:
+        return json.loads(self.store.get("failed"))
+
+    def check(self) -> None:
+        """Raise NodeFailed when another node failed or stopped answering; called every ~0.5 s."""
+        from harness.launch import failed
+
+        try:
+            self.beat()
+            if self.store.check(["failed"]):
+                failure = self._failure()
+                if failure["node"] != self.topo.node_rank:
+                    raise failed(self._describe(failure), failure.get("rank"), NodeFailed)
+            if self.is_master:
+                lost = self._lost_nodes()
+                if lost:
+                    raise failed(self._lost_line(lost), None, NodeFailed)
+        except NodeFailed:
+            raise
+        except Exception as err:  # the store itself is gone: node 0's launcher died
+            line = f"node {self.topo.node_rank} lost contact with node 0 ({self.topo.master_addr}:{self.topo.master_port})"
+            raise failed(f"{line}: {str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}",
+                         None, NodeFailed) from None
+
+    def blame(self, local_line: str, peer_error: bool) -> str:
+        """The job's failure line after this node's ranks failed: another node's cause wins over a peer error."""
+        if peer_error:
+            deadline = time.monotonic() + _LAST_WORD_S
+            while time.monotonic() < deadline:
+                try:
+                    if self.store.check(["failed"]):
+                        failure = self._failure()
+                        if failure["node"] != self.topo.node_rank:
+                            return self._describe(failure)
+                        break
+                    lost = self._lost_nodes(_LAST_WORD_S / 2) if self.is_master else []
+                except Exception:
+                    break
+                if lost:
+                    return f"{self._lost_line(lost)}; this node's ranks stopped as a consequence"
+                time.sleep(_POLL_S)
+        return f"node {self.topo.node_rank}: {local_line}"
+
+    def _describe(self, failure: dict[str, Any]) -> str:
+        line = failure["line"]
+        return line if line.startswith("node ") else f"node {failure['node']}: {line}"
+
+    def _lost_nodes(self, after_s: float = _LOST_AFTER_S) -> list[int]:
+        now = time.monotonic()
+        lost = []
+        for n in range(1, self.topo.nnodes):
+            count = self.store.add(f"beat/{n}", 0)
+            last = self._seen.get(n)
+            if last is None or last[0] != count:
+                self._seen[n] = (count, now)
+            elif now - last[1] > after_s:
+                lost.append(n)
+        return lost
+
+    def _lost_line(self, lost: list[int]) -> str:
+        which = ", ".join(map(str, lost))
+        return (f"node {which} stopped answering (no sign of life for {_LOST_AFTER_S:g} s): its launcher died or "
+                "the network between the nodes failed")
+
+    def done(self) -> None:
+        self.store.set(f"done/{self.topo.node_rank}", "1")
+
+    def wait_done(self, timeout_s: float = 30.0) -> list[int]:
+        """Node 0 keeps the store up until every node has finished with it; returns nodes that did not say so."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(range(1, self.topo.nnodes))
+        while pending and time.monotonic() < deadline:
+            pending = [n for n in pending if not self.store.check([f"done/{n}"]) and not self.store.check(["failed"])]
+            if pending:
+                time.sleep(_POLL_S)
+        return pending
+
+
+def node_facts(code: str, config: str) -> dict[str, Any]:
+    """This node's provenance, sent to node 0: host, hardware, versions, communication variables."""
+    from harness.provenance import env_vars, runtime_facts
+
+    comm = {k: v for k, v in env_vars().items() if k.startswith(("NCCL_", "GLOO_", "TP_", "MASTER_"))}
+    return {"facts": runtime_facts(), "vars": comm, "code": code, "config": config}
+
+
+# Facts and variables expected to differ between nodes: they say which node or which network
+# interface, not what it computes with.
+_PER_NODE = {"hostname"}
+_PER_NODE_VARS = ("MASTER_", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def differing(nodes: dict[int, dict[str, Any]]) -> dict[int, list[str]]:
+    """For each node other than 0, the facts and variables that differ from node 0's."""
+    base = nodes[0]
+    out: dict[int, list[str]] = {}
+    for n, node in sorted(nodes.items()):
+        if n == 0:
+            continue
+        keys = [k for k in sorted(set(base["facts"]) | set(node["facts"]))
+                if k not in _PER_NODE and base["facts"].get(k) != node["facts"].get(k)]
+        keys += [k for k in sorted(set(base["vars"]) | set(node["vars"]))
+                 if not k.startswith(_PER_NODE_VARS) and base["vars"].get(k) != node["vars"].get(k)]
+        if keys:
+            out[n] = keys
+    return out

@@ -50,13 +50,54 @@ def main() -> None:
     130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
 
+_EXECUTORS = ["local", "docker", "slurm"]
+
+
+def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Where the job runs: the backend, its nodes, and the Slurm resources (shared by run and replay)."""
+    options = [
+        click.option("--nnodes", type=click.IntRange(min=1), default=None,
+                     help="Nodes of a multi-node job; run the same command on each with its --node-rank."),
+        click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank (0 records the run)."),
+        click.option("--master-addr", default=None, help="Node 0's address, reachable from every node."),
+        click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+                     help="A free TCP port on node 0 for the job's rendezvous."),
+        click.option("--nodes", "slurm_nodes", type=click.IntRange(min=1), default=None,
+                     help="slurm: nodes to run on (one task per node)."),
+        click.option("--partition", default=None, help="slurm: partition to submit to."),
+        click.option("--time", "slurm_time", default=None, help="slurm: time limit (e.g. 01:00:00)."),
+        click.option("--gpus-per-node", type=click.IntRange(min=0), default=None, help="slurm: GPUs per node."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _slurm_overrides(slurm_nodes: Any, partition: Any, slurm_time: Any, gpus_per_node: Any) -> list[str]:
+    given = {"nodes": slurm_nodes, "partition": partition, "time": slurm_time, "gpus_per_node": gpus_per_node}
+    return [f"slurm.{k}={v}" for k, v in given.items() if v is not None]
+
+
+def _topology(nnodes: Any, node_rank: Any, master_addr: Any, master_port: Any) -> Any:
+    """--nnodes & co., else what a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node."""
+    from harness.executors import Topology
+    from harness.executors.multinode import topology_from_env
+
+    if nnodes is None and node_rank is None and master_addr is None and master_port is None:
+        return topology_from_env() or Topology()
+    if nnodes is None:
+        raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
+    return Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=master_addr, master_port=master_port or 0)
+
 
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
-@click.option("--executor", type=click.Choice(["local", "docker"]), default=None,
-              help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image.")
+@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
+              help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image; "
+                   "slurm: a batch job.")
+@_placement_options
 @click.option("--allow-unpinned", is_flag=True, help="Accept an image pinned by the moving 'latest' tag.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
@@ -67,20 +108,31 @@ def run(
     overrides: tuple[str, ...],
     require_clean: bool,
     executor: str | None,
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    slurm_nodes: int | None,
+    partition: str | None,
+    slurm_time: str | None,
+    gpus_per_node: int | None,
     allow_unpinned: bool,
     allow_untracked_secrets: bool,
     tracking_uri: str | None,
 ) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
 
-    Prints progress on stderr and the MLflow run id as the last line of stdout.
+    Prints progress on stderr and the MLflow run id as the last line of stdout. Started by torchrun,
+    it runs as the rank torchrun made it; the job is still one run.
     """
     from harness import runner
     from harness.tracking import Tracker
 
     outcome = runner.run(
-        experiment_dir, list(overrides), require_clean=require_clean, tracking_uri=tracking_uri,
-        executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
+        experiment_dir, [*overrides, *_slurm_overrides(slurm_nodes, partition, slurm_time, gpus_per_node)],
+        require_clean=require_clean, tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
+        allow_untracked_secrets=allow_untracked_secrets,
+        topology=None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port),
     )
     _finish(outcome, Tracker(tracking_uri))
 
@@ -128,8 +180,9 @@ def check(
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
-@click.option("--executor", type=click.Choice(["local", "docker"]), default=None,
+@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
+@_placement_options
 @click.option("--allow-incomplete", is_flag=True,
               help="Replay a FAILED or KILLED run and compare only the steps it reached.")
 @click.option("--no-follow", is_flag=True,
@@ -142,6 +195,14 @@ def replay(
     world_size: int | None,
     allow_changes: bool,
     executor: str | None,
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    slurm_nodes: int | None,
+    partition: str | None,
+    slurm_time: str | None,
+    gpus_per_node: int | None,
     allow_incomplete: bool,
     no_follow: bool,
     tracking_uri: str | None,
@@ -159,6 +220,8 @@ def replay(
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
         tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
+        placement=_slurm_overrides(slurm_nodes, partition, slurm_time, gpus_per_node),
+        topology=None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port),
     )
     _print_comparison(result.comparison, result.changes)
     from harness.tracking import Tracker

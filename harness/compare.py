@@ -456,6 +456,8 @@ def environment_delta(a: RunRecord, b: RunRecord) -> list[FactDelta]:
         va, vb = fa.get(name), fb.get(name)
         if va == vb:
             continue
+        if name.startswith(tags.NODE_PREFIX) and (va is None or vb is None) and not name.endswith(".hostname"):
+            continue  # a node present in one run only is one line (its hostname), not one per fact
         breaks, note = _classify(name, va, vb, fa, fb)
         out.append(FactDelta(name, va, vb, breaks, note))
     out.extend(_lock_delta(list(a.lock), list(b.lock)))

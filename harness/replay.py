@@ -107,6 +107,7 @@ def replay(
     allow_incomplete: bool = False,
     follow: bool = True,
     topology: Topology | None = None,
+    placement: list[str] | None = None,
 ) -> ReplayResult:
     tracker = Tracker(tracking_uri)  # first: an unreachable store is said before torch is even loaded
     from harness import executors
@@ -123,6 +124,10 @@ def replay(
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
         changes.append(f"executor={executor}")
+    if placement:  # --nodes, --partition, ...: where a Slurm replay runs, likewise
+        cfg = compose([("recorded config", cfg), ("Slurm options", parse_overrides(placement))])
+        validate(cfg, None)
+        changes.extend(placement)
     recorded.cfg = cfg
     extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id}
     if changes:

@@ -30,6 +30,11 @@ class NodeFailed(RunFailed):
     """Another node of the job failed, or stopped answering."""
 
 
+def _last_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[-1] if text else type(err).__name__
+
+
 def topology_from_env(environ: dict[str, str] | None = None) -> Topology | None:
     """The job's layout when a scheduler started this process (one task per node), else None.
 
@@ -109,8 +114,12 @@ class Node:
     # -- rendezvous --------------------------------------------------------------------------------
     def join(self, facts: dict[str, Any]) -> Joined | None:
         """Announce this node; node 0 waits for all and returns their facts (others return None)."""
-        self.store.set(f"node/{self.topo.node_rank}", json.dumps(facts))
-        self.beat()
+        try:
+            self.store.set(f"node/{self.topo.node_rank}", json.dumps(facts))
+            self.beat()
+        except Exception as err:
+            raise HarnessError(f"node {self.topo.node_rank}: the rendezvous at {self.topo.master_addr}:"
+                               f"{self.topo.master_port} failed ({_last_line(err)}).") from None
         if not self.is_master:
             return None
         deadline = time.monotonic() + self.timeout_s
@@ -126,6 +135,7 @@ class Node:
                 f"on every node with --master-addr {self.topo.master_addr} --master-port {self.topo.master_port}."
             )
             self.fail(line)
+            self._linger(missing)
             raise HarnessError(line)
         nodes = {n: json.loads(self.store.get(f"node/{n}")) for n in range(self.topo.nnodes)}
         for n in range(1, self.topo.nnodes):
@@ -137,8 +147,17 @@ class Node:
                         "overrides on every node."
                     )
                     self.fail(line)
+                    self._linger()
                     raise HarnessError(line)
         return Joined(nodes)
+
+    def _linger(self, absent: list[int] = ()) -> None:
+        """Node 0 keeps the store up until the other nodes have read its refusal (a few seconds at most)."""
+        deadline = time.monotonic() + _LAST_WORD_S
+        waiting = [n for n in range(1, self.topo.nnodes) if n not in absent]
+        while waiting and time.monotonic() < deadline:
+            waiting = [n for n in waiting if not self.store.check([f"ack/{n}"])]
+            time.sleep(_POLL_S)
 
     def publish(self, run_id: str) -> None:
         self.store.set("run", run_id)
@@ -146,12 +165,22 @@ class Node:
     def attach(self) -> str:
         """The run id node 0 recorded (or its refusal, raised here too)."""
         deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.store.check(["failed"]):
-                raise HarnessError(self._failure()["line"])
-            if self.store.check(["run"]):
-                return self.store.get("run").decode()
-            time.sleep(_POLL_S)
+        try:
+            while time.monotonic() < deadline:
+                if self.store.check(["failed"]):
+                    line = self._failure()["line"]
+                    self.store.set(f"ack/{self.topo.node_rank}", "1")
+                    raise HarnessError(line)
+                if self.store.check(["run"]):
+                    return self.store.get("run").decode()
+                time.sleep(_POLL_S)
+        except HarnessError:
+            raise
+        except Exception as err:  # node 0's launcher went away before it recorded the run
+            raise HarnessError(
+                f"node {self.topo.node_rank}: node 0 ({self.topo.master_addr}:{self.topo.master_port}) went away before "
+                f"it recorded the run ({_last_line(err)}); see node 0's output."
+            ) from None
         raise HarnessError(f"node 0 recorded no run within {self.timeout_s:g} s (rendezvous_timeout_s).")
 
     # -- while the ranks run -----------------------------------------------------------------------
@@ -187,8 +216,7 @@ class Node:
             raise
         except Exception as err:  # the store itself is gone: node 0's launcher died
             line = f"node {self.topo.node_rank} lost contact with node 0 ({self.topo.master_addr}:{self.topo.master_port})"
-            raise failed(f"{line}: {str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}",
-                         None, NodeFailed) from None
+            raise failed(f"{line}: {_last_line(err)}", None, NodeFailed) from None
 
     def blame(self, local_line: str, peer_error: bool) -> str:
         """The job's failure line after this node's ranks failed: another node's cause wins over a peer error."""

@@ -337,11 +337,14 @@ def has_commit(root: Path, commit: str) -> bool:
 
 
 @contextlib.contextmanager
-def worktree(root: Path, commit: str, patch: bytes | None) -> Iterator[Path]:
-    """A detached temporary worktree at `commit` with `patch` applied and checked byte for byte; removed afterwards."""
+def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = None) -> Iterator[Path]:
+    """A detached temporary worktree at `commit` with `patch` applied and checked byte for byte; removed afterwards.
+
+    `base`: the folder to make it in (default: the system's temporary folder).
+    """
     git = _git()
     repo = open_repo(root)
-    tmp = Path(tempfile.mkdtemp(prefix="harness-replay-"))
+    tmp = Path(tempfile.mkdtemp(prefix="harness-code-", dir=base))
     path = tmp / "tree"
     repo.git.worktree("add", "--detach", str(path), commit)
     try:

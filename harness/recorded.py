@@ -52,7 +52,9 @@ class RecordedRun:
 
 
 @contextlib.contextmanager
-def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
+def checkout(
+    tracker: Tracker, run: RunSummary, repo: Path | None = None, base: Path | None = None
+) -> Iterator[tuple[Path, Path]]:
     """The run's recorded code (commit + patch) in a temporary worktree; yields (worktree, experiment folder).
 
     The user's working tree and index are never touched.
@@ -79,5 +81,5 @@ def checkout(tracker: Tracker, run: RunSummary, repo: Path | None = None) -> Ite
                 f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a "
                 "backup of the store, or replay another run."
             )
-    with gitsource.worktree(root, commit, patch) as tree:
+    with gitsource.worktree(root, commit, patch, base) as tree:
         yield tree, tree / run.tags[T.EXPERIMENT_PATH]

@@ -335,11 +335,13 @@ class LocalHandle(Handle):
 
             if isinstance(err, NodeFailed):
                 raise
-            line = node.blame(str(err), is_peer_failure(err))
-            node.fail(line, failure_details(err)[0])
-            raise RunFailed(line) from err.__cause__
+            cause = node.blame(err, is_peer_failure(err))
+            if not isinstance(cause, Interrupted):
+                node.fail(str(cause), failure_details(cause)[0])
+            raise cause
         except Interrupted as err:
-            node.fail(f"node {self.job.topology.node_rank} was interrupted ({err})")
+            if self.cancelled:  # interrupted here, not told by another node
+                node.fail(f"node {self.job.topology.node_rank} was interrupted", signum=err.signum)
             raise
         else:
             node.done()

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import HarnessError, RunFailed
+from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Topology
 
 _KEYS = "launchers/"  # beside the ranks' own prefix in the same store
@@ -187,9 +187,9 @@ class Node:
     def beat(self) -> None:
         self.store.add(f"beat/{self.topo.node_rank}", 1)
 
-    def fail(self, line: str, rank: int | None = None) -> None:
-        """Post this node's failure for the others (the first one posted is the job's)."""
-        record = json.dumps({"node": self.topo.node_rank, "rank": rank, "line": line})
+    def fail(self, line: str, rank: int | None = None, signum: int | None = None) -> None:
+        """Post this node's failure (or interruption: `signum`) for the others; the first one posted is the job's."""
+        record = json.dumps({"node": self.topo.node_rank, "rank": rank, "line": line, "signum": signum})
         try:
             self.store.compare_set("failed", "", record)
         except Exception:  # node 0 is gone: there is no one left to tell
@@ -207,19 +207,21 @@ class Node:
             if self.store.check(["failed"]):
                 failure = self._failure()
                 if failure["node"] != self.topo.node_rank:
-                    raise failed(self._describe(failure), failure.get("rank"), NodeFailed)
+                    raise self._remote(failure)
             if self.is_master:
                 lost = self._lost_nodes()
                 if lost:
                     raise failed(self._lost_line(lost), None, NodeFailed)
-        except NodeFailed:
+        except (NodeFailed, Interrupted):
             raise
         except Exception as err:  # the store itself is gone: node 0's launcher died
             line = f"node {self.topo.node_rank} lost contact with node 0 ({self.topo.master_addr}:{self.topo.master_port})"
             raise failed(f"{line}: {_last_line(err)}", None, NodeFailed) from None
 
-    def blame(self, local_line: str, peer_error: bool) -> str:
-        """The job's failure line after this node's ranks failed: another node's cause wins over a peer error."""
+    def blame(self, err: RunFailed, peer_error: bool) -> HarnessError:
+        """What ended the job after this node's ranks failed: another node's cause wins over a peer error."""
+        from harness.launch import failed
+
         if peer_error:
             deadline = time.monotonic() + _LAST_WORD_S
             while time.monotonic() < deadline:
@@ -227,19 +229,27 @@ class Node:
                     if self.store.check(["failed"]):
                         failure = self._failure()
                         if failure["node"] != self.topo.node_rank:
-                            return self._describe(failure)
+                            return self._remote(failure)
                         break
                     lost = self._lost_nodes(_LAST_WORD_S / 2) if self.is_master else []
                 except Exception:
                     break
                 if lost:
-                    return f"{self._lost_line(lost)}; this node's ranks stopped as a consequence"
+                    return failed(f"{self._lost_line(lost)}; node {self.topo.node_rank}'s ranks stopped as a consequence",
+                                  None, NodeFailed)
                 time.sleep(_POLL_S)
-        return f"node {self.topo.node_rank}: {local_line}"
+        own = RunFailed(f"node {self.topo.node_rank}: {err}")
+        own.__cause__ = err.__cause__
+        return own
 
-    def _describe(self, failure: dict[str, Any]) -> str:
+    def _remote(self, failure: dict[str, Any]) -> HarnessError:
+        """Another node's posted failure, as the error that ends this node too."""
+        from harness.launch import failed
+
+        if failure.get("signum"):  # cancelled there (scancel, Ctrl-C): the job was killed, it did not fail
+            return Interrupted(int(failure["signum"]))
         line = failure["line"]
-        return line if line.startswith("node ") else f"node {failure['node']}: {line}"
+        return failed(line if line.startswith("node ") else f"node {failure['node']}: {line}", failure.get("rank"), NodeFailed)
 
     def _lost_nodes(self, after_s: float = _LOST_AFTER_S) -> list[int]:
         now = time.monotonic()

@@ -1,0 +1,229 @@
+"""The Slurm backend: the job is an sbatch script, one task per node, each running the local backend.
+
+Why sbatch from a template rather than submitit: the job must run `harness _execute` on every node
+(the ranks are spawned inside, per node, exactly as locally), and a plain batch script is what
+Slurm users read, resubmit and debug by hand; submitit pickles a Python callable instead, which hides
+the command and ties the job to the submitting interpreter's pickles. The script is kept beside its
+output and its path printed.
+
+The submitting process records the run first (so the job id, script and nodes land on it), then
+follows the job: its output streams to stderr, Ctrl-C cancels it with scancel, and a job that ends
+without closing its run (killed by the scheduler, out of time) is closed here with the job's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from harness import tags as T
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
+from harness.executors.base import Event, Executor, Handle, Job, Outcome, Output, Submitted
+from harness.executors.local import local_image_tags
+from harness.recorded import checkout
+
+_CALL_S = 30.0  # deadline of one sbatch/scontrol/scancel call
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+          "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
+_PORT_BASE = 20000  # MASTER_PORT = base + job id mod 20000: distinct for jobs sharing a node
+
+
+def _slurm(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=_CALL_S, env=env)
+    except FileNotFoundError:
+        raise HarnessError(f"{args[0]} not found: this machine is not a Slurm client. Install Slurm's client "
+                           "commands (and point SLURM_CONF at the cluster), or use --executor local.") from None
+    except subprocess.TimeoutExpired:
+        raise HarnessError(f"`{' '.join(args[:2])}` did not answer within {_CALL_S:g} s: the Slurm controller is "
+                           "unreachable or overloaded.") from None
+
+
+def job_dir(run_id: str) -> Path:
+    """Where the batch script and its output live: a folder every node sees (home, by default)."""
+    base = Path(os.environ.get("HARNESS_SLURM_DIR") or Path.home() / ".cache" / "harness" / "slurm")
+    path = base / run_id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def batch_script(job: Job, exp_dir: Path, out: Path, tracking_uri: str) -> str:
+    """The sbatch script: resources, the first node's address as the rendezvous, one task per node."""
+    cfg = job.cfg
+    nodes = int(cfg.slurm.nodes)
+    per_node = cfg.world_size // nodes
+    cpus = cfg.slurm.cpus_per_task or cfg.threads_per_rank * per_node
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=harness-{Path(job.exp_dir).resolve().name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={cpus}",
+        f"#SBATCH --output={out / 'slurm-%j.out'}",
+    ]
+    if cfg.slurm.partition:
+        lines.append(f"#SBATCH --partition={cfg.slurm.partition}")
+    if cfg.slurm.time:
+        lines.append(f"#SBATCH --time={cfg.slurm.time}")
+    if cfg.slurm.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={cfg.slurm.gpus_per_node}")
+    command = [sys.executable, "-m", "harness", "_execute", job.run_id, "--code-dir", str(Path(exp_dir).resolve())]
+    if job.resume_step is not None:
+        command += ["--resume-step", str(job.resume_step)]
+    lines += [
+        "set -euo pipefail",
+        "# Node 0 (the first node of the allocation) hosts the job's rendezvous; its address, not its name,",
+        "# since node names need not resolve on the compute network.",
+        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'export MASTER_ADDR=$(scontrol show node "$first" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
+        f"export MASTER_PORT=$(({_PORT_BASE} + SLURM_JOB_ID % 20000))",
+        f"export MLFLOW_TRACKING_URI={shlex.quote(tracking_uri)}",
+        "export PYTHONUNBUFFERED=1",
+        "# One task per node; each spawns its node's ranks. A task that fails ends the others.",
+        "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + " ".join(shlex.quote(c) for c in command),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class SlurmExecutor(Executor):
+    name = "slurm"
+
+    def prepare(self, job: Job) -> dict[str, str]:
+        from harness.config import check_nodes
+        from harness.store import database_file
+
+        if job.topology.multi_node:
+            raise HarnessError("--nnodes is for jobs started by hand on each node; with --executor slurm use --nodes N.")
+        check_nodes(int(job.cfg.slurm.nodes), job.cfg.world_size, "slurm.nodes (--nodes)")
+        if shutil.which("sbatch") is None:
+            raise HarnessError("sbatch not found: this machine is not a Slurm client. Install Slurm's client commands "
+                               "(and point SLURM_CONF at the cluster), or use --executor local.")
+        ping = _slurm(["scontrol", "ping"])
+        if ping.returncode != 0 or "UP" not in ping.stdout:
+            raise HarnessError(f"the Slurm controller does not answer (scontrol ping: "
+                               f"{(ping.stdout or ping.stderr).strip() or ping.returncode}). Check SLURM_CONF and slurmctld.")
+        if database_file(job.tracker.uri) is not None:
+            print("Note: the tracking store is a local SQLite file; every Slurm node must see it at the same path "
+                  "(a shared filesystem), or use an MLflow server (MLFLOW_TRACKING_URI=http://...).", file=sys.stderr)
+        tags = local_image_tags(str(job.cfg.image))
+        tags[T.EXECUTOR] = "slurm"
+        tags[T.IMAGE_NOTE] = "ran on the Slurm nodes' own environment, outside the pinned image"
+        return tags
+
+    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+        if job.record is not None:
+            job.run_id = job.record(job.placement)
+        folder = job_dir(job.run_id)
+        # The nodes run the recorded code from a worktree in the job's folder (which they all see),
+        # never the live working tree, which may change while the job waits in the queue.
+        code = contextlib.ExitStack()
+        try:
+            tree, exp_dir = code.enter_context(
+                checkout(job.tracker, job.tracker.harness_run(job.run_id), job.code_root, base=folder))
+            script = folder / "job.sbatch"
+            script.write_text(batch_script(job, exp_dir, folder, job.tracker.uri))
+            submitted = _slurm(["sbatch", "--parsable", str(script)])
+        except BaseException as err:
+            code.close()
+            job.tracker.set_tags(job.run_id, {T.STATUS_REASON: str(err)[:500]})
+            job.tracker.end_run(job.run_id, T.FAILED)
+            raise
+        job_id = submitted.stdout.strip().split(";")[0]
+        if submitted.returncode != 0 or not job_id.isdigit():
+            reason = (submitted.stderr or submitted.stdout).strip().splitlines()
+            line = f"sbatch refused the job: {reason[-1] if reason else submitted.returncode}"
+            code.close()
+            job.tracker.set_tags(job.run_id, {T.STATUS_REASON: line})
+            job.tracker.end_run(job.run_id, T.FAILED)
+            raise HarnessError(line, EXIT_FAILED)
+        job.tracker.set_tags(job.run_id, {T.SLURM_JOB_ID: job_id})
+        on_event(Submitted(job_id, f"script {script}, output {folder / f'slurm-{job_id}.out'}"))
+        return SlurmHandle(job, job_id, folder / f"slurm-{job_id}.out", on_event, code)
+
+
+EXECUTOR = SlurmExecutor
+
+
+def job_state(job_id: str) -> tuple[str, str]:
+    """(state, reason) of a job, e.g. ("RUNNING", "None"); ("GONE", ...) once the controller forgot it."""
+    shown = _slurm(["scontrol", "show", "job", "-o", job_id])
+    if shown.returncode != 0:
+        if "Invalid job id" in shown.stderr:
+            return "GONE", "the controller no longer knows the job"
+        return "UNKNOWN", shown.stderr.strip()
+    state = re.search(r"\bJobState=(\S+)", shown.stdout)
+    reason = re.search(r"\bReason=(\S+)", shown.stdout)
+    return (state[1] if state else "UNKNOWN"), (reason[1] if reason else "")
+
+
+class SlurmHandle(Handle):
+    def __init__(
+        self, job: Job, job_id: str, output: Path, on_event: Callable[[Event], None], code: contextlib.ExitStack
+    ) -> None:
+        self.job, self.job_id, self.output, self.on_event, self.code = job, job_id, output, on_event, code
+        self.interrupted: list[int] = []
+        self._offset = 0
+        self._partial = ""
+
+    def cancel(self, signum: int) -> None:
+        self.interrupted.append(signum)
+        # scancel sends SIGTERM to every task; each harness inside stops its ranks, node 0 marks the run KILLED.
+        threading.Thread(target=_slurm, args=(["scancel", self.job_id],), daemon=True).start()
+
+    def _stream(self, final: bool = False) -> None:
+        try:
+            with open(self.output, "r", errors="replace") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+                self._offset = fh.tell()
+        except FileNotFoundError:
+            return
+        *lines, self._partial = (self._partial + chunk).split("\n")
+        if final and self._partial:
+            lines, self._partial = [*lines, self._partial], ""
+        for line in lines:
+            self.on_event(Output(line))
+
+    def wait(self) -> Outcome:
+        with self.code:  # the code's worktree is removed once the job has ended
+            return self._follow()
+
+    def _follow(self) -> Outcome:
+        tracker, run_id = self.job.tracker, self.job.run_id
+        poll = float(self.job.cfg.slurm.poll_s)
+        state, reason = "PENDING", ""
+        while True:
+            self._stream()
+            state, reason = job_state(self.job_id)
+            if state in _ENDED or state == "GONE":
+                break
+            time.sleep(poll)
+        # The run is closed by node 0 inside the job; give its last writes a moment to land.
+        deadline = time.monotonic() + 10
+        status = tracker.get_run(run_id).status
+        while status == T.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = tracker.get_run(run_id).status
+        self._stream(final=True)
+        if status == T.RUNNING:  # the job ended without closing the run: the scheduler killed it
+            ended = T.KILLED if (self.interrupted or state in ("CANCELLED", "PREEMPTED", "DEADLINE", "TIMEOUT")) else T.FAILED
+            line = f"Slurm job {self.job_id} ended {state} ({reason}) before the run ended"
+            tracker.set_tags(run_id, {T.STATUS_REASON: line})
+            tracker.end_run(run_id, ended)
+            status = ended
+        if self.interrupted:
+            signum = self.interrupted[0]
+            return Outcome(run_id, status, 128 + signum, str(Interrupted(signum)))
+        if status == T.FINISHED:
+            return Outcome(run_id, status, EXIT_OK, "")
+        message = tracker.get_run(run_id).tags.get(T.STATUS_REASON, f"Slurm job {self.job_id} ended {state}")
+        return Outcome(run_id, status, EXIT_FAILED, message)

@@ -15,31 +15,39 @@ export SLURM_CONF=$STATE_DIR/slurm.conf
 
 step() { echo "slurm-down: $*"; }
 
-stop() { # NAME PIDFILE
-  local name=$1 pidfile=$2 pid
-  if [[ ! -f $pidfile ]]; then
-    step "$name: no $pidfile, nothing to stop"
-    return
-  fi
-  pid=$(<"$pidfile")
-  if ! kill -0 "$pid" 2>/dev/null; then
-    step "$name: pid $pid not running"
-    rm -f "$pidfile"
-    return
-  fi
-  kill -TERM "$pid"
-  local deadline=$((SECONDS + TIMEOUT_S))
-  while kill -0 "$pid" 2>/dev/null; do
-    if ((SECONDS >= deadline)); then
-      step "$name: pid $pid still alive after ${TIMEOUT_S}s, sending SIGKILL"
-      kill -KILL "$pid" 2>/dev/null || true
-      sleep 0.5
-      break
+# Signal every named daemon at once, then wait for each (each takes ~2 s to exit on SIGTERM).
+stop() { # NAME:PIDFILE...
+  local entry name pidfile pid
+  local -a names=() pids=() pidfiles=()
+  for entry in "$@"; do
+    name=${entry%%:*} pidfile=${entry#*:}
+    if [[ ! -f $pidfile ]]; then
+      step "$name: no $pidfile, nothing to stop"
+      continue
     fi
-    sleep 0.2
+    pid=$(<"$pidfile")
+    if ! kill -0 "$pid" 2>/dev/null; then
+      step "$name: pid $pid not running"
+      rm -f "$pidfile"
+      continue
+    fi
+    kill -TERM "$pid"
+    names+=("$name") pids+=("$pid") pidfiles+=("$pidfile")
   done
-  rm -f "$pidfile"
-  step "$name: stopped pid $pid"
+  local deadline=$((SECONDS + TIMEOUT_S)) i
+  for i in "${!pids[@]}"; do
+    while kill -0 "${pids[i]}" 2>/dev/null; do
+      if ((SECONDS >= deadline)); then
+        step "${names[i]}: pid ${pids[i]} still alive after ${TIMEOUT_S}s, sending SIGKILL"
+        kill -KILL "${pids[i]}" 2>/dev/null || true
+        sleep 0.5
+        break
+      fi
+      sleep 0.1
+    done
+    rm -f "${pidfiles[i]}"
+    step "${names[i]}: stopped pid ${pids[i]}"
+  done
 }
 
 # Jobs first: their slurmstepd processes outlive slurmd and would keep the namespaces alive.
@@ -61,8 +69,7 @@ if [[ -f $SLURM_CONF && -f $ctld_pidfile ]] && kill -0 "$(<"$ctld_pidfile")" 2>/
   fi
 fi
 
-stop "slurmd node1" "$STATE_DIR/slurmd-node1.pid"
-stop "slurmd node2" "$STATE_DIR/slurmd-node2.pid"
-stop slurmctld "$ctld_pidfile"
-stop munged "$STATE_DIR/munged.pid"
+# The nodes first, so slurmctld does not spend its shutdown on them; munged last with slurmctld.
+stop "slurmd node1:$STATE_DIR/slurmd-node1.pid" "slurmd node2:$STATE_DIR/slurmd-node2.pid"
+stop "slurmctld:$ctld_pidfile" "munged:$STATE_DIR/munged.pid"
 bash "$HERE/hosts-down.sh" "$STATE_DIR/hosts"

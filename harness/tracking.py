@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -13,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,6 +23,7 @@ from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
     DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, probe_store, reason_of, schema_error,
+    sqlite_path,
     store_timeout,
 )
 
@@ -158,6 +160,32 @@ def _summary(run: Any, experiment: str) -> RunSummary:
     )
 
 
+@contextlib.contextmanager
+def _schema_lock(uri: str) -> Iterator[None]:
+    """An exclusive lock beside a local SQLite store while it is opened (a no-op for other stores)."""
+    import fcntl
+
+    path = sqlite_path(uri)
+    if path is None or not path.parent.is_dir():
+        yield
+        return
+    with open(path.parent / f".{path.name}.lock", "a") as fh:
+        deadline = time.monotonic() + store_timeout()
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise HarnessError(f"another process holds {fh.name} (it is opening the store) for longer than "
+                                       f"{store_timeout():g} s; check for a hung harness process.") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 class Tracker:
     """An MLflow client bound to one tracking store, reached (or refused) before it is used.
 
@@ -181,8 +209,11 @@ class Tracker:
 
         try:
             # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
-            self.client = MlflowClient(tracking_uri=client_uri)
-            self.client.search_experiments(max_results=1)
+            # MLflow's schema creation is not safe against a second process doing the same (the
+            # nodes of one job, parallel runs): on a fresh SQLite file it is done under a file lock.
+            with _schema_lock(self.uri):
+                self.client = MlflowClient(tracking_uri=client_uri)
+                self.client.search_experiments(max_results=1)
         except Exception as err:
             if not is_store_error(err):
                 raise

@@ -31,7 +31,8 @@ _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
 # The process group's own timeout is timeout_s plus this margin, so that the launcher's progress check,
 # which can name the silent rank, fires before a waiting rank's collective gives up with a peer error.
 _PG_MARGIN_S = 30.0
-_STACK_WAIT_S = 1.0  # how long a rank gets to write its stacks when the job is stopped for no progress
+_STACK_WAIT_S = 1.0
+_SIGNAL_WAIT_S = 2.0  # a rank killed by SIGTERM: how long to wait for the launcher's own signal  # how long a rank gets to write its stacks when the job is stopped for no progress
 # Errors a rank raises only because a peer died or hung: they are consequences, never the cause.
 _PEER_ERROR = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ProcessGroupGloo|ProcessGroupNCCL|"
@@ -433,6 +434,9 @@ def launch(
                 if silent:
                     raise _stalled(spec, procs.processes, progress, silent)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            signum = _signalled_too(err, cancelled)
+            if signum:  # a scheduler signals every process of the job: the ranks died of the launcher's signal
+                raise Interrupted(signum) from None
             _stop_all(procs.processes)  # every rank's error record is final before it is read
             rank, line, text, expected, peer = _diagnose(spec, err)
             raise RunFailed(line) from _RankError(rank, text, expected, peer)
@@ -454,6 +458,21 @@ def launch(
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         del own_store  # the store's server stops with its last reference
+
+
+def _signalled_too(err: Exception, cancelled: Callable[[], int | None] | None) -> int | None:
+    """The launcher's own SIGTERM/SIGINT when a rank died of the same signal at about the same time."""
+    if cancelled is None or not isinstance(err, mp.ProcessExitedException):
+        return None
+    if err.signal_name not in ("SIGTERM", "SIGINT"):
+        return None
+    deadline = time.monotonic() + _SIGNAL_WAIT_S
+    while time.monotonic() < deadline:
+        signum = cancelled()
+        if signum:
+            return signum
+        time.sleep(0.05)
+    return None
 
 
 def _silent_ranks(progress: Any, processes: list[Any], timeout_s: float) -> list[int]:

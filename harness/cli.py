@@ -90,6 +90,22 @@ def _topology(nnodes: Any, node_rank: Any, master_addr: Any, master_port: Any) -
     return Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=master_addr, master_port=master_port or 0)
 
 
+def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
+    """The job's layout when torchrun started this process, else None; torchrun's layout leaves no placement to choose."""
+    from harness.executors.torchrun import topology, torchrun_env
+
+    env = torchrun_env()
+    if env is None:
+        return None
+    if given:
+        raise HarnessError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
+                           "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
+    if executor not in (None, "local"):
+        raise HarnessError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
+                           f"apply. Run `harness run --executor {executor} ...` without torchrun.")
+    return topology(env)
+
+
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
@@ -128,11 +144,15 @@ def run(
     from harness import runner
     from harness.tracking import Tracker
 
+    placement = {"--nnodes": nnodes, "--node-rank": node_rank, "--master-addr": master_addr,
+                 "--master-port": master_port, "--nodes": slurm_nodes, "--partition": partition, "--time": slurm_time,
+                 "--gpus-per-node": gpus_per_node}
+    torchrun = _torchrun_topology(executor, [k for k, v in placement.items() if v is not None])
     outcome = runner.run(
         experiment_dir, [*overrides, *_slurm_overrides(slurm_nodes, partition, slurm_time, gpus_per_node)],
         require_clean=require_clean, tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
         allow_untracked_secrets=allow_untracked_secrets,
-        topology=None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port),
+        topology=torchrun or (None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port)),
     )
     _finish(outcome, Tracker(tracking_uri))
 

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, probe_store, reason_of, schema_error,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, opening, probe_store,
+    reason_of, schema_error,
     store_timeout,
 )
 
@@ -181,8 +182,9 @@ class Tracker:
 
         try:
             # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
-            self.client = MlflowClient(tracking_uri=client_uri)
-            self.client.search_experiments(max_results=1)
+            with opening(self.uri):
+                self.client = MlflowClient(tracking_uri=client_uri)
+                self.client.search_experiments(max_results=1)
         except Exception as err:
             if not is_store_error(err):
                 raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +29,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except HarnessError as err:
             click.echo(f"Error: {err}", err=True)
-            sys.exit(err.exit_code)
+            _exit(err.exit_code)
         except Exception as err:
             from harness.tracking import is_store_error, resolve_uri, store_failure
 
@@ -39,6 +40,16 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(failure.exit_code)
 
     return wrapper
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`. torchrun stops every other rank the moment one exits: a rank that has said why it
+    stops keeps its own exit code rather than dying of that SIGTERM on its way out."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -162,7 +173,7 @@ def _finish(outcome: Any, tracker: Any) -> None:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)
     click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
     click.echo(outcome.run_id)
-    sys.exit(outcome.exit_code)
+    _exit(outcome.exit_code)
 
 
 @main.command()

@@ -178,13 +178,13 @@ def run(
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
     from harness import executors
+    from harness.executors.torchrun import check_config, torchrun_env
     from harness.executors.torchrun import topology as torchrun_topology
-    from harness.executors.torchrun import torchrun_env
     from harness.store import probe_store, store_timeout
     from harness.tracking import resolve_uri
 
+    torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
     if topology is None:
-        torchrun = torchrun_env()
         topology = torchrun_topology(torchrun) if torchrun else Topology()
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
     probe_store(resolve_uri(tracking_uri), True, store_timeout())
@@ -193,6 +193,10 @@ def run(
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
     )
     cfg, git = checked.cfg, checked.git
+    if torchrun is not None:
+        # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
+        # refuses before torchrun stops the others.
+        check_config(torchrun, cfg.world_size)
     for warning in checked.warnings:
         print(f"Warning: {warning}", file=sys.stderr)
     tracker = Tracker(tracking_uri)

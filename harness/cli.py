@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +29,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except HarnessError as err:
             click.echo(f"Error: {err}", err=True)
-            sys.exit(err.exit_code)
+            _exit(err.exit_code)
         except Exception as err:
             from harness.tracking import is_store_error, resolve_uri, store_failure
 
@@ -39,6 +40,16 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(failure.exit_code)
 
     return wrapper
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`. torchrun stops every other rank the moment one exits: a rank that has said why it
+    stops keeps its own exit code rather than dying of that SIGTERM on its way out."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -90,6 +101,22 @@ def _topology(nnodes: Any, node_rank: Any, master_addr: Any, master_port: Any) -
     return Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=master_addr, master_port=master_port or 0)
 
 
+def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
+    """The job's layout when torchrun started this process, else None; torchrun's layout leaves no placement to choose."""
+    from harness.executors.torchrun import topology, torchrun_env
+
+    env = torchrun_env()
+    if env is None:
+        return None
+    if given:
+        raise HarnessError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
+                           "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
+    if executor not in (None, "local"):
+        raise HarnessError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
+                           f"apply. Run `harness run --executor {executor} ...` without torchrun.")
+    return topology(env)
+
+
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
@@ -128,11 +155,15 @@ def run(
     from harness import runner
     from harness.tracking import Tracker
 
+    placement = {"--nnodes": nnodes, "--node-rank": node_rank, "--master-addr": master_addr,
+                 "--master-port": master_port, "--nodes": slurm_nodes, "--partition": partition, "--time": slurm_time,
+                 "--gpus-per-node": gpus_per_node}
+    torchrun = _torchrun_topology(executor, [k for k, v in placement.items() if v is not None])
     outcome = runner.run(
         experiment_dir, [*overrides, *_slurm_overrides(slurm_nodes, partition, slurm_time, gpus_per_node)],
         require_clean=require_clean, tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
         allow_untracked_secrets=allow_untracked_secrets,
-        topology=None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port),
+        topology=torchrun or (None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port)),
     )
     _finish(outcome, Tracker(tracking_uri))
 
@@ -142,7 +173,7 @@ def _finish(outcome: Any, tracker: Any) -> None:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)
     click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
     click.echo(outcome.run_id)
-    sys.exit(outcome.exit_code)
+    _exit(outcome.exit_code)
 
 
 @main.command()

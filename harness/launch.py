@@ -177,7 +177,7 @@ def _redirect_output(path: Path) -> None:
 
 
 def _worker(local_rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
-    """One rank: rendezvous, seeds, determinism, then the experiment's entry function."""
+    """One spawned rank: tied to its launcher, output to its log file, stacks on demand; then the rank's body."""
     _die_with_parent()
     rank = spec.global_rank(local_rank)
     # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
@@ -191,6 +191,18 @@ def _worker(local_rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> N
     global _STACKS
     _STACKS = open(Path(spec.log_dir) / f"rank{rank}.stacks.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
+    run_rank(spec, local_rank, channel, progress)
+
+
+def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = None, store: Any = None) -> None:
+    """The body of one rank, in whatever process it was given (spawned here, or started by torchrun):
+    rendezvous, seeds, determinism, then the experiment's entry function.
+
+    `channel` (global rank 0 only; others get None) takes rank 0's messages with send() and close().
+    `store` is the job's TCPStore when this process already holds it; otherwise the rank connects
+    to spec.master_addr:spec.port as a client.
+    """
+    rank = spec.global_rank(local_rank)
     if rank != 0 and channel is not None:
         channel.close()
         channel = None
@@ -218,8 +230,8 @@ def _worker(local_rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> N
         else:
             device = torch.device("cpu")
         timeout = datetime.timedelta(seconds=spec.timeout_s + _PG_MARGIN_S)
-        # Every rank is a client of the launcher's store (node 0's across nodes): one port per job.
-        store = dist.TCPStore(spec.master_addr, spec.port, is_master=False, timeout=timeout)
+        if store is None:  # every rank is a client of the launcher's store (node 0's across nodes): one port per job
+            store = dist.TCPStore(spec.master_addr, spec.port, is_master=False, timeout=timeout)
         dist.init_process_group(
             spec.backend, store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=spec.world_size,
             timeout=timeout,
@@ -318,8 +330,9 @@ def _is_peer_error(err: BaseException) -> bool:
     return isinstance(err, dist_error) or bool(_PEER_ERROR.search(f"{type(err).__name__}: {err}"))
 
 
-def _write_failure(spec: LaunchSpec, rank: int, err: BaseException) -> None:
-    """What this rank died of, for the launcher to tell cause from consequence; the traceback stays out of the log."""
+def failure_record(spec: LaunchSpec, rank: int, err: BaseException) -> dict[str, Any]:
+    """What this rank died of: one line (with the user's file and line), whether that says it all, whether
+    it is only a peer's consequence, and the traceback from the user's code on."""
     from harness.errors import HarnessError
 
     message = str(err).strip()
@@ -329,7 +342,7 @@ def _write_failure(spec: LaunchSpec, rank: int, err: BaseException) -> None:
     else:
         where = _user_frame(err, spec.code_dir)
         line = f"{type(err).__name__}: {first}" + (f" ({where})" if where else "")
-    record = {
+    return {
         "rank": rank,
         "time": time.time(),
         "line": line,
@@ -337,6 +350,19 @@ def _write_failure(spec: LaunchSpec, rank: int, err: BaseException) -> None:
         "peer": _is_peer_error(err),
         "traceback": "".join(traceback.format_exception(type(err), err, _from_user_code(err.__traceback__))),
     }
+
+
+def rank_failed(record: dict[str, Any]) -> RunFailed:
+    """The job's failure for a rank's failure record (see failure_record)."""
+    rank, line = record["rank"], record["line"]
+    err = RunFailed(f"rank {rank}: {line}" if record["expected"] else f"rank {rank} raised: {line}")
+    err.__cause__ = _RankError(rank, record["traceback"], bool(record["expected"]), bool(record["peer"]))
+    return err
+
+
+def _write_failure(spec: LaunchSpec, rank: int, err: BaseException) -> None:
+    """What this rank died of, for the launcher to tell cause from consequence; the traceback stays out of the log."""
+    record = failure_record(spec, rank, err)
     path = Path(spec.log_dir) / f"rank{rank}.error.json"
     with contextlib.suppress(OSError):
         tmp = path.with_suffix(".tmp")
@@ -581,10 +607,10 @@ class _RankError(Exception):
         self.peer = peer  # the failing rank only lost a peer: the cause is elsewhere (another node)
 
 
-def failed(line: str, rank: int | None, cls: type[RunFailed] = RunFailed) -> RunFailed:
-    """A failure whose one line says it all (no traceback), blamed on `rank` when known."""
+def failed(line: str, rank: int | None, cls: type[RunFailed] = RunFailed, traceback_text: str | None = None) -> RunFailed:
+    """A failure blamed on `rank` when known; without `traceback_text` its one line says it all."""
     err = cls(line)
-    err.__cause__ = _RankError(rank, line, True)
+    err.__cause__ = _RankError(rank, traceback_text or line, traceback_text is None)
     return err
 
 

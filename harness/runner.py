@@ -113,8 +113,12 @@ def preflight(
     executor: str | None = None,
     allow_untracked_secrets: bool = False,
     tracking_uri: str | None = None,
+    nnodes: int = 1,
 ) -> Preflight:
-    """Every check that needs neither the store nor an engine; raises HarnessError, records nothing."""
+    """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
+
+    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
+    """
     from harness import gitsource
     from harness.config import Executor, load_experiment
     from harness.launch import capacity_warning, resolve_device
@@ -145,8 +149,9 @@ def preflight(
             "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
         )
     if cfg.executor == Executor.local:
-        device, _ = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)  # refuse before recording
-        warning = capacity_warning(device, cfg.world_size, cfg.threads_per_rank)
+        here = max(cfg.world_size // nnodes, 1)
+        device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
+        warning = capacity_warning(device, here, cfg.threads_per_rank)
         if warning:
             warnings.append(warning)
     return Preflight(cfg, git, warnings)
@@ -168,25 +173,37 @@ def run(
     allow_untracked_secrets: bool = False,
     topology: Topology | None = None,
 ) -> Outcome:
-    """Validate, record, launch. Bad input raises HarnessError before any run is created."""
+    """Validate, record, launch. Bad input raises HarnessError before any run is created.
+
+    Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
+    """
     from harness import executors
+    from harness.executors.torchrun import check_config, torchrun_env
+    from harness.executors.torchrun import topology as torchrun_topology
     from harness.store import probe_store, store_timeout
     from harness.tracking import resolve_uri
 
+    torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
+    if topology is None:
+        topology = torchrun_topology(torchrun) if torchrun else Topology()
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
     probe_store(resolve_uri(tracking_uri), True, store_timeout())
     checked = preflight(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
-        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri,
+        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
     )
     cfg, git = checked.cfg, checked.git
+    if torchrun is not None:
+        # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
+        # refuses before torchrun stops the others.
+        check_config(torchrun, cfg.world_size)
     for warning in checked.warnings:
         print(f"Warning: {warning}", file=sys.stderr)
     tracker = Tracker(tracking_uri)
     job = Job(
         tracker, cfg, git.root, Path(exp_dir),
         record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags),
-        topology=topology or Topology(),
+        topology=topology,
         code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
         options={"allow_unpinned": allow_unpinned},
     )

@@ -7,14 +7,17 @@ exponential backoff (~250 s) and SQLAlchemy engine creation 10 times (~100 s).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
 import ssl
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from harness.errors import HarnessError
@@ -151,6 +154,37 @@ def probe_store(uri: str, writable: bool, timeout_s: float) -> str:
             f"{_FORMS}; for a local folder: sqlite:///{Path(uri).resolve() / DB_NAME}."
         )
     raise HarnessError(f"unsupported tracking store URI '{display_uri(uri)}' (scheme {scheme}://). {_FORMS}.")
+
+
+@contextlib.contextmanager
+def opening(uri: str) -> Iterator[None]:
+    """Held while a process opens the store: the processes of one job (torchrun's ranks) open it at once,
+    and two that create a fresh SQLite schema together collide. Other stores migrate on their own."""
+    path = sqlite_path(uri) if _scheme(uri) == "sqlite" else None
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    try:  # the folder, not a file beside the database: nothing is left behind in the store
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + store_timeout()
+        while True:  # with a deadline: a hung process holding the lock must not hang this one
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise HarnessError(f"another process has been opening the store in {path.parent} for more than "
+                                       f"{store_timeout():g} s; check for a hung harness process.") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _probe_http(uri: str, timeout_s: float) -> None:

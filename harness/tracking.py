@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -14,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,8 +21,8 @@ if TYPE_CHECKING:
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, probe_store, reason_of, schema_error,
-    sqlite_path,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, opening, probe_store,
+    reason_of, schema_error,
     store_timeout,
 )
 
@@ -160,32 +159,6 @@ def _summary(run: Any, experiment: str) -> RunSummary:
     )
 
 
-@contextlib.contextmanager
-def _schema_lock(uri: str) -> Iterator[None]:
-    """An exclusive lock beside a local SQLite store while it is opened (a no-op for other stores)."""
-    import fcntl
-
-    path = sqlite_path(uri)
-    if path is None or not path.parent.is_dir():
-        yield
-        return
-    with open(path.parent / f".{path.name}.lock", "a") as fh:
-        deadline = time.monotonic() + store_timeout()
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise HarnessError(f"another process holds {fh.name} (it is opening the store) for longer than "
-                                       f"{store_timeout():g} s; check for a hung harness process.") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 class Tracker:
     """An MLflow client bound to one tracking store, reached (or refused) before it is used.
 
@@ -209,9 +182,7 @@ class Tracker:
 
         try:
             # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
-            # MLflow's schema creation is not safe against a second process doing the same (the
-            # nodes of one job, parallel runs): on a fresh SQLite file it is done under a file lock.
-            with _schema_lock(self.uri):
+            with opening(self.uri):
                 self.client = MlflowClient(tracking_uri=client_uri)
                 self.client.search_experiments(max_results=1)
         except Exception as err:

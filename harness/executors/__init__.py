@@ -23,5 +23,9 @@ def get(name: str) -> Executor:
 
 
 def run(job: Job, on_event=None) -> Outcome:
-    """Run `job` on the backend its config names."""
+    """Run `job` on the backend its config names; when torchrun started this process, as its rank."""
+    if job.topology.launcher == "torchrun":
+        from harness.executors.torchrun import TorchrunExecutor
+
+        return run_job(TorchrunExecutor(), job, on_event)
     return run_job(get(job.executor), job, on_event)

@@ -84,7 +84,9 @@ class Joined:
 class Node:
     """This launcher's end of the job's rendezvous store."""
 
-    def __init__(self, topo: Topology, timeout_s: float) -> None:
+    def __init__(self, topo: Topology, timeout_s: float, store: Any = None) -> None:
+        """`store`: the job's store when this process already holds it (torchrun's agent hosts one);
+        otherwise node 0 hosts it at the topology's master address and the others connect."""
         import torch.distributed as dist
 
         from harness.launch import host_store
@@ -92,7 +94,9 @@ class Node:
         self.topo = topo
         self.timeout_s = timeout_s
         addr, port = str(topo.master_addr), int(topo.master_port)
-        if topo.node_rank == 0:
+        if store is not None:
+            self.raw = store
+        elif topo.node_rank == 0:
             self.raw = host_store(addr, port, timeout_s)
         else:
             try:  # the client retries until node 0 listens, up to the deadline
@@ -187,13 +191,24 @@ class Node:
     def beat(self) -> None:
         self.store.add(f"beat/{self.topo.node_rank}", 1)
 
-    def fail(self, line: str, rank: int | None = None, signum: int | None = None) -> None:
+    def fail(self, line: str, rank: int | None = None, signum: int | None = None, traceback: str | None = None) -> None:
         """Post this node's failure (or interruption: `signum`) for the others; the first one posted is the job's."""
-        record = json.dumps({"node": self.topo.node_rank, "rank": rank, "line": line, "signum": signum})
+        record = json.dumps({"node": self.topo.node_rank, "rank": rank, "line": line, "signum": signum,
+                             "traceback": traceback})
         try:
             self.store.compare_set("failed", "", record)
         except Exception:  # node 0 is gone: there is no one left to tell
             pass
+
+    def posted(self) -> dict[str, Any] | None:
+        """The failure another node posted, if any (None when there is none, or the store is gone)."""
+        try:
+            if self.store.check(["failed"]):
+                failure = self._failure()
+                return failure if failure["node"] != self.topo.node_rank else None
+        except Exception:
+            pass
+        return None
 
     def _failure(self) -> dict[str, Any]:
         return json.loads(self.store.get("failed"))

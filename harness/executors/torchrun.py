@@ -1,0 +1,294 @@
+"""Ranks started by torchrun: this process is one rank, and the job is still exactly one MLflow run.
+
+torchrun (one agent per node) starts every rank as `harness run ...` with RANK, WORLD_SIZE,
+LOCAL_RANK, ... in its environment, so nothing is spawned here. The rank processes meet in the job's
+TCPStore (the agent's when TORCHELASTIC_USE_AGENT_STORE=True, else one that global rank 0 hosts at
+MASTER_ADDR:MASTER_PORT) with the multi-node protocol of executors/multinode.py, each rank a "node" of
+one rank: rank 0 records the run once every rank has joined with the same code and config and
+publishes its id; the others attach to it. Then each process runs its rank's body in place
+(launch.run_rank), and rank 0 records it as the local backend does (LocalHandle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from harness import tags as T
+from harness.errors import HarnessError, Interrupted, RunFailed
+from harness.executors.base import Event, Executor, Handle, Job, Topology
+from harness.executors.local import LocalHandle, _node_tags, config_id, local_image_tags
+from harness.messages import Message
+
+LAUNCHER = "torchrun"
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun told this rank process: where it sits in the job and where the job's store is."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int  # this node's rank among torchrun's agents
+    master_addr: str
+    master_port: int
+    agent_store: bool  # the agent hosts the store at master_addr:master_port; every rank is a client
+    run_id: str = ""  # TORCHELASTIC_RUN_ID
+    restart: int = 0  # TORCHELASTIC_RESTART_COUNT: a restarted attempt must not read the last one's keys
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+    """This process's rank as torchrun set it up, or None when torchrun did not start it.
+
+    Refuses (HarnessError) variables that are not numbers, and a layout harness cannot record as
+    nodes x ranks per node (different --nproc-per-node on different nodes).
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("TORCHELASTIC_RUN_ID") and not all(k in env for k in ("LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")):
+        return None
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if not env.get(k)]
+    if missing:
+        raise HarnessError(f"torchrun started this process but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                           "not set. Start it with torchrun (`torchrun --nproc-per-node N --no-python harness run ...`).")
+    try:
+        rank, world, local_rank, local_world = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+        group = int(env.get("GROUP_RANK") or env.get("NODE_RANK") or rank // max(local_world, 1))
+        port, restart = int(env["MASTER_PORT"]), int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    except ValueError as err:
+        raise HarnessError(f"torchrun's rank variables are not numbers ({err}).") from None
+    if local_world < 1 or world % local_world:
+        raise HarnessError(
+            f"torchrun started {world} ranks with {local_world} on this node: harness needs the same number of "
+            "ranks on every node. Pass the same --nproc-per-node to torchrun on every node."
+        )
+    if rank != group * local_world + local_rank:
+        raise HarnessError(
+            f"torchrun made this process rank {rank}, but node {group} with {local_world} ranks per node holds ranks "
+            f"{group * local_world}..{(group + 1) * local_world - 1}. Pass the same --nproc-per-node to torchrun on "
+            "every node."
+        )
+    return TorchrunEnv(rank, world, local_rank, local_world, group, env["MASTER_ADDR"], port,
+                       env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+                       env.get("TORCHELASTIC_RUN_ID", ""), restart)
+
+
+def topology(env: TorchrunEnv) -> Topology:
+    """The job's nodes as torchrun laid them out (node_rank: this node's group rank)."""
+    return Topology(nnodes=env.nnodes, node_rank=env.group_rank, master_addr=env.master_addr,
+                    master_port=env.master_port, launcher=LAUNCHER)
+
+
+def check_config(env: TorchrunEnv, world_size: int) -> None:
+    """The config must ask for the ranks torchrun started: a job has one world size."""
+    if world_size != env.world_size:
+        raise HarnessError(
+            f"torchrun started {env.world_size} ranks but world_size is {world_size}: pass world_size={env.world_size} "
+            f"as an override, or start {world_size} ranks with torchrun (--nnodes x --nproc-per-node)."
+        )
+
+
+class TorchrunExecutor(Executor):
+    name = LAUNCHER
+
+    def prepare(self, job: Job) -> dict[str, str]:
+        from harness.launch import resolve_device
+
+        env = torchrun_env()
+        if env is None:
+            raise HarnessError("the torchrun launch style needs a process started by torchrun (RANK, WORLD_SIZE, "
+                               "LOCAL_WORLD_SIZE are not set).")
+        if job.executor != "local":
+            raise HarnessError(
+                f"torchrun started this process, so its rank runs here: executor {job.executor} does not apply. Set "
+                f"executor=local, or run `harness run --executor {job.executor} ...` without torchrun."
+            )
+        check_config(env, int(job.cfg.world_size))
+        resolve_device(job.cfg.device.value, job.cfg.backend.value, env.local_world_size)
+        self.env = env
+        return local_image_tags(str(job.cfg.image))
+
+    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+        handle = TorchrunHandle(job, on_event, job.placement, self.env)
+        handle.start()
+        return handle
+
+
+EXECUTOR = TorchrunExecutor
+
+
+class _Channel:
+    """Global rank 0's messages, handed straight to the recorder in this process."""
+
+    def __init__(self, on_message: Callable[[Message], None]) -> None:
+        self._on_message: Callable[[Message], None] | None = on_message
+
+    def send(self, message: Message) -> None:
+        if self._on_message is None:
+            return
+        try:
+            self._on_message(message)
+        except Exception:  # a sink error must not stop training (as with the spawned ranks' pipe)
+            traceback.print_exc()
+
+    def close(self) -> None:
+        self._on_message = None
+
+
+class TorchrunHandle(LocalHandle):
+    """This process's one rank; on global rank 0, also the job's record."""
+
+    def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str], env: TorchrunEnv) -> None:
+        super().__init__(job, on_event, placement)
+        self.env = env
+        self.training = False  # the rank's body runs in this thread: a signal now interrupts it
+
+    @property
+    def records(self) -> bool:
+        return self.env.rank == 0
+
+    def cancel(self, signum: int) -> None:
+        if self.recording:  # a signal now would cut the record short: it waits until the run is closed
+            self.deferred.append(signum)
+            return
+        self.cancelled = signum
+        if self.training:  # called from the signal handler: this raises where the rank is now
+            self.training = False
+            raise Interrupted(signum)
+
+    def start(self) -> None:
+        """Every rank joins; rank 0 records the run and publishes its id, the others attach to it."""
+        from harness.executors.multinode import Node, node_facts
+
+        job, env = self.job, self.env
+        try:
+            ranks = Topology(nnodes=env.world_size, node_rank=env.rank, master_addr=env.master_addr,
+                             master_port=env.master_port, launcher=LAUNCHER)
+            self.node = Node(ranks, float(job.cfg.rendezvous_timeout_s), store=self._store())
+            facts = {**node_facts(job.code_id, config_id(job.cfg)), "group_rank": env.group_rank,
+                     "local_rank": env.local_rank}
+            joined = self.node.join(facts)
+            if joined is None:
+                job.run_id = self.node.attach()
+                return
+            nodes = {r["group_rank"]: r for r in joined.nodes.values() if r["local_rank"] == 0}
+            tags = {**self.placement, T.NNODES: str(env.nnodes), T.NPROC_PER_NODE: str(env.local_world_size),
+                    T.LAUNCHER: LAUNCHER, T.MASTER: f"{env.master_addr}:{env.master_port}", **_node_tags(nodes)}
+            try:
+                job.run_id = job.record(tags) if job.record else job.run_id
+            except BaseException as err:
+                self.node.fail(f"rank 0 could not record the run: {err}")
+                raise
+            if env.nnodes > 1:
+                job.tracker.log_text(job.run_id, json.dumps({str(k): v for k, v in nodes.items()}, indent=2),
+                                     T.ARTIFACT_NODES)
+            self.node.publish(job.run_id)
+        except BaseException:
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
+
+    def _store(self) -> Any:
+        """The job's store: a client of the agent's, or (no agent store) hosted by rank 0, its client elsewhere."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from harness.launch import host_store
+
+        env, timeout_s = self.env, float(self.job.cfg.rendezvous_timeout_s)
+        if env.rank == 0 and not env.agent_store:
+            raw = host_store(env.master_addr, env.master_port, timeout_s)
+        else:
+            try:  # the client retries until the store listens, up to the deadline
+                raw = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            except Exception as err:
+                whose = "torchrun's agent" if env.agent_store else "rank 0"
+                raise HarnessError(f"rank {env.rank}: {whose} did not answer at {env.master_addr}:{env.master_port} "
+                                   f"within {timeout_s:g} s (rendezvous_timeout_s).") from err
+        # The agent's store outlives one attempt: each attempt's keys are its own.
+        return dist.PrefixStore(f"harness/{env.run_id}/{env.restart}/", raw)
+
+    def _spec(self, device: str, backend: str, log_dir: Any, plan: Any) -> Any:
+        from harness.executors.local import launch_spec
+
+        spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan)
+        spec.node_rank, spec.nproc = self.env.group_rank, self.env.local_world_size
+        spec.master_addr, spec.port = self.env.master_addr, self.env.master_port
+        return spec
+
+    def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None]) -> None:
+        """Run this rank here; a failure anywhere is the job's, named once (the first rank to post it)."""
+        from harness.executors.multinode import _LAST_WORD_S, _POLL_S
+        from harness.launch import failure_details, is_peer_failure
+
+        node, rank = self.node, self.env.rank
+        try:
+            self._run_here(spec, on_message)
+        except RunFailed as err:
+            if is_peer_failure(err):  # this rank lost a peer: the rank at fault says why
+                import time
+
+                deadline = time.monotonic() + _LAST_WORD_S
+                while time.monotonic() < deadline and (posted := node.posted()) is None:
+                    time.sleep(_POLL_S)
+                if posted is not None:
+                    raise self._remote(posted)
+            failing, tb, expected = failure_details(err)
+            node.fail(str(err), failing, traceback=None if expected else tb)
+            raise
+        except Interrupted as err:
+            # torchrun stops the other ranks when one fails: that rank's failure, not the signal, ended the job.
+            posted = node.posted()
+            if posted is not None and not posted.get("signum"):
+                raise self._remote(posted)
+            node.fail(f"rank {rank} was interrupted", rank, signum=err.signum)
+            raise
+        node.done()
+        if node.is_master:
+            late = node.wait_done()
+            if late:
+                raise RunFailed(f"rank {', '.join(map(str, late))} did not finish (rank 0 finished)")
+
+    def _run_here(self, spec: Any, on_message: Callable[[Message], None]) -> None:
+        """The rank's body in this process (launch.run_rank); its failure as RunFailed naming the rank and line."""
+        import signal
+
+        from harness.launch import failure_record, rank_failed, run_rank
+
+        if self.cancelled:
+            raise Interrupted(self.cancelled)
+        cwd, path = os.getcwd(), list(sys.path)  # the body runs in the experiment folder; the record does not
+        try:
+            self.training = True
+            run_rank(spec, self.env.local_rank, _Channel(on_message) if self.env.rank == 0 else None,
+                     store=self.node.raw)
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            raise Interrupted(signal.SIGINT) from None
+        except BaseException as err:
+            raise rank_failed(failure_record(spec, self.env.rank, err))
+        finally:
+            self.training = False
+            os.chdir(cwd)
+            sys.path[:] = path
+
+    def _remote(self, posted: dict[str, Any]) -> HarnessError:
+        """Another rank's posted failure, as the error that ends this rank too."""
+        from harness.launch import failed
+
+        if posted.get("signum"):
+            return Interrupted(int(posted["signum"]))
+        return failed(posted["line"], posted.get("rank"), traceback_text=posted.get("traceback"))

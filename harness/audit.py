@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -84,7 +82,7 @@ def segments_of(checkpoints: dict[int, str], final: str | None, steps_total: int
 def audit(
     run_id: str, *, segments: int, seed: int | None = None, tracking_uri: str | None = None, repo: Path | None = None
 ) -> AuditResult:
-    from harness.launch import resolve_device
+    from harness.executors.local import check_runnable
 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
@@ -110,12 +108,12 @@ def audit(
     recorded = RecordedRun.load(tracker, run)
     cfg = recorded.cfg
     directory = tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS
-    device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
+    check_runnable(cfg)
     with recorded.code(repo) as (_, exp_dir):
         pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
         while pending:
             # All pending segments in one launch; a segment that crashes its ranks fails alone.
-            pending = _run_segments(pending, record, cfg, exp_dir, directory, device, backend)
+            pending = _run_segments(pending, record, cfg, exp_dir, directory)
     for seg in drawn:
         print(f"  segment {seg.index} [{seg.start}-{seg.end}): {'ok' if seg.ok else 'FAILED: ' + seg.detail}",
               file=sys.stderr)
@@ -143,22 +141,16 @@ def _start_is_recorded(seg: Segment, record, world_size: int, directory: Path) -
     return True
 
 
-def _run_segments(
-    segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, device: str, backend: str
-) -> list[Segment]:
+def _run_segments(segments: list[Segment], record, cfg, exp_dir: Path, directory: Path) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
     from harness.context import CheckpointPlan
-    from harness.executors.local import launch_spec
-    from harness.launch import launch
+    from harness.executors.local import run_segments
 
     plans = [
         # The final segment runs to the end of training; the others stop at their end checkpoint.
         CheckpointPlan(str(directory), 0, resume_step=seg.start, stop_at=None if seg.end not in record.checkpoints else seg.end)
         for seg in segments
     ]
-    work = Path(tempfile.mkdtemp(prefix="harness-audit-"))
-    spec = launch_spec(cfg, exp_dir, device, backend, work / "logs")
-    spec.segments = plans
     current: list[int] = []
     ends: dict[int, tuple[int, str]] = {}
     logged: dict[int, dict[tuple[str, int], float]] = {}
@@ -179,13 +171,11 @@ def _run_segments(
 
     leftover: list[Segment] = []
     try:
-        launch(spec, on_message)
+        run_segments(cfg, exp_dir, plans, on_message)
     except RunFailed as err:
         crashed = current[-1] if current else 0
         segments[crashed].detail = f"the segment failed: {err}"
         leftover = segments[crashed + 1:]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     now = time.monotonic()
     for i, seg in enumerate(segments):
         if i in started:

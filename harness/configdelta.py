@@ -10,9 +10,11 @@ from harness.config import flatten
 
 # Keys that decide how a run is recorded, watched or judged, not what it computes.
 _NO_EFFECT_KEYS: frozenset[str] = frozenset(
-    {"flush_interval_s", "heartbeat_s", "timeout_s", "executor", "fingerprint_every", "checkpoint_every"}
+    {"flush_interval_s", "heartbeat_s", "timeout_s", "executor", "fingerprint_every", "checkpoint_every",
+     "rendezvous_timeout_s"}
 )
-_NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.")
+# slurm.*: which nodes and resources; the ranks' arithmetic is the same (world_size and backend decide it).
+_NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.", "slurm.")
 
 # "auto" in a config is resolved at launch and recorded as a tag; a replay pins it to that value,
 # so "auto" -> "cpu" is no change when the original did run on cpu.

@@ -347,11 +347,12 @@ def test_validating_an_invariant_config_does_not_import_torch(tmp_path: Path) ->
 _KEYS = ["image", "entry", "world_size", "backend", "device", "seed", "threads_per_rank", "determinism",
          "determinism.level", "determinism.shards", "determinism.world_size_invariant", "flush_interval_s",
          "fingerprint_every", "checkpoint_every", "executor", "heartbeat_s", "timeout_s", "record.max_untracked_mib",
+         "slurm", "slurm.nodes", "slurm.gpus_per_node", "slurm.poll_s", "rendezvous_timeout_s",
          "replay.tolerance.default.rtol", "replay.tolerance.metrics", "train", "train.lr", "lr", "nope", "a.b"]
 _SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-    st.sampled_from(["auto", "cpu", "cuda", "gloo", "nccl", "strict", "off", "local", "docker", "none", "train.py:train",
+    st.sampled_from(["auto", "cpu", "cuda", "gloo", "nccl", "strict", "off", "local", "docker", "slurm", "none", "train.py:train",
                      "[1,", "{a: 1}", "${oops}", "???", "null", "", "'x'", "1e400", "-0"]),
 )
 _VALUES = st.one_of(_SCALARS, st.lists(_SCALARS, max_size=3), st.dictionaries(st.sampled_from(_KEYS), _SCALARS, max_size=3))

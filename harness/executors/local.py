@@ -87,6 +87,30 @@ def checkpoint_plan(tracker: Tracker, run_id: str, cfg: DictConfig, **kwargs: An
     return CheckpointPlan(str(tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS), cfg.checkpoint_every, **kwargs)
 
 
+def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]:
+    """This machine can run `nproc` ranks (default: all of world_size) of `cfg`: (device, backend), or HarnessError."""
+    from harness.launch import resolve_device
+
+    return resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size if nproc is None else nproc)
+
+
+def run_segments(cfg: DictConfig, exp_dir: Path, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+    """Run the entry once per checkpoint plan in one set of local ranks (audit: start-up is paid once).
+
+    Nothing is recorded here; the caller judges the segments from the messages.
+    """
+    from harness.launch import launch
+
+    device, backend = check_runnable(cfg)
+    work = Path(tempfile.mkdtemp(prefix="harness-audit-"))
+    try:
+        spec = launch_spec(cfg, exp_dir, device, backend, work / "logs")
+        spec.segments = plans
+        launch(spec, on_message)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def config_id(cfg: DictConfig) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
 
@@ -97,11 +121,9 @@ class LocalExecutor(Executor):
     def prepare(self, job: Job) -> dict[str, str]:
         from harness.config import check_nodes
         from harness.executors.multinode import check_topology
-        from harness.launch import resolve_device
-
         check_topology(job.topology)
         check_nodes(job.topology.nnodes, job.cfg.world_size, "--nnodes")
-        resolve_device(job.cfg.device.value, job.cfg.backend.value, job.cfg.world_size // job.topology.nnodes)
+        check_runnable(job.cfg, job.cfg.world_size // job.topology.nnodes)
         return local_image_tags(str(job.cfg.image))
 
     def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
@@ -181,7 +203,7 @@ class LocalHandle(Handle):
     # -- the node that runs rank 0 -----------------------------------------------------------------
     def _run_and_record(self) -> Outcome:
         from harness.console import Console
-        from harness.launch import failure_details, launch, resolve_device
+        from harness.launch import failure_details, launch
         from harness.provenance import package_lock, runtime_facts
 
         job, tracker, run_id, cfg = self.job, self.job.tracker, self.job.run_id, self.job.cfg
@@ -202,7 +224,7 @@ class LocalHandle(Handle):
             import os
 
             nproc = cfg.world_size // job.topology.nnodes
-            device, backend = resolve_device(cfg.device.value, cfg.backend.value, nproc)
+            device, backend = check_runnable(cfg, nproc)
             facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
             facts.update({T.DEVICE: device, T.BACKEND: backend})
             # Where the ranks run: inside the pinned image only if the docker backend said so.
@@ -286,12 +308,12 @@ class LocalHandle(Handle):
 
     # -- another node --------------------------------------------------------------------------------
     def _run_ranks_only(self) -> Outcome:
-        from harness.launch import launch, resolve_device
+        from harness.launch import launch
 
         job, cfg = self.job, self.job.cfg
         log_dir = self.work / "logs"
         log_dir.mkdir()
-        device, backend = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size // job.topology.nnodes)
+        device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
         plan = checkpoint_plan(job.tracker, job.run_id, cfg,
                                **({} if job.resume_step is None else {"resume_step": job.resume_step}))
         spec = self._spec(device, backend, log_dir, plan)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from harness import tags as T
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Topology
-from harness.executors.local import LocalHandle, _node_tags, config_id, local_image_tags
+from harness.executors.local import check_runnable, LocalHandle, _node_tags, config_id, local_image_tags
 from harness.messages import Message
 
 LAUNCHER = "torchrun"
@@ -103,8 +103,6 @@ class TorchrunExecutor(Executor):
     name = LAUNCHER
 
     def prepare(self, job: Job) -> dict[str, str]:
-        from harness.launch import resolve_device
-
         env = torchrun_env()
         if env is None:
             raise HarnessError("the torchrun launch style needs a process started by torchrun (RANK, WORLD_SIZE, "
@@ -115,7 +113,7 @@ class TorchrunExecutor(Executor):
                 f"executor=local, or run `harness run --executor {job.executor} ...` without torchrun."
             )
         check_config(env, int(job.cfg.world_size))
-        resolve_device(job.cfg.device.value, job.cfg.backend.value, env.local_world_size)
+        check_runnable(job.cfg, env.local_world_size)
         self.env = env
         return local_image_tags(str(job.cfg.image))
 

@@ -84,21 +84,32 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _slurm_overrides(slurm_nodes: Any, partition: Any, slurm_time: Any, gpus_per_node: Any) -> list[str]:
-    given = {"nodes": slurm_nodes, "partition": partition, "time": slurm_time, "gpus_per_node": gpus_per_node}
-    return [f"slurm.{k}={v}" for k, v in given.items() if v is not None]
+_FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
+          "master_port": "--master-port", "slurm_nodes": "--nodes", "partition": "--partition",
+          "slurm_time": "--time", "gpus_per_node": "--gpus-per-node"}
 
 
-def _topology(nnodes: Any, node_rank: Any, master_addr: Any, master_port: Any) -> Any:
-    """--nnodes & co., else what a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node."""
+def _placement(executor: str | None, given: dict[str, Any], torchrun: bool = False) -> tuple[list[str], Any]:
+    """(slurm.* overrides, topology) from the placement options; under torchrun, torchrun's layout."""
     from harness.executors import Topology
     from harness.executors.multinode import topology_from_env
 
-    if nnodes is None and node_rank is None and master_addr is None and master_port is None:
-        return topology_from_env() or Topology()
+    slurm = {"nodes": given["slurm_nodes"], "partition": given["partition"], "time": given["slurm_time"],
+             "gpus_per_node": given["gpus_per_node"]}
+    overrides = [f"slurm.{k}={v}" for k, v in slurm.items() if v is not None]
+    if torchrun:
+        layout = _torchrun_topology(executor, [_FLAGS[k] for k, v in given.items() if v is not None])
+        if layout is not None:
+            return overrides, layout
+    if executor == "slurm":
+        return overrides, None  # the batch job's tasks learn their place from Slurm
+    nnodes, node_rank, addr, port = (given[k] for k in ("nnodes", "node_rank", "master_addr", "master_port"))
+    if nnodes is None and node_rank is None and addr is None and port is None:
+        # What a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node.
+        return overrides, topology_from_env() or Topology()
     if nnodes is None:
         raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
-    return Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=master_addr, master_port=master_port or 0)
+    return overrides, Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=addr, master_port=port or 0)
 
 
 def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
@@ -135,17 +146,10 @@ def run(
     overrides: tuple[str, ...],
     require_clean: bool,
     executor: str | None,
-    nnodes: int | None,
-    node_rank: int | None,
-    master_addr: str | None,
-    master_port: int | None,
-    slurm_nodes: int | None,
-    partition: str | None,
-    slurm_time: str | None,
-    gpus_per_node: int | None,
     allow_unpinned: bool,
     allow_untracked_secrets: bool,
     tracking_uri: str | None,
+    **placement: Any,
 ) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
 
@@ -155,15 +159,11 @@ def run(
     from harness import runner
     from harness.tracking import Tracker
 
-    placement = {"--nnodes": nnodes, "--node-rank": node_rank, "--master-addr": master_addr,
-                 "--master-port": master_port, "--nodes": slurm_nodes, "--partition": partition, "--time": slurm_time,
-                 "--gpus-per-node": gpus_per_node}
-    torchrun = _torchrun_topology(executor, [k for k, v in placement.items() if v is not None])
+    slurm, topology = _placement(executor, placement, torchrun=True)
     outcome = runner.run(
-        experiment_dir, [*overrides, *_slurm_overrides(slurm_nodes, partition, slurm_time, gpus_per_node)],
-        require_clean=require_clean, tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
-        allow_untracked_secrets=allow_untracked_secrets,
-        topology=torchrun or (None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port)),
+        experiment_dir, [*overrides, *slurm], require_clean=require_clean, tracking_uri=tracking_uri,
+        executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
+        topology=topology,
     )
     _finish(outcome, Tracker(tracking_uri))
 
@@ -226,17 +226,10 @@ def replay(
     world_size: int | None,
     allow_changes: bool,
     executor: str | None,
-    nnodes: int | None,
-    node_rank: int | None,
-    master_addr: str | None,
-    master_port: int | None,
-    slurm_nodes: int | None,
-    partition: str | None,
-    slurm_time: str | None,
-    gpus_per_node: int | None,
     allow_incomplete: bool,
     no_follow: bool,
     tracking_uri: str | None,
+    **placement: Any,
 ) -> None:
     """Rerun RUN_ID exactly as recorded and say whether it reproduced.
 
@@ -248,11 +241,11 @@ def replay(
     """
     from harness.replay import replay as do_replay
 
+    slurm, topology = _placement(executor, placement)
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
         tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
-        placement=_slurm_overrides(slurm_nodes, partition, slurm_time, gpus_per_node),
-        topology=None if executor == "slurm" else _topology(nnodes, node_rank, master_addr, master_port),
+        placement=slurm, topology=topology,
     )
     _print_comparison(result.comparison, result.changes)
     from harness.tracking import Tracker

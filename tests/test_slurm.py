@@ -24,6 +24,23 @@ def slurm_env(slurm, tmp_path_factory) -> dict[str, str]:
     return {"SLURM_CONF": str(slurm.conf), "HARNESS_SLURM_DIR": str(jobs)}
 
 
+def _start_endless(project: Project, slurm_env: dict[str, str], pid_dir: Path, nodes: int) -> subprocess.Popen:
+    """A Slurm job that trains until stopped; each rank writes its pid to PID_DIR/rank<R>."""
+    project.add_experiment("crashing", train_py=CRASHING)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", "PID_DIR": str(pid_dir),
+           **slurm_env}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", "experiments/crashing", "--executor", "slurm", "--nodes", str(nodes),
+         "train={steps: 100000, fail_rank: -1, fail_step: -1, sleep: 0.05}"],
+        cwd=project.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not all((pid_dir / f"rank{r}").exists() for r in range(nodes)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job never started its ranks"
+        time.sleep(0.2)
+    return proc
+
+
 def _verdict(result) -> str:
     return next(line for line in result.stdout.splitlines() if line.startswith("verdict:"))
 
@@ -71,47 +88,24 @@ def test_two_node_job_is_one_run_with_both_nodes_and_replays_bitwise(project: Pr
 
 
 def test_scancel_marks_the_run_killed(project: Project, slurm, slurm_env, tmp_path: Path) -> None:
-    project.add_experiment("crashing", train_py=CRASHING)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", "PID_DIR": str(tmp_path),
-           **slurm_env}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", "experiments/crashing", "--executor", "slurm", "--nodes", "2",
-         "train={steps: 100000, fail_rank: -1, fail_step: -1, sleep: 0.05}"],
-        cwd=project.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the job never started its ranks"
-        time.sleep(0.2)
+    proc = _start_endless(project, slurm_env, tmp_path, nodes=2)
     time.sleep(2)
     run = next(r for r in project.all_runs() if r.info.status == "RUNNING" and r.data.tags.get("harness.slurm.job_id"))
-    slurm.scancel(run.data.tags["harness.slurm.job_id"])
+    slurm.scancel(run.data.tags["harness.slurm.job_id"])  # from outside, as an admin or a preemption would
     out, err = proc.communicate(timeout=120)
     assert out.strip().splitlines()[-1] == run.info.run_id
     assert project.client().get_run(run.info.run_id).info.status == "KILLED", err
     assert proc.returncode != 0
     for rank in (0, 1):
         pid = int((tmp_path / f"rank{rank}").read_text())
-        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/status").read_text().find("zombie") >= 0
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
 def test_ctrl_c_cancels_the_job(project: Project, slurm, slurm_env, tmp_path: Path) -> None:
-    project.add_experiment("crashing", train_py=CRASHING)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", "PID_DIR": str(tmp_path),
-           **slurm_env}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", "experiments/crashing", "--executor", "slurm", "--nodes", "1",
-         "train={steps: 100000, fail_rank: -1, fail_step: -1, sleep: 0.05}"],
-        cwd=project.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "rank0").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the job never started its ranks"
-        time.sleep(0.2)
+    proc = _start_endless(project, slurm_env, tmp_path, nodes=1)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    run_id = out.strip().splitlines()[-1]
-    run = project.client().get_run(run_id)
+    run = project.client().get_run(out.strip().splitlines()[-1])
     assert run.info.status == "KILLED"
     assert slurm.job_state(run.data.tags["harness.slurm.job_id"]) == "CANCELLED"

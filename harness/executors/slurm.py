@@ -37,15 +37,16 @@ _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_ME
 _PORT_BASE = 20000  # MASTER_PORT = base + job id mod 20000: distinct for jobs sharing a node
 
 
-def _slurm(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _slurm(args: list[str], timeout_s: float = _CALL_S) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=_CALL_S, env=env)
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
         raise HarnessError(f"{args[0]} not found: this machine is not a Slurm client. Install Slurm's client "
                            "commands (and point SLURM_CONF at the cluster), or use --executor local.") from None
     except subprocess.TimeoutExpired:
-        raise HarnessError(f"`{' '.join(args[:2])}` did not answer within {_CALL_S:g} s: the Slurm controller is "
-                           "unreachable or overloaded.") from None
+        conf = os.environ.get("SLURM_CONF", "the default slurm.conf")
+        raise HarnessError(f"`{' '.join(args[:2])}` did not answer within {timeout_s:g} s: the Slurm controller "
+                           f"({conf}) is unreachable or overloaded.") from None
 
 
 def job_dir(run_id: str) -> Path:
@@ -107,7 +108,7 @@ class SlurmExecutor(Executor):
         if shutil.which("sbatch") is None:
             raise HarnessError("sbatch not found: this machine is not a Slurm client. Install Slurm's client commands "
                                "(and point SLURM_CONF at the cluster), or use --executor local.")
-        ping = _slurm(["scontrol", "ping"])
+        ping = _slurm(["scontrol", "ping"], timeout_s=10)
         if ping.returncode != 0 or "UP" not in ping.stdout:
             raise HarnessError(f"the Slurm controller does not answer (scontrol ping: "
                                f"{(ping.stdout or ping.stderr).strip() or ping.returncode}). Check SLURM_CONF and slurmctld.")

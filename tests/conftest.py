@@ -116,6 +116,14 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Project:
     return make_project(tmp_path_factory.mktemp("session"))
 
 
+@pytest.fixture(scope="session")
+def reference_run(project: Project) -> str:
+    """linear_ddp, one epoch, on this machine with mp.spawn: what other launch styles must equal bit for bit."""
+    result = project.harness("run", "experiments/linear_ddp", "train.epochs=1")
+    assert result.returncode == 0, result.stderr
+    return result.last_line
+
+
 @pytest.fixture
 def fresh_project(tmp_path: Path) -> Project:
     return make_project(tmp_path)

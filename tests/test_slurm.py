@@ -64,9 +64,9 @@ def test_one_node_job_is_one_run_and_replays_through_slurm_bitwise(project: Proj
     assert rtags["harness.executor"] == "slurm" and rtags["harness.slurm.job_id"] != tags["harness.slurm.job_id"]
 
 
-def test_two_node_job_is_one_run_with_both_nodes_and_replays_bitwise(project: Project, slurm, slurm_env) -> None:
-    local = project.harness("run", "experiments/linear_ddp", "train.epochs=1")
-    assert local.returncode == 0, local.stderr
+def test_two_node_job_is_one_run_with_both_nodes_and_replays_bitwise(
+    project: Project, slurm, slurm_env, reference_run: str
+) -> None:
     before = {r.info.run_id for r in project.all_runs()}
     run = project.harness("run", "experiments/linear_ddp", "train.epochs=1", "--executor", "slurm", "--nodes", "2",
                           env=slurm_env)
@@ -78,7 +78,7 @@ def test_two_node_job_is_one_run_with_both_nodes_and_replays_bitwise(project: Pr
     assert tags["harness.slurm.nodelist"] == "node[1-2]"
 
     # The same config on one machine and on two Slurm nodes: the same bits.
-    cmp = project.harness("compare", local.last_line, run.last_line)
+    cmp = project.harness("compare", reference_run, run.last_line)
     assert cmp.returncode == 0 and "verdict: BITWISE" in cmp.stdout, cmp.stdout
 
     replay = project.harness("replay", run.last_line, env=slurm_env)

@@ -93,7 +93,7 @@ class SlurmConfig:
     gpus_per_node: int = 0
     cpus_per_task: Optional[int] = None
     """CPUs for each node's task; none: threads_per_rank x ranks per node."""
-    poll_s: float = 2.0
+    poll_s: float = 1.0
     """How often the submitting process asks the scheduler whether the job still runs."""
 
 

@@ -13,8 +13,9 @@ STATE_DIR=$(cd "$1" && pwd)
 REGISTRY_ADDR=127.0.0.1:5000
 TIMEOUT_S=${DOCKER_UP_TIMEOUT_S:-60}
 
-step() { echo "docker-up: $*"; }
-die() { echo "docker-up: error: $*" >&2; exit 1; }
+TAG=docker-up
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 # --- packages --------------------------------------------------------------------------------
 missing=()
@@ -23,15 +24,7 @@ command -v iptables >/dev/null || missing+=(iptables)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
 command -v docker-registry >/dev/null || missing+=(docker-registry)
 if ((${#missing[@]})); then
-  export DEBIAN_FRONTEND=noninteractive
-  install=(apt-get install -y --no-install-recommends "${missing[@]}")
-  # Refresh the package lists only when installing from the current ones fails.
-  if ! "${install[@]}" >"$STATE_DIR/apt.log" 2>&1; then
-    step "apt-get update (package lists missing or stale)"
-    apt-get update >>"$STATE_DIR/apt.log" 2>&1 || die "apt-get update failed, see $STATE_DIR/apt.log"
-    "${install[@]}" >>"$STATE_DIR/apt.log" 2>&1 || die "apt-get install ${missing[*]} failed, see $STATE_DIR/apt.log"
-  fi
-  step "installed ${missing[*]}"
+  install_missing "$STATE_DIR/apt.log" "${missing[@]}"
 else
   step "packages present (docker.io iptables debootstrap docker-registry)"
 fi

@@ -8,7 +8,9 @@ if [[ $# -ne 1 ]]; then
   exit 2
 fi
 
-step() { echo "hosts-down: $*"; }
+TAG=hosts-down
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 for ns in hn1 hn2 hnsw; do
   if [[ ! -e /run/netns/$ns ]]; then

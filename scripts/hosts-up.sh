@@ -19,23 +19,16 @@ HOSTS=(hn1 hn2)
 SWITCH=hnsw
 ROOT_IF=hbr-host # root side of the root <-> bridge pair; its peer in hnsw is hbr-sw
 
-step() { echo "hosts-up: $*"; }
-die() { echo "hosts-up: error: $*" >&2; exit 1; }
+TAG=hosts-up
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 ((EUID == 0)) || die "must run as root (network namespaces need CAP_NET_ADMIN)"
 command -v ip >/dev/null || die "ip (iproute2) is not installed"
 
 # --- packages --------------------------------------------------------------------------------
 if ! command -v ping >/dev/null; then
-  export DEBIAN_FRONTEND=noninteractive
-  install=(apt-get install -y --no-install-recommends iputils-ping)
-  # Refresh the package lists only when installing from the current ones fails.
-  if ! "${install[@]}" >"$STATE_DIR/apt.log" 2>&1; then
-    step "apt-get update (package lists missing or stale)"
-    apt-get update >>"$STATE_DIR/apt.log" 2>&1 || die "apt-get update failed, see $STATE_DIR/apt.log"
-    "${install[@]}" >>"$STATE_DIR/apt.log" 2>&1 || die "apt-get install iputils-ping failed, see $STATE_DIR/apt.log"
-  fi
-  step "installed iputils-ping"
+  install_missing "$STATE_DIR/apt.log" iputils-ping
 fi
 
 ns_exists() { [[ -e /run/netns/$1 ]]; }

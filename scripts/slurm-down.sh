@@ -13,42 +13,9 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 TIMEOUT_S=${SLURM_DOWN_TIMEOUT_S:-30}
 export SLURM_CONF=$STATE_DIR/slurm.conf
 
-step() { echo "slurm-down: $*"; }
-
-# Signal every named daemon at once, then wait for each (each takes ~2 s to exit on SIGTERM).
-stop() { # NAME:PIDFILE...
-  local entry name pidfile pid
-  local -a names=() pids=() pidfiles=()
-  for entry in "$@"; do
-    name=${entry%%:*} pidfile=${entry#*:}
-    if [[ ! -f $pidfile ]]; then
-      step "$name: no $pidfile, nothing to stop"
-      continue
-    fi
-    pid=$(<"$pidfile")
-    if ! kill -0 "$pid" 2>/dev/null; then
-      step "$name: pid $pid not running"
-      rm -f "$pidfile"
-      continue
-    fi
-    kill -TERM "$pid"
-    names+=("$name") pids+=("$pid") pidfiles+=("$pidfile")
-  done
-  local deadline=$((SECONDS + TIMEOUT_S)) i
-  for i in "${!pids[@]}"; do
-    while kill -0 "${pids[i]}" 2>/dev/null; do
-      if ((SECONDS >= deadline)); then
-        step "${names[i]}: pid ${pids[i]} still alive after ${TIMEOUT_S}s, sending SIGKILL"
-        kill -KILL "${pids[i]}" 2>/dev/null || true
-        sleep 0.5
-        break
-      fi
-      sleep 0.1
-    done
-    rm -f "${pidfiles[i]}"
-    step "${names[i]}: stopped pid ${pids[i]}"
-  done
-}
+TAG=slurm-down
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 # Jobs first: their slurmstepd processes outlive slurmd and would keep the namespaces alive.
 ctld_pidfile=$STATE_DIR/slurmctld.pid
@@ -70,6 +37,6 @@ if [[ -f $SLURM_CONF && -f $ctld_pidfile ]] && kill -0 "$(<"$ctld_pidfile")" 2>/
 fi
 
 # The nodes first, so slurmctld does not spend its shutdown on them; munged last with slurmctld.
-stop "slurmd node1:$STATE_DIR/slurmd-node1.pid" "slurmd node2:$STATE_DIR/slurmd-node2.pid"
-stop "slurmctld:$ctld_pidfile" "munged:$STATE_DIR/munged.pid"
+stop_pidfiles "$TIMEOUT_S" "slurmd node1:$STATE_DIR/slurmd-node1.pid" "slurmd node2:$STATE_DIR/slurmd-node2.pid"
+stop_pidfiles "$TIMEOUT_S" "slurmctld:$ctld_pidfile" "munged:$STATE_DIR/munged.pid"
 bash "$HERE/hosts-down.sh" "$STATE_DIR/hosts"

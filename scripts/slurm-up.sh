@@ -21,8 +21,9 @@ declare -A ADDR=([node1]=198.51.100.1 [node2]=198.51.100.2)
 CTLD_ADDR=198.51.100.254 # the root namespace's end of the bridge (hosts-up.sh)
 export SLURM_CONF=$STATE_DIR/slurm.conf
 
-step() { echo "slurm-up: $*"; }
-die() { echo "slurm-up: error: $*" >&2; exit 1; }
+TAG=slurm-up
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 last_lines() { tail -n "${2:-5}" "$1" 2>/dev/null | tr '\n' ' '; }
 alive() { [[ -f $1 ]] && kill -0 "$(<"$1")" 2>/dev/null; } # PIDFILE
 
@@ -34,15 +35,7 @@ missing=()
 command -v slurmctld >/dev/null && command -v slurmd >/dev/null || missing+=(slurm-wlm)
 command -v munged >/dev/null || missing+=(munge)
 if ((${#missing[@]})); then
-  export DEBIAN_FRONTEND=noninteractive
-  install=(apt-get install -y --no-install-recommends "${missing[@]}")
-  # Refresh the package lists only when installing from the current ones fails.
-  if ! "${install[@]}" >"$STATE_DIR/apt.log" 2>&1; then
-    step "apt-get update (package lists missing or stale)"
-    apt-get update >>"$STATE_DIR/apt.log" 2>&1 || die "apt-get update failed, see $STATE_DIR/apt.log"
-    "${install[@]}" >>"$STATE_DIR/apt.log" 2>&1 || die "apt-get install ${missing[*]} failed, see $STATE_DIR/apt.log"
-  fi
-  step "installed ${missing[*]}"
+  install_missing "$STATE_DIR/apt.log" "${missing[@]}"
 else
   step "packages present (slurm-wlm munge)"
 fi

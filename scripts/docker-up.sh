@@ -4,18 +4,12 @@
 # Used by .ci/run and the Docker test fixtures; scripts/docker-down.sh STATE_DIR stops what this started.
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-  echo "usage: $0 STATE_DIR" >&2
-  exit 2
-fi
-mkdir -p "$1"
-STATE_DIR=$(cd "$1" && pwd)
-REGISTRY_ADDR=127.0.0.1:5000
-TIMEOUT_S=${DOCKER_UP_TIMEOUT_S:-60}
-
 TAG=docker-up
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
+STATE_DIR=$(state_dir "$@")
+REGISTRY_ADDR=127.0.0.1:5000
+TIMEOUT_S=${DOCKER_UP_TIMEOUT_S:-60}
 
 # --- packages --------------------------------------------------------------------------------
 missing=()

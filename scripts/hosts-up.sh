@@ -6,22 +6,16 @@
 # STATE_DIR only holds logs (apt.log); the namespaces themselves are global to the machine.
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-  echo "usage: $0 STATE_DIR" >&2
-  exit 2
-fi
-mkdir -p "$1"
-STATE_DIR=$(cd "$1" && pwd)
+TAG=hosts-up
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
+STATE_DIR=$(state_dir "$@")
 
 # TEST-NET-2 only: the machine's own network uses 192.0.2.0/24.
 PREFIX=198.51.100
 HOSTS=(hn1 hn2)
 SWITCH=hnsw
 ROOT_IF=hbr-host # root side of the root <-> bridge pair; its peer in hnsw is hbr-sw
-
-TAG=hosts-up
-# shellcheck source=scripts/lib.sh
-source "$(dirname "$0")/lib.sh"
 
 ((EUID == 0)) || die "must run as root (network namespaces need CAP_NET_ADMIN)"
 command -v ip >/dev/null || die "ip (iproute2) is not installed"

@@ -4,6 +4,15 @@
 step() { echo "$TAG: $*"; }
 die() { echo "$TAG: error: $*" >&2; exit 1; }
 
+# state_dir ARGS...: the script's one argument, STATE_DIR, created; printed as an absolute path.
+state_dir() {
+  if [[ $# -ne 1 ]]; then
+    echo "usage: $0 STATE_DIR" >&2
+    exit 2
+  fi
+  mkdir -p "$1" && cd "$1" && pwd
+}
+
 # install_missing LOG PACKAGE...: apt-get install them; the package lists are refreshed only when
 # installing from the current ones fails (a fresh machine has none).
 install_missing() {

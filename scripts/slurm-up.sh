@@ -7,12 +7,10 @@
 # already answers is reused. scripts/slurm-down.sh STATE_DIR stops what this started.
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-  echo "usage: $0 STATE_DIR" >&2
-  exit 2
-fi
-mkdir -p "$1"
-STATE_DIR=$(cd "$1" && pwd)
+TAG=slurm-up
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
+STATE_DIR=$(state_dir "$@")
 HERE=$(cd "$(dirname "$0")" && pwd)
 TIMEOUT_S=${SLURM_UP_TIMEOUT_S:-60}
 NODES=(node1 node2)
@@ -21,9 +19,6 @@ declare -A ADDR=([node1]=198.51.100.1 [node2]=198.51.100.2)
 CTLD_ADDR=198.51.100.254 # the root namespace's end of the bridge (hosts-up.sh)
 export SLURM_CONF=$STATE_DIR/slurm.conf
 
-TAG=slurm-up
-# shellcheck source=scripts/lib.sh
-source "$(dirname "$0")/lib.sh"
 last_lines() { tail -n "${2:-5}" "$1" 2>/dev/null | tr '\n' ' '; }
 alive() { [[ -f $1 ]] && kill -0 "$(<"$1")" 2>/dev/null; } # PIDFILE
 

@@ -61,7 +61,7 @@ def main() -> None:
     130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
 
-_EXECUTORS = ["local", "docker", "slurm"]
+_EXECUTORS = ["local", "docker", "slurm"]  # config.Executor's values (not imported: --help must stay fast)
 
 
 def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,16 +1,18 @@
 """Where a job's ranks run. One module per backend; `get(name)` finds it (see base.py for the contract).
 
 A new backend (say, Kubernetes) is one module here defining `EXECUTOR`, an `Executor` subclass,
-and its name in `BACKENDS`; run, replay, resume and audit need no change.
+and its name in the config schema's `Executor` enum (the CLI's --executor choices follow it; a test
+checks they agree); run, replay, resume and audit need no change.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from harness.config import Executor as _Backend
 from harness.executors.base import Event, Executor, Handle, Job, Outcome, Output, Submitted, Topology, run_job
 
-BACKENDS = ("local", "docker", "slurm")
+BACKENDS = tuple(b.value for b in _Backend)  # each is a module of this package
 
 __all__ = ["BACKENDS", "Event", "Executor", "Handle", "Job", "Outcome", "Output", "Submitted", "Topology", "get", "run", "run_job"]
 

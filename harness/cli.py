@@ -247,9 +247,13 @@ def replay(
         tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
         placement=slurm, topology=topology,
     )
-    _print_comparison(result.comparison, result.changes)
     from harness.tracking import Tracker
 
+    if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
+        click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
+        click.echo(result.outcome.run_id)
+        _exit(result.outcome.exit_code)
+    _print_comparison(result.comparison, result.changes)
     click.echo(Tracker(tracking_uri).ui_hint(result.outcome.run_id), err=True)
     click.echo(f"verdict: {result.comparison.summary()}")
     click.echo(result.outcome.run_id)

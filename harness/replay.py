@@ -25,7 +25,7 @@ from harness.tracking import RunRecord, RunSummary, Tracker
 class ReplayResult:
     original: RunSummary
     outcome: Outcome
-    comparison: Comparison
+    comparison: Comparison | None  # None on nodes other than 0 of a multi-node replay: node 0 judges it
     changes: list[str]
 
 
@@ -148,6 +148,8 @@ def replay(
         outcome = executors.run(job)
         replay_id = outcome.run_id
 
+    if job.topology.node_rank != 0:  # one job, one verdict: node 0's
+        return ReplayResult(original, outcome, None, changes)
     comparison = judge(tracker, run_id, replay_id, outcome, incomplete)
     record_verdict(tracker, replay_id, tracker.load_record(run_id), tracker.load_record(replay_id), comparison, changes)
     return ReplayResult(original, outcome, comparison, changes)

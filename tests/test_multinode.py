@@ -17,8 +17,9 @@ from test_run import CRASHING
 MASTER = "198.51.100.1"
 
 
-def _node(two_hosts, project: Project, ns: str, rank: int, port: int, *args: str, env: dict | None = None):
-    argv = [sys.executable, "-m", "harness", "run", *args, "--nnodes", "2", "--node-rank", str(rank),
+def _node(two_hosts, project: Project, ns: str, rank: int, port: int, *args: str, env: dict | None = None,
+          command: str = "run"):
+    argv = [sys.executable, "-m", "harness", command, *args, "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", MASTER, "--master-port", str(port)]
     environ = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
     return two_hosts.ns_popen(ns, argv, environ, cwd=project.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -66,6 +67,19 @@ def test_two_nodes_are_one_run_bit_identical_to_one_node(project: Project, two_h
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     assert "verdict: BITWISE" in cmp.stdout
     assert "harness.nnodes: 1 -> 2" in cmp.stdout  # the topology is in the delta, and does not break bitwise
+
+    # Replayed as a two-node job too: one replay run, judged once, by node 0.
+    before = {r.info.run_id for r in project.all_runs()}
+    nodes = [_node(two_hosts, project, ns, rank, 29615, run_id, command="replay")
+             for rank, ns in enumerate(two_hosts.namespaces)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, err
+    replay_id = outs[0][0].strip().splitlines()[-1]
+    assert "verdict: BITWISE" in outs[0][0] and "node 0 judges it" in outs[1][1]
+    assert {r.info.run_id for r in project.all_runs()} - before == {replay_id}
+    replay_tags = client.get_run(replay_id).data.tags
+    assert replay_tags["harness.replay_of"] == run_id and replay_tags["harness.nnodes"] == "2"
 
 
 def test_a_node_killed_mid_run_fails_the_job_within_seconds(project: Project, two_hosts, tmp_path: Path) -> None:

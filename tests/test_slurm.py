@@ -63,6 +63,9 @@ def test_one_node_job_is_one_run_and_replays_through_slurm_bitwise(project: Proj
     rtags = project.client().get_run(replay.last_line).data.tags
     assert rtags["harness.executor"] == "slurm" and rtags["harness.slurm.job_id"] != tags["harness.slurm.job_id"]
 
+    here = project.harness("replay", run.last_line, "--executor", "local", env=slurm_env)  # off the cluster
+    assert here.returncode == 0 and _verdict(here).startswith("verdict: BITWISE"), here.stdout + here.stderr
+
 
 def test_two_node_job_is_one_run_with_both_nodes_and_replays_bitwise(
     project: Project, slurm, slurm_env, reference_run: str

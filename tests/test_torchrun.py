@@ -107,4 +107,4 @@ def test_a_rank_that_raises_fails_the_one_run_naming_rank_and_line(project: Proj
     assert rank_exit_codes(result.stderr).get(1) == 1, result.stderr
     for rank in (0, 1):
         assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"
-    assert not [r for r in project.all_runs() if r.info.status == "RUNNING"]
+    assert not [r for r in runs_of(project, "torchrun_raising") if r.info.status == "RUNNING"]

@@ -32,8 +32,7 @@ from harness.executors.local import local_image_tags
 from harness.recorded import checkout
 
 _CALL_S = 30.0  # deadline of one sbatch/scontrol/scancel call
-# COMPLETING: every task has exited (node 0 closed the run before it did); only Slurm's clean-up remains.
-_ENDED = {"COMPLETING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
           "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 _PORT_BASE = 20000  # MASTER_PORT = base + job id mod 20000: distinct for jobs sharing a node
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -179,18 +180,22 @@ class LocalHandle(Handle):
                 print(f"node {topo.node_rank}: joined run {job.run_id}", file=sys.stderr, flush=True)
                 return
             tags[T.MASTER] = f"{topo.master_addr}:{topo.master_port}"
-            tags.update(_node_tags(joined.nodes))
-            try:
-                job.run_id = job.record(tags) if job.record else job.run_id
-            except BaseException as err:
-                self.node.fail(f"node 0 could not record the run: {err}")
-                raise
-            job.tracker.log_text(job.run_id, json.dumps({str(k): v for k, v in joined.nodes.items()}, indent=2),
-                                 T.ARTIFACT_NODES)
-            self.node.publish(job.run_id)
+            self._record_and_publish({**tags, **_node_tags(joined.nodes)}, joined.nodes, "node 0")
         except BaseException:
             shutil.rmtree(self.work, ignore_errors=True)
             raise
+
+    def _record_and_publish(self, tags: dict[str, str], nodes: dict[int, dict[str, Any]] | None, who: str) -> None:
+        """Node 0 after the rendezvous: record the one run with every node's facts, then tell the others its id."""
+        job = self.job
+        try:
+            job.run_id = job.record(tags) if job.record else job.run_id
+        except BaseException as err:
+            self.node.fail(f"{who} could not record the run: {err}")
+            raise
+        if nodes:
+            job.tracker.log_text(job.run_id, json.dumps({str(k): v for k, v in nodes.items()}, indent=2), T.ARTIFACT_NODES)
+        self.node.publish(job.run_id)
 
     def wait(self) -> Outcome:
         try:
@@ -221,8 +226,6 @@ class LocalHandle(Handle):
             final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
         status, code, message = T.FAILED, EXIT_FAILED, ""
         try:
-            import os
-
             nproc = cfg.world_size // job.topology.nnodes
             device, backend = check_runnable(cfg, nproc)
             facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}

@@ -11,7 +11,6 @@ publishes its id; the others attach to it. Then each process runs its rank's bod
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -183,15 +182,7 @@ class TorchrunHandle(LocalHandle):
             nodes = {r["group_rank"]: r for r in joined.nodes.values() if r["local_rank"] == 0}
             tags = {**self.placement, T.NNODES: str(env.nnodes), T.NPROC_PER_NODE: str(env.local_world_size),
                     T.LAUNCHER: LAUNCHER, T.MASTER: f"{env.master_addr}:{env.master_port}", **_node_tags(nodes)}
-            try:
-                job.run_id = job.record(tags) if job.record else job.run_id
-            except BaseException as err:
-                self.node.fail(f"rank 0 could not record the run: {err}")
-                raise
-            if env.nnodes > 1:
-                job.tracker.log_text(job.run_id, json.dumps({str(k): v for k, v in nodes.items()}, indent=2),
-                                     T.ARTIFACT_NODES)
-            self.node.publish(job.run_id)
+            self._record_and_publish(tags, nodes if env.nnodes > 1 else None, "rank 0")
         except BaseException:
             shutil.rmtree(self.work, ignore_errors=True)
             raise

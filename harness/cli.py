@@ -379,36 +379,51 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 
 
 @main.command()
+@click.argument("experiment", required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=5050, show_default=True, help="Port to listen on (5000 is left to a local registry).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def ui(host: str, port: int, tracking_uri: str | None) -> None:
-    """Start the MLflow UI on the tracking store (runs, replays and verdicts)."""
-    import os
+def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -> None:
+    """Open the MLflow UI on EXPERIMENT's runs and replays (default: the newest run's experiment).
+
+    The page lists every run and replay with its verdict, world size, commit and image digest (a view
+    harness saves in the experiment). Prints the page's link on stdout once the UI answers. On a local
+    store this starts `mlflow server` until Ctrl-C; an http(s) store is a server already: its link is
+    printed and nothing is started.
+    """
     import signal
     import subprocess
 
-    from harness.tracking import resolve_uri, ui_command
+    from harness import ui as mlflow_ui
+    from harness.tracking import Tracker, display_uri, resolve_uri, ui_command
 
     uri = resolve_uri(tracking_uri)
-    click.echo(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C to stop)", err=True)
-    server = subprocess.Popen(ui_command(uri, host, port), env=os.environ.copy())
+    if mlflow_ui.is_server(uri):
+        click.echo(mlflow_ui.page(display_uri(uri), mlflow_ui.prepare(Tracker(uri), experiment)))
+        return
+    base = f"http://{host}:{port}"
+    click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)
+    cmd, env = ui_command(uri, host, port)
+    # Its own process group: the server's worker goes with it, whoever stops `harness ui`. Its log goes
+    # to stderr: stdout carries only the link.
+    server = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr)
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
     try:
+        # Meanwhile (the server takes seconds to answer): pick the experiment and save its view.
+        experiment_id = mlflow_ui.prepare(Tracker(uri), experiment)
+        mlflow_ui.wait_ready(server, base)
+        click.echo(mlflow_ui.page(base, experiment_id))
         sys.exit(server.wait())
     except KeyboardInterrupt:
-        # The server and its workers go with us, whoever sent the signal.
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        mlflow_ui.stop(server)
         sys.exit(EXIT_SIGINT)
+    finally:
+        mlflow_ui.stop(server)
 
 
 @main.command()

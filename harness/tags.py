@@ -10,6 +10,9 @@ MLFLOW_SOURCE_NAME = "mlflow.source.name"
 MLFLOW_SOURCE_TYPE = "mlflow.source.type"
 MLFLOW_PARENT_RUN_ID = "mlflow.parentRunId"
 MLFLOW_RUN_NOTE = "mlflow.note.content"
+# Experiment tags the UI reads: the experiment's kind, and views shared through `?viewStateShareKey=`.
+MLFLOW_EXPERIMENT_KIND = "mlflow.experimentKind"
+MLFLOW_SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
 
 # MLflow run statuses harness sets and checks.
 RUNNING = "RUNNING"
@@ -26,6 +29,7 @@ KIND = "harness.kind"  # KIND_RUN | KIND_REPLAY | KIND_AUDIT
 KIND_RUN = "run"
 KIND_REPLAY = "replay"
 KIND_AUDIT = "audit"
+STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
 

@@ -196,10 +196,12 @@ class Tracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
+        from harness import ui
+
         root = artifact_root(self.uri)
         location = Path(root, name).as_uri() if root else None
         try:
-            return self.client.create_experiment(name, artifact_location=location)
+            return self.client.create_experiment(name, artifact_location=location, tags=ui.experiment_tags())
         except Exception:
             exp = self.client.get_experiment_by_name(name)  # created concurrently
             if exp is None:
@@ -207,7 +209,19 @@ class Tracker:
             return exp.experiment_id
 
     @_store_call
+    def set_ui_view(self, experiment_id: str) -> None:
+        """(Re)write the experiment's UI view (experiments made before it existed, or by another version)."""
+        from harness import ui
+
+        for key, value in ui.experiment_tags().items():
+            self.client.set_experiment_tag(experiment_id, key, value)
+
+    @_store_call
     def create_run(self, experiment: str, tags: dict[str, str], run_name: str | None = None) -> str:
+        from datetime import datetime, timezone
+
+        started = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        tags = {T.STARTED: started, **tags}
         run = self.client.create_run(self.experiment_id(experiment), tags=tags, run_name=run_name)
         return run.info.run_id
 
@@ -366,16 +380,23 @@ class Tracker:
         )
 
     @_store_call
+    def _experiment(self, name: str) -> Any:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            raise HarnessError(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
+        return exp
+
+    @_store_call
+    def experiment_id_of(self, name: str) -> str:
+        """The id of an existing experiment (refused with one line if there is none)."""
+        return self._experiment(name).experiment_id
+
+    @_store_call
     def search(
         self, experiment: str | None = None, max_results: int = 50, filter_string: str = ""
     ) -> list[RunSummary]:
         if experiment:
-            exp = self.client.get_experiment_by_name(experiment)
-            if exp is None:
-                raise HarnessError(
-                    f"no MLflow experiment '{experiment}' in {self.display_uri}. Run `harness runs` to list all."
-                )
-            exps = [exp]
+            exps = [self._experiment(experiment)]
         else:
             exps = self.client.search_experiments()
         names = {e.experiment_id: e.name for e in exps}
@@ -486,15 +507,20 @@ class MetricWriter:
             )
 
 
-def ui_command(uri: str, host: str, port: int) -> list[str]:
-    """`mlflow server` on this store, as an argument list."""
+def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """`mlflow server` on this store, as an argument list and its environment.
+
+    One worker and no job runner: the UI is for one reader, and MLflow's defaults (4 workers and a
+    job runner with 7 consumers) take ~30 s to answer instead of ~8 s.
+    """
     import sys
 
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port),
+           "--workers", "1"]
     root = artifact_root(uri)
     if root:
         cmd += ["--default-artifact-root", Path(root).as_uri()]
-    return cmd
+    return cmd, {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 class Heartbeat:

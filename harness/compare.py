@@ -45,6 +45,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Liveness and training outcomes: they describe how the run went, not what it ran under.
         tags.HEARTBEAT,
         tags.HEARTBEAT_S,
+        tags.STARTED,
         tags.WEIGHTS_CHANGED,
         tags.INITIAL_FINGERPRINT,
         # Which scheduler job and which rendezvous address: where it ran, never what decided it.

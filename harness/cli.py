@@ -211,6 +211,8 @@ def check(
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-data-changes", is_flag=True,
+              help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
 @_placement_options
@@ -225,6 +227,7 @@ def replay(
     overrides: tuple[str, ...],
     world_size: int | None,
     allow_changes: bool,
+    allow_data_changes: bool,
     executor: str | None,
     allow_incomplete: bool,
     no_follow: bool,
@@ -244,6 +247,7 @@ def replay(
     slurm, topology = _placement(executor, placement)
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
+        allow_data_changes=allow_data_changes,
         tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
         placement=slurm, topology=topology,
     )

@@ -284,7 +284,7 @@ def test_replay_after_touch_is_bitwise_and_rereads_only_that_file(
 
 @pytest.mark.parametrize("case", ["changed", "missing", "renamed"])
 def test_replay_refuses_changed_data_before_launch(
-    project: Project, data_run: str, outside: Path, env: dict[str, str], case: str
+    project: Project, data_run: str, outside: Path, env: dict[str, str], case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     part = outside / "shards" / "part-1.bin"
     original = part.read_bytes()
@@ -293,23 +293,31 @@ def test_replay_refuses_changed_data_before_launch(
         "missing": "data 'shards': 'part-1.bin' is missing since run ",
         "renamed": "data 'shards': 'part-1.bin' was renamed to 'part-9.bin' (same sha256) since run ",
     }[case]
+    way = ("Restore the data as recorded, or pass --allow-data-changes to go on with the data as it is now "
+           "(the verdict cannot be BITWISE).")
     before = len(_replays(project, data_run))
     try:
-        if case == "changed":
+        if case == "changed":  # through the CLI: exit code and the one line
             part.write_bytes(original[:-1] + b"\x00")  # same size
-        elif case == "missing":
-            part.unlink()
-        else:
-            part.rename(outside / "shards" / "part-9.bin")
-        result = project.harness("replay", data_run, env=env)
+            result = project.harness("replay", data_run, env=env)
+            assert result.returncode == 2
+            assert result.stderr.strip().splitlines()[-1].startswith(f"Error: {expected}"), result.stderr
+            assert result.stderr.strip().endswith(way)
+        else:  # the same library call in this process (no interpreter start-up to pay)
+            from harness.replay import replay
+
+            if case == "missing":
+                part.unlink()
+            else:
+                part.rename(outside / "shards" / "part-9.bin")
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+            with pytest.raises(HarnessError) as err:
+                replay(data_run, tracking_uri=project.uri, repo=project.root)
+            assert str(err.value).startswith(expected) and str(err.value).endswith(way)
     finally:
         (outside / "shards" / "part-9.bin").unlink(missing_ok=True)
         part.write_bytes(original)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"Error: {expected}") and lines[-1].endswith(
-        "Restore the data as recorded, or pass --allow-data-changes to go on with the data as it is now "
-        "(the verdict cannot be BITWISE)."), result.stderr
     assert len(_replays(project, data_run)) == before  # refused before any replay run was created
 
 

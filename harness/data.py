@@ -16,6 +16,7 @@ import re
 import sqlite3
 import stat
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,10 @@ CHUNK = 1 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _VAR_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 _CACHE_TIMEOUT_S = 30.0  # how long a run waits for another run's write to the cache before giving up
+# File timestamps advance by the kernel's coarse clock (a few ms): a file written again within the same
+# tick, at the same size, would keep its stat. A hash is cached only once the file's last change is
+# older than this (git calls such entries "racy" and re-checks them the same way).
+RACY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -285,6 +290,7 @@ def _hash_entry(entry: Declared, cache: HashCache, stats: HashStats) -> dict[str
     todo = [(p, s) for _, p, s in listing if p not in known]
     lock = threading.Lock()
     fresh: list[tuple[bytes, os.stat_result, str]] = []
+    racy: set[bytes] = set()
 
     def work(item: tuple[bytes, os.stat_result]) -> None:
         p, before = item
@@ -297,8 +303,11 @@ def _hash_entry(entry: Declared, cache: HashCache, stats: HashStats) -> dict[str
             raise HarnessError(
                 f"data '{entry.name}': {os.fsdecode(p)} changed while it was hashed. Stop what writes it, then rerun."
             )
+        settled = max(after.st_mtime_ns, after.st_ctime_ns) < time.time_ns() - int(RACY_S * 1e9)
         with lock:
             fresh.append((p, before, digest))
+            if not settled:
+                racy.add(p)
 
     if len(todo) > 1:
         with ThreadPoolExecutor(max_workers=_workers()) as pool:
@@ -306,7 +315,7 @@ def _hash_entry(entry: Declared, cache: HashCache, stats: HashStats) -> dict[str
     else:
         for item in todo:
             work(item)
-    cache.put_many(fresh)
+    cache.put_many(item for item in fresh if item[0] not in racy)
     digests = dict(known)
     digests.update({p: d for p, _, d in fresh})
     stats.files += len(listing)

@@ -51,9 +51,11 @@ class RecordedRun:
         """
         from harness import data
 
+        recorded = data.recorded_data(self.tracker, self.run.run_id)
+        if recorded is None and not self.cfg.data:
+            return data.DataCheck(None, [], {})
         root = Path(gitsource.open_repo(repo or Path.cwd()).working_tree_dir)
         exp_dir = root / self.run.tags[T.EXPERIMENT_PATH]
-        recorded = data.recorded_data(self.tracker, self.run.run_id)
         return data.verify(
             self.cfg.data, recorded, exp_dir, root, run_id=self.run.run_id, allow_changes=allow_changes, flag=flag
         )

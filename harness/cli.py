@@ -201,6 +201,8 @@ def check(
     )
     for warning in checked.warnings:
         click.echo(f"Warning: {warning}", err=True)
+    if checked.data_stats is not None:
+        click.echo(checked.data_stats.summary(), err=True)
     cfg = checked.cfg
     dirty = "+uncommitted changes" if checked.git.dirty else "clean"
     click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} {dirty})")

@@ -393,7 +393,7 @@ def diff(recorded: Mapping[str, Any] | None, current: Mapping[str, Any] | None) 
         fa = {f["path"]: f for f in ea["files"]}
         fb = {f["path"]: f for f in eb["files"]}
         if ea["kind"] == KIND_FILE:  # one file, whatever its name: only its bytes count
-            (pa, xa), (pb, xb) = next(iter(fa.items())), next(iter(fb.items()))
+            (pa, xa), xb = next(iter(fa.items())), next(iter(fb.values()))
             out.append(DataChange(name, "changed", pa, _changed(xa, xb)))
             continue
         gone = sorted(set(fa) - set(fb), key=os.fsencode)

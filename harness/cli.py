@@ -201,6 +201,8 @@ def check(
     )
     for warning in checked.warnings:
         click.echo(f"Warning: {warning}", err=True)
+    if checked.data_stats is not None:
+        click.echo(checked.data_stats.summary(), err=True)
     cfg = checked.cfg
     dirty = "+uncommitted changes" if checked.git.dirty else "clean"
     click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} {dirty})")
@@ -211,6 +213,8 @@ def check(
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-data-changes", is_flag=True,
+              help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
 @_placement_options
@@ -225,6 +229,7 @@ def replay(
     overrides: tuple[str, ...],
     world_size: int | None,
     allow_changes: bool,
+    allow_data_changes: bool,
     executor: str | None,
     allow_incomplete: bool,
     no_follow: bool,
@@ -244,6 +249,7 @@ def replay(
     slurm, topology = _placement(executor, placement)
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
+        allow_data_changes=allow_data_changes,
         tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
         placement=slurm, topology=topology,
     )

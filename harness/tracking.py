@@ -141,6 +141,7 @@ class RunRecord:
     steps_total: int | None = None  # training steps the run completed
     # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
     metrics_exact: bool = True
+    data: dict | None = None  # the declared data's manifest (harness/data.py), None when the run declared none
 
 
 def _summary(run: Any, experiment: str) -> RunSummary:
@@ -261,6 +262,32 @@ class Tracker:
         self.client.log_artifact(run_id, str(local_file), artifact_path)
 
     @_store_call
+    def log_data_inputs(self, run_id: str, datasets: list[tuple[str, str, str]]) -> None:
+        """(name, sha256, path) per declared data entry, as MLflow dataset inputs (the UI's Datasets column).
+
+        Only name, digest and source are given: nothing is loaded. MLflow's digest column holds 36
+        characters, so it gets the first 32 hex digits; the full sha256 is in harness's own manifest.
+        """
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        inputs = [
+            DatasetInput(
+                Dataset(name=name, digest=digest[:32], source_type="local", source=json.dumps({"uri": Path(path).as_uri()})),
+                tags=[InputTag(MLFLOW_DATASET_CONTEXT, "training")],
+            )
+            for name, digest, path in datasets
+        ]
+        if inputs:
+            self.client.log_inputs(run_id, datasets=inputs)
+
+    @_store_call
+    def dataset_inputs(self, run_id: str) -> list[tuple[str, str, str]]:
+        """(name, digest, source) of the run's MLflow dataset inputs."""
+        run = self.client.get_run(run_id)
+        return [(d.dataset.name, d.dataset.digest, d.dataset.source) for d in run.inputs.dataset_inputs]
+
+    @_store_call
     def reopen(self, run_id: str) -> None:
         """Mark an ended run RUNNING again (a resume continues it)."""
         self.client.update_run(run_id, status=T.RUNNING)
@@ -364,6 +391,7 @@ class Tracker:
                     metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
         fp = json.loads(self.read_text(run_id, T.ARTIFACT_FINGERPRINTS) or "{}")
         config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
+        data_text = self.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)
         return RunRecord(
             run_id=run_id,
             experiment=run.experiment,
@@ -376,6 +404,7 @@ class Tracker:
             checkpoints={int(k): v for k, v in fp.get("checkpoints", {}).items()},
             steps_total=fp.get("steps_total"),
             metrics_exact=exact,
+            data=json.loads(data_text) if data_text is not None else None,
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 

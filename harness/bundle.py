@@ -237,7 +237,9 @@ def _stage_run(tracker: Any, run: Any, folder: Path, with_checkpoints: bool) -> 
     for path, _ in tracker.artifact_files(run.run_id):
         if path.split("/")[0] == T.ARTIFACT_CHECKPOINTS and not with_checkpoints:
             continue
-        tracker.download(run.run_id, path, artifacts)
+        folder_of = artifacts / PurePosixPath(path).parent
+        folder_of.mkdir(parents=True, exist_ok=True)
+        tracker.download(run.run_id, path, folder_of)
 
 
 def _sha256(path: Path) -> str:

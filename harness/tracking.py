@@ -321,7 +321,7 @@ class Tracker:
 
     @_store_call
     def download(self, run_id: str, artifact_file: str, dest_dir: Path) -> Path | None:
-        """The artifact copied into `dest_dir` (its folders kept), None if the run has no such artifact."""
+        """The artifact file copied into `dest_dir` under its own name, None if the run has no such artifact."""
         try:
             return Path(self.client.download_artifacts(run_id, artifact_file, str(dest_dir)))
         except Exception as err:

@@ -3,12 +3,17 @@ every malformed bundle refused before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
+import subprocess
 import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +40,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     project = make_project(base)
     # Uncommitted, untracked: the patch must travel with the commit.
     (project.root / "experiments" / "linear_ddp" / "notes.txt").write_text("not committed\n")
-    run = project.harness("run", "experiments/linear_ddp", "train.epochs=1")
+    run = project.harness("run", "experiments/linear_ddp", "train.epochs=1", "checkpoint_every=2")
     assert run.returncode == 0, run.stderr
     replay = project.harness("replay", run.last_line)
     assert replay.returncode == 0, replay.stderr
@@ -43,6 +48,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     result = project.harness("export", run.last_line, "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert result.last_line == str(out)
+    with_checkpoints = project.harness("export", run.last_line, "-o", str(base / "full.tar.gz"), "--with-checkpoints")
+    assert with_checkpoints.returncode == 0, with_checkpoints.stderr
     # The code now exists nowhere but in the bundle: the repository (and its remote, never reachable) are gone.
     shutil.rmtree(project.root)
     return Exported(project, run.last_line, replay.last_line, out, base)
@@ -105,6 +112,17 @@ def test_replays_travel_as_children(exported: Exported, clean: Project, imported
     assert replay.data.tags[T.MLFLOW_PARENT_RUN_ID] == imported
     assert replay.data.tags[T.REPLAY_OF] == imported
     assert replay.data.tags[T.VERDICT] == "BITWISE"
+
+
+def test_checkpoints_travel_only_when_asked(exported: Exported) -> None:
+    def checkpoints(path: Path) -> list[str]:
+        with tarfile.open(path, "r:gz") as tar:
+            return [n for n in tar.getnames() if f"/{T.ARTIFACT_CHECKPOINTS}/" in n]
+
+    assert checkpoints(exported.path) == []
+    full = checkpoints(exported.base / "full.tar.gz")
+    assert any(n.startswith(f"{bundle.RUN_DIR}/{bundle.ARTIFACTS}/{T.ARTIFACT_CHECKPOINTS}/") and n.endswith(".pt")
+               for n in full), full
 
 
 def test_importing_twice_is_harmless(exported: Exported, clean: Project, imported: str) -> None:
@@ -255,3 +273,73 @@ def test_member_names_are_checked_as_names() -> None:
         with pytest.raises(bundle.BundleError):
             bundle.check_name(bad)
     assert os.sep == "/"
+
+
+# -- --with-image: into a fresh engine -----------------------------------------------------------------
+@contextlib.contextmanager
+def fresh_engine(state: Path) -> Iterator[dict[str, str]]:
+    """A second dockerd with its own data root and socket (no bridge, no iptables: it leaves the shared
+    engine's network alone); yields the environment that points the docker CLI at it; stopped by its pid."""
+    state.mkdir(parents=True)
+    sock = state / "docker.sock"
+    log = open(state / "dockerd.log", "wb")
+    proc = subprocess.Popen(
+        ["dockerd", "--data-root", str(state / "data"), "--exec-root", str(state / "exec"),
+         "--pidfile", str(state / "dockerd.pid"), "-H", f"unix://{sock}", "--bridge=none", "--iptables=false"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    env = {"DOCKER_HOST": f"unix://{sock}"}
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run(["docker", "version"], env={**os.environ, **env}, capture_output=True,
+                             timeout=30).returncode != 0:
+            assert proc.poll() is None, (state / "dockerd.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the fresh dockerd did not answer within 60 s"
+            time.sleep(0.3)
+        yield env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+        subprocess.run(["umount", "-R", str(state / "exec")], capture_output=True, check=False, timeout=60)
+        subprocess.run(["umount", "-R", str(state / "data")], capture_output=True, check=False, timeout=60)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_with_image_loads_into_a_fresh_engine_and_the_replay_runs_it(
+    engine: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    base = tmp_path_factory.mktemp("image bundle")
+    project = make_project(base)
+    run = project.harness("run", "experiments/linear_ddp", "--executor", "docker", "train.epochs=1")
+    assert run.returncode == 0, run.stderr
+    image_id = project.client().get_run(run.last_line).data.tags[T.IMAGE_ID]
+    out = base / "with image.tar.gz"
+    exported = project.harness("export", run.last_line, "-o", str(out), "--with-image")
+    assert exported.returncode == 0, exported.stderr
+    shutil.rmtree(project.root)
+    machine = base / "clean machine"
+    (machine / "store").mkdir(parents=True)
+    clean = Project(machine, machine / "store")
+    with fresh_engine(Path(tempfile.mkdtemp(prefix="bundle-engine-"))) as env:
+        docker_env = {**os.environ, **env}
+        assert subprocess.run(["docker", "image", "inspect", image_id], env=docker_env, capture_output=True,
+                              timeout=60).returncode != 0  # the fresh engine has no image at all
+        imported = clean.harness("import", str(out), env=env)
+        assert imported.returncode == 0, imported.stderr
+        assert "loaded" in imported.stderr
+        replay = clean.harness("replay", imported.last_line, env=env)
+        assert replay.returncode == 0, replay.stderr + replay.stdout
+        assert replay.stdout.strip().splitlines()[-2].startswith("verdict: BITWISE"), replay.stdout
+        tags = clean.client().get_run(replay.last_line).data.tags
+        assert tags[T.IMAGE_RESOLVED_BY] == "id" and tags[T.IMAGE_ID] == image_id
+        assert tags[T.IN_IMAGE] == "true"
+        # Nothing was pulled: the engine still knows no registry digest for the loaded image.
+        inspect = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RepoDigests}}", image_id],
+                                 env=docker_env, capture_output=True, text=True, timeout=60, check=True)
+        assert inspect.stdout.strip() == "[]"

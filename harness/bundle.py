@@ -116,8 +116,11 @@ def parse_manifest(data: bytes) -> Manifest:
                 raise ValueError(name)
             int(digest, 16)
             members[name] = Member(size, digest)
-        manifest = Manifest(doc["format"], str(doc["run_id"]), [str(r) for r in doc.get("replays") or []], members,
-                            doc.get("image"))
+        image = doc.get("image")
+        if image is not None and not (isinstance(image, dict) and all(isinstance(image.get(k), str) for k in ("ref", "id"))):
+            raise ValueError("image")
+        manifest = Manifest(doc["format"], _run_id(doc["run_id"]), [_run_id(r) for r in doc.get("replays") or []],
+                            members, image)
     except BundleError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -125,6 +128,14 @@ def parse_manifest(data: bytes) -> Manifest:
     if MANIFEST in members:
         raise BundleError(f"the bundle's {MANIFEST} lists itself. {_FIX}")
     return manifest
+
+
+def _run_id(value: Any) -> str:
+    """A run id from a bundle: it names a folder of the bundle and goes into a store query, so only [0-9A-Za-z_-]."""
+    if not (isinstance(value, str) and value and len(value) <= 64 and all(c.isalnum() or c in "-_" for c in value)
+            and value.isascii()):
+        raise ValueError(f"run id {value!r}")
+    return value
 
 
 # -- verification ----------------------------------------------------------------------------------
@@ -184,6 +195,13 @@ def verify(archive: Path, dest: Path) -> Manifest:
             if first.size > MAX_MANIFEST_BYTES:
                 raise BundleError(f"the bundle's {MANIFEST} is {first.size} bytes, over {MAX_MANIFEST_BYTES}. {_FIX}")
             manifest = parse_manifest(tar.extractfile(first).read())  # type: ignore[union-attr]
+            needed = sum(m.size for m in manifest.members.values())
+            free = shutil.disk_usage(dest).free
+            if needed > free:
+                raise BundleError(
+                    f"the bundle unpacks to {needed} bytes, more than the {free} free in {dest.parent}. "
+                    "Free space there (or point TMPDIR at a larger disk) and import again."
+                )
             seen: set[str] = set()
             while (member := tar.next()) is not None:
                 name = member.name
@@ -320,7 +338,8 @@ def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     data = manifest.to_json()
     try:
-        with tarfile.open(partial, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        # Level 1: the big members (an image, checkpoints) take minutes at gzip's default 9 for a few % less.
+        with tarfile.open(partial, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT) as tar:
             info = tarfile.TarInfo(MANIFEST)
             info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
             tar.addfile(info, io.BytesIO(data))
@@ -332,13 +351,31 @@ def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
 
 
 # -- import ----------------------------------------------------------------------------------------
-def _load_record(folder: Path) -> dict[str, Any]:
+def _strings(value: Any) -> dict[str, str]:
+    if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+        raise TypeError("expected an object of strings")
+    return value
+
+
+def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
+    """A run's record.json, every field checked and every metric write parsed before anything is written."""
     try:
         record = json.loads((folder / RECORD).read_bytes())
-        for key in ("run_id", "experiment", "status", "params", "tags", "metrics"):
-            record[key]  # noqa: B018 - presence check
+        if record["run_id"] != run_id:
+            raise ValueError(f"run_id {record['run_id']!r} where the manifest says {run_id!r}")
+        if not (isinstance(record["experiment"], str) and record["status"] in (T.RUNNING, T.FINISHED, *T.INCOMPLETE)):
+            raise ValueError("experiment or status")
+        for key in ("start_time", "end_time"):
+            if record.get(key) is not None and not isinstance(record[key], int):
+                raise TypeError(key)
+        if record.get("run_name") is not None and not isinstance(record["run_name"], str):
+            raise TypeError("run_name")
+        _strings(record["params"])
+        _strings(record["tags"])
+        record["entries"] = [(key, float.fromhex(v), int(ts), int(step))
+                             for key, writes in record["metrics"].items() for v, ts, step in writes]
         return record
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
         raise BundleError(f"the bundle's {folder.name}/{RECORD} is missing or malformed ({err!s}). {_FIX}") from None
 
 
@@ -355,9 +392,7 @@ def _import_run(tracker: Any, record: dict[str, Any], folder: Path, ids: dict[st
     ids[record["run_id"]] = new_id
     tracker.set_tags_exact(new_id, tags)
     tracker.log_params_exact(new_id, record["params"])
-    entries = [(key, float.fromhex(v), int(ts), int(step)) for key, writes in record["metrics"].items()
-               for v, ts, step in writes]
-    tracker.log_metric_entries(new_id, entries)
+    tracker.log_metric_entries(new_id, record["entries"])
     artifacts = folder / ARTIFACTS
     if artifacts.is_dir() and any(artifacts.iterdir()):
         tracker.log_dir(new_id, artifacts)
@@ -376,7 +411,7 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None) -> ImportRe
         unpacked.mkdir()
         manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade
         tracker = Tracker(tracking_uri)
-        record = _load_record(unpacked / RUN_DIR)
+        record = _load_record(unpacked / RUN_DIR, manifest.run_id)
         original = record["run_id"]
         found = tracker.imported(original)
         if found is None:
@@ -386,7 +421,7 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None) -> ImportRe
                 found = None
         if found is not None:
             return ImportResult(found.run_id, original, already=True)
-        replays = [_load_record(unpacked / REPLAYS_DIR / r) for r in manifest.replays]
+        replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
         if not (unpacked / CODE_BUNDLE).is_file():
             raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
         image = None

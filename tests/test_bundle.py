@@ -222,6 +222,9 @@ MALFORMED = {
     "newer format": (_newer, rf"format {bundle.FORMAT + 1}, newer than this harness reads"),
     "member not in the manifest": (_unlisted, "'run/extra.txt' is not in the manifest"),
     "member missing": (_missing, "lacks 'code/code.bundle'"),
+    "malformed record": (lambda p: _write(p, [_entry("run/record.json", RECORD)]), "run/record.json is missing or malformed"),
+    "run id that is a path": (lambda p: _write(p, [], {"format": 1, "run_id": "r", "replays": ["../x"], "members": {}}),
+                              r"malformed \(at run id '\.\./x'\)"),
     "no manifest first": (lambda p: _plain_tar(p), "does not start with manifest.json"),
     "not a tar.gz": (lambda p: p.write_bytes(b"PK\x03\x04 not a tar") and p, "is not a harness bundle"),
 }

@@ -117,7 +117,8 @@ def parse_manifest(data: bytes) -> Manifest:
             int(digest, 16)
             members[name] = Member(size, digest)
         image = doc.get("image")
-        if image is not None and not (isinstance(image, dict) and all(isinstance(image.get(k), str) for k in ("ref", "id"))):
+        if image is not None and not (isinstance(image, dict)
+                                      and all(isinstance(image.get(k), str) for k in ("ref", "id"))):
             raise ValueError("image")
         manifest = Manifest(doc["format"], _run_id(doc["run_id"]), [_run_id(r) for r in doc.get("replays") or []],
                             members, image)

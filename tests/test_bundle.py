@@ -283,7 +283,7 @@ def test_member_names_are_checked_as_names() -> None:
 def fresh_engine(state: Path) -> Iterator[dict[str, str]]:
     """A second dockerd with its own data root and socket (no bridge, no iptables: it leaves the shared
     engine's network alone); yields the environment that points the docker CLI at it; stopped by its pid."""
-    state.mkdir(parents=True)
+    state.mkdir(parents=True, exist_ok=True)
     sock = state / "docker.sock"
     log = open(state / "dockerd.log", "wb")
     proc = subprocess.Popen(

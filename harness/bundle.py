@@ -429,7 +429,7 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None) -> ImportRe
         if manifest.image is not None and (unpacked / IMAGE_TAR).is_file():
             from harness import docker
 
-            # Before the store is written: an image that is not the recorded one leaves nothing behind.
+            # Before the store is written: an image that is not the recorded one leaves the store untouched.
             docker.load_image(unpacked / IMAGE_TAR, manifest.image["id"])
             image = manifest.image["ref"]
         code_dir = unpacked / RUN_DIR / ARTIFACTS / Path(T.ARTIFACT_CODE_BUNDLE).parent

@@ -281,14 +281,20 @@ def test_member_names_are_checked_as_names() -> None:
 # -- --with-image: into a fresh engine -----------------------------------------------------------------
 @contextlib.contextmanager
 def fresh_engine(state: Path) -> Iterator[dict[str, str]]:
-    """A second dockerd with its own data root and socket (no bridge, no iptables: it leaves the shared
-    engine's network alone); yields the environment that points the docker CLI at it; stopped by its pid."""
+    """A second dockerd with its own data root, socket and network namespace (no bridge, no iptables: it
+    leaves the shared engine's network alone); yields the environment that points the docker CLI at it;
+    stopped by its pid."""
     state.mkdir(parents=True, exist_ok=True)
     sock = state / "docker.sock"
     log = open(state / "dockerd.log", "wb")
+    dockerd = ["dockerd", "--data-root", str(state / "data"), "--exec-root", str(state / "exec"),
+               "--pidfile", str(state / "dockerd.pid"), "-H", f"unix://{sock}", "--bridge=none", "--iptables=false"]
+    # In a network namespace of its own: a dockerd with --bridge=none deletes the host's docker0 when it
+    # starts, which breaks the shared engine's builds. Its socket is a file, reachable from here; its
+    # --network host containers get the namespace's loopback, all a local replay needs.
+    had_bridge = Path("/sys/class/net/docker0").exists()
     proc = subprocess.Popen(
-        ["dockerd", "--data-root", str(state / "data"), "--exec-root", str(state / "exec"),
-         "--pidfile", str(state / "dockerd.pid"), "-H", f"unix://{sock}", "--bridge=none", "--iptables=false"],
+        ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *dockerd],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     env = {"DOCKER_HOST": f"unix://{sock}"}
@@ -299,6 +305,7 @@ def fresh_engine(state: Path) -> Iterator[dict[str, str]]:
             assert proc.poll() is None, (state / "dockerd.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the fresh dockerd did not answer within 60 s"
             time.sleep(0.3)
+        assert Path("/sys/class/net/docker0").exists() or not had_bridge, "the fresh engine deleted docker0"
         yield env
     finally:
         proc.terminate()

@@ -366,6 +366,57 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
     sys.exit(result.exit_code)
 
 
+@main.command(name="export")
+@click.argument("run_id")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The bundle to write (.tar.gz).")
+@click.option("--with-checkpoints", is_flag=True, help="Include the run's checkpoints (left out by default: big).")
+@click.option("--with-image", is_flag=True, help="Include the pinned image (docker save); import loads it.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, tracking_uri: str | None) -> None:
+    """Write RUN_ID, its code and its replays to one portable bundle.
+
+    The bundle holds the run's record (params, tags, every metric write with its step and timestamp,
+    artifacts), a git bundle of the recorded commit, the replays of the run, and a manifest with the
+    sha256 of every member. Run it inside a clone that has the recorded commit. Exit 0 written, 2 bad input
+    (nothing written).
+    """
+    from harness.bundle import export
+
+    result = export(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image,
+                    tracking_uri=tracking_uri)
+    image = f", image {result.image}" if result.image else ""
+    click.echo(f"Exported run {run_id} ({len(result.replays)} replays{image}): {result.members} files, "
+               f"{result.size} bytes.", err=True)
+    click.echo(str(result.path))
+
+
+@main.command(name="import")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def import_(bundle: Path, tracking_uri: str | None) -> None:
+    """Verify BUNDLE (from `harness export`) and import its run and replays into this store.
+
+    Every member is checked against the manifest before anything is written: a bundle with an altered
+    or unlisted member, an absolute or `..` name, a link, device or fifo, a member larger than listed,
+    or a newer format is refused whole. The run keeps its original id as the tag harness.imported_from,
+    its metrics, steps and timestamps; `harness replay` then takes its code from the bundled commit.
+    An image in the bundle is loaded into the local engine. Importing the same run again writes nothing.
+    Prints the run id in this store as the last line. Exit 0 imported or already there, 2 refused.
+    """
+    from harness.bundle import import_bundle
+
+    result = import_bundle(bundle, tracking_uri=tracking_uri)
+    if result.already:
+        click.echo(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.", err=True)
+    else:
+        image = f"; image {result.image} loaded" if result.image else ""
+        click.echo(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.",
+                   err=True)
+    click.echo(result.run_id)
+
+
 @main.command(name="_execute", hidden=True)
 @click.argument("run_id")
 @click.option("--code-dir", type=click.Path(path_type=Path), required=True)

@@ -52,6 +52,8 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Which scheduler job and which rendezvous address: where it ran, never what decided it.
         tags.SLURM_JOB_ID,
         tags.MASTER,
+        # Which store the record was imported from (harness import): provenance of the record, not of the run.
+        tags.IMPORTED_FROM,
     }
 )
 
@@ -92,6 +94,7 @@ _NOTES: dict[str, str] = {
     tags.GIT_REPO_URL: "repository URL differs",
     tags.IMAGE_ID: "local image id differs (compare digests)",
     tags.IMAGE_DIGEST_REASON: "digest lookup differs",
+    tags.IMAGE_RESOLVED_BY: "image found by its recorded id (loaded from a bundle, no registry digest here)",
     tags.EXECUTOR: "executor differs (see image and library versions)",
     tags.IN_IMAGE: "ran inside the pinned image in one run only",
     tags.NNODES: "number of nodes differs (same world size and backend: the arithmetic is the same)",

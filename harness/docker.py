@@ -155,6 +155,37 @@ def local_digest_or_reason(ref: str) -> tuple[str | None, str | None, str | None
     return info.digest, info.image_id, None
 
 
+SAVE_TIMEOUT_S = 1800.0  # `docker save` / `docker load` of a multi-GB image on a slow disk
+
+
+def save_image(image_id: str, reference: str, dest: Path) -> None:
+    """`docker save` of the local image `image_id` (with every name it has here) to the file `dest`."""
+    info = inspect_image(image_id)
+    if info is None:
+        raise DockerError(
+            f"the image of {reference!r} ({image_id}) is not on this Docker engine, so it cannot be saved. "
+            f"Pull it (docker pull {reference}) and export again, or export without --with-image."
+        )
+    proc = _docker(["save", "-o", str(dest), *(info.tags or [image_id])], timeout=SAVE_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise _failure("docker save", proc)
+
+
+def load_image(archive: Path, expected_id: str) -> ImageInfo:
+    """`docker load` of `archive`; refused unless the engine then holds an image with id `expected_id`."""
+    proc = _docker(["load", "-q", "-i", str(archive)], timeout=SAVE_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise _failure("docker load", proc)
+    info = inspect_image(expected_id)
+    if info is None:
+        loaded = " ".join(proc.stdout.split()) or "nothing"
+        raise DockerError(
+            f"docker load of the bundled image gave {loaded}, not the recorded image {expected_id}. "
+            "The bundle's image is not the one the run used; export it again from the run's own store."
+        )
+    return info
+
+
 def run_args(
     image: str,
     *,

@@ -374,3 +374,54 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
         with contextlib.suppress(git.GitCommandError):
             repo.git.worktree("prune")
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+BUNDLE_REF = "refs/harness/recorded"  # the one ref of a run's code bundle, naming the recorded commit
+
+
+def bundle_commit(root: Path, commit: str, dest: Path) -> None:
+    """Write a git bundle holding `commit` and its history to `dest`: the code travels without the remote.
+
+    A bundle must name a ref; it is made in a scratch repository that borrows the objects of `root`
+    (git alternates), so the user's refs stay as they are.
+    """
+    if not has_commit(root, commit):
+        raise HarnessError(
+            f"commit {commit[:12]} is not in the repository at {root}. Run the export inside a clone that has it."
+        )
+    objects = Path(_run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode())
+    with tempfile.TemporaryDirectory(prefix="harness-bundle-") as tmp:
+        scratch = Path(tmp, "scratch.git")
+        _run(Path(tmp), ["init", "-q", "--bare", f"--object-format={_object_format(root)}", str(scratch)])
+        (scratch / "objects" / "info" / "alternates").write_text(f"{objects}\n")
+        _run(scratch, ["update-ref", BUNDLE_REF, commit])
+        _run(scratch, ["bundle", "create", "-q", str(dest), BUNDLE_REF])
+
+
+@contextlib.contextmanager
+def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
+    """A temporary repository holding only what `bundle` holds; refused unless it contains `commit`."""
+    heads = _run(bundle.parent, ["bundle", "list-heads", str(bundle)]).split()
+    object_format = "sha256" if heads and len(heads[0]) == 64 else "sha1"
+    tmp = Path(tempfile.mkdtemp(prefix="harness-bundled-"))
+    try:
+        repo = tmp / "repo"
+        _run(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])
+        _run(repo, ["fetch", "-q", str(bundle), f"{BUNDLE_REF}:{BUNDLE_REF}"])
+        if not has_commit(repo, commit):
+            raise HarnessError(
+                f"the code bundle {bundle.name} does not hold the recorded commit {commit[:12]}. "
+                "Export the run again from a repository that has it."
+            )
+        yield repo
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def find_repo(path: Path) -> Path | None:
+    """The working tree of the repository holding `path`, None when there is none."""
+    git = _git()
+    try:
+        return Path(git.Repo(path, search_parent_directories=True).working_tree_dir)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -77,14 +78,40 @@ def checkout(
     The user's working tree and index are never touched.
     """
     commit = run.tags[T.GIT_COMMIT]
-    root = Path(gitsource.open_repo(repo or Path.cwd()).working_tree_dir)
-    if not gitsource.has_commit(root, commit):
-        url = run.tags.get(T.GIT_REPO_URL)
-        source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
-        raise HarnessError(
-            f"commit {commit[:12]} of run {run.run_id} is not in the repository at {root}. "
-            f"Fetch it ({source}) or run this inside a clone that has it."
-        )
+    with contextlib.ExitStack() as stack:
+        root = _code_source(stack, tracker, run, repo)
+        with _checkout_from(tracker, run, root, commit, base) as checked_out:
+            yield checked_out
+
+
+def _code_source(stack: contextlib.ExitStack, tracker: Tracker, run: RunSummary, repo: Path | None) -> Path:
+    """The repository to check the recorded commit out from.
+
+    The live repository (`repo`, else the one holding the current folder) wins when it has the commit;
+    otherwise the code bundle an imported run carries (harness import), in a temporary repository.
+    """
+    commit = run.tags[T.GIT_COMMIT]
+    live = gitsource.find_repo(repo or Path.cwd())
+    if live is not None and gitsource.has_commit(live, commit):
+        return live
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="harness-code-bundle-")))
+    bundle = tracker.download(run.run_id, T.ARTIFACT_CODE_BUNDLE, tmp)
+    if bundle is not None:
+        return stack.enter_context(gitsource.repository_from_bundle(bundle, commit))
+    if live is None:
+        gitsource.open_repo(repo or Path.cwd())  # raises its one line: not inside a git repository
+    url = run.tags.get(T.GIT_REPO_URL)
+    source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
+    raise HarnessError(
+        f"commit {commit[:12]} of run {run.run_id} is not in the repository at {live}. "
+        f"Fetch it ({source}) or run this inside a clone that has it."
+    )
+
+
+@contextlib.contextmanager
+def _checkout_from(
+    tracker: Tracker, run: RunSummary, root: Path, commit: str, base: Path | None
+) -> Iterator[tuple[Path, Path]]:
     patch = None
     if run.tags.get(T.GIT_DIRTY) == "true":
         patch = tracker.read_bytes(run.run_id, T.ARTIFACT_PATCH)

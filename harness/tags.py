@@ -44,6 +44,9 @@ IMAGE_DIGEST = "harness.image.digest"  # registry digest, or "unknown"
 IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why unknown
 IMAGE_ID = "harness.image.id"  # local image id when the engine knows it
 IMAGE_TAG_DIGEST = "harness.image.tag_digest"  # what the pinned tag resolved to when this run started
+# "id" when a replay ran the local image with the recorded id, the engine knowing no registry digest for it
+# (an image loaded from a bundle); the digest tag then repeats the recorded one.
+IMAGE_RESOLVED_BY = "harness.image.resolved_by"
 IMAGE_NOTE = "harness.image.note"  # plain words on where the job ran relative to its image
 EXECUTOR = "harness.executor"  # local | docker | slurm
 IN_IMAGE = "harness.in_image"  # true when the job ran inside the pinned image
@@ -94,6 +97,9 @@ REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
 
+# harness import: the run's id in the store it was exported from (a second import of it finds this run).
+IMPORTED_FROM = "harness.imported_from"
+
 AUDIT_OF = "harness.audit_of"
 AUDIT_SEGMENTS = "harness.audit.segments"  # drawn segment indices
 AUDIT_SEED = "harness.audit.seed"
@@ -101,6 +107,7 @@ AUDIT_SEED = "harness.audit.seed"
 # Artifacts.
 ARTIFACT_CONFIG = "config.yaml"
 ARTIFACT_PATCH = "git/uncommitted.patch"  # bytes of `git diff --binary`, never decoded
+ARTIFACT_CODE_BUNDLE = "git/code.bundle"  # an imported run's recorded commit as a git bundle (harness import)
 ARTIFACT_LOCK = "environment/requirements.lock"
 ARTIFACT_NODES = "environment/nodes.json"  # every node's provenance, node rank -> facts
 ARTIFACT_LOGS_DIR = "logs"

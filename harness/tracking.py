@@ -296,6 +296,91 @@ class Tracker:
     def end_run(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status)
 
+    # -- copying a run whole (harness export / import) ------------------------------------------
+    @_store_call
+    def create_run_at(
+        self, experiment: str, tags: dict[str, str], run_name: str | None, start_time: int | None
+    ) -> str:
+        """A new run that keeps another run's start time (ms since the epoch)."""
+        run = self.client.create_run(
+            self.experiment_id(experiment), start_time=start_time, tags=tags, run_name=run_name
+        )
+        return run.info.run_id
+
+    @_store_call
+    def log_metric_entries(self, run_id: str, entries: list[tuple[str, float, int, int]]) -> None:
+        """(key, value, timestamp ms, step) exactly as given, in MLflow's batches."""
+        from mlflow.entities import Metric
+
+        for start in range(0, len(entries), _BATCH):
+            batch = [Metric(k, v, ts, step) for k, v, ts, step in entries[start:start + _BATCH]]
+            self.client.log_batch(run_id, metrics=batch, synchronous=True)
+
+    @_store_call
+    def log_params_exact(self, run_id: str, params: dict[str, str]) -> None:
+        """Params as another run stored them (already within MLflow's limits), 100 per request."""
+        from mlflow.entities import Param
+
+        items = list(params.items())
+        for start in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=[Param(k, v) for k, v in items[start:start + 100]])
+
+    @_store_call
+    def set_tags_exact(self, run_id: str, values: dict[str, str]) -> None:
+        """Tags as another run stored them, 100 per request."""
+        from mlflow.entities import RunTag
+
+        items = list(values.items())
+        for start in range(0, len(items), 100):
+            self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in items[start:start + 100]])
+
+    @_store_call
+    def end_run_at(self, run_id: str, status: str, end_time: int | None) -> None:
+        """End a run with another run's status and end time (ms); a RUNNING one stays open."""
+        if status != T.RUNNING:
+            self.client.set_terminated(run_id, status, end_time)
+
+    @_store_call
+    def delete_run(self, run_id: str) -> None:
+        self.client.delete_run(run_id)
+
+    @_store_call
+    def metric_entries(self, run_id: str, key: str) -> list[tuple[float, int, int]]:
+        """Every write of one metric as MLflow holds it: (value, timestamp ms, step), repeats included."""
+        return [(m.value, m.timestamp, m.step) for m in self.client.get_metric_history(run_id, key)]
+
+    @_store_call
+    def artifact_files(self, run_id: str, path: str | None = None) -> list[tuple[str, int | None]]:
+        """(path, size) of every artifact file of the run, recursively."""
+        files: list[tuple[str, int | None]] = []
+        for info in self.client.list_artifacts(run_id, path):
+            if info.is_dir:
+                files.extend(self.artifact_files(run_id, info.path))
+            else:
+                files.append((info.path, info.file_size))
+        return files
+
+    @_store_call
+    def download(self, run_id: str, artifact_file: str, dest_dir: Path) -> Path | None:
+        """The artifact file copied into `dest_dir` under its own name, None if the run has no such artifact."""
+        try:
+            return Path(self.client.download_artifacts(run_id, artifact_file, str(dest_dir)))
+        except Exception as err:
+            if _missing(err) or isinstance(err, FileNotFoundError):
+                return None
+            raise
+
+    @_store_call
+    def children(self, run_id: str) -> list[RunSummary]:
+        """Runs nested under `run_id` (its replays and audits), in any experiment."""
+        return self.search(filter_string=f"tags.`{T.MLFLOW_PARENT_RUN_ID}` = '{run_id}'", max_results=1000)
+
+    @_store_call
+    def imported(self, original_id: str) -> RunSummary | None:
+        """The run an earlier `harness import` made of `original_id`, if any."""
+        found = self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1)
+        return found[0] if found else None
+
     def local_artifact_dir(self, run_id: str) -> Path:
         """The run's artifact folder on this machine (checkpoints are written straight into it)."""
         uri = self.get_run(run_id).artifact_uri

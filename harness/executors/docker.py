@@ -32,6 +32,7 @@ class PinnedImage:
     image_id: str
     run_reference: str  # repository@digest: what actually runs
     tag_digest: str | None  # what the reference's tag resolves to now (None for a digest-only pin)
+    by_id: bool = False  # found by the recorded image id, the registry digest unknown to this engine (harness import)
 
 
 def pin(reference: str, *, allow_unpinned: bool = False, digest: str | None = None) -> PinnedImage:
@@ -68,8 +69,29 @@ def pin(reference: str, *, allow_unpinned: bool = False, digest: str | None = No
     return PinnedImage(reference, want, info.image_id, run_reference, tag_digest)
 
 
+def local_by_id(recorded: dict[str, str], digest: str) -> PinnedImage | None:
+    """The recorded image found here by its id when the engine has no record of its registry digest.
+
+    An image loaded from a bundle (`harness import --with-image`) has no RepoDigests; its id (the
+    digest of its config, which names every layer's content) equal to the recorded one is the same
+    image, and running it needs no registry. None when the digest is known here or the id is not.
+    """
+    image_id = recorded.get(T.IMAGE_ID)
+    repository, _, _ = docker.parse_reference(recorded[T.IMAGE])
+    if not image_id or docker.inspect_image(f"{repository}@{digest}") is not None:
+        return None
+    info = docker.inspect_image(image_id)
+    if info is None or info.image_id != image_id:
+        return None
+    print(f"Note: the engine has no record of {repository}@{digest}; running the local image with the recorded id "
+          f"{image_id}.", file=sys.stderr)
+    return PinnedImage(recorded[T.IMAGE], digest, image_id, image_id, None, by_id=True)
+
+
 def image_tags(image: PinnedImage) -> dict[str, str]:
     tags = {T.IMAGE: image.reference, T.IMAGE_DIGEST: image.digest, T.IMAGE_ID: image.image_id, T.EXECUTOR: "docker"}
+    if image.by_id:
+        tags[T.IMAGE_RESOLVED_BY] = "id"
     if image.tag_digest is not None:
         tags[T.IMAGE_TAG_DIGEST] = image.tag_digest
     return tags
@@ -109,7 +131,7 @@ class DockerExecutor(Executor):
                     f"({tags.get(T.IMAGE_DIGEST_REASON, 'unknown')}), so there is no exact image to run it in. "
                     "Use --executor local."
                 )
-            self.pinned = pin(tags[T.IMAGE], digest=digest)
+            self.pinned = local_by_id(tags, digest) or pin(tags[T.IMAGE], digest=digest)
             if self.pinned.tag_digest and self.pinned.tag_digest != digest:
                 print(f"Note: {tags[T.IMAGE]} now points to {self.pinned.tag_digest}; the recorded digest {digest} runs.",
                       file=sys.stderr)

@@ -1,0 +1,453 @@
+"""Portable bundles: a run's whole record, code and replays in one verified .tar.gz (harness export / import)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+from harness import tags as T
+from harness.errors import HarnessError
+
+# The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
+FORMAT = 1
+MANIFEST = "manifest.json"  # the first member: format, what the bundle holds, and every member's size and sha256
+RUN_DIR = "run"  # run/record.json + run/artifacts/...
+REPLAYS_DIR = "replays"  # replays/<original replay id>/record.json + artifacts/...
+RECORD = "record.json"  # info, params, tags and every metric write (value as float.hex, timestamp, step)
+ARTIFACTS = "artifacts"
+CODE_BUNDLE = "code/code.bundle"  # `git bundle` of the recorded commit
+IMAGE_TAR = "image/image.tar"  # `docker save` of the pinned image (--with-image)
+DATA_DIR = "data"  # reserved for the declared data itself (--with-data, not built yet); its manifest is an artifact
+# The manifest is read whole before anything is checked against it: a bound keeps a hostile one from filling memory.
+MAX_MANIFEST_BYTES = 64 << 20
+_CHUNK = 1 << 20
+_FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
+
+
+class BundleError(HarnessError):
+    """A bundle that cannot be trusted or read; nothing was written."""
+
+
+@dataclass(frozen=True)
+class Member:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    format: int
+    run_id: str
+    replays: list[str]
+    members: dict[str, Member]
+    image: dict[str, str] | None = None  # {"ref", "id"}: what --with-image saved
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "format": self.format, "run_id": self.run_id, "replays": self.replays, "image": self.image,
+            "members": {name: {"size": m.size, "sha256": m.sha256} for name, m in sorted(self.members.items())},
+        }, indent=1).encode()
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    run_id: str
+    replays: list[str]
+    members: int
+    size: int
+    image: str | None
+
+
+@dataclass
+class ImportResult:
+    run_id: str  # the run in this store
+    original_id: str
+    already: bool  # an earlier import made it: nothing was written
+    replays: list[str] = field(default_factory=list)
+    image: str | None = None
+
+
+# -- names and the manifest ------------------------------------------------------------------------
+def _shown(name: str) -> str:
+    """A member name for a one-line message: control characters escaped."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
+def check_name(name: str) -> None:
+    """Refuse a member name that could land outside the folder it is extracted into."""
+    if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
+        raise BundleError(f"bundle member '{_shown(name)}' has an absolute name; refused. {_FIX}")
+    parts = PurePosixPath(name).parts
+    if ".." in name.split("/"):
+        raise BundleError(f"bundle member '{_shown(name)}' climbs out of the bundle ('..'); refused. {_FIX}")
+    if any(p in ("", ".") for p in name.rstrip("/").split("/")) or not parts:
+        raise BundleError(f"bundle member '{_shown(name)}' is not a plain relative name; refused. {_FIX}")
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    try:
+        doc = json.loads(data)
+    except ValueError as err:
+        raise BundleError(f"the bundle's {MANIFEST} is not valid JSON ({err}). {_FIX}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
+        raise BundleError(f"the bundle's {MANIFEST} has no format number; this is not a harness bundle. {_FIX}")
+    if doc["format"] > FORMAT:
+        raise BundleError(
+            f"the bundle has format {doc['format']}, newer than this harness reads (up to {FORMAT}); it was made by "
+            "a newer harness. Upgrade harness (pip install -U harness) and import it again."
+        )
+    try:
+        members = {}
+        for name, entry in doc["members"].items():
+            check_name(name)
+            size, digest = entry["size"], entry["sha256"]
+            if not (isinstance(size, int) and size >= 0 and isinstance(digest, str) and len(digest) == 64):
+                raise ValueError(name)
+            int(digest, 16)
+            members[name] = Member(size, digest)
+        image = doc.get("image")
+        if image is not None and not (isinstance(image, dict)
+                                      and all(isinstance(image.get(k), str) for k in ("ref", "id"))):
+            raise ValueError("image")
+        manifest = Manifest(doc["format"], _run_id(doc["run_id"]), [_run_id(r) for r in doc.get("replays") or []],
+                            members, image)
+    except BundleError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise BundleError(f"the bundle's {MANIFEST} is malformed (at {err!s}). {_FIX}") from None
+    if MANIFEST in members:
+        raise BundleError(f"the bundle's {MANIFEST} lists itself. {_FIX}")
+    return manifest
+
+
+def _run_id(value: Any) -> str:
+    """A run id from a bundle: it names a folder of the bundle and goes into a store query, so only [0-9A-Za-z_-]."""
+    if not (isinstance(value, str) and value and len(value) <= 64 and all(c.isalnum() or c in "-_" for c in value)
+            and value.isascii()):
+        raise ValueError(f"run id {value!r}")
+    return value
+
+
+# -- verification ----------------------------------------------------------------------------------
+def _kind(member: tarfile.TarInfo) -> str | None:
+    """What a member is when it is neither a regular file nor a folder (refused), else None."""
+    if member.issym():
+        return "a symbolic link"
+    if member.islnk():
+        return "a hard link"
+    if member.ischr() or member.isblk():
+        return "a device"
+    if member.isfifo():
+        return "a fifo"
+    if not (member.isreg() or member.isdir()):
+        return f"of tar type {member.type!r}"
+    return None
+
+
+def _copy_checked(src: IO[bytes], dest: Path, name: str, expected: Member) -> None:
+    digest = hashlib.sha256()
+    written = 0
+    with open(dest, "xb") as out:
+        while chunk := src.read(_CHUNK):
+            written += len(chunk)
+            if written > expected.size:
+                raise BundleError(
+                    f"bundle member '{_shown(name)}' is larger than its manifest says ({expected.size} bytes); "
+                    f"refused. {_FIX}"
+                )
+            digest.update(chunk)
+            out.write(chunk)
+    if written != expected.size or digest.hexdigest() != expected.sha256:
+        raise BundleError(
+            f"bundle member '{_shown(name)}' was altered: sha256 {digest.hexdigest()} ({written} bytes), the "
+            f"manifest says {expected.sha256} ({expected.size} bytes); refused. {_FIX}"
+        )
+
+
+def verify(archive: Path, dest: Path) -> Manifest:
+    """Check every member of `archive` against its manifest while copying it into the empty folder `dest`.
+
+    Refuses (BundleError, before anything else is written) links, devices and fifos, absolute names,
+    '..', members missing from the manifest or larger than it says, altered bytes, members the manifest
+    lists but the archive lacks, and a format newer than FORMAT. Nothing is unpickled or executed.
+    """
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except FileNotFoundError:
+        raise BundleError(f"no bundle at '{archive}'. Pass the file `harness export` wrote.") from None
+    except (OSError, tarfile.TarError, EOFError, zlib.error) as err:
+        raise BundleError(f"'{archive}' is not a harness bundle (a .tar.gz made by harness export): {err}.") from None
+    try:
+        with tar:
+            first = tar.next()
+            if first is None or first.name != MANIFEST or not first.isreg():
+                raise BundleError(f"'{archive}' does not start with {MANIFEST}; it is not a harness bundle. {_FIX}")
+            if first.size > MAX_MANIFEST_BYTES:
+                raise BundleError(f"the bundle's {MANIFEST} is {first.size} bytes, over {MAX_MANIFEST_BYTES}. {_FIX}")
+            manifest = parse_manifest(tar.extractfile(first).read())  # type: ignore[union-attr]
+            needed = sum(m.size for m in manifest.members.values())
+            free = shutil.disk_usage(dest).free
+            if needed > free:
+                raise BundleError(
+                    f"the bundle unpacks to {needed} bytes, more than the {free} free in {dest.parent}. "
+                    "Free space there (or point TMPDIR at a larger disk) and import again."
+                )
+            seen: set[str] = set()
+            while (member := tar.next()) is not None:
+                name = member.name
+                kind = _kind(member)
+                if kind is not None:
+                    raise BundleError(f"bundle member '{_shown(name)}' is {kind}; only files and folders are "
+                                      f"accepted. {_FIX}")
+                check_name(name)
+                name = name.rstrip("/")
+                if member.isdir():
+                    (dest / name).mkdir(parents=True, exist_ok=True)
+                    continue
+                expected = manifest.members.get(name)
+                if expected is None:
+                    raise BundleError(f"bundle member '{_shown(name)}' is not in the manifest; refused. {_FIX}")
+                if name in seen:
+                    raise BundleError(f"bundle member '{_shown(name)}' appears twice; refused. {_FIX}")
+                if member.size > expected.size:
+                    raise BundleError(
+                        f"bundle member '{_shown(name)}' is larger than its manifest says ({member.size} > "
+                        f"{expected.size} bytes); refused. {_FIX}"
+                    )
+                seen.add(name)
+                target = dest / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _copy_checked(tar.extractfile(member), target, name, expected)  # type: ignore[arg-type]
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
+        raise BundleError(f"the bundle '{archive}' is damaged or cut short: {err}. {_FIX}") from None
+    missing = sorted(set(manifest.members) - seen)
+    if missing:
+        raise BundleError(f"the bundle lacks '{_shown(missing[0])}', which its manifest lists; refused. {_FIX}")
+    return manifest
+
+
+# -- export ----------------------------------------------------------------------------------------
+def _record_json(tracker: Any, run: Any) -> bytes:
+    metrics = {key: [[float.hex(v), ts, step] for v, ts, step in tracker.metric_entries(run.run_id, key)]
+               for key in run.metric_keys}
+    return json.dumps({
+        "run_id": run.run_id, "experiment": run.experiment, "run_name": run.run_name, "status": run.status,
+        "start_time": run.start_time, "end_time": run.end_time, "params": run.params, "tags": run.tags,
+        "metrics": metrics,
+    }, indent=1, sort_keys=True).encode()
+
+
+def _stage_run(tracker: Any, run: Any, folder: Path, with_checkpoints: bool) -> None:
+    folder.mkdir(parents=True)
+    (folder / RECORD).write_bytes(_record_json(tracker, run))
+    artifacts = folder / ARTIFACTS
+    artifacts.mkdir()
+    for path, _ in tracker.artifact_files(run.run_id):
+        if path.split("/")[0] == T.ARTIFACT_CHECKPOINTS and not with_checkpoints:
+            continue
+        folder_of = artifacts / PurePosixPath(path).parent
+        folder_of.mkdir(parents=True, exist_ok=True)
+        tracker.download(run.run_id, path, folder_of)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export(
+    run_id: str, out: Path, *, with_checkpoints: bool = False, with_image: bool = False,
+    tracking_uri: str | None = None, repo: Path | None = None,
+) -> ExportResult:
+    """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s."""
+    from harness import gitsource
+    from harness.tracking import Tracker
+
+    tracker = Tracker(tracking_uri, writable=False)
+    run = tracker.harness_run(run_id)
+    if run.status == T.RUNNING:
+        raise HarnessError(f"run {run_id} is still RUNNING; its record is not complete. Export it when it has ended.")
+    if out.is_dir():
+        raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
+    replays = [r for r in tracker.children(run_id) if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT)]
+    commit = run.tags[T.GIT_COMMIT]
+    image = None
+    with tempfile.TemporaryDirectory(prefix="harness-export-") as tmp:
+        stage = Path(tmp, "stage")
+        _stage_run(tracker, run, stage / RUN_DIR, with_checkpoints)
+        for replay in replays:
+            _stage_run(tracker, replay, stage / REPLAYS_DIR / replay.run_id, with_checkpoints)
+        code = stage / CODE_BUNDLE
+        code.parent.mkdir(parents=True)
+        carried = stage / RUN_DIR / ARTIFACTS / T.ARTIFACT_CODE_BUNDLE  # an imported run carries its code
+        live = gitsource.find_repo(repo or Path.cwd())
+        if live is not None and gitsource.has_commit(live, commit):
+            gitsource.bundle_commit(live, commit, code)
+            carried.unlink(missing_ok=True)
+        elif carried.is_file():
+            carried.rename(code)
+        else:
+            where = f"the repository at {live}" if live else "no repository here"
+            raise HarnessError(
+                f"commit {commit[:12]} of run {run_id} is not in {where}. Run the export inside a clone that has it "
+                f"(git fetch {run.tags.get(T.GIT_REPO_URL) or '<remote>'} {commit})."
+            )
+        if with_image:
+            image = _stage_image(run, stage / IMAGE_TAR)
+        # --with-data will stage the declared data under DATA_DIR here; its manifest is already an artifact.
+        members = {}
+        for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+            members[path.relative_to(stage).as_posix()] = Member(path.stat().st_size, _sha256(path))
+        manifest = Manifest(FORMAT, run_id, [r.run_id for r in replays], members, image)
+        _write_archive(stage, manifest, out)
+    return ExportResult(out, run_id, manifest.replays, len(members), out.stat().st_size,
+                        image["ref"] if image else None)
+
+
+def _stage_image(run: Any, dest: Path) -> dict[str, str]:
+    from harness import docker
+
+    image_id = run.tags.get(T.IMAGE_ID)
+    ref = run.tags.get(T.IMAGE, "none")
+    if ref == "none" or not image_id:
+        raise HarnessError(
+            f"run {run.run_id} recorded no image id (image: {ref}); --with-image needs a run whose image the engine "
+            "knew when it ran. Export without --with-image."
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    docker.save_image(image_id, ref, dest)
+    return {"ref": ref, "id": image_id}
+
+
+def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
+    """The manifest first (import reads it before any other member), then every member; atomic rename."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    data = manifest.to_json()
+    try:
+        # Level 1: the big members (an image, checkpoints) take minutes at gzip's default 9 for a few % less.
+        with tarfile.open(partial, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT) as tar:
+            info = tarfile.TarInfo(MANIFEST)
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            tar.addfile(info, io.BytesIO(data))
+            for name in manifest.members:
+                tar.add(stage / name, arcname=name, recursive=False)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+# -- import ----------------------------------------------------------------------------------------
+def _strings(value: Any) -> dict[str, str]:
+    if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+        raise TypeError("expected an object of strings")
+    return value
+
+
+def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
+    """A run's record.json, every field checked and every metric write parsed before anything is written."""
+    try:
+        record = json.loads((folder / RECORD).read_bytes())
+        if record["run_id"] != run_id:
+            raise ValueError(f"run_id {record['run_id']!r} where the manifest says {run_id!r}")
+        if not (isinstance(record["experiment"], str) and record["status"] in (T.RUNNING, T.FINISHED, *T.INCOMPLETE)):
+            raise ValueError("experiment or status")
+        for key in ("start_time", "end_time"):
+            if record.get(key) is not None and not isinstance(record[key], int):
+                raise TypeError(key)
+        if record.get("run_name") is not None and not isinstance(record["run_name"], str):
+            raise TypeError("run_name")
+        _strings(record["params"])
+        _strings(record["tags"])
+        record["entries"] = [(key, float.fromhex(v), int(ts), int(step))
+                             for key, writes in record["metrics"].items() for v, ts, step in writes]
+        return record
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
+        raise BundleError(f"the bundle's {folder.name}/{RECORD} is missing or malformed ({err!s}). {_FIX}") from None
+
+
+def _remap(tags: dict[str, str], ids: dict[str, str]) -> dict[str, str]:
+    """Tags naming a run of the bundle (parent, replay_of, audit_of) name its copy in this store."""
+    return {k: ids.get(v, v) if k in (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF) else v
+            for k, v in tags.items()}
+
+
+def _import_run(tracker: Any, record: dict[str, Any], folder: Path, ids: dict[str, str]) -> str:
+    tags = _remap({**record["tags"], T.IMPORTED_FROM: record["run_id"]}, ids)
+    new_id = tracker.create_run_at(record["experiment"], {T.IMPORTED_FROM: record["run_id"]},
+                                   record.get("run_name"), record.get("start_time"))
+    ids[record["run_id"]] = new_id
+    tracker.set_tags_exact(new_id, tags)
+    tracker.log_params_exact(new_id, record["params"])
+    tracker.log_metric_entries(new_id, record["entries"])
+    artifacts = folder / ARTIFACTS
+    if artifacts.is_dir() and any(artifacts.iterdir()):
+        tracker.log_dir(new_id, artifacts)
+    return new_id
+
+
+def import_bundle(archive: Path, *, tracking_uri: str | None = None) -> ImportResult:
+    """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
+
+    A second import of the same run finds the first and writes nothing.
+    """
+    from harness.tracking import Tracker
+
+    with tempfile.TemporaryDirectory(prefix="harness-import-") as tmp:
+        unpacked = Path(tmp, "bundle")
+        unpacked.mkdir()
+        manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade
+        tracker = Tracker(tracking_uri)
+        record = _load_record(unpacked / RUN_DIR, manifest.run_id)
+        original = record["run_id"]
+        found = tracker.imported(original)
+        if found is None:
+            try:
+                found = tracker.get_run(original)  # the bundle came back to the store it was exported from
+            except HarnessError:
+                found = None
+        if found is not None:
+            return ImportResult(found.run_id, original, already=True)
+        replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
+        if not (unpacked / CODE_BUNDLE).is_file():
+            raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
+        image = None
+        if manifest.image is not None and (unpacked / IMAGE_TAR).is_file():
+            from harness import docker
+
+            # Before the store is written: an image that is not the recorded one leaves the store untouched.
+            docker.load_image(unpacked / IMAGE_TAR, manifest.image["id"])
+            image = manifest.image["ref"]
+        code_dir = unpacked / RUN_DIR / ARTIFACTS / Path(T.ARTIFACT_CODE_BUNDLE).parent
+        code_dir.mkdir(parents=True, exist_ok=True)
+        shutil.move(unpacked / CODE_BUNDLE, code_dir / Path(T.ARTIFACT_CODE_BUNDLE).name)
+        ids: dict[str, str] = {}
+        try:
+            new_id = _import_run(tracker, record, unpacked / RUN_DIR, ids)
+            for rec in replays:
+                _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
+            for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
+                tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+        except BaseException:
+            for made in ids.values():  # nothing half-imported stays
+                try:
+                    tracker.delete_run(made)
+                except Exception:
+                    pass
+            raise
+        return ImportResult(new_id, original, already=False, replays=[ids[r["run_id"]] for r in replays],
+                            image=image)

@@ -27,7 +27,7 @@ RECORD = "record.json"  # info, params, tags and every metric write (value as fl
 ARTIFACTS = "artifacts"
 CODE_BUNDLE = "code/code.bundle"  # `git bundle` of the recorded commit
 IMAGE_TAR = "image/image.tar"  # `docker save` of the pinned image (--with-image)
-DATA_DIR = "data"  # reserved for the declared data itself (--with-data, not built yet); its manifest is an artifact
+DATA_DIR = "data"  # data/<name>/<file>: the declared data's bytes (--with-data); its manifest is an artifact
 # The manifest is read whole before anything is checked against it: a bound keeps a hostile one from filling memory.
 MAX_MANIFEST_BYTES = 64 << 20
 _CHUNK = 1 << 20
@@ -76,6 +76,7 @@ class ImportResult:
     already: bool  # an earlier import made it: nothing was written
     replays: list[str] = field(default_factory=list)
     image: str | None = None
+    data: dict[str, str] = field(default_factory=dict)  # name -> where the bundled data now lies
 
 
 # -- names and the manifest ------------------------------------------------------------------------
@@ -269,8 +270,36 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
+    """Copy the declared data as recorded into the bundle: every file must still hash as the run read it."""
+    from harness import data
+
+    manifest = data.recorded_data(tracker, run_id)
+    if not manifest or not manifest.get("entries"):
+        raise HarnessError(f"run {run_id} declared no data (no data: in its experiment.yaml). Export without --with-data.")
+    for name, entry in sorted(manifest["entries"].items()):
+        check_name(f"{DATA_DIR}/{name}")
+        root = Path(entry["path"])
+        for f in entry["files"]:
+            source = root if entry["kind"] == data.KIND_FILE else root / f["path"]
+            target = dest / name / f["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copyfile(source, target)
+            except OSError as err:
+                raise HarnessError(
+                    f"data '{name}': cannot read {source} ({err.strerror}); --with-data copies the data from where "
+                    "the run read it. Restore it there, or export without --with-data."
+                ) from None
+            if _sha256(target) != f["sha256"]:
+                raise HarnessError(
+                    f"data '{name}': {source} changed since run {run_id} was recorded; a bundle carries the bytes "
+                    "the run read. Restore it, or export without --with-data."
+                )
+
+
 def export(
-    run_id: str, out: Path, *, with_checkpoints: bool = False, with_image: bool = False,
+    run_id: str, out: Path, *, with_checkpoints: bool = False, with_image: bool = False, with_data: bool = False,
     tracking_uri: str | None = None, repo: Path | None = None,
 ) -> ExportResult:
     """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s."""
@@ -308,7 +337,8 @@ def export(
             )
         if with_image:
             image = _stage_image(run, stage / IMAGE_TAR)
-        # --with-data will stage the declared data under DATA_DIR here; its manifest is already an artifact.
+        if with_data:
+            _stage_data(tracker, run_id, stage / DATA_DIR)
         members = {}
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             members[path.relative_to(stage).as_posix()] = Member(path.stat().st_size, _sha256(path))
@@ -400,7 +430,33 @@ def _import_run(tracker: Any, record: dict[str, Any], folder: Path, ids: dict[st
     return new_id
 
 
-def import_bundle(archive: Path, *, tracking_uri: str | None = None) -> ImportResult:
+def _place_data(unpacked: Path, dest: Path, created: list[Path]) -> dict[str, str]:
+    """Copy the bundled data (data/<name>/...) to dest/<name>; an existing dest/<name> must hold the same bytes.
+
+    The folders it makes are appended to `created` (removed again if the import fails)."""
+    source = unpacked / DATA_DIR
+    if not source.is_dir():
+        return {}
+    placed: dict[str, str] = {}
+    for entry in sorted(source.iterdir()):
+        target = dest / entry.name
+        if target.exists():
+            ours = {p.relative_to(entry): _sha256(p) for p in entry.rglob("*") if p.is_file()}
+            theirs = {p.relative_to(target): _sha256(p) for p in target.rglob("*") if p.is_file()}
+            if ours != theirs:
+                raise HarnessError(
+                    f"{target} exists and holds other files than the bundle's data '{entry.name}'. "
+                    "Pass another --data-dir, or remove it."
+                )
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            created.append(target)
+            shutil.copytree(entry, target)
+        placed[entry.name] = str(target)
+    return placed
+
+
+def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None) -> ImportResult:
     """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
 
     A second import of the same run finds the first and writes nothing.
@@ -435,14 +491,20 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None) -> ImportRe
         code_dir = unpacked / RUN_DIR / ARTIFACTS / Path(T.ARTIFACT_CODE_BUNDLE).parent
         code_dir.mkdir(parents=True, exist_ok=True)
         shutil.move(unpacked / CODE_BUNDLE, code_dir / Path(T.ARTIFACT_CODE_BUNDLE).name)
+        # Declared data (--with-data) goes beside, not into, the store: a replay points at it with --data.
+        data_home = (data_dir or Path.cwd() / "harness-data" / original).resolve()
+        created: list[Path] = []
         ids: dict[str, str] = {}
         try:
+            placed = _place_data(unpacked, data_home, created)
             new_id = _import_run(tracker, record, unpacked / RUN_DIR, ids)
             for rec in replays:
                 _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
             for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
                 tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
         except BaseException:
+            for folder in created:
+                shutil.rmtree(folder, ignore_errors=True)
             for made in ids.values():  # nothing half-imported stays
                 try:
                     tracker.delete_run(made)
@@ -450,4 +512,4 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None) -> ImportRe
                     pass
             raise
         return ImportResult(new_id, original, already=False, replays=[ids[r["run_id"]] for r in replays],
-                            image=image)
+                            image=image, data=placed)

@@ -208,6 +208,16 @@ def check(
     click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} {dirty})")
 
 
+def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise HarnessError(f"--data {pair!r} is not NAME=PATH; e.g. --data train=/data/mnist.")
+        out[name] = path
+    return out
+
+
 @main.command()
 @click.argument("run_id")
 @click.argument("overrides", nargs=-1)
@@ -215,6 +225,8 @@ def check(
 @click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
 @click.option("--allow-data-changes", is_flag=True,
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
+@click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",
+              help="Read declared data NAME from PATH on this machine (e.g. where `harness import` put it). Repeatable.")
 @click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
 @_placement_options
@@ -230,6 +242,7 @@ def replay(
     world_size: int | None,
     allow_changes: bool,
     allow_data_changes: bool,
+    data_paths: tuple[str, ...],
     executor: str | None,
     allow_incomplete: bool,
     no_follow: bool,
@@ -249,7 +262,7 @@ def replay(
     slurm, topology = _placement(executor, placement)
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
-        allow_data_changes=allow_data_changes,
+        allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths),
         tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
         placement=slurm, topology=topology,
     )
@@ -371,9 +384,12 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The bundle to write (.tar.gz).")
 @click.option("--with-checkpoints", is_flag=True, help="Include the run's checkpoints (left out by default: big).")
 @click.option("--with-image", is_flag=True, help="Include the pinned image (docker save); import loads it.")
+@click.option("--with-data", is_flag=True,
+              help="Include the declared data's files, checked against their recorded sha256 (left out by default).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, tracking_uri: str | None) -> None:
+def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool,
+            tracking_uri: str | None) -> None:
     """Write RUN_ID, its code and its replays to one portable bundle.
 
     The bundle holds the run's record (params, tags, every metric write with its step and timestamp,
@@ -383,7 +399,7 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
     """
     from harness.bundle import export
 
-    result = export(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image,
+    result = export(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image, with_data=with_data,
                     tracking_uri=tracking_uri)
     image = f", image {result.image}" if result.image else ""
     click.echo(f"Exported run {run_id} ({len(result.replays)} replays{image}): {result.members} files, "
@@ -393,9 +409,11 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
 
 @main.command(name="import")
 @click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the bundle's declared data goes (default ./harness-data/ORIGINAL_RUN_ID).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def import_(bundle: Path, tracking_uri: str | None) -> None:
+def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None) -> None:
     """Verify BUNDLE (from `harness export`) and import its run and replays into this store.
 
     Every member is checked against the manifest before anything is written: a bundle with an altered
@@ -407,12 +425,16 @@ def import_(bundle: Path, tracking_uri: str | None) -> None:
     """
     from harness.bundle import import_bundle
 
-    result = import_bundle(bundle, tracking_uri=tracking_uri)
+    result = import_bundle(bundle, tracking_uri=tracking_uri, data_dir=data_dir)
     if result.already:
         click.echo(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.", err=True)
     else:
         image = f"; image {result.image} loaded" if result.image else ""
         click.echo(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.",
+                   err=True)
+    if result.data:
+        where = " ".join(f"--data {name}={path}" for name, path in sorted(result.data.items()))
+        click.echo(f"Its declared data is in {', '.join(result.data.values())}: harness replay {result.run_id} {where}",
                    err=True)
     click.echo(result.run_id)
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig
 
@@ -44,21 +45,36 @@ class RecordedRun:
             code_id=runner.code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), **fields,
         )
 
-    def check_data(self, repo: Path | None = None, *, allow_changes: bool = False, flag: str | None = None) -> Any:
+    def check_data(
+        self, repo: Path | None = None, *, allow_changes: bool = False, flag: str | None = None,
+        paths: Mapping[str, str] | None = None,
+    ) -> Any:
         """Hash the declared data again on this machine and hold it to the record (data.verify); before launch.
 
         The declaration is resolved against the experiment folder of the repository here (not the
-        temporary worktree: data ignored by git, or outside the repository, is not in the code record).
+        temporary worktree: data ignored by git, or outside the repository, is not in the code record);
+        where there is no repository (an imported run), against that folder under the current one.
+        `paths` (replay --data NAME=PATH) says where an entry lies on this machine instead.
         """
         from harness import data
 
         recorded = data.recorded_data(self.tracker, self.run.run_id)
         if recorded is None and not self.cfg.data:
+            if paths:
+                raise HarnessError(f"run {self.run.run_id} declared no data; drop --data.")
             return data.DataCheck(None, [], {})
-        root = Path(gitsource.open_repo(repo or Path.cwd()).working_tree_dir)
+        root = gitsource.find_repo(repo or Path.cwd()) or (repo or Path.cwd())
         exp_dir = root / self.run.tags[T.EXPERIMENT_PATH]
+        declarations = dict(self.cfg.data or {})
+        for name, path in (paths or {}).items():
+            if name not in declarations:
+                raise HarnessError(
+                    f"--data {name}=...: run {self.run.run_id} declared no data named '{name}' "
+                    f"(it declared: {', '.join(sorted(declarations)) or 'none'})."
+                )
+            declarations[name] = os.path.abspath(os.path.expanduser(path))
         return data.verify(
-            self.cfg.data, recorded, exp_dir, root, run_id=self.run.run_id, allow_changes=allow_changes, flag=flag
+            declarations, recorded, exp_dir, root, run_id=self.run.run_id, allow_changes=allow_changes, flag=flag
         )
 
     @contextlib.contextmanager

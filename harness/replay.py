@@ -102,6 +102,7 @@ def replay(
     overrides: list[str] | None = None,
     allow_changes: bool = False,
     allow_data_changes: bool = False,
+    data_paths: dict[str, str] | None = None,
     tracking_uri: str | None = None,
     repo: Path | None = None,
     executor: str | None = None,
@@ -131,7 +132,7 @@ def replay(
         changes.extend(placement)
     recorded.cfg = cfg
     # Before anything is recorded or launched: the data must hash as recorded (or the change be allowed).
-    data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes")
+    data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
     if data.stats is not None:
         print(data.stats.summary(), file=sys.stderr)
     extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id}

@@ -39,18 +39,27 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     project = make_project(base)
     # Uncommitted, untracked: the patch must travel with the commit.
     (project.root / "experiments" / "linear_ddp" / "notes.txt").write_text("not committed\n")
+    # Declared data outside the repository: it travels only with --with-data.
+    samples = base / "lab data" / "samples"
+    (samples / "part").mkdir(parents=True)
+    (samples / "a.bin").write_bytes(bytes(range(256)) * 8)
+    (samples / "part" / "b.csv").write_text("x,y\n1,2\n")
+    yaml = project.root / "experiments" / "linear_ddp" / "experiment.yaml"
+    yaml.write_text(yaml.read_text() + f"data:\n  samples: '{samples}'\n")
     run = project.harness("run", "experiments/linear_ddp", "train.epochs=1", "checkpoint_every=2")
     assert run.returncode == 0, run.stderr
     replay = project.harness("replay", run.last_line)
     assert replay.returncode == 0, replay.stderr
     out = base / "to send" / "run.tar.gz"
-    result = project.harness("export", run.last_line, "-o", str(out))
+    result = project.harness("export", run.last_line, "-o", str(out), "--with-data")
     assert result.returncode == 0, result.stderr
     assert result.last_line == str(out)
     with_checkpoints = project.harness("export", run.last_line, "-o", str(base / "full.tar.gz"), "--with-checkpoints")
     assert with_checkpoints.returncode == 0, with_checkpoints.stderr
-    # The code now exists nowhere but in the bundle: the repository (and its remote, never reachable) are gone.
+    # The code now exists nowhere but in the bundle: the repository (and its remote, never reachable) are
+    # gone, and so is the data where the run read it.
     shutil.rmtree(project.root)
+    shutil.rmtree(samples.parent)
     return Exported(project, run.last_line, replay.last_line, out, base)
 
 
@@ -67,6 +76,7 @@ def imported(exported: Exported, clean: Project) -> str:
     result = clean.harness("import", str(exported.path))
     assert result.returncode == 0, result.stderr
     assert "Imported run" in result.stderr
+    assert "--data samples=" in result.stderr  # how to point a replay at the bundled data
     return result.last_line
 
 
@@ -74,11 +84,35 @@ def _by_tag(project: Project, tag: str, value: str) -> list:
     return [r for r in project.all_runs() if r.data.tags.get(tag) == value]
 
 
-def test_imported_run_replays_bitwise_from_the_bundled_commit(clean: Project, imported: str) -> None:
+def _imported_data(exported: Exported, clean: Project) -> Path:
+    return clean.root / "harness-data" / exported.run_id / "samples"  # import's default --data-dir
+
+
+def test_imported_run_replays_bitwise_from_the_bundled_commit(exported: Exported, clean: Project,
+                                                              imported: str) -> None:
     assert not (clean.root / ".git").exists()
-    result = clean.harness("replay", imported)
+    result = clean.harness("replay", imported, "--data", f"samples={_imported_data(exported, clean)}")
     assert result.returncode == 0, result.stderr + result.stdout
     assert result.stdout.strip().splitlines()[-2].startswith("verdict: BITWISE"), result.stdout
+
+
+def test_declared_data_travels_and_a_changed_file_is_caught_before_the_replay(exported: Exported, clean: Project,
+                                                                              imported: str) -> None:
+    data = _imported_data(exported, clean)
+    assert (data / "a.bin").read_bytes() == bytes(range(256)) * 8 and (data / "part" / "b.csv").read_text() == "x,y\n1,2\n"
+    before = len(clean.all_runs())
+    # Where the run read it, the data is gone on this machine: said in one line, nothing launched.
+    gone = clean.harness("replay", imported)
+    assert gone.returncode == 2 and "data 'samples'" in gone.stderr and "does not exist" in gone.stderr, gone.stderr
+    assert "--data" not in gone.stderr or len(gone.stderr.strip().splitlines()) == 1
+    (data / "part" / "b.csv").write_text("x,y\n1,3\n")
+    try:
+        changed = clean.harness("replay", imported, "--data", f"samples={data}")
+        assert changed.returncode == 2, changed.stderr
+        assert changed.stderr.strip().splitlines()[-1].startswith("Error: data 'samples'") and "part/b.csv" in changed.stderr
+    finally:
+        (data / "part" / "b.csv").write_text("x,y\n1,2\n")
+    assert len(clean.all_runs()) == before  # refused before any replay run was recorded
 
 
 def test_import_keeps_the_record_exactly(exported: Exported, clean: Project, imported: str) -> None:

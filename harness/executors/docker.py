@@ -97,9 +97,10 @@ def image_tags(image: PinnedImage) -> dict[str, str]:
     return tags
 
 
-def _store_mounts(tracker: Tracker, run_id: str) -> list[tuple[Path, str]]:
-    """Local store paths the container must see at the same absolute paths (URIs stay valid)."""
-    paths: list[Path] = []
+def _mounts(tracker: Tracker, run_id: str, data: dict[str, str]) -> list[tuple[Path, str]]:
+    """Local store paths and the declared data, which the container must see at the same absolute paths
+    (the store's URIs stay valid, and ctx.data gives the paths that were hashed)."""
+    paths: list[Path] = [Path(p) for p in data.values()]
     db = database_file(tracker.uri)
     if db is not None:
         paths.append(db.parent)
@@ -158,7 +159,7 @@ class ContainerHandle(Handle):
             image.run_reference,
             workdir_host=job.code_root,
             workdir_container=WORKSPACE,
-            mounts=_store_mounts(tracker, job.run_id),
+            mounts=_mounts(tracker, job.run_id, job.data),
             env={"MLFLOW_TRACKING_URI": tracker.uri, ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1"},
             gpus=wants_gpus(job.cfg.device.value),
             command=["harness", "_execute", job.run_id, "--code-dir", f"{WORKSPACE}/{job.exp_rel}", *extra_args],

@@ -384,14 +384,22 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def ui(host: str, port: int, tracking_uri: str | None) -> None:
-    """Start the MLflow UI on the tracking store (runs, replays and verdicts)."""
+    """Start the MLflow UI on the tracking store (runs, replays and verdicts).
+
+    For an http(s) store (an MLflow server) nothing starts: it prints the server's page of the most recent
+    run's experiment and exits.
+    """
     import os
     import signal
     import subprocess
 
-    from harness.tracking import resolve_uri, ui_command
+    from harness.tracking import resolve_uri, server_ui_page, ui_command
 
     uri = resolve_uri(tracking_uri)
+    page = server_ui_page(uri)
+    if page is not None:  # a tracking server is its own UI: nothing to start here
+        click.echo(page)
+        return
     click.echo(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C to stop)", err=True)
     server = subprocess.Popen(ui_command(uri, host, port), env=os.environ.copy())
 

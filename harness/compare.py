@@ -50,6 +50,10 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Which scheduler job and which rendezvous address: where it ran, never what decided it.
         tags.SLURM_JOB_ID,
         tags.MASTER,
+        # How the tracking store behaved while the run wrote to it.
+        tags.STORE_WRITE_FAILURES,
+        tags.STORE_METRICS_SPOOLED,
+        tags.STORE_LONGEST_OUTAGE_S,
     }
 )
 

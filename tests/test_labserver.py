@@ -41,10 +41,20 @@ def lab(lab_server: LabServer, tmp_path_factory: pytest.TempPathFactory) -> Proj
 
 
 @pytest.fixture(scope="module")
-def finished(lab: Project) -> str:
-    result = lab.harness("run", EXP, *RUN)
-    assert result.returncode == 0, result.stderr
-    return result.last_line
+def concurrent(lab: Project) -> list[str]:
+    """Four runs of one config at once, all writing to the server: the lifecycle tests use the first."""
+    procs = [lab.popen("run", EXP, *RUN) for _ in range(4)]
+    ids = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err
+        ids.append(out.strip().splitlines()[-1])
+    return ids
+
+
+@pytest.fixture(scope="module")
+def finished(concurrent: list[str]) -> str:
+    return concurrent[0]
 
 
 def history(project: Project, run_id: str, key: str = "loss") -> list[tuple[int, str]]:
@@ -117,17 +127,16 @@ def test_runs_ui_and_mark(lab: Project, lab_server: LabServer, finished: str) ->
     assert mark.returncode == 2 and "only a RUNNING run can be marked" in mark.stderr
 
 
-def test_four_concurrent_runs(lab: Project) -> None:
-    procs = [lab.popen("run", EXP, "train.epochs=1", f"seed={seed}") for seed in range(4)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    ids = []
-    for proc, (out, err) in zip(procs, outs):
-        assert proc.returncode == 0, err
-        ids.append(out.strip().splitlines()[-1])
+def test_four_concurrent_runs(lab: Project, concurrent: list[str]) -> None:
     client = lab.client()
-    for run_id in ids:
-        assert client.get_run(run_id).info.status == "FINISHED"
-        assert [s for s, _ in history(lab, run_id)] == list(range(5))
+    runs = [client.get_run(run_id) for run_id in concurrent]
+    assert [r.info.status for r in runs] == ["FINISHED"] * 4
+    for run_id in concurrent:
+        assert [s for s, _ in history(lab, run_id)] == list(range(20))  # every metric of every run
+        assert sorted(checkpoint_listing(lab, run_id)) == [f"step-{s:08d}" for s in (0, 4, 8, 12, 16)]
+    # Sharing the server at once changed nothing: one config, one result, bit for bit.
+    assert len({r.data.tags["harness.fingerprint"] for r in runs}) == 1
+    assert len({tuple(history(lab, run_id)) for run_id in concurrent}) == 1
 
 
 def _running_run(lab: Project, since_ms: int, timeout_s: float = 180) -> str:
@@ -181,3 +190,47 @@ def test_docker_executor_reaches_the_server(engine: str, lab: Project) -> None:
     assert checkpoint_listing(lab, result.last_line) == {
         f"step-{s:08d}": ["COMPLETE", "rank0.pt", "rank1.pt"] for s in (0, 2, 4)
     }
+
+
+# --- the outage rules, without a server -----------------------------------------------------------
+
+
+def test_outages_retry_transient_failures_until_the_limit() -> None:
+    import requests
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST
+
+    from harness.tracking import Outages, transient
+
+    refused = requests.ConnectionError("connection refused")
+    assert transient(refused) and transient(MlflowException("API request failed", error_code=INTERNAL_ERROR))
+    assert not transient(MlflowException("no such run", error_code=RESOURCE_DOES_NOT_EXIST))
+    assert not transient(ValueError("a harness bug is never retried"))
+    outages = Outages(limit_s=30)
+    answers = iter([refused, refused, "written"])
+
+    def call() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert outages.retry(call) == "written"
+    tags = outages.tags()
+    assert tags["harness.store.write_failures"] == "2" and float(tags["harness.store.longest_outage_s"]) >= 1.5
+    assert Outages(limit_s=5).tags() == {}  # nothing failed: nothing recorded
+    with pytest.raises(requests.ConnectionError):
+        Outages(limit_s=0).retry(lambda: (_ for _ in ()).throw(refused))  # past the limit: the error itself
+
+
+def test_outage_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.errors import HarnessError
+    from harness.tracking import DEFAULT_OUTAGE_S, outage_limit
+
+    monkeypatch.delenv("HARNESS_STORE_OUTAGE_S", raising=False)
+    assert outage_limit() == DEFAULT_OUTAGE_S
+    monkeypatch.setenv("HARNESS_STORE_OUTAGE_S", "12.5")
+    assert outage_limit() == 12.5
+    monkeypatch.setenv("HARNESS_STORE_OUTAGE_S", "soon")
+    with pytest.raises(HarnessError, match="HARNESS_STORE_OUTAGE_S='soon' is not a number of seconds"):
+        outage_limit()

@@ -151,7 +151,17 @@ class Outages:
         self.spooled = 0  # most metrics held back at once
         self.longest_s = 0.0
         self._since: float | None = None
+        self._deadline: float | None = None
         self._lock = threading.Lock()
+
+    def closing(self) -> None:
+        """The run is being closed: from now on every write shares one deadline, limit_s from now (not
+        limit_s each, which would multiply the wait by the number of writes left)."""
+        self._deadline = time.monotonic() + self.limit_s
+
+    def deadline(self) -> float:
+        """Until when a write that starts now may be retried."""
+        return self._deadline if self._deadline is not None else time.monotonic() + self.limit_s
 
     def failed(self, spooled: int = 0) -> None:
         with self._lock:
@@ -168,7 +178,7 @@ class Outages:
 
     def retry(self, call: Callable[[], _R]) -> _R:
         """call() until it succeeds, retrying transient store failures for up to limit_s seconds."""
-        deadline = time.monotonic() + self.limit_s
+        deadline = self.deadline()
         while True:
             try:
                 result = call()
@@ -599,7 +609,7 @@ class MetricWriter:
         that is away (also after a failure)."""
         self._stop.set()
         self._thread.join(timeout=30)
-        deadline = time.monotonic() + self._outages.limit_s
+        deadline = self._outages.deadline()
         self.flush()
         while self._pending and transient(self.error) and time.monotonic() < deadline:
             time.sleep(1.0)

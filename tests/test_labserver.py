@@ -4,6 +4,7 @@ mid-run, and the docker executor, all with real ranks, a real database and a rea
 
 from __future__ import annotations
 
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -178,9 +179,23 @@ def test_server_restarted_mid_run_loses_no_metric(lab: Project, lab_server: LabS
     assert int(tags["harness.store.metrics_spooled"]) >= 1
 
 
+@pytest.fixture(scope="module")
+def lab_image(engine: str) -> str:
+    """The CPU image under a tag of this module's own: `engine`'s shared tag may be pushed again by another
+    session between its build and this run (every layer is cached: a retag and push, seconds)."""
+    from conftest import ROOT
+
+    image = "localhost:5000/harness-cpu:labserver"
+    proc = subprocess.run(["bash", str(ROOT / "docker" / "build-cpu-image.sh"), "--push", image],
+                          capture_output=True, text=True, timeout=3600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return image
+
+
 @pytest.mark.slow
-def test_docker_executor_reaches_the_server(engine: str, lab: Project) -> None:
-    result = lab.harness("run", EXP, "--executor", "docker", "train.epochs=1", "checkpoint_every=2")
+def test_docker_executor_reaches_the_server(lab_image: str, lab: Project) -> None:
+    result = lab.harness("run", EXP, "--executor", "docker", f"image={lab_image}", "train.epochs=1",
+                         "checkpoint_every=2")
     assert result.returncode == 0, result.stderr
     run = lab.client().get_run(result.last_line)
     assert run.info.status == "FINISHED"

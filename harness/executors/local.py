@@ -23,6 +23,7 @@ from harness.config import split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, Total
+from harness.store import reason_of
 from harness.tracking import Outages, Patient, Tracker, save_series, transient
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
@@ -309,6 +310,7 @@ class LocalHandle(Handle):
             # End-of-run writes wait for a store that is briefly away (HARNESS_STORE_OUTAGE_S); past that,
             # the outcome is kept on disk and the error says where.
             patient = Patient(tracker, outages)
+            outages.closing()
             try:
                 try:
                     if heartbeat is not None:
@@ -333,7 +335,8 @@ class LocalHandle(Handle):
                 kept = self._keep_outcome(status, message, fingerprints, final, writer, outages)
                 raise HarnessError(
                     f"the tracking store {tracker.display_uri} stayed unreachable for over {outages.limit_s:g} s "
-                    f"(HARNESS_STORE_OUTAGE_S) while run {run_id} was being closed ({status}): {err}. Nothing is lost: "
+                    f"(HARNESS_STORE_OUTAGE_S) while run {run_id} was being closed ({status}): {reason_of(err)}. "
+                    f"Nothing is lost: "
                     f"its outcome, metrics and logs are kept in {kept}; the run stays RUNNING in the store until "
                     f"`harness mark {run_id} --status {T.FAILED}`.", exit_code=EXIT_FAILED,
                 ) from err
@@ -355,7 +358,7 @@ class LocalHandle(Handle):
             "run_id": self.job.run_id, "status": status, "status_reason": message, "tags": outages.tags(),
             "metrics_not_written": writer.pending if writer is not None else 0,
             "fingerprints": {str(k): v for k, v in sorted(fingerprints.items())},
-            "final": {k: v for k, v in final.items() if k not in ("determinism", "vars")},
+            "final": final,  # fingerprints, checkpoints, determinism settings and variables: the tags not written
         }
         (work / "outcome.json").write_text(json.dumps(doc, indent=2, default=str))
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "unsent"

@@ -41,25 +41,25 @@ class CheckpointStore:
         self.error: BaseException | None = None
 
     # -- reading (resume, audit) --------------------------------------------------------------------
-    def stored_steps(self, world_size: int) -> list[int]:
-        """Steps complete in the store, ascending (for a remote store: every rank file and the marker listed)."""
-        if not self.remote:
-            return checkpoint.complete_steps(self.directory, world_size)
-        steps = []
+    def _remote_step_dirs(self) -> list[tuple[int, str]]:
+        """(step, artifact path) of every step folder in the store, ascending."""
+        found = []
         for path, is_dir in self.tracker.list_artifacts(self.run_id, T.ARTIFACT_CHECKPOINTS):
             step = checkpoint.step_of(Path(path).name)
-            if not is_dir or step is None:
-                continue
-            names = {Path(p).name for p, _ in self.tracker.list_artifacts(self.run_id, path)}
-            wanted = {checkpoint.COMPLETE_MARKER, *(f"rank{r}.pt" for r in range(world_size))}
-            if wanted <= names:
-                steps.append(step)
-        return sorted(steps)
+            if is_dir and step is not None:
+                found.append((step, path))
+        return sorted(found)
+
+    def _remote_complete(self, path: str, world_size: int) -> bool:
+        names = {Path(p).name for p, _ in self.tracker.list_artifacts(self.run_id, path)}
+        return {checkpoint.COMPLETE_MARKER, *(f"rank{r}.pt" for r in range(world_size))} <= names
 
     def fetch(self, step: int, world_size: int) -> bool:
         """Make `step` available in `directory`; False if the store holds no complete step of this world size."""
         if self.remote and step not in checkpoint.complete_steps(self.directory, world_size):
             name = checkpoint.step_dir(Path(T.ARTIFACT_CHECKPOINTS), step).as_posix()
+            if not self.tracker.list_artifacts(self.run_id, name):
+                return False  # the store has no such step (MLflow's download would fail on it)
             # Into a scratch folder first, then renamed: a cut-off download never looks like a step.
             with tempfile.TemporaryDirectory(dir=self.directory, prefix=".download-") as tmp:
                 got = self.tracker.download(self.run_id, name, Path(tmp))  # tmp/step-N
@@ -70,8 +70,11 @@ class CheckpointStore:
 
     def latest(self, world_size: int) -> int | None:
         """The last step complete in the store, fetched; None if there is none."""
-        for step in reversed(self.stored_steps(world_size)):
-            if self.fetch(step, world_size):  # the marker may name another world size
+        if not self.remote:
+            return checkpoint.latest_complete(self.directory, world_size)
+        # From the last step down: one listing per step tried, not one per step the run saved.
+        for step, path in reversed(self._remote_step_dirs()):
+            if self._remote_complete(path, world_size) and self.fetch(step, world_size):  # marker: its world size
                 return step
         return None
 

@@ -112,12 +112,13 @@ def audit(
         store.fetch(seg.start, cfg.world_size)
     directory = store.directory
     check_runnable(cfg)
+    data = recorded.check_data(repo)  # a segment replayed on other data proves nothing about the run
     try:
         with recorded.code(repo) as (_, exp_dir):
             pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
             while pending:
                 # All pending segments in one launch; a segment that crashes its ranks fails alone.
-                pending = _run_segments(pending, record, cfg, exp_dir, directory)
+                pending = _run_segments(pending, record, cfg, exp_dir, directory, data.paths)
     finally:
         store.cleanup()
     for seg in drawn:
@@ -147,7 +148,9 @@ def _start_is_recorded(seg: Segment, record, world_size: int, directory: Path) -
     return True
 
 
-def _run_segments(segments: list[Segment], record, cfg, exp_dir: Path, directory: Path) -> list[Segment]:
+def _run_segments(
+    segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, data: dict[str, str] | None = None
+) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
     from harness.context import CheckpointPlan
     from harness.executors.local import run_segments
@@ -177,7 +180,7 @@ def _run_segments(segments: list[Segment], record, cfg, exp_dir: Path, directory
 
     leftover: list[Segment] = []
     try:
-        run_segments(cfg, exp_dir, plans, on_message)
+        run_segments(cfg, exp_dir, plans, on_message, data)
     except RunFailed as err:
         crashed = current[-1] if current else 0
         segments[crashed].detail = f"the segment failed: {err}"

@@ -201,6 +201,8 @@ def check(
     )
     for warning in checked.warnings:
         click.echo(f"Warning: {warning}", err=True)
+    if checked.data_stats is not None:
+        click.echo(checked.data_stats.summary(), err=True)
     cfg = checked.cfg
     dirty = "+uncommitted changes" if checked.git.dirty else "clean"
     click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} {dirty})")
@@ -211,6 +213,8 @@ def check(
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-data-changes", is_flag=True,
+              help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
 @_placement_options
@@ -225,6 +229,7 @@ def replay(
     overrides: tuple[str, ...],
     world_size: int | None,
     allow_changes: bool,
+    allow_data_changes: bool,
     executor: str | None,
     allow_incomplete: bool,
     no_follow: bool,
@@ -244,6 +249,7 @@ def replay(
     slurm, topology = _placement(executor, placement)
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
+        allow_data_changes=allow_data_changes,
         tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
         placement=slurm, topology=topology,
     )
@@ -379,44 +385,51 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 
 
 @main.command()
+@click.argument("experiment", required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=5050, show_default=True, help="Port to listen on (5000 is left to a local registry).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def ui(host: str, port: int, tracking_uri: str | None) -> None:
-    """Start the MLflow UI on the tracking store (runs, replays and verdicts).
+def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -> None:
+    """Open the MLflow UI on EXPERIMENT's runs and replays (default: the newest run's experiment).
 
-    For an http(s) store (an MLflow server) nothing starts: it prints the server's page of the most recent
-    run's experiment and exits.
+    The page lists every run and replay with its verdict, world size, commit and image digest (a view
+    harness saves in the experiment). Prints the page's link on stdout once the UI answers. On a local
+    store this starts `mlflow server` until Ctrl-C; an http(s) store is a server already: its link is
+    printed and nothing is started.
     """
-    import os
     import signal
     import subprocess
 
-    from harness.tracking import resolve_uri, server_ui_page, ui_command
+    from harness import ui as mlflow_ui
+    from harness.tracking import Tracker, display_uri, resolve_uri, ui_command
 
     uri = resolve_uri(tracking_uri)
-    page = server_ui_page(uri)
-    if page is not None:  # a tracking server is its own UI: nothing to start here
-        click.echo(page)
+    if mlflow_ui.is_server(uri):
+        click.echo(mlflow_ui.page(display_uri(uri), mlflow_ui.prepare(Tracker(uri), experiment)))
         return
-    click.echo(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C to stop)", err=True)
-    server = subprocess.Popen(ui_command(uri, host, port), env=os.environ.copy())
+    base = f"http://{host}:{port}"
+    click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)
+    cmd, env = ui_command(uri, host, port)
+    # Its own process group: the server's worker goes with it, whoever stops `harness ui`. Its log goes
+    # to stderr: stdout carries only the link.
+    server = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr)
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
     try:
+        # Meanwhile (the server takes seconds to answer): pick the experiment and save its view.
+        experiment_id = mlflow_ui.prepare(Tracker(uri), experiment)
+        mlflow_ui.wait_ready(server, base)
+        click.echo(mlflow_ui.page(base, experiment_id))
         sys.exit(server.wait())
     except KeyboardInterrupt:
-        # The server and its workers go with us, whoever sent the signal.
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        mlflow_ui.stop(server)
         sys.exit(EXIT_SIGINT)
+    finally:
+        mlflow_ui.stop(server)
 
 
 @main.command()

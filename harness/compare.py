@@ -37,6 +37,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.REPLAY_OF,
         tags.VERDICT,
         tags.CHANGES,
+        tags.DATA_CHANGES,
         # A replay runs in a detached worktree; the branch name decides nothing, the commit does.
         tags.GIT_BRANCH,
         tags.FINGERPRINT,
@@ -45,6 +46,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Liveness and training outcomes: they describe how the run went, not what it ran under.
         tags.HEARTBEAT,
         tags.HEARTBEAT_S,
+        tags.STARTED,
         tags.WEIGHTS_CHANGED,
         tags.INITIAL_FINGERPRINT,
         # Which scheduler job and which rendezvous address: where it ran, never what decided it.
@@ -384,6 +386,9 @@ def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str
             # Without digests the reference is the only evidence of which image ran.
             return True, "image changed and no digest proves it is the same"
         return False, "image reference differs (digests decide)"
+    if name.startswith(tags.DATA_PREFIX):
+        # Other bytes in, other numbers out: data is an input like the seed (its files: the data: lines).
+        return True, f"data '{name[len(tags.DATA_PREFIX):]}' changed: the training read other bytes"
     if name.startswith(tags.VAR_PREFIX):
         var = name[len(tags.VAR_PREFIX):]
         if var in _BREAKING_VARS:
@@ -465,6 +470,24 @@ def environment_delta(a: RunRecord, b: RunRecord) -> list[FactDelta]:
         breaks, note = _classify(name, va, vb, fa, fb)
         out.append(FactDelta(name, va, vb, breaks, note))
     out.extend(_lock_delta(list(a.lock), list(b.lock)))
+    out.extend(_data_delta(a.data, b.data))
+    return out
+
+
+def _data_delta(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[FactDelta]:
+    """One line per differing data file; what breaks bitwise is the entry's digest (harness.data.<name>)."""
+    from harness import data
+
+    if a is None and b is None:
+        return []
+    out: list[FactDelta] = []
+    for change in data.diff(a, b):
+        entry_a = ((a or {}).get("entries") or {}).get(change.name) or {}
+        entry_b = ((b or {}).get("entries") or {}).get(change.name) or {}
+        files_a = {f["path"]: f["sha256"] for f in entry_a.get("files", [])}
+        files_b = {f["path"]: f["sha256"] for f in entry_b.get("files", [])}
+        name = f"data:{change.name}" + (f"/{change.path}" if change.path else "")
+        out.append(FactDelta(name, files_a.get(change.path), files_b.get(change.path), False, change.line()))
     return out
 
 

@@ -134,6 +134,9 @@ class ExperimentConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: Dict[str, Any] = field(default_factory=dict)
     """The experiment's own hyper-parameters, free-form; `ctx.cfg` in the training code."""
+    data: Dict[str, str] = field(default_factory=dict)
+    """Data the training reads, name -> file or folder (relative to this folder; $VAR and ~ expanded):
+    hashed in full at run start, recorded, checked again by replay; `ctx.data["name"]` is the path."""
 
 
 

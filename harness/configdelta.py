@@ -14,7 +14,8 @@ _NO_EFFECT_KEYS: frozenset[str] = frozenset(
      "rendezvous_timeout_s"}
 )
 # slurm.*: which nodes and resources; the ranks' arithmetic is the same (world_size and backend decide it).
-_NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.", "slurm.")
+# data.*: where the data was declared to be; its bytes decide, and the data delta (compare.py) compares them.
+_NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.", "slurm.", "data.")
 
 # "auto" in a config is resolved at launch and recorded as a tag; a replay pins it to that value,
 # so "auto" -> "cpu" is no change when the original did run on cpu.

@@ -60,6 +60,17 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
+class DataPaths(dict):
+    """ctx.data: a name that was not declared fails with the names that were, not a bare KeyError."""
+
+    def __missing__(self, name: str) -> Path:
+        declared = ", ".join(sorted(self)) or "none"
+        raise ExperimentError(
+            f"ctx.data[{name!r}]: no data named {name!r} is declared (declared: {declared}). "
+            f"Declare it under data: in experiment.yaml (data: {{{name}: PATH}})."
+        )
+
+
 class Context:
     """Rank identity, the experiment's `train:` config, and the few calls that keep a run reproducible."""
 
@@ -79,6 +90,7 @@ class Context:
         invariant_shards: int = 0,
         progress: Callable[[int], None] | None = None,
         output_dir: str = "",
+        data: dict[str, str] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -113,6 +125,8 @@ class Context:
         run's artifacts under outputs/. Write there, not into the experiment folder, which is code."""
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.data: Mapping[str, Path] = DataPaths({k: Path(v) for k, v in (data or {}).items()})
+        """The experiment's declared data (`data:` in experiment.yaml), name -> absolute path, checked by hash."""
 
     @property
     def is_main(self) -> bool:

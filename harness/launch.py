@@ -64,6 +64,7 @@ class LaunchSpec:
     invariant_shards: int = 0  # > 0: world-size-invariant mode with this many shards
     timeout_s: float = 1800.0  # no progress from a rank for this long ends the job
     output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts
+    data: dict[str, str] = field(default_factory=dict)  # ctx.data: declared name -> absolute path
     # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
     segments: list[Any] = field(default_factory=list)
     # Topology: this launcher spawns `nproc` ranks (0: all of world_size), global ranks from
@@ -257,6 +258,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 invariant_shards=spec.invariant_shards,
                 progress=functools.partial(_beat, progress, local_rank),
                 output_dir=spec.output_dir,
+                data=spec.data,
             )
 
         if channel is not None:

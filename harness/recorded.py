@@ -43,6 +43,23 @@ class RecordedRun:
             code_id=runner.code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), **fields,
         )
 
+    def check_data(self, repo: Path | None = None, *, allow_changes: bool = False, flag: str | None = None) -> Any:
+        """Hash the declared data again on this machine and hold it to the record (data.verify); before launch.
+
+        The declaration is resolved against the experiment folder of the repository here (not the
+        temporary worktree: data ignored by git, or outside the repository, is not in the code record).
+        """
+        from harness import data
+
+        recorded = data.recorded_data(self.tracker, self.run.run_id)
+        if recorded is None and not self.cfg.data:
+            return data.DataCheck(None, [], {})
+        root = Path(gitsource.open_repo(repo or Path.cwd()).working_tree_dir)
+        exp_dir = root / self.run.tags[T.EXPERIMENT_PATH]
+        return data.verify(
+            self.cfg.data, recorded, exp_dir, root, run_id=self.run.run_id, allow_changes=allow_changes, flag=flag
+        )
+
     @contextlib.contextmanager
     def code(self, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
         """Check out the recorded code and validate `cfg` against it; yields (worktree, experiment folder)."""

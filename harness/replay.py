@@ -101,6 +101,7 @@ def replay(
     world_size: int | None = None,
     overrides: list[str] | None = None,
     allow_changes: bool = False,
+    allow_data_changes: bool = False,
     tracking_uri: str | None = None,
     repo: Path | None = None,
     executor: str | None = None,
@@ -129,9 +130,17 @@ def replay(
         validate(cfg, None)
         changes.extend(placement)
     recorded.cfg = cfg
+    # Before anything is recorded or launched: the data must hash as recorded (or the change be allowed).
+    data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes")
+    if data.stats is not None:
+        print(data.stats.summary(), file=sys.stderr)
     extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id}
     if changes:
         extra[T.CHANGES] = " ".join(changes)
+    if data.changes:
+        extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
+        for change in data.changes:
+            print(f"Warning: {change.line()} (allowed by --allow-data-changes)", file=sys.stderr)
 
     with recorded.code(repo) as (tree, exp_dir):
         # The worktree holds exactly the recorded code (checked above), which was admitted when it
@@ -141,10 +150,10 @@ def replay(
         def record(tags: dict[str, str]) -> str:
             return runner.create_record(
                 tracker, cfg, exp_dir, git, image=tags, extra_tags=extra,
-                run_name=f"replay-of-{original.run_name}", experiment=original.experiment,
+                run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
             )
 
-        job = recorded.job(tree, exp_dir, record=record, topology=topology)
+        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths)
         outcome = executors.run(job)
         replay_id = outcome.run_id
 

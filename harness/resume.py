@@ -40,5 +40,8 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
         print(f"Resuming run {run_id} from the checkpoint of step {step}.", file=sys.stderr, flush=True)
         return run_id
 
+    data = recorded.check_data(repo)  # the rest of the run must read the bytes its first part read
     with recorded.code(repo) as (tree, exp_dir):
-        return executors.run(recorded.job(tree, exp_dir, record=reopen, run_id=run_id, resume_step=step))
+        return executors.run(
+            recorded.job(tree, exp_dir, record=reopen, run_id=run_id, resume_step=step, data=data.paths)
+        )

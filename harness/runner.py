@@ -6,6 +6,7 @@ import hashlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -80,9 +81,13 @@ def create_record(
     extra_tags: dict[str, str] | None = None,
     run_name: str | None = None,
     experiment: str | None = None,
+    data: dict | None = None,
 ) -> str:
-    """One MLflow run holding the resolved config and the code state."""
+    """One MLflow run holding the resolved config, the code state and the declared data's manifest."""
+    from harness import data as D
+
     tags = record_tags(cfg, exp_dir, git, image)
+    tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
     tags.update(extra_tags or {})
     run_id = tracker.create_run(experiment or experiment_name(exp_dir), tags, run_name=run_name)
     try:
@@ -90,6 +95,9 @@ def create_record(
         tracker.log_text(run_id, to_yaml(cfg), T.ARTIFACT_CONFIG)
         if git.dirty:
             tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
+        if data is not None:
+            tracker.log_text(run_id, D.dumps(data), T.ARTIFACT_DATA_MANIFEST)
+            tracker.log_data_inputs(run_id, [(n, e["sha256"], e["path"]) for n, e in sorted(data["entries"].items())])
     except BaseException:
         tracker.end_run(run_id, T.FAILED)
         raise
@@ -103,6 +111,8 @@ class Preflight:
     cfg: DictConfig
     git: GitState
     warnings: list[str]
+    data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
+    data_stats: Any = None  # data.HashStats: what hashing it read
 
 
 def preflight(
@@ -119,7 +129,7 @@ def preflight(
 
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
     """
-    from harness import gitsource
+    from harness import data, gitsource
     from harness.config import Executor, load_experiment
     from harness.launch import capacity_warning, resolve_device
     from harness.store import local_paths
@@ -154,7 +164,16 @@ def preflight(
         warning = capacity_warning(device, here, cfg.threads_per_rank)
         if warning:
             warnings.append(warning)
-    return Preflight(cfg, git, warnings)
+    # Last: the other checks are instant, and hashing (cached) may read gigabytes.
+    stats = data.HashStats()
+    manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
+    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None)
+
+
+def data_paths(manifest: dict | None) -> dict[str, str]:
+    from harness import data
+
+    return data.paths(manifest)
 
 
 def code_id(commit: str, patch_sha256: str | None) -> str:
@@ -199,11 +218,13 @@ def run(
         check_config(torchrun, cfg.world_size)
     for warning in checked.warnings:
         print(f"Warning: {warning}", file=sys.stderr)
+    if checked.data_stats is not None:
+        print(checked.data_stats.summary(), file=sys.stderr)
     tracker = Tracker(tracking_uri)
     job = Job(
         tracker, cfg, git.root, Path(exp_dir),
-        record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags),
-        topology=topology,
+        record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
+        topology=topology, data=data_paths(checked.data),
         code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
         options={"allow_unpinned": allow_unpinned},
     )
@@ -216,6 +237,7 @@ def execute_recorded(
 ) -> Outcome:
     """Inside a container or a batch job: run an already recorded run from its stored config, locally."""
     from harness import executors
+    from harness.data import recorded_data
 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
@@ -230,6 +252,8 @@ def execute_recorded(
     job = Job(
         tracker, cfg, root, code_dir, run_id=run_id, resume_step=resume_step, topology=topology or Topology(),
         code_id=code_id(run.tags[T.GIT_COMMIT], run.tags.get(T.GIT_PATCH_SHA256)),
+        # Where the submitting side found the data (a Slurm job shares its filesystem).
+        data=data_paths(recorded_data(tracker, run_id)),
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),
     )

@@ -10,6 +10,9 @@ MLFLOW_SOURCE_NAME = "mlflow.source.name"
 MLFLOW_SOURCE_TYPE = "mlflow.source.type"
 MLFLOW_PARENT_RUN_ID = "mlflow.parentRunId"
 MLFLOW_RUN_NOTE = "mlflow.note.content"
+# Experiment tags the UI reads: the experiment's kind, and views shared through `?viewStateShareKey=`.
+MLFLOW_EXPERIMENT_KIND = "mlflow.experimentKind"
+MLFLOW_SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
 
 # MLflow run statuses harness sets and checks.
 RUNNING = "RUNNING"
@@ -26,6 +29,7 @@ KIND = "harness.kind"  # KIND_RUN | KIND_REPLAY | KIND_AUDIT
 KIND_RUN = "run"
 KIND_REPLAY = "replay"
 KIND_AUDIT = "audit"
+STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
 
@@ -68,6 +72,10 @@ DETERMINISM_PREFIX = "harness.determinism."
 # NCCL_*, OMP_*, MKL_*, CUBLAS_* ... variables in force (harness.var.<NAME>).
 VAR_PREFIX = "harness.var."
 
+# Declared data (harness/data.py): harness.data.<name> = the entry's full sha256 (a folder's over its files).
+DATA_PREFIX = "harness.data."
+DATA_CHANGES = "harness.replay.data_changes"  # differences accepted with --allow-data-changes, one per line
+
 FINGERPRINT = "harness.fingerprint"
 FAILED_RANK = "harness.failed_rank"
 RESUMES = "harness.resumed_from"  # checkpoint steps this run was resumed from, comma-separated
@@ -105,6 +113,7 @@ ARTIFACT_FINGERPRINTS = "fingerprints.json"
 ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts
 ARTIFACT_SERIES = "metrics/series.npz"  # every logged value, exact, for fast comparison
 ARTIFACT_FAILURE = "failure.txt"
+ARTIFACT_DATA_MANIFEST = "data/manifest.json"  # per declared name: paths, per-file size and sha256
 ARTIFACT_OUTPUTS_DIR = "outputs"  # what the ranks wrote into ctx.output_dir
 ARTIFACT_REPORT = "replay/report.md"
 ARTIFACT_PLOTS_DIR = "replay"

@@ -251,6 +251,7 @@ class RunRecord:
     steps_total: int | None = None  # training steps the run completed
     # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
     metrics_exact: bool = True
+    data: dict | None = None  # the declared data's manifest (harness/data.py), None when the run declared none
 
 
 def _summary(run: Any, experiment: str) -> RunSummary:
@@ -306,10 +307,12 @@ class Tracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
+        from harness import ui
+
         root = artifact_root(self.uri)
         location = Path(root, name).as_uri() if root else None
         try:
-            return self.client.create_experiment(name, artifact_location=location)
+            return self.client.create_experiment(name, artifact_location=location, tags=ui.experiment_tags())
         except Exception:
             exp = self.client.get_experiment_by_name(name)  # created concurrently
             if exp is None:
@@ -317,7 +320,19 @@ class Tracker:
             return exp.experiment_id
 
     @_store_call
+    def set_ui_view(self, experiment_id: str) -> None:
+        """(Re)write the experiment's UI view (experiments made before it existed, or by another version)."""
+        from harness import ui
+
+        for key, value in ui.experiment_tags().items():
+            self.client.set_experiment_tag(experiment_id, key, value)
+
+    @_store_call
     def create_run(self, experiment: str, tags: dict[str, str], run_name: str | None = None) -> str:
+        from datetime import datetime, timezone
+
+        started = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        tags = {T.STARTED: started, **tags}
         run = self.client.create_run(self.experiment_id(experiment), tags=tags, run_name=run_name)
         return run.info.run_id
 
@@ -355,6 +370,32 @@ class Tracker:
     @_store_call
     def log_file(self, run_id: str, local_file: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(local_file), artifact_path)
+
+    @_store_call
+    def log_data_inputs(self, run_id: str, datasets: list[tuple[str, str, str]]) -> None:
+        """(name, sha256, path) per declared data entry, as MLflow dataset inputs (the UI's Datasets column).
+
+        Only name, digest and source are given: nothing is loaded. MLflow's digest column holds 36
+        characters, so it gets the first 32 hex digits; the full sha256 is in harness's own manifest.
+        """
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        inputs = [
+            DatasetInput(
+                Dataset(name=name, digest=digest[:32], source_type="local", source=json.dumps({"uri": Path(path).as_uri()})),
+                tags=[InputTag(MLFLOW_DATASET_CONTEXT, "training")],
+            )
+            for name, digest, path in datasets
+        ]
+        if inputs:
+            self.client.log_inputs(run_id, datasets=inputs)
+
+    @_store_call
+    def dataset_inputs(self, run_id: str) -> list[tuple[str, str, str]]:
+        """(name, digest, source) of the run's MLflow dataset inputs."""
+        run = self.client.get_run(run_id)
+        return [(d.dataset.name, d.dataset.digest, d.dataset.source) for d in run.inputs.dataset_inputs]
 
     @_store_call
     def reopen(self, run_id: str) -> None:
@@ -469,6 +510,7 @@ class Tracker:
                     metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
         fp = json.loads(self.read_text(run_id, T.ARTIFACT_FINGERPRINTS) or "{}")
         config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
+        data_text = self.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)
         return RunRecord(
             run_id=run_id,
             experiment=run.experiment,
@@ -481,20 +523,28 @@ class Tracker:
             checkpoints={int(k): v for k, v in fp.get("checkpoints", {}).items()},
             steps_total=fp.get("steps_total"),
             metrics_exact=exact,
+            data=json.loads(data_text) if data_text is not None else None,
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
+
+    @_store_call
+    def _experiment(self, name: str) -> Any:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            raise HarnessError(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
+        return exp
+
+    @_store_call
+    def experiment_id_of(self, name: str) -> str:
+        """The id of an existing experiment (refused with one line if there is none)."""
+        return self._experiment(name).experiment_id
 
     @_store_call
     def search(
         self, experiment: str | None = None, max_results: int = 50, filter_string: str = ""
     ) -> list[RunSummary]:
         if experiment:
-            exp = self.client.get_experiment_by_name(experiment)
-            if exp is None:
-                raise HarnessError(
-                    f"no MLflow experiment '{experiment}' in {self.display_uri}. Run `harness runs` to list all."
-                )
-            exps = [exp]
+            exps = [self._experiment(experiment)]
         else:
             exps = self.client.search_experiments()
         names = {e.experiment_id: e.name for e in exps}
@@ -633,24 +683,20 @@ def run_url(uri: str, experiment_id: str, run_id: str | None = None) -> str:
     return f"{page}/runs/{run_id}" if run_id else f"{page}/runs"
 
 
-def server_ui_page(uri: str) -> str | None:
-    """For an http(s) store: the server's runs page of the experiment of the most recent run (the server's
-    front page if it holds none). None for a local or database store, whose UI `harness ui` starts."""
-    if server_url(uri) is None:
-        return None
-    latest = Tracker(uri, writable=False).search(max_results=1)
-    return run_url(uri, latest[0].experiment_id) if latest else f"{server_url(uri)}/"
+def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """`mlflow server` on this store, as an argument list and its environment.
 
-
-def ui_command(uri: str, host: str, port: int) -> list[str]:
-    """`mlflow server` on this store, as an argument list."""
+    One worker and no job runner: the UI is for one reader, and MLflow's defaults (4 workers and a
+    job runner with 7 consumers) take ~30 s to answer instead of ~8 s.
+    """
     import sys
 
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port),
+           "--workers", "1"]
     root = artifact_root(uri)
     if root:
         cmd += ["--default-artifact-root", Path(root).as_uri()]
-    return cmd
+    return cmd, {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 class Heartbeat:

@@ -203,14 +203,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ui_shows_the_replay_nested_with_its_verdict(project: Project, original: str, clean_replay,
-                                                     tmp_path: Path) -> None:
-    """`harness ui` (a real MLflow server) seen through a real headless Chromium."""
+def _read_line(proc, timeout_s: float) -> str:
+    """The next stdout line of a running process, within a deadline."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout_s):
+        raise AssertionError(f"no line on stdout within {timeout_s} s")
+    return proc.stdout.readline().strip()
+
+
+def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, original: str, clean_replay,
+                                                         tmp_path: Path) -> None:
+    """`harness ui` (a real MLflow server) and the page its printed link opens, in a real headless Chromium."""
     import os
     import shutil
     import signal
     import subprocess
-    import time
     import urllib.request
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -219,42 +229,44 @@ def test_ui_shows_the_replay_nested_with_its_verdict(project: Project, original:
             pytest.fail("chromium is required in CI (apt-get install chromium)")
         pytest.skip("no chromium here for the real-browser check")
     port = _free_port()
-    server = project.popen("ui", "--port", str(port))
+    server = project.popen("ui", "linear_ddp", "--port", str(port))
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, server.communicate()
-                assert time.monotonic() < deadline, "MLflow UI did not come up"
-                time.sleep(1)
+        link = _read_line(server, 180)  # printed once the server answers
+        exp_id = project.client().get_run(original).info.experiment_id
+        assert link == (f"http://127.0.0.1:{port}/#/experiments/{exp_id}/runs"
+                        "?viewStateShareKey=harness&workflowType=machine_learning"), link
         replay_id = clean_replay.last_line
-        with urllib.request.urlopen(f"{base}/api/2.0/mlflow/runs/get?run_id={replay_id}", timeout=30) as r:
-            tags = {t["key"]: t["value"] for t in json.load(r)["run"]["data"]["tags"]}
-        assert tags["mlflow.parentRunId"] == original and tags["harness.verdict"] == "BITWISE"
-        report_url = f"{base}/get-artifact?path=replay%2Freport.md&run_uuid={replay_id}"
+        report_url = f"http://127.0.0.1:{port}/get-artifact?path=replay%2Freport.md&run_uuid={replay_id}"
         with urllib.request.urlopen(report_url, timeout=30) as r:
             assert "BITWISE" in r.read().decode()
-        exp_id = project.client().get_run(original).info.experiment_id
-        dom = subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,1000",
-             "--virtual-time-budget=20000", "--dump-dom", f"{base}/#/experiments/{exp_id}/runs/{replay_id}"],
-            capture_output=True, text=True, timeout=120,
-        ).stdout
-        run_name = project.client().get_run(replay_id).info.run_name
-        assert run_name.startswith("replay-of-") and run_name in dom
-        assert "harness.verdict" in dom and "BITWISE" in dom
+        browser = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                   f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=2400,1000",
+                   "--virtual-time-budget=20000"]
+        dom = subprocess.run([*browser, "--dump-dom", link], capture_output=True, text=True, timeout=120).stdout
+        subprocess.run([*browser, f"--screenshot={tmp_path / 'ui.png'}", link], capture_output=True, timeout=120)
+        client = project.client()
+        # The training-runs table (not the GenAI overview), harness's columns, and both rows: the run
+        # and its replay, each a row of its own, the replay's verdict in it.
+        assert 'data-testid="sort-select-dropdown"' in dom and "Sort: harness.started" in dom
+        for column in ("harness.verdict", "harness.world_size", "harness.git.commit", "harness.image.digest"):
+            assert column in dom, column
+        for run_id in (original, replay_id):
+            assert client.get_run(run_id).info.run_name in dom
+        assert "BITWISE" in dom
+        assert client.get_run(original).data.tags["harness.git.commit"][:8] in dom
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 130
     # The server went with `harness ui`: nothing listens on the port any more.
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_ui_of_an_unknown_experiment_is_one_line(project: Project, original: str) -> None:
+    result = project.harness("ui", "no_such_experiment", "--port", str(_free_port()))
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "Error: no MLflow experiment 'no_such_experiment'")
 
 
 FAILS_ONCE = '''

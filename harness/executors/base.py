@@ -88,6 +88,7 @@ class Job:
     code_id: str = ""  # commit[+patch sha256]: every node of a job must run the same code
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific choices (docker: allow_unpinned)
+    data: dict[str, str] = field(default_factory=dict)  # declared data: name -> absolute path (ctx.data)
 
     @property
     def exp_rel(self) -> str:

@@ -52,7 +52,8 @@ def local_image_tags(image: str) -> dict[str, str]:
 
 
 def launch_spec(
-    cfg: DictConfig, code_dir: Path, device: str, backend: str, log_dir: Path, checkpoints: Any = None
+    cfg: DictConfig, code_dir: Path, device: str, backend: str, log_dir: Path, checkpoints: Any = None,
+    data: dict[str, str] | None = None,
 ) -> Any:
     """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
     from harness.determinism import derive_rank_seeds
@@ -77,6 +78,7 @@ def launch_spec(
         invariant_shards=cfg.determinism.shards if cfg.determinism.world_size_invariant else 0,
         timeout_s=float(cfg.timeout_s),
         output_dir=str(Path(log_dir).parent / "outputs"),
+        data=dict(data or {}),
     )
 
 
@@ -106,7 +108,10 @@ def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]
     return resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size if nproc is None else nproc)
 
 
-def run_segments(cfg: DictConfig, exp_dir: Path, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+def run_segments(
+    cfg: DictConfig, exp_dir: Path, plans: list[Any], on_message: Callable[[Message], None],
+    data: dict[str, str] | None = None,
+) -> None:
     """Run the entry once per checkpoint plan in one set of local ranks (audit: start-up is paid once).
 
     Nothing is recorded here; the caller judges the segments from the messages.
@@ -116,7 +121,7 @@ def run_segments(cfg: DictConfig, exp_dir: Path, plans: list[Any], on_message: C
     device, backend = check_runnable(cfg)
     work = Path(tempfile.mkdtemp(prefix="harness-audit-"))
     try:
-        spec = launch_spec(cfg, exp_dir, device, backend, work / "logs")
+        spec = launch_spec(cfg, exp_dir, device, backend, work / "logs", data=data)
         spec.segments = plans
         launch(spec, on_message)
     finally:
@@ -399,7 +404,7 @@ class LocalHandle(Handle):
     # -- shared --------------------------------------------------------------------------------------
     def _spec(self, device: str, backend: str, log_dir: Path, plan: Any) -> Any:
         topo = self.job.topology
-        spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan)
+        spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan, self.job.data)
         if topo.multi_node:
             spec.node_rank, spec.nproc = topo.node_rank, self.job.cfg.world_size // topo.nnodes
             spec.master_addr, spec.port = str(topo.master_addr), int(topo.master_port)

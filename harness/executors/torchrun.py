@@ -212,7 +212,7 @@ class TorchrunHandle(LocalHandle):
     def _spec(self, device: str, backend: str, log_dir: Any, plan: Any) -> Any:
         from harness.executors.local import launch_spec
 
-        spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan)
+        spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan, self.job.data)
         spec.node_rank, spec.nproc = self.env.group_rank, self.env.local_world_size
         spec.master_addr, spec.port = self.env.master_addr, self.env.master_port
         return spec

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import checkpoint
+from harness import checkpoint, checkpoint_store
 from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
@@ -107,14 +107,20 @@ def audit(
     )
     recorded = RecordedRun.load(tracker, run)
     cfg = recorded.cfg
-    directory = tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS
+    store = checkpoint_store.open_for(tracker, run_id)
+    for seg in drawn:  # only the drawn segments' start steps, fetched when a server holds them
+        store.fetch(seg.start, cfg.world_size)
+    directory = store.directory
     check_runnable(cfg)
     data = recorded.check_data(repo)  # a segment replayed on other data proves nothing about the run
-    with recorded.code(repo) as (_, exp_dir):
-        pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
-        while pending:
-            # All pending segments in one launch; a segment that crashes its ranks fails alone.
-            pending = _run_segments(pending, record, cfg, exp_dir, directory, data.paths)
+    try:
+        with recorded.code(repo) as (_, exp_dir):
+            pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
+            while pending:
+                # All pending segments in one launch; a segment that crashes its ranks fails alone.
+                pending = _run_segments(pending, record, cfg, exp_dir, directory, data.paths)
+    finally:
+        store.cleanup()
     for seg in drawn:
         print(f"  segment {seg.index} [{seg.start}-{seg.end}): {'ok' if seg.ok else 'FAILED: ' + seg.detail}",
               file=sys.stderr)

@@ -381,6 +381,12 @@ def path_for(directory: Path, step: int, rank: int) -> Path:
     return step_dir(directory, step) / f"rank{rank}.pt"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a step folder's name (step-00000120 -> 120); None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
 def mark_complete(directory: Path, step: int, world_size: int | None = None) -> None:
     """Rank 0, after a barrier that every rank reached with its file saved: the step is usable."""
     content = f"step={step}\n" + (f"world_size={world_size}\n" if world_size is not None else "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness import checkpoint, executors
+from harness import checkpoint_store, executors
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.executors import Outcome
@@ -25,11 +25,11 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
         raise HarnessError(f"run {run_id} is {run.status}; only FAILED or KILLED runs are resumed.{hint}")
     recorded = RecordedRun.load(tracker, run)
     cfg = recorded.cfg
-    directory = tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS
-    step = checkpoint.latest_complete(directory, cfg.world_size)
+    store = checkpoint_store.open_for(tracker, run_id)
+    step = store.latest(cfg.world_size)  # fetched into the store's local folder when a server holds it
     if step is None:
         raise HarnessError(
-            f"run {run_id} has no complete checkpoint in {directory} (checkpoint_every was 0, or it died "
+            f"run {run_id} has no complete checkpoint in its artifacts (checkpoint_every was 0, or it died "
             f"before the first). Rerun it instead: harness replay {run_id}"
         )
 

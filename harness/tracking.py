@@ -109,6 +109,116 @@ def _missing(err: BaseException) -> bool:
     return getattr(err, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
 
 
+# Error codes that a retry cannot change: the request itself is wrong, whatever the server's state.
+_PERMANENT = frozenset({"RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_PARAMETER_VALUE",
+                        "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_STATE"})
+OUTAGE_ENV = "HARNESS_STORE_OUTAGE_S"
+DEFAULT_OUTAGE_S = 300.0
+
+
+def outage_limit() -> float:
+    """Seconds a running job's writes wait for a store that went away: $HARNESS_STORE_OUTAGE_S, else 300."""
+    raw = os.environ.get(OUTAGE_ENV, "")
+    if not raw:
+        return DEFAULT_OUTAGE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise HarnessError(f"{OUTAGE_ENV}={raw!r} is not a number of seconds. Set it to a number >= 0, e.g. 300.")
+    return value
+
+
+def transient(err: BaseException | None) -> bool:
+    """A store failure that may pass (server restarting, connection refused, 5xx), not a wrong request."""
+    while err is not None:
+        if is_store_error(err):
+            return getattr(err, "error_code", None) not in _PERMANENT
+        err = err.__cause__
+    return False
+
+
+class Outages:
+    """One job's write failures while the store was away: counted, timed, and recorded with the run.
+
+    Every background writer (metrics, heartbeat, checkpoint uploads) and the end-of-run writes report here.
+    """
+
+    def __init__(self, limit_s: float | None = None) -> None:
+        self.limit_s = outage_limit() if limit_s is None else limit_s
+        self.failures = 0
+        self.spooled = 0  # most metrics held back at once
+        self.longest_s = 0.0
+        self._since: float | None = None
+        self._deadline: float | None = None
+        self._lock = threading.Lock()
+
+    def closing(self) -> None:
+        """The run is being closed: from now on every write shares one deadline, limit_s from now (not
+        limit_s each, which would multiply the wait by the number of writes left)."""
+        self._deadline = time.monotonic() + self.limit_s
+
+    def deadline(self) -> float:
+        """Until when a write that starts now may be retried."""
+        return self._deadline if self._deadline is not None else time.monotonic() + self.limit_s
+
+    def failed(self, spooled: int = 0) -> None:
+        with self._lock:
+            self.failures += 1
+            self.spooled = max(self.spooled, spooled)
+            if self._since is None:
+                self._since = time.monotonic()
+
+    def answered(self) -> None:
+        with self._lock:
+            if self._since is not None:
+                self.longest_s = max(self.longest_s, time.monotonic() - self._since)
+                self._since = None
+
+    def retry(self, call: Callable[[], _R]) -> _R:
+        """call() until it succeeds, retrying transient store failures for up to limit_s seconds."""
+        deadline = self.deadline()
+        while True:
+            try:
+                result = call()
+            except Exception as err:
+                if not transient(err) or time.monotonic() >= deadline:
+                    raise
+                self.failed()
+                time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
+                continue
+            self.answered()
+            return result
+
+    def tags(self) -> dict[str, str]:
+        """The outage as the run records it; nothing when every write went through at once."""
+        self.answered()
+        if not self.failures:
+            return {}
+        return {T.STORE_WRITE_FAILURES: str(self.failures), T.STORE_METRICS_SPOOLED: str(self.spooled),
+                T.STORE_LONGEST_OUTAGE_S: f"{self.longest_s:.1f}"}
+
+
+class Patient:
+    """A Tracker whose every call retries through store outages (Outages.retry): for a job's end-of-run writes."""
+
+    def __init__(self, tracker: "Tracker", outages: Outages) -> None:
+        self._tracker = tracker
+        self._outages = outages
+        self.uri = tracker.uri
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._tracker, name)
+        if not callable(method):
+            return method
+
+        def patiently(*args: Any, **kwargs: Any) -> Any:
+            return self._outages.retry(lambda: method(*args, **kwargs))
+
+        return patiently
+
+
 @dataclass(frozen=True)
 class RunSummary:
     run_id: str
@@ -362,7 +472,8 @@ class Tracker:
 
     @_store_call
     def download(self, run_id: str, artifact_file: str, dest_dir: Path) -> Path | None:
-        """The artifact file copied into `dest_dir` under its own name, None if the run has no such artifact."""
+        """The artifact file or folder copied into `dest_dir` (created) under its own name; None if there is none."""
+        dest_dir.mkdir(parents=True, exist_ok=True)
         try:
             return Path(self.client.download_artifacts(run_id, artifact_file, str(dest_dir)))
         except Exception as err:
@@ -381,22 +492,26 @@ class Tracker:
         found = self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1)
         return found[0] if found else None
 
-    def local_artifact_dir(self, run_id: str) -> Path:
-        """The run's artifact folder on this machine (checkpoints are written straight into it)."""
-        uri = self.get_run(run_id).artifact_uri
-        path = artifact_path(uri)
-        if path is not None:
-            return path
-        raise HarnessError(
-            f"checkpoints need a local artifact store, but run {run_id} stores artifacts at {uri}. "
-            "Use a file:// artifact root (the default SQLite store has one), or set checkpoint_every: 0."
-        )
+    def local_artifact_dir(self, run_id: str) -> Path | None:
+        """The run's artifact folder on this machine; None when a server holds the artifacts (see checkpoint_store)."""
+        return artifact_path(self.get_run(run_id).artifact_uri)
 
-    def metric_writer(self, run_id: str, flush_interval_s: float) -> "MetricWriter":
-        return MetricWriter(self, run_id, flush_interval_s)
+    @_store_call
+    def list_artifacts(self, run_id: str, path: str) -> list[tuple[str, bool]]:
+        """(path, is_dir) of the artifacts directly under `path` ([] when there is none)."""
+        try:
+            return [(f.path, f.is_dir) for f in self.client.list_artifacts(run_id, path)]
+        except Exception as err:
+            if _missing(err) or isinstance(err, FileNotFoundError):
+                return []
+            raise
 
-    def heartbeat(self, run_id: str, interval_s: float) -> "Heartbeat":
-        return Heartbeat(self, run_id, interval_s)
+
+    def metric_writer(self, run_id: str, flush_interval_s: float, outages: Outages | None = None) -> "MetricWriter":
+        return MetricWriter(self, run_id, flush_interval_s, outages)
+
+    def heartbeat(self, run_id: str, interval_s: float, outages: Outages | None = None) -> "Heartbeat":
+        return Heartbeat(self, run_id, interval_s, outages)
 
     # -- reading ---------------------------------------------------------------------------------
     @_store_call
@@ -523,6 +638,8 @@ class Tracker:
 
     def ui_hint(self, run: str | RunSummary) -> str:
         summary = run if isinstance(run, RunSummary) else self.get_run(run)
+        if server_url(self.uri):  # a tracking server is its own UI
+            return f"Open it in the MLflow UI: {run_url(self.uri, summary.experiment_id, summary.run_id)}"
         store = "" if self.uri == default_uri() else f" --tracking-uri {self.uri}"
         return (
             f"Open it in the MLflow UI: harness ui{store}, then "
@@ -557,10 +674,12 @@ class MetricWriter:
     must never pay that, so add() only appends to a deque.
     """
 
-    def __init__(self, tracker: Tracker, run_id: str, flush_interval_s: float) -> None:
+    def __init__(self, tracker: Tracker, run_id: str, flush_interval_s: float, outages: Outages | None = None) -> None:
         self._tracker = tracker
         self._run_id = run_id
         self._interval = flush_interval_s
+        # A store that went away: the values wait here, in memory (see Outages and README "Outages").
+        self._outages = outages or Outages()
         self._pending: deque[tuple[str, float, int, int]] = deque()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one flush at a time
@@ -602,23 +721,47 @@ class MetricWriter:
                 try:
                     self._tracker.client.log_batch(self._run_id, metrics=batch, synchronous=True)
                     self.written += len(batch)
+                    self.error = None
+                    self._outages.answered()
                 except Exception as err:  # keep the data; retried at the next flush
                     self.error = err
                     self._pending.extendleft(
                         reversed([(m.key, m.value, m.timestamp, m.step) for m in batch])
                     )
+                    self._outages.failed(spooled=len(self._pending))
                     return
 
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
     def close(self) -> None:
-        """Stop the thread and write everything still buffered (also after a failure)."""
+        """Stop the thread and write everything still buffered, waiting up to the outage limit for a store
+        that is away (also after a failure)."""
         self._stop.set()
         self._thread.join(timeout=30)
+        deadline = self._outages.deadline()
         self.flush()
+        while self._pending and transient(self.error) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            self.flush()
         if self._pending and self.error is not None:
             raise HarnessError(
                 f"could not write {len(self._pending)} metrics to the tracking store "
                 f"{display_uri(self._tracker.uri)}: {reason_of(self.error)}. Check that it is reachable and writable."
-            )
+            ) from self.error
+
+
+def server_url(uri: str) -> str | None:
+    """The web address of an http(s) tracking store, without credentials; None for a local or database store."""
+    shown = display_uri(uri)
+    return shown.rstrip("/") if shown.split("://", 1)[0].lower() in ("http", "https") else None
+
+
+def run_url(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """A server store's page for an experiment's runs, or for one run."""
+    page = f"{server_url(uri)}/#/experiments/{experiment_id}"
+    return f"{page}/runs/{run_id}" if run_id else f"{page}/runs"
 
 
 def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
@@ -644,10 +787,11 @@ class Heartbeat:
     how `harness runs` and `harness mark` tell it from a live one.
     """
 
-    def __init__(self, tracker: Tracker, run_id: str, interval_s: float) -> None:
+    def __init__(self, tracker: Tracker, run_id: str, interval_s: float, outages: Outages | None = None) -> None:
         self._tracker = tracker
         self._run_id = run_id
         self._interval = interval_s
+        self._outages = outages
         self._stop = threading.Event()
         tracker.set_tags(run_id, {T.HEARTBEAT_S: f"{interval_s:g}", T.HEARTBEAT: f"{time.time():.3f}"})
         self._thread = threading.Thread(target=self._loop, name="harness-heartbeat", daemon=True)
@@ -658,7 +802,11 @@ class Heartbeat:
             try:
                 self._tracker.set_tags(self._run_id, {T.HEARTBEAT: f"{time.time():.3f}"})
             except Exception:  # a store hiccup: the next beat tries again; the run goes on
-                pass
+                if self._outages is not None:
+                    self._outages.failed()
+            else:
+                if self._outages is not None:
+                    self._outages.answered()
 
     def close(self) -> None:
         self._stop.set()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 # Real multi-host infrastructure (namespace hosts, a two-node Slurm cluster): see tests/infra.py.
-from infra import slurm, two_hosts  # noqa: F401  (fixtures, re-exported for every test module)
+from infra import lab_server, slurm, two_hosts  # noqa: F401  (fixtures, re-exported for every test module)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"

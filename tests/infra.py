@@ -4,7 +4,8 @@
 with an `eth0`, on one bridge that the root namespace reaches at 198.51.100.254. `slurm` runs
 scripts/slurm-up.sh on top: slurmctld in the root namespace, slurmd node1 in hn1 and node2 in hn2.
 The filesystem (/tmp, /work) is shared by all of them; only the network and, for slurmd and its job
-steps, the hostname differ. conftest.py re-exports both fixtures.
+steps, the hostname differ. `lab_server` runs scripts/labserver-up.sh: PostgreSQL and an
+`mlflow server --serve-artifacts` on loopback, a lab's tracking server. conftest.py re-exports them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SCRIPTS = ROOT / "scripts"
 # Fixed folders, not pytest's tmp dirs: those are 0700 and slurmctld runs as user slurm.
 HOSTS_STATE = Path(os.environ.get("HARNESS_HOSTS_STATE", "/tmp/harness-hosts"))
 SLURM_STATE = Path(os.environ.get("HARNESS_SLURM_STATE", "/tmp/harness-slurm"))
+LABSERVER_STATE = Path(os.environ.get("HARNESS_LABSERVER_STATE", "/tmp/harness-labserver"))
 # Set to 1 to leave what the fixtures started running after the session (to inspect it).
 KEEP = os.environ.get("HARNESS_INFRA_KEEP") == "1"
 
@@ -219,3 +221,67 @@ def slurm(two_hosts: TwoHosts) -> Iterator[Slurm]:
                 hosts=two_hosts)
     if started and not KEEP:
         _teardown("slurm-down.sh", SLURM_STATE)
+
+
+# --- a lab tracking server ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LabServer:
+    """PostgreSQL + `mlflow server --serve-artifacts` on loopback; clients use `uri` (http://, no secret)."""
+
+    uri: str
+    state_dir: Path
+
+    @property
+    def password(self) -> str:
+        """The database password: what must never reach a harness record."""
+        return (self.state_dir / "pg" / "password").read_text().strip()
+
+    def stop_server(self) -> None:
+        """Stop the mlflow server only (its process group); PostgreSQL keeps running."""
+        pid = int((self.state_dir / "mlflow.pid").read_text())
+        try:
+            os.killpg(pid, 15)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + DOWN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.killpg(pid, 9)
+
+    def start_server(self) -> None:
+        """Start the mlflow server again (labserver-up.sh keeps the running database); waits for /health."""
+        proc = subprocess.run(["bash", str(SCRIPTS / "labserver-up.sh"), str(self.state_dir)],
+                              capture_output=True, text=True, timeout=UP_TIMEOUT_S, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"labserver-up.sh failed: {_tail(proc.stderr + proc.stdout)}")
+
+
+def _labserver_running(state_dir: Path) -> bool:
+    try:
+        os.kill(int((state_dir / "mlflow.pid").read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def lab_server() -> Iterator[LabServer]:
+    """A lab tracking server for the session; a fresh database unless one already runs (then reused).
+    State, logs and artifacts: $HARNESS_LABSERVER_STATE (/tmp/harness-labserver)."""
+    what = "lab tracking server (PostgreSQL + mlflow server)"
+    if os.geteuid() != 0:
+        _unavailable(what, "initdb and postgres run as user postgres, which needs root to switch to")
+    started = not _labserver_running(LABSERVER_STATE)
+    if started:
+        _teardown("labserver-down.sh", LABSERVER_STATE)  # a database left by an earlier session
+        shutil.rmtree(LABSERVER_STATE, ignore_errors=True)
+    _run_script(what, "labserver-up.sh", LABSERVER_STATE)  # idempotent; installs what is missing
+    yield LabServer(uri=(LABSERVER_STATE / "uri").read_text().strip(), state_dir=LABSERVER_STATE)
+    if started and not KEEP:
+        _teardown("labserver-down.sh", LABSERVER_STATE)

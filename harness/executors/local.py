@@ -20,10 +20,11 @@ from omegaconf import DictConfig
 
 from harness import tags as T
 from harness.config import split_entry, to_container, to_yaml
-from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, Total
-from harness.tracking import Tracker, save_series
+from harness.store import reason_of
+from harness.tracking import Outages, Patient, Tracker, save_series, transient
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
 
@@ -81,13 +82,23 @@ def launch_spec(
     )
 
 
-def checkpoint_plan(tracker: Tracker, run_id: str, cfg: DictConfig, **kwargs: Any) -> Any:
-    """Checkpoints live in the run's own artifact folder, so the MLflow UI lists them with the run."""
+def checkpoint_store(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step: int | None) -> Any:
+    """The run's checkpoints (checkpoint_store.CheckpointStore), None when it neither saves nor loads any."""
+    from harness import checkpoint_store
+
+    if cfg.checkpoint_every <= 0 and resume_step is None:
+        return None
+    return checkpoint_store.open_for(tracker, run_id)
+
+
+def checkpoint_plan(store: Any, cfg: DictConfig, **kwargs: Any) -> Any:
+    """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
+    lists them with the run."""
     from harness.context import CheckpointPlan
 
-    if cfg.checkpoint_every <= 0 and not kwargs:
+    if store is None:
         return None
-    return CheckpointPlan(str(tracker.local_artifact_dir(run_id) / T.ARTIFACT_CHECKPOINTS), cfg.checkpoint_every, **kwargs)
+    return CheckpointPlan(str(store.directory), cfg.checkpoint_every, **kwargs)
 
 
 def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]:
@@ -220,7 +231,8 @@ class LocalHandle(Handle):
         resume_step = job.resume_step
         log_dir = self.work / "logs"
         log_dir.mkdir()
-        writer = console = heartbeat = None
+        writer = console = heartbeat = ckpts = None
+        outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
         fingerprints: dict[int, str] = {}
         final: dict[str, Any] = {"checkpoints": {}}
@@ -243,10 +255,15 @@ class LocalHandle(Handle):
             tracker.set_tags(run_id, facts)
             tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)  # where the ranks run
 
-            heartbeat = tracker.heartbeat(run_id, cfg.heartbeat_s)
-            plan = checkpoint_plan(tracker, run_id, cfg, **({} if resume_step is None else {"resume_step": resume_step}))
+            heartbeat = tracker.heartbeat(run_id, cfg.heartbeat_s, outages)
+            ckpts = checkpoint_store(tracker, run_id, cfg, resume_step)
+            if ckpts is not None:
+                if resume_step is not None and not ckpts.fetch(resume_step, cfg.world_size):
+                    raise HarnessError(f"run {run_id} has no complete checkpoint of step {resume_step} in its artifacts.")
+                ckpts.start_uploads(outages)
+            plan = checkpoint_plan(ckpts, cfg, **({} if resume_step is None else {"resume_step": resume_step}))
             spec = self._spec(device, backend, log_dir, plan)
-            writer = tracker.metric_writer(run_id, cfg.flush_interval_s)
+            writer = tracker.metric_writer(run_id, cfg.flush_interval_s, outages)
             if prior is not None:
                 writer.prime(prior.metrics)
             console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}")
@@ -268,6 +285,7 @@ class LocalHandle(Handle):
                         console.total(steps)
                     case Checkpoint(step, sha256):
                         final["checkpoints"][step] = sha256
+                        ckpts.completed(step)
                 self.on_event(msg)
 
             try:
@@ -294,18 +312,39 @@ class LocalHandle(Handle):
                 console.close()
             if failure_text:
                 print(failure_text.rstrip(), file=sys.stderr)
+            # End-of-run writes wait for a store that is briefly away (HARNESS_STORE_OUTAGE_S); past that,
+            # the outcome is kept on disk and the error says where.
+            patient = Patient(tracker, outages)
+            outages.closing()
             try:
-                if heartbeat is not None:
-                    heartbeat.close()
-                if writer is not None:
-                    writer.close()
-                    save_series(writer.series, self.work / "series.npz")
-                logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
-                _record_results(tracker, run_id, fingerprints, final, self.work, logs)
-                if status == T.FINISHED:
-                    _warn_if_vacuous(tracker, run_id, writer, final)
-            finally:
-                tracker.end_run(run_id, status)
+                try:
+                    if heartbeat is not None:
+                        heartbeat.close()
+                    if writer is not None:
+                        writer.close()
+                        save_series(writer.series, self.work / "series.npz")
+                    if ckpts is not None:
+                        ckpts.close()
+                    logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
+                    _record_results(patient, run_id, fingerprints, final, self.work, logs)
+                    if status == T.FINISHED:
+                        _warn_if_vacuous(patient, run_id, writer, final)
+                    patient.set_tags(run_id, outages.tags())
+                    if ckpts is not None:
+                        ckpts.cleanup()
+                finally:
+                    patient.end_run(run_id, status)
+            except Exception as err:
+                if not transient(err):
+                    raise
+                kept = self._keep_outcome(status, message, fingerprints, final, writer, outages)
+                raise HarnessError(
+                    f"the tracking store {tracker.display_uri} stayed unreachable for over {outages.limit_s:g} s "
+                    f"(HARNESS_STORE_OUTAGE_S) while run {run_id} was being closed ({status}): {reason_of(err)}. "
+                    f"Nothing is lost: "
+                    f"its outcome, metrics and logs are kept in {kept}; the run stays RUNNING in the store until "
+                    f"`harness mark {run_id} --status {T.FAILED}`.", exit_code=EXIT_FAILED,
+                ) from err
         if self.deferred:
             import signal
 
@@ -313,6 +352,26 @@ class LocalHandle(Handle):
                   "in full first.", file=sys.stderr)
             code = 128 + self.deferred[0]
         return Outcome(run_id, status, code, message, fingerprints)
+
+    def _keep_outcome(self, status: str, message: str, fingerprints: dict[int, str], final: dict[str, Any],
+                      writer: Any, outages: Outages) -> Path:
+        """What the store could not take, moved out of the work folder (which is removed) to a lasting one."""
+        work = self.work
+        if writer is not None:
+            save_series(writer.series, work / "series.npz")
+        doc = {
+            "run_id": self.job.run_id, "status": status, "status_reason": message, "tags": outages.tags(),
+            "metrics_not_written": writer.pending if writer is not None else 0,
+            "fingerprints": {str(k): v for k, v in sorted(fingerprints.items())},
+            "final": final,  # fingerprints, checkpoints, determinism settings and variables: the tags not written
+        }
+        (work / "outcome.json").write_text(json.dumps(doc, indent=2, default=str))
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "unsent"
+        base.mkdir(parents=True, exist_ok=True)
+        kept = base / self.job.run_id
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.move(str(work), str(kept))
+        return kept
 
     # -- another node --------------------------------------------------------------------------------
     def _run_ranks_only(self) -> Outcome:
@@ -322,7 +381,8 @@ class LocalHandle(Handle):
         log_dir = self.work / "logs"
         log_dir.mkdir()
         device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
-        plan = checkpoint_plan(job.tracker, job.run_id, cfg,
+        # Node 0's launcher uploads the steps: it reads this node's rank files from the shared staging folder.
+        plan = checkpoint_plan(checkpoint_store(job.tracker, job.run_id, cfg, job.resume_step), cfg,
                                **({} if job.resume_step is None else {"resume_step": job.resume_step}))
         spec = self._spec(device, backend, log_dir, plan)
         status, code, message = T.FINISHED, EXIT_OK, ""

@@ -89,18 +89,24 @@ _FORMS = (
 OTHER_STORE = "or use another store with --tracking-uri or MLFLOW_TRACKING_URI"
 
 
-def store_timeout() -> float:
-    """Seconds allowed to reach the store: $HARNESS_STORE_TIMEOUT_S, else 10."""
-    raw = os.environ.get(TIMEOUT_ENV, "")
+def env_seconds(name: str, default: float, *, allow_zero: bool = False) -> float:
+    """A number of seconds from the environment variable `name` (default when unset); one line if it is not one."""
+    raw = os.environ.get(name, "")
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise HarnessError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds. Set it to a positive number, e.g. 10.")
+        value = float("nan")
+    if not (value >= 0 if allow_zero else value > 0):
+        what = "a number >= 0" if allow_zero else "a positive number"
+        raise HarnessError(f"{name}={raw!r} is not a number of seconds. Set it to {what}, e.g. {default:g}.")
     return value
+
+
+def store_timeout() -> float:
+    """Seconds allowed to reach the store: $HARNESS_STORE_TIMEOUT_S, else 10."""
+    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 def display_uri(uri: str) -> str:

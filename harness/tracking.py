@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, opening, probe_store,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, env_seconds, opening,
+    probe_store,
     reason_of, schema_error,
     store_timeout,
 )
@@ -118,16 +119,7 @@ DEFAULT_OUTAGE_S = 300.0
 
 def outage_limit() -> float:
     """Seconds a running job's writes wait for a store that went away: $HARNESS_STORE_OUTAGE_S, else 300."""
-    raw = os.environ.get(OUTAGE_ENV, "")
-    if not raw:
-        return DEFAULT_OUTAGE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise HarnessError(f"{OUTAGE_ENV}={raw!r} is not a number of seconds. Set it to a number >= 0, e.g. 300.")
-    return value
+    return env_seconds(OUTAGE_ENV, DEFAULT_OUTAGE_S, allow_zero=True)
 
 
 def transient(err: BaseException | None) -> bool:

@@ -96,6 +96,21 @@ def test_replay_compare_audit(lab: Project, finished: str) -> None:
     assert "verdict: BITWISE" in audit.stdout
 
 
+def test_a_server_run_travels_in_a_bundle(lab: Project, finished: str, tmp_path: Path) -> None:
+    """A run recorded on the server, exported, and imported where there is only the bundle (a folder that is
+    no repository, a fresh local store, no server): its replay there is BITWISE."""
+    bundle = tmp_path / "run.tar.gz"
+    export = lab.harness("export", finished, "-o", str(bundle))
+    assert export.returncode == 0, export.stderr
+    elsewhere = Project(tmp_path / "elsewhere", tmp_path / "elsewhere" / "store")
+    elsewhere.store.mkdir(parents=True)
+    imported = elsewhere.harness("import", str(bundle))
+    assert imported.returncode == 0, imported.stderr
+    replay = elsewhere.harness("replay", imported.last_line)
+    assert replay.returncode == 0, replay.stderr + replay.stdout
+    assert replay.stdout.strip().splitlines()[-2].startswith("verdict: BITWISE"), replay.stdout
+
+
 def test_resume_of_a_crashed_run_through_the_server(lab: Project, finished: str) -> None:
     crashed = lab.harness("run", EXP, *RUN, env={"KILL_AT": "13"})
     assert crashed.returncode == 1 and "was killed by SIGKILL" in crashed.stderr, crashed.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IMAGE, REPOSITORY, TAG, Project, _registry_digest, make_project
+from conftest import EXPERIMENTS, IMAGE, REPOSITORY, TAG, Project, _registry_digest, make_project
 from test_run import CRASHING
 
 pytestmark = pytest.mark.slow
@@ -148,3 +148,20 @@ def test_sigterm_stops_the_container_and_kills_the_run(dproject: Project) -> Non
     assert out.strip().splitlines()[-1] == run_id
     assert client.get_run(run_id).info.status == "KILLED"
     assert docker_cli("ps", "-a", "--filter", f"name=harness-{run_id[:12]}", "-q") == ""
+
+
+def test_declared_data_is_read_inside_the_container(dproject: Project, tmp_path: Path) -> None:
+    """A data file outside the repository and the store: mounted at its hashed path, read by every rank."""
+    table = tmp_path / "lab data" / "table.bin"
+    table.parent.mkdir()
+    table.write_bytes(b"\x00\x01" * 500)
+    source = (EXPERIMENTS / "linear_ddp" / "train.py").read_text()
+    first = "    cfg = ctx.cfg\n"
+    reads = first + '    ctx.log({"data_bytes": float(len(ctx.data["table"].read_bytes()))}, 0)\n'
+    dproject.add_experiment("reads_data", train_py=source.replace(first, reads, 1),
+                            yaml_extra=f"data:\n  table: '{table}'\n")
+    result = dproject.harness("run", "experiments/reads_data", "--executor", "docker", "train.epochs=1")
+    assert result.returncode == 0, result.stderr
+    run = dproject.client().get_run(result.last_line)
+    assert run.data.tags["harness.in_image"] == "true"
+    assert run.data.metrics["data_bytes"] == 1000.0

@@ -244,7 +244,6 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
                    f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=2400,1000",
                    "--virtual-time-budget=20000"]
         dom = subprocess.run([*browser, "--dump-dom", link], capture_output=True, text=True, timeout=120).stdout
-        subprocess.run([*browser, f"--screenshot={tmp_path / 'ui.png'}", link], capture_output=True, timeout=120)
         client = project.client()
         # The training-runs table (not the GenAI overview), harness's columns, and both rows: the run
         # and its replay, each a row of its own, the replay's verdict in it.

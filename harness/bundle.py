@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from harness import tags as T
+from harness.data import sha256_file
 from harness.errors import HarnessError
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
@@ -262,14 +263,6 @@ def _stage_run(tracker: Any, run: Any, folder: Path, with_checkpoints: bool) -> 
         tracker.download(run.run_id, path, folder_of)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
     """Copy the declared data as recorded into the bundle: every file must still hash as the run read it."""
     from harness import data
@@ -291,7 +284,7 @@ def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
                     f"data '{name}': cannot read {source} ({err.strerror}); --with-data copies the data from where "
                     "the run read it. Restore it there, or export without --with-data."
                 ) from None
-            if _sha256(target) != f["sha256"]:
+            if sha256_file(target) != f["sha256"]:
                 raise HarnessError(
                     f"data '{name}': {source} changed since run {run_id} was recorded; a bundle carries the bytes "
                     "the run read. Restore it, or export without --with-data."
@@ -341,7 +334,7 @@ def export(
             _stage_data(tracker, run_id, stage / DATA_DIR)
         members = {}
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
-            members[path.relative_to(stage).as_posix()] = Member(path.stat().st_size, _sha256(path))
+            members[path.relative_to(stage).as_posix()] = Member(path.stat().st_size, sha256_file(path))
         manifest = Manifest(FORMAT, run_id, [r.run_id for r in replays], members, image)
         _write_archive(stage, manifest, out)
     return ExportResult(out, run_id, manifest.replays, len(members), out.stat().st_size,
@@ -441,8 +434,8 @@ def _place_data(unpacked: Path, dest: Path, created: list[Path]) -> dict[str, st
     for entry in sorted(source.iterdir()):
         target = dest / entry.name
         if target.exists():
-            ours = {p.relative_to(entry): _sha256(p) for p in entry.rglob("*") if p.is_file()}
-            theirs = {p.relative_to(target): _sha256(p) for p in target.rglob("*") if p.is_file()}
+            ours = {p.relative_to(entry): sha256_file(p) for p in entry.rglob("*") if p.is_file()}
+            theirs = {p.relative_to(target): sha256_file(p) for p in target.rglob("*") if p.is_file()}
             if ours != theirs:
                 raise HarnessError(
                     f"{target} exists and holds other files than the bundle's data '{entry.name}'. "

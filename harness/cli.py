@@ -475,11 +475,12 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     import subprocess
 
     from harness import ui as mlflow_ui
-    from harness.tracking import Tracker, display_uri, resolve_uri, ui_command
+    from harness.tracking import Tracker, display_uri, resolve_uri, server_url, ui_command
 
     uri = resolve_uri(tracking_uri)
-    if mlflow_ui.is_server(uri):
-        click.echo(mlflow_ui.page(display_uri(uri), mlflow_ui.prepare(Tracker(uri), experiment)))
+    served = server_url(uri)
+    if served:  # a tracking server is its own UI
+        click.echo(mlflow_ui.page(served, mlflow_ui.prepare(Tracker(uri), experiment)))
         return
     base = f"http://{host}:{port}"
     click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)

@@ -82,11 +82,6 @@ def link(base_url: str, experiment_id: str) -> str:
 READY_TIMEOUT_S = 120.0  # a cold `mlflow server` answers in ~8 s here; a dead one is named, not waited on
 
 
-def is_server(uri: str) -> bool:
-    """An http(s) tracking store is an MLflow server: it already serves the UI."""
-    return uri.split("://", 1)[0].lower() in ("http", "https")
-
-
 def prepare(tracker: "Tracker", experiment: str | None) -> str | None:
     """The experiment to open (given, else the one of the newest harness run), its view (re)written.
 

@@ -25,10 +25,13 @@ INCOMPLETE = (FAILED, KILLED)
 PREFIX = "harness."
 # Marks a run as made by harness (replay refuses others); value = harness version.
 VERSION = "harness.version"
-KIND = "harness.kind"  # KIND_RUN | KIND_REPLAY | KIND_AUDIT
+KIND = "harness.kind"  # one of the KIND_* below
 KIND_RUN = "run"
 KIND_REPLAY = "replay"
 KIND_AUDIT = "audit"
+KIND_STUDY = "study"  # the parent of a seed ensemble: its members are ordinary runs (KIND_RUN) nested under it
+KIND_STUDY_REPLAY = "study_replay"  # the parent of the replays of a study's members, nested under the study
+KIND_VERIFY = "verify"  # `harness verify`: a claims file checked against the record (and replays)
 STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
@@ -102,6 +105,19 @@ REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
 
+# Seed ensembles (harness/study.py). A member run carries STUDY (the study's run id) and is nested under it.
+STUDY = "harness.study"
+STUDY_SEEDS = "harness.study.seeds"  # on the study: the members' seeds, comma-separated, in member order
+STUDY_SIZE = "harness.study.n"  # on the study: how many members
+STUDY_PARALLEL = "harness.study.parallel"  # on the study: members run at once
+# On a member's replay made by `harness replay STUDY_ID`: the study replay run it belongs to.
+STUDY_REPLAY = "harness.study_replay"
+STUDY_MEMBERS_SEED = "harness.study_replay.members_seed"  # on a study replay drawing --members K: the draw's seed
+
+# harness verify: the claims file (path as given) and how many claims held ("2/3").
+VERIFY_CLAIMS_FILE = "harness.verify.claims_file"
+VERIFY_HELD = "harness.verify.held"
+
 # harness import: the run's id in the store it was exported from (a second import of it finds this run).
 IMPORTED_FROM = "harness.imported_from"
 
@@ -125,5 +141,8 @@ ARTIFACT_OUTPUTS_DIR = "outputs"  # what the ranks wrote into ctx.output_dir
 ARTIFACT_REPORT = "replay/report.md"
 ARTIFACT_PLOTS_DIR = "replay"
 ARTIFACT_COMPARISON = "replay/comparison.json"
+ARTIFACT_STUDY_SUMMARY = "study/summary.json"  # per metric: the members' final values, their spread, per-step curves
+ARTIFACT_STUDY_DIR = "study"  # study/summary.json and study/spread_<metric>.png
+ARTIFACT_VERIFY_DIR = "verify"  # verify/report.md, verify/report.html, verify/claims.json
 ARTIFACT_AUDIT = "audit/report.md"
 ARTIFACT_AUDIT_JSON = "audit/segments.json"

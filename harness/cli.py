@@ -312,6 +312,41 @@ def _print_comparison(cmp: Any, changes: list[str]) -> None:
 
 
 @main.command()
+@click.argument("claims_file", type=click.Path(path_type=Path))
+@click.argument("overrides", nargs=-1)
+@click.option("--replay", "do_replay", is_flag=True, help="Replay each study or run the claims rest on (once) and judge the claims on the replays.")
+@click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
+@click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
+@click.option("--executor", type=click.Choice(_EXECUTORS), default=None, help="--replay: where the replays run (default: as recorded).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, members: int | None, world_size: int | None,
+           allow_changes: bool, executor: str | None, tracking_uri: str | None) -> None:
+    """Check a paper's claims (CLAIMS_FILE) against the recorded studies and runs, optionally replaying them.
+
+    Each claim's printed number must be what its runs produced, rounded as printed (else MISPRINTED);
+    with --replay its replay must be BITWISE, WITHIN_TOLERANCE or WITHIN_NOISE. Prints the claims table,
+    `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
+    Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
+    """
+    from harness.verify import verify as do_verify
+    from harness.verify_report import HEADER, rows
+
+    result = do_verify(claims_file, replay=do_replay, members=members, world_size=world_size,
+                       overrides=list(overrides), allow_changes=allow_changes, executor=executor,
+                       tracking_uri=tracking_uri)
+    table = [HEADER] + rows(result.verdicts, result.replayed)
+    widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
+    for row in table:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    click.echo(f"Report: {result.report_path}", err=True)
+    click.echo(f"claims: {result.held} of {len(result.verdicts)} hold")
+    click.echo(result.run_id)
+    sys.exit(result.exit_code)
+
+
+@main.command()
 @click.argument("run_a")
 @click.argument("run_b")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole comparison as JSON.")

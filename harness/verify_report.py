@@ -154,6 +154,8 @@ def strip_plot(v: "Verdict") -> bytes:
             ax.scatter(v.replayed_values, rng.uniform(-0.2, 0.2, len(v.replayed_values)), color="tab:red",
                        marker="x", s=60, zorder=4, label=f"replayed ({len(v.replayed_values)})")
         ax.set_ylim(-1, 1)
+        ax.margins(x=0.15)
+        ax.ticklabel_format(axis="x", useOffset=False)
         ax.set_yticks([])
         ax.set_title(f"{c.id}: {c.metric}", fontsize=10)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=7, frameon=False)

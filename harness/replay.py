@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import gitsource, liveness, runner
 from harness import tags as T
-from harness.compare import Comparison, compare_runs, default_tolerance
+from harness.compare import DIVERGED, Comparison, compare_runs, default_tolerance, judge_noise
 from harness.config import compose, parse_overrides, validate
 from harness.errors import HarnessError
 from harness.executors import Outcome, Topology
@@ -172,7 +172,19 @@ def judge(
     failed = None
     if outcome is not None and outcome.status != T.FINISHED:
         failed = f"the replay {outcome.status}: {outcome.message}"
-    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed, incomplete_original=incomplete)
+    cmp = compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed, incomplete_original=incomplete)
+    return with_noise(tracker, cmp, a, b)
+
+
+def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord) -> Comparison:
+    """A difference from a study member that bitwise could not hold to, judged against the study's seeds."""
+    from harness import study
+
+    study_id = a.facts.get(T.STUDY)
+    if study_id is None or cmp.verdict != DIVERGED:
+        return cmp
+    recorded = study.load_study(tracker, study_id)
+    return judge_noise(cmp, a, b, study_id, study.member_records(tracker, recorded))
 
 
 def record_verdict(
@@ -195,4 +207,5 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None) -> Comparis
     tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
     a, b = tracker.load_record(run_a), tracker.load_record(run_b)
     failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
-    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)
+    cmp = compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)
+    return with_noise(tracker, cmp, a, b)

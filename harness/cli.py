@@ -140,6 +140,9 @@ def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@click.option("--seeds", "seeds_n", type=int, default=None,
+              help="Run a study: N runs with seeds seed, seed+1, ..., seed+N-1, nested under one study run.")
+@click.option("--parallel", type=int, default=None, help="A study's members run J at once (default 1).")
 @_expected_errors
 def run(
     experiment_dir: Path,
@@ -149,16 +152,23 @@ def run(
     allow_unpinned: bool,
     allow_untracked_secrets: bool,
     tracking_uri: str | None,
+    seeds_n: int | None,
+    parallel: int | None,
     **placement: Any,
 ) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
 
     Prints progress on stderr and the MLflow run id as the last line of stdout. Started by torchrun,
-    it runs as the rank torchrun made it; the job is still one run.
+    it runs as the rank torchrun made it; the job is still one run. With --seeds N (or `seeds:` in the
+    config) it runs a study, one run per seed, and the last line is the study's run id.
     """
     from harness import runner
     from harness.tracking import Tracker
 
+    if seeds_n is not None or parallel is not None or _study_configured(experiment_dir, overrides):
+        _run_study(experiment_dir, overrides, seeds_n, parallel, require_clean, executor, allow_unpinned,
+                   allow_untracked_secrets, tracking_uri, placement)
+        return
     slurm, topology = _placement(executor, placement, torchrun=True)
     outcome = runner.run(
         experiment_dir, [*overrides, *slurm], require_clean=require_clean, tracking_uri=tracking_uri,
@@ -166,6 +176,39 @@ def run(
         topology=topology,
     )
     _finish(outcome, Tracker(tracking_uri))
+
+
+def _study_configured(experiment_dir: Path, overrides: tuple[str, ...]) -> bool:
+    from harness.study import wants_study
+
+    return wants_study(experiment_dir, list(overrides))
+
+
+def _run_study(experiment_dir: Path, overrides: tuple[str, ...], seeds_n: int | None, parallel: int | None,
+               require_clean: bool, executor: str | None, allow_unpinned: bool, allow_untracked_secrets: bool,
+               tracking_uri: str | None, placement: dict[str, Any]) -> None:
+    from harness import study
+    from harness.executors.torchrun import torchrun_env
+
+    multi = [_FLAGS[k] for k in ("nnodes", "node_rank", "master_addr", "master_port") if placement[k] is not None]
+    if multi or torchrun_env() is not None:
+        raise HarnessError(f"a study runs its members one job after another on this machine: "
+                           f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
+    slurm, _ = _placement(executor, placement)
+    outcome = study.run_study(
+        experiment_dir, [*overrides, *slurm], seeds_n=seeds_n, parallel=parallel, require_clean=require_clean,
+        tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
+        allow_untracked_secrets=allow_untracked_secrets,
+    )
+    click.echo(outcome.table, err=True)
+    if outcome.message:
+        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+    from harness.tracking import Tracker
+
+    click.echo(f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds). "
+               f"{Tracker(tracking_uri).ui_hint(outcome.run_id)}", err=True)
+    click.echo(outcome.run_id)
+    _exit(outcome.exit_code)
 
 
 def _finish(outcome: Any, tracker: Any) -> None:

@@ -8,7 +8,7 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
@@ -111,6 +111,9 @@ class ExperimentConfig:
     """auto picks cuda when a GPU is visible, else cpu."""
     seed: int = 0
     """Base seed; every rank's seed is derived from it and recorded."""
+    seeds: Optional[List[int]] = None
+    """Distinct seeds, each in [0, 2**63-1]: run a study, one ordinary run per seed nested under a parent run
+    (harness/study.py). `harness run --seeds N` sets it to seed, seed+1, ..., seed+N-1."""
     threads_per_rank: int = 1
     """torch intra-op threads in each rank (results depend on it)."""
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
@@ -339,6 +342,8 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
         raise ConfigError(f"world_size must be >= 1, got {cfg.world_size}.")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"seed must be within [0, 2**63-1] (0 to {MAX_SEED}), got {cfg.seed}.")
+    if cfg.seeds is not None:
+        check_seeds(list(cfg.seeds))
     for name in ("heartbeat_s", "timeout_s", "rendezvous_timeout_s"):
         if not cfg[name] > 0:
             raise ConfigError(f"{name} must be > 0 seconds, got {cfg[name]}.")
@@ -379,6 +384,18 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
         raise ConfigError(f"entry '{cfg.entry}' must be FILE.py:FUNCTION, e.g. train.py:train.")
     if exp_dir is not None:
         check_entry(exp_dir, match["file"], match["func"])
+
+
+def check_seeds(seeds: list[int]) -> None:
+    """A study's seeds: at least one, each a valid seed, none twice (two members would be the same run)."""
+    if not seeds:
+        raise ConfigError("seeds is an empty list; give at least one seed (e.g. seeds=[0,1,2]) or leave it null.")
+    bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if bad:
+        raise ConfigError(f"seeds must be within [0, 2**63-1] (0 to {MAX_SEED}), got {bad[0]}.")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"seeds lists {', '.join(map(str, twice))} more than once; a study's seeds must be distinct.")
 
 
 def check_entry(exp_dir: Path, file: str, func: str) -> None:

@@ -12,17 +12,19 @@ from tqdm import tqdm
 class Console:
     """Follows rank 0's log file and draws a progress bar on stderr (stdout is kept for the run id)."""
 
-    def __init__(self, log_path: Path, description: str) -> None:
+    def __init__(self, log_path: Path, description: str, show: bool = True) -> None:
+        """`show=False`: nothing on the terminal (runs at once would interleave; rank 0's log is still kept)."""
         self._log_path = log_path
         # Only a terminal gets a bar: redrawn with carriage returns, it would fill a log file with them.
         self._bar = tqdm(
             total=None, unit="step", desc=description, file=sys.stderr, mininterval=0.5, leave=True,
-            disable=not sys.stderr.isatty(),
+            disable=not (show and sys.stderr.isatty()),
         )
         self._last = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="harness-console", daemon=True)
-        self._thread.start()
+        if show:
+            self._thread.start()
 
     def total(self, steps: int) -> None:
         self._bar.total = steps
@@ -58,5 +60,6 @@ class Console:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self._bar.close()

@@ -212,6 +212,9 @@ def run(
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
     )
     cfg, git = checked.cfg, checked.git
+    if cfg.seeds is not None:  # a study is run by harness/study.py (`harness run` goes there when seeds is set)
+        raise HarnessError("seeds is set: this config runs a study (harness run EXP --seeds N, or seeds: [...]), "
+                           "not one run. Set seeds=null for a single run.")
     if torchrun is not None:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
         # refuses before torchrun stops the others.

@@ -123,10 +123,15 @@ class Executor(ABC):
         """Record the run if `job.record` says so, start the ranks, return without waiting."""
 
 
-def run_job(executor: Executor, job: Job, on_event: Callable[[Event], None] | None = None) -> Outcome:
+def run_job(
+    executor: Executor, job: Job, on_event: Callable[[Event], None] | None = None,
+    on_start: Callable[[Handle], None] | None = None,
+) -> Outcome:
     """Prepare, start, stream, wait; SIGINT and SIGTERM cancel the job instead of killing this process.
 
-    `prepare` has run when this returns or raises: a job it refuses records nothing.
+    `prepare` has run when this returns or raises: a job it refuses records nothing. `on_start` gets the
+    handle once the run is recorded and started: outside the main thread no signal reaches this
+    function, so whoever runs jobs in threads (a study) cancels them through it.
     """
     job.placement = executor.prepare(job)
     handle: list[Handle] = []
@@ -140,6 +145,8 @@ def run_job(executor: Executor, job: Job, on_event: Callable[[Event], None] | No
 
     with _signals(on_signal):
         handle.append(executor.start(job, on_event or _print_output))
+        if on_start is not None:
+            on_start(handle[0])
         for signum in pending:
             handle[0].cancel(signum)
         return handle[0].wait()

@@ -266,7 +266,8 @@ class LocalHandle(Handle):
             writer = tracker.metric_writer(run_id, cfg.flush_interval_s, outages)
             if prior is not None:
                 writer.prime(prior.metrics)
-            console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}")
+            console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
+                              show=not job.options.get("quiet", False))
 
             def on_message(msg: Message) -> None:
                 match msg:

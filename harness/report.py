@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -180,6 +181,32 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
             rows.append(["Detail", _cell(d.detail)])
         out += _table(["", ""], rows)
     out.append("")
+    return "\n".join(out)
+
+
+def render_study_markdown(result: Any) -> str:
+    """A study replay (replay.StudyReplayResult): every member's verdict, then the test that judged them together."""
+    study = result.study
+    out = [f"# Study replay verdict: {result.verdict}", "", f"**{_cell(result.summary())}**", "",
+           f"- Study: {_code(study.run_id)} ({len(study.members)} members, seeds {_cell(', '.join(map(str, study.seeds)))})",
+           f"- Study replay run: {_code(result.run_id)}"]
+    if result.draw_seed is not None:
+        out.append(f"- Members drawn at random with seed {result.draw_seed} (`--members {len(result.members)} "
+                   f"--members-seed {result.draw_seed}` draws them again)")
+    out += ["", "## Members", ""]
+    rows = [[_cell(r.original.tags.get("harness.seed", "")), _code(r.original.run_id), _code(r.outcome.run_id),
+             _cell(r.comparison.summary())] for r in result.members]
+    out += _table(["Seed", "Member", "Replay", "Verdict"], rows) + [""]
+    if result.equivalence:
+        out += ["## Equivalence within the seeds' noise", "",
+                "Two one-sided tests on the paired differences replay - original of the replayed members: the "
+                "replays are equivalent when the 90% confidence interval of the mean difference lies within "
+                "+- one standard deviation of the seeds' final values.", ""]
+        rows = [[_cell(t.metric), str(t.k), f"{t.mean_diff:.3g}", f"[{t.ci90[0]:.3g}, {t.ci90[1]:.3g}]",
+                 f"+-{t.margin:.3g}", _cell(t.reason) if t.reason else ("**yes**" if t.equivalent else "**NO**")]
+                for t in result.equivalence]
+        out += _table(["Metric", "Members", "Mean difference", "90% CI", "Margin (seed sd)", "Equivalent"], rows)
+        out.append("")
     return "\n".join(out)
 
 

@@ -63,6 +63,8 @@ def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = N
         if r.tags.get(T.GIT_DIRTY) == "true":
             commit += "+dirty"
         kind = r.tags.get(T.KIND, "-")
+        if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
+            kind = f"{kind} ({r.tags.get(T.STUDY_SIZE, '?')})"
         # A replay or audit carries its own verdict; a run shows its replays' verdicts.
         verdict = r.tags.get(T.VERDICT, "") if kind in (T.KIND_REPLAY, T.KIND_AUDIT) else verdicts.get(r.run_id, "")
         out.append(

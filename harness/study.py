@@ -227,7 +227,7 @@ class _Study:
                     _say(f"seed {member.seed}: run {member.run_id} {member.status}{took}{why}")
                 else:
                     _say(f"seed {member.seed}: {('run ' + member.run_id + ' ') if member.run_id else ''}FAILED: {member.error}")
-                if member.status == T.FAILED and not failed:
+                if member.status != T.FINISHED and self.signum is None and not failed:
                     failed = True
                     if self.running:  # started members finish: each is a complete, ordinary run
                         _say(f"a member failed: {len(self.running)} running member(s) finish, no further seed starts")
@@ -335,7 +335,7 @@ def run_study(
 
             members = study.run(seeds)
         table = record_summary(tracker, study_id, seeds, members)
-        failed = [m for m in members if m.status == T.FAILED]
+        failed = [m for m in members if m.status not in (T.FINISHED, "NOT_STARTED")]
         if study.signum is not None:
             status, code = T.KILLED, 128 + study.signum
             message = f"interrupted by {signal.Signals(study.signum).name}: every started member was stopped"

@@ -246,12 +246,6 @@ def verify(claims_file: Path, *, replay: bool = False, members: int | None = Non
     if (overrides or members or world_size or executor) and not replay:
         raise HarnessError("--members, --world-size, --executor and KEY=VALUE changes apply to replays; add --replay.")
     if replay:
-        from harness import replay as rp
-
-        studies = [s.given for s in sources.values() if s.is_study]
-        if studies and not hasattr(rp, "replay_study"):  # TODO: drop once replay_study (harness replay STUDY_ID) is on main
-            raise HarnessError(f"--replay of study {studies[0]} needs `harness replay STUDY_ID`, which this version "
-                               "lacks; point the claim at a member run (run: <id>) to replay it, or verify without --replay.")
         for source in sources.values():  # each study or run once, however many claims rest on it
             print(f"replaying {'study' if source.is_study else 'run'} {source.run_id} ...", file=sys.stderr)
             replay_source(source, members=members, world_size=world_size, overrides=list(overrides or []),

@@ -254,33 +254,39 @@ def test_missing_run_is_one_line_and_records_nothing(study: Study) -> None:
     assert err.value.exit_code == 2 and len(study.project.all_runs()) == before
 
 
-def test_replay_passes_the_changes_on_and_judges_the_claim_on_the_replay(study: Study, tmp_path: Path) -> None:
-    """--replay --allow-changes: the claim judged on a replay under another thread count.
-
-    The claim rests on a member run (replayed with harness.replay.replay) while `harness replay STUDY_ID`
-    is not on main. TODO: when replay_study lands, point this claim at the study (study: <id>) and
-    assert its WITHIN_NOISE path here.
-    """
+def test_replay_passes_the_changes_on_and_judges_the_claims_on_the_replays(study: Study, tmp_path: Path) -> None:
+    """--replay --members 1 --allow-changes: a study claim (harness replay STUDY_ID, one member drawn) and a
+    single-run claim (harness replay RUN), each judged on its replay under another thread count."""
+    mean, sd = float(np.mean(study.final)), float(np.std(study.final, ddof=1))
     member, final = study.members[0], study.final[0]
-    claims = tmp_path / "member claims.yaml"
-    claims.write_text(f"claims:\n  - id: seed0\n    run: {member}\n    metric: loss\n    paper: {final:.3f}\n")
-    result = study.project.harness("verify", str(claims), "--replay", "--allow-changes", "threads_per_rank=2")
+    claims = tmp_path / "replayed claims.yaml"
+    claims.write_text(f"claims:\n  - id: study-mean\n    study: {study.id}\n    metric: loss\n    paper: \"{mean:.3f} ± {sd:.3f}\"\n"
+                      f"  - id: seed0\n    run: {member}\n    metric: loss\n    paper: {final:.3f}\n")
+    result = study.project.harness("verify", str(claims), "--replay", "--members", "1",
+                                   "--allow-changes", "threads_per_rank=2")
     lines = result.stdout.strip().splitlines()
     verify_id = lines[-1]
     client = study.project.client()
     summary = json.loads(Path(client.download_artifacts(verify_id, "verify/claims.json")).read_text())
-    (claim,) = summary["claims"]
-    replay = client.get_run(claim["replay_id"]).data.tags
-    assert replay["harness.replay_of"] == member and replay["harness.replay.changes"] == "threads_per_rank=2"
-    assert replay["harness.threads_per_rank"] == "2"
-    verdict = claim["replay_verdict"]
-    assert verdict == replay["harness.verdict"] and verdict in ("BITWISE", "WITHIN_TOLERANCE", "WITHIN_NOISE", "DIVERGED")
-    holds = verdict in ("BITWISE", "WITHIN_TOLERANCE", "WITHIN_NOISE")
-    assert claim["outcome"] == ("HOLDS" if holds else "NOT_REPRODUCED")
+    by_id = {c["id"]: c for c in summary["claims"]}
+    study_replay = client.get_run(by_id["study-mean"]["replay_id"]).data.tags
+    assert study_replay["harness.kind"] == "study_replay" and study_replay["harness.replay_of"] == study.id
+    assert study_replay["harness.replay.changes"] == "threads_per_rank=2" and study_replay["harness.study.n"] == "1"
+    single = client.get_run(by_id["seed0"]["replay_id"]).data.tags
+    assert single["harness.replay_of"] == member and single["harness.replay.changes"] == "threads_per_rank=2"
+    assert single["harness.threads_per_rank"] == "2"
+    reproduced = ("BITWISE", "WITHIN_TOLERANCE", "WITHIN_NOISE")
+    for claim, tags in ((by_id["study-mean"], study_replay), (by_id["seed0"], single)):
+        verdict = claim["replay_verdict"]
+        assert verdict == tags["harness.verdict"], claim
+        assert claim["outcome"] == ("HOLDS" if verdict in reproduced else "NOT_REPRODUCED"), claim
+        row = next(line for line in lines if line.startswith(claim["id"] + " "))
+        assert row.split()[-2:] == [verdict, claim["outcome"]]
+        assert len(claim["replayed_values"]) == 1  # one member drawn; one run
+    history = client.get_metric_history(by_id["seed0"]["replay_id"], "loss")
+    assert by_id["seed0"]["replayed_values"] == [max(history, key=lambda m: m.step).value]
+    holds = all(c["outcome"] == "HOLDS" for c in by_id.values())
     assert result.returncode == (0 if holds else 1), result.stderr
-    assert lines[1].split()[-2:] == [verdict, claim["outcome"]]
-    history = client.get_metric_history(claim["replay_id"], "loss")
-    assert claim["replayed_values"] == [max(history, key=lambda m: m.step).value]
     assert client.get_run(verify_id).data.tags["harness.replay.changes"] == "threads_per_rank=2"
     report = Path(client.download_artifacts(verify_id, "verify/report.md")).read_text()
     assert "| threads per rank | `1` | `2` |" in report

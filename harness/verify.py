@@ -15,6 +15,7 @@ import numpy as np
 
 from harness import tags as T
 from harness.claims import Claim, as_decimal, load_claims, prints_as
+from harness.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.tracking import RunRecord, RunSummary, Tracker
 
@@ -24,8 +25,9 @@ MISPRINTED = "MISPRINTED"  # the printed number (or its +-) is not what the runs
 NOT_REPRODUCED = "NOT_REPRODUCED"  # printed correctly, but the replay DIVERGED or had nothing to compare
 # The verify run's verdict (harness.verdict): every claim holds, or not.
 ALL_HOLD, SOME_FAIL = "HOLDS", "FAILS"
-# Replay verdicts under which a claim stands (harness.compare's, WITHIN_NOISE from harness.noise's judgement).
-REPRODUCED = ("BITWISE", "WITHIN_TOLERANCE", "WITHIN_NOISE")
+# Replay verdicts under which a claim stands: the replay reproduced the runs, bit for bit, within the
+# experiment's tolerance, or within the seeds' noise.
+REPRODUCED = (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE)
 # The facts shown per run in the report's environment section: (label, tag).
 ENVIRONMENT = (
     ("commit", T.GIT_COMMIT), ("dirty", T.GIT_DIRTY), ("image digest", T.IMAGE_DIGEST),
@@ -177,7 +179,7 @@ def load_source(tracker: Tracker, claim: Claim, where: str) -> Source:
 def judge(claim: Claim, source: Source, where: str) -> Verdict:
     """The recorded number against the printed one (MISPRINTED or not); the replay is judged later."""
     for record in source.records:
-        if claim.metric not in record.metrics:
+        if claim.metric not in record.metrics or not len(record.metrics[claim.metric][1]):
             logged = ", ".join(sorted(record.metrics)) or "none"
             raise HarnessError(f"{where}: metric: run {record.run_id} logged no {claim.metric!r} (logged: {logged}).")
     values = [_scaled(run_value(r, claim.metric, claim.value), claim.scale) for r in source.records]

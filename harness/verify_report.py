@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from harness.report import _cell, _code, _table
 
 if TYPE_CHECKING:
-    from harness.verify import Verdict
+    from harness.verify import Source, Verdict
 
 # Verdict colours of the HTML page (background of the verdict cell).
 _COLOURS = {"HOLDS": "#c8f0c8", "MISPRINTED": "#ffd9a8", "NOT_REPRODUCED": "#f7b8b8",
@@ -82,7 +82,8 @@ def why(v: "Verdict") -> list[str]:
     return out
 
 
-def _sources(verdicts: list["Verdict"]) -> list:
+def _sources(verdicts: list["Verdict"]) -> list["Source"]:
+    """Each study or run once, in the order the claims first name them."""
     return list({id(v.source): v.source for v in verdicts}.values())
 
 

@@ -49,6 +49,7 @@ class Source:
     replay_summary: str = ""
     replay_id: str | None = None  # the study replay or the replay run
     replays: list[RunRecord] = field(default_factory=list)
+    replayed_originals: list[str] = field(default_factory=list)  # the run each replay reran (--members K draws some)
     blockers: list[str] = field(default_factory=list)  # why the replays could not be bitwise
 
     @property
@@ -69,6 +70,8 @@ class Verdict:
     spread_ok: bool
     replayed_values: list[float] = field(default_factory=list)
     replayed: float | None = None
+    # The recorded statistic over just the members that were replayed (--members K < N): the like-for-like number.
+    recorded_replayed_members: float | None = None
     outcome: str = HOLDS
 
     @property
@@ -86,6 +89,7 @@ class Verdict:
             "printed_value_matches": self.value_ok, "printed_spread_matches": self.spread_ok,
             "replay_verdict": self.source.replay_verdict, "replay_id": self.source.replay_id,
             "replayed_values": [_json(v) for v in self.replayed_values], "replayed": _json(self.replayed),
+            "recorded_replayed_members": _json(self.recorded_replayed_members),
             "outcome": self.outcome,
         }
 
@@ -204,6 +208,7 @@ def replay_source(source: Source, *, members: int | None, world_size: int | None
                                  allow_changes=allow_changes, tracking_uri=tracking_uri, executor=executor)
         source.replay_id, source.replay_verdict, source.replay_summary = result.run_id, result.verdict, result.summary()
         outcomes = [(m.outcome.run_id, m.comparison) for m in result.members]
+        source.replayed_originals = [m.original.run_id for m in result.members]
     else:
         one = rp.replay(source.run_id, world_size=world_size, overrides=overrides, allow_changes=allow_changes,
                         tracking_uri=tracking_uri, executor=executor)
@@ -211,6 +216,7 @@ def replay_source(source: Source, *, members: int | None, world_size: int | None
         source.replay_id, source.replay_verdict = one.outcome.run_id, one.comparison.verdict
         source.replay_summary = one.comparison.summary()
         outcomes = [(one.outcome.run_id, one.comparison)]
+        source.replayed_originals = [source.run_id]
     for run_id, comparison in outcomes:
         source.replays.append(tracker.load_record(run_id))
         for blocker in (comparison.bitwise_blockers if comparison is not None else []):
@@ -224,6 +230,10 @@ def judge_replay(verdict: Verdict) -> None:
                                for r in s.replays if c.metric in r.metrics]
     if verdict.replayed_values:
         verdict.replayed = statistic(verdict.replayed_values, c.statistic)
+    drawn = set(s.replayed_originals)
+    if s.is_study and drawn and len(drawn) < len(s.records):
+        same = [v for r, v in zip(s.records, verdict.values) if r.run_id in drawn]
+        verdict.recorded_replayed_members = statistic(same, c.statistic) if same else None
     if verdict.outcome == HOLDS and s.replay_verdict not in REPRODUCED:
         verdict.outcome = NOT_REPRODUCED
 

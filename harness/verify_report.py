@@ -77,8 +77,12 @@ def why(v: "Verdict") -> list[str]:
     if v.source.replay_verdict is not None:
         out.append(f"Replay {v.source.replay_id}: {v.source.replay_summary}")
         if v.replayed is not None:
-            out.append(f"Replayed {c.statistic}: {fmt(v.replayed, c.paper.value)} over {len(v.replayed_values)} "
-                       f"replayed run{'s' if len(v.replayed_values) != 1 else ''}.")
+            k = len(v.replayed_values)
+            line = f"Replayed {c.statistic}: {fmt(v.replayed, c.paper.value)} over {k} replayed run{'s' if k != 1 else ''}"
+            if v.recorded_replayed_members is not None:
+                line += (f" (the recorded {c.statistic} of the same {k} of {len(v.values)} members: "
+                         f"{fmt(v.recorded_replayed_members, c.paper.value)})")
+            out.append(line + ".")
     return out
 
 

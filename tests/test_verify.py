@@ -283,6 +283,12 @@ def test_replay_passes_the_changes_on_and_judges_the_claims_on_the_replays(study
         row = next(line for line in lines if line.startswith(claim["id"] + " "))
         assert row.split()[-2:] == [verdict, claim["outcome"]]
         assert len(claim["replayed_values"]) == 1  # one member drawn; one run
+    # One member of three replayed: the report sets its replay beside that member's own recorded value.
+    exp = client.get_run(study.id).info.experiment_id
+    (member_replay,) = client.search_runs([exp], f"tags.`harness.study_replay` = '{by_id['study-mean']['replay_id']}'")
+    drawn = study.members.index(member_replay.data.tags["harness.replay_of"])
+    assert by_id["study-mean"]["recorded_replayed_members"] == study.final[drawn]
+    assert by_id["study-mean"]["recorded"] == pytest.approx(mean)
     history = client.get_metric_history(by_id["seed0"]["replay_id"], "loss")
     assert by_id["seed0"]["replayed_values"] == [max(history, key=lambda m: m.step).value]
     holds = all(c["outcome"] == "HOLDS" for c in by_id.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,3 +137,114 @@ def test_a_failed_or_shorter_replay_is_never_noise() -> None:
     failed = _replay_of(original, 0.9100001)
     cmp = judge_noise(compare_runs(original, failed, replay_failed="rank 1 raised"), original, failed, "study0", MEMBERS)
     assert cmp.verdict == DIVERGED and cmp.noise is None
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: a real 3-seed study, replays on "other hardware"
+#
+# One machine cannot change its CPU, so another thread count stands in for it, honestly: with two
+# intra-op threads the loss's norm over 65,536 values is summed in two halves, so its last bits
+# differ exactly as they would on a CPU with other vector units, and training carries the
+# difference on. Everything else (code, data, seeds) is as recorded.
+
+WIDE_TRAIN = '''"""Linear(64, 1024) learning a fixed linear map; the loss normalises by norms over 65,536 values."""
+
+import torch
+from torch import nn
+
+
+def train(ctx):
+    cfg = ctx.cfg
+    generator = torch.Generator().manual_seed(ctx.seed)
+    data = torch.randn(cfg.samples, 64, generator=generator)
+    teacher = torch.randn(64, 1024, generator=generator)
+    loader = ctx.loader(data, batch_size=cfg.batch_size)
+    model = ctx.ddp(nn.Linear(64, 1024))
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+
+    def batch_loss(batch):
+        output, target = model(batch), batch @ teacher
+        return ((output / output.norm() - target / target.norm()) ** 2).sum() * 1000
+
+    for epoch in ctx.epochs(cfg.epochs):
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = ctx.backward(batch.to(ctx.device), batch_loss)
+            optimizer.step()
+            ctx.log({"loss": loss}, ctx.step)
+'''
+WIDE_CONFIG = ["train.lr=0.5", "train.epochs=3", "train.batch_size=64", "train.samples=512"]
+OTHER_HARDWARE = ["--allow-changes", "threads_per_rank=2"]
+
+
+@pytest.fixture(scope="module")
+def wide_study(project) -> tuple[str, dict[int, str]]:
+    """(study id, seed -> member id) of a 3-seed study of the wide experiment."""
+    project.add_experiment("wide", train_py=WIDE_TRAIN)
+    result = project.harness("run", "experiments/wide", "--seeds", "3", *WIDE_CONFIG)
+    assert result.returncode == 0, result.stderr
+    study_id = result.last_line
+    members = {int(r.data.tags[tags.SEED]): r.info.run_id for r in project.all_runs()
+               if r.data.tags.get(tags.STUDY) == study_id}
+    assert sorted(members) == [0, 1, 2]
+    return study_id, members
+
+
+def _verdict(result) -> str:
+    return result.stdout.strip().splitlines()[-2]
+
+
+def test_a_cross_hardware_replay_of_a_member_is_within_noise(project, wide_study, tmp_path) -> None:
+    _, members = wide_study
+    result = project.harness("replay", members[0], *OTHER_HARDWARE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _verdict(result).startswith("verdict: WITHIN_NOISE: every final value inside the 95% prediction interval of 3 seeds")
+    replay = project.client().get_run(result.last_line)
+    assert replay.data.tags[tags.VERDICT] == WITHIN_NOISE
+    local = project.client().download_artifacts(result.last_line, tags.ARTIFACT_COMPARISON, str(tmp_path))
+    doc = json.loads(Path(local).read_text())
+    # The difference is real (not bit-identical), and tiny against the seeds' spread.
+    (check,) = doc["noise"]["checks"]
+    assert check["metric"] == "loss" and check["value"] != check["original"] and check["inside"] is True
+    assert doc["bitwise_possible"] is False and doc["noise"]["seeds"] == 3
+
+
+def test_a_planted_learning_rate_change_is_diverged(project, wide_study) -> None:
+    _, members = wide_study
+    result = project.harness("replay", members[0], *OTHER_HARDWARE, "train.lr=5.0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = _verdict(result)
+    assert line.startswith("verdict: DIVERGED") and "outside the seeds' noise: loss: replay" in line and "OUTSIDE" in line
+    assert project.client().get_run(result.last_line).data.tags[tags.VERDICT] == DIVERGED
+
+
+def test_a_study_replay_judges_its_members_together(project, wide_study) -> None:
+    study_id, members = wide_study
+    result = project.harness("replay", study_id, "--members", "2", "--members-seed", "7", *OTHER_HARDWARE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _verdict(result) == ("verdict: WITHIN_NOISE: 2 of 3 members replayed; the 2 replays are equivalent to "
+                                "their originals within one seed sd (TOST)")
+    client = project.client()
+    run = client.get_run(result.last_line)
+    assert run.data.tags[tags.KIND] == tags.KIND_STUDY_REPLAY and run.data.tags[tags.REPLAY_OF] == study_id
+    assert run.data.tags[tags.MLFLOW_PARENT_RUN_ID] == study_id and run.data.tags[tags.STUDY_MEMBERS_SEED] == "7"
+    assert run.data.tags[tags.VERDICT] == WITHIN_NOISE and run.info.status == "FINISHED"
+    replays = [r for r in project.all_runs() if r.data.tags.get(tags.STUDY_REPLAY) == result.last_line]
+    # The same seed draws the same members: random.Random(7).sample(range(3), 2).
+    import random
+
+    drawn = sorted(random.Random(7).sample(range(3), 2))
+    assert sorted(r.data.tags[tags.REPLAY_OF] for r in replays) == sorted(members[i] for i in drawn)
+    assert all(r.data.tags[tags.VERDICT] == WITHIN_NOISE for r in replays)
+
+
+def test_study_replay_options_are_checked_before_anything_runs(project, wide_study) -> None:
+    study_id, members = wide_study
+    before = len(project.all_runs())
+    too_many = project.harness("replay", study_id, "--members", "4")
+    assert too_many.returncode == 2 and "--members 4: the study has 3 finished members" in too_many.stderr
+    zero = project.harness("replay", study_id, "--members", "0")
+    assert zero.returncode == 2 and "--members 0: pass at least 1" in zero.stderr
+    not_study = project.harness("replay", members[1], "--members", "2")
+    assert not_study.returncode == 2 and "apply to a study" in not_study.stderr
+    assert len(project.all_runs()) == before

@@ -17,6 +17,7 @@ from scipy import stats
 from harness import noise, tags
 from harness.compare import DIVERGED, WITHIN_NOISE, compare_runs, judge_noise
 from harness.report import render_markdown
+from conftest import OTHER_HARDWARE
 from test_compare import clone, make_record
 
 SEEDS = [0.91, 0.87, 0.95, 0.89, 0.93]
@@ -140,55 +141,8 @@ def test_a_failed_or_shorter_replay_is_never_noise() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# End to end: a real 3-seed study, replays on "other hardware"
-#
-# One machine cannot change its CPU, so another thread count stands in for it, honestly: with two
-# intra-op threads the loss's norm over 65,536 values is summed in two halves, so its last bits
-# differ exactly as they would on a CPU with other vector units, and training carries the
-# difference on. Everything else (code, data, seeds) is as recorded.
-
-WIDE_TRAIN = '''"""Linear(64, 1024) learning a fixed linear map; the loss normalises by norms over 65,536 values."""
-
-import torch
-from torch import nn
-
-
-def train(ctx):
-    cfg = ctx.cfg
-    generator = torch.Generator().manual_seed(ctx.seed)
-    data = torch.randn(cfg.samples, 64, generator=generator)
-    teacher = torch.randn(64, 1024, generator=generator)
-    loader = ctx.loader(data, batch_size=cfg.batch_size)
-    model = ctx.ddp(nn.Linear(64, 1024))
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-
-    def batch_loss(batch):
-        output, target = model(batch), batch @ teacher
-        return ((output / output.norm() - target / target.norm()) ** 2).sum() * 1000
-
-    for epoch in ctx.epochs(cfg.epochs):
-        for batch in loader:
-            optimizer.zero_grad()
-            loss = ctx.backward(batch.to(ctx.device), batch_loss)
-            optimizer.step()
-            ctx.log({"loss": loss}, ctx.step)
-'''
-WIDE_CONFIG = ["train.lr=0.5", "train.epochs=3", "train.batch_size=64", "train.samples=512"]
-OTHER_HARDWARE = ["--allow-changes", "threads_per_rank=2"]
-
-
-@pytest.fixture(scope="module")
-def wide_study(project) -> tuple[str, dict[int, str]]:
-    """(study id, seed -> member id) of a 3-seed study of the wide experiment."""
-    project.add_experiment("wide", train_py=WIDE_TRAIN)
-    result = project.harness("run", "experiments/wide", "--seeds", "3", *WIDE_CONFIG)
-    assert result.returncode == 0, result.stderr
-    study_id = result.last_line
-    members = {int(r.data.tags[tags.SEED]): r.info.run_id for r in project.all_runs()
-               if r.data.tags.get(tags.STUDY) == study_id}
-    assert sorted(members) == [0, 1, 2]
-    return study_id, members
-
+# End to end: a real 3-seed study (conftest.wide_study), replays on "other hardware"
+# (conftest.OTHER_HARDWARE: another thread count, which says why it is an honest stand-in).
 
 def _verdict(result) -> str:
     return result.stdout.strip().splitlines()[-2]

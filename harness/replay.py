@@ -338,7 +338,6 @@ def replay_study(
                 allow_data_changes=allow_data_changes, data_paths=data_paths, executor=executor, repo=repo,
                 follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id}, study_members=member_records,
             )
-            print(f"  seed {member.tags.get(T.SEED)}: {result.comparison.summary()}", file=sys.stderr)
             results.append(result)
         verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in member_records], study_id)
         out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)

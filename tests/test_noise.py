@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from scipy import stats
 from harness import noise, tags
 from harness.compare import DIVERGED, WITHIN_NOISE, compare_runs, judge_noise
 from harness.report import render_markdown
+from conftest import OTHER_HARDWARE
 from test_compare import clone, make_record
 
 SEEDS = [0.91, 0.87, 0.95, 0.89, 0.93]
@@ -136,3 +138,67 @@ def test_a_failed_or_shorter_replay_is_never_noise() -> None:
     failed = _replay_of(original, 0.9100001)
     cmp = judge_noise(compare_runs(original, failed, replay_failed="rank 1 raised"), original, failed, "study0", MEMBERS)
     assert cmp.verdict == DIVERGED and cmp.noise is None
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: a real 3-seed study (conftest.wide_study), replays on "other hardware"
+# (conftest.OTHER_HARDWARE: another thread count, which says why it is an honest stand-in).
+
+def _verdict(result) -> str:
+    return result.stdout.strip().splitlines()[-2]
+
+
+def test_a_cross_hardware_replay_of_a_member_is_within_noise(project, wide_study, tmp_path) -> None:
+    _, members = wide_study
+    result = project.harness("replay", members[0], *OTHER_HARDWARE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _verdict(result).startswith("verdict: WITHIN_NOISE: every final value inside the 95% prediction interval of 3 seeds")
+    replay = project.client().get_run(result.last_line)
+    assert replay.data.tags[tags.VERDICT] == WITHIN_NOISE
+    local = project.client().download_artifacts(result.last_line, tags.ARTIFACT_COMPARISON, str(tmp_path))
+    doc = json.loads(Path(local).read_text())
+    # The difference is real (not bit-identical), and tiny against the seeds' spread.
+    (check,) = doc["noise"]["checks"]
+    assert check["metric"] == "loss" and check["value"] != check["original"] and check["inside"] is True
+    assert doc["bitwise_possible"] is False and doc["noise"]["seeds"] == 3
+
+
+def test_a_planted_learning_rate_change_is_diverged(project, wide_study) -> None:
+    _, members = wide_study
+    result = project.harness("replay", members[0], *OTHER_HARDWARE, "train.lr=5.0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = _verdict(result)
+    assert line.startswith("verdict: DIVERGED") and "outside the seeds' noise: loss: replay" in line and "OUTSIDE" in line
+    assert project.client().get_run(result.last_line).data.tags[tags.VERDICT] == DIVERGED
+
+
+def test_a_study_replay_judges_its_members_together(project, wide_study) -> None:
+    study_id, members = wide_study
+    result = project.harness("replay", study_id, "--members", "2", "--members-seed", "7", *OTHER_HARDWARE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _verdict(result) == ("verdict: WITHIN_NOISE: 2 of 3 members replayed; the 2 replays are equivalent to "
+                                "their originals within one seed sd (TOST)")
+    client = project.client()
+    run = client.get_run(result.last_line)
+    assert run.data.tags[tags.KIND] == tags.KIND_STUDY_REPLAY and run.data.tags[tags.REPLAY_OF] == study_id
+    assert run.data.tags[tags.MLFLOW_PARENT_RUN_ID] == study_id and run.data.tags[tags.STUDY_MEMBERS_SEED] == "7"
+    assert run.data.tags[tags.VERDICT] == WITHIN_NOISE and run.info.status == "FINISHED"
+    replays = [r for r in project.all_runs() if r.data.tags.get(tags.STUDY_REPLAY) == result.last_line]
+    # The same seed draws the same members: random.Random(7).sample(range(3), 2).
+    import random
+
+    drawn = sorted(random.Random(7).sample(range(3), 2))
+    assert sorted(r.data.tags[tags.REPLAY_OF] for r in replays) == sorted(members[i] for i in drawn)
+    assert all(r.data.tags[tags.VERDICT] == WITHIN_NOISE for r in replays)
+
+
+def test_study_replay_options_are_checked_before_anything_runs(project, wide_study) -> None:
+    study_id, members = wide_study
+    before = len(project.all_runs())
+    too_many = project.harness("replay", study_id, "--members", "4")
+    assert too_many.returncode == 2 and "--members 4: the study has 3 finished members" in too_many.stderr
+    zero = project.harness("replay", study_id, "--members", "0")
+    assert zero.returncode == 2 and "--members 0: pass at least 1" in zero.stderr
+    not_study = project.harness("replay", members[1], "--members", "2")
+    assert not_study.returncode == 2 and "apply to a study" in not_study.stderr
+    assert len(project.all_runs()) == before

@@ -65,6 +65,7 @@ def member_records(tracker: Tracker, study: StudyRecord) -> list[RunRecord]:
 # -- running a study ---------------------------------------------------------------------------------
 
 SUMMARY_FORMAT = 1
+NOT_STARTED = "NOT_STARTED"  # a member's status in the summary when the study stopped before its seed
 FEW_SEEDS_WARNING = f"too few seeds to judge a replay against the noise (need >= {MIN_SEEDS})"
 
 
@@ -133,7 +134,7 @@ class Member:
     def status(self) -> str:
         if self.outcome is not None:
             return self.outcome.status
-        return T.FAILED if self.error else "NOT_STARTED"
+        return T.FAILED if self.error else NOT_STARTED
 
 
 @dataclass
@@ -159,7 +160,8 @@ class _Study:
         self.parallel = parallel
         self.make_job = make_job
         self.executor = executor
-        self.lock = threading.Lock()
+        # Reentrant: the signal handler runs in the main thread, which may hold it at that moment.
+        self.lock = threading.RLock()
         self.signum: int | None = None  # the signal that stopped the members
         self.late: int | None = None  # a signal after every member had ended: the study is recorded in full first
         self.members_done = False
@@ -309,10 +311,9 @@ def run_study(
     status, code, message = T.FAILED, EXIT_FAILED, ""
     members: list[Member] = []
     table = ""
-    study: _Study | None = None
+    study = _Study(jobs_at_once, None, backend)
     stack = contextlib.ExitStack()
     try:
-        study = _Study(jobs_at_once, None, backend)
         stack.enter_context(_signals(study.on_signal))
         heartbeat = tracker.heartbeat(study_id, float(cfg.heartbeat_s))
         # Every member runs the code recorded with the study, from one worktree: editing the working tree
@@ -335,7 +336,7 @@ def run_study(
 
             members = study.run(seeds)
         table = record_summary(tracker, study_id, seeds, members)
-        failed = [m for m in members if m.status not in (T.FINISHED, "NOT_STARTED")]
+        failed = [m for m in members if m.status not in (T.FINISHED, NOT_STARTED)]
         if study.signum is not None:
             status, code = T.KILLED, 128 + study.signum
             message = f"interrupted by {signal.Signals(study.signum).name}: every started member was stopped"
@@ -354,15 +355,15 @@ def run_study(
             tracker.set_tags(study_id, {T.STATUS_REASON: (str(err) or type(err).__name__)[:500]})
         raise
     finally:
-        if heartbeat is not None:
-            heartbeat.close()
-        for m in members:  # a member whose launcher died without closing its run
-            if m.run_id and m.outcome is None:
-                with contextlib.suppress(Exception):
-                    if tracker.get_run(m.run_id).status == T.RUNNING:
-                        tracker.end_run(m.run_id, T.FAILED)
-        tracker.end_run(study_id, status)
-        stack.close()
+        with stack:  # the signal handlers are restored last, once the study is closed
+            if heartbeat is not None:
+                heartbeat.close()
+            for m in members:  # a member whose launcher died without closing its run
+                if m.run_id and m.outcome is None:
+                    with contextlib.suppress(Exception):
+                        if tracker.get_run(m.run_id).status == T.RUNNING:
+                            tracker.end_run(m.run_id, T.FAILED)
+            tracker.end_run(study_id, status)
     return StudyOutcome(study_id, status, code, members, message, table)
 
 

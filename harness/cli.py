@@ -277,6 +277,10 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="Replay a FAILED or KILLED run and compare only the steps it reached.")
 @click.option("--no-follow", is_flag=True,
               help="Replay a replay or audit run itself, not the original it was made from.")
+@click.option("--members", type=int, default=None,
+              help="A study: replay K of its members, drawn at random (the draw's seed is recorded).")
+@click.option("--members-seed", type=click.IntRange(min=0), default=None,
+              help="A study with --members: the seed of the draw (to repeat an earlier one).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def replay(
@@ -289,10 +293,15 @@ def replay(
     executor: str | None,
     allow_incomplete: bool,
     no_follow: bool,
+    members: int | None,
+    members_seed: int | None,
     tracking_uri: str | None,
     **placement: Any,
 ) -> None:
     """Rerun RUN_ID exactly as recorded and say whether it reproduced.
+
+    RUN_ID may be a study (harness run --seeds N): every member is replayed (or --members K of
+    them) and judged together against the seeds' noise.
 
     The recorded commit (and patch) is checked out in a temporary git worktree; the recorded
     config, seed, world size and determinism settings are used. The replay is a new MLflow run
@@ -303,6 +312,12 @@ def replay(
     from harness.replay import replay as do_replay
 
     slurm, topology = _placement(executor, placement)
+    study_id = _study_id(run_id, tracking_uri, not no_follow)
+    if study_id is not None:
+        _replay_study(study_id, members, members_seed, world_size, list(overrides), allow_changes, allow_data_changes,
+                      _data_paths(data_paths), executor, tracking_uri, [*slurm, *_given(placement)])
+    if members is not None or members_seed is not None:
+        raise HarnessError(f"--members and --members-seed apply to a study; run {run_id} is not one.")
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
         allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths),
@@ -320,6 +335,47 @@ def replay(
     click.echo(f"verdict: {result.comparison.summary()}")
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)
+
+
+def _study_id(run_id: str, tracking_uri: str | None, follow: bool) -> str | None:
+    """The study that replaying RUN_ID means: itself, or (unless --no-follow) the study a study replay was made from."""
+    from harness.study import is_study
+    from harness.tracking import Tracker
+
+    run = Tracker(tracking_uri, writable=False).harness_run(run_id)
+    if follow and run.tags.get(T.KIND) == T.KIND_STUDY_REPLAY and run.tags.get(T.REPLAY_OF):
+        click.echo(f"run {run_id} is a replay of study {run.tags[T.REPLAY_OF]}; replaying the study", err=True)
+        return run.tags[T.REPLAY_OF]
+    return run_id if is_study(run) else None
+
+
+def _given(placement: dict[str, Any]) -> list[str]:
+    return [_FLAGS[k] for k, v in placement.items() if v is not None and k in ("nnodes", "node_rank", "master_addr",
+                                                                                 "master_port")]
+
+
+def _replay_study(study_id: str, members: int | None, members_seed: int | None, world_size: int | None,
+                  overrides: list[str], allow_changes: bool, allow_data_changes: bool, data_paths: dict[str, str],
+                  executor: str | None, tracking_uri: str | None, placement: list[str]) -> None:
+    from harness.replay import replay_study
+
+    if placement:
+        raise HarnessError(f"a study is replayed member by member on this machine: {', '.join(placement)} cannot "
+                           "apply. Replay one member on several nodes with `harness replay MEMBER_ID ...`.")
+    if members_seed is not None and members is None:
+        raise HarnessError("--members-seed draws --members K of the study's members; pass --members too.")
+    result = replay_study(
+        study_id, members=members, draw_seed=members_seed, world_size=world_size, overrides=overrides,
+        allow_changes=allow_changes, allow_data_changes=allow_data_changes, data_paths=data_paths,
+        tracking_uri=tracking_uri, executor=executor,
+    )
+    for r in result.members:
+        click.echo(f"seed {r.original.tags.get('harness.seed')}: {r.comparison.summary()}  (replay {r.outcome.run_id})")
+    for t in result.equivalence:
+        click.echo(f"  {t.describe()}")
+    click.echo(f"verdict: {result.summary()}")
+    click.echo(result.run_id)
+    sys.exit(result.exit_code)
 
 
 def _print_comparison(cmp: Any, changes: list[str]) -> None:

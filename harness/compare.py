@@ -1,24 +1,32 @@
-"""Judge a replay against its original run: environment delta, per-metric comparison, verdict."""
+"""Judge a replay against its original run: per-metric comparison, fingerprints, the verdict.
+
+What differs between the runs (and whether it rules out bitwise) is harness/delta.py; the run-to-run
+noise a cross-hardware replay is judged against is harness/noise.py.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
 from harness import tags
-from harness.configdelta import ConfigChange, config_delta
+from harness.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.errors import EXIT_FAILED, EXIT_OK
+from harness.fmt import fmt_pair, fmt_short, json_safe, the
+from harness.noise import NoiseJudgement
 from harness.tracking import RunRecord
 
 BITWISE = "BITWISE"
 WITHIN_TOLERANCE = "WITHIN_TOLERANCE"
+# Outside the tolerance, but where a new seed could have landed: judged against a study's spread (noise.py).
+WITHIN_NOISE = "WITHIN_NOISE"
 DIVERGED = "DIVERGED"
 # Neither run logged a metric or a fingerprint: agreement would be vacuous, so it is not a pass.
 NOTHING_TO_COMPARE = "NOTHING_TO_COMPARE"
-VERDICTS = (BITWISE, WITHIN_TOLERANCE, DIVERGED, NOTHING_TO_COMPARE)
+VERDICTS = (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE, DIVERGED, NOTHING_TO_COMPARE)
 
 # Divergence kinds.
 KIND_VALUE = "value"  # a metric left its tolerance at a step both runs logged
@@ -29,134 +37,9 @@ KIND_EXTRA_METRIC = "extra_metric"  # the metric exists in the replay only
 KIND_FINGERPRINT = "fingerprint"
 KIND_REPLAY_FAILED = "replay_failed"
 
-# Tags that describe the run's role or outcome rather than the conditions it ran under;
-# they differ between an original and its replay by construction.
-IGNORED_TAGS: frozenset[str] = frozenset(
-    {
-        tags.KIND,
-        tags.REPLAY_OF,
-        tags.VERDICT,
-        tags.CHANGES,
-        tags.DATA_CHANGES,
-        # A replay runs in a detached worktree; the branch name decides nothing, the commit does.
-        tags.GIT_BRANCH,
-        tags.FINGERPRINT,
-        tags.FAILED_RANK,
-        tags.STATUS_REASON,
-        # Liveness and training outcomes: they describe how the run went, not what it ran under.
-        tags.HEARTBEAT,
-        tags.HEARTBEAT_S,
-        tags.STARTED,
-        tags.WEIGHTS_CHANGED,
-        tags.INITIAL_FINGERPRINT,
-        # Which scheduler job and which rendezvous address: where it ran, never what decided it.
-        tags.SLURM_JOB_ID,
-        tags.MASTER,
-        # Which store the record was imported from (harness import): provenance of the record, not of the run.
-        tags.IMPORTED_FROM,
-        # How the tracking store behaved while the run wrote to it.
-        tags.STORE_WRITE_FAILURES,
-        tags.STORE_METRICS_SPOOLED,
-        tags.STORE_LONGEST_OUTAGE_S,
-    }
-)
 
 # MLflow's SQL store writes +-inf as +-DBL_MAX; a record read back from its history cannot tell them apart.
 _CLAMPED = np.finfo(np.float64).max
-
-# Which fact changes make a bit-identical replay impossible.
-# Rule: anything that changes which floating-point operations run, or in what order, breaks
-# bitwise: the parallel layout (world size, backend, threads), the hardware (device, CPU and
-# GPU model), the numerical libraries (torch, CUDA, cuDNN, NCCL, the image they ship in), the
-# determinism switches, the seeds, and the few environment variables that select kernels or
-# reduction algorithms. Where the run happened (hostname, OS, GPU driver) and the code
-# identity (commit, patch) are reported but do not break bitwise on their own: identical code
-# can sit behind different commits, and a real code change shows up in the metrics anyway.
-_BREAKING_FACTS: dict[str, str] = {
-    tags.WORLD_SIZE: "world size changed: DDP batch split and all-reduce order differ",
-    tags.BACKEND: "backend changed: collectives reduce in a different order",
-    tags.DEVICE: "device changed: different kernels run",
-    tags.THREADS_PER_RANK: "threads per rank changed: intra-op reductions are split differently",
-    tags.SEED: "seed changed: different random streams",
-    tags.RANK_SEEDS: "rank seeds changed: different random streams",
-    tags.ENV_PREFIX + "torch": "torch version changed: operator implementations may differ",
-    tags.ENV_PREFIX + "cuda": "CUDA version changed: cuBLAS kernels may differ",
-    tags.ENV_PREFIX + "cudnn": "cuDNN version changed: convolution algorithms may differ",
-    tags.ENV_PREFIX + "nccl": "NCCL version changed: all-reduce algorithms may differ",
-    tags.ENV_PREFIX + "gpu": "GPU model changed: different kernels and tensor-core paths",
-    tags.ENV_PREFIX + "cpu": "CPU model changed: vector kernels may round differently",
-}
-
-_NOTES: dict[str, str] = {
-    tags.VERSION: "harness version differs",
-    tags.EXPERIMENT_PATH: "experiment folder differs",
-    tags.ENTRY: "code differs",
-    tags.GIT_COMMIT: "code differs",
-    tags.GIT_DIRTY: "code differs",
-    tags.GIT_PATCH_SHA256: "code differs",
-    tags.GIT_BRANCH: "branch differs",
-    tags.GIT_REPO_URL: "repository URL differs",
-    tags.IMAGE_ID: "local image id differs (compare digests)",
-    tags.IMAGE_DIGEST_REASON: "digest lookup differs",
-    tags.IMAGE_RESOLVED_BY: "image found by its recorded id (loaded from a bundle, no registry digest here)",
-    tags.EXECUTOR: "executor differs (see image and library versions)",
-    tags.IN_IMAGE: "ran inside the pinned image in one run only",
-    tags.NNODES: "number of nodes differs (same world size and backend: the arithmetic is the same)",
-    tags.NPROC_PER_NODE: "ranks per node differ (same world size: the arithmetic is the same)",
-    tags.LAUNCHER: "launched differently (mp.spawn, Slurm or torchrun): the ranks run the same code",
-    tags.SLURM_NODELIST: "ran on other Slurm nodes",
-    tags.NODES_DIFFER: "which nodes' environments differ from node 0's changed",
-    tags.ENV_PREFIX + "hostname": "different host",
-    tags.ENV_PREFIX + "os": "operating system differs",
-    tags.ENV_PREFIX + "gpu_driver": "GPU driver differs (usually harmless)",
-    tags.ENV_PREFIX + "python": "Python version differs",
-}
-
-# Environment variables that select kernels, thread counts or reduction algorithms. Others
-# (NCCL_DEBUG, NCCL_SOCKET_IFNAME, ...) only change logging or transport.
-_BREAKING_VARS: frozenset[str] = frozenset(
-    {
-        "NCCL_ALGO",
-        "NCCL_PROTO",
-        "NCCL_MIN_NCHANNELS",
-        "NCCL_MAX_NCHANNELS",
-        "NCCL_MIN_CTAS",
-        "NCCL_MAX_CTAS",
-        "NCCL_NTHREADS",
-        "NCCL_TREE_THRESHOLD",
-        "OMP_NUM_THREADS",
-        "MKL_NUM_THREADS",
-        "MKL_CBWR",
-        "MKL_ENABLE_INSTRUCTIONS",
-        "CUBLAS_WORKSPACE_CONFIG",
-    }
-)
-
-# Packages whose version decides numerical kernels; other lock changes are reported only.
-_BREAKING_PACKAGES: frozenset[str] = frozenset({"torch", "triton", "mkl", "intel-openmp"})
-_BREAKING_PACKAGE_PREFIXES: tuple[str, ...] = ("nvidia-",)
-
-_UNKNOWN_DIGEST = "unknown"
-
-
-@dataclass
-class FactDelta:
-    """One fact (or locked package, named `lock:<package>`) that differs between two runs."""
-
-    name: str
-    a: str | None
-    b: str | None
-    breaks_bitwise: bool
-    note: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "a": self.a,
-            "b": self.b,
-            "breaks_bitwise": self.breaks_bitwise,
-            "note": self.note,
-        }
 
 
 @dataclass
@@ -182,30 +65,19 @@ class Divergence:
                 f"(abs {fmt_short(self.abs_diff)}, rel {fmt_short(self.rel_diff)})"
             )
         if self.kind == KIND_MISSING_STEP:
-            return f"at {where}: {self.metric} logged by {_the(a)} but not by {_the(b)}"
+            return f"at {where}: {self.metric} logged by {the(a)} but not by {the(b)}"
         if self.kind == KIND_EXTRA_STEP:
-            return f"at {where}: {self.metric} logged by {_the(b)} but not by {_the(a)}"
+            return f"at {where}: {self.metric} logged by {the(b)} but not by {the(a)}"
         if self.kind == KIND_MISSING_METRIC:
-            return f"at {where}: metric {self.metric} missing from {_the(b)}"
+            return f"at {where}: metric {self.metric} missing from {the(b)}"
         if self.kind == KIND_EXTRA_METRIC:
-            return f"at {where}: metric {self.metric} appears only in {_the(b)}"
+            return f"at {where}: metric {self.metric} appears only in {the(b)}"
         if self.kind == KIND_FINGERPRINT:
             return f"at {where}: parameter fingerprints differ ({self.detail})"
         if self.kind == KIND_REPLAY_FAILED:
             return self.detail
         return f"at {where}: {self.detail}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "step": self.step,
-            "metric": self.metric,
-            "original": _json_float(self.original),
-            "replay": _json_float(self.replay),
-            "abs_diff": _json_float(self.abs_diff),
-            "rel_diff": _json_float(self.rel_diff),
-            "detail": self.detail,
-        }
 
 
 @dataclass
@@ -226,22 +98,6 @@ class MetricStats:
     in_original: bool = True
     in_replay: bool = True
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "steps_compared": self.steps_compared,
-            "max_abs_diff": _json_float(self.max_abs_diff),
-            "max_rel_diff": _json_float(self.max_rel_diff),
-            "first_divergence": self.first_divergence,
-            "first_divergence_kind": self.first_divergence_kind,
-            "bitwise_equal": self.bitwise_equal,
-            "rtol": _json_float(self.rtol),
-            "atol": _json_float(self.atol),
-            "missing_steps": self.missing_steps,
-            "extra_steps": self.extra_steps,
-            "in_original": self.in_original,
-            "in_replay": self.in_replay,
-        }
 
 
 @dataclass
@@ -257,13 +113,14 @@ class FingerprintStats:
     def all_equal(self) -> bool:
         return self.compared == self.equal
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "compared": self.compared,
-            "equal": self.equal,
-            "first_mismatch_step": self.first_mismatch_step,
-            "final_equal": self.final_equal,
-        }
+
+
+@dataclass
+class Reached:
+    """How far an incomplete (FAILED or KILLED) original got: only these steps were judged."""
+
+    status: str
+    steps: int
 
 
 @dataclass
@@ -282,10 +139,11 @@ class Comparison:
     tolerance: dict[str, Any] = field(default_factory=dict)
     config_delta: list[ConfigChange] = field(default_factory=list)
     of_replay: bool = True  # run B is a replay of run A (else two independent runs)
-    unchanged_weights: list[str] = field(default_factory=list)  # labels of runs that trained nothing
-    reached: tuple[str, int] | None = None  # (status, steps) of an incomplete original judged up to where it stopped
+    weights_unchanged_in: list[str] = field(default_factory=list)  # labels of runs that trained nothing
+    reached: Reached | None = None  # an incomplete original, judged up to where it stopped
     failed_alike: bool = False  # the replay of an incomplete original failed with the original's own reason
     notes: list[str] = field(default_factory=list)
+    noise: NoiseJudgement | None = None  # set when a difference was judged against a study's spread
 
     @property
     def exit_code(self) -> int:
@@ -299,23 +157,28 @@ class Comparison:
         """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
         line = self._verdict_line()
         if self.reached is not None:
-            status, steps = self.reached
             alike = "; the replay failed the same way" if self.failed_alike else ""
-            line += f" (compared the {steps} steps the {status} original reached{alike})"
-        if len(self.unchanged_weights) == 2:
+            line += f" (compared the {self.reached.steps} steps the {self.reached.status} original reached{alike})"
+        if len(self.weights_unchanged_in) == 2:
             line += " - but the model's weights never changed: nothing was trained"
-        elif self.unchanged_weights:
-            line += f" - but {_the(self.unchanged_weights[0])}'s model weights never changed: nothing was trained in it"
+        elif self.weights_unchanged_in:
+            line += f" - but {the(self.weights_unchanged_in[0])}'s model weights never changed: nothing was trained in it"
         return line
 
     def _verdict_line(self) -> str:
         if self.verdict == NOTHING_TO_COMPARE:
             return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
                     "log metrics with ctx.log and register the model with ctx.ddp")
+        if self.verdict == WITHIN_NOISE and self.noise is not None:
+            n = len(self.bitwise_blockers)
+            why = f"bitwise impossible ({n} environment change{'s' if n != 1 else ''})" if n else "the config changed"
+            return (f"{WITHIN_NOISE}: {self.noise.headline()}; {why}, first outside the tolerance "
+                    f"{self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
         if self.verdict == DIVERGED and self.divergence is not None:
             if self.divergence.kind == KIND_REPLAY_FAILED:
                 return f"{DIVERGED}: {self.divergence.describe(self.labels)}"
-            return f"{DIVERGED} {self.divergence.describe(self.labels)}"
+            line = f"{DIVERGED} {self.divergence.describe(self.labels)}"
+            return line if self.noise is None else f"{line}; {self.noise.headline()}"
         shape = _shape(self.metrics)
         fps = self.fingerprints
         if self.verdict == BITWISE:
@@ -333,165 +196,7 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable; inf and nan become the strings "inf", "-inf" and "nan"."""
-        return {
-            "verdict": self.verdict,
-            "summary": self.summary(),
-            "exit_code": self.exit_code,
-            "original_id": self.original_id,
-            "replay_id": self.replay_id,
-            "bitwise_possible": self.bitwise_possible,
-            "bitwise_blockers": list(self.bitwise_blockers),
-            "delta": [d.to_dict() for d in self.delta],
-            "metrics": [m.to_dict() for m in self.metrics],
-            "fingerprints": self.fingerprints.to_dict(),
-            "divergence": self.divergence.to_dict() if self.divergence else None,
-            "tolerance": _json_tree(self.tolerance),
-            "config_delta": [c.to_dict() for c in self.config_delta],
-            "failed_alike": self.failed_alike,
-            "of_replay": self.of_replay,
-            "weights_unchanged_in": list(self.unchanged_weights),
-            "reached": None if self.reached is None else {"status": self.reached[0], "steps": self.reached[1]},
-            "notes": list(self.notes),
-        }
-
-
-# ---------------------------------------------------------------------------------------------
-# Environment delta
-
-
-def _is_fact(name: str) -> bool:
-    return name.startswith(tags.PREFIX) and name not in IGNORED_TAGS
-
-
-def _world_size_invariant(facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> bool:
-    """Both runs trained in world-size-invariant mode with the same shards."""
-    flag, shards = tags.DETERMINISM_PREFIX + "world_size_invariant", tags.DETERMINISM_PREFIX + "shards"
-    return facts_a.get(flag) == facts_b.get(flag) == "True" and facts_a.get(shards) == facts_b.get(shards)
-
-
-def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> tuple[bool, str]:
-    if name in (tags.WORLD_SIZE, tags.RANK_SEEDS) and _world_size_invariant(facts_a, facts_b):
-        # Fixed shards, per-shard randomness and one canonical summation order: W does not enter the arithmetic.
-        return False, "world size changed in world-size-invariant mode (same shards): bitwise still possible"
-    if name in _BREAKING_FACTS:
-        return True, _BREAKING_FACTS[name]
-    if name.startswith(tags.DETERMINISM_PREFIX):
-        setting = name[len(tags.DETERMINISM_PREFIX):]
-        return True, f"determinism setting '{setting}' changed: different kernels may be chosen"
-    if name == tags.IMAGE_DIGEST:
-        # An unknown digest proves nothing either way; only two known, different digests do.
-        if a in (None, _UNKNOWN_DIGEST) or b in (None, _UNKNOWN_DIGEST):
-            return False, "image digest unknown in one run: cannot prove the same image"
-        return True, "image digest changed: different libraries in the image"
-    if name == tags.IMAGE:
-        da, db = facts_a.get(tags.IMAGE_DIGEST), facts_b.get(tags.IMAGE_DIGEST)
-        if da in (None, _UNKNOWN_DIGEST) and db in (None, _UNKNOWN_DIGEST):
-            # Without digests the reference is the only evidence of which image ran.
-            return True, "image changed and no digest proves it is the same"
-        return False, "image reference differs (digests decide)"
-    if name.startswith(tags.DATA_PREFIX):
-        # Other bytes in, other numbers out: data is an input like the seed (its files: the data: lines).
-        return True, f"data '{name[len(tags.DATA_PREFIX):]}' changed: the training read other bytes"
-    if name.startswith(tags.VAR_PREFIX):
-        var = name[len(tags.VAR_PREFIX):]
-        if var in _BREAKING_VARS:
-            return True, f"{var} changed: selects kernels, threads or reduction algorithm"
-        return False, "environment variable differs"
-    if name in _NOTES:
-        return False, _NOTES[name]
-    if name.startswith(tags.NODE_PREFIX):
-        node, _, fact = name[len(tags.NODE_PREFIX):].partition(".")
-        if a is None or b is None:
-            return False, f"node {node} exists in one run only"
-        if tags.ENV_PREFIX + fact in _BREAKING_FACTS:
-            return True, f"node {node}: " + _BREAKING_FACTS[tags.ENV_PREFIX + fact]
-        return False, f"node {node}: environment differs"
-    if name.startswith(tags.ENV_PREFIX):
-        return False, "environment differs"
-    return False, "differs"
-
-
-def _parse_lock(lines: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for raw in lines:
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        if "==" in line:
-            name, _, version = line.partition("==")
-        elif " @ " in line:
-            name, _, version = line.partition(" @ ")
-        else:
-            name, version = line, ""
-        # PEP 503 normalisation so "Foo_Bar" and "foo-bar" are the same package.
-        key = name.strip().lower().replace("_", "-").replace(".", "-")
-        out[key] = version.strip()
-    return out
-
-
-def _lock_breaks(package: str) -> bool:
-    return package in _BREAKING_PACKAGES or package.startswith(_BREAKING_PACKAGE_PREFIXES)
-
-
-def _lock_delta(a: list[str], b: list[str]) -> list[FactDelta]:
-    if bool(a) != bool(b):
-        # One run has no lock recorded: listing every package as "missing" would bury the
-        # report, and says nothing about whether the packages actually differed.
-        which = "original" if a else "replay"
-        return [FactDelta("lock", f"{len(a)} packages" if a else None, f"{len(b)} packages" if b else None,
-                          False, f"package lock recorded in the {which} only")]
-    pa, pb = _parse_lock(a), _parse_lock(b)
-    out: list[FactDelta] = []
-    for pkg in sorted(pa.keys() | pb.keys()):
-        va, vb = pa.get(pkg), pb.get(pkg)
-        if va == vb:
-            continue
-        if va is None:
-            note = "package only in the replay"
-        elif vb is None:
-            note = "package only in the original"
-        else:
-            note = "package version changed"
-        breaks = _lock_breaks(pkg)
-        if breaks:
-            note += ": numerical kernels may differ"
-        out.append(FactDelta(f"lock:{pkg}", va, vb, breaks, note))
-    return out
-
-
-def environment_delta(a: RunRecord, b: RunRecord) -> list[FactDelta]:
-    """Every provenance fact that differs (sorted by name), then every locked package that differs."""
-    fa = {k: v for k, v in a.facts.items() if _is_fact(k)}
-    fb = {k: v for k, v in b.facts.items() if _is_fact(k)}
-    out: list[FactDelta] = []
-    for name in sorted(fa.keys() | fb.keys()):
-        va, vb = fa.get(name), fb.get(name)
-        if va == vb:
-            continue
-        if name.startswith(tags.NODE_PREFIX) and (va is None or vb is None) and not name.endswith(".hostname"):
-            continue  # a node present in one run only is one line (its hostname), not one per fact
-        breaks, note = _classify(name, va, vb, fa, fb)
-        out.append(FactDelta(name, va, vb, breaks, note))
-    out.extend(_lock_delta(list(a.lock), list(b.lock)))
-    out.extend(_data_delta(a.data, b.data))
-    return out
-
-
-def _data_delta(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[FactDelta]:
-    """One line per differing data file; what breaks bitwise is the entry's digest (harness.data.<name>)."""
-    from harness import data
-
-    if a is None and b is None:
-        return []
-    out: list[FactDelta] = []
-    for change in data.diff(a, b):
-        entry_a = ((a or {}).get("entries") or {}).get(change.name) or {}
-        entry_b = ((b or {}).get("entries") or {}).get(change.name) or {}
-        files_a = {f["path"]: f["sha256"] for f in entry_a.get("files", [])}
-        files_b = {f["path"]: f["sha256"] for f in entry_b.get("files", [])}
-        name = f"data:{change.name}" + (f"/{change.path}" if change.path else "")
-        out.append(FactDelta(name, files_a.get(change.path), files_b.get(change.path), False, change.line()))
-    return out
+        return json_safe({"verdict": self.verdict, "summary": self.summary(), "exit_code": self.exit_code, **asdict(self)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -663,12 +368,12 @@ def compare_runs(
     of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id
     labels = ("original", "replay") if of_replay else ("run A", "run B")
     notes = [
-        f"metrics of {_the(label)} {rec.run_id} were read from MLflow's metric history ({tags.ARTIFACT_SERIES} is missing), "
+        f"metrics of {the(label)} {rec.run_id} were read from MLflow's metric history ({tags.ARTIFACT_SERIES} is missing), "
         "which stores +-inf as +-1.8e308: such values are not counted as bit-identical"
         for label, rec in zip(labels, (original, replay)) if not rec.metrics_exact
     ]
     if bool(original.config) != bool(replay.config):
-        notes.append(f"config recorded in {_the(labels[0] if original.config else labels[1])} only: no config delta")
+        notes.append(f"config recorded in {the(labels[0] if original.config else labels[1])} only: no config delta")
 
     orig_metrics = {k: as_series(*v) for k, v in original.metrics.items()}
     rep_metrics = {k: as_series(*v) for k, v in replay.metrics.items()}
@@ -680,7 +385,7 @@ def compare_runs(
         last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=-1)
         rep_metrics = {k: (s[s <= last], v[s <= last]) for k, (s, v) in rep_metrics.items() if s[0] <= last}
         steps = np.unique(np.concatenate([s for s, _ in orig_metrics.values()])) if orig_metrics else []
-        reached = (original.status, len(steps))
+        reached = Reached(original.status, len(steps))
     clamped = (not original.metrics_exact, not replay.metrics_exact)
 
     stats: list[MetricStats] = []
@@ -712,7 +417,7 @@ def compare_runs(
     )
     if failed_alike:
         # A deterministic failure that recurs at the same point, for the same reason, is reproduced too.
-        notes.append(f"{_the(labels[1])} failed as {_the(labels[0])} did: {replay.facts[tags.STATUS_REASON]}")
+        notes.append(f"{the(labels[1])} failed as {the(labels[0])} did: {replay.facts[tags.STATUS_REASON]}")
         failure = None
 
     divergence: Divergence | None
@@ -756,7 +461,7 @@ def compare_runs(
         tolerance=tol,
         config_delta=config_delta(original.config, replay.config, original.facts, replay.facts),
         of_replay=of_replay,
-        unchanged_weights=[label for label, rec in zip(labels, (original, replay))
+        weights_unchanged_in=[label for label, rec in zip(labels, (original, replay))
                            if rec.facts.get(tags.WEIGHTS_CHANGED) == "false"],
         reached=reached,
         notes=notes,
@@ -764,39 +469,31 @@ def compare_runs(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Formatting and normalising helpers, shared with harness.report
+def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_id: str,
+                members: list[RunRecord]) -> Comparison:
+    """A DIVERGED replay of a study member, where bitwise was never possible, judged against the seeds' spread.
 
+    Only a difference in values can be noise: a replay that failed, or logged other steps or metrics,
+    stays DIVERGED. Neither can a difference where nothing changed (same environment, same config): that
+    is nondeterminism or a code change, which a new seed would not explain.
+    """
+    from harness import noise
 
-def fmt_value(x: float | None) -> str:
-    """Shortest repr that round-trips, so a 1-ulp difference stays visible."""
-    if x is None:
-        return "none"
-    return repr(float(x))
-
-
-def fmt_pair(a: float | None, b: float | None) -> str:
-    """"a vs b" with just enough digits to tell the two apart (full precision for a 1-ulp gap)."""
-    if a is None or b is None or math.isnan(a) or math.isnan(b):
-        return f"{fmt_value(a)} vs {fmt_value(b)}"
-    for digits in range(3, 18):
-        sa, sb = f"{a:.{digits}g}", f"{b:.{digits}g}"
-        if sa != sb:
-            return f"{sa} vs {sb}"
-    return f"{fmt_value(a)} vs {fmt_value(b)}"
-
-
-def fmt_short(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    if math.isnan(x) or math.isinf(x):
-        return str(x)
-    return f"{x:.3g}"
-
-
-def _the(label: str) -> str:
-    """ "the original", "the replay", but "run A", "run B"."""
-    return label if label.startswith("run ") else f"the {label}"
+    if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
+        return cmp
+    if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
+        return cmp
+    if cmp.bitwise_possible and not any(c.affects_result for c in cmp.config_delta):
+        cmp.notes.append(f"{the(cmp.labels[1])} ran in the same environment with the same config, so its "
+                         f"difference is not judged against the noise of study {study_id}: a new seed does not "
+                         "explain it (nondeterminism or a code change does)")
+        return cmp
+    member_finals = [noise.final_values(m.metrics) for m in members]
+    cmp.noise = noise.judge(study_id, noise.final_values(replay.metrics), noise.final_values(original.metrics),
+                            member_finals)
+    if cmp.noise.within:
+        cmp.verdict = WITHIN_NOISE
+    return cmp
 
 
 def _sort_key(x: float) -> float:
@@ -811,24 +508,3 @@ def _shape(metrics: list[MetricStats]) -> str:
         steps = counts.pop() if counts else 0
         return f"{len(metrics)} {noun} x {steps} steps"
     return f"{len(metrics)} {noun} ({sum(m.steps_compared for m in metrics)} values)"
-
-
-def _json_float(x: float | None) -> float | str | None:
-    if x is None:
-        return None
-    x = float(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return x
-
-
-def _json_tree(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _json_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_tree(v) for v in obj]
-    if isinstance(obj, float):
-        return _json_float(obj)
-    return obj

@@ -161,6 +161,17 @@ class NoiseJudgement:
     checks: list[NoiseCheck] = field(default_factory=list)
     reason: str = ""  # why no judgement was possible (too few seeds, no shared metric)
 
+    def headline(self) -> str:
+        """The judgement in a clause of the verdict line."""
+        if self.reason:
+            return f"not judged against the seeds' noise: {self.reason}"
+        if self.within:
+            finals = ", ".join(f"{c.metric} {c.value:.6g} in [{c.spread.pi95[0]:.6g}, {c.spread.pi95[1]:.6g}]"
+                               for c in self.checks)
+            return f"every final value inside the 95% prediction interval of {self.seeds} seeds ({finals})"
+        out = [c for c in self.checks if not c.inside]
+        return "outside the seeds' noise: " + "; ".join(c.describe() for c in out)
+
     def describe(self) -> list[str]:
         head = f"judged against the noise of study {self.study_id} ({self.seeds} seeds)"
         if self.reason:

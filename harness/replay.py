@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from harness import gitsource, liveness, runner
 from harness import tags as T
-from harness.compare import Comparison, compare_runs, default_tolerance
+from harness.compare import (
+    BITWISE,
+    DIVERGED,
+    NOTHING_TO_COMPARE,
+    WITHIN_NOISE,
+    WITHIN_TOLERANCE,
+    Comparison,
+    compare_runs,
+    default_tolerance,
+    judge_noise,
+)
 from harness.config import compose, parse_overrides, validate
-from harness.errors import HarnessError
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.fmt import json_safe
 from harness.executors import Outcome, Topology
 from harness.recorded import RecordedRun
 from harness.tracking import RunRecord, RunSummary, Tracker
@@ -27,6 +40,7 @@ class ReplayResult:
     outcome: Outcome
     comparison: Comparison | None  # None on nodes other than 0 of a multi-node replay: node 0 judges it
     changes: list[str]
+    records: tuple[RunRecord, RunRecord] | None = None  # (original, replay) as judged
 
 
 def apply_changes(
@@ -52,7 +66,7 @@ def apply_changes(
     return new, changes
 
 
-_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}  # kind -> tag naming the run it was made from
+_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}  # kind -> tag naming the run it was made from
 
 
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
@@ -110,14 +124,23 @@ def replay(
     follow: bool = True,
     topology: Topology | None = None,
     placement: list[str] | None = None,
+    tracker: Tracker | None = None,
+    extra_tags: dict[str, str] | None = None,
+    study_members: list[RunRecord] | None = None,
 ) -> ReplayResult:
-    tracker = Tracker(tracking_uri)  # first: an unreachable store is said before torch is even loaded
+    """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
+    the caller has them already (a study replay judges every member against the same seeds)."""
+    # First: an unreachable store is said before torch is even loaded.
+    tracker = tracker or Tracker(tracking_uri)
     from harness import executors
 
     original = tracker.harness_run(run_id)
     if follow:
         original = follow_original(tracker, original)
         run_id = original.run_id
+    if original.tags.get(T.KIND) in (T.KIND_STUDY, T.KIND_STUDY_REPLAY):
+        raise HarnessError(f"run {run_id} is a {original.tags[T.KIND].replace('_', ' ')}, not one run: replay the study "
+                           "with `harness replay STUDY_ID`, or one of its members by its own id.")
     check_replayable(original, allow_incomplete)
     incomplete = original.status in T.INCOMPLETE
     recorded = RecordedRun.load(tracker, original)
@@ -135,7 +158,7 @@ def replay(
     data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
     if data.stats is not None:
         print(data.stats.summary(), file=sys.stderr)
-    extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id}
+    extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id, **(extra_tags or {})}
     if changes:
         extra[T.CHANGES] = " ".join(changes)
     if data.changes:
@@ -160,19 +183,26 @@ def replay(
 
     if job.topology.node_rank != 0:  # one job, one verdict: node 0's
         return ReplayResult(original, outcome, None, changes)
-    comparison = judge(tracker, run_id, replay_id, outcome, incomplete)
-    record_verdict(tracker, replay_id, tracker.load_record(run_id), tracker.load_record(replay_id), comparison, changes)
-    return ReplayResult(original, outcome, comparison, changes)
+    a, b = tracker.load_record(run_id), tracker.load_record(replay_id)
+    failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
+    comparison = compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed,
+                              incomplete_original=incomplete)
+    comparison = with_noise(tracker, comparison, a, b, study_members)
+    record_verdict(tracker, replay_id, a, b, comparison, changes)
+    return ReplayResult(original, outcome, comparison, changes, (a, b))
 
 
-def judge(
-    tracker: Tracker, original_id: str, replay_id: str, outcome: Outcome | None = None, incomplete: bool = False
-) -> Comparison:
-    a, b = tracker.load_record(original_id), tracker.load_record(replay_id)
-    failed = None
-    if outcome is not None and outcome.status != T.FINISHED:
-        failed = f"the replay {outcome.status}: {outcome.message}"
-    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed, incomplete_original=incomplete)
+def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
+               members: list[RunRecord] | None = None) -> Comparison:
+    """A difference from a study member that bitwise could not hold to, judged against the study's seeds."""
+    from harness import study
+
+    study_id = a.facts.get(T.STUDY)
+    if study_id is None or cmp.verdict != DIVERGED:
+        return cmp
+    if members is None:
+        members = study.member_records(tracker, study.load_study(tracker, study_id))
+    return judge_noise(cmp, a, b, study_id, members)
 
 
 def record_verdict(
@@ -195,4 +225,142 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None) -> Comparis
     tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
     a, b = tracker.load_record(run_a), tracker.load_record(run_b)
     failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
-    return compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)
+    cmp = compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)
+    return with_noise(tracker, cmp, a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# A study: replay its members, judge them together
+
+
+@dataclass
+class StudyReplayResult:
+    study: Any  # study.StudyRecord
+    run_id: str  # the study replay run (kind study_replay), nested under the study
+    verdict: str
+    members: list[ReplayResult]  # in seed order
+    equivalence: list[Any] = field(default_factory=list)  # noise.Equivalence per metric, when judged by noise
+    draw_seed: int | None = None  # the seed that drew --members K
+    reason: str = ""  # why the verdict is what it is, in a clause
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.verdict in (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE) else EXIT_FAILED
+
+    def summary(self) -> str:
+        k, n = len(self.members), len(self.study.members)
+        return f"{self.verdict}: {k} of {n} members replayed; {self.reason}"
+
+
+def _draw(members: list[Any], k: int | None, seed: int | None) -> tuple[list[Any], int | None]:
+    """All members, or k of them drawn with a seed that is recorded (so the draw can be repeated)."""
+    if k is None or k >= len(members):
+        if k is not None and k > len(members):
+            raise HarnessError(f"--members {k}: the study has {len(members)} finished members. Pass at most {len(members)}.")
+        return members, None
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    chosen = set(random.Random(seed).sample(range(len(members)), k))
+    return [m for i, m in enumerate(members) if i in chosen], seed
+
+
+def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], study_id: str) -> tuple[str, list[Any], str]:
+    """The study replay's verdict from its members' comparisons; several members are judged together (TOST)."""
+    from harness import noise
+
+    verdicts = [r.comparison.verdict for r in results]
+    if all(v == BITWISE for v in verdicts):
+        return BITWISE, [], "every member bit-identical"
+    if all(v in (BITWISE, WITHIN_TOLERANCE) for v in verdicts):
+        return WITHIN_TOLERANCE, [], "every member within tolerance"
+    if NOTHING_TO_COMPARE in verdicts:
+        return NOTHING_TO_COMPARE, [], "a member had nothing to compare"
+    # Only differences in values that were judged against the seeds can be noise.
+    unjudged = [r for r in results if r.comparison.verdict not in (BITWISE, WITHIN_TOLERANCE)
+                and (r.comparison.noise is None or r.comparison.noise.reason)]
+    if unjudged:
+        first = unjudged[0]
+        return DIVERGED, [], f"seed {first.original.tags.get(T.SEED)}: {first.comparison.summary()}"
+    if len(results) == 1:
+        return verdicts[0], [], results[0].comparison.summary()
+    tests = []
+    finals = [tuple(noise.final_values(rec.metrics) for rec in r.records) for r in results if r.records]
+    for metric in sorted(set.intersection(*(set(a) & set(b) for a, b in finals))):
+        tests.append(noise.equivalence(metric, [a[metric] for a, _ in finals], [b[metric] for _, b in finals],
+                                       [s[metric] for s in seeds if metric in s]))
+    if tests and all(t.equivalent for t in tests):
+        return WITHIN_NOISE, tests, f"the {len(results)} replays are equivalent to their originals within one seed sd (TOST)"
+    failing = [t for t in tests if not t.equivalent]
+    return DIVERGED, tests, "not equivalent within the seeds' noise: " + "; ".join(t.describe() for t in failing)
+
+
+def replay_study(
+    study_id: str,
+    *,
+    members: int | None = None,
+    draw_seed: int | None = None,
+    world_size: int | None = None,
+    overrides: list[str] | None = None,
+    allow_changes: bool = False,
+    allow_data_changes: bool = False,
+    data_paths: dict[str, str] | None = None,
+    tracking_uri: str | None = None,
+    executor: str | None = None,
+    repo: Path | None = None,
+) -> StudyReplayResult:
+    """Replay every member of a study (or `members` drawn with a recorded seed) and judge them together."""
+    from harness import noise, study
+    from harness.report import render_study_markdown
+
+    tracker = Tracker(tracking_uri)
+    recorded = study.load_study(tracker, study_id)
+    if recorded.run.status != T.FINISHED:
+        raise HarnessError(f"study {study_id} is {recorded.run.status}: only a study whose every member finished can "
+                           "be replayed as a whole. Replay its finished members one by one with `harness replay MEMBER`.")
+    finished = [m for m in recorded.members if m.status == T.FINISHED]
+    if members is not None and members < 1:
+        raise HarnessError(f"--members {members}: pass at least 1.")
+    chosen, seed = _draw(finished, members, draw_seed)
+    member_records = study.member_records(tracker, recorded)
+    tags = {T.VERSION: recorded.run.tags[T.VERSION], T.KIND: T.KIND_STUDY_REPLAY, T.REPLAY_OF: study_id,
+            T.MLFLOW_PARENT_RUN_ID: study_id, T.STUDY_SIZE: str(len(chosen))}
+    if seed is not None:
+        tags[T.STUDY_MEMBERS_SEED] = str(seed)
+    run_id = tracker.create_run(recorded.run.experiment, tags, run_name=f"replay-of-{recorded.run.run_name}")
+    status = T.FAILED
+    try:
+        results = []
+        for i, member in enumerate(chosen, 1):
+            print(f"study replay {run_id}: member {i} of {len(chosen)} (seed {member.tags.get(T.SEED)}, run {member.run_id})",
+                  file=sys.stderr)
+            result = replay(
+                member.run_id, world_size=world_size, overrides=overrides, allow_changes=allow_changes,
+                allow_data_changes=allow_data_changes, data_paths=data_paths, executor=executor, repo=repo,
+                follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id}, study_members=member_records,
+            )
+            results.append(result)
+        verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in member_records], study_id)
+        out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)
+        markdown = render_study_markdown(out)
+        tracker.set_tags(run_id, {T.VERDICT: verdict, T.MLFLOW_RUN_NOTE: markdown,
+                                  **({T.CHANGES: " ".join(results[0].changes)} if results and results[0].changes else {})})
+        tracker.log_text(run_id, markdown, T.ARTIFACT_REPORT)
+        tracker.log_text(run_id, json.dumps(json_safe(_study_json(out)), indent=2), T.ARTIFACT_COMPARISON)
+        status = T.FINISHED
+        return out
+    except KeyboardInterrupt:
+        status = T.KILLED
+        raise
+    finally:
+        tracker.end_run(run_id, status)
+
+
+def _study_json(result: StudyReplayResult) -> dict[str, Any]:
+    return {
+        "verdict": result.verdict, "summary": result.summary(), "exit_code": result.exit_code,
+        "study_id": result.study.run_id, "draw_seed": result.draw_seed,
+        "members": [{"original_id": r.original.run_id, "seed": r.original.tags.get(T.SEED),
+                     "replay_id": r.outcome.run_id, "verdict": r.comparison.verdict, "summary": r.comparison.summary()}
+                    for r in result.members],
+        "equivalence": [asdict(t) for t in result.equivalence],
+    }

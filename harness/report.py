@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -14,15 +15,15 @@ from harness.compare import (
     NOTHING_TO_COMPARE,
     Comparison,
     MetricStats,
-    fmt_value,
     as_series,
-    fmt_short,
 )
+from harness.fmt import fmt_short, fmt_value
 from harness.tracking import RunRecord
 
 _VERDICT_WORDS = {
     BITWISE: "bit-identical to the original",
     "WITHIN_TOLERANCE": "within tolerance of the original",
+    "WITHIN_NOISE": "outside the tolerance, but where a new seed of the study could have landed",
     "DIVERGED": "diverged from the original",
     NOTHING_TO_COMPARE: "could not be judged: neither run logged a metric or a fingerprint",
 }
@@ -66,12 +67,12 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         f"- Outcome: the replay {_VERDICT_WORDS.get(cmp.verdict, cmp.verdict)} (exit code {cmp.exit_code})",
         "",
     ]
-    if cmp.unchanged_weights:
-        who = "either run" if len(cmp.unchanged_weights) == 2 else cmp.unchanged_weights[0]
+    if cmp.weights_unchanged_in:
+        who = "either run" if len(cmp.weights_unchanged_in) == 2 else cmp.weights_unchanged_in[0]
         out += [f"> **The model's weights never changed in {who}**: it ended with exactly the weights it started "
                 "with, so nothing was trained and agreement proves little.", ""]
     if cmp.reached is not None:
-        out += [f"> The original is {cmp.reached[0]}: only the {cmp.reached[1]} steps it reached were compared, "
+        out += [f"> The original is {cmp.reached.status}: only the {cmp.reached.steps} steps it reached were compared, "
                 "and its missing final fingerprint is not held against the replay.", ""]
     if cmp.notes:
         out += ["Notes:", ""] + [f"- {_cell(n)}" for n in cmp.notes] + [""]
@@ -158,6 +159,8 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         ]
     out.append("")
 
+    out += _noise_section(cmp)
+
     out += ["## First divergence", ""]
     d = cmp.divergence
     if d is None:
@@ -179,6 +182,56 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out += _table(["", ""], rows)
     out.append("")
     return "\n".join(out)
+
+
+def render_study_markdown(result: Any) -> str:
+    """A study replay (replay.StudyReplayResult): every member's verdict, then the test that judged them together."""
+    study = result.study
+    out = [f"# Study replay verdict: {result.verdict}", "", f"**{_cell(result.summary())}**", "",
+           f"- Study: {_code(study.run_id)} ({len(study.members)} members, seeds {_cell(', '.join(map(str, study.seeds)))})",
+           f"- Study replay run: {_code(result.run_id)}"]
+    if result.draw_seed is not None:
+        out.append(f"- Members drawn at random with seed {result.draw_seed} (`--members {len(result.members)} "
+                   f"--members-seed {result.draw_seed}` draws them again)")
+    out += ["", "## Members", ""]
+    rows = [[_cell(r.original.tags.get("harness.seed", "")), _code(r.original.run_id), _code(r.outcome.run_id),
+             _cell(r.comparison.summary())] for r in result.members]
+    out += _table(["Seed", "Member", "Replay", "Verdict"], rows) + [""]
+    if result.equivalence:
+        out += ["## Equivalence within the seeds' noise", "",
+                "Two one-sided tests on the paired differences replay - original of the replayed members: the "
+                "replays are equivalent when the 90% confidence interval of the mean difference lies within "
+                "+- one standard deviation of the seeds' final values.", ""]
+        rows = [[_cell(t.metric), str(t.k), f"{t.mean_diff:.3g}", f"[{t.ci90[0]:.3g}, {t.ci90[1]:.3g}]",
+                 f"+-{t.margin:.3g}", _cell(t.reason) if t.reason else ("**yes**" if t.equivalent else "**NO**")]
+                for t in result.equivalence]
+        out += _table(["Metric", "Members", "Mean difference", "90% CI", "Margin (seed sd)", "Equivalent"], rows)
+        out.append("")
+    return "\n".join(out)
+
+
+def _noise_section(cmp: Comparison) -> list[str]:
+    """Where the replay's final values fall among the study's seeds (only when it was judged against them)."""
+    j = cmp.noise
+    if j is None:
+        return []
+    out = ["## Run-to-run noise", "",
+           f"The original is a member of study {_code(j.study_id)} ({j.seeds} seeds). Each final value of the replay "
+           "is judged against the 95% prediction interval of the seeds' final values, "
+           "mean +- t(N-1, 0.975) x sd x sqrt(1 + 1/N): where one more seed would land 95% of the time.", ""]
+    if j.reason:
+        return out + [f"**Not judged:** {_cell(j.reason)}", ""]
+    rows = []
+    for c in j.checks:
+        s = c.spread
+        rows.append([
+            _cell(c.metric), fmt_value(c.value), fmt_value(c.original), f"{s.mean:.6g}", f"{s.std:.3g}",
+            f"[{s.pi95[0]:.6g}, {s.pi95[1]:.6g}]", f"{c.below} of {s.n}",
+            _cell(c.reason) if c.reason else ("**inside**" if c.inside else "**OUTSIDE**"),
+        ])
+    out += _table(["Metric", "Replay final", "Original final", "Seeds' mean", "Seeds' sd", "95% prediction interval",
+                   "Seeds below the replay", "Verdict"], rows)
+    return out + [""]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ COLUMNS = [
     "attributes.`Duration`",
     _tag(T.VERDICT),
     _tag(T.KIND),
+    _tag(T.SEED),  # a study's members differ only in it
     _tag(T.WORLD_SIZE),
     _tag(T.NNODES),
     _tag(T.GIT_COMMIT),
@@ -48,6 +49,7 @@ COLUMNS = [
     _tag(T.IMAGE_DIGEST),
     _tag(T.EXECUTOR),
     _tag(T.REPLAY_OF),
+    _tag(T.STUDY),
 ]
 
 VIEW = {

@@ -124,6 +124,53 @@ def reference_run(project: Project) -> str:
     return result.last_line
 
 
+# A study whose replays on "other hardware" differ in their last bits. One machine cannot change its
+# CPU, so another thread count stands in for it, honestly: with two intra-op threads the loss's norm
+# over 65,536 values is summed in two halves, so its last bits differ exactly as they would on a CPU
+# with other vector units, and training carries the difference on. Code, data and seeds are as recorded.
+WIDE_TRAIN = '''"""Linear(64, 1024) learning a fixed linear map; the loss normalises by norms over 65,536 values."""
+
+import torch
+from torch import nn
+
+
+def train(ctx):
+    cfg = ctx.cfg
+    generator = torch.Generator().manual_seed(ctx.seed)
+    data = torch.randn(cfg.samples, 64, generator=generator)
+    teacher = torch.randn(64, 1024, generator=generator)
+    loader = ctx.loader(data, batch_size=cfg.batch_size)
+    model = ctx.ddp(nn.Linear(64, 1024))
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+
+    def batch_loss(batch):
+        output, target = model(batch), batch @ teacher
+        return ((output / output.norm() - target / target.norm()) ** 2).sum() * 1000
+
+    for epoch in ctx.epochs(cfg.epochs):
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = ctx.backward(batch.to(ctx.device), batch_loss)
+            optimizer.step()
+            ctx.log({"loss": loss}, ctx.step)
+'''
+WIDE_CONFIG = ["train.lr=0.5", "train.epochs=3", "train.batch_size=64", "train.samples=512"]
+OTHER_HARDWARE = ["--allow-changes", "threads_per_rank=2"]
+
+
+@pytest.fixture(scope="session")
+def wide_study(project: Project) -> tuple[str, dict[int, str]]:
+    """(study id, seed -> member id) of a 3-seed study of the wide experiment, shared by the noise and claims tests."""
+    project.add_experiment("wide", train_py=WIDE_TRAIN)
+    result = project.harness("run", "experiments/wide", "--seeds", "3", *WIDE_CONFIG)
+    assert result.returncode == 0, result.stderr
+    study_id = result.last_line
+    members = {int(r.data.tags["harness.seed"]): r.info.run_id for r in project.all_runs()
+               if r.data.tags.get("harness.study") == study_id}
+    assert sorted(members) == [0, 1, 2]
+    return study_id, members
+
+
 @pytest.fixture
 def fresh_project(tmp_path: Path) -> Project:
     return make_project(tmp_path)

@@ -19,8 +19,8 @@ from harness.compare import (
     Comparison,
     RunRecord,
     compare_runs,
-    environment_delta,
 )
+from harness.delta import environment_delta
 from harness.report import plot_metrics, render_markdown
 
 FACTS = {

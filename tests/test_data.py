@@ -191,7 +191,7 @@ def test_ctx_data_names_the_declared_entries() -> None:
 
 
 def test_data_change_rules_out_bitwise() -> None:
-    from harness.compare import environment_delta
+    from harness.delta import environment_delta
     from harness.tracking import RunRecord
 
     def record(run_id: str, sha: str) -> RunRecord:

@@ -1,0 +1,60 @@
+"""Numbers and words for reports: shortest round-tripping floats, "a vs b" with just enough digits, JSON-safe values."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+def fmt_value(x: float | None) -> str:
+    """Shortest repr that round-trips, so a 1-ulp difference stays visible."""
+    if x is None:
+        return "none"
+    return repr(float(x))
+
+
+def fmt_pair(a: float | None, b: float | None) -> str:
+    """"a vs b" with just enough digits to tell the two apart (full precision for a 1-ulp gap)."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return f"{fmt_value(a)} vs {fmt_value(b)}"
+    for digits in range(3, 18):
+        sa, sb = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if sa != sb:
+            return f"{sa} vs {sb}"
+    return f"{fmt_value(a)} vs {fmt_value(b)}"
+
+
+def fmt_short(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def the(label: str) -> str:
+    """ "the original", "the replay", but "run A", "run B"."""
+    return label if label.startswith("run ") else f"the {label}"
+
+
+def json_float(x: float | None) -> float | str | None:
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def json_safe(obj: Any) -> Any:
+    """A tree of plain JSON values; inf and nan become the strings "inf", "-inf" and "nan"."""
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, float):
+        return json_float(obj)
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):  # a numpy scalar
+        return json_safe(obj.item())
+    return obj

@@ -92,8 +92,10 @@ def test_sequential_study_is_a_parent_of_ordinary_runs(study_project: Project, s
         assert f"seed {seed}: run {run.info.run_id} started" in sequential.stderr
         assert f"seed {seed}: run {run.info.run_id} FINISHED" in sequential.stderr
     assert "95% prediction interval" in sequential.stderr
-    listing = study_project.harness("runs")
-    assert any(line.startswith(study_id) and "study (3)" in line for line in listing.stdout.splitlines()), listing.stdout
+    from harness.listing import render_runs  # in-process: `harness runs` itself is tested elsewhere
+
+    listing = render_runs(study_project.uri, "linear_ddp", 50)
+    assert any(line.startswith(study_id) and "study (3)" in line for line in listing.splitlines()), listing
 
 
 def test_summary_is_the_members_exact_series(study_project: Project, sequential, tmp_path: Path) -> None:

@@ -68,6 +68,19 @@ def spread(values: Iterable[float]) -> Spread:
     )
 
 
+def another_mean(values: Sequence[float]) -> tuple[float, float]:
+    """95% prediction interval for the mean of another N seeds: mean +- t(N-1, 0.975) * s * sqrt(2/N).
+
+    Where a paper's mean over N seeds, drawn again (another seed set, another machine), lands: the
+    difference of two N-seed means has standard deviation s * sqrt(2/N).
+    """
+    s = spread(values)
+    if s.n < 2:
+        return (math.nan, math.nan)
+    half = _t(s.n - 1, 0.5 + _LEVEL / 2) * s.std * math.sqrt(2 / s.n)
+    return (s.mean - half, s.mean + half)
+
+
 @dataclass(frozen=True)
 class NoiseCheck:
     """One metric's replayed final value against the study's prediction interval."""

@@ -17,11 +17,16 @@ from harness import tags as T
 from harness.claims import Claim, as_decimal, load_claims, prints_as
 from harness.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.fmt import json_float
+from harness.noise import MIN_SEEDS, another_mean
 from harness.tracking import RunRecord, RunSummary, Tracker
 
 # A claim's outcome. HOLDS: printed as recorded and (with --replay) the replay reproduced it.
 HOLDS = "HOLDS"
-MISPRINTED = "MISPRINTED"  # the printed number (or its +-) is not what the runs produced, rounded as printed
+# A mean over seeds printed otherwise than recorded, but where the mean of another N seeds could land
+# (noise.another_mean): the claim stands, the printed digits are not these runs'. It holds.
+CLAIM_WITHIN_NOISE = WITHIN_NOISE
+MISPRINTED = "MISPRINTED"  # the printed number (or its +-) is not what the runs produced, nor within their noise
 NOT_REPRODUCED = "NOT_REPRODUCED"  # printed correctly, but the replay DIVERGED or had nothing to compare
 # The verify run's verdict (harness.verdict): every claim holds, or not.
 ALL_HOLD, SOME_FAIL = "HOLDS", "FAILS"
@@ -73,10 +78,11 @@ class Verdict:
     # The recorded statistic over just the members that were replayed (--members K < N): the like-for-like number.
     recorded_replayed_members: float | None = None
     outcome: str = HOLDS
+    noise_interval: tuple[float, float] | None = None  # where another N seeds' mean lands (a mean claim on a study)
 
     @property
     def holds(self) -> bool:
-        return self.outcome == HOLDS
+        return self.outcome in (HOLDS, CLAIM_WITHIN_NOISE)
 
     def to_dict(self) -> dict[str, Any]:
         c = self.claim
@@ -84,12 +90,13 @@ class Verdict:
             "id": c.id, "text": c.text, "metric": c.metric, "paper": c.paper_text,
             "study" if c.study else "run": c.source, "resolved": self.source.run_id,
             "value": c.value, "statistic": c.statistic, "spread": c.spread, "scale": str(c.scale),
-            "n": len(self.values), "values": [_json(v) for v in self.values],
-            "recorded": _json(self.recorded), "recorded_spread": _json(self.recorded_spread),
+            "n": len(self.values), "values": [json_float(v) for v in self.values],
+            "recorded": json_float(self.recorded), "recorded_spread": json_float(self.recorded_spread),
             "printed_value_matches": self.value_ok, "printed_spread_matches": self.spread_ok,
+            "noise_interval": None if self.noise_interval is None else [json_float(x) for x in self.noise_interval],
             "replay_verdict": self.source.replay_verdict, "replay_id": self.source.replay_id,
-            "replayed_values": [_json(v) for v in self.replayed_values], "replayed": _json(self.replayed),
-            "recorded_replayed_members": _json(self.recorded_replayed_members),
+            "replayed_values": [json_float(v) for v in self.replayed_values], "replayed": json_float(self.replayed),
+            "recorded_replayed_members": json_float(self.recorded_replayed_members),
             "outcome": self.outcome,
         }
 
@@ -110,11 +117,6 @@ class VerifyResult:
     def exit_code(self) -> int:
         return EXIT_OK if self.held == len(self.verdicts) else EXIT_FAILED
 
-
-def _json(x: float | None) -> float | str | None:
-    if x is None:
-        return None
-    return x if math.isfinite(x) else str(x)
 
 
 def run_value(record: RunRecord, metric: str, which: str) -> float:
@@ -195,7 +197,13 @@ def judge(claim: Claim, source: Source, where: str) -> Verdict:
     value_ok = prints_as(recorded, claim.paper.value)
     spread_ok = claim.paper.pm is None or (spread is not None and prints_as(spread, claim.paper.pm))
     outcome = HOLDS if value_ok and spread_ok else MISPRINTED
-    return Verdict(claim, source, values, recorded, spread, value_ok, spread_ok, outcome=outcome)
+    interval = None
+    if source.is_study and claim.statistic == "mean" and len(values) >= MIN_SEEDS:
+        interval = another_mean(values)
+        if not value_ok and interval[0] <= float(claim.paper.value) <= interval[1]:
+            outcome = CLAIM_WITHIN_NOISE
+    return Verdict(claim, source, values, recorded, spread, value_ok, spread_ok, outcome=outcome,
+                   noise_interval=interval)
 
 
 def replay_source(source: Source, *, members: int | None, world_size: int | None, overrides: list[str],
@@ -234,7 +242,7 @@ def judge_replay(verdict: Verdict) -> None:
     if s.is_study and drawn and len(drawn) < len(s.records):
         same = [v for r, v in zip(s.records, verdict.values) if r.run_id in drawn]
         verdict.recorded_replayed_members = statistic(same, c.statistic) if same else None
-    if verdict.outcome == HOLDS and s.replay_verdict not in REPRODUCED:
+    if verdict.holds and s.replay_verdict not in REPRODUCED:
         verdict.outcome = NOT_REPRODUCED
 
 

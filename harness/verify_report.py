@@ -69,6 +69,13 @@ def why(v: "Verdict") -> list[str]:
     if c.paper.pm is not None:
         verb = "prints as" if v.spread_ok else "does NOT print as"
         out.append(f"Recorded {c.spread}: {fmt(v.recorded_spread, c.paper.pm)}, which {verb} ± {c.paper.pm}.")
+    if v.noise_interval is not None:
+        lo, hi = v.noise_interval
+        inside = "inside" if lo <= float(c.paper.value) <= hi else "OUTSIDE"
+        out.append(f"The printed {c.paper.value} lies {inside} [{lo:.6g}, {hi:.6g}], the 95% prediction interval for the "
+                   f"mean of another {len(v.values)} seeds (mean ± t·sd·√(2/N)): "
+                   + ("printed as recorded." if v.value_ok else "the claim stands within the noise, "
+                      "not these runs' digits." if inside == "inside" else "not within the noise either."))
     if len(v.values) >= 2:
         from harness.noise import spread
 

@@ -8,6 +8,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 import pytest
 
 from conftest import OTHER_HARDWARE, Project
@@ -168,18 +169,19 @@ def paper(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("paper")
 
 
-def _bump_digit(text: str) -> str:
-    """The printed number with its last digit changed: a typo."""
-    last = int(text[-1])
-    return text[:-1] + str((last + 1) % 10)
-
-
 @pytest.fixture(scope="module")
 def checked(study: Study, paper: Path):
-    """`harness verify` (no replay) of a true, a misprinted and a percent claim: one verify run."""
+    """`harness verify` (no replay) of a true, a noise-level, a misprinted and a percent claim: one verify run.
+
+    The noise-level claim prints a mean half a seed sd away from the recorded one (as a paper written
+    from another seed set would), well inside where another 3 seeds' mean lands (+-3.5 sd at N = 3);
+    the misprint is 10 sd away.
+    """
     mean, sd = float(np.mean(study.final)), float(np.std(study.final, ddof=1))
     true = f"{mean:.3f} ± {sd:.3f}"
-    wrong = f"{_bump_digit(f'{mean:.3f}')} ± {sd:.3f}"
+    noisy = f"{mean + 0.5 * sd:.3f} ± {sd:.3f}"
+    wrong = f"{mean + 10 * sd:.3f} ± {sd:.3f}"
+    assert sd > 0.005 and noisy != true, (mean, sd)  # the study's spread shows at 3 decimals
     median_best = float(np.median(study.best)) * 100
     claims = paper / "claims.yaml"
     claims.write_text(
@@ -187,15 +189,16 @@ def checked(study: Study, paper: Path):
         f"  - id: table1-true\n    text: Final loss, 3 seeds\n    study: {study.id}\n    metric: loss\n"
         f"    paper: \"{true}\"\n"
         f"  - id: table1-typo\n    study: {study.id}\n    metric: loss\n    paper: \"{wrong}\"\n"
+        f"  - id: table1-noisy\n    study: {study.id}\n    metric: loss\n    paper: \"{noisy}\"\n"
         f"  - id: best-percent\n    study: {study.id}\n    metric: loss\n    value: min\n    statistic: median\n"
         f"    scale: 100\n    paper: {median_best:.1f}\n"
     )
     result = study.project.harness("verify", "claims.yaml", cwd=paper)
-    return claims, result, true, wrong, mean
+    return claims, result, true, wrong, mean, noisy
 
 
 def test_verify_holds_a_true_claim_and_catches_a_misprint(study: Study, checked) -> None:
-    claims, result, true, wrong, mean = checked
+    claims, result, true, wrong, mean, noisy = checked
     assert result.returncode == 1, result.stderr
     lines = result.stdout.strip().splitlines()
     rows = {line.split()[0]: line for line in lines[1:-2]}
@@ -204,7 +207,9 @@ def test_verify_holds_a_true_claim_and_catches_a_misprint(study: Study, checked)
     # MISPRINTED, with both numbers: what the paper prints and what the runs produced.
     assert rows["table1-typo"].endswith("MISPRINTED") and wrong in rows["table1-typo"]
     assert f"{mean:.5f}" in rows["table1-typo"] and "(n=3)" in rows["table1-typo"]
-    assert lines[-2] == "claims: 2 of 3 hold"
+    # Not these runs' digits, but where another 3 seeds' mean could land: the claim stands, said as such.
+    assert rows["table1-noisy"].endswith("WITHIN_NOISE") and noisy in rows["table1-noisy"]
+    assert lines[-2] == "claims: 3 of 4 hold"
     verify_id = lines[-1]
 
     client = study.project.client()
@@ -212,7 +217,7 @@ def test_verify_holds_a_true_claim_and_catches_a_misprint(study: Study, checked)
     tags = run.data.tags
     assert run.info.status == "FINISHED"
     assert tags["harness.kind"] == "verify" and tags["harness.verdict"] == "FAILS"
-    assert tags["harness.verify.claims_file"] == "claims.yaml" and tags["harness.verify.held"] == "2/3"
+    assert tags["harness.verify.claims_file"] == "claims.yaml" and tags["harness.verify.held"] == "3/4"
     assert run.info.experiment_id == client.get_run(study.id).info.experiment_id
     files = {f.path for f in client.list_artifacts(verify_id, "verify")}
     assert files == {"verify/report.md", "verify/report.html", "verify/claims.json", "verify/claims.yaml"}
@@ -221,9 +226,14 @@ def test_verify_holds_a_true_claim_and_catches_a_misprint(study: Study, checked)
     by_id = {c["id"]: c for c in summary["claims"]}
     assert by_id["table1-typo"]["outcome"] == "MISPRINTED" and not by_id["table1-typo"]["printed_value_matches"]
     assert by_id["table1-typo"]["printed_spread_matches"]
+    lo, hi = by_id["table1-noisy"]["noise_interval"]
+    half = stats.t.ppf(0.975, 2) * np.std(study.final, ddof=1) * np.sqrt(2 / 3)
+    assert (lo, hi) == pytest.approx((mean - half, mean + half)) and not lo <= float(wrong.split()[0]) <= hi
+    assert by_id["table1-noisy"]["outcome"] == "WITHIN_NOISE" and by_id["table1-true"]["outcome"] == "HOLDS"
     assert by_id["table1-true"]["values"] == study.final and by_id["table1-true"]["recorded"] == pytest.approx(mean)
     report = Path(client.download_artifacts(verify_id, "verify/report.md")).read_text()
     assert "MISPRINTED" in report and "does NOT print as" in report and "95% prediction interval" in report
+    assert "the claim stands within the noise" in report and "not within the noise either" in report
     assert f"Report: {run.info.artifact_uri.removeprefix('file://')}/verify/report.html" in result.stderr
 
 
@@ -234,9 +244,10 @@ def test_html_report_renders_offline_in_a_real_browser(study: Study, checked, tm
     page = Path(study.project.client().download_artifacts(verify_id, "verify/report.html"))
     shot = tmp_path / "report.png"
     rendered = open_page(page.as_uri(), shot, tmp_path / "chromium")
-    for text in ("table1-true", "table1-typo", "best-percent", "HOLDS", "MISPRINTED", "Environment", "gloo"):
+    for text in ("table1-true", "table1-typo", "table1-noisy", "best-percent", "HOLDS", "MISPRINTED", "WITHIN_NOISE",
+                 "Environment", "gloo"):
         assert text in rendered.text, text
-    assert len(rendered.images) == 3 and all(done and width > 0 for done, width in rendered.images), rendered.images
+    assert len(rendered.images) == 4 and all(done and width > 0 for done, width in rendered.images), rendered.images
     # Self-contained: the page itself, and data: URIs, nothing else.
     assert rendered.requests[0] == page.as_uri()
     assert all(url.startswith("data:image/png;base64,") for url in rendered.requests[1:]), rendered.requests

@@ -51,6 +51,10 @@ def replay_verdicts(tracker: Tracker, experiment: str | None) -> dict[str, str]:
     return tally(tracker.search(experiment, max_results=5000, filter_string=f"tags.`{T.KIND}` = 'replay'"))
 
 
+# Runs that carry a verdict of their own (a run, or a study, shows its replays' verdicts instead).
+_OWN_VERDICT = (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY_REPLAY, T.KIND_VERIFY)
+
+
 def status_of(run: RunSummary, now: float) -> str:
     return STALE if run.status == T.RUNNING and is_stale(run.tags, now) else run.status
 
@@ -65,8 +69,8 @@ def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = N
         kind = r.tags.get(T.KIND, "-")
         if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
             kind = f"{kind} ({r.tags.get(T.STUDY_SIZE, '?')})"
-        # A replay or audit carries its own verdict; a run shows its replays' verdicts.
-        verdict = r.tags.get(T.VERDICT, "") if kind in (T.KIND_REPLAY, T.KIND_AUDIT) else verdicts.get(r.run_id, "")
+        # A replay, audit, study replay or verify run carries its own verdict; a run shows its replays' verdicts.
+        verdict = r.tags.get(T.VERDICT, "") if kind in _OWN_VERDICT else verdicts.get(r.run_id, "")
         out.append(
             [r.run_id, r.experiment, _when(r.start_time), status_of(r, now), kind, r.tags.get(T.WORLD_SIZE, "-"),
              commit, _digest(r.tags), verdict or "-"]

@@ -299,16 +299,13 @@ def replay_study(
     *,
     members: int | None = None,
     draw_seed: int | None = None,
-    world_size: int | None = None,
-    overrides: list[str] | None = None,
-    allow_changes: bool = False,
-    allow_data_changes: bool = False,
-    data_paths: dict[str, str] | None = None,
     tracking_uri: str | None = None,
-    executor: str | None = None,
-    repo: Path | None = None,
+    **options: Any,
 ) -> StudyReplayResult:
-    """Replay every member of a study (or `members` drawn with a recorded seed) and judge them together."""
+    """Replay every member of a study (or `members` drawn with a recorded seed) and judge them together.
+
+    `options` are replay()'s (world_size, overrides, allow_changes, executor, ...), the same for every member.
+    """
     from harness import noise, study
     from harness.report import render_study_markdown
 
@@ -333,11 +330,8 @@ def replay_study(
         for i, member in enumerate(chosen, 1):
             print(f"study replay {run_id}: member {i} of {len(chosen)} (seed {member.tags.get(T.SEED)}, run {member.run_id})",
                   file=sys.stderr)
-            result = replay(
-                member.run_id, world_size=world_size, overrides=overrides, allow_changes=allow_changes,
-                allow_data_changes=allow_data_changes, data_paths=data_paths, executor=executor, repo=repo,
-                follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id}, study_members=member_records,
-            )
+            result = replay(member.run_id, follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id},
+                            study_members=member_records, **options)
             results.append(result)
         verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in member_records], study_id)
         out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)

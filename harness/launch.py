@@ -490,7 +490,11 @@ def launch(
 
 def _signalled_too(err: Exception, cancelled: Callable[[], int | None] | None) -> int | None:
     """The launcher's own SIGTERM/SIGINT when a rank died of the same signal at about the same time."""
-    if cancelled is None or not isinstance(err, mp.ProcessExitedException):
+    if cancelled is None:
+        return None
+    if cancelled():  # already told to stop: a rank still starting up dies of Ctrl-C in any way (abort, exit 1)
+        return cancelled()
+    if not isinstance(err, mp.ProcessExitedException):
         return None
     if err.signal_name not in ("SIGTERM", "SIGINT"):
         return None

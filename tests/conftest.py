@@ -153,18 +153,26 @@ def train(ctx):
             loss = ctx.backward(batch.to(ctx.device), batch_loss)
             optimizer.step()
             ctx.log({"loss": loss}, ctx.step)
+        ctx.print(f"epoch {epoch + 1}/{cfg.epochs} loss {loss.item():.4f}")
 '''
 WIDE_CONFIG = ["train.lr=0.5", "train.epochs=3", "train.batch_size=64", "train.samples=512"]
 OTHER_HARDWARE = ["--allow-changes", "threads_per_rank=2"]
 
 
 @pytest.fixture(scope="session")
-def wide_study(project: Project) -> tuple[str, dict[int, str]]:
-    """(study id, seed -> member id) of a 3-seed study of the wide experiment, shared by the noise and claims tests."""
+def wide_study_run(project: Project) -> Result:
+    """`harness run experiments/wide --seeds 3` (sequential), as the CLI answered it."""
     project.add_experiment("wide", train_py=WIDE_TRAIN)
     result = project.harness("run", "experiments/wide", "--seeds", "3", *WIDE_CONFIG)
     assert result.returncode == 0, result.stderr
-    study_id = result.last_line
+    return result
+
+
+@pytest.fixture(scope="session")
+def wide_study(project: Project, wide_study_run: Result) -> tuple[str, dict[int, str]]:
+    """(study id, seed -> member id) of a 3-seed study of the wide experiment, shared by the study, noise and
+    claims tests."""
+    study_id = wide_study_run.last_line
     members = {int(r.data.tags["harness.seed"]): r.info.run_id for r in project.all_runs()
                if r.data.tags.get("harness.study") == study_id}
     assert sorted(members) == [0, 1, 2]

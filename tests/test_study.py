@@ -1,7 +1,8 @@
 """Studies (`harness run EXP --seeds N [--parallel J]`): real CLI, real store, real ranks.
 
-Two studies of the same three seeds (sequential via --seeds, parallel via `seeds=[...]`) carry most
-checks; bad input, a failing member and Ctrl-C cost one process each.
+Two studies of the same three seeds carry most checks: conftest's shared wide study (sequential, via
+--seeds) and one with --parallel 2 (via `seeds=[...]`); bad input, a failing member and Ctrl-C cost
+one process each, in a project of their own.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import Project, make_project, pid_alive
+from conftest import WIDE_CONFIG, Project, make_project, pid_alive
 from harness import tags as T
 from harness.errors import HarnessError
 
-ONE_EPOCH = "train.epochs=1"
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +31,13 @@ def study_project(tmp_path_factory: pytest.TempPathFactory) -> Project:
 
 
 @pytest.fixture(scope="module")
-def sequential(study_project: Project):
-    result = study_project.harness("run", "experiments/linear_ddp", "--seeds", "3", ONE_EPOCH)
-    assert result.returncode == 0, result.stderr
-    return result
+def sequential(wide_study_run):
+    return wide_study_run
 
 
 @pytest.fixture(scope="module")
-def parallel(study_project: Project, sequential):
-    result = study_project.harness("run", "experiments/linear_ddp", "--parallel", "2", "seeds=[0,1,2]", ONE_EPOCH)
+def parallel(project: Project, sequential):
+    result = project.harness("run", "experiments/wide", "--parallel", "2", "seeds=[0,1,2]", *WIDE_CONFIG)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -66,24 +64,24 @@ def _series(project: Project, run_id: str, tmp: Path) -> dict[str, tuple[np.ndar
         return {k: (data[f"steps_{i}"], data[f"values_{i}"]) for i, k in enumerate(keys)}
 
 
-def test_sequential_study_is_a_parent_of_ordinary_runs(study_project: Project, sequential, tmp_path: Path) -> None:
+def test_sequential_study_is_a_parent_of_ordinary_runs(project: Project, sequential, tmp_path: Path) -> None:
     study_id = sequential.last_line
-    client = study_project.client()
+    client = project.client()
     study = client.get_run(study_id)
     assert study.info.status == T.FINISHED
     assert study.data.tags[T.KIND] == T.KIND_STUDY
     assert (study.data.tags[T.STUDY_SEEDS], study.data.tags[T.STUDY_SIZE], study.data.tags[T.STUDY_PARALLEL]) == ("0,1,2", "3", "1")
-    assert _config(study_project, study_id, tmp_path)["seeds"] == [0, 1, 2]
-    members = _members(study_project, study_id)
+    assert _config(project, study_id, tmp_path)["seeds"] == [0, 1, 2]
+    members = _members(project, study_id)
     assert sorted(members) == [0, 1, 2]
     configs = {}
     for seed, run in members.items():
         assert run.info.status == T.FINISHED
         assert run.data.tags[T.KIND] == T.KIND_RUN
         assert run.data.tags[T.MLFLOW_PARENT_RUN_ID] == study_id
-        assert run.info.run_name == f"linear_ddp-seed{seed}"
+        assert run.info.run_name == f"wide-seed{seed}"
         assert run.data.tags[T.GIT_COMMIT] == study.data.tags[T.GIT_COMMIT]
-        configs[seed] = _config(study_project, run.info.run_id, tmp_path)
+        configs[seed] = _config(project, run.info.run_id, tmp_path)
         assert configs[seed]["seed"] == seed and configs[seed]["seeds"] is None
     # The members' recorded configs differ in the seed only.
     assert len({json.dumps({**c, "seed": None}, sort_keys=True) for c in configs.values()}) == 1
@@ -94,17 +92,17 @@ def test_sequential_study_is_a_parent_of_ordinary_runs(study_project: Project, s
     assert "95% prediction interval" in sequential.stderr
     from harness.listing import render_runs  # in-process: `harness runs` itself is tested elsewhere
 
-    listing = render_runs(study_project.uri, "linear_ddp", 50)
+    listing = render_runs(project.uri, "wide", 50)
     assert any(line.startswith(study_id) and "study (3)" in line for line in listing.splitlines()), listing
 
 
-def test_summary_is_the_members_exact_series(study_project: Project, sequential, tmp_path: Path) -> None:
+def test_summary_is_the_members_exact_series(project: Project, sequential, tmp_path: Path) -> None:
     study_id = sequential.last_line
-    summary = json.loads(_artifact(study_project, study_id, T.ARTIFACT_STUDY_SUMMARY, tmp_path).read_text())
-    members = _members(study_project, study_id)
+    summary = json.loads(_artifact(project, study_id, T.ARTIFACT_STUDY_SUMMARY, tmp_path).read_text())
+    members = _members(project, study_id)
     assert summary["seeds"] == [0, 1, 2]
     assert summary["members"] == [{"run_id": members[s].info.run_id, "seed": s, "status": T.FINISHED} for s in (0, 1, 2)]
-    series = {s: _series(study_project, members[s].info.run_id, tmp_path) for s in (0, 1, 2)}
+    series = {s: _series(project, members[s].info.run_id, tmp_path) for s in (0, 1, 2)}
     assert set(summary["metrics"]) == {"loss"}
     loss = summary["metrics"]["loss"]
     finals = [float(series[s]["loss"][1][np.argmax(series[s]["loss"][0])]) for s in (0, 1, 2)]
@@ -115,45 +113,45 @@ def test_summary_is_the_members_exact_series(study_project: Project, sequential,
     assert spread["mean"] == float(np.mean(finals)) and spread["std"] == float(np.std(finals, ddof=1))
     assert (spread["min"], spread["max"]) == (min(finals), max(finals))
     assert spread["pi95"][0] < spread["ci95"][0] < spread["mean"] < spread["ci95"][1] < spread["pi95"][1]
-    # Per step: every member logged the same 5 steps (100 samples / 2 ranks / batch 10).
+    # Per step: every member logged the same 12 steps (512 samples / 2 ranks / batch 64, 3 epochs).
     table = np.vstack([series[s]["loss"][1] for s in (0, 1, 2)])
     curve = loss["curve"]
-    assert curve["steps"] == series[0]["loss"][0].tolist() == list(range(5))
+    assert curve["steps"] == series[0]["loss"][0].tolist() == list(range(12))
     assert curve["mean"] == table.mean(axis=0).tolist()
     assert curve["std"] == table.std(axis=0, ddof=1).tolist()
     assert curve["min"] == table.min(axis=0).tolist() and curve["max"] == table.max(axis=0).tolist()
     # The curves as MLflow metrics on the study run (what the UI plots), and the spread plot.
-    client = study_project.client()
+    client = project.client()
     history = sorted((m.step, m.value) for m in client.get_metric_history(study_id, "loss/mean"))
     assert history == list(zip(curve["steps"], curve["mean"]))
-    assert len(client.get_metric_history(study_id, "loss/std")) == 5
+    assert len(client.get_metric_history(study_id, "loss/std")) == 12
     names = [a.path for a in client.list_artifacts(study_id, T.ARTIFACT_STUDY_DIR)]
     assert f"{T.ARTIFACT_STUDY_DIR}/spread_loss.png" in names
 
 
-def test_a_member_replays_bitwise(study_project: Project, sequential) -> None:
-    member = _members(study_project, sequential.last_line)[1].info.run_id
-    result = study_project.harness("replay", member)
+def test_a_member_replays_bitwise(project: Project, sequential) -> None:
+    member = _members(project, sequential.last_line)[1].info.run_id
+    result = project.harness("replay", member)
     assert result.returncode == 0, result.stderr
     assert "BITWISE" in result.stdout + result.stderr
 
 
-def test_parallel_members_equal_sequential_ones(study_project: Project, sequential, parallel, tmp_path: Path) -> None:
-    study = study_project.client().get_run(parallel.last_line)
+def test_parallel_members_equal_sequential_ones(project: Project, sequential, parallel, tmp_path: Path) -> None:
+    study = project.client().get_run(parallel.last_line)
     assert study.info.status == T.FINISHED and study.data.tags[T.STUDY_PARALLEL] == "2"
-    seq, par = _members(study_project, sequential.last_line), _members(study_project, parallel.last_line)
+    seq, par = _members(project, sequential.last_line), _members(project, parallel.last_line)
     assert sorted(par) == [0, 1, 2]
     for seed in (0, 1, 2):
         a, b = seq[seed], par[seed]
         assert b.info.status == T.FINISHED
         assert a.data.tags[T.FINGERPRINT] == b.data.tags[T.FINGERPRINT]
-        sa, sb = _series(study_project, a.info.run_id, tmp_path), _series(study_project, b.info.run_id, tmp_path)
+        sa, sb = _series(project, a.info.run_id, tmp_path), _series(project, b.info.run_id, tmp_path)
         assert sa.keys() == sb.keys()
         for key in sa:
             assert np.array_equal(sa[key][0], sb[key][0])
             assert sa[key][1].tobytes() == sb[key][1].tobytes()
-    # No progress bars or rank output interleaved: members' lines only.
-    assert "epoch 1/1" not in parallel.stderr
+    # No progress bars or rank output interleaved: members' lines only (a sequential study shows rank 0's).
+    assert "epoch 1/3" in sequential.stderr and "epoch 1/3" not in parallel.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -161,7 +159,7 @@ def test_parallel_members_equal_sequential_ones(study_project: Project, sequenti
     (["--seeds", "2", "seeds=[5,6]"], "--seeds 2 and `seeds: [5, 6]` in the config both choose the seeds"),
     (["seeds=[4,7,4]"], "seeds lists 4 more than once"),
 ])
-def test_bad_input_records_nothing(study_project: Project, sequential, args: list[str], message: str) -> None:
+def test_bad_input_records_nothing(study_project: Project, args: list[str], message: str) -> None:
     before = len(study_project.all_runs())
     result = study_project.harness("run", "experiments/linear_ddp", *args)
     assert result.returncode == 2, result.stderr

@@ -262,8 +262,9 @@ def _envelope(steps: np.ndarray, values: np.ndarray, buckets: int = _MAX_POINTS 
     return np.concatenate([out_s, steps[m:]]), np.concatenate([out_v, values[m:]])
 
 
-def _file_name(key: str, used: set[str]) -> str:
-    base = "metric_" + (re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "unnamed")
+def plot_file_name(prefix: str, key: str, used: set[str]) -> str:
+    """A file name for a plot of metric `key`, unique in `used` even on a case-insensitive file system."""
+    base = prefix + (re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "unnamed")
     name, i = base, 2
     while name.lower() in used:  # case-insensitive file systems would merge "Loss" and "loss"
         name, i = f"{base}_{i}", i + 1
@@ -343,7 +344,7 @@ def plot_metrics(original: RunRecord, replay: RunRecord, cmp: Comparison, out_di
                 ax.annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"),
                             xytext=(-4 if right_half else 4, -14), textcoords="offset points",
                             ha="right" if right_half else "left", fontsize=8, color="black")
-            path = out_dir / _file_name(name, used)
+            path = out_dir / plot_file_name("metric_", name, used)
             fig.savefig(path, dpi=100)
             paths.append(path)
         finally:

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import queue
-import re
 import signal
 import sys
 import tempfile
@@ -16,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from harness import tags as T
 from harness.errors import HarnessError
@@ -259,6 +258,7 @@ def run_study(
     from harness.config import compose
     from harness.errors import EXIT_FAILED, EXIT_OK
     from harness.executors import Job
+    from harness.executors.base import signals_to
     from harness.launch import resolve_device
     from harness.recorded import checkout
     from harness.store import probe_store, store_timeout
@@ -314,7 +314,7 @@ def run_study(
     study = _Study(jobs_at_once, None, backend)
     stack = contextlib.ExitStack()
     try:
-        stack.enter_context(_signals(study.on_signal))
+        stack.enter_context(signals_to(study.on_signal))
         heartbeat = tracker.heartbeat(study_id, float(cfg.heartbeat_s))
         # Every member runs the code recorded with the study, from one worktree: editing the working tree
         # while an hours-long study runs cannot change its later members.
@@ -365,20 +365,6 @@ def run_study(
                             tracker.end_run(m.run_id, T.FAILED)
             tracker.end_run(study_id, status)
     return StudyOutcome(study_id, status, code, members, message, table)
-
-
-@contextlib.contextmanager
-def _signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
-    """SIGINT and SIGTERM go to `handler` (only the main thread can take signals; elsewhere nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 _print_lock = threading.Lock()
@@ -487,19 +473,12 @@ def record_summary(tracker: Tracker, study_id: str, seeds: list[int], members: l
     return render_table(summary)
 
 
-def _plot_name(metric: str, used: set[str]) -> str:
-    base = "spread_" + (re.sub(r"[^A-Za-z0-9._-]+", "_", metric).strip("._") or "unnamed")
-    name, i = base, 2
-    while name.lower() in used:  # case-insensitive file systems would merge "Loss" and "loss"
-        name, i = f"{base}_{i}", i + 1
-    used.add(name.lower())
-    return name + ".png"
-
-
 def plot_spread(summary: dict[str, Any], records: dict[str, RunRecord], out_dir: Path) -> list[Path]:
     """Per metric: every member's curve (thin), the mean +- sd band, and the final values against the 95%
     prediction interval a new seed's final value falls in."""
     import matplotlib
+
+    from harness.report import plot_file_name
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -534,7 +513,7 @@ def plot_spread(summary: dict[str, Any], records: dict[str, RunRecord], out_dir:
             ax_final.legend(loc="best", fontsize=7)
             sd = "-" if math.isnan(s["std"]) else f"{s['std']:.3g}"
             ax.set_title(f"{name}: {s['n']} seeds, final mean {s['mean']:.6g}, sd {sd}")
-            path = out_dir / _plot_name(name, used)
+            path = out_dir / plot_file_name("spread_", name, used)
             fig.savefig(path, dpi=100)
             paths.append(path)
         finally:

@@ -143,7 +143,7 @@ def run_job(
         else:  # still starting: cancelled as soon as there is something to cancel
             pending.append(signum)
 
-    with _signals(on_signal):
+    with signals_to(on_signal):
         handle.append(executor.start(job, on_event or _print_output))
         if on_start is not None:
             on_start(handle[0])
@@ -162,7 +162,9 @@ def _print_output(event: Event) -> None:
 
 
 @contextlib.contextmanager
-def _signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+def signals_to(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to `handler` while inside (only the main thread can take signals; elsewhere
+    nothing changes), and back to what they were after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

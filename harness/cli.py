@@ -424,8 +424,9 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
            allow_changes: bool, executor: str | None, tracking_uri: str | None) -> None:
     """Check a paper's claims (CLAIMS_FILE) against the recorded studies and runs, optionally replaying them.
 
-    Each claim's printed number must be what its runs produced, rounded as printed (else MISPRINTED);
-    with --replay its replay must be BITWISE, WITHIN_TOLERANCE or WITHIN_NOISE. Prints the claims table,
+    Each claim's printed number must be what its runs produced, rounded as printed (HOLDS), or a mean
+    within the seeds' noise (WITHIN_NOISE), else MISPRINTED; with --replay its replay must be BITWISE,
+    WITHIN_TOLERANCE or WITHIN_NOISE. Prints the claims table,
     `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
     Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
     """

@@ -22,7 +22,7 @@ from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
 from harness.messages import Final, Message, Metrics, SegmentEnd, SegmentStart
-from harness.recorded import RecordedRun
+from harness.recorded import RecordedRun, refuse_non_training
 from harness.tracking import Tracker
 
 
@@ -86,6 +86,7 @@ def audit(
 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
+    refuse_non_training(run, "audit")
     if run.status != T.FINISHED:
         raise HarnessError(f"run {run_id} is {run.status}; only a FINISHED run has an end to verify. Resume it first.")
     record = tracker.load_record(run_id)

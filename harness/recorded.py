@@ -19,6 +19,21 @@ from harness.errors import HarnessError
 from harness.tracking import RunSummary, Tracker
 
 
+# Runs that record a group or a check rather than one training job: there is nothing of their own to rerun.
+_NOT_TRAINING = {
+    T.KIND_STUDY: "a study (its members are the runs): replay it with `harness replay {id}`, or one member by its id",
+    T.KIND_STUDY_REPLAY: "a study replay: replay the study it was made from (harness.replay_of), or one of its members",
+    T.KIND_VERIFY: "a claims check (harness verify): rerun it with `harness verify CLAIMS_FILE --replay`",
+}
+
+
+def refuse_non_training(run: RunSummary, command: str) -> None:
+    """Replay, resume and audit run one recorded training job; a study, study replay or claims check is none."""
+    why = _NOT_TRAINING.get(run.tags.get(T.KIND, ""))
+    if why is not None:
+        raise HarnessError(f"run {run.run_id} is {why.format(id=run.run_id)}; `harness {command}` applies to a training run.")
+
+
 @dataclass
 class RecordedRun:
     """A harness run as the store holds it, loaded by replay, resume and audit.

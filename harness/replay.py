@@ -30,7 +30,7 @@ from harness.config import compose, parse_overrides, validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import json_safe
 from harness.executors import Outcome, Topology
-from harness.recorded import RecordedRun
+from harness.recorded import RecordedRun, refuse_non_training
 from harness.tracking import RunRecord, RunSummary, Tracker
 
 
@@ -138,9 +138,7 @@ def replay(
     if follow:
         original = follow_original(tracker, original)
         run_id = original.run_id
-    if original.tags.get(T.KIND) in (T.KIND_STUDY, T.KIND_STUDY_REPLAY):
-        raise HarnessError(f"run {run_id} is a {original.tags[T.KIND].replace('_', ' ')}, not one run: replay the study "
-                           "with `harness replay STUDY_ID`, or one of its members by its own id.")
+    refuse_non_training(original, "replay")
     check_replayable(original, allow_incomplete)
     incomplete = original.status in T.INCOMPLETE
     recorded = RecordedRun.load(tracker, original)

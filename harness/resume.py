@@ -9,13 +9,14 @@ from harness import checkpoint_store, executors
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.executors import Outcome
-from harness.recorded import RecordedRun
+from harness.recorded import RecordedRun, refuse_non_training
 from harness.tracking import Tracker
 
 
 def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = None) -> Outcome:
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
+    refuse_non_training(run, "resume")
     if run.status not in T.INCOMPLETE:
         hint = (
             f" If its launcher itself was SIGKILLed, nothing could mark it; check no rank still runs, then "

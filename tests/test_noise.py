@@ -201,4 +201,8 @@ def test_study_replay_options_are_checked_before_anything_runs(project, wide_stu
     assert zero.returncode == 2 and "--members 0: pass at least 1" in zero.stderr
     not_study = project.harness("replay", members[1], "--members", "2")
     assert not_study.returncode == 2 and "apply to a study" in not_study.stderr
+    # Resume (like audit, and replay with --no-follow) takes one training run; a study is a group of them.
+    resume = project.harness("resume", study_id)
+    assert resume.returncode == 2 and f"run {study_id} is a study" in resume.stderr
+    assert "`harness resume` applies to a training run" in resume.stderr and resume.stderr.count("\n") == 1
     assert len(project.all_runs()) == before

@@ -342,7 +342,8 @@ def _study_id(run_id: str, tracking_uri: str | None, follow: bool) -> str | None
     from harness.study import is_study
     from harness.tracking import Tracker
 
-    run = Tracker(tracking_uri, writable=False).harness_run(run_id)
+    # Writable: a replay records, so a read-only store is said first, whatever the run is.
+    run = Tracker(tracking_uri).harness_run(run_id)
     if follow and run.tags.get(T.KIND) == T.KIND_STUDY_REPLAY and run.tags.get(T.REPLAY_OF):
         click.echo(f"run {run_id} is a replay of study {run.tags[T.REPLAY_OF]}; replaying the study", err=True)
         return run.tags[T.REPLAY_OF]

@@ -311,39 +311,39 @@ def replay(
     """
     from harness.replay import replay as do_replay
 
+    from harness.tracking import Tracker
+
     slurm, topology = _placement(executor, placement)
-    study_id = _study_id(run_id, tracking_uri, not no_follow)
+    # Writable: a replay records, so a read-only store is said first, whatever the run is.
+    tracker = Tracker(tracking_uri)
+    study_id = _study_id(tracker, run_id, not no_follow)
     if study_id is not None:
-        _replay_study(study_id, members, members_seed, world_size, list(overrides), allow_changes, allow_data_changes,
-                      _data_paths(data_paths), executor, tracking_uri, [*slurm, *_given(placement)])
+        _replay_study(tracker, study_id, members, members_seed, world_size, list(overrides), allow_changes,
+                      allow_data_changes, _data_paths(data_paths), executor, [*slurm, *_given(placement)])
     if members is not None or members_seed is not None:
         raise HarnessError(f"--members and --members-seed apply to a study; run {run_id} is not one.")
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
         allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths),
-        tracking_uri=tracking_uri, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
+        tracker=tracker, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
         placement=slurm, topology=topology,
     )
-    from harness.tracking import Tracker
-
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
         click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
         click.echo(result.outcome.run_id)
         _exit(result.outcome.exit_code)
     _print_comparison(result.comparison, result.changes)
-    click.echo(Tracker(tracking_uri).ui_hint(result.outcome.run_id), err=True)
+    click.echo(tracker.ui_hint(result.outcome.run_id), err=True)
     click.echo(f"verdict: {result.comparison.summary()}")
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)
 
 
-def _study_id(run_id: str, tracking_uri: str | None, follow: bool) -> str | None:
+def _study_id(tracker: Any, run_id: str, follow: bool) -> str | None:
     """The study that replaying RUN_ID means: itself, or (unless --no-follow) the study a study replay was made from."""
     from harness.study import is_study
-    from harness.tracking import Tracker
 
-    # Writable: a replay records, so a read-only store is said first, whatever the run is.
-    run = Tracker(tracking_uri).harness_run(run_id)
+    run = tracker.harness_run(run_id)
     if follow and run.tags.get(T.KIND) == T.KIND_STUDY_REPLAY and run.tags.get(T.REPLAY_OF):
         click.echo(f"run {run_id} is a replay of study {run.tags[T.REPLAY_OF]}; replaying the study", err=True)
         return run.tags[T.REPLAY_OF]
@@ -355,9 +355,9 @@ def _given(placement: dict[str, Any]) -> list[str]:
                                                                                  "master_port")]
 
 
-def _replay_study(study_id: str, members: int | None, members_seed: int | None, world_size: int | None,
+def _replay_study(tracker: Any, study_id: str, members: int | None, members_seed: int | None, world_size: int | None,
                   overrides: list[str], allow_changes: bool, allow_data_changes: bool, data_paths: dict[str, str],
-                  executor: str | None, tracking_uri: str | None, placement: list[str]) -> None:
+                  executor: str | None, placement: list[str]) -> None:
     from harness.replay import replay_study
 
     if placement:
@@ -368,7 +368,7 @@ def _replay_study(study_id: str, members: int | None, members_seed: int | None, 
     result = replay_study(
         study_id, members=members, draw_seed=members_seed, world_size=world_size, overrides=overrides,
         allow_changes=allow_changes, allow_data_changes=allow_data_changes, data_paths=data_paths,
-        tracking_uri=tracking_uri, executor=executor,
+        tracker=tracker, executor=executor,
     )
     for r in result.members:
         click.echo(f"seed {r.original.tags.get('harness.seed')}: {r.comparison.summary()}  (replay {r.outcome.run_id})")

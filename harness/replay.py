@@ -181,7 +181,9 @@ def replay(
 
     if job.topology.node_rank != 0:  # one job, one verdict: node 0's
         return ReplayResult(original, outcome, None, changes)
-    a, b = tracker.load_record(run_id), tracker.load_record(replay_id)
+    # A study replay has the member's record already (it judges every member against the same seeds).
+    a = next((m for m in study_members or [] if m.run_id == run_id), None) or tracker.load_record(run_id)
+    b = tracker.load_record(replay_id)
     failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
     comparison = compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed,
                               incomplete_original=incomplete)
@@ -298,6 +300,7 @@ def replay_study(
     members: int | None = None,
     draw_seed: int | None = None,
     tracking_uri: str | None = None,
+    tracker: Tracker | None = None,
     **options: Any,
 ) -> StudyReplayResult:
     """Replay every member of a study (or `members` drawn with a recorded seed) and judge them together.
@@ -307,7 +310,7 @@ def replay_study(
     from harness import noise, study
     from harness.report import render_study_markdown
 
-    tracker = Tracker(tracking_uri)
+    tracker = tracker or Tracker(tracking_uri)
     recorded = study.load_study(tracker, study_id)
     if recorded.run.status != T.FINISHED:
         raise HarnessError(f"study {study_id} is {recorded.run.status}: only a study whose every member finished can "

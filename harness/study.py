@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -388,17 +389,13 @@ def curve(series: Sequence[tuple[Any, Any]]) -> dict[str, list]:
     """Per step that every member logged: mean, sample sd (ddof=1, nan for one member), min and max."""
     import numpy as np
 
+    from harness.compare import as_series
+
     if not series:
         return {"steps": [], "mean": [], "std": [], "min": [], "max": []}
-    common = np.asarray(series[0][0], dtype=np.int64)
-    for steps, _ in series[1:]:
-        common = np.intersect1d(common, np.asarray(steps, dtype=np.int64))
-    rows = []
-    for steps, values in series:
-        steps = np.asarray(steps, dtype=np.int64)
-        index = {int(s): i for i, s in enumerate(steps)}  # a step logged twice: the series keeps the last value
-        rows.append(np.asarray(values, dtype=np.float64)[[index[int(s)] for s in common]])
-    table = np.vstack(rows) if rows else np.empty((0, common.size))
+    normal = [as_series(steps, values) for steps, values in series]  # ascending; a step logged twice keeps its last value
+    common = functools.reduce(np.intersect1d, (steps for steps, _ in normal))
+    table = np.vstack([values[np.searchsorted(steps, common)] for steps, values in normal])
     with np.errstate(invalid="ignore"):
         std = table.std(axis=0, ddof=1) if table.shape[0] > 1 else np.full(common.size, math.nan)
     return {"steps": [int(s) for s in common], "mean": table.mean(axis=0).tolist(), "std": std.tolist(),

@@ -207,19 +207,19 @@ def judge(claim: Claim, source: Source, where: str) -> Verdict:
 
 
 def replay_source(source: Source, *, members: int | None, world_size: int | None, overrides: list[str],
-                  allow_changes: bool, tracking_uri: str | None, executor: str | None, tracker: Tracker) -> None:
+                  allow_changes: bool, executor: str | None, tracker: Tracker) -> None:
     """Replay a study (replay_study) or a single run (replay) once; keep the verdict and the replays' records."""
     from harness import replay as rp
 
     if source.is_study:
         result = rp.replay_study(source.run_id, members=members, world_size=world_size, overrides=overrides,
-                                 allow_changes=allow_changes, tracking_uri=tracking_uri, executor=executor)
+                                 allow_changes=allow_changes, tracker=tracker, executor=executor)
         source.replay_id, source.replay_verdict, source.replay_summary = result.run_id, result.verdict, result.summary()
         outcomes = [(m.outcome.run_id, m.comparison) for m in result.members]
         source.replayed_originals = [m.original.run_id for m in result.members]
     else:
         one = rp.replay(source.run_id, world_size=world_size, overrides=overrides, allow_changes=allow_changes,
-                        tracking_uri=tracking_uri, executor=executor)
+                        tracker=tracker, executor=executor)
         assert one.comparison is not None  # a single-node replay judges itself
         source.replay_id, source.replay_verdict = one.outcome.run_id, one.comparison.verdict
         source.replay_summary = one.comparison.summary()
@@ -269,7 +269,7 @@ def verify(claims_file: Path, *, replay: bool = False, members: int | None = Non
         for source in sources.values():  # each study or run once, however many claims rest on it
             print(f"replaying {'study' if source.is_study else 'run'} {source.run_id} ...", file=sys.stderr)
             replay_source(source, members=members, world_size=world_size, overrides=list(overrides or []),
-                          allow_changes=allow_changes, tracking_uri=tracking_uri, executor=executor, tracker=tracker)
+                          allow_changes=allow_changes, executor=executor, tracker=tracker)
         for verdict in verdicts:
             judge_replay(verdict)
     return record(tracker, claims_file, verdicts, replay, list(overrides or []))

@@ -217,17 +217,13 @@ def _read_line(proc, timeout_s: float) -> str:
 def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, original: str, clean_replay,
                                                          tmp_path: Path) -> None:
     """`harness ui` (a real MLflow server) and the page its printed link opens, in a real headless Chromium."""
-    import os
-    import shutil
     import signal
     import subprocess
     import urllib.request
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is required in CI (apt-get install chromium)")
-        pytest.skip("no chromium here for the real-browser check")
+    from browser import chromium as find_chromium
+
+    chromium = find_chromium()
     port = _free_port()
     server = project.popen("ui", "linear_ddp", "--port", str(port))
     try:

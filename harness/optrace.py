@@ -214,6 +214,20 @@ ACCUMULATION_OPS = frozenset({
 })
 
 
+def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors the op's schema marks as written (Tensor(a!)), in argument order."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written: list[torch.Tensor] = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written += [t for t in _flat_tensors(value) if isinstance(t, torch.Tensor)]
+    return written
+
+
 def _flat_tensors(x: Any) -> list[Any]:
     leaves, _ = tree_flatten(x)
     return leaves
@@ -419,17 +433,19 @@ class OpTracer:
             frame = frame.f_back
         return ""
 
-    def _sig(self, t: torch.Tensor, hashed: bool = True) -> TensorSig:
+    def _sig(self, t: torch.Tensor, hashed: bool = True, fresh: bool = False) -> TensorSig:
         if not hashed:
             return tensor_sig(t, hashed=False)
         # Same live tensor, same version counter (shared by views, bumped by in-place writes):
         # same bytes, so the output of one op is not hashed again as the input of the next.
+        # Outputs are always hashed (fresh): an in-place op's version bump comes only after the
+        # dispatch returns, and collectives write without one.
         try:
             version = t._version
         except RuntimeError:  # inference tensors have no version counter
             return tensor_sig(t)
         hit = self._hash_cache.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == version:
+        if not fresh and hit is not None and hit[0]() is t and hit[1] == version:
             return hit[2]
         sig = tensor_sig(t)
         try:
@@ -483,8 +499,12 @@ class OpTracer:
                     w.wait()
         in_flight = namespace == "_c10d_functional" and base != "wait_tensor"
         hashed = base not in _UNINITIALIZED_OUTPUT and not in_flight
-        outputs = [self._sig(t, hashed=hashed) if isinstance(t, torch.Tensor) else None
-                   for t in flat_out]
+        # Written arguments that the op does not return (_foreach_add_ returns nothing) are
+        # outputs too: their state after the op.
+        flat_out += [t for t in _written_args(func, args, kwargs)
+                     if not any(t is o for o in flat_out)]
+        outputs = [self._sig(t, hashed=hashed, fresh=True) if isinstance(t, torch.Tensor)
+                   else None for t in flat_out]
         self.ops.append(OpRecord(index=len(self.ops), op=name, module=module, phase=phase,
                                  inputs=inputs, outputs=outputs, user_line=line,
                                  params=params, order_free=order_free))
@@ -581,8 +601,8 @@ def describe_sig(s: TensorSig | None) -> str:
 
 
 def _where(r: OpRecord) -> str:
-    module = r.module or "outside the model"
-    return f"{r.op} in {module} ({r.phase}) at {r.user_line or 'no line in the user code'}"
+    where = f"in {r.module}" if r.module else "outside the model"
+    return f"{r.op} {where} ({r.phase}) at {r.user_line or 'no line in the user code'}"
 
 
 def _differing(xs: list[TensorSig | None], ys: list[TensorSig | None], what: str) -> list[str]:

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from harness.errors import HarnessError
 
@@ -214,23 +213,33 @@ ACCUMULATION_OPS = frozenset({
 })
 
 
+_WRITES: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+
+
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors the op's schema marks as written (Tensor(a!)), in argument order."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return []
+    writes = _WRITES.get(func)
+    if writes is None:
+        schema = getattr(func, "_schema", None)
+        writes = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write) if schema else ()
+        _WRITES[func] = writes
     written: list[torch.Tensor] = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+    for i, name, kwarg_only in writes:
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         written += [t for t in _flat_tensors(value) if isinstance(t, torch.Tensor)]
     return written
 
 
 def _flat_tensors(x: Any) -> list[Any]:
-    leaves, _ = tree_flatten(x)
-    return leaves
+    """Leaves of the (nested) tuples, lists and dicts an op takes and returns, in order."""
+    if isinstance(x, (tuple, list)):
+        if all(not isinstance(v, (tuple, list, dict)) for v in x):
+            return list(x)
+        return [leaf for v in x for leaf in _flat_tensors(v)]
+    if isinstance(x, dict):
+        return [leaf for v in x.values() for leaf in _flat_tensors(v)]
+    return [x]
 
 
 def _settings() -> dict[str, Any]:
@@ -269,6 +278,10 @@ def _flush_denormal() -> bool:
     # zero exactly when the CPU flushes denormals (FTZ/DAZ).
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     return bool((tiny * 1.0).item() == 0.0)
+
+
+# code_dir -> {co_filename: whether it lies under code_dir}, shared by tracers of the same code.
+_USER_FILES: dict[str, dict[str, bool]] = {}
 
 
 class _Origins(TorchFunctionMode):
@@ -333,6 +346,7 @@ class OpTracer:
         self._node_origin: dict[int, tuple[Any, str, str]] = {}
         self._hash_cache: dict[int, tuple[Any, int, TensorSig]] = {}
         self._line_cache: dict[tuple[str, int], str] = {}
+        self._is_user_file = _USER_FILES.setdefault(self.code_dir, {})
         self._modes: tuple[_Origins, _Dispatch] | None = None
         self._done = False
 
@@ -419,14 +433,18 @@ class OpTracer:
     # -- recording ---------------------------------------------------------------------------
     def _user_line(self) -> str:
         frame: FrameType | None = sys._getframe(2)
+        is_user = self._is_user_file
         while frame is not None:
             path = frame.f_code.co_filename
-            if path.startswith(self.code_dir) or (not os.path.isabs(path)
-                                                  and os.path.realpath(path).startswith(self.code_dir)):
+            user = is_user.get(path)
+            if user is None:
+                # Relative names (a module loaded by a relative path) are resolved once.
+                user = is_user[path] = os.path.realpath(path).startswith(self.code_dir)
+            if user:
                 key = (path, frame.f_lineno)
                 line = self._line_cache.get(key)
                 if line is None:
-                    rel = os.path.relpath(path, self.code_dir)
+                    rel = os.path.relpath(os.path.realpath(path), self.code_dir)
                     line = f"{rel}:{frame.f_lineno}  {linecache.getline(path, frame.f_lineno).strip()}"
                     self._line_cache[key] = line
                 return line

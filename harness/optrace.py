@@ -114,12 +114,17 @@ def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's elements' bytes in row-major order (views and strides resolved)."""
     if t.layout != torch.strided or t.device.type == "meta":
         return f"unhashable:{str(t.layout).removeprefix('torch.')}"
-    c = t.detach().resolve_conj().resolve_neg()
-    if c.device.type != "cpu":
-        c = c.cpu()
-    # reshape(-1) copies only when the strides demand it; view(uint8) needs a contiguous 1-D tensor.
-    flat = c.contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+    try:
+        # force=True: detached, on the CPU, conjugate and negative bits resolved.
+        array = t.numpy(force=True)
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes through a uint8 view
+        c = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+        return hashlib.sha256(c.view(torch.uint8).numpy()).hexdigest()
+    if not array.flags.c_contiguous:
+        import numpy as np
+
+        array = np.ascontiguousarray(array)  # row-major, whatever the view's strides were
+    return hashlib.sha256(array.reshape(-1).view("u1")).hexdigest()
 
 
 def tensor_sig(t: torch.Tensor, hashed: bool = True) -> TensorSig:

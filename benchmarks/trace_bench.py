@@ -2,7 +2,8 @@
 
     python benchmarks/trace_bench.py [--rounds 30]
 
-One process, one thread, interleaved rounds (untraced step, traced step, ...), medians; the table
+One process, one thread, interleaved rounds (untraced step, step under a dispatch mode that does
+nothing, traced step, ...), medians; the table
 reports the ratio and the size of one step's trace file (harness.optrace.dumps).
 """
 
@@ -16,11 +17,19 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.optrace import OpTracer, dumps, localize
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments/digits_cnn"
+
+
+class PassThrough(TorchDispatchMode):
+    """The floor of any dispatcher-level tracer: a Python dispatch mode that only calls the op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -45,11 +54,15 @@ def main() -> None:
 
     for _ in range(3):  # warm-up: allocator, momentum buffers
         step()
-    plain, traced, sizes, ops = [], [], [], 0
+    plain, passthrough, traced, sizes, ops = [], [], [], [], 0
     for _ in range(rounds):
         start = time.perf_counter()
         step()
         plain.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with PassThrough():
+            step()
+        passthrough.append(time.perf_counter() - start)
         start = time.perf_counter()
         with OpTracer(str(EXPERIMENT), model, {"step": 0}) as tracer:
             step()
@@ -68,6 +81,8 @@ def main() -> None:
     print("| what | median | ratio to one untraced step |")
     print("| --- | --- | --- |")
     print(f"| training step, untraced | {p * 1e3:.2f} ms | 1.00 |")
+    m = statistics.median(passthrough)
+    print(f"| training step under a pass-through dispatch mode | {m * 1e3:.2f} ms | {m / p:.1f} |")
     print(f"| training step, traced ({ops} ops) | {t * 1e3:.2f} ms | {t / p:.1f} |")
     print(f"| localize() of two such traces | {diff_s * 1e3:.2f} ms | {diff_s / p:.2f} |")
     print(f"| trace file (gzip'd JSON lines) | {statistics.median(sizes) / 1024:.1f} KiB | - |")

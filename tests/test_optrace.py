@@ -307,3 +307,25 @@ def test_reports_name_the_op_module_and_line(user: tuple[ModuleType, Path], tmp_
     assert "CULPRIT" in rendered.text and "aten.randn.generator" in rendered.text
     assert line_of("noise") in rendered.text
     assert rendered.requests == [path.as_uri()]
+
+
+def test_order_free_digest_ignores_only_the_order_of_contributions() -> None:
+    from harness.optrace import _order_free
+
+    acc = torch.zeros(3, 2)
+    index = torch.tensor([[0, 1], [2, 0], [1, 1]])
+    src = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    perm = torch.tensor([2, 0, 1])
+    base = _order_free("scatter_add_", (acc, 0, index, src), {})
+    assert len(base) == 64
+    assert _order_free("scatter_add_", (acc, 0, index[perm], src[perm]), {}) == base
+    assert _order_free("scatter_add_", (acc, 0, index, src + 1), {}) != base
+    rows = torch.tensor([2, 0, 2])
+    put = _order_free("index_put_", (acc, [rows], src, True), {})
+    assert put and _order_free("index_put_", (acc, [rows[perm]], src[perm], True), {}) == put
+    assert _order_free("index_put_", (acc, [rows], src, False), {}) == ""  # a write, not a sum
+    grad = torch.arange(8.0).reshape(4, 2)
+    tokens = torch.tensor([1, 0, 1, 3])
+    emb = _order_free("embedding_dense_backward", (grad, tokens, 4, -1, False), {})
+    swapped = torch.tensor([3, 1, 0, 2])
+    assert _order_free("embedding_dense_backward", (grad[swapped], tokens[swapped], 4, -1, False), {}) == emb

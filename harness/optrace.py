@@ -500,7 +500,12 @@ class OpTracer:
             return func(*args, **kwargs)  # record_function markers: annotations, not computation
         base = op_base(name)
         phase, module, line = self._phase_and_origin(args)
-        if line is None:
+        namespace = name.split(".", 1)[0]
+        if phase == BACKWARD and namespace in ("c10d", "_c10d_functional"):
+            # DDP's bucket all-reduce fires from the gradient hook of whichever parameter
+            # completed the bucket; naming that parameter's module would blame one of many.
+            module, line = BACKWARD_UNKNOWN_MODULE, None
+        if not line:  # no forward line for this node: the innermost user frame now
             line = self._user_line()
         overwritten = {id(v) for k, v in kwargs.items() if k == "out" or k.startswith("out")}
         if base in _OVERWRITES_SELF and args and isinstance(args[0], torch.Tensor):
@@ -513,7 +518,6 @@ class OpTracer:
 
         out = func(*args, **kwargs)
 
-        namespace = name.split(".", 1)[0]
         flat_out = _flat_tensors(out)
         if namespace == "c10d":
             # c10d ops return (tensors, Work): the tensors hold the result only after the wait.

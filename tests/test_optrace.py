@@ -287,6 +287,10 @@ def test_rules_name_only_what_they_know() -> None:
     tanh = Localization(CULPRIT, 0, _record(0, "aten.tanh.default"), None, None, [])
     assert optrace_rules.precision_setting(tanh, same, other, None) is None
     assert optrace_rules.random_generator(tanh, same, same, None) is None
+    allreduce = Localization(CULPRIT, 0, _record(0, "c10d.allreduce_.default"), None, None, [])
+    assert optrace_rules.collective_peer(allreduce, Trace([], {"world_size": 2}),
+                                         Trace([], {"world_size": 4}), None).endswith("(2 vs 4)")
+    assert optrace_rules.collective_peer(loc, same, same, None) is None
     scatter = Localization(CULPRIT, 0, _record(0, "aten.scatter_add_.default"), None, None, [])
     assert "nondeterministic accumulation" in optrace_rules.accumulation_order(scatter, same, same, None)
 

@@ -346,8 +346,8 @@ class OpTracer:
         self._handles: list[Any] = []
         self._in_optimizer = 0
         self._in_backward_call = 0
-        # autograd node -> (module, user_line) of the forward call that made it; the nodes are
-        # held so their identity stays valid for the step.
+        # id(autograd node) -> (node, module, user_line) of the forward call that made it; the
+        # node is held so that its id cannot be reused by another node during the step.
         self._node_origin: dict[int, tuple[Any, str, str]] = {}
         self._hash_cache: dict[int, tuple[Any, int, TensorSig]] = {}
         self._line_cache: dict[tuple[str, int], str] = {}

@@ -110,10 +110,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's elements' bytes in row-major order (views and strides resolved)."""
     if t.layout != torch.strided or t.device.type == "meta":
         return f"unhashable:{str(t.layout).removeprefix('torch.')}"
+    if type(t) not in _PLAIN_TENSORS:
+        # A tensor subclass (DTensor, FakeTensor...) has no bytes of its own on this rank to read.
+        return f"unhashable:{type(t).__name__}"
     try:
         # force=True: detached, on the CPU, conjugate and negative bits resolved.
         array = t.numpy(force=True)
@@ -699,10 +705,14 @@ def localize(a: Trace, b: Trace, hints: dict | None = None) -> Localization:
         return Localization(IDENTICAL, None, None, None, None,
                             ["both traces are empty: no op was compared (was the step inside "
                              "the tracer?)"])
-    tensors = sum(sum(s is not None for s in r.inputs + r.outputs) for r in a.ops)
-    return Localization(IDENTICAL, None, None, None, None, [
-        f"no difference found: {n} ops compared, with {tensors} tensor signatures "
-        "(shape, dtype, sha256 of the bytes), all identical"])
+    sigs = [s for r in a.ops for s in r.inputs + r.outputs if s is not None]
+    hashed = sum(bool(s.sha256) and not s.sha256.startswith("unhashable:") for s in sigs)
+    detail = [f"no difference found: {n} ops compared, with {hashed} tensor signatures "
+              "(shape, dtype, sha256 of the bytes), all identical"]
+    if hashed < len(sigs):
+        detail.append(f"{len(sigs) - hashed} more tensors were compared by shape and dtype only "
+                      "(undefined or overwritten memory, in-flight collectives, tensor subclasses)")
+    return Localization(IDENTICAL, None, None, None, None, detail)
 
 
 def render_markdown(loc: Localization, a: Trace, b: Trace) -> str:

@@ -355,7 +355,7 @@ class OpTracer:
         # id(autograd node) -> (node, module, user_line) of the forward call that made it; the
         # node is held so that its id cannot be reused by another node during the step.
         self._node_origin: dict[int, tuple[Any, str, str]] = {}
-        self._hash_cache: dict[int, tuple[Any, int, TensorSig]] = {}
+        self._hash_cache: dict[int, tuple[Any, tuple[int, int], TensorSig]] = {}
         self._line_cache: dict[tuple[str, int], str] = {}
         self._is_user_file = _USER_FILES.setdefault(self.code_dir, {})
         self._modes: tuple[_Origins, _Dispatch] | None = None
@@ -470,7 +470,8 @@ class OpTracer:
         # Outputs are always hashed (fresh): an in-place op's version bump comes only after the
         # dispatch returns, and collectives write without one.
         try:
-            version = t._version
+            # data_ptr too: `p.data = other` swaps the storage without bumping the version.
+            version = (t._version, t.data_ptr())
         except RuntimeError:  # inference tensors have no version counter
             return tensor_sig(t)
         hit = self._hash_cache.get(id(t))

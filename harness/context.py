@@ -399,10 +399,20 @@ class Context:
         )
         directory = Path(plan.directory)
         ckpt.save_atomic(state, ckpt.path_for(directory, step, self.rank))
-        self.barrier()  # every rank's file is on disk before the step is marked complete
+        tensors = ckpt.tensor_fingerprints(state, self._model, self._tracked.get("optimizer"))
+        # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
+        ranks = self._gather(ckpt.set_sha256(tensors))
         if self.is_main:
             ckpt.mark_complete(directory, step, self.world_size)
-            self._send(Checkpoint(step, state["fingerprint"]))
+            self._send(Checkpoint(step, state["fingerprint"], tensors, tuple(ranks)))
+
+    def _gather(self, value: str) -> list[str]:
+        """`value` of every rank, in rank order (a collective: it waits for all ranks, like a barrier)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value)
+        return [str(v) for v in every]
 
     def _load_checkpoint(self, step: int) -> int:
         """Restore model, optimizer, ... and the other loaders' generators; returns the epoch to start."""

@@ -229,8 +229,9 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of `dtype|shape|` then the tensor's raw bytes (a contiguous CPU copy): equal digest = equal tensor."""
     t = tensor.detach().to("cpu").contiguous()
     digest = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    # view(uint8) works for every dtype (bf16 has no numpy twin); a 0-d tensor is reshaped first.
-    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    # view(uint8) works for every dtype (bf16 has no numpy twin); a 0-d tensor is reshaped first. The array
+    # is handed to sha256 as a buffer: no copy of the bytes.
+    digest.update(t.reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
@@ -256,11 +257,23 @@ def tensor_fingerprints(ckpt: Mapping[str, Any], model: torch.nn.Module,
     return dict(sorted(out.items()))
 
 
-def set_sha256(digests: Mapping[str, str]) -> str:
-    """One sha256 over a whole set of tensor digests (name and digest, by name): a rank's checkpoint in 64 hex."""
+def live_tensor_fingerprints(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+    """tensor_fingerprints of the model and optimizer as they are now, without building a checkpoint."""
+    state = {"model": _unwrap(model).state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict()}
+    return tensor_fingerprints(state, model, optimizer)
+
+
+def replica_sha256(digests: Mapping[str, str], model: torch.nn.Module) -> str:
+    """One sha256 over the digests of the parameters and their optimizer state (name and digest, by name).
+
+    What DDP keeps equal on every rank; buffers are left out: BatchNorm statistics are updated by each
+    rank's own forward after DDP broadcast rank 0's, so they legitimately differ between ranks.
+    """
+    params = {name for name, _ in _unwrap(model).named_parameters()}
     digest = hashlib.sha256()
     for name in sorted(digests):
-        digest.update(f"{name}\0{digests[name]}\n".encode())
+        if name.split("/")[0] in params:
+            digest.update(f"{name}\0{digests[name]}\n".encode())
     return digest.hexdigest()
 
 

@@ -58,7 +58,8 @@ class Checkpoint:
     """Every rank saved a checkpoint at `step`; `sha256` is the saved weights' fingerprint.
 
     `tensors`: rank 0's sha256 per saved tensor (parameters, buffers, optimizer state); `ranks`: every
-    rank's sha256 over its own set of those digests, in rank order (a rank that fell out of step shows).
+    rank's sha256 over its parameters' and optimizer state's digests, in rank order (a rank that fell
+    out of step shows).
     """
 
     step: int
@@ -76,10 +77,12 @@ class SegmentStart:
 
 @dataclass(frozen=True)
 class SegmentEnd:
-    """An audit segment stopped at `step` with weights `sha256` (None without a model)."""
+    """An audit segment stopped at `step` with weights `sha256` (None without a model); `tensors`: sha256 per
+    tensor, as a checkpoint at `step` records them (empty without a model)."""
 
     step: int
     sha256: str | None
+    tensors: dict[str, str] = field(default_factory=dict)
 
 
 Message = Union[Metrics, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd]

@@ -6,6 +6,7 @@ change (`train.perturb_at`) that nudges exactly one weight and its momentum righ
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -69,13 +70,14 @@ def runs(project: Project) -> dict[str, Any]:
     return {"original": original, "honest": honest, "planted": planted}
 
 
-_TRACKERS: dict[str, Tracker] = {}
+@functools.cache
+def _tracker(uri: str) -> Tracker:
+    return Tracker(uri)
 
 
 def _record(project: Project, result_or_id: Result | str) -> RunRecord:
     run_id = result_or_id if isinstance(result_or_id, str) else result_or_id.last_line
-    tracker = _TRACKERS.setdefault(project.uri, Tracker(project.uri))
-    return tracker.load_record(run_id)
+    return _tracker(project.uri).load_record(run_id)
 
 
 def test_checkpoint_records_a_digest_per_tensor_equal_to_the_saved_bytes(project: Project, runs: dict) -> None:
@@ -128,3 +130,23 @@ def test_without_per_tensor_digests_nothing_is_claimed_equal() -> None:
     assert first_differing_checkpoint(old, new) == (None, None, [])
     desynced = _bare({0: "a"}, {0: {"tensors": {"w": "1"}, "ranks": ["x", "y"]}})
     assert diff_checkpoints(new, desynced).desynced_ranks == {"replay": {0: [1]}}
+
+
+def test_digests_name_buffers_and_optimizer_state_and_cover_dtype_and_shape() -> None:
+    from harness import checkpoint as ckpt
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    state = ckpt.build(model=model, optimizer=opt, position=ckpt.TrainingPosition(1, 0, 1))
+    tensors = ckpt.tensor_fingerprints(state, model, opt)
+    assert {"1.running_mean", "1.num_batches_tracked", "0.weight/exp_avg", "0.weight/exp_avg_sq", "1.bias/step"} <= set(tensors)
+    assert tensors == ckpt.live_tensor_fingerprints(model, opt)
+    # The same 8 zero bytes as another dtype or shape are another tensor.
+    same_bytes = [torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(2, 1), torch.zeros(4, dtype=torch.bfloat16)]
+    assert len({ckpt.tensor_sha256(t) for t in same_bytes}) == 4
+    # BatchNorm statistics may differ between DDP ranks: the replica digest ignores buffers, not parameters.
+    moved = dict(tensors, **{"1.running_mean": "0" * 64})
+    assert ckpt.replica_sha256(moved, model) == ckpt.replica_sha256(tensors, model)
+    assert ckpt.replica_sha256(dict(tensors, **{"0.weight/exp_avg": "0" * 64}), model) != ckpt.replica_sha256(tensors, model)

@@ -2,8 +2,9 @@
 
     python benchmarks/checkpoint_bench.py [--rounds 2] [--skip-cli]
 
-Part 1, in one process, interleaved: a digits_cnn training step vs one checkpoint save (build +
-atomic write) of the same model and optimizer. Part 2, the real CLI on a temporary git repository:
+Part 1, in one process, interleaved: a training step vs one checkpoint save (build + atomic write)
+of the same model and optimizer vs the per-tensor fingerprints of that checkpoint (digits_cnn, and an
+MLP of 32 MiB where hashing's per-byte cost dominates). Part 2, the real CLI on a temporary git repository:
 `harness replay` of a digits_cnn run vs `harness audit --segments K`, interleaved rounds.
 """
 
@@ -19,49 +20,74 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def part1(rounds: int) -> None:
-    from harness import checkpoint as ckpt
-
+def _digits() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.nn.Module]:
     spec = importlib.util.spec_from_file_location("digits_train", ROOT / "experiments/digits_cnn/train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    torch.set_num_threads(1)
-    model = module.make_model(0.25)
+    return module.make_model(0.25), torch.rand(32, 1, 8, 8), torch.randint(0, 10, (32,)), torch.nn.CrossEntropyLoss()
+
+
+def _mlp() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.nn.Module]:
+    # 8 x Linear(1024, 1024): 8.4 M parameters, 32 MiB, where hashing's per-byte cost shows over per-tensor costs.
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]
+    return torch.nn.Sequential(*layers), torch.rand(32, 1024), torch.rand(32, 1024), torch.nn.MSELoss()
+
+
+def _measure(name: str, make: Any, rounds: int) -> list[str]:
+    from harness import checkpoint as ckpt
+
+    model, x, y, loss_fn = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = torch.rand(32, 1, 8, 8), torch.randint(0, 10, (32,))
-    loss_fn = torch.nn.CrossEntropyLoss()
 
     def step() -> None:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
 
+    step()  # momentum buffers exist from here on, as in every checkpoint after step 0
     tmp = Path(tempfile.mkdtemp())
-    steps, saves = [], []
+    steps, saves, hashes = [], [], []
     for r in range(rounds * 10):
         start = time.perf_counter()
-        for _ in range(10):
+        for _ in range(5):
             step()
-        steps.append((time.perf_counter() - start) / 10)
+        steps.append((time.perf_counter() - start) / 5)
         start = time.perf_counter()
         position = ckpt.TrainingPosition(r, 0, r, ckpt.generator_state(torch.Generator()))
-        ckpt.save_atomic(ckpt.build(model=model, optimizer=opt, position=position), tmp / "rank0.pt")
+        state = ckpt.build(model=model, optimizer=opt, position=position)
+        ckpt.save_atomic(state, tmp / "rank0.pt")
         saves.append(time.perf_counter() - start)
+        # What _maybe_checkpoint adds on top of the save: a digest per tensor and one over the set.
+        start = time.perf_counter()
+        tensors = ckpt.tensor_fingerprints(state, model, opt)
+        ckpt.replica_sha256(tensors, model)
+        hashes.append(time.perf_counter() - start)
     size = (tmp / "rank0.pt").stat().st_size
     shutil.rmtree(tmp)
-    s, c = statistics.median(steps), statistics.median(saves)
-    print("checkpoint cost, digits_cnn (1 thread), median of interleaved rounds\n")
-    print("| what | median | ratio to one training step |")
-    print("| --- | --- | --- |")
-    print(f"| training step (batch 32) | {s * 1e3:.2f} ms | 1.0 |")
-    print(f"| checkpoint save (build + fsync'd atomic write, {size / 1024:.0f} KiB) | {c * 1e3:.2f} ms | {c / s:.1f} |")
-    print(f"\nWith checkpoint_every=N the overhead is {c / s:.1f}/N of the training time per rank.\n")
+    s, c, h = statistics.median(steps), statistics.median(saves), statistics.median(hashes)
+    return [
+        f"| {name} | training step (batch 32) | {s * 1e3:.2f} ms | 1.0 | - |",
+        f"| {name} | checkpoint save (build + fsync'd atomic write, {size / 1024:.0f} KiB) | {c * 1e3:.2f} ms "
+        f"| {c / s:.2f} | 1.0 |",
+        f"| {name} | per-tensor fingerprints ({len(tensors)} tensors) | {h * 1e3:.2f} ms | {h / s:.2f} | {h / c:.2f} |",
+    ]
+
+
+def part1(rounds: int) -> None:
+    torch.set_num_threads(1)
+    rows = _measure("digits_cnn", _digits, rounds) + _measure("MLP 8x1024^2", _mlp, rounds)
+    print(f"checkpoint cost (1 thread), median of interleaved rounds; load average {os.getloadavg()[0]:.1f}\n")
+    print("| model | what | median | ratio to one training step | ratio to the save |")
+    print("| --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+    print("\nWith checkpoint_every=N the overhead per rank is (save + fingerprints)/N of a step's time.\n")
 
 
 def harness(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:

@@ -149,6 +149,16 @@ def _start_is_recorded(seg: Segment, record, world_size: int, directory: Path) -
     return True
 
 
+def _differing_tensors(got: dict[str, str] | None, recorded: dict | None) -> str:
+    """`; tensors that differ: a, b` when both sides have per-tensor digests (a run from before them has none)."""
+    if not got or not recorded or not recorded.get("tensors"):
+        return ""
+    want = recorded["tensors"]
+    names = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return f"; tensors that differ: {shown} (of {len(want.keys() | got.keys())})" if names else ""
+
+
 def _run_segments(
     segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, data: dict[str, str] | None = None
 ) -> list[Segment]:
@@ -163,6 +173,7 @@ def _run_segments(
     ]
     current: list[int] = []
     ends: dict[int, tuple[int, str]] = {}
+    tensors: dict[int, dict[str, str]] = {}
     logged: dict[int, dict[tuple[str, int], float]] = {}
     started: dict[int, float] = {}
 
@@ -174,8 +185,9 @@ def _run_segments(
             case Metrics(step, values):
                 for key, value in values.items():
                     logged.setdefault(current[-1], {})[(key, step)] = value
-            case SegmentEnd(step, sha256):
+            case SegmentEnd(step, sha256, digests):
                 ends[current[-1]] = (step, sha256)
+                tensors[current[-1]] = digests
             case Final(sha256, steps):
                 ends[current[-1]] = (steps, sha256)
 
@@ -195,6 +207,7 @@ def _run_segments(
         step, fp = ends[i]
         if fp != seg.expected:
             seg.detail = f"end fingerprint at step {step} is {str(fp)[:12]}, the run recorded {seg.expected[:12]}"
+            seg.detail += _differing_tensors(tensors.get(i), (record.checkpoint_tensors or {}).get(step))
             continue
         mismatch = _first_metric_mismatch(logged.get(i, {}), record)
         if mismatch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 import pickle
 import random
@@ -24,6 +25,8 @@ FORMAT_KEY = "harness_checkpoint_format"
 FORMAT_VERSION = 1
 
 COMPLETE_MARKER = "COMPLETE"
+# What a per-tensor digest covers, stored with them: a reader of another format must not compare across.
+FINGERPRINT_FORMAT = "sha256(dtype|shape|raw bytes) per tensor; v1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # What torch.load(weights_only=True) accepts; anything else would make the file unloadable there.
@@ -219,6 +222,59 @@ def build(
     for part in ("optimizer", "scheduler", "scaler", "extra"):
         _check_plain(ckpt[part], part)
     return ckpt
+
+
+# -- per-tensor fingerprints -------------------------------------------------------------------------
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of `dtype|shape|` then the tensor's raw bytes (a contiguous CPU copy): equal digest = equal tensor."""
+    t = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    # view(uint8) works for every dtype (bf16 has no numpy twin); a 0-d tensor is reshaped first. The array
+    # is handed to sha256 as a buffer: no copy of the bytes.
+    digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def tensor_fingerprints(ckpt: Mapping[str, Any], model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+    """sha256 per tensor of a built checkpoint: the model's state_dict keys (parameters and buffers) and
+    each optimizer state tensor named after its parameter (`fc.weight/momentum_buffer`), by sorted name.
+
+    The digests are of the snapshot that is saved, so they describe the file's bytes, not a later state.
+    """
+    out = {str(name): tensor_sha256(t) for name, t in ckpt["model"].items() if isinstance(t, torch.Tensor)}
+    opt_state = ckpt.get("optimizer")
+    if optimizer is not None and opt_state is not None:
+        # Optimizer.state_dict numbers the parameters in param_groups order; the numbers say nothing to a reader.
+        names = {id(p): n for n, p in _unwrap(model).named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, state in opt_state.get("state", {}).items():
+            owner = names.get(id(params[index])) if isinstance(index, int) and index < len(params) else None
+            owner = owner or f"optimizer.param{index}"
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{owner}/{key}"] = tensor_sha256(value)
+    return dict(sorted(out.items()))
+
+
+def live_tensor_fingerprints(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+    """tensor_fingerprints of the model and optimizer as they are now, without building a checkpoint."""
+    state = {"model": _unwrap(model).state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict()}
+    return tensor_fingerprints(state, model, optimizer)
+
+
+def replica_sha256(digests: Mapping[str, str], model: torch.nn.Module) -> str:
+    """One sha256 over the digests of the parameters and their optimizer state (name and digest, by name).
+
+    What DDP keeps equal on every rank; buffers are left out: BatchNorm statistics are updated by each
+    rank's own forward after DDP broadcast rank 0's, so they legitimately differ between ranks.
+    """
+    params = {name for name, _ in _unwrap(model).named_parameters()}
+    digest = hashlib.sha256()
+    for name in sorted(digests):
+        if name.split("/")[0] in params:
+            digest.update(f"{name}\0{digests[name]}\n".encode())
+    return digest.hexdigest()
 
 
 def _one_line(exc: BaseException) -> str:

@@ -409,6 +409,8 @@ def _print_comparison(cmp: Any, changes: list[str]) -> None:
             f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
             f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
         )
+    for line in cmp.checkpoint_lines():  # where the weights parted, just above the verdict
+        click.echo(line)
 
 
 @main.command()

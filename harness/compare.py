@@ -17,6 +17,7 @@ from harness.delta import ConfigChange, FactDelta, config_delta, environment_del
 from harness.errors import EXIT_FAILED, EXIT_OK
 from harness.fmt import fmt_pair, fmt_short, json_safe, the
 from harness.noise import NoiseJudgement
+from harness.tensordiff import CheckpointDiff, diff_checkpoints
 from harness.tracking import RunRecord
 
 BITWISE = "BITWISE"
@@ -144,6 +145,7 @@ class Comparison:
     failed_alike: bool = False  # the replay of an incomplete original failed with the original's own reason
     notes: list[str] = field(default_factory=list)
     noise: NoiseJudgement | None = None  # set when a difference was judged against a study's spread
+    checkpoints: CheckpointDiff | None = None  # checkpoint tensors compared; None when neither run checkpointed
 
     @property
     def exit_code(self) -> int:
@@ -164,6 +166,18 @@ class Comparison:
         elif self.weights_unchanged_in:
             line += f" - but {the(self.weights_unchanged_in[0])}'s model weights never changed: nothing was trained in it"
         return line
+
+    def checkpoint_lines(self) -> list[str]:
+        """Where the weights parted, for the verdict output: said on a divergence, or whenever tensors differ."""
+        ck = self.checkpoints
+        if ck is None or (self.verdict != DIVERGED and ck.first_diff_step is None and not ck.desynced_ranks):
+            return []
+        lines = [ck.describe(self.labels)]
+        for label, steps in ck.desynced_ranks.items():
+            step, ranks = next(iter(steps.items()))
+            lines.append(f"checkpoint tensors: in {the(label)}, rank{'s' if len(ranks) > 1 else ''} "
+                         f"{', '.join(map(str, ranks))} held other tensors than rank 0 at step {step}")
+        return lines
 
     def _verdict_line(self) -> str:
         if self.verdict == NOTHING_TO_COMPARE:
@@ -448,7 +462,10 @@ def compare_runs(
         exact = all(s.bitwise_equal for s in stats) and fps.all_equal
         verdict = BITWISE if exact and not blockers else WITHIN_TOLERANCE
 
+    last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=None) if incomplete_original else None
+    checkpoints = diff_checkpoints(original, replay, labels, last)
     return Comparison(
+        checkpoints=checkpoints,
         verdict=verdict,
         original_id=original.run_id,
         replay_id=replay.run_id,

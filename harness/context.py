@@ -374,7 +374,7 @@ class Context:
             # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
             self._maybe_checkpoint(epoch, i)
             if self._plan is not None and self._plan.stop_at is not None and step >= self._plan.stop_at:
-                self._send(SegmentEnd(step, fingerprint(self._model) if self._model is not None else None))
+                self._send(self._segment_end(step))
                 raise StopSegment()
             try:
                 batch = next(iterator)
@@ -399,10 +399,27 @@ class Context:
         )
         directory = Path(plan.directory)
         ckpt.save_atomic(state, ckpt.path_for(directory, step, self.rank))
-        self.barrier()  # every rank's file is on disk before the step is marked complete
+        tensors = ckpt.tensor_fingerprints(state, self._model, self._tracked.get("optimizer"))
+        # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
+        ranks = self._gather(ckpt.replica_sha256(tensors, self._model))
         if self.is_main:
             ckpt.mark_complete(directory, step, self.world_size)
-            self._send(Checkpoint(step, state["fingerprint"]))
+            self._send(Checkpoint(step, state["fingerprint"], tensors, tuple(ranks)))
+
+    def _segment_end(self, step: int) -> SegmentEnd:
+        if self._model is None:
+            return SegmentEnd(step, None)
+        # Per tensor too: a segment that ends elsewhere than the run's checkpoint names the tensors that differ.
+        tensors = ckpt.live_tensor_fingerprints(self._model, self._tracked.get("optimizer"))
+        return SegmentEnd(step, fingerprint(self._model), tensors)
+
+    def _gather(self, value: str) -> list[str]:
+        """`value` of every rank, in rank order (a collective: it waits for all ranks, like a barrier)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value)
+        return [str(v) for v in every]
 
     def _load_checkpoint(self, step: int) -> int:
         """Restore model, optimizer, ... and the other loaders' generators; returns the epoch to start."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 
@@ -55,10 +55,17 @@ class Total:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Every rank saved a checkpoint at `step`; `sha256` is the saved weights' fingerprint."""
+    """Every rank saved a checkpoint at `step`; `sha256` is the saved weights' fingerprint.
+
+    `tensors`: rank 0's sha256 per saved tensor (parameters, buffers, optimizer state); `ranks`: every
+    rank's sha256 over its parameters' and optimizer state's digests, in rank order (a rank that fell
+    out of step shows).
+    """
 
     step: int
     sha256: str
+    tensors: dict[str, str] = field(default_factory=dict)
+    ranks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,10 +77,12 @@ class SegmentStart:
 
 @dataclass(frozen=True)
 class SegmentEnd:
-    """An audit segment stopped at `step` with weights `sha256` (None without a model)."""
+    """An audit segment stopped at `step` with weights `sha256` (None without a model); `tensors`: sha256 per
+    tensor, as a checkpoint at `step` records them (empty without a model)."""
 
     step: int
     sha256: str | None
+    tensors: dict[str, str] = field(default_factory=dict)
 
 
 Message = Union[Metrics, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd]

@@ -159,6 +159,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         ]
     out.append("")
 
+    out += _checkpoint_section(cmp)
     out += _noise_section(cmp)
 
     out += ["## First divergence", ""]
@@ -182,6 +183,31 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out += _table(["", ""], rows)
     out.append("")
     return "\n".join(out)
+
+
+def _checkpoint_section(cmp: Comparison) -> list[str]:
+    """The checkpoint tensors compared: the first step whose weights differ and which tensors (tensordiff.py)."""
+    ck = cmp.checkpoints
+    if ck is None:
+        return []
+    out = ["## Checkpoint tensors", ""]
+    if ck.missing_in or ck.common_steps == 0:
+        return out + [_cell(ck.describe(cmp.labels)), ""]
+    last = "none" if ck.last_equal_step is None else f"step {ck.last_equal_step}"
+    out += [f"- Common checkpoint steps: {ck.common_steps}", f"- Last with every tensor equal: {last}"]
+    if ck.first_diff_step is None:
+        out.append("- First differing: none")
+    else:
+        out += [f"- First differing: step {ck.first_diff_step}: {_cell(ck.what_differs(cmp.labels))}", ""]
+        a, b = cmp.labels
+        rows = [[_code(n), "differs"] for n in ck.differing]
+        rows += [[_code(n), f"only in {a}"] for n in ck.only_in_a] + [[_code(n), f"only in {b}"] for n in ck.only_in_b]
+        out += _table(["Tensor", f"at step {ck.first_diff_step}"], rows)
+    for label, steps in ck.desynced_ranks.items():
+        shown = "; ".join(f"step {s}: ranks {', '.join(map(str, r))}" for s, r in steps.items())
+        out.append(f"- In {label}, ranks that held other tensors than rank 0: {shown}")
+    out.append("")
+    return out
 
 
 def render_study_markdown(result: Any) -> str:

@@ -134,6 +134,9 @@ ARTIFACT_NODES = "environment/nodes.json"  # every node's provenance, node rank 
 ARTIFACT_LOGS_DIR = "logs"
 ARTIFACT_FINGERPRINTS = "fingerprints.json"
 ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts
+# Per checkpoint step: sha256 per tensor (rank 0) and per rank over the set. Outside checkpoints/, so a bundle
+# without --with-checkpoints still carries it.
+ARTIFACT_CHECKPOINT_FINGERPRINTS = "checkpoint_fingerprints.json"
 ARTIFACT_SERIES = "metrics/series.npz"  # every logged value, exact, for fast comparison
 ARTIFACT_FAILURE = "failure.txt"
 ARTIFACT_DATA_MANIFEST = "data/manifest.json"  # per declared name: paths, per-file size and sha256

@@ -244,6 +244,9 @@ class RunRecord:
     # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
     metrics_exact: bool = True
     data: dict | None = None  # the declared data's manifest (harness/data.py), None when the run declared none
+    # step -> {"tensors": name -> sha256, "ranks": [sha256 per rank]}; None when the run recorded none (no
+    # checkpoints, or a run from before they were recorded).
+    checkpoint_tensors: dict[int, dict] | None = None
 
 
 def _summary(run: Any, experiment: str) -> RunSummary:
@@ -584,6 +587,7 @@ class Tracker:
         fp = json.loads(self.read_text(run_id, T.ARTIFACT_FINGERPRINTS) or "{}")
         config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
         data_text = self.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)
+        tensors_text = self.read_text(run_id, T.ARTIFACT_CHECKPOINT_FINGERPRINTS) if fp.get("checkpoints") else None
         return RunRecord(
             run_id=run_id,
             experiment=run.experiment,
@@ -597,6 +601,8 @@ class Tracker:
             steps_total=fp.get("steps_total"),
             metrics_exact=exact,
             data=json.loads(data_text) if data_text is not None else None,
+            checkpoint_tensors=(None if tensors_text is None else
+                                {int(k): v for k, v in json.loads(tensors_text).get("steps", {}).items()}),
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 

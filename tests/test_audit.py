@@ -83,6 +83,7 @@ def test_nondeterministic_step_is_caught(project: Project) -> None:
     assert "segment 0 steps 0-2: ok" in result.stdout
     # Targets come from os.urandom from step 3 on: the segment holding step 3 cannot reproduce.
     assert "segment 1 steps 2-4: FAILED - end fingerprint at step 4" in result.stdout
+    assert "; tensors that differ: bias, weight (of 2)" in result.stdout  # per-tensor digests name them
     assert lines[-2].startswith("verdict: DIVERGED in segment 1 (steps 2-4)")
 
 

@@ -136,7 +136,8 @@ def test_import_keeps_the_record_exactly(exported: Exported, clean: Project, imp
     sent = {k: v for k, v in files(src, exported.run_id).items() if not k.startswith(f"{T.ARTIFACT_CHECKPOINTS}/")}
     got = files(dst, imported)
     assert got == {**sent, T.ARTIFACT_CODE_BUNDLE: got[T.ARTIFACT_CODE_BUNDLE]}  # checkpoints stay home by default
-    for name in (T.ARTIFACT_SERIES, T.ARTIFACT_PATCH, T.ARTIFACT_CONFIG):
+    assert T.ARTIFACT_CHECKPOINT_FINGERPRINTS in got  # per-tensor digests travel without --with-checkpoints
+    for name in (T.ARTIFACT_SERIES, T.ARTIFACT_PATCH, T.ARTIFACT_CONFIG, T.ARTIFACT_CHECKPOINT_FINGERPRINTS):
         with open(src.download_artifacts(exported.run_id, name, str(exported.base / "a")), "rb") as fa, \
                 open(dst.download_artifacts(imported, name, str(exported.base / "b")), "rb") as fb:
             assert fa.read() == fb.read(), name

@@ -235,12 +235,13 @@ class LocalHandle(Handle):
         outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
         fingerprints: dict[int, str] = {}
-        final: dict[str, Any] = {"checkpoints": {}}
+        final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}}
         prior = None
         if resume_step is not None:
             prior = tracker.load_record(run_id)
             fingerprints = {k: v for k, v in prior.fingerprints.items() if k < resume_step}
             final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
+            final["checkpoint_tensors"] = {k: v for k, v in (prior.checkpoint_tensors or {}).items() if k <= resume_step}
         status, code, message = T.FAILED, EXIT_FAILED, ""
         try:
             nproc = cfg.world_size // job.topology.nnodes
@@ -284,8 +285,9 @@ class LocalHandle(Handle):
                         final["determinism"], final["vars"] = settings, env
                     case Total(steps):
                         console.total(steps)
-                    case Checkpoint(step, sha256):
+                    case Checkpoint(step, sha256, tensors, ranks):
                         final["checkpoints"][step] = sha256
+                        final["checkpoint_tensors"][step] = {"tensors": tensors, "ranks": list(ranks)}
                         ckpts.completed(step)
                 self.on_event(msg)
 
@@ -478,6 +480,9 @@ def _record_results(
             "checkpoints": {str(k): v for k, v in sorted(final["checkpoints"].items())},
         }
         tracker.log_text(run_id, json.dumps(doc, indent=2), T.ARTIFACT_FINGERPRINTS)
+    if final.get("checkpoint_tensors"):
+        tracker.log_text(run_id, checkpoint_fingerprints_json(final["checkpoint_tensors"]),
+                         T.ARTIFACT_CHECKPOINT_FINGERPRINTS)
     if (work / "series.npz").exists():
         tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
     if any((work / "logs").iterdir()):
@@ -485,6 +490,14 @@ def _record_results(
     outputs = work / "outputs"
     if outputs.is_dir() and any(outputs.iterdir()):
         tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+def checkpoint_fingerprints_json(steps: dict[int, dict[str, Any]]) -> str:
+    """The per-tensor checkpoint fingerprints artifact: step -> {"tensors": name -> sha256, "ranks": [sha256]}."""
+    from harness.checkpoint import FINGERPRINT_FORMAT
+
+    doc = {"format": FINGERPRINT_FORMAT, "steps": {str(k): v for k, v in sorted(steps.items())}}
+    return json.dumps(doc, indent=1, sort_keys=True)
 
 
 def _warn_if_vacuous(tracker: Tracker, run_id: str, writer: Any, final: dict[str, Any]) -> None:

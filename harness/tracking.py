@@ -279,12 +279,9 @@ _TAG_FILTER = re.compile(r"tags\.`([^`]+)` (=|LIKE) '([^'%]*|%)'")
 def mlflow_schema_head() -> str | None:
     """The newest database revision of the installed MLflow, read from its migration scripts without
     importing it; None when they are not where MLflow 3 keeps them (then MLflow itself opens the store)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("mlflow")
-    if spec is None or not spec.submodule_search_locations:
+    folder = _mlflow_file(*_MIGRATIONS)
+    if folder is None:
         return None
-    folder = Path(list(spec.submodule_search_locations)[0], *_MIGRATIONS)
     revisions: set[str] = set()
     parents: set[str] = set()
     try:
@@ -943,19 +940,52 @@ def run_url(uri: str, experiment_id: str, run_id: str | None = None) -> str:
 
 
 def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """`mlflow server` on this store, as an argument list and its environment.
+    """MLflow's UI server on this store, as an argument list and its environment.
 
-    One worker and no job runner: the UI is for one reader, and MLflow's defaults (4 workers and a
-    job runner with 7 consumers) take ~30 s to answer instead of ~8 s.
+    What `mlflow server --workers 1` runs, started directly: that command imports MLflow (~3 s here)
+    only to start uvicorn, which imports it again; by default it also runs 4 workers and a job runner
+    with 7 consumers. The UI is for one reader: one uvicorn process, no job runner, started with the
+    environment `mlflow server` gives it (MLflow 3's server reads its settings from these variables).
     """
     import sys
 
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port),
-           "--workers", "1"]
     root = artifact_root(uri)
+    cmd = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", "1"]
+    log_config = _mlflow_file("server", "uvicorn_log_config.yaml")
+    if log_config is not None:
+        cmd += ["--log-config", str(log_config)]
+    cmd.append("mlflow.server.fastapi_app:app")
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_SERVER_X_FRAME_OPTIONS": "SAMEORIGIN",
+        "MLFLOW_ENABLE_WORKSPACES": "false",
+        "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_REGISTRY_URI": uri,
+        "MLFLOW_SERVER_SECRETS_CACHE_TTL": "60",
+        "MLFLOW_SERVER_SECRETS_CACHE_MAX_SIZE": "1000",
+        "_MLFLOW_SERVER_FILE_STORE": uri,
+        "_MLFLOW_SERVER_REGISTRY_STORE": uri,
+        "_MLFLOW_SERVER_SERVE_ARTIFACTS": "true",
+        "_MLFLOW_SERVER_ARTIFACT_DESTINATION": "./mlartifacts",
+        "_MLFLOW_SERVER_BOOT_ID": os.urandom(16).hex(),
+        "_MLFLOW_IN_JOB_EXECUTOR": "false",
+        "_MLFLOW_SGI_NAME": "uvicorn",
+    }
     if root:
-        cmd += ["--default-artifact-root", Path(root).as_uri()]
-    return cmd, {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env["_MLFLOW_SERVER_ARTIFACT_ROOT"] = Path(root).as_uri()
+    return cmd, env
+
+
+def _mlflow_file(*parts: str) -> Path | None:
+    """A file shipped inside the installed MLflow package, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlflow")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0], *parts)
+    return path if path.exists() else None
 
 
 class Heartbeat:

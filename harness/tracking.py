@@ -276,12 +276,13 @@ _TAG_FILTER = re.compile(r"tags\.`([^`]+)` (=|LIKE) '([^'%]*|%)'")
 
 
 @functools.lru_cache(maxsize=1)
-def mlflow_schema_head() -> str | None:
-    """The newest database revision of the installed MLflow, read from its migration scripts without
-    importing it; None when they are not where MLflow 3 keeps them (then MLflow itself opens the store)."""
+def mlflow_schema_revisions() -> tuple[str | None, frozenset[str]]:
+    """The newest database revision of the installed MLflow and every revision it can migrate from, read
+    from its migration scripts without importing it; (None, ...) when they are not where MLflow 3 keeps
+    them (then MLflow itself opens the store)."""
     folder = _mlflow_file(*_MIGRATIONS)
     if folder is None:
-        return None
+        return None, frozenset()
     revisions: set[str] = set()
     parents: set[str] = set()
     try:
@@ -290,9 +291,13 @@ def mlflow_schema_head() -> str | None:
                 named = set(re.findall(r"[\"']([0-9A-Za-z_]+)[\"']", value))
                 (parents if down else revisions).update(named)
     except OSError:
-        return None
+        return None, frozenset()
     heads = revisions - parents
-    return heads.pop() if len(heads) == 1 else None
+    return (heads.pop() if len(heads) == 1 else None), frozenset(revisions)
+
+
+def mlflow_schema_head() -> str | None:
+    return mlflow_schema_revisions()[0]
 
 
 class SqliteReader:
@@ -323,6 +328,9 @@ class SqliteReader:
             return None
         if found != [(head,)]:
             db.close()
+            if len(found) == 1 and isinstance(found[0][0], str):
+                # What MLflow would refuse the store for, said without importing it (~3 s).
+                raise schema_error(display_uri(uri), found[0][0], known=found[0][0] in mlflow_schema_revisions()[1])
             return None
         return cls(db)
 

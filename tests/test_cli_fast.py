@@ -84,16 +84,23 @@ def test_missing_run_and_experiment_read_as_mlflow(trackers: tuple[Tracker, Trac
         assert str(by_fast.value) == str(by_mlflow.value)
 
 
-def test_another_revision_goes_through_mlflow(tmp_path: Path) -> None:
-    """A store this MLflow did not make is left to MLflow (which names its revision); so is a new one."""
+@pytest.mark.parametrize("revision", ["0584bdc529eb", "ffffffffffff"], ids=["older", "unknown"])
+def test_another_revision_is_refused_as_mlflow_would(tmp_path: Path, revision: str) -> None:
+    """A store of another MLflow version gets MLflow's refusal (tests/test_store.py checks its words via the
+    CLI), named from the migration scripts without importing MLflow; a store not made yet is left to MLflow."""
     import sqlite3
 
+    from harness.store import schema_error
+
     db = tmp_path / "mlflow.db"
-    assert SqliteReader.open(f"sqlite:///{db}") is None  # no file yet: MLflow creates it
+    uri = f"sqlite:///{db}"
+    assert SqliteReader.open(uri) is None  # no file yet: MLflow creates it
     with sqlite3.connect(db) as conn:
         conn.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
-        conn.execute("INSERT INTO alembic_version VALUES ('0123456789ab')")
-    assert SqliteReader.open(f"sqlite:///{db}") is None
+        conn.execute("INSERT INTO alembic_version VALUES (?)", (revision,))
+    with pytest.raises(HarnessError) as refused:
+        SqliteReader.open(uri)
+    assert str(refused.value) == str(schema_error(uri, revision))  # known=None: MLflow's alembic decides
 
 
 def test_runs_and_compare_never_import_mlflow_or_torch(project: Project, replayed: tuple[str, str]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -76,6 +77,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds() -> float:
+    """user + sys seconds of every finished, waited-for descendant: what a command costs whatever the load."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def time_ui(tree: Path, cwd: Path, uri: str) -> float:
     """Seconds from starting `harness ui` to the first HTTP 200 of its page; then it is stopped by its PID."""
     port = free_port()
@@ -129,19 +136,22 @@ def main() -> None:
         trees = {"baseline": base, "this tree": ROOT}
         commands: dict[str, list[str]] = {"--help": ["--help"], "runs": ["runs"], "compare": ["compare", run_a, run_b]}
         times: dict[tuple[str, str], list[float]] = {}
+        cpu: dict[tuple[str, str], list[float]] = {}
         loads = []
         for round_ in range(opts.rounds):
             order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
             for name, args in [*commands.items(), ("ui", [])]:
                 for label, tree in order:
+                    before = cpu_seconds()
                     seconds = time_ui(tree, store, uri) if name == "ui" else time_command(tree, args, store, uri)
                     times.setdefault((name, label), []).append(seconds)
+                    cpu.setdefault((name, label), []).append(cpu_seconds() - before)
             loads.append(os.getloadavg()[0])
             print(f"round {round_ + 1}/{opts.rounds} done (load {loads[-1]:.1f})", file=sys.stderr)
     print(f"`python benchmarks/cli_bench.py --rounds {opts.rounds}`; baseline `{opts.baseline}`; store of 2 "
           f"linear_ddp runs; load average (1 min) {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores\n")
-    print("| command | baseline median s | this tree median s | ratio | goal | met |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| command | baseline median s | this tree median s | ratio | goal | met | CPU s baseline / this tree |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in [*commands, "ui"]:
         before = statistics.median(times[(name, "baseline")])
         after = statistics.median(times[(name, "this tree")])
@@ -150,7 +160,8 @@ def main() -> None:
         if name == "compare":
             shown = "harness compare A B"
         print(f"| `{shown}` | {before:.2f} | {after:.2f} | {after / before:.2f} | < {goal:g} s | "
-              f"{'yes' if after < goal else 'no'} |")
+              f"{'yes' if after < goal else 'no'} | {statistics.median(cpu[(name, 'baseline')]):.2f} / "
+              f"{statistics.median(cpu[(name, 'this tree')]):.2f} |")
 
 
 if __name__ == "__main__":

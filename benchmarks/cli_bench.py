@@ -150,8 +150,11 @@ def main() -> None:
             print(f"round {round_ + 1}/{opts.rounds} done (load {loads[-1]:.1f})", file=sys.stderr)
     print(f"`python benchmarks/cli_bench.py --rounds {opts.rounds}`; baseline `{opts.baseline}`; store of 2 "
           f"linear_ddp runs; load average (1 min) {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores\n")
-    print("| command | baseline median s | this tree median s | ratio | goal | met | CPU s baseline / this tree |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    # Wall time is what a user waits; on an oversubscribed machine it is mostly waiting for a core. The
+    # CPU seconds (user + sys of the command and its server) are what it costs on an idle one.
+    print("| command | baseline median s | this tree median s | ratio | CPU s baseline / this tree | CPU ratio "
+          "| goal | met (wall / CPU) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in [*commands, "ui"]:
         before = statistics.median(times[(name, "baseline")])
         after = statistics.median(times[(name, "this tree")])
@@ -159,9 +162,11 @@ def main() -> None:
         shown = "harness ui (first HTTP 200)" if name == "ui" else f"harness {' '.join(commands[name][:1])}"
         if name == "compare":
             shown = "harness compare A B"
-        print(f"| `{shown}` | {before:.2f} | {after:.2f} | {after / before:.2f} | < {goal:g} s | "
-              f"{'yes' if after < goal else 'no'} | {statistics.median(cpu[(name, 'baseline')]):.2f} / "
-              f"{statistics.median(cpu[(name, 'this tree')]):.2f} |")
+        cpu_before = statistics.median(cpu[(name, "baseline")])
+        cpu_after = statistics.median(cpu[(name, "this tree")])
+        print(f"| `{shown}` | {before:.2f} | {after:.2f} | {after / before:.2f} | {cpu_before:.2f} / {cpu_after:.2f} | "
+              f"{cpu_after / cpu_before:.2f} | < {goal:g} s | {'yes' if after < goal else 'no'} / "
+              f"{'yes' if cpu_after < goal else 'no'} |")
 
 
 if __name__ == "__main__":

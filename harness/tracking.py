@@ -785,12 +785,13 @@ class Tracker:
     @_store_call
     def _experiment(self, name: str) -> tuple[str, str]:
         """(id, name) of an existing experiment."""
-        found = self._reader.experiment(name) if self._reader is not None else None
+        if self._reader is not None:
+            found = self._reader.experiment(name)
+        else:
+            exp = self.client.get_experiment_by_name(name)
+            found = None if exp is None else (exp.experiment_id, exp.name)
         if found is None:
-            exp = self.client.get_experiment_by_name(name) if self._reader is None else None
-            if exp is None:
-                raise HarnessError(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
-            found = (exp.experiment_id, exp.name)
+            raise HarnessError(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
         return found
 
     @_store_call

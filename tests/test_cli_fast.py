@@ -110,7 +110,8 @@ def test_runs_and_compare_never_import_mlflow_or_torch(project: Project, replaye
         proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "harness", *args], cwd=project.root,
                               env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                    if line.startswith("import time:")}
         assert replayed[0] in proc.stdout or "BITWISE" in proc.stdout
         assert {"mlflow", "torch", "sqlalchemy"}.isdisjoint(imported), args
 

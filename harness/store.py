@@ -340,26 +340,30 @@ def _probe_database(uri: str, shown: str) -> None:
         engine.dispose()
 
 
-def schema_error(shown: str, found: str) -> HarnessError:
-    """A database made by another MLflow version: name the revision and the way out."""
-    import mlflow
+def schema_error(shown: str, found: str, known: bool | None = None) -> HarnessError:
+    """A database made by another MLflow version: name the revision and the way out.
 
-    known = False
-    try:
-        from mlflow.store.db.utils import _get_alembic_config
-        from alembic.script import ScriptDirectory
+    `known`: whether this MLflow has a migration to `found`; None to ask MLflow's own migration scripts.
+    """
+    from importlib.metadata import version
 
-        known = any(s.revision == found for s in ScriptDirectory.from_config(_get_alembic_config("")).walk_revisions())
-    except Exception:  # MLflow's migration layout is not public: an unknown answer is the safe one
-        known = False
+    if known is None:
+        try:
+            from mlflow.store.db.utils import _get_alembic_config
+            from alembic.script import ScriptDirectory
+
+            known = any(s.revision == found for s in ScriptDirectory.from_config(_get_alembic_config("")).walk_revisions())
+        except Exception:  # MLflow's migration layout is not public: an unknown answer is the safe one
+            known = False
+    mlflow_version = version("mlflow")  # without importing MLflow
     if known:
         return HarnessError(
             f"the tracking store {shown} has the older database schema revision {found}, and this MLflow "
-            f"({mlflow.__version__}) needs a newer one. Back it up, then run `mlflow db upgrade {shown}`, or use the "
+            f"({mlflow_version}) needs a newer one. Back it up, then run `mlflow db upgrade {shown}`, or use the "
             "MLflow version that made it."
         )
     return HarnessError(
-        f"the tracking store {shown} has database schema revision {found}, which this MLflow ({mlflow.__version__}) "
+        f"the tracking store {shown} has database schema revision {found}, which this MLflow ({mlflow_version}) "
         f"does not know: another MLflow version made it. Use the MLflow version that made it, {OTHER_STORE}."
     )
 

@@ -6,6 +6,8 @@ import functools
 import json
 import logging
 import os
+import re
+import sqlite3
 import tempfile
 import struct
 import threading
@@ -21,7 +23,8 @@ if TYPE_CHECKING:
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, display_uri, env_seconds, opening,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, database_file, display_uri, env_seconds,
+    opening,
     probe_store,
     reason_of, schema_error,
     store_timeout,
@@ -31,6 +34,7 @@ STORE_DIR = "mlruns"
 # Not MLflow's 5000: a local Docker registry (the docker executor's) usually listens there.
 UI_PORT = 5050
 _BATCH = 1000  # MLflow's per-request limit for metrics in log_batch
+_READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other
 
 
 def default_uri(cwd: Path | None = None) -> str:
@@ -44,8 +48,6 @@ def resolve_uri(uri: str | None) -> str:
 
 
 def _open_error(shown: str, err: BaseException) -> HarnessError:
-    import re
-
     text = str(getattr(err, "message", None) or err)
     found = re.search(r"out-of-date database schema \(found version ([^,\s)]+)", text)
     if found:
@@ -265,6 +267,138 @@ def _summary(run: Any, experiment: str) -> RunSummary:
     )
 
 
+# --- reading a local store without MLflow ---------------------------------------------------------
+# `harness runs`, `compare` and `ui` only read. Importing MLflow (~3 s here) and opening its store
+# (~2 s: SQLAlchemy, the schema check) cost far more than the queries. A local SQLite store whose
+# schema is the one this MLflow writes is read here with the standard library instead, read-only;
+# any other store, or one this reader does not recognise, goes through MLflow as before.
+_MIGRATIONS = ("store", "db_migrations", "versions")
+_REVISION = re.compile(r"^(down_)?revision\s*(?::[^=]*)?=\s*(.+)$", re.MULTILINE)
+# The filters harness's own queries use: one tag equal to a value, or present at all (LIKE '%').
+_TAG_FILTER = re.compile(r"tags\.`([^`]+)` (=|LIKE) '([^'%]*|%)'")
+
+
+@functools.lru_cache(maxsize=1)
+def mlflow_schema_revisions() -> tuple[str | None, frozenset[str]]:
+    """The newest database revision of the installed MLflow and every revision it can migrate from, read
+    from its migration scripts without importing it; (None, ...) when they are not where MLflow 3 keeps
+    them (then MLflow itself opens the store)."""
+    folder = _mlflow_file(*_MIGRATIONS)
+    if folder is None:
+        return None, frozenset()
+    revisions: set[str] = set()
+    parents: set[str] = set()
+    try:
+        for script in folder.glob("*.py"):
+            for down, value in _REVISION.findall(script.read_text(encoding="utf-8")):
+                named = set(re.findall(r"[\"']([0-9A-Za-z_]+)[\"']", value))
+                (parents if down else revisions).update(named)
+    except OSError:
+        return None, frozenset()
+    heads = revisions - parents
+    return (heads.pop() if len(heads) == 1 else None), frozenset(revisions)
+
+
+def mlflow_schema_head() -> str | None:
+    return mlflow_schema_revisions()[0]
+
+
+class SqliteReader:
+    """Read-only queries on a current local SQLite store: the same answers as MLflow's client for what
+    harness reads (runs, tags, params, metric history, local artifacts)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    @classmethod
+    def open(cls, uri: str) -> "SqliteReader | None":
+        """A reader for `uri`, or None when MLflow must open it (not a local SQLite file, a schema of
+        another revision - MLflow names that -, workspaces enabled, or anything unexpected)."""
+        path = database_file(uri)
+        if path is None or not path.is_file() or path.stat().st_size == 0:
+            return None
+        if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("true", "1"):
+            return None
+        head = mlflow_schema_head()
+        if head is None:
+            return None
+        try:
+            # mode=ro: nothing is written, not even a journal, so a read-only store reads too.
+            db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=_READ_TIMEOUT_S,
+                                 check_same_thread=False)
+            found = db.execute("SELECT version_num FROM alembic_version").fetchall()
+        except sqlite3.Error:
+            return None
+        if found != [(head,)]:
+            db.close()
+            if len(found) == 1 and isinstance(found[0][0], str):
+                # What MLflow would refuse the store for, said without importing it (~3 s).
+                raise schema_error(display_uri(uri), found[0][0], known=found[0][0] in mlflow_schema_revisions()[1])
+            return None
+        return cls(db)
+
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._db.execute(sql, args).fetchall()
+
+    def experiment(self, name: str) -> tuple[str, str] | None:
+        """(id, name) of the experiment called `name`, deleted or not (as get_experiment_by_name)."""
+        found = self._rows("SELECT experiment_id, name FROM experiments WHERE name = ?", (name,))
+        return (str(found[0][0]), found[0][1]) if found else None
+
+    def experiments(self) -> dict[str, str]:
+        """id -> name of the active experiments (as search_experiments())."""
+        return {str(i): n for i, n in self._rows("SELECT experiment_id, name FROM experiments "
+                                                 "WHERE lifecycle_stage = 'active' ORDER BY experiment_id")}
+
+    def experiment_tags(self, experiment_id: str) -> dict[str, str]:
+        return dict(self._rows("SELECT key, value FROM experiment_tags WHERE experiment_id = ?", (experiment_id,)))
+
+    def search(self, names: dict[str, str], filter_string: str, max_results: int) -> list[RunSummary] | None:
+        """Active runs of the experiments `names`, newest first (MLflow's order: start time, then id);
+        None for a filter this reader does not handle."""
+        where = ["r.lifecycle_stage = 'active'", f"r.experiment_id IN ({','.join('?' * len(names))})"]
+        args: list[Any] = [int(i) for i in names]
+        if filter_string:
+            match = _TAG_FILTER.fullmatch(filter_string.strip())
+            if match is None:
+                return None
+            key, op, value = match.groups()
+            if op == "LIKE" and value != "%":
+                return None
+            where.append("EXISTS (SELECT 1 FROM tags t WHERE t.run_uuid = r.run_uuid AND t.key = ?"
+                         + (" AND t.value = ?)" if op == "=" else ")"))
+            args += [key, value] if op == "=" else [key]
+        ids = [row[0] for row in self._rows(
+            f"SELECT r.run_uuid FROM runs r WHERE {' AND '.join(where)} "
+            "ORDER BY r.start_time IS NULL, r.start_time DESC, r.run_uuid LIMIT ?", (*args, max_results))]
+        return [self.run(i, names) for i in ids]  # type: ignore[misc]
+
+    def run(self, run_id: str, names: dict[str, str] | None = None) -> RunSummary | None:
+        found = self._rows("SELECT r.run_uuid, r.experiment_id, r.name, r.status, r.start_time, r.end_time, "
+                           "r.artifact_uri, e.name FROM runs r JOIN experiments e ON e.experiment_id = r.experiment_id "
+                           "WHERE r.run_uuid = ?", (run_id,))
+        if not found:
+            return None
+        uuid, exp_id, name, status, start, end, artifact_uri, exp_name = found[0]
+        return RunSummary(
+            run_id=uuid, experiment=exp_name, experiment_id=str(exp_id), run_name=name, status=status,
+            start_time=start, end_time=end,
+            tags=dict(self._rows("SELECT key, value FROM tags WHERE run_uuid = ?", (uuid,))),
+            params=dict(self._rows("SELECT key, value FROM params WHERE run_uuid = ?", (uuid,))),
+            metric_keys=sorted(k for (k,) in self._rows("SELECT key FROM latest_metrics WHERE run_uuid = ?", (uuid,))),
+            artifact_uri=artifact_uri,
+        )
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[float, int, int]]:
+        """(value, timestamp, step) of every write, NaN restored as MLflow does."""
+        return [(float("nan") if is_nan else value, ts, step) for value, ts, step, is_nan in self._rows(
+            "SELECT value, timestamp, step, is_nan FROM metrics WHERE run_uuid = ? AND key = ? "
+            "ORDER BY timestamp, step", (run_id, key))]
+
+    def close(self) -> None:
+        self._db.close()
+
+
 class Tracker:
     """An MLflow client bound to one tracking store, reached (or refused) before it is used.
 
@@ -275,7 +409,22 @@ class Tracker:
         self.uri = resolve_uri(uri)
         self.display_uri = display_uri(self.uri)
         # Before MLflow is imported: a dead store is reported in milliseconds, not after MLflow's retries.
-        client_uri = probe_store(self.uri, writable, store_timeout())
+        self._client_uri = probe_store(self.uri, writable, store_timeout())
+        self._client: Any = None
+        # A command that only reads a current local store reads it directly; MLflow opens only if a
+        # write, or a query the reader does not handle, needs it (see SqliteReader).
+        self._reader = None if writable else SqliteReader.open(self.uri)
+        if self._reader is None:
+            self._open()
+
+    @property
+    def client(self) -> Any:
+        """MLflow's client on this store, opened on first use."""
+        if self._client is None:
+            self._open()
+        return self._client
+
+    def _open(self) -> None:
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -289,12 +438,25 @@ class Tracker:
         try:
             # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
             with opening(self.uri):
-                self.client = MlflowClient(tracking_uri=client_uri)
-                self.client.search_experiments(max_results=1)
+                client = MlflowClient(tracking_uri=self._client_uri)
+                client.search_experiments(max_results=1)
         except Exception as err:
             if not is_store_error(err):
                 raise
             raise _open_error(self.display_uri, err) from err
+        self._client = client
+
+    def _local_artifact(self, run_id: str, artifact_file: str) -> Path | None:
+        """The artifact's file on this machine when the reader serves this store and the artifacts are
+        local; None when MLflow must fetch it. A missing file is a Path that does not exist."""
+        if self._reader is None:
+            return None
+        run = self._reader.run(run_id)
+        root = artifact_path(run.artifact_uri) if run and run.artifact_uri else None
+        if root is None:
+            return None
+        local = root / artifact_file
+        return None if local.is_dir() else local
 
     # -- writing ---------------------------------------------------------------------------------
     @_store_call
@@ -319,7 +481,10 @@ class Tracker:
         """(Re)write the experiment's UI view (experiments made before it existed, or by another version)."""
         from harness import ui
 
-        for key, value in ui.experiment_tags().items():
+        wanted = ui.experiment_tags()
+        if self._reader is not None and self._reader.experiment_tags(experiment_id).items() >= wanted.items():
+            return  # already this view: nothing to write, and no MLflow to open for it
+        for key, value in wanted.items():
             self.client.set_experiment_tag(experiment_id, key, value)
 
     @_store_call
@@ -452,6 +617,8 @@ class Tracker:
     @_store_call
     def metric_entries(self, run_id: str, key: str) -> list[tuple[float, int, int]]:
         """Every write of one metric as MLflow holds it: (value, timestamp ms, step), repeats included."""
+        if self._reader is not None:
+            return self._reader.metric_history(run_id, key)
         return [(m.value, m.timestamp, m.step) for m in self.client.get_metric_history(run_id, key)]
 
     @_store_call
@@ -511,6 +678,11 @@ class Tracker:
     # -- reading ---------------------------------------------------------------------------------
     @_store_call
     def get_run(self, run_id: str) -> RunSummary:
+        if self._reader is not None:
+            found = self._reader.run(run_id)
+            if found is None:
+                raise self._no_run(run_id)
+            return found
         from mlflow.exceptions import MlflowException
 
         try:
@@ -519,11 +691,14 @@ class Tracker:
             # Only "not found" or a malformed id mean there is no such run; anything else is the store failing.
             if not (_missing(err) or err.error_code == "INVALID_PARAMETER_VALUE"):
                 raise
-            raise HarnessError(
-                f"no run '{run_id}' in the tracking store {self.display_uri}. "
-                "List runs with `harness runs`, or pass --tracking-uri for another store."
-            ) from None
+            raise self._no_run(run_id) from None
         return _summary(run, self.client.get_experiment(run.info.experiment_id).name)
+
+    def _no_run(self, run_id: str) -> HarnessError:
+        return HarnessError(
+            f"no run '{run_id}' in the tracking store {self.display_uri}. "
+            "List runs with `harness runs`, or pass --tracking-uri for another store."
+        )
 
     def harness_run(self, run_id: str) -> RunSummary:
         """get_run, refusing runs that harness did not make (they lack what a replay needs)."""
@@ -543,6 +718,12 @@ class Tracker:
     @_store_call
     def read_bytes(self, run_id: str, artifact_file: str) -> bytes | None:
         """The artifact's exact bytes, None if the run has no such artifact (a store failure raises)."""
+        local = self._local_artifact(run_id, artifact_file)
+        if local is not None:
+            try:
+                return local.read_bytes()
+            except FileNotFoundError:
+                return None
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 local = self.client.download_artifacts(run_id, artifact_file, tmp)
@@ -556,10 +737,10 @@ class Tracker:
     def metric_history(self, run_id: str, key: str) -> tuple[list[int], list[float]]:
         """All values of one metric, by step (last write wins for a repeated step)."""
         by_step: dict[int, tuple[int, float]] = {}
-        for m in self.client.get_metric_history(run_id, key):
-            prev = by_step.get(m.step)
-            if prev is None or m.timestamp >= prev[0]:
-                by_step[m.step] = (m.timestamp, m.value)
+        for value, timestamp, step in self.metric_entries(run_id, key):
+            prev = by_step.get(step)
+            if prev is None or timestamp >= prev[0]:
+                by_step[step] = (timestamp, value)
         steps = sorted(by_step)
         return steps, [by_step[s][1] for s in steps]
 
@@ -573,8 +754,9 @@ class Tracker:
         exact = True
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                local = self.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp)
-                metrics = load_series(Path(local))
+                local = self._local_artifact(run_id, T.ARTIFACT_SERIES) or Path(
+                    self.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp))
+                metrics = load_series(local)
             except Exception as err:  # a run cut off before its series was written: MLflow's history
                 if is_store_error(err) and not _missing(err):
                     raise
@@ -607,28 +789,38 @@ class Tracker:
         )
 
     @_store_call
-    def _experiment(self, name: str) -> Any:
-        exp = self.client.get_experiment_by_name(name)
-        if exp is None:
+    def _experiment(self, name: str) -> tuple[str, str]:
+        """(id, name) of an existing experiment."""
+        if self._reader is not None:
+            found = self._reader.experiment(name)
+        else:
+            exp = self.client.get_experiment_by_name(name)
+            found = None if exp is None else (exp.experiment_id, exp.name)
+        if found is None:
             raise HarnessError(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
-        return exp
+        return found
 
     @_store_call
     def experiment_id_of(self, name: str) -> str:
         """The id of an existing experiment (refused with one line if there is none)."""
-        return self._experiment(name).experiment_id
+        return self._experiment(name)[0]
 
     @_store_call
     def search(
         self, experiment: str | None = None, max_results: int = 50, filter_string: str = ""
     ) -> list[RunSummary]:
         if experiment:
-            exps = [self._experiment(experiment)]
+            names = dict([self._experiment(experiment)])
+        elif self._reader is not None:
+            names = self._reader.experiments()
         else:
-            exps = self.client.search_experiments()
-        names = {e.experiment_id: e.name for e in exps}
+            names = {e.experiment_id: e.name for e in self.client.search_experiments()}
         if not names:
             return []
+        if self._reader is not None:
+            found = self._reader.search(names, filter_string, max_results)
+            if found is not None:
+                return found
         runs = self.client.search_runs(
             list(names), filter_string=filter_string, max_results=max_results, order_by=["attributes.start_time DESC"]
         )
@@ -763,19 +955,52 @@ def run_url(uri: str, experiment_id: str, run_id: str | None = None) -> str:
 
 
 def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """`mlflow server` on this store, as an argument list and its environment.
+    """MLflow's UI server on this store, as an argument list and its environment.
 
-    One worker and no job runner: the UI is for one reader, and MLflow's defaults (4 workers and a
-    job runner with 7 consumers) take ~30 s to answer instead of ~8 s.
+    What `mlflow server --workers 1` runs, started directly: that command imports MLflow (~3 s here)
+    only to start uvicorn, which imports it again; by default it also runs 4 workers and a job runner
+    with 7 consumers. The UI is for one reader: one uvicorn process, no job runner, started with the
+    environment `mlflow server` gives it (MLflow 3's server reads its settings from these variables).
     """
     import sys
 
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port),
-           "--workers", "1"]
     root = artifact_root(uri)
+    cmd = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", "1"]
+    log_config = _mlflow_file("server", "uvicorn_log_config.yaml")
+    if log_config is not None:
+        cmd += ["--log-config", str(log_config)]
+    cmd.append("mlflow.server.fastapi_app:app")
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_SERVER_X_FRAME_OPTIONS": "SAMEORIGIN",
+        "MLFLOW_ENABLE_WORKSPACES": "false",
+        "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_REGISTRY_URI": uri,
+        "MLFLOW_SERVER_SECRETS_CACHE_TTL": "60",
+        "MLFLOW_SERVER_SECRETS_CACHE_MAX_SIZE": "1000",
+        "_MLFLOW_SERVER_FILE_STORE": uri,
+        "_MLFLOW_SERVER_REGISTRY_STORE": uri,
+        "_MLFLOW_SERVER_SERVE_ARTIFACTS": "true",
+        "_MLFLOW_SERVER_ARTIFACT_DESTINATION": "./mlartifacts",
+        "_MLFLOW_SERVER_BOOT_ID": os.urandom(16).hex(),
+        "_MLFLOW_IN_JOB_EXECUTOR": "false",
+        "_MLFLOW_SGI_NAME": "uvicorn",
+    }
     if root:
-        cmd += ["--default-artifact-root", Path(root).as_uri()]
-    return cmd, {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env["_MLFLOW_SERVER_ARTIFACT_ROOT"] = Path(root).as_uri()
+    return cmd, env
+
+
+def _mlflow_file(*parts: str) -> Path | None:
+    """A file shipped inside the installed MLflow package, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlflow")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0], *parts)
+    return path if path.exists() else None
 
 
 class Heartbeat:

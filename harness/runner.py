@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -124,10 +125,12 @@ def preflight(
     allow_untracked_secrets: bool = False,
     tracking_uri: str | None = None,
     nnodes: int = 1,
+    on_config: Callable[[DictConfig], None] | None = None,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
-    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
+    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks. `on_config` gets the
+    validated config as soon as it is loaded (before git, torch and the data are looked at).
     """
     from harness import data, gitsource
     from harness.config import Executor, load_experiment
@@ -138,6 +141,8 @@ def preflight(
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     cfg = load_experiment(Path(exp_dir), overrides)
+    if on_config is not None:
+        on_config(cfg)
     git = gitsource.inspect(
         Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
         exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
@@ -191,8 +196,9 @@ def run(
     allow_unpinned: bool = False,
     allow_untracked_secrets: bool = False,
     topology: Topology | None = None,
-) -> Outcome:
-    """Validate, record, launch. Bad input raises HarnessError before any run is created.
+) -> Any:
+    """Validate, record, launch: the Outcome (a study.StudyOutcome when the config sets `seeds`). Bad input
+    raises HarnessError before any run is created.
 
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
@@ -205,16 +211,33 @@ def run(
     torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
     if topology is None:
         topology = torchrun_topology(torchrun) if torchrun else Topology()
+
+    def announce(cfg: DictConfig) -> None:
+        # The first line within a second of the command: torch, MLflow and the store take several more.
+        if torchrun is None and cfg.seeds is None:
+            here = max(cfg.world_size // topology.nnodes, 1)
+            print(f"harness: recording {Path(exp_dir).resolve().name} and starting {here} rank"
+                  f"{'s' if here != 1 else ''} ({cfg.executor.value})", file=sys.stderr, flush=True)
+
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
     probe_store(resolve_uri(tracking_uri), True, store_timeout())
     checked = preflight(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
+        on_config=announce,
     )
     cfg, git = checked.cfg, checked.git
-    if cfg.seeds is not None:  # a study is run by harness/study.py (`harness run` goes there when seeds is set)
-        raise HarnessError("seeds is set: this config runs a study (harness run EXP --seeds N, or seeds: [...]), "
-                           "not one run. Set seeds=null for a single run.")
+    if cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config validated here (one load)
+        if torchrun is not None or topology.multi_node:
+            raise HarnessError("a study runs its members one job after another on this machine: "
+                               f"{'torchrun' if torchrun is not None else '--nnodes'} cannot apply. Drop it, or "
+                               "set seeds=null for a single run.")
+        from harness import study
+
+        return study.run_study(
+            exp_dir, overrides, require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
+            allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets, checked=checked,
+        )
     if torchrun is not None:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
         # refuses before torchrun stops the others.
@@ -223,15 +246,41 @@ def run(
         print(f"Warning: {warning}", file=sys.stderr)
     if checked.data_stats is not None:
         print(checked.data_stats.summary(), file=sys.stderr)
-    tracker = Tracker(tracking_uri)
-    job = Job(
-        tracker, cfg, git.root, Path(exp_dir),
-        record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
-        topology=topology, data=data_paths(checked.data),
-        code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
-        options={"allow_unpinned": allow_unpinned},
-    )
-    return executors.run(job)
+    # This node's ranks start now and import torch while MLflow loads and the run is recorded; they run
+    # the entry only once the run exists, and a record that fails stops them.
+    ranks = start_ranks(cfg, topology)
+    try:
+        tracker = Tracker(tracking_uri)
+        job = Job(
+            tracker, cfg, git.root, Path(exp_dir),
+            record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
+            topology=topology, data=data_paths(checked.data),
+            code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
+            options={"allow_unpinned": allow_unpinned}, ranks=ranks,
+        )
+        return executors.run(job)
+    finally:
+        if ranks is not None:
+            ranks.stop()
+            shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
+
+
+def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
+    """launch.Ranks for a local single-node job, started now (in a fresh work folder); None for any other."""
+    from harness.config import Executor
+
+    if cfg.executor != Executor.local or topology.multi_node or topology.launcher != "spawn":
+        return None
+    import tempfile
+
+    from harness import launch
+
+    work = Path(tempfile.mkdtemp(prefix="harness-run-"))
+    try:
+        return launch.start_ranks(cfg.world_size, work / "logs")
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
 
 
 def execute_recorded(

@@ -163,7 +163,8 @@ class LocalHandle(Handle):
         self.cancelled: int | None = None
         self.deferred: list[int] = []  # signals that arrived while the run was being recorded
         self.recording = False
-        self.work = Path(tempfile.mkdtemp(prefix="harness-run-"))
+        # Ranks started before the record already write their logs into <work>/logs.
+        self.work = Path(job.ranks.log_dir).parent if job.ranks is not None else Path(tempfile.mkdtemp(prefix="harness-run-"))
 
     @property
     def records(self) -> bool:
@@ -230,7 +231,7 @@ class LocalHandle(Handle):
         job, tracker, run_id, cfg = self.job, self.job.tracker, self.job.run_id, self.job.cfg
         resume_step = job.resume_step
         log_dir = self.work / "logs"
-        log_dir.mkdir()
+        log_dir.mkdir(exist_ok=True)
         writer = console = heartbeat = ckpts = None
         outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
@@ -417,7 +418,7 @@ class LocalHandle(Handle):
 
         node = self.node
         if node is None:
-            launch(spec, on_message, cancelled=lambda: self.cancelled)
+            launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=self.job.ranks)
             return
         try:
             launch(spec, on_message, store=node.raw, cancelled=lambda: self.cancelled, check=node.check)

@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.multiprocessing as mp
-
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.messages import Determinism, Message
 
@@ -82,8 +79,16 @@ class LaunchSpec:
         return self.node_rank * self.local_ranks + local_rank
 
 
+def no_gpu_here() -> bool:
+    """No GPU driver on this machine (no NVIDIA or ROCm device node), so torch can see no GPU: a cpu job is
+    checked without importing torch (a second or more before anything can be said)."""
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd"))
+
+
 def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str]:
     """auto -> concrete device and backend; refuse what this machine cannot run."""
+    import torch
+
     cuda = torch.cuda.is_available()
     if device == "auto":
         device = "cuda" if cuda else "cpu"
@@ -259,6 +264,8 @@ class Ranks:
 
 def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
     """Spawn this node's `nproc` ranks now; they load torch and wait for launch() to send their spec."""
+    import torch.multiprocessing as mp
+
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     # torch logs each rank it terminates; which rank failed, and why, is said once by harness.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -296,6 +303,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     `store` is the job's TCPStore when this process already holds it; otherwise the rank connects
     to spec.master_addr:spec.port as a client.
     """
+    import torch
     rank = spec.global_rank(local_rank)
     if rank != 0 and channel is not None:
         channel.close()
@@ -517,6 +525,8 @@ def launch(
     raises RunFailed when the job failed elsewhere (another node). `ranks`: this node's ranks when
     start_ranks() started them already (they wait for `spec`); otherwise they are started here.
     """
+    import torch.multiprocessing as mp
+
     own_store = None
     if store is None:
         own_store = host_store(spec.master_addr, spec.port, spec.timeout_s + _PG_MARGIN_S)
@@ -583,6 +593,8 @@ def launch(
 
 def _signalled_too(err: Exception, cancelled: Callable[[], int | None] | None) -> int | None:
     """The launcher's own SIGTERM/SIGINT when a rank died of the same signal at about the same time."""
+    import torch.multiprocessing as mp
+
     if cancelled is None:
         return None
     if cancelled():  # already told to stop: a rank still starting up dies of Ctrl-C in any way (abort, exit 1)
@@ -661,6 +673,8 @@ def _stack_location(path: Path, code_dir: str) -> tuple[str | None, str]:
 
 def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
     """(rank, one line, traceback, whether the line says it all) of the failure that caused the others: a peer's connection error never is."""
+    import torch.multiprocessing as mp
+
     records = []
     for path in sorted(Path(spec.log_dir).glob("rank*.error.json")):
         with contextlib.suppress(OSError, ValueError):

@@ -7,7 +7,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -125,24 +125,20 @@ def preflight(
     allow_untracked_secrets: bool = False,
     tracking_uri: str | None = None,
     nnodes: int = 1,
-    on_config: Callable[[DictConfig], None] | None = None,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
-    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks. `on_config` gets the
-    validated config as soon as it is loaded (before git, torch and the data are looked at).
+    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
     """
     from harness import data, gitsource
     from harness.config import Executor, load_experiment
-    from harness.launch import capacity_warning, resolve_device
+    from harness.launch import capacity_warning, no_gpu_here, resolve_device
     from harness.store import local_paths
     from harness.tracking import resolve_uri
 
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     cfg = load_experiment(Path(exp_dir), overrides)
-    if on_config is not None:
-        on_config(cfg)
     git = gitsource.inspect(
         Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
         exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
@@ -165,7 +161,10 @@ def preflight(
         )
     if cfg.executor == Executor.local:
         here = max(cfg.world_size // nnodes, 1)
-        device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
+        if no_gpu_here() and cfg.device.value in ("auto", "cpu") and cfg.backend.value in ("auto", "gloo"):
+            device = "cpu"  # what resolve_device says on such a machine, without importing torch
+        else:
+            device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
         warning = capacity_warning(device, here, cfg.threads_per_rank)
         if warning:
             warnings.append(warning)
@@ -212,19 +211,11 @@ def run(
     if topology is None:
         topology = torchrun_topology(torchrun) if torchrun else Topology()
 
-    def announce(cfg: DictConfig) -> None:
-        # The first line within a second of the command: torch, MLflow and the store take several more.
-        if torchrun is None and cfg.seeds is None:
-            here = max(cfg.world_size // topology.nnodes, 1)
-            print(f"harness: recording {Path(exp_dir).resolve().name} and starting {here} rank"
-                  f"{'s' if here != 1 else ''} ({cfg.executor.value})", file=sys.stderr, flush=True)
-
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
     probe_store(resolve_uri(tracking_uri), True, store_timeout())
     checked = preflight(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
-        on_config=announce,
     )
     cfg, git = checked.cfg, checked.git
     if cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config validated here (one load)
@@ -242,15 +233,22 @@ def run(
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
         # refuses before torchrun stops the others.
         check_config(torchrun, cfg.world_size)
+    elif cfg.executor.value == "local" and not topology.multi_node:
+        # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
+        # and the store, which take seconds.
+        count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
+        print(f"harness: recording {Path(exp_dir).resolve().name}, starting {count}", file=sys.stderr, flush=True)
     for warning in checked.warnings:
         print(f"Warning: {warning}", file=sys.stderr)
     if checked.data_stats is not None:
         print(checked.data_stats.summary(), file=sys.stderr)
     # This node's ranks start now and import torch while MLflow loads and the run is recorded; they run
     # the entry only once the run exists, and a record that fails stops them.
+    # MLflow's import and the store's set-up (seconds) overlap the ranks' spawn (which imports torch here).
+    opening = _opening(tracking_uri)
     ranks = start_ranks(cfg, topology)
     try:
-        tracker = Tracker(tracking_uri)
+        tracker = opening.result()
         job = Job(
             tracker, cfg, git.root, Path(exp_dir),
             record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
@@ -263,6 +261,17 @@ def run(
         if ranks is not None:
             ranks.stop()
             shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
+
+
+def _opening(tracking_uri: str | None) -> Any:
+    """A future of Tracker(tracking_uri), opened in a thread of its own; its error is raised by result()."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="harness-store")
+    try:
+        return pool.submit(Tracker, tracking_uri)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 def start_ranks(cfg: DictConfig, topology: Topology) -> Any:

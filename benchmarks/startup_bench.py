@@ -15,6 +15,9 @@ Usage: python benchmarks/startup_bench.py [--rounds N] [--jobs linear_ddp,digits
 from __future__ import annotations
 
 import argparse
+import contextlib
+import builtins
+import functools
 import os
 import shutil
 import statistics
@@ -31,6 +34,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 BARE = Path(__file__).resolve().parent / "bare"
 MiB = 1024 * 1024
+TIMEOUT_S = 1200.0  # one process, on a loaded 2-core machine
 
 
 @dataclass
@@ -88,7 +92,13 @@ def _measure(cmd: list[str], cwd: Path, env: dict[str, str]) -> Sample:
         r.start()
     peaks: dict[int, tuple[str, float]] = {}
     root = psutil.Process(proc.pid)
+    deadline = start + TIMEOUT_S
     while proc.poll() is None:
+        if time.monotonic() > deadline:  # nothing waits forever: a hung job is killed and reported
+            for p in reversed([root, *root.children(recursive=True)]):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            raise SystemExit(f"{' '.join(cmd)} ran past {TIMEOUT_S:g} s; killed")
         try:
             tree = [root, *root.children(recursive=True)]
         except psutil.Error:
@@ -150,6 +160,8 @@ def main() -> None:
                     print(f"round {rnd + 1} {job:<10} {name:<17} {sample.wall_s:6.1f} s  first stderr "
                           f"{sample.first_err_s if sample.first_err_s is None else round(sample.first_err_s, 2)} s",
                           file=sys.stderr, flush=True)
+            if rnd + 1 < args.rounds:  # the tables so far, on stderr: a long benchmark stopped early keeps them
+                _print_tables(results, jobs, list(variants), rnd + 1, sys.stderr)
         _print_tables(results, jobs, list(variants), args.rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -164,7 +176,9 @@ def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _print_tables(results: dict[tuple[str, str], list[Sample]], jobs: list[str], names: list[str], rounds: int) -> None:
+def _print_tables(results: dict[tuple[str, str], list[Sample]], jobs: list[str], names: list[str], rounds: int,
+                  out=sys.stdout) -> None:
+    print = functools.partial(builtins.print, file=out, flush=True)  # noqa: A001 (the tables' one destination)
     print(f"\n{rounds} interleaved rounds, medians; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| job | variant | wall s | ratio to bare | overhead s | first stderr line s |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -4,6 +4,7 @@ The same model, data, split, augmentation, loaders and epochs as experiments/dig
 its experiment.yaml; seeding is plain torch.manual_seed. Usage: python benchmarks/bare/digits_cnn.py [EPOCHS]
 """
 
+import datetime
 import os
 import socket
 import sys
@@ -52,7 +53,7 @@ def train(rank, world_size, port, epochs):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(SEED + rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target, dtype=torch.int64)
@@ -85,6 +86,8 @@ def train(rank, world_size, port, epochs):
         if rank == 0:
             print(f"epoch {epoch + 1}/{epochs}  train_loss {loss.item():.4f}  val_acc {(counts[0] / counts[1]).item():.4f}",
                   flush=True)
+    # Rank 0 hosts the rendezvous store: it must not exit while a peer still needs it.
+    dist.barrier()
     dist.destroy_process_group()
 
 

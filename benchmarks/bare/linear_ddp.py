@@ -3,6 +3,7 @@
 Usage: python benchmarks/bare/linear_ddp.py [EPOCHS]
 """
 
+import datetime
 import os
 import socket
 import sys
@@ -22,7 +23,7 @@ def train(rank, world_size, port, epochs):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)  # as harness's determinism level strict
     torch.manual_seed(SEED + rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
     data = torch.randn(SAMPLES, 10, generator=torch.Generator().manual_seed(SEED))
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=SEED)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
@@ -39,6 +40,8 @@ def train(rank, world_size, port, epochs):
             optimizer.step()
         if rank == 0:
             print(f"epoch {epoch + 1}/{epochs} loss {loss.item():.4f}", flush=True)
+    # Rank 0 hosts the rendezvous store: it must not exit while a peer still needs it.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -108,7 +108,8 @@ def _measure(cmd: list[str], cwd: Path, env: dict[str, str]) -> Sample:
                 rss = p.memory_info().rss / MiB
             except psutil.Error:
                 continue
-            kind = _kind(p, proc.pid)
+            # Once a rank, always one: an exited rank's command line can no longer be read (a zombie).
+            kind = "rank" if peaks.get(p.pid, ("",))[0] == "rank" else _kind(p, proc.pid)
             peaks[p.pid] = (kind, max(rss, peaks.get(p.pid, (kind, 0.0))[1]))
         time.sleep(0.1)
     wall = time.monotonic() - start

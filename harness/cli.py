@@ -165,23 +165,20 @@ def run(
     from harness import runner
     from harness.tracking import Tracker
 
-    if seeds_n is not None or parallel is not None or _study_configured(experiment_dir, overrides):
+    if seeds_n is not None or parallel is not None:
         _run_study(experiment_dir, overrides, seeds_n, parallel, require_clean, executor, allow_unpinned,
                    allow_untracked_secrets, tracking_uri, placement)
         return
     slurm, topology = _placement(executor, placement, torchrun=True)
-    outcome = runner.run(
+    outcome = runner.run(  # `seeds: [...]` in the config makes it a study (runner.run hands it over)
         experiment_dir, [*overrides, *slurm], require_clean=require_clean, tracking_uri=tracking_uri,
         executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
         topology=topology,
     )
-    _finish(outcome, Tracker(tracking_uri))
-
-
-def _study_configured(experiment_dir: Path, overrides: tuple[str, ...]) -> bool:
-    from harness.study import wants_study
-
-    return wants_study(experiment_dir, list(overrides))
+    if isinstance(outcome, runner.Outcome):
+        _finish(outcome, Tracker(tracking_uri))
+    else:
+        _study_finish(outcome, tracking_uri)
 
 
 def _run_study(experiment_dir: Path, overrides: tuple[str, ...], seeds_n: int | None, parallel: int | None,
@@ -200,6 +197,10 @@ def _run_study(experiment_dir: Path, overrides: tuple[str, ...], seeds_n: int | 
         tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
         allow_untracked_secrets=allow_untracked_secrets,
     )
+    _study_finish(outcome, tracking_uri)
+
+
+def _study_finish(outcome: Any, tracking_uri: str | None) -> None:
     click.echo(outcome.table, err=True)
     if outcome.message:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)

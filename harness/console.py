@@ -4,9 +4,37 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 from tqdm import tqdm
+
+# tqdm's own rate and remaining time count from the bar's creation, so start-up (imports, rendezvous, the
+# first batch) would be a step: the bar shows ours instead, measured from the first training step.
+_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+_FORMAT_NO_TOTAL = "{desc}: {n_fmt} [{elapsed}{postfix}]"
+
+
+def rate_and_eta(first: tuple[int, float], last: tuple[int, float], total: int | None) -> tuple[float | None, float | None]:
+    """(steps per second, seconds left) from the steps done between the first step seen and the latest,
+    `(done, monotonic time)` each; None where there is nothing to measure yet. Start-up never counts."""
+    steps, seconds = last[0] - first[0], last[1] - first[1]
+    if steps <= 0 or seconds <= 0:
+        return None, None
+    rate = steps / seconds
+    if total is None:
+        return rate, None
+    return rate, max(total - last[0], 0) / rate
+
+
+def progress_note(rate: float | None, eta_s: float | None) -> str:
+    """The bar's tail: '12.3 step/s, 0:41 left' (nothing until two steps have been seen)."""
+    if rate is None:
+        return ""
+    note = f"{rate:.3g} step/s"
+    if eta_s is not None:
+        note += f", {tqdm.format_interval(eta_s)} left"
+    return note
 
 
 class Console:
@@ -18,9 +46,10 @@ class Console:
         # Only a terminal gets a bar: redrawn with carriage returns, it would fill a log file with them.
         self._bar = tqdm(
             total=None, unit="step", desc=description, file=sys.stderr, mininterval=0.5, leave=True,
-            disable=not (show and sys.stderr.isatty()),
+            disable=not (show and sys.stderr.isatty()), bar_format=_FORMAT_NO_TOTAL,
         )
         self._last = -1
+        self._first: tuple[int, float] | None = None  # (steps done, when): the first step seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="harness-console", daemon=True)
         if show:
@@ -28,12 +57,18 @@ class Console:
 
     def total(self, steps: int) -> None:
         self._bar.total = steps
+        self._bar.bar_format = _FORMAT
         self._bar.refresh()
 
     def step(self, step: int) -> None:
-        # Steps may start at 0 and repeat (several log() calls per step): show the furthest one.
+        # Steps may start at 0 (or at a resumed step) and repeat (several log() calls per step): show the furthest.
         done = step + 1
         if done > self._last:
+            now = time.monotonic()
+            if self._first is None:
+                self._first = (done, now)
+            rate, eta = rate_and_eta(self._first, (done, now), self._bar.total)
+            self._bar.set_postfix_str(progress_note(rate, eta), refresh=False)
             self._bar.update(done - max(self._last, 0))
             self._last = done
 

@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.multiprocessing as mp
-
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.messages import Determinism, Message
 
@@ -82,8 +79,16 @@ class LaunchSpec:
         return self.node_rank * self.local_ranks + local_rank
 
 
+def no_gpu_here() -> bool:
+    """No GPU driver on this machine (no NVIDIA or ROCm device node), so torch can see no GPU: a cpu job is
+    checked without importing torch (a second or more before anything can be said)."""
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd"))
+
+
 def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str]:
     """auto -> concrete device and backend; refuse what this machine cannot run."""
+    import torch
+
     cuda = torch.cuda.is_available()
     if device == "auto":
         device = "cuda" if cuda else "cpu"
@@ -177,22 +182,117 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def _worker(local_rank: int, spec: LaunchSpec, channel: Any, progress: Any) -> None:
-    """One spawned rank: tied to its launcher, output to its log file, stacks on demand; then the rank's body."""
+def _worker(local_rank: int, start: "_Start", inboxes: list[Any], channel: Any, progress: Any) -> None:
+    """One spawned rank: tied to its launcher, output to its log file, stacks on demand; its heavy imports
+    while the launcher records the run; then, once its spec arrives, the rank's body."""
     _die_with_parent()
-    rank = spec.global_rank(local_rank)
+    rank = start.node_rank * start.nproc + local_rank
     # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _redirect_output(Path(spec.log_dir) / f"rank{rank}.log")
+    _redirect_output(Path(start.log_dir) / f"rank{rank}.log")
     _beat(progress, local_rank, -1)
     import faulthandler
 
     # The launcher asks a silent rank where it is stuck: every thread's stack, into a file of its own
     # (not the log, which the terminal shows). The file object must live as long as the process.
     global _STACKS
-    _STACKS = open(Path(spec.log_dir) / f"rank{rank}.stacks.txt", "w")
+    _STACKS = open(Path(start.log_dir) / f"rank{rank}.stacks.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
+    inbox = inboxes[local_rank]
+    for other in inboxes:
+        if other is not inbox:
+            other.close()
+    _preload()
+    try:
+        spec = inbox.recv()
+    except (EOFError, OSError):
+        return  # the launcher gave up before the run existed (bad input, store down, Ctrl-C): nothing to run
+    finally:
+        inbox.close()
     run_rank(spec, local_rank, channel, progress)
+
+
+def _preload() -> None:
+    """What every rank's body imports, loaded while the launcher is still recording the run."""
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.utils.data  # noqa: F401
+    from omegaconf import OmegaConf  # noqa: F401
+
+    from harness import context, determinism, provenance  # noqa: F401
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What a rank needs before its spec: where its log goes and its place on this node."""
+
+    log_dir: str
+    node_rank: int
+    nproc: int
+
+
+@dataclass
+class Ranks:
+    """This node's rank processes, started before the run is recorded so that they import torch meanwhile.
+
+    Each waits for its LaunchSpec (launch() sends it); stop() ends them when there will be none.
+    """
+
+    log_dir: str
+    node_rank: int
+    nproc: int
+    context: Any  # torch.multiprocessing's ProcessContext
+    inboxes: list[Any]  # the launcher's write end of each rank's spec pipe
+    reader: Any  # rank 0's message channel, the launcher's end
+    progress: Any  # per local rank: (step, monotonic time of its last progress)
+
+    def send(self, spec: LaunchSpec) -> None:
+        for inbox in self.inboxes:
+            with contextlib.suppress(OSError):  # a rank that already died is found by the join that follows
+                inbox.send(spec)
+            inbox.close()
+
+    def stop(self) -> None:
+        """End the ranks (idempotent): no rank outlives a launcher that will not launch them."""
+        for inbox in self.inboxes:
+            with contextlib.suppress(OSError):
+                inbox.close()
+        _stop_all(self.context.processes)
+        with contextlib.suppress(OSError):
+            self.reader.close()
+
+
+def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
+    """Spawn this node's `nproc` ranks now; they load torch and wait for launch() to send their spec."""
+    import torch.multiprocessing as mp
+
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    # torch logs each rank it terminates; which rank failed, and why, is said once by harness.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    spawn_ctx = mp.get_context("spawn")
+    reader, writer = spawn_ctx.Pipe(duplex=False)
+    pipes = [spawn_ctx.Pipe(duplex=False) for _ in range(nproc)]
+    # Per local rank: the step it is at and when it last made progress (time.monotonic()).
+    progress = spawn_ctx.Array("d", 2 * nproc, lock=False)
+    for rank in range(nproc):
+        _beat(progress, rank, -1)
+    start = _Start(str(log_dir), node_rank, nproc)
+    try:
+        procs = mp.spawn(
+            _worker, args=(start, [r for r, _ in pipes], writer, progress), nprocs=nproc, join=False,
+            start_method="spawn",
+        )
+    except BaseException:
+        for r, w in pipes:
+            r.close()
+            w.close()
+        reader.close()
+        raise
+    finally:
+        writer.close()  # the ranks hold the only write ends now: EOF once they are gone
+    for r, _ in pipes:
+        r.close()
+    return Ranks(str(log_dir), node_rank, nproc, procs, [w for _, w in pipes], reader, progress)
 
 
 def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = None, store: Any = None) -> None:
@@ -203,6 +303,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     `store` is the job's TCPStore when this process already holds it; otherwise the rank connects
     to spec.master_addr:spec.port as a client.
     """
+    import torch
     rank = spec.global_rank(local_rank)
     if rank != 0 and channel is not None:
         channel.close()
@@ -414,27 +515,26 @@ def launch(
     store: Any = None,
     cancelled: Callable[[], int | None] | None = None,
     check: Callable[[], None] | None = None,
+    ranks: Ranks | None = None,
 ) -> None:
     """Run this node's ranks to completion. Raises RunFailed (a rank failed or made no progress) or Interrupted.
 
     `on_message` is called from a background thread with every message rank 0 sends. `store` is the
     job's rendezvous store when another launcher hosts it (multi-node); otherwise one is hosted here.
     `cancelled` is polled: a signal number stops the ranks (Interrupted). `check` is polled too and
-    raises RunFailed when the job failed elsewhere (another node).
+    raises RunFailed when the job failed elsewhere (another node). `ranks`: this node's ranks when
+    start_ranks() started them already (they wait for `spec`); otherwise they are started here.
     """
+    import torch.multiprocessing as mp
+
     own_store = None
     if store is None:
         own_store = host_store(spec.master_addr, spec.port, spec.timeout_s + _PG_MARGIN_S)
         spec.port = own_store.port
-    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
-    # torch logs each rank it terminates; which rank failed, and why, is said once by harness.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    spawn_ctx = mp.get_context("spawn")
-    reader, writer = spawn_ctx.Pipe(duplex=False)
-    # Per local rank: the step it is at and when it last made progress (time.monotonic()).
-    progress = spawn_ctx.Array("d", 2 * spec.local_ranks, lock=False)
-    for rank in range(spec.local_ranks):
-        _beat(progress, rank, -1)
+    if ranks is not None and (ranks.log_dir != str(spec.log_dir) or ranks.nproc != spec.local_ranks
+                              or ranks.node_rank != spec.node_rank):
+        ranks.stop()
+        raise ValueError("the started ranks do not match the spec (log_dir, nproc, node_rank)")
 
     def on_term(signum: int, frame: Any) -> None:
         raise _Terminate()
@@ -445,12 +545,16 @@ def launch(
     procs: Any = None
     drain: threading.Thread | None = None
     try:
-        procs = mp.spawn(
-            _worker, args=(spec, writer, progress), nprocs=spec.local_ranks, join=False, start_method="spawn"
-        )
-        writer.close()  # the ranks hold the only write ends now: EOF once they are gone
-        drain = threading.Thread(target=_read_channel, args=(reader, on_message), name="harness-channel", daemon=True)
+        if ranks is None:
+            ranks = start_ranks(spec.local_ranks, spec.log_dir, spec.node_rank)
+        procs, progress = ranks.context, ranks.progress
+        # The ranks' time without progress counts from now: waiting for the record was not theirs.
+        for rank in range(spec.local_ranks):
+            _beat(progress, rank, -1)
+        drain = threading.Thread(target=_read_channel, args=(ranks.reader, on_message), name="harness-channel",
+                                 daemon=True)
         drain.start()
+        ranks.send(spec)
         try:
             while not procs.join(timeout=0.5, grace_period=_GRACE_S):
                 signum = cancelled() if cancelled is not None else None
@@ -478,11 +582,10 @@ def launch(
         for stacks in Path(spec.log_dir).glob("rank*.stacks.txt"):
             if stacks.stat().st_size == 0:  # nobody asked for this rank's stacks
                 stacks.unlink()
-        with contextlib.suppress(Exception):
-            writer.close()
         if drain is not None:
             drain.join(timeout=10)
-        reader.close()
+        if ranks is not None:
+            ranks.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         del own_store  # the store's server stops with its last reference
@@ -490,6 +593,8 @@ def launch(
 
 def _signalled_too(err: Exception, cancelled: Callable[[], int | None] | None) -> int | None:
     """The launcher's own SIGTERM/SIGINT when a rank died of the same signal at about the same time."""
+    import torch.multiprocessing as mp
+
     if cancelled is None:
         return None
     if cancelled():  # already told to stop: a rank still starting up dies of Ctrl-C in any way (abort, exit 1)
@@ -568,6 +673,8 @@ def _stack_location(path: Path, code_dir: str) -> tuple[str | None, str]:
 
 def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
     """(rank, one line, traceback, whether the line says it all) of the failure that caused the others: a peer's connection error never is."""
+    import torch.multiprocessing as mp
+
     records = []
     for path in sorted(Path(spec.log_dir).glob("rank*.error.json")):
         with contextlib.suppress(OSError, ValueError):

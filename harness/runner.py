@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,7 @@ def preflight(
     """
     from harness import data, gitsource
     from harness.config import Executor, load_experiment
-    from harness.launch import capacity_warning, resolve_device
+    from harness.launch import capacity_warning, no_gpu_here, resolve_device
     from harness.store import local_paths
     from harness.tracking import resolve_uri
 
@@ -160,7 +161,10 @@ def preflight(
         )
     if cfg.executor == Executor.local:
         here = max(cfg.world_size // nnodes, 1)
-        device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
+        if no_gpu_here() and cfg.device.value in ("auto", "cpu") and cfg.backend.value in ("auto", "gloo"):
+            device = "cpu"  # what resolve_device says on such a machine, without importing torch
+        else:
+            device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
         warning = capacity_warning(device, here, cfg.threads_per_rank)
         if warning:
             warnings.append(warning)
@@ -191,8 +195,9 @@ def run(
     allow_unpinned: bool = False,
     allow_untracked_secrets: bool = False,
     topology: Topology | None = None,
-) -> Outcome:
-    """Validate, record, launch. Bad input raises HarnessError before any run is created.
+) -> Any:
+    """Validate, record, launch: the Outcome (a study.StudyOutcome when the config sets `seeds`). Bad input
+    raises HarnessError before any run is created.
 
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
@@ -205,6 +210,7 @@ def run(
     torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
     if topology is None:
         topology = torchrun_topology(torchrun) if torchrun else Topology()
+
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
     probe_store(resolve_uri(tracking_uri), True, store_timeout())
     checked = preflight(
@@ -212,26 +218,78 @@ def run(
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
     )
     cfg, git = checked.cfg, checked.git
-    if cfg.seeds is not None:  # a study is run by harness/study.py (`harness run` goes there when seeds is set)
-        raise HarnessError("seeds is set: this config runs a study (harness run EXP --seeds N, or seeds: [...]), "
-                           "not one run. Set seeds=null for a single run.")
+    if cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config validated here (one load)
+        if torchrun is not None or topology.multi_node:
+            raise HarnessError("a study runs its members one job after another on this machine: "
+                               f"{'torchrun' if torchrun is not None else '--nnodes'} cannot apply. Drop it, or "
+                               "set seeds=null for a single run.")
+        from harness import study
+
+        return study.run_study(
+            exp_dir, overrides, require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
+            allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets, checked=checked,
+        )
     if torchrun is not None:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
         # refuses before torchrun stops the others.
         check_config(torchrun, cfg.world_size)
+    elif cfg.executor.value == "local" and not topology.multi_node:
+        # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
+        # and the store, which take seconds.
+        count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
+        print(f"harness: recording {Path(exp_dir).resolve().name}, starting {count}", file=sys.stderr, flush=True)
     for warning in checked.warnings:
         print(f"Warning: {warning}", file=sys.stderr)
     if checked.data_stats is not None:
         print(checked.data_stats.summary(), file=sys.stderr)
-    tracker = Tracker(tracking_uri)
-    job = Job(
-        tracker, cfg, git.root, Path(exp_dir),
-        record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
-        topology=topology, data=data_paths(checked.data),
-        code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
-        options={"allow_unpinned": allow_unpinned},
-    )
-    return executors.run(job)
+    # This node's ranks start now and import torch while MLflow loads and the run is recorded; they run
+    # the entry only once the run exists, and a record that fails stops them.
+    # MLflow's import and the store's set-up (seconds) overlap the ranks' spawn (which imports torch here).
+    opening = _opening(tracking_uri)
+    ranks = start_ranks(cfg, topology)
+    try:
+        tracker = opening.result()
+        job = Job(
+            tracker, cfg, git.root, Path(exp_dir),
+            record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
+            topology=topology, data=data_paths(checked.data),
+            code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
+            options={"allow_unpinned": allow_unpinned}, ranks=ranks,
+        )
+        return executors.run(job)
+    finally:
+        if ranks is not None:
+            ranks.stop()
+            shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
+
+
+def _opening(tracking_uri: str | None) -> Any:
+    """A future of Tracker(tracking_uri), opened in a thread of its own; its error is raised by result()."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="harness-store")
+    try:
+        return pool.submit(Tracker, tracking_uri)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
+
+
+def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
+    """launch.Ranks for a local single-node job, started now (in a fresh work folder); None for any other."""
+    from harness.config import Executor
+
+    if cfg.executor != Executor.local or topology.multi_node or topology.launcher != "spawn":
+        return None
+    import tempfile
+
+    from harness import launch
+
+    work = Path(tempfile.mkdtemp(prefix="harness-run-"))
+    try:
+        return launch.start_ranks(cfg.world_size, work / "logs")
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
 
 
 def execute_recorded(

@@ -94,17 +94,6 @@ def resolve_seeds(cfg_seeds: Sequence[int] | None, base: int, n: int | None) -> 
     return seeds
 
 
-def wants_study(exp_dir: Path, overrides: list[str]) -> bool:
-    """Whether the experiment's config (with overrides) lists `seeds`; a config that does not load says so later."""
-    from harness.config import load_experiment
-    from harness.errors import ConfigError
-
-    try:
-        return load_experiment(Path(exp_dir), overrides, check_entry=False).seeds is not None
-    except ConfigError:
-        return False  # runner.run reports it, exactly as for a run
-
-
 def parallel_warning(parallel: int, world_size: int, threads_per_rank: int, device: str) -> str | None:
     """More rank threads at once than CPU cores: results are the same, the study is slower than it looks."""
     if device != "cpu" or parallel < 2:
@@ -250,10 +239,12 @@ def run_study(
     executor: str | None = None,
     allow_unpinned: bool = False,
     allow_untracked_secrets: bool = False,
+    checked: Any = None,
 ) -> StudyOutcome:
     """Validate once, record the study, run one ordinary run per seed from one checkout of the recorded code.
 
-    Bad input raises HarnessError before anything is recorded.
+    Bad input raises HarnessError before anything is recorded. `checked`: runner.run's Preflight when it
+    found `seeds` in the config (the store was probed and the config loaded and validated there).
     """
     from harness import executors, runner
     from harness.config import compose
@@ -270,11 +261,12 @@ def run_study(
         raise HarnessError(f"--parallel must be >= 1, got {parallel}.")
     if seeds_n is not None and seeds_n < 1:
         raise HarnessError(f"--seeds must be >= 1, got {seeds_n}.")
-    probe_store(resolve_uri(tracking_uri), True, store_timeout())
-    checked = runner.preflight(
-        exp_dir, overrides, require_clean=require_clean, executor=executor,
-        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri,
-    )
+    if checked is None:
+        probe_store(resolve_uri(tracking_uri), True, store_timeout())
+        checked = runner.preflight(
+            exp_dir, overrides, require_clean=require_clean, executor=executor,
+            allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri,
+        )
     cfg, git = checked.cfg, checked.git
     seeds = resolve_seeds(None if cfg.seeds is None else list(cfg.seeds), int(cfg.seed), seeds_n)
     jobs_at_once = min(parallel or 1, len(seeds))

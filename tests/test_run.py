@@ -66,6 +66,8 @@ def test_run_prints_run_id_last_and_finishes(project: Project, linear_run) -> No
     assert run.info.status == "FINISHED"
     assert len(run_id) == 32
     assert "harness ui" in linear_run.stderr and run_id in linear_run.stderr
+    # Feedback first: a line before torch, MLflow and the store load, long before the run id is known.
+    assert linear_run.stderr.splitlines()[0] == "harness: recording linear_ddp, starting 2 ranks"
     assert project.client().get_experiment(run.info.experiment_id).name == "linear_ddp"
 
 

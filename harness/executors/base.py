@@ -89,6 +89,9 @@ class Job:
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific choices (docker: allow_unpinned)
     data: dict[str, str] = field(default_factory=dict)  # declared data: name -> absolute path (ctx.data)
+    # launch.Ranks: this node's ranks, started before the run is recorded (local, one node); the local
+    # backend adopts them (and their log folder), any other leaves them to whoever started them to stop.
+    ranks: Any = None
 
     @property
     def exp_rel(self) -> str:

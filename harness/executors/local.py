@@ -163,7 +163,8 @@ class LocalHandle(Handle):
         self.cancelled: int | None = None
         self.deferred: list[int] = []  # signals that arrived while the run was being recorded
         self.recording = False
-        self.work = Path(tempfile.mkdtemp(prefix="harness-run-"))
+        # Ranks started before the record already write their logs into <work>/logs.
+        self.work = Path(job.ranks.log_dir).parent if job.ranks is not None else Path(tempfile.mkdtemp(prefix="harness-run-"))
 
     @property
     def records(self) -> bool:
@@ -230,8 +231,8 @@ class LocalHandle(Handle):
         job, tracker, run_id, cfg = self.job, self.job.tracker, self.job.run_id, self.job.cfg
         resume_step = job.resume_step
         log_dir = self.work / "logs"
-        log_dir.mkdir()
-        writer = console = heartbeat = ckpts = None
+        log_dir.mkdir(exist_ok=True)
+        writer = console = heartbeat = ckpts = lock = None
         outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
         fingerprints: dict[int, str] = {}
@@ -254,7 +255,8 @@ class LocalHandle(Handle):
             if in_image:
                 facts[T.IMAGE_NOTE] = f"ran inside the pinned image {os.environ[ENV_DIGEST]}"
             tracker.set_tags(run_id, facts)
-            tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK)  # where the ranks run
+            # Where the ranks run: every installed distribution (seconds to read), written while they start.
+            lock = _in_thread(lambda: tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK))
 
             heartbeat = tracker.heartbeat(run_id, cfg.heartbeat_s, outages)
             ckpts = checkpoint_store(tracker, run_id, cfg, resume_step)
@@ -293,6 +295,7 @@ class LocalHandle(Handle):
 
             try:
                 self._launch(launch, spec, on_message)
+                lock.result()
                 status, code = T.FINISHED, EXIT_OK
             except RunFailed as err:
                 rank, tb, expected = failure_details(err)
@@ -311,6 +314,10 @@ class LocalHandle(Handle):
             raise
         finally:
             self.recording = True
+            if lock is not None:  # the lock's write ends before the run is closed, whatever happened
+                from concurrent.futures import wait
+
+                wait([lock])
             if console is not None:
                 console.close()
             if failure_text:
@@ -419,7 +426,7 @@ class LocalHandle(Handle):
 
         node = self.node
         if node is None:
-            launch(spec, on_message, cancelled=lambda: self.cancelled)
+            launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=self.job.ranks)
             return
         try:
             launch(spec, on_message, store=node.raw, cancelled=lambda: self.cancelled, check=node.check)
@@ -442,6 +449,17 @@ class LocalHandle(Handle):
                 late = node.wait_done()
                 if late:
                     raise RunFailed(f"node {', '.join(map(str, late))} did not finish (its ranks ended on node 0's side)")
+
+
+def _in_thread(fn: Callable[[], Any]) -> Any:
+    """A future of fn(), run in a thread of its own (a store write that need not hold up the ranks)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="harness-lock")
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _node_tags(nodes: dict[int, dict[str, Any]]) -> dict[str, str]:

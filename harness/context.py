@@ -505,6 +505,8 @@ class Outbox:
         with self._lock:
             if not self._steps:
                 self._oldest = time.monotonic()
+                if self._thread is None:  # the sender also sends what a loop that went quiet left behind
+                    self._start()
             for key, value in values.items():
                 k = self._key_ids.get(key)
                 if k is None:
@@ -559,9 +561,12 @@ class Outbox:
     def _put(self, item: Any) -> None:
         # Called with the lock held: what enters the queue enters in program order.
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="harness-outbox", daemon=True)
-            self._thread.start()
+            self._start()
         self._queue.put(item)
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="harness-outbox", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while True:

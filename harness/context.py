@@ -468,14 +468,16 @@ def _number(key: Any, value: Any) -> float:
     return float(value)
 
 
-# Rank 0's logged points travel in batches of at most this many points, sent at the latest this long
-# after the batch's first point (at the next ctx.log, or by the sender thread when the loop is quiet).
+# Rank 0's logged points leave in batches: the sender thread takes whatever was logged once it has been
+# idle for SEND_EVERY_S (so a slow loop's points go out within milliseconds, and a rank that is killed
+# loses at most that much), and the loop itself queues a batch when BATCH_POINTS have piled up.
 BATCH_POINTS = 4096
-BATCH_AGE_S = 0.1
+SEND_EVERY_S = 0.005
 # Batches waiting for the pipe, at most: a launcher that falls behind slows the loop down rather than
 # letting rank 0's memory grow without bound.
 QUEUED_BATCHES = 64
 _CLOSE_TIMEOUT_S = 120.0
+_IDLE_S = 1.0
 _STOP = object()
 
 
@@ -489,24 +491,23 @@ class Outbox:
         self._channel = channel
         self._lock = threading.Lock()  # the buffer, and the order in which things enter the queue
         self._queue: queue.Queue = queue.Queue(QUEUED_BATCHES)
+        self._wake = threading.Event()  # set with the first point of a buffer and with every queued item
         self._key_ids: dict[str, int] = {}
         self._keys: list[str] = []
         self._key_index: list[int] = []
         self._steps: list[int] = []
         self._values: list[float] = []
         self._unix_ms: list[int] = []
-        self._oldest = 0.0
         self._thread: threading.Thread | None = None
         self._closed = False
         self.error: BaseException | None = None  # the pipe broke (the launcher is gone): later sends are dropped
-        self.sent_points = 0
 
     def add(self, step: int, values: Mapping[str, float], unix_ms: int) -> None:
         with self._lock:
             if not self._steps:
-                self._oldest = time.monotonic()
-                if self._thread is None:  # the sender also sends what a loop that went quiet left behind
+                if self._thread is None:
                     self._start()
+                self._wake.set()
             for key, value in values.items():
                 k = self._key_ids.get(key)
                 if k is None:
@@ -516,7 +517,7 @@ class Outbox:
                 self._steps.append(step)
                 self._values.append(value)
                 self._unix_ms.append(unix_ms)
-            if len(self._steps) >= BATCH_POINTS or time.monotonic() - self._oldest >= BATCH_AGE_S:
+            if len(self._steps) >= BATCH_POINTS:
                 self._put(self._take())
 
     def send(self, message: Message) -> None:
@@ -547,22 +548,18 @@ class Outbox:
             print(f"harness: rank 0 could not hand {self._queue.qsize()} queued metric batches to the launcher within "
                   f"{timeout_s:g} s; the run's last logged values may be missing.", file=sys.stderr)
 
-    def _take(self) -> MetricsBatch:
-        batch = MetricsBatch(
-            tuple(self._keys),
-            np.array(self._key_index, dtype=np.int32),
-            np.array(self._steps, dtype=np.int64),
-            np.array(self._values, dtype=np.float64),  # Python floats are float64: exact
-            np.array(self._unix_ms, dtype=np.int64),
-        )
+    def _take(self) -> tuple:
+        # O(1) under the lock: the lists are swapped out; the sender thread makes the arrays.
+        taken = (tuple(self._keys), self._key_index, self._steps, self._values, self._unix_ms)
         self._key_index, self._steps, self._values, self._unix_ms = [], [], [], []
-        return batch
+        return taken
 
     def _put(self, item: Any) -> None:
         # Called with the lock held: what enters the queue enters in program order.
         if self._thread is None:
             self._start()
         self._queue.put(item)
+        self._wake.set()
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="harness-outbox", daemon=True)
@@ -571,31 +568,42 @@ class Outbox:
     def _run(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=BATCH_AGE_S)
+                item = self._queue.get(timeout=SEND_EVERY_S)
             except queue.Empty:
-                self._flush_if_quiet()
+                if self._wake.is_set():
+                    self._take_buffered()
+                else:
+                    self._wake.wait(_IDLE_S)  # nothing logged or queued: sleep until something is
                 continue
             if item is _STOP:
                 return
             if self.error is not None:
                 continue  # keep draining so the loop never blocks on a full queue
+            if isinstance(item, tuple):
+                keys, key_index, steps, values, unix_ms = item
+                item = MetricsBatch(
+                    keys,
+                    np.array(key_index, dtype=np.int32),
+                    np.array(steps, dtype=np.int64),
+                    np.array(values, dtype=np.float64),  # Python floats are float64: exact
+                    np.array(unix_ms, dtype=np.int64),
+                )
             try:
                 self._channel.send(item)
-                if isinstance(item, MetricsBatch):
-                    self.sent_points += len(item)
             except (OSError, ValueError) as err:  # the launcher closed its end or died
                 self.error = err
 
-    def _flush_if_quiet(self) -> None:
-        """The loop stopped logging (evaluation, a long step): send the points it left behind."""
-        # Never block here: the loop may hold the lock while it waits for room in the queue we drain.
+    def _take_buffered(self) -> None:
+        """The queue is empty: move what the loop logged since into it."""
+        # Never block here: the loop may hold the lock while it waits for room in the queue this thread drains.
         if not self._lock.acquire(blocking=False):
             return
         try:
             # With the lock held nothing else enters the queue, and only this thread takes from it.
-            if self._steps and not self._closed and not self._queue.full() and \
-                    time.monotonic() - self._oldest >= BATCH_AGE_S:
+            if self._steps and not self._closed and not self._queue.full():
                 self._queue.put_nowait(self._take())
+            elif not self._steps:
+                self._wake.clear()  # anything queued is taken by the next get()
         finally:
             self._lock.release()
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from harness import checkpoint as ckpt
-from harness.errors import ExperimentError
+from harness.errors import ExperimentError, HarnessError
 from harness.fingerprint import fingerprint
 from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, MetricsBatch, SegmentEnd, SegmentStart, Total
 
@@ -558,7 +558,13 @@ class Outbox:
         # Called with the lock held: what enters the queue enters in program order.
         if self._thread is None:
             self._start()
-        self._queue.put(item)
+        try:
+            self._queue.put(item, timeout=_CLOSE_TIMEOUT_S)
+        except queue.Full:
+            raise HarnessError(
+                f"the launcher has taken none of rank 0's {QUEUED_BATCHES} queued metric batches for "
+                f"{_CLOSE_TIMEOUT_S:g} s; it is stuck or gone. Check the launcher process (logs/rank0.log)."
+            ) from None
         self._wake.set()
 
     def _start(self) -> None:

@@ -21,7 +21,7 @@ from harness import checkpoint, checkpoint_store
 from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
-from harness.messages import Final, Message, Metrics, SegmentEnd, SegmentStart
+from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
 from harness.recorded import RecordedRun, refuse_non_training
 from harness.tracking import Tracker
 
@@ -185,6 +185,10 @@ def _run_segments(
             case Metrics(step, values):
                 for key, value in values.items():
                     logged.setdefault(current[-1], {})[(key, step)] = value
+            case MetricsBatch():
+                seen = logged.setdefault(current[-1], {})
+                for key, step, value, _ in msg.points():
+                    seen[(key, step)] = value
             case SegmentEnd(step, sha256, digests):
                 ends[current[-1]] = (step, sha256)
                 tensors[current[-1]] = digests

@@ -373,6 +373,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 ctx.finish()
             except StopSegment:  # an audit segment ended: every rank stops at the same step
                 pass
+            finally:
+                ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
         dist.destroy_process_group()
     except BaseException as err:
         _write_failure(spec, rank, err)

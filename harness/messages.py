@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,32 @@ class Metrics:
     step: int
     values: dict[str, float]
     unix_ms: int
+
+
+@dataclass(frozen=True, eq=False)
+class MetricsBatch:
+    """Many of rank 0's logged points at once, in the order they were logged: point i is
+    (keys[key_index[i]], steps[i], values[i], unix_ms[i]).
+
+    Four numpy arrays (int32, int64, float64, int64) and a short key table pickle as a few buffers, where
+    one Metrics per ctx.log call costs a pickle and a pipe write each; float64 keeps every value's bits.
+    """
+
+    keys: tuple[str, ...]
+    key_index: Any  # np.ndarray[int32]
+    steps: Any  # np.ndarray[int64]
+    values: Any  # np.ndarray[float64]
+    unix_ms: Any  # np.ndarray[int64]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def points(self) -> Iterator[tuple[str, int, float, int]]:
+        """(key, step, value, unix_ms) per point, in logged order, as Python numbers (exact: float64 -> float)."""
+        keys = self.keys
+        for k, step, value, ms in zip(self.key_index.tolist(), self.steps.tolist(), self.values.tolist(),
+                                      self.unix_ms.tolist()):
+            yield keys[k], step, value, ms
 
 
 @dataclass(frozen=True)
@@ -85,4 +112,4 @@ class SegmentEnd:
     tensors: dict[str, str] = field(default_factory=dict)
 
 
-Message = Union[Metrics, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd]
+Message = Union[Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd]

@@ -895,6 +895,18 @@ class MetricWriter:
                 continue
             self._pending.append((key, value, timestamp_ms, step))
 
+    def add_batch(self, batch: Any) -> None:
+        """Every point of a messages.MetricsBatch, in its order: as add() per point, in one pass."""
+        series, known_all, pending = self.series, self._known, self._pending
+        for key, step, value, unix_ms in batch.points():
+            series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
+            known = known_all.get(key)
+            if known is not None:
+                old = known.get(step)
+                if old is not None and struct.pack("<d", old) == struct.pack("<d", value):
+                    continue
+            pending.append((key, value, unix_ms, step))
+
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             self.flush()
@@ -1019,6 +1031,18 @@ class Heartbeat:
         tracker.set_tags(run_id, {T.HEARTBEAT_S: f"{interval_s:g}", T.HEARTBEAT: f"{time.time():.3f}"})
         self._thread = threading.Thread(target=self._loop, name="harness-heartbeat", daemon=True)
         self._thread.start()
+
+    def add_batch(self, batch: Any) -> None:
+        """Every point of a messages.MetricsBatch, in its order: as add() per point, in one pass."""
+        series, known_all, pending = self.series, self._known, self._pending
+        for key, step, value, unix_ms in batch.points():
+            series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
+            known = known_all.get(key)
+            if known is not None:
+                old = known.get(step)
+                if old is not None and struct.pack("<d", old) == struct.pack("<d", value):
+                    continue
+            pending.append((key, value, unix_ms, step))
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

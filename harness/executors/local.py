@@ -22,7 +22,7 @@ from harness import tags as T
 from harness.config import split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
-from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, Total
+from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Total
 from harness.store import reason_of
 from harness.tracking import Outages, Patient, Tracker, save_series, transient
 
@@ -277,6 +277,9 @@ class LocalHandle(Handle):
                     case Metrics(step, values, unix_ms):
                         writer.add(step, values, unix_ms)
                         console.step(step)
+                    case MetricsBatch():
+                        writer.add_batch(msg)
+                        console.step(int(msg.steps[-1]))
                     case Fingerprint(step, sha256):
                         fingerprints[step] = sha256
                     case Final(sha256, steps):

@@ -1,0 +1,163 @@
+"""`harness trace`, `harness compare` of two traces and `harness replay --localize`: planted causes of a
+divergence, each localised end to end (real CLI, real ranks, real store) to its op and the user's line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import Project, Result
+
+# One experiment, every planted cause behind a train: key, so one honest run serves several tests.
+PLANTED = '''"""Linear(8, 4) regressing a fixed map, with planted causes of divergence behind train: keys."""
+
+import time
+
+import torch
+from torch import nn
+
+
+def train(ctx):
+    cfg = ctx.cfg
+    data = torch.randn(cfg.samples, 8, generator=torch.Generator().manual_seed(ctx.seed))
+    teacher = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    loader = ctx.loader(data, batch_size=cfg.batch_size)
+    model = ctx.ddp(nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.track(optimizer)
+
+    def batch_loss(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            out = model(batch).float()  # PLANTED: precision
+        target = batch @ teacher
+        if cfg.unseeded and ctx.step >= 3:
+            noise = torch.rand(target.shape, generator=torch.Generator().manual_seed(time.time_ns()))  # PLANTED: unseeded
+            target = target + 0.01 * noise
+        rows = out.reshape(-1)
+        order = torch.arange(rows.numel()).roll(ctx.world_size)  # the accumulation order follows the world size
+        buckets = torch.zeros(4).index_add_(0, order % 4, rows[order])  # PLANTED: order
+        return nn.functional.mse_loss(out, target) + 1e-3 * buckets.square().sum()
+
+    for _ in ctx.epochs(cfg.epochs):
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = ctx.backward(batch, batch_loss)
+            optimizer.step()
+            ctx.log({"loss": loss}, ctx.step)
+'''
+YAML = "  unseeded: false\n  precision: fp32\n"
+# World-size-invariant mode, 2 shards of 4 samples a step: 6 steps, a checkpoint every 2.
+CONFIG = ["determinism.world_size_invariant=true", "determinism.shards=2", "train.batch_size=4", "train.samples=48",
+          "train.epochs=1", "checkpoint_every=2"]
+
+
+def line_of(tag: str) -> str:
+    """'train.py:N' of the planted line marked `# PLANTED: tag`."""
+    for n, line in enumerate(PLANTED.splitlines(), 1):
+        if line.endswith(f"# PLANTED: {tag}"):
+            return f"train.py:{n}"
+    raise AssertionError(tag)
+
+
+@pytest.fixture(scope="module")
+def planted(project: Project) -> str:
+    project.add_experiment("planted", train_py=PLANTED, yaml_extra=YAML)
+    return "experiments/planted"
+
+
+@pytest.fixture(scope="module")
+def honest(project: Project, planted: str) -> str:
+    result = project.harness("run", planted, *CONFIG)
+    assert result.returncode == 0, result.stderr
+    return result.last_line
+
+
+@pytest.fixture(scope="module")
+def traced(project: Project, honest: str) -> str:
+    result = project.harness("trace", honest, "--step", "3", "--ranks", "0,1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.last_line
+
+
+def test_trace_is_a_nested_run_and_keeps_the_training_bits(project: Project, honest: str, traced: str) -> None:
+    from harness import optrace
+
+    client = project.client()
+    tags = client.get_run(traced).data.tags
+    assert tags["harness.kind"] == "trace" and tags["mlflow.parentRunId"] == honest
+    assert tags["harness.trace_of"] == honest and tags["harness.trace.step"] == "3"
+    assert tags["harness.trace.ranks"] == "0,1" and tags["harness.trace.from_checkpoint"] == "2"
+    # Steps 2 and 3 logged the recorded losses and ended with the weights of the recorded checkpoint 4,
+    # bit for bit: the tracer changed nothing.
+    assert tags["harness.trace.reproduced"] == "true"
+    names = {a.path for a in client.list_artifacts(traced, "trace")}
+    assert names == {"trace/rank0.jsonl.gz", "trace/rank1.jsonl.gz", "trace/meta.json"}
+    trace = optrace.loads(Path(client.download_artifacts(traced, "trace/rank1.jsonl.gz")).read_bytes())
+    assert trace.meta["step"] == 3 and trace.meta["rank"] == 1 and trace.ops
+    assert any(op.user_line.startswith(line_of("order")) for op in trace.ops)
+
+
+def test_an_honest_pair_of_traces_finds_no_difference(project: Project, honest: str, traced: str, tmp_path: Path) -> None:
+    again = project.harness("trace", honest, "--step", "3")
+    assert again.returncode == 0, again.stderr
+    report = tmp_path / "diff.md"
+    result = project.harness("compare", traced, again.last_line, "--report", str(report))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("IDENTICAL") and "(rank 0)" in result.stdout.splitlines()[0]
+    assert report.read_text().strip()
+
+
+def test_bad_input_is_one_line_and_records_nothing(project: Project, honest: str, traced: str) -> None:
+    before = len(project.all_runs())
+    cases = [
+        (("no-such-run", "--step", "0"), "no-such-run"),
+        ((honest, "--step", "6"), "--step 6: run"),
+        ((honest, "--step", "1", "--ranks", "0,2"), "--ranks 0,2: run"),
+        ((honest, "--step", "1", "--ranks", "x"), "--ranks x: give rank numbers"),
+        ((traced, "--step", "1"), "is a trace"),
+    ]
+    for args, needle in cases:
+        result = project.harness("trace", *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.startswith("Error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert needle in result.stderr
+    assert len(project.all_runs()) == before
+
+
+def _localized(project: Project, result: Result) -> str:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "verdict: DIVERGED" in result.stdout
+    return result.stdout[result.stdout.index("Localization of step"):]
+
+
+def test_unseeded_op_is_localized_by_a_replay_and_shown_in_the_browser(project: Project, planted: str,
+                                                                      tmp_path: Path) -> None:
+    from browser import open_page
+
+    run = project.harness("run", planted, *CONFIG, "train.unseeded=true")
+    assert run.returncode == 0, run.stderr
+    replay = project.harness("replay", run.last_line)  # automatic: the run has checkpoints
+    text = _localized(project, replay)
+    assert "same-machine nondeterminism" in text and "CULPRIT" in text, text
+    assert "aten.rand" in text and line_of("unseeded") in text, text
+    client = project.client()
+    replay_id = replay.stdout.strip().splitlines()[-1]
+    children = [r for r in project.all_runs() if r.data.tags.get("mlflow.parentRunId") == replay_id]
+    assert sorted(r.data.tags["harness.trace.purpose"] for r in children) == ["original (nondeterminism check)"] * 2
+    report = Path(client.download_artifacts(replay_id, "replay/report.md")).read_text()
+    assert "## Where it diverged" in report and line_of("unseeded") in report
+    html = Path(client.download_artifacts(replay_id, "replay/localization.html"))
+    shown = open_page(html.as_uri(), tmp_path / "localization.png", tmp_path / "chromium").text
+    assert "rand" in shown and line_of("unseeded") in shown, shown
+
+
+def test_world_size_dependent_accumulation_is_localized(project: Project, honest: str) -> None:
+    text = _localized(project, project.harness("replay", honest, "--world-size", "1"))
+    assert "CULPRIT" in text and "index_add" in text and line_of("order") in text, text
+
+
+def test_precision_change_is_localized(project: Project, honest: str) -> None:
+    result = project.harness("replay", honest, "--allow-changes", "train.precision=bf16", "--localize")
+    text = _localized(project, result)
+    assert line_of("precision") in text, text

@@ -20,33 +20,39 @@ from torch import nn
 
 def train(ctx):
     cfg = ctx.cfg
+    torch.set_flush_denormal(cfg.precision == "ftz")  # a precision setting: denormals count as zero
     data = torch.randn(cfg.samples, 8, generator=torch.Generator().manual_seed(ctx.seed))
     teacher = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     loader = ctx.loader(data, batch_size=cfg.batch_size)
     model = ctx.ddp(nn.Linear(8, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ctx.track(optimizer)
+    # Per-slot statistics gathered rank by rank, each rank's share of the rows after the other's: the order of
+    # the contributions follows the world size. (1e8 + 1) - 1e8 = 0 but (1e8 - 1e8) + 1 = 1 in float32.
+    rows, slots = torch.tensor([[1e8], [1.0], [-1e8], [1e8], [1.0], [-1e8]]), torch.tensor([0, 0, 0, 1, 1, 1])
+    order = torch.cat([torch.arange(r, 6, ctx.world_size) for r in range(ctx.world_size)])
+    index, source = slots[order], rows[order]
+    tiny = torch.full((1, 8), 1 << 20, dtype=torch.int32).view(torch.float32)  # denormal floats, made from bits
 
-    def batch_loss(batch):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-            out = model(batch).float()  # PLANTED: precision
+    def batch_loss(batch, extra):
+        out = model(batch)
         target = batch @ teacher
         if cfg.unseeded and ctx.step >= 3:
             noise = torch.rand(target.shape, generator=torch.Generator().manual_seed(time.time_ns()))  # PLANTED: unseeded
-            target = target + 0.01 * noise
-        rows = out.reshape(-1)
-        order = torch.arange(rows.numel()).roll(ctx.world_size)  # the accumulation order follows the world size
-        buckets = torch.zeros(4).index_add_(0, order % 4, rows[order])  # PLANTED: order
-        return nn.functional.mse_loss(out, target) + 1e-3 * buckets.square().sum()
+            target = target + noise
+        return nn.functional.mse_loss(out, target) + extra
 
     for _ in ctx.epochs(cfg.epochs):
         for batch in loader:
+            stats = torch.zeros(2, 1).index_add_(0, index, source)  # PLANTED: order
+            probe = tiny @ teacher  # PLANTED: precision
+            extra = 0.1 * stats.sum() + 1e38 * probe.sum()
             optimizer.zero_grad()
-            loss = ctx.backward(batch, batch_loss)
+            loss = ctx.backward(batch, lambda b: batch_loss(b, extra))
             optimizer.step()
             ctx.log({"loss": loss}, ctx.step)
 '''
-YAML = "  unseeded: false\n  precision: fp32\n"
+YAML = "  unseeded: false\n  precision: ieee\n"
 # World-size-invariant mode, 2 shards of 4 samples a step: 6 steps, a checkpoint every 2.
 CONFIG = ["determinism.world_size_invariant=true", "determinism.shards=2", "train.batch_size=4", "train.samples=48",
           "train.epochs=1", "checkpoint_every=2"]
@@ -154,10 +160,12 @@ def test_unseeded_op_is_localized_by_a_replay_and_shown_in_the_browser(project: 
 
 def test_world_size_dependent_accumulation_is_localized(project: Project, honest: str) -> None:
     text = _localized(project, project.harness("replay", honest, "--world-size", "1"))
-    assert "CULPRIT" in text and "index_add" in text and line_of("order") in text, text
+    assert "CULPRIT" in text and "aten.index_add_" in text and line_of("order") in text, text
+    assert "accumulated in a different order" in text, text
 
 
 def test_precision_change_is_localized(project: Project, honest: str) -> None:
-    result = project.harness("replay", honest, "--allow-changes", "train.precision=bf16", "--localize")
+    result = project.harness("replay", honest, "--allow-changes", "train.precision=ftz", "--localize")
     text = _localized(project, result)
-    assert line_of("precision") in text, text
+    assert "CULPRIT" in text and "aten.mm" in text and line_of("precision") in text, text
+    assert "flush_denormal False vs True" in text, text

@@ -104,14 +104,36 @@ def test_trace_is_a_nested_run_and_keeps_the_training_bits(project: Project, hon
     assert any(op.user_line.startswith(line_of("order")) for op in trace.ops)
 
 
-def test_an_honest_pair_of_traces_finds_no_difference(project: Project, honest: str, traced: str, tmp_path: Path) -> None:
-    again = project.harness("trace", honest, "--step", "3")
-    assert again.returncode == 0, again.stderr
+@pytest.fixture(scope="module")
+def traced_again(project: Project, honest: str) -> str:
+    result = project.harness("trace", honest, "--step", "3")
+    assert result.returncode == 0, result.stderr
+    return result.last_line
+
+
+def test_an_honest_pair_of_traces_finds_no_difference(project: Project, traced: str, traced_again: str,
+                                                      tmp_path: Path) -> None:
     report = tmp_path / "diff.md"
-    result = project.harness("compare", traced, again.last_line, "--report", str(report))
+    result = project.harness("compare", traced, traced_again, "--report", str(report))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("IDENTICAL") and "(rank 0)" in result.stdout.splitlines()[0]
     assert report.read_text().strip()
+
+
+def test_traces_travel_in_a_bundle_and_compare_there(project: Project, honest: str, traced: str, traced_again: str,
+                                                     tmp_path: Path) -> None:
+    bundle = tmp_path / "run.tar.gz"
+    exported = project.harness("export", honest, "-o", str(bundle))
+    assert exported.returncode == 0, exported.stderr
+    elsewhere = Project(tmp_path / "machine B", tmp_path / "store B")
+    elsewhere.store.mkdir(parents=True)
+    elsewhere.root.mkdir()
+    imported = elsewhere.harness("import", str(bundle))
+    assert imported.returncode == 0, imported.stderr
+    copies = [r for r in elsewhere.all_runs() if r.data.tags.get("harness.kind") == "trace"]
+    assert len(copies) == 2 and all(r.data.tags["harness.trace_of"] == imported.last_line for r in copies)
+    result = elsewhere.harness("compare", *(r.info.run_id for r in copies))
+    assert result.returncode == 0 and result.stdout.startswith("IDENTICAL"), result.stdout + result.stderr
 
 
 def test_bad_input_is_one_line_and_records_nothing(project: Project, honest: str, traced: str) -> None:

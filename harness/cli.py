@@ -475,7 +475,12 @@ def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tracking
     from harness.tracking import Tracker
 
     tracker = Tracker(tracking_uri, writable=False)
-    if sum(tracker.harness_run(r).tags.get(T.KIND) == T.KIND_TRACE for r in (run_a, run_b)) == 2:
+    traces = [tracker.harness_run(r).tags.get(T.KIND) == T.KIND_TRACE for r in (run_a, run_b)]
+    if any(traces) and not all(traces):
+        which, other = (run_a, run_b) if traces[0] else (run_b, run_a)
+        raise HarnessError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
+                           f"{other} --step K makes one) or two runs.")
+    if all(traces):
         from harness.trace import diff, write_report
 
         found = diff(tracker, run_a, run_b)

@@ -150,6 +150,8 @@ def test_bad_input_is_one_line_and_records_nothing(project: Project, honest: str
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.startswith("Error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert needle in result.stderr
+    mixed = project.harness("compare", traced, honest)
+    assert mixed.returncode == 2 and f"run {traced} is a trace and run {honest} is not" in mixed.stderr, mixed.stderr
     assert len(project.all_runs()) == before
 
 

@@ -137,21 +137,26 @@ def test_traces_travel_in_a_bundle_and_compare_there(project: Project, honest: s
 
 
 def test_bad_input_is_one_line_and_records_nothing(project: Project, honest: str, traced: str) -> None:
+    from harness.errors import HarnessError
+    from harness.trace import parse_ranks, trace
+
     before = len(project.all_runs())
-    cases = [
-        (("no-such-run", "--step", "0"), "no-such-run"),
-        ((honest, "--step", "6"), "--step 6: run"),
-        ((honest, "--step", "1", "--ranks", "0,2"), "--ranks 0,2: run"),
-        ((honest, "--step", "1", "--ranks", "x"), "--ranks x: give rank numbers"),
-        ((traced, "--step", "1"), "is a trace"),
-    ]
-    for args, needle in cases:
-        result = project.harness("trace", *args)
-        assert result.returncode == 2, (args, result.stderr)
-        assert result.stderr.startswith("Error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert needle in result.stderr
+    # The command line once (one line, exit 2), the library for the other refusals (no start-up each).
+    result = project.harness("trace", honest, "--step", "6")
+    assert result.returncode == 2 and result.stderr == f"Error: --step 6: run {honest} has steps 0-5. Pass a step in that range.\n"
     mixed = project.harness("compare", traced, honest)
     assert mixed.returncode == 2 and f"run {traced} is a trace and run {honest} is not" in mixed.stderr, mixed.stderr
+    cases = [
+        ("no-such-run", 0, (0,), "no-such-run"),
+        (honest, 1, (0, 2), f"--ranks 0,2: run {honest} ran 2 ranks (0-1)."),
+        (traced, 1, (0,), f"run {traced} is a trace; trace the run it traced ({honest})."),
+    ]
+    for run_id, step, ranks, needle in cases:
+        with pytest.raises(HarnessError, match=".") as err:
+            trace(run_id, step=step, ranks=ranks, tracking_uri=project.uri)
+        assert needle in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(HarnessError, match="--ranks x: give rank numbers"):
+        parse_ranks("x")
     assert len(project.all_runs()) == before
 
 

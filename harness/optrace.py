@@ -110,10 +110,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's elements' bytes in row-major order (views and strides resolved)."""
     if t.layout != torch.strided or t.device.type == "meta":
         return f"unhashable:{str(t.layout).removeprefix('torch.')}"
+    if type(t) not in _PLAIN_TENSORS:
+        # A tensor subclass (DTensor, FakeTensor...) has no bytes of its own on this rank to read.
+        return f"unhashable:{type(t).__name__}"
     try:
         # force=True: detached, on the CPU, conjugate and negative bits resolved.
         array = t.numpy(force=True)
@@ -346,10 +352,10 @@ class OpTracer:
         self._handles: list[Any] = []
         self._in_optimizer = 0
         self._in_backward_call = 0
-        # autograd node -> (module, user_line) of the forward call that made it; the nodes are
-        # held so their identity stays valid for the step.
+        # id(autograd node) -> (node, module, user_line) of the forward call that made it; the
+        # node is held so that its id cannot be reused by another node during the step.
         self._node_origin: dict[int, tuple[Any, str, str]] = {}
-        self._hash_cache: dict[int, tuple[Any, int, TensorSig]] = {}
+        self._hash_cache: dict[int, tuple[Any, tuple[int, int], TensorSig]] = {}
         self._line_cache: dict[tuple[str, int], str] = {}
         self._is_user_file = _USER_FILES.setdefault(self.code_dir, {})
         self._modes: tuple[_Origins, _Dispatch] | None = None
@@ -464,7 +470,8 @@ class OpTracer:
         # Outputs are always hashed (fresh): an in-place op's version bump comes only after the
         # dispatch returns, and collectives write without one.
         try:
-            version = t._version
+            # data_ptr too: `p.data = other` swaps the storage without bumping the version.
+            version = (t._version, t.data_ptr())
         except RuntimeError:  # inference tensors have no version counter
             return tensor_sig(t)
         hit = self._hash_cache.get(id(t))
@@ -500,7 +507,12 @@ class OpTracer:
             return func(*args, **kwargs)  # record_function markers: annotations, not computation
         base = op_base(name)
         phase, module, line = self._phase_and_origin(args)
-        if line is None:
+        namespace = name.split(".", 1)[0]
+        if phase == BACKWARD and namespace in ("c10d", "_c10d_functional"):
+            # DDP's bucket all-reduce fires from the gradient hook of whichever parameter
+            # completed the bucket; naming that parameter's module would blame one of many.
+            module, line = BACKWARD_UNKNOWN_MODULE, None
+        if not line:  # no forward line for this node: the innermost user frame now
             line = self._user_line()
         overwritten = {id(v) for k, v in kwargs.items() if k == "out" or k.startswith("out")}
         if base in _OVERWRITES_SELF and args and isinstance(args[0], torch.Tensor):
@@ -513,7 +525,6 @@ class OpTracer:
 
         out = func(*args, **kwargs)
 
-        namespace = name.split(".", 1)[0]
         flat_out = _flat_tensors(out)
         if namespace == "c10d":
             # c10d ops return (tensors, Work): the tensors hold the result only after the wait.
@@ -695,10 +706,14 @@ def localize(a: Trace, b: Trace, hints: dict | None = None) -> Localization:
         return Localization(IDENTICAL, None, None, None, None,
                             ["both traces are empty: no op was compared (was the step inside "
                              "the tracer?)"])
-    tensors = sum(sum(s is not None for s in r.inputs + r.outputs) for r in a.ops)
-    return Localization(IDENTICAL, None, None, None, None, [
-        f"no difference found: {n} ops compared, with {tensors} tensor signatures "
-        "(shape, dtype, sha256 of the bytes), all identical"])
+    sigs = [s for r in a.ops for s in r.inputs + r.outputs if s is not None]
+    hashed = sum(bool(s.sha256) and not s.sha256.startswith("unhashable:") for s in sigs)
+    detail = [f"no difference found: {n} ops compared, with {hashed} tensor signatures "
+              "(shape, dtype, sha256 of the bytes), all identical"]
+    if hashed < len(sigs):
+        detail.append(f"{len(sigs) - hashed} more tensors were compared by shape and dtype only "
+                      "(undefined or overwritten memory, in-flight collectives, tensor subclasses)")
+    return Localization(IDENTICAL, None, None, None, None, detail)
 
 
 def render_markdown(loc: Localization, a: Trace, b: Trace) -> str:

@@ -102,9 +102,18 @@ def library_version(loc: "Localization", a: "Trace", b: "Trace", hints: dict | N
     return f"a different library version: {shown}"
 
 
+def collective_peer(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    if loc.status != "CULPRIT" or loc.a is None or not loc.a.op.startswith(("c10d.", "_c10d_functional.")):
+        return None
+    return ("a collective returned different values for identical local inputs: another rank "
+            "sent different values (trace the other ranks) or the world size differs "
+            f"({a.meta.get('world_size')!r} vs {b.meta.get('world_size')!r})")
+
+
 # Most specific first; every rule that applies contributes its sentence.
 RULES: tuple[Callable[["Localization", "Trace", "Trace", dict | None], str | None], ...] = (
-    random_generator, accumulation_order, precision_setting, determinism_setting, library_version,
+    random_generator, accumulation_order, collective_peer, precision_setting, determinism_setting,
+    library_version,
 )
 
 

@@ -106,8 +106,9 @@ def test_an_honest_pair_is_identical_and_says_how_much_was_compared(honest: tupl
     a, b = honest
     loc = localize(a, b)
     assert loc.status == IDENTICAL and loc.index is None and loc.likely_cause is None
-    assert loc.detail == [f"no difference found: {len(a.ops)} ops compared, with "
-                          f"{sum(sum(s is not None for s in r.inputs + r.outputs) for r in a.ops)} "
+    sigs = [s for r in a.ops for s in r.inputs + r.outputs if s is not None]
+    assert all(len(s.sha256) == 64 for s in sigs)  # this step has no unhashed tensor
+    assert loc.detail == [f"no difference found: {len(a.ops)} ops compared, with {len(sigs)} "
                           "tensor signatures (shape, dtype, sha256 of the bytes), all identical"]
     assert len(a.ops) > 30
 
@@ -233,6 +234,8 @@ def test_uninitialized_and_overwritten_memory_is_not_compared(user: tuple[Module
     empty, normal = tracer.result().ops
     assert empty.outputs[0] == TensorSig((3,), "float32", "")
     assert normal.inputs[0] == TensorSig((3,), "float32", "") and normal.outputs[0].sha256
+    trace = tracer.result()
+    assert localize(trace, trace).detail[1].startswith("2 more tensors were compared by shape and dtype only")
 
 
 def test_a_collective_is_recorded_with_its_result(user: tuple[ModuleType, Path], tmp_path: Path) -> None:
@@ -287,6 +290,10 @@ def test_rules_name_only_what_they_know() -> None:
     tanh = Localization(CULPRIT, 0, _record(0, "aten.tanh.default"), None, None, [])
     assert optrace_rules.precision_setting(tanh, same, other, None) is None
     assert optrace_rules.random_generator(tanh, same, same, None) is None
+    allreduce = Localization(CULPRIT, 0, _record(0, "c10d.allreduce_.default"), None, None, [])
+    assert optrace_rules.collective_peer(allreduce, Trace([], {"world_size": 2}),
+                                         Trace([], {"world_size": 4}), None).endswith("(2 vs 4)")
+    assert optrace_rules.collective_peer(loc, same, same, None) is None
     scatter = Localization(CULPRIT, 0, _record(0, "aten.scatter_add_.default"), None, None, [])
     assert "nondeterministic accumulation" in optrace_rules.accumulation_order(scatter, same, same, None)
 

@@ -403,9 +403,9 @@ class Context:
         from harness import optrace
 
         assert self._plan is not None
-        module = self._model.module if isinstance(self._model, torch.nn.parallel.DistributedDataParallel) else self._model
         meta = {"step": step, "rank": self.rank, "world_size": self.world_size, "invariant_shards": self._shards}
-        tracer = optrace.OpTracer(str(Path.cwd()), model=module, meta=meta)
+        # self._model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
+        tracer = optrace.OpTracer(str(Path.cwd()), model=self._model, meta=meta)
         with tracer:
             yield batch
         path = Path(self._plan.trace_dir) / f"rank{self.rank}.jsonl.gz"

@@ -353,8 +353,9 @@ def replay_study(
         for i, member in enumerate(chosen, 1):
             print(f"study replay {run_id}: member {i} of {len(chosen)} (seed {member.tags.get(T.SEED)}, run {member.run_id})",
                   file=sys.stderr)
+            # A member's difference is judged against the seeds' noise; tracing every member is not asked for.
             result = replay(member.run_id, follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id},
-                            study_members=member_records, **options)
+                            study_members=member_records, **{"localize": False, **options})
             results.append(result)
         verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in member_records], study_id)
         out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)

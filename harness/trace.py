@@ -9,6 +9,7 @@ made on another machine (through a bundle) compares with one made here.
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from harness.messages import Final, Message, Metrics, SegmentEnd, SegmentStart
 from harness.recorded import RecordedRun, refuse_non_training
 from harness.tracking import RunRecord, RunSummary, Tracker
 
-IDENTICAL = "IDENTICAL"  # optrace.Localization's status when no op differs
+IDENTICAL = "IDENTICAL"  # optrace.IDENTICAL, without importing torch to read a status
 
 
 @dataclass
@@ -185,8 +186,6 @@ def trace(
     finally:
         if store is not None:
             store.cleanup()
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -305,7 +305,7 @@ def export(
         raise HarnessError(f"run {run_id} is still RUNNING; its record is not complete. Export it when it has ended.")
     if out.is_dir():
         raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
-    replays = [r for r in tracker.children(run_id) if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT)]
+    replays = [r for r in tracker.children(run_id) if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE)]
     commit = run.tags[T.GIT_COMMIT]
     image = None
     with tempfile.TemporaryDirectory(prefix="harness-export-") as tmp:
@@ -404,8 +404,8 @@ def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
 
 
 def _remap(tags: dict[str, str], ids: dict[str, str]) -> dict[str, str]:
-    """Tags naming a run of the bundle (parent, replay_of, audit_of) name its copy in this store."""
-    return {k: ids.get(v, v) if k in (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF) else v
+    """Tags naming a run of the bundle (parent, replay_of, audit_of, trace_of) name its copy in this store."""
+    return {k: ids.get(v, v) if k in (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF) else v
             for k, v in tags.items()}
 
 

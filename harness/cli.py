@@ -282,6 +282,9 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="A study: replay K of its members, drawn at random (the draw's seed is recorded).")
 @click.option("--members-seed", type=click.IntRange(min=0), default=None,
               help="A study with --members: the seed of the draw (to repeat an earlier one).")
+@click.option("--localize/--no-localize", default=None,
+              help="When the replay DIVERGES, trace its first divergent step and name the first differing op "
+                   "(default: only when the run has checkpoints).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def replay(
@@ -296,6 +299,7 @@ def replay(
     no_follow: bool,
     members: int | None,
     members_seed: int | None,
+    localize: bool | None,
     tracking_uri: str | None,
     **placement: Any,
 ) -> None:
@@ -327,13 +331,15 @@ def replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
         allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths),
         tracker=tracker, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
-        placement=slurm, topology=topology,
+        placement=slurm, topology=topology, localize=localize,
     )
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
         click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
         click.echo(result.outcome.run_id)
         _exit(result.outcome.exit_code)
     _print_comparison(result.comparison, result.changes)
+    for line in result.localized.lines() if result.localized is not None else []:
+        click.echo(line)
     click.echo(tracker.ui_hint(result.outcome.run_id), err=True)
     click.echo(f"verdict: {result.comparison.summary()}")
     click.echo(result.outcome.run_id)
@@ -454,16 +460,41 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
 @click.argument("run_a")
 @click.argument("run_b")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole comparison as JSON.")
+@click.option("--report", "report", type=click.Path(path_type=Path), default=None,
+              help="Two traces: also write the localization report to PATH (HTML if it ends in .html, else markdown).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def compare(run_a: str, run_b: str, as_json: bool, tracking_uri: str | None) -> None:
+def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tracking_uri: str | None) -> None:
     """Compare two existing runs (any experiments): environment delta and verdict, no rerun.
 
     RUN_A is the reference; its tolerance applies. Exit 0 reproduced, 1 diverged, 2 bad input.
+    Two trace runs (harness trace): the first op whose output differs while its inputs were equal,
+    with its module, shapes, dtypes, the user's line and a likely cause; nothing is recorded.
+    Exit 0 identical, 1 they differ.
     """
     import json
 
     from harness.replay import compare as do_compare
+    from harness.tracking import Tracker
+
+    tracker = Tracker(tracking_uri, writable=False)
+    traces = [tracker.harness_run(r).tags.get(T.KIND) == T.KIND_TRACE for r in (run_a, run_b)]
+    if any(traces) and not all(traces):
+        which, other = (run_a, run_b) if traces[0] else (run_b, run_a)
+        raise HarnessError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
+                           f"{other} --step K makes one) or two runs.")
+    if all(traces):
+        from harness.trace import diff, write_report
+
+        found = diff(tracker, run_a, run_b)
+        for line in found.lines():
+            click.echo(line)
+        if report is not None:
+            write_report(found, report)
+            click.echo(f"Report: {report}", err=True)
+        sys.exit(1 if found.differs else 0)
+    if report is not None:
+        raise HarnessError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
 
     cmp = do_compare(run_a, run_b, tracking_uri)
     if as_json:
@@ -516,6 +547,31 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
     click.echo(f"verdict: {result.summary()}")
     click.echo(result.audit_id)
     sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--step", type=click.IntRange(min=0), required=True, help="The training step to trace (0-based).")
+@click.option("--ranks", default="0", show_default=True, help="The ranks to trace, separated by commas.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None) -> None:
+    """Trace every op of step STEP of RUN_ID: name, module, input/output tensor hashes, the user's line.
+
+    Restarts from the run's checkpoint at or before STEP (else from step 0), re-executes up to STEP
+    with the recorded code and config, and records the trace as a run nested under RUN_ID (artifacts
+    trace/rank<R>.jsonl.gz). Compare two traces with `harness compare TRACE_A TRACE_B`. Prints the
+    trace run's id as the last line. Exit 0 traced, 1 the ranks failed, 2 bad input (nothing recorded).
+    """
+    from harness.trace import parse_ranks, trace as do_trace
+
+    result = do_trace(run_id, step=step, ranks=parse_ranks(ranks), tracking_uri=tracking_uri)[0]
+    start = "step 0" if result.from_checkpoint is None else f"the checkpoint of step {result.from_checkpoint}"
+    click.echo(f"traced step {result.step} of run {run_id} on rank{'s' if len(result.ranks) > 1 else ''} "
+               f"{','.join(map(str, result.ranks))} from {start} ({result.seconds:.1f}s)")
+    if result.reproduced is False:
+        click.echo(f"Warning: the re-execution did not reproduce the run's record: {result.detail}", err=True)
+    click.echo(result.run_id)
 
 
 @main.command(name="export")

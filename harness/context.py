@@ -31,6 +31,11 @@ class CheckpointPlan:
     every: int  # 0: never save (a resume or audit may still load)
     resume_step: int | None = None  # load the checkpoint of this step before the first epoch
     stop_at: int | None = None  # an audit segment ends when this many steps are done
+    # harness trace: an op-level trace (optrace.OpTracer) around this step, on these ranks, written to
+    # trace_dir/rank<R>.jsonl.gz when the step ends.
+    trace_step: int | None = None
+    trace_ranks: tuple[int, ...] = ()
+    trace_dir: str = ""
 
 
 class StopSegment(BaseException):
@@ -392,8 +397,31 @@ class Context:
                 return
             self.step = step
             self._beat(step)
-            yield batch
+            if self._traced(step):
+                yield from self._traced_step(batch, step)
+            else:
+                yield batch
             self._global_step += 1
+
+    def _traced(self, step: int) -> bool:
+        plan = self._plan
+        return plan is not None and plan.trace_step == step and self.rank in plan.trace_ranks
+
+    def _traced_step(self, batch: Any, step: int) -> Iterator[Any]:
+        """Hand out the batch of the traced step inside an OpTracer; the step ends when the next batch is asked
+        for (or the loop ends), and the trace goes to its file."""
+        from harness import optrace
+
+        assert self._plan is not None
+        meta = {"step": step, "rank": self.rank, "world_size": self.world_size, "invariant_shards": self._shards}
+        # self._model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
+        tracer = optrace.OpTracer(str(Path.cwd()), model=self._model, meta=meta)
+        with tracer:
+            yield batch
+        path = Path(self._plan.trace_dir) / f"rank{self.rank}.jsonl.gz"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(optrace.dumps(tracer.result()))
+        tmp.replace(path)  # a file that exists is a whole trace
 
     def _maybe_checkpoint(self, epoch: int, batch_in_epoch: int) -> None:
         plan, step = self._plan, self._global_step

@@ -24,6 +24,7 @@ _NOT_TRAINING = {
     T.KIND_STUDY: "a study (its members are the runs): replay it with `harness replay {id}`, or one member by its id",
     T.KIND_STUDY_REPLAY: "a study replay: replay the study it was made from (harness.replay_of), or one of its members",
     T.KIND_VERIFY: "a claims check (harness verify): rerun it with `harness verify CLAIMS_FILE --replay`",
+    T.KIND_TRACE: "a trace of one step (harness trace); trace or replay the run it traced (harness.trace_of) instead",
 }
 
 

@@ -41,6 +41,7 @@ class ReplayResult:
     comparison: Comparison | None  # None on nodes other than 0 of a multi-node replay: node 0 judges it
     changes: list[str]
     records: tuple[RunRecord, RunRecord] | None = None  # (original, replay) as judged
+    localized: Any = None  # trace.Localized: where a DIVERGED replay first differed (replay --localize)
 
 
 def apply_changes(
@@ -127,6 +128,7 @@ def replay(
     tracker: Tracker | None = None,
     extra_tags: dict[str, str] | None = None,
     study_members: list[RunRecord] | None = None,
+    localize: bool | None = None,
 ) -> ReplayResult:
     """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
     the caller has them already (a study replay judges every member against the same seeds)."""
@@ -189,7 +191,27 @@ def replay(
                               incomplete_original=incomplete)
     comparison = with_noise(tracker, comparison, a, b, study_members)
     record_verdict(tracker, replay_id, a, b, comparison, changes)
-    return ReplayResult(original, outcome, comparison, changes, (a, b))
+    # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
+    localized = None
+    if comparison.verdict == DIVERGED and (localize or (localize is None and a.checkpoints)):
+        from harness.trace import localize_after_replay
+
+        localized = localize_after_replay(tracker, comparison, a, b, repo)
+        record_localization(tracker, replay_id, comparison, changes, localized)
+    return ReplayResult(original, outcome, comparison, changes, (a, b), localized)
+
+
+def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str], localized: Any) -> None:
+    """The report ends with where the replay diverged: the first differing op, its module, the user's line."""
+    from harness.report import render_markdown
+
+    markdown = render_markdown(comparison, changes) + localized.markdown()
+    status = localized.diff.localization.status if localized.diff is not None else "NONE"
+    tracker.set_tags(replay_id, {T.MLFLOW_RUN_NOTE: markdown, T.LOCALIZED: status})
+    tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
+    tracker.log_text(replay_id, localized.markdown(), T.ARTIFACT_LOCALIZATION)
+    if localized.diff is not None:
+        tracker.log_text(replay_id, localized.diff.html(), T.ARTIFACT_LOCALIZATION_HTML)
 
 
 def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
@@ -331,8 +353,9 @@ def replay_study(
         for i, member in enumerate(chosen, 1):
             print(f"study replay {run_id}: member {i} of {len(chosen)} (seed {member.tags.get(T.SEED)}, run {member.run_id})",
                   file=sys.stderr)
+            # A member's difference is judged against the seeds' noise; tracing every member is not asked for.
             result = replay(member.run_id, follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id},
-                            study_members=member_records, **options)
+                            study_members=member_records, **{"localize": False, **options})
             results.append(result)
         verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in member_records], study_id)
         out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)

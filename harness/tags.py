@@ -32,6 +32,7 @@ KIND_AUDIT = "audit"
 KIND_STUDY = "study"  # the parent of a seed ensemble: its members are ordinary runs (KIND_RUN) nested under it
 KIND_STUDY_REPLAY = "study_replay"  # the parent of the replays of a study's members, nested under the study
 KIND_VERIFY = "verify"  # `harness verify`: a claims file checked against the record (and replays)
+KIND_TRACE = "trace"  # `harness trace`: an op-level trace of one step of a run, nested under it
 STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
@@ -125,6 +126,16 @@ AUDIT_OF = "harness.audit_of"
 AUDIT_SEGMENTS = "harness.audit.segments"  # drawn segment indices
 AUDIT_SEED = "harness.audit.seed"
 
+# harness trace: the run traced, the step, the ranks ("0,1"), the checkpoint step it restarted from
+# ("none": from step 0), and whether the re-execution reproduced the run's record up to the step.
+TRACE_OF = "harness.trace_of"
+TRACE_STEP = "harness.trace.step"
+TRACE_RANKS = "harness.trace.ranks"
+TRACE_FROM_CHECKPOINT = "harness.trace.from_checkpoint"
+TRACE_REPRODUCED = "harness.trace.reproduced"  # true | false | unknown (nothing recorded to hold it to)
+TRACE_PURPOSE = "harness.trace.purpose"  # replay --localize: what this trace stands for
+LOCALIZED = "harness.localized"  # on a replay: the localization's status (CULPRIT, IDENTICAL, ...)
+
 # Artifacts.
 ARTIFACT_CONFIG = "config.yaml"
 ARTIFACT_PATCH = "git/uncommitted.patch"  # bytes of `git diff --binary`, never decoded
@@ -149,3 +160,7 @@ ARTIFACT_STUDY_DIR = "study"  # study/summary.json and study/spread_<metric>.png
 ARTIFACT_VERIFY_DIR = "verify"  # verify/report.md, verify/report.html, verify/claims.json
 ARTIFACT_AUDIT = "audit/report.md"
 ARTIFACT_AUDIT_JSON = "audit/segments.json"
+ARTIFACT_TRACE_DIR = "trace"  # trace/rank<R>.jsonl.gz (optrace.dumps) and trace/meta.json
+ARTIFACT_TRACE_META = "trace/meta.json"
+ARTIFACT_LOCALIZATION = "replay/localization.md"
+ARTIFACT_LOCALIZATION_HTML = "replay/localization.html"

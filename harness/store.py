@@ -47,8 +47,12 @@ def database_file(uri: str) -> Path | None:
 
 def artifact_path(uri: str) -> Path | None:
     """The local folder of a file:// or absolute-path artifact URI; None for a remote one."""
-    if uri.startswith("file://"):
-        return Path(uri[len("file://"):])
+    if uri.startswith("file:"):
+        # As MLflow reads its own file URIs: percent-escapes (a space is %20) are undone.
+        from urllib.parse import urlparse
+        from urllib.request import url2pathname
+
+        return Path(url2pathname(urlparse(uri).path))
     if uri.startswith("/"):
         return Path(uri)
     return None

@@ -192,3 +192,12 @@ def test_store_failing_mid_command_is_not_no_run(tmp_path: Path) -> None:
     for read in (lambda: tracker.get_run(run_id), lambda: tracker.read_text(run_id, "a.txt"), tracker.search):
         with pytest.raises(HarnessError, match=r"^the tracking store sqlite:///.* failed: .*file is not a database"):
             read()
+
+
+def test_artifact_path_undoes_percent_escapes_as_mlflow_does() -> None:
+    # MLflow stores Path.as_uri() of an artifact folder: a store under "store B" has "store%20B" in it.
+    from harness.store import artifact_path
+
+    assert artifact_path(Path("/tmp/store B/1/x/artifacts").as_uri()) == Path("/tmp/store B/1/x/artifacts")
+    assert artifact_path("/plain/path") == Path("/plain/path")
+    assert artifact_path("s3://bucket/key") is None

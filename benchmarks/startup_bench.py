@@ -31,6 +31,8 @@ from pathlib import Path
 
 import psutil
 
+from benchrepo import project  # benchmarks/, on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 BARE = Path(__file__).resolve().parent / "bare"
 MiB = 1024 * 1024
@@ -45,20 +47,6 @@ class Sample:
     rss: dict[str, float] = field(default_factory=dict)  # kind -> peak MiB (rank: the largest rank)
 
 
-def _git(repo: Path, *args: str) -> None:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@example.invalid",
-           "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@example.invalid"}
-    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, env=env)
-
-
-def _project(base: Path) -> Path:
-    repo = base / "repo"
-    shutil.copytree(ROOT / "experiments", repo / "experiments")
-    (repo / ".gitignore").write_text("stores/\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "experiments")
-    return repo
 
 
 def _kind(proc: psutil.Process, root: int) -> str:
@@ -134,7 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="startup-bench-"))
     try:
-        repo = _project(base)
+        repo = project(base, ("linear_ddp", "digits_cnn"))
         variants: dict[str, tuple[list[str], str | None]] = {"bare": ([], None), "harness": ([], str(ROOT))}
         if args.before is not None:
             variants["harness (before)"] = ([], str(args.before.resolve()))

@@ -8,7 +8,6 @@ ratio to the separate runs. Usage: python benchmarks/study_bench.py [ROUNDS] [SE
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -16,24 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchrepo import project  # benchmarks/, on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ["train.epochs=1"]
 
 
-def _git(repo: Path, *args: str) -> None:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@example.invalid",
-           "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@example.invalid"}
-    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, env=env)
-
-
-def _project(base: Path) -> Path:
-    repo = base / "repo"
-    shutil.copytree(ROOT / "experiments" / "linear_ddp", repo / "experiments" / "linear_ddp")
-    (repo / ".gitignore").write_text("mlruns/\n__pycache__/\n")
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "bench")
-    return repo
 
 
 def _harness(repo: Path, store: Path, *args: str) -> float:
@@ -65,7 +52,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="study-bench-") as tmp:
                 store = Path(tmp) / "store"
                 store.mkdir()
-                times[name].append(way(_project(Path(tmp)), store))
+                times[name].append(way(project(Path(tmp)), store))
             print(f"round {i + 1}/{rounds}: {name} {times[name][-1]:.1f} s", file=sys.stderr, flush=True)
     baseline = statistics.median(next(iter(times.values())))
     print(f"\nlinear_ddp ({', '.join(OVERRIDES)}), world_size 2, {seeds} seeds, {rounds} interleaved rounds, "

@@ -9,7 +9,6 @@ medians; the table gives the ratios to the run. Usage: python benchmarks/trace_e
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -17,24 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchrepo import project  # benchmarks/, on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ["train.epochs=2", "checkpoint_every=5"]
 
 
-def _git(repo: Path, *args: str) -> None:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@example.invalid",
-           "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@example.invalid"}
-    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, env=env)
-
-
-def _project(base: Path) -> Path:
-    repo = base / "repo"
-    shutil.copytree(ROOT / "experiments" / "linear_ddp", repo / "experiments" / "linear_ddp")
-    (repo / ".gitignore").write_text("mlruns/\n__pycache__/\n")
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "bench")
-    return repo
 
 
 def _harness(repo: Path, store: Path, *args: str) -> tuple[float, str]:
@@ -58,7 +45,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="trace-bench-") as tmp:
             store = Path(tmp) / "store"
             store.mkdir()
-            repo = _project(Path(tmp))
+            repo = project(Path(tmp))
             took, run_id = _harness(repo, store, "run", "experiments/linear_ddp", *OVERRIDES)
             times[names[0]].append(took)
             times[names[1]].append(_harness(repo, store, "replay", run_id)[0])

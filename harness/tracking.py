@@ -1032,18 +1032,6 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="harness-heartbeat", daemon=True)
         self._thread.start()
 
-    def add_batch(self, batch: Any) -> None:
-        """Every point of a messages.MetricsBatch, in its order: as add() per point, in one pass."""
-        series, known_all, pending = self.series, self._known, self._pending
-        for key, step, value, unix_ms in batch.points():
-            series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
-            known = known_all.get(key)
-            if known is not None:
-                old = known.get(step)
-                if old is not None and struct.pack("<d", old) == struct.pack("<d", value):
-                    continue
-            pending.append((key, value, unix_ms, step))
-
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             try:

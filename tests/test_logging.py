@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import Project
-from harness.context import BATCH_POINTS, SEND_EVERY_S, Outbox
+from harness.outbox import BATCH_POINTS, SEND_EVERY_S, Outbox
 from harness.messages import Final, Fingerprint, MetricsBatch
 
 

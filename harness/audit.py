@@ -21,7 +21,6 @@ from harness import checkpoint, checkpoint_store
 from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
-from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
 from harness.recorded import RecordedRun, refuse_non_training
 from harness.tracking import Tracker
 
@@ -164,56 +163,35 @@ def _run_segments(
 ) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
     from harness.context import CheckpointPlan
-    from harness.executors.local import run_segments
+    from harness.executors.local import SegmentMessages, run_segments
 
     plans = [
         # The final segment runs to the end of training; the others stop at their end checkpoint.
         CheckpointPlan(str(directory), 0, resume_step=seg.start, stop_at=None if seg.end not in record.checkpoints else seg.end)
         for seg in segments
     ]
-    current: list[int] = []
-    ends: dict[int, tuple[int, str]] = {}
-    tensors: dict[int, dict[str, str]] = {}
-    logged: dict[int, dict[tuple[str, int], float]] = {}
-    started: dict[int, float] = {}
-
-    def on_message(msg: Message) -> None:
-        match msg:
-            case SegmentStart(index):
-                current.append(index)
-                started[index] = time.monotonic()
-            case Metrics(step, values):
-                for key, value in values.items():
-                    logged.setdefault(current[-1], {})[(key, step)] = value
-            case MetricsBatch():
-                seen = logged.setdefault(current[-1], {})
-                for key, step, value, _ in msg.points():
-                    seen[(key, step)] = value
-            case SegmentEnd(step, sha256, digests):
-                ends[current[-1]] = (step, sha256)
-                tensors[current[-1]] = digests
-            case Final(sha256, steps):
-                ends[current[-1]] = (steps, sha256)
-
+    messages = SegmentMessages(len(plans))
     leftover: list[Segment] = []
     try:
-        run_segments(cfg, exp_dir, plans, on_message, data)
+        run_segments(cfg, exp_dir, plans, messages, data)
     except RunFailed as err:
-        crashed = current[-1] if current else 0
+        crashed = messages.current or 0
         segments[crashed].detail = f"the segment failed: {err}"
         leftover = segments[crashed + 1:]
+    reports = messages.reports
     now = time.monotonic()
-    for i, seg in enumerate(segments):
-        if i in started:
-            seg.seconds = (started.get(i + 1, now) if i + 1 in started else now) - started[i]
-        if i not in ends:
+    for i, (seg, report) in enumerate(zip(segments, reports)):
+        if report.started is not None:
+            following = reports[i + 1].started if i + 1 < len(reports) else None
+            seg.seconds = (following if following is not None else now) - report.started
+        if report.end is None:
             continue
-        step, fp = ends[i]
+        step, fp = report.end
         if fp != seg.expected:
             seg.detail = f"end fingerprint at step {step} is {str(fp)[:12]}, the run recorded {seg.expected[:12]}"
-            seg.detail += _differing_tensors(tensors.get(i), (record.checkpoint_tensors or {}).get(step))
+            seg.detail += _differing_tensors(report.tensors, (record.checkpoint_tensors or {}).get(step))
             continue
-        mismatch = _first_metric_mismatch(logged.get(i, {}), record)
+        mismatch = _first_metric_mismatch(report.logged, record)
         if mismatch:
             seg.detail = mismatch
             continue

@@ -20,7 +20,6 @@ from typing import Any
 
 from harness import tags as T
 from harness.errors import HarnessError
-from harness.messages import Final, Message, Metrics, SegmentEnd, SegmentStart
 from harness.recorded import RecordedRun, refuse_non_training
 from harness.tracking import RunRecord, RunSummary, Tracker
 
@@ -191,26 +190,11 @@ def trace(
 
 def _run(cfg: Any, exp_dir: Path, plans: list[Any], data: dict[str, str] | None) -> list[tuple[dict, tuple | None]]:
     """Run `plans` in one set of ranks; per plan, rank 0's logged values {(key, step): value} and its end."""
-    from harness.executors.local import run_segments
+    from harness.executors.local import SegmentMessages, run_segments
 
-    current: list[int] = []
-    logged: list[dict[tuple[str, int], float]] = [{} for _ in plans]
-    ends: list[tuple[int, str | None] | None] = [None for _ in plans]
-
-    def on_message(msg: Message) -> None:
-        match msg:
-            case SegmentStart(index):
-                current.append(index)
-            case Metrics(s, values):
-                for key, value in values.items():
-                    logged[current[-1]][(key, s)] = value
-            case SegmentEnd(s, sha256):
-                ends[current[-1]] = (s, sha256)
-            case Final(sha256, steps):
-                ends[current[-1]] = (steps, sha256)
-
-    run_segments(cfg, exp_dir, plans, on_message, data)
-    return list(zip(logged, ends))
+    messages = SegmentMessages(len(plans))
+    run_segments(cfg, exp_dir, plans, messages, data)
+    return [(report.logged, report.end) for report in messages.reports]
 
 
 def _reproduced(record: RunRecord, first: int, step: int, logged: dict[tuple[str, int], float],

@@ -13,6 +13,8 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +24,9 @@ from harness import tags as T
 from harness.config import split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
-from harness.messages import Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Total
+from harness.messages import (
+    Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart, Total,
+)
 from harness.store import reason_of
 from harness.tracking import Outages, Patient, Tracker, save_series, transient
 
@@ -126,6 +130,42 @@ def run_segments(
         launch(spec, on_message)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass
+class SegmentReport:
+    """What rank 0 said during one plan of run_segments."""
+
+    logged: dict[tuple[str, int], float] = field(default_factory=dict)  # (key, step) -> value
+    end: tuple[int, str | None] | None = None  # (step, fingerprint) where the segment stopped
+    tensors: dict[str, str] = field(default_factory=dict)  # per-tensor digests at a segment's stop
+    started: float | None = None  # time.monotonic() when it began
+
+
+class SegmentMessages:
+    """run_segments' on_message for audit and trace: rank 0's messages sorted into one SegmentReport per plan."""
+
+    def __init__(self, count: int) -> None:
+        self.reports = [SegmentReport() for _ in range(count)]
+        self.current: int | None = None  # the segment running now
+
+    def __call__(self, msg: Message) -> None:
+        if isinstance(msg, SegmentStart):
+            self.current = msg.index
+            self.reports[msg.index].started = time.monotonic()
+            return
+        if self.current is None:
+            return
+        report = self.reports[self.current]
+        match msg:
+            case Metrics(step, values):
+                report.logged.update({(key, step): value for key, value in values.items()})
+            case MetricsBatch():
+                report.logged.update({(key, step): value for key, step, value, _ in msg.points()})
+            case SegmentEnd(step, sha256, digests):
+                report.end, report.tensors = (step, sha256), digests
+            case Final(sha256, steps):
+                report.end = (steps, sha256)
 
 
 def config_id(cfg: DictConfig) -> str:

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness.errors import HarnessError
-from harness.fingerprint import fingerprint
+from harness.fingerprint import fingerprint, tensor_sha256
 
 # The key that marks a file as a harness checkpoint, and the layout version stored under it.
 FORMAT_KEY = "harness_checkpoint_format"
@@ -225,16 +225,6 @@ def build(
 
 
 # -- per-tensor fingerprints -------------------------------------------------------------------------
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of `dtype|shape|` then the tensor's raw bytes (a contiguous CPU copy): equal digest = equal tensor."""
-    t = tensor.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    # view(uint8) works for every dtype (bf16 has no numpy twin); a 0-d tensor is reshaped first. The array
-    # is handed to sha256 as a buffer: no copy of the bytes.
-    digest.update(t.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
 def tensor_fingerprints(ckpt: Mapping[str, Any], model: torch.nn.Module,
                         optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
     """sha256 per tensor of a built checkpoint: the model's state_dict keys (parameters and buffers) and

@@ -15,7 +15,18 @@ def fingerprint(module: torch.nn.Module, *, buffers: bool = True) -> str:
     for name in sorted(state):
         tensor = state[name].detach()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        # Raw bytes, whatever the dtype (bf16 has no numpy equivalent): view as uint8.
-        raw = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        digest.update(raw.tobytes())
+        digest.update(raw_bytes(tensor))
     return digest.hexdigest()
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of `dtype|shape|` then the tensor's raw bytes: equal digest = equal tensor (per-tensor checkpoint digests)."""
+    digest = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    digest.update(raw_bytes(tensor))
+    return digest.hexdigest()
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order (a contiguous CPU copy), whatever the dtype: bf16 has no numpy
+    twin, so the elements are viewed as uint8; a 0-d tensor is reshaped first. Handed to sha256 as a buffer."""
+    return memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())

@@ -43,6 +43,7 @@ class Console:
     def __init__(self, log_path: Path, description: str, show: bool = True) -> None:
         """`show=False`: nothing on the terminal (runs at once would interleave; rank 0's log is still kept)."""
         self._log_path = log_path
+        self._show = show
         # Only a terminal gets a bar: redrawn with carriage returns, it would fill a log file with them.
         self._bar = tqdm(
             total=None, unit="step", desc=description, file=sys.stderr, mininterval=0.5, leave=True,
@@ -71,6 +72,11 @@ class Console:
             self._bar.set_postfix_str(progress_note(rate, eta), refresh=False)
             self._bar.update(done - max(self._last, 0))
             self._last = done
+
+    def write(self, line: str) -> None:
+        """A line of the launcher's own (a warning) among rank 0's output, above the bar."""
+        if self._show:
+            self._bar.write(line, file=sys.stderr)
 
     def _follow(self) -> None:
         offset = 0

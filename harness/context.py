@@ -19,8 +19,11 @@ from torch.utils.data.distributed import DistributedSampler
 from harness import checkpoint as ckpt
 from harness.errors import ExperimentError
 from harness.fingerprint import fingerprint
+from harness.messages import (
+    Checkpoint, Final, Fingerprint, Initial, Message, Notice, SegmentEnd, SegmentStart, Total,
+)
 from harness.outbox import Outbox
-from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, SegmentEnd, SegmentStart, Total
+from harness.steps import StepClock, optimizer_parameters
 
 @dataclass
 class CheckpointPlan:
@@ -119,14 +122,23 @@ class Context:
         self._tracked: dict[str, Any] = {}
         self._loaders: list[DataLoader] = []
         self._train_loader: DataLoader | None = None
-        self._global_step = 0  # training batches handed out so far (= steps started)
         self._epoch = 0
         self._epoch_start_generator: torch.Tensor | None = None
         self._resume: tuple[ckpt.TrainingPosition, dict] | None = None  # until the first batch after it
+        self._resumed = False  # the checkpoint of plan.resume_step is loaded (by ctx.epochs or ctx.steps)
         self._progress = progress  # tells the launcher this rank is alive, and at which step
         self._in_backward = False  # invariant mode: gradients may reach the model only inside ctx.backward
-        self.step = 0
-        """Index of the current training step (0-based): the batch just handed out by the training loader."""
+        # What drives the loop, so what a step boundary is: "loader" (the training ctx.loader's fetches),
+        # "steps" (ctx.steps() iterations) or None (a loop of the user's own: only optimizer steps are seen).
+        self._driver: str | None = None
+        self._logged: dict[str, set[int]] = {}  # rank 0: the steps each key was logged at (no silent overwrite)
+        self._saved: set[int] = set()  # steps checkpointed by this context
+        self._noted: set[str] = set()  # notices already sent
+        self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
+        self._forward_hook: Any = None
+        self._tracer: Any = None  # optrace.OpTracer of plan.trace_step while it runs
+        self._trace_written = False
+        self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
         self.output_dir = Path(output_dir) if output_dir else Path.cwd() / "outputs"
         """A folder for files the run produces (checkpoints of your own, samples, plots): they become the
         run's artifacts under outputs/. Write there, not into the experiment folder, which is code."""
@@ -134,6 +146,16 @@ class Context:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.data: Mapping[str, Path] = DataPaths({k: Path(v) for k, v in (data or {}).items()})
         """The experiment's declared data (`data:` in experiment.yaml), name -> absolute path, checked by hash."""
+        if self._traced(0):
+            # Step 0 of a loop harness does not drive begins with train() itself; a loader or ctx.steps
+            # that turns up restarts the trace at its first batch.
+            self._start_trace(0)
+
+    @property
+    def step(self) -> int:
+        """Index of the current training step (0-based): the counted optimizer's steps so far, or the step that
+        has just ended until the next one's work begins (so a value logged after optimizer.step() is that step's)."""
+        return self.clock.index
 
     @property
     def is_main(self) -> bool:
@@ -151,6 +173,10 @@ class Context:
 
         model = model.to(self.device)
         self._model = model
+        # A training forward of the registered model is the next step's work beginning (a loop of its own).
+        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        if self._tracer is not None:
+            self._tracer.attach(model)
         if self._shards:
             # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
             # all-reduce would add them in a world-size-dependent order. Start from rank 0's weights, as DDP does.
@@ -164,6 +190,7 @@ class Context:
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         wrapped = DDP(model, **ddp_kwargs)  # broadcasts rank 0's weights: the initial fingerprint comes after
+        _fix_buckets(wrapped)
         self._send(Initial(fingerprint(model)) if self.is_main else None)
         return wrapped
 
@@ -189,6 +216,8 @@ class Context:
         for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 self._tracked[name] = obj
+        if optimizer is not None:
+            self.clock.track(optimizer)  # its steps are the run's steps
 
     def loader(
         self,
@@ -299,30 +328,72 @@ class Context:
         return loss.detach()
 
     def epochs(self, n: int, steps_per_epoch: int | None = None) -> Iterator[int]:
-        """range(n) that calls set_epoch on every sampler made by ctx.loader (reshuffles each epoch)."""
+        """range(n) that calls set_epoch on every sampler made by ctx.loader (reshuffles each epoch); after a
+        resume it starts at the checkpoint's epoch."""
         per_epoch = steps_per_epoch or self._steps_per_epoch
         if per_epoch:
             self._send(Total(n * per_epoch))
-        start = 0
-        if self._plan is not None and self._plan.resume_step is not None:
-            start = self._load_checkpoint(self._plan.resume_step)
+        start = self._load_resume_checkpoint()
+        done_at_start = self.clock.done
         for epoch in range(start, n):
+            if epoch == start + 1 and per_epoch and not steps_per_epoch:
+                # Batches are not steps when micro-batches accumulate: the first epoch counted the real ones.
+                counted = self.clock.done - done_at_start
+                if counted and counted != per_epoch:
+                    self._send(Total(self.clock.done + (n - epoch) * counted))
             for sampler in self._samplers:
                 sampler.set_epoch(epoch)
             self._epoch = epoch
             yield epoch
 
+    def steps(self, n: int) -> Iterator[int]:
+        """range(n) over training steps, for a loop that draws its own batches (`for it in ctx.steps(max_iters)`):
+        each iteration is one step (a boundary where checkpoints are saved and an audit or trace stops), the
+        progress bar knows the total, and after a resume it starts at the checkpoint's step."""
+        self._driver = "steps"
+        self._send(Total(n))
+        start = self._load_resume_checkpoint()
+        if self._resume is not None:
+            # No loader replays batches here: the RNGs go back to the checkpoint's at once.
+            ckpt.set_rng_state(self._resume[1])
+            self._resume = None
+        for k in range(start, n):
+            self.clock.set(k)
+            self._before_step(k, ckpt.TrainingPosition(k, self._epoch, 0, None))
+            self.clock.begin(clean=True)
+            yield k
+        self._end_trace()
+        self.clock.done = max(self.clock.done, n)
+
     # -- recording ------------------------------------------------------------------------------
     def log(self, metrics: Mapping[str, float | torch.Tensor], step: int) -> None:
-        """Record rank 0's values at `step` (other ranks' calls are ignored). Never blocks on MLflow."""
+        """Record rank 0's values at `step` (other ranks' calls are ignored). Never blocks on MLflow.
+
+        A key logged twice at one step fails in one line (a second value would overwrite the first) - except
+        at the step that has just ended, before anything else of the next step was seen: a loop that logs at
+        the top of its body is logging the next step."""
         if not self.is_main:
             return
         values = {str(k): _number(k, v) for k, v in metrics.items()}
         step = int(step)
+        clock = self.clock
+        if clock.pending and step == clock.index and any(step in self._logged.get(k, ()) for k in values):
+            step = clock.begin()
+        self._beat(step)
+        for key in values:
+            seen = self._logged.setdefault(key, set())
+            if step in seen:
+                raise ExperimentError(
+                    f"ctx.log: '{key}' was already logged at step {step}; a second value would overwrite the first. "
+                    "Log each key once per step (ctx.step counts optimizer steps: micro-batches share one), or "
+                    "give this value its own key."
+                )
+            seen.add(step)
         self._last_step = step if self._last_step is None else max(self._last_step, step)
-        if self._model is not None and step >= self._next_fingerprint:
+        target = self._fingerprinted()
+        if target is not None and step >= self._next_fingerprint:
             # Taken at the first log() of a step on or past each multiple of fingerprint_every.
-            self._send(Fingerprint(step, fingerprint(self._model)))
+            self._send(Fingerprint(step, fingerprint(target)))
             self._next_fingerprint = (step // self._every + 1) * self._every
         if self._outbox is not None:
             self._outbox.add(step, values, int(time.time() * 1000))
@@ -342,13 +413,28 @@ class Context:
 
         Called by the launcher after train(ctx) returns, not by the training code.
         """
-        self._check_replicas_equal()
+        self._end_trace()
+        target = self._fingerprinted()
+        self._check_replicas_equal(target)
+        if self._model is None and target is not None:
+            self._notice("unregistered", (
+                "no model was given to ctx.ddp: the fingerprints hash the parameters the optimizer stepped "
+                f"({len(list(target.parameters()))} tensors; buffers such as BatchNorm statistics are not among them)"
+                + (", compared across ranks" if self.world_size > 1 else "") + ". Register it with model = ctx.ddp(model)."
+            ))
         if self.is_main:
-            self._send(Final(fingerprint(self._model) if self._model is not None else None, self._global_step))
+            of = "model" if self._model is not None else "optimizer" if target is not None else None
+            self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))
 
     def close(self) -> None:
         """Send every value still buffered and stop the sender thread; also after a failure. Called by the
         launcher once train(ctx) has returned or raised, not by the training code."""
+        self.clock.close()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+        if self._tracer is not None:  # an audit stop or a failure inside the traced step: no trace is written
+            self._tracer.__exit__(None, None, None)
+            self._tracer = None
         if self._outbox is not None:
             self._outbox.close()
 
@@ -356,9 +442,18 @@ class Context:
         if self._outbox is not None and message is not None:
             self._outbox.send(message)
 
+    def _notice(self, key: str, text: str) -> None:
+        """A one-line warning for the launcher to print and record, once per context."""
+        if key not in self._noted:
+            self._noted.add(key)
+            self._send(Notice(key, text) if self.is_main else None)
+
     def _beat(self, step: int) -> None:
         if self._progress is not None:
             self._progress(step)
+
+    def _beat_now(self) -> None:
+        self._beat(self.clock.index)
 
     def _beating(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Another loader's batches (validation): each one is progress too."""
@@ -366,9 +461,90 @@ class Context:
             self._beat(self.step)
             yield batch
 
+    # -- step boundaries ------------------------------------------------------------------------
+    def _fingerprinted(self) -> torch.nn.Module | None:
+        """What the fingerprints hash: the registered model, else the parameters the counted optimizer steps."""
+        if self._model is not None:
+            return self._model
+        if self._stepped_params is None and self.clock.counted is not None:
+            self._stepped_params = optimizer_parameters(self.clock.counted)
+        return self._stepped_params
+
+    def _checkpointed(self) -> torch.nn.Module:
+        """What a checkpoint holds as its model: the registered one, else the tracked optimizer's parameters."""
+        if self._model is not None:
+            return self._model
+        optimizer = self._tracked.get("optimizer")
+        if optimizer is None:
+            raise ExperimentError(
+                "checkpoint_every is set but no model is registered: call ctx.ddp(model) (or ctx.track(optimizer), "
+                "whose parameters are then checkpointed), or set checkpoint_every: 0."
+            )
+        if self._stepped_params is None:
+            self._stepped_params = optimizer_parameters(optimizer)
+        return self._stepped_params
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.clock.begin()
+
+    def _on_first_step(self, optimizer: Any) -> None:
+        if self._model is None and self.is_main:
+            # No ctx.ddp: the weights before the first update are the parameters this optimizer steps.
+            self._send(Initial(fingerprint(optimizer_parameters(optimizer))))
+
+    def _on_optimizer(self, phase: str, optimizer: Any) -> None:
+        if self._tracer is not None:
+            self._tracer.optimizer_event(phase, optimizer)
+
+    def _on_begin(self, step: int, clean: bool) -> None:
+        """Step `step`'s work has begun (`clean`: at a fetch or ctx.steps() iteration, nothing of it ran yet)."""
+        self._end_trace(before=step)
+        self._check_stop(step)
+        if not clean:
+            self._note_unsaved(step)
+        if self._traced(step) and (clean or self._tracer is None):
+            self._start_trace(step)
+
+    def _on_end(self, step: int) -> None:
+        """The counted optimizer finished step `step`. A loop of the user's own shows no other boundary: its
+        step K is traced from the end of step K-1 to the end of step K."""
+        if self._driver is None:
+            self._end_trace(before=step + 1)
+            if self._traced(step + 1):
+                self._start_trace(step + 1)
+
+    def _before_step(self, step: int, position: ckpt.TrainingPosition) -> None:
+        """A clean boundary: nothing of `step` has run yet (checkpoints are saved here, audits stop here)."""
+        self._end_trace(before=step)
+        self._maybe_checkpoint(position)
+        self._check_stop(step)
+
+    def _check_stop(self, step: int) -> None:
+        plan = self._plan
+        if plan is not None and plan.stop_at is not None and step >= plan.stop_at:
+            self._end_trace()
+            self._send(self._segment_end(step))
+            raise StopSegment()
+
+    def _note_unsaved(self, step: int) -> None:
+        """A checkpoint is due but this step began where harness cannot restart a loop."""
+        plan = self._plan
+        if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step or step in self._saved:
+            return
+        how = ("its batch was drawn before the previous optimizer step (a prefetch)" if self._driver == "loader"
+               else "the loop is driven by neither ctx.loader nor ctx.steps()")
+        self._notice(
+            "no-checkpoint",
+            f"checkpoint_every={plan.every}: no checkpoint at step {step} or after: {how}, so harness has no step "
+            "boundary to save at or resume from. Write the loop as `for it in ctx.steps(max_iters):`.",
+        )
+
     def _train_iter(self, loader: "_Loader") -> Iterator[Any]:
-        """Hand out the training batches of one epoch; checkpoint before fetching a step's batch."""
+        """Hand out the training batches of one epoch; checkpoint before fetching a step's first batch."""
         epoch, first = self._epoch, 0
+        if self._driver is None:
+            self._driver = "loader"
         loader._harness_raw = True  # iter(loader) inside here must be DataLoader's own
         try:
             if self._resume is not None and self._resume[0].epoch == epoch:
@@ -383,72 +559,80 @@ class Context:
         finally:
             loader._harness_raw = False
         n = len(loader)
+        clock = self.clock
         for i in range(first, n):
-            step = self._global_step
-            # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
-            self._maybe_checkpoint(epoch, i)
-            if self._plan is not None and self._plan.stop_at is not None and step >= self._plan.stop_at:
-                self._send(self._segment_end(step))
-                raise StopSegment()
+            if clock.would_begin():
+                # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
+                step = clock.done if clock.pending else clock.index
+                self._before_step(step, ckpt.TrainingPosition(step, epoch, i, self._epoch_start_generator))
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
-            self.step = step
-            self._beat(step)
-            if self._traced(step):
-                yield from self._traced_step(batch, step)
-            else:
-                yield batch
-            self._global_step += 1
+            clock.begin(clean=True)  # a micro-batch of a step already begun only beats
+            yield batch
 
     def _traced(self, step: int) -> bool:
         plan = self._plan
         return plan is not None and plan.trace_step == step and self.rank in plan.trace_ranks
 
-    def _traced_step(self, batch: Any, step: int) -> Iterator[Any]:
-        """Hand out the batch of the traced step inside an OpTracer; the step ends when the next batch is asked
-        for (or the loop ends), and the trace goes to its file."""
+    def _start_trace(self, step: int) -> None:
+        """Trace step `step` from now on (a trace begun earlier for it, e.g. at train()'s start, starts over)."""
         from harness import optrace
 
         assert self._plan is not None
+        if self._trace_written:
+            return
+        if self._tracer is not None:
+            self._tracer.__exit__(None, None, None)
         meta = {"step": step, "rank": self.rank, "world_size": self.world_size, "invariant_shards": self._shards}
         # self._model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
-        tracer = optrace.OpTracer(str(Path.cwd()), model=self._model, meta=meta)
-        with tracer:
-            yield batch
-        path = Path(self._plan.trace_dir) / f"rank{self.rank}.jsonl.gz"
+        self._tracer = optrace.OpTracer(str(Path.cwd()), model=self._model, meta=meta, optimizer_hooks=False)
+        self._tracer.__enter__()
+
+    def _end_trace(self, before: int | None = None) -> None:
+        """Stop tracing and write the trace (a file that exists is a whole trace); `before`: only once that step
+        is past the traced one."""
+        tracer, plan = self._tracer, self._plan
+        if tracer is None or plan is None or (before is not None and before <= (plan.trace_step or 0)):
+            return
+        self._tracer = None
+        tracer.__exit__(None, None, None)
+        from harness import optrace
+
+        path = Path(plan.trace_dir) / f"rank{self.rank}.jsonl.gz"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(optrace.dumps(tracer.result()))
-        tmp.replace(path)  # a file that exists is a whole trace
+        tmp.replace(path)
+        self._trace_written = True
 
-    def _maybe_checkpoint(self, epoch: int, batch_in_epoch: int) -> None:
-        plan, step = self._plan, self._global_step
-        if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step:
+    def _maybe_checkpoint(self, position: ckpt.TrainingPosition) -> None:
+        plan, step = self._plan, position.step
+        if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step or step in self._saved:
             return
-        if self._model is None:
-            raise RuntimeError("checkpoint_every is set but no model was registered: call ctx.ddp(model).")
-        position = ckpt.TrainingPosition(step, epoch, batch_in_epoch, self._epoch_start_generator)
+        model = self._checkpointed()
         generators = {str(i): dl.generator for i, dl in enumerate(self._loaders) if dl is not self._train_loader}
         state = ckpt.build(
-            model=self._model, position=position, loader_generators=generators,
+            model=model, position=position, loader_generators=generators,
             extra={"next_fingerprint": self._next_fingerprint}, **self._tracked,
         )
         directory = Path(plan.directory)
         ckpt.save_atomic(state, ckpt.path_for(directory, step, self.rank))
-        tensors = ckpt.tensor_fingerprints(state, self._model, self._tracked.get("optimizer"))
+        tensors = ckpt.tensor_fingerprints(state, model, self._tracked.get("optimizer"))
         # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
-        ranks = self._gather(ckpt.replica_sha256(tensors, self._model))
+        ranks = self._gather(ckpt.replica_sha256(tensors, model))
+        self._saved.add(step)
         if self.is_main:
             ckpt.mark_complete(directory, step, self.world_size)
             self._send(Checkpoint(step, state["fingerprint"], tensors, tuple(ranks)))
 
     def _segment_end(self, step: int) -> SegmentEnd:
-        if self._model is None:
+        target = self._model if self._model is not None else self._stepped_params
+        if target is None:
             return SegmentEnd(step, None)
         # Per tensor too: a segment that ends elsewhere than the run's checkpoint names the tensors that differ.
-        tensors = ckpt.live_tensor_fingerprints(self._model, self._tracked.get("optimizer"))
-        return SegmentEnd(step, fingerprint(self._model), tensors)
+        tensors = ckpt.live_tensor_fingerprints(target, self._tracked.get("optimizer"))
+        return SegmentEnd(step, fingerprint(target), tensors)
 
     def _gather(self, value: str) -> list[str]:
         """`value` of every rank, in rank order (a collective: it waits for all ranks, like a barrier)."""
@@ -458,26 +642,30 @@ class Context:
         dist.all_gather_object(every, value)
         return [str(v) for v in every]
 
-    def _load_checkpoint(self, step: int) -> int:
-        """Restore model, optimizer, ... and the other loaders' generators; returns the epoch to start."""
-        assert self._plan is not None and self._model is not None, "resume needs ctx.ddp(model) first"
-        state = ckpt.load(ckpt.path_for(Path(self._plan.directory), step, self.rank))
-        position = ckpt.restore(state, model=self._model, **self._tracked)
+    def _load_resume_checkpoint(self) -> int:
+        """Load plan.resume_step's checkpoint once (ctx.epochs or ctx.steps, whichever comes first); returns the
+        epoch (ctx.epochs) or step (ctx.steps) to start at, 0 when there is nothing to resume."""
+        plan = self._plan
+        if plan is None or plan.resume_step is None or self._resumed:
+            return 0
+        self._resumed = True
+        state = ckpt.load(ckpt.path_for(Path(plan.directory), plan.resume_step, self.rank))
+        position = ckpt.restore(state, model=self._checkpointed(), **self._tracked)
         for i, dl in enumerate(self._loaders):
             key = str(i)
             if dl is not self._train_loader and key in state["loader_generators"]:
                 ckpt.set_generator_state(dl.generator, state["loader_generators"][key])
-        self._global_step = position.step
+        self.clock.set(position.step)
         self._next_fingerprint = int(state["extra"]["next_fingerprint"])
         self._resume = (position, state["rng"])
-        return position.epoch
+        return position.step if self._driver == "steps" else position.epoch
 
-    def _check_replicas_equal(self) -> None:
+    def _check_replicas_equal(self, target: torch.nn.Module | None) -> None:
         """Data parallelism promises one model: ranks whose parameters differ at the end trained apart."""
         if self.world_size == 1 or not dist.is_initialized():
             return
         # Parameters only: buffers such as BatchNorm statistics may legitimately differ between DDP ranks.
-        mine = fingerprint(self._model, buffers=False) if self._model is not None else None
+        mine = fingerprint(target, buffers=False) if target is not None else None
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, mine)
         if mine is not None and len(set(every)) > 1:
@@ -487,10 +675,29 @@ class Context:
             shown = "; ".join(
                 f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))}: {sha}" for sha, ranks in groups.items()
             )
+            what = ("Train the model ctx.ddp returned (not model.module) and call optimizer.step() on every rank."
+                    if self._model is not None else
+                    "No model was given to ctx.ddp, so nothing synchronised them: wrap it with model = ctx.ddp(model).")
             raise ExperimentError(
-                f"the ranks ended with different parameters ({shown}): their gradients were not synchronised. "
-                "Train the model ctx.ddp returned (not model.module) and call optimizer.step() on every rank."
+                f"the ranks ended with different parameters ({shown}): their gradients were not synchronised. {what}"
             )
+
+
+def _fix_buckets(ddp: Any) -> None:
+    """Lay DDP's gradient buckets out once, in parameter order, before the first step.
+
+    Left alone, DDP reduces the first step of every process in one bucket of all parameters and then
+    rebuilds its buckets in the order the gradients became ready. With three or more ranks an element's
+    sum depends on where it lies in its bucket (gloo's and NCCL's ring algorithms add chunks in different
+    rank orders), so a process that starts from a checkpoint - a resume, an audit segment - reduced its
+    first step in another layout than the original process did at that step, and ended with other bits.
+    Fixed up front (what DDP's own uneven-inputs join does), every process reduces the same buffers.
+    """
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is None or not hasattr(reducer, "_push_all_rebuilt_params"):
+        return  # another torch: a resume that then differs is refused by its own proof
+    reducer._push_all_rebuilt_params()
+    reducer._rebuild_buckets()
 
 
 def _number(key: Any, value: Any) -> float:

@@ -52,10 +52,20 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class Final:
-    """Training ended: the final weights' sha256 (None without a model) and the training steps done."""
+    """Training ended: the final weights' sha256 (None without a model), the training steps done, and what was
+    hashed: "model" (given to ctx.ddp), "optimizer" (the parameters the optimizer stepped) or None."""
 
     sha256: str | None
     steps: int
+    of: str | None = "model"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the run's record must say: a one-line warning for the launcher to print and record."""
+
+    key: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -112,4 +122,6 @@ class SegmentEnd:
     tensors: dict[str, str] = field(default_factory=dict)
 
 
-Message = Union[Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd]
+Message = Union[
+    Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd, Notice,
+]

@@ -342,7 +342,7 @@ class OpTracer:
     """
 
     def __init__(self, code_dir: str, model: torch.nn.Module | None = None,
-                 meta: dict | None = None) -> None:
+                 meta: dict | None = None, optimizer_hooks: bool = True) -> None:
         self.code_dir = os.path.realpath(code_dir) + os.sep
         self.model = model
         self.user_meta = dict(meta or {})
@@ -360,30 +360,48 @@ class OpTracer:
         self._is_user_file = _USER_FILES.setdefault(self.code_dir, {})
         self._modes: tuple[_Origins, _Dispatch] | None = None
         self._done = False
+        # False: the caller reports optimizer steps (optimizer_event) - a tracer started from inside an
+        # optimizer hook must not register hooks on the dict torch is iterating.
+        self._optimizer_hooks = optimizer_hooks
 
     # -- context -----------------------------------------------------------------------------
     def __enter__(self) -> "OpTracer":
         if self._modes is not None or self._done:
             raise HarnessError("an OpTracer traces one step: make a new OpTracer for another step")
         self.meta = self._meta()
+        self._hook_modules()
+        if self._optimizer_hooks:
+            from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                               register_optimizer_step_pre_hook)
+
+            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_enter))
+            self._handles.append(register_optimizer_step_post_hook(self._optimizer_exit))
+        self._modes = (_Origins(self), _Dispatch(self))
+        self._modes[0].__enter__()
+        self._modes[1].__enter__()
+        return self
+
+    def _hook_modules(self) -> None:
         if self.model is not None:
             root = type(self.model).__name__
             for name, mod in self.model.named_modules():
                 qual = name or root
                 self._handles.append(mod.register_forward_pre_hook(self._push(qual)))
                 self._handles.append(mod.register_forward_hook(self._pop, always_call=True))
-        from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                           register_optimizer_step_pre_hook)
 
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_enter))
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_exit))
-        self._modes = (_Origins(self), _Dispatch(self))
-        self._modes[0].__enter__()
-        self._modes[1].__enter__()
-        return self
+    def attach(self, model: torch.nn.Module) -> None:
+        """The model registered after tracing began (a step traced from the start of train): its modules from now on."""
+        if self.model is None and self._modes is not None:
+            self.model = model
+            self._hook_modules()
+
+    def optimizer_event(self, phase: str, optimizer: Any) -> None:
+        """An optimizer step begins ("pre") or ends ("post"), told by the caller (optimizer_hooks=False)."""
+        (self._optimizer_enter if phase == "pre" else self._optimizer_exit)(optimizer, (), {})
 
     def __exit__(self, *exc: object) -> None:
-        assert self._modes is not None
+        if self._modes is None:  # never entered, or already left
+            return
         try:
             self._modes[1].__exit__(*exc)
         finally:

@@ -84,6 +84,8 @@ DATA_PREFIX = "harness.data."
 DATA_CHANGES = "harness.replay.data_changes"  # differences accepted with --allow-data-changes, one per line
 
 FINGERPRINT = "harness.fingerprint"
+FINGERPRINT_OF = "harness.fingerprint.of"  # what was hashed: model (ctx.ddp) | optimizer (its parameters)
+NOTICES = "harness.notices"  # warnings the ranks raised about the record (one per line)
 FAILED_RANK = "harness.failed_rank"
 RESUMES = "harness.resumed_from"  # checkpoint steps this run was resumed from, comma-separated
 STATUS_REASON = "harness.status_reason"

@@ -25,7 +25,8 @@ from harness.config import split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.messages import (
-    Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart, Total,
+    Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice, SegmentEnd, SegmentStart,
+    Total,
 )
 from harness.store import reason_of
 from harness.tracking import Outages, Patient, Tracker, save_series, transient
@@ -276,7 +277,8 @@ class LocalHandle(Handle):
         outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
         fingerprints: dict[int, str] = {}
-        final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}}
+        notices: dict[str, str] = {}  # the ranks' warnings about the record, by kind
+        final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}, "notices": notices}
         prior = None
         if resume_step is not None:
             prior = tracker.load_record(run_id)
@@ -322,8 +324,11 @@ class LocalHandle(Handle):
                         console.step(int(msg.steps[-1]))
                     case Fingerprint(step, sha256):
                         fingerprints[step] = sha256
-                    case Final(sha256, steps):
-                        final["fingerprint"], final["steps_total"] = sha256, steps
+                    case Final(sha256, steps, of):
+                        final["fingerprint"], final["steps_total"], final["of"] = sha256, steps, of
+                    case Notice(key, text):
+                        notices.setdefault(key, text)
+                        console.write(f"Warning: {text}")
                     case Initial(sha256):
                         final["initial"] = sha256
                     case Determinism(settings, env):
@@ -532,6 +537,10 @@ def _record_results(
         tags.update({T.VAR_PREFIX + k: v for k, v in final["vars"].items()})
     if final.get("fingerprint"):
         tags[T.FINGERPRINT] = final["fingerprint"]
+    if final.get("of"):
+        tags[T.FINGERPRINT_OF] = final["of"]
+    if final.get("notices"):
+        tags[T.NOTICES] = "\n".join(final["notices"].values())[:4900]
     tracker.set_tags(run_id, tags)
     if fingerprints or final.get("fingerprint") or final["checkpoints"]:
         doc = {

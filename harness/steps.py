@@ -1,0 +1,133 @@
+"""What a training step is: one step of the counted optimizer, whatever feeds the batches.
+
+A loop may draw its batches from `ctx.loader`, from a `get_batch()` of its own, or accumulate several
+micro-batches per update; the one thing every loop shares is the optimizer step. So the clock counts
+the steps of the tracked optimizer (`ctx.track`), or of the first optimizer that steps when none is
+tracked, and `ctx.step` is the index of the step in progress - or of the step that has just ended,
+until the next step's work begins, so that a value logged after `optimizer.step()` lands at the step
+it belongs to (as it did when a step was a batch).
+
+Signs that the next step has begun: a batch from the training loader, an iteration of `ctx.steps()`,
+a training-mode forward of the registered model, the counted optimizer about to step again, or a key
+logged a second time at the step that has ended.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+
+class StepClock:
+    """Counts optimizer steps in one rank and says when a step begins and ends.
+
+    `on_begin(k, clean)` is called once when step k's work begins (`clean`: at a boundary harness
+    controls, before anything of step k ran: a training-loader fetch or a `ctx.steps()` iteration);
+    `on_end(k)` when the counted optimizer finished step k; `on_optimizer(phase, optimizer)` for every
+    counted optimizer step ("pre"/"post"), for an op tracer that must see them. `beat()` is any sign of life.
+    """
+
+    def __init__(
+        self,
+        on_begin: Callable[[int, bool], None],
+        on_end: Callable[[int], None],
+        beat: Callable[[], None],
+        on_optimizer: Callable[[str, Any], None] | None = None,
+        on_first_step: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.done = 0  # counted optimizer steps completed (or ctx.steps iterations begun)
+        self.index = 0  # ctx.step
+        self.begun = False  # step `index` has begun
+        self.optimizer_steps = 0  # counted optimizer steps actually taken (a GradScaler may skip some)
+        self._tracked: Any = None
+        self._counted: Any = None  # weakref to the optimizer whose steps count
+        self._on_begin, self._on_end, self._beat = on_begin, on_end, beat
+        self._on_optimizer = on_optimizer
+        self._on_first_step = on_first_step
+        self._handles = [
+            register_optimizer_step_pre_hook(self._pre),
+            register_optimizer_step_post_hook(self._post),
+        ]
+
+    # -- which optimizer counts ------------------------------------------------------------------
+    def track(self, optimizer: Any) -> None:
+        """ctx.track(optimizer): its steps are the run's steps (another optimizer's are not counted)."""
+        self._tracked = optimizer
+        self._counted = weakref.ref(optimizer)
+
+    @property
+    def counted(self) -> Any:
+        return self._counted() if self._counted is not None else None
+
+    def _counts(self, optimizer: Any) -> bool:
+        if self._counted is None:
+            # None tracked: the first optimizer that steps is the run's (a GAN's second one is not counted).
+            self._counted = weakref.ref(optimizer)
+            return True
+        return self._counted() is optimizer
+
+    # -- events ----------------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Step `index` has ended and the next has not begun yet."""
+        return self.done > self.index
+
+    def begin(self, clean: bool = False) -> int:
+        """The work of a step is starting now: advance to it if the previous one has ended."""
+        if self.pending:
+            self.index, self.begun = self.done, False
+        if not self.begun:
+            self.begun = True
+            self._on_begin(self.index, clean)
+        self._beat()
+        return self.index
+
+    def would_begin(self) -> bool:
+        """The next begin() would start a new step (used to checkpoint before a fetch draws anything)."""
+        return self.pending or not self.begun
+
+    def set(self, step: int) -> None:
+        """ctx.steps() is at iteration `step`: that is the step, whatever the optimizer counted."""
+        self.done = step
+        if self.index != step:
+            self.index, self.begun = step, False
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._counts(optimizer):
+            return
+        if self.optimizer_steps == 0 and self._on_first_step is not None:
+            self._on_first_step(optimizer)
+        self.begin()
+        if self._on_optimizer is not None:
+            self._on_optimizer("pre", optimizer)
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._counted is None or self._counted() is not optimizer:
+            return
+        if self._on_optimizer is not None:
+            self._on_optimizer("post", optimizer)
+        self.optimizer_steps += 1
+        self.done = self.index + 1
+        self._beat()
+        self._on_end(self.index)
+
+    def close(self) -> None:
+        """Remove the global optimizer hooks (an audit runs several contexts in one process)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def optimizer_parameters(optimizer: Any) -> torch.nn.Module:
+    """The parameters an optimizer steps, as a module (names `g<group>.<index>`): what is fingerprinted,
+    compared across ranks and checkpointed when no model was given to ctx.ddp. The tensors are the
+    optimizer's own (no copy), so loading a state dict into it restores them."""
+    holder = torch.nn.Module()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            holder.register_parameter(f"g{g}_{i}", param if isinstance(param, torch.nn.Parameter)
+                                      else torch.nn.Parameter(param, requires_grad=param.requires_grad))
+    return holder

@@ -72,6 +72,10 @@ class Console:
             self._bar.update(done - max(self._last, 0))
             self._last = done
 
+    def note(self, line: str) -> None:
+        """A line on stderr (a warning) above the progress bar, not through it."""
+        self._bar.write(line, file=sys.stderr)
+
     def _follow(self) -> None:
         offset = 0
         pending = ""

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from harness import checkpoint as ckpt
+from harness import determinism
 from harness.errors import ExperimentError
 from harness.fingerprint import fingerprint
 from harness.outbox import Outbox
@@ -343,6 +344,7 @@ class Context:
         Called by the launcher after train(ctx) returns, not by the training code.
         """
         self._check_replicas_equal()
+        self._send(determinism.observe(self._global_step, determinism.END))  # determinism read-back: training ends
         if self.is_main:
             self._send(Final(fingerprint(self._model) if self._model is not None else None, self._global_step))
 
@@ -385,6 +387,7 @@ class Context:
         n = len(loader)
         for i in range(first, n):
             step = self._global_step
+            self._send(determinism.observe(step, determinism.FIRST_STEP))  # determinism read-back: first step
             # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
             self._maybe_checkpoint(epoch, i)
             if self._plan is not None and self._plan.stop_at is not None and step >= self._plan.stop_at:
@@ -442,6 +445,7 @@ class Context:
         if self.is_main:
             ckpt.mark_complete(directory, step, self.world_size)
             self._send(Checkpoint(step, state["fingerprint"], tensors, tuple(ranks)))
+        self._send(determinism.observe(step, determinism.CHECKPOINT))  # determinism read-back: checkpoint saved
 
     def _segment_end(self, step: int) -> SegmentEnd:
         if self._model is None:

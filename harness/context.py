@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from harness import checkpoint as ckpt
+from harness import determinism
 from harness.errors import ExperimentError
 from harness.fingerprint import fingerprint
 from harness.messages import (
@@ -422,6 +423,7 @@ class Context:
                 f"({len(list(target.parameters()))} tensors; buffers such as BatchNorm statistics are not among them)"
                 + (", compared across ranks" if self.world_size > 1 else "") + ". Register it with model = ctx.ddp(model)."
             ))
+        self._send(determinism.observe(self.clock.done, determinism.END))  # determinism read-back: training ends
         if self.is_main:
             of = "model" if self._model is not None else "optimizer" if target is not None else None
             self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))
@@ -499,6 +501,7 @@ class Context:
 
     def _on_begin(self, step: int, clean: bool) -> None:
         """Step `step`'s work has begun (`clean`: at a fetch or ctx.steps() iteration, nothing of it ran yet)."""
+        self._send(determinism.observe(step, determinism.FIRST_STEP))  # determinism read-back: the first step
         self._end_trace(before=step)
         self._check_stop(step)
         if not clean:
@@ -516,6 +519,7 @@ class Context:
 
     def _before_step(self, step: int, position: ckpt.TrainingPosition) -> None:
         """A clean boundary: nothing of `step` has run yet (checkpoints are saved here, audits stop here)."""
+        self._send(determinism.observe(step, determinism.FIRST_STEP))  # read back before a checkpoint takes it
         self._end_trace(before=step)
         self._maybe_checkpoint(position)
         self._check_stop(step)
@@ -625,6 +629,7 @@ class Context:
         if self.is_main:
             ckpt.mark_complete(directory, step, self.world_size)
             self._send(Checkpoint(step, state["fingerprint"], tensors, tuple(ranks)))
+        self._send(determinism.observe(step, determinism.CHECKPOINT))  # determinism read-back: checkpoint saved
 
     def _segment_end(self, step: int) -> SegmentEnd:
         target = self._model if self._model is not None else self._stepped_params

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from harness import tags
 from harness.config import flatten
+from harness.messages import SettingChange
 from harness.tracking import RunRecord
 
 # Keys that decide how a run is recorded, watched or judged, not what it computes.
@@ -173,6 +174,60 @@ _BREAKING_PACKAGE_PREFIXES: tuple[str, ...] = ("nvidia-",)
 
 _UNKNOWN_DIGEST = "unknown"
 
+# Setting values under which the same code, data and seeds need not give the same bits: TF32 and reduced matmul
+# precision round differently per GPU generation; benchmarking and nondeterministic kernels differ run to run.
+_RISKY_SETTINGS: dict[tuple[str, str], str] = {
+    ("cuda_matmul_tf32", "True"): "TF32 matmuls round their inputs to 10 mantissa bits: results may differ between GPUs",
+    ("cudnn_tf32", "True"): "TF32 convolutions round their inputs to 10 mantissa bits: results may differ between GPUs",
+    ("cudnn_benchmark", "True"): "cuDNN picks convolution algorithms by timing them: results may differ between runs",
+    ("cudnn_deterministic", "False"): "cuDNN may pick nondeterministic algorithms: results may differ between runs",
+    ("deterministic_algorithms", "False"): "nondeterministic kernels may run: results may differ between runs",
+    ("deterministic_warn_only", "True"): "nondeterministic kernels only warn, and run: results may differ between runs",
+}
+
+
+def setting_risk(setting: str, value: str) -> str | None:
+    """Why `setting` = `value` (a harness.determinism.<setting> value) can break bitwise, or None if it cannot."""
+    if setting == "float32_matmul_precision" and value != "highest":
+        return f"float32 matmuls at precision '{value}' may use TF32 or bf16: results may differ between GPUs"
+    return _RISKY_SETTINGS.get((setting, value))
+
+
+def _describe(changes: list[SettingChange]) -> str:
+    return ", ".join(f"{c.after} at step {c.step} ({c.when})" + (f" by {c.where}" if c.where else "") for c in changes)
+
+
+def _changes_delta(facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> list[FactDelta]:
+    """One line per setting the training code changed in either run: a change made in one run only, or at
+    another step, breaks bitwise as a differing setting does; the same change in both is shown, not counted."""
+    ta, tb = facts_a.get(tags.DETERMINISM_CHANGES), facts_b.get(tags.DETERMINISM_CHANGES)
+    if ta is None or tb is None:  # recorded before harness read settings back during training: nothing to hold
+        return []
+
+    def by_setting(text: str) -> dict[str, list[SettingChange]]:
+        out: dict[str, list[SettingChange]] = {}
+        for line in text.splitlines():
+            change = SettingChange.from_line(line)
+            if change is not None:
+                out.setdefault(change.setting, []).append(change)
+        return out
+
+    ca, cb = by_setting(ta), by_setting(tb)
+    out: list[FactDelta] = []
+    for setting in sorted(ca.keys() | cb.keys()):
+        a, b = ca.get(setting, []), cb.get(setting, [])
+        risks = sorted({r for c in a + b if (r := setting_risk(setting, c.after))})
+        risk = f": {'; '.join(risks)}" if risks else ""
+        if [(c.before, c.after, c.step, c.when) for c in a] != [(c.before, c.after, c.step, c.when) for c in b]:
+            which = "in one run only" if not (a and b) else "differently in the two runs"
+            breaks, note = True, f"the training code changed it {which}{risk or ': different kernels may be chosen'}"
+        elif [c.where for c in a] != [c.where for c in b]:
+            breaks, note = False, "the same change in both runs, made by another line"
+        else:
+            breaks, note = False, f"the training code changed it in both runs, the same way{risk}"
+        out.append(FactDelta(f"changed in training:{setting}", _describe(a) or None, _describe(b) or None, breaks, note))
+    return out
+
 
 @dataclass
 class FactDelta:
@@ -186,7 +241,8 @@ class FactDelta:
 
 
 def _is_fact(name: str) -> bool:
-    return name.startswith(tags.PREFIX) and name not in IGNORED_TAGS
+    # The changes tag is compared setting by setting (_changes_delta), not as one block of text.
+    return name.startswith(tags.PREFIX) and name not in IGNORED_TAGS and name != tags.DETERMINISM_CHANGES
 
 
 def _world_size_invariant(facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> bool:
@@ -286,7 +342,8 @@ def _lock_delta(a: list[str], b: list[str]) -> list[FactDelta]:
 
 
 def environment_delta(a: RunRecord, b: RunRecord) -> list[FactDelta]:
-    """Every provenance fact that differs (sorted by name), then every locked package that differs."""
+    """Every provenance fact that differs (sorted by name), every setting the training code changed in either
+    run, then every locked package and data file that differs."""
     fa = {k: v for k, v in a.facts.items() if _is_fact(k)}
     fb = {k: v for k, v in b.facts.items() if _is_fact(k)}
     out: list[FactDelta] = []
@@ -298,6 +355,7 @@ def environment_delta(a: RunRecord, b: RunRecord) -> list[FactDelta]:
             continue  # a node present in one run only is one line (its hostname), not one per fact
         breaks, note = _classify(name, va, vb, fa, fb)
         out.append(FactDelta(name, va, vb, breaks, note))
+    out.extend(_changes_delta(a.facts, b.facts))
     out.extend(_lock_delta(list(a.lock), list(b.lock)))
     out.extend(_data_delta(a.data, b.data))
     return out

@@ -315,7 +315,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
 
     from harness.config import Level
     from harness.context import Context, StopSegment
-    from harness.determinism import seed_everything, set_determinism
+    from harness.determinism import seed_everything, set_determinism, start_watch
     from harness.provenance import env_vars
 
     try:
@@ -323,6 +323,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
             torch.set_num_interop_threads(1)
         settings = set_determinism(Level(spec.determinism))
+        start_watch(Level(spec.determinism), settings)  # read back again during training; setters name the user's line
         settings["world_size_invariant"] = str(spec.invariant_shards > 0)
         settings["shards"] = str(spec.invariant_shards or "none")
         seed_everything(spec.rank_seeds[rank])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
+
+_CHANGE_LINE = re.compile(r"(\S+): (.*?) -> (.*?) at step (-?\d+) \(([^)]*)\)(?: by (.+))?$")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,45 @@ class Determinism:
 
 
 @dataclass(frozen=True)
+class SettingChange:
+    """One determinism setting that user code changed during training, as read back at `step`.
+
+    `when` is the reading that saw it (determinism.FIRST_STEP, CHECKPOINT or END); `where` is the user's
+    file:line of the last call that set it, and `call` that call as written ("torch.backends.cudnn.benchmark =
+    True"), both None when the setting changed without passing a watched setter (torch._C, a flags() block).
+    """
+
+    setting: str  # a key of determinism.read_determinism: cuda_matmul_tf32, float32_matmul_precision, ...
+    before: str
+    after: str
+    step: int
+    when: str
+    where: str | None = None
+    call: str | None = None
+
+    def line(self) -> str:
+        """'cuda_matmul_tf32: False -> True at step 0 (first step) by train.py:12': one line of the changes tag."""
+        by = f" by {self.where}" if self.where else ""
+        return f"{self.setting}: {self.before} -> {self.after} at step {self.step} ({self.when}){by}"
+
+    @classmethod
+    def from_line(cls, line: str) -> "SettingChange | None":
+        """The change a line() wrote (its `call` is not in the line); None for a line in no such form."""
+        m = _CHANGE_LINE.match(line.strip())
+        if m is None:
+            return None
+        setting, before, after, step, when, where = m.groups()
+        return cls(setting, before, after, int(step), when, where)
+
+
+@dataclass(frozen=True)
+class DeterminismChanged:
+    """A reading during training found settings other than the previous reading's (rank 0)."""
+
+    changes: tuple[SettingChange, ...]
+
+
+@dataclass(frozen=True)
 class Total:
     """The expected number of training steps, for the progress bar."""
 
@@ -123,5 +165,6 @@ class SegmentEnd:
 
 
 Message = Union[
-    Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd, Notice,
+    Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, DeterminismChanged, Total, Checkpoint, SegmentStart,
+    SegmentEnd, Notice,
 ]

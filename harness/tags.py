@@ -76,6 +76,9 @@ THREADS_PER_RANK = "harness.threads_per_rank"
 ENV_PREFIX = "harness.env."
 # Effective determinism settings read back in rank 0 (harness.determinism.<name>).
 DETERMINISM_PREFIX = "harness.determinism."
+# What user code changed during training, one determinism.SettingChange line each ("none": nothing); the
+# harness.determinism.<name> settings are then the last reading (see determinism.Watch).
+DETERMINISM_CHANGES = "harness.determinism.changes"
 # NCCL_*, OMP_*, MKL_*, CUBLAS_* ... variables in force (harness.var.<NAME>).
 VAR_PREFIX = "harness.var."
 
@@ -144,6 +147,7 @@ ARTIFACT_PATCH = "git/uncommitted.patch"  # bytes of `git diff --binary`, never 
 ARTIFACT_CODE_BUNDLE = "git/code.bundle"  # an imported run's recorded commit as a git bundle (harness import)
 ARTIFACT_LOCK = "environment/requirements.lock"
 ARTIFACT_NODES = "environment/nodes.json"  # every node's provenance, node rank -> facts
+ARTIFACT_DETERMINISM = "environment/determinism.json"  # settings at start and in force, every change in training
 ARTIFACT_LOGS_DIR = "logs"
 ARTIFACT_FINGERPRINTS = "fingerprints.json"
 ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts

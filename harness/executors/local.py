@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,11 +22,12 @@ from omegaconf import DictConfig
 
 from harness import tags as T
 from harness.config import split_entry, to_container, to_yaml
+from harness.delta import setting_risk
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.messages import (
-    Checkpoint, Determinism, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice, SegmentEnd, SegmentStart,
-    Total,
+    Checkpoint, Determinism, DeterminismChanged, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice,
+    SegmentEnd, SegmentStart, SettingChange, Total,
 )
 from harness.store import reason_of
 from harness.tracking import Outages, Patient, Tracker, save_series, transient
@@ -278,13 +279,17 @@ class LocalHandle(Handle):
         failure_text = ""  # the failing rank's traceback, printed once the progress view is closed
         fingerprints: dict[int, str] = {}
         notices: dict[str, str] = {}  # the ranks' warnings about the record, by kind
-        final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}, "notices": notices}
+        final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}, "notices": notices, "determinism_changes": []}
+        warned: set[tuple[str | None, str]] = set()  # strict: each call that broke bitwise is warned about once
         prior = None
         if resume_step is not None:
             prior = tracker.load_record(run_id)
             fingerprints = {k: v for k, v in prior.fingerprints.items() if k < resume_step}
             final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
             final["checkpoint_tensors"] = {k: v for k, v in (prior.checkpoint_tensors or {}).items() if k <= resume_step}
+            # Changes made before the resumed step stay on record; the resumed ranks' own readings follow them.
+            earlier = (SettingChange.from_line(line) for line in prior.facts.get(T.DETERMINISM_CHANGES, "").splitlines())
+            final["determinism_changes"] = [c for c in earlier if c is not None and c.step < resume_step]
         status, code, message = T.FAILED, EXIT_FAILED, ""
         try:
             nproc = cfg.world_size // job.topology.nnodes
@@ -332,7 +337,14 @@ class LocalHandle(Handle):
                     case Initial(sha256):
                         final["initial"] = sha256
                     case Determinism(settings, env):
-                        final["determinism"], final["vars"] = settings, env
+                        final["determinism"], final["vars"] = dict(settings), env
+                        final["determinism_start"] = dict(settings)
+                    case DeterminismChanged(changes):
+                        # The tags say what was in force: the last reading (the start values stay in the changes).
+                        final["determinism"].update({c.setting: c.after for c in changes})
+                        final["determinism_changes"].extend(changes)
+                        for line in strict_warnings(cfg.determinism.level.value, changes, warned):
+                            console.write(line)
                     case Total(steps):
                         console.total(steps)
                     case Checkpoint(step, sha256, tensors, ranks):
@@ -535,6 +547,11 @@ def _record_results(
     if "determinism" in final:
         tags.update({T.DETERMINISM_PREFIX + k: v for k, v in final["determinism"].items()})
         tags.update({T.VAR_PREFIX + k: v for k, v in final["vars"].items()})
+        changes = final.get("determinism_changes", [])
+        tags[T.DETERMINISM_CHANGES] = changes_tag(changes)
+        doc = {"start": final.get("determinism_start", {}), "in_force": final["determinism"],
+               "changes": [asdict(c) for c in changes]}
+        tracker.log_text(run_id, json.dumps(doc, indent=1), T.ARTIFACT_DETERMINISM)
     if final.get("fingerprint"):
         tags[T.FINGERPRINT] = final["fingerprint"]
     if final.get("of"):
@@ -560,6 +577,37 @@ def _record_results(
     outputs = work / "outputs"
     if outputs.is_dir() and any(outputs.iterdir()):
         tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+_CHANGES_SHOWN = 40  # lines in the changes tag (MLflow keeps 8,000 characters); the artifact holds them all
+
+
+def changes_tag(changes: list[SettingChange]) -> str:
+    """The harness.determinism.changes tag: one line per change, "none" when the training code changed nothing."""
+    if not changes:
+        return "none"
+    lines = [c.line() for c in changes[:_CHANGES_SHOWN]]
+    if len(changes) > _CHANGES_SHOWN:
+        lines.append(f"... {len(changes) - _CHANGES_SHOWN} more in {T.ARTIFACT_DETERMINISM}")
+    return "\n".join(lines)
+
+
+def strict_warnings(level: str, changes: tuple[SettingChange, ...], warned: set[tuple[str | None, str]]) -> list[str]:
+    """Under strict, one warning per call of the training code that made bitwise results impossible (`warned`:
+    the calls already warned about, updated)."""
+    if level != "strict":
+        return []
+    lines = []
+    for c in changes:
+        risk = setting_risk(c.setting, c.after)
+        what = c.call or f"{c.setting} = {c.after}"
+        if risk is None or (c.where, what) in warned:
+            continue
+        warned.add((c.where, what))
+        who = c.where or f"the training code (seen at step {c.step}, {c.when})"
+        lines.append(f"Warning: {who} set {what} under determinism.level=strict: {risk}. Recorded in "
+                     f"{T.DETERMINISM_CHANGES}; remove that line to keep strict's guarantee, or set determinism.level=off.")
+    return lines
 
 
 def checkpoint_fingerprints_json(steps: dict[int, dict[str, Any]]) -> str:

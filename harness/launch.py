@@ -376,6 +376,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 pass
             finally:
                 ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
+        _beat(progress, local_rank, -2)  # trained: tearing down (the process group, the interpreter) is no hang
         dist.destroy_process_group()
     except BaseException as err:
         _write_failure(spec, rank, err)
@@ -386,8 +387,12 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
 
 
 def _beat(progress: Any, rank: int, step: int) -> None:
-    """This rank is alive and at `step` (-1: before the first one); read by the launcher's progress check."""
+    """This rank is alive and at `step` (-1: before the first one; -2: its training is over, it is only tearing
+    down, which no timeout judges); read by the launcher's progress check."""
     if progress is not None:
+        if step == -2:
+            progress[2 * rank + 1] = float("inf")
+            return
         progress[2 * rank] = step
         progress[2 * rank + 1] = time.monotonic()  # CLOCK_MONOTONIC is one clock for every process
 

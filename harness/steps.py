@@ -14,7 +14,6 @@ logged a second time at the step that has ended.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -43,7 +42,8 @@ class StepClock:
         self.begun = False  # step `index` has begun
         self.optimizer_steps = 0  # counted optimizer steps actually taken (a GradScaler may skip some)
         self._tracked: Any = None
-        self._counted: Any = None  # weakref to the optimizer whose steps count
+        # The optimizer whose steps count, held: train() may drop it before the end-of-run fingerprint is taken.
+        self._counted: Any = None
         self._on_begin, self._on_end, self._beat = on_begin, on_end, beat
         self._on_optimizer = on_optimizer
         self._on_first_step = on_first_step
@@ -56,18 +56,18 @@ class StepClock:
     def track(self, optimizer: Any) -> None:
         """ctx.track(optimizer): its steps are the run's steps (another optimizer's are not counted)."""
         self._tracked = optimizer
-        self._counted = weakref.ref(optimizer)
+        self._counted = optimizer
 
     @property
     def counted(self) -> Any:
-        return self._counted() if self._counted is not None else None
+        return self._counted
 
     def _counts(self, optimizer: Any) -> bool:
         if self._counted is None:
             # None tracked: the first optimizer that steps is the run's (a GAN's second one is not counted).
-            self._counted = weakref.ref(optimizer)
+            self._counted = optimizer
             return True
-        return self._counted() is optimizer
+        return self._counted is optimizer
 
     # -- events ----------------------------------------------------------------------------------
     @property
@@ -105,7 +105,7 @@ class StepClock:
             self._on_optimizer("pre", optimizer)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._counted is None or self._counted() is not optimizer:
+        if self._counted is not optimizer:
             return
         if self._on_optimizer is not None:
             self._on_optimizer("post", optimizer)

@@ -176,7 +176,11 @@ def run(
         topology=topology,
     )
     if isinstance(outcome, runner.Outcome):
-        _finish(outcome, Tracker(tracking_uri))
+        from harness.executors.torchrun import torchrun_env
+
+        env = torchrun_env()
+        # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
+        _finish(outcome, Tracker(tracking_uri), print_id=env is None or env.rank == 0)
     else:
         _study_finish(outcome, tracking_uri)
 
@@ -212,11 +216,12 @@ def _study_finish(outcome: Any, tracking_uri: str | None) -> None:
     _exit(outcome.exit_code)
 
 
-def _finish(outcome: Any, tracker: Any) -> None:
+def _finish(outcome: Any, tracker: Any, print_id: bool = True) -> None:
     if outcome.message:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)
-    click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
-    click.echo(outcome.run_id)
+    if print_id:
+        click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
+        click.echo(outcome.run_id)
     _exit(outcome.exit_code)
 
 

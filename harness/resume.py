@@ -31,7 +31,8 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
     if step is None:
         raise HarnessError(
             f"run {run_id} has no complete checkpoint in its artifacts (checkpoint_every was 0, or it died "
-            f"before the first). Rerun it instead: harness replay {run_id}"
+            f"before the first), so it cannot be resumed. Rerun it from the start, judged on the steps it reached: "
+            f"`harness replay {run_id} --allow-incomplete`; or run it again with checkpoint_every=N to make it resumable."
         )
 
     def reopen(tags: dict[str, str]) -> str:

@@ -341,6 +341,7 @@ def replay_study(
     from harness import noise, study
     from harness.report import render_study_markdown
 
+    given = parse_tolerances(options.get("tolerances"))  # bad input: said before the study replay is recorded
     tracker = tracker or Tracker(tracking_uri)
     recorded = study.load_study(tracker, study_id)
     if recorded.run.status != T.FINISHED:
@@ -371,8 +372,7 @@ def replay_study(
         markdown = render_study_markdown(out)
         tracker.set_tags(run_id, {T.VERDICT: verdict, T.MLFLOW_RUN_NOTE: markdown,
                                   **({T.CHANGES: " ".join(results[0].changes)} if results and results[0].changes else {}),
-                                  **({T.TOLERANCE: format_tolerances(parse_tolerances(options["tolerances"]))}
-                                     if options.get("tolerances") else {})})
+                                  **({T.TOLERANCE: format_tolerances(given)} if given else {})})
         tracker.log_text(run_id, markdown, T.ARTIFACT_REPORT)
         tracker.log_text(run_id, json.dumps(json_safe(_study_json(out)), indent=2), T.ARTIFACT_COMPARISON)
         status = T.FINISHED

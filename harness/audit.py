@@ -99,17 +99,18 @@ def audit(
         raise HarnessError(f"--segments must be between 1 and {len(chain)} (the run has {len(chain)} segments).")
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     drawn = sorted(random.Random(seed).sample(chain, segments), key=lambda s: s.index)
+    recorded = RecordedRun.load(tracker, run)
+    cfg = recorded.cfg
+    store = checkpoint_store.open_for(tracker, run_id)
+    # Only the drawn segments' start steps, fetched when a server holds them; absent files are refused, never
+    # judged: nothing is recorded.
+    store.require([seg.start for seg in drawn], cfg.world_size, "the audit", run.tags.get(T.IMPORTED_FROM))
     print(
         f"Auditing {segments} of {len(chain)} segments of run {run_id} (seed {seed}): "
         f"{', '.join(f'{s.index} [{s.start}-{s.end})' for s in drawn)}. "
         f"P(catching one bad segment) = {segments}/{len(chain)} = {segments / len(chain):.2f}",
         file=sys.stderr,
     )
-    recorded = RecordedRun.load(tracker, run)
-    cfg = recorded.cfg
-    store = checkpoint_store.open_for(tracker, run_id)
-    for seg in drawn:  # only the drawn segments' start steps, fetched when a server holds them
-        store.fetch(seg.start, cfg.world_size)
     directory = store.directory
     check_runnable(cfg)
     data = recorded.check_data(repo)  # a segment replayed on other data proves nothing about the run

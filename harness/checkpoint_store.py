@@ -70,6 +70,27 @@ class CheckpointStore:
                 os.replace(got, target)
         return step in checkpoint.complete_steps(self.directory, world_size)
 
+    def require(self, steps: list[int], world_size: int, needed_by: str, imported_from: str | None = None) -> None:
+        """Fetch `steps`, which the run recorded; refuse (exit 2) when the files of any are not in its artifacts.
+
+        An imported run whose bundle was made without --with-checkpoints has the fingerprints of its checkpoints
+        but not their files: without this, audit and trace would judge the missing files as a divergence.
+        """
+        missing = [step for step in sorted(set(steps)) if not self.fetch(step, world_size)]
+        if not missing:
+            return
+        self.cleanup()
+        shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        where = (f"it was imported from a bundle made without --with-checkpoints. Export run {imported_from} again "
+                 f"with `harness export {imported_from} -o FILE.tar.gz --with-checkpoints` where it was recorded and "
+                 "import that" if imported_from else
+                 f"they were removed. Put them back under {T.ARTIFACT_CHECKPOINTS}/ in the run's artifacts")
+        raise HarnessError(
+            f"run {self.run_id} recorded a checkpoint at step{'s' if len(missing) > 1 else ''} {shown}, which "
+            f"{needed_by} needs, but its files are not in the run's artifacts: {where}, or replay the run in full "
+            f"(`harness replay {self.run_id}`)."
+        )
+
     def latest(self, world_size: int) -> int | None:
         """The last step complete in the store, fetched; None if there is none."""
         if not self.remote:

@@ -176,7 +176,11 @@ def run(
         topology=topology,
     )
     if isinstance(outcome, runner.Outcome):
-        _finish(outcome, Tracker(tracking_uri))
+        from harness.executors.torchrun import torchrun_env
+
+        env = torchrun_env()
+        # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
+        _finish(outcome, Tracker(tracking_uri), print_id=env is None or env.rank == 0)
     else:
         _study_finish(outcome, tracking_uri)
 
@@ -212,11 +216,12 @@ def _study_finish(outcome: Any, tracking_uri: str | None) -> None:
     _exit(outcome.exit_code)
 
 
-def _finish(outcome: Any, tracker: Any) -> None:
+def _finish(outcome: Any, tracker: Any, print_id: bool = True) -> None:
     if outcome.message:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)
-    click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
-    click.echo(outcome.run_id)
+    if print_id:
+        click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
+        click.echo(outcome.run_id)
     _exit(outcome.exit_code)
 
 
@@ -282,6 +287,8 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="A study: replay K of its members, drawn at random (the draw's seed is recorded).")
 @click.option("--members-seed", type=click.IntRange(min=0), default=None,
               help="A study with --members: the seed of the draw (to repeat an earlier one).")
+@click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
+              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance (recorded). Repeatable.")
 @click.option("--localize/--no-localize", default=None,
               help="When the replay DIVERGES, trace its first divergent step and name the first differing op "
                    "(default: only when the run has checkpoints).")
@@ -300,6 +307,7 @@ def replay(
     members: int | None,
     members_seed: int | None,
     localize: bool | None,
+    tolerances: tuple[str, ...],
     tracking_uri: str | None,
     **placement: Any,
 ) -> None:
@@ -324,14 +332,15 @@ def replay(
     study_id = _study_id(tracker, run_id, not no_follow)
     if study_id is not None:
         _replay_study(tracker, study_id, members, members_seed, world_size, list(overrides), allow_changes,
-                      allow_data_changes, _data_paths(data_paths), executor, [*slurm, *_given(placement)])
+                      allow_data_changes, _data_paths(data_paths), executor, [*slurm, *_given(placement)],
+                      list(tolerances))
     if members is not None or members_seed is not None:
         raise HarnessError(f"--members and --members-seed apply to a study; run {run_id} is not one.")
     result = do_replay(
         run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
         allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths),
         tracker=tracker, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
-        placement=slurm, topology=topology, localize=localize,
+        placement=slurm, topology=topology, localize=localize, tolerances=list(tolerances),
     )
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
         click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
@@ -364,7 +373,7 @@ def _given(placement: dict[str, Any]) -> list[str]:
 
 def _replay_study(tracker: Any, study_id: str, members: int | None, members_seed: int | None, world_size: int | None,
                   overrides: list[str], allow_changes: bool, allow_data_changes: bool, data_paths: dict[str, str],
-                  executor: str | None, placement: list[str]) -> None:
+                  executor: str | None, placement: list[str], tolerances: list[str]) -> None:
     from harness.replay import replay_study
 
     if placement:
@@ -375,7 +384,7 @@ def _replay_study(tracker: Any, study_id: str, members: int | None, members_seed
     result = replay_study(
         study_id, members=members, draw_seed=members_seed, world_size=world_size, overrides=overrides,
         allow_changes=allow_changes, allow_data_changes=allow_data_changes, data_paths=data_paths,
-        tracker=tracker, executor=executor,
+        tracker=tracker, executor=executor, tolerances=tolerances,
     )
     for r in result.members:
         click.echo(f"seed {r.original.tags.get('harness.seed')}: {r.comparison.summary()}  (replay {r.outcome.run_id})")
@@ -389,6 +398,10 @@ def _replay_study(tracker: Any, study_id: str, members: int | None, members_seed
 def _print_comparison(cmp: Any, changes: list[str]) -> None:
     if changes:
         click.echo("Changes requested: " + ", ".join(changes))
+    given = cmp.tolerance.get("given") or {}
+    if given:
+        click.echo("Tolerance given (--tolerance, over the recorded replay.tolerance): "
+                   + ", ".join(f"{m} atol {t['atol']:g} rtol {t['rtol']:g}" for m, t in sorted(given.items())))
     if not cmp.bitwise_possible:
         click.echo("A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers))
     for note in cmp.notes:
@@ -415,6 +428,7 @@ def _print_comparison(cmp: Any, changes: list[str]) -> None:
         click.echo(
             f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
             f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
+            + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else "")
         )
     for line in cmp.checkpoint_lines():  # where the weights parted, just above the verdict
         click.echo(line)
@@ -462,12 +476,16 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
 @click.option("--json", "as_json", is_flag=True, help="Print the whole comparison as JSON.")
 @click.option("--report", "report", type=click.Path(path_type=Path), default=None,
               help="Two traces: also write the localization report to PATH (HTML if it ends in .html, else markdown).")
+@click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
+              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance. Repeatable.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tracking_uri: str | None) -> None:
+def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tolerances: tuple[str, ...],
+            tracking_uri: str | None) -> None:
     """Compare two existing runs (any experiments): environment delta and verdict, no rerun.
 
-    RUN_A is the reference; its tolerance applies. Exit 0 reproduced, 1 diverged, 2 bad input.
+    RUN_A is the reference; its tolerance applies (RUN_B a replay of it: the replay's, with the
+    --tolerance it was given), then --tolerance. Exit 0 reproduced, 1 diverged, 2 bad input.
     Two trace runs (harness trace): the first op whose output differs while its inputs were equal,
     with its module, shapes, dtypes, the user's line and a likely cause; nothing is recorded.
     Exit 0 identical, 1 they differ.
@@ -496,7 +514,7 @@ def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tracking
     if report is not None:
         raise HarnessError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
 
-    cmp = do_compare(run_a, run_b, tracking_uri)
+    cmp = do_compare(run_a, run_b, tracking_uri, tolerances=list(tolerances))
     if as_json:
         click.echo(json.dumps(cmp.to_dict(), indent=2))
     else:

@@ -14,7 +14,7 @@ import numpy as np
 
 from harness import tags
 from harness.delta import ConfigChange, FactDelta, config_delta, environment_delta
-from harness.errors import EXIT_FAILED, EXIT_OK
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import fmt_pair, fmt_short, json_safe, the
 from harness.noise import NoiseJudgement
 from harness.tensordiff import CheckpointDiff, diff_checkpoints
@@ -225,6 +225,52 @@ def default_tolerance(config: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"default": dict(tol.get("default") or {}), "metrics": {k: dict(v) for k, v in (tol.get("metrics") or {}).items()}}
 
 
+def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, dict[str, float]]:
+    """--tolerance METRIC=ATOL[,RTOL] (repeatable) as {metric: {"atol": ..., "rtol": ...}}; RTOL defaults to 0."""
+    out: dict[str, dict[str, float]] = {}
+    for spec in specs or ():
+        metric, sep, value = spec.partition("=")
+        metric = metric.strip()
+        parts = value.split(",") if sep else []
+        try:
+            numbers = [float(x) for x in parts]
+        except ValueError:
+            numbers = []
+        if not metric or not 1 <= len(numbers) <= 2 or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise HarnessError(f"--tolerance {spec!r} is not METRIC=ATOL[,RTOL] with finite numbers >= 0. "
+                               "Pass e.g. --tolerance loss=1e-6 or --tolerance loss=1e-6,1e-4.")
+        if metric in out:
+            raise HarnessError(f"--tolerance gives metric '{metric}' twice. Pass it once.")
+        out[metric] = {"atol": numbers[0], "rtol": numbers[1] if len(numbers) == 2 else 0.0}
+    return out
+
+
+def format_tolerances(given: Mapping[str, Mapping[str, float]]) -> str:
+    """The inverse of parse_tolerances, as recorded in the tag harness.replay.tolerance: `loss=0.01,0.0 acc=...`."""
+    return " ".join(f"{m}={float(t['atol'])!r},{float(t['rtol'])!r}" for m, t in sorted(given.items()))
+
+
+def judged_tolerance(
+    original: RunRecord, replay: RunRecord, given: Mapping[str, Mapping[str, float]] | None = None
+) -> dict[str, Any]:
+    """The tolerance a judgement uses - the one rule for `harness replay` and `harness compare`.
+
+    Run A's recorded replay.tolerance. When run B is a replay of A, B's own config instead (an
+    `--allow-changes replay.tolerance...` override is what the replay asked to be judged by) and the
+    --tolerance it was given (its tag), so comparing the two later gives the replay's verdict again.
+    Then `given` (this judgement's --tolerance) per metric on top. The per-metric overrides taken from
+    --tolerance are kept under "given", for the report.
+    """
+    of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id
+    tol = default_tolerance(replay.config if of_replay and replay.config else original.config)
+    recorded = replay.facts.get(tags.TOLERANCE) if of_replay else None
+    layered = {**parse_tolerances(recorded.split() if recorded else []), **(given or {})}
+    tol["metrics"].update({m: dict(t) for m, t in layered.items()})
+    if layered:
+        tol["given"] = {m: dict(t) for m, t in layered.items()}
+    return tol
+
+
 def _tol_pair(entry: Mapping[str, Any] | None, where: str) -> tuple[float, float]:
     entry = entry or {}
     rtol, atol = float(entry.get("rtol", 0.0)), float(entry.get("atol", 0.0))
@@ -376,7 +422,7 @@ def compare_runs(
     With `incomplete_original` (a FAILED or KILLED original), only the steps the original reached
     are judged, and its missing final fingerprint is no divergence.
     """
-    tol = default_tolerance(original.config) if tolerance is None else tolerance
+    tol = judged_tolerance(original, replay) if tolerance is None else tolerance
     delta = environment_delta(original, replay)
     blockers = [f"{d.name}: {d.note}" for d in delta if d.breaks_bitwise]
     of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id

@@ -76,6 +76,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.REPLAY_OF,
         tags.VERDICT,
         tags.CHANGES,
+        tags.TOLERANCE,
         tags.DATA_CHANGES,
         # A replay runs in a detached worktree; the branch name decides nothing, the commit does.
         tags.GIT_BRANCH,

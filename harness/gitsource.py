@@ -50,6 +50,7 @@ class GitState:
     patch: bytes  # tracked and untracked (not ignored) changes against `commit`, exact bytes, never decoded
     repo_url: str | None  # origin's URL with any credentials stripped
     excluded: tuple[str, ...] = ()  # paths left out of the record though not ignored (the store's own files)
+    untracked: tuple[str, ...] = ()  # untracked, not ignored files the patch records, relative to `root`
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ def _run(
     return proc.stdout
 
 
+def first_few(names: tuple[str, ...] | list[str], limit: int = 5) -> str:
+    """`'a', 'b', 'c' and 4 more`: names for a one-line message, however many there are."""
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def _show(path: bytes) -> str:
     """A git path for a one-line message (never for git itself): a newline or a byte that is not
     UTF-8 in a name is shown escaped, so the message stays one printable line."""
@@ -136,13 +143,13 @@ def inspect(
     branch = None if repo.head.is_detached else repo.active_branch.name
     pathspec, excluded = _exclusions(root, exclude)
     # Before `add -A`: a secret or a huge file must not even be hashed into the object store.
-    _check_untracked(root, max_untracked_mib, allow_secrets, pathspec)
+    untracked = _check_untracked(root, max_untracked_mib, allow_secrets, pathspec)
     patch = _working_tree_patch(root, commit, pathspec)
     url = None
     with contextlib.suppress(Exception):
         remote = repo.remotes.origin if "origin" in repo.remotes else (repo.remotes[0] if repo.remotes else None)
         url = strip_credentials(next(remote.urls)) if remote is not None else None
-    return GitState(root, commit, branch, bool(patch), patch, url, excluded)
+    return GitState(root, commit, branch, bool(patch), patch, url, excluded, untracked)
 
 
 def _exclusions(root: Path, paths: tuple[Path, ...]) -> tuple[list[str], tuple[str, ...]]:
@@ -173,9 +180,11 @@ def secret_pattern(name: bytes) -> str | None:
     return next((p for p in SECRET_PATTERNS if fnmatch.fnmatchcase(base, p)), None)
 
 
-def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str]) -> None:
+def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str]) -> tuple[str, ...]:
+    """Refuse untracked files the record must not or cannot hold; returns the untracked files it will hold."""
     out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
     secrets: list[tuple[bytes, str]] = []
+    names = tuple(_show(rel) for rel in filter(None, out.split(b"\0")))
     for rel in filter(None, out.split(b"\0")):
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
@@ -206,11 +215,11 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
             "--allow-untracked-secrets knowingly."
         )
     if secrets:  # every one at once: fixing them one run at a time would be tedious
-        names = ", ".join(f"'{_show(rel)}'" for rel, _ in secrets[:10]) + (f" and {len(secrets) - 10} more" if len(secrets) > 10 else "")
         raise HarnessError(
-            f"{names} are untracked files whose names mark them as secrets; they would be stored with the run's "
-            "code. Add them to .gitignore, commit those that hold no secret, or pass --allow-untracked-secrets knowingly."
+            f"{first_few([_show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
+            "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, or pass --allow-untracked-secrets knowingly."
         )
+    return names
 
 
 def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:

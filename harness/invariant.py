@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
 from harness.config import check_layout, is_power_of_two
-from harness.errors import ConfigError
+from harness.errors import ConfigError, ExperimentError
 
 __all__ = [
     "EvalSampler",
@@ -338,11 +338,23 @@ def _refuse_running_stats(model: nn.Module) -> None:
             )
 
 
+# DDP's two ways to skip the all-reduce for gradient accumulation. Invariant mode has nothing to skip: each
+# ctx.backward reduces in the canonical order and overwrites param.grad, so micro-batches accumulated around
+# it would silently train on the last one only. Its shards are the micro-batches.
+_NO_ACCUMULATION = (
+    "in world-size-invariant mode, where ctx.backward reduces the gradients of its whole batch across ranks in one "
+    "canonical order and overwrites param.grad, so gradients cannot be accumulated outside it. Accumulate through "
+    "ctx.backward: give it the whole global batch, whose determinism.shards shards it sums as micro-batches (see "
+    "README: world-size-invariant mode)."
+)
+
+
 class InvariantModule(nn.Module):
     """What ctx.ddp returns in invariant mode: the model under `.module`, as DDP holds it.
 
     Code written for DDP (model.module.state_dict(), model(x)) keeps working; no gradient hook, no
-    all-reduce - ctx.backward does the reduction.
+    all-reduce - ctx.backward does the reduction. DDP's gradient-accumulation switches (no_sync(),
+    require_backward_grad_sync = False) are refused where they are used.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -351,6 +363,19 @@ class InvariantModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Refused (ExperimentError) at the call: see _NO_ACCUMULATION."""
+        raise ExperimentError(f"model.no_sync() does not apply {_NO_ACCUMULATION}")
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return True  # every ctx.backward synchronises
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not value:  # True (the last micro-step in nanoGPT's loop) is what invariant mode always does
+            raise ExperimentError(f"model.require_backward_grad_sync = False does not apply {_NO_ACCUMULATION}")
 
 
 class InvariantStep:

@@ -23,8 +23,10 @@ from harness.compare import (
     WITHIN_TOLERANCE,
     Comparison,
     compare_runs,
-    default_tolerance,
+    format_tolerances,
     judge_noise,
+    judged_tolerance,
+    parse_tolerances,
 )
 from harness.config import compose, parse_overrides, validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
@@ -129,9 +131,12 @@ def replay(
     extra_tags: dict[str, str] | None = None,
     study_members: list[RunRecord] | None = None,
     localize: bool | None = None,
+    tolerances: list[str] | None = None,
 ) -> ReplayResult:
     """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
-    the caller has them already (a study replay judges every member against the same seeds)."""
+    the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
+    METRIC=ATOL[,RTOL] specs that override the recorded replay.tolerance for this judgement (recorded)."""
+    given = parse_tolerances(tolerances)  # bad input is said before anything else happens
     # First: an unreachable store is said before torch is even loaded.
     tracker = tracker or Tracker(tracking_uri)
     from harness import executors
@@ -161,6 +166,8 @@ def replay(
     extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id, **(extra_tags or {})}
     if changes:
         extra[T.CHANGES] = " ".join(changes)
+    if given:
+        extra[T.TOLERANCE] = format_tolerances(given)
     if data.changes:
         extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
         for change in data.changes:
@@ -187,7 +194,7 @@ def replay(
     a = next((m for m in study_members or [] if m.run_id == run_id), None) or tracker.load_record(run_id)
     b = tracker.load_record(replay_id)
     failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
-    comparison = compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed,
+    comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
                               incomplete_original=incomplete)
     comparison = with_noise(tracker, comparison, a, b, study_members)
     record_verdict(tracker, replay_id, a, b, comparison, changes)
@@ -242,12 +249,14 @@ def record_verdict(
         tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
 
 
-def compare(run_a: str, run_b: str, tracking_uri: str | None = None) -> Comparison:
-    """Delta and verdict between two existing runs, judged by run A's tolerance; nothing is rerun."""
+def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances: list[str] | None = None) -> Comparison:
+    """Delta and verdict between two existing runs, judged by run A's tolerance (a replay of A: the replay's, as
+    judged_tolerance says) with `tolerances` (METRIC=ATOL[,RTOL]) on top; nothing is rerun or recorded."""
+    given = parse_tolerances(tolerances)
     tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
     a, b = tracker.load_record(run_a), tracker.load_record(run_b)
     failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
-    cmp = compare_runs(a, b, tolerance=default_tolerance(a.config), replay_failed=failed)
+    cmp = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed)
     return with_noise(tracker, cmp, a, b)
 
 
@@ -332,6 +341,7 @@ def replay_study(
     from harness import noise, study
     from harness.report import render_study_markdown
 
+    given = parse_tolerances(options.get("tolerances"))  # bad input: said before the study replay is recorded
     tracker = tracker or Tracker(tracking_uri)
     recorded = study.load_study(tracker, study_id)
     if recorded.run.status != T.FINISHED:
@@ -361,7 +371,8 @@ def replay_study(
         out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)
         markdown = render_study_markdown(out)
         tracker.set_tags(run_id, {T.VERDICT: verdict, T.MLFLOW_RUN_NOTE: markdown,
-                                  **({T.CHANGES: " ".join(results[0].changes)} if results and results[0].changes else {})})
+                                  **({T.CHANGES: " ".join(results[0].changes)} if results and results[0].changes else {}),
+                                  **({T.TOLERANCE: format_tolerances(given)} if given else {})})
         tracker.log_text(run_id, markdown, T.ARTIFACT_REPORT)
         tracker.log_text(run_id, json.dumps(json_safe(_study_json(out)), indent=2), T.ARTIFACT_COMPARISON)
         status = T.FINISHED

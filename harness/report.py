@@ -88,6 +88,10 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out += [f"- {_code(c)}" for c in changes]
     else:
         out.append("None: the replay used the recorded configuration.")
+    given = cmp.tolerance.get("given") or {}
+    if given:
+        out += ["", "Tolerance given with `--tolerance` (over the recorded `replay.tolerance`):", ""]
+        out += [f"- {_code(m)}: atol {fmt_short(t['atol'])}, rtol {fmt_short(t['rtol'])}" for m, t in sorted(given.items())]
     out.append("")
 
     # The report belongs to a replay run, so its columns are always the original and the replay.

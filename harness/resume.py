@@ -46,8 +46,9 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
     if step is None:
         raise HarnessError(
             f"run {run_id} has no complete checkpoint in its artifacts (checkpoint_every was 0, its loop gave harness "
-            f"no step boundary to save at, or it died before the first). Rerun what it reached: harness replay {run_id} "
-            "--allow-incomplete, or run it again with checkpoint_every set."
+            f"no step boundary to save at, or it died before the first), so it cannot be resumed. Rerun it from the "
+            f"start, judged on the steps it reached: `harness replay {run_id} --allow-incomplete`; or run it again with "
+            "checkpoint_every=N to make it resumable."
         )
     record = tracker.load_record(run_id)
     earlier = max((s for s in record.checkpoints if s < step), default=None)

@@ -158,6 +158,7 @@ def preflight(
             )
         warnings.append(
             "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
+            + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
         )
     if cfg.executor == Executor.local:
         here = max(cfg.world_size // nnodes, 1)

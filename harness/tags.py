@@ -110,6 +110,8 @@ STORE_LONGEST_OUTAGE_S = "harness.store.longest_outage_s"
 REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
+# --tolerance METRIC=ATOL[,RTOL] this replay was judged by, over the recorded replay.tolerance: "loss=0.01,0.0 ..."
+TOLERANCE = "harness.replay.tolerance"
 
 # Seed ensembles (harness/study.py). A member run carries STUDY (the study's run id) and is nested under it.
 STUDY = "harness.study"

@@ -151,8 +151,8 @@ def trace(
     check_runnable(cfg)
     start = max((s for s in record.checkpoints if s <= step), default=None)
     store = checkpoint_store.open_for(tracker, run_id) if start is not None else None
-    if store is not None:
-        store.fetch(start, cfg.world_size)
+    if store is not None:  # the re-execution starts from it: its files must be there
+        store.require([start], cfg.world_size, f"a trace of step {step}", run.tags.get(T.IMPORTED_FROM))
     data = recorded.check_data(repo)
     work = Path(tempfile.mkdtemp(prefix="harness-trace-"))
     try:

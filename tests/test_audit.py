@@ -91,3 +91,49 @@ def test_audit_refuses_runs_without_checkpoints(project: Project) -> None:
     plain = project.harness("run", "experiments/linear_ddp", "train.epochs=1")
     result, _ = audit(project, plain.last_line, "--segments", "1")
     assert result.returncode == 2 and "no checkpoint chain to audit" in result.stderr
+
+
+# --- checkpoints the run recorded whose files are not there: refused, never judged -------------------------
+
+
+def test_imported_run_without_checkpoint_files_is_refused_by_audit_and_trace(project: Project, checkpointed: str,
+                                                                              tmp_path: Path) -> None:
+    bundle = tmp_path / "no checkpoints.tar.gz"
+    exported = project.harness("export", checkpointed, "-o", str(bundle))  # without --with-checkpoints
+    assert exported.returncode == 0, exported.stderr
+    elsewhere = Project(tmp_path / "elsewhere", tmp_path / "elsewhere" / "store")
+    elsewhere.store.mkdir(parents=True)
+    imported = elsewhere.harness("import", str(bundle))
+    assert imported.returncode == 0, imported.stderr
+    run_id = imported.last_line
+    before = len(elsewhere.all_runs())
+    for args, who in ((["audit", run_id, "--segments", "2", "--seed", "7"], "the audit"),
+                      (["trace", run_id, "--step", "7"], "a trace of step 7")):
+        result = elsewhere.harness(*args)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith(f"Error: run {run_id} recorded a checkpoint at step"), result.stderr
+        assert f"which {who} needs, but its files are not in the run's artifacts: it was imported from a bundle made " \
+               f"without --with-checkpoints. Export run {checkpointed} again with `harness export {checkpointed} -o " \
+               "FILE.tar.gz --with-checkpoints`" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert len(elsewhere.all_runs()) == before  # no DIVERGED audit, no trace
+
+
+def test_removed_checkpoint_files_are_refused_but_a_trace_before_the_first_needs_none(project: Project) -> None:
+    import shutil
+
+    run = project.harness("run", "experiments/linear_ddp", "checkpoint_every=5", "train.epochs=2")  # 10 steps
+    assert run.returncode == 0, run.stderr
+    root = Path(project.client().get_run(run.last_line).info.artifact_uri.removeprefix("file://")) / "checkpoints"
+    shutil.rmtree(root / "step-00000005")
+    before = len(project.all_runs())
+    result, _ = audit(project, run.last_line, "--segments", "2")  # both segments: 0-5 and 5-10
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "recorded a checkpoint at step 5, which the audit needs, but its files are not in the run's artifacts: " \
+           "they were removed. Put them back under checkpoints/" in result.stderr, result.stderr
+    traced = project.harness("trace", run.last_line, "--step", "6")
+    assert traced.returncode == 2 and "which a trace of step 6 needs" in traced.stderr, traced.stderr
+    assert len(project.all_runs()) == before
+    # Step 3 restarts from step 0's checkpoint, which is there: traced as ever.
+    fine = project.harness("trace", run.last_line, "--step", "3")
+    assert fine.returncode == 0, fine.stdout + fine.stderr

@@ -215,6 +215,17 @@ def test_large_untracked_file_is_refused_until_the_limit_allows_it(fresh_project
     assert p.client().get_run(run.last_line).data.tags["harness.git.dirty"] == "true"
 
 
+def test_untracked_files_warning_names_them(fresh_project: Project) -> None:
+    p = fresh_project
+    for i in range(7):
+        (p.root / EXP / f"scratch{i}.py").write_text(f"# scratch {i}\n")
+    result = p.harness("check", EXP)
+    assert result.returncode == 0, result.stderr
+    warning = next(line for line in result.stderr.splitlines() if line.startswith("Warning: uncommitted changes"))
+    names = ", ".join(f"'{EXP}/scratch{i}.py'" for i in range(5))
+    assert warning.endswith(f"Untracked files among them: {names} and 2 more."), warning
+
+
 def test_untracked_secret_is_refused_unless_allowed(fresh_project: Project, tmp_path: Path) -> None:
     p = fresh_project
     (p.root / EXP / ".env").write_text("API_TOKEN=tok-allowed-on-purpose\n")

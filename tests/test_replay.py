@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, git
+from conftest import OTHER_HARDWARE, WIDE_CONFIG, WIDE_TRAIN, Project, git
 
 
 def verdict_line(stdout: str) -> str:
@@ -348,3 +348,62 @@ def test_compare_lists_the_config_delta_first(project: Project, original: str) -
            "   train.lr: 0.01 -> 0.02\n" in out
     assert "Environment delta: none" not in out
     assert out.index("Config delta") < out.index("Environment delta")
+
+
+# --- the tolerance a judgement uses: --tolerance, and --allow-changes replay.tolerance.* -------------------
+
+
+@pytest.fixture(scope="module")
+def wide_run(project: Project) -> str:
+    """One run of the wide experiment: replayed with another thread count its losses differ in their last bits
+    (conftest.OTHER_HARDWARE says why that is an honest stand-in for other hardware)."""
+    project.add_experiment("wide", train_py=WIDE_TRAIN)
+    result = project.harness("run", "experiments/wide", *WIDE_CONFIG)
+    assert result.returncode == 0, result.stderr
+    return result.last_line
+
+
+def test_tolerance_given_decides_the_verdict_and_is_recorded(project: Project, wide_run: str) -> None:
+    exact = project.harness("replay", wide_run, *OTHER_HARDWARE)
+    assert exact.returncode == 1, exact.stdout + exact.stderr
+    assert verdict_line(exact.stdout).startswith("verdict: DIVERGED at step "), exact.stdout
+
+    wide = project.harness("replay", wide_run, *OTHER_HARDWARE, "--tolerance", "loss=1e-2")
+    assert wide.returncode == 0, wide.stdout + wide.stderr
+    assert verdict_line(wide.stdout).startswith("verdict: WITHIN_TOLERANCE: "), wide.stdout
+    assert "Tolerance given (--tolerance, over the recorded replay.tolerance): loss atol 0.01 rtol 0" in wide.stdout
+    assert ", tolerance atol 0.01 rtol 0" in wide.stdout  # on the loss line
+    client = project.client()
+    run = client.get_run(wide.last_line)
+    assert run.data.tags["harness.replay.tolerance"] == "loss=0.01,0.0"
+    assert run.data.tags["harness.verdict"] == "WITHIN_TOLERANCE"
+    assert "harness.replay.tolerance:" not in wide.stdout  # a judgement's choice, not an environment fact
+    report = Path(client.download_artifacts(wide.last_line, "replay/report.md")).read_text()
+    assert "Tolerance given with `--tolerance`" in report and "- `loss`: atol 0.01, rtol 0" in report
+
+    # Comparing later judges the replay as it was judged; --tolerance on compare decides for itself.
+    again = project.harness("compare", wide_run, wide.last_line)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.strip().splitlines()[-1].startswith("verdict: WITHIN_TOLERANCE"), again.stdout
+    assert project.harness("compare", wide_run, exact.last_line).returncode == 1
+    loose = project.harness("compare", wide_run, exact.last_line, "--tolerance", "loss=1e-2")
+    assert loose.returncode == 0, loose.stdout + loose.stderr
+    assert "verdict: WITHIN_TOLERANCE" in loose.stdout and "loss atol 0.01 rtol 0" in loose.stdout
+
+
+def test_allowed_tolerance_change_is_the_tolerance_judged(project: Project, wide_run: str) -> None:
+    result = project.harness("replay", wide_run, *OTHER_HARDWARE, "replay.tolerance.metrics.loss.atol=1e-2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert verdict_line(result.stdout).startswith("verdict: WITHIN_TOLERANCE: "), result.stdout
+    assert "replay.tolerance.metrics.loss.atol=1e-2" in result.stdout  # the change requested, as recorded
+
+
+@pytest.mark.parametrize("spec", ["loss", "loss=", "loss=abc", "loss=-1", "=1e-3", "loss=1,2,3", "loss=inf"])
+def test_bad_tolerance_is_one_line_exit_2_and_records_nothing(project: Project, wide_run: str, spec: str) -> None:
+    before = len(project.all_runs())
+    for command in (["replay", wide_run], ["compare", wide_run, wide_run]):
+        result = project.harness(*command, "--tolerance", spec)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith(f"Error: --tolerance {spec!r} is not METRIC=ATOL[,RTOL]"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert len(project.all_runs()) == before

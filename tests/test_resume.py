@@ -98,3 +98,9 @@ def test_resume_refuses_finished_and_checkpointless_runs(project: Project, killa
     none = project.harness("resume", crashed.last_line)
     assert none.returncode == 2 and "has no complete checkpoint" in none.stderr
     assert len(none.stderr.strip().splitlines()) == 1
+    # The way out it names works: the suggested command, run as given.
+    suggested = none.stderr.split("`")[1]
+    assert suggested == f"harness replay {crashed.last_line} --allow-incomplete", none.stderr
+    rerun = project.harness(*suggested.split()[1:])
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "the FAILED original reached" in rerun.stdout, rerun.stdout

@@ -41,7 +41,8 @@ def test_two_ranks_under_torchrun_are_one_run_bitwise_equal_to_harness_run(proje
     runs = runs_of(project, "torchrun_linear")
     assert len(runs) == 1, [r.info.run_id for r in runs]
     run = runs[0]
-    assert result.last_line == run.info.run_id  # every rank names the one run
+    assert result.last_line == run.info.run_id
+    assert result.stdout.count(run.info.run_id) == 1, result.stdout  # said once, by global rank 0
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert tags["harness.launcher"] == "torchrun"
@@ -104,6 +105,7 @@ def test_a_rank_that_raises_fails_the_one_run_naming_rank_and_line(project: Proj
     reason = run.data.tags["harness.status_reason"]
     assert reason == f"rank 1 raised: RuntimeError: boom at step 3 (train.py, line {line})", reason
     assert run.data.tags["harness.failed_rank"] == "1"
+    assert result.stdout.count(run.info.run_id) <= 1, result.stdout  # never once per rank
     assert rank_exit_codes(result.stderr).get(1) == 1, result.stderr
     for rank in (0, 1):
         assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"

@@ -141,8 +141,13 @@ def trace(
     if total is None:
         raise HarnessError(f"run {run_id} is {run.status} and recorded no step count; only steps a run completed can be "
                            "traced. Resume it first (harness resume) if it has checkpoints.")
+    if total == 0:
+        raise HarnessError(f"run {run_id} completed no training step (no optimizer step was counted), so there is no step "
+                           "to trace. Check that train() calls optimizer.step(), or replay it instead: harness replay "
+                           f"{run_id}")
     if not 0 <= step < total:
-        raise HarnessError(f"--step {step}: run {run_id} has steps 0-{total - 1}. Pass a step in that range.")
+        shown = "step 0" if total == 1 else f"steps 0-{total - 1}"
+        raise HarnessError(f"--step {step}: run {run_id} has {shown}. Pass a step in that range.")
     recorded = RecordedRun.load(tracker, run)
     cfg = recorded.cfg
     if max(ranks) >= cfg.world_size:
@@ -332,14 +337,14 @@ def write_report(d: TraceDiff, path: Path) -> None:
 class Localized:
     """What replay --localize found: the diff that names the culprit, and every trace it made."""
 
-    step: int
+    step: int | None  # None: no step could be chosen
     diff: TraceDiff | None
     traces: list[str] = field(default_factory=list)
     nondeterministic: bool = False  # the original's step traced twice here already differed
     note: str = ""
 
     def lines(self) -> list[str]:
-        head = f"Localization of step {self.step}"
+        head = "Localization" if self.step is None else f"Localization of step {self.step}"
         if self.diff is None:
             return [f"{head}: {self.note}"]
         why = ("the original's step traced twice on this machine differs (same-machine nondeterminism)"
@@ -385,7 +390,7 @@ def localize_after_replay(tracker: Tracker, comparison: Any, a: RunRecord, b: Ru
     div = comparison.divergence
     total = min(a.steps_total or 0, b.steps_total or 0)
     if div is None or div.step is None or total == 0:
-        return Localized(-1, None, note="no divergent training step to trace (the replay failed, or differs only at the end)")
+        return Localized(None, None, note="no divergent training step to trace (the replay failed, or differs only at the end)")
     step = min(div.step, total - 1)
     try:
         return localize_replay(tracker, a.run_id, b.run_id, step, repo)

@@ -51,6 +51,7 @@ class Console:
         )
         self._last = -1
         self._first: tuple[int, float] | None = None  # (steps done, when): the first step seen
+        self._progress: object = None  # the ranks' progress array: rank 0's step is at index 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="harness-console", daemon=True)
         if show:
@@ -73,6 +74,17 @@ class Console:
             self._bar.update(done - max(self._last, 0))
             self._last = done
 
+    def follow_steps(self, progress: object) -> None:
+        """Count the bar from rank 0's step clock (launch's progress array), read as the log is followed."""
+        self._progress = progress
+
+    def _poll_steps(self) -> None:
+        progress = self._progress
+        if progress is not None:
+            step = int(progress[0])  # type: ignore[index]
+            if step >= 0:
+                self.step(step)
+
     def write(self, line: str) -> None:
         """A line of the launcher's own (a warning) among rank 0's output, above the bar."""
         if self._show:
@@ -83,6 +95,7 @@ class Console:
         pending = ""
         while True:
             stopping = self._stop.wait(0.2)
+            self._poll_steps()
             try:
                 with open(self._log_path, "r", errors="replace") as fh:
                     fh.seek(offset)

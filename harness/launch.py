@@ -524,6 +524,7 @@ def launch(
     cancelled: Callable[[], int | None] | None = None,
     check: Callable[[], None] | None = None,
     ranks: Ranks | None = None,
+    on_ranks: Callable[[Ranks], None] | None = None,
 ) -> None:
     """Run this node's ranks to completion. Raises RunFailed (a rank failed or made no progress) or Interrupted.
 
@@ -532,6 +533,7 @@ def launch(
     `cancelled` is polled: a signal number stops the ranks (Interrupted). `check` is polled too and
     raises RunFailed when the job failed elsewhere (another node). `ranks`: this node's ranks when
     start_ranks() started them already (they wait for `spec`); otherwise they are started here.
+    `on_ranks` is told the ranks once they exist (their progress array shows each one's step).
     """
     import torch.multiprocessing as mp
 
@@ -556,6 +558,8 @@ def launch(
         if ranks is None:
             ranks = start_ranks(spec.local_ranks, spec.log_dir, spec.node_rank)
         procs, progress = ranks.context, ranks.progress
+        if on_ranks is not None:
+            on_ranks(ranks)
         # The ranks' time without progress counts from now: waiting for the record was not theirs.
         for rank in range(spec.local_ranks):
             _beat(progress, rank, -1)

@@ -323,10 +323,8 @@ class LocalHandle(Handle):
                 match msg:
                     case Metrics(step, values, unix_ms):
                         writer.add(step, values, unix_ms)
-                        console.step(step)
                     case MetricsBatch():
                         writer.add_batch(msg)
-                        console.step(int(msg.steps[-1]))
                     case Fingerprint(step, sha256):
                         fingerprints[step] = sha256
                     case Final(sha256, steps, of):
@@ -354,7 +352,8 @@ class LocalHandle(Handle):
                 self.on_event(msg)
 
             try:
-                self._launch(launch, spec, on_message)
+                # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
+                self._launch(launch, spec, on_message, on_ranks=lambda ranks: console.follow_steps(ranks.progress))
                 lock.result()
                 status, code = T.FINISHED, EXIT_OK
             except RunFailed as err:
@@ -480,16 +479,18 @@ class LocalHandle(Handle):
             spec.master_addr, spec.port = str(topo.master_addr), int(topo.master_port)
         return spec
 
-    def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None]) -> None:
+    def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None],
+                on_ranks: Callable[[Any], None] | None = None) -> None:
         """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
         from harness.launch import failure_details, is_peer_failure
 
         node = self.node
         if node is None:
-            launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=self.job.ranks)
+            launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=self.job.ranks, on_ranks=on_ranks)
             return
         try:
-            launch(spec, on_message, store=node.raw, cancelled=lambda: self.cancelled, check=node.check)
+            launch(spec, on_message, store=node.raw, cancelled=lambda: self.cancelled, check=node.check,
+                   on_ranks=on_ranks)
         except RunFailed as err:
             from harness.executors.multinode import NodeFailed
 

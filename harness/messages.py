@@ -112,4 +112,21 @@ class SegmentEnd:
     tensors: dict[str, str] = field(default_factory=dict)
 
 
-Message = Union[Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd]
+@dataclass(frozen=True)
+class UserSeed:
+    """One seeding call of the training code's own: where ("train.py:12"), which function, the value (its repr)."""
+
+    where: str
+    function: str
+    value: str
+
+
+@dataclass(frozen=True)
+class UserSeeds:
+    """The global RNG seeds rank 0's training code set itself (harness/userseed.py), sent once at the end."""
+
+    calls: tuple[UserSeed, ...]
+
+
+Message = Union[Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, Total, Checkpoint, SegmentStart, SegmentEnd,
+                UserSeeds]

@@ -57,6 +57,20 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
     return None
 
 
+def snapshot(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The MLflow variables route() and run_env() change, to put back with restore(): under torchrun a rank's body
+    runs in its launcher's process, whose own store must stay the job's."""
+    return {name: environ.get(name) for name in (TRACKING_URI, RUN_ID, EXPERIMENT_ID, _ARTIFACT_ROOT)}
+
+
+def restore(environ: MutableMapping[str, str], saved: Mapping[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+
+
 def keep_run_open(run_id: str) -> None:
     """The user's mlflow.end_run() (or the end of `with mlflow.start_run():`) detaches from the job's run instead
     of ending it: the launcher ends it when the job ends, with the job's status. Installed in rank 0."""

@@ -310,7 +310,6 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     if rank != 0 and channel is not None:
         channel.close()
         channel = None
-    mlflow_env = usermlflow.snapshot(os.environ)
     os.environ.update(rank_env(spec, local_rank))
     run_id = usermlflow.route(os.environ, rank, spec.log_dir, spec.env)
     if run_id:
@@ -394,10 +393,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         _write_failure(spec, rank, err)
         raise
     finally:
-        # torchrun runs the body in its launcher's process, which lives on: its own seeding and store come back.
         if seeds_seen is not None:
-            seeds_seen.stop()
-        usermlflow.restore(os.environ, mlflow_env)
+            seeds_seen.stop()  # torchrun runs the body in its launcher's process, which lives on
         if channel is not None:
             channel.close()
 

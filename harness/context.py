@@ -101,6 +101,8 @@ class Context:
         progress: Callable[[int], None] | None = None,
         output_dir: str = "",
         data: dict[str, str] | None = None,
+        run_id: str = "",
+        code_dir: str = "",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -147,6 +149,11 @@ class Context:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.data: Mapping[str, Path] = DataPaths({k: Path(v) for k, v in (data or {}).items()})
         """The experiment's declared data (`data:` in experiment.yaml), name -> absolute path, checked by hash."""
+        self.run_id = run_id
+        """The MLflow run this job records ("" in a re-execution that records none: audit, trace). Rank 0's own
+        mlflow.log_metric/log_param/set_tag calls land in it (see README: your own MLflow calls)."""
+        # The experiment folder, fixed at start: the training code may os.chdir() away from it.
+        self._code_dir = code_dir or str(Path.cwd())
         if self._traced(0):
             # Step 0 of a loop harness does not drive begins with train() itself; a loader or ctx.steps
             # that turns up restarts the trace at its first batch.
@@ -591,7 +598,7 @@ class Context:
             self._tracer.__exit__(None, None, None)
         meta = {"step": step, "rank": self.rank, "world_size": self.world_size, "invariant_shards": self._shards}
         # self._model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
-        self._tracer = optrace.OpTracer(str(Path.cwd()), model=self._model, meta=meta, optimizer_hooks=False)
+        self._tracer = optrace.OpTracer(self._code_dir, model=self._model, meta=meta, optimizer_hooks=False)
         self._tracer.__enter__()
 
     def _end_trace(self, before: int | None = None) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from harness import usermlflow, userseed
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.messages import Determinism, Message
 
@@ -62,6 +63,7 @@ class LaunchSpec:
     timeout_s: float = 1800.0  # no progress from a rank for this long ends the job
     output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts
     data: dict[str, str] = field(default_factory=dict)  # ctx.data: declared name -> absolute path
+    run_id: str = ""  # ctx.run_id: the MLflow run this job records ("" for a re-execution: audit, trace)
     # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
     segments: list[Any] = field(default_factory=list)
     # Topology: this launcher spawns `nproc` ranks (0: all of world_size), global ranks from
@@ -309,6 +311,10 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         channel.close()
         channel = None
     os.environ.update(rank_env(spec, local_rank))
+    run_id = usermlflow.route(os.environ, rank, spec.log_dir, spec.env)
+    if run_id:
+        usermlflow.keep_run_open(run_id)
+    seeds_seen = None
 
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -342,6 +348,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         _beat(progress, local_rank, -1)
         os.chdir(spec.code_dir)
         sys.path.insert(0, spec.code_dir)  # the entry may import its sibling modules
+        # After harness's seeding, before the entry's import (which may bind `from torch import manual_seed`).
+        seeds_seen = userseed.watch(spec.code_dir)
         fn = _import_entry(spec)
         _beat(progress, local_rank, -1)
 
@@ -361,6 +369,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 progress=functools.partial(_beat, progress, local_rank),
                 output_dir=spec.output_dir,
                 data=spec.data,
+                run_id=spec.run_id,
+                code_dir=spec.code_dir,
             )
 
         if channel is not None:
@@ -371,19 +381,47 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 ctx.announce_segment(index)
             try:
                 fn(ctx)
+                regroup(spec, rank, store, timeout)
                 ctx.finish()
             except StopSegment:  # an audit segment ended: every rank stops at the same step
                 pass
             finally:
                 ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
         _beat(progress, local_rank, -2)  # trained: tearing down (the process group, the interpreter) is no hang
-        dist.destroy_process_group()
+        userseed.send_once(seeds_seen, channel.send if channel is not None else None)
+        if dist.is_initialized():  # the training code may have destroyed it itself (see regroup)
+            dist.destroy_process_group()
     except BaseException as err:
         _write_failure(spec, rank, err)
         raise
     finally:
+        if seeds_seen is not None:
+            seeds_seen.stop()  # torchrun runs the body in its launcher's process, which lives on
         if channel is not None:
             channel.close()
+
+
+_REGROUPS = "regroup-"  # the ranks' keys for a re-created default group: ranks/regroup-<n>/...
+_regrouped = 0  # default groups re-created in this process so far
+
+
+def regroup(spec: LaunchSpec, rank: int, store: Any, timeout: datetime.timedelta) -> None:
+    """A default process group for harness's end-of-run collectives (the replica check) when the training code
+    destroyed harness's own with dist.destroy_process_group(), as scripts written for torchrun do at their end.
+
+    Every rank re-creates it on the job's store under a prefix no earlier group used (each rank counts alike:
+    they all ran the same code), so no key of the destroyed group is read again.
+    """
+    import torch.distributed as dist
+
+    global _regrouped
+    if dist.is_initialized() or spec.world_size == 1:
+        return
+    _regrouped += 1
+    prefix = f"{RANKS_PREFIX}{_REGROUPS}{_regrouped}/"
+    dist.init_process_group(
+        spec.backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=spec.world_size, timeout=timeout,
+    )
 
 
 def _beat(progress: Any, rank: int, step: int) -> None:

@@ -164,7 +164,23 @@ class SegmentEnd:
     tensors: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class UserSeed:
+    """One seeding call of the training code's own: where ("train.py:12"), which function, the value (its repr)."""
+
+    where: str
+    function: str
+    value: str
+
+
+@dataclass(frozen=True)
+class UserSeeds:
+    """The global RNG seeds rank 0's training code set itself (harness/userseed.py), sent once at the end."""
+
+    calls: tuple[UserSeed, ...]
+
+
 Message = Union[
     Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, DeterminismChanged, Total, Checkpoint, SegmentStart,
-    SegmentEnd, Notice,
+    SegmentEnd, Notice, UserSeeds,
 ]

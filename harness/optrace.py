@@ -291,8 +291,9 @@ def _flush_denormal() -> bool:
     return bool((tiny * 1.0).item() == 0.0)
 
 
-# code_dir -> {co_filename: whether it lies under code_dir}, shared by tracers of the same code.
-_USER_FILES: dict[str, dict[str, bool]] = {}
+# code_dir -> {co_filename: its absolute path when it lies under code_dir, else ""}, shared by tracers of the
+# same code.
+_USER_FILES: dict[str, dict[str, str]] = {}
 
 
 class _Origins(TorchFunctionMode):
@@ -465,20 +466,31 @@ class OpTracer:
         is_user = self._is_user_file
         while frame is not None:
             path = frame.f_code.co_filename
-            user = is_user.get(path)
-            if user is None:
-                # Relative names (a module loaded by a relative path) are resolved once.
-                user = is_user[path] = os.path.realpath(path).startswith(self.code_dir)
-            if user:
+            where = is_user.get(path)
+            if where is None:
+                where = is_user[path] = self._user_path(path)
+            if where:
                 key = (path, frame.f_lineno)
                 line = self._line_cache.get(key)
                 if line is None:
-                    rel = os.path.relpath(os.path.realpath(path), self.code_dir)
-                    line = f"{rel}:{frame.f_lineno}  {linecache.getline(path, frame.f_lineno).strip()}"
+                    rel = os.path.relpath(where, self.code_dir)
+                    line = f"{rel}:{frame.f_lineno}  {linecache.getline(where, frame.f_lineno).strip()}"
                     self._line_cache[key] = line
                 return line
             frame = frame.f_back
         return ""
+
+    def _user_path(self, co_filename: str) -> str:
+        """The absolute path of a code object's file when it lies under code_dir, else "".
+
+        Never against the current directory: the training code may have os.chdir()'d away (to "/", a
+        pseudo name such as "<string>" would then resolve under any code_dir). A relative name was
+        relative to the cwd the module was imported in, which for a rank is its experiment folder.
+        """
+        if co_filename.startswith("<"):  # <string>, <frozen ...>: no file
+            return ""
+        path = os.path.realpath(os.path.join(self.code_dir, co_filename))
+        return path if path.startswith(self.code_dir) else ""
 
     def _sig(self, t: torch.Tensor, hashed: bool = True, fresh: bool = False) -> TensorSig:
         if not hashed:

@@ -32,6 +32,16 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def absolute_uri(uri: str) -> str:
+    """`uri` with a relative sqlite path made absolute against this process's cwd: the ranks, a container and MLflow's
+    artifact locations all read it from another directory."""
+    path = sqlite_path(uri) if uri.startswith("sqlite:///") else None
+    if path is None or path.is_absolute():
+        return uri
+    query = uri.partition("?")[2]
+    return f"sqlite:///{path.resolve()}" + (f"?{query}" if query else "")
+
+
 def artifact_root(uri: str) -> str | None:
     """A local SQLite store keeps artifacts beside the database, not in the cwd of whoever ran it."""
     if uri.startswith("sqlite:///"):

@@ -414,12 +414,44 @@ def summarize(seeds: list[int], members: list[Member], records: dict[str, RunRec
                        "ci95": list(s.ci95), "pi95": list(s.pi95)},
             "curve": curve([records[m.run_id].metrics[name] for m in having]),
         }
+    identical = members_identical([records[m.run_id] for m in finished])
+    user_seeds = {m.run_id: records[m.run_id].facts[T.USER_SEEDS] for m in finished
+                  if records[m.run_id].facts.get(T.USER_SEEDS)}
     return {
         "format": SUMMARY_FORMAT,
         "seeds": seeds,
         "members": [{"run_id": m.run_id or None, "seed": m.seed, "status": m.status} for m in members],
         "metrics": metrics,
+        # true: every finished member logged the same series and ended with the same weights, bit for bit (the
+        # code ignores the seed); user_seeds: per member, the RNG seeds its code set itself.
+        "members_identical": identical,
+        "user_seeds": user_seeds,
     }
+
+
+def members_identical(records: Sequence[RunRecord]) -> bool:
+    """Two or more members whose every logged series (steps and values' bits) and final fingerprint are equal:
+    the seed changed nothing, so their spread of 0 says nothing about the noise."""
+    if len(records) < 2 or not any(r.metrics or r.final_fingerprint for r in records):
+        return False
+    first = records[0]
+    for other in records[1:]:
+        if other.final_fingerprint != first.final_fingerprint or other.metrics.keys() != first.metrics.keys():
+            return False
+        for key, (steps, values) in first.metrics.items():
+            o_steps, o_values = other.metrics[key]
+            if steps.tobytes() != o_steps.tobytes() or values.tobytes() != o_values.tobytes():
+                return False
+    return True
+
+
+def seed_ignored_warning(summary: dict[str, Any]) -> str:
+    n = sum(1 for m in summary["members"] if m["status"] == T.FINISHED)
+    seeds = sorted(set(summary["user_seeds"].values()))
+    where = f" (it seeds itself: {' | '.join(seeds)})" if seeds else ""
+    return (f"Warning: the study's {n} members are bit-identical (every metric and the final weights): the code "
+            f"ignores the seed{where}, so their spread says nothing about the noise. Seed from ctx.seed / "
+            "ctx.rank_seed, or drop your own seeding (harness seeds every RNG).")
 
 
 def render_table(summary: dict[str, Any]) -> str:
@@ -445,6 +477,9 @@ def record_summary(tracker: Tracker, study_id: str, seeds: list[int], members: l
     records = {m.run_id: tracker.load_record(m.run_id) for m in members if m.status == T.FINISHED and m.run_id}
     summary = summarize(seeds, members, records)
     tracker.log_text(study_id, json.dumps(summary, indent=2), T.ARTIFACT_STUDY_SUMMARY)
+    if summary["members_identical"]:
+        tracker.set_tags(study_id, {T.STUDY_SEED_IGNORED: "true"})
+        _say(seed_ignored_warning(summary))
     now = int(time.time() * 1000)
     entries: list[tuple[str, float, int, int]] = []
     for name, m in summary["metrics"].items():

@@ -106,6 +106,13 @@ STORE_WRITE_FAILURES = "harness.store.write_failures"
 STORE_METRICS_SPOOLED = "harness.store.metrics_spooled"
 STORE_LONGEST_OUTAGE_S = "harness.store.longest_outage_s"
 
+# The training code's own calls (harness/usermlflow.py, harness/userseed.py).
+# Metric keys rank 0 logged through MLflow directly, comma-separated: kept in the run, not compared by replay.
+USER_MLFLOW_METRICS = "harness.user.mlflow_metrics"
+# RNG seeds the training code set itself, "train.py:12 torch.manual_seed(1337); ...": the ones harness set are
+# harness.seed and harness.seed.ranks.
+USER_SEEDS = "harness.user.seeds"
+
 # Replay / compare.
 REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
@@ -118,6 +125,8 @@ STUDY = "harness.study"
 STUDY_SEEDS = "harness.study.seeds"  # on the study: the members' seeds, comma-separated, in member order
 STUDY_SIZE = "harness.study.n"  # on the study: how many members
 STUDY_PARALLEL = "harness.study.parallel"  # on the study: members run at once
+# On the study: "true" when its finished members were bit-identical (metrics and final weights): the code ignores the seed.
+STUDY_SEED_IGNORED = "harness.study.seed_ignored"
 # On a member's replay made by `harness replay STUDY_ID`: the study replay run it belongs to.
 STUDY_REPLAY = "harness.study_replay"
 STUDY_MEMBERS_SEED = "harness.study_replay.members_seed"  # on a study replay drawing --members K: the draw's seed

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, artifact_path, artifact_root, database_file, display_uri, env_seconds,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, absolute_uri, artifact_path, artifact_root, database_file, display_uri,
+    env_seconds,
     opening,
     probe_store,
     reason_of, schema_error,
@@ -44,7 +45,7 @@ def default_uri(cwd: Path | None = None) -> str:
 
 
 def resolve_uri(uri: str | None) -> str:
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    return absolute_uri(uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri())
 
 
 def _open_error(shown: str, err: BaseException) -> HarnessError:
@@ -416,6 +417,11 @@ class Tracker:
         self._reader = None if writable else SqliteReader.open(self.uri)
         if self._reader is None:
             self._open()
+
+    @property
+    def client_uri(self) -> str:
+        """The URI MLflow opens this store with (the probe's deadlines added): what the ranks' own MLflow calls use."""
+        return self._client_uri
 
     @property
     def client(self) -> Any:

@@ -21,13 +21,14 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from harness import tags as T
+from harness import usermlflow, userseed
 from harness.config import split_entry, to_container, to_yaml
 from harness.delta import setting_risk
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.messages import (
     Checkpoint, Determinism, DeterminismChanged, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice,
-    SegmentEnd, SegmentStart, SettingChange, Total,
+    SegmentEnd, SegmentStart, SettingChange, Total, UserSeeds,
 )
 from harness.store import reason_of
 from harness.tracking import Outages, Patient, Tracker, save_series, transient
@@ -313,6 +314,9 @@ class LocalHandle(Handle):
                 ckpts.start_uploads(outages)
             plan = checkpoint_plan(ckpts, cfg, **({} if resume_step is None else {"resume_step": resume_step}))
             spec = self._spec(device, backend, log_dir, plan)
+            spec.run_id = run_id
+            # The user's own mlflow calls in rank 0 land in this run, never in a store of the code folder.
+            spec.env.update(usermlflow.run_env(tracker.client_uri, run_id, tracker.get_run(run_id).experiment_id))
             writer = tracker.metric_writer(run_id, cfg.flush_interval_s, outages)
             if prior is not None:
                 writer.prime(prior.metrics)
@@ -343,6 +347,8 @@ class LocalHandle(Handle):
                         final["determinism_changes"].extend(changes)
                         for line in strict_warnings(cfg.determinism.level.value, changes, warned):
                             console.write(line)
+                    case UserSeeds(calls):
+                        final["user_seeds"] = calls
                     case Total(steps):
                         console.total(steps)
                     case Checkpoint(step, sha256, tensors, ranks):
@@ -396,6 +402,8 @@ class LocalHandle(Handle):
                         ckpts.close()
                     logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
                     _record_results(patient, run_id, fingerprints, final, self.work, logs)
+                    if writer is not None:
+                        _note_direct_metrics(patient, run_id, set(writer.series))
                     if status == T.FINISHED:
                         _warn_if_vacuous(patient, run_id, writer, final)
                     patient.set_tags(run_id, outages.tags())
@@ -454,6 +462,7 @@ class LocalHandle(Handle):
         plan = checkpoint_plan(checkpoint_store(job.tracker, job.run_id, cfg, job.resume_step), cfg,
                                **({} if job.resume_step is None else {"resume_step": job.resume_step}))
         spec = self._spec(device, backend, log_dir, plan)
+        spec.run_id = job.run_id
         status, code, message = T.FINISHED, EXIT_OK, ""
         try:
             self._launch(launch, spec, self.on_event)
@@ -559,6 +568,8 @@ def _record_results(
         tags[T.FINGERPRINT_OF] = final["of"]
     if final.get("notices"):
         tags[T.NOTICES] = "\n".join(final["notices"].values())[:4900]
+    if final.get("user_seeds"):
+        tags[T.USER_SEEDS] = userseed.describe(final["user_seeds"])
     tracker.set_tags(run_id, tags)
     if fingerprints or final.get("fingerprint") or final["checkpoints"]:
         doc = {
@@ -617,6 +628,15 @@ def checkpoint_fingerprints_json(steps: dict[int, dict[str, Any]]) -> str:
 
     doc = {"format": FINGERPRINT_FORMAT, "steps": {str(k): v for k, v in sorted(steps.items())}}
     return json.dumps(doc, indent=1, sort_keys=True)
+
+
+def _note_direct_metrics(tracker: Tracker, run_id: str, ctx_keys: set[str]) -> None:
+    """Metrics the training code logged through MLflow itself: kept in the run, named in a tag, and said once
+    to be outside what replay compares (series.npz holds only ctx.log's values)."""
+    keys = usermlflow.direct_keys(tracker.get_run(run_id).metric_keys, ctx_keys)
+    if keys:
+        tracker.set_tags(run_id, {T.USER_MLFLOW_METRICS: ",".join(keys)})
+        print(usermlflow.direct_keys_warning(keys), file=sys.stderr)
 
 
 def _warn_if_vacuous(tracker: Tracker, run_id: str, writer: Any, final: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from harness import tags as T
+from harness import usermlflow
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Topology
 from harness.executors.local import check_runnable, LocalHandle, _node_tags, config_id, local_image_tags
@@ -259,6 +260,9 @@ class TorchrunHandle(LocalHandle):
         if self.cancelled:
             raise Interrupted(self.cancelled)
         cwd, path = os.getcwd(), list(sys.path)  # the body runs in the experiment folder; the record does not
+        # ...and with the user's MLflow routed (harness/usermlflow.py); the record keeps the job's store. Not in
+        # run_rank: a spawned rank's MLflow (its atexit end_run) must stay routed until the process is gone.
+        mlflow_env = usermlflow.snapshot(os.environ)
         try:
             self.training = True
             run_rank(spec, self.env.local_rank, _Channel(on_message) if self.env.rank == 0 else None,
@@ -273,6 +277,7 @@ class TorchrunHandle(LocalHandle):
             self.training = False
             os.chdir(cwd)
             sys.path[:] = path
+            usermlflow.restore(os.environ, mlflow_env)
 
     def _remote(self, posted: dict[str, Any]) -> HarnessError:
         """Another rank's posted failure, as the error that ends this rank too."""

@@ -387,7 +387,7 @@ class Context:
         clock = self.clock
         if clock.pending and step == clock.index and any(step in self._logged.get(k, ()) for k in values):
             step = clock.begin()
-        self._beat(step)
+        self._beat_now()  # the clock's step, not the one logged at (a counter of the user's may be anything)
         for key in values:
             seen = self._logged.setdefault(key, set())
             if step in seen:
@@ -543,12 +543,15 @@ class Context:
         plan = self._plan
         if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step or step in self._saved:
             return
-        how = ("its batch was drawn before the previous optimizer step (a prefetch)" if self._driver == "loader"
-               else "the loop is driven by neither ctx.loader nor ctx.steps()")
+        if self._driver is None:
+            what = (f"no checkpoint at step {step} or after: the loop is driven by neither a training ctx.loader nor "
+                    "ctx.steps()")
+        else:
+            what = f"no checkpoint at step {step}: its first batch was drawn before the previous optimizer step (a prefetch)"
         self._notice(
             "no-checkpoint",
-            f"checkpoint_every={plan.every}: no checkpoint at step {step} or after: {how}, so harness has no step "
-            "boundary to save at or resume from. Write the loop as `for it in ctx.steps(max_iters):`.",
+            f"checkpoint_every={plan.every}: {what}, so harness has no step boundary to save at or resume from there. "
+            "Write the loop as `for it in ctx.steps(max_iters):`, drawing each step's batches inside it.",
         )
 
     def _train_iter(self, loader: "_Loader") -> Iterator[Any]:

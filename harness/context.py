@@ -551,7 +551,8 @@ class Context:
         self._notice(
             "no-checkpoint",
             f"checkpoint_every={plan.every}: {what}, so harness has no step boundary to save at or resume from there. "
-            "Write the loop as `for it in ctx.steps(max_iters):`, drawing each step's batches inside it.",
+            "Write the loop as `for it in ctx.steps(max_iters):` drawing each step's batches inside it, or iterate a "
+            "training ctx.loader inside ctx.epochs(n).",
         )
 
     def _train_iter(self, loader: "_Loader") -> Iterator[Any]:

@@ -225,7 +225,7 @@ def _changes_delta(facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> li
         elif [c.where for c in a] != [c.where for c in b]:
             breaks, note = False, "the same change in both runs, made by another line"
         else:
-            breaks, note = False, f"the training code changed it in both runs, the same way{risk}"
+            continue  # the same change, at the same step, by the same line: no difference to show
         out.append(FactDelta(f"changed in training:{setting}", _describe(a) or None, _describe(b) or None, breaks, note))
     return out
 

@@ -376,6 +376,10 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         if channel is not None:
             channel.send(Determinism(settings, env_vars()))
         for index, plan in enumerate(spec.segments or [spec.checkpoints]):
+            if index:
+                # Each segment starts as a fresh rank does: what train() draws before the checkpoint is loaded
+                # (nanoGPT's first batch) must come out as in the process that will resume from it.
+                seed_everything(spec.rank_seeds[rank])
             ctx = make_context(plan)
             if spec.segments:
                 ctx.announce_segment(index)

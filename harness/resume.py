@@ -64,36 +64,60 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
 
     data = recorded.check_data(repo)  # the rest of the run must read the bytes its first part read
     with recorded.code(repo) as (tree, exp_dir):
-        if earlier is None:
-            print(f"The checkpoint of step {step} is the run's first: there is no earlier one to re-execute it from, "
-                  "so the resume continues unproven.", file=sys.stderr, flush=True)
-        else:
-            prove(record, cfg, exp_dir, Path(store.directory), earlier, step, data.paths)
+        prove(record, cfg, exp_dir, Path(store.directory), earlier, step, data.paths)
         return executors.run(
             recorded.job(tree, exp_dir, record=reopen, run_id=run_id, resume_step=step, data=data.paths)
         )
 
 
-def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, start: int, end: int,
+def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, earlier: int | None, step: int,
           data: dict[str, str] | None) -> None:
-    """Re-execute steps [start, end) from the checkpoint of `start` and hold the result to what the run recorded at
-    `end` (every tensor's digest, and the values it logged on the way); HarnessError (exit 2) when it differs."""
+    """Hold a resume from `step` to what the run recorded, before it continues; HarnessError (exit 2) if it differs.
+
+    Two re-executions, in one set of fresh ranks: steps [earlier, step) from the checkpoint before, which must land
+    on every tensor digest recorded at `step`; and, when the run logged values after `step` before it died, steps
+    from `step` on (as the resume will run them: a fresh process, then the checkpoint), which must log them again.
+    """
     from harness.context import CheckpointPlan
     from harness.executors.local import SegmentMessages, run_segments
 
-    print(f"Proving the resume: re-executing steps {start}-{end} from the checkpoint of step {start}.",
-          file=sys.stderr, flush=True)
-    messages = SegmentMessages(1)
-    refused = (f"resume refused: re-executing steps {start}-{end} of run {record.run_id} from its checkpoint of step "
-               f"{start}")
+    logged_after = [int(s) for steps, _ in record.metrics.values() for s in steps.tolist() if s >= step]
+    until = max(logged_after) + 1 if logged_after else None
+    plans, what = [], []
+    if earlier is not None:
+        plans.append(CheckpointPlan(str(directory), 0, resume_step=earlier, stop_at=step))
+        what.append(f"steps {earlier}-{step} from the checkpoint of step {earlier}")
+    if until is not None:
+        plans.append(CheckpointPlan(str(directory), 0, resume_step=step, stop_at=until))
+        what.append(f"steps {step}-{until - 1} from the checkpoint of step {step}")
+    if not plans:
+        print(f"The checkpoint of step {step} is the run's first and nothing was logged after it: there is nothing to "
+              "re-execute it against, so the resume continues unproven.", file=sys.stderr, flush=True)
+        return
+    print(f"Proving the resume: re-executing {' and '.join(what)}.", file=sys.stderr, flush=True)
+    refused = f"resume refused: re-executing {{what}} of run {record.run_id}"
     how = (f"Likely causes: {LIKELY_CAUSES}. Draw each step's batches inside the step (`for it in ctx.steps(n):`), "
            f"register what the step depends on (ctx.track), or rerun it: harness replay {record.run_id} --allow-incomplete.")
+    messages = SegmentMessages(len(plans))
     try:
-        run_segments(cfg, exp_dir, [CheckpointPlan(str(directory), 0, resume_step=start, stop_at=end)], messages, data)
+        run_segments(cfg, exp_dir, plans, messages, data)
     except RunFailed as err:
-        raise HarnessError(f"{refused} failed ({err}). Fix the failure, or rerun it: harness replay {record.run_id} "
-                           "--allow-incomplete.") from None
-    report = messages.reports[0]
+        raise HarnessError(f"{refused.format(what=' and '.join(what))} failed ({err}). Fix the failure, or rerun it: "
+                           f"harness replay {record.run_id} --allow-incomplete.") from None
+    reports = list(messages.reports)
+    if earlier is not None:
+        _hold_to_checkpoint(reports.pop(0), record, earlier, step, refused.format(what=what[0]), how)
+    if until is not None:
+        report = reports.pop(0)
+        mismatch = _first_logged_mismatch(report.logged, record, step, until)
+        if mismatch:
+            raise HarnessError(f"{refused.format(what=what[-1])} logged other values than the run did before it died: "
+                               f"{mismatch}. {how}")
+    print(f"Proved: {' and '.join(what)} re-executed land on what the run recorded.", file=sys.stderr, flush=True)
+
+
+def _hold_to_checkpoint(report: Any, record: RunRecord, start: int, end: int, refused: str, how: str) -> None:
+    """The segment that stopped at `end` must hold every tensor (and log every value) the run recorded there."""
     if report.end is None:
         raise HarnessError(f"{refused} never reached step {end}: the loop gave harness no step boundary to stop at. {how}")
     at, sha = report.end
@@ -112,8 +136,6 @@ def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, start: in
     mismatch = _first_logged_mismatch(report.logged, record, start, end)
     if mismatch:
         raise HarnessError(f"{refused} logged other values: {mismatch}. {how}")
-    print(f"Proved: steps {start}-{end} re-executed land on the {len(recorded_tensors) or 'recorded'} tensors the run "
-          f"recorded at step {end}.", file=sys.stderr, flush=True)
 
 
 def _first_logged_mismatch(logged: dict[tuple[str, int], float], record: RunRecord, start: int, end: int) -> str:

@@ -148,7 +148,7 @@ def preflight(
         shown = ", ".join(git.excluded)
         warnings.append(
             f"the tracking store's files ({shown}) lie inside the repository and are not ignored; they are left out "
-            "of the code record. Add them to .gitignore (e.g. mlruns/)."
+            f"of the code record. Add {', '.join(sorted({p.split('/')[0] + '/' for p in git.excluded}))} to .gitignore."
         )
     if git.dirty:
         if require_clean:

@@ -565,8 +565,12 @@ class Tracker:
 
     @_store_call
     def reopen(self, run_id: str) -> None:
-        """Mark an ended run RUNNING again (a resume continues it)."""
+        """Mark an ended run RUNNING again (a resume continues it): the failure it ended with is no longer its state."""
         self.client.update_run(run_id, status=T.RUNNING)
+        tags = self.client.get_run(run_id).data.tags
+        for stale in (T.FAILED_RANK, T.STATUS_REASON):
+            if stale in tags:
+                self.client.delete_tag(run_id, stale)
 
     @_store_call
     def end_run(self, run_id: str, status: str) -> None:
@@ -885,6 +889,8 @@ class MetricWriter:
         # metric history takes seconds per metric, the comparison needs them in milliseconds.
         self.series: dict[str, dict[int, float]] = {}
         self._known: dict[str, dict[int, float]] = {}
+        # A resume that logs another value at a step the run already holds is not the run's continuation.
+        self.conflict: tuple[str, int, float, float] | None = None  # the first (key, step, recorded, now)
         self._thread = threading.Thread(target=self._loop, name="harness-metrics", daemon=True)
         self._thread.start()
 
@@ -897,8 +903,10 @@ class MetricWriter:
         for key, value in values.items():
             known = self._known.get(key, {}).get(step)
             self.series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
-            if known is not None and struct.pack("<d", known) == struct.pack("<d", value):
-                continue
+            if known is not None:
+                if struct.pack("<d", known) == struct.pack("<d", value):
+                    continue
+                self.conflict = self.conflict or (key, step, known, value)
             self._pending.append((key, value, timestamp_ms, step))
 
     def add_batch(self, batch: Any) -> None:
@@ -909,8 +917,10 @@ class MetricWriter:
             known = known_all.get(key)
             if known is not None:
                 old = known.get(step)
-                if old is not None and struct.pack("<d", old) == struct.pack("<d", value):
-                    continue
+                if old is not None:
+                    if struct.pack("<d", old) == struct.pack("<d", value):
+                        continue
+                    self.conflict = self.conflict or (key, step, old, value)
             pending.append((key, value, unix_ms, step))
 
     def _loop(self) -> None:

@@ -268,7 +268,7 @@ class LocalHandle(Handle):
     # -- the node that runs rank 0 -----------------------------------------------------------------
     def _run_and_record(self) -> Outcome:
         from harness.console import Console
-        from harness.launch import failure_details, launch
+        from harness.launch import failed, failure_details, launch
         from harness.provenance import package_lock, runtime_facts
 
         job, tracker, run_id, cfg = self.job, self.job.tracker, self.job.run_id, self.job.cfg
@@ -344,6 +344,11 @@ class LocalHandle(Handle):
                     case DeterminismChanged(changes):
                         # The tags say what was in force: the last reading (the start values stay in the changes).
                         final["determinism"].update({c.setting: c.after for c in changes})
+                        if prior is not None:
+                            # A resumed process runs train()'s own switches again: the same transition by the same
+                            # line before the resume step is the change already recorded, not a second one.
+                            known = {(c.setting, c.before, c.after, c.where) for c in final["determinism_changes"]}
+                            changes = [c for c in changes if (c.setting, c.before, c.after, c.where) not in known]
                         final["determinism_changes"].extend(changes)
                         for line in strict_warnings(cfg.determinism.level.value, changes, warned):
                             console.write(line)
@@ -361,6 +366,13 @@ class LocalHandle(Handle):
                 # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
                 self._launch(launch, spec, on_message, on_ranks=lambda ranks: console.follow_steps(ranks.progress))
                 lock.result()
+                if writer.conflict is not None:
+                    key, at, was, now = writer.conflict
+                    raise failed(
+                        f"the resumed run logged {key}={now!r} at step {at}, where the run it continues had logged {was!r}: "
+                        "it is not the uninterrupted run's continuation (both values are kept in MLflow's history). "
+                        f"Replay the run from its start instead: harness replay {run_id} --allow-incomplete.", None
+                    )
                 status, code = T.FINISHED, EXIT_OK
             except RunFailed as err:
                 rank, tb, expected = failure_details(err)

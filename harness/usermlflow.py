@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
-from harness.store import absolute_uri
+from harness.store import SUPPRESS_URL, absolute_uri
 
 TRACKING_URI = "MLFLOW_TRACKING_URI"
 RUN_ID = "MLFLOW_RUN_ID"
@@ -45,6 +45,7 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
     `job_env` is LaunchSpec.env: run_env()'s variables when the job records a run. What the launcher itself
     was started with (an MLFLOW_RUN_ID of the user's shell) never reaches the user's code.
     """
+    environ[SUPPRESS_URL] = "true"  # the user's own end_run in any rank
     if rank == 0 and job_env.get(RUN_ID) and job_env.get(TRACKING_URI):
         environ.update({k: job_env[k] for k in (TRACKING_URI, RUN_ID, EXPERIMENT_ID) if k in job_env})
         return job_env[RUN_ID]
@@ -60,7 +61,7 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
 def snapshot(environ: Mapping[str, str]) -> dict[str, str | None]:
     """The MLflow variables route() and run_env() change, to put back with restore(): under torchrun a rank's body
     runs in its launcher's process, whose own store must stay the job's."""
-    return {name: environ.get(name) for name in (TRACKING_URI, RUN_ID, EXPERIMENT_ID, _ARTIFACT_ROOT)}
+    return {name: environ.get(name) for name in (TRACKING_URI, RUN_ID, EXPERIMENT_ID, _ARTIFACT_ROOT, SUPPRESS_URL)}
 
 
 def restore(environ: MutableMapping[str, str], saved: Mapping[str, str | None]) -> None:

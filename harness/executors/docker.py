@@ -19,7 +19,7 @@ from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.executors.local import ENV_DIGEST
-from harness.store import artifact_path, database_file
+from harness.store import SUPPRESS_URL, artifact_path, database_file
 from harness.tracking import Tracker
 
 WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted
@@ -160,13 +160,14 @@ class ContainerHandle(Handle):
             workdir_host=job.code_root,
             workdir_container=WORKSPACE,
             mounts=_mounts(tracker, job.run_id, job.data),
-            env={"MLFLOW_TRACKING_URI": tracker.uri, ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1"},
+            env={ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1", SUPPRESS_URL: "true"},
+            passed=("MLFLOW_TRACKING_URI",),  # by name: its value may hold the server's password
             gpus=wants_gpus(job.cfg.device.value),
             command=["harness", "_execute", job.run_id, "--code-dir", f"{WORKSPACE}/{job.exp_rel}", *extra_args],
             name=self.name,
         )
         self.interrupted: list[int] = []
-        self.proc = docker.start_container(args)
+        self.proc = docker.start_container(args, {"MLFLOW_TRACKING_URI": tracker.uri})
 
     def cancel(self, signum: int) -> None:
         self.interrupted.append(signum)

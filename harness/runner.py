@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -311,7 +312,10 @@ def execute_recorded(
     topology: Topology | None = None,
 ) -> Outcome:
     """Inside a container or a batch job: run an already recorded run from its stored config, locally."""
+    from omegaconf import OmegaConf
+
     from harness import executors
+    from harness.config import compose, to_container
     from harness.data import recorded_data
 
     tracker = Tracker(tracking_uri)
@@ -319,6 +323,12 @@ def execute_recorded(
     if run.status != T.RUNNING:
         raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
     cfg = recorded_config(tracker, run)
+    container = to_container(cfg)
+    if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
+        restored, _ = redaction.restore(
+            container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id
+        )
+        cfg = compose([("recorded config", OmegaConf.create(restored))])
     code_dir = Path(code_dir)
     rel = confine.recorded_path(run.tags.get(T.EXPERIMENT_PATH, ""), "experiment folder", run_id)
     root = code_dir.resolve()

@@ -121,6 +121,15 @@ class DockerExecutor(Executor):
         """Pin the image: the config's reference on a first run, the recorded digest on a replay or resume."""
         if job.topology.multi_node:
             raise HarnessError("the docker executor runs one node; for several, use --executor slurm or local --nnodes.")
+        from harness.config import to_container
+        from harness.redaction import redact
+
+        secret = redact(to_container(job.cfg))[1]
+        if secret:  # the container reads the recorded config, which holds placeholders, not the values
+            raise HarnessError(
+                f"{', '.join(secret)} look{'s' if len(secret) == 1 else ''} like a secret, which the record does not "
+                "hold and the container reads its config from the record. Use --executor local."
+            )
         if job.recorded is None:
             self.pinned = pin(str(job.cfg.image), allow_unpinned=bool(job.options.get("allow_unpinned")))
         else:

@@ -45,7 +45,7 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
     `job_env` is LaunchSpec.env: run_env()'s variables when the job records a run. What the launcher itself
     was started with (an MLFLOW_RUN_ID of the user's shell) never reaches the user's code.
     """
-    environ[SUPPRESS_URL] = "true"  # the user's own end_run in any rank
+    environ[SUPPRESS_URL] = "true"  # the user's own end_run in any rank (left set: restore() keeps it)
     if rank == 0 and job_env.get(RUN_ID) and job_env.get(TRACKING_URI):
         environ.update({k: job_env[k] for k in (TRACKING_URI, RUN_ID, EXPERIMENT_ID) if k in job_env})
         return job_env[RUN_ID]
@@ -61,7 +61,7 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
 def snapshot(environ: Mapping[str, str]) -> dict[str, str | None]:
     """The MLflow variables route() and run_env() change, to put back with restore(): under torchrun a rank's body
     runs in its launcher's process, whose own store must stay the job's."""
-    return {name: environ.get(name) for name in (TRACKING_URI, RUN_ID, EXPERIMENT_ID, _ARTIFACT_ROOT, SUPPRESS_URL)}
+    return {name: environ.get(name) for name in (TRACKING_URI, RUN_ID, EXPERIMENT_ID, _ARTIFACT_ROOT)}
 
 
 def restore(environ: MutableMapping[str, str], saved: Mapping[str, str | None]) -> None:

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from harness.cli import main
 from harness.errors import EXIT_USAGE, HarnessError
 
 SECRET = "sk-test0123456789abcdefghijklmnopqrstuv"
+PASSWORD = "hunter2pw"
 ENV_SECRET = "wJalrXUtnFEMI7K7MDENG2bPxRfiCYEXAMPLEKEY"
 
 
@@ -272,18 +274,61 @@ def _store_text(project: Project) -> bytes:
     return b"".join(p.read_bytes() for p in project.store.rglob("*") if p.is_file())
 
 
-def test_secrets_are_redacted_in_the_record_and_asked_for_again_by_replay(tmp_path: Path) -> None:
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A real `mlflow server` on loopback (SQLite behind it, artifacts served): (its folder, its http URI)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    folder = tmp_path / "server"
+    folder.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+         "--serve-artifacts", "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(1)
+        yield folder, f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_secrets_are_redacted_in_the_record_and_asked_for_again_by_replay(
+    tmp_path: Path, server: tuple[Path, str]
+) -> None:
+    from mlflow.tracking import MlflowClient
+
     project = make_project(tmp_path / "p")
+    project.store, plain = server  # a lab server: its URL with a user and password, as MLflow's clients take it
     project.add_experiment("secretive", train_py=SECRET_TRAIN, yaml_extra="  aws: ${oc.env:HARNESS_TEST_AWS}\n")
-    env = {"HARNESS_TEST_AWS": ENV_SECRET}
+    env = {"HARNESS_TEST_AWS": ENV_SECRET, "MLFLOW_TRACKING_URI": plain.replace("http://", f"http://alice:{PASSWORD}@")}
+    project.uri = plain
     run = project.harness("run", "experiments/secretive", "train.epochs=1", f"train.api_key={SECRET}", env=env)
     assert run.returncode == 0, run.stderr
     warnings = [line for line in run.stderr.splitlines() if "look like a secret" in line]
     assert len(warnings) == 1 and warnings[0].startswith("Warning: train.aws, train.api_key look like a secret")
     store = _store_text(project)
-    for secret in (SECRET, ENV_SECRET):
+    for secret in (SECRET, ENV_SECRET, PASSWORD):
         assert secret.encode() not in store and secret not in run.stdout + run.stderr
-    client = project.client()
+    assert "View run" not in run.stdout + run.stderr  # MLflow's line, the URL with the password in it
+    client = MlflowClient(plain)
     recorded = client.get_run(run.last_line)
     assert recorded.data.params["train.api_key"] == redaction.placeholder(SECRET)
     assert recorded.data.tags[T.CONFIG_REDACTED] == "train.aws=$HARNESS_TEST_AWS, train.api_key"
@@ -301,7 +346,8 @@ def test_secrets_are_redacted_in_the_record_and_asked_for_again_by_replay(tmp_pa
     replay = project.harness("replay", run.last_line, f"train.api_key={SECRET}", env=env)
     assert replay.returncode == 0, replay.stderr + replay.stdout
     assert "verdict: BITWISE" in replay.stdout and "delta: none" in replay.stdout, replay.stdout
-    assert SECRET.encode() not in _store_text(project) and ENV_SECRET.encode() not in _store_text(project)
+    assert PASSWORD not in replay.stdout + replay.stderr and "View run" not in replay.stdout + replay.stderr
+    assert not any(s.encode() in _store_text(project) for s in (SECRET, ENV_SECRET, PASSWORD))
 
     # A record whose experiment path leaves the checkout is refused at replay.
     client.set_tag(run.last_line, T.EXPERIMENT_PATH, "../../outside")

@@ -84,6 +84,12 @@ def redact(container: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, An
     return walk(prefix, container), keys
 
 
+def redact_override(item: str) -> str:
+    """`KEY=VALUE` as a record may show it (harness.replay.changes): a secret's value replaced by its placeholder."""
+    key, sep, value = item.partition("=")
+    return f"{key}={placeholder(value)}" if sep and _secret(key.lstrip("+~"), value) else item
+
+
 def redacted_keys(container: Mapping[str, Any]) -> list[str]:
     """Dotted keys of a recorded config that hold a placeholder."""
     found: list[str] = []

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import gitsource, liveness, runner
+from harness import gitsource, liveness, redaction, runner
 from harness import tags as T
 from harness.compare import (
     BITWISE,
@@ -151,6 +151,7 @@ def replay(
     recorded = RecordedRun.load(tracker, original)
     overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
     cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
+    changes = [redaction.redact_override(c) for c in changes]  # recorded and printed: no secret in them
     if executor is not None and executor != cfg.executor.value:
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])

@@ -236,6 +236,9 @@ def test_secret_names_and_values() -> None:
         assert redaction.value_is_secret(value), value
     for value in ("sha256:" + "ab" * 32, "ab" * 32, "experiments/linear_ddp", "hello world", "localhost:5000/x:0.1"):
         assert not redaction.value_is_secret(value), value
+    # --allow-changes KEY=VALUE is recorded (harness.replay.changes) and printed: a secret there is redacted too.
+    assert redaction.redact_override("train.hf_token=abc") == f"train.hf_token={redaction.placeholder('abc')}"
+    assert redaction.redact_override("train.lr=0.1") == "train.lr=0.1"
 
 
 def test_mlflow_never_prints_the_server_url_and_docker_gets_it_by_name(tmp_path: Path, store_uri: str,

@@ -23,20 +23,21 @@ def check_code(root: Path, exp_dir: Path, entry_file: str, symlinks: list[Path] 
     if not inside(root, exp_dir):
         raise HarnessError(
             f"the experiment folder '{exp_dir}' lies outside the git repository {root} (it resolves to "
-            f"{os.path.realpath(exp_dir)}); the record would not hold its code. Move or copy it into the repository and commit it."
+            f"{os.path.realpath(exp_dir)}); the record would not hold its code. Move or copy it into the "
+            "repository and commit it."
         )
     entry = exp_dir / entry_file
     if not inside(root, entry):
         raise HarnessError(
-            f"entry file '{entry_file}' resolves to {os.path.realpath(entry)}, outside the git repository {root}; the record "
-            "would not hold it. Copy it into the repository, commit it and point 'entry' at it."
+            f"entry file '{entry_file}' resolves to {os.path.realpath(entry)}, outside the git repository {root}; "
+            "the record would not hold it. Copy it into the repository, commit it and point 'entry' at it."
         )
     for path in symlinks:
         if not inside(root, path):
             raise HarnessError(
-                f"'{path.relative_to(root)}' is a symbolic link to {os.path.realpath(path)}, outside the git repository "
-                f"{root}; the record would hold the link, not what it points at. Replace it with the file itself, "
-                "committed (or add it to .gitignore and declare it as data)."
+                f"'{path.relative_to(root)}' is a symbolic link to {os.path.realpath(path)}, outside the git "
+                f"repository {root}; the record would hold the link, not what it points at. Replace it with the "
+                "file itself, committed (or add it to .gitignore and declare it as data)."
             )
 
 

@@ -100,6 +100,7 @@ def audit(
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     drawn = sorted(random.Random(seed).sample(chain, segments), key=lambda s: s.index)
     recorded = RecordedRun.load(tracker, run)
+    recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
     store = checkpoint_store.open_for(tracker, run_id)
     # Only the drawn segments' start steps, fetched when a server holds them; absent files are refused, never

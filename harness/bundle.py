@@ -97,9 +97,31 @@ def check_name(name: str) -> None:
         raise BundleError(f"bundle member '{_shown(name)}' is not a plain relative name; refused. {_FIX}")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: a key given twice is refused (json.loads would keep the last one silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _loads(data: bytes) -> Any:
+    return json.loads(data, object_pairs_hook=_unique_keys)
+
+
+def check_plain_name(value: Any, what: str) -> str:
+    """A name the store turns into a folder or a path segment (an experiment name): no separator, no '..'."""
+    if not (isinstance(value, str) and value.strip() and value not in (".", "..") and "/" not in value
+            and "\\" not in value and "\0" not in value and value.isprintable() and len(value) <= 256):
+        raise ValueError(f"{what} {value!r} (a plain name: no '/', '\\', '..' or control characters)")
+    return value
+
+
 def parse_manifest(data: bytes) -> Manifest:
     try:
-        doc = json.loads(data)
+        doc = _loads(data)
     except ValueError as err:
         raise BundleError(f"the bundle's {MANIFEST} is not valid JSON ({err}). {_FIX}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
@@ -214,10 +236,10 @@ def verify(archive: Path, dest: Path) -> Manifest:
                                       f"accepted. {_FIX}")
                 check_name(name)
                 name = name.rstrip("/")
-                if member.isdir():
-                    (dest / name).mkdir(parents=True, exist_ok=True)
-                    continue
                 expected = manifest.members.get(name)
+                if member.isdir():  # harness export writes files only; its manifest lists no folder
+                    raise BundleError(f"bundle member '{_shown(name)}' is a folder the manifest does not list; "
+                                      f"refused. {_FIX}")
                 if expected is None:
                     raise BundleError(f"bundle member '{_shown(name)}' is not in the manifest; refused. {_FIX}")
                 if name in seen:
@@ -384,9 +406,10 @@ def _strings(value: Any) -> dict[str, str]:
 def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
     """A run's record.json, every field checked and every metric write parsed before anything is written."""
     try:
-        record = json.loads((folder / RECORD).read_bytes())
+        record = _loads((folder / RECORD).read_bytes())
         if record["run_id"] != run_id:
             raise ValueError(f"run_id {record['run_id']!r} where the manifest says {run_id!r}")
+        check_plain_name(record["experiment"], "experiment name")
         if not (isinstance(record["experiment"], str) and record["status"] in (T.RUNNING, T.FINISHED, *T.INCOMPLETE)):
             raise ValueError("experiment or status")
         for key in ("start_time", "end_time"):
@@ -403,10 +426,15 @@ def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
         raise BundleError(f"the bundle's {folder.name}/{RECORD} is missing or malformed ({err!s}). {_FIX}") from None
 
 
+# Tags whose value is the id of another run.
+RUN_REFERENCES = (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF, T.STUDY, T.STUDY_REPLAY)
+
+
 def _remap(tags: dict[str, str], ids: dict[str, str]) -> dict[str, str]:
-    """Tags naming a run of the bundle (parent, replay_of, audit_of, trace_of) name its copy in this store."""
-    return {k: ids.get(v, v) if k in (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF) else v
-            for k, v in tags.items()}
+    """Tags naming a run of the bundle (parent, replay_of, audit_of, trace_of, study) name its copy in this store;
+    those naming a run the bundle does not hold are dropped: they would attach the copy to whatever run of this
+    store has that id (a forged replay counted on an unrelated run)."""
+    return {k: ids[v] if k in RUN_REFERENCES else v for k, v in tags.items() if k not in RUN_REFERENCES or v in ids}
 
 
 def _import_run(tracker: Any, record: dict[str, Any], folder: Path, ids: dict[str, str]) -> str:
@@ -460,8 +488,10 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
         unpacked = Path(tmp, "bundle")
         unpacked.mkdir()
         manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade
-        tracker = Tracker(tracking_uri)
+        # Every record checked before the store is opened: a refused bundle leaves even a new store's file unmade.
         record = _load_record(unpacked / RUN_DIR, manifest.run_id)
+        replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
+        tracker = Tracker(tracking_uri)
         original = record["run_id"]
         found = tracker.imported(original)
         if found is None:
@@ -471,7 +501,6 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
                 found = None
         if found is not None:
             return ImportResult(found.run_id, original, already=True)
-        replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
         if not (unpacked / CODE_BUNDLE).is_file():
             raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
         image = None

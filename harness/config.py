@@ -382,6 +382,11 @@ def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
     match = _ENTRY_RE.match(str(cfg.entry))
     if not match:
         raise ConfigError(f"entry '{cfg.entry}' must be FILE.py:FUNCTION, e.g. train.py:train.")
+    if match["file"].startswith("/") or match["file"].startswith("~"):
+        raise ConfigError(
+            f"entry '{cfg.entry}' is an absolute path; the entry file must lie in the repository, named relative to "
+            "the experiment folder (e.g. entry: train.py:train)."
+        )
     if exp_dir is not None:
         check_entry(exp_dir, match["file"], match["func"])
 

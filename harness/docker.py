@@ -197,8 +197,13 @@ def run_args(
     command: list[str],
     name: str,
     network_host: bool = True,
+    passed: tuple[str, ...] = (),
 ) -> list[str]:
-    """The `docker run` argument list that runs `command` in `image` with the workdir bind-mounted."""
+    """The `docker run` argument list that runs `command` in `image` with the workdir bind-mounted.
+
+    `passed`: variables given by name only (`-e NAME`): docker copies their values from its own environment
+    (start_container's `env`), so that a secret (a tracking URI with a password) is not on the command line.
+    """
     # ipc=host: DataLoader workers and NCCL need shared memory. --init: a real PID 1 that forwards
     # SIGTERM/SIGINT to the harness inside (a bare Python PID 1 ignores signals it has no handler for).
     args = ["docker", "run", "--rm", "--init", "--name", name, "--ipc=host"]
@@ -215,17 +220,21 @@ def run_args(
                 f"invalid environment variable name {key!r} for the container. Use NAME=VALUE names without '='."
             )
         args += ["-e", f"{key}={env[key]}"]
+    for key in sorted(passed):
+        args += ["-e", key]
     return [*args, image, *command]
 
 
-def start_container(args: list[str]) -> subprocess.Popen:
+def start_container(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `docker run` (from run_args) attached: the container's output streams to our stderr,
-    keeping stdout for the run id."""
+    keeping stdout for the run id. `env`: the values of run_args' `passed` variables."""
+    import os
     import sys
 
     if shutil.which("docker") is None:
         raise EngineUnavailable(f"docker CLI not found on PATH. {_INSTALL_HINT}", "docker CLI not found")
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr)
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr,
+                            env={**os.environ, **env} if env else None)
 
 
 def container_exists(name: str) -> bool:

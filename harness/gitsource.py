@@ -355,7 +355,19 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
     repo = open_repo(root)
     tmp = Path(tempfile.mkdtemp(prefix="harness-code-", dir=base))
     path = tmp / "tree"
-    repo.git.worktree("add", "--detach", str(path), commit)
+    try:
+        repo.git.worktree("add", "--detach", str(path), commit)
+    except git.GitCommandError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("prune")
+        lines = [line.strip() for line in str(err.stderr or "").splitlines() if line.strip()]
+        said = [line[line.index("error:"):] for line in lines if "error:" in line] or [lines[-1].strip("'")] if lines else []
+        detail = _show(os.fsencode(said[0])) if said else f"exit {err.status}"
+        raise HarnessError(
+            f"commit {commit[:12]} cannot be checked out ({detail}); git refuses its tree (a '.git' path, or a "
+            "name this filesystem cannot hold). Replay a run whose commit git can check out."
+        ) from None
     try:
         if patch:
             patch_file = tmp / "uncommitted.patch"
@@ -434,3 +446,18 @@ def find_repo(path: Path) -> Path | None:
         return Path(git.Repo(path, search_parent_directories=True).working_tree_dir)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         return None
+
+
+def recorded_symlinks(root: Path, folder: Path) -> list[Path]:
+    """The symbolic links under `folder` that the code record holds: tracked, or untracked and not ignored."""
+    try:
+        rel = Path(folder).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return []
+    spec = ["--", rel] if rel != "." else []
+    links = [p[p.index(b"\t") + 1:] for p in _run(root, ["ls-files", "-z", "-s", *spec]).split(b"\0")
+             if p.startswith(MODE_SYMLINK.encode())]
+    others = [p for p in _run(root, ["ls-files", "-z", "--others", "--exclude-standard", *spec]).split(b"\0") if p]
+    out = [Path(os.fsdecode(os.path.join(os.fsencode(root), p))) for p in links]
+    out += [path for p in others if (path := Path(os.fsdecode(os.path.join(os.fsencode(root), p)))).is_symlink()]
+    return out

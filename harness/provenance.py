@@ -9,12 +9,13 @@ import subprocess
 from collections.abc import Mapping
 from importlib import metadata
 
+from harness.redaction import env_name_is_secret
+
 # Variables that change numerics or communication; recorded when set.
 _VAR_PREFIXES = ("NCCL_", "OMP_", "MKL_", "CUBLAS_", "CUDA_", "GLOO_", "TORCH_", "KMP_", "OPENBLAS_")
 _VAR_NAMES = ("PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
-# A captured variable whose name says it holds a credential (TORCH_TOKEN, NCCL_AUTH_KEY...) is
-# recorded by name only: its presence can matter to a delta, its value must never reach the store.
-_SECRET_NAME_PARTS = ("TOKEN", "SECRET", "KEY", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+# A captured variable whose name says it holds a credential (TORCH_TOKEN, NCCL_AUTH_KEY, TORCH_HUB_PAT...)
+# is recorded by name only: its presence can matter to a delta, its value must never reach the store.
 REDACTED = "<redacted>"
 
 
@@ -82,7 +83,7 @@ def env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables that change numerics or communication, secrets' values replaced by REDACTED."""
     env = os.environ if environ is None else environ
     return {
-        k: REDACTED if any(part in k.upper() for part in _SECRET_NAME_PARTS) else v
+        k: REDACTED if env_name_is_secret(k) else v
         for k, v in sorted(env.items())
         if k.startswith(_VAR_PREFIXES) or k in _VAR_NAMES
     }

@@ -12,9 +12,9 @@ from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig
 
-from harness import gitsource, runner
+from harness import confine, gitsource, redaction, runner
 from harness import tags as T
-from harness.config import validate
+from harness.config import split_entry, validate
 from harness.errors import HarnessError
 from harness.tracking import RunSummary, Tracker
 
@@ -51,6 +51,21 @@ class RecordedRun:
     def load(cls, tracker: Tracker, run: RunSummary) -> RecordedRun:
         return cls(tracker, run, runner.recorded_config(tracker, run))
 
+    def restore_secrets(self, overrides: list[str]) -> list[str]:
+        """Put the values the record redacted (redaction.py) back into `cfg`, from `overrides` (KEY=VALUE) or the
+        environment variable they were read from; returns the other overrides. Raises when one is missing."""
+        from omegaconf import OmegaConf
+
+        from harness.config import compose, to_container
+
+        container = to_container(self.cfg)
+        if not redaction.redacted_keys(container):
+            return list(overrides)
+        sources = redaction.parse_sources(self.run.tags.get(T.CONFIG_REDACTED))
+        restored, rest = redaction.restore(container, list(overrides), sources, os.environ, self.run.run_id)
+        self.cfg = compose([("recorded config", OmegaConf.create(restored))])
+        return rest
+
     def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
         """The job that runs this recorded code (inside `code()`); its image digest is the recorded one."""
         from harness.executors import Job, Topology
@@ -80,7 +95,7 @@ class RecordedRun:
                 raise HarnessError(f"run {self.run.run_id} declared no data; drop --data.")
             return data.DataCheck(None, [], {})
         root = gitsource.find_repo(repo or Path.cwd()) or (repo or Path.cwd())
-        exp_dir = root / self.run.tags[T.EXPERIMENT_PATH]
+        exp_dir = root / confine.recorded_path(self.run.tags[T.EXPERIMENT_PATH], "experiment folder", self.run.run_id)
         declarations = dict(self.cfg.data or {})
         for name, path in (paths or {}).items():
             if name not in declarations:
@@ -98,6 +113,9 @@ class RecordedRun:
         """Check out the recorded code and validate `cfg` against it; yields (worktree, experiment folder)."""
         with checkout(self.tracker, self.run, repo) as (tree, exp_dir):
             validate(self.cfg, exp_dir)  # the entry must exist in the recorded code
+            confine.check_code(
+                tree, exp_dir, split_entry(str(self.cfg.entry))[0], gitsource.recorded_symlinks(tree, exp_dir)
+            )  # ...and lie in it
             yield tree, exp_dir
 
 
@@ -158,4 +176,4 @@ def _checkout_from(
                 "backup of the store, or replay another run."
             )
     with gitsource.worktree(root, commit, patch, base) as tree:
-        yield tree, tree / run.tags[T.EXPERIMENT_PATH]
+        yield tree, tree / confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)

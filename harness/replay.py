@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import gitsource, liveness, runner
+from harness import gitsource, liveness, redaction, runner
 from harness import tags as T
 from harness.compare import (
     BITWISE,
@@ -149,7 +149,9 @@ def replay(
     check_replayable(original, allow_incomplete)
     incomplete = original.status in T.INCOMPLETE
     recorded = RecordedRun.load(tracker, original)
-    cfg, changes = apply_changes(recorded.cfg, world_size, overrides or [], allow_changes)
+    overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
+    cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
+    changes = [redaction.redact_override(c) for c in changes]  # recorded and printed: no secret in them
     if executor is not None and executor != cfg.executor.value:
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
@@ -166,6 +168,8 @@ def replay(
     extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id, **(extra_tags or {})}
     if changes:
         extra[T.CHANGES] = " ".join(changes)
+    if original.tags.get(T.CONFIG_REDACTED):  # where each secret came from, for a replay of this replay
+        extra[T.CONFIG_REDACTED] = original.tags[T.CONFIG_REDACTED]
     if given:
         extra[T.TOLERANCE] = format_tolerances(given)
     if data.changes:

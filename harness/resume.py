@@ -40,6 +40,7 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
         )
         raise HarnessError(f"run {run_id} is {run.status}; only FAILED or KILLED runs are resumed.{hint}")
     recorded = RecordedRun.load(tracker, run)
+    recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
     store = checkpoint_store.open_for(tracker, run_id)
     step = store.latest(cfg.world_size)  # fetched into the store's local folder when a server holds it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from harness import __version__
+from harness import confine, redaction
 from harness import tags as T
 from harness.config import flatten, split_entry, to_yaml
 from harness.errors import HarnessError
@@ -89,11 +91,14 @@ def create_record(
 
     tags = record_tags(cfg, exp_dir, git, image)
     tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
+    params, text, redacted = recordable_config(cfg)
+    if redacted:
+        tags[T.CONFIG_REDACTED] = redacted
     tags.update(extra_tags or {})
     run_id = tracker.create_run(experiment or experiment_name(exp_dir), tags, run_name=run_name)
     try:
-        tracker.log_params(run_id, flatten(cfg))
-        tracker.log_text(run_id, to_yaml(cfg), T.ARTIFACT_CONFIG)
+        tracker.log_params(run_id, params)
+        tracker.log_text(run_id, text, T.ARTIFACT_CONFIG)
         if git.dirty:
             tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
         if data is not None:
@@ -103,6 +108,21 @@ def create_record(
         tracker.end_run(run_id, T.FAILED)
         raise
     return run_id
+
+
+def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
+    """(params, config.yaml, the harness.config.redacted tag) with every secret replaced by its placeholder.
+
+    The ranks get `cfg` itself: only what the store holds is redacted."""
+    from omegaconf import OmegaConf
+
+    from harness.config import to_container
+
+    clean, keys = redaction.redact(to_container(cfg))
+    if not keys:
+        return flatten(cfg), to_yaml(cfg), ""
+    sources = redaction.env_sources(OmegaConf.to_container(cfg, resolve=False), keys)
+    return flatten(clean), OmegaConf.to_yaml(OmegaConf.create(clean)), redaction.format_sources(keys, sources)
 
 
 @dataclass
@@ -131,7 +151,7 @@ def preflight(
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
     """
     from harness import data, gitsource
-    from harness.config import Executor, load_experiment
+    from harness.config import Executor, load_experiment, to_container
     from harness.launch import capacity_warning, no_gpu_here, resolve_device
     from harness.store import local_paths
     from harness.tracking import resolve_uri
@@ -143,7 +163,12 @@ def preflight(
         Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
         exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
     )
+    confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
+                       gitsource.recorded_symlinks(git.root, Path(exp_dir)))
     warnings: list[str] = []
+    _, secret_keys = redaction.redact(to_container(cfg))
+    if secret_keys:
+        warnings.append(redaction.warning(secret_keys))
     if git.excluded:
         shown = ", ".join(git.excluded)
         warnings.append(
@@ -287,7 +312,10 @@ def execute_recorded(
     topology: Topology | None = None,
 ) -> Outcome:
     """Inside a container or a batch job: run an already recorded run from its stored config, locally."""
+    from omegaconf import OmegaConf
+
     from harness import executors
+    from harness.config import compose, to_container
     from harness.data import recorded_data
 
     tracker = Tracker(tracking_uri)
@@ -295,8 +323,14 @@ def execute_recorded(
     if run.status != T.RUNNING:
         raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
     cfg = recorded_config(tracker, run)
+    container = to_container(cfg)
+    if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
+        restored, _ = redaction.restore(
+            container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id
+        )
+        cfg = compose([("recorded config", OmegaConf.create(restored))])
     code_dir = Path(code_dir)
-    rel = run.tags.get(T.EXPERIMENT_PATH, "")
+    rel = confine.recorded_path(run.tags.get(T.EXPERIMENT_PATH, ""), "experiment folder", run_id)
     root = code_dir.resolve()
     for _ in Path(rel).parts:
         root = root.parent

@@ -83,6 +83,8 @@ def local_paths(uri: str) -> list[Path]:
 # gets a deadline instead, and every failure is one line naming the store.
 
 TIMEOUT_ENV = "HARNESS_STORE_TIMEOUT_S"
+# MLflow prints `View run NAME at: URL` when a run on a server ends, the URL with the server's user:password.
+SUPPRESS_URL = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 DEFAULT_TIMEOUT_S = 10.0
 # MLflow's own HTTP calls after the probe: a slow server still gets time, a dead one is given up quickly.
 MLFLOW_HTTP_DEFAULTS = {

@@ -116,6 +116,7 @@ USER_SEEDS = "harness.user.seeds"
 # Replay / compare.
 REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
+CONFIG_REDACTED = "harness.config.redacted"  # config keys recorded as <redacted sha256:...>, with =$VAR when read from one
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
 # --tolerance METRIC=ATOL[,RTOL] this replay was judged by, over the recorded replay.tolerance: "loss=0.01,0.0 ..."
 TOLERANCE = "harness.replay.tolerance"

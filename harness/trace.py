@@ -149,6 +149,7 @@ def trace(
         shown = "step 0" if total == 1 else f"steps 0-{total - 1}"
         raise HarnessError(f"--step {step}: run {run_id} has {shown}. Pass a step in that range.")
     recorded = RecordedRun.load(tracker, run)
+    recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
     if max(ranks) >= cfg.world_size:
         raise HarnessError(f"--ranks {','.join(map(str, ranks))}: run {run_id} ran {cfg.world_size} rank"

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 from harness import tags as T
 from harness.errors import HarnessError
+from harness.store import SUPPRESS_URL
 from harness.store import (
     DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, absolute_uri, artifact_path, artifact_root, database_file, display_uri,
     env_seconds,
@@ -434,6 +435,9 @@ class Tracker:
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        # MLflow prints `View run NAME at: URL` when a run on a server ends, the URL with the server's
+        # user:password in it: forced off, not defaulted (the shell's setting must not print the password).
+        os.environ[SUPPRESS_URL] = "true"
         from mlflow.tracking import MlflowClient
 
         # MLflow's store migrations log at INFO on first use; the CLI's stderr is for the user.

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
-from harness.store import absolute_uri
+from harness.store import SUPPRESS_URL, absolute_uri
 
 TRACKING_URI = "MLFLOW_TRACKING_URI"
 RUN_ID = "MLFLOW_RUN_ID"
@@ -45,6 +45,7 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
     `job_env` is LaunchSpec.env: run_env()'s variables when the job records a run. What the launcher itself
     was started with (an MLFLOW_RUN_ID of the user's shell) never reaches the user's code.
     """
+    environ[SUPPRESS_URL] = "true"  # the user's own end_run in any rank (left set: restore() keeps it)
     if rank == 0 and job_env.get(RUN_ID) and job_env.get(TRACKING_URI):
         environ.update({k: job_env[k] for k in (TRACKING_URI, RUN_ID, EXPERIMENT_ID) if k in job_env})
         return job_env[RUN_ID]

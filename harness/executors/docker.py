@@ -19,7 +19,7 @@ from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.executors.local import ENV_DIGEST
-from harness.store import artifact_path, database_file
+from harness.store import SUPPRESS_URL, artifact_path, database_file
 from harness.tracking import Tracker
 
 WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted
@@ -121,6 +121,15 @@ class DockerExecutor(Executor):
         """Pin the image: the config's reference on a first run, the recorded digest on a replay or resume."""
         if job.topology.multi_node:
             raise HarnessError("the docker executor runs one node; for several, use --executor slurm or local --nnodes.")
+        from harness.config import to_container
+        from harness.redaction import redact
+
+        secret = redact(to_container(job.cfg))[1]
+        if secret:  # the container reads the recorded config, which holds placeholders, not the values
+            raise HarnessError(
+                f"{', '.join(secret)} look{'s' if len(secret) == 1 else ''} like a secret, which the record does not "
+                "hold and the container reads its config from the record. Use --executor local."
+            )
         if job.recorded is None:
             self.pinned = pin(str(job.cfg.image), allow_unpinned=bool(job.options.get("allow_unpinned")))
         else:
@@ -160,13 +169,14 @@ class ContainerHandle(Handle):
             workdir_host=job.code_root,
             workdir_container=WORKSPACE,
             mounts=_mounts(tracker, job.run_id, job.data),
-            env={"MLFLOW_TRACKING_URI": tracker.uri, ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1"},
+            env={ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1", SUPPRESS_URL: "true"},
+            passed=("MLFLOW_TRACKING_URI",),  # by name: its value may hold the server's password
             gpus=wants_gpus(job.cfg.device.value),
             command=["harness", "_execute", job.run_id, "--code-dir", f"{WORKSPACE}/{job.exp_rel}", *extra_args],
             name=self.name,
         )
         self.interrupted: list[int] = []
-        self.proc = docker.start_container(args)
+        self.proc = docker.start_container(args, {"MLFLOW_TRACKING_URI": tracker.uri})
 
     def cancel(self, signum: int) -> None:
         self.interrupted.append(signum)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 if TYPE_CHECKING:
     import numpy as np
 
+from harness import seal
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import (
@@ -570,7 +571,9 @@ class Tracker:
 
     @_store_call
     def end_run(self, run_id: str, status: str) -> None:
+        """Close the run and seal its record: every run harness closes goes through here (or end_run_at)."""
         self.client.set_terminated(run_id, status)
+        seal.seal(self, run_id)
 
     # -- copying a run whole (harness export / import) ------------------------------------------
     @_store_call
@@ -615,6 +618,7 @@ class Tracker:
         """End a run with another run's status and end time (ms); a RUNNING one stays open."""
         if status != T.RUNNING:
             self.client.set_terminated(run_id, status, end_time)
+            seal.seal(self, run_id)
 
     @_store_call
     def delete_run(self, run_id: str) -> None:

@@ -297,3 +297,72 @@ def test_import_refuses_a_bundle_whose_record_was_edited_and_writes_nothing(seal
               if r.data.tags.get(T.IMPORTED_FROM) == sealed.run_id]
     assert copy.data.tags[T.SEAL] != sealed.project.client().get_run(sealed.run_id).data.tags[T.SEAL]
     shutil.rmtree(store)
+
+
+# --- signed attestations: a key the store does not hold ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    base = tmp_path_factory.mktemp("keys")
+    out = {}
+    for name in ("signer", "other"):
+        key = ed25519.Ed25519PrivateKey.generate()
+        (base / f"{name}.pem").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        (base / f"{name}.pub.pem").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        out[name], out[f"{name}.pub"] = base / f"{name}.pem", base / f"{name}.pub.pem"
+    return out
+
+
+def test_export_signs_an_in_toto_attestation_that_verify_record_checks(sealed: Sealed, keys: dict[str, Path]) -> None:
+    import base64
+
+    out = sealed.bundle.with_name("signed.tar.gz")
+    result = sealed.project.harness("export", sealed.run_id, "-o", str(out), "--sign", str(keys["signer"]))
+    assert result.returncode == 0, result.stderr
+    signed = out.with_name("signed.tar.gz.intoto.json")
+    envelope = json.loads(signed.read_bytes())
+    assert envelope["payloadType"] == "application/vnd.in-toto+json"
+    statement = json.loads(base64.b64decode(envelope["payload"]))
+    tags = sealed.project.client().get_run(sealed.run_id).data.tags
+    assert statement["_type"] == "https://in-toto.io/Statement/v1"
+    assert statement["subject"] == [{"name": f"{sealed.run_id}/weights", "digest": {"sha256": tags[T.FINGERPRINT]}}]
+    assert statement["predicate"]["seal"] == tags[T.SEAL]
+
+    def check(key: str = "signer.pub", attestation: Path = signed):
+        return sealed.project.harness("verify-record", sealed.run_id, "--attestation", str(attestation),
+                                      "--key", str(keys[key]))
+
+    ok = check()
+    assert ok.returncode == 0, ok.stderr
+    assert ok.last_line.startswith(f"Run {sealed.run_id} is the attested run {sealed.run_id}, unchanged")
+    wrong = check("other.pub")
+    assert wrong.returncode == EXIT_USAGE
+    assert wrong.stderr.strip().splitlines() == [
+        f"Error: {signed} is not signed by the key {keys['other.pub']} (or was altered after signing). "
+        "Check it with the public key of whoever signed it."]
+    forged = signed.with_name("forged.json")  # another subject, the signature kept
+    statement["subject"][0]["digest"]["sha256"] = "0" * 64
+    forged.write_text(json.dumps({**envelope, "payload": base64.b64encode(json.dumps(statement).encode()).decode()}))
+    assert check(attestation=forged).stderr.strip().startswith(f"Error: {forged} is not signed by the key")
+    with _param(sealed, "train.lr", "0.5") as what:  # an edit in the store, resealed or not, fails the check
+        sealed.refused("verify-record", sealed.run_id, "--attestation", str(signed), "--key", str(keys["signer.pub"]),
+                       what=what)
+        client = sealed.project.client()
+        resealed = seal.seal(Tracker(sealed.project.uri), sealed.run_id)  # the forger reseals the record
+        try:
+            result = check()
+            assert result.returncode == EXIT_USAGE
+            assert result.stderr.strip() == (
+                f"Error: run {sealed.run_id} was resealed since it was attested (seal {resealed}, attested "
+                f"{tags[T.SEAL]}): its record is not the one signed. Use an intact copy of the run.")
+        finally:
+            client.set_tag(sealed.run_id, T.SEAL, tags[T.SEAL])
+    # the forger's manifest is still there: put the sealed one back by sealing the restored record
+    seal.seal(Tracker(sealed.project.uri), sealed.run_id)
+    assert sealed.project.client().get_run(sealed.run_id).data.tags[T.SEAL] == tags[T.SEAL]
+    assert check().returncode == 0

@@ -53,6 +53,8 @@ class Record:
     tags: dict[str, str]
     metrics: dict[str, list[tuple[float, int, int]]]  # key -> every write: (value, timestamp ms, step)
     artifacts: dict[str, Callable[[], bytes]]  # path -> its bytes, read when needed
+    # key -> the value MLflow shows as the metric's latest (the UI's column): derived from the writes by MLflow
+    latest: dict[str, float] = field(default_factory=dict)
     # Artifacts a bundle left out (checkpoints without --with-checkpoints): path -> the sha256 its seal recorded.
     known: dict[str, str] = field(default_factory=dict)
 
@@ -84,6 +86,7 @@ def manifest(record: Record) -> dict[str, Any]:
         "params": dict(sorted(record.params.items())),
         "tags": {k: v for k, v in sorted(record.tags.items()) if sealed_tag(k)},
         "metrics": {k: {"writes": len(w), "sha256": _metric_digest(w)} for k, w in sorted(record.metrics.items())},
+        "latest": {k: float.hex(float(v)) for k, v in sorted(record.latest.items())},
         "artifacts": dict(sorted({**record.known, **{p: _sha(read()) for p, read in record.artifacts.items()
                                                      if p != T.ARTIFACT_SEAL}}.items())),
     }
@@ -112,7 +115,7 @@ def from_store(tracker: Any, run_id: str) -> Record:
     else:
         for path, _ in tracker.artifact_files(run_id):
             artifacts[path] = (lambda p=path: tracker.read_bytes(run_id, p) or b"")
-    return Record(run.status, dict(run.params), dict(run.tags), metrics, artifacts)
+    return Record(run.status, dict(run.params), dict(run.tags), metrics, artifacts, tracker.latest_metrics(run_id))
 
 
 def seal(tracker: Any, run_id: str) -> str:
@@ -199,6 +202,9 @@ def first_difference(old: dict[str, Any], new: dict[str, Any], record: Record) -
         if old_metrics[key] != new_metrics[key]:
             step = _series_difference(record, key) if series_intact else None
             return f"metric {key} in MLflow" + (step or f" (its {old_metrics[key]['writes']} writes)")
+    found = _dict_difference("metric", old.get("latest", {}), new["latest"], show=lambda h: repr(float.fromhex(h)))
+    if found:
+        return found.replace(" (", "'s latest value in MLflow (", 1)
     old_art, new_art = old.get("artifacts", {}), new["artifacts"]
     # config.yaml first: it is what replay runs.
     for path in sorted(set(old_art) | set(new_art), key=lambda p: (p != T.ARTIFACT_CONFIG, p)):
@@ -327,4 +333,10 @@ def check_bundled(record: dict[str, Any], artifacts_dir: Path, who: str) -> None
         stored = None
     if isinstance(stored, dict) and isinstance(stored.get("artifacts"), dict):
         rec.known = {p: str(sha) for p, sha in stored["artifacts"].items() if _optional(p) and p not in files}
+        # The bundle carries every write; the store the run is imported into derives the latest values from them.
+        if isinstance(stored.get("latest"), dict):
+            try:
+                rec.latest = {k: float.fromhex(str(v)) for k, v in stored["latest"].items()}
+            except ValueError:  # a malformed manifest: its digest is not the seal, which check_record says
+                pass
     check_record(rec, who)

@@ -397,6 +397,11 @@ class SqliteReader:
             "SELECT value, timestamp, step, is_nan FROM metrics WHERE run_uuid = ? AND key = ? "
             "ORDER BY timestamp, step", (run_id, key))]
 
+    def latest_metrics(self, run_id: str) -> dict[str, float]:
+        """The value MLflow shows as each metric's latest (its latest_metrics table), NaN restored."""
+        return {key: float("nan") if is_nan else value for key, value, is_nan in self._rows(
+            "SELECT key, value, is_nan FROM latest_metrics WHERE run_uuid = ?", (run_id,))}
+
     def close(self) -> None:
         self._db.close()
 
@@ -630,6 +635,13 @@ class Tracker:
         if self._reader is not None:
             return self._reader.metric_history(run_id, key)
         return [(m.value, m.timestamp, m.step) for m in self.client.get_metric_history(run_id, key)]
+
+    @_store_call
+    def latest_metrics(self, run_id: str) -> dict[str, float]:
+        """Each metric's value as the MLflow UI shows it (its latest), key -> value."""
+        if self._reader is not None:
+            return self._reader.latest_metrics(run_id)
+        return dict(self.client.get_run(run_id).data.metrics)
 
     @_store_call
     def artifact_files(self, run_id: str, path: str | None = None) -> list[tuple[str, int | None]]:

@@ -135,13 +135,23 @@ def _sql_tag(s: Sealed, key: str, value: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _mlflow_metric(s: Sealed) -> Iterator[str]:
-    # Both MLflow tables the UI reads: the history and the latest value.
     [(old,)] = s.sql("select value from metrics where run_uuid=? and key='loss' and step=2", s.run_id)
     s.sql("update metrics set value=0.5 where run_uuid=? and key='loss' and step=2", s.run_id)
     try:
         yield f"metric loss in MLflow at step 2 ({old!r} -> 0.5)"
     finally:
         s.sql("update metrics set value=? where run_uuid=? and key='loss' and step=2", old, s.run_id)
+
+
+@contextlib.contextmanager
+def _latest_metric(s: Sealed) -> Iterator[str]:
+    # The value the MLflow UI shows in its runs table: its own table, beside the history.
+    [(old,)] = s.sql("select value from latest_metrics where run_uuid=? and key='loss'", s.run_id)
+    s.sql("update latest_metrics set value=0.5 where run_uuid=? and key='loss'", s.run_id)
+    try:
+        yield f"metric loss's latest value in MLflow ({old!r} -> 0.5)"
+    finally:
+        s.sql("update latest_metrics set value=? where run_uuid=? and key='loss'", old, s.run_id)
 
 
 @contextlib.contextmanager
@@ -191,6 +201,7 @@ TAMPERS = {
     "param": lambda s: _param(s, "train.lr", "0.5"),
     "harness tag": lambda s: _tag(s, T.SEED, "7"),
     "mlflow metric value": _mlflow_metric,
+    "mlflow latest metric value": _latest_metric,
     "series.npz": _series,
     "config.yaml": _config,
     "artifact": _artifact,

@@ -44,6 +44,30 @@ _SHOWN = 60  # characters of a changed value shown in the error
 _warned: set[str] = set()  # unsealed runs already warned about in this process: one line each
 
 
+class _Local:
+    """A local artifact file; its sha256 is remembered by (path, size, mtime) for the process, since a replay is
+    sealed again after its verdict and a checkpoint need not be hashed twice."""
+
+    _digests: dict[tuple[str, int, int], str] = {}
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self) -> bytes:
+        return self.path.read_bytes()
+
+    def sha256(self) -> str:
+        st = self.path.stat()
+        key = (str(self.path), st.st_size, st.st_mtime_ns)
+        if key not in self._digests:
+            digest = hashlib.sha256()
+            with open(self.path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(chunk)
+            self._digests[key] = digest.hexdigest()
+        return self._digests[key]
+
+
 @dataclass
 class Record:
     """A run's record as plain values, read from a store or from an unpacked bundle."""
@@ -87,9 +111,13 @@ def manifest(record: Record) -> dict[str, Any]:
         "tags": {k: v for k, v in sorted(record.tags.items()) if sealed_tag(k)},
         "metrics": {k: {"writes": len(w), "sha256": _metric_digest(w)} for k, w in sorted(record.metrics.items())},
         "latest": {k: float.hex(float(v)) for k, v in sorted(record.latest.items())},
-        "artifacts": dict(sorted({**record.known, **{p: _sha(read()) for p, read in record.artifacts.items()
+        "artifacts": dict(sorted({**record.known, **{p: _digest_of(read) for p, read in record.artifacts.items()
                                                      if p != T.ARTIFACT_SEAL}}.items())),
     }
+
+
+def _digest_of(read: Callable[[], bytes]) -> str:
+    return read.sha256() if isinstance(read, _Local) else _sha(read())
 
 
 def canonical(doc: dict[str, Any]) -> bytes:
@@ -111,7 +139,7 @@ def from_store(tracker: Any, run_id: str) -> Record:
         if local.is_dir():
             for path in local.rglob("*"):
                 if path.is_file():
-                    artifacts[path.relative_to(local).as_posix()] = path.read_bytes
+                    artifacts[path.relative_to(local).as_posix()] = _Local(path)
     else:
         for path, _ in tracker.artifact_files(run_id):
             artifacts[path] = (lambda p=path: tracker.read_bytes(run_id, p) or b"")

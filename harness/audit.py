@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import checkpoint, checkpoint_store
+from harness import checkpoint, checkpoint_store, seal
 from harness import tags as T
 from harness.compare import BITWISE, DIVERGED
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
@@ -86,6 +86,7 @@ def audit(
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
     refuse_non_training(run, "audit")
+    seal.check(tracker, run_id)
     if run.status != T.FINISHED:
         raise HarnessError(f"run {run_id} is {run.status}; only a FINISHED run has an end to verify. Resume it first.")
     record = tracker.load_record(run_id)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from harness import seal
 from harness import tags as T
 from harness.data import sha256_file
 from harness.errors import HarnessError
@@ -328,6 +329,8 @@ def export(
     if out.is_dir():
         raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
     replays = [r for r in tracker.children(run_id) if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE)]
+    for one in [run, *replays]:  # a bundle carries only a record as it was sealed
+        seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]
     image = None
     with tempfile.TemporaryDirectory(prefix="harness-export-") as tmp:
@@ -491,6 +494,10 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
         # Every record checked before the store is opened: a refused bundle leaves even a new store's file unmade.
         record = _load_record(unpacked / RUN_DIR, manifest.run_id)
         replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
+        # Each run of the bundle is as its seal recorded it: an edit whose forger rewrote the manifest to match still shows.
+        seal.check_bundled(record, unpacked / RUN_DIR / ARTIFACTS, f"run {record['run_id']} (in the bundle)")
+        for rec in replays:
+            seal.check_bundled(rec, unpacked / REPLAYS_DIR / rec["run_id"] / ARTIFACTS, f"run {rec['run_id']} (in the bundle)")
         tracker = Tracker(tracking_uri)
         original = record["run_id"]
         found = tracker.imported(original)

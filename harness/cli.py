@@ -599,10 +599,12 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None) -> None:
 @click.option("--with-image", is_flag=True, help="Include the pinned image (docker save); import loads it.")
 @click.option("--with-data", is_flag=True,
               help="Include the declared data's files, checked against their recorded sha256 (left out by default).")
+@click.option("--sign", "sign_key", type=click.Path(path_type=Path), default=None,
+              help="An ed25519 private key (PEM): also write OUTPUT.intoto.json, a signed attestation of the run.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool,
-            tracking_uri: str | None) -> None:
+            sign_key: Path | None, tracking_uri: str | None) -> None:
     """Write RUN_ID, its code and its replays to one portable bundle.
 
     The bundle holds the run's record (params, tags, every metric write with its step and timestamp,
@@ -612,12 +614,65 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
     """
     from harness.bundle import export
 
+    envelope = None
+    if sign_key is not None:  # signed first: a bad key writes no bundle
+        envelope = _attestation(run_id, sign_key, tracking_uri)
     result = export(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image, with_data=with_data,
                     tracking_uri=tracking_uri)
     image = f", image {result.image}" if result.image else ""
     click.echo(f"Exported run {run_id} ({len(result.replays)} replays{image}): {result.members} files, "
                f"{result.size} bytes.", err=True)
+    if envelope is not None:
+        signed = output.with_name(output.name + ".intoto.json")
+        signed.write_bytes(envelope)
+        click.echo(f"Signed attestation: {signed}", err=True)
     click.echo(str(result.path))
+
+
+def _attestation(run_id: str, key: Path, tracking_uri: str | None) -> bytes:
+    from harness.attest import sign
+    from harness.tracking import Tracker
+
+    return sign(Tracker(tracking_uri, writable=False), run_id, key)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--key", type=click.Path(path_type=Path), required=True, help="The ed25519 private key (PEM) to sign with.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The attestation to write (.json).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None) -> None:
+    """Sign an attestation of sealed run RUN_ID with a key the store does not hold.
+
+    The attestation is an in-toto Statement (subject: the final weights' digest, harness.fingerprint;
+    predicate: the run's id, status, seal and commit) in a DSSE envelope signed with ed25519. Check it with
+    `harness verify-record RUN_ID --attestation FILE --key PUBLIC.pem`. Exit 0 written, 2 bad input (an edited
+    or unsealed run, no final weights, a key that is not ed25519).
+    """
+    output.write_bytes(_attestation(run_id, key, tracking_uri))
+    click.echo(str(output))
+
+
+@main.command(name="verify-record")
+@click.argument("run_id")
+@click.option("--attestation", type=click.Path(path_type=Path), required=True, help="From `harness attest` or `export --sign`.")
+@click.option("--key", type=click.Path(path_type=Path), required=True, help="The signer's ed25519 public key (PEM).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str | None) -> None:
+    """Check that RUN_ID is the run an attestation signed by KEY attests, and unchanged since.
+
+    The signature must verify with KEY, the run's seal must hold and be the attested one (an imported copy of
+    the attested run: its seal must hold), and its final weights' digest must be the attested subject. Exit 0
+    holds, 2 refused (one line saying which check failed).
+    """
+    from harness.attest import verify_record as check
+    from harness.tracking import Tracker
+
+    doc = check(Tracker(tracking_uri, writable=False), run_id, attestation, key)
+    click.echo(f"Run {run_id} is the attested run {doc['predicate']['run_id']}, unchanged: final weights sha256 "
+               f"{doc['subject'][0]['digest']['sha256']}.")
 
 
 @main.command(name="import")

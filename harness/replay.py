@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import gitsource, liveness, redaction, runner
+from harness import gitsource, liveness, redaction, runner, seal
 from harness import tags as T
 from harness.compare import (
     BITWISE,
@@ -146,6 +146,7 @@ def replay(
         original = follow_original(tracker, original)
         run_id = original.run_id
     refuse_non_training(original, "replay")
+    seal.check(tracker, run_id)  # before anything is recorded: an edited record is not replayed
     check_replayable(original, allow_incomplete)
     incomplete = original.status in T.INCOMPLETE
     recorded = RecordedRun.load(tracker, original)
@@ -223,6 +224,7 @@ def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison
     tracker.log_text(replay_id, localized.markdown(), T.ARTIFACT_LOCALIZATION)
     if localized.diff is not None:
         tracker.log_text(replay_id, localized.diff.html(), T.ARTIFACT_LOCALIZATION_HTML)
+    seal.seal(tracker, replay_id)  # the replay closed before its localization was written: sealed again with it
 
 
 def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
@@ -251,6 +253,7 @@ def record_verdict(
     with tempfile.TemporaryDirectory() as tmp:
         plot_metrics(a, b, comparison, Path(tmp))
         tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
+    seal.seal(tracker, replay_id)  # the replay closed before its verdict was written: sealed again with it
 
 
 def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances: list[str] | None = None) -> Comparison:
@@ -258,6 +261,8 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances:
     judged_tolerance says) with `tolerances` (METRIC=ATOL[,RTOL]) on top; nothing is rerun or recorded."""
     given = parse_tolerances(tolerances)
     tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
+    seal.check(tracker, run_a)
+    seal.check(tracker, run_b)
     a, b = tracker.load_record(run_a), tracker.load_record(run_b)
     failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
     cmp = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed)
@@ -355,6 +360,8 @@ def replay_study(
     if members is not None and members < 1:
         raise HarnessError(f"--members {members}: pass at least 1.")
     chosen, seed = _draw(finished, members, draw_seed)
+    for member in chosen:  # every member before the study replay is recorded
+        seal.check(tracker, member.run_id)
     member_records = study.member_records(tracker, recorded)
     tags = {T.VERSION: recorded.run.tags[T.VERSION], T.KIND: T.KIND_STUDY_REPLAY, T.REPLAY_OF: study_id,
             T.MLFLOW_PARENT_RUN_ID: study_id, T.STUDY_SIZE: str(len(chosen))}

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness import checkpoint_store, executors
+from harness import checkpoint_store, executors, seal
 from harness import tags as T
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Outcome
@@ -32,6 +32,8 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
     refuse_non_training(run, "resume")
+    # A FAILED or KILLED run was sealed when it closed; the resumed run is sealed again when it closes.
+    seal.check(tracker, run_id)
     if run.status not in T.INCOMPLETE:
         hint = (
             f" If its launcher itself was SIGKILLed, nothing could mark it; check no rank still runs, then "

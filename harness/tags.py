@@ -136,6 +136,9 @@ STUDY_MEMBERS_SEED = "harness.study_replay.members_seed"  # on a study replay dr
 VERIFY_CLAIMS_FILE = "harness.verify.claims_file"
 VERIFY_HELD = "harness.verify.held"
 
+# The seal (harness/seal.py): "v1:<sha256>" of the run's canonical record, written when the run closes.
+SEAL = "harness.seal"
+
 # harness import: the run's id in the store it was exported from (a second import of it finds this run).
 IMPORTED_FROM = "harness.imported_from"
 
@@ -182,3 +185,4 @@ ARTIFACT_TRACE_DIR = "trace"  # trace/rank<R>.jsonl.gz (optrace.dumps) and trace
 ARTIFACT_TRACE_META = "trace/meta.json"
 ARTIFACT_LOCALIZATION = "replay/localization.md"
 ARTIFACT_LOCALIZATION_HTML = "replay/localization.html"
+ARTIFACT_SEAL = "seal/manifest.json"  # the canonical record harness.seal is the sha256 of

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import seal
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.recorded import RecordedRun, refuse_non_training
@@ -136,6 +137,7 @@ def trace(
     if run.tags.get(T.KIND) == T.KIND_TRACE:
         raise HarnessError(f"run {run_id} is a trace; trace the run it traced ({run.tags.get(T.TRACE_OF)}).")
     refuse_non_training(run, "trace")
+    seal.check(tracker, run_id)
     record = tracker.load_record(run_id)
     total = record.steps_total
     if total is None:
@@ -301,6 +303,8 @@ def diff(tracker: Tracker, a_id: str, b_id: str) -> TraceDiff:
     (else the lowest), with hints from the traced runs' deltas."""
     from harness import optrace
 
+    seal.check(tracker, a_id)
+    seal.check(tracker, b_id)
     ta, tb = load_traces(tracker, a_id), load_traces(tracker, b_id)
     common = sorted(ta.keys() & tb.keys())
     if not common:

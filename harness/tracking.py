@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 if TYPE_CHECKING:
     import numpy as np
 
+from harness import seal
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store import SUPPRESS_URL
@@ -397,6 +398,11 @@ class SqliteReader:
             "SELECT value, timestamp, step, is_nan FROM metrics WHERE run_uuid = ? AND key = ? "
             "ORDER BY timestamp, step", (run_id, key))]
 
+    def latest_metrics(self, run_id: str) -> dict[str, float]:
+        """The value MLflow shows as each metric's latest (its latest_metrics table), NaN restored."""
+        return {key: float("nan") if is_nan else value for key, value, is_nan in self._rows(
+            "SELECT key, value, is_nan FROM latest_metrics WHERE run_uuid = ?", (run_id,))}
+
     def close(self) -> None:
         self._db.close()
 
@@ -578,7 +584,9 @@ class Tracker:
 
     @_store_call
     def end_run(self, run_id: str, status: str) -> None:
+        """Close the run and seal its record: every run harness closes goes through here (or end_run_at)."""
         self.client.set_terminated(run_id, status)
+        seal.seal(self, run_id)
 
     # -- copying a run whole (harness export / import) ------------------------------------------
     @_store_call
@@ -623,6 +631,7 @@ class Tracker:
         """End a run with another run's status and end time (ms); a RUNNING one stays open."""
         if status != T.RUNNING:
             self.client.set_terminated(run_id, status, end_time)
+            seal.seal(self, run_id)
 
     @_store_call
     def delete_run(self, run_id: str) -> None:
@@ -634,6 +643,13 @@ class Tracker:
         if self._reader is not None:
             return self._reader.metric_history(run_id, key)
         return [(m.value, m.timestamp, m.step) for m in self.client.get_metric_history(run_id, key)]
+
+    @_store_call
+    def latest_metrics(self, run_id: str) -> dict[str, float]:
+        """Each metric's value as the MLflow UI shows it (its latest), key -> value."""
+        if self._reader is not None:
+            return self._reader.latest_metrics(run_id)
+        return dict(self.client.get_run(run_id).data.metrics)
 
     @_store_call
     def artifact_files(self, run_id: str, path: str | None = None) -> list[tuple[str, int | None]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from harness import seal
 from harness import tags as T
 from harness.claims import Claim, as_decimal, load_claims, prints_as
 from harness.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
@@ -166,12 +167,15 @@ def load_source(tracker: Tracker, claim: Claim, where: str) -> Source:
     from harness.study import is_study, load_study, member_records
 
     run = _resolve(tracker, claim, where)
+    seal.check(tracker, run.run_id)
     if claim.study is not None:
         if not is_study(run):
             raise HarnessError(f"{where}: study: {claim.study} is a {run.tags.get(T.KIND, 'run')}, not a study "
                                f"(harness run --seeds N); write run: {claim.study} for a single run.")
         study = load_study(tracker, run.run_id)
         records = member_records(tracker, study)
+        for record in records:
+            seal.check(tracker, record.run_id)
         if not records:
             raise HarnessError(f"{where}: study {claim.study} has no FINISHED member run to check the claim against.")
         return Source(claim.source, run, records, True)

@@ -62,10 +62,21 @@ def _tamper(project: Project, run_id: str, step: int) -> None:
     checkpoint.save_atomic(state, path)
 
 
+def _unseal(project: Project, run_id: str, refused_by: tuple[str, ...], what: str) -> None:
+    """The seal refuses the edited run first (harness/seal.py); without it (a run recorded before seals
+    existed) the audit's own checks are what catch the edit."""
+    result = project.harness(*refused_by)
+    assert result.returncode == 2 and f"was changed after it was sealed: {what}" in result.stderr, result.stderr
+    project.client().delete_tag(run_id, "harness.seal")
+    (Path(project.client().get_run(run_id).info.artifact_uri.removeprefix("file://")) / "seal" / "manifest.json").unlink()
+
+
 def test_altered_checkpoint_is_caught_when_drawn(project: Project) -> None:
     run = project.harness("run", "experiments/linear_ddp", "checkpoint_every=5")
     assert run.returncode == 0, run.stderr
     _tamper(project, run.last_line, 10)
+    _unseal(project, run.last_line, ("audit", run.last_line, "-k", "1"),
+            "artifact checkpoints/step-00000010/rank0.pt (sha256 ")
     result, lines = audit(project, run.last_line, "--segments", "5", "--seed", "1")
     assert result.returncode == 1, result.stdout + result.stderr
     assert lines[-2].startswith("verdict: DIVERGED in segment 2 (steps 10-15): start checkpoint step-00000010/rank0.pt")
@@ -126,6 +137,7 @@ def test_removed_checkpoint_files_are_refused_but_a_trace_before_the_first_needs
     assert run.returncode == 0, run.stderr
     root = Path(project.client().get_run(run.last_line).info.artifact_uri.removeprefix("file://")) / "checkpoints"
     shutil.rmtree(root / "step-00000005")
+    _unseal(project, run.last_line, ("trace", run.last_line, "--step", "6"), "artifact checkpoints/step-00000005/COMPLETE (removed)")
     before = len(project.all_runs())
     result, _ = audit(project, run.last_line, "--segments", "2")  # both segments: 0-5 and 5-10
     assert result.returncode == 2, result.stdout + result.stderr

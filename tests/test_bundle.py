@@ -119,7 +119,10 @@ def test_import_keeps_the_record_exactly(exported: Exported, clean: Project, imp
     src, dst = exported.original.client(), clean.client()
     a, b = src.get_run(exported.run_id), dst.get_run(imported)
     assert b.data.tags[T.IMPORTED_FROM] == exported.run_id
-    assert {k: v for k, v in b.data.tags.items() if k != T.IMPORTED_FROM} == a.data.tags
+    # The copy is sealed again in this store (it carries its code and the new tag); the rest is the same.
+    assert b.data.tags[T.SEAL] != a.data.tags[T.SEAL]
+    assert ({k: v for k, v in b.data.tags.items() if k not in (T.IMPORTED_FROM, T.SEAL)}
+            == {k: v for k, v in a.data.tags.items() if k != T.SEAL})
     assert b.data.params == a.data.params
     assert (b.info.status, b.info.start_time, b.info.end_time) == (a.info.status, a.info.start_time, a.info.end_time)
     assert a.data.metrics
@@ -135,7 +138,8 @@ def test_import_keeps_the_record_exactly(exported: Exported, clean: Project, imp
 
     sent = {k: v for k, v in files(src, exported.run_id).items() if not k.startswith(f"{T.ARTIFACT_CHECKPOINTS}/")}
     got = files(dst, imported)
-    assert got == {**sent, T.ARTIFACT_CODE_BUNDLE: got[T.ARTIFACT_CODE_BUNDLE]}  # checkpoints stay home by default
+    # Checkpoints stay home by default; the copy's seal manifest is its own.
+    assert got == {**sent, T.ARTIFACT_CODE_BUNDLE: got[T.ARTIFACT_CODE_BUNDLE], T.ARTIFACT_SEAL: got[T.ARTIFACT_SEAL]}
     assert T.ARTIFACT_CHECKPOINT_FINGERPRINTS in got  # per-tensor digests travel without --with-checkpoints
     for name in (T.ARTIFACT_SERIES, T.ARTIFACT_PATCH, T.ARTIFACT_CONFIG, T.ARTIFACT_CHECKPOINT_FINGERPRINTS):
         with open(src.download_artifacts(exported.run_id, name, str(exported.base / "a")), "rb") as fa, \

@@ -151,6 +151,19 @@ def test_altered_patch_is_refused_at_replay(fresh_project: Project) -> None:
     artifact.write_bytes(altered)
     expected = p.client().get_run(run.last_line).data.tags["harness.git.patch_sha256"]
     result = p.harness("replay", run.last_line)
+    # The seal catches the edit first (harness/seal.py) ...
+    refused(result, f"run {run.last_line} was changed after it was sealed: artifact git/uncommitted.patch (sha256 "
+                    f"{expected[:12]} -> {hashlib.sha256(altered).hexdigest()[:12]}). Use an intact copy of the run (its "
+                    "original store, or a bundle exported before the edit), or record it again with `harness run`.")
+    assert run_ids(p) == [run.last_line]
+    # ... and a run recorded before seals existed (no seal tag, no manifest) is held to its patch's sha256.
+    client = p.client()
+    client.delete_tag(run.last_line, "harness.seal")
+    [manifest] = [f for f in p.store.rglob("manifest.json") if run.last_line in f.parts and f.parent.name == "seal"]
+    manifest.unlink()
+    result = p.harness("replay", run.last_line)
+    assert result.stderr.strip().splitlines()[0].startswith(f"Warning: run {run.last_line} has no seal")
+    result.stderr = result.stderr.strip().split("\n", 1)[1]
     refused(result, f"the recorded patch of run {run.last_line} was altered (git/uncommitted.patch: sha256 "
                     f"expected {expected}, got {hashlib.sha256(altered).hexdigest()}); the replay would run code "
                     "that never ran. Restore the artifact from a backup of the store, or replay another run.")

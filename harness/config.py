@@ -220,6 +220,9 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         if key[:1] in "+~" and key[1:]:
             # Hydra's +key / ~key: here one KEY=VALUE form both sets keys and adds new ones under train:.
             raise ConfigError(f"override '{item}': drop the '{key[0]}'; write {key[1:]}={value} (KEY=VALUE adds keys under train: too).")
+        if any(ord(c) < 32 or ord(c) == 127 for c in key):
+            raise ConfigError(f"override {item!r}: its key holds a control character. Type the key again (letters, "
+                              "digits, '_' and '.').")
         if key in seen:
             raise ConfigError(f"override '{key}' is given twice ({seen[key]}, {item}); give it once.")
         seen[key] = item
@@ -294,8 +297,23 @@ def load_experiment(
     if overrides:
         sources.append(("overrides", parse_overrides(overrides)))
     cfg = compose(sources)
+    check_resolvable(cfg)
     validate(cfg, exp_dir if check_entry else None)
     return cfg
+
+
+def check_resolvable(cfg: DictConfig) -> None:
+    """Every interpolation resolves now (`${train.x}` naming itself, `${oc.env:UNSET}`): `check` must say what a
+    run would otherwise fail on inside a rank, after it was recorded."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except oc_errors.OmegaConfBaseException as err:
+        key = getattr(err, "full_key", "") or ""
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"{key or 'the config'}: an interpolation cannot be resolved ({first}). Fix the ${{...}} reference, or give "
+            "an environment variable a default: ${oc.env:NAME,default}."
+        ) from None
 
 
 def is_power_of_two(n: int) -> bool:

@@ -188,6 +188,10 @@ def _worker(local_rank: int, start: "_Start", inboxes: list[Any], channel: Any, 
     """One spawned rank: tied to its launcher, output to its log file, stacks on demand; its heavy imports
     while the launcher records the run; then, once its spec arrives, the rank's body."""
     _die_with_parent()
+    if start.launcher_pid and os.getppid() != start.launcher_pid:
+        # The launcher died while this process was still starting (importing torch), before the death signal
+        # was armed: the kernel will not send it now, so nothing would end this rank.
+        os._exit(1)
     rank = start.node_rank * start.nproc + local_rank
     # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -231,6 +235,7 @@ class _Start:
     log_dir: str
     node_rank: int
     nproc: int
+    launcher_pid: int = 0  # the process that spawned this rank: if it is gone already, so is the rank
 
 
 @dataclass
@@ -278,7 +283,7 @@ def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
     progress = spawn_ctx.Array("d", 2 * nproc, lock=False)
     for rank in range(nproc):
         _beat(progress, rank, -1)
-    start = _Start(str(log_dir), node_rank, nproc)
+    start = _Start(str(log_dir), node_rank, nproc, os.getpid())
     try:
         procs = mp.spawn(
             _worker, args=(start, [r for r, _ in pipes], writer, progress), nprocs=nproc, join=False,

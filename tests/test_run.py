@@ -192,10 +192,14 @@ BAD = [
     (["entry=train.py:nope"], "entry function 'nope' not found"),
     (["entry=train"], "must be FILE.py:FUNCTION"),
     (["lr"], "is not KEY=VALUE"),
+    # What a rank would have failed on after the run was recorded, said before anything is.
+    (["train.x=${train.x}"], "train.x: an interpolation cannot be resolved (Recursive interpolation"),
+    (["train.y=${oc.env:HARNESS_TEST_UNSET_VAR}"], "Environment variable 'HARNESS_TEST_UNSET_VAR' not found"),
+    (["train.k\x01ey=1"], "its key holds a control character"),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD, ids=[b[0][0] for b in BAD])
+@pytest.mark.parametrize("overrides,message", BAD, ids=[b[0][0].encode("unicode_escape").decode() for b in BAD])
 def test_bad_config_is_one_line_exit_2_and_records_nothing(project: Project, overrides, message) -> None:
     before = len(project.all_runs())
     result = project.harness("run", "experiments/linear_ddp", *overrides)

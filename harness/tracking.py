@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -125,8 +126,35 @@ def outage_limit() -> float:
     return env_seconds(OUTAGE_ENV, DEFAULT_OUTAGE_S, allow_zero=True)
 
 
+# A store that cannot take writes is not away: waiting cannot free its disk or make it writable.
+_UNWRITABLE_TEXT = (("database or disk is full", "is full"), ("no space left on device", "is full"),
+                    ("disk quota exceeded", "is full"), ("readonly database", "is read-only"),
+                    ("read-only file system", "is read-only"))
+_UNWRITABLE_ERRNO = {errno.ENOSPC: "is full", errno.EDQUOT: "is full", errno.EROFS: "is read-only"}
+
+
+def unwritable(err: BaseException | None) -> str | None:
+    """"is full" or "is read-only" when `err` (or what caused it) says the store's disk cannot take writes: sqlite's
+    "database or disk is full" / "attempt to write a readonly database", or ENOSPC / EROFS from an artifact write.
+    None for any other failure."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _UNWRITABLE_ERRNO:
+            return _UNWRITABLE_ERRNO[err.errno]
+        text = str(getattr(err, "message", None) or err).lower()
+        for needle, what in _UNWRITABLE_TEXT:
+            if needle in text:
+                return what
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def transient(err: BaseException | None) -> bool:
-    """A store failure that may pass (server restarting, connection refused, 5xx), not a wrong request."""
+    """A store failure that may pass (server restarting, connection refused, 5xx), not a wrong request, nor a disk
+    that is full or read-only (unwritable)."""
+    if unwritable(err):
+        return False
     while err is not None:
         if is_store_error(err):
             return getattr(err, "error_code", None) not in _PERMANENT
@@ -440,6 +468,9 @@ class Tracker:
         # (After the import: importing mlflow resets its logger's level.)
         for name in ("mlflow", "alembic", "sqlalchemy"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        # MLflow logs every failed SQL session with its traceback and statement (a full disk: thousands of
+        # lines); harness reports each store failure itself, in one line.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
         try:
             # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
@@ -915,6 +946,8 @@ class MetricWriter:
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
+            if unwritable(self.error):  # a full or read-only store: the values stay in series for the close
+                return
             self.flush()
 
     def flush(self) -> None:

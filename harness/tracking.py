@@ -280,6 +280,13 @@ class RunRecord:
     checkpoint_tensors: dict[int, dict] | None = None
 
 
+def import_complete(run: RunSummary) -> bool:
+    """An imported run whose import wrote everything: its last write set IMPORT_STATE complete (an import from
+    before that tag ended the run last, so an ended run without the tag is complete too)."""
+    state = run.tags.get(T.IMPORT_STATE)
+    return state == T.IMPORT_COMPLETE or (state is None and run.status != T.RUNNING)
+
+
 def _summary(run: Any, experiment: str) -> RunSummary:
     return RunSummary(
         run_id=run.info.run_id,
@@ -434,11 +441,12 @@ class Tracker:
     `writable`: the command records (run, replay, resume, audit); False for commands that only read.
     """
 
-    def __init__(self, uri: str | None = None, *, writable: bool = True) -> None:
+    def __init__(self, uri: str | None = None, *, writable: bool = True, must_exist: bool = True) -> None:
         self.uri = resolve_uri(uri)
         self.display_uri = display_uri(self.uri)
         # Before MLflow is imported: a dead store is reported in milliseconds, not after MLflow's retries.
-        self._client_uri = probe_store(self.uri, writable, store_timeout())
+        # A reader (writable=False) of a local store that does not exist is refused unless must_exist=False (the UI).
+        self._client_uri = probe_store(self.uri, writable, store_timeout(), must_exist)
         self._client: Any = None
         # A command that only reads a current local store reads it directly; MLflow opens only if a
         # write, or a query the reader does not handle, needs it (see SqliteReader).
@@ -687,9 +695,12 @@ class Tracker:
 
     @_store_call
     def imported(self, original_id: str) -> RunSummary | None:
-        """The run an earlier `harness import` made of `original_id`, if any."""
-        found = self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1)
-        return found[0] if found else None
+        """The run an earlier, complete `harness import` made of `original_id`, if any."""
+        return next((r for r in self.imports_of(original_id) if import_complete(r)), None)
+
+    def imports_of(self, original_id: str) -> list[RunSummary]:
+        """Every run an import made of `original_id`, complete or not (a killed import leaves a half one)."""
+        return self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1000)
 
     def local_artifact_dir(self, run_id: str) -> Path | None:
         """The run's artifact folder on this machine; None when a server holds the artifacts (see checkpoint_store)."""

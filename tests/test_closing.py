@@ -228,7 +228,8 @@ time.sleep(float(sys.argv[2]))
 
 def _hold(folder: Path, seconds: float, *, held: bool = True) -> subprocess.Popen:
     """A process that takes the folder's flock (blocking: queued in the kernel) and keeps it `seconds`."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), str(seconds)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), str(seconds)], stdout=subprocess.PIPE,
+                            text=True)
     if held:
         assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     return proc

@@ -7,6 +7,7 @@ its ranks and reports to node 0 through the rendezvous (executors/multinode.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -448,15 +449,13 @@ class LocalHandle(Handle):
             cause = f"recording run {run_id} failed: {reason_of(err)}"
             fix = "Check the store and the message above, then rerun"
         reason = f"{cause} while the run was being closed ({status}): its record is incomplete"
-        ended = False
-        try:
-            try:
-                patient.set_tags(run_id, {T.STATUS_REASON: reason[:500]})
-            finally:  # the status first of all: a full disk may still take an update when it takes no new rows
-                patient.end_run(run_id, T.FAILED)
+        with contextlib.suppress(Exception):
+            patient.set_tags(run_id, {T.STATUS_REASON: reason[:500]})
+        try:  # tried even when the reason did not fit: a full disk may take an update when it takes no new rows
+            patient.end_run(run_id, T.FAILED)
             ended = True
         except Exception:
-            pass
+            ended = False
         try:
             kept: str = f"kept in {self._keep_outcome(status, message, fingerprints, final, writer, outages)}"
         except OSError as keep_err:

@@ -137,12 +137,13 @@ def test_unwritable_errors_are_not_outages() -> None:
     assert unwritable(ConnectionRefusedError(errno.ECONNREFUSED, "refused")) is None
 
 
-def test_store_whose_disk_fills_during_a_run_is_failed_not_finished(fresh_project: Project, small_disk: Path) -> None:
+def test_store_whose_disk_fills_during_a_run_is_failed_not_finished(fresh_project: Project, small_disk: Path,
+                                                                    tmp_path: Path) -> None:
     exp = _experiment(fresh_project, "fill", FILL_PY, FILL_YAML)
     store = Project(fresh_project.root, small_disk)
     start = time.monotonic()
     # The default outage limit (300 s): a full disk must not be waited out as an outage.
-    result = store.harness("run", exp, timeout=240, env={"HARNESS_STORE_OUTAGE_S": ""})
+    result = store.harness("run", exp, timeout=240, env={"HARNESS_STORE_OUTAGE_S": "", "XDG_CACHE_HOME": str(tmp_path)})
     seconds = time.monotonic() - start
     assert result.returncode == EXIT_FAILED, result.stderr[-3000:]
     assert seconds < 120, seconds
@@ -154,18 +155,19 @@ def test_store_whose_disk_fills_during_a_run_is_failed_not_finished(fresh_projec
     assert f"run {run_id} was being closed, so it is FAILED in the store, not FINISHED" in line
     assert "Free space on its disk" in line
     kept = Path(line.split(" are kept in ", 1)[1].split(". ", 1)[0])
+    assert kept == tmp_path / "harness" / "unsent" / run_id
     assert (kept / "outcome.json").is_file() and (kept / "series.npz").is_file()
     assert reason is not None and "is full" in reason and "record is incomplete" in reason
     assert not _processes_naming(fresh_project.root)
 
 
 def test_store_filled_to_the_last_byte_during_a_run_stays_running_as_the_message_says(
-    fresh_project: Project, small_disk: Path
+    fresh_project: Project, small_disk: Path, tmp_path: Path
 ) -> None:
     exp = _experiment(fresh_project, "slow_fill", FILL_PY, FILL_YAML.replace("steps: 4000", "steps: 300")
                       .replace("pause: 0.0", "pause: 0.02"))
     store = Project(fresh_project.root, small_disk)
-    proc = store.popen("run", exp, env={"HARNESS_STORE_OUTAGE_S": ""})
+    proc = store.popen("run", exp, env={"HARNESS_STORE_OUTAGE_S": "", "XDG_CACHE_HOME": str(tmp_path)})
     try:
         db = small_disk / "mlflow.db"
         deadline = time.monotonic() + 120
@@ -202,10 +204,11 @@ def _runs_or_none(db: Path) -> list:
         return []
 
 
-def test_checkpoint_on_a_full_disk_is_one_line_naming_the_disk(fresh_project: Project, small_disk: Path) -> None:
+def test_checkpoint_on_a_full_disk_is_one_line_naming_the_disk(fresh_project: Project, small_disk: Path,
+                                                               tmp_path: Path) -> None:
     exp = _experiment(fresh_project, "fat", FAT_PY, FAT_YAML)
     store = Project(fresh_project.root, small_disk)
-    result = store.harness("run", exp, timeout=240)
+    result = store.harness("run", exp, timeout=240, env={"XDG_CACHE_HOME": str(tmp_path)})
     assert result.returncode == EXIT_FAILED, result.stderr[-3000:]
     assert "inline_container" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     (run_id, status, reason), = _runs(small_disk / "mlflow.db")

@@ -19,6 +19,7 @@ from harness import seal
 from harness import tags as T
 from harness.data import sha256_file
 from harness.errors import HarnessError
+from harness.store import exclusive
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
 FORMAT = 1
@@ -333,7 +334,8 @@ def export(
         seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]
     image = None
-    with tempfile.TemporaryDirectory(prefix="harness-export-") as tmp:
+    _remove_stale(Path(tempfile.gettempdir()), "harness-export-")
+    with tempfile.TemporaryDirectory(prefix=f"harness-export-{os.getpid()}-") as tmp:
         stage = Path(tmp, "stage")
         _stage_run(tracker, run, stage / RUN_DIR, with_checkpoints)
         for replay in replays:
@@ -384,6 +386,7 @@ def _stage_image(run: Any, dest: Path) -> dict[str, str]:
 def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
     """The manifest first (import reads it before any other member), then every member; atomic rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out.parent, f".{out.name}.partial-")  # an export killed before its rename
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     data = manifest.to_json()
     try:
@@ -400,6 +403,23 @@ def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
 
 
 # -- import ----------------------------------------------------------------------------------------
+def _remove_stale(folder: Path, prefix: str) -> None:
+    """Staging left by a killed process (PREFIX<pid>-...): removed once that process is gone."""
+    for entry in folder.glob(f"{prefix}*"):
+        pid = entry.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def _strings(value: Any) -> dict[str, str]:
     if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
         raise TypeError("expected an object of strings")
@@ -441,9 +461,10 @@ def _remap(tags: dict[str, str], ids: dict[str, str]) -> dict[str, str]:
 
 
 def _import_run(tracker: Any, record: dict[str, Any], folder: Path, ids: dict[str, str]) -> str:
-    tags = _remap({**record["tags"], T.IMPORTED_FROM: record["run_id"]}, ids)
-    new_id = tracker.create_run_at(record["experiment"], {T.IMPORTED_FROM: record["run_id"]},
-                                   record.get("run_name"), record.get("start_time"))
+    # Partial from the first write (a bundle of an imported run carries the state "complete" of its own import).
+    marks = {T.IMPORTED_FROM: record["run_id"], T.IMPORT_STATE: T.IMPORT_PARTIAL}
+    tags = _remap({**record["tags"], **marks}, ids)
+    new_id = tracker.create_run_at(record["experiment"], marks, record.get("run_name"), record.get("start_time"))
     ids[record["run_id"]] = new_id
     tracker.set_tags_exact(new_id, tags)
     tracker.log_params_exact(new_id, record["params"])
@@ -487,7 +508,8 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
     """
     from harness.tracking import Tracker
 
-    with tempfile.TemporaryDirectory(prefix="harness-import-") as tmp:
+    _remove_stale(Path(tempfile.gettempdir()), "harness-import-")
+    with tempfile.TemporaryDirectory(prefix=f"harness-import-{os.getpid()}-") as tmp:
         unpacked = Path(tmp, "bundle")
         unpacked.mkdir()
         manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade
@@ -499,46 +521,67 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
         for rec in replays:
             seal.check_bundled(rec, unpacked / REPLAYS_DIR / rec["run_id"] / ARTIFACTS, f"run {rec['run_id']} (in the bundle)")
         tracker = Tracker(tracking_uri)
-        original = record["run_id"]
-        found = tracker.imported(original)
-        if found is None:
-            try:
-                found = tracker.get_run(original)  # the bundle came back to the store it was exported from
-            except HarnessError:
-                found = None
-        if found is not None:
-            return ImportResult(found.run_id, original, already=True)
-        if not (unpacked / CODE_BUNDLE).is_file():
-            raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
-        image = None
-        if manifest.image is not None and (unpacked / IMAGE_TAR).is_file():
-            from harness import docker
+        # One import into a store at a time: a second import of the bundle waits, then finds the first's run.
+        with exclusive(tracker.uri):
+            return _import_unpacked(tracker, unpacked, manifest, data_dir)
 
-            # Before the store is written: an image that is not the recorded one leaves the store untouched.
-            docker.load_image(unpacked / IMAGE_TAR, manifest.image["id"])
-            image = manifest.image["ref"]
-        code_dir = unpacked / RUN_DIR / ARTIFACTS / Path(T.ARTIFACT_CODE_BUNDLE).parent
-        code_dir.mkdir(parents=True, exist_ok=True)
-        shutil.move(unpacked / CODE_BUNDLE, code_dir / Path(T.ARTIFACT_CODE_BUNDLE).name)
-        # Declared data (--with-data) goes beside, not into, the store: a replay points at it with --data.
-        data_home = (data_dir or Path.cwd() / "harness-data" / original).resolve()
-        created: list[Path] = []
-        ids: dict[str, str] = {}
+
+def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir: Path | None) -> ImportResult:
+    from harness.tracking import import_complete
+
+    record = _load_record(unpacked / RUN_DIR, manifest.run_id)
+    original = record["run_id"]
+    # A half import (its importer killed) is no import: it and the replays it made are deleted here, redone below.
+    halves = {r.run_id for r in tracker.imports_of(original) if not import_complete(r)}
+    for replay in (r for o in manifest.replays for r in tracker.imports_of(o)):
+        links = {replay.tags.get(k) for k in (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF)}
+        if replay.tags.get(T.IMPORT_STATE) == T.IMPORT_PARTIAL or links & halves:
+            tracker.delete_run(replay.run_id)
+    for half in halves:
+        tracker.delete_run(half)
+    found = tracker.imported(original)
+    if found is None:
         try:
-            placed = _place_data(unpacked, data_home, created)
-            new_id = _import_run(tracker, record, unpacked / RUN_DIR, ids)
-            for rec in replays:
-                _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
-            for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
-                tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
-        except BaseException:
-            for folder in created:
-                shutil.rmtree(folder, ignore_errors=True)
-            for made in ids.values():  # nothing half-imported stays
-                try:
-                    tracker.delete_run(made)
-                except Exception:
-                    pass
-            raise
-        return ImportResult(new_id, original, already=False, replays=[ids[r["run_id"]] for r in replays],
-                            image=image, data=placed)
+            found = tracker.get_run(original)  # the bundle came back to the store it was exported from
+        except HarnessError:
+            found = None
+    if found is not None:
+        return ImportResult(found.run_id, original, already=True)
+    replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
+    if not (unpacked / CODE_BUNDLE).is_file():
+        raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
+    image = None
+    if manifest.image is not None and (unpacked / IMAGE_TAR).is_file():
+        from harness import docker
+
+        # Before the store is written: an image that is not the recorded one leaves the store untouched.
+        docker.load_image(unpacked / IMAGE_TAR, manifest.image["id"])
+        image = manifest.image["ref"]
+    code_dir = unpacked / RUN_DIR / ARTIFACTS / Path(T.ARTIFACT_CODE_BUNDLE).parent
+    code_dir.mkdir(parents=True, exist_ok=True)
+    shutil.move(unpacked / CODE_BUNDLE, code_dir / Path(T.ARTIFACT_CODE_BUNDLE).name)
+    # Declared data (--with-data) goes beside, not into, the store: a replay points at it with --data.
+    data_home = (data_dir or Path.cwd() / "harness-data" / original).resolve()
+    created: list[Path] = []
+    ids: dict[str, str] = {}
+    try:
+        placed = _place_data(unpacked, data_home, created)
+        new_id = _import_run(tracker, record, unpacked / RUN_DIR, ids)
+        for rec in replays:
+            _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
+        for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
+            tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+        # The commit: until the run says complete, the next import takes it for a half one and redoes it.
+        for rec in [*replays, record]:
+            tracker.set_tags_exact(ids[rec["run_id"]], {T.IMPORT_STATE: T.IMPORT_COMPLETE})
+    except BaseException:
+        for folder in created:
+            shutil.rmtree(folder, ignore_errors=True)
+        for made in ids.values():  # nothing half-imported stays
+            try:
+                tracker.delete_run(made)
+            except Exception:
+                pass
+        raise
+    return ImportResult(new_id, original, already=False, replays=[ids[r["run_id"]] for r in replays],
+                        image=image, data=placed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import os
 import pickle
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from harness.errors import HarnessError
+from harness.errors import ExperimentError, HarnessError
 from harness.fingerprint import fingerprint, tensor_sha256
 
 # The key that marks a file as a harness checkpoint, and the layout version stored under it.
@@ -378,10 +379,34 @@ def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
+        full = _disk_refused(err, path.parent)  # before the partial file goes: it holds what space there was
         tmp.unlink(missing_ok=True)
+        if full:
+            raise ExperimentError(
+                f"the disk of {path.parent} {full}: {path.name} could not be written. Free space there (or set "
+                "checkpoint_every: 0), then rerun."
+            ) from None
         raise
     _fsync_dir(path.parent)
+
+
+def _disk_refused(err: BaseException, folder: Path) -> str | None:
+    """"is full (N KiB free)" / "is read-only" when a write into `folder` failed for want of a writable disk; torch.save
+    says so only as `[enforce fail at inline_container.cc:...] ... file write failed`, without an errno."""
+    if not isinstance(err, (OSError, RuntimeError)):
+        return None
+    try:
+        fs = os.statvfs(folder)
+    except OSError:
+        return None
+    if fs.f_flag & os.ST_RDONLY or (isinstance(err, OSError) and err.errno == errno.EROFS):
+        return "is read-only"
+    free = fs.f_bavail * fs.f_frsize
+    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            isinstance(err, RuntimeError) and "inline_container" in str(err) and free < 16 << 20):
+        return f"is full ({free // 1024} KiB free)"
+    return None
 
 
 def save_atomic(obj: Mapping[str, Any], path: Path) -> None:

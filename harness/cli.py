@@ -764,7 +764,7 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     try:
         # Meanwhile (the server takes seconds to answer): pick the experiment and save its view. Read-only
         # (writable=False): a current local store is read without MLflow, which opens only to write the view.
-        experiment_id = mlflow_ui.prepare(Tracker(uri, writable=False), experiment)
+        experiment_id = mlflow_ui.prepare(Tracker(uri, writable=False, must_exist=False), experiment)
         mlflow_ui.wait_ready(server, base)
         click.echo(mlflow_ui.page(base, experiment_id))
         sys.exit(server.wait())

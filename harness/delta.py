@@ -94,6 +94,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.MASTER,
         # Which store the record was imported from (harness import): provenance of the record, not of the run.
         tags.IMPORTED_FROM,
+        tags.IMPORT_STATE,
         # How the tracking store behaved while the run wrote to it.
         tags.STORE_WRITE_FAILURES,
         tags.STORE_METRICS_SPOOLED,

@@ -267,6 +267,11 @@ class Ranks:
         _stop_all(self.context.processes)
         with contextlib.suppress(OSError):
             self.reader.close()
+        # torch's spawn leaves a rank's error record (/tmp/pytorch-errorfile-*.pickle) behind once it has been read.
+        for error_file in getattr(self.context, "error_files", None) or []:
+            if error_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(error_file)
 
 
 def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:

@@ -33,8 +33,9 @@ from harness.errors import HarnessError
 VERSION = "v1"
 # Tags that legitimately change after a run has closed, and so are not sealed: the seal itself, the
 # run's note (the MLflow UI edits it; harness's reports are sealed as the artifact replay/report.md), and the
-# launcher's heartbeat (a liveness clock, not part of the record).
-UNSEALED_TAGS = frozenset({T.SEAL, T.MLFLOW_RUN_NOTE, T.HEARTBEAT})
+# launcher's heartbeat (a liveness clock, not part of the record), and an import's commit marker (written
+# last, after the imported copy was sealed: see bundle.import_bundle).
+UNSEALED_TAGS = frozenset({T.SEAL, T.MLFLOW_RUN_NOTE, T.HEARTBEAT, T.IMPORT_STATE})
 # The standard MLflow tags harness sets and seals (other mlflow.* tags - run name, user - are the UI's).
 SEALED_MLFLOW_PREFIX = "mlflow.source."
 SEALED_MLFLOW_TAGS = frozenset({T.MLFLOW_PARENT_RUN_ID})

@@ -152,7 +152,7 @@ def reason_of(err: BaseException) -> str:
     return strip_credentials(line[:300].rstrip("."))
 
 
-def probe_store(uri: str, writable: bool, timeout_s: float) -> str:
+def probe_store(uri: str, writable: bool, timeout_s: float, must_exist: bool = True) -> str:
     """Reach the store before anything uses it; returns the URI MLflow should open (with deadlines).
 
     Raises HarnessError, one line naming the store, for a store that cannot be used.
@@ -162,7 +162,7 @@ def probe_store(uri: str, writable: bool, timeout_s: float) -> str:
         _probe_http(uri, timeout_s)
         return uri
     if scheme == "sqlite":
-        _probe_sqlite(uri, writable)
+        _probe_sqlite(uri, writable, must_exist)
         return _with_query(uri, "timeout", str(_SQLITE_BUSY_TIMEOUT_S)) if sqlite_path(uri) else uri
     if scheme in _DATABASES:
         if scheme == "mssql":
@@ -194,19 +194,80 @@ def opening(uri: str) -> Iterator[None]:
         yield
         return
     try:
-        deadline = time.monotonic() + store_timeout()
-        while True:  # with a deadline: a hung process holding the lock must not hang this one
+        # The processes of one job, or many jobs on one store, take turns: each opening takes a second or two, more
+        # on a loaded machine. Waiting is bounded per holder, not in all: only one process that holds the lock for
+        # longer than HOLD_LIMIT without letting go is a problem, and it is named.
+        limit = hold_limit()
+        holder, since = None, time.monotonic()
+        while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise HarnessError(f"another process has been opening the store in {path.parent} for more than "
-                                       f"{store_timeout():g} s; check for a hung harness process.") from None
+                now = time.monotonic()
+                who = flock_holder(fd)
+                if who != holder:
+                    holder, since = who, now
+                elif now - since > limit:
+                    raise HarnessError(_held_message(holder, path.parent, limit)) from None
                 time.sleep(0.05)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def exclusive(uri: str) -> Iterator[None]:
+    """Held by one process at a time per local SQLite store, for writes that must not interleave (an import): a
+    flock on the database file itself, which SQLite's own (fcntl) locks do not see, and which a killed holder
+    releases. Nothing for other stores."""
+    path = sqlite_path(uri) if _scheme(uri) == "sqlite" else None
+    if path is None or not path.is_file():
+        yield
+        return
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def hold_limit() -> float:
+    """Seconds one process may hold a store's opening lock before the next one gives up: six store timeouts (60 s)."""
+    return 6 * store_timeout()
+
+
+def flock_holder(fd: int) -> int | None:
+    """The pid holding a flock on the file open as `fd`, from /proc/locks; None when it cannot be told."""
+    st = os.fstat(fd)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                fields = line.split()
+                if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
+                    continue
+                if fields[5] == ident and fields[4].isdigit():
+                    return int(fields[4])
+    except OSError:
+        pass
+    return None
+
+
+def _held_message(pid: int | None, folder: Path, limit: float) -> str:
+    if pid is None:
+        return (f"a process has held the opening lock of the store in {folder} for more than {limit:g} s without "
+                f"letting go; check for a hung harness process (raise {TIMEOUT_ENV} to wait longer).")
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = "command unknown"
+    return (f"process {pid} ({command[:200]}) has held the opening lock of the store in {folder} for more than "
+            f"{limit:g} s without letting go. If it is hung, stop it (kill {pid}); else raise {TIMEOUT_ENV} to "
+            "wait longer.")
 
 
 def _probe_http(uri: str, timeout_s: float) -> None:
@@ -280,13 +341,17 @@ def _url_reason(reason: object, timeout_s: float) -> str:
     return str(reason)
 
 
-def _probe_sqlite(uri: str, writable: bool) -> None:
+def _probe_sqlite(uri: str, writable: bool, must_exist: bool = True) -> None:
     """The folder exists (or is made) and, for a command that records, is writable; the file is SQLite."""
     shown = display_uri(uri)
     path = sqlite_path(uri)
     if path is None:
         return
     folder = path.parent
+    if not writable and not path.exists() and must_exist:
+        # A command that only reads creates nothing: a mistyped path is said, not made into an empty store.
+        raise HarnessError(f"no store at {path}: there is no such database. Check the path in --tracking-uri or "
+                           "MLFLOW_TRACKING_URI (a store is made by the first `harness run`).")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:

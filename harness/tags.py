@@ -141,6 +141,10 @@ SEAL = "harness.seal"
 
 # harness import: the run's id in the store it was exported from (a second import of it finds this run).
 IMPORTED_FROM = "harness.imported_from"
+# "partial" from the import's first write, "complete" as its very last: a run without "complete" is a half import
+# (the importer was killed), which the next import deletes and redoes. Imports before this tag existed have none.
+IMPORT_STATE = "harness.import.state"
+IMPORT_PARTIAL, IMPORT_COMPLETE = "partial", "complete"
 
 AUDIT_OF = "harness.audit_of"
 AUDIT_SEGMENTS = "harness.audit.segments"  # drawn segment indices

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -127,8 +128,35 @@ def outage_limit() -> float:
     return env_seconds(OUTAGE_ENV, DEFAULT_OUTAGE_S, allow_zero=True)
 
 
+# A store that cannot take writes is not away: waiting cannot free its disk or make it writable.
+_UNWRITABLE_TEXT = (("database or disk is full", "is full"), ("no space left on device", "is full"),
+                    ("disk quota exceeded", "is full"), ("readonly database", "is read-only"),
+                    ("read-only file system", "is read-only"))
+_UNWRITABLE_ERRNO = {errno.ENOSPC: "is full", errno.EDQUOT: "is full", errno.EROFS: "is read-only"}
+
+
+def unwritable(err: BaseException | None) -> str | None:
+    """"is full" or "is read-only" when `err` (or what caused it) says the store's disk cannot take writes: sqlite's
+    "database or disk is full" / "attempt to write a readonly database", or ENOSPC / EROFS from an artifact write.
+    None for any other failure."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _UNWRITABLE_ERRNO:
+            return _UNWRITABLE_ERRNO[err.errno]
+        text = str(getattr(err, "message", None) or err).lower()
+        for needle, what in _UNWRITABLE_TEXT:
+            if needle in text:
+                return what
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def transient(err: BaseException | None) -> bool:
-    """A store failure that may pass (server restarting, connection refused, 5xx), not a wrong request."""
+    """A store failure that may pass (server restarting, connection refused, 5xx), not a wrong request, nor a disk
+    that is full or read-only (unwritable)."""
+    if unwritable(err):
+        return False
     while err is not None:
         if is_store_error(err):
             return getattr(err, "error_code", None) not in _PERMANENT
@@ -252,6 +280,13 @@ class RunRecord:
     # step -> {"tensors": name -> sha256, "ranks": [sha256 per rank]}; None when the run recorded none (no
     # checkpoints, or a run from before they were recorded).
     checkpoint_tensors: dict[int, dict] | None = None
+
+
+def import_complete(run: RunSummary) -> bool:
+    """An imported run whose import wrote everything: its last write set IMPORT_STATE complete (an import from
+    before that tag ended the run last, so an ended run without the tag is complete too)."""
+    state = run.tags.get(T.IMPORT_STATE)
+    return state == T.IMPORT_COMPLETE or (state is None and run.status != T.RUNNING)
 
 
 def _summary(run: Any, experiment: str) -> RunSummary:
@@ -413,11 +448,12 @@ class Tracker:
     `writable`: the command records (run, replay, resume, audit); False for commands that only read.
     """
 
-    def __init__(self, uri: str | None = None, *, writable: bool = True) -> None:
+    def __init__(self, uri: str | None = None, *, writable: bool = True, must_exist: bool = True) -> None:
         self.uri = resolve_uri(uri)
         self.display_uri = display_uri(self.uri)
         # Before MLflow is imported: a dead store is reported in milliseconds, not after MLflow's retries.
-        self._client_uri = probe_store(self.uri, writable, store_timeout())
+        # A reader (writable=False) of a local store that does not exist is refused unless must_exist=False (the UI).
+        self._client_uri = probe_store(self.uri, writable, store_timeout(), must_exist)
         self._client: Any = None
         # A command that only reads a current local store reads it directly; MLflow opens only if a
         # write, or a query the reader does not handle, needs it (see SqliteReader).
@@ -450,6 +486,9 @@ class Tracker:
         # (After the import: importing mlflow resets its logger's level.)
         for name in ("mlflow", "alembic", "sqlalchemy"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        # MLflow logs every failed SQL session with its traceback and statement (a full disk: thousands of
+        # lines); harness reports each store failure itself, in one line.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
         try:
             # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
@@ -680,9 +719,12 @@ class Tracker:
 
     @_store_call
     def imported(self, original_id: str) -> RunSummary | None:
-        """The run an earlier `harness import` made of `original_id`, if any."""
-        found = self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1)
-        return found[0] if found else None
+        """The run an earlier, complete `harness import` made of `original_id`, if any."""
+        return next((r for r in self.imports_of(original_id) if import_complete(r)), None)
+
+    def imports_of(self, original_id: str) -> list[RunSummary]:
+        """Every run an import made of `original_id`, complete or not (a killed import leaves a half one)."""
+        return self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1000)
 
     def local_artifact_dir(self, run_id: str) -> Path | None:
         """The run's artifact folder on this machine; None when a server holds the artifacts (see checkpoint_store)."""
@@ -945,6 +987,8 @@ class MetricWriter:
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
+            if unwritable(self.error):  # a full or read-only store: the values stay in series for the close
+                return
             self.flush()
 
     def flush(self) -> None:

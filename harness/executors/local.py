@@ -7,6 +7,7 @@ its ranks and reports to node 0 through the rendezvous (executors/multinode.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from harness.messages import (
     SegmentEnd, SegmentStart, SettingChange, Total, UserSeeds,
 )
 from harness.store import reason_of
-from harness.tracking import Outages, Patient, Tracker, save_series, transient
+from harness.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
 
@@ -403,37 +404,27 @@ class LocalHandle(Handle):
             # the outcome is kept on disk and the error says where.
             patient = Patient(tracker, outages)
             outages.closing()
+            failed_write: Exception | None = None
             try:
-                try:
-                    if heartbeat is not None:
-                        heartbeat.close()
-                    if writer is not None:
-                        writer.close()
-                        save_series(writer.series, self.work / "series.npz")
-                    if ckpts is not None:
-                        ckpts.close()
-                    logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
-                    _record_results(patient, run_id, fingerprints, final, self.work, logs)
-                    if writer is not None:
-                        _note_direct_metrics(patient, run_id, set(writer.series))
-                    if status == T.FINISHED:
-                        _warn_if_vacuous(patient, run_id, writer, final)
-                    patient.set_tags(run_id, outages.tags())
-                    if ckpts is not None:
-                        ckpts.cleanup()
-                finally:
-                    patient.end_run(run_id, status)
-            except Exception as err:
-                if not transient(err):
-                    raise
-                kept = self._keep_outcome(status, message, fingerprints, final, writer, outages)
-                raise HarnessError(
-                    f"the tracking store {tracker.display_uri} stayed unreachable for over {outages.limit_s:g} s "
-                    f"(HARNESS_STORE_OUTAGE_S) while run {run_id} was being closed ({status}): {reason_of(err)}. "
-                    f"Nothing is lost: "
-                    f"its outcome, metrics and logs are kept in {kept}; the run stays RUNNING in the store until "
-                    f"`harness mark {run_id} --status {T.FAILED}`.", exit_code=EXIT_FAILED,
-                ) from err
+                if heartbeat is not None:
+                    heartbeat.close()
+                if writer is not None:
+                    writer.close()
+                    save_series(writer.series, self.work / "series.npz")
+                if ckpts is not None:
+                    ckpts.close()
+                logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
+                _record_results(patient, run_id, fingerprints, final, self.work, logs)
+                if writer is not None:
+                    _note_direct_metrics(patient, run_id, set(writer.series))
+                if status == T.FINISHED:
+                    _warn_if_vacuous(patient, run_id, writer, final)
+                patient.set_tags(run_id, outages.tags())
+                if ckpts is not None:
+                    ckpts.cleanup()
+            except Exception as err:  # the record is incomplete: whatever ran, the run cannot be FINISHED
+                failed_write = err
+            self._close_run(patient, status, message, failed_write, fingerprints, final, writer, outages)
         if self.deferred:
             import signal
 
@@ -441,6 +432,51 @@ class LocalHandle(Handle):
                   "in full first.", file=sys.stderr)
             code = 128 + self.deferred[0]
         return Outcome(run_id, status, code, message, fingerprints)
+
+    def _close_run(self, patient: Patient, status: str, message: str, failed_write: Exception | None,
+                   fingerprints: dict[int, str], final: dict[str, Any], writer: Any, outages: Outages) -> None:
+        """End the run in the store as `status` when every closing write went through. When one failed the record
+        is incomplete: the run is FAILED with the reason (if the store still takes that), else it stays RUNNING;
+        either way its outcome is kept on disk and one line says which, as the store has it."""
+        run_id, shown = self.job.run_id, self.job.tracker.display_uri
+        if failed_write is None:
+            try:
+                patient.end_run(run_id, status)
+                return
+            except Exception as err:
+                failed_write = err
+        err = root = failed_write
+        while root.__cause__ is not None:  # the store's own words, not a wrapper's
+            root = root.__cause__  # type: ignore[assignment]
+        full = unwritable(err)
+        if full:
+            cause = f"the tracking store {shown} {full} ({reason_of(root)})"
+            fix = ("Free space on its disk" if full == "is full" else "Make it writable") + \
+                f" (or use another store with --tracking-uri), then rerun"
+        elif transient(err):
+            cause = (f"the tracking store {shown} stayed unreachable for over {outages.limit_s:g} s "
+                     f"(HARNESS_STORE_OUTAGE_S): {reason_of(err)}")
+            fix = "Check the store, then rerun"
+        else:
+            cause = f"recording run {run_id} failed: {reason_of(err)}"
+            fix = "Check the store and the message above, then rerun"
+        reason = f"{cause} while the run was being closed ({status}): its record is incomplete"
+        with contextlib.suppress(Exception):
+            patient.set_tags(run_id, {T.STATUS_REASON: reason[:500]})
+        try:  # tried even when the reason did not fit: a full disk may take an update when it takes no new rows
+            patient.end_run(run_id, T.FAILED)
+            ended = True
+        except Exception:
+            ended = False
+        try:
+            kept: str = f"kept in {self._keep_outcome(status, message, fingerprints, final, writer, outages)}"
+        except OSError as keep_err:
+            kept = f"not kept either ({keep_err.strerror})"
+        state = (f"so it is {T.FAILED} in the store" + ("" if status == T.FAILED else f", not {status}") if ended else
+                 f"and the store took no status either: run {run_id} stays {T.RUNNING} in the store until "
+                 f"`harness mark {run_id} --status {T.FAILED}` (once its heartbeat is stale)")
+        raise HarnessError(f"{cause} while run {run_id} was being closed, {state}. Its outcome, metrics and logs are "
+                           f"{kept}. {fix}.", exit_code=EXIT_FAILED) from err
 
     def _keep_outcome(self, status: str, message: str, fingerprints: dict[int, str], final: dict[str, Any],
                       writer: Any, outages: Outages) -> Path:

@@ -58,3 +58,11 @@ def json_safe(obj: Any) -> Any:
     if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):  # a numpy scalar
         return json_safe(obj.item())
     return obj
+
+
+def printable(text: str) -> str:
+    """`text` as a terminal may show it: control characters (an escape sequence in a folder or run name would
+    drive the terminal) written out as Python escapes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 from harness import tags as T
+from harness.fmt import printable
 from harness.compare import VERDICTS
 from harness.liveness import is_stale
 from harness.tracking import RunSummary, Tracker
@@ -72,7 +73,7 @@ def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = N
         # A replay, audit, study replay or verify run carries its own verdict; a run shows its replays' verdicts.
         verdict = r.tags.get(T.VERDICT, "") if kind in _OWN_VERDICT else verdicts.get(r.run_id, "")
         out.append(
-            [r.run_id, r.experiment, _when(r.start_time), status_of(r, now), kind, r.tags.get(T.WORLD_SIZE, "-"),
+            [r.run_id, printable(r.experiment), _when(r.start_time), status_of(r, now), kind, r.tags.get(T.WORLD_SIZE, "-"),
              commit, _digest(r.tags), verdict or "-"]
         )
     return out

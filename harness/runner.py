@@ -16,6 +16,7 @@ from harness import __version__
 from harness import confine, redaction
 from harness import tags as T
 from harness.config import flatten, split_entry, to_yaml
+from harness.fmt import printable
 from harness.errors import HarnessError
 from harness.executors.base import Job, Outcome, Topology
 from harness.gitsource import GitState
@@ -110,6 +111,22 @@ def create_record(
     return run_id
 
 
+PARAM_LIMIT = 6000  # MLflow's longest param value (characters)
+
+
+def fit_params(params: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Params as MLflow can hold them: a value longer than PARAM_LIMIT becomes its length and sha256 (never a silent
+    cut; config.yaml holds it whole), with the keys so shortened."""
+    out, long = {}, []
+    for key, value in params.items():
+        text = str(value)
+        if len(text) > PARAM_LIMIT:
+            long.append(key)
+            value = f"<{len(text)} characters, sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}: whole in config.yaml>"
+        out[key] = value
+    return out, long
+
+
 def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
     """(params, config.yaml, the harness.config.redacted tag) with every secret replaced by its placeholder.
 
@@ -120,9 +137,10 @@ def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
 
     clean, keys = redaction.redact(to_container(cfg))
     if not keys:
-        return flatten(cfg), to_yaml(cfg), ""
+        return fit_params(flatten(cfg))[0], to_yaml(cfg), ""
     sources = redaction.env_sources(OmegaConf.to_container(cfg, resolve=False), keys)
-    return flatten(clean), OmegaConf.to_yaml(OmegaConf.create(clean)), redaction.format_sources(keys, sources)
+    return (fit_params(flatten(clean))[0], OmegaConf.to_yaml(OmegaConf.create(clean)),
+            redaction.format_sources(keys, sources))
 
 
 @dataclass
@@ -166,6 +184,13 @@ def preflight(
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
     warnings: list[str] = []
+    long = fit_params(flatten(cfg))[1]
+    if long:
+        warnings.append(
+            f"{len(long)} config value{'s are' if len(long) > 1 else ' is'} longer than MLflow's {PARAM_LIMIT}-character "
+            f"params ({', '.join(long[:3])}{', ...' if len(long) > 3 else ''}): recorded in params as length and sha256, "
+            "whole in config.yaml."
+        )
     _, secret_keys = redaction.redact(to_container(cfg))
     if secret_keys:
         warnings.append(redaction.warning(secret_keys))
@@ -263,7 +288,7 @@ def run(
         # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
         # and the store, which take seconds.
         count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
-        print(f"harness: recording {Path(exp_dir).resolve().name}, starting {count}", file=sys.stderr, flush=True)
+        print(f"harness: recording {printable(Path(exp_dir).resolve().name)}, starting {count}", file=sys.stderr, flush=True)
     for warning in checked.warnings:
         print(f"Warning: {warning}", file=sys.stderr)
     if checked.data_stats is not None:

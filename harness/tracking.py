@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+from urllib.parse import urlsplit
 import sqlite3
 import tempfile
 import struct
@@ -48,7 +49,14 @@ def default_uri(cwd: Path | None = None) -> str:
 
 
 def resolve_uri(uri: str | None) -> str:
-    return absolute_uri(uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri())
+    chosen = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    try:
+        urlsplit(chosen).port  # parsed once here: a malformed one is a line, not a traceback
+    except ValueError as err:
+        # Not printed: it may hold a password.
+        raise HarnessError(f"the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI ({err}). "
+                           "Correct it, e.g. http://[::1]:5000 or sqlite:////abs/path/mlflow.db.") from None
+    return absolute_uri(chosen)
 
 
 def _open_error(shown: str, err: BaseException) -> HarnessError:

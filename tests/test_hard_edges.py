@@ -430,3 +430,22 @@ def test_a_store_inside_the_repository_is_not_recorded_as_code(project: Project,
         import shutil
 
         shutil.rmtree(store)
+
+
+def test_malformed_uri_long_values_and_escapes_are_said_plainly(project: Project) -> None:
+    """A malformed IPv6 store URI is one line (without the URI, which may hold a password); a config value longer
+    than MLflow's params is recorded as length and sha256, never cut silently; names are printed escaped."""
+    from harness.fmt import printable
+    from harness.runner import PARAM_LIMIT, fit_params
+
+    bad = project.harness("runs", "--tracking-uri", "http://user:pw@[::1")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "pw" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "Error: the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI (Invalid IPv6 URL). "
+        "Correct it, e.g. http://[::1]:5000 or sqlite:////abs/path/mlflow.db."]
+    params, long = fit_params({"train.blob": "x" * (PARAM_LIMIT + 1), "train.lr": 0.1})
+    assert long == ["train.blob"] and params["train.lr"] == 0.1
+    assert params["train.blob"].startswith(f"<{PARAM_LIMIT + 1} characters, sha256:") and len(params["train.blob"]) < 100
+    checked = project.harness("check", "experiments/linear_ddp", "train.blob=" + "y" * (PARAM_LIMIT + 10))
+    assert checked.returncode == 0 and "longer than MLflow's 6000-character params (train.blob)" in checked.stderr
+    assert printable("exp\x1b[2Jname") == "exp\\x1b[2Jname" and printable("plain") == "plain"

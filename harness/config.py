@@ -287,9 +287,11 @@ def load_experiment(
     if not path.is_file():
         raise ConfigError(f"'{exp_dir}' has no {EXPERIMENT_FILE}. Create one (see README: The experiment format).")
     try:
-        content = OmegaConf.load(path)
+        content = _load_yaml(path)
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if "expansion exceeds" in first:
+            first = "its YAML aliases expand to far more nodes than the file has lines"
         raise ConfigError(f"{path}: not valid YAML ({first}).") from None
     if not isinstance(content, DictConfig):
         raise ConfigError(f"{path}: must be a mapping of keys (image, entry, world_size, ...).")
@@ -300,6 +302,16 @@ def load_experiment(
     check_resolvable(cfg)
     validate(cfg, exp_dir if check_entry else None)
     return cfg
+
+
+def _load_yaml(path: Path) -> Any:
+    """OmegaConf.load with its alias-expansion guard sized to the file: 20,000 plain keys are a config, not an alias
+    bomb (which expands a few lines into millions of nodes)."""
+    lines = path.read_bytes().count(b"\n") + 1
+    try:
+        return OmegaConf.load(path, max_yaml_expanded_nodes=max(10_000, 4 * lines))  # type: ignore[call-arg]
+    except TypeError:  # an OmegaConf without the guard
+        return OmegaConf.load(path)
 
 
 def check_resolvable(cfg: DictConfig) -> None:

@@ -449,3 +449,21 @@ def test_malformed_uri_long_values_and_escapes_are_said_plainly(project: Project
     checked = project.harness("check", "experiments/linear_ddp", "train.blob=" + "y" * (PARAM_LIMIT + 10))
     assert checked.returncode == 0 and "longer than MLflow's 6000-character params (train.blob)" in checked.stderr
     assert printable("exp\x1b[2Jname") == "exp\\x1b[2Jname" and printable("plain") == "plain"
+
+
+def test_many_plain_keys_load_and_an_alias_bomb_is_one_line(project: Project, tmp_path: Path) -> None:
+    import shutil
+
+    exp = project.add_experiment("many_keys", commit=False)
+    try:  # uncommitted: removed after, so the session's repository stays clean for the tests that follow
+        text = (exp / "experiment.yaml").read_text()
+        (exp / "experiment.yaml").write_text(text + "".join(f"  k{i}: {i}\n" for i in range(20000)))
+        assert project.harness("check", str(exp)).returncode == 0
+        bomb = 'a: &a ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(
+            f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcd", "bcde"))
+        (exp / "experiment.yaml").write_text(text + bomb)
+        refused = project.harness("check", str(exp))
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+        assert "its YAML aliases expand to far more nodes than the file has lines" in refused.stderr
+    finally:
+        shutil.rmtree(exp)

@@ -6,13 +6,14 @@ import contextlib
 import fnmatch
 import hashlib
 import os
+import re
 import shutil
 import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 from harness.errors import HarnessError
 from harness.urls import strip_credentials
 
@@ -345,6 +346,46 @@ def has_commit(root: Path, commit: str) -> bool:
         return False
 
 
+_WORKTREE_PREFIX = "harness-code-"
+_STALE = re.compile(rf"{_WORKTREE_PREFIX}(\d+)-[^/]*/tree$")
+
+
+def prune_stale_worktrees(repo: Any) -> list[str]:
+    """Remove the worktrees that harness processes killed before their cleanup left registered in the user's
+    repository (`git worktree list`), with their folders; returns their paths."""
+    git = _git()
+    removed = []
+    try:
+        listing = repo.git.worktree("list", "--porcelain")
+    except git.GitCommandError:
+        return removed
+    for line in listing.splitlines():
+        if not line.startswith("worktree "):
+            continue
+        path = line[len("worktree "):]
+        match = _STALE.search(path)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("remove", "--force", path)
+        shutil.rmtree(Path(path).parent, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("prune")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = None) -> Iterator[Path]:
     """A detached temporary worktree at `commit` with `patch` applied and checked byte for byte; removed afterwards.
@@ -353,7 +394,9 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
     """
     git = _git()
     repo = open_repo(root)
-    tmp = Path(tempfile.mkdtemp(prefix="harness-code-", dir=base))
+    prune_stale_worktrees(repo)
+    # The pid in the name: a worktree whose process was killed is known as stale by the next one.
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_WORKTREE_PREFIX}{os.getpid()}-", dir=base))
     path = tmp / "tree"
     try:
         repo.git.worktree("add", "--detach", str(path), commit)

@@ -354,7 +354,13 @@ def test_secrets_are_redacted_in_the_record_and_asked_for_again_by_replay(
     assert PASSWORD not in replay.stdout + replay.stderr and "View run" not in replay.stdout + replay.stderr
     assert not any(s.encode() in _store_text(project) for s in (SECRET, ENV_SECRET, PASSWORD))
 
-    # A record whose experiment path leaves the checkout is refused at replay.
+    # A record whose experiment path leaves the checkout is refused at replay: by its seal first, and - for a run
+    # recorded before seals existed (no seal tag, no manifest) - by the path's own check.
     client.set_tag(run.last_line, T.EXPERIMENT_PATH, "../../outside")
+    sealed = project.harness("replay", run.last_line, f"train.api_key={SECRET}", env=env)
+    assert sealed.returncode == EXIT_USAGE and "was changed after it was sealed: tag harness.experiment.path" in sealed.stderr
+    client.delete_tag(run.last_line, T.SEAL)
+    for manifest in project.store.rglob(f"{run.last_line}/artifacts/seal/manifest.json"):
+        manifest.unlink()
     tampered = project.harness("replay", run.last_line, f"train.api_key={SECRET}", env=env)
     assert tampered.returncode == EXIT_USAGE and "leaves the checkout" in _one_line(tampered.stderr)

@@ -95,6 +95,9 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Which store the record was imported from (harness import): provenance of the record, not of the run.
         tags.IMPORTED_FROM,
         tags.IMPORT_STATE,
+        # The record's own digest, and the warnings it carries: about the record, never what decided the result.
+        tags.SEAL,
+        tags.NOTICES,
         # How the tracking store behaved while the run wrote to it.
         tags.STORE_WRITE_FAILURES,
         tags.STORE_METRICS_SPOOLED,

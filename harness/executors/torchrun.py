@@ -218,8 +218,11 @@ class TorchrunHandle(LocalHandle):
         spec.master_addr, spec.port = self.env.master_addr, self.env.master_port
         return spec
 
-    def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None]) -> None:
-        """Run this rank here; a failure anywhere is the job's, named once (the first rank to post it)."""
+    def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None],
+                on_ranks: Callable[[Any], None] | None = None) -> None:
+        """Run this rank here; a failure anywhere is the job's, named once (the first rank to post it).
+
+        `on_ranks` is unused: this process is a rank itself, with no progress array for the bar to read."""
         from harness.executors.multinode import _LAST_WORD_S, _POLL_S
         from harness.launch import failure_details, is_peer_failure
 

@@ -61,7 +61,7 @@ def test_two_nodes_are_one_run_bit_identical_to_one_node(project: Project, two_h
     nodes_json = Path(client.download_artifacts(run_id, "environment/nodes.json"))
     assert sorted(__import__("json").loads(nodes_json.read_text())) == ["0", "1"]
     logs = {a.path for a in client.list_artifacts(run_id, "logs")}
-    assert {"logs/rank0.log", "logs/rank1.log"} <= logs  # node 1 uploaded its rank's log
+    assert {"logs/rank0.log", "logs/rank1.log"} <= logs  # node 1 sent its rank's log to node 0, in the seal
 
     cmp = project.harness("compare", reference_run, run_id)
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
@@ -127,3 +127,54 @@ def test_nodes_with_different_code_are_refused(project: Project, two_hosts) -> N
     assert "node 1" in err0 and "another resolved config" in err0
     assert "another resolved config" in err1  # node 1 is told why, in one line
     assert "Traceback" not in err0 + err1
+
+
+def test_other_nodes_logs_reach_node_0_before_it_seals_and_stay_in_their_folder(tmp_path: Path) -> None:
+    """Node 1 sends its rank logs through the job's store (a real TCPStore here); node 0 waits for them, so
+    nothing writes to the run after node 0 has closed and sealed it. Names that would land outside the log
+    folder are dropped; a node that never sends is named, after the wait."""
+    import io
+    import tarfile
+    import threading
+
+    from harness.executors.base import Topology
+    from harness.executors.multinode import Node
+
+    def node(rank: int, port: int, nnodes: int = 2) -> Node:
+        return Node(Topology(nnodes=nnodes, node_rank=rank, master_addr="127.0.0.1", master_port=port,
+                             launcher="spawn"), 10.0)
+
+    master = node(0, 0)
+    port = master.raw.port
+    follower = node(1, port)
+    sent = tmp_path / "node1"
+    sent.mkdir()
+    (sent / "rank1.log").write_text("step 1\nstep 2\n")
+    got = tmp_path / "node0"
+    got.mkdir()
+    (got / "rank0.log").write_text("node 0's own\n")
+    late = threading.Timer(1.0, follower.send_logs, args=(sent,))  # sent after node 0 began to wait
+    late.start()
+    assert master.collect_logs(got, timeout_s=20) == []
+    late.join()
+    assert (got / "rank1.log").read_text() == "step 1\nstep 2\n"
+    assert (got / "rank0.log").read_text() == "node 0's own\n"
+
+    hostile = io.BytesIO()
+    with tarfile.open(fileobj=hostile, mode="w") as tar:
+        for name in ("../escaped.log", "rank0.log", "sub/rank3.log"):
+            info = tarfile.TarInfo(name)
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"evil"))
+    follower.store.set("logs/1", hostile.getvalue())
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "rank0.log").write_text("kept\n")
+    assert master.collect_logs(again, timeout_s=5) == []
+    assert sorted(p.name for p in again.iterdir()) == ["rank0.log"] and (again / "rank0.log").read_text() == "kept\n"
+    assert not (tmp_path / "escaped.log").exists()
+
+    lonely = node(0, 0, nnodes=3)
+    start = time.monotonic()
+    assert lonely.collect_logs(tmp_path, timeout_s=2) == [1, 2]
+    assert time.monotonic() - start < 10

@@ -413,6 +413,11 @@ class LocalHandle(Handle):
                     save_series(writer.series, self.work / "series.npz")
                 if ckpts is not None:
                     ckpts.close()
+                if self.node is not None:  # the other nodes' rank logs, before the record is closed and sealed
+                    missing = self.node.collect_logs(log_dir)
+                    if missing:
+                        notices.setdefault("logs", f"the rank logs of node {', '.join(map(str, missing))} did not "
+                                           "reach node 0: the record holds node 0's logs only for them")
                 logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
                 _record_results(patient, run_id, fingerprints, final, self.work, logs)
                 if writer is not None:
@@ -520,11 +525,11 @@ class LocalHandle(Handle):
             status, code, message = T.KILLED, err.exit_code, str(err)
         finally:
             self.recording = True
-            try:  # every rank's log belongs to the one run; names carry the global rank
-                if any(log_dir.iterdir()):
-                    job.tracker.log_dir(job.run_id, log_dir, T.ARTIFACT_LOGS_DIR)
-            except Exception as err:  # the store is node 0's to keep; this node only loses its logs
-                print(f"node {job.topology.node_rank}: could not upload its rank logs: {err}", file=sys.stderr)
+            # Every rank's log belongs to the one run (names carry the global rank): node 0 records them.
+            try:
+                self.node.send_logs(log_dir)
+            except OSError as err:
+                print(f"node {job.topology.node_rank}: could not send its rank logs to node 0: {err}", file=sys.stderr)
         return Outcome(job.run_id, status, code, message)
 
     # -- shared --------------------------------------------------------------------------------------

@@ -11,9 +11,12 @@ node failing ends the whole job, and node 0 records which node and rank it was.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
+import tarfile
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +27,8 @@ _KEYS = "launchers/"  # beside the ranks' own prefix in the same store
 _POLL_S = 0.2
 _LOST_AFTER_S = 10.0  # a node whose beat counter stood still this long is gone
 _LAST_WORD_S = 5.0  # after a peer error, how long node 0 waits for the node at fault to say what happened
+_LOGS_WAIT_S = 30.0  # how long node 0 waits for another node's rank logs before it closes the run without them
+_LOG_TAIL = 4 << 20  # bytes of each rank log a node sends (its end, where a failure is)
 
 
 class NodeFailed(RunFailed):
@@ -292,6 +297,52 @@ class Node:
         pending = list(range(1, self.topo.nnodes))
         while pending and time.monotonic() < deadline:
             pending = [n for n in pending if not self.store.check([f"done/{n}"]) and not self.store.check(["failed"])]
+            if pending:
+                time.sleep(_POLL_S)
+        return pending
+
+
+    # -- rank logs: node 0 writes the one record, so the others send it their logs rather than upload them.
+    # An upload of their own would land after node 0 had closed and sealed the run, and break its seal.
+    def send_logs(self, log_dir: Path) -> None:
+        """This node's rank logs, to node 0 (each file's last _LOG_TAIL bytes); node 0 gone: nothing to do."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for path in sorted(p for p in log_dir.iterdir() if p.is_file()):
+                data = path.read_bytes()
+                if len(data) > _LOG_TAIL:
+                    data = f"[first {len(data) - _LOG_TAIL} bytes left out]\n".encode() + data[-_LOG_TAIL:]
+                info = tarfile.TarInfo(path.name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        try:
+            self.store.set(f"logs/{self.topo.node_rank}", buf.getvalue())
+        except Exception:
+            pass
+
+    def collect_logs(self, log_dir: Path, timeout_s: float = _LOGS_WAIT_S) -> list[int]:
+        """Node 0: every other node's rank logs into log_dir; returns the nodes whose logs did not come."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(range(1, self.topo.nnodes))
+        while pending:
+            try:
+                for n in [n for n in pending if self.store.check([f"logs/{n}"])]:
+                    pending.remove(n)
+                    with tarfile.open(fileobj=io.BytesIO(self.store.get(f"logs/{n}")), mode="r") as tar:
+                        for member in tar.getmembers():
+                            name = Path(member.name).name  # plain file names only: nothing lands outside log_dir
+                            target = log_dir / name
+                            if member.isfile() and name == member.name and not target.exists():
+                                target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+            except Exception:  # the store is gone or a node sent garbage: what came is kept
+                break
+            try:  # a node that stopped beating without sending them (killed) is not waited for
+                gone = set(self._lost_nodes(_LAST_WORD_S))
+            except Exception:
+                break
+            pending = [n for n in pending if n not in gone]
+            if pending and time.monotonic() >= deadline:
+                break
             if pending:
                 time.sleep(_POLL_S)
         return pending

@@ -217,6 +217,7 @@ def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison
     """The report ends with where the replay diverged: the first differing op, its module, the user's line."""
     from harness.report import render_markdown
 
+    seal.open_for_verdict(tracker, replay_id)
     markdown = render_markdown(comparison, changes) + localized.markdown()
     status = localized.diff.localization.status if localized.diff is not None else "NONE"
     tracker.set_tags(replay_id, {T.MLFLOW_RUN_NOTE: markdown, T.LOCALIZED: status})
@@ -246,6 +247,7 @@ def record_verdict(
     """Verdict tag, markdown report, comparison JSON and one plot per metric on the replay run."""
     from harness.report import plot_metrics, render_markdown
 
+    seal.open_for_verdict(tracker, replay_id)
     markdown = render_markdown(comparison, changes)
     tracker.set_tags(replay_id, {T.VERDICT: comparison.verdict, T.MLFLOW_RUN_NOTE: markdown})
     tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)

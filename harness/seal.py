@@ -147,13 +147,30 @@ def from_store(tracker: Any, run_id: str) -> Record:
     return Record(run.status, dict(run.params), dict(run.tags), metrics, artifacts, tracker.latest_metrics(run_id))
 
 
-def seal(tracker: Any, run_id: str) -> str:
-    """Write the run's manifest and seal tag (after it closed, or after harness wrote onto it); the seal."""
-    doc = manifest(from_store(tracker, run_id))
+def seal(tracker: Any, run_id: str, status: str | None = None) -> str:
+    """Write the run's manifest and seal tag; the seal. `status`: the run is about to be closed with it, and is
+    sealed first - a process killed between the two leaves a RUNNING run whose seal says it was being closed
+    (check names that), never a closed run without a seal. Without: the run is closed already, and harness
+    wrote onto it (a replay's verdict)."""
+    record = from_store(tracker, run_id)
+    if status is not None:
+        record.status = status
+    doc = manifest(record)
     value = digest(doc)
     tracker.log_bytes(run_id, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n", T.ARTIFACT_SEAL)
     tracker.set_tags(run_id, {T.SEAL: value})
     return value
+
+
+PENDING = "+pending"  # suffix of the seal while harness writes a verdict onto a closed, sealed replay
+
+
+def open_for_verdict(tracker: Any, run_id: str) -> None:
+    """Say, before a verdict is written onto a sealed run, that it is being written: a process killed before the
+    run is sealed again leaves a seal that says so (check refuses it in words), not an edit."""
+    value = tracker.get_run(run_id).tags.get(T.SEAL)
+    if value and not value.endswith(PENDING):
+        tracker.set_tags(run_id, {T.SEAL: value + PENDING})
 
 
 def check(tracker: Any, run_id: str) -> None:
@@ -174,6 +191,10 @@ def check_record(record: Record, who: str) -> None:
             print(f"Warning: {who} has no seal (recorded before harness sealed its runs): an edit of its record "
                   "after it closed cannot be detected.", file=sys.stderr)
         return
+    if value.endswith(PENDING):
+        raise HarnessError(
+            f"{who}'s verdict was being written when the process writing it stopped: its report is incomplete. "
+            "Replay the original again (`harness replay ORIGINAL`) for a verdict on record.")
     if not value.startswith(VERSION + ":"):
         raise HarnessError(f"{who} has a seal of another version ({value[:20]}); this harness reads {VERSION}. "
                            "Check it with the harness that recorded it, or upgrade harness.")
@@ -186,6 +207,13 @@ def check_record(record: Record, who: str) -> None:
             stored = json.loads(stored_bytes)
         except ValueError:
             stored = None
+    if (stored is not None and record.status == T.RUNNING and stored.get("status") not in (None, T.RUNNING)
+            and digest(stored) == value and dict(now, status=stored["status"]) == stored):
+        run_id = who.split()[-1] if who.startswith("run ") else "RUN_ID"
+        raise HarnessError(
+            f"{who} was being closed as {stored['status']} when the process closing it stopped: its record may be "
+            f"incomplete. Close it as failed with `harness mark {run_id} --status {T.FAILED}`, or record it again "
+            "with `harness run`.")
     if stored is None or digest(stored) != value:
         what = (f"the seal's manifest {T.ARTIFACT_SEAL} (removed)" if stored_bytes is None
                 else f"the seal's manifest {T.ARTIFACT_SEAL} or the tag {T.SEAL}")

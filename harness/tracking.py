@@ -632,8 +632,8 @@ class Tracker:
     @_store_call
     def end_run(self, run_id: str, status: str) -> None:
         """Close the run and seal its record: every run harness closes goes through here (or end_run_at)."""
+        seal.seal(self, run_id, status)  # sealed first: a kill in between leaves it RUNNING, never closed unsealed
         self.client.set_terminated(run_id, status)
-        seal.seal(self, run_id)
 
     # -- copying a run whole (harness export / import) ------------------------------------------
     @_store_call
@@ -677,8 +677,8 @@ class Tracker:
     def end_run_at(self, run_id: str, status: str, end_time: int | None) -> None:
         """End a run with another run's status and end time (ms); a RUNNING one stays open."""
         if status != T.RUNNING:
+            seal.seal(self, run_id, status)
             self.client.set_terminated(run_id, status, end_time)
-            seal.seal(self, run_id)
 
     @_store_call
     def delete_run(self, run_id: str) -> None:

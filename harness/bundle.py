@@ -8,14 +8,13 @@ import json
 import os
 import shutil
 import tarfile
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from harness import seal
+from harness import scratch, seal
 from harness import tags as T
 from harness.data import sha256_file
 from harness.errors import HarnessError
@@ -131,7 +130,7 @@ def parse_manifest(data: bytes) -> Manifest:
     if doc["format"] > FORMAT:
         raise BundleError(
             f"the bundle has format {doc['format']}, newer than this harness reads (up to {FORMAT}); it was made by "
-            "a newer harness. Upgrade harness (pip install -U harness) and import it again."
+            "a newer harness. Upgrade harness (pip install -U ddp-harness) and import it again."
         )
     try:
         members = {}
@@ -334,8 +333,7 @@ def export(
         seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]
     image = None
-    _remove_stale(Path(tempfile.gettempdir()), "harness-export-")
-    with tempfile.TemporaryDirectory(prefix=f"harness-export-{os.getpid()}-") as tmp:
+    with scratch.folder("export") as tmp:
         stage = Path(tmp, "stage")
         _stage_run(tracker, run, stage / RUN_DIR, with_checkpoints)
         for replay in replays:
@@ -386,7 +384,7 @@ def _stage_image(run: Any, dest: Path) -> dict[str, str]:
 def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
     """The manifest first (import reads it before any other member), then every member; atomic rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out.parent, f".{out.name}.partial-")  # an export killed before its rename
+    scratch.remove_stale(out.parent, f".{out.name}.partial-")  # an export killed before its rename
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     data = manifest.to_json()
     try:
@@ -403,23 +401,6 @@ def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
 
 
 # -- import ----------------------------------------------------------------------------------------
-def _remove_stale(folder: Path, prefix: str) -> None:
-    """Staging left by a killed process (PREFIX<pid>-...): removed once that process is gone."""
-    for entry in folder.glob(f"{prefix}*"):
-        pid = entry.name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-        except OSError:
-            pass
-
-
 def _strings(value: Any) -> dict[str, str]:
     if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
         raise TypeError("expected an object of strings")
@@ -508,8 +489,7 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
     """
     from harness.tracking import Tracker
 
-    _remove_stale(Path(tempfile.gettempdir()), "harness-import-")
-    with tempfile.TemporaryDirectory(prefix=f"harness-import-{os.getpid()}-") as tmp:
+    with scratch.folder("import") as tmp:
         unpacked = Path(tmp, "bundle")
         unpacked.mkdir()
         manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade

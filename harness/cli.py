@@ -53,7 +53,7 @@ def _exit(code: int) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="harness")
+@click.version_option(package_name="ddp-harness")
 def main() -> None:
     """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
 

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+from harness import scratch
 from harness.errors import HarnessError
 from harness.urls import strip_credentials
 
@@ -224,7 +225,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
 
 
 def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch.folder("index") as tmp:
         # A throwaway index seeded from HEAD: `add -A` then sees untracked files too, and the
         # user's real index (staged work) stays exactly as it was.
         index = Path(tmp, "index")
@@ -314,7 +315,7 @@ def verify_patch(
     """
     object_format = _object_format(repo_root)
     file_mode = _run(repo_root, ["config", "--type=bool", "--default=true", "core.fileMode"]).strip() == b"true"
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch.folder("index") as tmp:
         index = Path(tmp, "index")
         patch_file = Path(tmp, "uncommitted.patch")
         patch_file.write_bytes(patch)
@@ -364,7 +365,7 @@ def prune_stale_worktrees(repo: Any) -> list[str]:
             continue
         path = line[len("worktree "):]
         match = _STALE.search(path)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or scratch.alive(int(match.group(1))):
             continue
         with contextlib.suppress(git.GitCommandError):
             repo.git.worktree("remove", "--force", path)
@@ -374,16 +375,6 @@ def prune_stale_worktrees(repo: Any) -> list[str]:
         with contextlib.suppress(git.GitCommandError):
             repo.git.worktree("prune")
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -454,12 +445,12 @@ def bundle_commit(root: Path, commit: str, dest: Path) -> None:
             f"commit {commit[:12]} is not in the repository at {root}. Run the export inside a clone that has it."
         )
     objects = Path(_run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode())
-    with tempfile.TemporaryDirectory(prefix="harness-bundle-") as tmp:
-        scratch = Path(tmp, "scratch.git")
-        _run(Path(tmp), ["init", "-q", "--bare", f"--object-format={_object_format(root)}", str(scratch)])
-        (scratch / "objects" / "info" / "alternates").write_text(f"{objects}\n")
-        _run(scratch, ["update-ref", BUNDLE_REF, commit])
-        _run(scratch, ["bundle", "create", "-q", str(dest), BUNDLE_REF])
+    with scratch.folder("bundle") as tmp:
+        bare = Path(tmp, "scratch.git")
+        _run(Path(tmp), ["init", "-q", "--bare", f"--object-format={_object_format(root)}", str(bare)])
+        (bare / "objects" / "info" / "alternates").write_text(f"{objects}\n")
+        _run(bare, ["update-ref", BUNDLE_REF, commit])
+        _run(bare, ["bundle", "create", "-q", str(dest), BUNDLE_REF])
 
 
 @contextlib.contextmanager
@@ -467,7 +458,7 @@ def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
     """A temporary repository holding only what `bundle` holds; refused unless it contains `commit`."""
     heads = _run(bundle.parent, ["bundle", "list-heads", str(bundle)]).split()
     object_format = "sha256" if heads and len(heads[0]) == 64 else "sha1"
-    tmp = Path(tempfile.mkdtemp(prefix="harness-bundled-"))
+    tmp = scratch.make("bundled")
     try:
         repo = tmp / "repo"
         _run(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import hashlib
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig
 
-from harness import confine, gitsource, redaction, runner
+from harness import confine, gitsource, redaction, runner, scratch
 from harness import tags as T
 from harness.config import split_entry, validate
 from harness.errors import HarnessError
@@ -144,7 +143,7 @@ def _code_source(stack: contextlib.ExitStack, tracker: Tracker, run: RunSummary,
     live = gitsource.find_repo(repo or Path.cwd())
     if live is not None and gitsource.has_commit(live, commit):
         return live
-    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="harness-code-bundle-")))
+    tmp = stack.enter_context(scratch.folder("code-bundle"))
     bundle = tracker.download(run.run_id, T.ARTIFACT_CODE_BUNDLE, tmp)
     if bundle is not None:
         return stack.enter_context(gitsource.repository_from_bundle(bundle, commit))

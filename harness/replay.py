@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import gitsource, liveness, redaction, runner, seal
+from harness import gitsource, liveness, redaction, runner, scratch, seal
 from harness import tags as T
 from harness.compare import (
     BITWISE,
@@ -252,7 +251,7 @@ def record_verdict(
     tracker.set_tags(replay_id, {T.VERDICT: comparison.verdict, T.MLFLOW_RUN_NOTE: markdown})
     tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
     tracker.log_text(replay_id, json.dumps(comparison.to_dict(), indent=2), T.ARTIFACT_COMPARISON)
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch.folder("plots") as tmp:
         plot_metrics(a, b, comparison, Path(tmp))
         tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
     seal.seal(tracker, replay_id)  # the replay closed before its verdict was written: sealed again with it

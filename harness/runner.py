@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from harness import __version__
-from harness import confine, redaction
+from harness import confine, redaction, scratch
 from harness import tags as T
 from harness.config import flatten, split_entry, to_yaml
 from harness.fmt import printable
@@ -320,11 +320,10 @@ def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
 
     if cfg.executor != Executor.local or topology.multi_node or topology.launcher != "spawn":
         return None
-    import tempfile
 
     from harness import launch
 
-    work = Path(tempfile.mkdtemp(prefix="harness-run-"))
+    work = scratch.make("run")
     try:
         return launch.start_ranks(cfg.world_size, work / "logs")
     except BaseException:

@@ -11,13 +11,13 @@ import os
 import queue
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from harness import scratch
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.noise import MIN_SEEDS
@@ -491,7 +491,7 @@ def record_summary(tracker: Tracker, study_id: str, seeds: list[int], members: l
     if entries:
         tracker.log_metric_entries(study_id, entries)
     if summary["metrics"]:
-        with tempfile.TemporaryDirectory() as tmp:
+        with scratch.folder("plots") as tmp:
             plot_spread(summary, records, Path(tmp))
             tracker.log_dir(study_id, Path(tmp), T.ARTIFACT_STUDY_DIR)
     return render_table(summary)

@@ -12,13 +12,12 @@ import json
 import shutil
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import seal
+from harness import scratch, seal
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.recorded import RecordedRun, refuse_non_training
@@ -162,7 +161,7 @@ def trace(
     if store is not None:  # the re-execution starts from it: its files must be there
         store.require([start], cfg.world_size, f"a trace of step {step}", run.tags.get(T.IMPORTED_FROM))
     data = recorded.check_data(repo)
-    work = Path(tempfile.mkdtemp(prefix="harness-trace-"))
+    work = scratch.make("trace")
     try:
         dirs = [work / f"copy{i}" for i in range(copies)]
         for d in dirs:

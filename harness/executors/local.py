@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from harness import tags as T
-from harness import usermlflow, userseed
+from harness import scratch, usermlflow, userseed
 from harness.config import split_entry, to_container, to_yaml
 from harness.delta import setting_risk
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
@@ -127,7 +126,7 @@ def run_segments(
     from harness.launch import launch
 
     device, backend = check_runnable(cfg)
-    work = Path(tempfile.mkdtemp(prefix="harness-audit-"))
+    work = scratch.make("audit")
     try:
         spec = launch_spec(cfg, exp_dir, device, backend, work / "logs", data=data)
         spec.segments = plans
@@ -208,7 +207,7 @@ class LocalHandle(Handle):
         self.deferred: list[int] = []  # signals that arrived while the run was being recorded
         self.recording = False
         # Ranks started before the record already write their logs into <work>/logs.
-        self.work = Path(job.ranks.log_dir).parent if job.ranks is not None else Path(tempfile.mkdtemp(prefix="harness-run-"))
+        self.work = Path(job.ranks.log_dir).parent if job.ranks is not None else scratch.make("run")
 
     @property
     def records(self) -> bool:

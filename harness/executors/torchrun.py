@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from harness import tags as T
-from harness import usermlflow
+from harness.runtime import usermlflow
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Topology
 from harness.executors.local import check_runnable, LocalHandle, _node_tags, config_id, local_image_tags
@@ -194,7 +194,7 @@ class TorchrunHandle(LocalHandle):
 
         import torch.distributed as dist
 
-        from harness.launch import host_store
+        from harness.executors.launch import host_store
 
         env, timeout_s = self.env, float(self.job.cfg.rendezvous_timeout_s)
         if env.rank == 0 and not env.agent_store:
@@ -224,7 +224,7 @@ class TorchrunHandle(LocalHandle):
 
         `on_ranks` is unused: this process is a rank itself, with no progress array for the bar to read."""
         from harness.executors.multinode import _LAST_WORD_S, _POLL_S
-        from harness.launch import failure_details, is_peer_failure
+        from harness.executors.launch import failure_details, is_peer_failure
 
         node, rank = self.node, self.env.rank
         try:
@@ -258,12 +258,12 @@ class TorchrunHandle(LocalHandle):
         """The rank's body in this process (launch.run_rank); its failure as RunFailed naming the rank and line."""
         import signal
 
-        from harness.launch import failure_record, rank_failed, run_rank
+        from harness.executors.launch import failure_record, rank_failed, run_rank
 
         if self.cancelled:
             raise Interrupted(self.cancelled)
         cwd, path = os.getcwd(), list(sys.path)  # the body runs in the experiment folder; the record does not
-        # ...and with the user's MLflow routed (harness/usermlflow.py); the record keeps the job's store. Not in
+        # ...and with the user's MLflow routed (harness/runtime/usermlflow.py); the record keeps the job's store. Not in
         # run_rank: a spawned rank's MLflow (its atexit end_run) must stay routed until the process is gone.
         mlflow_env = usermlflow.snapshot(os.environ)
         try:
@@ -284,7 +284,7 @@ class TorchrunHandle(LocalHandle):
 
     def _remote(self, posted: dict[str, Any]) -> HarnessError:
         """Another rank's posted failure, as the error that ends this rank too."""
-        from harness.launch import failed
+        from harness.executors.launch import failed
 
         if posted.get("signum"):
             return Interrupted(int(posted["signum"]))

@@ -1,0 +1,506 @@
+"""The only boundary to git: commit, branch, the dirty tree as exact patch bytes, remote URL, replay worktrees."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from harness.errors import HarnessError
+from harness.store.urls import strip_credentials
+
+# A whole-repository `add -A` or `diff` on a big tree takes seconds; minutes mean git is stuck.
+GIT_TIMEOUT_S = 600
+MODE_GITLINK = "160000"
+MODE_SYMLINK = "120000"
+MODE_EXECUTABLE = "100755"
+MODE_REGULAR = "100644"
+MIB = 1 << 20
+# Untracked files with these names usually hold credentials; matched on the file name, any folder.
+SECRET_PATTERNS = (
+    ".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_dsa*", "id_ecdsa*",
+    "id_ed25519*", "credentials*", ".netrc", "_netrc", ".pypirc", ".git-credentials", "*.kdbx", "secrets.*",
+)
+# Options that pin the patch's format: the user's diff config (noprefix, mnemonicPrefix, color,
+# external diff, textconv, renames, context lines, algorithm, order, relative, submodule log
+# format) must not change the bytes recorded, nor make a patch that `git apply` rejects.
+_DIFF_ARGS = (
+    "--binary", "--full-index", "--unified=3", "--diff-algorithm=myers", "--indent-heuristic", "--no-renames",
+    "--no-color", "--no-ext-diff", "--no-textconv", "--no-relative", "--ignore-submodules=none",
+    "--submodule=short", "-O/dev/null", "--src-prefix=a/", "--dst-prefix=b/",
+)
+# Settings with no command-line option that still change the bytes: fixed, so the same tree gives
+# the same patch (and sha256) whoever records it. Names stay readable UTF-8 in the patch.
+_DIFF_CONFIG = ("core.quotepath=off", "diff.suppressBlankEmpty=false")
+
+
+@dataclass(frozen=True)
+class GitState:
+    root: Path
+    commit: str
+    branch: str | None  # None on a detached HEAD
+    dirty: bool
+    patch: bytes  # tracked and untracked (not ignored) changes against `commit`, exact bytes, never decoded
+    repo_url: str | None  # origin's URL with any credentials stripped
+    excluded: tuple[str, ...] = ()  # paths left out of the record though not ignored (the store's own files)
+    untracked: tuple[str, ...] = ()  # untracked, not ignored files the patch records, relative to `root`
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Where a patch applied to its commit does not rebuild a tree; `path` None means the tree as a whole."""
+
+    path: str | None
+    expected: str
+    found: str
+
+
+class GitFailed(HarnessError):
+    """A git command exited non-zero; `detail` is the last line git wrote to stderr."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def _git():  # lazy: gitpython spawns `git` on import checks
+    import git
+
+    return git
+
+
+def _run(
+    cwd: Path, args: list[str], index: Path | None = None, config: tuple[str, ...] = (), stdin: bytes | None = None
+) -> bytes:
+    """`git -c CONFIG.. ARGS` in `cwd`, stdout as bytes; with `index`, against that index file, not the user's."""
+    env = dict(os.environ)
+    if index is not None:
+        env["GIT_INDEX_FILE"] = str(index)
+    try:
+        proc = subprocess.run(
+            ["git", *(arg for item in config for arg in ("-c", item)), *args],
+            cwd=cwd, env=env, capture_output=True, timeout=GIT_TIMEOUT_S, check=False, input=stdin,
+        )
+    except subprocess.TimeoutExpired:
+        raise HarnessError(
+            f"`git {args[0]}` in '{cwd}' did not finish within {GIT_TIMEOUT_S} s. "
+            "Check the repository with `git status` (a lock file, a huge untracked folder)."
+        ) from None
+    if proc.returncode != 0:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        detail = lines[-1] if lines else f"exit {proc.returncode}"
+        raise GitFailed(f"`git {args[0]}` failed in '{cwd}': {detail}. Check the repository with `git status`.", detail)
+    return proc.stdout
+
+
+def first_few(names: tuple[str, ...] | list[str], limit: int = 5) -> str:
+    """`'a', 'b', 'c' and 4 more`: names for a one-line message, however many there are."""
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _show(path: bytes) -> str:
+    """A git path for a one-line message (never for git itself): a newline or a byte that is not
+    UTF-8 in a name is shown escaped, so the message stays one printable line."""
+    text = os.fsdecode(path)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def open_repo(path: Path):
+    git = _git()
+    try:
+        return git.Repo(path, search_parent_directories=True)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise HarnessError(
+            f"'{path}' is not inside a git repository; harness records the commit of every run. "
+            "Run `git init` and commit the experiment first."
+        ) from None
+
+
+def inspect(
+    path: Path, *, max_untracked_mib: float | None, allow_secrets: bool = False, exclude: tuple[Path, ...] = ()
+) -> GitState:
+    """Read the repository holding `path`; the user's index and tree are never modified.
+
+    Refuses (HarnessError) a tree the patch could not hold exactly: untracked secrets (unless
+    `allow_secrets`), untracked files over `max_untracked_mib` MiB (None: no limit), nested
+    repositories and moved submodules, and files git stores differently from their bytes on disk.
+    Paths in `exclude` (a tracking store inside the repository) are left out of the record; those
+    present and not ignored are named in `GitState.excluded`.
+    """
+    repo = open_repo(path)
+    if not repo.head.is_valid():
+        raise HarnessError(f"git repository '{repo.working_tree_dir}' has no commits yet. Commit the experiment first.")
+    root = Path(repo.working_tree_dir)
+    commit = repo.head.commit.hexsha
+    branch = None if repo.head.is_detached else repo.active_branch.name
+    pathspec, excluded = _exclusions(root, exclude)
+    # Before `add -A`: a secret or a huge file must not even be hashed into the object store.
+    untracked = _check_untracked(root, max_untracked_mib, allow_secrets, pathspec)
+    patch = _working_tree_patch(root, commit, pathspec)
+    url = None
+    with contextlib.suppress(Exception):
+        remote = repo.remotes.origin if "origin" in repo.remotes else (repo.remotes[0] if repo.remotes else None)
+        url = strip_credentials(next(remote.urls)) if remote is not None else None
+    return GitState(root, commit, branch, bool(patch), patch, url, excluded, untracked)
+
+
+def _exclusions(root: Path, paths: tuple[Path, ...]) -> tuple[list[str], tuple[str, ...]]:
+    """(pathspec selecting the tree without `paths`, those of `paths` present there and not ignored)."""
+    top = root.resolve()
+    inside = []
+    for path in paths:
+        with contextlib.suppress(ValueError):
+            inside.append(Path(path).resolve().relative_to(top).as_posix())
+    inside = [rel for rel in inside if rel != "."]
+    present = [rel for rel in inside if (top / rel).exists()]
+    ignored = set()
+    if present:
+        names = b"".join(os.fsencode(rel) + b"\0" for rel in present)
+        try:  # check-ignore exits 1 when none of them is ignored
+            ignored = {os.fsdecode(p) for p in _run(root, ["check-ignore", "-z", "--stdin"], stdin=names).split(b"\0") if p}
+        except GitFailed:
+            ignored = set()
+    excluded = tuple(rel for rel in present if rel not in ignored)
+    # Only what git would otherwise add: naming an ignored path in a pathspec makes `git add` fail.
+    spec = [".", *(f":(exclude,literal){rel}" for rel in excluded)] if excluded else []
+    return spec, excluded
+
+
+def secret_pattern(name: bytes) -> str | None:
+    """The pattern of SECRET_PATTERNS the file name matches, if any (case-insensitive)."""
+    base = os.fsdecode(name).rsplit("/", 1)[-1].lower()
+    return next((p for p in SECRET_PATTERNS if fnmatch.fnmatchcase(base, p)), None)
+
+
+def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str]) -> tuple[str, ...]:
+    """Refuse untracked files the record must not or cannot hold; returns the untracked files it will hold."""
+    out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
+    secrets: list[tuple[bytes, str]] = []
+    names = tuple(_show(rel) for rel in filter(None, out.split(b"\0")))
+    for rel in filter(None, out.split(b"\0")):
+        # ls-files stops at a nested repository and names its folder with a trailing slash.
+        if rel.endswith(b"/"):
+            raise HarnessError(
+                f"'{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
+                "cannot hold it. Add it to .gitignore, or add it as a submodule and commit the submodule."
+            )
+        pattern = secret_pattern(rel)
+        if pattern is not None and not allow_secrets:
+            secrets.append((rel, pattern))
+            continue
+        if max_mib is None:
+            continue
+        with contextlib.suppress(FileNotFoundError):  # deleted meanwhile: `add -A` will not see it either
+            size = os.lstat(os.path.join(os.fsencode(root), rel)).st_size
+            if size > max_mib * MIB:
+                raise HarnessError(
+                    f"'{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
+                    f"record's limit of {max_mib:g} MiB (record.max_untracked_mib). Commit it, add it to "
+                    "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
+                    "limit (record.max_untracked_mib=50)."
+                )
+    if len(secrets) == 1:
+        (rel, pattern), = secrets
+        raise HarnessError(
+            f"'{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
+            "stored with the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
+            "--allow-untracked-secrets knowingly."
+        )
+    if secrets:  # every one at once: fixing them one run at a time would be tedious
+        raise HarnessError(
+            f"{first_few([_show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
+            "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, or pass --allow-untracked-secrets knowingly."
+        )
+    return names
+
+
+def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        # A throwaway index seeded from HEAD: `add -A` then sees untracked files too, and the
+        # user's real index (staged work) stays exactly as it was.
+        index = Path(tmp, "index")
+        _run(root, ["read-tree", commit], index)
+        # safecrlf would stop `add` with git's own message; the round trip below names the file instead.
+        _run(root, ["add", "-A", "--", *pathspec], index, ("core.safecrlf=false",))
+        _refuse_gitlinks(root, commit, index)
+        patch = _run(root, ["diff", "--cached", *_DIFF_ARGS, commit], index, _DIFF_CONFIG)
+        if not patch:
+            return b""
+        tree = _run(root, ["write-tree"], index).strip().decode("ascii")
+        mismatch = verify_patch(root, commit, patch, root, expected_tree=tree)
+        if mismatch is None:
+            return patch
+        if mismatch.path is None:
+            raise HarnessError(
+                f"the patch of the uncommitted changes in {root} does not rebuild them (tree {mismatch.found} "
+                f"instead of {mismatch.expected}). Commit the changes and run again."
+            )
+        raise HarnessError(
+            f"'{mismatch.path}' cannot be recorded exactly: git stores it differently from its bytes on disk "
+            "(a .gitattributes filter or eol setting, or core.autocrlf). Commit it, or remove the attribute for it."
+        )
+
+
+def _raw_changes(cwd: Path, commit: str, index: Path) -> list[tuple[str, str, str, bytes]]:
+    """(old mode, new mode, new blob id, path) of every entry of `index` that differs from `commit`."""
+    out = _run(cwd, ["diff-index", "--cached", "-z", "--raw", "--no-abbrev", "--no-renames",
+                     "--ignore-submodules=none", commit], index)
+    fields = out.split(b"\0")
+    changes = []
+    for meta, path in zip(fields[0::2], fields[1::2]):
+        if meta.startswith(b":"):
+            old_mode, new_mode, _, new_id, _ = meta[1:].decode("ascii").split(" ")
+            changes.append((old_mode, new_mode, new_id, path))
+    return changes
+
+
+def _refuse_gitlinks(root: Path, commit: str, index: Path) -> None:
+    for old_mode, new_mode, new_id, path in _raw_changes(root, commit, index):
+        if MODE_GITLINK in (old_mode, new_mode):
+            # Untracked nested repositories are refused earlier; this is a submodule whose checkout moved.
+            raise HarnessError(
+                f"submodule '{_show(path)}' is checked out at {new_id[:12]}, not at the commit recorded in "
+                f"{commit[:12]}; the code record cannot hold a submodule change. Commit the submodule update "
+                f"(git add '{_show(path)}' && git commit), or check it out at the recorded commit."
+            )
+
+
+def _object_format(cwd: Path) -> str:
+    return _run(cwd, ["rev-parse", "--show-object-format"]).strip().decode("ascii")
+
+
+def blob_id(data: bytes, object_format: str = "sha1") -> str:
+    """The id git gives a blob of exactly these bytes (no filters)."""
+    return hashlib.new(object_format, b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _on_disk(path: bytes, object_format: str) -> tuple[str, str] | None:
+    """(mode, blob id) of the file at `path` as git would store it raw, None when nothing is there."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return MODE_SYMLINK, blob_id(os.readlink(path), object_format)
+    if stat.S_ISDIR(st.st_mode):
+        return None  # a folder where a file was: the file itself is gone
+    with open(path, "rb") as fh:
+        data = fh.read()
+    # git's own test: the owner's executable bit.
+    return (MODE_EXECUTABLE if st.st_mode & stat.S_IXUSR else MODE_REGULAR), blob_id(data, object_format)
+
+
+def _describe(entry: tuple[str, str] | None) -> str:
+    return "absent" if entry is None else f"mode {entry[0]} blob {entry[1]}"
+
+
+def verify_patch(
+    repo_root: Path, commit: str, patch: bytes, tree_root: Path, expected_tree: str | None = None
+) -> Mismatch | None:
+    """Apply `patch` to `commit` in a scratch index and compare every path it touches with `tree_root`.
+
+    Regular files by the blob id of their raw bytes and their executable bit, symlinks by the blob id
+    of their target, deleted paths by absence. With `expected_tree`, the scratch index must also
+    write exactly that tree, so no change was left out of the patch. None when all match.
+    """
+    object_format = _object_format(repo_root)
+    file_mode = _run(repo_root, ["config", "--type=bool", "--default=true", "core.fileMode"]).strip() == b"true"
+    with tempfile.TemporaryDirectory() as tmp:
+        index = Path(tmp, "index")
+        patch_file = Path(tmp, "uncommitted.patch")
+        patch_file.write_bytes(patch)
+        _run(repo_root, ["read-tree", commit], index)
+        _run(repo_root, ["apply", "--cached", "--binary", "--whitespace=nowarn", str(patch_file)], index)
+        if expected_tree is not None:
+            tree = _run(repo_root, ["write-tree"], index).strip().decode("ascii")
+            if tree != expected_tree:
+                return Mismatch(None, expected_tree, tree)
+        root = os.fsencode(tree_root)
+        for _, new_mode, new_id, path in _raw_changes(repo_root, commit, index):
+            expected = None if set(new_id) == {"0"} else (new_mode, new_id)
+            found = _on_disk(os.path.join(root, path), object_format)
+            regular = {MODE_REGULAR, MODE_EXECUTABLE}
+            if not file_mode and expected and found and {expected[0], found[0]} <= regular:
+                found = (expected[0], found[1])  # core.fileMode=false: git ignores the executable bit, so do we
+            if expected != found:
+                return Mismatch(_show(path), _describe(expected), _describe(found))
+    return None
+
+
+def has_commit(root: Path, commit: str) -> bool:
+    git = _git()
+    repo = open_repo(root)
+    try:
+        repo.commit(commit)
+        return True
+    except (ValueError, git.BadName, git.GitCommandError):
+        return False
+
+
+_WORKTREE_PREFIX = "harness-code-"
+_STALE = re.compile(rf"{_WORKTREE_PREFIX}(\d+)-[^/]*/tree$")
+
+
+def prune_stale_worktrees(repo: Any) -> list[str]:
+    """Remove the worktrees that harness processes killed before their cleanup left registered in the user's
+    repository (`git worktree list`), with their folders; returns their paths."""
+    git = _git()
+    removed = []
+    try:
+        listing = repo.git.worktree("list", "--porcelain")
+    except git.GitCommandError:
+        return removed
+    for line in listing.splitlines():
+        if not line.startswith("worktree "):
+            continue
+        path = line[len("worktree "):]
+        match = _STALE.search(path)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("remove", "--force", path)
+        shutil.rmtree(Path(path).parent, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("prune")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = None) -> Iterator[Path]:
+    """A detached temporary worktree at `commit` with `patch` applied and checked byte for byte; removed afterwards.
+
+    `base`: the folder to make it in (default: the system's temporary folder).
+    """
+    git = _git()
+    repo = open_repo(root)
+    prune_stale_worktrees(repo)
+    # The pid in the name: a worktree whose process was killed is known as stale by the next one.
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_WORKTREE_PREFIX}{os.getpid()}-", dir=base))
+    path = tmp / "tree"
+    try:
+        repo.git.worktree("add", "--detach", str(path), commit)
+    except git.GitCommandError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("prune")
+        lines = [line.strip() for line in str(err.stderr or "").splitlines() if line.strip()]
+        said = [line[line.index("error:"):] for line in lines if "error:" in line] or [lines[-1].strip("'")] if lines else []
+        detail = _show(os.fsencode(said[0])) if said else f"exit {err.status}"
+        raise HarnessError(
+            f"commit {commit[:12]} cannot be checked out ({detail}); git refuses its tree (a '.git' path, or a "
+            "name this filesystem cannot hold). Replay a run whose commit git can check out."
+        ) from None
+    try:
+        if patch:
+            patch_file = tmp / "uncommitted.patch"
+            patch_file.write_bytes(patch)
+            try:
+                _run(path, ["apply", "--binary", "--whitespace=nowarn", str(patch_file)])
+            except GitFailed as err:
+                raise HarnessError(
+                    f"the recorded patch does not apply to {commit[:12]}: {err.detail}. "
+                    "The commit in this repository differs from the recorded one."
+                ) from None
+            # git apply writes through checkout filters and eol conversion: the bytes the ranks
+            # would read may differ from the ones recorded.
+            mismatch = verify_patch(path, commit, patch, path)
+            if mismatch is not None:
+                raise HarnessError(
+                    f"'{mismatch.path}' in the replay worktree is not what was recorded ({mismatch.found} instead of "
+                    f"{mismatch.expected}): git converted it on checkout (a .gitattributes filter or eol setting, or "
+                    "core.autocrlf of this repository). Remove that setting for it, or replay in a clone without it."
+                )
+        yield path
+    finally:
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("remove", "--force", str(path))
+        with contextlib.suppress(git.GitCommandError):
+            repo.git.worktree("prune")
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+BUNDLE_REF = "refs/harness/recorded"  # the one ref of a run's code bundle, naming the recorded commit
+
+
+def bundle_commit(root: Path, commit: str, dest: Path) -> None:
+    """Write a git bundle holding `commit` and its history to `dest`: the code travels without the remote.
+
+    A bundle must name a ref; it is made in a scratch repository that borrows the objects of `root`
+    (git alternates), so the user's refs stay as they are.
+    """
+    if not has_commit(root, commit):
+        raise HarnessError(
+            f"commit {commit[:12]} is not in the repository at {root}. Run the export inside a clone that has it."
+        )
+    objects = Path(_run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode())
+    with tempfile.TemporaryDirectory(prefix="harness-bundle-") as tmp:
+        scratch = Path(tmp, "scratch.git")
+        _run(Path(tmp), ["init", "-q", "--bare", f"--object-format={_object_format(root)}", str(scratch)])
+        (scratch / "objects" / "info" / "alternates").write_text(f"{objects}\n")
+        _run(scratch, ["update-ref", BUNDLE_REF, commit])
+        _run(scratch, ["bundle", "create", "-q", str(dest), BUNDLE_REF])
+
+
+@contextlib.contextmanager
+def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
+    """A temporary repository holding only what `bundle` holds; refused unless it contains `commit`."""
+    heads = _run(bundle.parent, ["bundle", "list-heads", str(bundle)]).split()
+    object_format = "sha256" if heads and len(heads[0]) == 64 else "sha1"
+    tmp = Path(tempfile.mkdtemp(prefix="harness-bundled-"))
+    try:
+        repo = tmp / "repo"
+        _run(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])
+        _run(repo, ["fetch", "-q", str(bundle), f"{BUNDLE_REF}:{BUNDLE_REF}"])
+        if not has_commit(repo, commit):
+            raise HarnessError(
+                f"the code bundle {bundle.name} does not hold the recorded commit {commit[:12]}. "
+                "Export the run again from a repository that has it."
+            )
+        yield repo
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def find_repo(path: Path) -> Path | None:
+    """The working tree of the repository holding `path`, None when there is none."""
+    git = _git()
+    try:
+        return Path(git.Repo(path, search_parent_directories=True).working_tree_dir)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return None
+
+
+def recorded_symlinks(root: Path, folder: Path) -> list[Path]:
+    """The symbolic links under `folder` that the code record holds: tracked, or untracked and not ignored."""
+    try:
+        rel = Path(folder).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return []
+    spec = ["--", rel] if rel != "." else []
+    links = [p[p.index(b"\t") + 1:] for p in _run(root, ["ls-files", "-z", "-s", *spec]).split(b"\0")
+             if p.startswith(MODE_SYMLINK.encode())]
+    others = [p for p in _run(root, ["ls-files", "-z", "--others", "--exclude-standard", *spec]).split(b"\0") if p]
+    out = [Path(os.fsdecode(os.path.join(os.fsencode(root), p))) for p in links]
+    out += [path for p in others if (path := Path(os.fsdecode(os.path.join(os.fsencode(root), p)))).is_symlink()]
+    return out

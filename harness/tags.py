@@ -13,6 +13,9 @@ MLFLOW_RUN_NOTE = "mlflow.note.content"
 # Experiment tags the UI reads: the experiment's kind, and views shared through `?viewStateShareKey=`.
 MLFLOW_EXPERIMENT_KIND = "mlflow.experimentKind"
 MLFLOW_SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
+# Not a tag but MLflow's name all the same, set by the store and inside ranks: MLflow prints `View run NAME at:
+# URL` when a run on a server ends, the URL with the server's user:password.
+MLFLOW_SUPPRESS_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 
 # MLflow run statuses harness sets and checks.
 RUNNING = "RUNNING"

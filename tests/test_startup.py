@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, pid_alive
-from harness.cli.console import progress_note, rate_and_eta
+from harness.executors.console import progress_note, rate_and_eta
 from harness.errors import RunFailed
 from harness.executors.launch import LaunchSpec, launch, start_ranks
 

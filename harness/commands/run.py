@@ -15,32 +15,20 @@ from omegaconf import DictConfig
 from harness import __version__
 from harness.record import confine
 from harness.record import redaction
+from harness.record.recorded import code_id, recorded_config
 from harness import tags as T
 from harness.config import flatten, split_entry, to_yaml
 from harness.fmt import printable
 from harness.errors import HarnessError
 from harness.executors.base import Job, Outcome, Topology
 from harness.systems.git import GitState
-from harness.store.tracking import RunSummary, Tracker
+from harness.store.tracking import Tracker
 
 __all__ = ["Outcome", "Preflight", "create_record", "preflight", "recorded_config", "run", "execute_recorded"]
 
 
 def experiment_name(exp_dir: Path) -> str:
     return Path(exp_dir).resolve().name
-
-
-def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
-    """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
-    from omegaconf import OmegaConf
-
-    from harness.config import compose
-
-    text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
-    if text is None:
-        raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
-    pinned = {key: run.tags[tag] for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)) if tag in run.tags}
-    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
 
 
 def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
@@ -231,11 +219,6 @@ def data_paths(manifest: dict | None) -> dict[str, str]:
     from harness.record import data
 
     return data.paths(manifest)
-
-
-def code_id(commit: str, patch_sha256: str | None) -> str:
-    """What every node of a job must agree on: the commit and, for a dirty tree, the patch."""
-    return f"{commit}+{patch_sha256}" if patch_sha256 else commit
 
 
 def run(

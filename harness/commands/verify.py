@@ -6,100 +6,27 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from harness.record import seal
 from harness import tags as T
-from harness.judge.claims import Claim, as_decimal, load_claims, prints_as
+from harness.judge.claims import (
+    CLAIM_WITHIN_NOISE, HOLDS, MISPRINTED, NOT_REPRODUCED, Claim, Source, Verdict, as_decimal, load_claims, prints_as,
+)
 from harness.judge.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.fmt import json_float
 from harness.judge.noise import MIN_SEEDS, another_mean
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
-# A claim's outcome. HOLDS: printed as recorded and (with --replay) the replay reproduced it.
-HOLDS = "HOLDS"
-# A mean over seeds printed otherwise than recorded, but where the mean of another N seeds could land
-# (noise.another_mean): the claim stands, the printed digits are not these runs'. It holds.
-CLAIM_WITHIN_NOISE = WITHIN_NOISE
-MISPRINTED = "MISPRINTED"  # the printed number (or its +-) is not what the runs produced, nor within their noise
-NOT_REPRODUCED = "NOT_REPRODUCED"  # printed correctly, but the replay DIVERGED or had nothing to compare
 # The verify run's verdict (harness.verdict): every claim holds, or not.
 ALL_HOLD, SOME_FAIL = "HOLDS", "FAILS"
 # Replay verdicts under which a claim stands: the replay reproduced the runs, bit for bit, within the
 # experiment's tolerance, or within the seeds' noise.
 REPRODUCED = (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE)
-# The facts shown per run in the report's environment section: (label, tag).
-ENVIRONMENT = (
-    ("commit", T.GIT_COMMIT), ("dirty", T.GIT_DIRTY), ("image digest", T.IMAGE_DIGEST),
-    ("torch", T.ENV_PREFIX + "torch"), ("cpu", T.ENV_PREFIX + "cpu"), ("gpu", T.ENV_PREFIX + "gpu"),
-    ("threads per rank", T.THREADS_PER_RANK), ("world size", T.WORLD_SIZE), ("backend", T.BACKEND),
-    ("determinism", T.DETERMINISM_PREFIX + "level"),
-)
-
-
-@dataclass
-class Source:
-    """A study or single run that claims rest on, resolved in this store, with its runs' records."""
-
-    given: str  # the id as the claims file names it
-    run: RunSummary  # the study's run, or the single run
-    records: list[RunRecord]  # the FINISHED members (a single run: itself)
-    is_study: bool
-    replay_verdict: str | None = None
-    replay_summary: str = ""
-    replay_id: str | None = None  # the study replay or the replay run
-    replays: list[RunRecord] = field(default_factory=list)
-    replayed_originals: list[str] = field(default_factory=list)  # the run each replay reran (--members K draws some)
-    blockers: list[str] = field(default_factory=list)  # why the replays could not be bitwise
-
-    @property
-    def run_id(self) -> str:
-        return self.run.run_id
-
-
-@dataclass
-class Verdict:
-    """One claim judged: the recorded (and replayed) numbers next to the printed one."""
-
-    claim: Claim
-    source: Source
-    values: list[float]  # per recorded run, scaled, in member order
-    recorded: float  # the statistic over `values`
-    recorded_spread: float | None  # what the +- means, over `values` (None: one run)
-    value_ok: bool
-    spread_ok: bool
-    replayed_values: list[float] = field(default_factory=list)
-    replayed: float | None = None
-    # The recorded statistic over just the members that were replayed (--members K < N): the like-for-like number.
-    recorded_replayed_members: float | None = None
-    outcome: str = HOLDS
-    noise_interval: tuple[float, float] | None = None  # where another N seeds' mean lands (a mean claim on a study)
-
-    @property
-    def holds(self) -> bool:
-        return self.outcome in (HOLDS, CLAIM_WITHIN_NOISE)
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.claim
-        return {
-            "id": c.id, "text": c.text, "metric": c.metric, "paper": c.paper_text,
-            "study" if c.study else "run": c.source, "resolved": self.source.run_id,
-            "value": c.value, "statistic": c.statistic, "spread": c.spread, "scale": str(c.scale),
-            "n": len(self.values), "values": [json_float(v) for v in self.values],
-            "recorded": json_float(self.recorded), "recorded_spread": json_float(self.recorded_spread),
-            "printed_value_matches": self.value_ok, "printed_spread_matches": self.spread_ok,
-            "noise_interval": None if self.noise_interval is None else [json_float(x) for x in self.noise_interval],
-            "replay_verdict": self.source.replay_verdict, "replay_id": self.source.replay_id,
-            "replayed_values": [json_float(v) for v in self.replayed_values], "replayed": json_float(self.replayed),
-            "recorded_replayed_members": json_float(self.recorded_replayed_members),
-            "outcome": self.outcome,
-        }
 
 
 @dataclass
@@ -279,15 +206,6 @@ def verify(claims_file: Path, *, replay: bool = False, members: int | None = Non
     return record(tracker, claims_file, verdicts, replay, list(overrides or []))
 
 
-def environment(records: list[RunRecord]) -> list[tuple[str, str]]:
-    """Each ENVIRONMENT fact over the runs: one value, or the distinct values joined with ' | '."""
-    out = []
-    for label, tag in ENVIRONMENT:
-        seen = list(dict.fromkeys(r.facts.get(tag, "-") for r in records))
-        out.append((label, " | ".join(seen)))
-    return out
-
-
 def record(tracker: Tracker, claims_file: Path, verdicts: list[Verdict], replayed: bool,
            changes: list[str]) -> VerifyResult:
     """One MLflow run (kind verify) in the first claim's experiment: the reports, claims.json, the claims file."""
@@ -319,15 +237,3 @@ def record(tracker: Tracker, claims_file: Path, verdicts: list[Verdict], replaye
     where = (str(local / T.ARTIFACT_VERIFY_DIR / "report.html") if local is not None
              else f"{tracker.get_run(run_id).artifact_uri}/{T.ARTIFACT_VERIFY_DIR}/report.html")
     return VerifyResult(claims_file, verdicts, run_id, where, replayed)
-
-
-def fmt(x: float | None, like: Decimal | None = None) -> str:
-    """A recorded number with two more decimals than the printed one it is held against (else 6 significant)."""
-    if x is None:
-        return "-"
-    if not math.isfinite(x):
-        return str(x)
-    if like is not None:
-        decimals = max(0, -int(like.as_tuple().exponent)) + 2  # type: ignore[arg-type]
-        return f"{x:.{decimals}f}"
-    return f"{x:.6g}"

@@ -32,7 +32,7 @@ from harness.messages import (
     Checkpoint, Determinism, DeterminismChanged, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice,
     SegmentEnd, SegmentStart, SettingChange, Total, UserSeeds,
 )
-from harness.store.reach import reason_of
+from harness.store.reach import absolute_uri, reason_of
 from harness.store.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
@@ -269,7 +269,7 @@ class LocalHandle(Handle):
 
     # -- the node that runs rank 0 -----------------------------------------------------------------
     def _run_and_record(self) -> Outcome:
-        from harness.cli.console import Console
+        from harness.executors.console import Console
         from harness.executors.launch import failed, failure_details, launch
         from harness.record.provenance import package_lock, runtime_facts
 
@@ -318,7 +318,7 @@ class LocalHandle(Handle):
             spec = self._spec(device, backend, log_dir, plan)
             spec.run_id = run_id
             # The user's own mlflow calls in rank 0 land in this run, never in a store of the code folder.
-            spec.env.update(usermlflow.run_env(tracker.client_uri, run_id, tracker.get_run(run_id).experiment_id))
+            spec.env.update(usermlflow.run_env(absolute_uri(tracker.client_uri), run_id, tracker.get_run(run_id).experiment_id))
             writer = tracker.metric_writer(run_id, cfg.flush_interval_s, outages)
             if prior is not None:
                 writer.prime(prior.metrics)

@@ -1,13 +1,20 @@
-"""A paper's claims file: the numbers it prints, exactly as printed, and which recorded runs they rest on."""
+"""A paper's claims file: the numbers it prints, exactly as printed, and which recorded runs they rest on;
+and a claim judged against those runs (the verdict harness verify records)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import math
 from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal, InvalidOperation
 from pathlib import Path
+from typing import Any
 
+from harness import tags as T
 from harness.errors import HarnessError
+from harness.fmt import json_float
+from harness.judge.compare import WITHIN_NOISE
+from harness.records import RunRecord, RunSummary
 
 VALUES = ("final", "max", "min")  # per run: the value at the last step, or the best over all steps
 STATISTICS = ("mean", "median", "min", "max")  # over a study's seeds
@@ -212,3 +219,100 @@ def _claim(path: Path, index: int, node: object) -> Claim:
                     "fraction as a percent)") from None
     return Claim(id=cid, metric=metric, paper=paper, paper_text=paper_text, study=study, run=run,
                  text=scalar("text") or "", value=value, statistic=statistic, spread=spread, scale=scale)
+
+
+# -- a claim judged (harness verify) ------------------------------------------------------------------
+# A claim's outcome. HOLDS: printed as recorded and (with --replay) the replay reproduced it.
+HOLDS = "HOLDS"
+# A mean over seeds printed otherwise than recorded, but where the mean of another N seeds could land
+# (noise.another_mean): the claim stands, the printed digits are not these runs'. It holds.
+CLAIM_WITHIN_NOISE = WITHIN_NOISE
+MISPRINTED = "MISPRINTED"  # the printed number (or its +-) is not what the runs produced, nor within their noise
+NOT_REPRODUCED = "NOT_REPRODUCED"  # printed correctly, but the replay DIVERGED or had nothing to compare
+# The facts shown per run in the report's environment section: (label, tag).
+ENVIRONMENT = (
+    ("commit", T.GIT_COMMIT), ("dirty", T.GIT_DIRTY), ("image digest", T.IMAGE_DIGEST),
+    ("torch", T.ENV_PREFIX + "torch"), ("cpu", T.ENV_PREFIX + "cpu"), ("gpu", T.ENV_PREFIX + "gpu"),
+    ("threads per rank", T.THREADS_PER_RANK), ("world size", T.WORLD_SIZE), ("backend", T.BACKEND),
+    ("determinism", T.DETERMINISM_PREFIX + "level"),
+)
+
+
+@dataclass
+class Source:
+    """A study or single run that claims rest on, resolved in this store, with its runs' records."""
+
+    given: str  # the id as the claims file names it
+    run: RunSummary  # the study's run, or the single run
+    records: list[RunRecord]  # the FINISHED members (a single run: itself)
+    is_study: bool
+    replay_verdict: str | None = None
+    replay_summary: str = ""
+    replay_id: str | None = None  # the study replay or the replay run
+    replays: list[RunRecord] = field(default_factory=list)
+    replayed_originals: list[str] = field(default_factory=list)  # the run each replay reran (--members K draws some)
+    blockers: list[str] = field(default_factory=list)  # why the replays could not be bitwise
+
+    @property
+    def run_id(self) -> str:
+        return self.run.run_id
+
+
+@dataclass
+class Verdict:
+    """One claim judged: the recorded (and replayed) numbers next to the printed one."""
+
+    claim: Claim
+    source: Source
+    values: list[float]  # per recorded run, scaled, in member order
+    recorded: float  # the statistic over `values`
+    recorded_spread: float | None  # what the +- means, over `values` (None: one run)
+    value_ok: bool
+    spread_ok: bool
+    replayed_values: list[float] = field(default_factory=list)
+    replayed: float | None = None
+    # The recorded statistic over just the members that were replayed (--members K < N): the like-for-like number.
+    recorded_replayed_members: float | None = None
+    outcome: str = HOLDS
+    noise_interval: tuple[float, float] | None = None  # where another N seeds' mean lands (a mean claim on a study)
+
+    @property
+    def holds(self) -> bool:
+        return self.outcome in (HOLDS, CLAIM_WITHIN_NOISE)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.claim
+        return {
+            "id": c.id, "text": c.text, "metric": c.metric, "paper": c.paper_text,
+            "study" if c.study else "run": c.source, "resolved": self.source.run_id,
+            "value": c.value, "statistic": c.statistic, "spread": c.spread, "scale": str(c.scale),
+            "n": len(self.values), "values": [json_float(v) for v in self.values],
+            "recorded": json_float(self.recorded), "recorded_spread": json_float(self.recorded_spread),
+            "printed_value_matches": self.value_ok, "printed_spread_matches": self.spread_ok,
+            "noise_interval": None if self.noise_interval is None else [json_float(x) for x in self.noise_interval],
+            "replay_verdict": self.source.replay_verdict, "replay_id": self.source.replay_id,
+            "replayed_values": [json_float(v) for v in self.replayed_values], "replayed": json_float(self.replayed),
+            "recorded_replayed_members": json_float(self.recorded_replayed_members),
+            "outcome": self.outcome,
+        }
+
+
+def environment(records: list[RunRecord]) -> list[tuple[str, str]]:
+    """Each ENVIRONMENT fact over the runs: one value, or the distinct values joined with ' | '."""
+    out = []
+    for label, tag in ENVIRONMENT:
+        seen = list(dict.fromkeys(r.facts.get(tag, "-") for r in records))
+        out.append((label, " | ".join(seen)))
+    return out
+
+
+def fmt(x: float | None, like: Decimal | None = None) -> str:
+    """A recorded number with two more decimals than the printed one it is held against (else 6 significant)."""
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    if like is not None:
+        decimals = max(0, -int(like.as_tuple().exponent)) + 2  # type: ignore[arg-type]
+        return f"{x:.{decimals}f}"
+    return f"{x:.6g}"

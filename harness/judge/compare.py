@@ -18,7 +18,7 @@ from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import fmt_pair, fmt_short, json_safe, the
 from harness.judge.noise import NoiseJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
-from harness.store.tracking import RunRecord
+from harness.records import RunRecord
 
 BITWISE = "BITWISE"
 WITHIN_TOLERANCE = "WITHIN_TOLERANCE"

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from harness import tags
 from harness.config import flatten
 from harness.messages import SettingChange
-from harness.store.tracking import RunRecord
+from harness.records import RunRecord
 
 # Keys that decide how a run is recorded, watched or judged, not what it computes.
 _NO_EFFECT_KEYS: frozenset[str] = frozenset(

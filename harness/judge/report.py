@@ -18,7 +18,7 @@ from harness.judge.compare import (
     as_series,
 )
 from harness.fmt import fmt_short, fmt_value
-from harness.store.tracking import RunRecord
+from harness.records import RunRecord
 
 _VERDICT_WORDS = {
     BITWISE: "bit-identical to the original",

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from harness.judge.report import _cell, _code, _table
 
 if TYPE_CHECKING:
-    from harness.commands.verify import Source, Verdict
+    from harness.judge.claims import Source, Verdict
 
 # Verdict colours of the HTML page (background of the verdict cell).
 _COLOURS = {"HOLDS": "#c8f0c8", "MISPRINTED": "#ffd9a8", "NOT_REPRODUCED": "#f7b8b8",
@@ -27,7 +27,7 @@ img{max-width:100%;border:1px solid #ddd}
 
 
 def _recorded_text(v: "Verdict") -> str:
-    from harness.commands.verify import fmt
+    from harness.judge.claims import fmt
 
     c = v.claim
     text = fmt(v.recorded, c.paper.value)
@@ -37,7 +37,7 @@ def _recorded_text(v: "Verdict") -> str:
 
 
 def _replayed_text(v: "Verdict", replayed: bool) -> str:
-    from harness.commands.verify import fmt
+    from harness.judge.claims import fmt
 
     if not replayed:
         return "-"
@@ -55,7 +55,7 @@ HEADER = ["claim", "paper", "recorded", "replayed", "replay", "verdict"]
 
 def why(v: "Verdict") -> list[str]:
     """Sentences explaining the claim's verdict."""
-    from harness.commands.verify import fmt
+    from harness.judge.claims import fmt
 
     c = v.claim
     kind = f"{c.statistic} over {len(v.values)} seeds" if v.source.is_study else "one run"
@@ -99,7 +99,7 @@ def _sources(verdicts: list["Verdict"]) -> list["Source"]:
 
 
 def render_markdown(verdicts: list["Verdict"], replayed: bool, changes: list[str], run_id: str) -> str:
-    from harness.commands.verify import environment
+    from harness.judge.claims import environment
 
     held = sum(v.holds for v in verdicts)
     out = [f"# Claims check: {held} of {len(verdicts)} hold", "", f"- Verify run: {_code(run_id)}",
@@ -197,7 +197,7 @@ def _html_table(header: list[str], body: list[list[str]], coloured: tuple[int, .
 
 def render_html(verdicts: list["Verdict"], replayed: bool, changes: list[str], run_id: str) -> str:
     """A single page: nothing is fetched from anywhere (the plots are data: URIs)."""
-    from harness.commands.verify import environment
+    from harness.judge.claims import environment
 
     held = sum(v.holds for v in verdicts)
     title = f"Claims check: {held} of {len(verdicts)} hold"

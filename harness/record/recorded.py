@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 from harness.record import confine
 from harness.systems import git as gitsource
 from harness.record import redaction
-from harness.commands import run as runner
 from harness import tags as T
 from harness.config import split_entry, validate
 from harness.errors import HarnessError
@@ -29,6 +28,24 @@ _NOT_TRAINING = {
     T.KIND_VERIFY: "a claims check (harness verify): rerun it with `harness verify CLAIMS_FILE --replay`",
     T.KIND_TRACE: "a trace of one step (harness trace); trace or replay the run it traced (harness.trace_of) instead",
 }
+
+
+def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
+    """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
+    from omegaconf import OmegaConf
+
+    from harness.config import compose
+
+    text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
+    if text is None:
+        raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
+    pinned = {key: run.tags[tag] for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)) if tag in run.tags}
+    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
+
+
+def code_id(commit: str, patch_sha256: str | None) -> str:
+    """What every node of a job must agree on: the commit and, for a dirty tree, the patch."""
+    return f"{commit}+{patch_sha256}" if patch_sha256 else commit
 
 
 def refuse_non_training(run: RunSummary, command: str) -> None:
@@ -52,7 +69,7 @@ class RecordedRun:
 
     @classmethod
     def load(cls, tracker: Tracker, run: RunSummary) -> RecordedRun:
-        return cls(tracker, run, runner.recorded_config(tracker, run))
+        return cls(tracker, run, recorded_config(tracker, run))
 
     def restore_secrets(self, overrides: list[str]) -> list[str]:
         """Put the values the record redacted (redaction.py) back into `cfg`, from `overrides` (KEY=VALUE) or the
@@ -76,7 +93,7 @@ class RecordedRun:
         tags = self.run.tags
         return Job(
             self.tracker, self.cfg, tree, exp_dir, record=record, recorded=self.run, topology=topology or Topology(),
-            code_id=runner.code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), **fields,
+            code_id=code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), **fields,
         )
 
     def check_data(

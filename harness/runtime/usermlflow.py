@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
-from harness.store.reach import SUPPRESS_URL, absolute_uri
+from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL
 
 TRACKING_URI = "MLFLOW_TRACKING_URI"
 RUN_ID = "MLFLOW_RUN_ID"
@@ -34,8 +34,11 @@ SCRATCH_DIR = "user-mlflow"  # beside the job's logs/ folder, removed with the j
 
 
 def run_env(tracking_uri: str, run_id: str, experiment_id: str) -> dict[str, str]:
-    """What rank 0 gets so that the user's fluent MLflow calls land in the job's run (LaunchSpec.env)."""
-    return {TRACKING_URI: absolute_uri(tracking_uri), RUN_ID: run_id, EXPERIMENT_ID: experiment_id}
+    """What rank 0 gets so that the user's fluent MLflow calls land in the job's run (LaunchSpec.env).
+
+    `tracking_uri` is already absolute (harness.store.reach.absolute_uri, the launcher's to call): a rank runs
+    in the code folder, and this layer never reaches the store."""
+    return {TRACKING_URI: tracking_uri, RUN_ID: run_id, EXPERIMENT_ID: experiment_id}
 
 
 def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: Mapping[str, str]) -> str | None:

@@ -21,7 +21,8 @@ from typing import Iterator
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from harness.errors import HarnessError
-from harness.store.urls import strip_credentials
+from harness.tags import MLFLOW_SUPPRESS_URL_ENV
+from harness.urls import strip_credentials
 
 DB_NAME = "mlflow.db"
 
@@ -83,8 +84,7 @@ def local_paths(uri: str) -> list[Path]:
 # gets a deadline instead, and every failure is one line naming the store.
 
 TIMEOUT_ENV = "HARNESS_STORE_TIMEOUT_S"
-# MLflow prints `View run NAME at: URL` when a run on a server ends, the URL with the server's user:password.
-SUPPRESS_URL = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+SUPPRESS_URL = MLFLOW_SUPPRESS_URL_ENV  # the name lives in tags.py: a rank sets it too, and ranks never reach the store
 DEFAULT_TIMEOUT_S = 10.0
 # MLflow's own HTTP calls after the probe: a slow server still gets time, a dead one is given up quickly.
 MLFLOW_HTTP_DEFAULTS = {

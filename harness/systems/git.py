@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 from harness.errors import HarnessError
-from harness.store.urls import strip_credentials
+from harness.urls import strip_credentials
 
 # A whole-repository `add -A` or `diff` on a big tree takes seconds; minutes mean git is stuck.
 GIT_TIMEOUT_S = 600

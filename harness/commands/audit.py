@@ -17,13 +17,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.runtime import checkpoint
-from harness.record import checkpoints as checkpoint_store
-from harness.record import seal
 from harness import tags as T
-from harness.judge.compare import BITWISE, DIVERGED
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
+from harness.executors.local import SegmentMessages, check_runnable, run_segments
+from harness.judge.compare import BITWISE, DIVERGED
+from harness.record import checkpoints as checkpoint_store, seal
+from harness.record.provenance import runtime_facts
 from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.runtime import checkpoint
+from harness.runtime.context import CheckpointPlan
 from harness.store.tracking import Tracker
 
 
@@ -83,8 +85,6 @@ def segments_of(checkpoints: dict[int, str], final: str | None, steps_total: int
 def audit(
     run_id: str, *, segments: int, seed: int | None = None, tracking_uri: str | None = None, repo: Path | None = None
 ) -> AuditResult:
-    from harness.executors.local import check_runnable
-
     tracker = Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
     refuse_non_training(run, "audit")
@@ -167,9 +167,6 @@ def _run_segments(
     segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, data: dict[str, str] | None = None
 ) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
-    from harness.runtime.context import CheckpointPlan
-    from harness.executors.local import SegmentMessages, run_segments
-
     plans = [
         # The final segment runs to the end of training; the others stop at their end checkpoint.
         CheckpointPlan(str(directory), 0, resume_step=seg.start, stop_at=None if seg.end not in record.checkpoints else seg.end)
@@ -215,8 +212,6 @@ def _first_metric_mismatch(logged: dict[tuple[str, int], float], record) -> str:
 
 def _record(tracker: Tracker, run, result: AuditResult) -> str:
     """An MLflow run nested under the audited one: verdict, drawn segments, report."""
-    from harness.record.provenance import runtime_facts
-
     tags = {
         T.VERSION: run.tags[T.VERSION],
         T.KIND: T.KIND_AUDIT,

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from harness.record import seal
 from harness import tags as T
-from harness.record.data import sha256_file
 from harness.errors import HarnessError
+from harness.record import data, seal
+from harness.record.data import sha256_file
 from harness.store.reach import exclusive
+from harness.store.tracking import Tracker, import_complete
+from harness.systems import docker, git as gitsource
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
 FORMAT = 1
@@ -289,8 +291,6 @@ def _stage_run(tracker: Any, run: Any, folder: Path, with_checkpoints: bool) -> 
 
 def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
     """Copy the declared data as recorded into the bundle: every file must still hash as the run read it."""
-    from harness.record import data
-
     manifest = data.recorded_data(tracker, run_id)
     if not manifest or not manifest.get("entries"):
         raise HarnessError(f"run {run_id} declared no data (no data: in its experiment.yaml). Export without --with-data.")
@@ -320,9 +320,6 @@ def export(
     tracking_uri: str | None = None, repo: Path | None = None,
 ) -> ExportResult:
     """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s."""
-    from harness.systems import git as gitsource
-    from harness.store.tracking import Tracker
-
     tracker = Tracker(tracking_uri, writable=False)
     run = tracker.harness_run(run_id)
     if run.status == T.RUNNING:
@@ -369,8 +366,6 @@ def export(
 
 
 def _stage_image(run: Any, dest: Path) -> dict[str, str]:
-    from harness.systems import docker
-
     image_id = run.tags.get(T.IMAGE_ID)
     ref = run.tags.get(T.IMAGE, "none")
     if ref == "none" or not image_id:
@@ -506,8 +501,6 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
 
     A second import of the same run finds the first and writes nothing.
     """
-    from harness.store.tracking import Tracker
-
     _remove_stale(Path(tempfile.gettempdir()), "harness-import-")
     with tempfile.TemporaryDirectory(prefix=f"harness-import-{os.getpid()}-") as tmp:
         unpacked = Path(tmp, "bundle")
@@ -527,8 +520,6 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
 
 
 def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir: Path | None) -> ImportResult:
-    from harness.store.tracking import import_complete
-
     record = _load_record(unpacked / RUN_DIR, manifest.run_id)
     original = record["run_id"]
     # A half import (its importer killed) is no import: it and the replays it made are deleted here, redone below.
@@ -552,8 +543,6 @@ def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir:
         raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
     image = None
     if manifest.image is not None and (unpacked / IMAGE_TAR).is_file():
-        from harness.systems import docker
-
         # Before the store is written: an image that is not the recorded one leaves the store untouched.
         docker.load_image(unpacked / IMAGE_TAR, manifest.image["id"])
         image = manifest.image["ref"]

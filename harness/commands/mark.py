@@ -7,6 +7,7 @@ from typing import Mapping
 
 from harness import tags as T
 from harness.errors import HarnessError
+from harness.store.tracking import Tracker
 
 
 
@@ -41,8 +42,6 @@ def is_stale(tags: Mapping[str, str], now: float) -> bool:
 
 def mark(run_id: str, status: str, *, force: bool = False, tracking_uri: str | None = None) -> str:
     """Close a RUNNING run whose launcher is gone as FAILED or KILLED; returns the reason recorded."""
-    from harness.store.tracking import Tracker
-
     if status not in T.INCOMPLETE:
         raise HarnessError(f"--status must be one of {', '.join(T.INCOMPLETE)}, not '{status}'.")
     tracker = Tracker(tracking_uri)

@@ -13,31 +13,21 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.systems import git as gitsource
-from harness.commands import mark as liveness
-from harness.record import redaction
-from harness.commands import run as runner
-from harness.record import seal
-from harness import tags as T
-from harness.judge.compare import (
-    BITWISE,
-    DIVERGED,
-    NOTHING_TO_COMPARE,
-    WITHIN_NOISE,
-    WITHIN_TOLERANCE,
-    Comparison,
-    compare_runs,
-    format_tolerances,
-    judge_noise,
-    judged_tolerance,
-    parse_tolerances,
-)
+from harness import executors, tags as T
+from harness.commands import mark as liveness, run as runner
 from harness.config import compose, parse_overrides, validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.fmt import json_safe
 from harness.executors import Outcome, Topology
+from harness.fmt import json_safe
+from harness.judge import noise
+from harness.judge.compare import (
+    BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_NOISE, WITHIN_TOLERANCE, Comparison, compare_runs, format_tolerances,
+    judge_noise, judged_tolerance, parse_tolerances,
+)
+from harness.record import redaction, seal
 from harness.record.recorded import RecordedRun, refuse_non_training
 from harness.store.tracking import RunRecord, RunSummary, Tracker
+from harness.systems import git as gitsource
 
 
 @dataclass
@@ -143,7 +133,6 @@ def replay(
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
     # First: an unreachable store is said before torch is even loaded.
     tracker = tracker or Tracker(tracking_uri)
-    from harness import executors
 
     original = tracker.harness_run(run_id)
     if follow:
@@ -310,8 +299,6 @@ def _draw(members: list[Any], k: int | None, seed: int | None) -> tuple[list[Any
 
 def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], study_id: str) -> tuple[str, list[Any], str]:
     """The study replay's verdict from its members' comparisons; several members are judged together (TOST)."""
-    from harness.judge import noise
-
     verdicts = [r.comparison.verdict for r in results]
     if all(v == BITWISE for v in verdicts):
         return BITWISE, [], "every member bit-identical"
@@ -351,7 +338,6 @@ def replay_study(
 
     `options` are replay()'s (world_size, overrides, allow_changes, executor, ...), the same for every member.
     """
-    from harness.judge import noise
     from harness.commands import study
     from harness.judge.report import render_study_markdown
 

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness import executors
-from harness.record import checkpoints as checkpoint_store
-from harness.record import seal
-from harness import tags as T
+from harness import executors, tags as T
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Outcome
+from harness.executors.local import SegmentMessages, run_segments
+from harness.record import checkpoints as checkpoint_store, seal
 from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.runtime.context import CheckpointPlan
 from harness.store.tracking import RunRecord, Tracker
 
 LIKELY_CAUSES = (
@@ -83,9 +83,6 @@ def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, earlier: 
     on every tensor digest recorded at `step`; and, when the run logged values after `step` before it died, steps
     from `step` on (as the resume will run them: a fresh process, then the checkpoint), which must log them again.
     """
-    from harness.runtime.context import CheckpointPlan
-    from harness.executors.local import SegmentMessages, run_segments
-
     logged_after = [int(s) for steps, _ in record.metrics.values() for s in steps.tolist() if s >= step]
     until = max(logged_after) + 1 if logged_after else None
     plans, what = [], []

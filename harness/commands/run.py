@@ -12,17 +12,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import __version__
-from harness.record import confine
-from harness.record import redaction
-from harness.record.recorded import code_id, recorded_config
-from harness import tags as T
-from harness.config import flatten, split_entry, to_yaml
-from harness.fmt import printable
+from harness import __version__, executors, tags as T
+from harness.config import Executor, compose, flatten, load_experiment, split_entry, to_container, to_yaml
 from harness.errors import HarnessError
 from harness.executors.base import Job, Outcome, Topology
+from harness.fmt import printable
+from harness.record import confine, redaction
+from harness.record.recorded import code_id, recorded_config
+from harness.store.reach import local_paths, probe_store, store_timeout
+from harness.store.tracking import Tracker, resolve_uri
+from harness.systems import git as gitsource
 from harness.systems.git import GitState
-from harness.store.tracking import Tracker
 
 __all__ = ["Outcome", "Preflight", "create_record", "preflight", "recorded_config", "run", "execute_recorded"]
 
@@ -122,8 +122,6 @@ def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
     The ranks get `cfg` itself: only what the store holds is redacted."""
     from omegaconf import OmegaConf
 
-    from harness.config import to_container
-
     clean, keys = redaction.redact(to_container(cfg))
     if not keys:
         return fit_params(flatten(cfg))[0], to_yaml(cfg), ""
@@ -158,11 +156,7 @@ def preflight(
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
     """
     from harness.record import data
-    from harness.systems import git as gitsource
-    from harness.config import Executor, load_experiment, to_container
     from harness.executors.launch import capacity_warning, no_gpu_here, resolve_device
-    from harness.store.reach import local_paths
-    from harness.store.tracking import resolve_uri
 
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
@@ -237,11 +231,8 @@ def run(
 
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
-    from harness import executors
     from harness.executors.torchrun import check_config, torchrun_env
     from harness.executors.torchrun import topology as torchrun_topology
-    from harness.store.reach import probe_store, store_timeout
-    from harness.store.tracking import resolve_uri
 
     torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
     if topology is None:
@@ -301,8 +292,6 @@ def run(
 
 def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
     """launch.Ranks for a local single-node job, started now (in a fresh work folder); None for any other."""
-    from harness.config import Executor
-
     if cfg.executor != Executor.local or topology.multi_node or topology.launcher != "spawn":
         return None
     import tempfile
@@ -324,8 +313,6 @@ def execute_recorded(
     """Inside a container or a batch job: run an already recorded run from its stored config, locally."""
     from omegaconf import OmegaConf
 
-    from harness import executors
-    from harness.config import compose, to_container
     from harness.record.data import recorded_data
 
     tracker = Tracker(tracking_uri)

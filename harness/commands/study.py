@@ -18,10 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from harness import tags as T
-from harness.errors import HarnessError
-from harness.judge.noise import MIN_SEEDS
-from harness.store.tracking import RunRecord, RunSummary, Tracker
+from harness import executors, tags as T
+from harness.commands import run as runner
+from harness.config import MAX_SEED, check_seeds, compose
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.executors import Job
+from harness.executors.base import signals_to
+from harness.executors.launch import resolve_device
+from harness.judge.compare import as_series
+from harness.judge.noise import MIN_SEEDS, final_values, spread
+from harness.judge.report import plot_file_name
+from harness.record.recorded import checkout
+from harness.store.reach import probe_store, store_timeout
+from harness.store.tracking import RunRecord, RunSummary, Tracker, resolve_uri
 
 
 @dataclass
@@ -71,8 +80,6 @@ FEW_SEEDS_WARNING = f"too few seeds to judge a replay against the noise (need >=
 
 def resolve_seeds(cfg_seeds: Sequence[int] | None, base: int, n: int | None) -> list[int]:
     """The study's seeds: `--seeds N` (base, base+1, ..., base+N-1) or the config's `seeds`, never both."""
-    from harness.config import MAX_SEED, check_seeds
-
     if n is not None and cfg_seeds is not None:
         raise HarnessError(
             f"--seeds {n} and `seeds: {list(cfg_seeds)}` in the config both choose the seeds. Give one: drop --seeds, "
@@ -169,8 +176,6 @@ class _Study:
             handle.cancel(signum)
 
     def _member(self, member: Member) -> None:
-        from harness import executors
-
         def on_start(handle: Any) -> None:
             with self.lock:
                 member.handle, member.run_id, signum = handle, job.run_id, self.signum
@@ -246,16 +251,6 @@ def run_study(
     Bad input raises HarnessError before anything is recorded. `checked`: runner.run's Preflight when it
     found `seeds` in the config (the store was probed and the config loaded and validated there).
     """
-    from harness import executors
-    from harness.commands import run as runner
-    from harness.config import compose
-    from harness.errors import EXIT_FAILED, EXIT_OK
-    from harness.executors import Job
-    from harness.executors.base import signals_to
-    from harness.executors.launch import resolve_device
-    from harness.record.recorded import checkout
-    from harness.store.reach import probe_store, store_timeout
-    from harness.store.tracking import resolve_uri
     from omegaconf import OmegaConf
 
     if parallel is not None and parallel < 1:
@@ -382,8 +377,6 @@ def curve(series: Sequence[tuple[Any, Any]]) -> dict[str, list]:
     """Per step that every member logged: mean, sample sd (ddof=1, nan for one member), min and max."""
     import numpy as np
 
-    from harness.judge.compare import as_series
-
     if not series:
         return {"steps": [], "mean": [], "std": [], "min": [], "max": []}
     normal = [as_series(steps, values) for steps, values in series]  # ascending; a step logged twice keeps its last value
@@ -400,8 +393,6 @@ def summarize(seeds: list[int], members: list[Member], records: dict[str, RunRec
 
     Only FINISHED members enter the statistics; a failed or stopped one is listed with its status.
     """
-    from harness.judge.noise import final_values, spread
-
     finished = [m for m in members if m.status == T.FINISHED and m.run_id in records]
     finals = {m.run_id: final_values(records[m.run_id].metrics) for m in finished}
     names = sorted({k for f in finals.values() for k in f})
@@ -502,8 +493,6 @@ def plot_spread(summary: dict[str, Any], records: dict[str, RunRecord], out_dir:
     """Per metric: every member's curve (thin), the mean +- sd band, and the final values against the 95%
     prediction interval a new seed's final value falls in."""
     import matplotlib
-
-    from harness.judge.report import plot_file_name
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

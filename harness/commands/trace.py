@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.record import seal
 from harness import tags as T
 from harness.errors import HarnessError
+from harness.executors.local import SegmentMessages, check_runnable, run_segments
+from harness.judge.delta import config_delta, environment_delta
+from harness.record import seal
+from harness.record.provenance import runtime_facts
 from harness.record.recorded import RecordedRun, refuse_non_training
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
@@ -130,7 +133,6 @@ def trace(
     """
     from harness.record import checkpoints as checkpoint_store
     from harness.runtime.context import CheckpointPlan
-    from harness.executors.local import check_runnable
 
     tracker = tracker or Tracker(tracking_uri)
     run = tracker.harness_run(run_id)
@@ -198,8 +200,6 @@ def trace(
 
 def _run(cfg: Any, exp_dir: Path, plans: list[Any], data: dict[str, str] | None) -> list[tuple[dict, tuple | None]]:
     """Run `plans` in one set of ranks; per plan, rank 0's logged values {(key, step): value} and its end."""
-    from harness.executors.local import SegmentMessages, run_segments
-
     messages = SegmentMessages(len(plans))
     run_segments(cfg, exp_dir, plans, messages, data)
     return [(report.logged, report.end) for report in messages.reports]
@@ -232,8 +232,6 @@ def _reproduced(record: RunRecord, first: int, step: int, logged: dict[tuple[str
 
 
 def _record(tracker: Tracker, run: RunSummary, result: TraceResult, files: Path, parent: str, purpose: str) -> str:
-    from harness.record.provenance import runtime_facts
-
     tags = {
         T.VERSION: run.tags[T.VERSION],
         T.KIND: T.KIND_TRACE,
@@ -290,8 +288,6 @@ def load_traces(tracker: Tracker, trace_id: str) -> dict[int, Any]:
 
 def hints(a: RunRecord, b: RunRecord) -> dict[str, Any]:
     """What localize's rules may blame besides the ops: package versions, config keys and world sizes that differ."""
-    from harness.judge.delta import config_delta, environment_delta
-
     packages = {d.name.removeprefix("lock:"): (d.a, d.b) for d in environment_delta(a, b) if d.name.startswith("lock:")}
     config = {c.key: (c.a, c.b) for c in config_delta(a.config, b.config, a.facts, b.facts)}
     ws = (a.config.get("world_size"), b.config.get("world_size"))

@@ -12,14 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.record import seal
-from harness import tags as T
+from harness import __version__, tags as T
+from harness.commands import replay as rp
+from harness.commands.study import is_study, load_study, member_records
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.claims import (
     CLAIM_WITHIN_NOISE, HOLDS, MISPRINTED, NOT_REPRODUCED, Claim, Source, Verdict, as_decimal, load_claims, prints_as,
 )
 from harness.judge.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.judge.noise import MIN_SEEDS, another_mean
+from harness.judge.noise import MIN_SEEDS, another_mean, spread
+from harness.judge.verify_report import render_html, render_markdown
+from harness.record import seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 # The verify run's verdict (harness.verdict): every claim holds, or not.
@@ -62,8 +65,6 @@ def statistic(values: list[float], which: str) -> float:
 
 def spread_of(values: list[float], which: str) -> float | None:
     """The +- a paper prints: the sample sd, the mean's standard error, or the 95% CI's half-width."""
-    from harness.judge.noise import spread
-
     if len(values) < 2:
         return None
     s = spread(values)
@@ -91,8 +92,6 @@ def _resolve(tracker: Tracker, claim: Claim, where: str) -> RunSummary:
 
 
 def load_source(tracker: Tracker, claim: Claim, where: str) -> Source:
-    from harness.commands.study import is_study, load_study, member_records
-
     run = _resolve(tracker, claim, where)
     seal.check(tracker, run.run_id)
     if claim.study is not None:
@@ -140,8 +139,6 @@ def judge(claim: Claim, source: Source, where: str) -> Verdict:
 def replay_source(source: Source, *, members: int | None, world_size: int | None, overrides: list[str],
                   allow_changes: bool, executor: str | None, tracker: Tracker) -> None:
     """Replay a study (replay_study) or a single run (replay) once; keep the verdict and the replays' records."""
-    from harness.commands import replay as rp
-
     if source.is_study:
         result = rp.replay_study(source.run_id, members=members, world_size=world_size, overrides=overrides,
                                  allow_changes=allow_changes, tracker=tracker, executor=executor)
@@ -209,9 +206,6 @@ def verify(claims_file: Path, *, replay: bool = False, members: int | None = Non
 def record(tracker: Tracker, claims_file: Path, verdicts: list[Verdict], replayed: bool,
            changes: list[str]) -> VerifyResult:
     """One MLflow run (kind verify) in the first claim's experiment: the reports, claims.json, the claims file."""
-    from harness import __version__
-    from harness.judge.verify_report import render_html, render_markdown
-
     held = sum(v.holds for v in verdicts)
     verdict = ALL_HOLD if held == len(verdicts) else SOME_FAIL
     tags = {T.VERSION: __version__, T.KIND: T.KIND_VERIFY, T.VERIFY_CLAIMS_FILE: str(claims_file),

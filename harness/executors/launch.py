@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import harness
-from harness.runtime import usermlflow
-from harness.runtime import userseed
-from harness.errors import HarnessError, Interrupted, RunFailed
+from harness.config import Level, load_module_function
+from harness.errors import ExperimentError, HarnessError, Interrupted, RunFailed
 from harness.messages import Determinism, Message
+from harness.record.provenance import env_vars
+from harness.runtime import usermlflow, userseed
 
 MASTER_ADDR = "127.0.0.1"
 RANKS_PREFIX = "ranks/"  # the ranks' keys in the job's store; the launchers' own keys live beside them
@@ -229,7 +230,6 @@ def _preload() -> None:
 
     from harness.runtime import context  # noqa: F401
     from harness.runtime import determinism
-    from harness.record import provenance
 
 
 @dataclass(frozen=True)
@@ -333,10 +333,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from harness.config import Level
     from harness.runtime.context import Context, StopSegment
     from harness.runtime.determinism import seed_everything, set_determinism, start_watch
-    from harness.record.provenance import env_vars
 
     try:
         torch.set_num_threads(spec.threads_per_rank)
@@ -455,9 +453,6 @@ def _beat(progress: Any, rank: int, step: int) -> None:
 
 def _import_entry(spec: LaunchSpec) -> Any:
     """The entry function; an import error becomes one line naming the file and line, not a wall of traceback."""
-    from harness.config import load_module_function
-    from harness.errors import ExperimentError
-
     path = Path(spec.code_dir) / spec.entry_file
     try:
         fn = load_module_function(path, spec.entry_func)
@@ -500,8 +495,6 @@ def _is_peer_error(err: BaseException) -> bool:
 def failure_record(spec: LaunchSpec, rank: int, err: BaseException) -> dict[str, Any]:
     """What this rank died of: one line (with the user's file and line), whether that says it all, whether
     it is only a peer's consequence, and the traceback from the user's code on."""
-    from harness.errors import HarnessError
-
     message = str(err).strip()
     first = message.splitlines()[0] if message else ""
     if isinstance(err, HarnessError):

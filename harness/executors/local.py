@@ -22,27 +22,27 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from harness import tags as T
-from harness.runtime import usermlflow
-from harness.runtime import userseed
-from harness.config import split_entry, to_container, to_yaml
-from harness.judge.delta import setting_risk
+from harness.config import check_nodes, is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.executors.launch import LaunchSpec, failed, failure_details, is_peer_failure, launch, resolve_device
+from harness.executors.multinode import check_topology, differing
+from harness.judge.delta import setting_risk
 from harness.messages import (
     Checkpoint, Determinism, DeterminismChanged, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice,
     SegmentEnd, SegmentStart, SettingChange, Total, UserSeeds,
 )
+from harness.record.provenance import package_lock, runtime_facts
+from harness.runtime import usermlflow, userseed
 from harness.store.reach import absolute_uri, reason_of
 from harness.store.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
+from harness.systems import docker
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
 
 
 def local_image_tags(image: str) -> dict[str, str]:
     """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
-    from harness.systems import docker
-    from harness.config import is_no_image
-
     if is_no_image(image):
         digest, image_id, reason = None, None, "no image pinned (image: none): a local-only experiment"
     else:
@@ -66,7 +66,6 @@ def launch_spec(
 ) -> Any:
     """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
     from harness.runtime.determinism import derive_rank_seeds
-    from harness.executors.launch import LaunchSpec
 
     entry_file, entry_func = split_entry(str(cfg.entry))
     return LaunchSpec(
@@ -112,8 +111,6 @@ def checkpoint_plan(store: Any, cfg: DictConfig, **kwargs: Any) -> Any:
 
 def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]:
     """This machine can run `nproc` ranks (default: all of world_size) of `cfg`: (device, backend), or HarnessError."""
-    from harness.executors.launch import resolve_device
-
     return resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size if nproc is None else nproc)
 
 
@@ -125,8 +122,6 @@ def run_segments(
 
     Nothing is recorded here; the caller judges the segments from the messages.
     """
-    from harness.executors.launch import launch
-
     device, backend = check_runnable(cfg)
     work = Path(tempfile.mkdtemp(prefix="harness-audit-"))
     try:
@@ -181,8 +176,6 @@ class LocalExecutor(Executor):
     name = "local"
 
     def prepare(self, job: Job) -> dict[str, str]:
-        from harness.config import check_nodes
-        from harness.executors.multinode import check_topology
         check_topology(job.topology)
         check_nodes(job.topology.nnodes, job.cfg.world_size, "--nnodes")
         check_runnable(job.cfg, job.cfg.world_size // job.topology.nnodes)
@@ -270,8 +263,6 @@ class LocalHandle(Handle):
     # -- the node that runs rank 0 -----------------------------------------------------------------
     def _run_and_record(self) -> Outcome:
         from harness.executors.console import Console
-        from harness.executors.launch import failed, failure_details, launch
-        from harness.record.provenance import package_lock, runtime_facts
 
         job, tracker, run_id, cfg = self.job, self.job.tracker, self.job.run_id, self.job.cfg
         resume_step = job.resume_step
@@ -506,8 +497,6 @@ class LocalHandle(Handle):
 
     # -- another node --------------------------------------------------------------------------------
     def _run_ranks_only(self) -> Outcome:
-        from harness.executors.launch import launch
-
         job, cfg = self.job, self.job.cfg
         log_dir = self.work / "logs"
         log_dir.mkdir()
@@ -545,8 +534,6 @@ class LocalHandle(Handle):
     def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None],
                 on_ranks: Callable[[Any], None] | None = None) -> None:
         """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
-        from harness.executors.launch import failure_details, is_peer_failure
-
         node = self.node
         if node is None:
             launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=self.job.ranks, on_ranks=on_ranks)
@@ -587,8 +574,6 @@ def _in_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _node_tags(nodes: dict[int, dict[str, Any]]) -> dict[str, str]:
-    from harness.executors.multinode import differing
-
     tags: dict[str, str] = {}
     for n, node in nodes.items():
         if n == 0:

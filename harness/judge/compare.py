@@ -13,9 +13,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from harness import tags
-from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import fmt_pair, fmt_short, json_safe, the
+from harness.judge import noise
+from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.judge.noise import NoiseJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
 from harness.records import RunRecord
@@ -540,8 +541,6 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     stays DIVERGED. Neither can a difference where nothing changed (same environment, same config): that
     is nondeterminism or a code change, which a new seed would not explain.
     """
-    from harness.judge import noise
-
     if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
         return cmp
     if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):

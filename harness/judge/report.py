@@ -9,15 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.judge.compare import (
-    BITWISE,
-    KIND_REPLAY_FAILED,
-    NOTHING_TO_COMPARE,
-    Comparison,
-    MetricStats,
-    as_series,
-)
 from harness.fmt import fmt_short, fmt_value
+from harness.judge.compare import BITWISE, KIND_REPLAY_FAILED, NOTHING_TO_COMPARE, Comparison, MetricStats, as_series
 from harness.records import RunRecord
 
 _VERDICT_WORDS = {

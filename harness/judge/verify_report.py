@@ -8,6 +8,8 @@ import io
 import math
 from typing import TYPE_CHECKING
 
+from harness.judge.claims import environment, fmt
+from harness.judge.noise import spread
 from harness.judge.report import _cell, _code, _table
 
 if TYPE_CHECKING:
@@ -27,8 +29,6 @@ img{max-width:100%;border:1px solid #ddd}
 
 
 def _recorded_text(v: "Verdict") -> str:
-    from harness.judge.claims import fmt
-
     c = v.claim
     text = fmt(v.recorded, c.paper.value)
     if c.paper.pm is not None or (v.recorded_spread is not None and v.source.is_study):
@@ -37,8 +37,6 @@ def _recorded_text(v: "Verdict") -> str:
 
 
 def _replayed_text(v: "Verdict", replayed: bool) -> str:
-    from harness.judge.claims import fmt
-
     if not replayed:
         return "-"
     return f"{fmt(v.replayed, v.claim.paper.value)} (n={len(v.replayed_values)})"
@@ -55,8 +53,6 @@ HEADER = ["claim", "paper", "recorded", "replayed", "replay", "verdict"]
 
 def why(v: "Verdict") -> list[str]:
     """Sentences explaining the claim's verdict."""
-    from harness.judge.claims import fmt
-
     c = v.claim
     kind = f"{c.statistic} over {len(v.values)} seeds" if v.source.is_study else "one run"
     per_run = {"final": "the value at the last step", "max": "the maximum over all steps",
@@ -77,8 +73,6 @@ def why(v: "Verdict") -> list[str]:
                    + ("printed as recorded." if v.value_ok else "the claim stands within the noise, "
                       "not these runs' digits." if inside == "inside" else "not within the noise either."))
     if len(v.values) >= 2:
-        from harness.judge.noise import spread
-
         s = spread(v.values)
         out.append(f"95% prediction interval for one new seed: [{s.pi95[0]:.6g}, {s.pi95[1]:.6g}] (N={s.n}).")
     if v.source.replay_verdict is not None:
@@ -99,8 +93,6 @@ def _sources(verdicts: list["Verdict"]) -> list["Source"]:
 
 
 def render_markdown(verdicts: list["Verdict"], replayed: bool, changes: list[str], run_id: str) -> str:
-    from harness.judge.claims import environment
-
     held = sum(v.holds for v in verdicts)
     out = [f"# Claims check: {held} of {len(verdicts)} hold", "", f"- Verify run: {_code(run_id)}",
            f"- Replayed: {'yes' if replayed else 'no (checked against the record only)'}"]
@@ -197,8 +189,6 @@ def _html_table(header: list[str], body: list[list[str]], coloured: tuple[int, .
 
 def render_html(verdicts: list["Verdict"], replayed: bool, changes: list[str], run_id: str) -> str:
     """A single page: nothing is fetched from anywhere (the plots are data: URIs)."""
-    from harness.judge.claims import environment
-
     held = sum(v.holds for v in verdicts)
     title = f"Claims check: {held} of {len(verdicts)} hold"
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_h(title)}</title>",

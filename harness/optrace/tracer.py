@@ -30,6 +30,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.errors import HarnessError
+from harness.optrace.report import html, markdown
+from harness.optrace.rules import likely_cause
 
 FORMAT = "harness-optrace"
 FORMAT_VERSION = 1
@@ -684,8 +686,6 @@ def localize(a: Trace, b: Trace, hints: dict | None = None) -> Localization:
     equal inputs, different outputs -> CULPRIT; different inputs -> INPUTS_DIFFER_FROM_START (the
     values came from outside the traced step: data, parameters, state); different op names or
     lengths -> NOT_ALIGNED; no difference -> IDENTICAL."""
-    from harness.optrace.rules import likely_cause
-
     n = min(len(a.ops), len(b.ops))
     for i in range(n):
         x, y = a.ops[i], b.ops[i]
@@ -747,12 +747,8 @@ def localize(a: Trace, b: Trace, hints: dict | None = None) -> Localization:
 
 
 def render_markdown(loc: Localization, a: Trace, b: Trace) -> str:
-    from harness.optrace.report import markdown
-
     return markdown(loc, a, b)
 
 
 def render_html(loc: Localization, a: Trace, b: Trace) -> str:
-    from harness.optrace.report import html
-
     return html(loc, a, b)

@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.record import seal
 from harness import tags as T
 from harness.errors import HarnessError
+from harness.record import seal
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"

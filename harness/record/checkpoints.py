@@ -19,9 +19,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.runtime import checkpoint
 from harness import tags as T
 from harness.errors import HarnessError
+from harness.runtime import checkpoint
 
 if TYPE_CHECKING:
     from harness.store.tracking import Outages, Tracker

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from harness import tags as T
 from harness.errors import HarnessError
 
 MANIFEST_FORMAT = 1
@@ -484,7 +485,5 @@ def recorded_data(tracker: Any, run_id: str) -> dict[str, Any] | None:
 
     For bundles: `paths(recorded_data(...))` are the files a `--with-data` export would copy.
     """
-    from harness import tags as T
-
     text = tracker.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)
     return None if text is None else loads(text)

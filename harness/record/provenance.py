@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Mapping
 from importlib import metadata
 
+from harness import __version__
 from harness.record.redaction import env_name_is_secret
 
 # Variables that change numerics or communication; recorded when set.
@@ -44,8 +45,6 @@ def _gpu_driver() -> str:
 def runtime_facts() -> dict[str, str]:
     """Measured in the process that launches the ranks (inside the container when there is one)."""
     import torch
-
-    from harness import __version__
 
     cuda = torch.cuda.is_available()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []

@@ -12,13 +12,13 @@ from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig
 
-from harness.record import confine
-from harness.systems import git as gitsource
-from harness.record import redaction
 from harness import tags as T
-from harness.config import split_entry, validate
+from harness.config import compose, split_entry, to_container, validate
 from harness.errors import HarnessError
+from harness.executors import Job, Topology
+from harness.record import confine, redaction
 from harness.store.tracking import RunSummary, Tracker
+from harness.systems import git as gitsource
 
 
 # Runs that record a group or a check rather than one training job: there is nothing of their own to rerun.
@@ -33,8 +33,6 @@ _NOT_TRAINING = {
 def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
     """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
     from omegaconf import OmegaConf
-
-    from harness.config import compose
 
     text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
     if text is None:
@@ -76,8 +74,6 @@ class RecordedRun:
         environment variable they were read from; returns the other overrides. Raises when one is missing."""
         from omegaconf import OmegaConf
 
-        from harness.config import compose, to_container
-
         container = to_container(self.cfg)
         if not redaction.redacted_keys(container):
             return list(overrides)
@@ -88,8 +84,6 @@ class RecordedRun:
 
     def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
         """The job that runs this recorded code (inside `code()`); its image digest is the recorded one."""
-        from harness.executors import Job, Topology
-
         tags = self.run.tags
         return Job(
             self.tracker, self.cfg, tree, exp_dir, record=record, recorded=self.run, topology=topology or Topology(),

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from harness.runtime import checkpoint as ckpt
-from harness.runtime import determinism
 from harness.errors import ExperimentError
+from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, Notice, SegmentEnd, SegmentStart, Total
+from harness.optrace import tracer as optrace
+from harness.runtime import checkpoint as ckpt, determinism
 from harness.runtime.fingerprint import fingerprint
-from harness.messages import (
-    Checkpoint, Final, Fingerprint, Initial, Message, Notice, SegmentEnd, SegmentStart, Total,
+from harness.runtime.invariant import (
+    EvalSampler, InvariantModule, InvariantStep, KeyedDataset, ShardBatchSampler, broadcast_parameters,
 )
 from harness.runtime.outbox import Outbox
 from harness.runtime.steps import StepClock, optimizer_parameters
@@ -188,7 +189,6 @@ class Context:
         if self._shards:
             # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
             # all-reduce would add them in a world-size-dependent order. Start from rank 0's weights, as DDP does.
-            from harness.runtime.invariant import InvariantModule, InvariantStep, broadcast_parameters
 
             broadcast_parameters(model)
             self._invariant_step = InvariantStep(self._shards, self.world_size, self.rank, self.seed)
@@ -268,8 +268,6 @@ class Context:
     def _invariant_loader(
         self, dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int, **loader_kwargs: Any
     ) -> DataLoader:
-        from harness.runtime.invariant import EvalSampler, KeyedDataset, ShardBatchSampler
-
         keyed = KeyedDataset(dataset, self.seed)
         common = self._loader_common(num_workers, loader_kwargs)
         if shuffle:
@@ -593,8 +591,6 @@ class Context:
 
     def _start_trace(self, step: int) -> None:
         """Trace step `step` from now on (a trace begun earlier for it, e.g. at train()'s start, starts over)."""
-        from harness.optrace import tracer as optrace
-
         assert self._plan is not None
         if self._trace_written:
             return
@@ -613,7 +609,6 @@ class Context:
             return
         self._tracer = None
         tracer.__exit__(None, None, None)
-        from harness.optrace import tracer as optrace
 
         path = Path(plan.trace_dir) / f"rank{self.rank}.jsonl.gz"
         tmp = path.with_suffix(".tmp")

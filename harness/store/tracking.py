@@ -18,18 +18,13 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, ParamSpec, TypeVar
 
-from harness.record import seal
 from harness import tags as T
-from harness.records import RunRecord, RunSummary
 from harness.errors import HarnessError
-from harness.store.reach import SUPPRESS_URL
+from harness.record import seal
+from harness.records import RunRecord, RunSummary
 from harness.store.reach import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, absolute_uri, artifact_path, artifact_root, database_file, display_uri,
-    env_seconds,
-    opening,
-    probe_store,
-    reason_of, schema_error,
-    store_timeout,
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, SUPPRESS_URL, absolute_uri, artifact_path, artifact_root, database_file,
+    display_uri, env_seconds, opening, probe_store, reason_of, schema_error, store_timeout,
 )
 
 STORE_DIR = "mlruns"

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_import_contract_is_kept() -> None:
     # The console script where pip put it, else the module beside this interpreter (the same program).
     script = shutil.which("lint-imports")
-    command = [script] if script else [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"]
+    fallback = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    command = [script] if script else [sys.executable, "-c", fallback]
     # The tree under test, not an installed copy: import-linter finds the package on sys.path.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([*command, "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -309,7 +309,8 @@ class LocalHandle(Handle):
             spec = self._spec(device, backend, log_dir, plan)
             spec.run_id = run_id
             # The user's own mlflow calls in rank 0 land in this run, never in a store of the code folder.
-            spec.env.update(usermlflow.run_env(absolute_uri(tracker.client_uri), run_id, tracker.get_run(run_id).experiment_id))
+            experiment_id = tracker.get_run(run_id).experiment_id
+            spec.env.update(usermlflow.run_env(absolute_uri(tracker.client_uri), run_id, experiment_id))
             writer = tracker.metric_writer(run_id, cfg.flush_interval_s, outages)
             if prior is not None:
                 writer.prime(prior.metrics)

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import harness
 from harness.messages import UserSeed, UserSeeds
 
-_OWN = os.path.dirname(os.path.abspath(harness.__file__)) + os.sep  # harness's package, every layer: its calls are its own
+# harness's whole package, every layer (not this module's folder): its calls are its own.
+_OWN = os.path.dirname(os.path.abspath(harness.__file__)) + os.sep
 _HARNESS = "\0"  # a frame's kind: harness's own code (no file name holds a NUL)
 _MAX_CALLS = 20  # distinct (line, function, value) kept: a seed per step in a loop is one line, said once
 

@@ -689,7 +689,7 @@ class Tracker:
         return self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1000)
 
     def local_artifact_dir(self, run_id: str) -> Path | None:
-        """The run's artifact folder on this machine; None when a server holds the artifacts (see checkpoint_store)."""
+        """The run's artifact folder on this machine; None when a server holds the artifacts (record.checkpoints)."""
         return artifact_path(self.get_run(run_id).artifact_uri)
 
     @_store_call

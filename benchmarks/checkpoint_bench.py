@@ -41,7 +41,7 @@ def _mlp() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.nn.Module
 
 
 def _measure(name: str, make: Any, rounds: int) -> list[str]:
-    from harness import checkpoint as ckpt
+    from harness.runtime import checkpoint as ckpt
 
     model, x, y, loss_fn = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

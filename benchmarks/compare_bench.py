@@ -16,8 +16,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from harness.compare import Comparison, RunRecord, compare_runs  # noqa: E402
-from harness.report import plot_metrics, render_markdown  # noqa: E402
+from harness.judge.compare import Comparison, RunRecord, compare_runs  # noqa: E402
+from harness.judge.report import plot_metrics, render_markdown  # noqa: E402
 
 STEPS = 100_000
 REPEATS = 5
@@ -127,7 +127,7 @@ def through_store(original: RunRecord, replay: RunRecord) -> None:
     from mlflow.entities import Metric
 
     from harness import tags as T
-    from harness.tracking import Tracker, save_series
+    from harness.store.tracking import Tracker, save_series
 
     with tempfile.TemporaryDirectory() as tmp:
         tracker = Tracker(f"sqlite:///{Path(tmp) / 'mlflow.db'}")

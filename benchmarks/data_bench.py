@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from harness import data as D  # noqa: E402
+from harness.record import data as D  # noqa: E402
 
 FILES, FILE_MIB = 64, 16  # 1 GiB
 SMALL_FILES = 10_000

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from harness.invariant import (  # noqa: E402
+from harness.runtime.invariant import (  # noqa: E402
     _TAG_SHARD,
     GATHER_BELOW_BYTES,
     InvariantStep,

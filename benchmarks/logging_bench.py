@@ -31,7 +31,7 @@ def rank(variant: str, channel, points: int, results, outputs: str) -> None:
     import numpy as np
     import torch
 
-    from harness.context import Context, _number
+    from harness.runtime.context import Context, _number
     from harness.messages import Metrics
 
     ctx = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0,
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from harness.tracking import Tracker
+    from harness.store.tracking import Tracker
 
     variants = {"per-call": "per-call message (baseline, before)", "buffered": "ctx.log, buffered (now)"}
     got: dict[str, list[dict[str, float]]] = {v: [] for v in variants}

@@ -1,10 +1,10 @@
-"""Cost of an op trace: a digits_cnn training step traced (harness.optrace.OpTracer) vs untraced.
+"""Cost of an op trace: a digits_cnn training step traced (harness.optrace.tracer.OpTracer) vs untraced.
 
     python benchmarks/trace_bench.py [--rounds 30]
 
 One process, one thread, interleaved rounds (untraced step, step under a dispatch mode that does
 nothing, traced step, ...), medians; the table
-reports the ratio and the size of one step's trace file (harness.optrace.dumps).
+reports the ratio and the size of one step's trace file (harness.optrace.tracer.dumps).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.optrace import OpTracer, dumps, localize
+from harness.optrace.tracer import OpTracer, dumps, localize
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments/digits_cnn"

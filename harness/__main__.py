@@ -1,6 +1,6 @@
 """`python -m harness` is the `harness` command."""
 
-from harness.cli import main
+from harness.cli.main import main
 
 # Guarded: spawned ranks re-import the main module and must not start another CLI.
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ class ExperimentConfig:
     """Base seed; every rank's seed is derived from it and recorded."""
     seeds: Optional[List[int]] = None
     """Distinct seeds, each in [0, 2**63-1]: run a study, one ordinary run per seed nested under a parent run
-    (harness/study.py). `harness run --seeds N` sets it to seed, seed+1, ..., seed+N-1."""
+    (harness/commands/study.py). `harness run --seeds N` sets it to seed, seed+1, ..., seed+N-1."""
     threads_per_rank: int = 1
     """torch intra-op threads in each rank (results depend on it)."""
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)

@@ -175,7 +175,7 @@ class UserSeed:
 
 @dataclass(frozen=True)
 class UserSeeds:
-    """The global RNG seeds rank 0's training code set itself (harness/userseed.py), sent once at the end."""
+    """The global RNG seeds rank 0's training code set itself (harness/runtime/userseed.py), sent once at the end."""
 
     calls: tuple[UserSeed, ...]
 

@@ -13,6 +13,9 @@ MLFLOW_RUN_NOTE = "mlflow.note.content"
 # Experiment tags the UI reads: the experiment's kind, and views shared through `?viewStateShareKey=`.
 MLFLOW_EXPERIMENT_KIND = "mlflow.experimentKind"
 MLFLOW_SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
+# Not a tag but MLflow's name all the same, set by the store and inside ranks: MLflow prints `View run NAME at:
+# URL` when a run on a server ends, the URL with the server's user:password.
+MLFLOW_SUPPRESS_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 
 # MLflow run statuses harness sets and checks.
 RUNNING = "RUNNING"
@@ -82,7 +85,7 @@ DETERMINISM_CHANGES = "harness.determinism.changes"
 # NCCL_*, OMP_*, MKL_*, CUBLAS_* ... variables in force (harness.var.<NAME>).
 VAR_PREFIX = "harness.var."
 
-# Declared data (harness/data.py): harness.data.<name> = the entry's full sha256 (a folder's over its files).
+# Declared data (harness/record/data.py): harness.data.<name> = the entry's full sha256 (a folder's over its files).
 DATA_PREFIX = "harness.data."
 DATA_CHANGES = "harness.replay.data_changes"  # differences accepted with --allow-data-changes, one per line
 
@@ -106,7 +109,7 @@ STORE_WRITE_FAILURES = "harness.store.write_failures"
 STORE_METRICS_SPOOLED = "harness.store.metrics_spooled"
 STORE_LONGEST_OUTAGE_S = "harness.store.longest_outage_s"
 
-# The training code's own calls (harness/usermlflow.py, harness/userseed.py).
+# The training code's own calls (harness/runtime/usermlflow.py, harness/runtime/userseed.py).
 # Metric keys rank 0 logged through MLflow directly, comma-separated: kept in the run, not compared by replay.
 USER_MLFLOW_METRICS = "harness.user.mlflow_metrics"
 # RNG seeds the training code set itself, "train.py:12 torch.manual_seed(1337); ...": the ones harness set are
@@ -121,7 +124,7 @@ CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
 # --tolerance METRIC=ATOL[,RTOL] this replay was judged by, over the recorded replay.tolerance: "loss=0.01,0.0 ..."
 TOLERANCE = "harness.replay.tolerance"
 
-# Seed ensembles (harness/study.py). A member run carries STUDY (the study's run id) and is nested under it.
+# Seed ensembles (harness/commands/study.py). A member run carries STUDY (the study's run id) and is nested under it.
 STUDY = "harness.study"
 STUDY_SEEDS = "harness.study.seeds"  # on the study: the members' seeds, comma-separated, in member order
 STUDY_SIZE = "harness.study.n"  # on the study: how many members
@@ -136,7 +139,7 @@ STUDY_MEMBERS_SEED = "harness.study_replay.members_seed"  # on a study replay dr
 VERIFY_CLAIMS_FILE = "harness.verify.claims_file"
 VERIFY_HELD = "harness.verify.held"
 
-# The seal (harness/seal.py): "v1:<sha256>" of the run's canonical record, written when the run closes.
+# The seal (harness/record/seal.py): "v1:<sha256>" of the run's canonical record, written when the run closes.
 SEAL = "harness.seal"
 
 # harness import: the run's id in the store it was exported from (a second import of it finds this run).

@@ -240,7 +240,7 @@ def engine() -> Iterator[str]:
     state (and so the image cache) in $HARNESS_DOCKER_STATE (default /tmp/harness-docker), and stops
     what it started at the end. The first build of the image takes minutes; later runs reuse it.
     """
-    from harness import docker
+    from harness.systems import docker
 
     started_engine = False
     if not (docker.engine_available()[0] and _registry_answers()):

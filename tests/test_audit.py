@@ -49,8 +49,8 @@ def test_draw_is_seeded_and_partial(project: Project, checkpointed: str) -> None
 
 def _tamper(project: Project, run_id: str, step: int) -> None:
     """Alter rank 0's checkpoint at `step` consistently (weights and the hash stored in the file)."""
-    from harness import checkpoint
-    from harness.fingerprint import fingerprint
+    from harness.runtime import checkpoint
+    from harness.runtime.fingerprint import fingerprint
 
     root = Path(project.client().get_run(run_id).info.artifact_uri.removeprefix("file://")) / "checkpoints"
     path = checkpoint.path_for(root, step, 0)
@@ -63,7 +63,7 @@ def _tamper(project: Project, run_id: str, step: int) -> None:
 
 
 def _unseal(project: Project, run_id: str, refused_by: tuple[str, ...], what: str) -> None:
-    """The seal refuses the edited run first (harness/seal.py); without it (a run recorded before seals
+    """The seal refuses the edited run first (harness/record/seal.py); without it (a run recorded before seals
     existed) the audit's own checks are what catch the edit."""
     result = project.harness(*refused_by)
     assert result.returncode == 2 and f"was changed after it was sealed: {what}" in result.stderr, result.stderr

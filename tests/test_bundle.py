@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Project, make_project
-from harness import bundle
+from harness.commands import bundle
 from harness import tags as T
 from harness.errors import EXIT_USAGE, HarnessError
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from harness import checkpoint as ck
+from harness.runtime import checkpoint as ck
 from harness.errors import HarnessError
-from harness.fingerprint import fingerprint
+from harness.runtime.fingerprint import fingerprint
 
 TOTAL_STEPS = 12
 CHECKPOINT_AT = 5  # steps completed when the checkpoint is taken

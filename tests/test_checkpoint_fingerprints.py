@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import Project, Result
-from harness.tensordiff import diff_checkpoints, first_differing_checkpoint
-from harness.tracking import RunRecord, Tracker
+from harness.judge.tensordiff import diff_checkpoints, first_differing_checkpoint
+from harness.store.tracking import RunRecord, Tracker
 
 TRAIN = '''"""Two linear layers with SGD momentum; train.perturb_at=K nudges head.weight and its momentum before step K."""
 
@@ -133,7 +133,7 @@ def test_without_per_tensor_digests_nothing_is_claimed_equal() -> None:
 
 
 def test_digests_name_buffers_and_optimizer_state_and_cover_dtype_and_shape() -> None:
-    from harness import checkpoint as ckpt
+    from harness.runtime import checkpoint as ckpt
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     opt = torch.optim.Adam(model.parameters())

@@ -19,7 +19,7 @@ from conftest import ROOT, Project
 
 from harness import tags as T
 from harness.errors import HarnessError
-from harness.tracking import SqliteReader, Tracker, mlflow_schema_head
+from harness.store.tracking import SqliteReader, Tracker, mlflow_schema_head
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_another_revision_is_refused_as_mlflow_would(tmp_path: Path, revision: s
     CLI), named from the migration scripts without importing MLflow; a store not made yet is left to MLflow."""
     import sqlite3
 
-    from harness.store import schema_error
+    from harness.store.reach import schema_error
 
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"

@@ -127,7 +127,7 @@ def _no_dumps(stderr: str) -> None:
 
 # --- a store whose disk fills, or turns read-only, during a run ------------------------------------
 def test_unwritable_errors_are_not_outages() -> None:
-    from harness.tracking import transient, unwritable
+    from harness.store.tracking import transient, unwritable
 
     full = OSError(errno.ENOSPC, "No space left on device")
     assert unwritable(full) == "is full" and not transient(full)
@@ -242,7 +242,7 @@ def _hold(folder: Path, seconds: float, *, held: bool = True) -> subprocess.Pope
 
 def test_opening_lock_is_waited_for_while_it_changes_hands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Busy, not hung: other processes taking turns for longer than the store timeout in all is waited out."""
-    from harness.store import hold_limit, opening
+    from harness.store.reach import hold_limit, opening
 
     monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")  # each holder may keep it 3 s (hold_limit); 4 take 6 s
     holders = [_hold(tmp_path, 1.5)]
@@ -259,7 +259,7 @@ def test_opening_lock_is_waited_for_while_it_changes_hands(tmp_path: Path, monke
 
 
 def test_opening_lock_held_without_letting_go_names_the_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.store import opening
+    from harness.store.reach import opening
 
     monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")
     holder = _hold(tmp_path, 60)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Project, Result, git
-from harness import gitsource
+from harness.systems import git as gitsource
 
 EXP = "experiments/linear_ddp"
 
@@ -151,7 +151,7 @@ def test_altered_patch_is_refused_at_replay(fresh_project: Project) -> None:
     artifact.write_bytes(altered)
     expected = p.client().get_run(run.last_line).data.tags["harness.git.patch_sha256"]
     result = p.harness("replay", run.last_line)
-    # The seal catches the edit first (harness/seal.py) ...
+    # The seal catches the edit first (harness/record/seal.py) ...
     refused(result, f"run {run.last_line} was changed after it was sealed: artifact git/uncommitted.patch (sha256 "
                     f"{expected[:12]} -> {hashlib.sha256(altered).hexdigest()[:12]}). Use an intact copy of the run (its "
                     "original store, or a bundle exported before the edit), or record it again with `harness run`.")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from harness import tags
-from harness.compare import (
+from harness.judge.compare import (
     BITWISE,
     DIVERGED,
     NOTHING_TO_COMPARE,
@@ -20,8 +20,8 @@ from harness.compare import (
     RunRecord,
     compare_runs,
 )
-from harness.delta import environment_delta
-from harness.report import plot_metrics, render_markdown
+from harness.judge.delta import environment_delta
+from harness.judge.report import plot_metrics, render_markdown
 
 FACTS = {
     tags.VERSION: "0.1.0",

@@ -15,9 +15,15 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXPERIMENTS, Project, git, make_project
-from harness import bundle, confine, docker, gitsource, provenance, redaction, usermlflow
+from harness.commands import bundle
+from harness.record import confine
+from harness.systems import docker
+from harness.systems import git as gitsource
+from harness.record import provenance
+from harness.record import redaction
+from harness.runtime import usermlflow
 from harness import tags as T
-from harness.cli import main
+from harness.cli.main import main
 from harness.errors import EXIT_USAGE, HarnessError
 
 SECRET = "sk-test0123456789abcdefghijklmnopqrstuv"
@@ -201,7 +207,7 @@ def test_unlisted_folders_and_duplicate_keys_are_refused(tmp_path: Path) -> None
 
 @pytest.fixture(scope="module")
 def store_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from harness.tracking import Tracker
+    from harness.store.tracking import Tracker
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
     Tracker(uri)  # made once: a new store's schema takes seconds
@@ -209,7 +215,7 @@ def store_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_references_to_runs_outside_the_bundle_are_dropped(tmp_path: Path, store_uri: str) -> None:
-    from harness.tracking import Tracker
+    from harness.store.tracking import Tracker
 
     uri = store_uri
     tracker = Tracker(uri)
@@ -243,7 +249,7 @@ def test_secret_names_and_values() -> None:
 
 def test_mlflow_never_prints_the_server_url_and_docker_gets_it_by_name(tmp_path: Path, store_uri: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.tracking import Tracker
+    from harness.store.tracking import Tracker
 
     monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false")
     Tracker(store_uri)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Project
-from harness import data as D
+from harness.record import data as D
 from harness.errors import ExperimentError, HarnessError
 
 # --------------------------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_verify_refuses_or_reports(tmp_path: Path) -> None:
 
 
 def test_ctx_data_names_the_declared_entries() -> None:
-    from harness.context import DataPaths
+    from harness.runtime.context import DataPaths
 
     paths = DataPaths({"train": Path("/d/train")})
     assert paths["train"] == Path("/d/train")
@@ -191,8 +191,8 @@ def test_ctx_data_names_the_declared_entries() -> None:
 
 
 def test_data_change_rules_out_bitwise() -> None:
-    from harness.delta import environment_delta
-    from harness.tracking import RunRecord
+    from harness.judge.delta import environment_delta
+    from harness.store.tracking import RunRecord
 
     def record(run_id: str, sha: str) -> RunRecord:
         manifest = {"format": 1, "entries": {"t": {"kind": "folder", "sha256": sha * 64, "files": [
@@ -330,7 +330,7 @@ def test_replay_refuses_changed_data_before_launch(
             assert result.stderr.strip().splitlines()[-1].startswith(f"Error: {expected}"), result.stderr
             assert result.stderr.strip().endswith(way)
         else:  # the same library call in this process (no interpreter start-up to pay)
-            from harness.replay import replay
+            from harness.commands.replay import replay
 
             if case == "missing":
                 part.unlink()

@@ -144,7 +144,7 @@ def test_watched_setters_behave_as_torch_s_own() -> None:
     code = '''
 import torch
 from harness.config import Level
-from harness import determinism as d
+from harness.runtime import determinism as d
 w = d.start_watch(Level.off, d.set_determinism(Level.off))
 d.start_watch(Level.off, d.read_determinism(Level.off))  # twice: wrapped once
 try:
@@ -175,7 +175,7 @@ def test_delta_rules_for_changes_made_in_training() -> None:
     from test_compare import clone, make_record
 
     from harness import tags
-    from harness.delta import environment_delta
+    from harness.judge.delta import environment_delta
 
     tf32 = "cuda_matmul_tf32: False -> True at step 0 (first step) by train.py:7"
     a = make_record(facts={tags.DETERMINISM_CHANGES: tf32})

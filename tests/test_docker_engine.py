@@ -1,4 +1,4 @@
-"""harness.docker against a real Docker engine and a real local registry (127.0.0.1:5000)."""
+"""harness.systems.docker against a real Docker engine and a real local registry (127.0.0.1:5000)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import docker
-from harness.docker import DockerError
+from harness.systems import docker
+from harness.systems.docker import DockerError
 
 ROOT = Path(__file__).resolve().parents[1]
 from conftest import REPOSITORY, TAG, _registry_digest  # noqa: E402  (engine fixture: conftest)

@@ -4,14 +4,19 @@ test_run.py (local), test_docker_executor.py, test_multinode.py, test_slurm.py a
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
-from harness import cli, executors
+from harness import executors
 from harness.config import Executor as Backend
 from harness.errors import HarnessError
 from harness.executors import Topology
 from harness.executors.base import Executor
 from harness.executors.multinode import check_topology, differing, topology_from_env
+
+# harness.cli exposes the function `main`, which shadows the module of that name.
+cli = importlib.import_module("harness.cli.main")
 
 
 def test_every_backend_is_one_module_with_an_executor_and_the_cli_offers_them_all() -> None:

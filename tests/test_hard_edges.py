@@ -203,7 +203,7 @@ def nan_run(project: Project, tmp_path_factory: pytest.TempPathFactory) -> Resul
 
 
 def test_nan_and_inf_are_recorded_exactly_and_outputs_become_artifacts(project: Project, nan_run: Result, tmp_path: Path) -> None:
-    from harness.tracking import Tracker
+    from harness.store.tracking import Tracker
 
     record = Tracker(project.uri).load_record(nan_run.last_line)
     assert np.isnan(record.metrics["nan"][1]).all() and len(record.metrics["nan"][1]) == 8
@@ -387,7 +387,7 @@ def test_fuzzed_config_never_prints_a_traceback(fuzz_repo: Path, yaml_fields, ra
     import yaml
     from click.testing import CliRunner
 
-    from harness.cli import main
+    from harness.cli.main import main
 
     base = {"image": "none", "entry": "train.py:train"}
     content = raw_yaml if raw_yaml is not None else yaml.safe_dump({**base, **_nested(yaml_fields)})
@@ -436,7 +436,7 @@ def test_malformed_uri_long_values_and_escapes_are_said_plainly(project: Project
     """A malformed IPv6 store URI is one line (without the URI, which may hold a password); a config value longer
     than MLflow's params is recorded as length and sha256, never cut silently; names are printed escaped."""
     from harness.fmt import printable
-    from harness.runner import PARAM_LIMIT, fit_params
+    from harness.commands.run import PARAM_LIMIT, fit_params
 
     bad = project.harness("runs", "--tracking-uri", "http://user:pw@[::1")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "pw" not in bad.stderr
@@ -472,7 +472,7 @@ def test_many_plain_keys_load_and_an_alias_bomb_is_one_line(project: Project, tm
 def test_a_worktree_left_by_a_killed_process_is_pruned_by_the_next(project: Project) -> None:
     """A replay SIGKILLed inside its worktree leaves it registered in the user's repository; the next command
     that checks out code removes it (and its folder), and leaves live ones alone."""
-    from harness import gitsource
+    from harness.systems import git as gitsource
 
     commit = git(project.root, "rev-parse", "HEAD")
     code = ("import os, signal, sys\nfrom pathlib import Path\nfrom harness import gitsource\n"

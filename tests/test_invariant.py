@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from harness.errors import ConfigError
-from harness.invariant import (
+from harness.runtime.invariant import (
     EvalSampler,
     InvariantStep,
     KeyedDataset,

@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Project, make_project
-from harness import seal
+from harness.record import seal
 from harness import tags as T
 from harness.errors import HarnessError
-from harness.tracking import Tracker
+from harness.store.tracking import Tracker
 
 # Hypothesis tries the smallest delay first: each range starts past the command's first instant (a kill before
 # Python has started proves nothing), the other examples land anywhere in its life.

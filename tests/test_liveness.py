@@ -10,7 +10,7 @@ import pytest
 
 from conftest import Project
 from harness import tags
-from harness.liveness import heartbeat_age, is_stale
+from harness.commands.mark import heartbeat_age, is_stale
 
 
 def test_stale_rule() -> None:

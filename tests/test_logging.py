@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import Project
-from harness.outbox import BATCH_POINTS, SEND_EVERY_S, Outbox
+from harness.runtime.outbox import BATCH_POINTS, SEND_EVERY_S, Outbox
 from harness.messages import Final, Fingerprint, MetricsBatch
 
 
@@ -122,7 +122,7 @@ def crashed_logger(project: Project) -> str:
 def test_every_point_of_a_crashing_rank_reaches_mlflow_and_series_exactly(
     project: Project, crashed_logger: str, tmp_path: Path
 ) -> None:
-    from harness.tracking import load_series
+    from harness.store.tracking import load_series
 
     rng = np.random.default_rng(7)
     a, b = rng.standard_normal(STEPS), rng.standard_normal(STEPS) * 1e-310

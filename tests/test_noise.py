@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from harness import noise, tags
-from harness.compare import DIVERGED, WITHIN_NOISE, compare_runs, judge_noise
-from harness.report import render_markdown
+from harness import tags
+from harness.judge import noise
+from harness.judge.compare import DIVERGED, WITHIN_NOISE, compare_runs, judge_noise
+from harness.judge.report import render_markdown
 from conftest import OTHER_HARDWARE
 from test_compare import clone, make_record
 

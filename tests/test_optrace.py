@@ -1,4 +1,4 @@
-"""The in-process op tracer and the trace diff (harness/optrace.py): planted causes, each localised
+"""The in-process op tracer and the trace diff (harness/optrace/tracer.py): planted causes, each localised
 to the right op, module and user line, in user code written to a folder and imported for real.
 
 No harness runs: every trace here is one step of a tiny model in this process.
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from harness.errors import HarnessError
-from harness.optrace import (CULPRIT, IDENTICAL, INPUTS_DIFFER_FROM_START, NOT_ALIGNED,
+from harness.optrace.tracer import (CULPRIT, IDENTICAL, INPUTS_DIFFER_FROM_START, NOT_ALIGNED,
                              Localization, OpRecord, OpTracer, Trace, TensorSig, dumps, loads,
                              localize, render_html, render_markdown, tensor_sig)
-from harness import optrace_rules
+from harness.optrace import rules as optrace_rules
 
 USER_CODE = '''\
 import torch
@@ -317,7 +317,7 @@ def test_reports_name_the_op_module_and_line(user: tuple[ModuleType, Path], tmp_
 
 
 def test_order_free_digest_ignores_only_the_order_of_contributions() -> None:
-    from harness.optrace import _order_free
+    from harness.optrace.tracer import _order_free
 
     acc = torch.zeros(3, 2)
     index = torch.tensor([[0, 1], [2, 0], [1, 1]])

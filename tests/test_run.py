@@ -54,7 +54,7 @@ def test_help_answers_without_torch_or_mlflow() -> None:
 
 
 def test_every_command_has_help() -> None:
-    from harness.cli import main
+    from harness.cli.main import main
 
     for name, command in main.commands.items():
         assert command.help and len(command.help.strip()) > 20, f"`harness {name}` has no help text"
@@ -85,7 +85,7 @@ def test_run_records_provenance(project: Project, linear_run, tmp_path: Path) ->
     assert tags["harness.experiment.path"] == "experiments/linear_ddp"
     assert tags["harness.image"] == "localhost:5000/harness-cpu:0.1"
     assert tags["harness.image.digest"].startswith("sha256:") or tags["harness.image.digest_reason"]
-    from harness.determinism import derive_rank_seeds
+    from harness.runtime.determinism import derive_rank_seeds
 
     assert tags["harness.seed"] == "0"
     assert tags["harness.seed.ranks"] == ",".join(map(str, derive_rank_seeds(0, 2)))

@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 from conftest import Project, make_project
-from harness import bundle, seal
+from harness.commands import bundle
+from harness.record import seal
 from harness import tags as T
 from harness.errors import EXIT_USAGE
-from harness.tracking import Tracker
+from harness.store.tracking import Tracker
 
 FIX = ("Use an intact copy of the run (its original store, or a bundle exported before the edit), or record it "
        "again with `harness run`.")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, pid_alive
-from harness.console import progress_note, rate_and_eta
+from harness.executors.console import progress_note, rate_and_eta
 from harness.errors import RunFailed
-from harness.launch import LaunchSpec, launch, start_ranks
+from harness.executors.launch import LaunchSpec, launch, start_ranks
 
 
 def test_rate_and_eta_count_from_the_first_step_not_from_start_up() -> None:

@@ -182,7 +182,7 @@ def test_file_that_is_not_a_database(fresh_project: Project) -> None:
 def test_store_failing_mid_command_is_not_no_run(tmp_path: Path) -> None:
     """Only MLflow's "not found" means no run; a store that breaks after opening is named as failing."""
     from harness.errors import HarnessError
-    from harness.tracking import Tracker
+    from harness.store.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = tracker.create_run("e", {})
@@ -196,7 +196,7 @@ def test_store_failing_mid_command_is_not_no_run(tmp_path: Path) -> None:
 
 def test_artifact_path_undoes_percent_escapes_as_mlflow_does() -> None:
     # MLflow stores Path.as_uri() of an artifact folder: a store under "store B" has "store%20B" in it.
-    from harness.store import artifact_path
+    from harness.store.reach import artifact_path
 
     assert artifact_path(Path("/tmp/store B/1/x/artifacts").as_uri()) == Path("/tmp/store B/1/x/artifacts")
     assert artifact_path("/plain/path") == Path("/plain/path")

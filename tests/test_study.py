@@ -90,7 +90,7 @@ def test_sequential_study_is_a_parent_of_ordinary_runs(project: Project, sequent
         assert f"seed {seed}: run {run.info.run_id} started" in sequential.stderr
         assert f"seed {seed}: run {run.info.run_id} FINISHED" in sequential.stderr
     assert "95% prediction interval" in sequential.stderr
-    from harness.listing import render_runs  # in-process: `harness runs` itself is tested elsewhere
+    from harness.commands.runs import render_runs  # in-process: `harness runs` itself is tested elsewhere
 
     listing = render_runs(project.uri, "wide", 50)
     assert any(line.startswith(study_id) and "study (3)" in line for line in listing.splitlines()), listing
@@ -170,7 +170,7 @@ def test_bad_input_records_nothing(study_project: Project, args: list[str], mess
 
 def test_seed_resolution() -> None:
     from harness.config import MAX_SEED
-    from harness.study import resolve_seeds
+    from harness.commands.study import resolve_seeds
 
     assert resolve_seeds(None, 7, 3) == [7, 8, 9]
     assert resolve_seeds([3, 1], 0, None) == [3, 1]
@@ -185,7 +185,7 @@ def test_seed_resolution() -> None:
 
 
 def test_curve_keeps_the_steps_every_member_logged() -> None:
-    from harness.study import curve
+    from harness.commands.study import curve
 
     c = curve([(np.array([0, 1, 2]), np.array([1.0, 2.0, 3.0])), (np.array([1, 2, 3]), np.array([4.0, 6.0, 8.0]))])
     assert c == {"steps": [1, 2], "mean": [3.0, 4.5], "std": [float(np.std([2.0, 4.0], ddof=1)), float(np.std([3.0, 6.0], ddof=1))],

@@ -87,7 +87,7 @@ def traced(project: Project, honest: str) -> str:
 
 
 def test_trace_is_a_nested_run_and_keeps_the_training_bits(project: Project, honest: str, traced: str) -> None:
-    from harness import optrace
+    from harness.optrace import tracer as optrace
 
     client = project.client()
     tags = client.get_run(traced).data.tags
@@ -138,7 +138,7 @@ def test_traces_travel_in_a_bundle_and_compare_there(project: Project, honest: s
 
 def test_bad_input_is_one_line_and_records_nothing(project: Project, honest: str, traced: str) -> None:
     from harness.errors import HarnessError
-    from harness.trace import parse_ranks, trace
+    from harness.commands.trace import parse_ranks, trace
 
     before = len(project.all_runs())
     # The command line once (one line, exit 2), the library for the other refusals (no start-up each).

@@ -126,7 +126,7 @@ def test_the_users_own_mlflow_calls_land_in_the_harness_run(project: Project) ->
 
 
 def test_absolute_uri_resolves_only_relative_sqlite_paths(tmp_path: Path, monkeypatch) -> None:
-    from harness.store import absolute_uri
+    from harness.store.reach import absolute_uri
 
     monkeypatch.chdir(tmp_path)
     assert absolute_uri("sqlite:///./mlruns/mlflow.db?timeout=30") == f"sqlite:///{tmp_path}/mlruns/mlflow.db?timeout=30"
@@ -162,7 +162,7 @@ def train(ctx):
 
 
 def test_trace_names_user_lines_after_chdir(project: Project) -> None:
-    from harness import optrace
+    from harness.optrace import tracer as optrace
 
     project.add_experiment("chdir", train_py=CHDIR)
     run = project.harness("run", "experiments/chdir")
@@ -230,7 +230,7 @@ def test_seed_watch_still_seeds_and_notes_only_the_experiments_calls(tmp_path: P
     import numpy
     import torch
 
-    from harness import userseed
+    from harness.runtime import userseed
     from harness.config import load_module_function
 
     code = tmp_path / "my exp"

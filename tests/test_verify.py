@@ -12,7 +12,7 @@ from scipy import stats
 import pytest
 
 from conftest import OTHER_HARDWARE, Project
-from harness.claims import load_claims, parse_printed, prints_as
+from harness.judge.claims import load_claims, parse_printed, prints_as
 from harness.errors import HarnessError
 
 # --- printed numbers ---------------------------------------------------------------------------------------
@@ -145,8 +145,8 @@ def test_a_bad_claims_file_exits_2_through_the_cli(fresh_project: Project) -> No
 
 class Study:
     def __init__(self, project: Project, study_id: str) -> None:
-        from harness.study import load_study
-        from harness.tracking import Tracker
+        from harness.commands.study import load_study
+        from harness.store.tracking import Tracker
 
         self.project, self.id = project, study_id
         tracker = Tracker(project.uri)
@@ -255,7 +255,7 @@ def test_html_report_renders_offline_in_a_real_browser(study: Study, checked, tm
 
 
 def test_missing_run_is_one_line_and_records_nothing(study: Study, paper: Path) -> None:
-    from harness.verify import verify
+    from harness.commands.verify import verify
 
     claims = paper / "missing.yaml"
     claims.write_text("claims:\n  - id: ghost\n    run: 0123456789abcdef0123456789abcdef\n    metric: loss\n    paper: 1\n")
@@ -312,7 +312,7 @@ def test_replay_passes_the_changes_on_and_judges_the_claims_on_the_replays(study
 
 
 def test_changes_without_replay_are_refused(study: Study, paper: Path) -> None:
-    from harness.verify import verify
+    from harness.commands.verify import verify
 
     claims = paper / "one.yaml"
     claims.write_text(f"claims:\n  - id: x\n    run: {study.members[1]}\n    metric: loss\n    paper: 1\n")
@@ -324,8 +324,8 @@ def test_changes_without_replay_are_refused(study: Study, paper: Path) -> None:
 
 def test_a_claim_finds_its_run_in_a_store_it_was_imported_into(study: Study, tmp_path: Path) -> None:
     """The paper names the run id of the authors' store; an evaluator's import gives it a new id here."""
-    from harness.bundle import export, import_bundle
-    from harness.verify import verify
+    from harness.commands.bundle import export, import_bundle
+    from harness.commands.verify import verify
 
     member = study.members[2]
     bundle = tmp_path / "run.tar.gz"

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, Iterator, Union
 from omegaconf import DictConfig
 
 from harness.messages import Message
-from harness.tracking import RunSummary, Tracker
+from harness.store.tracking import RunSummary, Tracker
 
 
 @dataclass

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from harness import docker
 from harness import tags as T
+from harness.config import to_container
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.executors.local import ENV_DIGEST
-from harness.store import SUPPRESS_URL, artifact_path, database_file
-from harness.tracking import Tracker
+from harness.record.redaction import redact
+from harness.store.reach import SUPPRESS_URL, artifact_path, database_file
+from harness.store.tracking import Tracker
+from harness.systems import docker
 
 WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted
 
@@ -121,8 +123,6 @@ class DockerExecutor(Executor):
         """Pin the image: the config's reference on a first run, the recorded digest on a replay or resume."""
         if job.topology.multi_node:
             raise HarnessError("the docker executor runs one node; for several, use --executor slurm or local --nnodes.")
-        from harness.config import to_container
-        from harness.redaction import redact
 
         secret = redact(to_container(job.cfg))[1]
         if secret:  # the container reads the recorded config, which holds placeholders, not the values

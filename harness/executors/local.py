@@ -20,27 +20,29 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from harness import scratch
 from harness import tags as T
-from harness import scratch, usermlflow, userseed
-from harness.config import split_entry, to_container, to_yaml
-from harness.delta import setting_risk
+from harness.config import check_nodes, is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.executors.launch import LaunchSpec, failed, failure_details, is_peer_failure, launch, resolve_device
+from harness.executors.multinode import check_topology, differing
+from harness.judge.delta import setting_risk
 from harness.messages import (
     Checkpoint, Determinism, DeterminismChanged, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice,
     SegmentEnd, SegmentStart, SettingChange, Total, UserSeeds,
 )
-from harness.store import reason_of
-from harness.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
+from harness.record.provenance import package_lock, runtime_facts
+from harness.runtime import usermlflow, userseed
+from harness.store.reach import absolute_uri, reason_of
+from harness.store.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
+from harness.systems import docker
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
 
 
 def local_image_tags(image: str) -> dict[str, str]:
     """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
-    from harness import docker
-    from harness.config import is_no_image
-
     if is_no_image(image):
         digest, image_id, reason = None, None, "no image pinned (image: none): a local-only experiment"
     else:
@@ -63,8 +65,7 @@ def launch_spec(
     data: dict[str, str] | None = None,
 ) -> Any:
     """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
-    from harness.determinism import derive_rank_seeds
-    from harness.launch import LaunchSpec
+    from harness.runtime.determinism import derive_rank_seeds
 
     entry_file, entry_func = split_entry(str(cfg.entry))
     return LaunchSpec(
@@ -91,7 +92,7 @@ def launch_spec(
 
 def checkpoint_store(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step: int | None) -> Any:
     """The run's checkpoints (checkpoint_store.CheckpointStore), None when it neither saves nor loads any."""
-    from harness import checkpoint_store
+    from harness.record import checkpoints as checkpoint_store
 
     if cfg.checkpoint_every <= 0 and resume_step is None:
         return None
@@ -101,7 +102,7 @@ def checkpoint_store(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step
 def checkpoint_plan(store: Any, cfg: DictConfig, **kwargs: Any) -> Any:
     """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
     lists them with the run."""
-    from harness.context import CheckpointPlan
+    from harness.runtime.context import CheckpointPlan
 
     if store is None:
         return None
@@ -110,8 +111,6 @@ def checkpoint_plan(store: Any, cfg: DictConfig, **kwargs: Any) -> Any:
 
 def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]:
     """This machine can run `nproc` ranks (default: all of world_size) of `cfg`: (device, backend), or HarnessError."""
-    from harness.launch import resolve_device
-
     return resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size if nproc is None else nproc)
 
 
@@ -123,8 +122,6 @@ def run_segments(
 
     Nothing is recorded here; the caller judges the segments from the messages.
     """
-    from harness.launch import launch
-
     device, backend = check_runnable(cfg)
     work = scratch.make("audit")
     try:
@@ -179,8 +176,6 @@ class LocalExecutor(Executor):
     name = "local"
 
     def prepare(self, job: Job) -> dict[str, str]:
-        from harness.config import check_nodes
-        from harness.executors.multinode import check_topology
         check_topology(job.topology)
         check_nodes(job.topology.nnodes, job.cfg.world_size, "--nnodes")
         check_runnable(job.cfg, job.cfg.world_size // job.topology.nnodes)
@@ -267,9 +262,7 @@ class LocalHandle(Handle):
 
     # -- the node that runs rank 0 -----------------------------------------------------------------
     def _run_and_record(self) -> Outcome:
-        from harness.console import Console
-        from harness.launch import failed, failure_details, launch
-        from harness.provenance import package_lock, runtime_facts
+        from harness.executors.console import Console
 
         job, tracker, run_id, cfg = self.job, self.job.tracker, self.job.run_id, self.job.cfg
         resume_step = job.resume_step
@@ -316,7 +309,8 @@ class LocalHandle(Handle):
             spec = self._spec(device, backend, log_dir, plan)
             spec.run_id = run_id
             # The user's own mlflow calls in rank 0 land in this run, never in a store of the code folder.
-            spec.env.update(usermlflow.run_env(tracker.client_uri, run_id, tracker.get_run(run_id).experiment_id))
+            experiment_id = tracker.get_run(run_id).experiment_id
+            spec.env.update(usermlflow.run_env(absolute_uri(tracker.client_uri), run_id, experiment_id))
             writer = tracker.metric_writer(run_id, cfg.flush_interval_s, outages)
             if prior is not None:
                 writer.prime(prior.metrics)
@@ -504,8 +498,6 @@ class LocalHandle(Handle):
 
     # -- another node --------------------------------------------------------------------------------
     def _run_ranks_only(self) -> Outcome:
-        from harness.launch import launch
-
         job, cfg = self.job, self.job.cfg
         log_dir = self.work / "logs"
         log_dir.mkdir()
@@ -543,8 +535,6 @@ class LocalHandle(Handle):
     def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None],
                 on_ranks: Callable[[Any], None] | None = None) -> None:
         """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
-        from harness.launch import failure_details, is_peer_failure
-
         node = self.node
         if node is None:
             launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=self.job.ranks, on_ranks=on_ranks)
@@ -585,8 +575,6 @@ def _in_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _node_tags(nodes: dict[int, dict[str, Any]]) -> dict[str, str]:
-    from harness.executors.multinode import differing
-
     tags: dict[str, str] = {}
     for n, node in nodes.items():
         if n == 0:
@@ -676,7 +664,7 @@ def strict_warnings(level: str, changes: tuple[SettingChange, ...], warned: set[
 
 def checkpoint_fingerprints_json(steps: dict[int, dict[str, Any]]) -> str:
     """The per-tensor checkpoint fingerprints artifact: step -> {"tensors": name -> sha256, "ranks": [sha256]}."""
-    from harness.checkpoint import FINGERPRINT_FORMAT
+    from harness.runtime.checkpoint import FINGERPRINT_FORMAT
 
     doc = {"format": FINGERPRINT_FORMAT, "steps": {str(k): v for k, v in sorted(steps.items())}}
     return json.dumps(doc, indent=1, sort_keys=True)

@@ -22,6 +22,8 @@ from typing import Any
 
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Topology
+from harness.executors.launch import failed, host_store
+from harness.record.provenance import env_vars, runtime_facts
 
 _KEYS = "launchers/"  # beside the ranks' own prefix in the same store
 _POLL_S = 0.2
@@ -93,8 +95,6 @@ class Node:
         """`store`: the job's store when this process already holds it (torchrun's agent hosts one);
         otherwise node 0 hosts it at the topology's master address and the others connect."""
         import torch.distributed as dist
-
-        from harness.launch import host_store
 
         self.topo = topo
         self.timeout_s = timeout_s
@@ -220,8 +220,6 @@ class Node:
 
     def check(self) -> None:
         """Raise NodeFailed when another node failed or stopped answering; called every ~0.5 s."""
-        from harness.launch import failed
-
         try:
             self.beat()
             if self.store.check(["failed"]):
@@ -240,8 +238,6 @@ class Node:
 
     def blame(self, err: RunFailed, peer_error: bool) -> HarnessError:
         """What ended the job after this node's ranks failed: another node's cause wins over a peer error."""
-        from harness.launch import failed
-
         if peer_error:
             deadline = time.monotonic() + _LAST_WORD_S
             while time.monotonic() < deadline:
@@ -264,8 +260,6 @@ class Node:
 
     def _remote(self, failure: dict[str, Any]) -> HarnessError:
         """Another node's posted failure, as the error that ends this node too."""
-        from harness.launch import failed
-
         if failure.get("signum"):  # cancelled there (scancel, Ctrl-C): the job was killed, it did not fail
             return Interrupted(int(failure["signum"]))
         line = failure["line"]
@@ -350,8 +344,6 @@ class Node:
 
 def node_facts(code: str, config: str) -> dict[str, Any]:
     """This node's provenance, sent to node 0: host, hardware, versions, communication variables."""
-    from harness.provenance import env_vars, runtime_facts
-
     comm = {k: v for k, v in env_vars().items() if k.startswith(("NCCL_", "GLOO_", "TP_", "MASTER_"))}
     return {"facts": runtime_facts(), "vars": comm, "code": code, "config": config}
 

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Callable
 
 from harness import tags as T
+from harness.config import check_nodes
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome, Output, Submitted
 from harness.executors.local import local_image_tags
-from harness.recorded import checkout
+from harness.record.recorded import checkout
+from harness.store.reach import database_file
 
 _CALL_S = 30.0  # deadline of one sbatch/scontrol/scancel call
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
@@ -99,9 +101,6 @@ class SlurmExecutor(Executor):
     name = "slurm"
 
     def prepare(self, job: Job) -> dict[str, str]:
-        from harness.config import check_nodes
-        from harness.store import database_file
-
         if job.topology.multi_node:
             raise HarnessError("--nnodes is for jobs started by hand on each node; with --executor slurm use --nodes N.")
         check_nodes(int(job.cfg.slurm.nodes), job.cfg.world_size, "slurm.nodes (--nodes)")

@@ -19,11 +19,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from harness import tags as T
-from harness import usermlflow
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Topology
-from harness.executors.local import check_runnable, LocalHandle, _node_tags, config_id, local_image_tags
+from harness.executors.launch import (
+    failed, failure_details, failure_record, host_store, is_peer_failure, rank_failed, run_rank,
+)
+from harness.executors.local import LocalHandle, _node_tags, check_runnable, config_id, launch_spec, local_image_tags
+from harness.executors.multinode import _LAST_WORD_S, _POLL_S, Node, node_facts
 from harness.messages import Message
+from harness.runtime import usermlflow
 
 LAUNCHER = "torchrun"
 
@@ -167,8 +171,6 @@ class TorchrunHandle(LocalHandle):
 
     def start(self) -> None:
         """Every rank joins; rank 0 records the run and publishes its id, the others attach to it."""
-        from harness.executors.multinode import Node, node_facts
-
         job, env = self.job, self.env
         try:
             ranks = Topology(nnodes=env.world_size, node_rank=env.rank, master_addr=env.master_addr,
@@ -194,8 +196,6 @@ class TorchrunHandle(LocalHandle):
 
         import torch.distributed as dist
 
-        from harness.launch import host_store
-
         env, timeout_s = self.env, float(self.job.cfg.rendezvous_timeout_s)
         if env.rank == 0 and not env.agent_store:
             raw = host_store(env.master_addr, env.master_port, timeout_s)
@@ -211,8 +211,6 @@ class TorchrunHandle(LocalHandle):
         return dist.PrefixStore(f"harness/{env.run_id}/{env.restart}/", raw)
 
     def _spec(self, device: str, backend: str, log_dir: Any, plan: Any) -> Any:
-        from harness.executors.local import launch_spec
-
         spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan, self.job.data)
         spec.node_rank, spec.nproc = self.env.group_rank, self.env.local_world_size
         spec.master_addr, spec.port = self.env.master_addr, self.env.master_port
@@ -223,9 +221,6 @@ class TorchrunHandle(LocalHandle):
         """Run this rank here; a failure anywhere is the job's, named once (the first rank to post it).
 
         `on_ranks` is unused: this process is a rank itself, with no progress array for the bar to read."""
-        from harness.executors.multinode import _LAST_WORD_S, _POLL_S
-        from harness.launch import failure_details, is_peer_failure
-
         node, rank = self.node, self.env.rank
         try:
             self._run_here(spec, on_message)
@@ -258,12 +253,10 @@ class TorchrunHandle(LocalHandle):
         """The rank's body in this process (launch.run_rank); its failure as RunFailed naming the rank and line."""
         import signal
 
-        from harness.launch import failure_record, rank_failed, run_rank
-
         if self.cancelled:
             raise Interrupted(self.cancelled)
         cwd, path = os.getcwd(), list(sys.path)  # the body runs in the experiment folder; the record does not
-        # ...and with the user's MLflow routed (harness/usermlflow.py); the record keeps the job's store. Not in
+        # ...and with the user's MLflow routed (harness/runtime/usermlflow.py); the record keeps the job's store. Not in
         # run_rank: a spawned rank's MLflow (its atexit end_run) must stay routed until the process is gone.
         mlflow_env = usermlflow.snapshot(os.environ)
         try:
@@ -284,8 +277,6 @@ class TorchrunHandle(LocalHandle):
 
     def _remote(self, posted: dict[str, Any]) -> HarnessError:
         """Another rank's posted failure, as the error that ends this rank too."""
-        from harness.launch import failed
-
         if posted.get("signum"):
             return Interrupted(int(posted["signum"]))
         return failed(posted["line"], posted.get("rank"), traceback_text=posted.get("traceback"))

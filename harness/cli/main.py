@@ -1,0 +1,816 @@
+"""The `harness` command line: parse, call the library, print. torch and mlflow load only when needed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from harness import tags as T
+from harness.errors import EXIT_SIGINT, HarnessError
+
+_TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
+
+
+def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """HarnessError -> `Error: ...` on one line and its exit code; no traceback.
+
+    A tracking-store failure that got past the Tracker (MLflow, SQLAlchemy or HTTP) is one line too:
+    it is the store failing, not a bug to show a traceback for.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HarnessError as err:
+            click.echo(f"Error: {err}", err=True)
+            _exit(err.exit_code)
+        except Exception as err:
+            from harness.store.tracking import is_store_error, resolve_uri, store_failure
+
+            if not is_store_error(err):
+                raise
+            failure = store_failure(err, resolve_uri(kwargs.get("tracking_uri")))
+            click.echo(f"Error: {failure}", err=True)
+            sys.exit(failure.exit_code)
+
+    return wrapper
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`. torchrun stops every other rank the moment one exits: a rank that has said why it
+    stops keeps its own exit code rather than dying of that SIGTERM on its way out."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ddp-harness")
+def main() -> None:
+    """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
+
+    Exit codes: 0 success / reproduced, 1 training failed / diverged / nothing to compare, 2 bad input,
+    130 interrupted (SIGINT), 143 terminated (SIGTERM).
+    """
+
+_EXECUTORS = ["local", "docker", "slurm"]  # config.Executor's values (not imported: --help must stay fast)
+
+
+def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Where the job runs: the backend, its nodes, and the Slurm resources (shared by run and replay)."""
+    options = [
+        click.option("--nnodes", type=click.IntRange(min=1), default=None,
+                     help="Nodes of a multi-node job; run the same command on each with its --node-rank."),
+        click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank (0 records the run)."),
+        click.option("--master-addr", default=None, help="Node 0's address, reachable from every node."),
+        click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+                     help="A free TCP port on node 0 for the job's rendezvous."),
+        click.option("--nodes", "slurm_nodes", type=click.IntRange(min=1), default=None,
+                     help="slurm: nodes to run on (one task per node)."),
+        click.option("--partition", default=None, help="slurm: partition to submit to."),
+        click.option("--time", "slurm_time", default=None, help="slurm: time limit (e.g. 01:00:00)."),
+        click.option("--gpus-per-node", type=click.IntRange(min=0), default=None, help="slurm: GPUs per node."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+_FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
+          "master_port": "--master-port", "slurm_nodes": "--nodes", "partition": "--partition",
+          "slurm_time": "--time", "gpus_per_node": "--gpus-per-node"}
+
+
+def _placement(executor: str | None, given: dict[str, Any], torchrun: bool = False) -> tuple[list[str], Any]:
+    """(slurm.* overrides, topology) from the placement options; under torchrun, torchrun's layout."""
+    from harness.executors import Topology
+    from harness.executors.multinode import topology_from_env
+
+    slurm = {"nodes": given["slurm_nodes"], "partition": given["partition"], "time": given["slurm_time"],
+             "gpus_per_node": given["gpus_per_node"]}
+    overrides = [f"slurm.{k}={v}" for k, v in slurm.items() if v is not None]
+    if torchrun:
+        layout = _torchrun_topology(executor, [_FLAGS[k] for k, v in given.items() if v is not None])
+        if layout is not None:
+            return overrides, layout
+    if executor == "slurm":
+        return overrides, None  # the batch job's tasks learn their place from Slurm
+    nnodes, node_rank, addr, port = (given[k] for k in ("nnodes", "node_rank", "master_addr", "master_port"))
+    if nnodes is None and node_rank is None and addr is None and port is None:
+        # What a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node.
+        return overrides, topology_from_env() or Topology()
+    if nnodes is None:
+        raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
+    return overrides, Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=addr, master_port=port or 0)
+
+
+def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
+    """The job's layout when torchrun started this process, else None; torchrun's layout leaves no placement to choose."""
+    from harness.executors.torchrun import topology, torchrun_env
+
+    env = torchrun_env()
+    if env is None:
+        return None
+    if given:
+        raise HarnessError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
+                           "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
+    if executor not in (None, "local"):
+        raise HarnessError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
+                           f"apply. Run `harness run --executor {executor} ...` without torchrun.")
+    return topology(env)
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.argument("experiment_dir", type=click.Path(path_type=Path))
+@click.argument("overrides", nargs=-1)
+@click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
+@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
+              help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image; "
+                   "slurm: a batch job.")
+@_placement_options
+@click.option("--allow-unpinned", is_flag=True, help="Accept an image pinned by the moving 'latest' tag.")
+@click.option("--allow-untracked-secrets", is_flag=True,
+              help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@click.option("--seeds", "seeds_n", type=int, default=None,
+              help="Run a study: N runs with seeds seed, seed+1, ..., seed+N-1, nested under one study run.")
+@click.option("--parallel", type=int, default=None, help="A study's members run J at once (default 1).")
+@_expected_errors
+def run(
+    experiment_dir: Path,
+    overrides: tuple[str, ...],
+    require_clean: bool,
+    executor: str | None,
+    allow_unpinned: bool,
+    allow_untracked_secrets: bool,
+    tracking_uri: str | None,
+    seeds_n: int | None,
+    parallel: int | None,
+    **placement: Any,
+) -> None:
+    """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
+
+    Prints progress on stderr and the MLflow run id as the last line of stdout. Started by torchrun,
+    it runs as the rank torchrun made it; the job is still one run. With --seeds N (or `seeds:` in the
+    config) it runs a study, one run per seed, and the last line is the study's run id.
+    """
+    from harness.commands import run as runner
+    from harness.store.tracking import Tracker
+
+    if seeds_n is not None or parallel is not None:
+        _run_study(experiment_dir, overrides, seeds_n, parallel, require_clean, executor, allow_unpinned,
+                   allow_untracked_secrets, tracking_uri, placement)
+        return
+    slurm, topology = _placement(executor, placement, torchrun=True)
+    outcome = runner.run(  # `seeds: [...]` in the config makes it a study (runner.run hands it over)
+        experiment_dir, [*overrides, *slurm], require_clean=require_clean, tracking_uri=tracking_uri,
+        executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
+        topology=topology,
+    )
+    if isinstance(outcome, runner.Outcome):
+        from harness.executors.torchrun import torchrun_env
+
+        env = torchrun_env()
+        # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
+        _finish(outcome, Tracker(tracking_uri), print_id=env is None or env.rank == 0)
+    else:
+        _study_finish(outcome, tracking_uri)
+
+
+def _run_study(experiment_dir: Path, overrides: tuple[str, ...], seeds_n: int | None, parallel: int | None,
+               require_clean: bool, executor: str | None, allow_unpinned: bool, allow_untracked_secrets: bool,
+               tracking_uri: str | None, placement: dict[str, Any]) -> None:
+    from harness.commands import study
+    from harness.executors.torchrun import torchrun_env
+
+    multi = [_FLAGS[k] for k in ("nnodes", "node_rank", "master_addr", "master_port") if placement[k] is not None]
+    if multi or torchrun_env() is not None:
+        raise HarnessError(f"a study runs its members one job after another on this machine: "
+                           f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
+    slurm, _ = _placement(executor, placement)
+    outcome = study.run_study(
+        experiment_dir, [*overrides, *slurm], seeds_n=seeds_n, parallel=parallel, require_clean=require_clean,
+        tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
+        allow_untracked_secrets=allow_untracked_secrets,
+    )
+    _study_finish(outcome, tracking_uri)
+
+
+def _study_finish(outcome: Any, tracking_uri: str | None) -> None:
+    click.echo(outcome.table, err=True)
+    if outcome.message:
+        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+    from harness.store.tracking import Tracker
+
+    click.echo(f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds). "
+               f"{Tracker(tracking_uri).ui_hint(outcome.run_id)}", err=True)
+    click.echo(outcome.run_id)
+    _exit(outcome.exit_code)
+
+
+def _finish(outcome: Any, tracker: Any, print_id: bool = True) -> None:
+    if outcome.message:
+        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+    if print_id:
+        click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
+        click.echo(outcome.run_id)
+    _exit(outcome.exit_code)
+
+
+@main.command()
+@click.argument("experiment_dir", type=click.Path(path_type=Path))
+@click.argument("overrides", nargs=-1)
+@click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
+@click.option("--allow-untracked-secrets", is_flag=True,
+              help="Accept untracked files whose names mark them as secrets (they would be recorded).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def check(
+    experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, allow_untracked_secrets: bool,
+    tracking_uri: str | None,
+) -> None:
+    """Check EXPERIMENT_DIR and KEY=VALUE overrides as `harness run` would, without running or recording.
+
+    Validates the config, the code record (the uncommitted changes) and the world size against this
+    machine. Exit 0 when `harness run` would start, 2 with the reason when it would refuse.
+    """
+    from harness.commands import run as runner
+
+    checked = runner.preflight(
+        experiment_dir, list(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets,
+        tracking_uri=tracking_uri,
+    )
+    for warning in checked.warnings:
+        click.echo(f"Warning: {warning}", err=True)
+    if checked.data_stats is not None:
+        click.echo(checked.data_stats.summary(), err=True)
+    cfg = checked.cfg
+    dirty = "+uncommitted changes" if checked.git.dirty else "clean"
+    click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} {dirty})")
+
+
+def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise HarnessError(f"--data {pair!r} is not NAME=PATH; e.g. --data train=/data/mnist.")
+        out[name] = path
+    return out
+
+
+@main.command()
+@click.argument("run_id")
+@click.argument("overrides", nargs=-1)
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
+@click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-data-changes", is_flag=True,
+              help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
+@click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",
+              help="Read declared data NAME from PATH on this machine (e.g. where `harness import` put it). Repeatable.")
+@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
+              help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
+@_placement_options
+@click.option("--allow-incomplete", is_flag=True,
+              help="Replay a FAILED or KILLED run and compare only the steps it reached.")
+@click.option("--no-follow", is_flag=True,
+              help="Replay a replay or audit run itself, not the original it was made from.")
+@click.option("--members", type=int, default=None,
+              help="A study: replay K of its members, drawn at random (the draw's seed is recorded).")
+@click.option("--members-seed", type=click.IntRange(min=0), default=None,
+              help="A study with --members: the seed of the draw (to repeat an earlier one).")
+@click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
+              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance (recorded). Repeatable.")
+@click.option("--localize/--no-localize", default=None,
+              help="When the replay DIVERGES, trace its first divergent step and name the first differing op "
+                   "(default: only when the run has checkpoints).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def replay(
+    run_id: str,
+    overrides: tuple[str, ...],
+    world_size: int | None,
+    allow_changes: bool,
+    allow_data_changes: bool,
+    data_paths: tuple[str, ...],
+    executor: str | None,
+    allow_incomplete: bool,
+    no_follow: bool,
+    members: int | None,
+    members_seed: int | None,
+    localize: bool | None,
+    tolerances: tuple[str, ...],
+    tracking_uri: str | None,
+    **placement: Any,
+) -> None:
+    """Rerun RUN_ID exactly as recorded and say whether it reproduced.
+
+    RUN_ID may be a study (harness run --seeds N): every member is replayed (or --members K of
+    them) and judged together against the seeds' noise.
+
+    The recorded commit (and patch) is checked out in a temporary git worktree; the recorded
+    config, seed, world size and determinism settings are used. The replay is a new MLflow run
+    nested under the original, with a report and plots. The last two lines of stdout are
+    `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged or nothing to compare,
+    2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
+    """
+    from harness.commands.replay import replay as do_replay
+
+    from harness.store.tracking import Tracker
+
+    slurm, topology = _placement(executor, placement)
+    # Writable: a replay records, so a read-only store is said first, whatever the run is.
+    tracker = Tracker(tracking_uri)
+    study_id = _study_id(tracker, run_id, not no_follow)
+    if study_id is not None:
+        _replay_study(tracker, study_id, members, members_seed, world_size, list(overrides), allow_changes,
+                      allow_data_changes, _data_paths(data_paths), executor, [*slurm, *_given(placement)],
+                      list(tolerances))
+    if members is not None or members_seed is not None:
+        raise HarnessError(f"--members and --members-seed apply to a study; run {run_id} is not one.")
+    result = do_replay(
+        run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
+        allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths),
+        tracker=tracker, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
+        placement=slurm, topology=topology, localize=localize, tolerances=list(tolerances),
+    )
+    if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
+        click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
+        click.echo(result.outcome.run_id)
+        _exit(result.outcome.exit_code)
+    _print_comparison(result.comparison, result.changes)
+    for line in result.localized.lines() if result.localized is not None else []:
+        click.echo(line)
+    click.echo(tracker.ui_hint(result.outcome.run_id), err=True)
+    click.echo(f"verdict: {result.comparison.summary()}")
+    click.echo(result.outcome.run_id)
+    sys.exit(result.comparison.exit_code)
+
+
+def _study_id(tracker: Any, run_id: str, follow: bool) -> str | None:
+    """The study that replaying RUN_ID means: itself, or (unless --no-follow) the study a study replay was made from."""
+    from harness.commands.study import is_study
+
+    run = tracker.harness_run(run_id)
+    if follow and run.tags.get(T.KIND) == T.KIND_STUDY_REPLAY and run.tags.get(T.REPLAY_OF):
+        click.echo(f"run {run_id} is a replay of study {run.tags[T.REPLAY_OF]}; replaying the study", err=True)
+        return run.tags[T.REPLAY_OF]
+    return run_id if is_study(run) else None
+
+
+def _given(placement: dict[str, Any]) -> list[str]:
+    return [_FLAGS[k] for k, v in placement.items() if v is not None and k in ("nnodes", "node_rank", "master_addr",
+                                                                                 "master_port")]
+
+
+def _replay_study(tracker: Any, study_id: str, members: int | None, members_seed: int | None, world_size: int | None,
+                  overrides: list[str], allow_changes: bool, allow_data_changes: bool, data_paths: dict[str, str],
+                  executor: str | None, placement: list[str], tolerances: list[str]) -> None:
+    from harness.commands.replay import replay_study
+
+    if placement:
+        raise HarnessError(f"a study is replayed member by member on this machine: {', '.join(placement)} cannot "
+                           "apply. Replay one member on several nodes with `harness replay MEMBER_ID ...`.")
+    if members_seed is not None and members is None:
+        raise HarnessError("--members-seed draws --members K of the study's members; pass --members too.")
+    result = replay_study(
+        study_id, members=members, draw_seed=members_seed, world_size=world_size, overrides=overrides,
+        allow_changes=allow_changes, allow_data_changes=allow_data_changes, data_paths=data_paths,
+        tracker=tracker, executor=executor, tolerances=tolerances,
+    )
+    for r in result.members:
+        click.echo(f"seed {r.original.tags.get('harness.seed')}: {r.comparison.summary()}  (replay {r.outcome.run_id})")
+    for t in result.equivalence:
+        click.echo(f"  {t.describe()}")
+    click.echo(f"verdict: {result.summary()}")
+    click.echo(result.run_id)
+    sys.exit(result.exit_code)
+
+
+def _print_comparison(cmp: Any, changes: list[str]) -> None:
+    if changes:
+        click.echo("Changes requested: " + ", ".join(changes))
+    given = cmp.tolerance.get("given") or {}
+    if given:
+        click.echo("Tolerance given (--tolerance, over the recorded replay.tolerance): "
+                   + ", ".join(f"{m} atol {t['atol']:g} rtol {t['rtol']:g}" for m, t in sorted(given.items())))
+    if not cmp.bitwise_possible:
+        click.echo("A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers))
+    for note in cmp.notes:
+        click.echo(f"Note: {note}")
+    arrow = " -> ".join(cmp.labels)
+    if cmp.config_delta:
+        click.echo(f"Config delta ({arrow}):")
+        for c in cmp.config_delta:
+            click.echo(f"   {c.key}: {c.a} -> {c.b}" + ("" if c.affects_result else "  (does not affect the result)"))
+    else:
+        click.echo("Config delta: none")
+    if cmp.delta:
+        click.echo(f"Environment delta ({arrow}):")
+        for d in cmp.delta:
+            flag = "!" if d.breaks_bitwise else " "
+            click.echo(f" {flag} {d.name}: {d.a} -> {d.b}" + (f"  ({d.note})" if d.note else ""))
+    elif cmp.config_delta:
+        # The runs do differ: "none" alone would read as "nothing changed".
+        click.echo(f"Environment delta ({arrow}): none besides the config delta above")
+    else:
+        click.echo("Environment delta: none")
+    for m in cmp.metrics:
+        first = "-" if m.first_divergence is None else str(m.first_divergence)
+        click.echo(
+            f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
+            f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
+            + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else "")
+        )
+    for line in cmp.checkpoint_lines():  # where the weights parted, just above the verdict
+        click.echo(line)
+
+
+@main.command()
+@click.argument("claims_file", type=click.Path(path_type=Path))
+@click.argument("overrides", nargs=-1)
+@click.option("--replay", "do_replay", is_flag=True, help="Replay each study or run the claims rest on (once) and judge the claims on the replays.")
+@click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
+@click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
+@click.option("--executor", type=click.Choice(_EXECUTORS), default=None, help="--replay: where the replays run (default: as recorded).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, members: int | None, world_size: int | None,
+           allow_changes: bool, executor: str | None, tracking_uri: str | None) -> None:
+    """Check a paper's claims (CLAIMS_FILE) against the recorded studies and runs, optionally replaying them.
+
+    Each claim's printed number must be what its runs produced, rounded as printed (HOLDS), or a mean
+    within the seeds' noise (WITHIN_NOISE), else MISPRINTED; with --replay its replay must be BITWISE,
+    WITHIN_TOLERANCE or WITHIN_NOISE. Prints the claims table,
+    `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
+    Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
+    """
+    from harness.commands.verify import verify as do_verify
+    from harness.judge.verify_report import HEADER, rows
+
+    result = do_verify(claims_file, replay=do_replay, members=members, world_size=world_size,
+                       overrides=list(overrides), allow_changes=allow_changes, executor=executor,
+                       tracking_uri=tracking_uri)
+    table = [HEADER] + rows(result.verdicts, result.replayed)
+    widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
+    for row in table:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    click.echo(f"Report: {result.report_path}", err=True)
+    click.echo(f"claims: {result.held} of {len(result.verdicts)} hold")
+    click.echo(result.run_id)
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole comparison as JSON.")
+@click.option("--report", "report", type=click.Path(path_type=Path), default=None,
+              help="Two traces: also write the localization report to PATH (HTML if it ends in .html, else markdown).")
+@click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
+              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance. Repeatable.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tolerances: tuple[str, ...],
+            tracking_uri: str | None) -> None:
+    """Compare two existing runs (any experiments): environment delta and verdict, no rerun.
+
+    RUN_A is the reference; its tolerance applies (RUN_B a replay of it: the replay's, with the
+    --tolerance it was given), then --tolerance. Exit 0 reproduced, 1 diverged, 2 bad input.
+    Two trace runs (harness trace): the first op whose output differs while its inputs were equal,
+    with its module, shapes, dtypes, the user's line and a likely cause; nothing is recorded.
+    Exit 0 identical, 1 they differ.
+    """
+    import json
+
+    from harness.commands.replay import compare as do_compare
+    from harness.store.tracking import Tracker
+
+    tracker = Tracker(tracking_uri, writable=False)
+    traces = [tracker.harness_run(r).tags.get(T.KIND) == T.KIND_TRACE for r in (run_a, run_b)]
+    if any(traces) and not all(traces):
+        which, other = (run_a, run_b) if traces[0] else (run_b, run_a)
+        raise HarnessError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
+                           f"{other} --step K makes one) or two runs.")
+    if all(traces):
+        from harness.commands.trace import diff, write_report
+
+        found = diff(tracker, run_a, run_b)
+        for line in found.lines():
+            click.echo(line)
+        if report is not None:
+            write_report(found, report)
+            click.echo(f"Report: {report}", err=True)
+        sys.exit(1 if found.differs else 0)
+    if report is not None:
+        raise HarnessError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
+
+    cmp = do_compare(run_a, run_b, tracking_uri, tolerances=list(tolerances))
+    if as_json:
+        click.echo(json.dumps(cmp.to_dict(), indent=2))
+    else:
+        _print_comparison(cmp, [])
+        click.echo(f"verdict: {cmp.summary()}")
+    sys.exit(cmp.exit_code)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def resume(run_id: str, tracking_uri: str | None) -> None:
+    """Continue a FAILED or KILLED run from its last complete checkpoint, in the same MLflow run.
+
+    Uses the recorded code, config and environment like replay; metrics continue at their steps.
+    Needs `checkpoint_every` > 0 in the run's config.
+    """
+    from harness.commands.resume import resume as do_resume
+    from harness.store.tracking import Tracker
+
+    _finish(do_resume(run_id, tracking_uri=tracking_uri), Tracker(tracking_uri))
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--segments", "-k", type=click.IntRange(min=1), required=True,
+              help="How many checkpoint-to-checkpoint segments to replay.")
+@click.option("--seed", type=int, default=None, help="Seed of the random draw (printed; default: random).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None) -> None:
+    """Verify a FINISHED run by replaying K random segments between its checkpoints.
+
+    Each drawn segment restarts from its start checkpoint and must reach the fingerprint the run
+    recorded at its end, with bit-identical metrics. Prints the probability of catching one bad
+    segment (K/N) and the compute spent relative to a full replay. The last two lines of stdout are
+    `verdict: ...` and the audit's run id. Exit 0 all segments reproduced, 1 one did not, 2 bad input.
+    """
+    from harness.commands.audit import audit as do_audit
+
+    result = do_audit(run_id, segments=segments, seed=seed, tracking_uri=tracking_uri)
+    for s in result.drawn:
+        click.echo(f"segment {s.index} steps {s.start}-{s.end}: {'ok' if s.ok else 'FAILED'}"
+                   f"{'' if s.ok else ' - ' + s.detail} ({s.seconds:.1f}s)")
+    click.echo(f"P(catching one bad segment) = {len(result.drawn)}/{result.segments_total} = "
+               f"{result.catch_probability:.2f}; compute = {result.step_fraction:.1%} of a full replay's steps")
+    click.echo(f"verdict: {result.summary()}")
+    click.echo(result.audit_id)
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--step", type=click.IntRange(min=0), required=True, help="The training step to trace (0-based).")
+@click.option("--ranks", default="0", show_default=True, help="The ranks to trace, separated by commas.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None) -> None:
+    """Trace every op of step STEP of RUN_ID: name, module, input/output tensor hashes, the user's line.
+
+    Restarts from the run's checkpoint at or before STEP (else from step 0), re-executes up to STEP
+    with the recorded code and config, and records the trace as a run nested under RUN_ID (artifacts
+    trace/rank<R>.jsonl.gz). Compare two traces with `harness compare TRACE_A TRACE_B`. Prints the
+    trace run's id as the last line. Exit 0 traced, 1 the ranks failed, 2 bad input (nothing recorded).
+    """
+    from harness.commands.trace import parse_ranks, trace as do_trace
+
+    result = do_trace(run_id, step=step, ranks=parse_ranks(ranks), tracking_uri=tracking_uri)[0]
+    start = "step 0" if result.from_checkpoint is None else f"the checkpoint of step {result.from_checkpoint}"
+    click.echo(f"traced step {result.step} of run {run_id} on rank{'s' if len(result.ranks) > 1 else ''} "
+               f"{','.join(map(str, result.ranks))} from {start} ({result.seconds:.1f}s)")
+    if result.reproduced is False:
+        click.echo(f"Warning: the re-execution did not reproduce the run's record: {result.detail}", err=True)
+    click.echo(result.run_id)
+
+
+@main.command(name="export")
+@click.argument("run_id")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The bundle to write (.tar.gz).")
+@click.option("--with-checkpoints", is_flag=True, help="Include the run's checkpoints (left out by default: big).")
+@click.option("--with-image", is_flag=True, help="Include the pinned image (docker save); import loads it.")
+@click.option("--with-data", is_flag=True,
+              help="Include the declared data's files, checked against their recorded sha256 (left out by default).")
+@click.option("--sign", "sign_key", type=click.Path(path_type=Path), default=None,
+              help="An ed25519 private key (PEM): also write OUTPUT.intoto.json, a signed attestation of the run.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool,
+            sign_key: Path | None, tracking_uri: str | None) -> None:
+    """Write RUN_ID, its code and its replays to one portable bundle.
+
+    The bundle holds the run's record (params, tags, every metric write with its step and timestamp,
+    artifacts), a git bundle of the recorded commit, the replays of the run, and a manifest with the
+    sha256 of every member. Run it inside a clone that has the recorded commit. Exit 0 written, 2 bad input
+    (nothing written).
+    """
+    from harness.commands.bundle import export
+
+    envelope = None
+    if sign_key is not None:  # signed first: a bad key writes no bundle
+        envelope = _attestation(run_id, sign_key, tracking_uri)
+    result = export(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image, with_data=with_data,
+                    tracking_uri=tracking_uri)
+    image = f", image {result.image}" if result.image else ""
+    click.echo(f"Exported run {run_id} ({len(result.replays)} replays{image}): {result.members} files, "
+               f"{result.size} bytes.", err=True)
+    if envelope is not None:
+        signed = output.with_name(output.name + ".intoto.json")
+        signed.write_bytes(envelope)
+        click.echo(f"Signed attestation: {signed}", err=True)
+    click.echo(str(result.path))
+
+
+def _attestation(run_id: str, key: Path, tracking_uri: str | None) -> bytes:
+    from harness.record.attest import sign
+    from harness.store.tracking import Tracker
+
+    return sign(Tracker(tracking_uri, writable=False), run_id, key)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--key", type=click.Path(path_type=Path), required=True, help="The ed25519 private key (PEM) to sign with.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The attestation to write (.json).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None) -> None:
+    """Sign an attestation of sealed run RUN_ID with a key the store does not hold.
+
+    The attestation is an in-toto Statement (subject: the final weights' digest, harness.fingerprint;
+    predicate: the run's id, status, seal and commit) in a DSSE envelope signed with ed25519. Check it with
+    `harness verify-record RUN_ID --attestation FILE --key PUBLIC.pem`. Exit 0 written, 2 bad input (an edited
+    or unsealed run, no final weights, a key that is not ed25519).
+    """
+    output.write_bytes(_attestation(run_id, key, tracking_uri))
+    click.echo(str(output))
+
+
+@main.command(name="verify-record")
+@click.argument("run_id")
+@click.option("--attestation", type=click.Path(path_type=Path), required=True, help="From `harness attest` or `export --sign`.")
+@click.option("--key", type=click.Path(path_type=Path), required=True, help="The signer's ed25519 public key (PEM).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str | None) -> None:
+    """Check that RUN_ID is the run an attestation signed by KEY attests, and unchanged since.
+
+    The signature must verify with KEY, the run's seal must hold and be the attested one (an imported copy of
+    the attested run: its seal must hold), and its final weights' digest must be the attested subject. Exit 0
+    holds, 2 refused (one line saying which check failed).
+    """
+    from harness.record.attest import verify_record as check
+    from harness.store.tracking import Tracker
+
+    doc = check(Tracker(tracking_uri, writable=False), run_id, attestation, key)
+    click.echo(f"Run {run_id} is the attested run {doc['predicate']['run_id']}, unchanged: final weights sha256 "
+               f"{doc['subject'][0]['digest']['sha256']}.")
+
+
+@main.command(name="import")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the bundle's declared data goes (default ./harness-data/ORIGINAL_RUN_ID).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None) -> None:
+    """Verify BUNDLE (from `harness export`) and import its run and replays into this store.
+
+    Every member is checked against the manifest before anything is written: a bundle with an altered
+    or unlisted member, an absolute or `..` name, a link, device or fifo, a member larger than listed,
+    or a newer format is refused whole. The run keeps its original id as the tag harness.imported_from,
+    its metrics, steps and timestamps; `harness replay` then takes its code from the bundled commit.
+    An image in the bundle is loaded into the local engine. Importing the same run again writes nothing.
+    Prints the run id in this store as the last line. Exit 0 imported or already there, 2 refused.
+    """
+    from harness.commands.bundle import import_bundle
+
+    result = import_bundle(bundle, tracking_uri=tracking_uri, data_dir=data_dir)
+    if result.already:
+        click.echo(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.", err=True)
+    else:
+        image = f"; image {result.image} loaded" if result.image else ""
+        click.echo(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.",
+                   err=True)
+    if result.data:
+        where = " ".join(f"--data {name}={path}" for name, path in sorted(result.data.items()))
+        click.echo(f"Its declared data is in {', '.join(result.data.values())}: harness replay {result.run_id} {where}",
+                   err=True)
+    click.echo(result.run_id)
+
+
+@main.command(name="_execute", hidden=True)
+@click.argument("run_id")
+@click.option("--code-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--resume-step", type=int, default=None)
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
+    """Run an already recorded run where this command runs (inside a container, or a Slurm job's task)."""
+    from harness.commands import run as runner
+
+    from harness.executors.multinode import topology_from_env
+
+    outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
+    if outcome.message:
+        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+    sys.exit(outcome.exit_code)
+
+
+@main.command()
+@click.argument("experiment", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=5050, show_default=True, help="Port to listen on (5000 is left to a local registry).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -> None:
+    """Open the MLflow UI on EXPERIMENT's runs and replays (default: the newest run's experiment).
+
+    The page lists every run and replay with its verdict, world size, commit and image digest (a view
+    harness saves in the experiment). Prints the page's link on stdout once the UI answers. On a local
+    store this starts `mlflow server` until Ctrl-C; an http(s) store is a server already: its link is
+    printed and nothing is started.
+    """
+    import signal
+    import subprocess
+
+    from harness.store import ui as mlflow_ui
+    from harness.store.tracking import Tracker, display_uri, resolve_uri, server_url, ui_command
+
+    uri = resolve_uri(tracking_uri)
+    served = server_url(uri)
+    if served:  # a tracking server is its own UI
+        click.echo(mlflow_ui.page(served, mlflow_ui.prepare(Tracker(uri), experiment)))
+        return
+    base = f"http://{host}:{port}"
+    click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)
+    cmd, env = ui_command(uri, host, port)
+    # Its own process group: the server's worker goes with it, whoever stops `harness ui`. Its log goes
+    # to stderr: stdout carries only the link.
+    server = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        # Meanwhile (the server takes seconds to answer): pick the experiment and save its view. Read-only
+        # (writable=False): a current local store is read without MLflow, which opens only to write the view.
+        experiment_id = mlflow_ui.prepare(Tracker(uri, writable=False, must_exist=False), experiment)
+        mlflow_ui.wait_ready(server, base)
+        click.echo(mlflow_ui.page(base, experiment_id))
+        sys.exit(server.wait())
+    except KeyboardInterrupt:
+        mlflow_ui.stop(server)
+        sys.exit(EXIT_SIGINT)
+    finally:
+        mlflow_ui.stop(server)
+
+
+@main.command()
+@click.argument("experiment", required=False)
+@click.option("-n", "--limit", default=20, show_default=True, help="How many runs to list.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def runs(experiment: str | None, limit: int, tracking_uri: str | None) -> None:
+    """List recent runs: id, experiment, start, status, world size, commit, image digest, replay verdicts.
+
+    STATUS is STALE for a RUNNING run whose launcher stopped writing its heartbeat (close it with
+    `harness mark`). VERDICTS counts every replay of a run by verdict, e.g. `BITWISE 2, DIVERGED 1
+    (with changes)`, replays made with --allow-changes or --world-size counted apart.
+    """
+    from harness.commands.runs import render_runs
+
+    click.echo(render_runs(tracking_uri, experiment, limit))
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--status", "status", type=click.Choice(list(T.INCOMPLETE)), required=True,
+              help="How to close the run.")
+@click.option("--force", is_flag=True, help="Close a run that has no heartbeat tags (nothing shows it is alive).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def mark(run_id: str, status: str, force: bool, tracking_uri: str | None) -> None:
+    """Close a RUNNING run whose launcher is gone (stale heartbeat) as FAILED or KILLED.
+
+    Refuses a run that is not RUNNING, or whose heartbeat is fresh (its launcher still runs:
+    stop that with Ctrl-C or SIGTERM), or that has no heartbeat tags unless --force.
+    Exit 0 closed, 2 refused.
+    """
+    from harness.commands.mark import mark as do_mark
+
+    reason = do_mark(run_id, status, force=force, tracking_uri=tracking_uri)
+    click.echo(f"Run {run_id} is now {status}: {reason}.")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,255 @@
+"""`harness audit`: verify a long run by replaying K random checkpoint-to-checkpoint segments.
+
+The idea is Proof-of-Learning's (Jia et al., 2021): a run is a chain of checkpoints; each link
+(segment) can be recomputed on its own from its start checkpoint, and its end fingerprint must match
+what the run recorded. Drawing K of N links catches one bad link with probability K/N at K/N of
+the cost of a full replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness import tags as T
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
+from harness.executors.local import SegmentMessages, check_runnable, run_segments
+from harness.judge.compare import BITWISE, DIVERGED
+from harness.record import checkpoints as checkpoint_store, seal
+from harness.record.provenance import runtime_facts
+from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.runtime import checkpoint
+from harness.runtime.context import CheckpointPlan
+from harness.store.tracking import Tracker
+
+
+@dataclass
+class Segment:
+    index: int
+    start: int  # checkpoint step it starts from
+    end: int  # checkpoint step it must reach, or the run's last step for the final segment
+    expected: str  # the fingerprint the run recorded at `end` (the final one for the last segment)
+    ok: bool = False
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class AuditResult:
+    run_id: str
+    audit_id: str
+    seed: int
+    segments_total: int
+    drawn: list[Segment]
+    steps_total: int
+    verdict: str
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.verdict == BITWISE else EXIT_FAILED
+
+    @property
+    def step_fraction(self) -> float:
+        return sum(s.end - s.start for s in self.drawn) / max(self.steps_total, 1)
+
+    @property
+    def catch_probability(self) -> float:
+        return len(self.drawn) / self.segments_total
+
+    def summary(self) -> str:
+        failed = [s for s in self.drawn if not s.ok]
+        if failed:
+            s = failed[0]
+            return f"{DIVERGED} in segment {s.index} (steps {s.start}-{s.end}): {s.detail}"
+        return (
+            f"{BITWISE}: {len(self.drawn)} of {self.segments_total} segments reproduced their end fingerprints "
+            f"({self.step_fraction:.0%} of the run's steps)"
+        )
+
+
+def segments_of(checkpoints: dict[int, str], final: str | None, steps_total: int | None) -> list[Segment]:
+    """Consecutive checkpoints, plus the last checkpoint to the end of the run."""
+    steps = sorted(checkpoints)
+    out = [Segment(i, a, b, checkpoints[b]) for i, (a, b) in enumerate(zip(steps, steps[1:]))]
+    if steps and final and steps_total is not None and steps_total > steps[-1]:
+        out.append(Segment(len(out), steps[-1], steps_total, final))
+    return out
+
+
+def audit(
+    run_id: str, *, segments: int, seed: int | None = None, tracking_uri: str | None = None, repo: Path | None = None
+) -> AuditResult:
+    tracker = Tracker(tracking_uri)
+    run = tracker.harness_run(run_id)
+    refuse_non_training(run, "audit")
+    seal.check(tracker, run_id)
+    if run.status != T.FINISHED:
+        raise HarnessError(f"run {run_id} is {run.status}; only a FINISHED run has an end to verify. Resume it first.")
+    record = tracker.load_record(run_id)
+    chain = segments_of(record.checkpoints, record.final_fingerprint, record.steps_total)
+    if not chain:
+        raise HarnessError(
+            f"run {run_id} has no checkpoint chain to audit (it ran with checkpoint_every: 0). "
+            f"Replay it in full instead: harness replay {run_id}"
+        )
+    if not 1 <= segments <= len(chain):
+        raise HarnessError(f"--segments must be between 1 and {len(chain)} (the run has {len(chain)} segments).")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    drawn = sorted(random.Random(seed).sample(chain, segments), key=lambda s: s.index)
+    recorded = RecordedRun.load(tracker, run)
+    recorded.restore_secrets([])  # from the environment variables they were read from
+    cfg = recorded.cfg
+    store = checkpoint_store.open_for(tracker, run_id)
+    # Only the drawn segments' start steps, fetched when a server holds them; absent files are refused, never
+    # judged: nothing is recorded.
+    store.require([seg.start for seg in drawn], cfg.world_size, "the audit", run.tags.get(T.IMPORTED_FROM))
+    print(
+        f"Auditing {segments} of {len(chain)} segments of run {run_id} (seed {seed}): "
+        f"{', '.join(f'{s.index} [{s.start}-{s.end})' for s in drawn)}. "
+        f"P(catching one bad segment) = {segments}/{len(chain)} = {segments / len(chain):.2f}",
+        file=sys.stderr,
+    )
+    directory = store.directory
+    check_runnable(cfg)
+    data = recorded.check_data(repo)  # a segment replayed on other data proves nothing about the run
+    try:
+        with recorded.code(repo) as (_, exp_dir):
+            pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
+            while pending:
+                # All pending segments in one launch; a segment that crashes its ranks fails alone.
+                pending = _run_segments(pending, record, cfg, exp_dir, directory, data.paths)
+    finally:
+        store.cleanup()
+    for seg in drawn:
+        print(f"  segment {seg.index} [{seg.start}-{seg.end}): {'ok' if seg.ok else 'FAILED: ' + seg.detail}",
+              file=sys.stderr)
+    verdict = BITWISE if all(s.ok for s in drawn) else DIVERGED
+    result = AuditResult(run_id, "", seed, len(chain), drawn, record.steps_total or 0, verdict)
+    result.audit_id = _record(tracker, run, result)
+    return result
+
+
+def _start_is_recorded(seg: Segment, record, world_size: int, directory: Path) -> bool:
+    """The start checkpoint must hold the weights the run recorded: a file altered afterwards fails here."""
+    for rank in range(world_size):
+        path = checkpoint.path_for(directory, seg.start, rank)
+        try:
+            claimed = checkpoint.load(path)["fingerprint"]
+        except HarnessError as err:
+            seg.detail = f"start checkpoint unreadable: {err}"
+            return False
+        if claimed != record.checkpoints[seg.start]:
+            seg.detail = (
+                f"start checkpoint {path.parent.name}/{path.name} holds weights {claimed[:12]}, "
+                f"the run recorded {record.checkpoints[seg.start][:12]}"
+            )
+            return False
+    return True
+
+
+def _differing_tensors(got: dict[str, str] | None, recorded: dict | None) -> str:
+    """`; tensors that differ: a, b` when both sides have per-tensor digests (a run from before them has none)."""
+    if not got or not recorded or not recorded.get("tensors"):
+        return ""
+    want = recorded["tensors"]
+    names = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return f"; tensors that differ: {shown} (of {len(want.keys() | got.keys())})" if names else ""
+
+
+def _run_segments(
+    segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, data: dict[str, str] | None = None
+) -> list[Segment]:
+    """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
+    plans = [
+        # The final segment runs to the end of training; the others stop at their end checkpoint.
+        CheckpointPlan(str(directory), 0, resume_step=seg.start, stop_at=None if seg.end not in record.checkpoints else seg.end)
+        for seg in segments
+    ]
+    messages = SegmentMessages(len(plans))
+    leftover: list[Segment] = []
+    try:
+        run_segments(cfg, exp_dir, plans, messages, data)
+    except RunFailed as err:
+        crashed = messages.current or 0
+        segments[crashed].detail = f"the segment failed: {err}"
+        leftover = segments[crashed + 1:]
+    reports = messages.reports
+    now = time.monotonic()
+    for i, (seg, report) in enumerate(zip(segments, reports)):
+        if report.started is not None:
+            following = reports[i + 1].started if i + 1 < len(reports) else None
+            seg.seconds = (following if following is not None else now) - report.started
+        if report.end is None:
+            continue
+        step, fp = report.end
+        if fp != seg.expected:
+            seg.detail = f"end fingerprint at step {step} is {str(fp)[:12]}, the run recorded {seg.expected[:12]}"
+            seg.detail += _differing_tensors(report.tensors, (record.checkpoint_tensors or {}).get(step))
+            continue
+        mismatch = _first_metric_mismatch(report.logged, record)
+        if mismatch:
+            seg.detail = mismatch
+            continue
+        seg.ok = True
+    return leftover
+
+
+def _first_metric_mismatch(logged: dict[tuple[str, int], float], record) -> str:
+    lookup = {key: dict(zip(steps.tolist(), values.tolist())) for key, (steps, values) in record.metrics.items()}
+    for (key, step), value in sorted(logged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        original = lookup.get(key, {}).get(step)
+        if original is None or struct.pack("<d", original) != struct.pack("<d", value):
+            return f"{key} at step {step}: {value!r}, the run recorded {original!r}"
+    return ""
+
+
+def _record(tracker: Tracker, run, result: AuditResult) -> str:
+    """An MLflow run nested under the audited one: verdict, drawn segments, report."""
+    tags = {
+        T.VERSION: run.tags[T.VERSION],
+        T.KIND: T.KIND_AUDIT,
+        T.AUDIT_OF: run.run_id,
+        T.MLFLOW_PARENT_RUN_ID: run.run_id,
+        T.VERDICT: result.verdict,
+        T.AUDIT_SEED: str(result.seed),
+        T.AUDIT_SEGMENTS: ",".join(str(s.index) for s in result.drawn),
+    }
+    tags.update({T.ENV_PREFIX + k: v for k, v in runtime_facts().items()})
+    audit_id = tracker.create_run(run.experiment, tags, run_name=f"audit-of-{run.run_name}")
+    result.audit_id = audit_id
+    report = render(result)
+    tracker.set_tags(audit_id, {T.MLFLOW_RUN_NOTE: report})
+    tracker.log_text(audit_id, report, T.ARTIFACT_AUDIT)
+    doc = {**{k: v for k, v in asdict(result).items() if k != "drawn"},
+           "segments": [asdict(s) for s in result.drawn], "step_fraction": result.step_fraction,
+           "catch_probability": result.catch_probability}
+    tracker.log_text(audit_id, json.dumps(doc, indent=2), T.ARTIFACT_AUDIT_JSON)
+    tracker.end_run(audit_id, T.FINISHED)
+    return audit_id
+
+
+def render(result: AuditResult) -> str:
+    lines = [
+        f"# Audit verdict: {result.verdict}",
+        "",
+        f"**{result.summary()}**",
+        "",
+        f"- Audited run: `{result.run_id}`",
+        f"- Segments drawn: {len(result.drawn)} of {result.segments_total} (seed {result.seed}, "
+        f"`harness audit {result.run_id} --segments {len(result.drawn)} --seed {result.seed}` redraws them)",
+        f"- Probability that one bad segment is among them: {result.catch_probability:.2f}",
+        f"- Compute: {result.step_fraction:.1%} of the run's {result.steps_total} steps",
+        "",
+        "| segment | steps | result | seconds | detail |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for s in result.drawn:
+        lines.append(f"| {s.index} | {s.start}-{s.end} | {'ok' if s.ok else 'FAILED'} | {s.seconds:.1f} | {s.detail or '-'} |")
+    return "\n".join(lines) + "\n"

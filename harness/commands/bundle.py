@@ -1,0 +1,557 @@
+"""Portable bundles: a run's whole record, code and replays in one verified .tar.gz (harness export / import)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+from harness import scratch
+from harness import tags as T
+from harness.errors import HarnessError
+from harness.record import data, seal
+from harness.record.data import sha256_file
+from harness.store.reach import exclusive
+from harness.store.tracking import Tracker, import_complete
+from harness.systems import docker, git as gitsource
+
+# The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
+FORMAT = 1
+MANIFEST = "manifest.json"  # the first member: format, what the bundle holds, and every member's size and sha256
+RUN_DIR = "run"  # run/record.json + run/artifacts/...
+REPLAYS_DIR = "replays"  # replays/<original replay id>/record.json + artifacts/...
+RECORD = "record.json"  # info, params, tags and every metric write (value as float.hex, timestamp, step)
+ARTIFACTS = "artifacts"
+CODE_BUNDLE = "code/code.bundle"  # `git bundle` of the recorded commit
+IMAGE_TAR = "image/image.tar"  # `docker save` of the pinned image (--with-image)
+DATA_DIR = "data"  # data/<name>/<file>: the declared data's bytes (--with-data); its manifest is an artifact
+# The manifest is read whole before anything is checked against it: a bound keeps a hostile one from filling memory.
+MAX_MANIFEST_BYTES = 64 << 20
+_CHUNK = 1 << 20
+_FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
+
+
+class BundleError(HarnessError):
+    """A bundle that cannot be trusted or read; nothing was written."""
+
+
+@dataclass(frozen=True)
+class Member:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    format: int
+    run_id: str
+    replays: list[str]
+    members: dict[str, Member]
+    image: dict[str, str] | None = None  # {"ref", "id"}: what --with-image saved
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "format": self.format, "run_id": self.run_id, "replays": self.replays, "image": self.image,
+            "members": {name: {"size": m.size, "sha256": m.sha256} for name, m in sorted(self.members.items())},
+        }, indent=1).encode()
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    run_id: str
+    replays: list[str]
+    members: int
+    size: int
+    image: str | None
+
+
+@dataclass
+class ImportResult:
+    run_id: str  # the run in this store
+    original_id: str
+    already: bool  # an earlier import made it: nothing was written
+    replays: list[str] = field(default_factory=list)
+    image: str | None = None
+    data: dict[str, str] = field(default_factory=dict)  # name -> where the bundled data now lies
+
+
+# -- names and the manifest ------------------------------------------------------------------------
+def _shown(name: str) -> str:
+    """A member name for a one-line message: control characters escaped."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
+def check_name(name: str) -> None:
+    """Refuse a member name that could land outside the folder it is extracted into."""
+    if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
+        raise BundleError(f"bundle member '{_shown(name)}' has an absolute name; refused. {_FIX}")
+    parts = PurePosixPath(name).parts
+    if ".." in name.split("/"):
+        raise BundleError(f"bundle member '{_shown(name)}' climbs out of the bundle ('..'); refused. {_FIX}")
+    if any(p in ("", ".") for p in name.rstrip("/").split("/")) or not parts:
+        raise BundleError(f"bundle member '{_shown(name)}' is not a plain relative name; refused. {_FIX}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: a key given twice is refused (json.loads would keep the last one silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _loads(data: bytes) -> Any:
+    return json.loads(data, object_pairs_hook=_unique_keys)
+
+
+def check_plain_name(value: Any, what: str) -> str:
+    """A name the store turns into a folder or a path segment (an experiment name): no separator, no '..'."""
+    if not (isinstance(value, str) and value.strip() and value not in (".", "..") and "/" not in value
+            and "\\" not in value and "\0" not in value and value.isprintable() and len(value) <= 256):
+        raise ValueError(f"{what} {value!r} (a plain name: no '/', '\\', '..' or control characters)")
+    return value
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    try:
+        doc = _loads(data)
+    except ValueError as err:
+        raise BundleError(f"the bundle's {MANIFEST} is not valid JSON ({err}). {_FIX}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
+        raise BundleError(f"the bundle's {MANIFEST} has no format number; this is not a harness bundle. {_FIX}")
+    if doc["format"] > FORMAT:
+        raise BundleError(
+            f"the bundle has format {doc['format']}, newer than this harness reads (up to {FORMAT}); it was made by "
+            "a newer harness. Upgrade harness (pip install -U ddp-harness) and import it again."
+        )
+    try:
+        members = {}
+        for name, entry in doc["members"].items():
+            check_name(name)
+            size, digest = entry["size"], entry["sha256"]
+            if not (isinstance(size, int) and size >= 0 and isinstance(digest, str) and len(digest) == 64):
+                raise ValueError(name)
+            int(digest, 16)
+            members[name] = Member(size, digest)
+        image = doc.get("image")
+        if image is not None and not (isinstance(image, dict)
+                                      and all(isinstance(image.get(k), str) for k in ("ref", "id"))):
+            raise ValueError("image")
+        manifest = Manifest(doc["format"], _run_id(doc["run_id"]), [_run_id(r) for r in doc.get("replays") or []],
+                            members, image)
+    except BundleError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise BundleError(f"the bundle's {MANIFEST} is malformed (at {err!s}). {_FIX}") from None
+    if MANIFEST in members:
+        raise BundleError(f"the bundle's {MANIFEST} lists itself. {_FIX}")
+    return manifest
+
+
+def _run_id(value: Any) -> str:
+    """A run id from a bundle: it names a folder of the bundle and goes into a store query, so only [0-9A-Za-z_-]."""
+    if not (isinstance(value, str) and value and len(value) <= 64 and all(c.isalnum() or c in "-_" for c in value)
+            and value.isascii()):
+        raise ValueError(f"run id {value!r}")
+    return value
+
+
+# -- verification ----------------------------------------------------------------------------------
+def _kind(member: tarfile.TarInfo) -> str | None:
+    """What a member is when it is neither a regular file nor a folder (refused), else None."""
+    if member.issym():
+        return "a symbolic link"
+    if member.islnk():
+        return "a hard link"
+    if member.ischr() or member.isblk():
+        return "a device"
+    if member.isfifo():
+        return "a fifo"
+    if not (member.isreg() or member.isdir()):
+        return f"of tar type {member.type!r}"
+    return None
+
+
+def _copy_checked(src: IO[bytes], dest: Path, name: str, expected: Member) -> None:
+    digest = hashlib.sha256()
+    written = 0
+    with open(dest, "xb") as out:
+        while chunk := src.read(_CHUNK):
+            written += len(chunk)
+            if written > expected.size:
+                raise BundleError(
+                    f"bundle member '{_shown(name)}' is larger than its manifest says ({expected.size} bytes); "
+                    f"refused. {_FIX}"
+                )
+            digest.update(chunk)
+            out.write(chunk)
+    if written != expected.size or digest.hexdigest() != expected.sha256:
+        raise BundleError(
+            f"bundle member '{_shown(name)}' was altered: sha256 {digest.hexdigest()} ({written} bytes), the "
+            f"manifest says {expected.sha256} ({expected.size} bytes); refused. {_FIX}"
+        )
+
+
+def verify(archive: Path, dest: Path) -> Manifest:
+    """Check every member of `archive` against its manifest while copying it into the empty folder `dest`.
+
+    Refuses (BundleError, before anything else is written) links, devices and fifos, absolute names,
+    '..', members missing from the manifest or larger than it says, altered bytes, members the manifest
+    lists but the archive lacks, and a format newer than FORMAT. Nothing is unpickled or executed.
+    """
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except FileNotFoundError:
+        raise BundleError(f"no bundle at '{archive}'. Pass the file `harness export` wrote.") from None
+    except (OSError, tarfile.TarError, EOFError, zlib.error) as err:
+        raise BundleError(f"'{archive}' is not a harness bundle (a .tar.gz made by harness export): {err}.") from None
+    try:
+        with tar:
+            first = tar.next()
+            if first is None or first.name != MANIFEST or not first.isreg():
+                raise BundleError(f"'{archive}' does not start with {MANIFEST}; it is not a harness bundle. {_FIX}")
+            if first.size > MAX_MANIFEST_BYTES:
+                raise BundleError(f"the bundle's {MANIFEST} is {first.size} bytes, over {MAX_MANIFEST_BYTES}. {_FIX}")
+            manifest = parse_manifest(tar.extractfile(first).read())  # type: ignore[union-attr]
+            needed = sum(m.size for m in manifest.members.values())
+            free = shutil.disk_usage(dest).free
+            if needed > free:
+                raise BundleError(
+                    f"the bundle unpacks to {needed} bytes, more than the {free} free in {dest.parent}. "
+                    "Free space there (or point TMPDIR at a larger disk) and import again."
+                )
+            seen: set[str] = set()
+            while (member := tar.next()) is not None:
+                name = member.name
+                kind = _kind(member)
+                if kind is not None:
+                    raise BundleError(f"bundle member '{_shown(name)}' is {kind}; only files and folders are "
+                                      f"accepted. {_FIX}")
+                check_name(name)
+                name = name.rstrip("/")
+                expected = manifest.members.get(name)
+                if member.isdir():  # harness export writes files only; its manifest lists no folder
+                    raise BundleError(f"bundle member '{_shown(name)}' is a folder the manifest does not list; "
+                                      f"refused. {_FIX}")
+                if expected is None:
+                    raise BundleError(f"bundle member '{_shown(name)}' is not in the manifest; refused. {_FIX}")
+                if name in seen:
+                    raise BundleError(f"bundle member '{_shown(name)}' appears twice; refused. {_FIX}")
+                if member.size > expected.size:
+                    raise BundleError(
+                        f"bundle member '{_shown(name)}' is larger than its manifest says ({member.size} > "
+                        f"{expected.size} bytes); refused. {_FIX}"
+                    )
+                seen.add(name)
+                target = dest / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _copy_checked(tar.extractfile(member), target, name, expected)  # type: ignore[arg-type]
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
+        raise BundleError(f"the bundle '{archive}' is damaged or cut short: {err}. {_FIX}") from None
+    missing = sorted(set(manifest.members) - seen)
+    if missing:
+        raise BundleError(f"the bundle lacks '{_shown(missing[0])}', which its manifest lists; refused. {_FIX}")
+    return manifest
+
+
+# -- export ----------------------------------------------------------------------------------------
+def _record_json(tracker: Any, run: Any) -> bytes:
+    metrics = {key: [[float.hex(v), ts, step] for v, ts, step in tracker.metric_entries(run.run_id, key)]
+               for key in run.metric_keys}
+    return json.dumps({
+        "run_id": run.run_id, "experiment": run.experiment, "run_name": run.run_name, "status": run.status,
+        "start_time": run.start_time, "end_time": run.end_time, "params": run.params, "tags": run.tags,
+        "metrics": metrics,
+    }, indent=1, sort_keys=True).encode()
+
+
+def _stage_run(tracker: Any, run: Any, folder: Path, with_checkpoints: bool) -> None:
+    folder.mkdir(parents=True)
+    (folder / RECORD).write_bytes(_record_json(tracker, run))
+    artifacts = folder / ARTIFACTS
+    artifacts.mkdir()
+    for path, _ in tracker.artifact_files(run.run_id):
+        if path.split("/")[0] == T.ARTIFACT_CHECKPOINTS and not with_checkpoints:
+            continue
+        folder_of = artifacts / PurePosixPath(path).parent
+        folder_of.mkdir(parents=True, exist_ok=True)
+        tracker.download(run.run_id, path, folder_of)
+
+
+def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
+    """Copy the declared data as recorded into the bundle: every file must still hash as the run read it."""
+    manifest = data.recorded_data(tracker, run_id)
+    if not manifest or not manifest.get("entries"):
+        raise HarnessError(f"run {run_id} declared no data (no data: in its experiment.yaml). Export without --with-data.")
+    for name, entry in sorted(manifest["entries"].items()):
+        check_name(f"{DATA_DIR}/{name}")
+        root = Path(entry["path"])
+        for f in entry["files"]:
+            source = root if entry["kind"] == data.KIND_FILE else root / f["path"]
+            target = dest / name / f["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copyfile(source, target)
+            except OSError as err:
+                raise HarnessError(
+                    f"data '{name}': cannot read {source} ({err.strerror}); --with-data copies the data from where "
+                    "the run read it. Restore it there, or export without --with-data."
+                ) from None
+            if sha256_file(target) != f["sha256"]:
+                raise HarnessError(
+                    f"data '{name}': {source} changed since run {run_id} was recorded; a bundle carries the bytes "
+                    "the run read. Restore it, or export without --with-data."
+                )
+
+
+def export(
+    run_id: str, out: Path, *, with_checkpoints: bool = False, with_image: bool = False, with_data: bool = False,
+    tracking_uri: str | None = None, repo: Path | None = None,
+) -> ExportResult:
+    """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s."""
+    tracker = Tracker(tracking_uri, writable=False)
+    run = tracker.harness_run(run_id)
+    if run.status == T.RUNNING:
+        raise HarnessError(f"run {run_id} is still RUNNING; its record is not complete. Export it when it has ended.")
+    if out.is_dir():
+        raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
+    replays = [r for r in tracker.children(run_id) if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE)]
+    for one in [run, *replays]:  # a bundle carries only a record as it was sealed
+        seal.check(tracker, one.run_id)
+    commit = run.tags[T.GIT_COMMIT]
+    image = None
+    with scratch.folder("export") as tmp:
+        stage = Path(tmp, "stage")
+        _stage_run(tracker, run, stage / RUN_DIR, with_checkpoints)
+        for replay in replays:
+            _stage_run(tracker, replay, stage / REPLAYS_DIR / replay.run_id, with_checkpoints)
+        code = stage / CODE_BUNDLE
+        code.parent.mkdir(parents=True)
+        carried = stage / RUN_DIR / ARTIFACTS / T.ARTIFACT_CODE_BUNDLE  # an imported run carries its code
+        live = gitsource.find_repo(repo or Path.cwd())
+        if live is not None and gitsource.has_commit(live, commit):
+            gitsource.bundle_commit(live, commit, code)
+            carried.unlink(missing_ok=True)
+        elif carried.is_file():
+            carried.rename(code)
+        else:
+            where = f"the repository at {live}" if live else "no repository here"
+            raise HarnessError(
+                f"commit {commit[:12]} of run {run_id} is not in {where}. Run the export inside a clone that has it "
+                f"(git fetch {run.tags.get(T.GIT_REPO_URL) or '<remote>'} {commit})."
+            )
+        if with_image:
+            image = _stage_image(run, stage / IMAGE_TAR)
+        if with_data:
+            _stage_data(tracker, run_id, stage / DATA_DIR)
+        members = {}
+        for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+            members[path.relative_to(stage).as_posix()] = Member(path.stat().st_size, sha256_file(path))
+        manifest = Manifest(FORMAT, run_id, [r.run_id for r in replays], members, image)
+        _write_archive(stage, manifest, out)
+    return ExportResult(out, run_id, manifest.replays, len(members), out.stat().st_size,
+                        image["ref"] if image else None)
+
+
+def _stage_image(run: Any, dest: Path) -> dict[str, str]:
+    image_id = run.tags.get(T.IMAGE_ID)
+    ref = run.tags.get(T.IMAGE, "none")
+    if ref == "none" or not image_id:
+        raise HarnessError(
+            f"run {run.run_id} recorded no image id (image: {ref}); --with-image needs a run whose image the engine "
+            "knew when it ran. Export without --with-image."
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    docker.save_image(image_id, ref, dest)
+    return {"ref": ref, "id": image_id}
+
+
+def _write_archive(stage: Path, manifest: Manifest, out: Path) -> None:
+    """The manifest first (import reads it before any other member), then every member; atomic rename."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch.remove_stale(out.parent, f".{out.name}.partial-")  # an export killed before its rename
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    data = manifest.to_json()
+    try:
+        # Level 1: the big members (an image, checkpoints) take minutes at gzip's default 9 for a few % less.
+        with tarfile.open(partial, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT) as tar:
+            info = tarfile.TarInfo(MANIFEST)
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            tar.addfile(info, io.BytesIO(data))
+            for name in manifest.members:
+                tar.add(stage / name, arcname=name, recursive=False)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+# -- import ----------------------------------------------------------------------------------------
+def _strings(value: Any) -> dict[str, str]:
+    if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+        raise TypeError("expected an object of strings")
+    return value
+
+
+def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
+    """A run's record.json, every field checked and every metric write parsed before anything is written."""
+    try:
+        record = _loads((folder / RECORD).read_bytes())
+        if record["run_id"] != run_id:
+            raise ValueError(f"run_id {record['run_id']!r} where the manifest says {run_id!r}")
+        check_plain_name(record["experiment"], "experiment name")
+        if not (isinstance(record["experiment"], str) and record["status"] in (T.RUNNING, T.FINISHED, *T.INCOMPLETE)):
+            raise ValueError("experiment or status")
+        for key in ("start_time", "end_time"):
+            if record.get(key) is not None and not isinstance(record[key], int):
+                raise TypeError(key)
+        if record.get("run_name") is not None and not isinstance(record["run_name"], str):
+            raise TypeError("run_name")
+        _strings(record["params"])
+        _strings(record["tags"])
+        record["entries"] = [(key, float.fromhex(v), int(ts), int(step))
+                             for key, writes in record["metrics"].items() for v, ts, step in writes]
+        return record
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
+        raise BundleError(f"the bundle's {folder.name}/{RECORD} is missing or malformed ({err!s}). {_FIX}") from None
+
+
+# Tags whose value is the id of another run.
+RUN_REFERENCES = (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF, T.STUDY, T.STUDY_REPLAY)
+
+
+def _remap(tags: dict[str, str], ids: dict[str, str]) -> dict[str, str]:
+    """Tags naming a run of the bundle (parent, replay_of, audit_of, trace_of, study) name its copy in this store;
+    those naming a run the bundle does not hold are dropped: they would attach the copy to whatever run of this
+    store has that id (a forged replay counted on an unrelated run)."""
+    return {k: ids[v] if k in RUN_REFERENCES else v for k, v in tags.items() if k not in RUN_REFERENCES or v in ids}
+
+
+def _import_run(tracker: Any, record: dict[str, Any], folder: Path, ids: dict[str, str]) -> str:
+    # Partial from the first write (a bundle of an imported run carries the state "complete" of its own import).
+    marks = {T.IMPORTED_FROM: record["run_id"], T.IMPORT_STATE: T.IMPORT_PARTIAL}
+    tags = _remap({**record["tags"], **marks}, ids)
+    new_id = tracker.create_run_at(record["experiment"], marks, record.get("run_name"), record.get("start_time"))
+    ids[record["run_id"]] = new_id
+    tracker.set_tags_exact(new_id, tags)
+    tracker.log_params_exact(new_id, record["params"])
+    tracker.log_metric_entries(new_id, record["entries"])
+    artifacts = folder / ARTIFACTS
+    if artifacts.is_dir() and any(artifacts.iterdir()):
+        tracker.log_dir(new_id, artifacts)
+    return new_id
+
+
+def _place_data(unpacked: Path, dest: Path, created: list[Path]) -> dict[str, str]:
+    """Copy the bundled data (data/<name>/...) to dest/<name>; an existing dest/<name> must hold the same bytes.
+
+    The folders it makes are appended to `created` (removed again if the import fails)."""
+    source = unpacked / DATA_DIR
+    if not source.is_dir():
+        return {}
+    placed: dict[str, str] = {}
+    for entry in sorted(source.iterdir()):
+        target = dest / entry.name
+        if target.exists():
+            ours = {p.relative_to(entry): sha256_file(p) for p in entry.rglob("*") if p.is_file()}
+            theirs = {p.relative_to(target): sha256_file(p) for p in target.rglob("*") if p.is_file()}
+            if ours != theirs:
+                raise HarnessError(
+                    f"{target} exists and holds other files than the bundle's data '{entry.name}'. "
+                    "Pass another --data-dir, or remove it."
+                )
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            created.append(target)
+            shutil.copytree(entry, target)
+        placed[entry.name] = str(target)
+    return placed
+
+
+def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None) -> ImportResult:
+    """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
+
+    A second import of the same run finds the first and writes nothing.
+    """
+    with scratch.folder("import") as tmp:
+        unpacked = Path(tmp, "bundle")
+        unpacked.mkdir()
+        manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade
+        # Every record checked before the store is opened: a refused bundle leaves even a new store's file unmade.
+        record = _load_record(unpacked / RUN_DIR, manifest.run_id)
+        replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
+        # Each run of the bundle is as its seal recorded it: an edit whose forger rewrote the manifest to match still shows.
+        seal.check_bundled(record, unpacked / RUN_DIR / ARTIFACTS, f"run {record['run_id']} (in the bundle)")
+        for rec in replays:
+            seal.check_bundled(rec, unpacked / REPLAYS_DIR / rec["run_id"] / ARTIFACTS, f"run {rec['run_id']} (in the bundle)")
+        tracker = Tracker(tracking_uri)
+        # One import into a store at a time: a second import of the bundle waits, then finds the first's run.
+        with exclusive(tracker.uri):
+            return _import_unpacked(tracker, unpacked, manifest, data_dir)
+
+
+def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir: Path | None) -> ImportResult:
+    record = _load_record(unpacked / RUN_DIR, manifest.run_id)
+    original = record["run_id"]
+    # A half import (its importer killed) is no import: it and the replays it made are deleted here, redone below.
+    halves = {r.run_id for r in tracker.imports_of(original) if not import_complete(r)}
+    for replay in (r for o in manifest.replays for r in tracker.imports_of(o)):
+        links = {replay.tags.get(k) for k in (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF)}
+        if replay.tags.get(T.IMPORT_STATE) == T.IMPORT_PARTIAL or links & halves:
+            tracker.delete_run(replay.run_id)
+    for half in halves:
+        tracker.delete_run(half)
+    found = tracker.imported(original)
+    if found is None:
+        try:
+            found = tracker.get_run(original)  # the bundle came back to the store it was exported from
+        except HarnessError:
+            found = None
+    if found is not None:
+        return ImportResult(found.run_id, original, already=True)
+    replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
+    if not (unpacked / CODE_BUNDLE).is_file():
+        raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
+    image = None
+    if manifest.image is not None and (unpacked / IMAGE_TAR).is_file():
+        # Before the store is written: an image that is not the recorded one leaves the store untouched.
+        docker.load_image(unpacked / IMAGE_TAR, manifest.image["id"])
+        image = manifest.image["ref"]
+    code_dir = unpacked / RUN_DIR / ARTIFACTS / Path(T.ARTIFACT_CODE_BUNDLE).parent
+    code_dir.mkdir(parents=True, exist_ok=True)
+    shutil.move(unpacked / CODE_BUNDLE, code_dir / Path(T.ARTIFACT_CODE_BUNDLE).name)
+    # Declared data (--with-data) goes beside, not into, the store: a replay points at it with --data.
+    data_home = (data_dir or Path.cwd() / "harness-data" / original).resolve()
+    created: list[Path] = []
+    ids: dict[str, str] = {}
+    try:
+        placed = _place_data(unpacked, data_home, created)
+        new_id = _import_run(tracker, record, unpacked / RUN_DIR, ids)
+        for rec in replays:
+            _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
+        for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
+            tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+        # The commit: until the run says complete, the next import takes it for a half one and redoes it.
+        for rec in [*replays, record]:
+            tracker.set_tags_exact(ids[rec["run_id"]], {T.IMPORT_STATE: T.IMPORT_COMPLETE})
+    except BaseException:
+        for folder in created:
+            shutil.rmtree(folder, ignore_errors=True)
+        for made in ids.values():  # nothing half-imported stays
+            try:
+                tracker.delete_run(made)
+            except Exception:
+                pass
+        raise
+    return ImportResult(new_id, original, already=False, replays=[ids[r["run_id"]] for r in replays],
+                        image=image, data=placed)

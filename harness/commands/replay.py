@@ -1,0 +1,399 @@
+"""`harness replay` and `harness compare`: rerun a recorded run and judge it against the record."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness import scratch
+from harness import executors, tags as T
+from harness.commands import mark as liveness, run as runner
+from harness.config import compose, parse_overrides, validate
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.executors import Outcome, Topology
+from harness.fmt import json_safe
+from harness.judge import noise
+from harness.judge.compare import (
+    BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_NOISE, WITHIN_TOLERANCE, Comparison, compare_runs, format_tolerances,
+    judge_noise, judged_tolerance, parse_tolerances,
+)
+from harness.record import redaction, seal
+from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.store.tracking import RunRecord, RunSummary, Tracker
+from harness.systems import git as gitsource
+
+
+@dataclass
+class ReplayResult:
+    original: RunSummary
+    outcome: Outcome
+    comparison: Comparison | None  # None on nodes other than 0 of a multi-node replay: node 0 judges it
+    changes: list[str]
+    records: tuple[RunRecord, RunRecord] | None = None  # (original, replay) as judged
+    localized: Any = None  # trace.Localized: where a DIVERGED replay first differed (replay --localize)
+
+
+def apply_changes(
+    cfg: DictConfig, world_size: int | None, overrides: list[str], allow_changes: bool
+) -> tuple[DictConfig, list[str]]:
+    """--world-size and KEY=VALUE changes; the latter only with --allow-changes. Returns what changed."""
+    if overrides and not allow_changes:
+        raise HarnessError(
+            f"replay uses the recorded config; overrides {' '.join(overrides)} would change it. "
+            "Pass --allow-changes to replay with them (they are recorded and reported)."
+        )
+    changes = list(overrides)
+    fragments = [("recorded config", cfg)]
+    if overrides:
+        fragments.append(("overrides", parse_overrides(overrides)))
+    if world_size is not None and world_size != cfg.world_size:
+        fragments.append(("--world-size", OmegaConf.create({"world_size": world_size})))
+        changes.append(f"world_size={world_size}")
+    if len(fragments) == 1:
+        return cfg, []
+    new = compose(fragments)
+    validate(new, None)
+    return new, changes
+
+
+_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}  # kind -> tag naming the run it was made from
+
+
+def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
+    """The run a replay or an audit was made from (and so on), which is what replaying it means."""
+    seen = {run.run_id}
+    while (tag := _DERIVED_OF.get(run.tags.get(T.KIND, ""))) and run.tags.get(tag):
+        source = tracker.harness_run(run.tags[tag])
+        if source.run_id in seen:  # a hand-edited tag could close a loop
+            break
+        print(f"run {run.run_id} is {'an audit' if tag == T.AUDIT_OF else 'a replay'} of {source.run_id}; "
+              f"replaying {source.run_id}", file=sys.stderr)
+        seen.add(source.run_id)
+        run = source
+    return run
+
+
+def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
+    """Refuse a run whose record is not complete: there is no end to judge a replay against."""
+    rid = run.run_id
+    if run.status == T.RUNNING:
+        now = time.time()
+        if liveness.is_stale(run.tags, now):
+            raise HarnessError(
+                f"run {rid} is RUNNING but its launcher is gone (no heartbeat for "
+                f"{liveness.heartbeat_age(run.tags, now):.0f} s). Close it with `harness mark {rid} --status FAILED`, "
+                "then replay it with --allow-incomplete."
+            )
+        raise HarnessError(
+            f"run {rid} is still RUNNING; its record is not complete. Wait until it ends, then replay it."
+        )
+    if run.status in T.INCOMPLETE and not allow_incomplete:
+        try:  # the flattened config is in the params; a resume needs checkpoints
+            checkpointed = int(run.params.get("checkpoint_every", "0")) > 0
+        except ValueError:
+            checkpointed = False
+        resume = f"Resume it with `harness resume {rid}` (it has checkpoints), or pass" if checkpointed else "Pass"
+        raise HarnessError(
+            f"run {rid} is {run.status}: it stopped before its end, so a full replay cannot be judged against it. "
+            f"{resume} --allow-incomplete to replay it and compare only the steps it reached."
+        )
+
+
+def replay(
+    run_id: str,
+    *,
+    world_size: int | None = None,
+    overrides: list[str] | None = None,
+    allow_changes: bool = False,
+    allow_data_changes: bool = False,
+    data_paths: dict[str, str] | None = None,
+    tracking_uri: str | None = None,
+    repo: Path | None = None,
+    executor: str | None = None,
+    allow_incomplete: bool = False,
+    follow: bool = True,
+    topology: Topology | None = None,
+    placement: list[str] | None = None,
+    tracker: Tracker | None = None,
+    extra_tags: dict[str, str] | None = None,
+    study_members: list[RunRecord] | None = None,
+    localize: bool | None = None,
+    tolerances: list[str] | None = None,
+) -> ReplayResult:
+    """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
+    the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
+    METRIC=ATOL[,RTOL] specs that override the recorded replay.tolerance for this judgement (recorded)."""
+    given = parse_tolerances(tolerances)  # bad input is said before anything else happens
+    # First: an unreachable store is said before torch is even loaded.
+    tracker = tracker or Tracker(tracking_uri)
+
+    original = tracker.harness_run(run_id)
+    if follow:
+        original = follow_original(tracker, original)
+        run_id = original.run_id
+    refuse_non_training(original, "replay")
+    seal.check(tracker, run_id)  # before anything is recorded: an edited record is not replayed
+    check_replayable(original, allow_incomplete)
+    incomplete = original.status in T.INCOMPLETE
+    recorded = RecordedRun.load(tracker, original)
+    overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
+    cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
+    changes = [redaction.redact_override(c) for c in changes]  # recorded and printed: no secret in them
+    if executor is not None and executor != cfg.executor.value:
+        # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
+        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
+        changes.append(f"executor={executor}")
+    if placement:  # --nodes, --partition, ...: where a Slurm replay runs, likewise
+        cfg = compose([("recorded config", cfg), ("Slurm options", parse_overrides(placement))])
+        validate(cfg, None)
+        changes.extend(placement)
+    recorded.cfg = cfg
+    # Before anything is recorded or launched: the data must hash as recorded (or the change be allowed).
+    data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
+    if data.stats is not None:
+        print(data.stats.summary(), file=sys.stderr)
+    extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id, **(extra_tags or {})}
+    if changes:
+        extra[T.CHANGES] = " ".join(changes)
+    if original.tags.get(T.CONFIG_REDACTED):  # where each secret came from, for a replay of this replay
+        extra[T.CONFIG_REDACTED] = original.tags[T.CONFIG_REDACTED]
+    if given:
+        extra[T.TOLERANCE] = format_tolerances(given)
+    if data.changes:
+        extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
+        for change in data.changes:
+            print(f"Warning: {change.line()} (allowed by --allow-data-changes)", file=sys.stderr)
+
+    with recorded.code(repo) as (tree, exp_dir):
+        # The worktree holds exactly the recorded code (checked above), which was admitted when it
+        # was recorded: its untracked files are not refused a second time.
+        git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
+
+        def record(tags: dict[str, str]) -> str:
+            return runner.create_record(
+                tracker, cfg, exp_dir, git, image=tags, extra_tags=extra,
+                run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
+            )
+
+        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths)
+        outcome = executors.run(job)
+        replay_id = outcome.run_id
+
+    if job.topology.node_rank != 0:  # one job, one verdict: node 0's
+        return ReplayResult(original, outcome, None, changes)
+    # A study replay has the member's record already (it judges every member against the same seeds).
+    a = next((m for m in study_members or [] if m.run_id == run_id), None) or tracker.load_record(run_id)
+    b = tracker.load_record(replay_id)
+    failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
+    comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
+                              incomplete_original=incomplete)
+    comparison = with_noise(tracker, comparison, a, b, study_members)
+    record_verdict(tracker, replay_id, a, b, comparison, changes)
+    # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
+    localized = None
+    if comparison.verdict == DIVERGED and (localize or (localize is None and a.checkpoints)):
+        from harness.commands.trace import localize_after_replay
+
+        localized = localize_after_replay(tracker, comparison, a, b, repo)
+        record_localization(tracker, replay_id, comparison, changes, localized)
+    return ReplayResult(original, outcome, comparison, changes, (a, b), localized)
+
+
+def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str], localized: Any) -> None:
+    """The report ends with where the replay diverged: the first differing op, its module, the user's line."""
+    from harness.judge.report import render_markdown
+
+    seal.open_for_verdict(tracker, replay_id)
+    markdown = render_markdown(comparison, changes) + localized.markdown()
+    status = localized.diff.localization.status if localized.diff is not None else "NONE"
+    tracker.set_tags(replay_id, {T.MLFLOW_RUN_NOTE: markdown, T.LOCALIZED: status})
+    tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
+    tracker.log_text(replay_id, localized.markdown(), T.ARTIFACT_LOCALIZATION)
+    if localized.diff is not None:
+        tracker.log_text(replay_id, localized.diff.html(), T.ARTIFACT_LOCALIZATION_HTML)
+    seal.seal(tracker, replay_id)  # the replay closed before its localization was written: sealed again with it
+
+
+def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
+               members: list[RunRecord] | None = None) -> Comparison:
+    """A difference from a study member that bitwise could not hold to, judged against the study's seeds."""
+    from harness.commands import study
+
+    study_id = a.facts.get(T.STUDY)
+    if study_id is None or cmp.verdict != DIVERGED:
+        return cmp
+    if members is None:
+        members = study.member_records(tracker, study.load_study(tracker, study_id))
+    return judge_noise(cmp, a, b, study_id, members)
+
+
+def record_verdict(
+    tracker: Tracker, replay_id: str, a: RunRecord, b: RunRecord, comparison: Comparison, changes: list[str]
+) -> None:
+    """Verdict tag, markdown report, comparison JSON and one plot per metric on the replay run."""
+    from harness.judge.report import plot_metrics, render_markdown
+
+    seal.open_for_verdict(tracker, replay_id)
+    markdown = render_markdown(comparison, changes)
+    tracker.set_tags(replay_id, {T.VERDICT: comparison.verdict, T.MLFLOW_RUN_NOTE: markdown})
+    tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
+    tracker.log_text(replay_id, json.dumps(comparison.to_dict(), indent=2), T.ARTIFACT_COMPARISON)
+    with scratch.folder("plots") as tmp:
+        plot_metrics(a, b, comparison, Path(tmp))
+        tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
+    seal.seal(tracker, replay_id)  # the replay closed before its verdict was written: sealed again with it
+
+
+def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances: list[str] | None = None) -> Comparison:
+    """Delta and verdict between two existing runs, judged by run A's tolerance (a replay of A: the replay's, as
+    judged_tolerance says) with `tolerances` (METRIC=ATOL[,RTOL]) on top; nothing is rerun or recorded."""
+    given = parse_tolerances(tolerances)
+    tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
+    seal.check(tracker, run_a)
+    seal.check(tracker, run_b)
+    a, b = tracker.load_record(run_a), tracker.load_record(run_b)
+    failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
+    cmp = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed)
+    return with_noise(tracker, cmp, a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# A study: replay its members, judge them together
+
+
+@dataclass
+class StudyReplayResult:
+    study: Any  # study.StudyRecord
+    run_id: str  # the study replay run (kind study_replay), nested under the study
+    verdict: str
+    members: list[ReplayResult]  # in seed order
+    equivalence: list[Any] = field(default_factory=list)  # noise.Equivalence per metric, when judged by noise
+    draw_seed: int | None = None  # the seed that drew --members K
+    reason: str = ""  # why the verdict is what it is, in a clause
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.verdict in (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE) else EXIT_FAILED
+
+    def summary(self) -> str:
+        k, n = len(self.members), len(self.study.members)
+        return f"{self.verdict}: {k} of {n} members replayed; {self.reason}"
+
+
+def _draw(members: list[Any], k: int | None, seed: int | None) -> tuple[list[Any], int | None]:
+    """All members, or k of them drawn with a seed that is recorded (so the draw can be repeated)."""
+    if k is None or k >= len(members):
+        if k is not None and k > len(members):
+            raise HarnessError(f"--members {k}: the study has {len(members)} finished members. Pass at most {len(members)}.")
+        return members, None
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    chosen = set(random.Random(seed).sample(range(len(members)), k))
+    return [m for i, m in enumerate(members) if i in chosen], seed
+
+
+def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], study_id: str) -> tuple[str, list[Any], str]:
+    """The study replay's verdict from its members' comparisons; several members are judged together (TOST)."""
+    verdicts = [r.comparison.verdict for r in results]
+    if all(v == BITWISE for v in verdicts):
+        return BITWISE, [], "every member bit-identical"
+    if all(v in (BITWISE, WITHIN_TOLERANCE) for v in verdicts):
+        return WITHIN_TOLERANCE, [], "every member within tolerance"
+    if NOTHING_TO_COMPARE in verdicts:
+        return NOTHING_TO_COMPARE, [], "a member had nothing to compare"
+    # Only differences in values that were judged against the seeds can be noise.
+    unjudged = [r for r in results if r.comparison.verdict not in (BITWISE, WITHIN_TOLERANCE)
+                and (r.comparison.noise is None or r.comparison.noise.reason)]
+    if unjudged:
+        first = unjudged[0]
+        return DIVERGED, [], f"seed {first.original.tags.get(T.SEED)}: {first.comparison.summary()}"
+    if len(results) == 1:
+        return verdicts[0], [], results[0].comparison.summary()
+    tests = []
+    finals = [tuple(noise.final_values(rec.metrics) for rec in r.records) for r in results if r.records]
+    for metric in sorted(set.intersection(*(set(a) & set(b) for a, b in finals))):
+        tests.append(noise.equivalence(metric, [a[metric] for a, _ in finals], [b[metric] for _, b in finals],
+                                       [s[metric] for s in seeds if metric in s]))
+    if tests and all(t.equivalent for t in tests):
+        return WITHIN_NOISE, tests, f"the {len(results)} replays are equivalent to their originals within one seed sd (TOST)"
+    failing = [t for t in tests if not t.equivalent]
+    return DIVERGED, tests, "not equivalent within the seeds' noise: " + "; ".join(t.describe() for t in failing)
+
+
+def replay_study(
+    study_id: str,
+    *,
+    members: int | None = None,
+    draw_seed: int | None = None,
+    tracking_uri: str | None = None,
+    tracker: Tracker | None = None,
+    **options: Any,
+) -> StudyReplayResult:
+    """Replay every member of a study (or `members` drawn with a recorded seed) and judge them together.
+
+    `options` are replay()'s (world_size, overrides, allow_changes, executor, ...), the same for every member.
+    """
+    from harness.commands import study
+    from harness.judge.report import render_study_markdown
+
+    given = parse_tolerances(options.get("tolerances"))  # bad input: said before the study replay is recorded
+    tracker = tracker or Tracker(tracking_uri)
+    recorded = study.load_study(tracker, study_id)
+    if recorded.run.status != T.FINISHED:
+        raise HarnessError(f"study {study_id} is {recorded.run.status}: only a study whose every member finished can "
+                           "be replayed as a whole. Replay its finished members one by one with `harness replay MEMBER`.")
+    finished = [m for m in recorded.members if m.status == T.FINISHED]
+    if members is not None and members < 1:
+        raise HarnessError(f"--members {members}: pass at least 1.")
+    chosen, seed = _draw(finished, members, draw_seed)
+    for member in chosen:  # every member before the study replay is recorded
+        seal.check(tracker, member.run_id)
+    member_records = study.member_records(tracker, recorded)
+    tags = {T.VERSION: recorded.run.tags[T.VERSION], T.KIND: T.KIND_STUDY_REPLAY, T.REPLAY_OF: study_id,
+            T.MLFLOW_PARENT_RUN_ID: study_id, T.STUDY_SIZE: str(len(chosen))}
+    if seed is not None:
+        tags[T.STUDY_MEMBERS_SEED] = str(seed)
+    run_id = tracker.create_run(recorded.run.experiment, tags, run_name=f"replay-of-{recorded.run.run_name}")
+    status = T.FAILED
+    try:
+        results = []
+        for i, member in enumerate(chosen, 1):
+            print(f"study replay {run_id}: member {i} of {len(chosen)} (seed {member.tags.get(T.SEED)}, run {member.run_id})",
+                  file=sys.stderr)
+            # A member's difference is judged against the seeds' noise; tracing every member is not asked for.
+            result = replay(member.run_id, follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id},
+                            study_members=member_records, **{"localize": False, **options})
+            results.append(result)
+        verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in member_records], study_id)
+        out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)
+        markdown = render_study_markdown(out)
+        tracker.set_tags(run_id, {T.VERDICT: verdict, T.MLFLOW_RUN_NOTE: markdown,
+                                  **({T.CHANGES: " ".join(results[0].changes)} if results and results[0].changes else {}),
+                                  **({T.TOLERANCE: format_tolerances(given)} if given else {})})
+        tracker.log_text(run_id, markdown, T.ARTIFACT_REPORT)
+        tracker.log_text(run_id, json.dumps(json_safe(_study_json(out)), indent=2), T.ARTIFACT_COMPARISON)
+        status = T.FINISHED
+        return out
+    except KeyboardInterrupt:
+        status = T.KILLED
+        raise
+    finally:
+        tracker.end_run(run_id, status)
+
+
+def _study_json(result: StudyReplayResult) -> dict[str, Any]:
+    return {
+        "verdict": result.verdict, "summary": result.summary(), "exit_code": result.exit_code,
+        "study_id": result.study.run_id, "draw_seed": result.draw_seed,
+        "members": [{"original_id": r.original.run_id, "seed": r.original.tags.get(T.SEED),
+                     "replay_id": r.outcome.run_id, "verdict": r.comparison.verdict, "summary": r.comparison.summary()}
+                    for r in result.members],
+        "equivalence": [asdict(t) for t in result.equivalence],
+    }

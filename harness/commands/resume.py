@@ -1,0 +1,151 @@
+"""`harness resume`: continue a FAILED or KILLED run from its last complete checkpoint, in the same run.
+
+A resume must be the uninterrupted run's continuation bit for bit, and harness cannot see everything a
+loop depends on (a batch drawn before the optimizer step, randomness outside the step, state of the
+user's own). So before it continues, a resume proves itself: it re-executes the last checkpoint segment
+(from the checkpoint before it) and checks that it lands on the tensors the run recorded there. If it
+does not, the resume is refused, naming the first tensor that differs.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness import executors, tags as T
+from harness.errors import HarnessError, RunFailed
+from harness.executors import Outcome
+from harness.executors.local import SegmentMessages, run_segments
+from harness.record import checkpoints as checkpoint_store, seal
+from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.runtime.context import CheckpointPlan
+from harness.store.tracking import RunRecord, Tracker
+
+LIKELY_CAUSES = (
+    "a batch drawn before the optimizer step (a prefetch such as `X, Y = get_batch()` between forward and "
+    "optimizer.step()), randomness drawn outside the step, or state the checkpoint does not hold (a second model, "
+    "an EMA, a generator or buffer of your own)"
+)
+
+
+def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = None) -> Outcome:
+    tracker = Tracker(tracking_uri)
+    run = tracker.harness_run(run_id)
+    refuse_non_training(run, "resume")
+    # A FAILED or KILLED run was sealed when it closed; the resumed run is sealed again when it closes.
+    seal.check(tracker, run_id)
+    if run.status not in T.INCOMPLETE:
+        hint = (
+            f" If its launcher itself was SIGKILLed, nothing could mark it; check no rank still runs, then "
+            f"close it: `harness mark {run_id} --status FAILED`."
+            if run.status == T.RUNNING else ""
+        )
+        raise HarnessError(f"run {run_id} is {run.status}; only FAILED or KILLED runs are resumed.{hint}")
+    recorded = RecordedRun.load(tracker, run)
+    recorded.restore_secrets([])  # from the environment variables they were read from
+    cfg = recorded.cfg
+    store = checkpoint_store.open_for(tracker, run_id)
+    step = store.latest(cfg.world_size)  # fetched into the store's local folder when a server holds it
+    if step is None:
+        raise HarnessError(
+            f"run {run_id} has no complete checkpoint in its artifacts (checkpoint_every was 0, its loop gave harness "
+            f"no step boundary to save at, or it died before the first), so it cannot be resumed. Rerun it from the "
+            f"start, judged on the steps it reached: `harness replay {run_id} --allow-incomplete`; or run it again with "
+            "checkpoint_every=N to make it resumable."
+        )
+    record = tracker.load_record(run_id)
+    earlier = max((s for s in record.checkpoints if s < step), default=None)
+    if earlier is not None and not store.fetch(earlier, cfg.world_size):
+        earlier = None
+
+    def reopen(tags: dict[str, str]) -> str:
+        previous = run.tags.get(T.RESUMES)
+        tracker.reopen(run_id)
+        tracker.set_tags(run_id, {T.RESUMES: f"{previous},{step}" if previous else str(step)})
+        print(f"Resuming run {run_id} from the checkpoint of step {step}.", file=sys.stderr, flush=True)
+        return run_id
+
+    data = recorded.check_data(repo)  # the rest of the run must read the bytes its first part read
+    with recorded.code(repo) as (tree, exp_dir):
+        prove(record, cfg, exp_dir, Path(store.directory), earlier, step, data.paths)
+        return executors.run(
+            recorded.job(tree, exp_dir, record=reopen, run_id=run_id, resume_step=step, data=data.paths)
+        )
+
+
+def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, earlier: int | None, step: int,
+          data: dict[str, str] | None) -> None:
+    """Hold a resume from `step` to what the run recorded, before it continues; HarnessError (exit 2) if it differs.
+
+    Two re-executions, in one set of fresh ranks: steps [earlier, step) from the checkpoint before, which must land
+    on every tensor digest recorded at `step`; and, when the run logged values after `step` before it died, steps
+    from `step` on (as the resume will run them: a fresh process, then the checkpoint), which must log them again.
+    """
+    logged_after = [int(s) for steps, _ in record.metrics.values() for s in steps.tolist() if s >= step]
+    until = max(logged_after) + 1 if logged_after else None
+    plans, what = [], []
+    if earlier is not None:
+        plans.append(CheckpointPlan(str(directory), 0, resume_step=earlier, stop_at=step))
+        what.append(f"steps {earlier}-{step} from the checkpoint of step {earlier}")
+    if until is not None:
+        plans.append(CheckpointPlan(str(directory), 0, resume_step=step, stop_at=until))
+        what.append(f"steps {step}-{until - 1} from the checkpoint of step {step}")
+    if not plans:
+        print(f"The checkpoint of step {step} is the run's first and nothing was logged after it: there is nothing to "
+              "re-execute it against, so the resume continues unproven.", file=sys.stderr, flush=True)
+        return
+    print(f"Proving the resume: re-executing {' and '.join(what)}.", file=sys.stderr, flush=True)
+    refused = f"resume refused: re-executing {{what}} of run {record.run_id}"
+    how = (f"Likely causes: {LIKELY_CAUSES}. Draw each step's batches inside the step (`for it in ctx.steps(n):`), "
+           f"register what the step depends on (ctx.track), or rerun it: harness replay {record.run_id} --allow-incomplete.")
+    messages = SegmentMessages(len(plans))
+    try:
+        run_segments(cfg, exp_dir, plans, messages, data)
+    except RunFailed as err:
+        raise HarnessError(f"{refused.format(what=' and '.join(what))} failed ({err}). Fix the failure, or rerun it: "
+                           f"harness replay {record.run_id} --allow-incomplete.") from None
+    reports = list(messages.reports)
+    if earlier is not None:
+        _hold_to_checkpoint(reports.pop(0), record, earlier, step, refused.format(what=what[0]), how)
+    if until is not None:
+        report = reports.pop(0)
+        mismatch = _first_logged_mismatch(report.logged, record, step, until)
+        if mismatch:
+            raise HarnessError(f"{refused.format(what=what[-1])} logged other values than the run did before it died: "
+                               f"{mismatch}. {how}")
+    print(f"Proved: {' and '.join(what)} re-executed land on what the run recorded.", file=sys.stderr, flush=True)
+
+
+def _hold_to_checkpoint(report: Any, record: RunRecord, start: int, end: int, refused: str, how: str) -> None:
+    """The segment that stopped at `end` must hold every tensor (and log every value) the run recorded there."""
+    if report.end is None:
+        raise HarnessError(f"{refused} never reached step {end}: the loop gave harness no step boundary to stop at. {how}")
+    at, sha = report.end
+    recorded_tensors = (record.checkpoint_tensors or {}).get(end, {}).get("tensors") or {}
+    if at != end:
+        raise HarnessError(f"{refused} stopped at step {at}, not {end} (the run ended there). {how}")
+    differing = [name for name in recorded_tensors if report.tensors.get(name) != recorded_tensors[name]]
+    differing += sorted(name for name in report.tensors if name not in recorded_tensors)
+    if differing:
+        more = f" (and {len(differing) - 1} more of {len(recorded_tensors)} tensors)" if len(differing) > 1 else ""
+        raise HarnessError(f"{refused} did not land on the tensors it recorded at step {end}: '{differing[0]}' "
+                           f"differs{more}. {how}")
+    if sha != record.checkpoints.get(end):
+        raise HarnessError(f"{refused} ended with weights {str(sha)[:12]}, the run recorded "
+                           f"{str(record.checkpoints.get(end))[:12]} at step {end}. {how}")
+    mismatch = _first_logged_mismatch(report.logged, record, start, end)
+    if mismatch:
+        raise HarnessError(f"{refused} logged other values: {mismatch}. {how}")
+
+
+def _first_logged_mismatch(logged: dict[tuple[str, int], float], record: RunRecord, start: int, end: int) -> str:
+    lookup = {key: dict(zip(steps.tolist(), values.tolist())) for key, (steps, values) in record.metrics.items()}
+    for (key, step), value in sorted(logged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if not start <= step < end:
+            continue
+        original = lookup.get(key, {}).get(step)
+        if original is not None and struct.pack("<d", original) != struct.pack("<d", value):
+            return f"{key} at step {step}: {value!r}, the run recorded {original!r}"
+    return ""

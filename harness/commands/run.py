@@ -1,0 +1,349 @@
+"""`harness run`: record everything that decides the result, launch the ranks, record how it ended."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from harness import scratch
+from harness import __version__, executors, tags as T
+from harness.config import Executor, compose, flatten, load_experiment, split_entry, to_container, to_yaml
+from harness.errors import HarnessError
+from harness.executors.base import Job, Outcome, Topology
+from harness.fmt import printable
+from harness.record import confine, redaction
+from harness.record.recorded import code_id, recorded_config
+from harness.store.reach import local_paths, probe_store, store_timeout
+from harness.store.tracking import Tracker, resolve_uri
+from harness.systems import git as gitsource
+from harness.systems.git import GitState
+
+__all__ = ["Outcome", "Preflight", "create_record", "preflight", "recorded_config", "run", "execute_recorded"]
+
+
+def experiment_name(exp_dir: Path) -> str:
+    return Path(exp_dir).resolve().name
+
+
+def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
+    """Tags known before anything runs: code, image, seeds, topology as configured."""
+    from harness.runtime.determinism import derive_rank_seeds
+
+    rel = Path(exp_dir).resolve().relative_to(git.root.resolve()).as_posix()
+    source = f"{rel}/{split_entry(cfg.entry)[0]}"
+    tags: dict[str, str] = {
+        T.VERSION: __version__,
+        T.KIND: T.KIND_RUN,
+        T.EXPERIMENT_PATH: rel,
+        T.ENTRY: str(cfg.entry),
+        T.GIT_COMMIT: git.commit,
+        T.GIT_BRANCH: git.branch or "(detached)",
+        T.GIT_DIRTY: str(git.dirty).lower(),
+        T.MLFLOW_GIT_COMMIT: git.commit,
+        T.MLFLOW_SOURCE_NAME: source,
+        T.MLFLOW_SOURCE_TYPE: "PROJECT",
+        T.SEED: str(cfg.seed),
+        T.RANK_SEEDS: ",".join(map(str, derive_rank_seeds(cfg.seed, cfg.world_size))),
+        T.WORLD_SIZE: str(cfg.world_size),
+        T.THREADS_PER_RANK: str(cfg.threads_per_rank),
+    }
+    if git.branch:
+        tags[T.MLFLOW_GIT_BRANCH] = git.branch
+    if git.repo_url:
+        tags[T.GIT_REPO_URL] = git.repo_url
+        tags[T.MLFLOW_GIT_REPO_URL] = git.repo_url
+    if git.dirty:
+        tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch).hexdigest()
+    tags.update(image)
+    return tags
+
+
+def create_record(
+    tracker: Tracker,
+    cfg: DictConfig,
+    exp_dir: Path,
+    git: GitState,
+    *,
+    image: dict[str, str],
+    extra_tags: dict[str, str] | None = None,
+    run_name: str | None = None,
+    experiment: str | None = None,
+    data: dict | None = None,
+) -> str:
+    """One MLflow run holding the resolved config, the code state and the declared data's manifest."""
+    from harness.record import data as D
+
+    tags = record_tags(cfg, exp_dir, git, image)
+    tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
+    params, text, redacted = recordable_config(cfg)
+    if redacted:
+        tags[T.CONFIG_REDACTED] = redacted
+    tags.update(extra_tags or {})
+    run_id = tracker.create_run(experiment or experiment_name(exp_dir), tags, run_name=run_name)
+    try:
+        tracker.log_params(run_id, params)
+        tracker.log_text(run_id, text, T.ARTIFACT_CONFIG)
+        if git.dirty:
+            tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
+        if data is not None:
+            tracker.log_text(run_id, D.dumps(data), T.ARTIFACT_DATA_MANIFEST)
+            tracker.log_data_inputs(run_id, [(n, e["sha256"], e["path"]) for n, e in sorted(data["entries"].items())])
+    except BaseException:
+        tracker.end_run(run_id, T.FAILED)
+        raise
+    return run_id
+
+
+PARAM_LIMIT = 6000  # MLflow's longest param value (characters)
+
+
+def fit_params(params: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Params as MLflow can hold them: a value longer than PARAM_LIMIT becomes its length and sha256 (never a silent
+    cut; config.yaml holds it whole), with the keys so shortened."""
+    out, long = {}, []
+    for key, value in params.items():
+        text = str(value)
+        if len(text) > PARAM_LIMIT:
+            long.append(key)
+            value = f"<{len(text)} characters, sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}: whole in config.yaml>"
+        out[key] = value
+    return out, long
+
+
+def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
+    """(params, config.yaml, the harness.config.redacted tag) with every secret replaced by its placeholder.
+
+    The ranks get `cfg` itself: only what the store holds is redacted."""
+    from omegaconf import OmegaConf
+
+    clean, keys = redaction.redact(to_container(cfg))
+    if not keys:
+        return fit_params(flatten(cfg))[0], to_yaml(cfg), ""
+    sources = redaction.env_sources(OmegaConf.to_container(cfg, resolve=False), keys)
+    return (fit_params(flatten(clean))[0], OmegaConf.to_yaml(OmegaConf.create(clean)),
+            redaction.format_sources(keys, sources))
+
+
+@dataclass
+class Preflight:
+    """What `harness run` checked before recording: the validated config, the code state, and warnings."""
+
+    cfg: DictConfig
+    git: GitState
+    warnings: list[str]
+    data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
+    data_stats: Any = None  # data.HashStats: what hashing it read
+
+
+def preflight(
+    exp_dir: Path,
+    overrides: list[str],
+    *,
+    require_clean: bool = False,
+    executor: str | None = None,
+    allow_untracked_secrets: bool = False,
+    tracking_uri: str | None = None,
+    nnodes: int = 1,
+) -> Preflight:
+    """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
+
+    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
+    """
+    from harness.record import data
+    from harness.executors.launch import capacity_warning, no_gpu_here, resolve_device
+
+    if executor is not None:
+        overrides = [*overrides, f"executor={executor}"]
+    cfg = load_experiment(Path(exp_dir), overrides)
+    git = gitsource.inspect(
+        Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
+        exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
+    )
+    confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
+                       gitsource.recorded_symlinks(git.root, Path(exp_dir)))
+    warnings: list[str] = []
+    long = fit_params(flatten(cfg))[1]
+    if long:
+        warnings.append(
+            f"{len(long)} config value{'s are' if len(long) > 1 else ' is'} longer than MLflow's {PARAM_LIMIT}-character "
+            f"params ({', '.join(long[:3])}{', ...' if len(long) > 3 else ''}): recorded in params as length and sha256, "
+            "whole in config.yaml."
+        )
+    _, secret_keys = redaction.redact(to_container(cfg))
+    if secret_keys:
+        warnings.append(redaction.warning(secret_keys))
+    if git.excluded:
+        shown = ", ".join(git.excluded)
+        warnings.append(
+            f"the tracking store's files ({shown}) lie inside the repository and are not ignored; they are left out "
+            f"of the code record. Add {', '.join(sorted({p.split('/')[0] + '/' for p in git.excluded}))} to .gitignore."
+        )
+    if git.dirty:
+        if require_clean:
+            raise HarnessError(
+                f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
+                "Commit or stash them."
+            )
+        warnings.append(
+            "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
+            + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
+        )
+    if cfg.executor == Executor.local:
+        here = max(cfg.world_size // nnodes, 1)
+        if no_gpu_here() and cfg.device.value in ("auto", "cpu") and cfg.backend.value in ("auto", "gloo"):
+            device = "cpu"  # what resolve_device says on such a machine, without importing torch
+        else:
+            device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
+        warning = capacity_warning(device, here, cfg.threads_per_rank)
+        if warning:
+            warnings.append(warning)
+    # Last: the other checks are instant, and hashing (cached) may read gigabytes.
+    stats = data.HashStats()
+    manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
+    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None)
+
+
+def data_paths(manifest: dict | None) -> dict[str, str]:
+    from harness.record import data
+
+    return data.paths(manifest)
+
+
+def run(
+    exp_dir: Path,
+    overrides: list[str],
+    *,
+    require_clean: bool = False,
+    tracking_uri: str | None = None,
+    executor: str | None = None,
+    allow_unpinned: bool = False,
+    allow_untracked_secrets: bool = False,
+    topology: Topology | None = None,
+) -> Any:
+    """Validate, record, launch: the Outcome (a study.StudyOutcome when the config sets `seeds`). Bad input
+    raises HarnessError before any run is created.
+
+    Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
+    """
+    from harness.executors.torchrun import check_config, torchrun_env
+    from harness.executors.torchrun import topology as torchrun_topology
+
+    torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
+    if topology is None:
+        topology = torchrun_topology(torchrun) if torchrun else Topology()
+
+    # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
+    probe_store(resolve_uri(tracking_uri), True, store_timeout())
+    checked = preflight(
+        exp_dir, overrides, require_clean=require_clean, executor=executor,
+        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
+    )
+    cfg, git = checked.cfg, checked.git
+    if cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config validated here (one load)
+        if torchrun is not None or topology.multi_node:
+            raise HarnessError("a study runs its members one job after another on this machine: "
+                               f"{'torchrun' if torchrun is not None else '--nnodes'} cannot apply. Drop it, or "
+                               "set seeds=null for a single run.")
+        from harness.commands import study
+
+        return study.run_study(
+            exp_dir, overrides, require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
+            allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets, checked=checked,
+        )
+    if torchrun is not None:
+        # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
+        # refuses before torchrun stops the others.
+        check_config(torchrun, cfg.world_size)
+    elif cfg.executor.value == "local" and not topology.multi_node:
+        # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
+        # and the store, which take seconds.
+        count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
+        print(f"harness: recording {printable(Path(exp_dir).resolve().name)}, starting {count}", file=sys.stderr, flush=True)
+    for warning in checked.warnings:
+        print(f"Warning: {warning}", file=sys.stderr)
+    if checked.data_stats is not None:
+        print(checked.data_stats.summary(), file=sys.stderr)
+    # This node's ranks start now and import torch while MLflow loads and the run is recorded; they run
+    # the entry only once the run exists, and a record that fails stops them. Torch is imported (to spawn)
+    # before MLflow, not beside it in a thread: imports hold the GIL, and torch's import walks sys.modules,
+    # so importing both at once was 2-3 s slower than one after the other.
+    ranks = start_ranks(cfg, topology)
+    try:
+        tracker = Tracker(tracking_uri)
+        job = Job(
+            tracker, cfg, git.root, Path(exp_dir),
+            record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
+            topology=topology, data=data_paths(checked.data),
+            code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
+            options={"allow_unpinned": allow_unpinned}, ranks=ranks,
+        )
+        return executors.run(job)
+    finally:
+        if ranks is not None:
+            ranks.stop()
+            shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
+
+
+def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
+    """launch.Ranks for a local single-node job, started now (in a fresh work folder); None for any other."""
+    if cfg.executor != Executor.local or topology.multi_node or topology.launcher != "spawn":
+        return None
+
+    from harness.executors import launch
+
+    work = scratch.make("run")
+    try:
+        return launch.start_ranks(cfg.world_size, work / "logs")
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def execute_recorded(
+    run_id: str, code_dir: Path, tracking_uri: str | None = None, resume_step: int | None = None,
+    topology: Topology | None = None,
+) -> Outcome:
+    """Inside a container or a batch job: run an already recorded run from its stored config, locally."""
+    from omegaconf import OmegaConf
+
+    from harness.record.data import recorded_data
+
+    tracker = Tracker(tracking_uri)
+    run = tracker.harness_run(run_id)
+    if run.status != T.RUNNING:
+        raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
+    cfg = recorded_config(tracker, run)
+    container = to_container(cfg)
+    if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
+        restored, _ = redaction.restore(
+            container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id
+        )
+        cfg = compose([("recorded config", OmegaConf.create(restored))])
+    code_dir = Path(code_dir)
+    rel = confine.recorded_path(run.tags.get(T.EXPERIMENT_PATH, ""), "experiment folder", run_id)
+    root = code_dir.resolve()
+    for _ in Path(rel).parts:
+        root = root.parent
+    job = Job(
+        tracker, cfg, root, code_dir, run_id=run_id, resume_step=resume_step, topology=topology or Topology(),
+        code_id=code_id(run.tags[T.GIT_COMMIT], run.tags.get(T.GIT_PATCH_SHA256)),
+        # Where the submitting side found the data (a Slurm job shares its filesystem).
+        data=data_paths(recorded_data(tracker, run_id)),
+        # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
+        record=lambda tags: _add_tags(tracker, run_id, tags),
+    )
+    return executors.run_job(executors.get("local"), job)
+
+
+def _add_tags(tracker: Tracker, run_id: str, tags: dict[str, str]) -> str:
+    # The submitting side recorded where the job was sent (executor, image); keep those.
+    keep = {T.EXECUTOR, T.IMAGE, T.IMAGE_DIGEST, T.IMAGE_ID, T.IMAGE_NOTE, T.IMAGE_DIGEST_REASON, T.IMAGE_TAG_DIGEST}
+    tracker.set_tags(run_id, {k: v for k, v in tags.items() if k not in keep})
+    return run_id

@@ -1,0 +1,90 @@
+"""`harness runs`: recent runs as a table, with the verdicts of every replay of each run."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections import Counter
+
+from harness import tags as T
+from harness.commands.mark import is_stale
+from harness.fmt import printable
+from harness.judge.compare import VERDICTS
+from harness.store.tracking import RunSummary, Tracker
+
+STALE = "STALE"
+
+
+def _when(ms: int | None) -> str:
+    if not ms:
+        return "-"
+    return dt.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M")
+
+
+def _digest(tags: dict[str, str]) -> str:
+    digest = tags.get(T.IMAGE_DIGEST, "unknown")
+    return digest.split(":", 1)[1][:12] if digest.startswith("sha256:") else digest
+
+
+def _order(verdict: str) -> tuple[int, str]:
+    # Verdicts in their documented order; a replay without one (still running, crashed) shows its status after.
+    return (VERDICTS.index(verdict), "") if verdict in VERDICTS else (len(VERDICTS), verdict)
+
+
+def tally(replays: list[RunSummary]) -> dict[str, str]:
+    """original run id -> every replay's verdict counted, e.g. "BITWISE 2, DIVERGED 1 (with changes)"."""
+    counts: dict[str, Counter[tuple[bool, str]]] = {}
+    for r in replays:
+        original = r.tags.get(T.REPLAY_OF)
+        if original:
+            # A replay with --allow-changes or --world-size answers another question than "does it reproduce".
+            counts.setdefault(original, Counter())[(T.CHANGES in r.tags, r.tags.get(T.VERDICT, r.status))] += 1
+    out: dict[str, str] = {}
+    for original, counter in counts.items():
+        parts = [f"{verdict} {n}" + (" (with changes)" if changed else "")
+                 for (changed, verdict), n in sorted(counter.items(), key=lambda kv: (kv[0][0], _order(kv[0][1])))]
+        out[original] = ", ".join(parts)
+    return out
+
+
+def replay_verdicts(tracker: Tracker, experiment: str | None) -> dict[str, str]:
+    """The verdicts of every replay in the store (or experiment), in one store query."""
+    return tally(tracker.search(experiment, max_results=5000, filter_string=f"tags.`{T.KIND}` = 'replay'"))
+
+
+# Runs that carry a verdict of their own (a run, or a study, shows its replays' verdicts instead).
+_OWN_VERDICT = (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY_REPLAY, T.KIND_VERIFY)
+
+
+def status_of(run: RunSummary, now: float) -> str:
+    return STALE if run.status == T.RUNNING and is_stale(run.tags, now) else run.status
+
+
+def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = None) -> list[list[str]]:
+    now = time.time() if now is None else now
+    out = []
+    for r in runs:
+        commit = r.tags.get(T.GIT_COMMIT, "-")[:10]
+        if r.tags.get(T.GIT_DIRTY) == "true":
+            commit += "+dirty"
+        kind = r.tags.get(T.KIND, "-")
+        if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
+            kind = f"{kind} ({r.tags.get(T.STUDY_SIZE, '?')})"
+        # A replay, audit, study replay or verify run carries its own verdict; a run shows its replays' verdicts.
+        verdict = r.tags.get(T.VERDICT, "") if kind in _OWN_VERDICT else verdicts.get(r.run_id, "")
+        out.append(
+            [r.run_id, printable(r.experiment), _when(r.start_time), status_of(r, now), kind, r.tags.get(T.WORLD_SIZE, "-"),
+             commit, _digest(r.tags), verdict or "-"]
+        )
+    return out
+
+
+def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) -> str:
+    tracker = Tracker(tracking_uri, writable=False)  # listing only reads: a read-only store will do
+    runs = tracker.search(experiment, max_results=limit)
+    if not runs:
+        return f"No runs in {tracker.uri}" + (f" for experiment '{experiment}'." if experiment else ".")
+    header = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "VERDICTS"]
+    table = [header, *rows(runs, replay_verdicts(tracker, experiment))]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

@@ -1,0 +1,572 @@
+"""Judge a replay against its original run: per-metric comparison, fingerprints, the verdict.
+
+What differs between the runs (and whether it rules out bitwise) is harness/judge/delta.py; the run-to-run
+noise a cross-hardware replay is judged against is harness/judge/noise.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from harness import tags
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.fmt import fmt_pair, fmt_short, json_safe, the
+from harness.judge import noise
+from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
+from harness.judge.noise import NoiseJudgement
+from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
+from harness.records import RunRecord
+
+BITWISE = "BITWISE"
+WITHIN_TOLERANCE = "WITHIN_TOLERANCE"
+# Outside the tolerance, but where a new seed could have landed: judged against a study's spread (noise.py).
+WITHIN_NOISE = "WITHIN_NOISE"
+DIVERGED = "DIVERGED"
+# Neither run logged a metric or a fingerprint: agreement would be vacuous, so it is not a pass.
+NOTHING_TO_COMPARE = "NOTHING_TO_COMPARE"
+VERDICTS = (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE, DIVERGED, NOTHING_TO_COMPARE)
+
+# Divergence kinds.
+KIND_VALUE = "value"  # a metric left its tolerance at a step both runs logged
+KIND_MISSING_STEP = "missing_step"  # the original logged the step, the replay did not
+KIND_EXTRA_STEP = "extra_step"  # the replay logged a step the original did not
+KIND_MISSING_METRIC = "missing_metric"  # the metric exists in the original only
+KIND_EXTRA_METRIC = "extra_metric"  # the metric exists in the replay only
+KIND_FINGERPRINT = "fingerprint"
+KIND_REPLAY_FAILED = "replay_failed"
+
+
+# MLflow's SQL store writes +-inf as +-DBL_MAX; a record read back from its history cannot tell them apart.
+_CLAMPED = np.finfo(np.float64).max
+
+
+@dataclass
+class Divergence:
+    """Where the replay first left the original."""
+
+    kind: str
+    step: int | None
+    metric: str | None = None
+    original: float | None = None
+    replay: float | None = None
+    abs_diff: float | None = None
+    rel_diff: float | None = None
+    detail: str = ""
+
+    def describe(self, labels: tuple[str, str] = ("original", "replay")) -> str:
+        """One human line, without the verdict; `labels` name the two runs (run A / run B for a plain compare)."""
+        a, b = labels
+        where = f"step {self.step}" if self.step is not None else "the end"
+        if self.kind == KIND_VALUE:
+            return (
+                f"at {where}: {self.metric} {fmt_pair(self.original, self.replay)} "
+                f"(abs {fmt_short(self.abs_diff)}, rel {fmt_short(self.rel_diff)})"
+            )
+        if self.kind == KIND_MISSING_STEP:
+            return f"at {where}: {self.metric} logged by {the(a)} but not by {the(b)}"
+        if self.kind == KIND_EXTRA_STEP:
+            return f"at {where}: {self.metric} logged by {the(b)} but not by {the(a)}"
+        if self.kind == KIND_MISSING_METRIC:
+            return f"at {where}: metric {self.metric} missing from {the(b)}"
+        if self.kind == KIND_EXTRA_METRIC:
+            return f"at {where}: metric {self.metric} appears only in {the(b)}"
+        if self.kind == KIND_FINGERPRINT:
+            return f"at {where}: parameter fingerprints differ ({self.detail})"
+        if self.kind == KIND_REPLAY_FAILED:
+            return self.detail
+        return f"at {where}: {self.detail}"
+
+
+
+@dataclass
+class MetricStats:
+    """How one metric compares across the two runs."""
+
+    name: str
+    steps_compared: int  # steps logged by both runs
+    max_abs_diff: float  # nan when no step is shared, or some step has NaN on one side only
+    max_rel_diff: float
+    first_divergence: int | None
+    first_divergence_kind: str | None
+    bitwise_equal: bool
+    rtol: float
+    atol: float
+    missing_steps: int = 0  # in the original only
+    extra_steps: int = 0  # in the replay only
+    in_original: bool = True
+    in_replay: bool = True
+
+
+
+@dataclass
+class FingerprintStats:
+    """Parameter fingerprints over the union of fingerprinted steps, plus the final one."""
+
+    compared: int = 0
+    equal: int = 0
+    first_mismatch_step: int | None = None
+    final_equal: bool | None = None  # None when neither run has a final fingerprint
+
+    @property
+    def all_equal(self) -> bool:
+        return self.compared == self.equal
+
+
+
+@dataclass
+class Reached:
+    """How far an incomplete (FAILED or KILLED) original got: only these steps were judged."""
+
+    status: str
+    steps: int
+
+
+@dataclass
+class Comparison:
+    """The verdict on a replay and the evidence behind it."""
+
+    verdict: str
+    original_id: str
+    replay_id: str
+    delta: list[FactDelta]
+    bitwise_possible: bool
+    bitwise_blockers: list[str]
+    metrics: list[MetricStats]
+    fingerprints: FingerprintStats
+    divergence: Divergence | None
+    tolerance: dict[str, Any] = field(default_factory=dict)
+    config_delta: list[ConfigChange] = field(default_factory=list)
+    of_replay: bool = True  # run B is a replay of run A (else two independent runs)
+    weights_unchanged_in: list[str] = field(default_factory=list)  # labels of runs that trained nothing
+    reached: Reached | None = None  # an incomplete original, judged up to where it stopped
+    failed_alike: bool = False  # the replay of an incomplete original failed with the original's own reason
+    notes: list[str] = field(default_factory=list)
+    noise: NoiseJudgement | None = None  # set when a difference was judged against a study's spread
+    checkpoints: CheckpointDiff | None = None  # checkpoint tensors compared; None when neither run checkpointed
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FAILED if self.verdict in (DIVERGED, NOTHING_TO_COMPARE) else EXIT_OK
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return ("original", "replay") if self.of_replay else ("run A", "run B")
+
+    def summary(self) -> str:
+        """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
+        line = self._verdict_line()
+        if self.reached is not None:
+            alike = "; the replay failed the same way" if self.failed_alike else ""
+            line += f" (compared the {self.reached.steps} steps the {self.reached.status} original reached{alike})"
+        if len(self.weights_unchanged_in) == 2:
+            line += " - but the model's weights never changed: nothing was trained"
+        elif self.weights_unchanged_in:
+            line += f" - but {the(self.weights_unchanged_in[0])}'s model weights never changed: nothing was trained in it"
+        return line
+
+    def checkpoint_lines(self) -> list[str]:
+        """Where the weights parted, for the verdict output: said on a divergence, or whenever tensors differ."""
+        ck = self.checkpoints
+        if ck is None or (self.verdict != DIVERGED and ck.first_diff_step is None and not ck.desynced_ranks):
+            return []
+        lines = [ck.describe(self.labels)]
+        for label, steps in ck.desynced_ranks.items():
+            step, ranks = next(iter(steps.items()))
+            lines.append(f"checkpoint tensors: in {the(label)}, rank{'s' if len(ranks) > 1 else ''} "
+                         f"{', '.join(map(str, ranks))} held other tensors than rank 0 at step {step}")
+        return lines
+
+    def _verdict_line(self) -> str:
+        if self.verdict == NOTHING_TO_COMPARE:
+            return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
+                    "log metrics with ctx.log and register the model with ctx.ddp")
+        if self.verdict == WITHIN_NOISE and self.noise is not None:
+            n = len(self.bitwise_blockers)
+            why = f"bitwise impossible ({n} environment change{'s' if n != 1 else ''})" if n else "the config changed"
+            return (f"{WITHIN_NOISE}: {self.noise.headline()}; {why}, first outside the tolerance "
+                    f"{self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
+        if self.verdict == DIVERGED and self.divergence is not None:
+            if self.divergence.kind == KIND_REPLAY_FAILED:
+                return f"{DIVERGED}: {self.divergence.describe(self.labels)}"
+            line = f"{DIVERGED} {self.divergence.describe(self.labels)}"
+            return line if self.noise is None else f"{line}; {self.noise.headline()}"
+        shape = _shape(self.metrics)
+        fps = self.fingerprints
+        if self.verdict == BITWISE:
+            return f"{BITWISE}: {shape} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
+        if all(m.bitwise_equal for m in self.metrics):
+            body = f"{shape} bit-identical"
+        else:
+            worst = max(self.metrics, key=lambda m: _sort_key(m.max_abs_diff))
+            body = f"{shape} within tolerance, max abs diff {fmt_short(worst.max_abs_diff)} ({worst.name})"
+        line = f"{self.verdict}: {body}, {fps.equal}/{fps.compared} fingerprints equal"
+        if not self.bitwise_possible:
+            n = len(self.bitwise_blockers)
+            line += f"; bitwise impossible ({n} environment change{'s' if n != 1 else ''})"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable; inf and nan become the strings "inf", "-inf" and "nan"."""
+        return json_safe({"verdict": self.verdict, "summary": self.summary(), "exit_code": self.exit_code, **asdict(self)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def default_tolerance(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """config["replay"]["tolerance"], or zero tolerance when the config has none."""
+    tol = ((config or {}).get("replay") or {}).get("tolerance")
+    if not tol:
+        return {"default": {"rtol": 0.0, "atol": 0.0}, "metrics": {}}
+    return {"default": dict(tol.get("default") or {}), "metrics": {k: dict(v) for k, v in (tol.get("metrics") or {}).items()}}
+
+
+def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, dict[str, float]]:
+    """--tolerance METRIC=ATOL[,RTOL] (repeatable) as {metric: {"atol": ..., "rtol": ...}}; RTOL defaults to 0."""
+    out: dict[str, dict[str, float]] = {}
+    for spec in specs or ():
+        metric, sep, value = spec.partition("=")
+        metric = metric.strip()
+        parts = value.split(",") if sep else []
+        try:
+            numbers = [float(x) for x in parts]
+        except ValueError:
+            numbers = []
+        if not metric or not 1 <= len(numbers) <= 2 or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise HarnessError(f"--tolerance {spec!r} is not METRIC=ATOL[,RTOL] with finite numbers >= 0. "
+                               "Pass e.g. --tolerance loss=1e-6 or --tolerance loss=1e-6,1e-4.")
+        if metric in out:
+            raise HarnessError(f"--tolerance gives metric '{metric}' twice. Pass it once.")
+        out[metric] = {"atol": numbers[0], "rtol": numbers[1] if len(numbers) == 2 else 0.0}
+    return out
+
+
+def format_tolerances(given: Mapping[str, Mapping[str, float]]) -> str:
+    """The inverse of parse_tolerances, as recorded in the tag harness.replay.tolerance: `loss=0.01,0.0 acc=...`."""
+    return " ".join(f"{m}={float(t['atol'])!r},{float(t['rtol'])!r}" for m, t in sorted(given.items()))
+
+
+def judged_tolerance(
+    original: RunRecord, replay: RunRecord, given: Mapping[str, Mapping[str, float]] | None = None
+) -> dict[str, Any]:
+    """The tolerance a judgement uses - the one rule for `harness replay` and `harness compare`.
+
+    Run A's recorded replay.tolerance. When run B is a replay of A, B's own config instead (an
+    `--allow-changes replay.tolerance...` override is what the replay asked to be judged by) and the
+    --tolerance it was given (its tag), so comparing the two later gives the replay's verdict again.
+    Then `given` (this judgement's --tolerance) per metric on top. The per-metric overrides taken from
+    --tolerance are kept under "given", for the report.
+    """
+    of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id
+    tol = default_tolerance(replay.config if of_replay and replay.config else original.config)
+    recorded = replay.facts.get(tags.TOLERANCE) if of_replay else None
+    layered = {**parse_tolerances(recorded.split() if recorded else []), **(given or {})}
+    tol["metrics"].update({m: dict(t) for m, t in layered.items()})
+    if layered:
+        tol["given"] = {m: dict(t) for m, t in layered.items()}
+    return tol
+
+
+def _tol_pair(entry: Mapping[str, Any] | None, where: str) -> tuple[float, float]:
+    entry = entry or {}
+    rtol, atol = float(entry.get("rtol", 0.0)), float(entry.get("atol", 0.0))
+    if not (rtol >= 0 and atol >= 0):  # also rejects NaN
+        raise ValueError(f"tolerance {where}: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    return rtol, atol
+
+
+def _tolerance_for(tolerance: Mapping[str, Any], metric: str) -> tuple[float, float]:
+    per_metric = tolerance.get("metrics") or {}
+    if metric in per_metric:
+        return _tol_pair(per_metric[metric], f"'{metric}'")
+    return _tol_pair(tolerance.get("default"), "default")
+
+
+def _zero_everywhere(tolerance: Mapping[str, Any]) -> bool:
+    entries = [("default", tolerance.get("default"))] + [(f"'{k}'", v) for k, v in (tolerance.get("metrics") or {}).items()]
+    return all(_tol_pair(v, where) == (0.0, 0.0) for where, v in entries)
+
+
+def as_series(steps: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Steps int64 strictly ascending with float64 values; a step logged twice keeps its last value."""
+    s = np.asarray(steps, dtype=np.int64).ravel()
+    v = np.ascontiguousarray(values, dtype=np.float64).ravel()
+    if s.shape != v.shape:
+        raise ValueError(f"steps and values differ in length ({s.size} vs {v.size})")
+    if s.size > 1 and not bool(np.all(s[1:] > s[:-1])):
+        order = np.argsort(s, kind="stable")
+        s, v = s[order], v[order]
+        last = np.append(s[1:] != s[:-1], True)
+        s, v = s[last], v[last]
+    return s, v
+
+
+def _metric_only_in_one(name: str, steps: np.ndarray, values: np.ndarray, in_original: bool,
+                        rtol: float, atol: float) -> tuple[MetricStats, Divergence]:
+    kind = KIND_MISSING_METRIC if in_original else KIND_EXTRA_METRIC
+    step = int(steps[0])
+    value = float(values[0])
+    div = Divergence(kind, step, name, value if in_original else None, None if in_original else value)
+    stats = MetricStats(
+        name=name, steps_compared=0, max_abs_diff=math.nan, max_rel_diff=math.nan,
+        first_divergence=step, first_divergence_kind=kind, bitwise_equal=False, rtol=rtol, atol=atol,
+        missing_steps=int(steps.size) if in_original else 0, extra_steps=0 if in_original else int(steps.size),
+        in_original=in_original, in_replay=not in_original,
+    )
+    return stats, div
+
+
+def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, vb: np.ndarray,
+                    rtol: float, atol: float, clamped: tuple[bool, bool] = (False, False)) -> tuple[MetricStats, Divergence | None]:
+    if sa.size == sb.size and np.array_equal(sa, sb):
+        # The usual case: both runs logged the same steps, so no set operations are needed.
+        common, a, b = sa, va, vb
+        only_a = only_b = np.empty(0, dtype=np.int64)
+    else:
+        common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
+        a, b = va[ia], vb[ib]
+        only_a = np.setdiff1d(sa, sb, assume_unique=True)
+        only_b = np.setdiff1d(sb, sa, assume_unique=True)
+
+    # NaN on both sides is equal whatever its payload bits: the payload says nothing about the
+    # arithmetic. x86 returns a negative "default NaN" for an invalid operation, ARM a positive one,
+    # and which operand's payload survives NaN + NaN depends on an operand order that compilers
+    # may swap for a commutative op without changing any other result.
+    bit_equal = (a.view(np.int64) == b.view(np.int64)) | (np.isnan(a) & np.isnan(b))
+    for values, read_back_clamped in ((a, clamped[0]), (b, clamped[1])):
+        if read_back_clamped:
+            # +-DBL_MAX read from MLflow's history may have been +-inf: equal, but not provably bit-identical.
+            bit_equal &= np.abs(values) != _CLAMPED
+    # Equal values (including inf == inf and -0.0 == 0.0) and NaN on both sides are always
+    # within tolerance; the subtraction below would turn them into NaN.
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        diff = np.abs(b - a)
+        diff[same] = 0.0
+        abs_a = np.abs(a)
+        # isfinite: an infinite difference must never pass, even where rtol * |inf| is inf.
+        ok = same | (np.isfinite(diff) & (diff <= atol + rtol * abs_a))
+        rel = diff / abs_a
+        rel[diff == 0.0] = 0.0
+
+    n = int(common.size)
+    max_abs = float(np.max(diff)) if n else math.nan
+    max_rel = float(np.max(rel)) if n else math.nan
+
+    candidates: list[tuple[int, Divergence]] = []
+    bad = ~ok
+    if n and bool(bad.any()):
+        i = int(np.argmax(bad))
+        candidates.append((int(common[i]), Divergence(
+            KIND_VALUE, int(common[i]), name, float(a[i]), float(b[i]), float(diff[i]), float(rel[i]))))
+    if only_a.size:
+        step = int(only_a[0])
+        value = float(va[np.searchsorted(sa, step)])
+        candidates.append((step, Divergence(KIND_MISSING_STEP, step, name, value, None)))
+    if only_b.size:
+        step = int(only_b[0])
+        value = float(vb[np.searchsorted(sb, step)])
+        candidates.append((step, Divergence(KIND_EXTRA_STEP, step, name, None, value)))
+    first = min(candidates, key=lambda c: c[0])[1] if candidates else None
+
+    stats = MetricStats(
+        name=name,
+        steps_compared=n,
+        max_abs_diff=max_abs,
+        max_rel_diff=max_rel,
+        first_divergence=first.step if first else None,
+        first_divergence_kind=first.kind if first else None,
+        bitwise_equal=bool(only_a.size == 0 and only_b.size == 0 and bit_equal.all()),
+        rtol=rtol,
+        atol=atol,
+        missing_steps=int(only_a.size),
+        extra_steps=int(only_b.size),
+    )
+    return stats, first
+
+
+def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bool = False) -> FingerprintStats:
+    fa, fb = original.fingerprints, replay.fingerprints
+    if incomplete:
+        # Only the steps the original reached; it has no final fingerprint to hold the replay to.
+        last = max(fa, default=-1)
+        fb = {k: v for k, v in fb.items() if k <= last}
+    stats = FingerprintStats()
+    for step in sorted(fa.keys() | fb.keys()):
+        stats.compared += 1
+        # A step fingerprinted by one run only is a mismatch: it cannot be shown equal.
+        if fa.get(step) is not None and fa.get(step) == fb.get(step):
+            stats.equal += 1
+        elif stats.first_mismatch_step is None:
+            stats.first_mismatch_step = int(step)
+    if not incomplete and (original.final_fingerprint is not None or replay.final_fingerprint is not None):
+        stats.compared += 1
+        stats.final_equal = original.final_fingerprint == replay.final_fingerprint
+        stats.equal += int(stats.final_equal)
+    return stats
+
+
+def compare_runs(
+    original: RunRecord,
+    replay: RunRecord,
+    tolerance: dict | None = None,
+    replay_failed: str | None = None,
+    incomplete_original: bool = False,
+) -> Comparison:
+    """Compare a replay with its original and give the verdict (one of VERDICTS).
+
+    With `incomplete_original` (a FAILED or KILLED original), only the steps the original reached
+    are judged, and its missing final fingerprint is no divergence.
+    """
+    tol = judged_tolerance(original, replay) if tolerance is None else tolerance
+    delta = environment_delta(original, replay)
+    blockers = [f"{d.name}: {d.note}" for d in delta if d.breaks_bitwise]
+    of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id
+    labels = ("original", "replay") if of_replay else ("run A", "run B")
+    notes = [
+        f"metrics of {the(label)} {rec.run_id} were read from MLflow's metric history ({tags.ARTIFACT_SERIES} is missing), "
+        "which stores +-inf as +-1.8e308: such values are not counted as bit-identical"
+        for label, rec in zip(labels, (original, replay)) if not rec.metrics_exact
+    ]
+    if bool(original.config) != bool(replay.config):
+        notes.append(f"config recorded in {the(labels[0] if original.config else labels[1])} only: no config delta")
+
+    orig_metrics = {k: as_series(*v) for k, v in original.metrics.items()}
+    rep_metrics = {k: as_series(*v) for k, v in replay.metrics.items()}
+    # A key with no logged values carries no evidence; treat it as absent.
+    orig_metrics = {k: v for k, v in orig_metrics.items() if v[0].size}
+    rep_metrics = {k: v for k, v in rep_metrics.items() if v[0].size}
+    reached = None
+    if incomplete_original:
+        last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=-1)
+        rep_metrics = {k: (s[s <= last], v[s <= last]) for k, (s, v) in rep_metrics.items() if s[0] <= last}
+        steps = np.unique(np.concatenate([s for s, _ in orig_metrics.values()])) if orig_metrics else []
+        reached = Reached(original.status, len(steps))
+    clamped = (not original.metrics_exact, not replay.metrics_exact)
+
+    stats: list[MetricStats] = []
+    firsts: list[Divergence] = []
+    for name in sorted(orig_metrics.keys() | rep_metrics.keys()):
+        rtol, atol = _tolerance_for(tol, name)
+        if name not in rep_metrics:
+            st, div = _metric_only_in_one(name, *orig_metrics[name], True, rtol, atol)
+        elif name not in orig_metrics:
+            st, div = _metric_only_in_one(name, *rep_metrics[name], False, rtol, atol)
+        else:
+            st, div = _compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol, clamped)
+        stats.append(st)
+        if div is not None:
+            firsts.append(div)
+
+    # Smallest step wins, ties by metric name (stats are already in name order).
+    metric_div = min(firsts, key=lambda d: (d.step, d.metric or "")) if firsts else None
+    fps = _compare_fingerprints(original, replay, incomplete_original)
+
+    failure = replay_failed
+    if failure is None and replay.status != tags.FINISHED:
+        reason = replay.facts.get(tags.STATUS_REASON)
+        failure = f"{labels[1]} status {replay.status}" + (f" ({reason})" if reason else "")
+    failed_alike = bool(
+        incomplete_original and failure is not None and replay.status == original.status
+        and replay.facts.get(tags.STATUS_REASON) is not None
+        and replay.facts.get(tags.STATUS_REASON) == original.facts.get(tags.STATUS_REASON)
+    )
+    if failed_alike:
+        # A deterministic failure that recurs at the same point, for the same reason, is reproduced too.
+        notes.append(f"{the(labels[1])} failed as {the(labels[0])} did: {replay.facts[tags.STATUS_REASON]}")
+        failure = None
+
+    divergence: Divergence | None
+    if failure is not None:
+        detail = f"{labels[1]} failed: {failure}"
+        if metric_div is not None:
+            detail += f"; first metric difference {metric_div.describe(labels)}"
+            divergence = Divergence(KIND_REPLAY_FAILED, metric_div.step, metric_div.metric, metric_div.original,
+                                    metric_div.replay, metric_div.abs_diff, metric_div.rel_diff, detail)
+        else:
+            divergence = Divergence(KIND_REPLAY_FAILED, None, detail=detail)
+        verdict = DIVERGED
+    elif not stats and fps.compared == 0:
+        divergence, verdict = None, NOTHING_TO_COMPARE
+    elif metric_div is not None:
+        divergence, verdict = metric_div, DIVERGED
+    elif not fps.all_equal and _zero_everywhere(tol):
+        # Zero tolerance asks for exactness, so the parameters themselves must match too.
+        if fps.first_mismatch_step is not None:
+            step = fps.first_mismatch_step
+            detail = f"{original.fingerprints.get(step, 'none')[:12]} vs {replay.fingerprints.get(step, 'none')[:12]}"
+        else:
+            step = None
+            detail = f"final {(original.final_fingerprint or 'none')[:12]} vs {(replay.final_fingerprint or 'none')[:12]}"
+        divergence, verdict = Divergence(KIND_FINGERPRINT, step, detail=detail), DIVERGED
+    else:
+        divergence = None
+        exact = all(s.bitwise_equal for s in stats) and fps.all_equal
+        verdict = BITWISE if exact and not blockers else WITHIN_TOLERANCE
+
+    last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=None) if incomplete_original else None
+    checkpoints = diff_checkpoints(original, replay, labels, last)
+    return Comparison(
+        checkpoints=checkpoints,
+        verdict=verdict,
+        original_id=original.run_id,
+        replay_id=replay.run_id,
+        delta=delta,
+        bitwise_possible=not blockers,
+        bitwise_blockers=blockers,
+        metrics=stats,
+        fingerprints=fps,
+        divergence=divergence,
+        tolerance=tol,
+        config_delta=config_delta(original.config, replay.config, original.facts, replay.facts),
+        of_replay=of_replay,
+        weights_unchanged_in=[label for label, rec in zip(labels, (original, replay))
+                           if rec.facts.get(tags.WEIGHTS_CHANGED) == "false"],
+        reached=reached,
+        notes=notes,
+        failed_alike=failed_alike,
+    )
+
+
+def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_id: str,
+                members: list[RunRecord]) -> Comparison:
+    """A DIVERGED replay of a study member, where bitwise was never possible, judged against the seeds' spread.
+
+    Only a difference in values can be noise: a replay that failed, or logged other steps or metrics,
+    stays DIVERGED. Neither can a difference where nothing changed (same environment, same config): that
+    is nondeterminism or a code change, which a new seed would not explain.
+    """
+    if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
+        return cmp
+    if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
+        return cmp
+    if cmp.bitwise_possible and not any(c.affects_result for c in cmp.config_delta):
+        cmp.notes.append(f"{the(cmp.labels[1])} ran in the same environment with the same config, so its "
+                         f"difference is not judged against the noise of study {study_id}: a new seed does not "
+                         "explain it (nondeterminism or a code change does)")
+        return cmp
+    member_finals = [noise.final_values(m.metrics) for m in members]
+    cmp.noise = noise.judge(study_id, noise.final_values(replay.metrics), noise.final_values(original.metrics),
+                            member_finals)
+    if cmp.noise.within:
+        cmp.verdict = WITHIN_NOISE
+    return cmp
+
+
+def _sort_key(x: float) -> float:
+    # nan marks "NaN on one side only", which is worse than any finite difference.
+    return math.inf if math.isnan(x) else x
+
+
+def _shape(metrics: list[MetricStats]) -> str:
+    counts = {m.steps_compared for m in metrics}
+    noun = "metric" if len(metrics) == 1 else "metrics"
+    if len(counts) <= 1:
+        steps = counts.pop() if counts else 0
+        return f"{len(metrics)} {noun} x {steps} steps"
+    return f"{len(metrics)} {noun} ({sum(m.steps_compared for m in metrics)} values)"

@@ -1,0 +1,375 @@
+"""Turn a Comparison into a Markdown report and per-metric overlay plots."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.fmt import fmt_short, fmt_value
+from harness.judge.compare import BITWISE, KIND_REPLAY_FAILED, NOTHING_TO_COMPARE, Comparison, MetricStats, as_series
+from harness.records import RunRecord
+
+_VERDICT_WORDS = {
+    BITWISE: "bit-identical to the original",
+    "WITHIN_TOLERANCE": "within tolerance of the original",
+    "WITHIN_NOISE": "outside the tolerance, but where a new seed of the study could have landed",
+    "DIVERGED": "diverged from the original",
+    NOTHING_TO_COMPARE: "could not be judged: neither run logged a metric or a fingerprint",
+}
+
+
+def _cell(value: object) -> str:
+    """A Markdown table cell: pipes and newlines would break the row."""
+    text = "" if value is None else str(value)
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("\r", " ")
+
+
+def _code(value: object) -> str:
+    if value is None:
+        return "*(absent)*"
+    text = _cell(value)
+    # Fence with more backticks than the value holds, so any value renders literally.
+    ticks = "`" * (max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _stat(m: MetricStats, value: float) -> str:
+    return "n/a" if m.steps_compared == 0 else fmt_short(value)
+
+
+def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
+    """The comparison as a Markdown document, verdict first and evidence after."""
+    out: list[str] = [
+        f"# Replay verdict: {cmp.verdict}",
+        "",
+        f"**{cmp.summary()}**",
+        "",
+        f"- Original run: {_code(cmp.original_id)}",
+        f"- Replay run: {_code(cmp.replay_id)}",
+        f"- Outcome: the replay {_VERDICT_WORDS.get(cmp.verdict, cmp.verdict)} (exit code {cmp.exit_code})",
+        "",
+    ]
+    if cmp.weights_unchanged_in:
+        who = "either run" if len(cmp.weights_unchanged_in) == 2 else cmp.weights_unchanged_in[0]
+        out += [f"> **The model's weights never changed in {who}**: it ended with exactly the weights it started "
+                "with, so nothing was trained and agreement proves little.", ""]
+    if cmp.reached is not None:
+        out += [f"> The original is {cmp.reached.status}: only the {cmp.reached.steps} steps it reached were compared, "
+                "and its missing final fingerprint is not held against the replay.", ""]
+    if cmp.notes:
+        out += ["Notes:", ""] + [f"- {_cell(n)}" for n in cmp.notes] + [""]
+
+    if not cmp.bitwise_possible:
+        out += ["> **Bitwise impossible** because the environment changed in ways that alter the arithmetic:", ">"]
+        out += [f"> - {_cell(b)}" for b in cmp.bitwise_blockers]
+        out += [">", "> The verdict is judged by tolerance instead.", ""]
+
+    out += ["## Changes requested", ""]
+    if changes:
+        out += ["Overrides allowed with `--allow-changes`:", ""]
+        out += [f"- {_code(c)}" for c in changes]
+    else:
+        out.append("None: the replay used the recorded configuration.")
+    given = cmp.tolerance.get("given") or {}
+    if given:
+        out += ["", "Tolerance given with `--tolerance` (over the recorded `replay.tolerance`):", ""]
+        out += [f"- {_code(m)}: atol {fmt_short(t['atol'])}, rtol {fmt_short(t['rtol'])}" for m, t in sorted(given.items())]
+    out.append("")
+
+    # The report belongs to a replay run, so its columns are always the original and the replay.
+    a_label, b_label = "Original", "Replay"
+    out += ["## Config delta", ""]
+    if cmp.config_delta:
+        rows = [[_code(c.key), _code(c.a), _code(c.b), "yes" if c.affects_result else "no (how it is run or judged)"]
+                for c in cmp.config_delta]
+        out += _table(["Key", a_label, b_label, "Affects the result"], rows)
+    else:
+        out.append("No differences in the recorded config.")
+    out.append("")
+
+    out += ["## Environment delta", ""]
+    if cmp.delta:
+        rows = []
+        for d in cmp.delta:
+            name = f"**{_cell(d.name)}** (breaks bitwise)" if d.breaks_bitwise else _cell(d.name)
+            rows.append([name, _code(d.a), _code(d.b), _cell(d.note)])
+        out += _table(["Fact", a_label, b_label, "Note"], rows)
+    else:
+        out.append("No differences in recorded facts or locked packages.")
+    out.append("")
+
+    out += ["## Metrics", ""]
+    if cmp.metrics:
+        rows = []
+        for m in cmp.metrics:
+            where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
+            if m.first_divergence is None:
+                first = "-"
+            else:
+                first = f"{m.first_divergence} ({m.first_divergence_kind})"
+            gaps = []
+            if m.missing_steps and m.in_replay:
+                gaps.append(f"{m.missing_steps} missing in replay")
+            if m.extra_steps and m.in_original:
+                gaps.append(f"{m.extra_steps} extra in replay")
+            rows.append([
+                _cell(m.name) + ("" if where == "both" else f" ({where})"),
+                str(m.steps_compared) + (f" ({', '.join(gaps)})" if gaps else ""),
+                _stat(m, m.max_abs_diff),
+                _stat(m, m.max_rel_diff),
+                first,
+                "yes" if m.bitwise_equal else "no",
+                f"{fmt_short(m.rtol)} / {fmt_short(m.atol)}",
+            ])
+        out += _table(
+            ["Metric", "Steps compared", "Max abs diff", "Max rel diff", "First divergence", "Bit-identical",
+             "rtol / atol"],
+            rows,
+        )
+    else:
+        out.append("Neither run logged any metric.")
+    out.append("")
+
+    fps = cmp.fingerprints
+    out += ["## Parameter fingerprints", ""]
+    if fps.compared == 0:
+        out.append("Neither run recorded parameter fingerprints.")
+    else:
+        final = {None: "not recorded", True: "equal", False: "differs"}[fps.final_equal]
+        first = "none" if fps.first_mismatch_step is None else f"step {fps.first_mismatch_step}"
+        out += [
+            f"- Compared: {fps.compared} (every fingerprinted step in either run, plus the final one)",
+            f"- Equal: {fps.equal}",
+            f"- First mismatching step: {first}",
+            f"- Final fingerprint: {final}",
+        ]
+    out.append("")
+
+    out += _checkpoint_section(cmp)
+    out += _noise_section(cmp)
+
+    out += ["## First divergence", ""]
+    d = cmp.divergence
+    if d is None:
+        out.append("None: every metric stayed within its tolerance at every step.")
+    else:
+        if d.kind == KIND_REPLAY_FAILED:
+            out += [f"The replay did not finish: {_cell(d.detail)}", ""]
+        rows = [["Kind", _cell(d.kind)], ["Step", "-" if d.step is None else str(d.step)]]
+        if d.metric is not None:
+            rows += [
+                ["Metric", _cell(d.metric)],
+                ["Original", fmt_value(d.original)],
+                ["Replay", fmt_value(d.replay)],
+                ["Abs diff", fmt_short(d.abs_diff)],
+                ["Rel diff", fmt_short(d.rel_diff)],
+            ]
+        if d.detail and d.kind != KIND_REPLAY_FAILED:
+            rows.append(["Detail", _cell(d.detail)])
+        out += _table(["", ""], rows)
+    out.append("")
+    return "\n".join(out)
+
+
+def _checkpoint_section(cmp: Comparison) -> list[str]:
+    """The checkpoint tensors compared: the first step whose weights differ and which tensors (tensordiff.py)."""
+    ck = cmp.checkpoints
+    if ck is None:
+        return []
+    out = ["## Checkpoint tensors", ""]
+    if ck.missing_in or ck.common_steps == 0:
+        return out + [_cell(ck.describe(cmp.labels)), ""]
+    last = "none" if ck.last_equal_step is None else f"step {ck.last_equal_step}"
+    out += [f"- Common checkpoint steps: {ck.common_steps}", f"- Last with every tensor equal: {last}"]
+    if ck.first_diff_step is None:
+        out.append("- First differing: none")
+    else:
+        out += [f"- First differing: step {ck.first_diff_step}: {_cell(ck.what_differs(cmp.labels))}", ""]
+        a, b = cmp.labels
+        rows = [[_code(n), "differs"] for n in ck.differing]
+        rows += [[_code(n), f"only in {a}"] for n in ck.only_in_a] + [[_code(n), f"only in {b}"] for n in ck.only_in_b]
+        out += _table(["Tensor", f"at step {ck.first_diff_step}"], rows)
+    for label, steps in ck.desynced_ranks.items():
+        shown = "; ".join(f"step {s}: ranks {', '.join(map(str, r))}" for s, r in steps.items())
+        out.append(f"- In {label}, ranks that held other tensors than rank 0: {shown}")
+    out.append("")
+    return out
+
+
+def render_study_markdown(result: Any) -> str:
+    """A study replay (replay.StudyReplayResult): every member's verdict, then the test that judged them together."""
+    study = result.study
+    out = [f"# Study replay verdict: {result.verdict}", "", f"**{_cell(result.summary())}**", "",
+           f"- Study: {_code(study.run_id)} ({len(study.members)} members, seeds {_cell(', '.join(map(str, study.seeds)))})",
+           f"- Study replay run: {_code(result.run_id)}"]
+    if result.draw_seed is not None:
+        out.append(f"- Members drawn at random with seed {result.draw_seed} (`--members {len(result.members)} "
+                   f"--members-seed {result.draw_seed}` draws them again)")
+    out += ["", "## Members", ""]
+    rows = [[_cell(r.original.tags.get("harness.seed", "")), _code(r.original.run_id), _code(r.outcome.run_id),
+             _cell(r.comparison.summary())] for r in result.members]
+    out += _table(["Seed", "Member", "Replay", "Verdict"], rows) + [""]
+    if result.equivalence:
+        out += ["## Equivalence within the seeds' noise", "",
+                "Two one-sided tests on the paired differences replay - original of the replayed members: the "
+                "replays are equivalent when the 90% confidence interval of the mean difference lies within "
+                "+- one standard deviation of the seeds' final values.", ""]
+        rows = [[_cell(t.metric), str(t.k), f"{t.mean_diff:.3g}", f"[{t.ci90[0]:.3g}, {t.ci90[1]:.3g}]",
+                 f"+-{t.margin:.3g}", _cell(t.reason) if t.reason else ("**yes**" if t.equivalent else "**NO**")]
+                for t in result.equivalence]
+        out += _table(["Metric", "Members", "Mean difference", "90% CI", "Margin (seed sd)", "Equivalent"], rows)
+        out.append("")
+    return "\n".join(out)
+
+
+def _noise_section(cmp: Comparison) -> list[str]:
+    """Where the replay's final values fall among the study's seeds (only when it was judged against them)."""
+    j = cmp.noise
+    if j is None:
+        return []
+    out = ["## Run-to-run noise", "",
+           f"The original is a member of study {_code(j.study_id)} ({j.seeds} seeds). Each final value of the replay "
+           "is judged against the 95% prediction interval of the seeds' final values, "
+           "mean +- t(N-1, 0.975) x sd x sqrt(1 + 1/N): where one more seed would land 95% of the time.", ""]
+    if j.reason:
+        return out + [f"**Not judged:** {_cell(j.reason)}", ""]
+    rows = []
+    for c in j.checks:
+        s = c.spread
+        rows.append([
+            _cell(c.metric), fmt_value(c.value), fmt_value(c.original), f"{s.mean:.6g}", f"{s.std:.3g}",
+            f"[{s.pi95[0]:.6g}, {s.pi95[1]:.6g}]", f"{c.below} of {s.n}",
+            _cell(c.reason) if c.reason else ("**inside**" if c.inside else "**OUTSIDE**"),
+        ])
+    out += _table(["Metric", "Replay final", "Original final", "Seeds' mean", "Seeds' sd", "95% prediction interval",
+                   "Seeds below the replay", "Verdict"], rows)
+    return out + [""]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+
+# Above this many points a line is reduced to a per-bucket min/max envelope: the picture keeps
+# every spike, and rendering stays fast.
+_MAX_POINTS = 8_000
+
+
+def _envelope(steps: np.ndarray, values: np.ndarray, buckets: int = _MAX_POINTS // 2) -> tuple[np.ndarray, np.ndarray]:
+    n = steps.size
+    if n <= _MAX_POINTS:
+        return steps, values
+    k = math.ceil(n / buckets)
+    m = (n // k) * k
+    s = steps[:m].reshape(-1, k)
+    v = values[:m].reshape(-1, k)
+    # NaN would win argmin/argmax; keep NaN buckets as NaN gaps instead of hiding them.
+    filled_lo = np.where(np.isnan(v), np.inf, v)
+    filled_hi = np.where(np.isnan(v), -np.inf, v)
+    lo = np.argmin(filled_lo, axis=1)
+    hi = np.argmax(filled_hi, axis=1)
+    first, second = np.minimum(lo, hi), np.maximum(lo, hi)
+    rows = np.arange(s.shape[0])
+    out_s = np.column_stack([s[rows, first], s[rows, second]]).ravel()
+    out_v = np.column_stack([v[rows, first], v[rows, second]]).ravel()
+    return np.concatenate([out_s, steps[m:]]), np.concatenate([out_v, values[m:]])
+
+
+def plot_file_name(prefix: str, key: str, used: set[str]) -> str:
+    """A file name for a plot of metric `key`, unique in `used` even on a case-insensitive file system."""
+    base = prefix + (re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "unnamed")
+    name, i = base, 2
+    while name.lower() in used:  # case-insensitive file systems would merge "Loss" and "loss"
+        name, i = f"{base}_{i}", i + 1
+    used.add(name.lower())
+    return name + ".png"
+
+
+def plot_metrics(original: RunRecord, replay: RunRecord, cmp: Comparison, out_dir: Path) -> list[Path]:
+    """One PNG per metric, original and replay overlaid, first divergence marked; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats = {m.name: m for m in cmp.metrics}
+    orig = {k: as_series(*v) for k, v in original.metrics.items()}
+    rep = {k: as_series(*v) for k, v in replay.metrics.items()}
+    overall = cmp.divergence
+    used: set[str] = set()
+    paths: list[Path] = []
+
+    for name in sorted(orig.keys() | rep.keys()):
+        m = stats.get(name)
+        fig, (ax, ax_diff) = plt.subplots(
+            2, 1, sharex=True, figsize=(9, 5.5), gridspec_kw={"height_ratios": [3, 1]}
+        )
+        # Fixed margins: an automatic layout measures every line artist, which dominates the
+        # cost of long runs.
+        fig.subplots_adjust(left=0.1, right=0.97, top=0.93, bottom=0.09, hspace=0.08)
+        try:
+            few = max(orig.get(name, (np.empty(0),))[0].size, rep.get(name, (np.empty(0),))[0].size) <= 200
+            if name in orig:
+                s, v = _envelope(*orig[name])
+                # Wide, pale solid line under a narrow dashed one: identical curves show both.
+                ax.plot(s, v, color="tab:blue", linewidth=3.0, alpha=0.45, label=f"original {cmp.original_id[:8]}")
+            if name in rep:
+                s, v = _envelope(*rep[name])
+                ax.plot(s, v, color="tab:red", linewidth=1.2, linestyle="--",
+                        marker="o" if few else None, markersize=3.5, fillstyle="none",
+                        label=f"replay {cmp.replay_id[:8]}")
+            ax.set_ylabel(name)
+            ax.legend(loc="best", fontsize=8)
+            ax.grid(True, alpha=0.3)
+
+            if name in orig and name in rep:
+                common, ia, ib = np.intersect1d(orig[name][0], rep[name][0], assume_unique=True, return_indices=True)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    diff = rep[name][1][ib] - orig[name][1][ia]
+                s, v = _envelope(common, diff)
+                ax_diff.plot(s, v, color="tab:purple", linewidth=0.9)
+                ax_diff.axhline(0.0, color="grey", linewidth=0.6)
+            else:
+                ax_diff.text(0.5, 0.5, "logged by one run only", ha="center", va="center", transform=ax_diff.transAxes)
+            ax_diff.set_ylabel("replay - original", fontsize=8)
+            ax_diff.set_xlabel("step")
+            ax_diff.grid(True, alpha=0.3)
+
+            title = name
+            if m is not None:
+                if m.bitwise_equal:
+                    title += ": bit-identical"
+                elif m.steps_compared:
+                    title += f": max abs diff {fmt_short(m.max_abs_diff)}"
+            ax.set_title(title)
+
+            if m is not None and m.first_divergence is not None:
+                step = m.first_divergence
+                is_first = overall is not None and overall.metric == name and overall.step == step
+                label = f"{'first divergence' if is_first else 'diverges'}: step {step}"
+                for axis in (ax, ax_diff):
+                    axis.axvline(step, color="black", linestyle=":", linewidth=1.2)
+                lo, hi = ax.get_xlim()
+                right_half = step > (lo + hi) / 2
+                # Text goes on the side with room, so a late divergence is not clipped.
+                ax.annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"),
+                            xytext=(-4 if right_half else 4, -14), textcoords="offset points",
+                            ha="right" if right_half else "left", fontsize=8, color="black")
+            path = out_dir / plot_file_name("metric_", name, used)
+            fig.savefig(path, dpi=100)
+            paths.append(path)
+        finally:
+            plt.close(fig)
+    return paths

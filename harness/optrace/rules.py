@@ -1,0 +1,122 @@
+"""Likely-cause rules for a localised op-trace difference: each a small function that reads the
+culprit and the two traces' meta and returns one sentence, or None when it does not apply."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.optrace.tracer import Localization, Trace
+
+RANDOM_OPS = frozenset({
+    "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "rand", "rand_like",
+    "randn", "randn_like", "randint", "randint_like", "randperm", "random", "random_",
+    "multinomial", "exponential", "exponential_", "geometric", "geometric_", "cauchy", "cauchy_",
+    "log_normal", "log_normal_", "native_dropout", "poisson", "rrelu_with_noise",
+    "rrelu_with_noise_", "_standard_gamma", "_sample_dirichlet", "binomial",
+})
+MATMUL_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot", "vdot", "addbmm",
+    "_addmm_activation", "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
+    "mkldnn_convolution", "convolution_backward", "_convolution_double_backward",
+    "mkldnn_linear", "_mkldnn_linear", "_scaled_mm", "_int_mm", "einsum", "tensordot",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "cudnn_convolution", "cudnn_convolution_transpose", "slow_conv2d_forward",
+    "slow_conv_transpose2d", "_slow_conv2d_forward", "_slow_conv2d_backward",
+})
+# Meta keys (harness.optrace.tracer._settings) that change a matmul's or convolution's arithmetic.
+PRECISION_KEYS = (
+    "float32_matmul_precision", "cuda_matmul_allow_tf32", "cudnn_allow_tf32",
+    "cuda_matmul_allow_fp16_reduced_precision_reduction",
+    "cuda_matmul_allow_bf16_reduced_precision_reduction", "mkldnn_enabled",
+    "mkldnn_matmul_fp32_precision", "mkldnn_conv_fp32_precision", "flush_denormal",
+)
+# Meta keys that decide whether kernels are deterministic or how CPU reductions are split.
+DETERMINISM_KEYS = (
+    "deterministic_algorithms", "deterministic_warn_only", "cudnn_deterministic",
+    "cudnn_benchmark", "num_threads",
+)
+
+
+def _base(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 else op
+
+
+def _meta_delta(a: "Trace", b: "Trace", keys: tuple[str, ...]) -> list[str]:
+    return [f"{k} {a.meta.get(k)!r} vs {b.meta.get(k)!r}" for k in keys
+            if a.meta.get(k) != b.meta.get(k)]
+
+
+def random_generator(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in RANDOM_OPS:
+        return None
+    return ("a random op drew different values from identical inputs: its generator was unseeded "
+            "or seeded differently (seed the torch.Generator it uses, or use the run's seeded "
+            "generator)")
+
+
+def accumulation_order(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    from harness.optrace.tracer import ACCUMULATION_OPS
+
+    if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in ACCUMULATION_OPS:
+        return None
+    if loc.order_only:
+        return ("the same contributions were accumulated in a different order, and floating-point "
+                "addition is not associative: an accumulation order that depends on how the data "
+                "were split (e.g. on the world size)")
+    return ("a nondeterministic accumulation: identical inputs, different sums, as from a kernel "
+            "that adds with atomics in a varying order (torch.use_deterministic_algorithms(True) "
+            "picks a deterministic kernel or says there is none)")
+
+
+def precision_setting(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in MATMUL_OPS:
+        return None
+    delta = _meta_delta(a, b, PRECISION_KEYS)
+    if not delta:
+        return None
+    return "a precision setting differs between the traces: " + ", ".join(delta)
+
+
+def determinism_setting(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
+        return None
+    delta = _meta_delta(a, b, DETERMINISM_KEYS)
+    if not delta:
+        return None
+    return "determinism settings differ between the traces: " + ", ".join(delta)
+
+
+def library_version(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
+        return None
+    packages: dict[str, Any] = dict((hints or {}).get("packages") or {})
+    if a.meta.get("torch") != b.meta.get("torch") and "torch" not in packages:
+        packages["torch"] = (a.meta.get("torch"), b.meta.get("torch"))
+    if not packages:
+        return None
+    shown = ", ".join(f"{name} {pair[0]} vs {pair[1]}" for name, pair in sorted(packages.items()))
+    return f"a different library version: {shown}"
+
+
+def collective_peer(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    if loc.status != "CULPRIT" or loc.a is None or not loc.a.op.startswith(("c10d.", "_c10d_functional.")):
+        return None
+    return ("a collective returned different values for identical local inputs: another rank "
+            "sent different values (trace the other ranks) or the world size differs "
+            f"({a.meta.get('world_size')!r} vs {b.meta.get('world_size')!r})")
+
+
+# Most specific first; every rule that applies contributes its sentence.
+RULES: tuple[Callable[["Localization", "Trace", "Trace", dict | None], str | None], ...] = (
+    random_generator, accumulation_order, collective_peer, precision_setting, determinism_setting,
+    library_version,
+)
+
+
+def likely_cause(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+    found = [s for rule in RULES if (s := rule(loc, a, b, hints)) is not None]
+    return "; ".join(found) if found else None

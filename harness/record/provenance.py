@@ -1,0 +1,98 @@
+"""What decides a result besides code and config: versions, hardware, variables, packages."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+from collections.abc import Mapping
+from importlib import metadata
+
+from harness import __version__
+from harness.record.redaction import env_name_is_secret
+
+# Variables that change numerics or communication; recorded when set.
+_VAR_PREFIXES = ("NCCL_", "OMP_", "MKL_", "CUBLAS_", "CUDA_", "GLOO_", "TORCH_", "KMP_", "OPENBLAS_")
+_VAR_NAMES = ("PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
+# A captured variable whose name says it holds a credential (TORCH_TOKEN, NCCL_AUTH_KEY, TORCH_HUB_PAT...)
+# is recorded by name only: its presence can matter to a delta, its value must never reach the store.
+REDACTED = "<redacted>"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_driver() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.split()
+        return out[0] if out else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+
+
+def runtime_facts() -> dict[str, str]:
+    """Measured in the process that launches the ranks (inside the container when there is one)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    nccl = "none"
+    if cuda and hasattr(torch.cuda, "nccl"):
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # nccl not built in
+            nccl = "none"
+    cpus = os.cpu_count() or 0
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        pass
+    return {
+        "harness": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
+        "nccl": nccl,
+        "gpu": ", ".join(gpus) if gpus else "none",
+        "gpu_count": str(len(gpus)),
+        "gpu_driver": _gpu_driver() if cuda else "none",
+        "cpu": _cpu_model(),
+        "cpu_count": str(cpus),
+        "hostname": socket.gethostname(),
+        "os": platform.platform(),
+        "numpy": metadata.version("numpy"),
+    }
+
+
+def env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that change numerics or communication, secrets' values replaced by REDACTED."""
+    env = os.environ if environ is None else environ
+    return {
+        k: REDACTED if env_name_is_secret(k) else v
+        for k, v in sorted(env.items())
+        if k.startswith(_VAR_PREFIXES) or k in _VAR_NAMES
+    }
+
+
+def package_lock() -> list[str]:
+    """Every installed distribution as name==version, sorted: the environment's pip-freeze."""
+    seen: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            seen.setdefault(name.lower(), f"{name}=={dist.version}")
+    return [seen[k] for k in sorted(seen)]

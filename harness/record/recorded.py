@@ -1,0 +1,193 @@
+"""A recorded run, made ready to run again: its stored config, and its code checked out and validated."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from omegaconf import DictConfig
+
+from harness import scratch
+from harness import tags as T
+from harness.config import compose, split_entry, to_container, validate
+from harness.errors import HarnessError
+from harness.executors import Job, Topology
+from harness.record import confine, redaction
+from harness.store.tracking import RunSummary, Tracker
+from harness.systems import git as gitsource
+
+
+# Runs that record a group or a check rather than one training job: there is nothing of their own to rerun.
+_NOT_TRAINING = {
+    T.KIND_STUDY: "a study (its members are the runs): replay it with `harness replay {id}`, or one member by its id",
+    T.KIND_STUDY_REPLAY: "a study replay: replay the study it was made from (harness.replay_of), or one of its members",
+    T.KIND_VERIFY: "a claims check (harness verify): rerun it with `harness verify CLAIMS_FILE --replay`",
+    T.KIND_TRACE: "a trace of one step (harness trace); trace or replay the run it traced (harness.trace_of) instead",
+}
+
+
+def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
+    """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
+    from omegaconf import OmegaConf
+
+    text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
+    if text is None:
+        raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
+    pinned = {key: run.tags[tag] for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)) if tag in run.tags}
+    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
+
+
+def code_id(commit: str, patch_sha256: str | None) -> str:
+    """What every node of a job must agree on: the commit and, for a dirty tree, the patch."""
+    return f"{commit}+{patch_sha256}" if patch_sha256 else commit
+
+
+def refuse_non_training(run: RunSummary, command: str) -> None:
+    """Replay, resume and audit run one recorded training job; a study, study replay or claims check is none."""
+    why = _NOT_TRAINING.get(run.tags.get(T.KIND, ""))
+    if why is not None:
+        raise HarnessError(f"run {run.run_id} is {why.format(id=run.run_id)}; `harness {command}` applies to a training run.")
+
+
+@dataclass
+class RecordedRun:
+    """A harness run as the store holds it, loaded by replay, resume and audit.
+
+    Each command checks the run's status itself, may adjust `cfg` (replay's --world-size, overrides,
+    --executor), then enters `code()`.
+    """
+
+    tracker: Tracker
+    run: RunSummary
+    cfg: DictConfig  # the resolved config stored with the run, device and backend pinned to what it ran on
+
+    @classmethod
+    def load(cls, tracker: Tracker, run: RunSummary) -> RecordedRun:
+        return cls(tracker, run, recorded_config(tracker, run))
+
+    def restore_secrets(self, overrides: list[str]) -> list[str]:
+        """Put the values the record redacted (redaction.py) back into `cfg`, from `overrides` (KEY=VALUE) or the
+        environment variable they were read from; returns the other overrides. Raises when one is missing."""
+        from omegaconf import OmegaConf
+
+        container = to_container(self.cfg)
+        if not redaction.redacted_keys(container):
+            return list(overrides)
+        sources = redaction.parse_sources(self.run.tags.get(T.CONFIG_REDACTED))
+        restored, rest = redaction.restore(container, list(overrides), sources, os.environ, self.run.run_id)
+        self.cfg = compose([("recorded config", OmegaConf.create(restored))])
+        return rest
+
+    def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
+        """The job that runs this recorded code (inside `code()`); its image digest is the recorded one."""
+        tags = self.run.tags
+        return Job(
+            self.tracker, self.cfg, tree, exp_dir, record=record, recorded=self.run, topology=topology or Topology(),
+            code_id=code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), **fields,
+        )
+
+    def check_data(
+        self, repo: Path | None = None, *, allow_changes: bool = False, flag: str | None = None,
+        paths: Mapping[str, str] | None = None,
+    ) -> Any:
+        """Hash the declared data again on this machine and hold it to the record (data.verify); before launch.
+
+        The declaration is resolved against the experiment folder of the repository here (not the
+        temporary worktree: data ignored by git, or outside the repository, is not in the code record);
+        where there is no repository (an imported run), against that folder under the current one.
+        `paths` (replay --data NAME=PATH) says where an entry lies on this machine instead.
+        """
+        from harness.record import data
+
+        recorded = data.recorded_data(self.tracker, self.run.run_id)
+        if recorded is None and not self.cfg.data:
+            if paths:
+                raise HarnessError(f"run {self.run.run_id} declared no data; drop --data.")
+            return data.DataCheck(None, [], {})
+        root = gitsource.find_repo(repo or Path.cwd()) or (repo or Path.cwd())
+        exp_dir = root / confine.recorded_path(self.run.tags[T.EXPERIMENT_PATH], "experiment folder", self.run.run_id)
+        declarations = dict(self.cfg.data or {})
+        for name, path in (paths or {}).items():
+            if name not in declarations:
+                raise HarnessError(
+                    f"--data {name}=...: run {self.run.run_id} declared no data named '{name}' "
+                    f"(it declared: {', '.join(sorted(declarations)) or 'none'})."
+                )
+            declarations[name] = os.path.abspath(os.path.expanduser(path))
+        return data.verify(
+            declarations, recorded, exp_dir, root, run_id=self.run.run_id, allow_changes=allow_changes, flag=flag
+        )
+
+    @contextlib.contextmanager
+    def code(self, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
+        """Check out the recorded code and validate `cfg` against it; yields (worktree, experiment folder)."""
+        with checkout(self.tracker, self.run, repo) as (tree, exp_dir):
+            validate(self.cfg, exp_dir)  # the entry must exist in the recorded code
+            confine.check_code(
+                tree, exp_dir, split_entry(str(self.cfg.entry))[0], gitsource.recorded_symlinks(tree, exp_dir)
+            )  # ...and lie in it
+            yield tree, exp_dir
+
+
+@contextlib.contextmanager
+def checkout(
+    tracker: Tracker, run: RunSummary, repo: Path | None = None, base: Path | None = None
+) -> Iterator[tuple[Path, Path]]:
+    """The run's recorded code (commit + patch) in a temporary worktree; yields (worktree, experiment folder).
+
+    The user's working tree and index are never touched.
+    """
+    commit = run.tags[T.GIT_COMMIT]
+    with contextlib.ExitStack() as stack:
+        root = _code_source(stack, tracker, run, repo)
+        with _checkout_from(tracker, run, root, commit, base) as checked_out:
+            yield checked_out
+
+
+def _code_source(stack: contextlib.ExitStack, tracker: Tracker, run: RunSummary, repo: Path | None) -> Path:
+    """The repository to check the recorded commit out from.
+
+    The live repository (`repo`, else the one holding the current folder) wins when it has the commit;
+    otherwise the code bundle an imported run carries (harness import), in a temporary repository.
+    """
+    commit = run.tags[T.GIT_COMMIT]
+    live = gitsource.find_repo(repo or Path.cwd())
+    if live is not None and gitsource.has_commit(live, commit):
+        return live
+    tmp = stack.enter_context(scratch.folder("code-bundle"))
+    bundle = tracker.download(run.run_id, T.ARTIFACT_CODE_BUNDLE, tmp)
+    if bundle is not None:
+        return stack.enter_context(gitsource.repository_from_bundle(bundle, commit))
+    if live is None:
+        gitsource.open_repo(repo or Path.cwd())  # raises its one line: not inside a git repository
+    url = run.tags.get(T.GIT_REPO_URL)
+    source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
+    raise HarnessError(
+        f"commit {commit[:12]} of run {run.run_id} is not in the repository at {live}. "
+        f"Fetch it ({source}) or run this inside a clone that has it."
+    )
+
+
+@contextlib.contextmanager
+def _checkout_from(
+    tracker: Tracker, run: RunSummary, root: Path, commit: str, base: Path | None
+) -> Iterator[tuple[Path, Path]]:
+    patch = None
+    if run.tags.get(T.GIT_DIRTY) == "true":
+        patch = tracker.read_bytes(run.run_id, T.ARTIFACT_PATCH)
+        if patch is None:
+            raise HarnessError(f"run {run.run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
+        expected = run.tags.get(T.GIT_PATCH_SHA256, "(no tag)")
+        got = hashlib.sha256(patch).hexdigest()
+        if got != expected:
+            raise HarnessError(
+                f"the recorded patch of run {run.run_id} was altered ({T.ARTIFACT_PATCH}: sha256 expected "
+                f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a "
+                "backup of the store, or replay another run."
+            )
+    with gitsource.worktree(root, commit, patch, base) as tree:
+        yield tree, tree / confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)

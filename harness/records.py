@@ -1,0 +1,51 @@
+"""The plain records a tracking store hands out (a run's summary, everything stored for one run).
+
+Every layer passes them; none needs the store, or MLflow, to read one: harness.store builds them,
+harness.judge judges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    experiment: str
+    experiment_id: str
+    run_name: str
+    status: str
+    start_time: int | None
+    end_time: int | None
+    tags: dict[str, str]
+    params: dict[str, str]
+    metric_keys: list[str]
+    artifact_uri: str
+
+
+@dataclass
+class RunRecord:
+    """Everything harness stored for one run, as the comparison needs it."""
+
+    run_id: str
+    experiment: str
+    status: str
+    facts: dict[str, str]
+    lock: list[str]
+    metrics: dict[str, tuple[np.ndarray, np.ndarray]]
+    fingerprints: dict[int, str]
+    final_fingerprint: str | None
+    config: dict
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the checkpointed weights
+    steps_total: int | None = None  # training steps the run completed
+    # False when the metrics come from MLflow's history (no metrics/series.npz): +-inf reads back clamped there.
+    metrics_exact: bool = True
+    data: dict | None = None  # the declared data's manifest (harness/record/data.py), None when the run declared none
+    # step -> {"tensors": name -> sha256, "ranks": [sha256 per rank]}; None when the run recorded none (no
+    # checkpoints, or a run from before they were recorded).
+    checkpoint_tensors: dict[int, dict] | None = None

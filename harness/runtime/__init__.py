@@ -1,0 +1,1 @@
+"""What runs inside a rank: the training context, determinism, checkpoints, fingerprints. Torch yes, MLflow never."""

@@ -1,0 +1,499 @@
+"""Deterministic checkpoints: what a step depends on, saved atomically, to continue a run bit for bit."""
+
+from __future__ import annotations
+
+import collections
+import errno
+import hashlib
+import os
+import pickle
+import random
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, Mapping, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from harness.errors import ExperimentError, HarnessError
+from harness.runtime.fingerprint import fingerprint, tensor_sha256
+
+# The key that marks a file as a harness checkpoint, and the layout version stored under it.
+FORMAT_KEY = "harness_checkpoint_format"
+FORMAT_VERSION = 1
+
+COMPLETE_MARKER = "COMPLETE"
+# What a per-tensor digest covers, stored with them: a reader of another format must not compare across.
+FINGERPRINT_FORMAT = "sha256(dtype|shape|raw bytes) per tensor; v1"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+# What torch.load(weights_only=True) accepts; anything else would make the file unloadable there.
+_PLAIN_SCALARS: tuple[type, ...] = (str, bytes, int, float, complex, bool, type(None))
+_PLAIN_OBJECTS: tuple[type, ...] = (torch.Size, torch.dtype, torch.device)
+_PLAIN_TENSORS: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_MAPPINGS: tuple[type, ...] = (dict, collections.OrderedDict)
+_PLAIN_SEQUENCES: tuple[type, ...] = (list, tuple, set)
+
+
+class Stateful(Protocol):
+    """A scheduler, GradScaler or anything else with the state_dict protocol."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class TrainingPosition:
+    """Where the run stands at a step boundary."""
+
+    step: int  # steps completed
+    epoch: int
+    batch_in_epoch: int  # batches of `epoch` already consumed
+    # The training loader's generator state at the start of `epoch`, before its iterator was
+    # created: the iterator draws the sampler order and the worker base seed from it.
+    epoch_start_generator: torch.Tensor | None = None
+
+
+# -- RNG ---------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """This process's torch (CPU, every CUDA device), numpy-global and python RNG states, as plain values."""
+    np_state = np.random.get_state()
+    if not isinstance(np_state, tuple):
+        raise HarnessError(
+            "numpy's global RNG is not MT19937, so its state cannot be checkpointed. "
+            "Leave np.random's global generator as numpy creates it."
+        )
+    name, key, pos, has_gauss, cached_gaussian = np_state
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+        "numpy": {
+            "name": str(name),
+            # int64, not uint32: the key must come back as the exact same 32-bit words.
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64).copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {
+            "version": int(version),
+            "internal": [int(x) for x in internal],
+            "gauss_next": None if gauss_next is None else float(gauss_next),
+        },
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Put back what rng_state() captured, in this process."""
+    try:
+        cuda_states = list(state["cuda"])
+        if cuda_states:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count != len(cuda_states):
+                raise HarnessError(
+                    f"the checkpoint holds RNG states for {len(cuda_states)} CUDA device(s) but this "
+                    f"process sees {count}. Resume with the same GPUs visible as the original run."
+                )
+        np_state = state["numpy"]
+        key = np_state["key"]
+        key_array = key.to(torch.int64).numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+        numpy_tuple = (
+            str(np_state["name"]),
+            key_array.astype(np.uint32),
+            int(np_state["pos"]),
+            int(np_state["has_gauss"]),
+            float(np_state["cached_gaussian"]),
+        )
+        py = state["python"]
+        python_tuple = (int(py["version"]), tuple(int(x) for x in py["internal"]), py["gauss_next"])
+        torch_state = state["torch"]
+        # Tried on throwaway generators first, so a bad state leaves this process's generators untouched.
+        torch.Generator().set_state(torch_state)
+        np.random.RandomState().set_state(numpy_tuple)
+        random.Random().setstate(python_tuple)
+    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+        raise HarnessError(
+            f"the checkpoint's RNG state is malformed ({_one_line(exc)}). Resume from another checkpoint."
+        ) from exc
+    torch.set_rng_state(torch_state)
+    for index, cuda_state in enumerate(cuda_states):
+        torch.cuda.set_rng_state(cuda_state, index)
+    np.random.set_state(numpy_tuple)
+    random.setstate(python_tuple)
+
+
+def generator_state(generator: torch.Generator) -> torch.Tensor:
+    """A copy of `generator`'s state (e.g. a DataLoader's generator)."""
+    return generator.get_state().clone()
+
+
+def set_generator_state(generator: torch.Generator, state: torch.Tensor) -> None:
+    generator.set_state(state.clone())
+
+
+# -- the checkpoint dict -----------------------------------------------------------------------------
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    # DDP's state_dict prefixes every key with "module."; the unwrapped module gives the same keys
+    # and the same fingerprint as the one the context records, wrapped or not.
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while isinstance(model, (DistributedDataParallel, DataParallel)):
+        model = model.module
+    return model
+
+
+def _snapshot(obj: Any) -> Any:
+    # Copies, not views: a CPU tensor's .to("cpu") is the live parameter, which the next step would
+    # overwrite before the dict is saved if the caller keeps it around.
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        copy: dict[Any, Any] = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+        copy.update((k, _snapshot(v)) for k, v in obj.items())
+        # Module state_dicts carry per-module versions here; load_state_dict reads them to upgrade layouts.
+        if hasattr(obj, "_metadata"):
+            copy._metadata = obj._metadata  # type: ignore[attr-defined]
+        return copy
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_snapshot(v) for v in obj)
+    return obj
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """Raise if `obj` holds anything torch.load(weights_only=True) would refuse."""
+    kind = type(obj)
+    if kind in _PLAIN_SCALARS or kind in _PLAIN_OBJECTS or kind in _PLAIN_TENSORS:
+        return
+    if kind in _PLAIN_MAPPINGS:
+        for key, value in obj.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(value, f"{where}[{key!r}]")
+        return
+    if kind in _PLAIN_SEQUENCES:
+        for index, value in enumerate(obj):
+            _check_plain(value, f"{where}[{index}]")
+        return
+    raise HarnessError(
+        f"{where} is a {kind.__module__}.{kind.__qualname__}, which a weights_only checkpoint cannot hold. "
+        "Store tensors, dicts, lists, tuples, str, int, float, bool or None there."
+    )
+
+
+def build(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    position: TrainingPosition,
+    loader_generators: Mapping[str, torch.Tensor | torch.Generator] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """This rank's checkpoint at a step boundary: states on the CPU, RNG, position and fingerprint."""
+    module = _unwrap(model)
+    generators = {
+        str(name): generator_state(g) if isinstance(g, torch.Generator) else g.detach().clone()
+        for name, g in (loader_generators or {}).items()
+    }
+    start = position.epoch_start_generator
+    ckpt: dict[str, Any] = {
+        FORMAT_KEY: FORMAT_VERSION,
+        "model": _snapshot(module.state_dict()),
+        "optimizer": None if optimizer is None else _snapshot(optimizer.state_dict()),
+        "scheduler": None if scheduler is None else _snapshot(scheduler.state_dict()),
+        "scaler": None if scaler is None else _snapshot(scaler.state_dict()),
+        "position": {
+            "step": int(position.step),
+            "epoch": int(position.epoch),
+            "batch_in_epoch": int(position.batch_in_epoch),
+            "epoch_start_generator": None if start is None else start.detach().clone(),
+        },
+        "rng": rng_state(),
+        "loader_generators": generators,
+        "extra": _snapshot(dict(extra or {})),
+        "fingerprint": fingerprint(module),
+    }
+    for part in ("optimizer", "scheduler", "scaler", "extra"):
+        _check_plain(ckpt[part], part)
+    return ckpt
+
+
+# -- per-tensor fingerprints -------------------------------------------------------------------------
+def tensor_fingerprints(ckpt: Mapping[str, Any], model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+    """sha256 per tensor of a built checkpoint: the model's state_dict keys (parameters and buffers) and
+    each optimizer state tensor named after its parameter (`fc.weight/momentum_buffer`), by sorted name.
+
+    The digests are of the snapshot that is saved, so they describe the file's bytes, not a later state.
+    """
+    out = {str(name): tensor_sha256(t) for name, t in ckpt["model"].items() if isinstance(t, torch.Tensor)}
+    opt_state = ckpt.get("optimizer")
+    if optimizer is not None and opt_state is not None:
+        # Optimizer.state_dict numbers the parameters in param_groups order; the numbers say nothing to a reader.
+        names = {id(p): n for n, p in _unwrap(model).named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, state in opt_state.get("state", {}).items():
+            owner = names.get(id(params[index])) if isinstance(index, int) and index < len(params) else None
+            owner = owner or f"optimizer.param{index}"
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{owner}/{key}"] = tensor_sha256(value)
+    return dict(sorted(out.items()))
+
+
+def live_tensor_fingerprints(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+    """tensor_fingerprints of the model and optimizer as they are now, without building a checkpoint."""
+    state = {"model": _unwrap(model).state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict()}
+    return tensor_fingerprints(state, model, optimizer)
+
+
+def replica_sha256(digests: Mapping[str, str], model: torch.nn.Module) -> str:
+    """One sha256 over the digests of the parameters and their optimizer state (name and digest, by name).
+
+    What DDP keeps equal on every rank; buffers are left out: BatchNorm statistics are updated by each
+    rank's own forward after DDP broadcast rank 0's, so they legitimately differ between ranks.
+    """
+    params = {name for name, _ in _unwrap(model).named_parameters()}
+    digest = hashlib.sha256()
+    for name in sorted(digests):
+        if name.split("/")[0] in params:
+            digest.update(f"{name}\0{digests[name]}\n".encode())
+    return digest.hexdigest()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def restore(
+    ckpt: Mapping[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+) -> TrainingPosition:
+    """Load the model, optimizer, scheduler and scaler states; RNG is left to set_rng_state()."""
+    given = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+    for part, target in given.items():
+        # A missing optimizer state would restart momentum from zero: silently not the same run.
+        if (ckpt.get(part) is None) != (target is None):
+            has = "holds" if ckpt.get(part) is not None else "has no"
+            was = "was not" if target is None else "was"
+            raise HarnessError(
+                f"the checkpoint {has} {part} state but restore() {was} given a {part}. "
+                "Pass the same objects the checkpointed run used."
+            )
+    module = _unwrap(model)
+    try:
+        module.load_state_dict(ckpt["model"])
+        for part, target in given.items():
+            if target is not None:
+                target.load_state_dict(ckpt[part])
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise HarnessError(
+            f"the checkpoint does not fit this model or optimizer: {_one_line(exc)}. "
+            "Resume with the code and config of the checkpointed run."
+        ) from exc
+    # load_state_dict casts into the existing parameters' dtypes; the hash proves nothing changed on the way.
+    if fingerprint(module) != ckpt["fingerprint"]:
+        raise HarnessError(
+            "the restored model's fingerprint differs from the checkpoint's (a dtype or device cast changed "
+            "the weights). Build the model with the dtypes of the checkpointed run."
+        )
+    pos = ckpt["position"]
+    return TrainingPosition(
+        step=int(pos["step"]),
+        epoch=int(pos["epoch"]),
+        batch_in_epoch=int(pos["batch_in_epoch"]),
+        epoch_start_generator=pos["epoch_start_generator"],
+    )
+
+
+def resume_iterator(loader: DataLoader, position: TrainingPosition) -> Iterator[Any]:
+    """`loader`'s iterator for `position.epoch` with `position.batch_in_epoch` batches already drawn.
+
+    Same sample order and same worker seeds as the original epoch. The sampler's set_epoch must already
+    have been called. The skipped batches are really loaded, so that workers' RNGs advance as they did.
+    """
+    if loader.generator is None:
+        raise HarnessError("the DataLoader has no generator, so its epoch cannot be replayed. Give it one.")
+    if loader.persistent_workers:
+        raise HarnessError(
+            "persistent_workers=True seeds workers once per run, not per epoch, so a resumed epoch cannot "
+            "reproduce them. Use persistent_workers=False."
+        )
+    if position.epoch_start_generator is None:
+        raise HarnessError("the checkpoint has no epoch-start generator state. Resume from another one.")
+    set_generator_state(loader.generator, position.epoch_start_generator)
+    iterator = iter(loader)
+    for consumed in range(position.batch_in_epoch):
+        try:
+            next(iterator)
+        except StopIteration:
+            raise HarnessError(
+                f"epoch {position.epoch} has only {consumed} batches but the checkpoint consumed "
+                f"{position.batch_in_epoch}. Resume with the data and batch size of the checkpointed run."
+            ) from None
+    return iterator
+
+
+# -- files -------------------------------------------------------------------------------------------
+def _fsync_dir(directory: Path) -> None:
+    # The rename itself lives in the directory entry; without this a power loss can undo it.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(directory: Path) -> None:
+    missing = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        current = current.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    for created in reversed(missing):
+        _fsync_dir(created.parent)
+
+
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    path = Path(path)
+    _make_dirs(path.parent)
+    # Same directory, so os.replace is a rename within one filesystem, atomic under POSIX.
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        full = _disk_refused(err, path.parent)  # before the partial file goes: it holds what space there was
+        tmp.unlink(missing_ok=True)
+        if full:
+            raise ExperimentError(
+                f"the disk of {path.parent} {full}: {path.name} could not be written. Free space there (or set "
+                "checkpoint_every: 0), then rerun."
+            ) from None
+        raise
+    _fsync_dir(path.parent)
+
+
+def _disk_refused(err: BaseException, folder: Path) -> str | None:
+    """"is full (N KiB free)" / "is read-only" when a write into `folder` failed for want of a writable disk; torch.save
+    says so only as `[enforce fail at inline_container.cc:...] ... file write failed`, without an errno."""
+    if not isinstance(err, (OSError, RuntimeError)):
+        return None
+    try:
+        fs = os.statvfs(folder)
+    except OSError:
+        return None
+    if fs.f_flag & os.ST_RDONLY or (isinstance(err, OSError) and err.errno == errno.EROFS):
+        return "is read-only"
+    free = fs.f_bavail * fs.f_frsize
+    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            isinstance(err, RuntimeError) and "inline_container" in str(err) and free < 16 << 20):
+        return f"is full ({free // 1024} KiB free)"
+    return None
+
+
+def save_atomic(obj: Mapping[str, Any], path: Path) -> None:
+    """torch.save `obj` to `path` so that a crash leaves either the old file or the whole new one."""
+    _check_plain(obj, "checkpoint")
+    _write_atomic(Path(path), lambda fh: torch.save(obj, fh))
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A checkpoint written by save_atomic, read with weights_only=True (no code runs while loading)."""
+    path = Path(path)
+    if not path.is_file():
+        raise HarnessError(f"no checkpoint at {path}. Check the checkpoint directory and step.")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = _one_line(exc).split(". ")[0]
+        raise HarnessError(
+            f"{path} holds objects a weights_only load refuses ({reason}). It was not written by harness."
+        ) from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise HarnessError(
+            f"{path} is truncated or corrupt ({_one_line(exc)}). Resume from an earlier complete step."
+        ) from exc
+    if not isinstance(obj, dict) or FORMAT_KEY not in obj:
+        raise HarnessError(
+            f"{path} is not a harness checkpoint (no {FORMAT_KEY!r} key). Point at a file harness saved."
+        )
+    if obj[FORMAT_KEY] != FORMAT_VERSION:
+        raise HarnessError(
+            f"{path} has checkpoint format {obj[FORMAT_KEY]!r}; this harness reads {FORMAT_VERSION}. "
+            "Resume with the harness version that wrote it."
+        )
+    return obj
+
+
+# -- layout: DIR/step-00000120/rank0.pt ... rankN.pt, COMPLETE --------------------------------------
+def step_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
+
+
+def path_for(directory: Path, step: int, rank: int) -> Path:
+    return step_dir(directory, step) / f"rank{rank}.pt"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a step folder's name (step-00000120 -> 120); None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def mark_complete(directory: Path, step: int, world_size: int | None = None) -> None:
+    """Rank 0, after a barrier that every rank reached with its file saved: the step is usable."""
+    content = f"step={step}\n" + (f"world_size={world_size}\n" if world_size is not None else "")
+    _write_atomic(step_dir(directory, step) / COMPLETE_MARKER, lambda fh: fh.write(content.encode()))
+
+
+def _marker_world_size(marker: Path) -> int | None:
+    for line in marker.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key == "world_size" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def complete_steps(directory: Path, world_size: int) -> list[int]:
+    """Steps whose every rank file and COMPLETE marker exist, ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    steps = []
+    for entry in directory.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        marker = entry / COMPLETE_MARKER
+        if not marker.is_file():
+            continue
+        # A marker that names another world size belongs to another topology's run.
+        recorded = _marker_world_size(marker)
+        if recorded is not None and recorded != world_size:
+            continue
+        if all((entry / f"rank{rank}.pt").is_file() for rank in range(world_size)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_complete(directory: Path, world_size: int) -> int | None:
+    steps = complete_steps(directory, world_size)
+    return steps[-1] if steps else None

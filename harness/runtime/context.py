@@ -1,0 +1,741 @@
+"""The training API: what `train(ctx)` receives in every rank."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import numbers
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from harness.errors import ExperimentError
+from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, Notice, SegmentEnd, SegmentStart, Total
+from harness.optrace import tracer as optrace
+from harness.runtime import checkpoint as ckpt, determinism
+from harness.runtime.fingerprint import fingerprint
+from harness.runtime.invariant import (
+    EvalSampler, InvariantModule, InvariantStep, KeyedDataset, ShardBatchSampler, broadcast_parameters,
+)
+from harness.runtime.outbox import Outbox
+from harness.runtime.steps import StepClock, optimizer_parameters
+
+@dataclass
+class CheckpointPlan:
+    """Where and how often ranks checkpoint, and what this launch resumes from or stops at."""
+
+    directory: str
+    every: int  # 0: never save (a resume or audit may still load)
+    resume_step: int | None = None  # load the checkpoint of this step before the first epoch
+    stop_at: int | None = None  # an audit segment ends when this many steps are done
+    # harness trace: an op-level trace (optrace.OpTracer) around this step, on these ranks, written to
+    # trace_dir/rank<R>.jsonl.gz when the step ends.
+    trace_step: int | None = None
+    trace_ranks: tuple[int, ...] = ()
+    trace_dir: str = ""
+
+
+class StopSegment(BaseException):
+    """Raised out of the training loop when an audit segment reaches its end (not an error)."""
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose iteration ctx drives: step counting, checkpoints, resume, audit stops."""
+
+    _harness_ctx: "Context | None" = None
+    _harness_raw = False
+
+    def __iter__(self):  # type: ignore[override]
+        ctx = self._harness_ctx
+        if ctx is None or self._harness_raw:
+            return super().__iter__()
+        if ctx._train_loader is not self:
+            return ctx._beating(super().__iter__())
+        return ctx._train_iter(self)
+
+
+def _seed_worker(worker_id: int) -> None:
+    # torch already gives each DataLoader worker seed = loader generator draw + worker_id;
+    # numpy and random must follow it or augmentations repeat across workers and epochs.
+    import random
+
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+class DataPaths(dict):
+    """ctx.data: a name that was not declared fails with the names that were, not a bare KeyError."""
+
+    def __missing__(self, name: str) -> Path:
+        declared = ", ".join(sorted(self)) or "none"
+        raise ExperimentError(
+            f"ctx.data[{name!r}]: no data named {name!r} is declared (declared: {declared}). "
+            f"Declare it under data: in experiment.yaml (data: {{{name}: PATH}})."
+        )
+
+
+class Context:
+    """Rank identity, the experiment's `train:` config, and the few calls that keep a run reproducible."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        cfg: Any,
+        seed: int,
+        rank_seed: int,
+        fingerprint_every: int,
+        channel: Connection | None,
+        checkpoints: CheckpointPlan | None = None,
+        invariant_shards: int = 0,
+        progress: Callable[[int], None] | None = None,
+        output_dir: str = "",
+        data: dict[str, str] | None = None,
+        run_id: str = "",
+        code_dir: str = "",
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.cfg = cfg
+        self.seed = seed
+        self.rank_seed = rank_seed
+        self._every = fingerprint_every
+        self._channel = channel  # only rank 0 holds one
+        self._outbox = Outbox(channel) if channel is not None else None
+        self._model: torch.nn.Module | None = None
+        self._samplers: list[DistributedSampler] = []
+        self._steps_per_epoch: int | None = None
+        self._next_fingerprint = 0
+        self._last_step: int | None = None
+        self._plan = checkpoints
+        self._shards = invariant_shards  # > 0: world-size-invariant mode
+        self._invariant_step: Any = None
+        self._tracked: dict[str, Any] = {}
+        self._loaders: list[DataLoader] = []
+        self._train_loader: DataLoader | None = None
+        self._epoch = 0
+        self._epoch_start_generator: torch.Tensor | None = None
+        self._resume: tuple[ckpt.TrainingPosition, dict] | None = None  # until the first batch after it
+        self._resumed = False  # the checkpoint of plan.resume_step is loaded (by ctx.epochs or ctx.steps)
+        self._progress = progress  # tells the launcher this rank is alive, and at which step
+        self._in_backward = False  # invariant mode: gradients may reach the model only inside ctx.backward
+        # What drives the loop, so what a step boundary is: "loader" (the training ctx.loader's fetches),
+        # "steps" (ctx.steps() iterations) or None (a loop of the user's own: only optimizer steps are seen).
+        self._driver: str | None = None
+        self._logged: dict[str, set[int]] = {}  # rank 0: the steps each key was logged at (no silent overwrite)
+        self._saved: set[int] = set()  # steps checkpointed by this context
+        self._noted: set[str] = set()  # notices already sent
+        self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
+        self._forward_hook: Any = None
+        self._tracer: Any = None  # optrace.OpTracer of plan.trace_step while it runs
+        self._trace_written = False
+        self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
+        self.output_dir = Path(output_dir) if output_dir else Path.cwd() / "outputs"
+        """A folder for files the run produces (checkpoints of your own, samples, plots): they become the
+        run's artifacts under outputs/. Write there, not into the experiment folder, which is code."""
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.data: Mapping[str, Path] = DataPaths({k: Path(v) for k, v in (data or {}).items()})
+        """The experiment's declared data (`data:` in experiment.yaml), name -> absolute path, checked by hash."""
+        self.run_id = run_id
+        """The MLflow run this job records ("" in a re-execution that records none: audit, trace). Rank 0's own
+        mlflow.log_metric/log_param/set_tag calls land in it (see README: your own MLflow calls)."""
+        # The experiment folder, fixed at start: the training code may os.chdir() away from it.
+        self._code_dir = code_dir or str(Path.cwd())
+        if self._traced(0):
+            # Step 0 of a loop harness does not drive begins with train() itself; a loader or ctx.steps
+            # that turns up restarts the trace at its first batch.
+            self._start_trace(0)
+
+    @property
+    def step(self) -> int:
+        """Index of the current training step (0-based): the counted optimizer's steps so far, or the step that
+        has just ended until the next one's work begins (so a value logged after optimizer.step() is that step's)."""
+        return self.clock.index
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # -- model and data -------------------------------------------------------------------------
+    def ddp(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
+        """Move `model` to this rank's device, wrap it in DDP, and fingerprint its parameters."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = model.to(self.device)
+        self._model = model
+        # A training forward of the registered model is the next step's work beginning (a loop of its own).
+        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        if self._tracer is not None:
+            self._tracer.attach(model)
+        if self._shards:
+            # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
+            # all-reduce would add them in a world-size-dependent order. Start from rank 0's weights, as DDP does.
+
+            broadcast_parameters(model)
+            self._invariant_step = InvariantStep(self._shards, self.world_size, self.rank, self.seed)
+            self._guard_gradients(model)
+            self._send(Initial(fingerprint(model)) if self.is_main else None)
+            return InvariantModule(model)
+        if self.device.type == "cuda":
+            ddp_kwargs.setdefault("device_ids", [self.device.index])
+        wrapped = DDP(model, **ddp_kwargs)  # broadcasts rank 0's weights: the initial fingerprint comes after
+        _fix_buckets(wrapped)
+        self._send(Initial(fingerprint(model)) if self.is_main else None)
+        return wrapped
+
+    def _guard_gradients(self, model: torch.nn.Module) -> None:
+        """Invariant mode: a gradient that reaches the model outside ctx.backward is never synchronised across
+        ranks (there is no DDP to do it), so the ranks would silently train apart. Fail at that step instead."""
+
+        def check(grad: torch.Tensor) -> torch.Tensor:
+            if not self._in_backward:
+                raise ExperimentError(
+                    f"step {self.step}: gradients reached the model outside ctx.backward in world-size-invariant "
+                    "mode, where nothing else synchronises them across ranks. Replace loss.backward() with "
+                    "loss = ctx.backward(batch, loss_fn) (see README: world-size-invariant mode)."
+                )
+            return grad
+
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_hook(check)
+
+    def track(self, optimizer: Any = None, *, scheduler: Any = None, scaler: Any = None) -> None:
+        """Register what a checkpoint must hold besides the model (optimizer, LR scheduler, GradScaler)."""
+        for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+            if obj is not None:
+                self._tracked[name] = obj
+        if optimizer is not None:
+            self.clock.track(optimizer)  # its steps are the run's steps
+
+    def loader(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        **loader_kwargs: Any,
+    ) -> DataLoader:
+        """A DataLoader over this rank's shard: seeded DistributedSampler, seeded generator, seeded workers.
+
+        In world-size-invariant mode, `batch_size` is the shard size: a training step is
+        determinism.shards shards (K/W of them on each rank, the incomplete last global batch dropped),
+        validation (shuffle=False) splits the data in whole batches without padding, and every item's
+        randomness is keyed by (seed, epoch, sample index).
+        """
+        if self._shards:
+            return self._invariant_loader(dataset, batch_size, shuffle, num_workers, **loader_kwargs)
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=shuffle,
+            seed=self.seed,  # same on every rank: the shards must partition one permutation
+            drop_last=drop_last,
+        )
+        self._samplers.append(sampler)
+        dl = _Loader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            **self._loader_common(num_workers, loader_kwargs),
+        )
+        return self._register(dl, shuffle)
+
+    def _invariant_loader(
+        self, dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int, **loader_kwargs: Any
+    ) -> DataLoader:
+        keyed = KeyedDataset(dataset, self.seed)
+        common = self._loader_common(num_workers, loader_kwargs)
+        if shuffle:
+            sampler: Any = ShardBatchSampler(
+                len(dataset), batch_size, self._shards, self.world_size, self.rank, self.seed  # type: ignore[arg-type]
+            )
+            dl = _Loader(keyed, batch_sampler=sampler, num_workers=num_workers, **common)
+            # DataLoader calls a batch sampler's loader.sampler a SequentialSampler; user code that calls
+            # loader.sampler.set_epoch(epoch), as with a DistributedSampler, must keep working.
+            object.__setattr__(dl, "sampler", sampler)
+        else:
+            sampler = EvalSampler(len(dataset), self.world_size, self.rank, chunk=batch_size)  # type: ignore[arg-type]
+            dl = _Loader(keyed, batch_size=batch_size, sampler=sampler, num_workers=num_workers, **common)
+        self._samplers.append(sampler)
+        return self._register(dl, shuffle)
+
+    def _loader_common(self, num_workers: int, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """harness's DataLoader defaults; the caller's keyword arguments win, except those that would undo the sharding."""
+        for key in ("sampler", "batch_sampler"):
+            if key in loader_kwargs:
+                raise ExperimentError(
+                    f"ctx.loader(..., {key}=...): ctx.loader makes the sampler itself (this rank's shard of one "
+                    "seeded permutation). Remove it and use shuffle=True/False, or build a DataLoader yourself."
+                )
+        generator = torch.Generator()
+        generator.manual_seed(self.rank_seed)
+        common: dict[str, Any] = dict(generator=generator, worker_init_fn=_seed_worker, pin_memory=self.device.type == "cuda")
+        if num_workers > 0 and "fork" in mp.get_all_start_methods():
+            # Ranks are spawned, and workers would inherit that: spawning a worker re-imports
+            # torch every epoch (seconds); fork is PyTorch's own default on Linux.
+            common["multiprocessing_context"] = "fork"
+        user_init = loader_kwargs.pop("worker_init_fn", None)
+        if user_init is not None:
+            common["worker_init_fn"] = _Chained(_seed_worker, user_init)  # seeded first, then the user's own set-up
+        common.update(loader_kwargs)
+        return common
+
+    def _register(self, dl: "_Loader", shuffle: bool) -> DataLoader:
+        dl._harness_ctx = self
+        self._loaders.append(dl)
+        if self._train_loader is None and shuffle:
+            # The first shuffled loader is the training loader: its batches are the steps.
+            self._train_loader = dl
+            self._steps_per_epoch = len(dl)
+        return dl
+
+    def backward(self, batch: Any, loss_fn: Any) -> torch.Tensor:
+        """Gradients of `loss_fn(*batch)` (the mean loss of a batch) in every parameter's .grad; returns the loss.
+
+        Standard mode: loss_fn(*batch).backward() (DDP averages over ranks). World-size-invariant
+        mode: the batch is split into this rank's shards, each differentiated with its own
+        (seed, step, shard) randomness, and the gradients summed in one canonical order; the
+        returned loss is then the global mean, the same on every rank and for every world size.
+        """
+        if self._invariant_step is not None:
+            self._in_backward = True
+            try:
+                return self._invariant_step.backward(self._model, batch, loss_fn, self.step)
+            finally:
+                self._in_backward = False
+        args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        loss = loss_fn(*args)
+        loss.backward()
+        return loss.detach()
+
+    def epochs(self, n: int, steps_per_epoch: int | None = None) -> Iterator[int]:
+        """range(n) that calls set_epoch on every sampler made by ctx.loader (reshuffles each epoch); after a
+        resume it starts at the checkpoint's epoch."""
+        per_epoch = steps_per_epoch or self._steps_per_epoch
+        if per_epoch:
+            self._send(Total(n * per_epoch))
+        start = self._load_resume_checkpoint()
+        done_at_start = self.clock.done
+        for epoch in range(start, n):
+            if epoch == start + 1 and per_epoch and not steps_per_epoch:
+                # Batches are not steps when micro-batches accumulate: the first epoch counted the real ones.
+                counted = self.clock.done - done_at_start
+                if counted and counted != per_epoch:
+                    self._send(Total(self.clock.done + (n - epoch) * counted))
+            for sampler in self._samplers:
+                sampler.set_epoch(epoch)
+            self._epoch = epoch
+            yield epoch
+
+    def steps(self, n: int) -> Iterator[int]:
+        """range(n) over training steps, for a loop that draws its own batches (`for it in ctx.steps(max_iters)`):
+        each iteration is one step (a boundary where checkpoints are saved and an audit or trace stops), the
+        progress bar knows the total, and after a resume it starts at the checkpoint's step."""
+        self._driver = "steps"
+        self._send(Total(n))
+        start = self._load_resume_checkpoint()
+        if self._resume is not None:
+            # No loader replays batches here: the RNGs go back to the checkpoint's at once.
+            ckpt.set_rng_state(self._resume[1])
+            self._resume = None
+        for k in range(start, n):
+            self.clock.set(k)
+            self._before_step(k, ckpt.TrainingPosition(k, self._epoch, 0, None))
+            self.clock.begin(clean=True)
+            yield k
+        self._end_trace()
+        self.clock.done = max(self.clock.done, n)
+
+    # -- recording ------------------------------------------------------------------------------
+    def log(self, metrics: Mapping[str, float | torch.Tensor], step: int) -> None:
+        """Record rank 0's values at `step` (other ranks' calls are ignored). Never blocks on MLflow.
+
+        A key logged twice at one step fails in one line (a second value would overwrite the first) - except
+        at the step that has just ended, before anything else of the next step was seen: a loop that logs at
+        the top of its body is logging the next step."""
+        if not self.is_main:
+            return
+        values = {str(k): _number(k, v) for k, v in metrics.items()}
+        step = int(step)
+        clock = self.clock
+        if clock.pending and step == clock.index and any(step in self._logged.get(k, ()) for k in values):
+            step = clock.begin()
+        self._beat_now()  # the clock's step, not the one logged at (a counter of the user's may be anything)
+        for key in values:
+            seen = self._logged.setdefault(key, set())
+            if step in seen:
+                raise ExperimentError(
+                    f"ctx.log: '{key}' was already logged at step {step}; a second value would overwrite the first. "
+                    "Log each key once per step (ctx.step counts optimizer steps: micro-batches share one), or "
+                    "give this value its own key."
+                )
+            seen.add(step)
+        self._last_step = step if self._last_step is None else max(self._last_step, step)
+        target = self._fingerprinted()
+        if target is not None and step >= self._next_fingerprint:
+            # Taken at the first log() of a step on or past each multiple of fingerprint_every.
+            self._send(Fingerprint(step, fingerprint(target)))
+            self._next_fingerprint = (step // self._every + 1) * self._every
+        if self._outbox is not None:
+            self._outbox.add(step, values, int(time.time() * 1000))
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    # -- used by the launcher, not by the training code ------------------------------------------
+    def announce_segment(self, index: int) -> None:
+        """Tell the launcher that audit segment `index` is about to run (rank 0 only). Called by the launcher."""
+        if self.is_main:
+            self._send(SegmentStart(index))
+
+    def finish(self) -> None:
+        """End training: check the ranks hold one model, and send rank 0's final fingerprint and step count.
+
+        Called by the launcher after train(ctx) returns, not by the training code.
+        """
+        self._end_trace()
+        target = self._fingerprinted()
+        self._check_replicas_equal(target)
+        if self._model is None and target is not None:
+            self._notice("unregistered", (
+                "no model was given to ctx.ddp: the fingerprints hash the parameters the optimizer stepped "
+                f"({len(list(target.parameters()))} tensors; buffers such as BatchNorm statistics are not among them)"
+                + (", compared across ranks" if self.world_size > 1 else "") + ". Register it with model = ctx.ddp(model)."
+            ))
+        self._send(determinism.observe(self.clock.done, determinism.END))  # determinism read-back: training ends
+        if self.is_main:
+            of = "model" if self._model is not None else "optimizer" if target is not None else None
+            self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))
+
+    def close(self) -> None:
+        """Send every value still buffered and stop the sender thread; also after a failure. Called by the
+        launcher once train(ctx) has returned or raised, not by the training code."""
+        self.clock.close()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+        if self._tracer is not None:  # an audit stop or a failure inside the traced step: no trace is written
+            self._tracer.__exit__(None, None, None)
+            self._tracer = None
+        if self._outbox is not None:
+            self._outbox.close()
+
+    def _send(self, message: Message | None) -> None:
+        if self._outbox is not None and message is not None:
+            self._outbox.send(message)
+
+    def _notice(self, key: str, text: str) -> None:
+        """A one-line warning for the launcher to print and record, once per context."""
+        if key not in self._noted:
+            self._noted.add(key)
+            self._send(Notice(key, text) if self.is_main else None)
+
+    def _beat(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress(step)
+
+    def _beat_now(self) -> None:
+        self._beat(self.clock.index)
+
+    def _beating(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Another loader's batches (validation): each one is progress too."""
+        for batch in batches:
+            self._beat(self.step)
+            yield batch
+
+    # -- step boundaries ------------------------------------------------------------------------
+    def _fingerprinted(self) -> torch.nn.Module | None:
+        """What the fingerprints hash: the registered model, else the parameters the counted optimizer steps."""
+        if self._model is not None:
+            return self._model
+        if self._stepped_params is None and self.clock.counted is not None:
+            self._stepped_params = optimizer_parameters(self.clock.counted)
+        return self._stepped_params
+
+    def _checkpointed(self) -> torch.nn.Module:
+        """What a checkpoint holds as its model: the registered one, else the tracked optimizer's parameters."""
+        if self._model is not None:
+            return self._model
+        optimizer = self._tracked.get("optimizer")
+        if optimizer is None:
+            raise ExperimentError(
+                "checkpoint_every is set but no model is registered: call ctx.ddp(model) (or ctx.track(optimizer), "
+                "whose parameters are then checkpointed), or set checkpoint_every: 0."
+            )
+        if self._stepped_params is None:
+            self._stepped_params = optimizer_parameters(optimizer)
+        return self._stepped_params
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.clock.begin()
+
+    def _on_first_step(self, optimizer: Any) -> None:
+        if self._model is None and self.is_main:
+            # No ctx.ddp: the weights before the first update are the parameters this optimizer steps.
+            self._send(Initial(fingerprint(optimizer_parameters(optimizer))))
+
+    def _on_optimizer(self, phase: str, optimizer: Any) -> None:
+        if self._tracer is not None:
+            self._tracer.optimizer_event(phase, optimizer)
+
+    def _on_begin(self, step: int, clean: bool) -> None:
+        """Step `step`'s work has begun (`clean`: at a fetch or ctx.steps() iteration, nothing of it ran yet)."""
+        self._send(determinism.observe(step, determinism.FIRST_STEP))  # determinism read-back: the first step
+        self._end_trace(before=step)
+        self._check_stop(step)
+        if not clean:
+            self._note_unsaved(step)
+        if self._traced(step) and (clean or self._tracer is None):
+            self._start_trace(step)
+
+    def _on_end(self, step: int) -> None:
+        """The counted optimizer finished step `step`. A loop of the user's own shows no other boundary: its
+        step K is traced from the end of step K-1 to the end of step K."""
+        if self._driver is None:
+            self._end_trace(before=step + 1)
+            if self._traced(step + 1):
+                self._start_trace(step + 1)
+
+    def _before_step(self, step: int, position: ckpt.TrainingPosition) -> None:
+        """A clean boundary: nothing of `step` has run yet (checkpoints are saved here, audits stop here)."""
+        self._send(determinism.observe(step, determinism.FIRST_STEP))  # read back before a checkpoint takes it
+        self._end_trace(before=step)
+        self._maybe_checkpoint(position)
+        self._check_stop(step)
+
+    def _check_stop(self, step: int) -> None:
+        plan = self._plan
+        if plan is not None and plan.stop_at is not None and step >= plan.stop_at:
+            self._end_trace()
+            self._send(self._segment_end(step))
+            raise StopSegment()
+
+    def _note_unsaved(self, step: int) -> None:
+        """A checkpoint is due but this step began where harness cannot restart a loop."""
+        plan = self._plan
+        if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step or step in self._saved:
+            return
+        if self._driver is None:
+            what = (f"no checkpoint at step {step} or after: the loop is driven by neither a training ctx.loader nor "
+                    "ctx.steps()")
+        else:
+            what = f"no checkpoint at step {step}: its first batch was drawn before the previous optimizer step (a prefetch)"
+        self._notice(
+            "no-checkpoint",
+            f"checkpoint_every={plan.every}: {what}, so harness has no step boundary to save at or resume from there. "
+            "Write the loop as `for it in ctx.steps(max_iters):` drawing each step's batches inside it, or iterate a "
+            "training ctx.loader inside ctx.epochs(n).",
+        )
+
+    def _train_iter(self, loader: "_Loader") -> Iterator[Any]:
+        """Hand out the training batches of one epoch; checkpoint before fetching a step's first batch."""
+        epoch, first = self._epoch, 0
+        if self._driver is None:
+            self._driver = "loader"
+        loader._harness_raw = True  # iter(loader) inside here must be DataLoader's own
+        try:
+            if self._resume is not None and self._resume[0].epoch == epoch:
+                position, rng = self._resume
+                iterator = ckpt.resume_iterator(loader, position)  # replays this epoch's first batches
+                self._epoch_start_generator = position.epoch_start_generator
+                ckpt.set_rng_state(rng)  # after the replay: it drew from the RNGs as the original did
+                self._resume, first = None, position.batch_in_epoch
+            else:
+                self._epoch_start_generator = ckpt.generator_state(loader.generator)
+                iterator = iter(loader)
+        finally:
+            loader._harness_raw = False
+        n = len(loader)
+        clock = self.clock
+        for i in range(first, n):
+            if clock.would_begin():
+                # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
+                step = clock.done if clock.pending else clock.index
+                self._before_step(step, ckpt.TrainingPosition(step, epoch, i, self._epoch_start_generator))
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            clock.begin(clean=True)  # a micro-batch of a step already begun only beats
+            yield batch
+
+    def _traced(self, step: int) -> bool:
+        plan = self._plan
+        return plan is not None and plan.trace_step == step and self.rank in plan.trace_ranks
+
+    def _start_trace(self, step: int) -> None:
+        """Trace step `step` from now on (a trace begun earlier for it, e.g. at train()'s start, starts over)."""
+        assert self._plan is not None
+        if self._trace_written:
+            return
+        if self._tracer is not None:
+            self._tracer.__exit__(None, None, None)
+        meta = {"step": step, "rank": self.rank, "world_size": self.world_size, "invariant_shards": self._shards}
+        # self._model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
+        self._tracer = optrace.OpTracer(self._code_dir, model=self._model, meta=meta, optimizer_hooks=False)
+        self._tracer.__enter__()
+
+    def _end_trace(self, before: int | None = None) -> None:
+        """Stop tracing and write the trace (a file that exists is a whole trace); `before`: only once that step
+        is past the traced one."""
+        tracer, plan = self._tracer, self._plan
+        if tracer is None or plan is None or (before is not None and before <= (plan.trace_step or 0)):
+            return
+        self._tracer = None
+        tracer.__exit__(None, None, None)
+
+        path = Path(plan.trace_dir) / f"rank{self.rank}.jsonl.gz"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(optrace.dumps(tracer.result()))
+        tmp.replace(path)
+        self._trace_written = True
+
+    def _maybe_checkpoint(self, position: ckpt.TrainingPosition) -> None:
+        plan, step = self._plan, position.step
+        if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step or step in self._saved:
+            return
+        model = self._checkpointed()
+        generators = {str(i): dl.generator for i, dl in enumerate(self._loaders) if dl is not self._train_loader}
+        state = ckpt.build(
+            model=model, position=position, loader_generators=generators,
+            extra={"next_fingerprint": self._next_fingerprint}, **self._tracked,
+        )
+        directory = Path(plan.directory)
+        ckpt.save_atomic(state, ckpt.path_for(directory, step, self.rank))
+        tensors = ckpt.tensor_fingerprints(state, model, self._tracked.get("optimizer"))
+        # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
+        ranks = self._gather(ckpt.replica_sha256(tensors, model))
+        self._saved.add(step)
+        if self.is_main:
+            ckpt.mark_complete(directory, step, self.world_size)
+            self._send(Checkpoint(step, state["fingerprint"], tensors, tuple(ranks)))
+        self._send(determinism.observe(step, determinism.CHECKPOINT))  # determinism read-back: checkpoint saved
+
+    def _segment_end(self, step: int) -> SegmentEnd:
+        target = self._model if self._model is not None else self._stepped_params
+        if target is None:
+            return SegmentEnd(step, None)
+        # Per tensor too: a segment that ends elsewhere than the run's checkpoint names the tensors that differ.
+        tensors = ckpt.live_tensor_fingerprints(target, self._tracked.get("optimizer"))
+        return SegmentEnd(step, fingerprint(target), tensors)
+
+    def _gather(self, value: str) -> list[str]:
+        """`value` of every rank, in rank order (a collective: it waits for all ranks, like a barrier)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value)
+        return [str(v) for v in every]
+
+    def _load_resume_checkpoint(self) -> int:
+        """Load plan.resume_step's checkpoint once (ctx.epochs or ctx.steps, whichever comes first); returns the
+        epoch (ctx.epochs) or step (ctx.steps) to start at, 0 when there is nothing to resume."""
+        plan = self._plan
+        if plan is None or plan.resume_step is None or self._resumed:
+            return 0
+        self._resumed = True
+        state = ckpt.load(ckpt.path_for(Path(plan.directory), plan.resume_step, self.rank))
+        position = ckpt.restore(state, model=self._checkpointed(), **self._tracked)
+        for i, dl in enumerate(self._loaders):
+            key = str(i)
+            if dl is not self._train_loader and key in state["loader_generators"]:
+                ckpt.set_generator_state(dl.generator, state["loader_generators"][key])
+        self.clock.set(position.step)
+        self._next_fingerprint = int(state["extra"]["next_fingerprint"])
+        self._resume = (position, state["rng"])
+        return position.step if self._driver == "steps" else position.epoch
+
+    def _check_replicas_equal(self, target: torch.nn.Module | None) -> None:
+        """Data parallelism promises one model: ranks whose parameters differ at the end trained apart."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        # Parameters only: buffers such as BatchNorm statistics may legitimately differ between DDP ranks.
+        mine = fingerprint(target, buffers=False) if target is not None else None
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        if mine is not None and len(set(every)) > 1:
+            groups: dict[str, list[int]] = {}
+            for rank, sha in enumerate(every):
+                groups.setdefault(str(sha)[:12], []).append(rank)
+            shown = "; ".join(
+                f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))}: {sha}" for sha, ranks in groups.items()
+            )
+            what = ("Train the model ctx.ddp returned (not model.module) and call optimizer.step() on every rank."
+                    if self._model is not None else
+                    "No model was given to ctx.ddp, so nothing synchronised them: wrap it with model = ctx.ddp(model).")
+            raise ExperimentError(
+                f"the ranks ended with different parameters ({shown}): their gradients were not synchronised. {what}"
+            )
+
+
+def _fix_buckets(ddp: Any) -> None:
+    """Lay DDP's gradient buckets out once, in parameter order, before the first step.
+
+    Left alone, DDP reduces the first step of every process in one bucket of all parameters and then
+    rebuilds its buckets in the order the gradients became ready. With three or more ranks an element's
+    sum depends on where it lies in its bucket (gloo's and NCCL's ring algorithms add chunks in different
+    rank orders), so a process that starts from a checkpoint - a resume, an audit segment - reduced its
+    first step in another layout than the original process did at that step, and ended with other bits.
+    Fixed up front (what DDP's own uneven-inputs join does), every process reduces the same buffers.
+    """
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is None or not hasattr(reducer, "_push_all_rebuilt_params"):
+        return  # another torch: a resume that then differs is refused by its own proof
+    reducer._push_all_rebuilt_params()
+    reducer._rebuild_buckets()
+
+
+def _number(key: Any, value: Any) -> float:
+    """A metric value as a float (NaN and +-inf kept); anything else names the key and its type."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ExperimentError(
+                f"ctx.log: metric '{key}' is a tensor of shape {tuple(value.shape)}; log one number per key "
+                "(e.g. loss.item(), or a 0-d tensor)."
+            )
+        value = value.item()
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ExperimentError(
+            f"ctx.log: metric '{key}' is a {type(value).__name__} ({value!r:.40}); log numbers (int, float or a "
+            "one-element tensor)."
+        )
+    return float(value)
+
+
+class _Chained:
+    """Picklable (DataLoader workers may be spawned): call `first`, then `second`."""
+
+    def __init__(self, first: Callable[[int], None], second: Callable[[int], None]) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, worker_id: int) -> None:
+        self.first(worker_id)
+        self.second(worker_id)

@@ -1,0 +1,149 @@
+"""The training code's own MLflow calls: which store and run they reach in each rank, and which keys they logged.
+
+Ranks run with the experiment folder as their cwd, so an `mlflow.log_metric` there would open MLflow's
+default store in the code folder (a second store, a separate run, and a dirty next run). Instead:
+
+- rank 0 reaches the job's run: MLFLOW_TRACKING_URI is the job's store as an absolute URI, MLFLOW_RUN_ID
+  the run's id (MLflow's fluent API attaches to it), MLFLOW_EXPERIMENT_ID its experiment (a nested run of
+  the user's lands beside it);
+- every other rank, and every rank of a re-execution that records no run (audit, trace), reaches a
+  scratch store in the job's work folder, discarded with it: like ctx.log, their calls are ignored.
+
+This module never imports mlflow: it sets variables, and wraps the user's mlflow once the user's code
+imported it (mlflow's own module stays harness.store's to use).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping, MutableMapping
+
+from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL
+
+TRACKING_URI = "MLFLOW_TRACKING_URI"
+RUN_ID = "MLFLOW_RUN_ID"
+EXPERIMENT_ID = "MLFLOW_EXPERIMENT_ID"
+# MLflow's default artifact root for a store it creates is "./mlruns", relative to the cwd (the code folder);
+# MLflow reads this variable first (as `harness ui` uses it too).
+_ARTIFACT_ROOT = "_MLFLOW_SERVER_ARTIFACT_ROOT"
+SCRATCH_DIR = "user-mlflow"  # beside the job's logs/ folder, removed with the job's work folder
+
+
+def run_env(tracking_uri: str, run_id: str, experiment_id: str) -> dict[str, str]:
+    """What rank 0 gets so that the user's fluent MLflow calls land in the job's run (LaunchSpec.env).
+
+    `tracking_uri` is already absolute (harness.store.reach.absolute_uri, the launcher's to call): a rank runs
+    in the code folder, and this layer never reaches the store."""
+    return {TRACKING_URI: tracking_uri, RUN_ID: run_id, EXPERIMENT_ID: experiment_id}
+
+
+def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: Mapping[str, str]) -> str | None:
+    """Point this rank's MLflow at the job's run (rank 0 of a recorded job: its id is returned) or at a scratch
+    store (None).
+
+    `job_env` is LaunchSpec.env: run_env()'s variables when the job records a run. What the launcher itself
+    was started with (an MLFLOW_RUN_ID of the user's shell) never reaches the user's code.
+    """
+    environ[SUPPRESS_URL] = "true"  # the user's own end_run in any rank (left set: restore() keeps it)
+    if rank == 0 and job_env.get(RUN_ID) and job_env.get(TRACKING_URI):
+        environ.update({k: job_env[k] for k in (TRACKING_URI, RUN_ID, EXPERIMENT_ID) if k in job_env})
+        return job_env[RUN_ID]
+    scratch = Path(log_dir).parent / SCRATCH_DIR / f"rank{rank}"
+    environ[TRACKING_URI] = f"sqlite:///{scratch / 'mlflow.db'}"
+    environ[_ARTIFACT_ROOT] = (scratch / "artifacts").as_uri()
+    for name in (RUN_ID, EXPERIMENT_ID):
+        environ.pop(name, None)
+    scratch.mkdir(parents=True, exist_ok=True)  # the store itself is made only by a first call of the user's
+    return None
+
+
+def snapshot(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The MLflow variables route() and run_env() change, to put back with restore(): under torchrun a rank's body
+    runs in its launcher's process, whose own store must stay the job's."""
+    return {name: environ.get(name) for name in (TRACKING_URI, RUN_ID, EXPERIMENT_ID, _ARTIFACT_ROOT)}
+
+
+def restore(environ: MutableMapping[str, str], saved: Mapping[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+
+
+def keep_run_open(run_id: str) -> None:
+    """The user's mlflow.end_run() (or the end of `with mlflow.start_run():`) detaches from the job's run instead
+    of ending it: the launcher ends it when the job ends, with the job's status. Installed in rank 0."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and hasattr(mlflow, "tracking"):
+        _wrap_end_run(mlflow, run_id)
+        return
+    # Wrapped when the user's code imports mlflow: a job that never does pays nothing (mlflow takes seconds).
+    sys.meta_path.insert(0, _OnImport(run_id))
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Lets `import mlflow` happen as usual, then wraps its end_run."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "mlflow":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, run_id = spec.loader, self.run_id
+        exec_module = loader.exec_module
+
+        def exec_then_wrap(module: Any) -> None:
+            exec_module(module)
+            _wrap_end_run(module, run_id)
+
+        loader.exec_module = exec_then_wrap  # type: ignore[method-assign]
+        return spec
+
+
+def _wrap_end_run(mlflow: Any, run_id: str) -> None:
+    fluent = mlflow.tracking.fluent
+    original = fluent.end_run
+    if getattr(original, "_harness_run_id", None) == run_id:
+        return
+
+    def end_run(*args: Any, **kwargs: Any) -> None:
+        active = fluent.active_run()
+        if active is None or active.info.run_id != run_id:
+            original(*args, **kwargs)  # a run of the user's own (nested, or in another store): theirs to end
+            return
+        stack = getattr(fluent, "_active_run_stack", None)
+        runs = stack.get() if stack is not None and hasattr(stack, "get") else None
+        if isinstance(runs, list) and runs and runs[-1] is active:
+            runs.pop()  # detached, the run untouched: MLflow's own end_run would mark it FINISHED mid-job
+        else:  # a future MLflow that keeps its active runs elsewhere: end, then reopen at once
+            original(*args, **kwargs)
+            mlflow.tracking.MlflowClient().update_run(run_id, status="RUNNING")
+        # mlflow.start_run() consumed this; a later fluent call must find the job's run again, not make a new one.
+        os.environ[RUN_ID] = run_id
+
+    end_run._harness_run_id = run_id  # type: ignore[attr-defined]
+    end_run.__doc__ = original.__doc__
+    # ActiveRun.__exit__ and MLflow's atexit hook call the module's global; `mlflow.end_run` is the user's name.
+    fluent.end_run = end_run
+    mlflow.end_run = end_run
+
+
+def direct_keys(run_metric_keys: list[str], ctx_keys: set[str]) -> list[str]:
+    """The metric keys in the run that were not logged through ctx.log: the user's own MLflow calls."""
+    return sorted(set(run_metric_keys) - set(ctx_keys))
+
+
+def direct_keys_warning(keys: list[str]) -> str:
+    shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    return (f"Warning: train logged {len(keys)} metric{'s' if len(keys) != 1 else ''} through MLflow directly ({shown}): "
+            "they are kept in the run but replay does not compare them (only ctx.log values are judged).")

@@ -1,0 +1,129 @@
+"""Seeds the training code sets itself: the global RNGs' seeding functions, wrapped in each rank after harness's own
+seeding, note a call made from the experiment's code (file:line, function, value) and still seed exactly as before.
+
+A study whose code seeds itself (torch.manual_seed(1337) in train) gives bit-identical members whatever
+harness's seed; this is how the study can say where.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import harness
+from harness.messages import UserSeed, UserSeeds
+
+# harness's whole package, every layer (not this module's folder): its calls are its own.
+_OWN = os.path.dirname(os.path.abspath(harness.__file__)) + os.sep
+_HARNESS = "\0"  # a frame's kind: harness's own code (no file name holds a NUL)
+_MAX_CALLS = 20  # distinct (line, function, value) kept: a seed per step in a loop is one line, said once
+
+
+@dataclass
+class Watch:
+    """The wrapped functions of one rank and the user's calls seen so far; stop() puts the originals back."""
+
+    code_dir: str
+    calls: list[UserSeed] = field(default_factory=list)
+    _restore: list[tuple[Any, str, Any]] = field(default_factory=list)
+    _kinds: dict[str, str] = field(default_factory=dict)  # co_filename -> _kind(): frames are walked per call
+
+    def message(self) -> UserSeeds | None:
+        return UserSeeds(tuple(self.calls)) if self.calls else None
+
+    def stop(self) -> None:
+        for owner, name, original in reversed(self._restore):
+            setattr(owner, name, original)
+        self._restore.clear()
+
+    def _wrap(self, owner: Any, name: str, shown: str) -> None:
+        original = getattr(owner, name, None)
+        if original is None or getattr(original, "_harness_seed_watch", None) is self:
+            return
+        watch = self
+
+        @functools.wraps(original)
+        def seeding(*args: Any, **kwargs: Any) -> Any:
+            where = watch._user_caller(sys._getframe(1))
+            if where is not None:
+                watch._note(where, shown, args, kwargs)
+            return original(*args, **kwargs)
+
+        seeding._harness_seed_watch = self  # type: ignore[attr-defined]
+        setattr(owner, name, seeding)
+        self._restore.append((owner, name, original))
+
+    def _user_caller(self, frame: Any) -> str | None:
+        """'train.py:12' of the innermost frame in the experiment's code, unless harness made the call (its own
+        seeding, a DataLoader worker's, or one wrapped function calling another: torch.manual_seed seeds CUDA too)."""
+        while frame is not None:
+            path = frame.f_code.co_filename
+            kind = self._kinds.get(path)
+            if kind is None:
+                kind = self._kinds[path] = self._kind(path)
+            if kind == _HARNESS:
+                return None
+            if kind:
+                return f"{kind}:{frame.f_lineno}"
+            frame = frame.f_back
+        return None
+
+    def _kind(self, path: str) -> str:
+        """A code file's name relative to the experiment folder, _HARNESS for harness's, "" for any other."""
+        if path.startswith("<"):  # <string>, <frozen ...>
+            return ""
+        root = os.path.realpath(self.code_dir) + os.sep
+        real = os.path.realpath(os.path.join(self.code_dir, path))  # relative: to the import's cwd, the code's
+        if real.startswith(root):
+            return os.path.relpath(real, root)
+        return _HARNESS if real.startswith(_OWN) else ""
+
+    def _note(self, where: str, function: str, args: tuple, kwargs: dict) -> None:
+        value = args[0] if args else next(iter(kwargs.values()), None)
+        call = UserSeed(where, function, _shown(value))
+        if call not in self.calls and len(self.calls) < _MAX_CALLS:
+            self.calls.append(call)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def watch(code_dir: str) -> Watch:
+    """Wrap torch's, numpy's and random's global seeding functions in this process (before the entry is imported,
+    so that `from torch import manual_seed` binds the wrapper too)."""
+    import random
+
+    import numpy
+    import torch
+
+    w = Watch(code_dir)
+    targets: list[tuple[Any, str, str]] = [
+        (torch, "manual_seed", "torch.manual_seed"),
+        (torch.random, "manual_seed", "torch.manual_seed"),  # the same function as torch.manual_seed
+        (torch.cuda, "manual_seed", "torch.cuda.manual_seed"),
+        (torch.cuda, "manual_seed_all", "torch.cuda.manual_seed_all"),
+        (numpy.random, "seed", "numpy.random.seed"),
+        (random, "seed", "random.seed"),
+    ]
+    for owner, name, shown in targets:
+        w._wrap(owner, name, shown)
+    return w
+
+
+def describe(calls: list[UserSeed] | tuple[UserSeed, ...]) -> str:
+    """'train.py:12 torch.manual_seed(1337); train.py:13 random.seed(1337)'."""
+    return "; ".join(f"{c.where} {c.function}({c.value})" for c in calls)
+
+
+def send_once(w: Watch | None, send: Callable[[Any], None] | None) -> None:
+    """Rank 0: the user's seeding calls, if any, to the launcher (one message for the whole job)."""
+    if w is None or send is None:
+        return
+    message = w.message()
+    if message is not None:
+        send(message)

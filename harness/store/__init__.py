@@ -1,0 +1,1 @@
+"""The tracking store: the only package that imports MLflow or knows its schema."""

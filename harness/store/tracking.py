@@ -1,0 +1,1090 @@
+"""The only boundary to MLflow: the store, runs, params, tags, artifacts, background metric writes."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import os
+import re
+from urllib.parse import urlsplit
+import sqlite3
+import tempfile
+import struct
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, ParamSpec, TypeVar
+
+from harness import tags as T
+from harness.errors import HarnessError
+from harness.record import seal
+from harness.records import RunRecord, RunSummary
+from harness.store.reach import (
+    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, SUPPRESS_URL, absolute_uri, artifact_path, artifact_root, database_file,
+    display_uri, env_seconds, opening, probe_store, reason_of, schema_error, store_timeout,
+)
+
+STORE_DIR = "mlruns"
+# Not MLflow's 5000: a local Docker registry (the docker executor's) usually listens there.
+UI_PORT = 5050
+_BATCH = 1000  # MLflow's per-request limit for metrics in log_batch
+_READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other
+
+
+def default_uri(cwd: Path | None = None) -> str:
+    """A SQLite store under ./mlruns (MLflow 3 no longer accepts a plain folder as a store)."""
+    root = (cwd or Path.cwd()).resolve() / STORE_DIR
+    return f"sqlite:///{root / DB_NAME}"
+
+
+def resolve_uri(uri: str | None) -> str:
+    chosen = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    try:
+        urlsplit(chosen).port  # parsed once here: a malformed one is a line, not a traceback
+    except ValueError as err:
+        # Not printed: it may hold a password.
+        raise HarnessError(f"the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI ({err}). "
+                           "Correct it, e.g. http://[::1]:5000 or sqlite:////abs/path/mlflow.db.") from None
+    return absolute_uri(chosen)
+
+
+def _open_error(shown: str, err: BaseException) -> HarnessError:
+    text = str(getattr(err, "message", None) or err)
+    found = re.search(r"out-of-date database schema \(found version ([^,\s)]+)", text)
+    if found:
+        return schema_error(shown, found.group(1))
+    if "readonly database" in text or "read-only" in text:
+        return HarnessError(
+            f"the tracking store {shown} is read-only: {reason_of(err)}. Make it writable for this user, {OTHER_STORE}."
+        )
+    return HarnessError(f"cannot open the tracking store {shown}: {reason_of(err)}. Check it, {OTHER_STORE}.")
+
+
+def is_store_error(err: BaseException) -> bool:
+    """An error raised by MLflow, SQLAlchemy or the HTTP client: a store that failed, not a harness bug."""
+    import sys
+
+    kinds: list[type] = []
+    if "mlflow" in sys.modules:
+        from mlflow.exceptions import MlflowException
+
+        kinds.append(MlflowException)
+    if "sqlalchemy" in sys.modules:
+        import sqlalchemy.exc
+
+        kinds.append(sqlalchemy.exc.SQLAlchemyError)
+    if "requests" in sys.modules:
+        import requests
+
+        kinds.append(requests.RequestException)
+    return bool(kinds) and isinstance(err, tuple(kinds))
+
+
+def store_failure(err: BaseException, uri: str) -> HarnessError:
+    return HarnessError(
+        f"the tracking store {display_uri(uri)} failed: {reason_of(err)}. Check that it is reachable (and writable for "
+        "commands that record), then rerun."
+    )
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _store_call(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A Tracker method whose store failures become one line naming the store."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(*args, **kwargs)
+        except HarnessError:
+            raise
+        except Exception as err:
+            if not is_store_error(err):
+                raise
+            raise store_failure(err, args[0].uri) from err  # type: ignore[attr-defined]
+
+    return wrapper
+
+
+def _missing(err: BaseException) -> bool:
+    """MLflow's "not found" (a run or artifact that does not exist), as opposed to a store failure."""
+    return getattr(err, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
+
+
+# Error codes that a retry cannot change: the request itself is wrong, whatever the server's state.
+_PERMANENT = frozenset({"RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_PARAMETER_VALUE",
+                        "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_STATE"})
+OUTAGE_ENV = "HARNESS_STORE_OUTAGE_S"
+DEFAULT_OUTAGE_S = 300.0
+
+
+def outage_limit() -> float:
+    """Seconds a running job's writes wait for a store that went away: $HARNESS_STORE_OUTAGE_S, else 300."""
+    return env_seconds(OUTAGE_ENV, DEFAULT_OUTAGE_S, allow_zero=True)
+
+
+# A store that cannot take writes is not away: waiting cannot free its disk or make it writable.
+_UNWRITABLE_TEXT = (("database or disk is full", "is full"), ("no space left on device", "is full"),
+                    ("disk quota exceeded", "is full"), ("readonly database", "is read-only"),
+                    ("read-only file system", "is read-only"))
+_UNWRITABLE_ERRNO = {errno.ENOSPC: "is full", errno.EDQUOT: "is full", errno.EROFS: "is read-only"}
+
+
+def unwritable(err: BaseException | None) -> str | None:
+    """"is full" or "is read-only" when `err` (or what caused it) says the store's disk cannot take writes: sqlite's
+    "database or disk is full" / "attempt to write a readonly database", or ENOSPC / EROFS from an artifact write.
+    None for any other failure."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _UNWRITABLE_ERRNO:
+            return _UNWRITABLE_ERRNO[err.errno]
+        text = str(getattr(err, "message", None) or err).lower()
+        for needle, what in _UNWRITABLE_TEXT:
+            if needle in text:
+                return what
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def transient(err: BaseException | None) -> bool:
+    """A store failure that may pass (server restarting, connection refused, 5xx), not a wrong request, nor a disk
+    that is full or read-only (unwritable)."""
+    if unwritable(err):
+        return False
+    while err is not None:
+        if is_store_error(err):
+            return getattr(err, "error_code", None) not in _PERMANENT
+        err = err.__cause__
+    return False
+
+
+class Outages:
+    """One job's write failures while the store was away: counted, timed, and recorded with the run.
+
+    Every background writer (metrics, heartbeat, checkpoint uploads) and the end-of-run writes report here.
+    """
+
+    def __init__(self, limit_s: float | None = None) -> None:
+        self.limit_s = outage_limit() if limit_s is None else limit_s
+        self.failures = 0
+        self.spooled = 0  # most metrics held back at once
+        self.longest_s = 0.0
+        self._since: float | None = None
+        self._deadline: float | None = None
+        self._lock = threading.Lock()
+
+    def closing(self) -> None:
+        """The run is being closed: from now on every write shares one deadline, limit_s from now (not
+        limit_s each, which would multiply the wait by the number of writes left)."""
+        self._deadline = time.monotonic() + self.limit_s
+
+    def deadline(self) -> float:
+        """Until when a write that starts now may be retried."""
+        return self._deadline if self._deadline is not None else time.monotonic() + self.limit_s
+
+    def failed(self, spooled: int = 0) -> None:
+        with self._lock:
+            self.failures += 1
+            self.spooled = max(self.spooled, spooled)
+            if self._since is None:
+                self._since = time.monotonic()
+
+    def answered(self) -> None:
+        with self._lock:
+            if self._since is not None:
+                self.longest_s = max(self.longest_s, time.monotonic() - self._since)
+                self._since = None
+
+    def retry(self, call: Callable[[], _R]) -> _R:
+        """call() until it succeeds, retrying transient store failures for up to limit_s seconds."""
+        deadline = self.deadline()
+        while True:
+            try:
+                result = call()
+            except Exception as err:
+                if not transient(err) or time.monotonic() >= deadline:
+                    raise
+                self.failed()
+                time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
+                continue
+            self.answered()
+            return result
+
+    def tags(self) -> dict[str, str]:
+        """The outage as the run records it; nothing when every write went through at once."""
+        self.answered()
+        if not self.failures:
+            return {}
+        return {T.STORE_WRITE_FAILURES: str(self.failures), T.STORE_METRICS_SPOOLED: str(self.spooled),
+                T.STORE_LONGEST_OUTAGE_S: f"{self.longest_s:.1f}"}
+
+
+class Patient:
+    """A Tracker whose every call retries through store outages (Outages.retry): for a job's end-of-run writes."""
+
+    def __init__(self, tracker: "Tracker", outages: Outages) -> None:
+        self._tracker = tracker
+        self._outages = outages
+        self.uri = tracker.uri
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._tracker, name)
+        if not callable(method):
+            return method
+
+        def patiently(*args: Any, **kwargs: Any) -> Any:
+            return self._outages.retry(lambda: method(*args, **kwargs))
+
+        return patiently
+
+
+def import_complete(run: RunSummary) -> bool:
+    """An imported run whose import wrote everything: its last write set IMPORT_STATE complete (an import from
+    before that tag ended the run last, so an ended run without the tag is complete too)."""
+    state = run.tags.get(T.IMPORT_STATE)
+    return state == T.IMPORT_COMPLETE or (state is None and run.status != T.RUNNING)
+
+
+def _summary(run: Any, experiment: str) -> RunSummary:
+    return RunSummary(
+        run_id=run.info.run_id,
+        experiment=experiment,
+        experiment_id=run.info.experiment_id,
+        run_name=run.info.run_name,
+        status=run.info.status,
+        start_time=run.info.start_time,
+        end_time=run.info.end_time,
+        tags=dict(run.data.tags),
+        params=dict(run.data.params),
+        metric_keys=sorted(run.data.metrics),
+        artifact_uri=run.info.artifact_uri,
+    )
+
+
+# --- reading a local store without MLflow ---------------------------------------------------------
+# `harness runs`, `compare` and `ui` only read. Importing MLflow (~3 s here) and opening its store
+# (~2 s: SQLAlchemy, the schema check) cost far more than the queries. A local SQLite store whose
+# schema is the one this MLflow writes is read here with the standard library instead, read-only;
+# any other store, or one this reader does not recognise, goes through MLflow as before.
+_MIGRATIONS = ("store", "db_migrations", "versions")
+_REVISION = re.compile(r"^(down_)?revision\s*(?::[^=]*)?=\s*(.+)$", re.MULTILINE)
+# The filters harness's own queries use: one tag equal to a value, or present at all (LIKE '%').
+_TAG_FILTER = re.compile(r"tags\.`([^`]+)` (=|LIKE) '([^'%]*|%)'")
+
+
+@functools.lru_cache(maxsize=1)
+def mlflow_schema_revisions() -> tuple[str | None, frozenset[str]]:
+    """The newest database revision of the installed MLflow and every revision it can migrate from, read
+    from its migration scripts without importing it; (None, ...) when they are not where MLflow 3 keeps
+    them (then MLflow itself opens the store)."""
+    folder = _mlflow_file(*_MIGRATIONS)
+    if folder is None:
+        return None, frozenset()
+    revisions: set[str] = set()
+    parents: set[str] = set()
+    try:
+        for script in folder.glob("*.py"):
+            for down, value in _REVISION.findall(script.read_text(encoding="utf-8")):
+                named = set(re.findall(r"[\"']([0-9A-Za-z_]+)[\"']", value))
+                (parents if down else revisions).update(named)
+    except OSError:
+        return None, frozenset()
+    heads = revisions - parents
+    return (heads.pop() if len(heads) == 1 else None), frozenset(revisions)
+
+
+def mlflow_schema_head() -> str | None:
+    return mlflow_schema_revisions()[0]
+
+
+class SqliteReader:
+    """Read-only queries on a current local SQLite store: the same answers as MLflow's client for what
+    harness reads (runs, tags, params, metric history, local artifacts)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    @classmethod
+    def open(cls, uri: str) -> "SqliteReader | None":
+        """A reader for `uri`, or None when MLflow must open it (not a local SQLite file, a schema of
+        another revision - MLflow names that -, workspaces enabled, or anything unexpected)."""
+        path = database_file(uri)
+        if path is None or not path.is_file() or path.stat().st_size == 0:
+            return None
+        if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("true", "1"):
+            return None
+        head = mlflow_schema_head()
+        if head is None:
+            return None
+        try:
+            # mode=ro: nothing is written, not even a journal, so a read-only store reads too.
+            db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=_READ_TIMEOUT_S,
+                                 check_same_thread=False)
+            found = db.execute("SELECT version_num FROM alembic_version").fetchall()
+        except sqlite3.Error:
+            return None
+        if found != [(head,)]:
+            db.close()
+            if len(found) == 1 and isinstance(found[0][0], str):
+                # What MLflow would refuse the store for, said without importing it (~3 s).
+                raise schema_error(display_uri(uri), found[0][0], known=found[0][0] in mlflow_schema_revisions()[1])
+            return None
+        return cls(db)
+
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._db.execute(sql, args).fetchall()
+
+    def experiment(self, name: str) -> tuple[str, str] | None:
+        """(id, name) of the experiment called `name`, deleted or not (as get_experiment_by_name)."""
+        found = self._rows("SELECT experiment_id, name FROM experiments WHERE name = ?", (name,))
+        return (str(found[0][0]), found[0][1]) if found else None
+
+    def experiments(self) -> dict[str, str]:
+        """id -> name of the active experiments (as search_experiments())."""
+        return {str(i): n for i, n in self._rows("SELECT experiment_id, name FROM experiments "
+                                                 "WHERE lifecycle_stage = 'active' ORDER BY experiment_id")}
+
+    def experiment_tags(self, experiment_id: str) -> dict[str, str]:
+        return dict(self._rows("SELECT key, value FROM experiment_tags WHERE experiment_id = ?", (experiment_id,)))
+
+    def search(self, names: dict[str, str], filter_string: str, max_results: int) -> list[RunSummary] | None:
+        """Active runs of the experiments `names`, newest first (MLflow's order: start time, then id);
+        None for a filter this reader does not handle."""
+        where = ["r.lifecycle_stage = 'active'", f"r.experiment_id IN ({','.join('?' * len(names))})"]
+        args: list[Any] = [int(i) for i in names]
+        if filter_string:
+            match = _TAG_FILTER.fullmatch(filter_string.strip())
+            if match is None:
+                return None
+            key, op, value = match.groups()
+            if op == "LIKE" and value != "%":
+                return None
+            where.append("EXISTS (SELECT 1 FROM tags t WHERE t.run_uuid = r.run_uuid AND t.key = ?"
+                         + (" AND t.value = ?)" if op == "=" else ")"))
+            args += [key, value] if op == "=" else [key]
+        ids = [row[0] for row in self._rows(
+            f"SELECT r.run_uuid FROM runs r WHERE {' AND '.join(where)} "
+            "ORDER BY r.start_time IS NULL, r.start_time DESC, r.run_uuid LIMIT ?", (*args, max_results))]
+        return [self.run(i, names) for i in ids]  # type: ignore[misc]
+
+    def run(self, run_id: str, names: dict[str, str] | None = None) -> RunSummary | None:
+        found = self._rows("SELECT r.run_uuid, r.experiment_id, r.name, r.status, r.start_time, r.end_time, "
+                           "r.artifact_uri, e.name FROM runs r JOIN experiments e ON e.experiment_id = r.experiment_id "
+                           "WHERE r.run_uuid = ?", (run_id,))
+        if not found:
+            return None
+        uuid, exp_id, name, status, start, end, artifact_uri, exp_name = found[0]
+        return RunSummary(
+            run_id=uuid, experiment=exp_name, experiment_id=str(exp_id), run_name=name, status=status,
+            start_time=start, end_time=end,
+            tags=dict(self._rows("SELECT key, value FROM tags WHERE run_uuid = ?", (uuid,))),
+            params=dict(self._rows("SELECT key, value FROM params WHERE run_uuid = ?", (uuid,))),
+            metric_keys=sorted(k for (k,) in self._rows("SELECT key FROM latest_metrics WHERE run_uuid = ?", (uuid,))),
+            artifact_uri=artifact_uri,
+        )
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[float, int, int]]:
+        """(value, timestamp, step) of every write, NaN restored as MLflow does."""
+        return [(float("nan") if is_nan else value, ts, step) for value, ts, step, is_nan in self._rows(
+            "SELECT value, timestamp, step, is_nan FROM metrics WHERE run_uuid = ? AND key = ? "
+            "ORDER BY timestamp, step", (run_id, key))]
+
+    def latest_metrics(self, run_id: str) -> dict[str, float]:
+        """The value MLflow shows as each metric's latest (its latest_metrics table), NaN restored."""
+        return {key: float("nan") if is_nan else value for key, value, is_nan in self._rows(
+            "SELECT key, value, is_nan FROM latest_metrics WHERE run_uuid = ?", (run_id,))}
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class Tracker:
+    """An MLflow client bound to one tracking store, reached (or refused) before it is used.
+
+    `writable`: the command records (run, replay, resume, audit); False for commands that only read.
+    """
+
+    def __init__(self, uri: str | None = None, *, writable: bool = True, must_exist: bool = True) -> None:
+        self.uri = resolve_uri(uri)
+        self.display_uri = display_uri(self.uri)
+        # Before MLflow is imported: a dead store is reported in milliseconds, not after MLflow's retries.
+        # A reader (writable=False) of a local store that does not exist is refused unless must_exist=False (the UI).
+        self._client_uri = probe_store(self.uri, writable, store_timeout(), must_exist)
+        self._client: Any = None
+        # A command that only reads a current local store reads it directly; MLflow opens only if a
+        # write, or a query the reader does not handle, needs it (see SqliteReader).
+        self._reader = None if writable else SqliteReader.open(self.uri)
+        if self._reader is None:
+            self._open()
+
+    @property
+    def client_uri(self) -> str:
+        """The URI MLflow opens this store with (the probe's deadlines added): what the ranks' own MLflow calls use."""
+        return self._client_uri
+
+    @property
+    def client(self) -> Any:
+        """MLflow's client on this store, opened on first use."""
+        if self._client is None:
+            self._open()
+        return self._client
+
+    def _open(self) -> None:
+        for name, value in MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        # MLflow prints `View run NAME at: URL` when a run on a server ends, the URL with the server's
+        # user:password in it: forced off, not defaulted (the shell's setting must not print the password).
+        os.environ[SUPPRESS_URL] = "true"
+        from mlflow.tracking import MlflowClient
+
+        # MLflow's store migrations log at INFO on first use; the CLI's stderr is for the user.
+        # (After the import: importing mlflow resets its logger's level.)
+        for name in ("mlflow", "alembic", "sqlalchemy"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # MLflow logs every failed SQL session with its traceback and statement (a full disk: thousands of
+        # lines); harness reports each store failure itself, in one line.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+        try:
+            # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
+            with opening(self.uri):
+                client = MlflowClient(tracking_uri=self._client_uri)
+                client.search_experiments(max_results=1)
+        except Exception as err:
+            if not is_store_error(err):
+                raise
+            raise _open_error(self.display_uri, err) from err
+        self._client = client
+
+    def _local_artifact(self, run_id: str, artifact_file: str) -> Path | None:
+        """The artifact's file on this machine when the reader serves this store and the artifacts are
+        local; None when MLflow must fetch it. A missing file is a Path that does not exist."""
+        if self._reader is None:
+            return None
+        run = self._reader.run(run_id)
+        root = artifact_path(run.artifact_uri) if run and run.artifact_uri else None
+        if root is None:
+            return None
+        local = root / artifact_file
+        return None if local.is_dir() else local
+
+    # -- writing ---------------------------------------------------------------------------------
+    @_store_call
+    def experiment_id(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        from harness.store import ui
+
+        root = artifact_root(self.uri)
+        location = Path(root, name).as_uri() if root else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location, tags=ui.experiment_tags())
+        except Exception:
+            exp = self.client.get_experiment_by_name(name)  # created concurrently
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    @_store_call
+    def set_ui_view(self, experiment_id: str) -> None:
+        """(Re)write the experiment's UI view (experiments made before it existed, or by another version)."""
+        from harness.store import ui
+
+        wanted = ui.experiment_tags()
+        if self._reader is not None and self._reader.experiment_tags(experiment_id).items() >= wanted.items():
+            return  # already this view: nothing to write, and no MLflow to open for it
+        for key, value in wanted.items():
+            self.client.set_experiment_tag(experiment_id, key, value)
+
+    @_store_call
+    def create_run(self, experiment: str, tags: dict[str, str], run_name: str | None = None) -> str:
+        from datetime import datetime, timezone
+
+        started = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        tags = {T.STARTED: started, **tags}
+        run = self.client.create_run(self.experiment_id(experiment), tags=tags, run_name=run_name)
+        return run.info.run_id
+
+    @_store_call
+    def log_params(self, run_id: str, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+
+    @_store_call
+    def set_tags(self, run_id: str, values: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        if values:
+            self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:8000]) for k, v in values.items()])
+
+    @_store_call
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    @_store_call
+    def log_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
+        """Store `data` exactly (log_text would encode a str and is for text only)."""
+        artifact = Path(artifact_file)
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp, artifact.name)
+            local.write_bytes(data)
+            parent = artifact.parent.as_posix()
+            self.client.log_artifact(run_id, str(local), None if parent == "." else parent)
+
+    @_store_call
+    def log_dir(self, run_id: str, local_dir: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(run_id, str(local_dir), artifact_path)
+
+    @_store_call
+    def log_file(self, run_id: str, local_file: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(local_file), artifact_path)
+
+    @_store_call
+    def log_data_inputs(self, run_id: str, datasets: list[tuple[str, str, str]]) -> None:
+        """(name, sha256, path) per declared data entry, as MLflow dataset inputs (the UI's Datasets column).
+
+        Only name, digest and source are given: nothing is loaded. MLflow's digest column holds 36
+        characters, so it gets the first 32 hex digits; the full sha256 is in harness's own manifest.
+        """
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        inputs = [
+            DatasetInput(
+                Dataset(name=name, digest=digest[:32], source_type="local", source=json.dumps({"uri": Path(path).as_uri()})),
+                tags=[InputTag(MLFLOW_DATASET_CONTEXT, "training")],
+            )
+            for name, digest, path in datasets
+        ]
+        if inputs:
+            self.client.log_inputs(run_id, datasets=inputs)
+
+    @_store_call
+    def dataset_inputs(self, run_id: str) -> list[tuple[str, str, str]]:
+        """(name, digest, source) of the run's MLflow dataset inputs."""
+        run = self.client.get_run(run_id)
+        return [(d.dataset.name, d.dataset.digest, d.dataset.source) for d in run.inputs.dataset_inputs]
+
+    @_store_call
+    def reopen(self, run_id: str) -> None:
+        """Mark an ended run RUNNING again (a resume continues it): the failure it ended with is no longer its state."""
+        self.client.update_run(run_id, status=T.RUNNING)
+        tags = self.client.get_run(run_id).data.tags
+        for stale in (T.FAILED_RANK, T.STATUS_REASON):
+            if stale in tags:
+                self.client.delete_tag(run_id, stale)
+
+    @_store_call
+    def end_run(self, run_id: str, status: str) -> None:
+        """Close the run and seal its record: every run harness closes goes through here (or end_run_at)."""
+        seal.seal(self, run_id, status)  # sealed first: a kill in between leaves it RUNNING, never closed unsealed
+        self.client.set_terminated(run_id, status)
+
+    # -- copying a run whole (harness export / import) ------------------------------------------
+    @_store_call
+    def create_run_at(
+        self, experiment: str, tags: dict[str, str], run_name: str | None, start_time: int | None
+    ) -> str:
+        """A new run that keeps another run's start time (ms since the epoch)."""
+        run = self.client.create_run(
+            self.experiment_id(experiment), start_time=start_time, tags=tags, run_name=run_name
+        )
+        return run.info.run_id
+
+    @_store_call
+    def log_metric_entries(self, run_id: str, entries: list[tuple[str, float, int, int]]) -> None:
+        """(key, value, timestamp ms, step) exactly as given, in MLflow's batches."""
+        from mlflow.entities import Metric
+
+        for start in range(0, len(entries), _BATCH):
+            batch = [Metric(k, v, ts, step) for k, v, ts, step in entries[start:start + _BATCH]]
+            self.client.log_batch(run_id, metrics=batch, synchronous=True)
+
+    @_store_call
+    def log_params_exact(self, run_id: str, params: dict[str, str]) -> None:
+        """Params as another run stored them (already within MLflow's limits), 100 per request."""
+        from mlflow.entities import Param
+
+        items = list(params.items())
+        for start in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=[Param(k, v) for k, v in items[start:start + 100]])
+
+    @_store_call
+    def set_tags_exact(self, run_id: str, values: dict[str, str]) -> None:
+        """Tags as another run stored them, 100 per request."""
+        from mlflow.entities import RunTag
+
+        items = list(values.items())
+        for start in range(0, len(items), 100):
+            self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in items[start:start + 100]])
+
+    @_store_call
+    def end_run_at(self, run_id: str, status: str, end_time: int | None) -> None:
+        """End a run with another run's status and end time (ms); a RUNNING one stays open."""
+        if status != T.RUNNING:
+            seal.seal(self, run_id, status)
+            self.client.set_terminated(run_id, status, end_time)
+
+    @_store_call
+    def delete_run(self, run_id: str) -> None:
+        self.client.delete_run(run_id)
+
+    @_store_call
+    def metric_entries(self, run_id: str, key: str) -> list[tuple[float, int, int]]:
+        """Every write of one metric as MLflow holds it: (value, timestamp ms, step), repeats included."""
+        if self._reader is not None:
+            return self._reader.metric_history(run_id, key)
+        return [(m.value, m.timestamp, m.step) for m in self.client.get_metric_history(run_id, key)]
+
+    @_store_call
+    def latest_metrics(self, run_id: str) -> dict[str, float]:
+        """Each metric's value as the MLflow UI shows it (its latest), key -> value."""
+        if self._reader is not None:
+            return self._reader.latest_metrics(run_id)
+        return dict(self.client.get_run(run_id).data.metrics)
+
+    @_store_call
+    def artifact_files(self, run_id: str, path: str | None = None) -> list[tuple[str, int | None]]:
+        """(path, size) of every artifact file of the run, recursively."""
+        files: list[tuple[str, int | None]] = []
+        for info in self.client.list_artifacts(run_id, path):
+            if info.is_dir:
+                files.extend(self.artifact_files(run_id, info.path))
+            else:
+                files.append((info.path, info.file_size))
+        return files
+
+    @_store_call
+    def download(self, run_id: str, artifact_file: str, dest_dir: Path) -> Path | None:
+        """The artifact file or folder copied into `dest_dir` (created) under its own name; None if there is none."""
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return Path(self.client.download_artifacts(run_id, artifact_file, str(dest_dir)))
+        except Exception as err:
+            if _missing(err) or isinstance(err, FileNotFoundError):
+                return None
+            raise
+
+    @_store_call
+    def children(self, run_id: str) -> list[RunSummary]:
+        """Runs nested under `run_id` (its replays and audits), in any experiment."""
+        return self.search(filter_string=f"tags.`{T.MLFLOW_PARENT_RUN_ID}` = '{run_id}'", max_results=1000)
+
+    @_store_call
+    def imported(self, original_id: str) -> RunSummary | None:
+        """The run an earlier, complete `harness import` made of `original_id`, if any."""
+        return next((r for r in self.imports_of(original_id) if import_complete(r)), None)
+
+    def imports_of(self, original_id: str) -> list[RunSummary]:
+        """Every run an import made of `original_id`, complete or not (a killed import leaves a half one)."""
+        return self.search(filter_string=f"tags.`{T.IMPORTED_FROM}` = '{original_id}'", max_results=1000)
+
+    def local_artifact_dir(self, run_id: str) -> Path | None:
+        """The run's artifact folder on this machine; None when a server holds the artifacts (record.checkpoints)."""
+        return artifact_path(self.get_run(run_id).artifact_uri)
+
+    @_store_call
+    def list_artifacts(self, run_id: str, path: str) -> list[tuple[str, bool]]:
+        """(path, is_dir) of the artifacts directly under `path` ([] when there is none)."""
+        try:
+            return [(f.path, f.is_dir) for f in self.client.list_artifacts(run_id, path)]
+        except Exception as err:
+            if _missing(err) or isinstance(err, FileNotFoundError):
+                return []
+            raise
+
+
+    def metric_writer(self, run_id: str, flush_interval_s: float, outages: Outages | None = None) -> "MetricWriter":
+        return MetricWriter(self, run_id, flush_interval_s, outages)
+
+    def heartbeat(self, run_id: str, interval_s: float, outages: Outages | None = None) -> "Heartbeat":
+        return Heartbeat(self, run_id, interval_s, outages)
+
+    # -- reading ---------------------------------------------------------------------------------
+    @_store_call
+    def get_run(self, run_id: str) -> RunSummary:
+        if self._reader is not None:
+            found = self._reader.run(run_id)
+            if found is None:
+                raise self._no_run(run_id)
+            return found
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as err:
+            # Only "not found" or a malformed id mean there is no such run; anything else is the store failing.
+            if not (_missing(err) or err.error_code == "INVALID_PARAMETER_VALUE"):
+                raise
+            raise self._no_run(run_id) from None
+        return _summary(run, self.client.get_experiment(run.info.experiment_id).name)
+
+    def _no_run(self, run_id: str) -> HarnessError:
+        return HarnessError(
+            f"no run '{run_id}' in the tracking store {self.display_uri}. "
+            "List runs with `harness runs`, or pass --tracking-uri for another store."
+        )
+
+    def harness_run(self, run_id: str) -> RunSummary:
+        """get_run, refusing runs that harness did not make (they lack what a replay needs)."""
+        run = self.get_run(run_id)
+        if T.VERSION not in run.tags:
+            raise HarnessError(
+                f"run '{run_id}' was not made by harness (no {T.VERSION} tag); only `harness run` records "
+                "what a replay needs."
+            )
+        return run
+
+    def read_text(self, run_id: str, artifact_file: str) -> str | None:
+        """A text artifact harness wrote itself (UTF-8); None if the run has no such artifact."""
+        data = self.read_bytes(run_id, artifact_file)
+        return None if data is None else data.decode("utf-8")
+
+    @_store_call
+    def read_bytes(self, run_id: str, artifact_file: str) -> bytes | None:
+        """The artifact's exact bytes, None if the run has no such artifact (a store failure raises)."""
+        local = self._local_artifact(run_id, artifact_file)
+        if local is not None:
+            try:
+                return local.read_bytes()
+            except FileNotFoundError:
+                return None
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self.client.download_artifacts(run_id, artifact_file, tmp)
+            except Exception as err:
+                if _missing(err) or isinstance(err, FileNotFoundError):
+                    return None
+                raise
+            return Path(local).read_bytes()
+
+    @_store_call
+    def metric_history(self, run_id: str, key: str) -> tuple[list[int], list[float]]:
+        """All values of one metric, by step (last write wins for a repeated step)."""
+        by_step: dict[int, tuple[int, float]] = {}
+        for value, timestamp, step in self.metric_entries(run_id, key):
+            prev = by_step.get(step)
+            if prev is None or timestamp >= prev[0]:
+                by_step[step] = (timestamp, value)
+        steps = sorted(by_step)
+        return steps, [by_step[s][1] for s in steps]
+
+    @_store_call
+    def load_record(self, run_id: str) -> RunRecord:
+        """Everything the comparison needs about one harness run."""
+        import numpy as np
+        from omegaconf import OmegaConf
+
+        run = self.harness_run(run_id)
+        exact = True
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self._local_artifact(run_id, T.ARTIFACT_SERIES) or Path(
+                    self.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp))
+                metrics = load_series(local)
+            except Exception as err:  # a run cut off before its series was written: MLflow's history
+                if is_store_error(err) and not _missing(err):
+                    raise
+                # ...which holds +-inf clamped to +-DBL_MAX: the comparison must not call such values identical.
+                exact = not run.metric_keys
+                metrics = {}
+                for key in run.metric_keys:
+                    steps, values = self.metric_history(run_id, key)
+                    metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
+        fp = json.loads(self.read_text(run_id, T.ARTIFACT_FINGERPRINTS) or "{}")
+        config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
+        data_text = self.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)
+        tensors_text = self.read_text(run_id, T.ARTIFACT_CHECKPOINT_FINGERPRINTS) if fp.get("checkpoints") else None
+        return RunRecord(
+            run_id=run_id,
+            experiment=run.experiment,
+            status=run.status,
+            facts={k: v for k, v in run.tags.items() if k.startswith(T.PREFIX)},
+            lock=(self.read_text(run_id, T.ARTIFACT_LOCK) or "").splitlines(),
+            metrics=metrics,
+            fingerprints={int(k): v for k, v in fp.get("steps", {}).items()},
+            final_fingerprint=fp.get("final"),
+            checkpoints={int(k): v for k, v in fp.get("checkpoints", {}).items()},
+            steps_total=fp.get("steps_total"),
+            metrics_exact=exact,
+            data=json.loads(data_text) if data_text is not None else None,
+            checkpoint_tensors=(None if tensors_text is None else
+                                {int(k): v for k, v in json.loads(tensors_text).get("steps", {}).items()}),
+            config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
+        )
+
+    @_store_call
+    def _experiment(self, name: str) -> tuple[str, str]:
+        """(id, name) of an existing experiment."""
+        if self._reader is not None:
+            found = self._reader.experiment(name)
+        else:
+            exp = self.client.get_experiment_by_name(name)
+            found = None if exp is None else (exp.experiment_id, exp.name)
+        if found is None:
+            raise HarnessError(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
+        return found
+
+    @_store_call
+    def experiment_id_of(self, name: str) -> str:
+        """The id of an existing experiment (refused with one line if there is none)."""
+        return self._experiment(name)[0]
+
+    @_store_call
+    def search(
+        self, experiment: str | None = None, max_results: int = 50, filter_string: str = ""
+    ) -> list[RunSummary]:
+        if experiment:
+            names = dict([self._experiment(experiment)])
+        elif self._reader is not None:
+            names = self._reader.experiments()
+        else:
+            names = {e.experiment_id: e.name for e in self.client.search_experiments()}
+        if not names:
+            return []
+        if self._reader is not None:
+            found = self._reader.search(names, filter_string, max_results)
+            if found is not None:
+                return found
+        runs = self.client.search_runs(
+            list(names), filter_string=filter_string, max_results=max_results, order_by=["attributes.start_time DESC"]
+        )
+        return [_summary(r, names[r.info.experiment_id]) for r in runs]
+
+    def ui_hint(self, run: str | RunSummary) -> str:
+        summary = run if isinstance(run, RunSummary) else self.get_run(run)
+        if server_url(self.uri):  # a tracking server is its own UI
+            return f"Open it in the MLflow UI: {run_url(self.uri, summary.experiment_id, summary.run_id)}"
+        store = "" if self.uri == default_uri() else f" --tracking-uri {self.uri}"
+        return (
+            f"Open it in the MLflow UI: harness ui{store}, then "
+            f"http://127.0.0.1:{UI_PORT}/#/experiments/{summary.experiment_id}/runs/{summary.run_id}"
+        )
+
+
+def save_series(series: dict[str, dict[int, float]], path: Path) -> None:
+    """Metric series as exact int64 steps / float64 values in one .npz."""
+    import numpy as np
+
+    arrays: dict[str, Any] = {"keys": np.array(json.dumps(sorted(series)))}
+    for i, key in enumerate(sorted(series)):
+        steps = sorted(series[key])
+        arrays[f"steps_{i}"] = np.array(steps, dtype=np.int64)
+        arrays[f"values_{i}"] = np.array([series[key][s] for s in steps], dtype=np.float64)
+    np.savez_compressed(path, **arrays)
+
+
+def load_series(path: Path) -> dict[str, tuple[Any, Any]]:
+    import numpy as np
+
+    with np.load(path) as data:
+        keys = json.loads(str(data["keys"]))
+        return {k: (data[f"steps_{i}"], data[f"values_{i}"]) for i, k in enumerate(keys)}
+
+
+class MetricWriter:
+    """Buffers metrics and writes them with log_batch from a background thread.
+
+    A per-call log_metric costs a store round trip (~11 ms on SQLite); the training loop
+    must never pay that, so add() only appends to a deque.
+    """
+
+    def __init__(self, tracker: Tracker, run_id: str, flush_interval_s: float, outages: Outages | None = None) -> None:
+        self._tracker = tracker
+        self._run_id = run_id
+        self._interval = flush_interval_s
+        # A store that went away: the values wait here, in memory (see Outages and README "Outages").
+        self._outages = outages or Outages()
+        self._pending: deque[tuple[str, float, int, int]] = deque()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one flush at a time
+        self.written = 0
+        self.error: Exception | None = None
+        # Every value as logged, for series.npz: reading 100k steps back through MLflow's
+        # metric history takes seconds per metric, the comparison needs them in milliseconds.
+        self.series: dict[str, dict[int, float]] = {}
+        self._known: dict[str, dict[int, float]] = {}
+        # A resume that logs another value at a step the run already holds is not the run's continuation.
+        self.conflict: tuple[str, int, float, float] | None = None  # the first (key, step, recorded, now)
+        self._thread = threading.Thread(target=self._loop, name="harness-metrics", daemon=True)
+        self._thread.start()
+
+    def prime(self, metrics: dict[str, tuple[Any, Any]]) -> None:
+        """Values already in the run (a resume): logged again bit-identically, they are not rewritten."""
+        self._known = {key: dict(zip(steps.tolist(), values.tolist())) for key, (steps, values) in metrics.items()}
+        self.series = {key: dict(known) for key, known in self._known.items()}
+
+    def add(self, step: int, values: dict[str, float], timestamp_ms: int) -> None:
+        for key, value in values.items():
+            known = self._known.get(key, {}).get(step)
+            self.series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
+            if known is not None:
+                if struct.pack("<d", known) == struct.pack("<d", value):
+                    continue
+                self.conflict = self.conflict or (key, step, known, value)
+            self._pending.append((key, value, timestamp_ms, step))
+
+    def add_batch(self, batch: Any) -> None:
+        """Every point of a messages.MetricsBatch, in its order: as add() per point, in one pass."""
+        series, known_all, pending = self.series, self._known, self._pending
+        for key, step, value, unix_ms in batch.points():
+            series.setdefault(key, {})[step] = value  # last write wins, as in MLflow
+            known = known_all.get(key)
+            if known is not None:
+                old = known.get(step)
+                if old is not None:
+                    if struct.pack("<d", old) == struct.pack("<d", value):
+                        continue
+                    self.conflict = self.conflict or (key, step, old, value)
+            pending.append((key, value, unix_ms, step))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            if unwritable(self.error):  # a full or read-only store: the values stay in series for the close
+                return
+            self.flush()
+
+    def flush(self) -> None:
+        from mlflow.entities import Metric
+
+        with self._lock:
+            while self._pending:
+                batch = []
+                while self._pending and len(batch) < _BATCH:
+                    key, value, ts, step = self._pending.popleft()
+                    batch.append(Metric(key, value, ts, step))
+                try:
+                    self._tracker.client.log_batch(self._run_id, metrics=batch, synchronous=True)
+                    self.written += len(batch)
+                    self.error = None
+                    self._outages.answered()
+                except Exception as err:  # keep the data; retried at the next flush
+                    self.error = err
+                    self._pending.extendleft(
+                        reversed([(m.key, m.value, m.timestamp, m.step) for m in batch])
+                    )
+                    self._outages.failed(spooled=len(self._pending))
+                    return
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Stop the thread and write everything still buffered, waiting up to the outage limit for a store
+        that is away (also after a failure)."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+        deadline = self._outages.deadline()
+        self.flush()
+        while self._pending and transient(self.error) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            self.flush()
+        if self._pending and self.error is not None:
+            raise HarnessError(
+                f"could not write {len(self._pending)} metrics to the tracking store "
+                f"{display_uri(self._tracker.uri)}: {reason_of(self.error)}. Check that it is reachable and writable."
+            ) from self.error
+
+
+def server_url(uri: str) -> str | None:
+    """The web address of an http(s) tracking store, without credentials; None for a local or database store."""
+    shown = display_uri(uri)
+    return shown.rstrip("/") if shown.split("://", 1)[0].lower() in ("http", "https") else None
+
+
+def run_url(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """A server store's page for an experiment's runs, or for one run."""
+    page = f"{server_url(uri)}/#/experiments/{experiment_id}"
+    return f"{page}/runs/{run_id}" if run_id else f"{page}/runs"
+
+
+def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """MLflow's UI server on this store, as an argument list and its environment.
+
+    What `mlflow server --workers 1` runs, started directly: that command imports MLflow (~3 s here)
+    only to start uvicorn, which imports it again; by default it also runs 4 workers and a job runner
+    with 7 consumers. The UI is for one reader: one uvicorn process, no job runner, started with the
+    environment `mlflow server` gives it (MLflow 3's server reads its settings from these variables).
+    """
+    import sys
+
+    root = artifact_root(uri)
+    cmd = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", "1"]
+    log_config = _mlflow_file("server", "uvicorn_log_config.yaml")
+    if log_config is not None:
+        cmd += ["--log-config", str(log_config)]
+    cmd.append("mlflow.server.fastapi_app:app")
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_SERVER_X_FRAME_OPTIONS": "SAMEORIGIN",
+        "MLFLOW_ENABLE_WORKSPACES": "false",
+        "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_REGISTRY_URI": uri,
+        "MLFLOW_SERVER_SECRETS_CACHE_TTL": "60",
+        "MLFLOW_SERVER_SECRETS_CACHE_MAX_SIZE": "1000",
+        "_MLFLOW_SERVER_FILE_STORE": uri,
+        "_MLFLOW_SERVER_REGISTRY_STORE": uri,
+        "_MLFLOW_SERVER_SERVE_ARTIFACTS": "true",
+        "_MLFLOW_SERVER_ARTIFACT_DESTINATION": "./mlartifacts",
+        "_MLFLOW_SERVER_BOOT_ID": os.urandom(16).hex(),
+        "_MLFLOW_IN_JOB_EXECUTOR": "false",
+        "_MLFLOW_SGI_NAME": "uvicorn",
+    }
+    if root:
+        env["_MLFLOW_SERVER_ARTIFACT_ROOT"] = Path(root).as_uri()
+    return cmd, env
+
+
+def _mlflow_file(*parts: str) -> Path | None:
+    """A file shipped inside the installed MLflow package, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlflow")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0], *parts)
+    return path if path.exists() else None
+
+
+class Heartbeat:
+    """Marks a run alive (tag HEARTBEAT = unix seconds) every `interval_s` from a background thread.
+
+    A RUNNING run whose launcher was SIGKILLed cannot mark itself ended; its heartbeat going stale is
+    how `harness runs` and `harness mark` tell it from a live one.
+    """
+
+    def __init__(self, tracker: Tracker, run_id: str, interval_s: float, outages: Outages | None = None) -> None:
+        self._tracker = tracker
+        self._run_id = run_id
+        self._interval = interval_s
+        self._outages = outages
+        self._stop = threading.Event()
+        tracker.set_tags(run_id, {T.HEARTBEAT_S: f"{interval_s:g}", T.HEARTBEAT: f"{time.time():.3f}"})
+        self._thread = threading.Thread(target=self._loop, name="harness-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._tracker.set_tags(self._run_id, {T.HEARTBEAT: f"{time.time():.3f}"})
+            except Exception:  # a store hiccup: the next beat tries again; the run goes on
+                if self._outages is not None:
+                    self._outages.failed()
+            else:
+                if self._outages is not None:
+                    self._outages.answered()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)

@@ -1,0 +1,1 @@
+"""Doors to outside systems: git and the Docker engine, each behind one module."""

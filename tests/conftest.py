@@ -350,7 +350,8 @@ def _registry_digest(repository: str, tag: str) -> str | None:
 # `-m "not infra"` (no Docker, Slurm, namespaces, server or browser) are meaningful selections:
 #   infra - a Docker engine, Slurm, network-namespace hosts, a real `mlflow server`/PostgreSQL, a browser
 #           (by the fixtures it uses, the `slow` marker, or what its code starts);
-#   cli   - runs harness commands (subprocess or in-process), ranks, git or any other process;
+#   cli   - runs harness commands (subprocess or in-process), ranks (start_ranks, launch), git or any
+#           other process;
 #   unit  - everything else: library code called directly.
 # What counts is the test function, every fixture it uses (transitively) and every helper they call
 # that is defined in tests/. A test module's own `pytestmark` (or a test's marker) of a tier wins.
@@ -358,7 +359,7 @@ TIERS = ("unit", "cli", "infra")
 INFRA_FIXTURES = frozenset({"engine", "two_hosts", "slurm", "lab_server"})
 INFRA_CODE = re.compile(r"open_page\(|chromium\(|\"mlflow\", \"server\"|\"--executor\", \"docker\"|\"dockerd\"")
 CLI_CODE = re.compile(r"\.harness\(|\.popen\(|\.cli\(|make_project\(|\bgit\(|subprocess|Popen|mp\.spawn|"
-                      r"sys\.executable|CliRunner|multiprocessing")
+                      r"sys\.executable|CliRunner|multiprocessing|start_ranks\(|\blaunch\(")
 TESTS_DIR = Path(__file__).resolve().parent
 
 

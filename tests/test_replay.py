@@ -87,7 +87,7 @@ def test_replay_with_other_world_size_is_judged_by_tolerance(project: Project, o
 
 
 def test_changed_lr_diverges_at_the_first_differing_step(project: Project, original: str) -> None:
-    refused = project.harness("replay", original, "train.lr=0.02")
+    refused = project.cli("replay", original, "train.lr=0.02")
     assert refused.returncode == 2 and "--allow-changes" in refused.stderr
     result = project.harness("replay", original, "--allow-changes", "train.lr=0.02")
     assert result.returncode == 1, result.stderr
@@ -172,7 +172,7 @@ def test_replay_uses_recorded_config_not_the_yaml_on_disk(fresh_project: Project
 
 
 def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tmp_path: Path) -> None:
-    unknown = project.harness("replay", "0123456789abcdef0123456789abcdef")
+    unknown = project.cli("replay", "0123456789abcdef0123456789abcdef")
     assert unknown.returncode == 2 and unknown.stderr.strip().startswith("Error: no run '0123456789abcdef")
     assert len(unknown.stderr.strip().splitlines()) == 1
 
@@ -180,7 +180,7 @@ def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tm
     exp = client.get_experiment_by_name("linear_ddp").experiment_id
     foreign = client.create_run(exp).info.run_id
     client.set_terminated(foreign)
-    result = project.harness("replay", foreign)
+    result = project.cli("replay", foreign)
     assert result.returncode == 2 and "was not made by harness" in result.stderr
 
     other = tmp_path / "other repo"
@@ -189,7 +189,7 @@ def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tm
     (other / "README").write_text("x")
     git(other, "add", "-A")
     git(other, "commit", "-qm", "unrelated")
-    missing = project.harness("replay", original, cwd=other)
+    missing = project.cli("replay", original, cwd=other)
     assert missing.returncode == 2
     assert "is not in the repository" in missing.stderr and "git fetch https://example.invalid/lab/project.git" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
@@ -301,7 +301,7 @@ def failed_run(project: Project) -> str:
 
 def test_replay_of_a_failed_run_is_refused_with_the_ways_out(project: Project, failed_run: str) -> None:
     before = len(project.all_runs())
-    result = project.harness("replay", failed_run)
+    result = project.cli("replay", failed_run)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip() == (
         f"Error: run {failed_run} is FAILED: it stopped before its end, so a full replay cannot be judged against "
@@ -402,7 +402,7 @@ def test_allowed_tolerance_change_is_the_tolerance_judged(project: Project, wide
 def test_bad_tolerance_is_one_line_exit_2_and_records_nothing(project: Project, wide_run: str, spec: str) -> None:
     before = len(project.all_runs())
     for command in (["replay", wide_run], ["compare", wide_run, wide_run]):
-        result = project.harness(*command, "--tolerance", spec)
+        result = project.cli(*command, "--tolerance", spec)
         assert result.returncode == 2, result.stdout + result.stderr
         assert result.stderr.startswith(f"Error: --tolerance {spec!r} is not METRIC=ATOL[,RTOL]"), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -202,7 +202,7 @@ BAD = [
 @pytest.mark.parametrize("overrides,message", BAD, ids=[b[0][0].encode("unicode_escape").decode() for b in BAD])
 def test_bad_config_is_one_line_exit_2_and_records_nothing(project: Project, overrides, message) -> None:
     before = len(project.all_runs())
-    result = project.harness("run", "experiments/linear_ddp", *overrides)
+    result = project.cli("run", "experiments/linear_ddp", *overrides)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
@@ -212,10 +212,10 @@ def test_bad_config_is_one_line_exit_2_and_records_nothing(project: Project, ove
 
 def test_unknown_key_in_yaml_and_missing_folder(project: Project, tmp_path: Path) -> None:
     exp = project.add_experiment("typo", yaml_extra="wrld_size: 2\n", commit=False)
-    result = project.harness("run", str(exp))
+    result = project.cli("run", str(exp))
     assert result.returncode == 2 and "unknown key 'wrld_size'" in result.stderr
     assert "world_size" in result.stderr  # the valid keys are listed
-    missing = project.harness("run", "experiments/nope")
+    missing = project.cli("run", "experiments/nope")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     import shutil
 
@@ -226,7 +226,7 @@ def test_outside_git_repository_is_refused(project: Project, tmp_path: Path) -> 
     import shutil
 
     shutil.copytree(ROOT / "experiments" / "linear_ddp", tmp_path / "exp")
-    result = project.harness("run", str(tmp_path / "exp"), cwd=tmp_path)
+    result = project.cli("run", str(tmp_path / "exp"), cwd=tmp_path)
     assert result.returncode == 2 and "not inside a git repository" in result.stderr
 
 

@@ -458,11 +458,11 @@ def test_many_plain_keys_load_and_an_alias_bomb_is_one_line(project: Project, tm
     try:  # uncommitted: removed after, so the session's repository stays clean for the tests that follow
         text = (exp / "experiment.yaml").read_text()
         (exp / "experiment.yaml").write_text(text + "".join(f"  k{i}: {i}\n" for i in range(20000)))
-        assert project.cli("check", str(exp)).returncode == 0
+        assert project.harness("check", str(exp)).returncode == 0
         bomb = 'a: &a ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(
             f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcd", "bcde"))
         (exp / "experiment.yaml").write_text(text + bomb)
-        refused = project.cli("check", str(exp))
+        refused = project.harness("check", str(exp))
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
         assert "its YAML aliases expand to far more nodes than the file has lines" in refused.stderr
     finally:

@@ -11,8 +11,8 @@ import inspect
 import logging
 import os
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import Project
-from test_replay import UNSEEDED
+from snippets import UNSEEDED
 
 
 @pytest.fixture(scope="module")

@@ -105,9 +105,9 @@ def assert_ranks_gone(tmp_path: Path) -> None:
 
 
 def test_failing_rank_is_named_first_and_peers_are_summarised(project: Project, tmp_path: Path) -> None:
-    from test_run import _crash_experiment
+    from snippets import crash_experiment
 
-    exp, train = _crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
+    exp, train = crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
     result = project.harness("run", exp, train, env={"PID_DIR": str(tmp_path)})
     assert result.returncode == 1
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED: ")]
@@ -299,7 +299,8 @@ def test_bad_override_is_refused_before_anything_runs(project: Project, override
     assert len(project.all_runs()) == before
 
 
-def test_file_passed_as_experiment_and_missing_image(project: Project) -> None:
+def test_file_passed_as_experiment_and_missing_image(fresh_project: Project) -> None:
+    project = fresh_project  # its own repository: the experiment it writes is never committed
     result = project.cli("run", "experiments/linear_ddp/train.py")
     assert result.returncode == 2
     assert only_error_line(result) == "Error: 'experiments/linear_ddp/train.py' is a file; pass the experiment's folder, experiments/linear_ddp"
@@ -469,9 +470,10 @@ def test_many_plain_keys_load_and_an_alias_bomb_is_one_line(project: Project, tm
         shutil.rmtree(exp)
 
 
-def test_a_worktree_left_by_a_killed_process_is_pruned_by_the_next(project: Project) -> None:
+def test_a_worktree_left_by_a_killed_process_is_pruned_by_the_next(fresh_project: Project) -> None:
     """A replay SIGKILLed inside its worktree leaves it registered in the user's repository; the next command
     that checks out code removes it (and its folder), and leaves live ones alone."""
+    project = fresh_project  # its own repository: a failure here must not leave a worktree in the shared one
     from harness import gitsource
 
     commit = git(project.root, "rev-parse", "HEAD")

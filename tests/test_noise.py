@@ -18,7 +18,7 @@ from harness import noise, tags
 from harness.compare import DIVERGED, WITHIN_NOISE, compare_runs, judge_noise
 from harness.report import render_markdown
 from conftest import OTHER_HARDWARE
-from test_compare import clone, make_record
+from records import clone, make_record
 
 SEEDS = [0.91, 0.87, 0.95, 0.89, 0.93]
 

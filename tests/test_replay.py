@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OTHER_HARDWARE, WIDE_CONFIG, WIDE_TRAIN, Project, git
+from snippets import UNSEEDED
 
 
 def verdict_line(stdout: str) -> str:
@@ -98,34 +99,6 @@ def test_changed_lr_diverges_at_the_first_differing_step(project: Project, origi
     assert verdict_line(result.stdout).startswith(f"verdict: DIVERGED at step {first}: loss")
     assert "Changes requested: train.lr=0.02" in result.stdout
     assert client.get_run(result.last_line).data.tags["harness.verdict"] == "DIVERGED"
-
-
-UNSEEDED = '''
-import os
-import torch
-from torch import nn
-
-
-def train(ctx):
-    data = torch.randn(100, 10, generator=torch.Generator().manual_seed(ctx.seed))
-    loader = ctx.loader(data, batch_size=10)
-    model = ctx.ddp(nn.Linear(10, 5))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctx.track(opt)
-    for _ in ctx.epochs(2):
-        for batch in loader:
-            opt.zero_grad()
-            out = model(batch)
-            if ctx.step >= 3:  # from step 3 on, targets come from the OS: nothing can replay them
-                target = torch.randn(out.shape, generator=torch.Generator().manual_seed(
-                    int.from_bytes(os.urandom(4), "little")))
-            else:
-                target = torch.randn_like(out)
-            loss = nn.functional.mse_loss(out, target)
-            loss.backward()
-            opt.step()
-            ctx.log({"loss": loss}, ctx.step)
-'''
 
 
 def test_unseeded_randomness_diverges_at_its_step(project: Project) -> None:

@@ -87,14 +87,14 @@ class Project:
         nothing here may depend on process exit, signals, a terminal, or environment read at import time.
 
         An exception the CLI does not turn into an exit code propagates (a crash is never an exit code here),
-        and what a command changes in this process - os.environ, the cwd, signal handlers, MLflow's active run,
-        its loggers' levels - is put back afterwards, so one call cannot leak into the next test.
+        and what a command changes in this process - os.environ, sys.path, the cwd, signal handlers, MLflow's active
+        run, its loggers' levels - is put back afterwards, so one call cannot leak into the next test.
         """
         from click.testing import CliRunner
 
         main = importlib.import_module("harness.cli").main  # one string to change if the module moves
         env = {"MLFLOW_TRACKING_URI": self.uri, **(env or {})}
-        saved_env = dict(os.environ)
+        saved_env, saved_path = dict(os.environ), list(sys.path)
         saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         saved_levels = {name: logging.getLogger(name).level for name in _QUIETED_LOGGERS}
         try:
@@ -105,6 +105,7 @@ class Project:
         finally:
             os.environ.clear()
             os.environ.update(saved_env)
+            sys.path[:] = saved_path
             for sig, handler in saved_signals.items():
                 signal.signal(sig, handler)
             for name, level in saved_levels.items():
@@ -357,7 +358,7 @@ def _registry_digest(repository: str, tag: str) -> str | None:
 # that is defined in tests/. A test module's own `pytestmark` (or a test's marker) of a tier wins.
 TIERS = ("unit", "cli", "infra")
 INFRA_FIXTURES = frozenset({"engine", "two_hosts", "slurm", "lab_server"})
-INFRA_CODE = re.compile(r"open_page\(|chromium\(|\"mlflow\", \"server\"|\"--executor\", \"docker\"|\"dockerd\"")
+INFRA_CODE = re.compile(r"open_page\(|chromium\(|\"mlflow\", \"server\"")
 CLI_CODE = re.compile(r"\.harness\(|\.popen\(|\.cli\(|make_project\(|\bgit\(|subprocess|Popen|mp\.spawn|"
                       r"sys\.executable|CliRunner|multiprocessing|start_ranks\(|\blaunch\(")
 TESTS_DIR = Path(__file__).resolve().parent
@@ -365,7 +366,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 def _own_functions(fn, seen: set) -> Iterator[str]:
     """The source of `fn` and of every function defined in tests/ that it names, transitively."""
-    fn = inspect.unwrap(fn)
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))  # a test in a class is collected as a bound method
     if fn in seen or not inspect.isfunction(fn):
         return
     seen.add(fn)

@@ -108,7 +108,7 @@ if [[ -n "${cuda_run:-}" && -n "${cpu_run:-}" ]]; then
 """Mean step time of each run from its train_loss timestamps (ms: a GPU step can be shorter), cuda / cpu."""
 import sys
 
-from harness.tracking import Tracker
+from harness.store.tracking import Tracker
 
 tracker = Tracker(writable=False)
 times = []

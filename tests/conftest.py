@@ -1,11 +1,18 @@
 """Shared fixtures: a real git repository in a tmp dir (with a space in its path), a real SQLite
-MLflow store, and the real `harness` CLI run as a subprocess."""
+MLflow store, and the real `harness` CLI run as a subprocess (or, for refusals, in this process).
+Also sorts every test into one tier - unit, cli or infra - by what it needs (see pytest_collection_modifyitems)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
+import inspect
+import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -42,6 +49,21 @@ def git(repo: Path, *args: str) -> str:
     ).stdout.rstrip("\n")
 
 
+# Loggers whose level the CLI sets when it opens a store (harness.tracking): restored after each in-process call.
+_QUIETED_LOGGERS = ("mlflow", "alembic", "sqlalchemy")
+
+
+@contextlib.contextmanager
+def _chdir(path: Path) -> Iterator[None]:
+    """contextlib.chdir, which Python 3.10 (still supported) lacks."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 class Project:
     """A researcher's repository holding copies of the example experiments."""
 
@@ -58,6 +80,41 @@ class Project:
             capture_output=True, text=True, timeout=timeout,
         )
         return Result(proc.returncode, proc.stdout, proc.stderr)
+
+    def cli(self, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> Result:
+        """`harness ARGS` run in this process by click's CliRunner: the same Result as harness(), without the
+        2-4 s a subprocess spends importing. Only for refusals and validation that end before any rank starts:
+        nothing here may depend on process exit, signals, a terminal, or environment read at import time.
+
+        An exception the CLI does not turn into an exit code propagates (a crash is never an exit code here),
+        and what a command changes in this process - os.environ, sys.path, the cwd, signal handlers, MLflow's active
+        run, its loggers' levels - is put back afterwards, so one call cannot leak into the next test.
+        """
+        from click.testing import CliRunner
+
+        main = importlib.import_module("harness.cli").main  # one string to change if the module moves
+        env = {"MLFLOW_TRACKING_URI": self.uri, **(env or {})}
+        saved_env, saved_path = dict(os.environ), list(sys.path)
+        saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        saved_levels = {name: logging.getLogger(name).level for name in _QUIETED_LOGGERS}
+        try:
+            with _chdir(cwd or self.root):
+                # catch_exceptions=False: click still maps SystemExit to exit_code; anything else is raised.
+                result = CliRunner().invoke(main, list(args), env=env, prog_name="python -m harness",
+                                            catch_exceptions=False)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+            sys.path[:] = saved_path
+            for sig, handler in saved_signals.items():
+                signal.signal(sig, handler)
+            for name, level in saved_levels.items():
+                logging.getLogger(name).setLevel(level)
+            if "mlflow" in sys.modules:
+                mlflow = sys.modules["mlflow"]
+                while mlflow.active_run() is not None:
+                    mlflow.end_run()
+        return Result(result.exit_code, result.stdout, result.stderr)
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         env = {**os.environ, "MLFLOW_TRACKING_URI": self.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -287,3 +344,69 @@ def _registry_digest(repository: str, tag: str) -> str | None:
     # The header must be the digest of the exact bytes served: guards against a misread header.
     assert header == "sha256:" + hashlib.sha256(body).hexdigest()
     return header
+
+
+# --- tiers: unit, cli, infra ---------------------------------------------------------------------
+# Every test gets exactly one tier, from what it needs, so that `-m unit` (seconds to minutes) and
+# `-m "not infra"` (no Docker, Slurm, namespaces, server or browser) are meaningful selections:
+#   infra - a Docker engine, Slurm, network-namespace hosts, a real `mlflow server`/PostgreSQL, a browser
+#           (by the fixtures it uses, the `slow` marker, or what its code starts);
+#   cli   - runs harness commands (subprocess or in-process), ranks (start_ranks, launch), git or any
+#           other process;
+#   unit  - everything else: library code called directly.
+# What counts is the test function, every fixture it uses (transitively) and every helper they call
+# that is defined in tests/. A test module's own `pytestmark` (or a test's marker) of a tier wins.
+TIERS = ("unit", "cli", "infra")
+INFRA_FIXTURES = frozenset({"engine", "two_hosts", "slurm", "lab_server"})
+INFRA_CODE = re.compile(r"open_page\(|chromium\(|\"mlflow\", \"server\"")
+CLI_CODE = re.compile(r"\.harness\(|\.popen\(|\.cli\(|make_project\(|\bgit\(|subprocess|Popen|mp\.spawn|"
+                      r"sys\.executable|CliRunner|multiprocessing|start_ranks\(|\blaunch\(")
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def _own_functions(fn, seen: set) -> Iterator[str]:
+    """The source of `fn` and of every function defined in tests/ that it names, transitively."""
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))  # a test in a class is collected as a bound method
+    if fn in seen or not inspect.isfunction(fn):
+        return
+    seen.add(fn)
+    try:
+        if not Path(inspect.getfile(fn)).resolve().is_relative_to(TESTS_DIR):
+            return
+        yield inspect.getsource(fn)
+    except (OSError, TypeError):
+        return
+    codes, names = [fn.__code__], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if inspect.iscode(c))
+    for name in names:
+        target = fn.__globals__.get(name)
+        if inspect.isfunction(target):
+            yield from _own_functions(target, seen)
+        elif inspect.isclass(target):
+            for member in vars(target).values():
+                if inspect.isfunction(member):
+                    yield from _own_functions(member, seen)
+
+
+def _tier(item: pytest.Item) -> str:
+    if item.get_closest_marker("slow") or INFRA_FIXTURES.intersection(item.fixturenames):
+        return "infra"
+    seen: set = set()
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for name in item.fixturenames:
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            functions.append(fixturedef.func)
+    code = "\n".join(src for fn in functions if fn is not None for src in _own_functions(fn, seen))
+    if INFRA_CODE.search(code):
+        return "infra"
+    return "cli" if CLI_CODE.search(code) else "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(_tier(item))

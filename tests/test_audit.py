@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import Project
-from test_replay import UNSEEDED
+from snippets import UNSEEDED
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def _tamper(project: Project, run_id: str, step: int) -> None:
 def _unseal(project: Project, run_id: str, refused_by: tuple[str, ...], what: str) -> None:
     """The seal refuses the edited run first (harness/record/seal.py); without it (a run recorded before seals
     existed) the audit's own checks are what catch the edit."""
-    result = project.harness(*refused_by)
+    result = project.cli(*refused_by)
     assert result.returncode == 2 and f"was changed after it was sealed: {what}" in result.stderr, result.stderr
     project.client().delete_tag(run_id, "harness.seal")
     (Path(project.client().get_run(run_id).info.artifact_uri.removeprefix("file://")) / "seal" / "manifest.json").unlink()
@@ -120,7 +120,7 @@ def test_imported_run_without_checkpoint_files_is_refused_by_audit_and_trace(pro
     before = len(elsewhere.all_runs())
     for args, who in ((["audit", run_id, "--segments", "2", "--seed", "7"], "the audit"),
                       (["trace", run_id, "--step", "7"], "a trace of step 7")):
-        result = elsewhere.harness(*args)
+        result = elsewhere.cli(*args)
         assert result.returncode == 2, result.stdout + result.stderr
         assert result.stderr.startswith(f"Error: run {run_id} recorded a checkpoint at step"), result.stderr
         assert f"which {who} needs, but its files are not in the run's artifacts: it was imported from a bundle made " \
@@ -143,7 +143,7 @@ def test_removed_checkpoint_files_are_refused_but_a_trace_before_the_first_needs
     assert result.returncode == 2, result.stdout + result.stderr
     assert "recorded a checkpoint at step 5, which the audit needs, but its files are not in the run's artifacts: " \
            "they were removed. Put them back under checkpoints/" in result.stderr, result.stderr
-    traced = project.harness("trace", run.last_line, "--step", "6")
+    traced = project.cli("trace", run.last_line, "--step", "6")
     assert traced.returncode == 2 and "which a trace of step 6 needs" in traced.stderr, traced.stderr
     assert len(project.all_runs()) == before
     # Step 3 restarts from step 0's checkpoint, which is there: traced as ever.

@@ -103,12 +103,12 @@ def test_declared_data_travels_and_a_changed_file_is_caught_before_the_replay(ex
     assert (data / "a.bin").read_bytes() == bytes(range(256)) * 8 and (data / "part" / "b.csv").read_text() == "x,y\n1,2\n"
     before = len(clean.all_runs())
     # Where the run read it, the data is gone on this machine: said in one line, nothing launched.
-    gone = clean.harness("replay", imported)
+    gone = clean.cli("replay", imported)
     assert gone.returncode == 2 and "data 'samples'" in gone.stderr and "does not exist" in gone.stderr, gone.stderr
     assert "--data" not in gone.stderr or len(gone.stderr.strip().splitlines()) == 1
     (data / "part" / "b.csv").write_text("x,y\n1,3\n")
     try:
-        changed = clean.harness("replay", imported, "--data", f"samples={data}")
+        changed = clean.cli("replay", imported, "--data", f"samples={data}")
         assert changed.returncode == 2, changed.stderr
         assert changed.stderr.strip().splitlines()[-1].startswith("Error: data 'samples'") and "part/b.csv" in changed.stderr
     finally:
@@ -361,7 +361,7 @@ def test_refusal_on_the_command_line_is_one_line_and_exit_2(tmp_path: Path) -> N
     store = tmp_path / "store"
     store.mkdir()
     project = Project(tmp_path, store)
-    result = project.harness("import", str(_write(tmp_path / "bad.tar.gz", [_entry("../evil", b"x")])))
+    result = project.cli("import", str(_write(tmp_path / "bad.tar.gz", [_entry("../evil", b"x")])))
     assert result.returncode == EXIT_USAGE
     assert result.stderr.startswith("Error: bundle member '../evil' climbs out of the bundle")
     assert len(result.stderr.strip().splitlines()) == 1

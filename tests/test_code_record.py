@@ -150,7 +150,7 @@ def test_altered_patch_is_refused_at_replay(fresh_project: Project) -> None:
     altered = artifact.read_bytes().replace(b"SCALE = 3", b"SCALE = 4")
     artifact.write_bytes(altered)
     expected = p.client().get_run(run.last_line).data.tags["harness.git.patch_sha256"]
-    result = p.harness("replay", run.last_line)
+    result = p.cli("replay", run.last_line)
     # The seal catches the edit first (harness/record/seal.py) ...
     refused(result, f"run {run.last_line} was changed after it was sealed: artifact git/uncommitted.patch (sha256 "
                     f"{expected[:12]} -> {hashlib.sha256(altered).hexdigest()[:12]}). Use an intact copy of the run (its "
@@ -161,7 +161,7 @@ def test_altered_patch_is_refused_at_replay(fresh_project: Project) -> None:
     client.delete_tag(run.last_line, "harness.seal")
     [manifest] = [f for f in p.store.rglob("manifest.json") if run.last_line in f.parts and f.parent.name == "seal"]
     manifest.unlink()
-    result = p.harness("replay", run.last_line)
+    result = p.cli("replay", run.last_line)
     assert result.stderr.strip().splitlines()[0].startswith(f"Warning: run {run.last_line} has no seal")
     result.stderr = result.stderr.strip().split("\n", 1)[1]
     refused(result, f"the recorded patch of run {run.last_line} was altered (git/uncommitted.patch: sha256 "
@@ -181,7 +181,7 @@ def test_moved_submodule_and_nested_repository_are_refused(fresh_project: Projec
     head = git(p.root, "rev-parse", "HEAD")
     git(p.root / "libs/sub", "commit", "-q", "--allow-empty", "-m", "two")
     moved = git(p.root / "libs/sub", "rev-parse", "HEAD")
-    refused(p.harness("run", EXP), (
+    refused(p.cli("run", EXP), (
         f"submodule 'libs/sub' is checked out at {moved[:12]}, not at the commit recorded in {head[:12]}; the "
         "code record cannot hold a submodule change. Commit the submodule update (git add 'libs/sub' && git "
         "commit), or check it out at the recorded commit."))
@@ -193,7 +193,7 @@ def test_moved_submodule_and_nested_repository_are_refused(fresh_project: Projec
     (nested / "x.py").write_text("X = 1\n")
     git(nested, "add", "-A")
     git(nested, "commit", "-qm", "nested")
-    refused(p.harness("run", EXP), (
+    refused(p.cli("run", EXP), (
         f"'{EXP}/vendor lib' is an untracked git repository inside the repository; the code record cannot hold "
         "it. Add it to .gitignore, or add it as a submodule and commit the submodule."))
     assert run_ids(p) == []
@@ -209,7 +209,7 @@ def test_file_git_would_convert_is_refused(fresh_project: Project, setting: str)
     else:
         git(p.root, "config", "core.autocrlf", "true")
     (p.root / EXP / "notes.txt").write_bytes(b"windows\r\nline endings\r\n")
-    refused(p.harness("run", EXP), (
+    refused(p.cli("run", EXP), (
         f"'{EXP}/notes.txt' cannot be recorded exactly: git stores it differently from its bytes on disk (a "
         ".gitattributes filter or eol setting, or core.autocrlf). Commit it, or remove the attribute for it."))
     assert run_ids(p) == []
@@ -218,7 +218,7 @@ def test_file_git_would_convert_is_refused(fresh_project: Project, setting: str)
 def test_large_untracked_file_is_refused_until_the_limit_allows_it(fresh_project: Project) -> None:
     p = fresh_project
     (p.root / EXP / "data.bin").write_bytes(b"\0" * 10240)
-    refused(p.harness("run", EXP, "record.max_untracked_mib=0.001"), (
+    refused(p.cli("run", EXP, "record.max_untracked_mib=0.001"), (
         f"'{EXP}/data.bin' is an untracked file of 0.01 MiB (10240 bytes), over the code record's limit of "
         "0.001 MiB (record.max_untracked_mib). Commit it, add it to a .gitignore, or keep data outside the "
         "repository and declare it as data; or raise the limit (record.max_untracked_mib=50)."))
@@ -242,7 +242,7 @@ def test_untracked_files_warning_names_them(fresh_project: Project) -> None:
 def test_untracked_secret_is_refused_unless_allowed(fresh_project: Project, tmp_path: Path) -> None:
     p = fresh_project
     (p.root / EXP / ".env").write_text("API_TOKEN=tok-allowed-on-purpose\n")
-    refused(p.harness("run", EXP), (
+    refused(p.cli("run", EXP), (
         f"'{EXP}/.env' is an untracked file whose name marks it as a secret (.env); it would be stored with "
         "the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
         "--allow-untracked-secrets knowingly."))

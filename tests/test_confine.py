@@ -266,7 +266,7 @@ def test_mlflow_never_prints_the_server_url_and_docker_gets_it_by_name(tmp_path:
 
 def test_the_docker_executor_refuses_a_secret_it_could_not_pass(tmp_path: Path) -> None:
     project = make_project(tmp_path / "p")
-    result = project.harness("run", "experiments/linear_ddp", "--executor", "docker", f"train.api_key={SECRET}")
+    result = project.cli("run", "experiments/linear_ddp", "--executor", "docker", f"train.api_key={SECRET}")
     assert result.returncode == EXIT_USAGE and result.stdout == ""
     assert "train.api_key looks like a secret" in _one_line(result.stderr) and SECRET not in result.stderr
     _nothing_recorded(project)

@@ -110,7 +110,7 @@ def test_cache_shared_by_concurrent_processes(tmp_path: Path) -> None:
     for i in range(300):
         (folder / f"{i:04d}").write_bytes(i.to_bytes(4, "little"))
     _settle()
-    code = ("import sys; from pathlib import Path; from harness import data as D; "
+    code = ("import sys; from pathlib import Path; from harness.record import data as D; "
             "D.build_manifest(D.resolve({'m': sys.argv[1]}, Path('.')))")
     env = {**os.environ, D.ENV_CACHE_DIR: str(tmp_path / "cache")}
     procs = [subprocess.Popen(["python", "-c", code, str(folder)], env=env) for _ in range(2)]
@@ -288,7 +288,7 @@ def test_run_records_manifest_tags_and_dataset_inputs(project: Project, data_run
 
 def test_missing_data_at_run_start_records_nothing(project: Project, data_run: str, env: dict[str, str]) -> None:
     before = len(project.all_runs())
-    result = project.harness("run", "experiments/data_ddp", "data.table=$HARNESS_TEST_DATA/nope.csv", env=env)
+    result = project.cli("run", "experiments/data_ddp", "data.table=$HARNESS_TEST_DATA/nope.csv", env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"Error: data 'table': {env['HARNESS_TEST_DATA']}/nope.csv does not exist (declared as "
@@ -325,7 +325,7 @@ def test_replay_refuses_changed_data_before_launch(
     try:
         if case == "changed":  # through the CLI: exit code and the one line
             part.write_bytes(original[:-1] + b"\x00")  # same size
-            result = project.harness("replay", data_run, env=env)
+            result = project.cli("replay", data_run, env=env)
             assert result.returncode == 2
             assert result.stderr.strip().splitlines()[-1].startswith(f"Error: {expected}"), result.stderr
             assert result.stderr.strip().endswith(way)

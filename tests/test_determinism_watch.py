@@ -172,7 +172,7 @@ print([c.line() for c in d.observe(3, d.END).changes])
 
 def test_delta_rules_for_changes_made_in_training() -> None:
     # Records made by hand: the rules are about tag values, and each case below would need a run of its own.
-    from test_compare import clone, make_record
+    from records import clone, make_record
 
     from harness import tags
     from harness.judge.delta import environment_delta

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXPERIMENTS, IMAGE, REPOSITORY, TAG, Project, _registry_digest, make_project
-from test_run import CRASHING
+from snippets import CRASHING
 
 pytestmark = pytest.mark.slow
 

@@ -105,9 +105,9 @@ def assert_ranks_gone(tmp_path: Path) -> None:
 
 
 def test_failing_rank_is_named_first_and_peers_are_summarised(project: Project, tmp_path: Path) -> None:
-    from test_run import _crash_experiment
+    from snippets import crash_experiment
 
-    exp, train = _crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
+    exp, train = crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
     result = project.harness("run", exp, train, env={"PID_DIR": str(tmp_path)})
     assert result.returncode == 1
     failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED: ")]
@@ -293,25 +293,26 @@ REFUSED = [
 @pytest.mark.parametrize("overrides,message", REFUSED, ids=[r[0][0] for r in REFUSED])
 def test_bad_override_is_refused_before_anything_runs(project: Project, overrides: list[str], message: str) -> None:
     before = len(project.all_runs())
-    result = project.harness("run", "experiments/linear_ddp", *overrides)
+    result = project.cli("run", "experiments/linear_ddp", *overrides)
     assert result.returncode == 2 and result.stdout == ""
     assert only_error_line(result).startswith(message)
     assert len(project.all_runs()) == before
 
 
-def test_file_passed_as_experiment_and_missing_image(project: Project) -> None:
-    result = project.harness("run", "experiments/linear_ddp/train.py")
+def test_file_passed_as_experiment_and_missing_image(fresh_project: Project) -> None:
+    project = fresh_project  # its own repository: the experiment it writes is never committed
+    result = project.cli("run", "experiments/linear_ddp/train.py")
     assert result.returncode == 2
     assert only_error_line(result) == "Error: 'experiments/linear_ddp/train.py' is a file; pass the experiment's folder, experiments/linear_ddp"
     exp = project.root / "experiments" / "imageless"
     exp.mkdir(exist_ok=True)
     (exp / "experiment.yaml").write_text("entry: train.py:train\n")
     (exp / "train.py").write_text("def train(ctx):\n    pass\n")
-    result = project.harness("check", "experiments/imageless")
+    result = project.cli("check", "experiments/imageless")
     assert result.returncode == 2
     assert "or to `image: none` for an experiment that only runs locally" in only_error_line(result)
     (exp / "experiment.yaml").write_text("image: none\nentry: train.py:train\nworld_size: 64\n")
-    result = project.harness("check", "experiments/imageless")
+    result = project.cli("check", "experiments/imageless")
     assert result.returncode == 0, result.stderr
     cores = len(os.sched_getaffinity(0))
     assert f"Warning: world_size 64 x threads_per_rank 1 = 64 threads on {cores} CPU cores" in result.stderr
@@ -420,7 +421,7 @@ def test_a_store_inside_the_repository_is_not_recorded_as_code(project: Project,
     (store / "mlflow.db").write_bytes(b"SQLite format 3\x00" + b"\x00" * 100)
     (store / "artifacts" / "1" / "metrics.npz").write_bytes(b"\x01" * 10)
     try:
-        result = project.harness("check", "experiments/linear_ddp", "--require-clean",
+        result = project.cli("check", "experiments/linear_ddp", "--require-clean",
                                  "--tracking-uri", f"sqlite:///{store / 'mlflow.db'}")
         assert result.returncode == 0, result.stderr
         assert "clean)" in result.stdout
@@ -438,7 +439,7 @@ def test_malformed_uri_long_values_and_escapes_are_said_plainly(project: Project
     from harness.fmt import printable
     from harness.commands.run import PARAM_LIMIT, fit_params
 
-    bad = project.harness("runs", "--tracking-uri", "http://user:pw@[::1")
+    bad = project.cli("runs", "--tracking-uri", "http://user:pw@[::1")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "pw" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "Error: the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI (Invalid IPv6 URL). "
@@ -446,7 +447,7 @@ def test_malformed_uri_long_values_and_escapes_are_said_plainly(project: Project
     params, long = fit_params({"train.blob": "x" * (PARAM_LIMIT + 1), "train.lr": 0.1})
     assert long == ["train.blob"] and params["train.lr"] == 0.1
     assert params["train.blob"].startswith(f"<{PARAM_LIMIT + 1} characters, sha256:") and len(params["train.blob"]) < 100
-    checked = project.harness("check", "experiments/linear_ddp", "train.blob=" + "y" * (PARAM_LIMIT + 10))
+    checked = project.cli("check", "experiments/linear_ddp", "train.blob=" + "y" * (PARAM_LIMIT + 10))
     assert checked.returncode == 0 and "longer than MLflow's 6000-character params (train.blob)" in checked.stderr
     assert printable("exp\x1b[2Jname") == "exp\\x1b[2Jname" and printable("plain") == "plain"
 
@@ -469,13 +470,14 @@ def test_many_plain_keys_load_and_an_alias_bomb_is_one_line(project: Project, tm
         shutil.rmtree(exp)
 
 
-def test_a_worktree_left_by_a_killed_process_is_pruned_by_the_next(project: Project) -> None:
+def test_a_worktree_left_by_a_killed_process_is_pruned_by_the_next(fresh_project: Project) -> None:
     """A replay SIGKILLed inside its worktree leaves it registered in the user's repository; the next command
     that checks out code removes it (and its folder), and leaves live ones alone."""
+    project = fresh_project  # its own repository: a failure here must not leave a worktree in the shared one
     from harness.systems import git as gitsource
 
     commit = git(project.root, "rev-parse", "HEAD")
-    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom harness import gitsource\n"
+    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom harness.systems import git as gitsource\n"
             f"with gitsource.worktree(Path({str(project.root)!r}), {commit!r}, None) as tree:\n"
             "    print(tree, flush=True)\n    os.kill(os.getpid(), signal.SIGKILL)\n")
     killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

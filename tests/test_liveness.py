@@ -46,7 +46,7 @@ def runs(project: Project) -> dict[str, str]:
 
 
 def _status(project: Project, run_id: str) -> str:
-    listed = project.harness("runs", "liveness")
+    listed = project.cli("runs", "liveness")
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith(run_id))
     return row.split()[4]  # id, experiment, date, time, status
@@ -59,26 +59,26 @@ def test_runs_shows_stale_only_for_a_silent_launcher(project: Project, runs: dic
 
 
 def test_replay_refuses_running_runs(project: Project, runs: dict[str, str]) -> None:
-    stale = project.harness("replay", runs["stale"])
+    stale = project.cli("replay", runs["stale"])
     assert stale.returncode == 2
     assert re.fullmatch(
         rf"Error: run {runs['stale']} is RUNNING but its launcher is gone \(no heartbeat for 36\d\d s\)\. "
         rf"Close it with `harness mark {runs['stale']} --status FAILED`, then replay it with --allow-incomplete\.",
         stale.stderr.strip())
-    live = project.harness("replay", runs["live"], "--allow-incomplete")
+    live = project.cli("replay", runs["live"], "--allow-incomplete")
     assert live.returncode == 2
     assert live.stderr.strip() == (f"Error: run {runs['live']} is still RUNNING; its record is not complete. "
                                    "Wait until it ends, then replay it.")
 
 
 def test_mark_refuses_live_and_silent_runs(project: Project, runs: dict[str, str]) -> None:
-    live = project.harness("mark", runs["live"], "--status", "FAILED")
+    live = project.cli("mark", runs["live"], "--status", "FAILED")
     assert live.returncode == 2 and len(live.stderr.strip().splitlines()) == 1
     assert re.fullmatch(
         rf"Error: run {runs['live']} is live: its heartbeat is \d+ s old \(written every 3600 s\), so its launcher "
         r"is still running\. Stop it with Ctrl-C or SIGTERM to its launcher; it closes the run itself\.",
         live.stderr.strip())
-    silent = project.harness("mark", runs["silent"], "--status", "KILLED")
+    silent = project.cli("mark", runs["silent"], "--status", "KILLED")
     assert silent.returncode == 2 and "has no heartbeat tags" in silent.stderr and "--force" in silent.stderr
     assert project.client().get_run(runs["live"]).info.status == "RUNNING"
 
@@ -90,7 +90,7 @@ def test_mark_closes_a_stale_run(project: Project, runs: dict[str, str]) -> None
     assert run.info.status == "FAILED"
     reason = run.data.tags[tags.STATUS_REASON]
     assert re.fullmatch(r"marked FAILED by harness mark: no heartbeat for 36\d\d s \(launcher gone\)", reason)
-    again = project.harness("mark", runs["stale"], "--status", "FAILED")
+    again = project.cli("mark", runs["stale"], "--status", "FAILED")
     assert again.returncode == 2 and f"run {runs['stale']} is FAILED, not RUNNING" in again.stderr
     forced = project.harness("mark", runs["silent"], "--status", "KILLED", "--force")
     assert forced.returncode == 0, forced.stderr

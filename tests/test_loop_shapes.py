@@ -209,7 +209,7 @@ def test_own_batches_longer_than_timeout_log_at_optimizer_steps(project: Project
     assert ck.returncode == 0, ck.stderr
     assert "no checkpoint at step 0" in ck.stderr and "ctx.steps(max_iters)" in ck.stderr
     assert "ctx.steps" in client.get_run(ck.last_line).data.tags["harness.notices"]
-    refused = project.harness("resume", ck.last_line)
+    refused = project.cli("resume", ck.last_line)
     assert refused.returncode == 2
 
 
@@ -223,7 +223,7 @@ def test_trace_a_loop_of_its_own(project: Project, shapes) -> None:
     assert tags["harness.trace.reproduced"] == "true", traced.stderr
     replay = project.harness("replay", run.last_line)
     assert replay.returncode == 0 and "verdict: BITWISE" in replay.stdout, replay.stdout + replay.stderr
-    bad = project.harness("trace", run.last_line, "--step", "5")
+    bad = project.cli("trace", run.last_line, "--step", "5")
     assert bad.returncode == 2 and "steps 0-4" in bad.stderr
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from conftest import Project, pid_alive
-from test_run import CRASHING
+from snippets import CRASHING
 
 MASTER = "198.51.100.1"
 

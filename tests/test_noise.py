@@ -19,7 +19,7 @@ from harness.judge import noise
 from harness.judge.compare import DIVERGED, WITHIN_NOISE, compare_runs, judge_noise
 from harness.judge.report import render_markdown
 from conftest import OTHER_HARDWARE
-from test_compare import clone, make_record
+from records import clone, make_record
 
 SEEDS = [0.91, 0.87, 0.95, 0.89, 0.93]
 
@@ -196,14 +196,14 @@ def test_a_study_replay_judges_its_members_together(project, wide_study) -> None
 def test_study_replay_options_are_checked_before_anything_runs(project, wide_study) -> None:
     study_id, members = wide_study
     before = len(project.all_runs())
-    too_many = project.harness("replay", study_id, "--members", "4")
+    too_many = project.cli("replay", study_id, "--members", "4")
     assert too_many.returncode == 2 and "--members 4: the study has 3 finished members" in too_many.stderr
-    zero = project.harness("replay", study_id, "--members", "0")
+    zero = project.cli("replay", study_id, "--members", "0")
     assert zero.returncode == 2 and "--members 0: pass at least 1" in zero.stderr
-    not_study = project.harness("replay", members[1], "--members", "2")
+    not_study = project.cli("replay", members[1], "--members", "2")
     assert not_study.returncode == 2 and "apply to a study" in not_study.stderr
     # Resume (like audit, and replay with --no-follow) takes one training run; a study is a group of them.
-    resume = project.harness("resume", study_id)
+    resume = project.cli("resume", study_id)
     assert resume.returncode == 2 and f"run {study_id} is a study" in resume.stderr
     assert "`harness resume` applies to a training run" in resume.stderr and resume.stderr.count("\n") == 1
     assert len(project.all_runs()) == before

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OTHER_HARDWARE, WIDE_CONFIG, WIDE_TRAIN, Project, git
+from snippets import UNSEEDED
 
 
 def verdict_line(stdout: str) -> str:
@@ -87,7 +88,7 @@ def test_replay_with_other_world_size_is_judged_by_tolerance(project: Project, o
 
 
 def test_changed_lr_diverges_at_the_first_differing_step(project: Project, original: str) -> None:
-    refused = project.harness("replay", original, "train.lr=0.02")
+    refused = project.cli("replay", original, "train.lr=0.02")
     assert refused.returncode == 2 and "--allow-changes" in refused.stderr
     result = project.harness("replay", original, "--allow-changes", "train.lr=0.02")
     assert result.returncode == 1, result.stderr
@@ -98,34 +99,6 @@ def test_changed_lr_diverges_at_the_first_differing_step(project: Project, origi
     assert verdict_line(result.stdout).startswith(f"verdict: DIVERGED at step {first}: loss")
     assert "Changes requested: train.lr=0.02" in result.stdout
     assert client.get_run(result.last_line).data.tags["harness.verdict"] == "DIVERGED"
-
-
-UNSEEDED = '''
-import os
-import torch
-from torch import nn
-
-
-def train(ctx):
-    data = torch.randn(100, 10, generator=torch.Generator().manual_seed(ctx.seed))
-    loader = ctx.loader(data, batch_size=10)
-    model = ctx.ddp(nn.Linear(10, 5))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctx.track(opt)
-    for _ in ctx.epochs(2):
-        for batch in loader:
-            opt.zero_grad()
-            out = model(batch)
-            if ctx.step >= 3:  # from step 3 on, targets come from the OS: nothing can replay them
-                target = torch.randn(out.shape, generator=torch.Generator().manual_seed(
-                    int.from_bytes(os.urandom(4), "little")))
-            else:
-                target = torch.randn_like(out)
-            loss = nn.functional.mse_loss(out, target)
-            loss.backward()
-            opt.step()
-            ctx.log({"loss": loss}, ctx.step)
-'''
 
 
 def test_unseeded_randomness_diverges_at_its_step(project: Project) -> None:
@@ -172,7 +145,7 @@ def test_replay_uses_recorded_config_not_the_yaml_on_disk(fresh_project: Project
 
 
 def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tmp_path: Path) -> None:
-    unknown = project.harness("replay", "0123456789abcdef0123456789abcdef")
+    unknown = project.cli("replay", "0123456789abcdef0123456789abcdef")
     assert unknown.returncode == 2 and unknown.stderr.strip().startswith("Error: no run '0123456789abcdef")
     assert len(unknown.stderr.strip().splitlines()) == 1
 
@@ -180,7 +153,7 @@ def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tm
     exp = client.get_experiment_by_name("linear_ddp").experiment_id
     foreign = client.create_run(exp).info.run_id
     client.set_terminated(foreign)
-    result = project.harness("replay", foreign)
+    result = project.cli("replay", foreign)
     assert result.returncode == 2 and "was not made by harness" in result.stderr
 
     other = tmp_path / "other repo"
@@ -189,7 +162,7 @@ def test_bad_replay_input_is_one_line_exit_2(project: Project, original: str, tm
     (other / "README").write_text("x")
     git(other, "add", "-A")
     git(other, "commit", "-qm", "unrelated")
-    missing = project.harness("replay", original, cwd=other)
+    missing = project.cli("replay", original, cwd=other)
     assert missing.returncode == 2
     assert "is not in the repository" in missing.stderr and "git fetch https://example.invalid/lab/project.git" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
@@ -301,7 +274,7 @@ def failed_run(project: Project) -> str:
 
 def test_replay_of_a_failed_run_is_refused_with_the_ways_out(project: Project, failed_run: str) -> None:
     before = len(project.all_runs())
-    result = project.harness("replay", failed_run)
+    result = project.cli("replay", failed_run)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip() == (
         f"Error: run {failed_run} is FAILED: it stopped before its end, so a full replay cannot be judged against "
@@ -402,7 +375,7 @@ def test_allowed_tolerance_change_is_the_tolerance_judged(project: Project, wide
 def test_bad_tolerance_is_one_line_exit_2_and_records_nothing(project: Project, wide_run: str, spec: str) -> None:
     before = len(project.all_runs())
     for command in (["replay", wide_run], ["compare", wide_run, wide_run]):
-        result = project.harness(*command, "--tolerance", spec)
+        result = project.cli(*command, "--tolerance", spec)
         assert result.returncode == 2, result.stdout + result.stderr
         assert result.stderr.startswith(f"Error: --tolerance {spec!r} is not METRIC=ATOL[,RTOL]"), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr

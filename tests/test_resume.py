@@ -98,11 +98,11 @@ def test_checkpoints_load_with_weights_only(project: Project, killable) -> None:
 def test_resume_refuses_finished_and_checkpointless_runs(project: Project, killable) -> None:
     done = project.harness("run", killable[0], "train.epochs=1")
     assert done.returncode == 0
-    refused = project.harness("resume", done.last_line)
+    refused = project.cli("resume", done.last_line)
     assert refused.returncode == 2 and "only FAILED or KILLED runs are resumed" in refused.stderr
     crashed = project.harness("run", killable[0], "train.epochs=2", env={"KILL_AT": "3"})
     assert crashed.returncode == 1
-    none = project.harness("resume", crashed.last_line)
+    none = project.cli("resume", crashed.last_line)
     assert none.returncode == 2 and "has no complete checkpoint" in none.stderr
     assert len(none.stderr.strip().splitlines()) == 1
     # The way out it names works: the suggested command, run as given.

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, Project, git, pid_alive
+from snippets import crash_experiment
 
 GOLDEN = ROOT / "tests" / "golden"
 # Invariant mode needs shards dividing the data: 2 shards of 5 samples per step.
@@ -202,7 +203,7 @@ BAD = [
 @pytest.mark.parametrize("overrides,message", BAD, ids=[b[0][0].encode("unicode_escape").decode() for b in BAD])
 def test_bad_config_is_one_line_exit_2_and_records_nothing(project: Project, overrides, message) -> None:
     before = len(project.all_runs())
-    result = project.harness("run", "experiments/linear_ddp", *overrides)
+    result = project.cli("run", "experiments/linear_ddp", *overrides)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
@@ -211,54 +212,29 @@ def test_bad_config_is_one_line_exit_2_and_records_nothing(project: Project, ove
 
 
 def test_unknown_key_in_yaml_and_missing_folder(project: Project, tmp_path: Path) -> None:
-    exp = project.add_experiment("typo", yaml_extra="wrld_size: 2\n", commit=False)
-    result = project.harness("run", str(exp))
-    assert result.returncode == 2 and "unknown key 'wrld_size'" in result.stderr
-    assert "world_size" in result.stderr  # the valid keys are listed
-    missing = project.harness("run", "experiments/nope")
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
     import shutil
 
-    shutil.rmtree(exp)
+    exp = project.add_experiment("typo", yaml_extra="wrld_size: 2\n", commit=False)
+    try:  # uncommitted: removed after, so the session's repository stays clean for the tests that follow
+        result = project.cli("run", str(exp))
+        assert result.returncode == 2 and "unknown key 'wrld_size'" in result.stderr
+        assert "world_size" in result.stderr  # the valid keys are listed
+        missing = project.cli("run", "experiments/nope")
+        assert missing.returncode == 2 and "does not exist" in missing.stderr
+    finally:
+        shutil.rmtree(exp)
 
 
 def test_outside_git_repository_is_refused(project: Project, tmp_path: Path) -> None:
     import shutil
 
     shutil.copytree(ROOT / "experiments" / "linear_ddp", tmp_path / "exp")
-    result = project.harness("run", str(tmp_path / "exp"), cwd=tmp_path)
+    result = project.cli("run", str(tmp_path / "exp"), cwd=tmp_path)
     assert result.returncode == 2 and "not inside a git repository" in result.stderr
 
 
-CRASHING = '''
-import os, pathlib, time
-import torch
-from torch import nn
-
-
-def train(ctx):
-    pathlib.Path(os.environ["PID_DIR"], f"rank{ctx.rank}").write_text(str(os.getpid()))
-    model = ctx.ddp(nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(ctx.cfg.steps):
-        if ctx.rank == ctx.cfg.fail_rank and step == ctx.cfg.fail_step:
-            raise RuntimeError("boom at step %d" % step)
-        opt.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        ctx.log({"loss": float(step)}, step)
-        time.sleep(ctx.cfg.sleep)
-'''
-
-
-def _crash_experiment(project: Project, name: str, steps: int, fail_rank: int, fail_step: int, sleep: float) -> str:
-    project.add_experiment(name, train_py=CRASHING)
-    return (f"experiments/{name}", f"train={{steps: {steps}, fail_rank: {fail_rank}, "
-            f"fail_step: {fail_step}, sleep: {sleep}}}")
-
-
 def test_rank_that_raises_fails_the_run_fast_and_leaves_nothing(project: Project, tmp_path: Path) -> None:
-    exp, train = _crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
+    exp, train = crash_experiment(project, "crashing", steps=1000, fail_rank=1, fail_step=3, sleep=0.05)
     start = time.monotonic()
     result = project.harness("run", exp, train, env={"PID_DIR": str(tmp_path)})
     elapsed = time.monotonic() - start
@@ -280,7 +256,7 @@ def test_rank_that_raises_fails_the_run_fast_and_leaves_nothing(project: Project
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_signal_kills_run_and_every_rank(project: Project, tmp_path: Path, signum: int, code: int) -> None:
-    exp, train = _crash_experiment(project, "crashing", steps=100000, fail_rank=-1, fail_step=-1, sleep=0.05)
+    exp, train = crash_experiment(project, "crashing", steps=100000, fail_rank=-1, fail_step=-1, sleep=0.05)
     proc = project.popen("run", exp, train, env={"PID_DIR": str(tmp_path)})
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
@@ -308,7 +284,7 @@ def test_signal_while_recording_waits_until_the_run_is_closed(project: Project) 
     script = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
-        "from harness import runner\n"
+        "from harness.commands import run as runner\n"
         "from harness.executors import local\n"
         "original = local._record_results\n"
         "def record(*args, **kwargs):\n"

@@ -55,7 +55,7 @@ class Sealed:
     def refused(self, *command: str, what: str, run_id: str | None = None) -> None:
         """`command` exits 2 with the one line naming `what`, and no run was recorded."""
         before = len(self.project.all_runs())
-        result = self.project.harness(*command)
+        result = self.project.cli(*command)
         assert result.returncode == EXIT_USAGE, result.stderr
         assert result.stderr.strip().splitlines()[-1] == (
             f"Error: run {run_id or self.run_id} was changed after it was sealed: {what}. {FIX}"), result.stderr
@@ -293,7 +293,7 @@ def test_import_refuses_a_bundle_whose_record_was_edited_and_writes_nothing(seal
     store = tmp_path / "other store"
     store.mkdir()
     uri = f"sqlite:///{store / 'mlflow.db'}"
-    result = sealed.project.harness("import", str(forged), env={"MLFLOW_TRACKING_URI": uri})
+    result = sealed.project.cli("import", str(forged), env={"MLFLOW_TRACKING_URI": uri})
     assert result.returncode == EXIT_USAGE, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"Error: run {sealed.run_id} (in the bundle) was changed after it was sealed: param train.lr (0.01 -> 0.5). "
@@ -346,7 +346,7 @@ def test_export_signs_an_in_toto_attestation_that_verify_record_checks(sealed: S
     assert statement["predicate"]["seal"] == tags[T.SEAL]
 
     def check(key: str = "signer.pub", attestation: Path = signed):
-        return sealed.project.harness("verify-record", sealed.run_id, "--attestation", str(attestation),
+        return sealed.project.cli("verify-record", sealed.run_id, "--attestation", str(attestation),
                                       "--key", str(keys[key]))
 
     ok = check()

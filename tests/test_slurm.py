@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Project
-from test_run import CRASHING
+from snippets import CRASHING
 
 
 @pytest.fixture

@@ -161,7 +161,7 @@ def test_parallel_members_equal_sequential_ones(project: Project, sequential, pa
 ])
 def test_bad_input_records_nothing(study_project: Project, args: list[str], message: str) -> None:
     before = len(study_project.all_runs())
-    result = study_project.harness("run", "experiments/linear_ddp", *args)
+    result = study_project.cli("run", "experiments/linear_ddp", *args)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("Error: ") and message in result.stderr and result.stderr.count("\n") == 1
     assert result.stdout == ""

@@ -142,9 +142,9 @@ def test_bad_input_is_one_line_and_records_nothing(project: Project, honest: str
 
     before = len(project.all_runs())
     # The command line once (one line, exit 2), the library for the other refusals (no start-up each).
-    result = project.harness("trace", honest, "--step", "6")
+    result = project.cli("trace", honest, "--step", "6")
     assert result.returncode == 2 and result.stderr == f"Error: --step 6: run {honest} has steps 0-5. Pass a step in that range.\n"
-    mixed = project.harness("compare", traced, honest)
+    mixed = project.cli("compare", traced, honest)
     assert mixed.returncode == 2 and f"run {traced} is a trace and run {honest} is not" in mixed.stderr, mixed.stderr
     cases = [
         ("no-such-run", 0, (0,), "no-such-run"),

@@ -133,7 +133,7 @@ def test_every_bad_claims_file_is_one_line(tmp_path: Path, text: str, message: s
 def test_a_bad_claims_file_exits_2_through_the_cli(fresh_project: Project) -> None:
     path = fresh_project.root / "claims.yaml"
     path.write_text("claims:\n  - id: t1\n    run: r\n    metric: loss\n    paper: 1\n    statistic: mode\n")
-    result = fresh_project.harness("verify", "claims.yaml")
+    result = fresh_project.cli("verify", "claims.yaml")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == ("Error: claims.yaml: claim 't1': statistic: unknown statistic 'mode'; "
                                      "valid: mean, median, min, max")

@@ -39,7 +39,7 @@ def test_invariant_mode_records_its_settings(project: Project, four_ranks: str) 
 
 
 def test_bad_invariant_layout_is_refused(project: Project) -> None:
-    result = project.harness("run", "experiments/digits_cnn", "world_size=3", "determinism.world_size_invariant=true")
+    result = project.cli("run", "experiments/digits_cnn", "world_size=3", "determinism.world_size_invariant=true")
     assert result.returncode == 2
     assert result.stderr.startswith("Error: ") and "power-of-two world_size" in result.stderr
 

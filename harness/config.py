@@ -49,7 +49,7 @@ class DeterminismConfig:
     level: Level = Level.strict
     """strict | warn | off (see Level)."""
     world_size_invariant: bool = False
-    """Train so that any world size dividing `shards` gives bit-identical results (see README)."""
+    """Train so that any world size dividing `shards` gives bit-identical results (see docs/world-size-invariant.md)."""
     shards: int = 8
     """Invariant mode: fixed shards per global step (a power of two); batch_size is the shard size."""
 
@@ -285,7 +285,7 @@ def load_experiment(
     if not exp_dir.is_dir():
         raise ConfigError(f"experiment folder '{exp_dir}' does not exist. Pass a folder holding {EXPERIMENT_FILE}.")
     if not path.is_file():
-        raise ConfigError(f"'{exp_dir}' has no {EXPERIMENT_FILE}. Create one (see README: The experiment format).")
+        raise ConfigError(f"'{exp_dir}' has no {EXPERIMENT_FILE}. Create one (see docs/experiment-format.md).")
     try:
         content = _load_yaml(path)
     except Exception as err:

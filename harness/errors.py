@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Documented exit codes (README "Exit codes").
+# Documented exit codes (docs/troubleshooting.md, "Exit codes").
 EXIT_OK = 0
 EXIT_FAILED = 1  # the training failed, or a replay/compare diverged
 EXIT_USAGE = 2  # bad input: config, run id, repository state, missing engine

@@ -410,3 +410,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
+        # Under pytest-xdist (`-n N --dist loadgroup`): the infra tests share daemons, namespaces and fixed
+        # addresses, so they run one after another on one worker; any other module stays whole on one worker,
+        # in order, with its module-scoped fixtures built once.
+        group = "infra" if item.get_closest_marker("infra") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -152,7 +152,7 @@ class Context:
         """The experiment's declared data (`data:` in experiment.yaml), name -> absolute path, checked by hash."""
         self.run_id = run_id
         """The MLflow run this job records ("" in a re-execution that records none: audit, trace). Rank 0's own
-        mlflow.log_metric/log_param/set_tag calls land in it (see README: your own MLflow calls)."""
+        mlflow.log_metric/log_param/set_tag calls land in it (see docs/training-api.md: your own calls)."""
         # The experiment folder, fixed at start: the training code may os.chdir() away from it.
         self._code_dir = code_dir or str(Path.cwd())
         if self._traced(0):
@@ -211,7 +211,7 @@ class Context:
                 raise ExperimentError(
                     f"step {self.step}: gradients reached the model outside ctx.backward in world-size-invariant "
                     "mode, where nothing else synchronises them across ranks. Replace loss.backward() with "
-                    "loss = ctx.backward(batch, loss_fn) (see README: world-size-invariant mode)."
+                    "loss = ctx.backward(batch, loss_fn) (see docs/world-size-invariant.md)."
                 )
             return grad
 

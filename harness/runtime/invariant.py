@@ -345,7 +345,7 @@ _NO_ACCUMULATION = (
     "in world-size-invariant mode, where ctx.backward reduces the gradients of its whole batch across ranks in one "
     "canonical order and overwrites param.grad, so gradients cannot be accumulated outside it. Accumulate through "
     "ctx.backward: give it the whole global batch, whose determinism.shards shards it sums as micro-batches (see "
-    "README: world-size-invariant mode)."
+    "docs/world-size-invariant.md)."
 )
 
 

@@ -902,7 +902,7 @@ class MetricWriter:
         self._tracker = tracker
         self._run_id = run_id
         self._interval = flush_interval_s
-        # A store that went away: the values wait here, in memory (see Outages and README "Outages").
+        # A store that went away: the values wait here, in memory (see Outages and docs/tracking-server.md).
         self._outages = outages or Outages()
         self._pending: deque[tuple[str, float, int, int]] = deque()
         self._stop = threading.Event()

@@ -1,0 +1,97 @@
+"""The docs stay true: generated references match the code, and every relative link leads to a file."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def _gen_docs():
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = _gen_docs()
+
+
+@pytest.mark.parametrize("page", sorted(GEN.PAGES), ids=lambda p: p.name)
+def test_generated_reference_is_current(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another terminal width must not change the page: the generator fixes its own.
+    monkeypatch.setenv("COLUMNS", "37")
+    expected = GEN.PAGES[page]()
+    assert page.exists(), f"{page.relative_to(ROOT)} is missing: run `python scripts/gen_docs.py`"
+    assert page.read_text(encoding="utf-8") == expected, (
+        f"{page.relative_to(ROOT)} is out of date: run `python scripts/gen_docs.py`")
+
+
+def test_cli_reference_covers_every_visible_command() -> None:
+    import click
+
+    main = importlib.import_module("harness.cli").main
+    text = GEN.CLI_PAGE.read_text(encoding="utf-8")
+    ctx = click.Context(main, info_name="harness")
+    for name in main.list_commands(ctx):
+        cmd = main.get_command(ctx, name)
+        assert cmd is not None
+        if cmd.hidden:
+            assert f"`harness {name}`" not in text
+        else:
+            assert f"## `harness {name}`" in text
+            assert cmd.help, f"harness {name} has no help: write its docstring"
+
+
+def test_schema_reference_has_every_key() -> None:
+    import dataclasses
+
+    from harness.config import ExperimentConfig
+
+    text = GEN.SCHEMA_PAGE.read_text(encoding="utf-8")
+    for f in dataclasses.fields(ExperimentConfig):
+        assert f"| `{f.name}` |" in text
+
+
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_CODE = re.compile(r"`[^`\n]*`")
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def _links(page: Path) -> list[str]:
+    text = _CODE.sub("", _FENCE.sub("", page.read_text(encoding="utf-8")))
+    return _LINK.findall(text)
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_lead_to_files(page: Path) -> None:
+    broken = []
+    for target in _links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL, or a place in this page
+        path = target.split("#", 1)[0]
+        if not (page.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_every_docs_page_is_reachable_from_the_index() -> None:
+    index = DOCS / "index.md"
+    linked = {(index.parent / t.split("#", 1)[0]).resolve() for t in _links(index)}
+    missing = [p.relative_to(ROOT) for p in sorted(DOCS.rglob("*.md")) if p != index and p.resolve() not in linked]
+    assert not missing, f"docs/index.md does not link {missing}"
+
+
+def test_readme_stays_the_front_door() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"

@@ -6,12 +6,12 @@ import difflib
 import enum
 import importlib.util
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf import errors as oc_errors
+from omegaconf import MISSING, DictConfig, OmegaConf, errors as oc_errors
 
 from harness.errors import ConfigError
 
@@ -66,7 +66,7 @@ class Tolerance:
 class ToleranceConfig:
     default: Tolerance = field(default_factory=Tolerance)
     """Applies to every metric not listed under `metrics`."""
-    metrics: Dict[str, Tolerance] = field(default_factory=dict)
+    metrics: dict[str, Tolerance] = field(default_factory=dict)
     """Per-metric tolerances, keyed by metric name."""
 
 
@@ -87,11 +87,11 @@ class SlurmConfig:
 
     nodes: int = 1
     """Nodes to run on; world_size must be a multiple of it (world_size / nodes ranks per node)."""
-    partition: Optional[str] = None
-    time: Optional[str] = None
+    partition: str | None = None
+    time: str | None = None
     """Time limit as sbatch takes it (e.g. 01:00:00); none: the partition's default."""
     gpus_per_node: int = 0
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: int | None = None
     """CPUs for each node's task; none: threads_per_rank x ranks per node."""
     poll_s: float = 1.0
     """How often the submitting process asks the scheduler whether the job still runs."""
@@ -111,7 +111,7 @@ class ExperimentConfig:
     """auto picks cuda when a GPU is visible, else cpu."""
     seed: int = 0
     """Base seed; every rank's seed is derived from it and recorded."""
-    seeds: Optional[List[int]] = None
+    seeds: list[int] | None = None
     """Distinct seeds, each in [0, 2**63-1]: run a study, one ordinary run per seed nested under a parent run
     (harness/commands/study.py). `harness run --seeds N` sets it to seed, seed+1, ..., seed+N-1."""
     threads_per_rank: int = 1
@@ -135,9 +135,9 @@ class ExperimentConfig:
     """A rank or collective that makes no progress for this long ends the job (also the process-group timeout)."""
     record: RecordConfig = field(default_factory=RecordConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
-    train: Dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
     """The experiment's own hyper-parameters, free-form; `ctx.cfg` in the training code."""
-    data: Dict[str, str] = field(default_factory=dict)
+    data: dict[str, str] = field(default_factory=dict)
     """Data the training reads, name -> file or folder (relative to this folder; $VAR and ~ expanded):
     hashed in full at run start, recorded, checked again by replay; `ctx.data["name"]` is the path."""
 
@@ -359,7 +359,7 @@ def check_layout(shards: int, world_size: int) -> None:
         )
 
 
-def validate(cfg: DictConfig, exp_dir: Optional[Path]) -> None:
+def validate(cfg: DictConfig, exp_dir: Path | None) -> None:
     """Checks the schema cannot express: required keys, ranges, the entry function exists."""
     if OmegaConf.is_missing(cfg, "image"):
         raise ConfigError(

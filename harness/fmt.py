@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
+
 
 def fmt_value(x: float | None) -> str:
     """Shortest repr that round-trips, so a 1-ulp difference stays visible."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 _CHANGE_LINE = re.compile(r"(\S+): (.*?) -> (.*?) at step (-?\d+) \(([^)]*)\)(?: by (.+))?$")
 
@@ -109,7 +109,7 @@ class SettingChange:
         return f"{self.setting}: {self.before} -> {self.after} at step {self.step} ({self.when}){by}"
 
     @classmethod
-    def from_line(cls, line: str) -> "SettingChange | None":
+    def from_line(cls, line: str) -> SettingChange | None:
         """The change a line() wrote (its `call` is not in the line); None for a line in no such form."""
         m = _CHANGE_LINE.match(line.strip())
         if m is None:
@@ -180,7 +180,7 @@ class UserSeeds:
     calls: tuple[UserSeed, ...]
 
 
-Message = Union[
-    Metrics, MetricsBatch, Fingerprint, Final, Initial, Determinism, DeterminismChanged, Total, Checkpoint, SegmentStart,
-    SegmentEnd, Notice, UserSeeds,
-]
+Message = (
+    Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | DeterminismChanged | Total | Checkpoint
+    | SegmentStart | SegmentEnd | Notice | UserSeeds
+)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -323,7 +324,6 @@ def replay(
     2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """
     from harness.commands.replay import replay as do_replay
-
     from harness.store.tracking import Tracker
 
     slurm, topology = _placement(executor, placement)
@@ -437,7 +437,8 @@ def _print_comparison(cmp: Any, changes: list[str]) -> None:
 @main.command()
 @click.argument("claims_file", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
-@click.option("--replay", "do_replay", is_flag=True, help="Replay each study or run the claims rest on (once) and judge the claims on the replays.")
+@click.option("--replay", "do_replay", is_flag=True,
+              help="Replay each study or run the claims rest on (once) and judge the claims on the replays.")
 @click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
@@ -716,7 +717,6 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None) -> No
 def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
     """Run an already recorded run where this command runs (inside a container, or a Slurm job's task)."""
     from harness.commands import run as runner
-
     from harness.executors.multinode import topology_from_env
 
     outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())

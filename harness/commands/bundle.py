@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from harness import scratch
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.errors import HarnessError
 from harness.record import data, seal
 from harness.record.data import sha256_file

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.store.tracking import Tracker
-
 
 
 def _float(tags: Mapping[str, str], name: str) -> float | None:

@@ -12,8 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import scratch
-from harness import executors, tags as T
+from harness import executors, scratch, tags as T
 from harness.commands import mark as liveness, run as runner
 from harness.config import compose, parse_overrides, validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
@@ -21,8 +20,17 @@ from harness.executors import Outcome, Topology
 from harness.fmt import json_safe
 from harness.judge import noise
 from harness.judge.compare import (
-    BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_NOISE, WITHIN_TOLERANCE, Comparison, compare_runs, format_tolerances,
-    judge_noise, judged_tolerance, parse_tolerances,
+    BITWISE,
+    DIVERGED,
+    NOTHING_TO_COMPARE,
+    WITHIN_NOISE,
+    WITHIN_TOLERANCE,
+    Comparison,
+    compare_runs,
+    format_tolerances,
+    judge_noise,
+    judged_tolerance,
+    parse_tolerances,
 )
 from harness.record import redaction, seal
 from harness.record.recorded import RecordedRun, refuse_non_training
@@ -63,7 +71,8 @@ def apply_changes(
     return new, changes
 
 
-_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}  # kind -> tag naming the run it was made from
+# kind -> tag naming the run it was made from
+_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}
 
 
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:

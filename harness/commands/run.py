@@ -12,8 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import scratch
-from harness import __version__, executors, tags as T
+from harness import __version__, executors, scratch, tags as T
 from harness.config import Executor, compose, flatten, load_experiment, split_entry, to_container, to_yaml
 from harness.errors import HarnessError
 from harness.executors.base import Job, Outcome, Topology
@@ -156,8 +155,8 @@ def preflight(
 
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
     """
-    from harness.record import data
     from harness.executors.launch import capacity_warning, no_gpu_here, resolve_device
+    from harness.record import data
 
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
@@ -232,8 +231,7 @@ def run(
 
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
-    from harness.executors.torchrun import check_config, torchrun_env
-    from harness.executors.torchrun import topology as torchrun_topology
+    from harness.executors.torchrun import check_config, topology as torchrun_topology, torchrun_env
 
     torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
     if topology is None:

@@ -13,12 +13,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from harness import scratch
-from harness import executors, tags as T
+from harness import executors, scratch, tags as T
 from harness.commands import run as runner
 from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError

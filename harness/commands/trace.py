@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import scratch
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.errors import HarnessError
 from harness.executors.local import SegmentMessages, check_runnable, run_segments
 from harness.judge.delta import config_delta, environment_delta

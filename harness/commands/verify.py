@@ -17,7 +17,16 @@ from harness.commands import replay as rp
 from harness.commands.study import is_study, load_study, member_records
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.claims import (
-    CLAIM_WITHIN_NOISE, HOLDS, MISPRINTED, NOT_REPRODUCED, Claim, Source, Verdict, as_decimal, load_claims, prints_as,
+    CLAIM_WITHIN_NOISE,
+    HOLDS,
+    MISPRINTED,
+    NOT_REPRODUCED,
+    Claim,
+    Source,
+    Verdict,
+    as_decimal,
+    load_claims,
+    prints_as,
 )
 from harness.judge.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
 from harness.judge.noise import MIN_SEEDS, another_mean, spread

@@ -17,9 +17,10 @@ import contextlib
 import signal
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Union
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -51,7 +52,7 @@ class Submitted:
     detail: str = ""
 
 
-Event = Union[Message, Output, Submitted]
+Event = Message | Output | Submitted
 
 
 @dataclass(frozen=True)

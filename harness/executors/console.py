@@ -97,7 +97,7 @@ class Console:
             stopping = self._stop.wait(0.2)
             self._poll_steps()
             try:
-                with open(self._log_path, "r", errors="replace") as fh:
+                with open(self._log_path, errors="replace") as fh:
                     fh.seek(offset)
                     chunk = fh.read()
                     offset = fh.tell()

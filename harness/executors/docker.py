@@ -10,9 +10,9 @@ import contextlib
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from harness import tags as T
 from harness.config import to_container

@@ -15,9 +15,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import harness
 from harness.config import Level, load_module_function
@@ -32,8 +33,8 @@ _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
 # The process group's own timeout is timeout_s plus this margin, so that the launcher's progress check,
 # which can name the silent rank, fires before a waiting rank's collective gives up with a peer error.
 _PG_MARGIN_S = 30.0
-_STACK_WAIT_S = 1.0
-_SIGNAL_WAIT_S = 2.0  # a rank killed by SIGTERM: how long to wait for the launcher's own signal  # how long a rank gets to write its stacks when the job is stopped for no progress
+_STACK_WAIT_S = 1.0  # how long a rank gets to write its stacks when the job is stopped for no progress
+_SIGNAL_WAIT_S = 2.0  # a rank killed by SIGTERM: how long to wait for the launcher's own signal
 # Errors a rank raises only because a peer died or hung: they are consequences, never the cause.
 _PEER_ERROR = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ProcessGroupGloo|ProcessGroupNCCL|"
@@ -187,7 +188,7 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def _worker(local_rank: int, start: "_Start", inboxes: list[Any], channel: Any, progress: Any) -> None:
+def _worker(local_rank: int, start: _Start, inboxes: list[Any], channel: Any, progress: Any) -> None:
     """One spawned rank: tied to its launcher, output to its log file, stacks on demand; its heavy imports
     while the launcher records the run; then, once its spec arrives, the rank's body."""
     _die_with_parent()
@@ -223,13 +224,13 @@ def _worker(local_rank: int, start: "_Start", inboxes: list[Any], channel: Any, 
 
 def _preload() -> None:
     """What every rank's body imports, loaded while the launcher is still recording the run."""
-    import torch.distributed  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
+    # Imported for their side effect (the modules load now), never used by name.
+    import torch.distributed
+    import torch.nn.parallel
     import torch.utils.data  # noqa: F401
     from omegaconf import OmegaConf  # noqa: F401
 
-    from harness.runtime import context  # noqa: F401
-    from harness.runtime import determinism
+    from harness.runtime import context, determinism  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -733,7 +734,8 @@ def _stack_location(path: Path, code_dir: str) -> tuple[str | None, str]:
 
 
 def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
-    """(rank, one line, traceback, whether the line says it all) of the failure that caused the others: a peer's connection error never is."""
+    """(rank, one line, traceback, whether the line says it all) of the failure that caused the others: a peer's
+    connection error never is."""
     import torch.multiprocessing as mp
 
     records = []
@@ -801,7 +803,7 @@ def failure_details(err: BaseException) -> tuple[int | None, str, bool]:
 
 
 def _last_line(text: str) -> str:
-    lines = [l for l in text.strip().splitlines() if l.strip()]
+    lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else "unknown error"
 
 

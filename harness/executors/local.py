@@ -14,14 +14,14 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import scratch
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.config import check_nodes, is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
@@ -29,8 +29,21 @@ from harness.executors.launch import LaunchSpec, failed, failure_details, is_pee
 from harness.executors.multinode import check_topology, differing
 from harness.judge.delta import setting_risk
 from harness.messages import (
-    Checkpoint, Determinism, DeterminismChanged, Final, Fingerprint, Initial, Message, Metrics, MetricsBatch, Notice,
-    SegmentEnd, SegmentStart, SettingChange, Total, UserSeeds,
+    Checkpoint,
+    Determinism,
+    DeterminismChanged,
+    Final,
+    Fingerprint,
+    Initial,
+    Message,
+    Metrics,
+    MetricsBatch,
+    Notice,
+    SegmentEnd,
+    SegmentStart,
+    SettingChange,
+    Total,
+    UserSeeds,
 )
 from harness.record.provenance import package_lock, runtime_facts
 from harness.runtime import usermlflow, userseed
@@ -450,7 +463,7 @@ class LocalHandle(Handle):
         if full:
             cause = f"the tracking store {shown} {full} ({reason_of(root)})"
             fix = ("Free space on its disk" if full == "is full" else "Make it writable") + \
-                f" (or use another store with --tracking-uri), then rerun"
+                " (or use another store with --tracking-uri), then rerun"
         elif transient(err):
             cause = (f"the tracking store {shown} stayed unreachable for over {outages.limit_s:g} s "
                      f"(HARNESS_STORE_OUTAGE_S): {reason_of(err)}")
@@ -550,7 +563,7 @@ class LocalHandle(Handle):
             cause = node.blame(err, is_peer_failure(err))
             if not isinstance(cause, Interrupted):
                 node.fail(str(cause), failure_details(cause)[0])
-            raise cause
+            raise cause  # noqa: B904 - its __cause__ is the rank's _RankError (multinode.blame); `from` would replace it
         except Interrupted as err:
             if self.cancelled:  # interrupted here, not told by another node
                 node.fail(f"node {self.job.topology.node_rank} was interrupted", signum=err.signum)

@@ -16,8 +16,8 @@ import json
 import os
 import tarfile
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError, Interrupted, RunFailed

@@ -22,8 +22,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from harness import tags as T
 from harness.config import check_nodes
@@ -181,7 +181,7 @@ class SlurmHandle(Handle):
 
     def _stream(self, final: bool = False) -> None:
         try:
-            with open(self.output, "r", errors="replace") as fh:
+            with open(self.output, errors="replace") as fh:
                 fh.seek(self._offset)
                 chunk = fh.read()
                 self._offset = fh.tell()

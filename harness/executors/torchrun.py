@@ -15,14 +15,21 @@ import os
 import shutil
 import sys
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from harness import tags as T
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Event, Executor, Handle, Job, Topology
 from harness.executors.launch import (
-    failed, failure_details, failure_record, host_store, is_peer_failure, rank_failed, run_rank,
+    failed,
+    failure_details,
+    failure_record,
+    host_store,
+    is_peer_failure,
+    rank_failed,
+    run_rank,
 )
 from harness.executors.local import LocalHandle, _node_tags, check_runnable, config_id, launch_spec, local_image_tags
 from harness.executors.multinode import _LAST_WORD_S, _POLL_S, Node, node_facts
@@ -232,7 +239,7 @@ class TorchrunHandle(LocalHandle):
                 while time.monotonic() < deadline and (posted := node.posted()) is None:
                     time.sleep(_POLL_S)
                 if posted is not None:
-                    raise self._remote(posted)
+                    raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's _RankError (launch.failed); `from` would replace it
             failing, tb, expected = failure_details(err)
             node.fail(str(err), failing, traceback=None if expected else tb)
             raise
@@ -240,7 +247,7 @@ class TorchrunHandle(LocalHandle):
             # torchrun stops the other ranks when one fails: that rank's failure, not the signal, ended the job.
             posted = node.posted()
             if posted is not None and not posted.get("signum"):
-                raise self._remote(posted)
+                raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's _RankError (launch.failed); `from` would replace it
             node.fail(f"rank {rank} was interrupted", rank, signum=err.signum)
             raise
         node.done()
@@ -268,7 +275,7 @@ class TorchrunHandle(LocalHandle):
         except KeyboardInterrupt:
             raise Interrupted(signal.SIGINT) from None
         except BaseException as err:
-            raise rank_failed(failure_record(spec, self.env.rank, err))
+            raise rank_failed(failure_record(spec, self.env.rank, err))  # noqa: B904 - its __cause__ is the rank's _RankError (launch.rank_failed); `from` would replace it
         finally:
             self.training = False
             os.chdir(cwd)

@@ -3,9 +3,9 @@ and a claim judged against those runs (the verdict harness verify records)."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
-import math
 from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any

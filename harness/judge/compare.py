@@ -7,8 +7,9 @@ noise a cross-hardware replay is judged against is harness/judge/noise.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

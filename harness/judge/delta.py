@@ -6,8 +6,9 @@ floating-point operations run, or in what order, breaks it; where the run happen
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from harness import tags
 from harness.config import flatten

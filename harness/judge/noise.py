@@ -16,8 +16,8 @@ new seed could have given. The statistics here answer it from a study's N seeds 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 

@@ -6,8 +6,9 @@ checkpoint file is opened, so it works on a bundle imported without its checkpoi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 # How many differing tensor names a one-line summary spells out before it counts the rest.
 _NAMES_IN_LINE = 6

@@ -28,7 +28,7 @@ img{max-width:100%;border:1px solid #ddd}
 """
 
 
-def _recorded_text(v: "Verdict") -> str:
+def _recorded_text(v: Verdict) -> str:
     c = v.claim
     text = fmt(v.recorded, c.paper.value)
     if c.paper.pm is not None or (v.recorded_spread is not None and v.source.is_study):
@@ -36,13 +36,13 @@ def _recorded_text(v: "Verdict") -> str:
     return text + f" (n={len(v.values)})"
 
 
-def _replayed_text(v: "Verdict", replayed: bool) -> str:
+def _replayed_text(v: Verdict, replayed: bool) -> str:
     if not replayed:
         return "-"
     return f"{fmt(v.replayed, v.claim.paper.value)} (n={len(v.replayed_values)})"
 
 
-def rows(verdicts: list["Verdict"], replayed: bool) -> list[list[str]]:
+def rows(verdicts: list[Verdict], replayed: bool) -> list[list[str]]:
     """The claims table: claim, paper value, recorded, replayed, replay verdict, verdict."""
     return [[v.claim.id, v.claim.paper_text, _recorded_text(v), _replayed_text(v, replayed),
              v.source.replay_verdict or "-", v.outcome] for v in verdicts]
@@ -51,7 +51,7 @@ def rows(verdicts: list["Verdict"], replayed: bool) -> list[list[str]]:
 HEADER = ["claim", "paper", "recorded", "replayed", "replay", "verdict"]
 
 
-def why(v: "Verdict") -> list[str]:
+def why(v: Verdict) -> list[str]:
     """Sentences explaining the claim's verdict."""
     c = v.claim
     kind = f"{c.statistic} over {len(v.values)} seeds" if v.source.is_study else "one run"
@@ -87,12 +87,12 @@ def why(v: "Verdict") -> list[str]:
     return out
 
 
-def _sources(verdicts: list["Verdict"]) -> list["Source"]:
+def _sources(verdicts: list[Verdict]) -> list[Source]:
     """Each study or run once, in the order the claims first name them."""
     return list({id(v.source): v.source for v in verdicts}.values())
 
 
-def render_markdown(verdicts: list["Verdict"], replayed: bool, changes: list[str], run_id: str) -> str:
+def render_markdown(verdicts: list[Verdict], replayed: bool, changes: list[str], run_id: str) -> str:
     held = sum(v.holds for v in verdicts)
     out = [f"# Claims check: {held} of {len(verdicts)} hold", "", f"- Verify run: {_code(run_id)}",
            f"- Replayed: {'yes' if replayed else 'no (checked against the record only)'}"]
@@ -125,7 +125,7 @@ def render_markdown(verdicts: list["Verdict"], replayed: bool, changes: list[str
     return "\n".join(out)
 
 
-def strip_plot(v: "Verdict") -> bytes:
+def strip_plot(v: Verdict) -> bytes:
     """The seeds' values as a strip, the paper's value and +- as a band, the replayed values marked; PNG bytes."""
     import matplotlib
 
@@ -187,7 +187,7 @@ def _html_table(header: list[str], body: list[list[str]], coloured: tuple[int, .
     return f"<table><tr>{head}</tr>{''.join(lines)}</table>"
 
 
-def render_html(verdicts: list["Verdict"], replayed: bool, changes: list[str], run_id: str) -> str:
+def render_html(verdicts: list[Verdict], replayed: bool, changes: list[str], run_id: str) -> str:
     """A single page: nothing is fetched from anywhere (the plots are data: URIs)."""
     held = sum(v.holds for v in verdicts)
     title = f"Claims check: {held} of {len(verdicts)} hold"

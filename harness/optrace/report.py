@@ -16,10 +16,10 @@ _HEADLINES = {
 }
 
 
-def _rows(loc: "Localization") -> list[tuple[str, str, str]]:
+def _rows(loc: Localization) -> list[tuple[str, str, str]]:
     from harness.optrace.tracer import describe_sig
 
-    def field(r: "OpRecord | None", what: str) -> str:
+    def field(r: OpRecord | None, what: str) -> str:
         if r is None:
             return "(trace ended)"
         if what == "inputs":
@@ -34,7 +34,7 @@ def _rows(loc: "Localization") -> list[tuple[str, str, str]]:
             for w in ("op", "module", "phase", "user_line", "inputs", "outputs", "params")]
 
 
-def _meta_rows(a: "Trace", b: "Trace") -> list[tuple[str, str, str]]:
+def _meta_rows(a: Trace, b: Trace) -> list[tuple[str, str, str]]:
     keys = sorted(set(a.meta) | set(b.meta))
     return [(k, repr(a.meta.get(k)), repr(b.meta.get(k))) for k in keys
             if a.meta.get(k) != b.meta.get(k)]
@@ -44,7 +44,7 @@ def _md_cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(loc: "Localization", a: "Trace", b: "Trace") -> str:
+def markdown(loc: Localization, a: Trace, b: Trace) -> str:
     out = [f"# Op trace diff: {loc.status}", "", f"**{_HEADLINES.get(loc.status, loc.status)}**"]
     if loc.index is not None:
         out[-1] += f" - op {loc.index}"
@@ -76,7 +76,7 @@ text-align:left;vertical-align:top} td code{white-space:pre-wrap;word-break:brea
 """
 
 
-def html(loc: "Localization", a: "Trace", b: "Trace") -> str:
+def html(loc: Localization, a: Trace, b: Trace) -> str:
     e = _html.escape
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>Op trace diff: {e(loc.status)}</title><style>{_CSS}</style></head><body>",

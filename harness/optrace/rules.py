@@ -45,12 +45,12 @@ def _base(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
-def _meta_delta(a: "Trace", b: "Trace", keys: tuple[str, ...]) -> list[str]:
+def _meta_delta(a: Trace, b: Trace, keys: tuple[str, ...]) -> list[str]:
     return [f"{k} {a.meta.get(k)!r} vs {b.meta.get(k)!r}" for k in keys
             if a.meta.get(k) != b.meta.get(k)]
 
 
-def random_generator(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+def random_generator(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in RANDOM_OPS:
         return None
     return ("a random op drew different values from identical inputs: its generator was unseeded "
@@ -58,7 +58,7 @@ def random_generator(loc: "Localization", a: "Trace", b: "Trace", hints: dict | 
             "generator)")
 
 
-def accumulation_order(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+def accumulation_order(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     from harness.optrace.tracer import ACCUMULATION_OPS
 
     if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in ACCUMULATION_OPS:
@@ -72,7 +72,7 @@ def accumulation_order(loc: "Localization", a: "Trace", b: "Trace", hints: dict 
             "picks a deterministic kernel or says there is none)")
 
 
-def precision_setting(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+def precision_setting(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in MATMUL_OPS:
         return None
     delta = _meta_delta(a, b, PRECISION_KEYS)
@@ -81,7 +81,7 @@ def precision_setting(loc: "Localization", a: "Trace", b: "Trace", hints: dict |
     return "a precision setting differs between the traces: " + ", ".join(delta)
 
 
-def determinism_setting(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+def determinism_setting(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
         return None
     delta = _meta_delta(a, b, DETERMINISM_KEYS)
@@ -90,7 +90,7 @@ def determinism_setting(loc: "Localization", a: "Trace", b: "Trace", hints: dict
     return "determinism settings differ between the traces: " + ", ".join(delta)
 
 
-def library_version(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+def library_version(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
         return None
     packages: dict[str, Any] = dict((hints or {}).get("packages") or {})
@@ -102,7 +102,7 @@ def library_version(loc: "Localization", a: "Trace", b: "Trace", hints: dict | N
     return f"a different library version: {shown}"
 
 
-def collective_peer(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+def collective_peer(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     if loc.status != "CULPRIT" or loc.a is None or not loc.a.op.startswith(("c10d.", "_c10d_functional.")):
         return None
     return ("a collective returned different values for identical local inputs: another rank "
@@ -111,12 +111,12 @@ def collective_peer(loc: "Localization", a: "Trace", b: "Trace", hints: dict | N
 
 
 # Most specific first; every rule that applies contributes its sentence.
-RULES: tuple[Callable[["Localization", "Trace", "Trace", dict | None], str | None], ...] = (
+RULES: tuple[Callable[[Localization, Trace, Trace, dict | None], str | None], ...] = (
     random_generator, accumulation_order, collective_peer, precision_setting, determinism_setting,
     library_version,
 )
 
 
-def likely_cause(loc: "Localization", a: "Trace", b: "Trace", hints: dict | None) -> str | None:
+def likely_cause(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     found = [s for rule in RULES if (s := rule(loc, a, b, hints)) is not None]
     return "; ".join(found) if found else None

@@ -160,7 +160,7 @@ def _params_repr(args: tuple, kwargs: dict) -> str:
     return ", ".join(parts)
 
 
-def _rows_bytes(t: torch.Tensor, n: int) -> "Any":
+def _rows_bytes(t: torch.Tensor, n: int) -> Any:
     """(n, k) uint8 numpy array: row i holds the exact bytes of t's i-th slice along dim 0."""
     c = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
     return c.reshape(-1).view(torch.uint8).numpy().reshape(n, -1)
@@ -302,7 +302,7 @@ class _Origins(TorchFunctionMode):
     """Above autograd: tags each autograd node made in the step with the module and user line of
     the torch call that made it, so a backward op can name the forward that caused it."""
 
-    def __init__(self, tracer: "OpTracer") -> None:
+    def __init__(self, tracer: OpTracer) -> None:
         super().__init__()
         self.tracer = tracer
 
@@ -325,7 +325,7 @@ class _Origins(TorchFunctionMode):
 
 
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, tracer: "OpTracer") -> None:
+    def __init__(self, tracer: OpTracer) -> None:
         super().__init__()
         self.tracer = tracer
 
@@ -368,14 +368,13 @@ class OpTracer:
         self._optimizer_hooks = optimizer_hooks
 
     # -- context -----------------------------------------------------------------------------
-    def __enter__(self) -> "OpTracer":
+    def __enter__(self) -> OpTracer:
         if self._modes is not None or self._done:
             raise HarnessError("an OpTracer traces one step: make a new OpTracer for another step")
         self.meta = self._meta()
         self._hook_modules()
         if self._optimizer_hooks:
-            from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                               register_optimizer_step_pre_hook)
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
             self._handles.append(register_optimizer_step_pre_hook(self._optimizer_enter))
             self._handles.append(register_optimizer_step_post_hook(self._optimizer_exit))

@@ -125,7 +125,7 @@ class CheckpointStore:
             files = sorted(p for p in local.iterdir() if p.name != checkpoint.COMPLETE_MARKER)
             try:
                 for path in [*files, local / checkpoint.COMPLETE_MARKER]:
-                    self._outages.retry(lambda p=path: self.tracker.log_file(self.run_id, p, artifact_dir))
+                    self._outages.retry(lambda p=path, d=artifact_dir: self.tracker.log_file(self.run_id, p, d))
             except Exception as err:
                 self.error = err
 

@@ -17,10 +17,11 @@ import sqlite3
 import stat
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from harness import tags as T
 from harness.errors import HarnessError

@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import hashlib
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import scratch
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.config import compose, split_entry, to_container, validate
 from harness.errors import HarnessError
 from harness.executors import Job, Topology
 from harness.record import confine, redaction
 from harness.store.tracking import RunSummary, Tracker
 from harness.systems import git as gitsource
-
 
 # Runs that record a group or a check rather than one training job: there is nothing of their own to rerun.
 _NOT_TRAINING = {

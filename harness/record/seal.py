@@ -23,9 +23,10 @@ import hashlib
 import io
 import json
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from harness import tags as T
 from harness.errors import HarnessError
@@ -91,7 +92,7 @@ def sealed_tag(key: str) -> bool:
     """Is this tag part of the seal?"""
     if key in UNSEALED_TAGS:
         return False
-    return key.startswith(T.PREFIX) or key.startswith(SEALED_MLFLOW_PREFIX) or key in SEALED_MLFLOW_TAGS
+    return key.startswith((T.PREFIX, SEALED_MLFLOW_PREFIX)) or key in SEALED_MLFLOW_TAGS
 
 
 def _sha(data: bytes) -> str:
@@ -245,8 +246,8 @@ def first_difference(old: dict[str, Any], new: dict[str, Any], record: Record) -
     """The first field of the sealed manifest `old` that differs in `new`, in words."""
     if old.get("status") != new["status"]:
         return f"status ({old.get('status')} -> {new['status']})"
-    for kind, field in (("param", "params"), ("tag", "tags")):
-        found = _dict_difference(kind, old.get(field, {}), new[field])
+    for kind, section in (("param", "params"), ("tag", "tags")):
+        found = _dict_difference(kind, old.get(section, {}), new[section])
         if found:
             return found
     old_metrics, new_metrics = old.get("metrics", {}), new["metrics"]

@@ -10,9 +10,10 @@ import pickle
 import random
 import re
 import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Mapping, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 import torch

@@ -5,10 +5,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import numbers
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,10 +23,16 @@ from harness.optrace import tracer as optrace
 from harness.runtime import checkpoint as ckpt, determinism
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (
-    EvalSampler, InvariantModule, InvariantStep, KeyedDataset, ShardBatchSampler, broadcast_parameters,
+    EvalSampler,
+    InvariantModule,
+    InvariantStep,
+    KeyedDataset,
+    ShardBatchSampler,
+    broadcast_parameters,
 )
 from harness.runtime.outbox import Outbox
 from harness.runtime.steps import StepClock, optimizer_parameters
+
 
 @dataclass
 class CheckpointPlan:
@@ -49,7 +56,7 @@ class StopSegment(BaseException):
 class _Loader(DataLoader):
     """A DataLoader whose iteration ctx drives: step counting, checkpoints, resume, audit stops."""
 
-    _harness_ctx: "Context | None" = None
+    _harness_ctx: Context | None = None
     _harness_raw = False
 
     def __iter__(self):  # type: ignore[override]
@@ -294,7 +301,7 @@ class Context:
                 )
         generator = torch.Generator()
         generator.manual_seed(self.rank_seed)
-        common: dict[str, Any] = dict(generator=generator, worker_init_fn=_seed_worker, pin_memory=self.device.type == "cuda")
+        common: dict[str, Any] = {"generator": generator, "worker_init_fn": _seed_worker, "pin_memory": self.device.type == "cuda"}
         if num_workers > 0 and "fork" in mp.get_all_start_methods():
             # Ranks are spawned, and workers would inherit that: spawning a worker re-imports
             # torch every epoch (seconds); fork is PyTorch's own default on Linux.
@@ -305,7 +312,7 @@ class Context:
         common.update(loader_kwargs)
         return common
 
-    def _register(self, dl: "_Loader", shuffle: bool) -> DataLoader:
+    def _register(self, dl: _Loader, shuffle: bool) -> DataLoader:
         dl._harness_ctx = self
         self._loaders.append(dl)
         if self._train_loader is None and shuffle:
@@ -553,7 +560,7 @@ class Context:
             "training ctx.loader inside ctx.epochs(n).",
         )
 
-    def _train_iter(self, loader: "_Loader") -> Iterator[Any]:
+    def _train_iter(self, loader: _Loader) -> Iterator[Any]:
         """Hand out the training batches of one epoch; checkpoint before fetching a step's first batch."""
         epoch, first = self._epoch, 0
         if self._driver is None:

@@ -7,7 +7,8 @@ import functools
 import os
 import random
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ _FUNCTION_KEYS = {"set_float32_matmul_precision": _MATMUL,
                   "set_num_threads": ("intra_op_threads",)}
 # The last watched call that may have changed each setting since the previous reading: key -> (where, call).
 _calls: dict[str, tuple[str, str]] = {}
-_watch: "Watch | None" = None
+_watch: Watch | None = None
 
 
 class Watch:

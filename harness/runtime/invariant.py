@@ -494,7 +494,7 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group: Any = None) -> N
     world, _ = _group_size_rank(group)
     if world == 1:
         return
-    tensors = [t for t in (*model.parameters(), *model.buffers())]
+    tensors = [*model.parameters(), *model.buffers()]
     # One broadcast per (device, dtype) instead of one per tensor.
     buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:

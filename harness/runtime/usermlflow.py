@@ -19,8 +19,9 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import harness
 from harness.messages import UserSeed, UserSeeds

@@ -16,8 +16,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from harness.errors import HarnessError
@@ -310,7 +310,7 @@ def _probe_http(uri: str, timeout_s: float) -> None:
             f"{shown} is not an MLflow tracking server: GET {_PROBE_PATH} answered HTTP {err.code}. "
             f"Check the host, port and path in --tracking-uri or MLFLOW_TRACKING_URI."
         ) from None
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise HarnessError(f"the tracking store {shown} did not answer within {timeout_s:g} s. {check}") from None
     except urllib.error.URLError as err:
         raise HarnessError(f"cannot reach the tracking store {shown}: {_url_reason(err.reason, timeout_s)}. {check}") from None
@@ -430,8 +430,8 @@ def schema_error(shown: str, found: str, known: bool | None = None) -> HarnessEr
 
     if known is None:
         try:
-            from mlflow.store.db.utils import _get_alembic_config
             from alembic.script import ScriptDirectory
+            from mlflow.store.db.utils import _get_alembic_config
 
             known = any(s.revision == found for s in ScriptDirectory.from_config(_get_alembic_config("")).walk_revisions())
         except Exception:  # MLflow's migration layout is not public: an unknown answer is the safe one

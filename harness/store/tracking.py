@@ -8,23 +8,37 @@ import json
 import logging
 import os
 import re
-from urllib.parse import urlsplit
 import sqlite3
-import tempfile
 import struct
+import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
+from urllib.parse import urlsplit
 
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.record import seal
 from harness.records import RunRecord, RunSummary
 from harness.store.reach import (
-    DB_NAME, MLFLOW_HTTP_DEFAULTS, OTHER_STORE, SUPPRESS_URL, absolute_uri, artifact_path, artifact_root, database_file,
-    display_uri, env_seconds, opening, probe_store, reason_of, schema_error, store_timeout,
+    DB_NAME,
+    MLFLOW_HTTP_DEFAULTS,
+    OTHER_STORE,
+    SUPPRESS_URL,
+    absolute_uri,
+    artifact_path,
+    artifact_root,
+    database_file,
+    display_uri,
+    env_seconds,
+    opening,
+    probe_store,
+    reason_of,
+    schema_error,
+    store_timeout,
 )
 
 STORE_DIR = "mlruns"
@@ -43,7 +57,7 @@ def default_uri(cwd: Path | None = None) -> str:
 def resolve_uri(uri: str | None) -> str:
     chosen = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
     try:
-        urlsplit(chosen).port  # parsed once here: a malformed one is a line, not a traceback
+        _ = urlsplit(chosen).port  # parsed once here: a malformed one is a line, not a traceback
     except ValueError as err:
         # Not printed: it may hold a password.
         raise HarnessError(f"the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI ({err}). "
@@ -228,7 +242,7 @@ class Outages:
 class Patient:
     """A Tracker whose every call retries through store outages (Outages.retry): for a job's end-of-run writes."""
 
-    def __init__(self, tracker: "Tracker", outages: Outages) -> None:
+    def __init__(self, tracker: Tracker, outages: Outages) -> None:
         self._tracker = tracker
         self._outages = outages
         self.uri = tracker.uri
@@ -311,7 +325,7 @@ class SqliteReader:
         self._db = db
 
     @classmethod
-    def open(cls, uri: str) -> "SqliteReader | None":
+    def open(cls, uri: str) -> SqliteReader | None:
         """A reader for `uri`, or None when MLflow must open it (not a local SQLite file, a schema of
         another revision - MLflow names that -, workspaces enabled, or anything unexpected)."""
         path = database_file(uri)
@@ -703,10 +717,10 @@ class Tracker:
             raise
 
 
-    def metric_writer(self, run_id: str, flush_interval_s: float, outages: Outages | None = None) -> "MetricWriter":
+    def metric_writer(self, run_id: str, flush_interval_s: float, outages: Outages | None = None) -> MetricWriter:
         return MetricWriter(self, run_id, flush_interval_s, outages)
 
-    def heartbeat(self, run_id: str, interval_s: float, outages: Outages | None = None) -> "Heartbeat":
+    def heartbeat(self, run_id: str, interval_s: float, outages: Outages | None = None) -> Heartbeat:
         return Heartbeat(self, run_id, interval_s, outages)
 
     # -- reading ---------------------------------------------------------------------------------

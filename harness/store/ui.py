@@ -84,7 +84,7 @@ def link(base_url: str, experiment_id: str) -> str:
 READY_TIMEOUT_S = 120.0  # a cold `mlflow server` answers in ~8 s here; a dead one is named, not waited on
 
 
-def prepare(tracker: "Tracker", experiment: str | None) -> str | None:
+def prepare(tracker: Tracker, experiment: str | None) -> str | None:
     """The experiment to open (given, else the one of the newest harness run), its view (re)written.
 
     None when the store holds no harness run yet: the UI then opens on its experiment list.

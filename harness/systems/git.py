@@ -11,9 +11,11 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
 from harness import scratch
 from harness.errors import HarnessError
 from harness.urls import strip_credentials
@@ -219,7 +221,8 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
     if secrets:  # every one at once: fixing them one run at a time would be tedious
         raise HarnessError(
             f"{first_few([_show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
-            "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, or pass --allow-untracked-secrets knowingly."
+            "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, "
+            "or pass --allow-untracked-secrets knowingly."
         )
     return names
 

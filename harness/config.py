@@ -262,8 +262,9 @@ def _check_sections(content: Any, schema: DictConfig, source: str, prefix: str =
         node = schema.get(key) if key in schema else None
         if not isinstance(node, DictConfig):
             continue
-        full = f"{prefix}{key}"
+        full = f"{prefix}{key!s}"
         value = content._get_node(key)
+        assert value is not None  # key is one of content's keys
         if isinstance(value, DictConfig):
             _check_sections(value, node, source, f"{full}.")
             continue
@@ -309,7 +310,7 @@ def _load_yaml(path: Path) -> Any:
     bomb (which expands a few lines into millions of nodes)."""
     lines = path.read_bytes().count(b"\n") + 1
     try:
-        return OmegaConf.load(path, max_yaml_expanded_nodes=max(10_000, 4 * lines))  # type: ignore[call-arg]
+        return OmegaConf.load(path, max_yaml_expanded_nodes=max(10_000, 4 * lines))  # type: ignore[call-arg, unused-ignore]  # an OmegaConf with the guard has no such hint either way
     except TypeError:  # an OmegaConf without the guard
         return OmegaConf.load(path)
 

@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import harness
 from harness.config import Level, load_module_function
@@ -26,6 +26,9 @@ from harness.errors import ExperimentError, HarnessError, Interrupted, RunFailed
 from harness.messages import Determinism, Message
 from harness.record.provenance import env_vars
 from harness.runtime import usermlflow, userseed
+
+if TYPE_CHECKING:  # torch loads only in the processes that run ranks
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 MASTER_ADDR = "127.0.0.1"
 RANKS_PREFIX = "ranks/"  # the ranks' keys in the job's store; the launchers' own keys live beside them
@@ -733,18 +736,18 @@ def _stack_location(path: Path, code_dir: str) -> tuple[str | None, str]:
     return None, "other"
 
 
-def _diagnose(spec: LaunchSpec, err: Exception) -> tuple[int, str, str, bool]:
-    """(rank, one line, traceback, whether the line says it all) of the failure that caused the others: a peer's
-    connection error never is."""
+def _diagnose(spec: LaunchSpec, err: ProcessRaisedException | ProcessExitedException) -> tuple[int, str, str, bool, bool]:
+    """(rank, one line, traceback, whether the line says it all, whether it only lost a peer) of the failure that
+    caused the others: a peer's connection error never is."""
     import torch.multiprocessing as mp
 
-    records = []
+    records: list[dict[str, Any]] = []
     for path in sorted(Path(spec.log_dir).glob("rank*.error.json")):
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text()))
-    killed = isinstance(err, mp.ProcessExitedException)
     failing = spec.global_rank(err.error_index)
-    if killed and not any(r["rank"] == failing for r in records):
+    root: dict[str, Any]
+    if isinstance(err, mp.ProcessExitedException) and not any(r["rank"] == failing for r in records):
         how = f"was killed by {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
         root = {"rank": failing, "line": how, "expected": True, "traceback": str(err)}
         line = f"rank {failing} {how}"

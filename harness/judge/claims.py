@@ -313,6 +313,6 @@ def fmt(x: float | None, like: Decimal | None = None) -> str:
     if not math.isfinite(x):
         return str(x)
     if like is not None:
-        decimals = max(0, -int(like.as_tuple().exponent)) + 2  # type: ignore[arg-type]
+        decimals = max(0, -int(like.as_tuple().exponent)) + 2
         return f"{x:.{decimals}f}"
     return f"{x:.6g}"

@@ -446,12 +446,13 @@ def compare_runs(
     if incomplete_original:
         last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=-1)
         rep_metrics = {k: (s[s <= last], v[s <= last]) for k, (s, v) in rep_metrics.items() if s[0] <= last}
-        steps = np.unique(np.concatenate([s for s, _ in orig_metrics.values()])) if orig_metrics else []
+        steps = np.unique(np.concatenate([s for s, _ in orig_metrics.values()])) if orig_metrics else np.empty(0)
         reached = Reached(original.status, len(steps))
     clamped = (not original.metrics_exact, not replay.metrics_exact)
 
     stats: list[MetricStats] = []
     firsts: list[Divergence] = []
+    div: Divergence | None
     for name in sorted(orig_metrics.keys() | rep_metrics.keys()):
         rtol, atol = _tolerance_for(tol, name)
         if name not in rep_metrics:
@@ -510,8 +511,8 @@ def compare_runs(
         exact = all(s.bitwise_equal for s in stats) and fps.all_equal
         verdict = BITWISE if exact and not blockers else WITHIN_TOLERANCE
 
-    last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=None) if incomplete_original else None
-    checkpoints = diff_checkpoints(original, replay, labels, last)
+    last_step = max((int(s[-1]) for s, _ in orig_metrics.values()), default=None) if incomplete_original else None
+    checkpoints = diff_checkpoints(original, replay, labels, last_step)
     return Comparison(
         checkpoints=checkpoints,
         verdict=verdict,

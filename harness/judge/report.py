@@ -101,9 +101,9 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     out += ["## Environment delta", ""]
     if cmp.delta:
         rows = []
-        for d in cmp.delta:
-            name = f"**{_cell(d.name)}** (breaks bitwise)" if d.breaks_bitwise else _cell(d.name)
-            rows.append([name, _code(d.a), _code(d.b), _cell(d.note)])
+        for fact in cmp.delta:
+            name = f"**{_cell(fact.name)}** (breaks bitwise)" if fact.breaks_bitwise else _cell(fact.name)
+            rows.append([name, _code(fact.a), _code(fact.b), _cell(fact.note)])
         out += _table(["Fact", a_label, b_label, "Note"], rows)
     else:
         out.append("No differences in recorded facts or locked packages.")

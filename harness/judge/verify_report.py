@@ -59,7 +59,7 @@ def why(v: Verdict) -> list[str]:
                "min": "the minimum over all steps"}[c.value]
     scale = f", x{c.scale}" if c.scale != 1 else ""
     out = [f"The paper prints {c.paper_text} for {c.metric} ({per_run} of each run{scale}; {kind})."]
-    dec = abs(int(c.paper.value.as_tuple().exponent))  # type: ignore[arg-type]
+    dec = abs(int(c.paper.value.as_tuple().exponent))
     verb = "prints as" if v.value_ok else "does NOT print as"
     out.append(f"Recorded: {fmt(v.recorded, c.paper.value)}, which {verb} {c.paper.value} at {dec} decimals.")
     if c.paper.pm is not None:

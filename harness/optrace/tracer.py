@@ -127,12 +127,12 @@ def tensor_sha256(t: torch.Tensor) -> str:
         array = t.numpy(force=True)
     except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes through a uint8 view
         c = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-        return hashlib.sha256(c.view(torch.uint8).numpy()).hexdigest()
+        return hashlib.sha256(c.view(torch.uint8).numpy().data).hexdigest()
     if not array.flags.c_contiguous:
         import numpy as np
 
         array = np.ascontiguousarray(array)  # row-major, whatever the view's strides were
-    return hashlib.sha256(array.reshape(-1).view("u1")).hexdigest()
+    return hashlib.sha256(array.reshape(-1).view("u1").data).hexdigest()
 
 
 def tensor_sig(t: torch.Tensor, hashed: bool = True) -> TensorSig:
@@ -280,8 +280,8 @@ def _settings() -> dict[str, Any]:
         "cuda_matmul_allow_bf16_reduced_precision_reduction":
             read(lambda: b.cuda.matmul.allow_bf16_reduced_precision_reduction),
         "mkldnn_enabled": read(lambda: b.mkldnn.enabled),
-        "mkldnn_matmul_fp32_precision": read(lambda: b.mkldnn.matmul.fp32_precision),
-        "mkldnn_conv_fp32_precision": read(lambda: b.mkldnn.conv.fp32_precision),
+        "mkldnn_matmul_fp32_precision": read(lambda: b.mkldnn.matmul.fp32_precision),  # type: ignore[attr-defined]  # newer torch only; read() answers None without it
+        "mkldnn_conv_fp32_precision": read(lambda: b.mkldnn.conv.fp32_precision),  # type: ignore[attr-defined]  # newer torch only; read() answers None without it
         "flush_denormal": _flush_denormal(),
     }
 

@@ -11,6 +11,7 @@ need into it first. run, resume and audit all go through `open_for`.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import shutil
@@ -125,7 +126,7 @@ class CheckpointStore:
             files = sorted(p for p in local.iterdir() if p.name != checkpoint.COMPLETE_MARKER)
             try:
                 for path in [*files, local / checkpoint.COMPLETE_MARKER]:
-                    self._outages.retry(lambda p=path, d=artifact_dir: self.tracker.log_file(self.run_id, p, d))
+                    self._outages.retry(functools.partial(self.tracker.log_file, self.run_id, path, artifact_dir))
             except Exception as err:
                 self.error = err
 

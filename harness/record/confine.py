@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from harness.errors import HarnessError
@@ -15,7 +16,7 @@ def inside(root: Path, path: Path) -> bool:
     return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
 
 
-def check_code(root: Path, exp_dir: Path, entry_file: str, symlinks: list[Path] = ()) -> None:
+def check_code(root: Path, exp_dir: Path, entry_file: str, symlinks: Sequence[Path] = ()) -> None:
     """Refuse code the record would not hold: it would be recorded clean, and change under a replay unseen.
 
     `symlinks`: the links of the experiment folder the code record holds (gitsource.recorded_symlinks)."""

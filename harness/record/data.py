@@ -17,7 +17,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +234,7 @@ def _raise(err: OSError) -> None:
     raise HarnessError(f"cannot read declared data: {err.filename}: {err.strerror}. Check its permissions.")
 
 
-def folder_digest(files: list[Mapping[str, Any]]) -> str:
+def folder_digest(files: Sequence[Mapping[str, Any]]) -> str:
     """sha256 over "sha256 size path\\n" per file, sorted by path bytes: equal digests, equal folders."""
     lines = sorted((os.fsencode(f["path"]), f"{f['sha256']} {f['size']} ".encode()) for f in files)
     return hashlib.sha256(b"".join(head + path + b"\n" for path, head in lines)).hexdigest()

@@ -165,7 +165,9 @@ def _typed(text: str) -> Any:
     """An override's value as OmegaConf reads it (`1234` an int), so that it hashes like the resolved original."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+    container = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))
+    assert isinstance(container, dict)  # from_dotlist makes a mapping
+    return container["v"]
 
 
 def env_sources(raw: Mapping[str, Any], keys: list[str]) -> dict[str, str]:

@@ -118,6 +118,11 @@ def manifest(record: Record) -> dict[str, Any]:
     }
 
 
+def _stored(tracker: Any, run_id: str, path: str) -> Callable[[], bytes]:
+    """A stored artifact's bytes, read when the seal needs them (b"" when the store has none)."""
+    return lambda: tracker.read_bytes(run_id, path) or b""
+
+
 def _digest_of(read: Callable[[], bytes]) -> str:
     return read.sha256() if isinstance(read, _Local) else _sha(read())
 
@@ -144,7 +149,7 @@ def from_store(tracker: Any, run_id: str) -> Record:
                     artifacts[path.relative_to(local).as_posix()] = _Local(path)
     else:
         for path, _ in tracker.artifact_files(run_id):
-            artifacts[path] = (lambda p=path: tracker.read_bytes(run_id, p) or b"")
+            artifacts[path] = _stored(tracker, run_id, path)
     return Record(run.status, dict(run.params), dict(run.tags), metrics, artifacts, tracker.latest_metrics(run_id))
 
 

@@ -59,7 +59,7 @@ class _Loader(DataLoader):
     _harness_ctx: Context | None = None
     _harness_raw = False
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self):
         ctx = self._harness_ctx
         if ctx is None or self._harness_raw:
             return super().__iter__()

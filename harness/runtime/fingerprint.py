@@ -29,4 +29,4 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order (a contiguous CPU copy), whatever the dtype: bf16 has no numpy
     twin, so the elements are viewed as uint8; a 0-d tensor is reshaped first. Handed to sha256 as a buffer."""
-    return memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data

@@ -358,7 +358,7 @@ def prune_stale_worktrees(repo: Any) -> list[str]:
     """Remove the worktrees that harness processes killed before their cleanup left registered in the user's
     repository (`git worktree list`), with their folders; returns their paths."""
     git = _git()
-    removed = []
+    removed: list[str] = []
     try:
         listing = repo.git.worktree("list", "--porcelain")
     except git.GitCommandError:

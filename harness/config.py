@@ -268,9 +268,9 @@ def _check_sections(content: Any, schema: DictConfig, source: str, prefix: str =
         if isinstance(value, DictConfig):
             _check_sections(value, node, source, f"{full}.")
             continue
-        keys = list(node.keys())
+        keys = [str(k) for k in node.keys()]
         example = f"{full}.{keys[0]}=..." if keys else f"{full}.NAME=..."
-        what = f"a section with keys {', '.join(map(str, keys))}" if keys else "a section of named settings"
+        what = f"a section with keys {', '.join(keys)}" if keys else "a section of named settings"
         raise ConfigError(f"{source}: '{full}' is {what}; set them by name (e.g. {example}), not {full}={value._value()!r}.")
 
 

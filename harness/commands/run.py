@@ -125,7 +125,9 @@ def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
     clean, keys = redaction.redact(to_container(cfg))
     if not keys:
         return fit_params(flatten(cfg))[0], to_yaml(cfg), ""
-    sources = redaction.env_sources(OmegaConf.to_container(cfg, resolve=False), keys)
+    unresolved = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(unresolved, dict)  # cfg is a DictConfig
+    sources = redaction.env_sources(unresolved, keys)
     return (fit_params(flatten(clean))[0], OmegaConf.to_yaml(OmegaConf.create(clean)),
             redaction.format_sources(keys, sources))
 

@@ -177,6 +177,7 @@ class _Study:
 
     def _member(self, member: Member) -> None:
         def on_start(handle: Any) -> None:
+            assert job is not None  # on_start is called by run_job, after the job is made
             with self.lock:
                 member.handle, member.run_id, signum = handle, job.run_id, self.signum
             _say(f"seed {member.seed}: run {member.run_id} started")
@@ -185,6 +186,7 @@ class _Study:
 
         job = None
         try:
+            assert self.make_job is not None  # set before any member runs
             job = self.make_job(member.seed)
             member.outcome = executors.run_job(executors.get(self.executor), job, on_start=on_start)
             member.run_id = member.outcome.run_id

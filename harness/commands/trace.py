@@ -161,6 +161,7 @@ def trace(
     start = max((s for s in record.checkpoints if s <= step), default=None)
     store = checkpoint_store.open_for(tracker, run_id) if start is not None else None
     if store is not None:  # the re-execution starts from it: its files must be there
+        assert start is not None  # a store is opened only for a checkpoint to start from
         store.require([start], cfg.world_size, f"a trace of step {step}", run.tags.get(T.IMPORTED_FROM))
     data = recorded.check_data(repo)
     work = scratch.make("trace")

@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -68,8 +69,13 @@ def run_value(record: RunRecord, metric: str, which: str) -> float:
     return float(v.max() if which == "max" else v.min())
 
 
+_STATISTICS: dict[str, Callable[[list[float]], float]] = {
+    "mean": statistics.fmean, "median": statistics.median, "min": min, "max": max,
+}
+
+
 def statistic(values: list[float], which: str) -> float:
-    return {"mean": statistics.fmean, "median": statistics.median, "min": min, "max": max}[which](values)
+    return _STATISTICS[which](values)
 
 
 def spread_of(values: list[float], which: str) -> float | None:

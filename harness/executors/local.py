@@ -56,6 +56,9 @@ ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: 
 
 def local_image_tags(image: str) -> dict[str, str]:
     """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
+    digest: str | None
+    image_id: str | None
+    reason: str | None
     if is_no_image(image):
         digest, image_id, reason = None, None, "no image pinned (image: none): a local-only experiment"
     else:
@@ -355,7 +358,7 @@ class LocalHandle(Handle):
                             # A resumed process runs train()'s own switches again: the same transition by the same
                             # line before the resume step is the change already recorded, not a second one.
                             known = {(c.setting, c.before, c.after, c.where) for c in final["determinism_changes"]}
-                            changes = [c for c in changes if (c.setting, c.before, c.after, c.where) not in known]
+                            changes = tuple(c for c in changes if (c.setting, c.before, c.after, c.where) not in known)
                         final["determinism_changes"].extend(changes)
                         for line in strict_warnings(cfg.determinism.level.value, changes, warned):
                             console.write(line)
@@ -454,11 +457,12 @@ class LocalHandle(Handle):
             try:
                 patient.end_run(run_id, status)
                 return
-            except Exception as err:
-                failed_write = err
-        err = root = failed_write
+            except Exception as end_err:
+                failed_write = end_err
+        err = failed_write
+        root: BaseException = err
         while root.__cause__ is not None:  # the store's own words, not a wrapper's
-            root = root.__cause__  # type: ignore[assignment]
+            root = root.__cause__
         full = unwritable(err)
         if full:
             cause = f"the tracking store {shown} {full} ({reason_of(root)})"
@@ -604,7 +608,7 @@ def _node_tags(nodes: dict[int, dict[str, Any]]) -> dict[str, str]:
 
 
 def _record_results(
-    tracker: Tracker, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path, logs: str
+    tracker: Tracker | Patient, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path, logs: str
 ) -> None:
     tags: dict[str, str] = {}
     if "determinism" in final:
@@ -683,7 +687,7 @@ def checkpoint_fingerprints_json(steps: dict[int, dict[str, Any]]) -> str:
     return json.dumps(doc, indent=1, sort_keys=True)
 
 
-def _note_direct_metrics(tracker: Tracker, run_id: str, ctx_keys: set[str]) -> None:
+def _note_direct_metrics(tracker: Tracker | Patient, run_id: str, ctx_keys: set[str]) -> None:
     """Metrics the training code logged through MLflow itself: kept in the run, named in a tag, and said once
     to be outside what replay compares (series.npz holds only ctx.log's values)."""
     keys = usermlflow.direct_keys(tracker.get_run(run_id).metric_keys, ctx_keys)
@@ -692,7 +696,7 @@ def _note_direct_metrics(tracker: Tracker, run_id: str, ctx_keys: set[str]) -> N
         print(usermlflow.direct_keys_warning(keys), file=sys.stderr)
 
 
-def _warn_if_vacuous(tracker: Tracker, run_id: str, writer: Any, final: dict[str, Any]) -> None:
+def _warn_if_vacuous(tracker: Tracker | Patient, run_id: str, writer: Any, final: dict[str, Any]) -> None:
     """A finished run that logged nothing, or whose model never changed, proves nothing: say so, and record it."""
     initial, last = final.get("initial"), final.get("fingerprint")
     if writer is not None and not writer.series:

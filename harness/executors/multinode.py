@@ -16,6 +16,7 @@ import json
 import os
 import tarfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,7 @@ class Node:
                     raise HarnessError(line)
         return Joined(nodes)
 
-    def _linger(self, absent: list[int] = ()) -> None:
+    def _linger(self, absent: Sequence[int] = ()) -> None:
         """Node 0 keeps the store up until the other nodes have read its refusal (a few seconds at most)."""
         deadline = time.monotonic() + _LAST_WORD_S
         waiting = [n for n in range(1, self.topo.nnodes) if n not in absent]
@@ -310,7 +311,8 @@ class Node:
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
         try:
-            self.store.set(f"logs/{self.topo.node_rank}", buf.getvalue())
+            # The store takes bytes as well as str; torch's hints name str only.
+            self.store.set(f"logs/{self.topo.node_rank}", buf.getvalue())  # type: ignore[arg-type]
         except Exception:
             pass
 

@@ -972,7 +972,7 @@ class MetricWriter:
 
         with self._lock:
             while self._pending:
-                batch = []
+                batch: list[Metric] = []
                 while self._pending and len(batch) < _BATCH:
                     key, value, ts, step = self._pending.popleft()
                     batch.append(Metric(key, value, ts, step))

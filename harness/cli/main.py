@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -43,7 +43,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """Exit with `code`. torchrun stops every other rank the moment one exits: a rank that has said why it
     stops keeps its own exit code rather than dying of that SIGTERM on its way out."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -387,7 +387,7 @@ def _replay_study(tracker: Any, study_id: str, members: int | None, members_seed
         tracker=tracker, executor=executor, tolerances=tolerances,
     )
     for r in result.members:
-        click.echo(f"seed {r.original.tags.get('harness.seed')}: {r.comparison.summary()}  (replay {r.outcome.run_id})")
+        click.echo(f"seed {r.original.tags.get('harness.seed')}: {r.judged.summary()}  (replay {r.outcome.run_id})")
     for t in result.equivalence:
         click.echo(f"  {t.describe()}")
     click.echo(f"verdict: {result.summary()}")

@@ -47,6 +47,12 @@ class ReplayResult:
     records: tuple[RunRecord, RunRecord] | None = None  # (original, replay) as judged
     localized: Any = None  # trace.Localized: where a DIVERGED replay first differed (replay --localize)
 
+    @property
+    def judged(self) -> Comparison:
+        """The comparison, where this process judged the replay (a study replay's members are judged where they run)."""
+        assert self.comparison is not None, "only node 0 of a multi-node replay judges it"
+        return self.comparison
+
 
 def apply_changes(
     cfg: DictConfig, world_size: int | None, overrides: list[str], allow_changes: bool
@@ -310,7 +316,7 @@ def _draw(members: list[Any], k: int | None, seed: int | None) -> tuple[list[Any
 
 def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], study_id: str) -> tuple[str, list[Any], str]:
     """The study replay's verdict from its members' comparisons; several members are judged together (TOST)."""
-    verdicts = [r.comparison.verdict for r in results]
+    verdicts = [r.judged.verdict for r in results]
     if all(v == BITWISE for v in verdicts):
         return BITWISE, [], "every member bit-identical"
     if all(v in (BITWISE, WITHIN_TOLERANCE) for v in verdicts):
@@ -318,13 +324,13 @@ def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], s
     if NOTHING_TO_COMPARE in verdicts:
         return NOTHING_TO_COMPARE, [], "a member had nothing to compare"
     # Only differences in values that were judged against the seeds can be noise.
-    unjudged = [r for r in results if r.comparison.verdict not in (BITWISE, WITHIN_TOLERANCE)
-                and (r.comparison.noise is None or r.comparison.noise.reason)]
+    unjudged = [r for r in results if r.judged.verdict not in (BITWISE, WITHIN_TOLERANCE)
+                and (r.judged.noise is None or r.judged.noise.reason)]
     if unjudged:
         first = unjudged[0]
-        return DIVERGED, [], f"seed {first.original.tags.get(T.SEED)}: {first.comparison.summary()}"
+        return DIVERGED, [], f"seed {first.original.tags.get(T.SEED)}: {first.judged.summary()}"
     if len(results) == 1:
-        return verdicts[0], [], results[0].comparison.summary()
+        return verdicts[0], [], results[0].judged.summary()
     tests = []
     finals = [tuple(noise.final_values(rec.metrics) for rec in r.records) for r in results if r.records]
     for metric in sorted(set.intersection(*(set(a) & set(b) for a, b in finals))):
@@ -402,7 +408,7 @@ def _study_json(result: StudyReplayResult) -> dict[str, Any]:
         "verdict": result.verdict, "summary": result.summary(), "exit_code": result.exit_code,
         "study_id": result.study.run_id, "draw_seed": result.draw_seed,
         "members": [{"original_id": r.original.run_id, "seed": r.original.tags.get(T.SEED),
-                     "replay_id": r.outcome.run_id, "verdict": r.comparison.verdict, "summary": r.comparison.summary()}
+                     "replay_id": r.outcome.run_id, "verdict": r.judged.verdict, "summary": r.judged.summary()}
                     for r in result.members],
         "equivalence": [asdict(t) for t in result.equivalence],
     }

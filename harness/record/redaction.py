@@ -170,7 +170,7 @@ def _typed(text: str) -> Any:
     return container["v"]
 
 
-def env_sources(raw: Mapping[str, Any], keys: list[str]) -> dict[str, str]:
+def env_sources(raw: Mapping[Any, Any], keys: list[str]) -> dict[str, str]:
     """key -> NAME for the redacted keys whose unresolved value was exactly `${oc.env:NAME}` (or with a default)."""
     out = {}
     for key in keys:

@@ -253,7 +253,7 @@ class Context:
         """
         if self._shards:
             return self._invariant_loader(dataset, batch_size, shuffle, num_workers, **loader_kwargs)
-        sampler = DistributedSampler(
+        sampler: DistributedSampler = DistributedSampler(
             dataset,
             num_replicas=self.world_size,
             rank=self.rank,

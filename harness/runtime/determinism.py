@@ -8,6 +8,7 @@ import os
 import random
 import sys
 from collections.abc import Callable
+from types import FrameType, ModuleType
 from typing import Any
 
 import numpy as np
@@ -125,10 +126,15 @@ def observe(step: int, when: str) -> DeterminismChanged | None:
     return _watch.observe(step, when) if _watch is not None else None
 
 
+def _package_dir(module: ModuleType) -> str:
+    assert module.__file__ is not None  # torch and harness are regular packages, never namespace ones
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
 def _caller() -> str:
     """'train.py:12': the innermost frame outside torch and harness (relative to the cwd, the experiment folder)."""
-    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["harness"]))
-    frame = sys._getframe(2)
+    skip = tuple(_package_dir(m) for m in (torch, sys.modules["harness"]))
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame = frame.f_back
     if frame is None:
@@ -159,11 +165,11 @@ def _wrap_setters() -> None:
         return result
 
     matmul_setattr._harness_watched = True  # type: ignore[attr-defined]
-    matmul_cls.__setattr__ = matmul_setattr
+    matmul_cls.__setattr__ = matmul_setattr  # type: ignore[method-assign]  # wrapping the class's own setter is the point
 
     cudnn_cls = type(torch.backends.cudnn)  # a module whose class holds ContextProp descriptors
     for name, keys in _CUDNN_KEYS.items():
-        prop = cudnn_cls.__dict__.get(name)
+        prop = vars(cudnn_cls).get(name)
         if isinstance(prop, ContextProp):
             setattr(cudnn_cls, name, _NotedProp(prop, f"torch.backends.cudnn.{name}", keys))
 

@@ -233,6 +233,7 @@ def _exchange(send: Tensor, recv: Tensor, peer: int, group: Any) -> None:
     # Both sides post send and receive before waiting: no ordering can deadlock.
     requests = [dist.isend(send, peer, group=group), dist.irecv(recv, peer, group=group)]
     for request in requests:
+        assert request is not None  # None only for a rank outside `group`, and both ends are in it
         request.wait()
 
 

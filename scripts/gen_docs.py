@@ -15,6 +15,7 @@ import importlib
 import inspect
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Callable
@@ -92,7 +93,7 @@ def _member_comments(cls: type[enum.Enum]) -> dict[str, str]:
 
 def _type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union and type(None) in args:
+    if origin in (typing.Union, types.UnionType) and type(None) in args:  # Optional[X] and X | None alike
         rest = [a for a in args if a is not type(None)]
         return " or ".join(_type_name(a) for a in rest) + " or null"
     if origin in (list, typing.List):

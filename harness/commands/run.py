@@ -8,7 +8,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -23,6 +23,9 @@ from harness.store.reach import local_paths, probe_store, store_timeout
 from harness.store.tracking import Tracker, resolve_uri
 from harness.systems import git as gitsource
 from harness.systems.git import GitState
+
+if TYPE_CHECKING:  # imported where a run hashes its data, as the functions below do
+    from harness.record.data import HashStats
 
 __all__ = ["Outcome", "Preflight", "create_record", "preflight", "recorded_config", "run", "execute_recorded"]
 
@@ -140,7 +143,7 @@ class Preflight:
     git: GitState
     warnings: list[str]
     data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
-    data_stats: Any = None  # data.HashStats: what hashing it read
+    data_stats: HashStats | None = None  # what hashing it read
 
 
 def preflight(

@@ -23,7 +23,7 @@ from harness.commands import run as runner
 from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.executors import Job
-from harness.executors.base import signals_to
+from harness.executors.base import Outcome, signals_to
 from harness.executors.launch import resolve_device
 from harness.judge.compare import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
@@ -121,7 +121,7 @@ class Member:
     seed: int
     run_id: str = ""
     handle: Any = None
-    outcome: Any = None  # executors.Outcome
+    outcome: Outcome | None = None
     error: str = ""  # a failure before the ranks ran (recording, the executor refusing)
     started: float = 0.0
     ended: float = 0.0

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness import scratch, tags as T
 from harness.errors import HarnessError
@@ -25,6 +25,9 @@ from harness.record import seal
 from harness.record.provenance import runtime_facts
 from harness.record.recorded import RecordedRun, refuse_non_training
 from harness.store.tracking import RunRecord, RunSummary, Tracker
+
+if TYPE_CHECKING:  # torch loads only when a trace is made or read
+    from harness.optrace.tracer import Localization, Trace
 
 IDENTICAL = "IDENTICAL"  # optrace.IDENTICAL, without importing torch to read a status
 
@@ -48,9 +51,9 @@ class TraceDiff:
     """Two traces localized against each other, on one rank."""
 
     rank: int
-    localization: Any  # optrace.Localization
-    a: Any  # optrace.Trace
-    b: Any
+    localization: Localization
+    a: Trace
+    b: Trace
     a_id: str = ""
     b_id: str = ""
     purpose: str = ""  # what the pair stands for (replay --localize)

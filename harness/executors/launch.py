@@ -30,6 +30,8 @@ from harness.runtime import usermlflow, userseed
 if TYPE_CHECKING:  # torch loads only in the processes that run ranks
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
+    from harness.runtime.context import CheckpointPlan
+
 MASTER_ADDR = "127.0.0.1"
 RANKS_PREFIX = "ranks/"  # the ranks' keys in the job's store; the launchers' own keys live beside them
 _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
@@ -65,7 +67,7 @@ class LaunchSpec:
     log_dir: str
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
-    checkpoints: Any = None  # context.CheckpointPlan | None
+    checkpoints: CheckpointPlan | None = None
     invariant_shards: int = 0  # > 0: world-size-invariant mode with this many shards
     timeout_s: float = 1800.0  # no progress from a rank for this long ends the job
     output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts

@@ -147,7 +147,7 @@ class Context:
         self._noted: set[str] = set()  # notices already sent
         self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
         self._forward_hook: Any = None
-        self._tracer: Any = None  # optrace.OpTracer of plan.trace_step while it runs
+        self._tracer: optrace.OpTracer | None = None  # of plan.trace_step while it runs
         self._trace_written = False
         self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
         self.output_dir = Path(output_dir) if output_dir else Path.cwd() / "outputs"

@@ -310,7 +310,7 @@ def _load_yaml(path: Path) -> Any:
     bomb (which expands a few lines into millions of nodes)."""
     lines = path.read_bytes().count(b"\n") + 1
     try:
-        return OmegaConf.load(path, max_yaml_expanded_nodes=max(10_000, 4 * lines))  # type: ignore[call-arg, unused-ignore]  # an OmegaConf with the guard has no such hint either way
+        return OmegaConf.load(path, max_yaml_expanded_nodes=max(10_000, 4 * lines))  # type: ignore[call-arg, unused-ignore]  # only newer OmegaConf takes it
     except TypeError:  # an OmegaConf without the guard
         return OmegaConf.load(path)
 

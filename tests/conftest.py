@@ -406,6 +406,7 @@ def _tier(item: pytest.Item) -> str:
     return "cli" if CLI_CODE.search(code) else "unit"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):

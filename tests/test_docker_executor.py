@@ -52,7 +52,7 @@ def test_run_in_container_records_registry_digest(dproject: Project, docker_run)
     # The environment was measured inside the container, not on this host.
     assert tags["harness.env.python"] == in_image_python(IMAGE)
     lock = Path(client.download_artifacts(docker_run.last_line, "environment/requirements.lock")).read_text()
-    assert "harness==0.1.0" in lock.splitlines()
+    assert "ddp-harness==0.1.0" in lock.splitlines()
     assert len(client.get_metric_history(docker_run.last_line, "loss")) == 10
     assert "epoch 2/2" in docker_run.stderr  # rank 0's log streamed to the terminal
     assert docker_cli("ps", "-a", "--filter", f"name=harness-{docker_run.last_line[:12]}", "-q") == ""

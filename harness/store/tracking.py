@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.errors import HarnessError
 from harness.record import seal
 from harness.records import RunRecord, RunSummary
@@ -38,6 +38,7 @@ from harness.store.reach import (
     probe_store,
     reason_of,
     schema_error,
+    sqlite_path,
     store_timeout,
 )
 
@@ -418,6 +419,22 @@ class SqliteReader:
         self._db.close()
 
 
+
+def _create_whole(uri: str, client_class: Any) -> None:
+    """A new SQLite store is made under a temporary name and renamed into place once MLflow has built its schema
+    (a second or more): a process killed meanwhile leaves no half-made database that every later command refuses
+    ("duplicate column name"), only a temporary file the next opening removes. Called under `opening`'s lock."""
+    path = sqlite_path(uri) if uri.startswith("sqlite:///") else None
+    if path is None or path.exists() or not path.parent.is_dir():
+        return
+    prefix = f".{path.name}.creating-"
+    scratch.remove_stale(path.parent, prefix)
+    tmp = path.with_name(f"{prefix}{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    client_class(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+    os.replace(tmp, path)
+
+
 class Tracker:
     """An MLflow client bound to one tracking store, reached (or refused) before it is used.
 
@@ -469,6 +486,7 @@ class Tracker:
         try:
             # Opens the store for real: creates a fresh SQLite schema, or refuses another version's.
             with opening(self.uri):
+                _create_whole(self._client_uri, MlflowClient)
                 client = MlflowClient(tracking_uri=self._client_uri)
                 client.search_experiments(max_results=1)
         except Exception as err:

@@ -201,3 +201,19 @@ def test_artifact_path_undoes_percent_escapes_as_mlflow_does() -> None:
     assert artifact_path(Path("/tmp/store B/1/x/artifacts").as_uri()) == Path("/tmp/store B/1/x/artifacts")
     assert artifact_path("/plain/path") == Path("/plain/path")
     assert artifact_path("s3://bucket/key") is None
+
+
+def test_a_new_sqlite_store_appears_whole_and_a_killed_creation_leaves_nothing(tmp_path: Path) -> None:
+    """MLflow builds a new store's schema in a second or more: it is built under a temporary name and renamed into
+    place, so a process killed meanwhile leaves no half-made mlflow.db; its temporary file is removed by the next
+    opening once its process is gone."""
+    from harness.store.tracking import Tracker
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    half = tmp_path / f".mlflow.db.creating-{gone.pid}"
+    half.write_bytes(b"SQLite format 3\x00 half a schema")
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert tracker.client.search_experiments()  # opened: the default experiment is there
+    assert (tmp_path / "mlflow.db").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]

@@ -534,10 +534,7 @@ class LocalHandle(Handle):
         finally:
             self.recording = True
             # Every rank's log belongs to the one run (names carry the global rank): node 0 records them.
-            try:
-                self.node.send_logs(log_dir)
-            except OSError as err:
-                print(f"node {job.topology.node_rank}: could not send its rank logs to node 0: {err}", file=sys.stderr)
+            self.node.send_logs(log_dir)
         return Outcome(job.run_id, status, code, message)
 
     # -- shared --------------------------------------------------------------------------------------

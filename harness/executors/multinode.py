@@ -304,7 +304,10 @@ class Node:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for path in sorted(p for p in log_dir.iterdir() if p.is_file()):
-                data = path.read_bytes()
+                try:
+                    data = path.read_bytes()
+                except OSError as err:  # the record says so, in the log's place, rather than this node's stderr
+                    data = f"[this rank log could not be read on node {self.topo.node_rank}: {err.strerror}]\n".encode()
                 if len(data) > _LOG_TAIL:
                     data = f"[first {len(data) - _LOG_TAIL} bytes left out]\n".encode() + data[-_LOG_TAIL:]
                 info = tarfile.TarInfo(path.name)

@@ -411,8 +411,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
-        # Under pytest-xdist (`-n N --dist loadgroup`): the infra tests share daemons, namespaces and fixed
-        # addresses, so they run one after another on one worker; any other module stays whole on one worker,
-        # in order, with its module-scoped fixtures built once.
-        group = "infra" if item.get_closest_marker("infra") else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    groups = _resource_groups(items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups.get(item.nodeid) or item.nodeid.split("::", 1)[0]))
+
+
+# The session fixtures that own a daemon, namespaces or fixed addresses (`slurm` runs on `two_hosts`).
+RESOURCES = ("engine", "lab_server", "two_hosts")
+
+
+def _resource_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """Under pytest-xdist (`-n N --dist loadgroup`) each xdist group runs on one worker, in order.
+
+    The tests of one daemon share one group: one worker's teardown would otherwise stop what the other uses.
+    Daemons are independent of each other, so each has its own group and two workers run, say, a Docker test
+    and a Slurm test at once - unless some test uses both, which joins their groups. Every other module (a
+    browser or a server of its own on a free port included) stays whole on one worker, its module-scoped
+    fixtures built once."""
+    used = {item.nodeid: {r for r in RESOURCES if r in item.fixturenames} for item in items}
+    joined: list[set[str]] = []
+    for resources in used.values():
+        if resources:
+            overlapping = [g for g in joined if g & resources]
+            merged = set(resources).union(*overlapping)
+            joined = [g for g in joined if not g & resources] + [merged]
+    name = {r: "infra-" + "+".join(sorted(g)) for g in joined for r in g}
+    return {nodeid: name[next(iter(resources))] for nodeid, resources in used.items() if resources}

@@ -203,7 +203,7 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
         link = _read_line(server, 180)  # printed once the server answers
         exp_id = project.client().get_run(original).info.experiment_id
         assert link == (f"http://127.0.0.1:{port}/#/experiments/{exp_id}/runs"
-                        "?viewStateShareKey=harness&workflowType=machine_learning"), link
+                        "?viewStateShareKey=harness&workflowType=machine_learning&compareRunsMode=TABLE"), link
         replay_id = clean_replay.last_line
         report_url = f"http://127.0.0.1:{port}/get-artifact?path=replay%2Freport.md&run_uuid={replay_id}"
         with urllib.request.urlopen(report_url, timeout=30) as r:

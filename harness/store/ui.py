@@ -61,6 +61,9 @@ VIEW = {
     "searchFilter": f"{_tag(T.VERSION)} LIKE '%'",  # runs made by harness
     "selectedColumns": COLUMNS,
     "columnOrder": COLUMNS,  # else the UI orders tag columns by name, the verdict last
+    # Charts without data hidden (the only chart setting a shared view carries that is not per run); the link
+    # adds `compareRunsMode=TABLE`, so the page opens on the table, not the charts.
+    "hideEmptyCharts": True,
 }
 
 
@@ -76,7 +79,7 @@ def link(base_url: str, experiment_id: str) -> str:
     """The experiment's training-runs page, opened on harness's view ("Model training", not GenAI)."""
     return (
         f"{base_url.rstrip('/')}/#/experiments/{quote(experiment_id)}/runs"
-        f"?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
+        f"?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning&compareRunsMode=TABLE"
     )
 
 

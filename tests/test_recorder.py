@@ -17,11 +17,10 @@ import pytest
 import harness
 from harness import tags as T
 from harness.config import compose
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
-from harness.executors.launch import failed
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.messages import Checkpoint, Final, Fingerprint, Initial, Metrics, MetricsBatch, Notice, Total
 from harness.record import seal
-from harness.record.recorder import Line, Recorder, Shown
+from harness.record.recorder import Failed, Killed, Line, Recorder, Shown
 from harness.store.tracking import Tracker
 
 DIGEST = {step: f"{step:064x}" for step in range(8)}  # a fingerprint per step, all different
@@ -75,10 +74,10 @@ def test_a_finished_sequence_is_a_sealed_finished_run_with_exactly_its_values(tm
         batch([("loss", 3, losses[3])]),
         Final(DIGEST[6], 4, "model"),
     )
-    job.recorder.ranks_done()
+    assert job.recorder.ranks_done() is None
     outcome = job.recorder.end()
 
-    assert (outcome.run_id, outcome.status, outcome.exit_code, outcome.message) == (job.run_id, T.FINISHED, EXIT_OK, "")
+    assert (outcome.status, outcome.exit_code, outcome.message) == (T.FINISHED, EXIT_OK, "")
     assert outcome.fingerprints == {1: DIGEST[1]}
     seal.check(job.tracker, job.run_id)  # closed through the seal, and nothing changed since
     run = job.run()
@@ -109,8 +108,7 @@ def test_a_failing_sequence_is_a_sealed_failed_run_with_the_failure(tmp_path: Pa
     job = Started(tmp_path)
     job.feed(batch([("loss", 0, 0.5)]), Fingerprint(0, DIGEST[0]))
     traceback_text = 'Traceback (most recent call last):\n  File "train.py", line 9\nValueError: diverged\n'
-    error = failed("rank 1 raised: ValueError: diverged (train.py:9)", 1, traceback_text=traceback_text)
-    outcome = job.recorder.end(error)
+    outcome = job.recorder.end(Failed("rank 1 raised: ValueError: diverged (train.py:9)", 1, traceback_text, False))
 
     assert (outcome.status, outcome.exit_code) == (T.FAILED, EXIT_FAILED)
     assert outcome.message == "rank 1 raised: ValueError: diverged (train.py:9)"
@@ -128,12 +126,12 @@ def test_a_failing_sequence_is_a_sealed_failed_run_with_the_failure(tmp_path: Pa
 def test_an_interrupted_sequence_is_killed(tmp_path: Path) -> None:
     job = Started(tmp_path)
     job.feed(Metrics(0, {"loss": 0.5}, 1_700_000_000_000))
-    outcome = job.recorder.end(Interrupted(signal.SIGTERM))
+    outcome = job.recorder.end(Killed("interrupted by SIGTERM", 128 + signal.SIGTERM))
 
     assert (outcome.status, outcome.exit_code) == (T.KILLED, 128 + signal.SIGTERM)
     seal.check(job.tracker, job.run_id)
     assert job.run().status == T.KILLED
-    assert job.run().tags[T.STATUS_REASON] == outcome.message
+    assert job.run().tags[T.STATUS_REASON] == outcome.message == "interrupted by SIGTERM"
 
 
 def test_an_error_of_the_launcher_fails_the_run_and_is_raised_once_it_is_closed(tmp_path: Path) -> None:

@@ -22,10 +22,10 @@ from harness import tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
 from harness.executors.base import Event, Job, Outcome
-from harness.executors.launch import LaunchSpec, resolve_device
+from harness.executors.launch import LaunchSpec, failure_details, resolve_device
 from harness.executors.multinode import Node, differing
 from harness.messages import Message
-from harness.record.recorder import Recorder, checkpoint_plan, open_checkpoints
+from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, open_checkpoints
 from harness.systems import docker
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
     recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: console.show(shown), job.resume_step)
     console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
                       show=not job.options.get("quiet", False))
-    ended: BaseException | None = None
+    ended: Failed | Killed | BaseException | None = None
     try:
         device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
         recorder.start(device, backend)
@@ -157,10 +157,15 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
 
         # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
         run(spec, on_message, lambda ranks: console.follow_steps(ranks.progress))
-        recorder.ranks_done()
+        ended = recorder.ranks_done()
+    except RunFailed as err:
+        rank, tb, expected = failure_details(err)
+        ended = Failed(str(err), rank, tb, expected)
+    except Interrupted as err:
+        ended = Killed(str(err), err.exit_code)
     except BaseException as err:
         ended = err
-        if node is not None and not isinstance(err, (RunFailed, Interrupted)):
+        if node is not None:
             node.fail(f"node 0: {err}")
     finally:
         closing()
@@ -173,7 +178,8 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
             recorder.note("logs", f"the rank logs of node {', '.join(map(str, missing))} did not reach node 0: the "
                           "record holds node 0's logs only for them")
 
-    return recorder.end(ended, collect=None if node is None else collect_logs)
+    closed = recorder.end(ended, collect=None if node is None else collect_logs)
+    return Outcome(job.run_id, closed.status, closed.exit_code, closed.message, closed.fingerprints)
 
 
 def ranks_only(job: Job, work: Path, node: Node, spec_for: SpecFor, run: RunRanks,

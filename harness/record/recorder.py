@@ -2,8 +2,9 @@
 
 Every backend that runs ranks feeds one `Recorder`: `start` once the run exists (runtime facts, the
 package lock, the heartbeat, checkpoint uploads, the metric writer), `feed` with each message rank 0
-sends, `ranks_done` when they ended well, and `end` with what ended them; `end` closes and seals the
-run, or keeps its outcome on disk when the store would not take it. The recorder starts no process
+sends, `ranks_done` when they ended well, and `end` with how they ended (`Failed`, `Killed`, or the
+launcher's own error); `end` closes and seals the run, or keeps its outcome on disk when the store
+would not take it. The recorder starts no process
 and prints nothing: what the person watching should see goes to its `view` callback as `Total` (the
 progress bar's length) and `Line` (a warning) events, and the caller decides where they are drawn.
 """
@@ -23,9 +24,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import tags as T
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
-from harness.executors.base import Outcome
-from harness.executors.launch import failed, failure_details
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.delta import setting_risk
 from harness.messages import (
     Checkpoint,
@@ -64,6 +63,34 @@ class Line:
 
 
 Shown = Total | Line  # what the recorder has to show; `Total` is rank 0's own message, passed on
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The ranks failed (or the record refused how they ended): the job's one line, and what the record keeps."""
+
+    message: str
+    rank: int | None  # the failing rank; None when no rank is to blame
+    traceback: str  # the failing rank's traceback (its one line when that says it all)
+    expected: bool = True  # the one line says it all: no traceback for the terminal
+
+
+@dataclass(frozen=True)
+class Killed:
+    """The ranks were stopped by a signal (Ctrl-C, SIGTERM, a scheduler's cancel)."""
+
+    message: str
+    exit_code: int
+
+
+@dataclass(frozen=True)
+class Closed:
+    """How the recorder closed the run."""
+
+    status: str  # FINISHED | FAILED | KILLED
+    exit_code: int
+    message: str
+    fingerprints: dict[int, str]
 
 
 def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step: int | None) -> Any:
@@ -198,23 +225,24 @@ class Recorder:
         """A warning about the record of the launcher's own (not a rank's), kept with the ranks' notices."""
         self.notices.setdefault(key, text)
 
-    def ranks_done(self) -> None:
-        """The ranks ended well: the run is whole once its package lock is written; a resumed run that logged
-        other values than the run it continues is not its continuation (RunFailed)."""
+    def ranks_done(self) -> Failed | None:
+        """The ranks ended well: the run is whole once its package lock is written (its error raised here); a
+        resumed run that logged other values than the run it continues is not its continuation (Failed)."""
         assert self.lock is not None and self.writer is not None, "Recorder.ranks_done before start"
         self.lock.result()
-        if self.writer.conflict is not None:
-            key, at, was, now = self.writer.conflict
-            raise failed(
-                f"the resumed run logged {key}={now!r} at step {at}, where the run it continues had logged {was!r}: "
+        if self.writer.conflict is None:
+            return None
+        key, at, was, now = self.writer.conflict
+        line = (f"the resumed run logged {key}={now!r} at step {at}, where the run it continues had logged {was!r}: "
                 "it is not the uninterrupted run's continuation (both values are kept in MLflow's history). "
-                f"Replay the run from its start instead: harness replay {self.run_id} --allow-incomplete.", None
-            )
+                f"Replay the run from its start instead: harness replay {self.run_id} --allow-incomplete.")
+        return Failed(line, None, line)
 
     # -- the end --------------------------------------------------------------------------------------
-    def end(self, error: BaseException | None = None, collect: Callable[[], None] | None = None) -> Outcome:
-        """Close the run: FINISHED when `error` is None, FAILED for RunFailed, KILLED for Interrupted. Any other
-        error is recorded as the reason the run FAILED and raised again once the run is closed.
+    def end(self, ended: Failed | Killed | BaseException | None = None,
+            collect: Callable[[], None] | None = None) -> Closed:
+        """Close the run: FINISHED when `ended` is None, else FAILED or KILLED as it says. Any other error (the
+        launcher's own) is recorded as the reason the run FAILED and raised again once the run is closed.
 
         `collect()`, when given, runs among the closing writes before the logs are recorded (other nodes' rank
         logs into work/logs); its failure leaves the record incomplete, as a failed write does."""
@@ -222,19 +250,19 @@ class Recorder:
         status, code, message = T.FAILED, EXIT_FAILED, ""
         failure_text = ""  # the failing rank's traceback, shown once the ranks have ended
         try:
-            try:
-                if error is not None:
-                    raise error
-                status, code = T.FINISHED, EXIT_OK
-            except RunFailed as err:
-                rank, tb, expected = failure_details(err)
-                failure_text = "" if expected else tb
-                message = str(err)
-                tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
-                tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
-            except Interrupted as err:
-                status, code, message = T.KILLED, err.exit_code, str(err)
-                tracker.set_tags(run_id, {T.STATUS_REASON: message})
+            match ended:
+                case None:
+                    status, code = T.FINISHED, EXIT_OK
+                case Failed(line, rank, tb, expected):
+                    failure_text = "" if expected else tb
+                    message = line
+                    tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
+                    tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
+                case Killed(line, exit_code):
+                    status, code, message = T.KILLED, exit_code, line
+                    tracker.set_tags(run_id, {T.STATUS_REASON: message})
+                case BaseException():
+                    raise ended
         except BaseException as err:
             message = str(err)
             tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
@@ -247,7 +275,7 @@ class Recorder:
             if failure_text:
                 self.view(Line(failure_text.rstrip()))
             self._close(status, message, collect)
-        return Outcome(run_id, status, code, message, self.fingerprints)
+        return Closed(status, code, message, self.fingerprints)
 
     def _close(self, status: str, message: str, collect: Callable[[], None] | None) -> None:
         """The closing writes, then the run ended as `status` (see _close_run)."""

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
-from harness.executors.local import SegmentMessages, check_runnable, run_segments
+from harness.executors.common import check_runnable
+from harness.executors.local import SegmentMessages, run_segments
 from harness.judge.compare import BITWISE, DIVERGED
 from harness.record import checkpoints as checkpoint_store, seal
 from harness.record.provenance import runtime_facts

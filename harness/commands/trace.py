@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from harness import scratch, tags as T
 from harness.errors import HarnessError
-from harness.executors.local import SegmentMessages, check_runnable, run_segments
+from harness.executors.common import check_runnable
+from harness.executors.local import SegmentMessages, run_segments
 from harness.judge.delta import config_delta, environment_delta
 from harness.record import seal
 from harness.record.provenance import runtime_facts

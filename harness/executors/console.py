@@ -9,6 +9,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from harness.messages import Total
+from harness.record.recorder import Line
+
 # tqdm's own rate and remaining time count from the bar's creation, so start-up (imports, rendezvous, the
 # first batch) would be a step: the bar shows ours instead, measured from the first training step.
 _FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
@@ -53,6 +56,7 @@ class Console:
         self._first: tuple[int, float] | None = None  # (steps done, when): the first step seen
         self._progress: object = None  # the ranks' progress array: rank 0's step is at index 0
         self._stop = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._follow, name="harness-console", daemon=True)
         if show:
             self._thread.start()
@@ -90,6 +94,16 @@ class Console:
         if self._show:
             self._bar.write(line, file=sys.stderr)
 
+    def show(self, shown: Total | Line) -> None:
+        """The recorder's view (record/recorder.py): the bar's length, or a warning, above the bar while the ranks
+        run and on stderr once the bar is closed (shown even with show=False: the run is over, nothing interleaves)."""
+        if isinstance(shown, Total):
+            self.total(shown.steps)
+        elif self._closed:
+            print(shown.text, file=sys.stderr)
+        else:
+            self.write(shown.text)
+
     def _follow(self) -> None:
         offset = 0
         pending = ""
@@ -113,6 +127,7 @@ class Console:
                 return
 
     def close(self) -> None:
+        self._closed = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)

@@ -18,7 +18,7 @@ from harness import tags as T
 from harness.config import to_container
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
-from harness.executors.local import ENV_DIGEST
+from harness.record.recorder import ENV_DIGEST
 from harness.record.redaction import redact
 from harness.store.reach import SUPPRESS_URL, artifact_path, database_file
 from harness.store.tracking import Tracker

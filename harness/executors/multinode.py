@@ -27,9 +27,9 @@ from harness.executors.launch import failed, host_store
 from harness.record.provenance import env_vars, runtime_facts
 
 _KEYS = "launchers/"  # beside the ranks' own prefix in the same store
-_POLL_S = 0.2
+POLL_S = 0.2
 _LOST_AFTER_S = 10.0  # a node whose beat counter stood still this long is gone
-_LAST_WORD_S = 5.0  # after a peer error, how long node 0 waits for the node at fault to say what happened
+LAST_WORD_S = 5.0  # after a peer error, how long node 0 waits for the node at fault to say what happened
 _LOGS_WAIT_S = 30.0  # how long node 0 waits for another node's rank logs before it closes the run without them
 _LOG_TAIL = 4 << 20  # bytes of each rank log a node sends (its end, where a failure is)
 
@@ -137,7 +137,7 @@ class Node:
         while missing and time.monotonic() < deadline:
             missing = [n for n in missing if not self.store.check([f"node/{n}"])]
             if missing:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
         if missing:
             line = (
                 f"node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {self.topo.nnodes} never "
@@ -163,11 +163,11 @@ class Node:
 
     def _linger(self, absent: Sequence[int] = ()) -> None:
         """Node 0 keeps the store up until the other nodes have read its refusal (a few seconds at most)."""
-        deadline = time.monotonic() + _LAST_WORD_S
+        deadline = time.monotonic() + LAST_WORD_S
         waiting = [n for n in range(1, self.topo.nnodes) if n not in absent]
         while waiting and time.monotonic() < deadline:
             waiting = [n for n in waiting if not self.store.check([f"ack/{n}"])]
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def publish(self, run_id: str) -> None:
         self.store.set("run", run_id)
@@ -183,7 +183,7 @@ class Node:
                     raise HarnessError(line)
                 if self.store.check(["run"]):
                     return self.store.get("run").decode()
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
         except HarnessError:
             raise
         except Exception as err:  # node 0's launcher went away before it recorded the run
@@ -240,7 +240,7 @@ class Node:
     def blame(self, err: RunFailed, peer_error: bool) -> HarnessError:
         """What ended the job after this node's ranks failed: another node's cause wins over a peer error."""
         if peer_error:
-            deadline = time.monotonic() + _LAST_WORD_S
+            deadline = time.monotonic() + LAST_WORD_S
             while time.monotonic() < deadline:
                 try:
                     if self.store.check(["failed"]):
@@ -248,13 +248,13 @@ class Node:
                         if failure["node"] != self.topo.node_rank:
                             return self._remote(failure)
                         break
-                    lost = self._lost_nodes(_LAST_WORD_S / 2) if self.is_master else []
+                    lost = self._lost_nodes(LAST_WORD_S / 2) if self.is_master else []
                 except Exception:
                     break
                 if lost:
                     return failed(f"{self._lost_line(lost)}; node {self.topo.node_rank}'s ranks stopped as a consequence",
                                   None, NodeFailed)
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
         own = RunFailed(f"node {self.topo.node_rank}: {err}")
         own.__cause__ = err.__cause__
         return own
@@ -293,7 +293,7 @@ class Node:
         while pending and time.monotonic() < deadline:
             pending = [n for n in pending if not self.store.check([f"done/{n}"]) and not self.store.check(["failed"])]
             if pending:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
         return pending
 
 
@@ -336,14 +336,14 @@ class Node:
             except Exception:  # the store is gone or a node sent garbage: what came is kept
                 break
             try:  # a node that stopped beating without sending them (killed) is not waited for
-                gone = set(self._lost_nodes(_LAST_WORD_S))
+                gone = set(self._lost_nodes(LAST_WORD_S))
             except Exception:
                 break
             pending = [n for n in pending if n not in gone]
             if pending and time.monotonic() >= deadline:
                 break
             if pending:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
         return pending
 
 

@@ -29,7 +29,7 @@ from harness import tags as T
 from harness.config import check_nodes
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome, Output, Submitted
-from harness.executors.local import local_image_tags
+from harness.executors.common import local_image_tags
 from harness.record.recorded import checkout
 from harness.store.reach import database_file
 

@@ -6,7 +6,7 @@ TCPStore (the agent's when TORCHELASTIC_USE_AGENT_STORE=True, else one that glob
 MASTER_ADDR:MASTER_PORT) with the multi-node protocol of executors/multinode.py, each rank a "node" of
 one rank: rank 0 records the run once every rank has joined with the same code and config and
 publishes its id; the others attach to it. Then each process runs its rank's body in place
-(launch.run_rank), and rank 0 records it as the local backend does (LocalHandle).
+(launch.run_rank), and rank 0 feeds the job's recorder as the local backend does (common.record_ranks).
 """
 
 from __future__ import annotations
@@ -17,11 +17,23 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.errors import HarnessError, Interrupted, RunFailed
-from harness.executors.base import Event, Executor, Handle, Job, Topology
+from harness.executors.base import Event, Executor, Handle, Job, Outcome, Topology
+from harness.executors.common import (
+    after_deferred,
+    check_runnable,
+    config_id,
+    launch_spec,
+    local_image_tags,
+    node_tags,
+    ranks_only,
+    record_and_publish,
+    record_ranks,
+)
 from harness.executors.launch import (
     failed,
     failure_details,
@@ -31,8 +43,7 @@ from harness.executors.launch import (
     rank_failed,
     run_rank,
 )
-from harness.executors.local import LocalHandle, _node_tags, check_runnable, config_id, launch_spec, local_image_tags
-from harness.executors.multinode import _LAST_WORD_S, _POLL_S, Node, node_facts
+from harness.executors.multinode import LAST_WORD_S, POLL_S, Node, node_facts
 from harness.messages import Message
 from harness.runtime import usermlflow
 
@@ -155,17 +166,33 @@ class _Channel:
         self._on_message = None
 
 
-class TorchrunHandle(LocalHandle):
-    """This process's one rank; on global rank 0, also the job's record."""
+class TorchrunHandle(Handle):
+    """This process's one rank; on global rank 0, its messages go to the job's recorder."""
 
     def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str], env: TorchrunEnv) -> None:
-        super().__init__(job, on_event, placement)
+        self.job = job
+        self.on_event = on_event
+        self.placement = placement
         self.env = env
+        self.node: Any = None
+        self.cancelled: int | None = None
+        self.deferred: list[int] = []  # signals that arrived while the run was being recorded
+        self.recording = False
         self.training = False  # the rank's body runs in this thread: a signal now interrupts it
+        self.work = scratch.make("run")
 
-    @property
-    def records(self) -> bool:
-        return self.env.rank == 0
+    def wait(self) -> Outcome:
+        try:
+            if self.env.rank == 0:
+                outcome = record_ranks(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
+                                       self._closing)
+                return after_deferred(outcome, self.deferred)
+            return ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event, self._closing)
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _closing(self) -> None:
+        self.recording = True
 
     def cancel(self, signum: int) -> None:
         if self.recording:  # a signal now would cut the record short: it waits until the run is closed
@@ -191,8 +218,8 @@ class TorchrunHandle(LocalHandle):
                 return
             nodes = {r["group_rank"]: r for r in joined.nodes.values() if r["local_rank"] == 0}
             tags = {**self.placement, T.NNODES: str(env.nnodes), T.NPROC_PER_NODE: str(env.local_world_size),
-                    T.LAUNCHER: LAUNCHER, T.MASTER: f"{env.master_addr}:{env.master_port}", **_node_tags(nodes)}
-            self._record_and_publish(tags, nodes if env.nnodes > 1 else None, "rank 0")
+                    T.LAUNCHER: LAUNCHER, T.MASTER: f"{env.master_addr}:{env.master_port}", **node_tags(nodes)}
+            record_and_publish(job, self.node, tags, nodes if env.nnodes > 1 else None, "rank 0")
         except BaseException:
             shutil.rmtree(self.work, ignore_errors=True)
             raise
@@ -217,13 +244,13 @@ class TorchrunHandle(LocalHandle):
         # The agent's store outlives one attempt: each attempt's keys are its own.
         return dist.PrefixStore(f"harness/{env.run_id}/{env.restart}/", raw)
 
-    def _spec(self, device: str, backend: str, log_dir: Any, plan: Any) -> Any:
+    def _spec(self, device: str, backend: str, log_dir: Path, plan: Any) -> Any:
         spec = launch_spec(self.job.cfg, self.job.exp_dir, device, backend, log_dir, plan, self.job.data)
         spec.node_rank, spec.nproc = self.env.group_rank, self.env.local_world_size
         spec.master_addr, spec.port = self.env.master_addr, self.env.master_port
         return spec
 
-    def _launch(self, launch: Any, spec: Any, on_message: Callable[[Message], None],
+    def _launch(self, spec: Any, on_message: Callable[[Message], None],
                 on_ranks: Callable[[Any], None] | None = None) -> None:
         """Run this rank here; a failure anywhere is the job's, named once (the first rank to post it).
 
@@ -235,9 +262,9 @@ class TorchrunHandle(LocalHandle):
             if is_peer_failure(err):  # this rank lost a peer: the rank at fault says why
                 import time
 
-                deadline = time.monotonic() + _LAST_WORD_S
+                deadline = time.monotonic() + LAST_WORD_S
                 while time.monotonic() < deadline and (posted := node.posted()) is None:
-                    time.sleep(_POLL_S)
+                    time.sleep(POLL_S)
                 if posted is not None:
                     raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's _RankError (launch.failed); `from` would replace it
             failing, tb, expected = failure_details(err)

@@ -1,0 +1,217 @@
+"""What the backends that run ranks on this machine share: the ranks' spec, the image tags, node 0's recording.
+
+The local backend (mp.spawn, one launcher per node) and torchrun's (this process is one rank) supervise
+their ranks differently; both feed rank 0's messages to the one recorder (record/recorder.py) through
+`record_ranks`, and on every other node or rank run theirs through `ranks_only`. Docker and Slurm tag
+the image the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from harness import tags as T
+from harness.config import is_no_image, split_entry, to_container, to_yaml
+from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
+from harness.executors.base import Event, Job, Outcome
+from harness.executors.launch import LaunchSpec, failure_details, resolve_device
+from harness.executors.multinode import Node, differing
+from harness.messages import Message
+from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, open_checkpoints
+from harness.systems import docker
+
+if TYPE_CHECKING:
+    from harness.executors.launch import Ranks
+    from harness.runtime.context import CheckpointPlan
+
+# (device, backend, log folder, checkpoint plan) -> this node's LaunchSpec
+SpecFor = Callable[[str, str, Path, "CheckpointPlan | None"], LaunchSpec]
+# Run this node's ranks with `spec`, rank 0's messages to `on_message`; `on_ranks` gets the started ranks.
+RunRanks = Callable[[LaunchSpec, Callable[[Message], None], "Callable[[Ranks], None] | None"], None]
+
+
+def local_image_tags(image: str) -> dict[str, str]:
+    """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
+    digest: str | None
+    image_id: str | None
+    reason: str | None
+    if is_no_image(image):
+        digest, image_id, reason = None, None, "no image pinned (image: none): a local-only experiment"
+    else:
+        digest, image_id, reason = docker.local_digest_or_reason(image)
+    facts = {
+        T.IMAGE: image,
+        T.IMAGE_DIGEST: digest or "unknown",
+        T.EXECUTOR: "local",
+        T.IMAGE_NOTE: "ran outside the pinned image (local executor): the environment is this machine's",
+    }
+    if image_id:
+        facts[T.IMAGE_ID] = image_id
+    if reason:
+        facts[T.IMAGE_DIGEST_REASON] = reason
+    return facts
+
+
+def launch_spec(
+    cfg: DictConfig, code_dir: Path, device: str, backend: str, log_dir: Path, checkpoints: Any = None,
+    data: dict[str, str] | None = None,
+) -> LaunchSpec:
+    """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
+    from harness.runtime.determinism import derive_rank_seeds
+
+    entry_file, entry_func = split_entry(str(cfg.entry))
+    return LaunchSpec(
+        code_dir=str(Path(code_dir).resolve()),
+        entry_file=entry_file,
+        entry_func=entry_func,
+        world_size=cfg.world_size,
+        device=device,
+        backend=backend,
+        seed=cfg.seed,
+        rank_seeds=derive_rank_seeds(cfg.seed, cfg.world_size),
+        threads_per_rank=cfg.threads_per_rank,
+        determinism=cfg.determinism.level.value,
+        fingerprint_every=cfg.fingerprint_every,
+        train_cfg=to_container(cfg)["train"],
+        log_dir=str(log_dir),
+        checkpoints=checkpoints,
+        invariant_shards=cfg.determinism.shards if cfg.determinism.world_size_invariant else 0,
+        timeout_s=float(cfg.timeout_s),
+        output_dir=str(Path(log_dir).parent / "outputs"),
+        data=dict(data or {}),
+    )
+
+
+def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]:
+    """This machine can run `nproc` ranks (default: all of world_size) of `cfg`: (device, backend), or HarnessError."""
+    return resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size if nproc is None else nproc)
+
+
+def config_id(cfg: DictConfig) -> str:
+    """The resolved config's digest: every node of a job must run the same one."""
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
+
+
+def node_tags(nodes: dict[int, dict[str, Any]]) -> dict[str, str]:
+    """The other nodes' facts (node 0's are the run's own), and which of them differ from node 0's."""
+    tags: dict[str, str] = {}
+    for n, node in nodes.items():
+        if n == 0:
+            continue
+        for key in ("hostname", "cpu", "gpu", "gpu_driver", "torch", "cuda", "nccl", "python"):
+            if key in node["facts"]:
+                tags[f"{T.NODE_PREFIX}{n}.{key}"] = str(node["facts"][key])
+    differ = differing(nodes)
+    if differ:
+        tags[T.NODES_DIFFER] = "; ".join(f"node {n}: {', '.join(keys)}" for n, keys in differ.items())
+        print(f"Warning: the nodes' environments differ ({tags[T.NODES_DIFFER]}); recorded, and a replay's delta "
+              "will show it.", file=sys.stderr)
+    return tags
+
+
+def record_and_publish(job: Job, node: Node, tags: dict[str, str], nodes: dict[int, dict[str, Any]] | None,
+                       who: str) -> None:
+    """Node 0 after the rendezvous: record the one run with every node's facts, then tell the others its id."""
+    try:
+        job.run_id = job.record(tags) if job.record else job.run_id
+    except BaseException as err:
+        node.fail(f"{who} could not record the run: {err}")
+        raise
+    if nodes:
+        job.tracker.log_text(job.run_id, json.dumps({str(k): v for k, v in nodes.items()}, indent=2), T.ARTIFACT_NODES)
+    node.publish(job.run_id)
+
+
+def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run: RunRanks,
+                 on_event: Callable[[Event], None], closing: Callable[[], None]) -> Outcome:
+    """The side that runs rank 0: the ranks run by `run`, rank 0's messages fed to the job's recorder (and passed
+    on to `on_event`), the run closed. `closing()` is called once the ranks have ended, before the record is
+    closed; `node`: the job's rendezvous when it spans several nodes (or torchrun's ranks)."""
+    from harness.executors.console import Console
+
+    cfg = job.cfg
+    log_dir = work / "logs"
+    log_dir.mkdir(exist_ok=True)
+    recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: console.show(shown), job.resume_step)
+    console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
+                      show=not job.options.get("quiet", False))
+    ended: Failed | Killed | BaseException | None = None
+    try:
+        device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
+        recorder.start(device, backend)
+        spec = spec_for(device, backend, log_dir, recorder.plan)
+        spec.run_id = job.run_id
+        spec.env.update(recorder.rank_env())
+
+        def on_message(msg: Message) -> None:
+            recorder.feed(msg)
+            on_event(msg)
+
+        # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
+        run(spec, on_message, lambda ranks: console.follow_steps(ranks.progress))
+        ended = recorder.ranks_done()
+    except RunFailed as err:
+        rank, tb, expected = failure_details(err)
+        ended = Failed(str(err), rank, tb, expected)
+    except Interrupted as err:
+        ended = Killed(str(err), err.exit_code)
+    except BaseException as err:
+        ended = err
+        if node is not None:
+            node.fail(f"node 0: {err}")
+    finally:
+        closing()
+        console.close()
+
+    def collect_logs() -> None:  # the other nodes' rank logs, before the record is closed and sealed
+        assert node is not None
+        missing = node.collect_logs(log_dir)
+        if missing:
+            recorder.note("logs", f"the rank logs of node {', '.join(map(str, missing))} did not reach node 0: the "
+                          "record holds node 0's logs only for them")
+
+    closed = recorder.end(ended, collect=None if node is None else collect_logs)
+    return Outcome(job.run_id, closed.status, closed.exit_code, closed.message, closed.fingerprints)
+
+
+def ranks_only(job: Job, work: Path, node: Node, spec_for: SpecFor, run: RunRanks,
+               on_event: Callable[[Event], None], closing: Callable[[], None]) -> Outcome:
+    """Any other node (or torchrun rank): its ranks run by `run` against the run node 0 records; their logs
+    go to node 0, which writes the one record."""
+    cfg = job.cfg
+    log_dir = work / "logs"
+    log_dir.mkdir()
+    device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
+    # Node 0's launcher uploads the steps: it reads this node's rank files from the shared staging folder.
+    plan = checkpoint_plan(open_checkpoints(job.tracker, job.run_id, cfg, job.resume_step), cfg, job.resume_step)
+    spec = spec_for(device, backend, log_dir, plan)
+    spec.run_id = job.run_id
+    status, code, message = T.FINISHED, EXIT_OK, ""
+    try:
+        run(spec, on_event, None)
+    except RunFailed as err:
+        status, code, message = T.FAILED, EXIT_FAILED, str(err)
+    except Interrupted as err:
+        status, code, message = T.KILLED, err.exit_code, str(err)
+    finally:
+        closing()
+        # Every rank's log belongs to the one run (names carry the global rank): node 0 records them.
+        node.send_logs(log_dir)
+    return Outcome(job.run_id, status, code, message)
+
+
+def after_deferred(outcome: Outcome, deferred: list[int]) -> Outcome:
+    """A signal that arrived while the run was being recorded waited for it: the exit code says it came."""
+    if deferred:
+        print(f"{signal.Signals(deferred[0]).name} arrived while the run was being recorded; it was recorded "
+              "in full first.", file=sys.stderr)
+        outcome.exit_code = 128 + deferred[0]
+    return outcome

@@ -1,0 +1,493 @@
+"""The recorder: rank 0's messages, from the ranks' start to their end, turned into the job's one MLflow run.
+
+Every backend that runs ranks feeds one `Recorder`: `start` once the run exists (runtime facts, the
+package lock, the heartbeat, checkpoint uploads, the metric writer), `feed` with each message rank 0
+sends, `ranks_done` when they ended well, and `end` with how they ended (`Failed`, `Killed`, or the
+launcher's own error); `end` closes and seals the run, or keeps its outcome on disk when the store
+would not take it. The recorder starts no process
+and prints nothing: what the person watching should see goes to its `view` callback as `Total` (the
+progress bar's length) and `Line` (a warning) events, and the caller decides where they are drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from harness import tags as T
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.judge.delta import setting_risk
+from harness.messages import (
+    Checkpoint,
+    Determinism,
+    DeterminismChanged,
+    Final,
+    Fingerprint,
+    Initial,
+    Message,
+    Metrics,
+    MetricsBatch,
+    Notice,
+    SettingChange,
+    Total,
+    UserSeeds,
+)
+from harness.record import checkpoints as checkpoint_store
+from harness.record.provenance import package_lock, runtime_facts
+from harness.runtime import usermlflow, userseed
+from harness.store.reach import absolute_uri, reason_of
+from harness.store.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
+
+if TYPE_CHECKING:
+    from harness.records import RunRecord
+    from harness.runtime.context import CheckpointPlan
+    from harness.store.tracking import Heartbeat, MetricWriter
+
+ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
+
+
+@dataclass(frozen=True)
+class Line:
+    """A line for the person watching the run: a warning while the ranks run, or once they ended."""
+
+    text: str
+
+
+Shown = Total | Line  # what the recorder has to show; `Total` is rank 0's own message, passed on
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The ranks failed (or the record refused how they ended): the job's one line, and what the record keeps."""
+
+    message: str
+    rank: int | None  # the failing rank; None when no rank is to blame
+    traceback: str  # the failing rank's traceback (its one line when that says it all)
+    expected: bool = True  # the one line says it all: no traceback for the terminal
+
+
+@dataclass(frozen=True)
+class Killed:
+    """The ranks were stopped by a signal (Ctrl-C, SIGTERM, a scheduler's cancel)."""
+
+    message: str
+    exit_code: int
+
+
+@dataclass(frozen=True)
+class Closed:
+    """How the recorder closed the run."""
+
+    status: str  # FINISHED | FAILED | KILLED
+    exit_code: int
+    message: str
+    fingerprints: dict[int, str]
+
+
+def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step: int | None) -> Any:
+    """The run's checkpoints (checkpoints.CheckpointStore), None when it neither saves nor loads any."""
+    if cfg.checkpoint_every <= 0 and resume_step is None:
+        return None
+    return checkpoint_store.open_for(tracker, run_id)
+
+
+def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None) -> CheckpointPlan | None:
+    """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
+    lists them with the run."""
+    from harness.runtime.context import CheckpointPlan
+
+    if store is None:
+        return None
+    if resume_step is None:
+        return CheckpointPlan(str(store.directory), cfg.checkpoint_every)
+    return CheckpointPlan(str(store.directory), cfg.checkpoint_every, resume_step=resume_step)
+
+
+class Recorder:
+    """One job's record, written from rank 0's messages; it knows nothing of how the ranks were started.
+
+    `work` is the job's work folder: the ranks' logs in `work/logs`, their outputs in `work/outputs`; what
+    the store does not take is moved from there to ~/.cache/harness/unsent/<run id>.
+    """
+
+    def __init__(self, tracker: Tracker, run_id: str, cfg: DictConfig, work: Path,
+                 view: Callable[[Shown], None], resume_step: int | None = None) -> None:
+        self.tracker, self.run_id, self.cfg, self.work = tracker, run_id, cfg, work
+        self.view = view
+        self.resume_step = resume_step
+        self.outages = Outages()  # the store going away mid-run: writes are retried, the run records it
+        self.writer: MetricWriter | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.ckpts: Any = None
+        self.lock: Future[Any] | None = None
+        self.plan: CheckpointPlan | None = None  # where the ranks save and load checkpoints (set by start)
+        self.fingerprints: dict[int, str] = {}
+        self.notices: dict[str, str] = {}  # the ranks' warnings about the record, by kind
+        self.final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}, "notices": self.notices,
+                                      "determinism_changes": []}
+        self.warned: set[tuple[str | None, str]] = set()  # strict: each call that broke bitwise is warned about once
+        # A resumed run continues the record so far: what it holds before the resumed step stays on record.
+        self.prior: RunRecord | None = None
+        if resume_step is not None:
+            prior = self.prior = tracker.load_record(run_id)
+            final = self.final
+            self.fingerprints.update({k: v for k, v in prior.fingerprints.items() if k < resume_step})
+            final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
+            final["checkpoint_tensors"] = {k: v for k, v in (prior.checkpoint_tensors or {}).items() if k <= resume_step}
+            # Changes made before the resumed step stay on record; the resumed ranks' own readings follow them.
+            earlier = (SettingChange.from_line(line) for line in prior.facts.get(T.DETERMINISM_CHANGES, "").splitlines())
+            final["determinism_changes"] = [c for c in earlier if c is not None and c.step < resume_step]
+
+    # -- start ------------------------------------------------------------------------------------------
+    def start(self, device: str, backend: str) -> None:
+        """The ranks are about to start on `device` with `backend`: record where, and open the run's writers."""
+        tracker, run_id, cfg, resume_step = self.tracker, self.run_id, self.cfg, self.resume_step
+        facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
+        facts.update({T.DEVICE: device, T.BACKEND: backend})
+        # Where the ranks run: inside the pinned image only if the docker backend said so.
+        in_image = bool(os.environ.get(ENV_DIGEST))
+        facts[T.IN_IMAGE] = str(in_image).lower()
+        if in_image:
+            facts[T.IMAGE_NOTE] = f"ran inside the pinned image {os.environ[ENV_DIGEST]}"
+        tracker.set_tags(run_id, facts)
+        # Where the ranks run: every installed distribution (seconds to read), written while they start.
+        self.lock = _in_thread(lambda: tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK))
+
+        self.heartbeat = tracker.heartbeat(run_id, cfg.heartbeat_s, self.outages)
+        self.ckpts = open_checkpoints(tracker, run_id, cfg, resume_step)
+        if self.ckpts is not None:
+            if resume_step is not None and not self.ckpts.fetch(resume_step, cfg.world_size):
+                raise HarnessError(f"run {run_id} has no complete checkpoint of step {resume_step} in its artifacts.")
+            self.ckpts.start_uploads(self.outages)
+        self.plan = checkpoint_plan(self.ckpts, cfg, resume_step)
+        self.writer = tracker.metric_writer(run_id, cfg.flush_interval_s, self.outages)
+        if self.prior is not None:
+            self.writer.prime(self.prior.metrics)
+
+    def rank_env(self) -> dict[str, str]:
+        """The environment rank 0 needs so that the user's own mlflow calls land in this run, never in a store
+        of the code folder."""
+        experiment_id = self.tracker.get_run(self.run_id).experiment_id
+        return usermlflow.run_env(absolute_uri(self.tracker.client_uri), self.run_id, experiment_id)
+
+    # -- while the ranks run ------------------------------------------------------------------------------
+    def feed(self, msg: Message) -> None:
+        """One message from rank 0 (called from the launcher's message thread)."""
+        final, writer = self.final, self.writer
+        assert writer is not None, "Recorder.feed before start"
+        match msg:
+            case Metrics(step, values, unix_ms):
+                writer.add(step, values, unix_ms)
+            case MetricsBatch():
+                writer.add_batch(msg)
+            case Fingerprint(step, sha256):
+                self.fingerprints[step] = sha256
+            case Final(sha256, steps, of):
+                final["fingerprint"], final["steps_total"], final["of"] = sha256, steps, of
+            case Notice(key, text):
+                self.notices.setdefault(key, text)
+                self.view(Line(f"Warning: {text}"))
+            case Initial(sha256):
+                final["initial"] = sha256
+            case Determinism(settings, env):
+                final["determinism"], final["vars"] = dict(settings), env
+                final["determinism_start"] = dict(settings)
+            case DeterminismChanged(changes):
+                # The tags say what was in force: the last reading (the start values stay in the changes).
+                final["determinism"].update({c.setting: c.after for c in changes})
+                if self.prior is not None:
+                    # A resumed process runs train()'s own switches again: the same transition by the same
+                    # line before the resume step is the change already recorded, not a second one.
+                    known = {(c.setting, c.before, c.after, c.where) for c in final["determinism_changes"]}
+                    changes = tuple(c for c in changes if (c.setting, c.before, c.after, c.where) not in known)
+                final["determinism_changes"].extend(changes)
+                for line in strict_warnings(self.cfg.determinism.level.value, changes, self.warned):
+                    self.view(Line(line))
+            case UserSeeds(calls):
+                final["user_seeds"] = calls
+            case Total():
+                self.view(msg)
+            case Checkpoint(step, sha256, tensors, ranks):
+                final["checkpoints"][step] = sha256
+                final["checkpoint_tensors"][step] = {"tensors": tensors, "ranks": list(ranks)}
+                self.ckpts.completed(step)
+
+    def note(self, key: str, text: str) -> None:
+        """A warning about the record of the launcher's own (not a rank's), kept with the ranks' notices."""
+        self.notices.setdefault(key, text)
+
+    def ranks_done(self) -> Failed | None:
+        """The ranks ended well: the run is whole once its package lock is written (its error raised here); a
+        resumed run that logged other values than the run it continues is not its continuation (Failed)."""
+        assert self.lock is not None and self.writer is not None, "Recorder.ranks_done before start"
+        self.lock.result()
+        if self.writer.conflict is None:
+            return None
+        key, at, was, now = self.writer.conflict
+        line = (f"the resumed run logged {key}={now!r} at step {at}, where the run it continues had logged {was!r}: "
+                "it is not the uninterrupted run's continuation (both values are kept in MLflow's history). "
+                f"Replay the run from its start instead: harness replay {self.run_id} --allow-incomplete.")
+        return Failed(line, None, line)
+
+    # -- the end --------------------------------------------------------------------------------------
+    def end(self, ended: Failed | Killed | BaseException | None = None,
+            collect: Callable[[], None] | None = None) -> Closed:
+        """Close the run: FINISHED when `ended` is None, else FAILED or KILLED as it says. Any other error (the
+        launcher's own) is recorded as the reason the run FAILED and raised again once the run is closed.
+
+        `collect()`, when given, runs among the closing writes before the logs are recorded (other nodes' rank
+        logs into work/logs); its failure leaves the record incomplete, as a failed write does."""
+        tracker, run_id = self.tracker, self.run_id
+        status, code, message = T.FAILED, EXIT_FAILED, ""
+        failure_text = ""  # the failing rank's traceback, shown once the ranks have ended
+        try:
+            match ended:
+                case None:
+                    status, code = T.FINISHED, EXIT_OK
+                case Failed(line, rank, tb, expected):
+                    failure_text = "" if expected else tb
+                    message = line
+                    tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
+                    tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
+                case Killed(line, exit_code):
+                    status, code, message = T.KILLED, exit_code, line
+                    tracker.set_tags(run_id, {T.STATUS_REASON: message})
+                case BaseException():
+                    raise ended
+        except BaseException as err:
+            message = str(err)
+            tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
+            raise
+        finally:
+            if self.lock is not None:  # the lock's write ends before the run is closed, whatever happened
+                from concurrent.futures import wait
+
+                wait([self.lock])
+            if failure_text:
+                self.view(Line(failure_text.rstrip()))
+            self._close(status, message, collect)
+        return Closed(status, code, message, self.fingerprints)
+
+    def _close(self, status: str, message: str, collect: Callable[[], None] | None) -> None:
+        """The closing writes, then the run ended as `status` (see _close_run)."""
+        # End-of-run writes wait for a store that is briefly away (HARNESS_STORE_OUTAGE_S); past that,
+        # the outcome is kept on disk and the error says where.
+        run_id, writer, ckpts, outages = self.run_id, self.writer, self.ckpts, self.outages
+        patient = Patient(self.tracker, outages)
+        outages.closing()
+        failed_write: Exception | None = None
+        try:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+            if writer is not None:
+                writer.close()
+                save_series(writer.series, self.work / "series.npz")
+            if ckpts is not None:
+                ckpts.close()
+            if collect is not None:
+                collect()
+            resume_step = self.resume_step
+            logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
+            record_results(patient, run_id, self.fingerprints, self.final, self.work, logs)
+            if writer is not None:
+                self._note_direct_metrics(patient, set(writer.series))
+            if status == T.FINISHED:
+                self._warn_if_vacuous(patient)
+            patient.set_tags(run_id, outages.tags())
+            if ckpts is not None:
+                ckpts.cleanup()
+        except Exception as err:  # the record is incomplete: whatever ran, the run cannot be FINISHED
+            failed_write = err
+        self._close_run(patient, status, message, failed_write)
+
+    def _close_run(self, patient: Patient, status: str, message: str, failed_write: Exception | None) -> None:
+        """End the run in the store as `status` when every closing write went through. When one failed the record
+        is incomplete: the run is FAILED with the reason (if the store still takes that), else it stays RUNNING;
+        either way its outcome is kept on disk and one line says which, as the store has it."""
+        run_id, shown, outages = self.run_id, self.tracker.display_uri, self.outages
+        if failed_write is None:
+            try:
+                patient.end_run(run_id, status)
+                return
+            except Exception as end_err:
+                failed_write = end_err
+        err = failed_write
+        root: BaseException = err
+        while root.__cause__ is not None:  # the store's own words, not a wrapper's
+            root = root.__cause__
+        full = unwritable(err)
+        if full:
+            cause = f"the tracking store {shown} {full} ({reason_of(root)})"
+            fix = ("Free space on its disk" if full == "is full" else "Make it writable") + \
+                " (or use another store with --tracking-uri), then rerun"
+        elif transient(err):
+            cause = (f"the tracking store {shown} stayed unreachable for over {outages.limit_s:g} s "
+                     f"(HARNESS_STORE_OUTAGE_S): {reason_of(err)}")
+            fix = "Check the store, then rerun"
+        else:
+            cause = f"recording run {run_id} failed: {reason_of(err)}"
+            fix = "Check the store and the message above, then rerun"
+        reason = f"{cause} while the run was being closed ({status}): its record is incomplete"
+        with contextlib.suppress(Exception):
+            patient.set_tags(run_id, {T.STATUS_REASON: reason[:500]})
+        try:  # tried even when the reason did not fit: a full disk may take an update when it takes no new rows
+            patient.end_run(run_id, T.FAILED)
+            ended = True
+        except Exception:
+            ended = False
+        try:
+            kept: str = f"kept in {self._keep_outcome(status, message)}"
+        except OSError as keep_err:
+            kept = f"not kept either ({keep_err.strerror})"
+        state = (f"so it is {T.FAILED} in the store" + ("" if status == T.FAILED else f", not {status}") if ended else
+                 f"and the store took no status either: run {run_id} stays {T.RUNNING} in the store until "
+                 f"`harness mark {run_id} --status {T.FAILED}` (once its heartbeat is stale)")
+        raise HarnessError(f"{cause} while run {run_id} was being closed, {state}. Its outcome, metrics and logs are "
+                           f"{kept}. {fix}.", exit_code=EXIT_FAILED) from err
+
+    def _keep_outcome(self, status: str, message: str) -> Path:
+        """What the store could not take, moved out of the work folder (which is removed) to a lasting one."""
+        work, writer = self.work, self.writer
+        if writer is not None:
+            save_series(writer.series, work / "series.npz")
+        doc = {
+            "run_id": self.run_id, "status": status, "status_reason": message, "tags": self.outages.tags(),
+            "metrics_not_written": writer.pending if writer is not None else 0,
+            "fingerprints": {str(k): v for k, v in sorted(self.fingerprints.items())},
+            "final": self.final,  # fingerprints, checkpoints, determinism settings and variables: the tags not written
+        }
+        (work / "outcome.json").write_text(json.dumps(doc, indent=2, default=str))
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "unsent"
+        base.mkdir(parents=True, exist_ok=True)
+        kept = base / self.run_id
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.move(str(work), str(kept))
+        return kept
+
+    def _note_direct_metrics(self, tracker: Tracker | Patient, ctx_keys: set[str]) -> None:
+        """Metrics the training code logged through MLflow itself: kept in the run, named in a tag, and said once
+        to be outside what replay compares (series.npz holds only ctx.log's values)."""
+        keys = usermlflow.direct_keys(tracker.get_run(self.run_id).metric_keys, ctx_keys)
+        if keys:
+            tracker.set_tags(self.run_id, {T.USER_MLFLOW_METRICS: ",".join(keys)})
+            self.view(Line(usermlflow.direct_keys_warning(keys)))
+
+    def _warn_if_vacuous(self, tracker: Tracker | Patient) -> None:
+        """A finished run that logged nothing, or whose model never changed, proves nothing: say so, and record it."""
+        writer, final = self.writer, self.final
+        initial, last = final.get("initial"), final.get("fingerprint")
+        if writer is not None and not writer.series:
+            if initial or last:
+                self.view(Line("Warning: the run logged no metrics (call ctx.log(...) in train); a replay can only "
+                               "compare the model's fingerprints."))
+            else:
+                self.view(Line("Warning: the run logged no metrics and registered no model (ctx.log(...), "
+                               "ctx.ddp(model)): a replay will have nothing to compare."))
+        if initial and last:
+            changed = initial != last
+            tracker.set_tags(self.run_id, {T.INITIAL_FINGERPRINT: initial, T.WEIGHTS_CHANGED: str(changed).lower()})
+            if not changed:
+                self.view(Line("Warning: the model's weights never changed (its fingerprint at the end equals the one "
+                               "at ctx.ddp): nothing was trained. Check the loss, the learning rate and "
+                               "optimizer.step()."))
+
+
+def _in_thread(fn: Callable[[], Any]) -> Future[Any]:
+    """A future of fn(), run in a thread of its own (a store write that need not hold up the ranks)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="harness-lock")
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def record_results(
+    tracker: Tracker | Patient, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path, logs: str
+) -> None:
+    """The end-of-run tags and artifacts: determinism in force and its changes, fingerprints, notices, seeds,
+    checkpoint fingerprints, the metric series, the rank logs (under `logs`) and the ranks' outputs."""
+    tags: dict[str, str] = {}
+    if "determinism" in final:
+        tags.update({T.DETERMINISM_PREFIX + k: v for k, v in final["determinism"].items()})
+        tags.update({T.VAR_PREFIX + k: v for k, v in final["vars"].items()})
+        changes = final.get("determinism_changes", [])
+        tags[T.DETERMINISM_CHANGES] = changes_tag(changes)
+        doc = {"start": final.get("determinism_start", {}), "in_force": final["determinism"],
+               "changes": [asdict(c) for c in changes]}
+        tracker.log_text(run_id, json.dumps(doc, indent=1), T.ARTIFACT_DETERMINISM)
+    if final.get("fingerprint"):
+        tags[T.FINGERPRINT] = final["fingerprint"]
+    if final.get("of"):
+        tags[T.FINGERPRINT_OF] = final["of"]
+    if final.get("notices"):
+        tags[T.NOTICES] = "\n".join(final["notices"].values())[:4900]
+    if final.get("user_seeds"):
+        tags[T.USER_SEEDS] = userseed.describe(final["user_seeds"])
+    tracker.set_tags(run_id, tags)
+    if fingerprints or final.get("fingerprint") or final["checkpoints"]:
+        doc = {
+            "steps": {str(k): v for k, v in sorted(fingerprints.items())},
+            "final": final.get("fingerprint"),
+            "steps_total": final.get("steps_total"),
+            "checkpoints": {str(k): v for k, v in sorted(final["checkpoints"].items())},
+        }
+        tracker.log_text(run_id, json.dumps(doc, indent=2), T.ARTIFACT_FINGERPRINTS)
+    if final.get("checkpoint_tensors"):
+        tracker.log_text(run_id, checkpoint_fingerprints_json(final["checkpoint_tensors"]),
+                         T.ARTIFACT_CHECKPOINT_FINGERPRINTS)
+    if (work / "series.npz").exists():
+        tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
+    logs_dir = work / "logs"
+    if logs_dir.is_dir() and any(logs_dir.iterdir()):
+        tracker.log_dir(run_id, logs_dir, logs)
+    outputs = work / "outputs"
+    if outputs.is_dir() and any(outputs.iterdir()):
+        tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+_CHANGES_SHOWN = 40  # lines in the changes tag (MLflow keeps 8,000 characters); the artifact holds them all
+
+
+def changes_tag(changes: list[SettingChange]) -> str:
+    """The harness.determinism.changes tag: one line per change, "none" when the training code changed nothing."""
+    if not changes:
+        return "none"
+    lines = [c.line() for c in changes[:_CHANGES_SHOWN]]
+    if len(changes) > _CHANGES_SHOWN:
+        lines.append(f"... {len(changes) - _CHANGES_SHOWN} more in {T.ARTIFACT_DETERMINISM}")
+    return "\n".join(lines)
+
+
+def strict_warnings(level: str, changes: tuple[SettingChange, ...], warned: set[tuple[str | None, str]]) -> list[str]:
+    """Under strict, one warning per call of the training code that made bitwise results impossible (`warned`:
+    the calls already warned about, updated)."""
+    if level != "strict":
+        return []
+    lines = []
+    for c in changes:
+        risk = setting_risk(c.setting, c.after)
+        what = c.call or f"{c.setting} = {c.after}"
+        if risk is None or (c.where, what) in warned:
+            continue
+        warned.add((c.where, what))
+        who = c.where or f"the training code (seen at step {c.step}, {c.when})"
+        lines.append(f"Warning: {who} set {what} under determinism.level=strict: {risk}. Recorded in "
+                     f"{T.DETERMINISM_CHANGES}; remove that line to keep strict's guarantee, or set determinism.level=off.")
+    return lines
+
+
+def checkpoint_fingerprints_json(steps: dict[int, dict[str, Any]]) -> str:
+    """The per-tensor checkpoint fingerprints artifact: step -> {"tensors": name -> sha256, "ranks": [sha256]}."""
+    from harness.runtime.checkpoint import FINGERPRINT_FORMAT
+
+    doc = {"format": FINGERPRINT_FORMAT, "steps": {str(k): v for k, v in sorted(steps.items())}}
+    return json.dumps(doc, indent=1, sort_keys=True)

@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
+from harness import events
+from harness.events import Output, Submitted
 from harness.messages import Message
 from harness.store.tracking import RunSummary, Tracker
 
@@ -35,21 +37,6 @@ class Outcome:
     exit_code: int
     message: str = ""
     fingerprints: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Output:
-    """A line the job printed where the launcher cannot see it (a container, a batch job)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """A scheduler accepted the job."""
-
-    job_id: str
-    detail: str = ""
 
 
 Event = Message | Output | Submitted
@@ -157,12 +144,9 @@ def run_job(
 
 
 def _print_output(event: Event) -> None:
-    import sys
-
-    if isinstance(event, Output):
-        print(event.text, file=sys.stderr, flush=True)
-    elif isinstance(event, Submitted):
-        print(f"Submitted job {event.job_id}{': ' + event.detail if event.detail else ''}", file=sys.stderr, flush=True)
+    # What a backend says of its job (a container's output, a batch job's id) goes to whoever listens.
+    if isinstance(event, Output | Submitted):
+        events.emit(event)
 
 
 @contextlib.contextmanager

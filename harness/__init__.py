@@ -8,29 +8,10 @@ and their options. It loads on first use, so that `import harness` (and `harness
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
-
-if TYPE_CHECKING:
-    from harness.commands.api import (
-        AuditOptions,
-        CompareOptions,
-        Placement,
-        ReplayOptions,
-        ResumeOptions,
-        RunOptions,
-        TraceOptions,
-        VerifyOptions,
-        audit,
-        compare,
-        replay,
-        resume,
-        run,
-        trace,
-        verify,
-    )
 
 __all__ = [
     "AuditOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
@@ -40,6 +21,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__ and name != "__version__":
-        # On first use: the API loads the config schema (omegaconf), the store and the executors.
+        # On first use: the API loads the config schema (omegaconf), the store and the executors. By importlib:
+        # harness's own code inside a rank imports this package (its version), and must not reach the store.
         return getattr(importlib.import_module("harness.commands.api"), name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

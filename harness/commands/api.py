@@ -14,18 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness import events, tags as T
 from harness.commands import (
-    audit as audit_command,
     replay as replay_command,
-    resume as resume_command,
     run as run_command,
     study,
     trace as trace_command,
     verify as verify_command,
 )
-from harness.commands.audit import AuditResult
 from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome
 from harness.commands.trace import TraceDiff, TraceResult
@@ -37,6 +35,10 @@ from harness.executors.multinode import topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 from harness.judge.compare import Comparison
 from harness.store.tracking import Tracker
+
+if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: imported where they run, so that
+    # compare and replay stay as light as they are (tests/test_cli_fast.py: compare imports no torch)
+    from harness.commands.audit import AuditResult
 
 __all__ = [
     "AuditOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
@@ -275,6 +277,8 @@ class ResumeOptions:
 
 def resume(options: ResumeOptions) -> Outcome:
     """Prove the resume against the record, then continue the run in the same MLflow run: its Outcome."""
+    from harness.commands import resume as resume_command  # loads torch (see the imports above)
+
     with events.listening(options.on_event):
         return resume_command.resume(options.run_id, tracking_uri=options.tracking_uri, repo=options.repo)
 
@@ -292,6 +296,8 @@ class AuditOptions:
 
 
 def audit(options: AuditOptions) -> AuditResult:
+    from harness.commands import audit as audit_command  # loads torch (see the imports above)
+
     with events.listening(options.on_event):
         return audit_command.audit(options.run_id, segments=options.segments, seed=options.seed,
                                    tracking_uri=options.tracking_uri, repo=options.repo)

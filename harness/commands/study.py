@@ -357,12 +357,12 @@ def run_study(
     return StudyOutcome(study_id, status, code, members, message, table)
 
 
-_print_lock = threading.Lock()
+_say_lock = threading.Lock()
 
 
 def _say(line: str) -> None:
-    """One whole line on stderr (members in threads print too; stdout is kept for the study's id)."""
-    with _print_lock:
+    """One whole line, as a notice (members in threads speak too: one line at a time reaches the listener)."""
+    with _say_lock:
         events.emit(events.Notice(line))
 
 

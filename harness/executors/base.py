@@ -135,7 +135,7 @@ def run_job(
             pending.append(signum)
 
     with signals_to(on_signal):
-        handle.append(executor.start(job, on_event or _print_output))
+        handle.append(executor.start(job, on_event or _emit_output))
         if on_start is not None:
             on_start(handle[0])
         for signum in pending:
@@ -143,7 +143,7 @@ def run_job(
         return handle[0].wait()
 
 
-def _print_output(event: Event) -> None:
+def _emit_output(event: Event) -> None:
     # What a backend says of its job (a container's output, a batch job's id) goes to whoever listens.
     if isinstance(event, Output | Submitted):
         events.emit(event)

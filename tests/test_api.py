@@ -93,7 +93,7 @@ def test_bad_input_raises_the_error_the_cli_prints(fresh_project: Project) -> No
     ]
     for call, options, argv in cases:
         with pytest.raises(HarnessError) as err:
-            call(options)  # type: ignore[operator]
+            call(options)
         answer = p.cli(*argv)
         assert answer.returncode == err.value.exit_code == 2, answer
         assert answer.stderr == f"Error: {err.value}\n", (argv, answer.stderr)

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import Project
 
 import harness
-from conftest import Project
 from harness import events
 from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome

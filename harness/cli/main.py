@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import click
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import EXIT_SIGINT, HarnessError
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
@@ -27,7 +27,8 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with events.listening(_draw):  # what the library says on its way, on stderr
+                return fn(*args, **kwargs)
         except HarnessError as err:
             click.echo(f"Error: {err}", err=True)
             _exit(err.exit_code)
@@ -41,6 +42,11 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(failure.exit_code)
 
     return wrapper
+
+
+def _draw(event: events.Event) -> None:
+    """An event from the library, drawn as the line it says, on stderr (stdout carries only results and ids)."""
+    click.echo(event.line(), err=True)
 
 
 def _exit(code: int) -> NoReturn:
@@ -85,50 +91,6 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-_FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
-          "master_port": "--master-port", "slurm_nodes": "--nodes", "partition": "--partition",
-          "slurm_time": "--time", "gpus_per_node": "--gpus-per-node"}
-
-
-def _placement(executor: str | None, given: dict[str, Any], torchrun: bool = False) -> tuple[list[str], Any]:
-    """(slurm.* overrides, topology) from the placement options; under torchrun, torchrun's layout."""
-    from harness.executors import Topology
-    from harness.executors.multinode import topology_from_env
-
-    slurm = {"nodes": given["slurm_nodes"], "partition": given["partition"], "time": given["slurm_time"],
-             "gpus_per_node": given["gpus_per_node"]}
-    overrides = [f"slurm.{k}={v}" for k, v in slurm.items() if v is not None]
-    if torchrun:
-        layout = _torchrun_topology(executor, [_FLAGS[k] for k, v in given.items() if v is not None])
-        if layout is not None:
-            return overrides, layout
-    if executor == "slurm":
-        return overrides, None  # the batch job's tasks learn their place from Slurm
-    nnodes, node_rank, addr, port = (given[k] for k in ("nnodes", "node_rank", "master_addr", "master_port"))
-    if nnodes is None and node_rank is None and addr is None and port is None:
-        # What a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node.
-        return overrides, topology_from_env() or Topology()
-    if nnodes is None:
-        raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
-    return overrides, Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=addr, master_port=port or 0)
-
-
-def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
-    """The job's layout when torchrun started this process, else None; torchrun's layout leaves no placement to choose."""
-    from harness.executors.torchrun import topology, torchrun_env
-
-    env = torchrun_env()
-    if env is None:
-        return None
-    if given:
-        raise HarnessError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
-                           "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
-    if executor not in (None, "local"):
-        raise HarnessError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
-                           f"apply. Run `harness run --executor {executor} ...` without torchrun.")
-    return topology(env)
-
-
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
@@ -163,65 +125,31 @@ def run(
     it runs as the rank torchrun made it; the job is still one run. With --seeds N (or `seeds:` in the
     config) it runs a study, one run per seed, and the last line is the study's run id.
     """
-    from harness.commands import run as runner
+    from harness.commands import api
+
+    outcome = api.run(api.RunOptions(
+        experiment_dir, tuple(overrides), seeds=seeds_n, parallel=parallel, require_clean=require_clean,
+        executor=executor, placement=api.Placement(**placement), allow_unpinned=allow_unpinned,
+        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, on_event=_draw,
+    ))
+    # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
+    _finish(outcome, tracking_uri, print_id=api.speaks_for_job())
+
+
+def _finish(outcome: Any, tracking_uri: str | None, print_id: bool = True) -> None:
+    """A run's or a study's end: its table (a study), why it ended so, the link; its id last on stdout."""
+    from harness.commands.study import StudyOutcome
     from harness.store.tracking import Tracker
 
-    if seeds_n is not None or parallel is not None:
-        _run_study(experiment_dir, overrides, seeds_n, parallel, require_clean, executor, allow_unpinned,
-                   allow_untracked_secrets, tracking_uri, placement)
-        return
-    slurm, topology = _placement(executor, placement, torchrun=True)
-    outcome = runner.run(  # `seeds: [...]` in the config makes it a study (runner.run hands it over)
-        experiment_dir, [*overrides, *slurm], require_clean=require_clean, tracking_uri=tracking_uri,
-        executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
-        topology=topology,
-    )
-    if isinstance(outcome, runner.Outcome):
-        from harness.executors.torchrun import torchrun_env
-
-        env = torchrun_env()
-        # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
-        _finish(outcome, Tracker(tracking_uri), print_id=env is None or env.rank == 0)
-    else:
-        _study_finish(outcome, tracking_uri)
-
-
-def _run_study(experiment_dir: Path, overrides: tuple[str, ...], seeds_n: int | None, parallel: int | None,
-               require_clean: bool, executor: str | None, allow_unpinned: bool, allow_untracked_secrets: bool,
-               tracking_uri: str | None, placement: dict[str, Any]) -> None:
-    from harness.commands import study
-    from harness.executors.torchrun import torchrun_env
-
-    multi = [_FLAGS[k] for k in ("nnodes", "node_rank", "master_addr", "master_port") if placement[k] is not None]
-    if multi or torchrun_env() is not None:
-        raise HarnessError(f"a study runs its members one job after another on this machine: "
-                           f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
-    slurm, _ = _placement(executor, placement)
-    outcome = study.run_study(
-        experiment_dir, [*overrides, *slurm], seeds_n=seeds_n, parallel=parallel, require_clean=require_clean,
-        tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
-        allow_untracked_secrets=allow_untracked_secrets,
-    )
-    _study_finish(outcome, tracking_uri)
-
-
-def _study_finish(outcome: Any, tracking_uri: str | None) -> None:
-    click.echo(outcome.table, err=True)
+    study = isinstance(outcome, StudyOutcome)
+    if study:
+        click.echo(outcome.table, err=True)
     if outcome.message:
         click.echo(f"{outcome.status}: {outcome.message}", err=True)
-    from harness.store.tracking import Tracker
-
-    click.echo(f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds). "
-               f"{Tracker(tracking_uri).ui_hint(outcome.run_id)}", err=True)
-    click.echo(outcome.run_id)
-    _exit(outcome.exit_code)
-
-
-def _finish(outcome: Any, tracker: Any, print_id: bool = True) -> None:
-    if outcome.message:
-        click.echo(f"{outcome.status}: {outcome.message}", err=True)
-    if print_id:
-        click.echo(f"Run {outcome.run_id} {outcome.status}. {tracker.ui_hint(outcome.run_id)}", err=True)
+    if print_id or study:
+        what = f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds)." if study else \
+            f"Run {outcome.run_id} {outcome.status}."
+        click.echo(f"{what} {Tracker(tracking_uri).ui_hint(outcome.run_id)}", err=True)
         click.echo(outcome.run_id)
     _exit(outcome.exit_code)
 
@@ -323,115 +251,35 @@ def replay(
     `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged or nothing to compare,
     2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """
-    from harness.commands.replay import replay as do_replay
+    from harness.commands import api
+    from harness.commands.replay import StudyReplayResult
+    from harness.judge.text import comparison_lines, study_replay_lines, verdict_line
     from harness.store.tracking import Tracker
 
-    slurm, topology = _placement(executor, placement)
-    # Writable: a replay records, so a read-only store is said first, whatever the run is.
-    tracker = Tracker(tracking_uri)
-    study_id = _study_id(tracker, run_id, not no_follow)
-    if study_id is not None:
-        _replay_study(tracker, study_id, members, members_seed, world_size, list(overrides), allow_changes,
-                      allow_data_changes, _data_paths(data_paths), executor, [*slurm, *_given(placement)],
-                      list(tolerances))
-    if members is not None or members_seed is not None:
-        raise HarnessError(f"--members and --members-seed apply to a study; run {run_id} is not one.")
-    result = do_replay(
-        run_id, world_size=world_size, overrides=list(overrides), allow_changes=allow_changes,
-        allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths),
-        tracker=tracker, executor=executor, allow_incomplete=allow_incomplete, follow=not no_follow,
-        placement=slurm, topology=topology, localize=localize, tolerances=list(tolerances),
-    )
+    result = api.replay(api.ReplayOptions(
+        run_id, tuple(overrides), world_size=world_size, allow_changes=allow_changes,
+        allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths), executor=executor,
+        placement=api.Placement(**placement), allow_incomplete=allow_incomplete, follow=not no_follow,
+        members=members, members_seed=members_seed, localize=localize, tolerances=tuple(tolerances),
+        tracking_uri=tracking_uri, on_event=_draw,
+    ))
+    if isinstance(result, StudyReplayResult):
+        for line in study_replay_lines(result):
+            click.echo(line)
+        click.echo(result.run_id)
+        sys.exit(result.exit_code)
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
         click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
         click.echo(result.outcome.run_id)
         _exit(result.outcome.exit_code)
-    _print_comparison(result.comparison, result.changes)
+    for line in comparison_lines(result.comparison, result.changes):
+        click.echo(line)
     for line in result.localized.lines() if result.localized is not None else []:
         click.echo(line)
-    click.echo(tracker.ui_hint(result.outcome.run_id), err=True)
-    click.echo(f"verdict: {result.comparison.summary()}")
+    click.echo(Tracker(tracking_uri).ui_hint(result.outcome.run_id), err=True)
+    click.echo(verdict_line(result.comparison))
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)
-
-
-def _study_id(tracker: Any, run_id: str, follow: bool) -> str | None:
-    """The study that replaying RUN_ID means: itself, or (unless --no-follow) the study a study replay was made from."""
-    from harness.commands.study import is_study
-
-    run = tracker.harness_run(run_id)
-    if follow and run.tags.get(T.KIND) == T.KIND_STUDY_REPLAY and run.tags.get(T.REPLAY_OF):
-        click.echo(f"run {run_id} is a replay of study {run.tags[T.REPLAY_OF]}; replaying the study", err=True)
-        return run.tags[T.REPLAY_OF]
-    return run_id if is_study(run) else None
-
-
-def _given(placement: dict[str, Any]) -> list[str]:
-    return [_FLAGS[k] for k, v in placement.items() if v is not None and k in ("nnodes", "node_rank", "master_addr",
-                                                                                 "master_port")]
-
-
-def _replay_study(tracker: Any, study_id: str, members: int | None, members_seed: int | None, world_size: int | None,
-                  overrides: list[str], allow_changes: bool, allow_data_changes: bool, data_paths: dict[str, str],
-                  executor: str | None, placement: list[str], tolerances: list[str]) -> None:
-    from harness.commands.replay import replay_study
-
-    if placement:
-        raise HarnessError(f"a study is replayed member by member on this machine: {', '.join(placement)} cannot "
-                           "apply. Replay one member on several nodes with `harness replay MEMBER_ID ...`.")
-    if members_seed is not None and members is None:
-        raise HarnessError("--members-seed draws --members K of the study's members; pass --members too.")
-    result = replay_study(
-        study_id, members=members, draw_seed=members_seed, world_size=world_size, overrides=overrides,
-        allow_changes=allow_changes, allow_data_changes=allow_data_changes, data_paths=data_paths,
-        tracker=tracker, executor=executor, tolerances=tolerances,
-    )
-    for r in result.members:
-        click.echo(f"seed {r.original.tags.get('harness.seed')}: {r.judged.summary()}  (replay {r.outcome.run_id})")
-    for t in result.equivalence:
-        click.echo(f"  {t.describe()}")
-    click.echo(f"verdict: {result.summary()}")
-    click.echo(result.run_id)
-    sys.exit(result.exit_code)
-
-
-def _print_comparison(cmp: Any, changes: list[str]) -> None:
-    if changes:
-        click.echo("Changes requested: " + ", ".join(changes))
-    given = cmp.tolerance.get("given") or {}
-    if given:
-        click.echo("Tolerance given (--tolerance, over the recorded replay.tolerance): "
-                   + ", ".join(f"{m} atol {t['atol']:g} rtol {t['rtol']:g}" for m, t in sorted(given.items())))
-    if not cmp.bitwise_possible:
-        click.echo("A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers))
-    for note in cmp.notes:
-        click.echo(f"Note: {note}")
-    arrow = " -> ".join(cmp.labels)
-    if cmp.config_delta:
-        click.echo(f"Config delta ({arrow}):")
-        for c in cmp.config_delta:
-            click.echo(f"   {c.key}: {c.a} -> {c.b}" + ("" if c.affects_result else "  (does not affect the result)"))
-    else:
-        click.echo("Config delta: none")
-    if cmp.delta:
-        click.echo(f"Environment delta ({arrow}):")
-        for d in cmp.delta:
-            flag = "!" if d.breaks_bitwise else " "
-            click.echo(f" {flag} {d.name}: {d.a} -> {d.b}" + (f"  ({d.note})" if d.note else ""))
-    elif cmp.config_delta:
-        # The runs do differ: "none" alone would read as "nothing changed".
-        click.echo(f"Environment delta ({arrow}): none besides the config delta above")
-    else:
-        click.echo("Environment delta: none")
-    for m in cmp.metrics:
-        first = "-" if m.first_divergence is None else str(m.first_divergence)
-        click.echo(
-            f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
-            f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
-            + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else "")
-        )
-    for line in cmp.checkpoint_lines():  # where the weights parted, just above the verdict
-        click.echo(line)
 
 
 @main.command()
@@ -455,12 +303,13 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
     Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
     """
-    from harness.commands.verify import verify as do_verify
+    from harness.commands import api
     from harness.judge.verify_report import HEADER, rows
 
-    result = do_verify(claims_file, replay=do_replay, members=members, world_size=world_size,
-                       overrides=list(overrides), allow_changes=allow_changes, executor=executor,
-                       tracking_uri=tracking_uri)
+    result = api.verify(api.VerifyOptions(
+        claims_file, tuple(overrides), replay=do_replay, members=members, world_size=world_size,
+        allow_changes=allow_changes, executor=executor, tracking_uri=tracking_uri, on_event=_draw,
+    ))
     table = [HEADER] + rows(result.verdicts, result.replayed)
     widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
     for row in table:
@@ -493,35 +342,25 @@ def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, toleranc
     """
     import json
 
-    from harness.commands.replay import compare as do_compare
-    from harness.store.tracking import Tracker
+    from harness.commands import api
+    from harness.commands.trace import TraceDiff
+    from harness.judge.text import comparison_lines, verdict_line
 
-    tracker = Tracker(tracking_uri, writable=False)
-    traces = [tracker.harness_run(r).tags.get(T.KIND) == T.KIND_TRACE for r in (run_a, run_b)]
-    if any(traces) and not all(traces):
-        which, other = (run_a, run_b) if traces[0] else (run_b, run_a)
-        raise HarnessError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
-                           f"{other} --step K makes one) or two runs.")
-    if all(traces):
-        from harness.commands.trace import diff, write_report
-
-        found = diff(tracker, run_a, run_b)
+    found = api.compare(api.CompareOptions(run_a, run_b, tuple(tolerances), report=report, tracking_uri=tracking_uri,
+                                           on_event=_draw))
+    if isinstance(found, TraceDiff):
         for line in found.lines():
             click.echo(line)
         if report is not None:
-            write_report(found, report)
             click.echo(f"Report: {report}", err=True)
         sys.exit(1 if found.differs else 0)
-    if report is not None:
-        raise HarnessError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
-
-    cmp = do_compare(run_a, run_b, tracking_uri, tolerances=list(tolerances))
     if as_json:
-        click.echo(json.dumps(cmp.to_dict(), indent=2))
+        click.echo(json.dumps(found.to_dict(), indent=2))
     else:
-        _print_comparison(cmp, [])
-        click.echo(f"verdict: {cmp.summary()}")
-    sys.exit(cmp.exit_code)
+        for line in comparison_lines(found, []):
+            click.echo(line)
+        click.echo(verdict_line(found))
+    sys.exit(found.exit_code)
 
 
 @main.command()
@@ -534,10 +373,9 @@ def resume(run_id: str, tracking_uri: str | None) -> None:
     Uses the recorded code, config and environment like replay; metrics continue at their steps.
     Needs `checkpoint_every` > 0 in the run's config.
     """
-    from harness.commands.resume import resume as do_resume
-    from harness.store.tracking import Tracker
+    from harness.commands import api
 
-    _finish(do_resume(run_id, tracking_uri=tracking_uri), Tracker(tracking_uri))
+    _finish(api.resume(api.ResumeOptions(run_id, tracking_uri=tracking_uri, on_event=_draw)), tracking_uri)
 
 
 @main.command()
@@ -555,9 +393,9 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
     segment (K/N) and the compute spent relative to a full replay. The last two lines of stdout are
     `verdict: ...` and the audit's run id. Exit 0 all segments reproduced, 1 one did not, 2 bad input.
     """
-    from harness.commands.audit import audit as do_audit
+    from harness.commands import api
 
-    result = do_audit(run_id, segments=segments, seed=seed, tracking_uri=tracking_uri)
+    result = api.audit(api.AuditOptions(run_id, segments, seed=seed, tracking_uri=tracking_uri, on_event=_draw))
     for s in result.drawn:
         click.echo(f"segment {s.index} steps {s.start}-{s.end}: {'ok' if s.ok else 'FAILED'}"
                    f"{'' if s.ok else ' - ' + s.detail} ({s.seconds:.1f}s)")
@@ -582,9 +420,10 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None) -> None:
     trace/rank<R>.jsonl.gz). Compare two traces with `harness compare TRACE_A TRACE_B`. Prints the
     trace run's id as the last line. Exit 0 traced, 1 the ranks failed, 2 bad input (nothing recorded).
     """
-    from harness.commands.trace import parse_ranks, trace as do_trace
+    from harness.commands import api
+    from harness.commands.trace import parse_ranks
 
-    result = do_trace(run_id, step=step, ranks=parse_ranks(ranks), tracking_uri=tracking_uri)[0]
+    result = api.trace(api.TraceOptions(run_id, step, parse_ranks(ranks), tracking_uri=tracking_uri, on_event=_draw))
     start = "step 0" if result.from_checkpoint is None else f"the checkpoint of step {result.from_checkpoint}"
     click.echo(f"traced step {result.step} of run {run_id} on rank{'s' if len(result.ranks) > 1 else ''} "
                f"{','.join(map(str, result.ranks))} from {start} ({result.seconds:.1f}s)")

@@ -12,12 +12,11 @@ import json
 import os
 import random
 import struct
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
 from harness.executors.common import check_runnable
 from harness.executors.local import SegmentMessages, run_segments
@@ -110,12 +109,11 @@ def audit(
     # Only the drawn segments' start steps, fetched when a server holds them; absent files are refused, never
     # judged: nothing is recorded.
     store.require([seg.start for seg in drawn], cfg.world_size, "the audit", run.tags.get(T.IMPORTED_FROM))
-    print(
+    events.emit(events.Notice(
         f"Auditing {segments} of {len(chain)} segments of run {run_id} (seed {seed}): "
         f"{', '.join(f'{s.index} [{s.start}-{s.end})' for s in drawn)}. "
-        f"P(catching one bad segment) = {segments}/{len(chain)} = {segments / len(chain):.2f}",
-        file=sys.stderr,
-    )
+        f"P(catching one bad segment) = {segments}/{len(chain)} = {segments / len(chain):.2f}"
+    ))
     directory = store.directory
     check_runnable(cfg)
     data = recorded.check_data(repo)  # a segment replayed on other data proves nothing about the run
@@ -127,9 +125,9 @@ def audit(
                 pending = _run_segments(pending, record, cfg, exp_dir, directory, data.paths)
     finally:
         store.cleanup()
-    for seg in drawn:
-        print(f"  segment {seg.index} [{seg.start}-{seg.end}): {'ok' if seg.ok else 'FAILED: ' + seg.detail}",
-              file=sys.stderr)
+    for i, seg in enumerate(drawn, 1):
+        events.emit(events.Progress(f"  segment {seg.index} [{seg.start}-{seg.end}): "
+                                    f"{'ok' if seg.ok else 'FAILED: ' + seg.detail}", i, len(drawn)))
     verdict = BITWISE if all(s.ok for s in drawn) else DIVERGED
     result = AuditResult(run_id, "", seed, len(chain), drawn, record.steps_total or 0, verdict)
     result.audit_id = _record(tracker, run, result)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import executors, scratch, tags as T
+from harness import events, executors, scratch, tags as T
 from harness.commands import mark as liveness, run as runner
 from harness.config import compose, parse_overrides, validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
@@ -88,8 +87,8 @@ def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
         source = tracker.harness_run(run.tags[tag])
         if source.run_id in seen:  # a hand-edited tag could close a loop
             break
-        print(f"run {run.run_id} is {'an audit' if tag == T.AUDIT_OF else 'a replay'} of {source.run_id}; "
-              f"replaying {source.run_id}", file=sys.stderr)
+        events.emit(events.Notice(f"run {run.run_id} is {'an audit' if tag == T.AUDIT_OF else 'a replay'} of "
+                                  f"{source.run_id}; replaying {source.run_id}"))
         seen.add(source.run_id)
         run = source
     return run
@@ -173,7 +172,7 @@ def replay(
     # Before anything is recorded or launched: the data must hash as recorded (or the change be allowed).
     data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
     if data.stats is not None:
-        print(data.stats.summary(), file=sys.stderr)
+        events.emit(events.Notice(data.stats.summary()))
     extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id, **(extra_tags or {})}
     if changes:
         extra[T.CHANGES] = " ".join(changes)
@@ -184,7 +183,7 @@ def replay(
     if data.changes:
         extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
         for change in data.changes:
-            print(f"Warning: {change.line()} (allowed by --allow-data-changes)", file=sys.stderr)
+            events.emit(events.Warning(f"{change.line()} (allowed by --allow-data-changes)"))
 
     with recorded.code(repo) as (tree, exp_dir):
         # The worktree holds exactly the recorded code (checked above), which was admitted when it
@@ -380,8 +379,8 @@ def replay_study(
     try:
         results = []
         for i, member in enumerate(chosen, 1):
-            print(f"study replay {run_id}: member {i} of {len(chosen)} (seed {member.tags.get(T.SEED)}, run {member.run_id})",
-                  file=sys.stderr)
+            events.emit(events.Progress(f"study replay {run_id}: member {i} of {len(chosen)} "
+                                        f"(seed {member.tags.get(T.SEED)}, run {member.run_id})", i, len(chosen)))
             # A member's difference is judged against the seeds' noise; tracing every member is not asked for.
             result = replay(member.run_id, follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id},
                             study_members=member_records, **{"localize": False, **options})

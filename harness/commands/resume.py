@@ -10,11 +10,10 @@ does not, the resume is refused, naming the first tensor that differs.
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
-from harness import executors, tags as T
+from harness import events, executors, tags as T
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Outcome
 from harness.executors.local import SegmentMessages, run_segments
@@ -64,7 +63,7 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
         previous = run.tags.get(T.RESUMES)
         tracker.reopen(run_id)
         tracker.set_tags(run_id, {T.RESUMES: f"{previous},{step}" if previous else str(step)})
-        print(f"Resuming run {run_id} from the checkpoint of step {step}.", file=sys.stderr, flush=True)
+        events.emit(events.Notice(f"Resuming run {run_id} from the checkpoint of step {step}."))
         return run_id
 
     data = recorded.check_data(repo)  # the rest of the run must read the bytes its first part read
@@ -93,10 +92,10 @@ def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, earlier: 
         plans.append(CheckpointPlan(str(directory), 0, resume_step=step, stop_at=until))
         what.append(f"steps {step}-{until - 1} from the checkpoint of step {step}")
     if not plans:
-        print(f"The checkpoint of step {step} is the run's first and nothing was logged after it: there is nothing to "
-              "re-execute it against, so the resume continues unproven.", file=sys.stderr, flush=True)
+        events.emit(events.Notice(f"The checkpoint of step {step} is the run's first and nothing was logged after it: "
+                                  "there is nothing to re-execute it against, so the resume continues unproven."))
         return
-    print(f"Proving the resume: re-executing {' and '.join(what)}.", file=sys.stderr, flush=True)
+    events.emit(events.Notice(f"Proving the resume: re-executing {' and '.join(what)}."))
     refused = f"resume refused: re-executing {{what}} of run {record.run_id}"
     how = (f"Likely causes: {LIKELY_CAUSES}. Draw each step's batches inside the step (`for it in ctx.steps(n):`), "
            f"register what the step depends on (ctx.track), or rerun it: harness replay {record.run_id} --allow-incomplete.")
@@ -115,7 +114,7 @@ def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, earlier: 
         if mismatch:
             raise HarnessError(f"{refused.format(what=what[-1])} logged other values than the run did before it died: "
                                f"{mismatch}. {how}")
-    print(f"Proved: {' and '.join(what)} re-executed land on what the run recorded.", file=sys.stderr, flush=True)
+    events.emit(events.Notice(f"Proved: {' and '.join(what)} re-executed land on what the run recorded."))
 
 
 def _hold_to_checkpoint(report: Any, record: RunRecord, start: int, end: int, refused: str, how: str) -> None:

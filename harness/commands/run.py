@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from harness import __version__, executors, scratch, tags as T
+from harness import __version__, events, executors, scratch, tags as T
 from harness.config import Executor, compose, flatten, load_experiment, split_entry, to_container, to_yaml
 from harness.errors import HarnessError
 from harness.executors.base import Job, Outcome, Topology
@@ -268,11 +267,11 @@ def run(
         # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
         # and the store, which take seconds.
         count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
-        print(f"harness: recording {printable(Path(exp_dir).resolve().name)}, starting {count}", file=sys.stderr, flush=True)
+        events.emit(events.Notice(f"harness: recording {printable(Path(exp_dir).resolve().name)}, starting {count}"))
     for warning in checked.warnings:
-        print(f"Warning: {warning}", file=sys.stderr)
+        events.emit(events.Warning(warning))
     if checked.data_stats is not None:
-        print(checked.data_stats.summary(), file=sys.stderr)
+        events.emit(events.Notice(checked.data_stats.summary()))
     # This node's ranks start now and import torch while MLflow loads and the run is recorded; they run
     # the entry only once the run exists, and a record that fails stops them. Torch is imported (to spawn)
     # before MLflow, not beside it in a thread: imports hold the GIL, and torch's import walks sys.modules,

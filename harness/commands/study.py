@@ -10,7 +10,6 @@ import math
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import executors, scratch, tags as T
+from harness import events, executors, scratch, tags as T
 from harness.commands import run as runner
 from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
@@ -358,13 +357,13 @@ def run_study(
     return StudyOutcome(study_id, status, code, members, message, table)
 
 
-_print_lock = threading.Lock()
+_say_lock = threading.Lock()
 
 
 def _say(line: str) -> None:
-    """One whole line on stderr (members in threads print too; stdout is kept for the study's id)."""
-    with _print_lock:
-        print(line, file=sys.stderr, flush=True)
+    """One whole line, as a notice (members in threads speak too: one line at a time reaches the listener)."""
+    with _say_lock:
+        events.emit(events.Notice(line))
 
 
 def _seed_list(seeds: list[int]) -> str:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import scratch, tags as T
+from harness import events, scratch, tags as T
 from harness.errors import HarnessError
 from harness.executors.common import check_runnable
 from harness.executors.local import SegmentMessages, run_segments
@@ -370,7 +369,7 @@ def localize_replay(tracker: Tracker, original: str, replay_id: str, step: int, 
 
     Every trace is a run nested under the replay.
     """
-    print(f"Localizing step {step}: tracing the original's step twice on this machine", file=sys.stderr)
+    events.emit(events.Progress(f"Localizing step {step}: tracing the original's step twice on this machine", 1, 2))
     mine = trace(original, step=step, tracker=tracker, repo=repo, parent=replay_id, copies=2,
                  purpose="original (nondeterminism check)")
     ids = [t.run_id for t in mine]
@@ -381,7 +380,7 @@ def localize_replay(tracker: Tracker, original: str, replay_id: str, step: int, 
     replay_run = tracker.harness_run(replay_id)
     if replay_run.status != T.FINISHED:
         return Localized(step, None, ids, note=f"the replay {replay_run.status}; its step cannot be traced")
-    print(f"Localizing step {step}: tracing the replay's step", file=sys.stderr)
+    events.emit(events.Progress(f"Localizing step {step}: tracing the replay's step", 2, 2))
     theirs = trace(replay_id, step=step, tracker=tracker, repo=repo, parent=replay_id, purpose="replay")
     ids.append(theirs[0].run_id)
     second = diff(tracker, ids[0], ids[2])

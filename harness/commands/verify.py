@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import __version__, tags as T
+from harness import __version__, events, tags as T
 from harness.commands import replay as rp
 from harness.commands.study import is_study, load_study, member_records
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
@@ -210,7 +209,7 @@ def verify(claims_file: Path, *, replay: bool = False, members: int | None = Non
         raise HarnessError("--members, --world-size, --executor and KEY=VALUE changes apply to replays; add --replay.")
     if replay:
         for source in sources.values():  # each study or run once, however many claims rest on it
-            print(f"replaying {'study' if source.is_study else 'run'} {source.run_id} ...", file=sys.stderr)
+            events.emit(events.Progress(f"replaying {'study' if source.is_study else 'run'} {source.run_id} ..."))
             replay_source(source, members=members, world_size=world_size, overrides=list(overrides or []),
                           allow_changes=allow_changes, executor=executor, tracker=tracker)
         for verdict in verdicts:

@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
+from harness import events
+from harness.events import Output, Submitted
 from harness.messages import Message
 from harness.store.tracking import RunSummary, Tracker
 
@@ -35,21 +37,6 @@ class Outcome:
     exit_code: int
     message: str = ""
     fingerprints: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Output:
-    """A line the job printed where the launcher cannot see it (a container, a batch job)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """A scheduler accepted the job."""
-
-    job_id: str
-    detail: str = ""
 
 
 Event = Message | Output | Submitted
@@ -148,7 +135,7 @@ def run_job(
             pending.append(signum)
 
     with signals_to(on_signal):
-        handle.append(executor.start(job, on_event or _print_output))
+        handle.append(executor.start(job, on_event or _emit_output))
         if on_start is not None:
             on_start(handle[0])
         for signum in pending:
@@ -156,13 +143,10 @@ def run_job(
         return handle[0].wait()
 
 
-def _print_output(event: Event) -> None:
-    import sys
-
-    if isinstance(event, Output):
-        print(event.text, file=sys.stderr, flush=True)
-    elif isinstance(event, Submitted):
-        print(f"Submitted job {event.job_id}{': ' + event.detail if event.detail else ''}", file=sys.stderr, flush=True)
+def _emit_output(event: Event) -> None:
+    # What a backend says of its job (a container's output, a batch job's id) goes to whoever listens.
+    if isinstance(event, Output | Submitted):
+        events.emit(event)
 
 
 @contextlib.contextmanager

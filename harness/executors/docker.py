@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.config import to_container
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
@@ -63,11 +62,10 @@ def pin(reference: str, *, allow_unpinned: bool = False, digest: str | None = No
     run_reference = f"{repository}@{want}"
     info = docker.resolve_image(run_reference)
     if pinned_digest is None and digest is None:
-        print(
-            f"Warning: image {reference!r} is pinned by tag; it resolved to {want}. Pin the digest for "
-            f"replays elsewhere: image: {run_reference}",
-            file=sys.stderr,
-        )
+        events.emit(events.Warning(
+            f"image {reference!r} is pinned by tag; it resolved to {want}. Pin the digest for "
+            f"replays elsewhere: image: {run_reference}"
+        ))
     return PinnedImage(reference, want, info.image_id, run_reference, tag_digest)
 
 
@@ -85,8 +83,8 @@ def local_by_id(recorded: dict[str, str], digest: str) -> PinnedImage | None:
     info = docker.inspect_image(image_id)
     if info is None or info.image_id != image_id:
         return None
-    print(f"Note: the engine has no record of {repository}@{digest}; running the local image with the recorded id "
-          f"{image_id}.", file=sys.stderr)
+    events.emit(events.Notice(f"Note: the engine has no record of {repository}@{digest}; running the local image "
+                              f"with the recorded id {image_id}."))
     return PinnedImage(recorded[T.IMAGE], digest, image_id, image_id, None, by_id=True)
 
 
@@ -143,8 +141,8 @@ class DockerExecutor(Executor):
                 )
             self.pinned = local_by_id(tags, digest) or pin(tags[T.IMAGE], digest=digest)
             if self.pinned.tag_digest and self.pinned.tag_digest != digest:
-                print(f"Note: {tags[T.IMAGE]} now points to {self.pinned.tag_digest}; the recorded digest {digest} runs.",
-                      file=sys.stderr)
+                events.emit(events.Notice(f"Note: {tags[T.IMAGE]} now points to {self.pinned.tag_digest}; the "
+                                          f"recorded digest {digest} runs."))
         return image_tags(self.pinned)
 
     def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.config import check_nodes
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome, Output, Submitted
@@ -112,8 +112,9 @@ class SlurmExecutor(Executor):
             raise HarnessError(f"the Slurm controller does not answer (scontrol ping: "
                                f"{(ping.stdout or ping.stderr).strip() or ping.returncode}). Check SLURM_CONF and slurmctld.")
         if database_file(job.tracker.uri) is not None:
-            print("Note: the tracking store is a local SQLite file; every Slurm node must see it at the same path "
-                  "(a shared filesystem), or use an MLflow server (MLFLOW_TRACKING_URI=http://...).", file=sys.stderr)
+            events.emit(events.Notice(
+                "Note: the tracking store is a local SQLite file; every Slurm node must see it at the same path "
+                "(a shared filesystem), or use an MLflow server (MLFLOW_TRACKING_URI=http://...)."))
         tags = local_image_tags(str(job.cfg.image))
         tags[T.EXECUTOR] = "slurm"
         tags[T.IMAGE_NOTE] = "ran on the Slurm nodes' own environment, outside the pinned image"

@@ -11,6 +11,7 @@ import numpy as np
 
 from harness.fmt import fmt_short, fmt_value
 from harness.judge.compare import BITWISE, KIND_REPLAY_FAILED, NOTHING_TO_COMPARE, Comparison, MetricStats, as_series
+from harness.judge.text import given_tolerances
 from harness.records import RunRecord
 
 _VERDICT_WORDS = {
@@ -81,10 +82,10 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out += [f"- {_code(c)}" for c in changes]
     else:
         out.append("None: the replay used the recorded configuration.")
-    given = cmp.tolerance.get("given") or {}
+    given = given_tolerances(cmp)
     if given:
         out += ["", "Tolerance given with `--tolerance` (over the recorded `replay.tolerance`):", ""]
-        out += [f"- {_code(m)}: atol {fmt_short(t['atol'])}, rtol {fmt_short(t['rtol'])}" for m, t in sorted(given.items())]
+        out += [f"- {_code(m)}: atol {fmt_short(atol)}, rtol {fmt_short(rtol)}" for m, atol, rtol in given]
     out.append("")
 
     # The report belongs to a replay run, so its columns are always the original and the replay.

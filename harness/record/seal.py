@@ -22,13 +22,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import HarnessError
 
 VERSION = "v1"
@@ -194,8 +193,8 @@ def check_record(record: Record, who: str) -> None:
             raise changed(who, f"tag {T.SEAL} (removed)")
         if record.status != T.RUNNING and who not in _warned:
             _warned.add(who)
-            print(f"Warning: {who} has no seal (recorded before harness sealed its runs): an edit of its record "
-                  "after it closed cannot be detected.", file=sys.stderr)
+            events.emit(events.Warning(f"{who} has no seal (recorded before harness sealed its runs): an edit of its "
+                                       "record after it closed cannot be detected."))
         return
     if value.endswith(PENDING):
         raise HarnessError(

@@ -14,13 +14,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import HarnessError
 
 if TYPE_CHECKING:
@@ -102,8 +101,8 @@ def prepare(tracker: Tracker, experiment: str | None) -> str | None:
     try:
         tracker.set_ui_view(exp_id)
     except HarnessError as err:  # a read-only store still gets its UI, without harness's columns
-        print(f"note: the UI view could not be saved ({err}); the UI opens on MLflow's default columns.",
-              file=sys.stderr)
+        events.emit(events.Notice(f"note: the UI view could not be saved ({err}); the UI opens on MLflow's default "
+                                  "columns."))
     return exp_id
 
 

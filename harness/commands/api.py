@@ -1,0 +1,344 @@
+"""The public Python API: one typed options object in, one typed result out, per verb.
+
+`harness.run`, `harness.replay`, `harness.compare`, `harness.resume`, `harness.audit`, `harness.trace` and
+`harness.verify` are these functions; the command line calls them too, so the two cannot disagree. This
+module is the one place that decides what a command means for the run it is given: a study or a single
+run (replay, run --seeds), two traces or two runs (compare), and where the job's ranks sit (the
+placement options and torchrun's environment -> a Topology).
+
+While a command works it says what happens as `harness.events` (notices, warnings, progress) to
+`on_event`; without one nothing is said. Expected failures raise HarnessError with the line the CLI prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness import events, tags as T
+from harness.commands import (
+    replay as replay_command,
+    run as run_command,
+    study,
+    trace as trace_command,
+    verify as verify_command,
+)
+from harness.commands.replay import ReplayResult, StudyReplayResult
+from harness.commands.study import StudyOutcome
+from harness.commands.trace import TraceDiff, TraceResult
+from harness.commands.verify import VerifyResult
+from harness.errors import HarnessError
+from harness.events import Listener
+from harness.executors import Outcome, Topology
+from harness.executors.multinode import topology_from_env
+from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
+from harness.judge.compare import Comparison
+from harness.store.tracking import Tracker
+
+if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: imported where they run, so that
+    # compare and replay stay as light as they are (tests/test_cli_fast.py: compare imports no torch)
+    from harness.commands.audit import AuditResult
+
+__all__ = [
+    "AuditOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
+    "VerifyOptions", "audit", "compare", "replay", "resume", "run", "trace", "verify",
+]
+
+
+# -- where the ranks run --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """Where a job's ranks run, beyond the backend: the nodes of a multi-node job and a Slurm job's resources.
+
+    Each field is the command line option named in its comment; None: not given.
+    """
+
+    nnodes: int | None = None  # --nnodes: nodes of a multi-node job (the same command runs on each)
+    node_rank: int | None = None  # --node-rank: this node's rank (0 records the run)
+    master_addr: str | None = None  # --master-addr: node 0's address, reachable from every node
+    master_port: int | None = None  # --master-port: a free TCP port on node 0 for the rendezvous
+    slurm_nodes: int | None = None  # --nodes: Slurm nodes (one task per node)
+    partition: str | None = None  # --partition: the Slurm partition
+    slurm_time: str | None = None  # --time: the Slurm time limit
+    gpus_per_node: int | None = None  # --gpus-per-node: Slurm GPUs per node
+
+    def given(self) -> list[str]:
+        """The command line flags of the fields that are set, in declaration order."""
+        return [_FLAGS[f.name] for f in fields(self) if getattr(self, f.name) is not None]
+
+    def multi_node(self) -> list[str]:
+        """The flags given that place this process among several nodes."""
+        return [flag for flag in self.given() if flag in _MULTI_NODE]
+
+    def slurm_overrides(self) -> list[str]:
+        """The Slurm resources as `slurm.KEY=VALUE` config overrides (a replay records them as changes)."""
+        slurm = {"nodes": self.slurm_nodes, "partition": self.partition, "time": self.slurm_time,
+                 "gpus_per_node": self.gpus_per_node}
+        return [f"slurm.{k}={v}" for k, v in slurm.items() if v is not None]
+
+
+_FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
+          "master_port": "--master-port", "slurm_nodes": "--nodes", "partition": "--partition",
+          "slurm_time": "--time", "gpus_per_node": "--gpus-per-node"}
+_MULTI_NODE = ("--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
+def topology(executor: str | None, placement: Placement, torchrun: bool = False) -> Topology | None:
+    """This process's place in the job; under torchrun (when `torchrun`), torchrun's layout. None: a Slurm
+    job's tasks learn their place from Slurm."""
+    if torchrun:
+        layout = _torchrun_layout(executor, placement.given())
+        if layout is not None:
+            return layout
+    if executor == "slurm":
+        return None
+    p = placement
+    if p.nnodes is None and p.node_rank is None and p.master_addr is None and p.master_port is None:
+        # What a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node.
+        return topology_from_env() or Topology()
+    if p.nnodes is None:
+        raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
+    return Topology(nnodes=p.nnodes, node_rank=p.node_rank or 0, master_addr=p.master_addr, master_port=p.master_port or 0)
+
+
+def _torchrun_layout(executor: str | None, given: list[str]) -> Topology | None:
+    """The job's layout when torchrun started this process, else None; torchrun's layout leaves no placement to choose."""
+    env = torchrun_env()
+    if env is None:
+        return None
+    if given:
+        raise HarnessError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
+                           "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
+    if executor not in (None, "local"):
+        raise HarnessError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
+                           f"apply. Run `harness run --executor {executor} ...` without torchrun.")
+    return torchrun_topology(env)
+
+
+def speaks_for_job() -> bool:
+    """Whether this process says the job's run id: torchrun gathers every rank's stdout on one terminal, so
+    only its rank 0 does; any other launcher is the job's one voice on its node."""
+    env = torchrun_env()
+    return env is None or env.rank == 0
+
+
+# -- run ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunOptions:
+    """`harness run EXPERIMENT_DIR [KEY=VALUE ...]`."""
+
+    experiment_dir: Path  # the experiment folder (experiment.yaml and its entry), inside a git repository
+    overrides: tuple[str, ...] = ()  # KEY=VALUE config overrides
+    seeds: int | None = None  # --seeds N: a study of N runs with seeds seed .. seed+N-1 (also `seeds:` in the config)
+    parallel: int | None = None  # --parallel J: a study's members run J at once
+    require_clean: bool = False  # refuse a git tree with uncommitted changes
+    executor: str | None = None  # local | docker | slurm (default: `executor` in the config)
+    placement: Placement = field(default_factory=Placement)
+    allow_unpinned: bool = False  # accept an image pinned by the moving 'latest' tag
+    allow_untracked_secrets: bool = False  # record untracked files named like secrets in the code patch
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db
+    on_event: Listener | None = None  # gets what the command says while it works; None: nothing is said
+
+
+def run(options: RunOptions) -> Outcome | StudyOutcome:
+    """Record and launch the experiment: its Outcome, or a StudyOutcome when it is a study (--seeds or `seeds:`)."""
+    o = options
+    with events.listening(o.on_event):
+        if o.seeds is not None or o.parallel is not None:
+            multi = o.placement.multi_node()
+            if multi or torchrun_env() is not None:
+                raise HarnessError(f"a study runs its members one job after another on this machine: "
+                                   f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
+            return study.run_study(
+                o.experiment_dir, [*o.overrides, *o.placement.slurm_overrides()], seeds_n=o.seeds, parallel=o.parallel,
+                require_clean=o.require_clean, tracking_uri=o.tracking_uri, executor=o.executor,
+                allow_unpinned=o.allow_unpinned, allow_untracked_secrets=o.allow_untracked_secrets,
+            )
+        layout = topology(o.executor, o.placement, torchrun=True)
+        # `seeds: [...]` in the config makes it a study: run_command.run hands it over once the config is loaded.
+        outcome: Outcome | StudyOutcome = run_command.run(
+            o.experiment_dir, [*o.overrides, *o.placement.slurm_overrides()], require_clean=o.require_clean,
+            tracking_uri=o.tracking_uri, executor=o.executor, allow_unpinned=o.allow_unpinned,
+            allow_untracked_secrets=o.allow_untracked_secrets, topology=layout,
+        )
+        return outcome
+
+
+# -- replay ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplayOptions:
+    """`harness replay RUN_ID [KEY=VALUE ...]`: a run, or a study (every member, or `members` of them)."""
+
+    run_id: str  # a run, a study, or a replay / audit / study replay of one (followed unless follow=False)
+    overrides: tuple[str, ...] = ()  # KEY=VALUE changes of the recorded config; need allow_changes
+    world_size: int | None = None  # replay with another number of ranks
+    allow_changes: bool = False
+    allow_data_changes: bool = False  # replay although the declared data no longer hashes as recorded
+    data_paths: dict[str, str] = field(default_factory=dict)  # declared data NAME -> where it is on this machine
+    executor: str | None = None  # where the replay runs (default: as recorded)
+    placement: Placement = field(default_factory=Placement)
+    allow_incomplete: bool = False  # replay a FAILED or KILLED run, judged on the steps it reached
+    follow: bool = True  # False: replay a replay or audit run itself, not the original it was made from
+    members: int | None = None  # a study: replay K of its members drawn at random (the draw's seed is recorded)
+    members_seed: int | None = None  # a study with `members`: the draw's seed
+    localize: bool | None = None  # trace a DIVERGED replay's first divergent step (None: when it has checkpoints)
+    tolerances: tuple[str, ...] = ()  # METRIC=ATOL[,RTOL] over the recorded replay.tolerance
+    tracking_uri: str | None = None
+    repo: Path | None = None  # the git repository holding the recorded commit (default: found from the cwd)
+    on_event: Listener | None = None
+
+
+def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
+    """Rerun a recorded run, or a study's members, and judge it against the record."""
+    o = options
+    with events.listening(o.on_event):
+        layout = topology(o.executor, o.placement)
+        # Writable: a replay records, so a read-only store is said first, whatever the run is.
+        tracker = Tracker(o.tracking_uri)
+        study_id = _study_to_replay(tracker, o.run_id, o.follow)
+        if study_id is not None:
+            refused = [*o.placement.slurm_overrides(), *o.placement.multi_node()]
+            if refused:
+                raise HarnessError(f"a study is replayed member by member on this machine: {', '.join(refused)} cannot "
+                                   "apply. Replay one member on several nodes with `harness replay MEMBER_ID ...`.")
+            if o.members_seed is not None and o.members is None:
+                raise HarnessError("--members-seed draws --members K of the study's members; pass --members too.")
+            return replay_command.replay_study(
+                study_id, members=o.members, draw_seed=o.members_seed, world_size=o.world_size,
+                overrides=list(o.overrides), allow_changes=o.allow_changes, allow_data_changes=o.allow_data_changes,
+                data_paths=dict(o.data_paths), tracker=tracker, executor=o.executor, tolerances=list(o.tolerances),
+                repo=o.repo,
+            )
+        if o.members is not None or o.members_seed is not None:
+            raise HarnessError(f"--members and --members-seed apply to a study; run {o.run_id} is not one.")
+        return replay_command.replay(
+            o.run_id, world_size=o.world_size, overrides=list(o.overrides), allow_changes=o.allow_changes,
+            allow_data_changes=o.allow_data_changes, data_paths=dict(o.data_paths), tracker=tracker, repo=o.repo,
+            executor=o.executor, allow_incomplete=o.allow_incomplete, follow=o.follow,
+            placement=o.placement.slurm_overrides(), topology=layout, localize=o.localize,
+            tolerances=list(o.tolerances),
+        )
+
+
+def _study_to_replay(tracker: Tracker, run_id: str, follow: bool) -> str | None:
+    """The study that replaying RUN_ID means: itself, or (when following) the study a study replay was made from."""
+    run = tracker.harness_run(run_id)
+    if follow and run.tags.get(T.KIND) == T.KIND_STUDY_REPLAY and run.tags.get(T.REPLAY_OF):
+        events.emit(events.Notice(f"run {run_id} is a replay of study {run.tags[T.REPLAY_OF]}; replaying the study"))
+        return run.tags[T.REPLAY_OF]
+    return run_id if study.is_study(run) else None
+
+
+# -- compare --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompareOptions:
+    """`harness compare RUN_A RUN_B`: two runs (delta and verdict), or two traces (the first differing op)."""
+
+    run_a: str  # the reference: its tolerance applies
+    run_b: str
+    tolerances: tuple[str, ...] = ()  # two runs: METRIC=ATOL[,RTOL] over the recorded replay.tolerance
+    report: Path | None = None  # two traces: also write the localization report here (HTML if .html, else markdown)
+    tracking_uri: str | None = None
+    on_event: Listener | None = None
+
+
+def compare(options: CompareOptions) -> Comparison | TraceDiff:
+    """Judge two existing runs against each other (a Comparison), or localize two traces (a TraceDiff); nothing
+    is rerun or recorded."""
+    o = options
+    with events.listening(o.on_event):
+        tracker = Tracker(o.tracking_uri, writable=False)  # comparing only reads
+        traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]
+        if any(traces) and not all(traces):
+            which, other = (o.run_a, o.run_b) if traces[0] else (o.run_b, o.run_a)
+            raise HarnessError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
+                               f"{other} --step K makes one) or two runs.")
+        if all(traces):
+            found = trace_command.diff(tracker, o.run_a, o.run_b)
+            if o.report is not None:
+                trace_command.write_report(found, o.report)
+            return found
+        if o.report is not None:
+            raise HarnessError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
+        return replay_command.compare(o.run_a, o.run_b, o.tracking_uri, tolerances=list(o.tolerances))
+
+
+# -- resume, audit, trace, verify -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResumeOptions:
+    """`harness resume RUN_ID`: continue a FAILED or KILLED run from its last complete checkpoint."""
+
+    run_id: str
+    tracking_uri: str | None = None
+    repo: Path | None = None
+    on_event: Listener | None = None
+
+
+def resume(options: ResumeOptions) -> Outcome:
+    """Prove the resume against the record, then continue the run in the same MLflow run: its Outcome."""
+    from harness.commands import resume as resume_command  # loads torch (see the imports above)
+
+    with events.listening(options.on_event):
+        return resume_command.resume(options.run_id, tracking_uri=options.tracking_uri, repo=options.repo)
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """`harness audit RUN_ID --segments K`: replay K random checkpoint-to-checkpoint segments of a FINISHED run."""
+
+    run_id: str
+    segments: int
+    seed: int | None = None  # the draw's seed (default: random, recorded)
+    tracking_uri: str | None = None
+    repo: Path | None = None
+    on_event: Listener | None = None
+
+
+def audit(options: AuditOptions) -> AuditResult:
+    from harness.commands import audit as audit_command  # loads torch (see the imports above)
+
+    with events.listening(options.on_event):
+        return audit_command.audit(options.run_id, segments=options.segments, seed=options.seed,
+                                   tracking_uri=options.tracking_uri, repo=options.repo)
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """`harness trace RUN_ID --step STEP`: every op of one step, recorded as a trace run nested under RUN_ID."""
+
+    run_id: str
+    step: int
+    ranks: tuple[int, ...] = (0,)
+    tracking_uri: str | None = None
+    repo: Path | None = None
+    on_event: Listener | None = None
+
+
+def trace(options: TraceOptions) -> TraceResult:
+    with events.listening(options.on_event):
+        return trace_command.trace(options.run_id, step=options.step, ranks=options.ranks,
+                                   tracking_uri=options.tracking_uri, repo=options.repo)[0]
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """`harness verify CLAIMS_FILE`: a paper's claims against the recorded studies and runs, optionally replayed."""
+
+    claims_file: Path
+    overrides: tuple[str, ...] = ()  # with replay and allow_changes: KEY=VALUE changes of the replays' config
+    replay: bool = False  # replay each study or run the claims rest on (once) and judge the claims on the replays
+    members: int | None = None  # replay: K members of each study (default: all)
+    world_size: int | None = None
+    allow_changes: bool = False
+    executor: str | None = None
+    tracking_uri: str | None = None
+    on_event: Listener | None = None
+
+
+def verify(options: VerifyOptions) -> VerifyResult:
+    o = options
+    with events.listening(o.on_event):
+        return verify_command.verify(o.claims_file, replay=o.replay, members=o.members, world_size=o.world_size,
+                                     overrides=list(o.overrides), allow_changes=o.allow_changes, executor=o.executor,
+                                     tracking_uri=o.tracking_uri)

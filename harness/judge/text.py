@@ -1,0 +1,67 @@
+"""A comparison as lines of terminal text: what `harness replay` and `harness compare` print before the verdict.
+
+The one rendering of a Comparison for the terminal; report.py renders the same comparison as Markdown
+and shares its pieces (the tolerances given, the verdict's summary, where the weights parted).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.judge.compare import Comparison
+
+
+def given_tolerances(cmp: Comparison) -> list[tuple[str, float, float]]:
+    """(metric, atol, rtol) of each --tolerance given over the recorded replay.tolerance, by metric."""
+    given = cmp.tolerance.get("given") or {}
+    return [(m, t["atol"], t["rtol"]) for m, t in sorted(given.items())]
+
+
+def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
+    """What was changed and allowed, the config and environment deltas, each metric's diffs, where the weights parted."""
+    out: list[str] = []
+    if changes:
+        out.append("Changes requested: " + ", ".join(changes))
+    given = given_tolerances(cmp)
+    if given:
+        out.append("Tolerance given (--tolerance, over the recorded replay.tolerance): "
+                   + ", ".join(f"{m} atol {atol:g} rtol {rtol:g}" for m, atol, rtol in given))
+    if not cmp.bitwise_possible:
+        out.append("A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers))
+    out += [f"Note: {note}" for note in cmp.notes]
+    arrow = " -> ".join(cmp.labels)
+    if cmp.config_delta:
+        out.append(f"Config delta ({arrow}):")
+        out += [f"   {c.key}: {c.a} -> {c.b}" + ("" if c.affects_result else "  (does not affect the result)")
+                for c in cmp.config_delta]
+    else:
+        out.append("Config delta: none")
+    if cmp.delta:
+        out.append(f"Environment delta ({arrow}):")
+        out += [f" {'!' if d.breaks_bitwise else ' '} {d.name}: {d.a} -> {d.b}" + (f"  ({d.note})" if d.note else "")
+                for d in cmp.delta]
+    elif cmp.config_delta:
+        # The runs do differ: "none" alone would read as "nothing changed".
+        out.append(f"Environment delta ({arrow}): none besides the config delta above")
+    else:
+        out.append("Environment delta: none")
+    for m in cmp.metrics:
+        first = "-" if m.first_divergence is None else str(m.first_divergence)
+        out.append(f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
+                   f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
+                   + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else ""))
+    out += cmp.checkpoint_lines()  # where the weights parted, just above the verdict
+    return out
+
+
+def verdict_line(cmp: Comparison) -> str:
+    return f"verdict: {cmp.summary()}"
+
+
+def study_replay_lines(result: Any) -> list[str]:
+    """A study replay (replay.StudyReplayResult): each member's verdict, the equivalence tests, the verdict."""
+    out = [f"seed {r.original.tags.get('harness.seed')}: {r.judged.summary()}  (replay {r.outcome.run_id})"
+           for r in result.members]
+    out += [f"  {t.describe()}" for t in result.equivalence]
+    out.append(f"verdict: {result.summary()}")
+    return out

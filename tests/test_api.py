@@ -1,0 +1,99 @@
+"""The Python API (`harness.run`, `harness.replay`, ...): typed options in, typed results out, the same
+routing and the same refusals as the command line, and nothing on stderr unless the caller listens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import Project
+
+import harness
+from harness import events
+from harness.commands.replay import ReplayResult, StudyReplayResult
+from harness.commands.study import StudyOutcome
+from harness.errors import HarnessError
+from harness.executors import Outcome
+from harness.judge.compare import BITWISE
+
+
+def test_import_harness_leaves_the_api_unloaded_until_it_is_used() -> None:
+    code = ("import sys, harness\n"
+            "assert 'harness.commands.api' not in sys.modules and 'omegaconf' not in sys.modules, sorted(sys.modules)\n"
+            "assert harness.ReplayOptions.__module__ == 'harness.commands.api'\n"
+            "try:\n    harness.no_such_verb\nexcept AttributeError as err:\n    print(err)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "module 'harness' has no attribute 'no_such_verb'\n"
+
+
+def test_a_run_and_its_replay_through_the_api_are_bitwise_and_say_nothing_unasked(
+    fresh_project: Project, capfd: pytest.CaptureFixture[str]
+) -> None:
+    p = fresh_project
+    outcome = harness.run(harness.RunOptions(p.root / "experiments" / "linear_ddp", ("train.epochs=1",),
+                                             tracking_uri=p.uri))
+    assert isinstance(outcome, Outcome) and outcome.status == "FINISHED", outcome
+    result = harness.replay(harness.ReplayOptions(outcome.run_id, tracking_uri=p.uri, repo=p.root))
+    assert isinstance(result, ReplayResult)
+    assert result.judged.verdict == BITWISE, result.judged.summary()
+    assert result.original.run_id == outcome.run_id
+    # Without on_event the launcher says nothing: the CLI would have said "harness: recording linear_ddp, ...".
+    # What rank 0 printed (ctx.print) is the run's own output, which the launcher still echoes as it runs.
+    _, err = capfd.readouterr()
+    assert "harness: recording" not in err and "Warning" not in err, err
+    assert all(line.startswith("epoch 1/1 loss ") for line in err.splitlines()), err
+
+    # With a listener, what the CLI prints arrives as events: replaying a replay replays its original.
+    said: list[events.Event] = []
+    again = harness.replay(harness.ReplayOptions(result.outcome.run_id, tracking_uri=p.uri, repo=p.root,
+                                                 on_event=said.append))
+    assert isinstance(again, ReplayResult) and again.original.run_id == outcome.run_id
+    assert events.Notice(f"run {result.outcome.run_id} is a replay of {outcome.run_id}; "
+                         f"replaying {outcome.run_id}") in said
+    assert "harness: recording" not in capfd.readouterr().err
+
+
+def test_a_study_is_run_and_replayed_through_the_api_as_the_cli_does(fresh_project: Project) -> None:
+    p = fresh_project
+    said: list[events.Event] = []
+    study = harness.run(harness.RunOptions(p.root / "experiments" / "linear_ddp", ("train.epochs=1",), seeds=2,
+                                           tracking_uri=p.uri, on_event=said.append))
+    assert isinstance(study, StudyOutcome) and study.status == "FINISHED" and len(study.members) == 2, study
+    assert any(isinstance(e, events.Notice) and e.text.startswith("study ") for e in said), said
+    # harness.replay(STUDY) replays the study (the CLI's `harness replay STUDY`), not a refusal of it.
+    said.clear()
+    result = harness.replay(harness.ReplayOptions(study.run_id, tracking_uri=p.uri, repo=p.root, on_event=said.append))
+    assert isinstance(result, StudyReplayResult)
+    assert result.verdict == BITWISE and len(result.members) == 2, result.summary()
+    assert [e.done for e in said if isinstance(e, events.Progress)] == [1, 2]
+    # A replay of the study replay means the study again (follow), as on the command line.
+    with pytest.raises(HarnessError) as err:
+        harness.replay(harness.ReplayOptions(result.run_id, members_seed=3, tracking_uri=p.uri))
+    answer = p.cli("replay", result.run_id, "--members-seed", "3")
+    assert answer.stderr.splitlines() == [f"run {result.run_id} is a replay of study {study.run_id}; replaying the study",
+                                          f"Error: {err.value}"], answer.stderr
+    assert str(err.value) == "--members-seed draws --members K of the study's members; pass --members too."
+
+
+def test_bad_input_raises_the_error_the_cli_prints(fresh_project: Project) -> None:
+    p = fresh_project
+    cases = [
+        (harness.replay, harness.ReplayOptions("0123456789abcdef0123456789abcdef", tracking_uri=p.uri),
+         ["replay", "0123456789abcdef0123456789abcdef"]),
+        (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", ("seed=-1",), tracking_uri=p.uri),
+         ["run", "experiments/linear_ddp", "seed=-1"]),
+        (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", seeds=2,
+                                         placement=harness.Placement(nnodes=2), tracking_uri=p.uri),
+         ["run", "experiments/linear_ddp", "--seeds", "2", "--nnodes", "2"]),
+        (harness.compare, harness.CompareOptions("0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210",
+                                                 tracking_uri=p.uri),
+         ["compare", "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"]),
+    ]
+    for call, options, argv in cases:
+        with pytest.raises(HarnessError) as err:
+            call(options)
+        answer = p.cli(*argv)
+        assert answer.returncode == err.value.exit_code == 2, answer
+        assert answer.stderr == f"Error: {err.value}\n", (argv, answer.stderr)

@@ -62,11 +62,66 @@ def main() -> None:
     130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
 
-_EXECUTORS = ["local", "docker", "slurm"]  # config.Executor's values (not imported: --help must stay fast)
+class _ExecutorName(click.ParamType):
+    """--executor NAME: any registered backend. Listed from the registry only when help is shown; an unknown name
+    is refused by the command in one line (click's own refusal is a usage block)."""
+
+    name = "executor"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        from harness.executors import backends
+
+        return "[" + "|".join(backends()) + "]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        return str(value)
+
+
+_EXECUTOR = _ExecutorName()
+
+
+def _known_executor(name: str | None) -> None:
+    if name is not None:
+        from harness.executors import backend
+
+        backend(name)
+
+
+class _BackendCommand(click.Command):
+    """A command that takes the backends' own options (harness/executors: each backend declares its CliOptions).
+
+    They are made into click options when the command is first parsed or its help shown, so that the commands
+    that run no job (`harness runs`, `compare`) never load the backends; they follow the placement options.
+    """
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not getattr(self, "_backend_options", False):
+            self._backend_options = True
+            at = next(i for i, p in enumerate(self.params) if p.name == "master_port") + 1
+            self.params[at:at] = _backend_click_options(self.name or "")
+        return super().get_params(ctx)
+
+
+def _backend_click_options(command: str) -> list[click.Parameter]:
+    from harness.executors import backends
+
+    made: list[click.Parameter] = []
+    for declared in backends().values():
+        for opt in declared.cli:
+            if command not in opt.commands:
+                continue
+            if opt.type is bool:
+                made.append(click.Option([opt.flag, opt.dest], is_flag=True, default=None, help=opt.help))
+            elif opt.type is int:
+                made.append(click.Option([opt.flag, opt.dest], type=click.IntRange(min=opt.min), default=None,
+                                         help=opt.help))
+            else:
+                made.append(click.Option([opt.flag, opt.dest], type=opt.type, default=None, help=opt.help))
+    return made
 
 
 def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Where the job runs: the backend, its nodes, and the Slurm resources (shared by run and replay)."""
+    """Where the job runs: its nodes (shared by run and replay); the backends' own options follow (_BackendCommand)."""
     options = [
         click.option("--nnodes", type=click.IntRange(min=1), default=None,
                      help="Nodes of a multi-node job; run the same command on each with its --node-rank."),
@@ -74,11 +129,6 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--master-addr", default=None, help="Node 0's address, reachable from every node."),
         click.option("--master-port", type=click.IntRange(1, 65535), default=None,
                      help="A free TCP port on node 0 for the job's rendezvous."),
-        click.option("--nodes", "slurm_nodes", type=click.IntRange(min=1), default=None,
-                     help="slurm: nodes to run on (one task per node)."),
-        click.option("--partition", default=None, help="slurm: partition to submit to."),
-        click.option("--time", "slurm_time", default=None, help="slurm: time limit (e.g. 01:00:00)."),
-        click.option("--gpus-per-node", type=click.IntRange(min=0), default=None, help="slurm: GPUs per node."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -86,31 +136,46 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
-          "master_port": "--master-port", "slurm_nodes": "--nodes", "partition": "--partition",
-          "slurm_time": "--time", "gpus_per_node": "--gpus-per-node"}
+          "master_port": "--master-port"}
 
 
-def _placement(executor: str | None, given: dict[str, Any], torchrun: bool = False) -> tuple[list[str], Any]:
-    """(slurm.* overrides, topology) from the placement options; under torchrun, torchrun's layout."""
-    from harness.executors import Topology
+def _placement(
+    executor: str | None, given: dict[str, Any], torchrun: bool = False
+) -> tuple[list[str], Any, dict[str, Any]]:
+    """(backend config overrides, topology, job options) from the placement and backend options; under torchrun,
+    torchrun's layout. A backend option with a config key overrides it (`--nodes 2`: slurm.nodes=2), recorded;
+    one without is a choice for this job only (`--allow-unpinned`)."""
+    from harness.executors import Topology, backends
     from harness.executors.multinode import topology_from_env
 
-    slurm = {"nodes": given["slurm_nodes"], "partition": given["partition"], "time": given["slurm_time"],
-             "gpus_per_node": given["gpus_per_node"]}
-    overrides = [f"slurm.{k}={v}" for k, v in slurm.items() if v is not None]
+    _known_executor(executor)
+    overrides: list[str] = []
+    job_options: dict[str, Any] = {}
+    flags = dict(_FLAGS)
+    for declared in backends().values():
+        for opt in declared.cli:
+            value = given.get(opt.dest)
+            flags[opt.dest] = opt.flag
+            if value is None:
+                continue
+            if opt.key is not None:
+                overrides.append(f"{declared.name}.{opt.key}={value}")
+            else:
+                job_options[opt.dest] = value
     if torchrun:
-        layout = _torchrun_topology(executor, [_FLAGS[k] for k, v in given.items() if v is not None])
+        layout = _torchrun_topology(executor, [flags[k] for k, v in given.items() if v is not None and k in flags])
         if layout is not None:
-            return overrides, layout
+            return overrides, layout, job_options
     if executor == "slurm":
-        return overrides, None  # the batch job's tasks learn their place from Slurm
+        return overrides, None, job_options  # the batch job's tasks learn their place from Slurm
     nnodes, node_rank, addr, port = (given[k] for k in ("nnodes", "node_rank", "master_addr", "master_port"))
     if nnodes is None and node_rank is None and addr is None and port is None:
         # What a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node.
-        return overrides, topology_from_env() or Topology()
+        return overrides, topology_from_env() or Topology(), job_options
     if nnodes is None:
         raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
-    return overrides, Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=addr, master_port=port or 0)
+    topology = Topology(nnodes=nnodes, node_rank=node_rank or 0, master_addr=addr, master_port=port or 0)
+    return overrides, topology, job_options
 
 
 def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
@@ -129,15 +194,14 @@ def _torchrun_topology(executor: str | None, given: list[str]) -> Any:
     return topology(env)
 
 
-@main.command(context_settings={"ignore_unknown_options": False})
+@main.command(cls=_BackendCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
-@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
+@click.option("--executor", type=_EXECUTOR, default=None,
               help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image; "
                    "slurm: a batch job.")
 @_placement_options
-@click.option("--allow-unpinned", is_flag=True, help="Accept an image pinned by the moving 'latest' tag.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
@@ -150,7 +214,6 @@ def run(
     overrides: tuple[str, ...],
     require_clean: bool,
     executor: str | None,
-    allow_unpinned: bool,
     allow_untracked_secrets: bool,
     tracking_uri: str | None,
     seeds_n: int | None,
@@ -167,14 +230,13 @@ def run(
     from harness.store.tracking import Tracker
 
     if seeds_n is not None or parallel is not None:
-        _run_study(experiment_dir, overrides, seeds_n, parallel, require_clean, executor, allow_unpinned,
-                   allow_untracked_secrets, tracking_uri, placement)
+        _run_study(experiment_dir, overrides, seeds_n, parallel, require_clean, executor, allow_untracked_secrets,
+                   tracking_uri, placement)
         return
-    slurm, topology = _placement(executor, placement, torchrun=True)
+    backend_overrides, topology, job_options = _placement(executor, placement, torchrun=True)
     outcome = runner.run(  # `seeds: [...]` in the config makes it a study (runner.run hands it over)
-        experiment_dir, [*overrides, *slurm], require_clean=require_clean, tracking_uri=tracking_uri,
-        executor=executor, allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
-        topology=topology,
+        experiment_dir, [*overrides, *backend_overrides], require_clean=require_clean, tracking_uri=tracking_uri,
+        executor=executor, allow_untracked_secrets=allow_untracked_secrets, topology=topology, job_options=job_options,
     )
     if isinstance(outcome, runner.Outcome):
         from harness.executors.torchrun import torchrun_env
@@ -187,7 +249,7 @@ def run(
 
 
 def _run_study(experiment_dir: Path, overrides: tuple[str, ...], seeds_n: int | None, parallel: int | None,
-               require_clean: bool, executor: str | None, allow_unpinned: bool, allow_untracked_secrets: bool,
+               require_clean: bool, executor: str | None, allow_untracked_secrets: bool,
                tracking_uri: str | None, placement: dict[str, Any]) -> None:
     from harness.commands import study
     from harness.executors.torchrun import torchrun_env
@@ -196,11 +258,11 @@ def _run_study(experiment_dir: Path, overrides: tuple[str, ...], seeds_n: int | 
     if multi or torchrun_env() is not None:
         raise HarnessError(f"a study runs its members one job after another on this machine: "
                            f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
-    slurm, _ = _placement(executor, placement)
+    backend_overrides, _, job_options = _placement(executor, placement)
     outcome = study.run_study(
-        experiment_dir, [*overrides, *slurm], seeds_n=seeds_n, parallel=parallel, require_clean=require_clean,
-        tracking_uri=tracking_uri, executor=executor, allow_unpinned=allow_unpinned,
-        allow_untracked_secrets=allow_untracked_secrets,
+        experiment_dir, [*overrides, *backend_overrides], seeds_n=seeds_n, parallel=parallel,
+        require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
+        allow_untracked_secrets=allow_untracked_secrets, job_options=job_options,
     )
     _study_finish(outcome, tracking_uri)
 
@@ -268,7 +330,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-@main.command()
+@main.command(cls=_BackendCommand)
 @click.argument("run_id")
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
@@ -277,7 +339,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",
               help="Read declared data NAME from PATH on this machine (e.g. where `harness import` put it). Repeatable.")
-@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
+@click.option("--executor", type=_EXECUTOR, default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
 @_placement_options
 @click.option("--allow-incomplete", is_flag=True,
@@ -326,7 +388,7 @@ def replay(
     from harness.commands.replay import replay as do_replay
     from harness.store.tracking import Tracker
 
-    slurm, topology = _placement(executor, placement)
+    slurm, topology, _ = _placement(executor, placement)
     # Writable: a replay records, so a read-only store is said first, whatever the run is.
     tracker = Tracker(tracking_uri)
     study_id = _study_id(tracker, run_id, not no_follow)
@@ -442,7 +504,7 @@ def _print_comparison(cmp: Any, changes: list[str]) -> None:
 @click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
-@click.option("--executor", type=click.Choice(_EXECUTORS), default=None, help="--replay: where the replays run (default: as recorded).")
+@click.option("--executor", type=_EXECUTOR, default=None, help="--replay: where the replays run (default: as recorded).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, members: int | None, world_size: int | None,
@@ -458,6 +520,7 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     from harness.commands.verify import verify as do_verify
     from harness.judge.verify_report import HEADER, rows
 
+    _known_executor(executor)
     result = do_verify(claims_file, replay=do_replay, members=members, world_size=world_size,
                        overrides=list(overrides), allow_changes=allow_changes, executor=executor,
                        tracking_uri=tracking_uri)

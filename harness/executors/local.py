@@ -13,9 +13,8 @@ import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,19 @@ from omegaconf import DictConfig
 from harness import scratch, tags as T
 from harness.config import check_nodes, is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted, RunFailed
-from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.executors.base import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    PENDING,
+    RUNNING,
+    Backend,
+    Event,
+    Executor,
+    Handle,
+    Job,
+    Outcome,
+)
 from harness.executors.launch import LaunchSpec, failed, failure_details, is_peer_failure, launch, resolve_device
 from harness.executors.multinode import check_topology, differing
 from harness.judge.delta import setting_risk
@@ -39,8 +50,6 @@ from harness.messages import (
     Metrics,
     MetricsBatch,
     Notice,
-    SegmentEnd,
-    SegmentStart,
     SettingChange,
     Total,
     UserSeeds,
@@ -148,42 +157,6 @@ def run_segments(
         shutil.rmtree(work, ignore_errors=True)
 
 
-@dataclass
-class SegmentReport:
-    """What rank 0 said during one plan of run_segments."""
-
-    logged: dict[tuple[str, int], float] = field(default_factory=dict)  # (key, step) -> value
-    end: tuple[int, str | None] | None = None  # (step, fingerprint) where the segment stopped
-    tensors: dict[str, str] = field(default_factory=dict)  # per-tensor digests at a segment's stop
-    started: float | None = None  # time.monotonic() when it began
-
-
-class SegmentMessages:
-    """run_segments' on_message for audit and trace: rank 0's messages sorted into one SegmentReport per plan."""
-
-    def __init__(self, count: int) -> None:
-        self.reports = [SegmentReport() for _ in range(count)]
-        self.current: int | None = None  # the segment running now
-
-    def __call__(self, msg: Message) -> None:
-        if isinstance(msg, SegmentStart):
-            self.current = msg.index
-            self.reports[msg.index].started = time.monotonic()
-            return
-        if self.current is None:
-            return
-        report = self.reports[self.current]
-        match msg:
-            case Metrics(step, values):
-                report.logged.update({(key, step): value for key, value in values.items()})
-            case MetricsBatch():
-                report.logged.update({(key, step): value for key, step, value, _ in msg.points()})
-            case SegmentEnd(step, sha256, digests):
-                report.end, report.tensors = (step, sha256), digests
-            case Final(sha256, steps):
-                report.end = (steps, sha256)
-
-
 def config_id(cfg: DictConfig) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
 
@@ -202,8 +175,18 @@ class LocalExecutor(Executor):
         handle.start()
         return handle
 
+    def check_segments(self, cfg: DictConfig) -> None:
+        check_runnable(cfg)
+
+    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+        run_segments(job.cfg, job.exp_dir, plans, on_message, job.data)
+
 
 EXECUTOR = LocalExecutor
+BACKEND = Backend(
+    name="local", executor=LocalExecutor, runs_segments=True,
+    help="ranks run on this machine (or on several, one `harness run --nnodes` each)",
+)
 
 
 class LocalHandle(Handle):
@@ -217,12 +200,16 @@ class LocalHandle(Handle):
         self.cancelled: int | None = None
         self.deferred: list[int] = []  # signals that arrived while the run was being recorded
         self.recording = False
+        self.state = PENDING
         # Ranks started before the record already write their logs into <work>/logs.
         self.work = Path(job.ranks.log_dir).parent if job.ranks is not None else scratch.make("run")
 
     @property
     def records(self) -> bool:
         return self.job.topology.node_rank == 0
+
+    def status(self) -> str:
+        return self.state
 
     def cancel(self, signum: int) -> None:
         if self.recording:  # a signal now would cut the record short: it waits until the run is closed
@@ -269,11 +256,13 @@ class LocalHandle(Handle):
         self.node.publish(job.run_id)
 
     def wait(self) -> Outcome:
+        self.state = RUNNING
+        outcome: Outcome | None = None
         try:
-            if self.records:
-                return self._run_and_record()
-            return self._run_ranks_only()
+            outcome = self._run_and_record() if self.records else self._run_ranks_only()
+            return outcome
         finally:
+            self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
             shutil.rmtree(self.work, ignore_errors=True)
 
     # -- the node that runs rank 0 -----------------------------------------------------------------
@@ -331,7 +320,7 @@ class LocalHandle(Handle):
             if prior is not None:
                 writer.prime(prior.metrics)
             console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
-                              show=not job.options.get("quiet", False))
+                              show=not job.options.quiet)
 
             def on_message(msg: Message) -> None:
                 match msg:

@@ -106,6 +106,7 @@ def audit(
     recorded = RecordedRun.load(tracker, run)
     recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
+    executors.check_segments(cfg, "audit", here=False)  # their backend runs segments: said before the draw
     store = checkpoint_store.open_for(tracker, run_id)
     # Only the drawn segments' start steps, fetched when a server holds them; absent files are refused, never
     # judged: nothing is recorded.
@@ -117,7 +118,7 @@ def audit(
         file=sys.stderr,
     )
     directory = store.directory
-    executors.check_segments(cfg, "audit")
+    executors.check_segments(cfg, "audit")  # and this machine can run them
     data = recorded.check_data(repo)  # a segment replayed on other data proves nothing about the run
     try:
         with recorded.code(repo) as (tree, exp_dir):

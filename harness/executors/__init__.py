@@ -119,16 +119,16 @@ def run_segments(job: Job, plans: list[Any], on_message: Callable[[Message], Non
     get(job.executor).run_segments(job, plans, on_message)
 
 
-def check_segments(cfg: DictConfig, what: str) -> None:
-    """The backend `cfg` names can re-execute segments here: else one line (exit 2), before anything is recorded."""
+def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
+    """The backend `cfg` names re-executes segments (and, with `here`, can on this machine): else one line (exit 2),
+    before anything is recorded."""
     declared = backend(str(cfg.executor))
     if not declared.runs_segments:
         able = ", ".join(n for n, b in _REGISTRY.items() if b.runs_segments) or "none"
         raise HarnessError(f"{what} re-executes segments of the run on its backend, and the {declared.name} backend "
                            f"runs no segments (those that do: {able}).")
-    executor = declared.executor()
-    check = getattr(executor, "check_segments", None)
-    if check is not None:
+    check = getattr(declared.executor(), "check_segments", None)
+    if here and check is not None:
         check(cfg)
 
 

@@ -163,3 +163,23 @@ def test_an_unknown_executor_is_one_line_naming_the_known_ones(fresh_project: Pr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "'k8s'" in result.stderr and "local, docker, slurm, inline" in result.stderr, result.stderr
     assert fresh_project.all_runs() == []
+
+
+def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) -> None:
+    """The local backend's handle through run_job: PENDING once the run is recorded (its ranks not yet running),
+    FINISHED once wait() has closed the run."""
+    from harness.commands import run as runner
+    from harness.store.tracking import Tracker
+
+    exp = project.root / "experiments" / "linear_ddp"
+    checked = runner.preflight(exp, ["train.epochs=1"], tracking_uri=project.uri)
+    tracker = Tracker(project.uri)
+    job = executors.Job(
+        tracker, checked.cfg, executors.JobInputs(checked.git.root, exp, code_id=checked.git.commit),
+        record=lambda tags: runner.create_record(tracker, checked.cfg, exp, checked.git, image=tags),
+    )
+    handles: list[executors.Handle] = []
+    seen: list[str] = []
+    outcome = executors.run_job(executors.get("local"), job, on_start=lambda h: (handles.append(h), seen.append(h.status())))
+    assert outcome.status == "FINISHED" and seen == ["PENDING"]
+    assert handles[0].status() == "FINISHED" == project.client().get_run(outcome.run_id).info.status

@@ -35,8 +35,8 @@ def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_fol
     assert executors.get("local") is not executors.get("local")  # per-job state never leaks between jobs
     with pytest.raises(HarnessError, match=r"^unknown executor 'k8s'; known: local, docker, slurm\."):
         executors.get("k8s")
-    # Only the local backend re-executes segments (audit, trace); the options land where the CLI says.
-    assert [n for n, b in executors.backends().items() if b.runs_segments] == ["local"]
+    # Every built-in backend's segments (audit, trace) re-execute on this machine's ranks, as local runs them.
+    assert [n for n, b in executors.backends().items() if b.runs_segments] == list(executors.BUILTIN)
     flags = {o.flag for b in executors.backends().values() for o in b.cli}
     assert flags == {"--allow-unpinned", "--nodes", "--partition", "--time", "--gpus-per-node"}
     assert {p.opts[0] for p in cli._backend_click_options("run")} == flags
@@ -151,7 +151,7 @@ def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_p
         assert refused.returncode == 2, refused.stderr
         assert refused.stderr.strip().splitlines() == [
             f"Error: {args[0]} re-executes segments of the run on its backend, and the inline backend runs no "
-            "segments (those that do: local)."]
+            "segments (those that do: local, docker, slurm)."]
     assert len(fresh_project.all_runs()) == before
 
 

@@ -1,7 +1,7 @@
 """The executor seam: what every backend that runs a recorded job provides.
 
-run, replay, resume and audit build a `Job` and hand it to `run_job`; they never learn which backend
-runs the ranks. A backend is one module in this package exposing `EXECUTOR`, an `Executor`:
+run, replay and resume build a `Job` and hand it to `run_job` (audit and trace to `run_segments`); they never
+learn which backend runs the ranks. A backend is one module declaring `BACKEND`, whose `Executor` provides:
 
 - `prepare(job)` (one instance per job) refuses, before anything is recorded, what cannot run there (no GPU, no image
   digest, no Slurm), and returns the tags that say where the job runs;

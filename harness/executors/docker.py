@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -32,7 +33,8 @@ from harness.executors.base import (
     JobOptions,
     Outcome,
 )
-from harness.executors.local import ENV_DIGEST
+from harness.executors.local import ENV_DIGEST, LocalExecutor
+from harness.messages import Message
 from harness.record.redaction import redact
 from harness.store.reach import SUPPRESS_URL, artifact_path, database_file
 from harness.store.tracking import Tracker
@@ -168,6 +170,14 @@ class DockerExecutor(Executor):
         extra = [] if job.resume_step is None else ["--resume-step", str(job.resume_step)]
         return ContainerHandle(job, self.pinned, extra)
 
+    # A docker run's segments (audit, trace) re-execute on this machine's ranks, outside the image, as the local
+    # backend runs them: what audit and trace have always done with one.
+    def check_segments(self, cfg: DictConfig) -> None:
+        LocalExecutor().check_segments(cfg)
+
+    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+        LocalExecutor().run_segments(job, plans, on_message)
+
 
 EXECUTOR = DockerExecutor
 
@@ -183,7 +193,7 @@ def check(cfg: DictConfig) -> None:
 
 
 BACKEND = Backend(
-    name="docker", executor=DockerExecutor, check=check, options=DockerOptions,
+    name="docker", executor=DockerExecutor, check=check, options=DockerOptions, runs_segments=True,
     help="inside the pinned image, by digest",
     cli=(CliOption("--allow-unpinned", "allow_unpinned", "Accept an image pinned by the moving 'latest' tag.", bool,
                    commands=("run",)),),

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -47,7 +48,8 @@ from harness.executors.base import (
     Output,
     Submitted,
 )
-from harness.executors.local import local_image_tags
+from harness.executors.local import LocalExecutor, local_image_tags
+from harness.messages import Message
 from harness.record.recorded import checkout
 from harness.store.reach import database_file
 
@@ -195,10 +197,18 @@ class SlurmExecutor(Executor):
         on_event(Submitted(job_id, f"script {script}, output {folder / f'slurm-{job_id}.out'}"))
         return SlurmHandle(job, job_id, folder / f"slurm-{job_id}.out", on_event, code)
 
+    # A Slurm run's segments (audit, trace) re-execute on this machine's ranks, not submitted, as the local backend
+    # runs them: what audit and trace have always done with one.
+    def check_segments(self, cfg: DictConfig) -> None:
+        LocalExecutor().check_segments(cfg)
+
+    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+        LocalExecutor().run_segments(job, plans, on_message)
+
 
 EXECUTOR = SlurmExecutor
 BACKEND = Backend(
-    name="slurm", executor=SlurmExecutor, section=SlurmConfig, check=check,
+    name="slurm", executor=SlurmExecutor, section=SlurmConfig, check=check, runs_segments=True,
     help="submitted as a batch job, one task per node",
     cli=(
         CliOption("--nodes", "slurm_nodes", "slurm: nodes to run on (one task per node).", int, min=1, key="nodes"),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import importlib.util
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,6 @@ class Level(enum.Enum):
     strict = "strict"  # deterministic algorithms (errors on nondeterministic ops), cuDNN/TF32/cuBLAS pinned
     warn = "warn"  # same settings, but nondeterministic ops only warn
     off = "off"  # nothing is changed; the run is recorded as such
-
-
-class Executor(enum.Enum):
-    local = "local"
-    docker = "docker"
-    slurm = "slurm"
 
 
 @dataclass
@@ -82,22 +77,6 @@ class RecordConfig:
 
 
 @dataclass
-class SlurmConfig:
-    """How `executor: slurm` asks for resources: one task per node, the node's ranks spawned inside it."""
-
-    nodes: int = 1
-    """Nodes to run on; world_size must be a multiple of it (world_size / nodes ranks per node)."""
-    partition: str | None = None
-    time: str | None = None
-    """Time limit as sbatch takes it (e.g. 01:00:00); none: the partition's default."""
-    gpus_per_node: int = 0
-    cpus_per_task: int | None = None
-    """CPUs for each node's task; none: threads_per_rank x ranks per node."""
-    poll_s: float = 1.0
-    """How often the submitting process asks the scheduler whether the job still runs."""
-
-
-@dataclass
 class ExperimentConfig:
     image: str = MISSING
     """Container image the experiment is meant to run in: `name:tag` or `name@sha256:...`."""
@@ -123,10 +102,10 @@ class ExperimentConfig:
     """Hash the model parameters every this many steps (and at the end)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (and at step 0); 0 disables. Needed by resume and audit."""
-    executor: Executor = Executor.local
+    executor: str = "local"
     """local: ranks run on this machine (or on several, one `harness run --nnodes` each); docker: inside the
-    pinned image; slurm: submitted as a batch job, one task per node."""
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    pinned image; slurm: submitted as a batch job, one task per node. Any backend registered in
+    harness/executors; each one's own section (`slurm:`) follows this key."""
     rendezvous_timeout_s: float = 300.0
     """How long node 0 waits for the other nodes of a multi-node job to join before it gives up."""
     heartbeat_s: float = 30.0
@@ -141,6 +120,58 @@ class ExperimentConfig:
     """Data the training reads, name -> file or folder (relative to this folder; $VAR and ~ expanded):
     hashed in full at run start, recorded, checked again by replay; `ctx.data["name"]` is the path."""
 
+
+
+# -- the backends' sections ---------------------------------------------------------------------------------
+# Which executors exist, and the config section each brings, is declared by the backends themselves
+# (harness/executors: one module per backend, and outside packages through the `harness.executors` entry
+# points). That registry tells this module; the schema is ExperimentConfig with every backend's section
+# after `executor`, in the order the backends registered.
+
+
+@dataclass(frozen=True)
+class BackendSchema:
+    name: str
+    section: type | None = None  # a dataclass, merged in as `name:`
+    check: Callable[[DictConfig], None] | None = None  # run by validate() on every config
+
+
+_BACKENDS: dict[str, BackendSchema] = {}
+_schema_cache: dict[tuple[str, ...], type] = {}
+
+
+def register_backend(schema: BackendSchema) -> None:
+    """Add (or replace) a backend's name and section in the experiment schema (called by harness.executors)."""
+    _BACKENDS[schema.name] = schema
+    _schema_cache.clear()
+
+
+def backends() -> dict[str, BackendSchema]:
+    """The known backends by name. Loading the registry is what registers them: this module is a leaf and
+    imports no backend, so a caller that never imported harness.executors gets it loaded here, by name."""
+    if not _BACKENDS:
+        importlib.import_module("harness.executors")
+    return dict(_BACKENDS)
+
+
+def schema_class() -> type:
+    """ExperimentConfig with each backend's section inserted after `executor` (a dataclass made once per registry)."""
+    known = backends()
+    key = tuple(f"{n}:{id(b.section)}" for n, b in known.items())
+    if key not in _schema_cache:
+        fields: list[Any] = []
+        for f in dataclasses.fields(ExperimentConfig):
+            fields.append((f.name, f.type, f))
+            if f.name == "executor":
+                fields += [(n, b.section, field(default_factory=b.section)) for n, b in known.items() if b.section]
+        _schema_cache[key] = dataclasses.make_dataclass("ExperimentConfig", fields, namespace={"__module__": __name__})
+    return _schema_cache[key]
+
+
+def _check_executor(cfg: DictConfig, source: str) -> None:
+    names = list(backends())
+    if str(cfg.executor) not in names:
+        raise ConfigError(f"{source}: invalid value {cfg.executor!r} for 'executor'; expected one of {', '.join(names)}.")
 
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed and the samplers' generators take a signed 64-bit seed
@@ -192,7 +223,7 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 
 def _default_of(key: str) -> Any:
-    obj: Any = ExperimentConfig()
+    obj: Any = schema_class()()
     for part in key.split("."):
         if hasattr(obj, part):
             obj = getattr(obj, part)
@@ -246,11 +277,13 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
 
 def compose(sources: list[tuple[str, Any]]) -> DictConfig:
     """Merge config fragments (name, content) onto the schema and validate the result."""
-    schema = OmegaConf.structured(ExperimentConfig)
+    schema = OmegaConf.structured(schema_class())
     cfg = schema
     for name, content in sources:
         _check_sections(content, schema, name)
         cfg = _merge(cfg, content, name, schema)
+        if isinstance(content, DictConfig) and "executor" in content:
+            _check_executor(cfg, name)
     return cfg
 
 
@@ -397,15 +430,9 @@ def validate(cfg: DictConfig, exp_dir: Path | None) -> None:
             "image is empty; pin a container image as name:tag or name@sha256:<digest>, or write `image: none` "
             "for an experiment that only runs locally."
         )
-    if is_no_image(str(cfg.image)) and cfg.executor == Executor.docker:
-        raise ConfigError("executor docker needs an image, but image is none. Pin one (name:tag or name@sha256:...).")
-    check_nodes(cfg.slurm.nodes, cfg.world_size, "slurm.nodes (--nodes)")
-    if cfg.slurm.gpus_per_node < 0:
-        raise ConfigError(f"slurm.gpus_per_node must be >= 0, got {cfg.slurm.gpus_per_node}.")
-    if cfg.slurm.cpus_per_task is not None and cfg.slurm.cpus_per_task < 1:
-        raise ConfigError(f"slurm.cpus_per_task must be >= 1, got {cfg.slurm.cpus_per_task}.")
-    if not cfg.slurm.poll_s > 0:
-        raise ConfigError(f"slurm.poll_s must be > 0 seconds, got {cfg.slurm.poll_s}.")
+    for backend in backends().values():  # each backend's own checks (its section, what it needs)
+        if backend.check is not None:
+            backend.check(cfg)
     for name in ("default", *cfg.replay.tolerance.metrics.keys()):
         tol = cfg.replay.tolerance.default if name == "default" else cfg.replay.tolerance.metrics[name]
         if not (tol.rtol >= 0 and tol.atol >= 0):

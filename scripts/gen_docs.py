@@ -137,15 +137,20 @@ def _cell(text: str) -> str:
 def render_schema() -> str:
     """Every section of the experiment schema (harness/config.py): key, type, default and doc."""
     config = importlib.import_module("harness.config")
-    root = config.ExperimentConfig
-    out = [_banner("the dataclasses of `harness/config.py`"), "# experiment.yaml reference\n\n",
+    executors = importlib.import_module("harness.executors")
+    root = config.schema_class()  # ExperimentConfig with every registered backend's section after `executor`
+    # The schema's own fields are documented in ExperimentConfig; a backend's section by the backend.
+    backend_docs = {name: f"The {name} backend's settings ({b.help}); declared in `{b.executor.__module__}`."
+                    for name, b in executors.backends().items() if b.section is not None}
+    out = [_banner("the dataclasses of `harness/config.py` and the backends' sections (`harness/executors`)"),
+           "# experiment.yaml reference\n\n",
            "Every key of `experiment.yaml`, with its type and default. Any key can also be set on the command\n"
            "line as `KEY=VALUE` (`train.lr=0.05`). The guide is [The experiment format](../experiment-format.md).\n\n"]
     enums: dict[type, None] = {}
 
     def section(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls, vars(config))
-        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+        docs = {**_field_docs(config.ExperimentConfig), **backend_docs} if cls is root else _field_docs(cls)
         title = f"`{prefix}`" if prefix else "top level"
         out.append(f"## {title} ({cls.__name__})\n\n")
         if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
@@ -155,7 +160,10 @@ def render_schema() -> str:
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             key = f"{prefix}.{f.name}" if prefix else f.name
-            out.append(f"| `{key}` | {_type_name(tp)} | {_default(f)} | {_cell(docs.get(f.name, ''))} |\n")
+            kind, default = _type_name(tp), _default(f)
+            if cls is root and f.name == "executor":  # a name from the registry, not an enum: its names as of now
+                kind, default = " \\| ".join(executors.backends()), f"`{f.default}`"
+            out.append(f"| `{key}` | {kind} | {default} | {_cell(docs.get(f.name, ''))} |\n")
             if dataclasses.is_dataclass(tp):
                 nested.append((tp, key))
             for arg in (tp, *typing.get_args(tp)):

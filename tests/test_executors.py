@@ -1,17 +1,23 @@
 """The executor seam and the multi-node bookkeeping that needs no second host: registry, topology
-from a scheduler's variables, per-node differences. The backends themselves run for real in
-test_run.py (local), test_docker_executor.py, test_multinode.py, test_slurm.py and test_torchrun.py."""
+from a scheduler's variables, per-node differences, and a backend from outside harness (tests/toy_backend)
+registered through a real entry point. The built-in backends themselves run for real in test_run.py (local),
+test_docker_executor.py, test_multinode.py, test_slurm.py and test_torchrun.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
+from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from harness import executors
-from harness.config import Executor as Backend
-from harness.errors import HarnessError
-from harness.executors import Topology
+from conftest import TESTS_DIR, Project
+
+from harness import config, executors, tags as T
+from harness.errors import ConfigError, HarnessError
+from harness.executors import Backend, CliOption, Topology
 from harness.executors.base import Executor
 from harness.executors.multinode import check_topology, differing, topology_from_env
 
@@ -19,14 +25,53 @@ from harness.executors.multinode import check_topology, differing, topology_from
 cli = importlib.import_module("harness.cli.main")
 
 
-def test_every_backend_is_one_module_with_an_executor_and_the_cli_offers_them_all() -> None:
-    assert list(executors.BACKENDS) == [b.value for b in Backend] == cli._EXECUTORS
-    for name in executors.BACKENDS:
+def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_follow_the_registry() -> None:
+    assert list(executors.backends()) == list(executors.BUILTIN) == list(config.backends())
+    for name in executors.BUILTIN:
+        declared = executors.backend(name)
+        assert importlib.import_module(f"harness.executors.{name}").BACKEND is declared
         backend = executors.get(name)
         assert isinstance(backend, Executor) and backend.name == name
     assert executors.get("local") is not executors.get("local")  # per-job state never leaks between jobs
-    with pytest.raises(ValueError, match="unknown executor 'k8s'"):
+    with pytest.raises(HarnessError, match=r"^unknown executor 'k8s'; known: local, docker, slurm\."):
         executors.get("k8s")
+    # Every built-in backend's segments (audit, trace) re-execute on this machine's ranks, as local runs them.
+    assert [n for n, b in executors.backends().items() if b.runs_segments] == list(executors.BUILTIN)
+    flags = {o.flag for b in executors.backends().values() for o in b.cli}
+    assert flags == {"--allow-unpinned", "--nodes", "--partition", "--time", "--gpus-per-node"}
+    assert {p.opts[0] for p in cli._backend_click_options("run")} == flags
+    assert "--allow-unpinned" not in {p.opts[0] for p in cli._backend_click_options("replay")}
+    assert executors.options_for("docker", allow_unpinned=True, quiet=True) == \
+        executors.backend("docker").options(quiet=True, allow_unpinned=True)  # type: ignore[call-arg]
+    assert executors.options_for("local", allow_unpinned=True) == executors.JobOptions()
+
+
+def test_a_backend_registered_in_process_brings_its_section_into_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    @dataclasses.dataclass
+    class QueueConfig:
+        name: str = "default"
+        slots: int = 1
+
+    def check(cfg: object) -> None:
+        if cfg.queue.slots < 1:  # type: ignore[attr-defined]
+            raise ConfigError("queue.slots must be >= 1.")
+
+    monkeypatch.setattr(executors, "_REGISTRY", dict(executors._REGISTRY))
+    monkeypatch.setattr(config, "_BACKENDS", dict(config._BACKENDS))
+    monkeypatch.setattr(config, "_schema_cache", {})
+    executors.register(Backend("queue", executors.get("local").__class__, section=QueueConfig, check=check,
+                               cli=(CliOption("--queue", "queue_name", "queue: its name.", key="name"),)))
+    base = {"image": "none", "entry": "train.py:train"}
+    cfg = config.compose([("experiment.yaml", OmegaConf.create({**base, "executor": "queue", "queue": {"slots": 2}}))])
+    assert (cfg.executor, cfg.queue.name, cfg.queue.slots, cfg.slurm.nodes) == ("queue", "default", 2, 1)
+    assert list(cfg.keys()).index("queue") == list(cfg.keys()).index("executor") + 2  # after slurm, its sections
+    with pytest.raises(ConfigError, match=r"^experiment.yaml: invalid value 'x' for 'queue.slots'; expected an integer"):
+        config.compose([("experiment.yaml", OmegaConf.create({**base, "queue": {"slots": "x"}}))])
+    with pytest.raises(ConfigError, match="^queue.slots must be >= 1"):
+        config.validate(config.compose([("x", OmegaConf.create({**base, "queue": {"slots": 0}}))]), None)
+    with pytest.raises(ConfigError, match=r"^x: invalid value 'k8s' for 'executor'; expected one of local, docker, "
+                                          r"slurm, queue\.$"):
+        config.compose([("x", OmegaConf.create({**base, "executor": "k8s"}))])
 
 
 def test_topology_from_slurm_variables() -> None:
@@ -67,3 +112,74 @@ def test_nodes_that_differ_are_named_and_per_node_facts_are_not() -> None:
     same = {"facts": {"hostname": "b", "torch": "2.13", "cpu": "EPYC"}, "vars": {"GLOO_SOCKET_IFNAME": "ens5"}}
     other = {"facts": {"hostname": "c", "torch": "2.12", "cpu": "EPYC"}, "vars": {"NCCL_ALGO": "Ring"}}
     assert differing({0: base, 1: same, 2: other}) == {2: ["torch", "NCCL_ALGO"]}
+
+
+# -- a backend from outside harness, through a real entry point -----------------------------------------------
+
+
+def _toy_env(tmp_path: Path) -> dict[str, str]:
+    """PYTHONPATH holding a distribution that declares tests/toy_backend as the `inline` executor."""
+    dist = tmp_path / "dist" / "toy_backend-0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[harness.executors]\ninline = toy_backend:BACKEND\n")
+    path = [str(tmp_path / "dist"), str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path)}
+
+
+def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_project: Project, tmp_path: Path) -> None:
+    env = _toy_env(tmp_path)
+    helped = fresh_project.harness("run", "--help", env=env)
+    assert helped.returncode == 0 and "--inline-label" in helped.stdout and "slurm|inline]" in helped.stdout
+
+    run = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "inline", "--inline-label", "lab-7",
+                                "train.epochs=1", "checkpoint_every=5", env=env)
+    assert run.returncode == 0, run.stderr
+    recorded = fresh_project.client().get_run(run.last_line)
+    assert recorded.data.tags[T.EXECUTOR] == "inline" and recorded.data.tags["toy.inline.label"] == "lab-7"
+    assert recorded.data.params["executor"] == "inline" and recorded.data.params["inline.label"] == "lab-7"
+
+    replay = fresh_project.harness("replay", run.last_line, env=env)
+    assert replay.returncode == 0, replay.stderr
+    assert "verdict: BITWISE" in replay.stdout
+    assert fresh_project.client().get_run(replay.last_line).data.tags["toy.inline.label"] == "lab-7"
+
+    # It runs no segments: audit and trace say so in one line, before anything is recorded.
+    before = len(fresh_project.all_runs())
+    for args in (["audit", run.last_line, "--segments", "1"], ["trace", run.last_line, "--step", "1"]):
+        refused = fresh_project.harness(*args, env=env)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.strip().splitlines() == [
+            f"Error: {args[0]} re-executes segments of the run on its backend, and the inline backend runs no "
+            "segments (those that do: local, docker, slurm)."]
+    assert len(fresh_project.all_runs()) == before
+
+
+def test_an_unknown_executor_is_one_line_naming_the_known_ones(fresh_project: Project, tmp_path: Path) -> None:
+    env = _toy_env(tmp_path)
+    for args in (["--executor", "k8s"], ["executor=k8s"]):
+        result = fresh_project.harness("run", "experiments/linear_ddp", *args, env=env)
+        assert result.returncode == 2
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "'k8s'" in result.stderr and "local, docker, slurm, inline" in result.stderr, result.stderr
+    assert fresh_project.all_runs() == []
+
+
+def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) -> None:
+    """The local backend's handle through run_job: PENDING once the run is recorded (its ranks not yet running),
+    FINISHED once wait() has closed the run."""
+    from harness.commands import run as runner
+    from harness.store.tracking import Tracker
+
+    exp = project.root / "experiments" / "linear_ddp"
+    checked = runner.preflight(exp, ["train.epochs=1"], tracking_uri=project.uri)
+    tracker = Tracker(project.uri)
+    job = executors.Job(
+        tracker, checked.cfg, executors.JobInputs(checked.git.root, exp, code_id=checked.git.commit),
+        record=lambda tags: runner.create_record(tracker, checked.cfg, exp, checked.git, image=tags),
+    )
+    handles: list[executors.Handle] = []
+    seen: list[str] = []
+    outcome = executors.run_job(executors.get("local"), job, on_start=lambda h: (handles.append(h), seen.append(h.status())))
+    assert outcome.status == "FINISHED" and seen == ["PENDING"]
+    assert handles[0].status() == "FINISHED" == project.client().get_run(outcome.run_id).info.status

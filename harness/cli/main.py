@@ -68,11 +68,59 @@ def main() -> None:
     130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
 
-_EXECUTORS = ["local", "docker", "slurm"]  # config.Executor's values (not imported: --help must stay fast)
+class _ExecutorName(click.ParamType):
+    """--executor NAME: any registered backend. Listed from the registry only when help is shown; an unknown name
+    is refused by the command in one line (click's own refusal is a usage block)."""
+
+    name = "executor"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        from harness.executors import backends
+
+        return "[" + "|".join(backends()) + "]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        return str(value)
+
+
+_EXECUTOR = _ExecutorName()
+
+
+class _BackendCommand(click.Command):
+    """A command that takes the backends' own options (harness/executors: each backend declares its CliOptions).
+
+    They are made into click options when the command is first parsed or its help shown, so that the commands
+    that run no job (`harness runs`, `compare`) never load the backends; they follow the placement options.
+    """
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not getattr(self, "_backend_options", False):
+            self._backend_options = True
+            at = next(i for i, p in enumerate(self.params) if p.name == "master_port") + 1
+            self.params[at:at] = _backend_click_options(self.name or "")
+        return super().get_params(ctx)
+
+
+def _backend_click_options(command: str) -> list[click.Parameter]:
+    from harness.executors import backends
+
+    made: list[click.Parameter] = []
+    for declared in backends().values():
+        for opt in declared.cli:
+            if command not in opt.commands:
+                continue
+            if opt.type is bool:
+                made.append(click.Option([opt.flag, opt.dest], is_flag=True, default=None, help=opt.help))
+            elif opt.type is int:
+                made.append(click.Option([opt.flag, opt.dest], type=click.IntRange(min=opt.min), default=None,
+                                         help=opt.help))
+            else:
+                made.append(click.Option([opt.flag, opt.dest], type=opt.type, default=None, help=opt.help))
+    return made
 
 
 def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Where the job runs: the backend, its nodes, and the Slurm resources (shared by run and replay)."""
+    """Where the job runs: its nodes (shared by run and replay); the backends' own options follow (_BackendCommand)."""
     options = [
         click.option("--nnodes", type=click.IntRange(min=1), default=None,
                      help="Nodes of a multi-node job; run the same command on each with its --node-rank."),
@@ -80,26 +128,20 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--master-addr", default=None, help="Node 0's address, reachable from every node."),
         click.option("--master-port", type=click.IntRange(1, 65535), default=None,
                      help="A free TCP port on node 0 for the job's rendezvous."),
-        click.option("--nodes", "slurm_nodes", type=click.IntRange(min=1), default=None,
-                     help="slurm: nodes to run on (one task per node)."),
-        click.option("--partition", default=None, help="slurm: partition to submit to."),
-        click.option("--time", "slurm_time", default=None, help="slurm: time limit (e.g. 01:00:00)."),
-        click.option("--gpus-per-node", type=click.IntRange(min=0), default=None, help="slurm: GPUs per node."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-@main.command(context_settings={"ignore_unknown_options": False})
+@main.command(cls=_BackendCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
-@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
+@click.option("--executor", type=_EXECUTOR, default=None,
               help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image; "
                    "slurm: a batch job.")
 @_placement_options
-@click.option("--allow-unpinned", is_flag=True, help="Accept an image pinned by the moving 'latest' tag.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
@@ -112,7 +154,6 @@ def run(
     overrides: tuple[str, ...],
     require_clean: bool,
     executor: str | None,
-    allow_unpinned: bool,
     allow_untracked_secrets: bool,
     tracking_uri: str | None,
     seeds_n: int | None,
@@ -129,7 +170,7 @@ def run(
 
     outcome = api.run(api.RunOptions(
         experiment_dir, tuple(overrides), seeds=seeds_n, parallel=parallel, require_clean=require_clean,
-        executor=executor, placement=api.Placement(**placement), allow_unpinned=allow_unpinned,
+        executor=executor, placement=api.Placement.of(placement),
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, on_event=_draw,
     ))
     # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
@@ -196,7 +237,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-@main.command()
+@main.command(cls=_BackendCommand)
 @click.argument("run_id")
 @click.argument("overrides", nargs=-1)
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
@@ -205,7 +246,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",
               help="Read declared data NAME from PATH on this machine (e.g. where `harness import` put it). Repeatable.")
-@click.option("--executor", type=click.Choice(_EXECUTORS), default=None,
+@click.option("--executor", type=_EXECUTOR, default=None,
               help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
 @_placement_options
 @click.option("--allow-incomplete", is_flag=True,
@@ -259,7 +300,7 @@ def replay(
     result = api.replay(api.ReplayOptions(
         run_id, tuple(overrides), world_size=world_size, allow_changes=allow_changes,
         allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths), executor=executor,
-        placement=api.Placement(**placement), allow_incomplete=allow_incomplete, follow=not no_follow,
+        placement=api.Placement.of(placement), allow_incomplete=allow_incomplete, follow=not no_follow,
         members=members, members_seed=members_seed, localize=localize, tolerances=tuple(tolerances),
         tracking_uri=tracking_uri, on_event=_draw,
     ))
@@ -290,7 +331,7 @@ def replay(
 @click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
-@click.option("--executor", type=click.Choice(_EXECUTORS), default=None, help="--replay: where the replays run (default: as recorded).")
+@click.option("--executor", type=_EXECUTOR, default=None, help="--replay: where the replays run (default: as recorded).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, members: int | None, world_size: int | None,

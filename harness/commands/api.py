@@ -12,9 +12,10 @@ While a command works it says what happens as `harness.events` (notices, warning
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness import events, tags as T
 from harness.commands import (
@@ -30,7 +31,7 @@ from harness.commands.trace import TraceDiff, TraceResult
 from harness.commands.verify import VerifyResult
 from harness.errors import HarnessError
 from harness.events import Listener
-from harness.executors import Outcome, Topology
+from harness.executors import Outcome, Topology, backend, backends
 from harness.executors.multinode import topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 from harness.judge.compare import Comparison
@@ -49,44 +50,71 @@ __all__ = [
 # -- where the ranks run --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Placement:
-    """Where a job's ranks run, beyond the backend: the nodes of a multi-node job and a Slurm job's resources.
+    """Where a job's ranks run, beyond the backend: the nodes of a multi-node job, and the backends' own options.
 
-    Each field is the command line option named in its comment; None: not given.
+    Each topology field is the command line option named in its comment; None: not given. `backend` holds the
+    options the backends declare (harness/executors: each backend's `CliOption`s), by their names: one with a
+    config key becomes a recorded `BACKEND.KEY=VALUE` override (`nodes=2`: slurm.nodes=2), one without is a choice
+    for this job only (`allow_unpinned`).
     """
 
     nnodes: int | None = None  # --nnodes: nodes of a multi-node job (the same command runs on each)
     node_rank: int | None = None  # --node-rank: this node's rank (0 records the run)
     master_addr: str | None = None  # --master-addr: node 0's address, reachable from every node
     master_port: int | None = None  # --master-port: a free TCP port on node 0 for the rendezvous
-    slurm_nodes: int | None = None  # --nodes: Slurm nodes (one task per node)
-    partition: str | None = None  # --partition: the Slurm partition
-    slurm_time: str | None = None  # --time: the Slurm time limit
-    gpus_per_node: int | None = None  # --gpus-per-node: Slurm GPUs per node
+    backend: Mapping[str, Any] = field(default_factory=dict)  # the backends' options given, by name
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> Placement:
+        """From parsed options by name (the CLI's): the topology fields, and every other one given as a backend's."""
+        own = {"nnodes", "node_rank", "master_addr", "master_port"}
+        return cls(**{k: v for k, v in given.items() if k in own},
+                   backend={k: v for k, v in given.items() if k not in own and v is not None})
 
     def given(self) -> list[str]:
-        """The command line flags of the fields that are set, in declaration order."""
-        return [_FLAGS[f.name] for f in fields(self) if getattr(self, f.name) is not None]
+        """The command line flags of what is set: the topology's in declaration order, then the backends'."""
+        flags = [_MULTI_NODE[f.name] for f in fields(self) if f.name in _MULTI_NODE and getattr(self, f.name) is not None]
+        return flags + [opt.flag for _, opt in self._backend_options() if opt.dest in self.backend]
 
     def multi_node(self) -> list[str]:
         """The flags given that place this process among several nodes."""
-        return [flag for flag in self.given() if flag in _MULTI_NODE]
+        return [flag for flag in self.given() if flag in _MULTI_NODE.values()]
 
-    def slurm_overrides(self) -> list[str]:
-        """The Slurm resources as `slurm.KEY=VALUE` config overrides (a replay records them as changes)."""
-        slurm = {"nodes": self.slurm_nodes, "partition": self.partition, "time": self.slurm_time,
-                 "gpus_per_node": self.gpus_per_node}
-        return [f"slurm.{k}={v}" for k, v in slurm.items() if v is not None]
+    def backend_overrides(self) -> list[str]:
+        """The backends' options that set their config, as `BACKEND.KEY=VALUE` overrides (a replay records them)."""
+        return [f"{name}.{opt.key}={self.backend[opt.dest]}" for name, opt in self._backend_options()
+                if opt.key is not None and opt.dest in self.backend]
+
+    def job_options(self) -> dict[str, Any]:
+        """The backends' options that are choices for this job only (no config key)."""
+        return {opt.dest: self.backend[opt.dest] for _, opt in self._backend_options()
+                if opt.key is None and opt.dest in self.backend}
+
+    def _backend_options(self) -> list[tuple[str, Any]]:
+        if not self.backend:  # nothing given: the backends need not load (runs and compares stay light)
+            return []
+        declared = [(name, opt) for name, b in backends().items() for opt in b.cli]
+        unknown = sorted(set(self.backend) - {opt.dest for _, opt in declared})
+        if unknown:
+            raise HarnessError(f"no backend takes the option(s) {', '.join(unknown)}; known: "
+                               f"{', '.join(sorted({opt.dest for _, opt in declared}))}.")
+        return declared
 
 
-_FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
-          "master_port": "--master-port", "slurm_nodes": "--nodes", "partition": "--partition",
-          "slurm_time": "--time", "gpus_per_node": "--gpus-per-node"}
-_MULTI_NODE = ("--nnodes", "--node-rank", "--master-addr", "--master-port")
+_MULTI_NODE = {"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
+               "master_port": "--master-port"}
+
+
+def known_executor(name: str | None) -> None:
+    """A named backend exists (registered), else HarnessError naming the known ones."""
+    if name is not None:
+        backend(name)
 
 
 def topology(executor: str | None, placement: Placement, torchrun: bool = False) -> Topology | None:
     """This process's place in the job; under torchrun (when `torchrun`), torchrun's layout. None: a Slurm
     job's tasks learn their place from Slurm."""
+    known_executor(executor)
     if torchrun:
         layout = _torchrun_layout(executor, placement.given())
         if layout is not None:
@@ -133,7 +161,7 @@ class RunOptions:
     seeds: int | None = None  # --seeds N: a study of N runs with seeds seed .. seed+N-1 (also `seeds:` in the config)
     parallel: int | None = None  # --parallel J: a study's members run J at once
     require_clean: bool = False  # refuse a git tree with uncommitted changes
-    executor: str | None = None  # local | docker | slurm (default: `executor` in the config)
+    executor: str | None = None  # a registered backend: local | docker | slurm | ... (default: `executor` in the config)
     placement: Placement = field(default_factory=Placement)
     allow_unpinned: bool = False  # accept an image pinned by the moving 'latest' tag
     allow_untracked_secrets: bool = False  # record untracked files named like secrets in the code patch
@@ -150,17 +178,19 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
             if multi or torchrun_env() is not None:
                 raise HarnessError(f"a study runs its members one job after another on this machine: "
                                    f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
+            known_executor(o.executor)
             return study.run_study(
-                o.experiment_dir, [*o.overrides, *o.placement.slurm_overrides()], seeds_n=o.seeds, parallel=o.parallel,
-                require_clean=o.require_clean, tracking_uri=o.tracking_uri, executor=o.executor,
+                o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], seeds_n=o.seeds,
+                parallel=o.parallel, require_clean=o.require_clean, tracking_uri=o.tracking_uri, executor=o.executor,
                 allow_unpinned=o.allow_unpinned, allow_untracked_secrets=o.allow_untracked_secrets,
+                job_options=o.placement.job_options(),
             )
         layout = topology(o.executor, o.placement, torchrun=True)
         # `seeds: [...]` in the config makes it a study: run_command.run hands it over once the config is loaded.
         outcome: Outcome | StudyOutcome = run_command.run(
-            o.experiment_dir, [*o.overrides, *o.placement.slurm_overrides()], require_clean=o.require_clean,
+            o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], require_clean=o.require_clean,
             tracking_uri=o.tracking_uri, executor=o.executor, allow_unpinned=o.allow_unpinned,
-            allow_untracked_secrets=o.allow_untracked_secrets, topology=layout,
+            allow_untracked_secrets=o.allow_untracked_secrets, topology=layout, job_options=o.placement.job_options(),
         )
         return outcome
 
@@ -198,7 +228,7 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
         tracker = Tracker(o.tracking_uri)
         study_id = _study_to_replay(tracker, o.run_id, o.follow)
         if study_id is not None:
-            refused = [*o.placement.slurm_overrides(), *o.placement.multi_node()]
+            refused = [*o.placement.backend_overrides(), *o.placement.multi_node()]
             if refused:
                 raise HarnessError(f"a study is replayed member by member on this machine: {', '.join(refused)} cannot "
                                    "apply. Replay one member on several nodes with `harness replay MEMBER_ID ...`.")
@@ -216,7 +246,7 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
             o.run_id, world_size=o.world_size, overrides=list(o.overrides), allow_changes=o.allow_changes,
             allow_data_changes=o.allow_data_changes, data_paths=dict(o.data_paths), tracker=tracker, repo=o.repo,
             executor=o.executor, allow_incomplete=o.allow_incomplete, follow=o.follow,
-            placement=o.placement.slurm_overrides(), topology=layout, localize=o.localize,
+            placement=o.placement.backend_overrides(), topology=layout, localize=o.localize,
             tolerances=list(o.tolerances),
         )
 
@@ -339,6 +369,7 @@ class VerifyOptions:
 def verify(options: VerifyOptions) -> VerifyResult:
     o = options
     with events.listening(o.on_event):
+        known_executor(o.executor)
         return verify_command.verify(o.claims_file, replay=o.replay, members=o.members, world_size=o.world_size,
                                      overrides=list(o.overrides), allow_changes=o.allow_changes, executor=o.executor,
                                      tracking_uri=o.tracking_uri)

@@ -16,10 +16,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import events, tags as T
+from harness import events, executors, tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
-from harness.executors.common import check_runnable
-from harness.executors.local import SegmentMessages, run_segments
+from harness.executors import Job
+from harness.executors.base import SegmentMessages
 from harness.judge.compare import BITWISE, DIVERGED
 from harness.record import checkpoints as checkpoint_store, seal
 from harness.record.provenance import runtime_facts
@@ -105,6 +105,7 @@ def audit(
     recorded = RecordedRun.load(tracker, run)
     recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
+    executors.check_segments(cfg, "audit", here=False)  # their backend runs segments: said before the draw
     store = checkpoint_store.open_for(tracker, run_id)
     # Only the drawn segments' start steps, fetched when a server holds them; absent files are refused, never
     # judged: nothing is recorded.
@@ -115,14 +116,15 @@ def audit(
         f"P(catching one bad segment) = {segments}/{len(chain)} = {segments / len(chain):.2f}"
     ))
     directory = store.directory
-    check_runnable(cfg)
+    executors.check_segments(cfg, "audit")  # and this machine can run them
     data = recorded.check_data(repo)  # a segment replayed on other data proves nothing about the run
     try:
-        with recorded.code(repo) as (_, exp_dir):
+        with recorded.code(repo) as (tree, exp_dir):
+            job = recorded.job(tree, exp_dir, data=data.paths)
             pending = [seg for seg in drawn if _start_is_recorded(seg, record, cfg.world_size, directory)]
             while pending:
                 # All pending segments in one launch; a segment that crashes its ranks fails alone.
-                pending = _run_segments(pending, record, cfg, exp_dir, directory, data.paths)
+                pending = _run_segments(pending, record, job, directory)
     finally:
         store.cleanup()
     for i, seg in enumerate(drawn, 1):
@@ -162,9 +164,7 @@ def _differing_tensors(got: dict[str, str] | None, recorded: dict | None) -> str
     return f"; tensors that differ: {shown} (of {len(want.keys() | got.keys())})" if names else ""
 
 
-def _run_segments(
-    segments: list[Segment], record, cfg, exp_dir: Path, directory: Path, data: dict[str, str] | None = None
-) -> list[Segment]:
+def _run_segments(segments: list[Segment], record, job: Job, directory: Path) -> list[Segment]:
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
     plans = [
         # The final segment runs to the end of training; the others stop at their end checkpoint.
@@ -174,7 +174,7 @@ def _run_segments(
     messages = SegmentMessages(len(plans))
     leftover: list[Segment] = []
     try:
-        run_segments(cfg, exp_dir, plans, messages, data)
+        executors.run_segments(job, plans, messages, "audit")
     except RunFailed as err:
         crashed = messages.current or 0
         segments[crashed].detail = f"the segment failed: {err}"

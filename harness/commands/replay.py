@@ -160,7 +160,7 @@ def replay(
     overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
     cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
     changes = [redaction.redact_override(c) for c in changes]  # recorded and printed: no secret in them
-    if executor is not None and executor != cfg.executor.value:
+    if executor is not None and executor != str(cfg.executor):
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
         changes.append(f"executor={executor}")

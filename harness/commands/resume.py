@@ -16,7 +16,8 @@ from typing import Any
 from harness import events, executors, tags as T
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Outcome
-from harness.executors.local import SegmentMessages, run_segments
+from harness.executors.base import SegmentMessages
+from harness.executors.local import run_segments
 from harness.record import checkpoints as checkpoint_store, seal
 from harness.record.recorded import RecordedRun, refuse_non_training
 from harness.runtime.context import CheckpointPlan

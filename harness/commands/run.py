@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import __version__, events, executors, scratch, tags as T
-from harness.config import Executor, compose, flatten, load_experiment, split_entry, to_container, to_yaml
+from harness.config import compose, flatten, load_experiment, split_entry, to_container, to_yaml
 from harness.errors import HarnessError
-from harness.executors.base import Job, Outcome, Topology
+from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import printable
 from harness.record import confine, redaction
 from harness.record.recorded import code_id, recorded_config
@@ -198,7 +199,7 @@ def preflight(
             "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
             + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
         )
-    if cfg.executor == Executor.local:
+    if cfg.executor == "local":
         here = max(cfg.world_size // nnodes, 1)
         if no_gpu_here() and cfg.device.value in ("auto", "cpu") and cfg.backend.value in ("auto", "gloo"):
             device = "cpu"  # what resolve_device says on such a machine, without importing torch
@@ -229,6 +230,7 @@ def run(
     allow_unpinned: bool = False,
     allow_untracked_secrets: bool = False,
     topology: Topology | None = None,
+    job_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Validate, record, launch: the Outcome (a study.StudyOutcome when the config sets `seeds`). Bad input
     raises HarnessError before any run is created.
@@ -258,12 +260,13 @@ def run(
         return study.run_study(
             exp_dir, overrides, require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
             allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets, checked=checked,
+            job_options=job_options,
         )
     if torchrun is not None:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
         # refuses before torchrun stops the others.
         check_config(torchrun, cfg.world_size)
-    elif cfg.executor.value == "local" and not topology.multi_node:
+    elif cfg.executor == "local" and not topology.multi_node:
         # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
         # and the store, which take seconds.
         count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
@@ -279,12 +282,13 @@ def run(
     ranks = start_ranks(cfg, topology)
     try:
         tracker = Tracker(tracking_uri)
+        inputs = JobInputs(git.root, Path(exp_dir), data=data_paths(checked.data),
+                           code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None))
         job = Job(
-            tracker, cfg, git.root, Path(exp_dir),
+            tracker, cfg, inputs,
             record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
-            topology=topology, data=data_paths(checked.data),
-            code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None),
-            options={"allow_unpinned": allow_unpinned}, ranks=ranks,
+            topology=topology, ranks=ranks,
+            options=executors.options_for(cfg.executor, **{"allow_unpinned": allow_unpinned, **(job_options or {})}),
         )
         return executors.run(job)
     finally:
@@ -295,7 +299,7 @@ def run(
 
 def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
     """launch.Ranks for a local single-node job, started now (in a fresh work folder); None for any other."""
-    if cfg.executor != Executor.local or topology.multi_node or topology.launcher != "spawn":
+    if cfg.executor != "local" or topology.multi_node or topology.launcher != "spawn":
         return None
 
     from harness.executors import launch
@@ -333,11 +337,13 @@ def execute_recorded(
     root = code_dir.resolve()
     for _ in Path(rel).parts:
         root = root.parent
-    job = Job(
-        tracker, cfg, root, code_dir, run_id=run_id, resume_step=resume_step, topology=topology or Topology(),
-        code_id=code_id(run.tags[T.GIT_COMMIT], run.tags.get(T.GIT_PATCH_SHA256)),
+    inputs = JobInputs(
+        root, code_dir, code_id=code_id(run.tags[T.GIT_COMMIT], run.tags.get(T.GIT_PATCH_SHA256)),
         # Where the submitting side found the data (a Slurm job shares its filesystem).
         data=data_paths(recorded_data(tracker, run_id)),
+    )
+    job = Job(
+        tracker, cfg, inputs, run_id=run_id, resume_step=resume_step, topology=topology or Topology(),
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),
     )

@@ -12,7 +12,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from harness import events, executors, scratch, tags as T
 from harness.commands import run as runner
 from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.executors import Job
+from harness.executors import Job, JobInputs
 from harness.executors.base import Outcome, signals_to
 from harness.executors.launch import resolve_device
 from harness.judge.compare import as_series
@@ -246,6 +246,7 @@ def run_study(
     allow_unpinned: bool = False,
     allow_untracked_secrets: bool = False,
     checked: Any = None,
+    job_options: Mapping[str, Any] | None = None,
 ) -> StudyOutcome:
     """Validate once, record the study, run one ordinary run per seed from one checkout of the recorded code.
 
@@ -267,7 +268,7 @@ def run_study(
     cfg, git = checked.cfg, checked.git
     seeds = resolve_seeds(None if cfg.seeds is None else list(cfg.seeds), int(cfg.seed), seeds_n)
     jobs_at_once = min(parallel or 1, len(seeds))
-    backend = cfg.executor.value
+    backend = str(cfg.executor)
     if jobs_at_once > 1 and backend != "local":
         raise HarnessError(f"--parallel {parallel} needs the local executor (this study runs on {backend}); drop --parallel.")
     warnings = list(checked.warnings)
@@ -289,7 +290,7 @@ def run_study(
     data_paths = runner.data_paths(checked.data)
     patch_sha = hashlib.sha256(git.patch).hexdigest() if git.dirty else None
     # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
-    placement = executors.get(backend).prepare(Job(tracker, study_cfg, git.root, Path(exp_dir), data=data_paths))
+    placement = executors.get(backend).prepare(Job(tracker, study_cfg, JobInputs(git.root, Path(exp_dir), data=data_paths)))
     study_tags = {
         T.KIND: T.KIND_STUDY, T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)),
         T.STUDY_PARALLEL: str(jobs_at_once),
@@ -318,9 +319,10 @@ def run_study(
                     return runner.create_record(tracker, member_cfg, Path(exp_dir), git, image=tags, extra_tags=extra,
                                                 run_name=f"{name}-seed{seed}", data=checked.data)
 
-                return Job(tracker, member_cfg, tree, tree_exp, record=record, data=data_paths,
-                           code_id=runner.code_id(git.commit, patch_sha),
-                           options={"allow_unpinned": allow_unpinned, "quiet": jobs_at_once > 1})
+                inputs = JobInputs(tree, tree_exp, code_id=runner.code_id(git.commit, patch_sha), data=data_paths)
+                options = executors.options_for(
+                    backend, **{"allow_unpinned": allow_unpinned, **(job_options or {}), "quiet": jobs_at_once > 1})
+                return Job(tracker, member_cfg, inputs, record=record, options=options)
 
             study.make_job = make_job
 

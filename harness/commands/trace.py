@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import events, scratch, tags as T
+from harness import events, executors, scratch, tags as T
 from harness.errors import HarnessError
-from harness.executors.common import check_runnable
-from harness.executors.local import SegmentMessages, run_segments
+from harness.executors import Job
+from harness.executors.base import SegmentMessages
 from harness.judge.delta import config_delta, environment_delta
 from harness.record import seal
 from harness.record.provenance import runtime_facts
@@ -160,7 +160,7 @@ def trace(
     if max(ranks) >= cfg.world_size:
         raise HarnessError(f"--ranks {','.join(map(str, ranks))}: run {run_id} ran {cfg.world_size} rank"
                            f"{'s' if cfg.world_size != 1 else ''} (0-{cfg.world_size - 1}).")
-    check_runnable(cfg)
+    executors.check_segments(cfg, "trace")
     start = max((s for s in record.checkpoints if s <= step), default=None)
     store = checkpoint_store.open_for(tracker, run_id) if start is not None else None
     if store is not None:  # the re-execution starts from it: its files must be there
@@ -178,11 +178,12 @@ def trace(
             for d in dirs
         ]
         t0 = time.monotonic()
-        with recorded.code(repo) as (_, exp_dir):
+        with recorded.code(repo) as (tree, exp_dir):
+            job = recorded.job(tree, exp_dir, data=data.paths)
             # Segments after the first restart from the checkpoint; from step 0 the RNGs are seeded once per
             # process, so each copy without a checkpoint needs ranks of its own.
             groups = [plans] if start is not None else [[p] for p in plans]
-            outcomes = [o for g in groups for o in _run(cfg, exp_dir, g, data.paths)]
+            outcomes = [o for g in groups for o in _run(job, g)]
         seconds = (time.monotonic() - t0) / copies
         results = []
         for d, (logged, end) in zip(dirs, outcomes):
@@ -201,10 +202,10 @@ def trace(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(cfg: Any, exp_dir: Path, plans: list[Any], data: dict[str, str] | None) -> list[tuple[dict, tuple | None]]:
+def _run(job: Job, plans: list[Any]) -> list[tuple[dict, tuple | None]]:
     """Run `plans` in one set of ranks; per plan, rank 0's logged values {(key, step): value} and its end."""
     messages = SegmentMessages(len(plans))
-    run_segments(cfg, exp_dir, plans, messages, data)
+    executors.run_segments(job, plans, messages, "trace")
     return [(report.logged, report.end) for report in messages.reports]
 
 

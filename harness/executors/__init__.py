@@ -1,33 +1,135 @@
-"""Where a job's ranks run. One module per backend; `get(name)` finds it (see base.py for the contract).
+"""Where a job's ranks run: the registry of backends, and `get(name)` / `run(job)` over it (base.py: the contract).
 
-A new backend (say, Kubernetes) is one module here defining `EXECUTOR`, an `Executor` subclass,
-and its name in the config schema's `Executor` enum (the CLI's --executor choices follow it; a test
-checks they agree); run, replay, resume and audit need no change.
+A backend is one module that declares `BACKEND`, a `Backend`: its name, its `Executor`, its config section
+(a dataclass, merged into the experiment schema under its name), its command-line options (`CliOption`,
+which harness/cli turns into click options) and whether it can re-execute segments (audit, trace).
+
+The built-in backends are modules of this package (`BUILTIN`; torchrun is a launcher mode of local, not a
+backend). A backend from another package registers through the `harness.executors` entry-point group:
+
+    [project.entry-points."harness.executors"]
+    k8s = "my_package.k8s:BACKEND"
+
+or, in-process, through `register(backend)`. run, replay, resume, audit and trace need no change for either.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
 
-from harness.config import Executor as _Backend
-from harness.executors.base import Event, Executor, Handle, Job, Outcome, Output, Submitted, Topology, run_job
+from omegaconf import DictConfig
 
-BACKENDS = tuple(b.value for b in _Backend)  # each is a module of this package
+from harness import config
+from harness.errors import HarnessError
+from harness.executors.base import (
+    Backend,
+    CliOption,
+    Event,
+    Executor,
+    Handle,
+    Job,
+    JobInputs,
+    JobOptions,
+    Outcome,
+    Output,
+    Submitted,
+    Topology,
+    run_job,
+)
+from harness.messages import Message
 
-__all__ = ["BACKENDS", "Event", "Executor", "Handle", "Job", "Outcome", "Output", "Submitted", "Topology", "get", "run", "run_job"]
+BUILTIN = ("local", "docker", "slurm")  # each is a module of this package declaring BACKEND
+ENTRY_POINTS = "harness.executors"  # the entry-point group of outside backends
+
+__all__ = [
+    "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "Event", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
+    "Outcome", "Output", "Submitted", "Topology", "backend", "backends", "get", "options_for", "register", "run",
+    "check_segments", "run_job", "run_segments",
+]
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(declared: Backend) -> None:
+    """Make a backend known (in this process): `executor: NAME`, its section and its options."""
+    _REGISTRY[declared.name] = declared
+    config.register_backend(config.BackendSchema(declared.name, declared.section, declared.check))
+
+
+def _load() -> None:
+    for name in BUILTIN:
+        register(importlib.import_module(f"harness.executors.{name}").BACKEND)
+    for point in metadata.entry_points(group=ENTRY_POINTS):
+        try:
+            loaded = point.load()
+        except Exception as err:  # a broken outside package must not take harness down with it
+            print(f"Warning: the executor entry point {point.name} ({point.value}) does not load: {err}", file=sys.stderr)
+            continue
+        declared = getattr(loaded, "BACKEND", loaded)
+        if not isinstance(declared, Backend):
+            print(f"Warning: the executor entry point {point.name} ({point.value}) is not a harness Backend; ignored.",
+                  file=sys.stderr)
+            continue
+        register(declared)
+
+
+def backends() -> dict[str, Backend]:
+    """Every known backend by name: the built-in ones first, then the entry points', then register()'s."""
+    return dict(_REGISTRY)
+
+
+def backend(name: str) -> Backend:
+    """The named backend, or one line naming the known ones (exit 2)."""
+    if name not in _REGISTRY:
+        raise HarnessError(f"unknown executor {name!r}; known: {', '.join(_REGISTRY)}.")
+    return _REGISTRY[name]
 
 
 def get(name: str) -> Executor:
     """A fresh executor of the named backend (it may keep per-job state between prepare and start)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown executor {name!r}; known: {', '.join(BACKENDS)}")
-    return importlib.import_module(f"harness.executors.{name}").EXECUTOR()
+    return backend(name).executor()
 
 
-def run(job: Job, on_event=None) -> Outcome:
+def options_for(name: str, **given: Any) -> JobOptions:
+    """The named backend's options object from the choices given: those it has no field for do not apply to it."""
+    kind = backend(name).options
+    fields = set(getattr(kind, "__dataclass_fields__", {}))
+    return kind(**{k: v for k, v in given.items() if k in fields})
+
+
+def run(job: Job, on_event: Callable[[Event], None] | None = None) -> Outcome:
     """Run `job` on the backend its config names; when torchrun started this process, as its rank."""
     if job.topology.launcher == "torchrun":
         from harness.executors.torchrun import TorchrunExecutor
 
         return run_job(TorchrunExecutor(), job, on_event)
     return run_job(get(job.executor), job, on_event)
+
+
+def run_segments(job: Job, plans: list[Any], on_message: Callable[[Message], None], what: str) -> None:
+    """Re-execute checkpoint segments of `job` (audit, trace: `what`) on its backend; nothing is recorded here.
+
+    A backend that cannot run segments is refused in one line before anything runs or is recorded.
+    """
+    check_segments(job.cfg, what)
+    get(job.executor).run_segments(job, plans, on_message)
+
+
+def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
+    """The backend `cfg` names re-executes segments (and, with `here`, can on this machine): else one line (exit 2),
+    before anything is recorded."""
+    declared = backend(str(cfg.executor))
+    if not declared.runs_segments:
+        able = ", ".join(n for n, b in _REGISTRY.items() if b.runs_segments) or "none"
+        raise HarnessError(f"{what} re-executes segments of the run on its backend, and the {declared.name} backend "
+                           f"runs no segments (those that do: {able}).")
+    check = getattr(declared.executor(), "check_segments", None)
+    if here and check is not None:
+        check(cfg)
+
+
+_load()

@@ -1,14 +1,20 @@
 """The executor seam: what every backend that runs a recorded job provides.
 
-run, replay, resume and audit build a `Job` and hand it to `run_job`; they never learn which backend
-runs the ranks. A backend is one module in this package exposing `EXECUTOR`, an `Executor`:
+run, replay and resume build a `Job` and hand it to `run_job` (audit and trace to `run_segments`); they never
+learn which backend runs the ranks. A backend is one module declaring `BACKEND`, whose `Executor` provides:
 
 - `prepare(job)` (one instance per job) refuses, before anything is recorded, what cannot run there (no GPU, no image
   digest, no Slurm), and returns the tags that say where the job runs;
 - `start(job, on_event)` records the run when `job.record` asks for it (node 0 only: a job is exactly
   one MLflow run), starts the ranks and returns a `Handle`;
 - `Handle.wait()` streams the job's events to `on_event` until it ends and returns its `Outcome`;
-  `Handle.cancel(signum)` stops it (Ctrl-C, SIGTERM), and the run ends KILLED.
+  `Handle.status()` says where the job stands without waiting; `Handle.cancel(signum)` stops it (Ctrl-C,
+  SIGTERM), and the run ends KILLED;
+- `run_segments(job, plans, on_message)` (only a backend whose `Backend.runs_segments` says so) runs the
+  entry once per checkpoint plan and records nothing: audit and trace judge the segments from the messages.
+
+Which backends exist, their config sections and their command-line options is `Backend`, declared by
+each backend module and collected by the registry in `harness/executors/__init__.py`.
 """
 
 from __future__ import annotations
@@ -16,17 +22,18 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from omegaconf import DictConfig
 
 from harness import events
 from harness.events import Output, Submitted
-from harness.messages import Message
+from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
 from harness.store.tracking import RunSummary, Tracker
 
 
@@ -58,14 +65,41 @@ class Topology:
         return self.nnodes > 1
 
 
+@dataclass(frozen=True)
+class JobInputs:
+    """How the code and the data reach a backend: folders on this machine, and what names them everywhere."""
+
+    root: Path  # the repository root, or the replay's worktree
+    exp_dir: Path  # the experiment folder inside it
+    code_id: str = ""  # commit[+patch sha256]: every node of a job must run the same code
+    data: Mapping[str, str] = field(default_factory=dict)  # declared data: name -> absolute path (ctx.data)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """Choices for one job that are not part of its config (so not recorded, not replayed).
+
+    A backend that takes more subclasses it (docker: `allow_unpinned`) and names the subclass in its `Backend`.
+    """
+
+    quiet: bool = False  # no progress view (a study running several members at once)
+
+
+class Ranks(Protocol):
+    """This node's ranks, started before the run is recorded (launch.Ranks)."""
+
+    log_dir: str
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class Job:
-    """A job as every backend sees it: the resolved config, its code, and the run that records it."""
+    """A job as every backend sees it: the resolved config, its code and data, and the run that records it."""
 
     tracker: Tracker
     cfg: DictConfig
-    code_root: Path  # the repository root, or the replay's worktree
-    exp_dir: Path  # the experiment folder inside it
+    inputs: JobInputs
     run_id: str = ""  # set once recorded
     # Creates (run, replay) or reopens (resume) the job's one MLflow run with the backend's tags and
     # returns its id; called once, by whoever is node 0. None: the run exists (inside a container or batch job).
@@ -73,13 +107,27 @@ class Job:
     recorded: RunSummary | None = None  # replay/resume: the run whose image digest is reused
     resume_step: int | None = None
     topology: Topology = field(default_factory=Topology)
-    code_id: str = ""  # commit[+patch sha256]: every node of a job must run the same code
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()
-    options: dict[str, Any] = field(default_factory=dict)  # backend-specific choices (docker: allow_unpinned)
-    data: dict[str, str] = field(default_factory=dict)  # declared data: name -> absolute path (ctx.data)
-    # launch.Ranks: this node's ranks, started before the run is recorded (local, one node); the local
-    # backend adopts them (and their log folder), any other leaves them to whoever started them to stop.
-    ranks: Any = None
+    options: JobOptions = field(default_factory=JobOptions)  # the backend's own options type (Backend.options)
+    # This node's ranks, started before the run is recorded (local, one node); the local backend adopts
+    # them (and their log folder), any other leaves them to whoever started them to stop.
+    ranks: Ranks | None = None
+
+    @property
+    def code_root(self) -> Path:
+        return self.inputs.root
+
+    @property
+    def exp_dir(self) -> Path:
+        return self.inputs.exp_dir
+
+    @property
+    def code_id(self) -> str:
+        return self.inputs.code_id
+
+    @property
+    def data(self) -> dict[str, str]:
+        return dict(self.inputs.data)
 
     @property
     def exp_rel(self) -> str:
@@ -87,11 +135,56 @@ class Job:
 
     @property
     def executor(self) -> str:
-        return self.cfg.executor.value
+        return str(self.cfg.executor)
+
+
+@dataclass
+class SegmentReport:
+    """What rank 0 said during one plan of run_segments."""
+
+    logged: dict[tuple[str, int], float] = field(default_factory=dict)  # (key, step) -> value
+    end: tuple[int, str | None] | None = None  # (step, fingerprint) where the segment stopped
+    tensors: dict[str, str] = field(default_factory=dict)  # per-tensor digests at a segment's stop
+    started: float | None = None  # time.monotonic() when it began
+
+
+class SegmentMessages:
+    """run_segments' on_message (audit, trace, resume's proof): rank 0's messages sorted into one SegmentReport per plan."""
+
+    def __init__(self, count: int) -> None:
+        self.reports = [SegmentReport() for _ in range(count)]
+        self.current: int | None = None  # the segment running now
+
+    def __call__(self, msg: Message) -> None:
+        if isinstance(msg, SegmentStart):
+            self.current = msg.index
+            self.reports[msg.index].started = time.monotonic()
+            return
+        if self.current is None:
+            return
+        report = self.reports[self.current]
+        match msg:
+            case Metrics(step, values):
+                report.logged.update({(key, step): value for key, value in values.items()})
+            case MetricsBatch():
+                report.logged.update({(key, step): value for key, step, value, _ in msg.points()})
+            case SegmentEnd(step, sha256, digests):
+                report.end, report.tensors = (step, sha256), digests
+            case Final(sha256, steps):
+                report.end = (steps, sha256)
+
+
+# What Handle.status() answers: the run's own statuses, and where a job is before and after it runs.
+PENDING, RUNNING = "PENDING", "RUNNING"  # waiting for a scheduler (or starting); its ranks running
+FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 
 
 class Handle(ABC):
     """A started job."""
+
+    @abstractmethod
+    def status(self) -> str:
+        """PENDING, RUNNING, FINISHED, FAILED or KILLED, as known now; never waits for the job."""
 
     @abstractmethod
     def wait(self) -> Outcome:
@@ -112,6 +205,41 @@ class Executor(ABC):
     @abstractmethod
     def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
         """Record the run if `job.record` says so, start the ranks, return without waiting."""
+
+    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+        """Run the entry once per checkpoint plan; only a backend whose Backend.runs_segments is true has this."""
+        raise NotImplementedError(f"the {self.name} backend runs no segments")
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """A command-line option of a backend, declared as data: the CLI makes a click option of it.
+
+    It sets `key` of the backend's config section (recorded, so a replay runs the same way) or, with no
+    key, the field `dest` of the backend's JobOptions (a choice for this job only).
+    """
+
+    flag: str  # e.g. --partition
+    dest: str  # the parameter's name; unique over every backend's options
+    help: str
+    type: type = str  # str, int or bool (bool: an on/off flag)
+    min: int | None = None  # an int's lowest value
+    key: str | None = None  # the config key under the backend's section it overrides
+    commands: tuple[str, ...] = ("run", "replay")  # the commands that take it
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend as the rest of harness knows it: declared once, by the module that implements it."""
+
+    name: str  # `executor: NAME` in experiment.yaml, --executor NAME
+    executor: Callable[[], Executor]  # a fresh executor per job
+    help: str = ""  # one line: where the ranks run
+    section: type | None = None  # its config section, a dataclass; merged into the schema as `NAME:`
+    check: Callable[[DictConfig], None] | None = None  # checks of a composed config the schema cannot express
+    options: type[JobOptions] = JobOptions
+    cli: tuple[CliOption, ...] = ()
+    runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)
 
 
 def run_job(

@@ -142,7 +142,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
     log_dir.mkdir(exist_ok=True)
     recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: console.show(shown), job.resume_step)
     console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
-                      show=not job.options.get("quiet", False))
+                      show=not job.options.quiet)
     ended: Failed | Killed | BaseException | None = None
     try:
         device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)

@@ -12,11 +12,28 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
 
 from harness import events, tags as T
-from harness.config import to_container
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
-from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.config import is_no_image, to_container
+from harness.errors import EXIT_FAILED, EXIT_OK, ConfigError, HarnessError, Interrupted
+from harness.executors.base import (
+    FAILED,
+    KILLED,
+    RUNNING,
+    Backend,
+    CliOption,
+    Event,
+    Executor,
+    Handle,
+    Job,
+    JobOptions,
+    Outcome,
+)
+from harness.executors.local import LocalExecutor
+from harness.messages import Message
 from harness.record.recorder import ENV_DIGEST
 from harness.record.redaction import redact
 from harness.store.reach import SUPPRESS_URL, artifact_path, database_file
@@ -129,7 +146,8 @@ class DockerExecutor(Executor):
                 "hold and the container reads its config from the record. Use --executor local."
             )
         if job.recorded is None:
-            self.pinned = pin(str(job.cfg.image), allow_unpinned=bool(job.options.get("allow_unpinned")))
+            allow_unpinned = isinstance(job.options, DockerOptions) and job.options.allow_unpinned
+            self.pinned = pin(str(job.cfg.image), allow_unpinned=allow_unpinned)
         else:
             tags = job.recorded.tags
             digest = tags.get(T.IMAGE_DIGEST, "unknown")
@@ -151,8 +169,34 @@ class DockerExecutor(Executor):
         extra = [] if job.resume_step is None else ["--resume-step", str(job.resume_step)]
         return ContainerHandle(job, self.pinned, extra)
 
+    # A docker run's segments (audit, trace) re-execute on this machine's ranks, outside the image, as the local
+    # backend runs them: what audit and trace have always done with one.
+    def check_segments(self, cfg: DictConfig) -> None:
+        LocalExecutor().check_segments(cfg)
+
+    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+        LocalExecutor().run_segments(job, plans, on_message)
+
 
 EXECUTOR = DockerExecutor
+
+
+@dataclass(frozen=True)
+class DockerOptions(JobOptions):
+    allow_unpinned: bool = False  # run an image pinned by the moving 'latest' tag
+
+
+def check(cfg: DictConfig) -> None:
+    if is_no_image(str(cfg.image)) and str(cfg.executor) == "docker":
+        raise ConfigError("executor docker needs an image, but image is none. Pin one (name:tag or name@sha256:...).")
+
+
+BACKEND = Backend(
+    name="docker", executor=DockerExecutor, check=check, options=DockerOptions, runs_segments=True,
+    help="inside the pinned image, by digest",
+    cli=(CliOption("--allow-unpinned", "allow_unpinned", "Accept an image pinned by the moving 'latest' tag.", bool,
+                   commands=("run",)),),
+)
 
 
 class ContainerHandle(Handle):
@@ -174,7 +218,13 @@ class ContainerHandle(Handle):
             name=self.name,
         )
         self.interrupted: list[int] = []
+        self.ended: str | None = None
         self.proc = docker.start_container(args, {"MLFLOW_TRACKING_URI": tracker.uri})
+
+    def status(self) -> str:
+        if self.ended is not None:
+            return self.ended
+        return RUNNING if self.proc.poll() is None else (KILLED if self.interrupted else FAILED)
 
     def cancel(self, signum: int) -> None:
         self.interrupted.append(signum)
@@ -182,6 +232,11 @@ class ContainerHandle(Handle):
         threading.Thread(target=docker.stop_container, args=(self.name,), daemon=True).start()
 
     def wait(self) -> Outcome:
+        outcome = self._wait()
+        self.ended = outcome.status
+        return outcome
+
+    def _wait(self) -> Outcome:
         tracker, run_id = self.job.tracker, self.job.run_id
         try:
             code = self.proc.wait()

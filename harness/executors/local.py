@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,19 @@ from omegaconf import DictConfig
 from harness import scratch, tags as T
 from harness.config import check_nodes
 from harness.errors import Interrupted, RunFailed
-from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.executors.base import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    PENDING,
+    RUNNING,
+    Backend,
+    Event,
+    Executor,
+    Handle,
+    Job,
+    Outcome,
+)
 from harness.executors.common import (
     after_deferred,
     check_runnable,
@@ -33,9 +43,9 @@ from harness.executors.common import (
     record_and_publish,
     record_ranks,
 )
-from harness.executors.launch import LaunchSpec, failure_details, is_peer_failure, launch
+from harness.executors.launch import LaunchSpec, Ranks, failure_details, is_peer_failure, launch
 from harness.executors.multinode import check_topology
-from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
+from harness.messages import Message
 
 
 def run_segments(
@@ -56,42 +66,6 @@ def run_segments(
         shutil.rmtree(work, ignore_errors=True)
 
 
-@dataclass
-class SegmentReport:
-    """What rank 0 said during one plan of run_segments."""
-
-    logged: dict[tuple[str, int], float] = field(default_factory=dict)  # (key, step) -> value
-    end: tuple[int, str | None] | None = None  # (step, fingerprint) where the segment stopped
-    tensors: dict[str, str] = field(default_factory=dict)  # per-tensor digests at a segment's stop
-    started: float | None = None  # time.monotonic() when it began
-
-
-class SegmentMessages:
-    """run_segments' on_message for audit and trace: rank 0's messages sorted into one SegmentReport per plan."""
-
-    def __init__(self, count: int) -> None:
-        self.reports = [SegmentReport() for _ in range(count)]
-        self.current: int | None = None  # the segment running now
-
-    def __call__(self, msg: Message) -> None:
-        if isinstance(msg, SegmentStart):
-            self.current = msg.index
-            self.reports[msg.index].started = time.monotonic()
-            return
-        if self.current is None:
-            return
-        report = self.reports[self.current]
-        match msg:
-            case Metrics(step, values):
-                report.logged.update({(key, step): value for key, value in values.items()})
-            case MetricsBatch():
-                report.logged.update({(key, step): value for key, step, value, _ in msg.points()})
-            case SegmentEnd(step, sha256, digests):
-                report.end, report.tensors = (step, sha256), digests
-            case Final(sha256, steps):
-                report.end = (steps, sha256)
-
-
 class LocalExecutor(Executor):
     name = "local"
 
@@ -106,8 +80,18 @@ class LocalExecutor(Executor):
         handle.start()
         return handle
 
+    def check_segments(self, cfg: DictConfig) -> None:
+        check_runnable(cfg)
+
+    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+        run_segments(job.cfg, job.exp_dir, plans, on_message, job.data)
+
 
 EXECUTOR = LocalExecutor
+BACKEND = Backend(
+    name="local", executor=LocalExecutor, runs_segments=True,
+    help="ranks run on this machine (or on several, one `harness run --nnodes` each)",
+)
 
 
 class LocalHandle(Handle):
@@ -121,8 +105,12 @@ class LocalHandle(Handle):
         self.cancelled: int | None = None
         self.deferred: list[int] = []  # signals that arrived while the run was being recorded
         self.recording = False
+        self.state = PENDING
         # Ranks started before the record already write their logs into <work>/logs.
         self.work = Path(job.ranks.log_dir).parent if job.ranks is not None else scratch.make("run")
+
+    def status(self) -> str:
+        return self.state
 
     def cancel(self, signum: int) -> None:
         if self.recording:  # a signal now would cut the record short: it waits until the run is closed
@@ -157,13 +145,18 @@ class LocalHandle(Handle):
             raise
 
     def wait(self) -> Outcome:
+        self.state = RUNNING
+        outcome: Outcome | None = None
         try:
             if self.job.topology.node_rank == 0:
-                outcome = record_ranks(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
-                                       self._closing)
-                return after_deferred(outcome, self.deferred)
-            return ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event, self._closing)
+                outcome = after_deferred(record_ranks(self.job, self.work, self.node, self._spec, self._launch,
+                                                      self.on_event, self._closing), self.deferred)
+            else:
+                outcome = ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
+                                     self._closing)
+            return outcome
         finally:
+            self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
             shutil.rmtree(self.work, ignore_errors=True)
 
     def _closing(self) -> None:
@@ -182,7 +175,9 @@ class LocalHandle(Handle):
         """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
         node = self.node
         if node is None:
-            launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=self.job.ranks, on_ranks=on_ranks)
+            ranks = self.job.ranks  # started by commands.run.start_ranks before the run was recorded
+            assert ranks is None or isinstance(ranks, Ranks), ranks
+            launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=ranks, on_ranks=on_ranks)
             return
         try:
             launch(spec, on_message, store=node.raw, cancelled=lambda: self.cancelled, check=node.check,

@@ -23,15 +23,64 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
 
 from harness import events, tags as T
 from harness.config import check_nodes
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, Interrupted
-from harness.executors.base import Event, Executor, Handle, Job, Outcome, Output, Submitted
+from harness.errors import EXIT_FAILED, EXIT_OK, ConfigError, HarnessError, Interrupted
+from harness.executors.base import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    PENDING,
+    RUNNING,
+    Backend,
+    CliOption,
+    Event,
+    Executor,
+    Handle,
+    Job,
+    Outcome,
+    Output,
+    Submitted,
+)
 from harness.executors.common import local_image_tags
+from harness.executors.local import LocalExecutor
+from harness.messages import Message
 from harness.record.recorded import checkout
 from harness.store.reach import database_file
+
+
+@dataclass
+class SlurmConfig:
+    """How `executor: slurm` asks for resources: one task per node, the node's ranks spawned inside it."""
+
+    nodes: int = 1
+    """Nodes to run on; world_size must be a multiple of it (world_size / nodes ranks per node)."""
+    partition: str | None = None
+    time: str | None = None
+    """Time limit as sbatch takes it (e.g. 01:00:00); none: the partition's default."""
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    """CPUs for each node's task; none: threads_per_rank x ranks per node."""
+    poll_s: float = 1.0
+    """How often the submitting process asks the scheduler whether the job still runs."""
+
+
+def check(cfg: DictConfig) -> None:
+    """The `slurm:` section's ranges (checked on every config, whichever executor it names)."""
+    check_nodes(cfg.slurm.nodes, cfg.world_size, "slurm.nodes (--nodes)")
+    if cfg.slurm.gpus_per_node < 0:
+        raise ConfigError(f"slurm.gpus_per_node must be >= 0, got {cfg.slurm.gpus_per_node}.")
+    if cfg.slurm.cpus_per_task is not None and cfg.slurm.cpus_per_task < 1:
+        raise ConfigError(f"slurm.cpus_per_task must be >= 1, got {cfg.slurm.cpus_per_task}.")
+    if not cfg.slurm.poll_s > 0:
+        raise ConfigError(f"slurm.poll_s must be > 0 seconds, got {cfg.slurm.poll_s}.")
+
 
 _CALL_S = 30.0  # deadline of one sbatch/scontrol/scancel call
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
@@ -150,8 +199,26 @@ class SlurmExecutor(Executor):
         on_event(Submitted(job_id, f"script {script}, output {folder / f'slurm-{job_id}.out'}"))
         return SlurmHandle(job, job_id, folder / f"slurm-{job_id}.out", on_event, code)
 
+    # A Slurm run's segments (audit, trace) re-execute on this machine's ranks, not submitted, as the local backend
+    # runs them: what audit and trace have always done with one.
+    def check_segments(self, cfg: DictConfig) -> None:
+        LocalExecutor().check_segments(cfg)
+
+    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
+        LocalExecutor().run_segments(job, plans, on_message)
+
 
 EXECUTOR = SlurmExecutor
+BACKEND = Backend(
+    name="slurm", executor=SlurmExecutor, section=SlurmConfig, check=check, runs_segments=True,
+    help="submitted as a batch job, one task per node",
+    cli=(
+        CliOption("--nodes", "slurm_nodes", "slurm: nodes to run on (one task per node).", int, min=1, key="nodes"),
+        CliOption("--partition", "partition", "slurm: partition to submit to.", key="partition"),
+        CliOption("--time", "slurm_time", "slurm: time limit (e.g. 01:00:00).", key="time"),
+        CliOption("--gpus-per-node", "gpus_per_node", "slurm: GPUs per node.", int, min=0, key="gpus_per_node"),
+    ),
+)
 
 
 def job_state(job_id: str) -> tuple[str, str]:
@@ -172,8 +239,22 @@ class SlurmHandle(Handle):
     ) -> None:
         self.job, self.job_id, self.output, self.on_event, self.code = job, job_id, output, on_event, code
         self.interrupted: list[int] = []
+        self.ended: str | None = None
         self._offset = 0
         self._partial = ""
+
+    def status(self) -> str:
+        """The scheduler's state of the job, asked once (scontrol answers at once, or within _CALL_S)."""
+        if self.ended is not None:
+            return self.ended
+        state, _ = job_state(self.job_id)
+        if state in ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"):
+            return PENDING
+        if state in ("RUNNING", "COMPLETING", "UNKNOWN"):
+            return RUNNING
+        if state == "COMPLETED":
+            return FINISHED
+        return KILLED if state in ("CANCELLED", "PREEMPTED", "DEADLINE", "TIMEOUT") else FAILED
 
     def cancel(self, signum: int) -> None:
         self.interrupted.append(signum)
@@ -196,7 +277,9 @@ class SlurmHandle(Handle):
 
     def wait(self) -> Outcome:
         with self.code:  # the code's worktree is removed once the job has ended
-            return self._follow()
+            outcome = self._follow()
+        self.ended = outcome.status
+        return outcome
 
     def _follow(self) -> Outcome:
         tracker, run_id = self.job.tracker, self.job.run_id

@@ -22,7 +22,19 @@ from typing import Any
 
 from harness import scratch, tags as T
 from harness.errors import HarnessError, Interrupted, RunFailed
-from harness.executors.base import Event, Executor, Handle, Job, Outcome, Topology
+from harness.executors.base import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    PENDING,
+    RUNNING,
+    Event,
+    Executor,
+    Handle,
+    Job,
+    Outcome,
+    Topology,
+)
 from harness.executors.common import (
     after_deferred,
     check_runnable,
@@ -180,15 +192,24 @@ class TorchrunHandle(Handle):
         self.recording = False
         self.training = False  # the rank's body runs in this thread: a signal now interrupts it
         self.work = scratch.make("run")
+        self.state = PENDING
+
+    def status(self) -> str:
+        return self.state
 
     def wait(self) -> Outcome:
+        self.state = RUNNING
+        outcome: Outcome | None = None
         try:
             if self.env.rank == 0:
-                outcome = record_ranks(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
-                                       self._closing)
-                return after_deferred(outcome, self.deferred)
-            return ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event, self._closing)
+                outcome = after_deferred(record_ranks(self.job, self.work, self.node, self._spec, self._launch,
+                                                      self.on_event, self._closing), self.deferred)
+            else:
+                outcome = ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
+                                     self._closing)
+            return outcome
         finally:
+            self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
             shutil.rmtree(self.work, ignore_errors=True)
 
     def _closing(self) -> None:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from harness import scratch, tags as T
 from harness.config import compose, split_entry, to_container, validate
 from harness.errors import HarnessError
-from harness.executors import Job, Topology
+from harness.executors import Job, JobInputs, Topology
 from harness.record import confine, redaction
 from harness.store.tracking import RunSummary, Tracker
 from harness.systems import git as gitsource
@@ -84,10 +84,10 @@ class RecordedRun:
     def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
         """The job that runs this recorded code (inside `code()`); its image digest is the recorded one."""
         tags = self.run.tags
-        return Job(
-            self.tracker, self.cfg, tree, exp_dir, record=record, recorded=self.run, topology=topology or Topology(),
-            code_id=code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), **fields,
-        )
+        data = fields.pop("data", {})
+        inputs = JobInputs(tree, exp_dir, code_id=code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), data=data)
+        return Job(self.tracker, self.cfg, inputs, record=record, recorded=self.run, topology=topology or Topology(),
+                   **fields)
 
     def check_data(
         self, repo: Path | None = None, *, allow_changes: bool = False, flag: str | None = None,

@@ -41,7 +41,6 @@ from harness.messages import (
     Total,
     UserSeeds,
 )
-from harness.record import checkpoints as checkpoint_store
 from harness.record.provenance import package_lock, runtime_facts
 from harness.runtime import usermlflow, userseed
 from harness.store.reach import absolute_uri, reason_of
@@ -97,6 +96,10 @@ def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step
     """The run's checkpoints (checkpoints.CheckpointStore), None when it neither saves nor loads any."""
     if cfg.checkpoint_every <= 0 and resume_step is None:
         return None
+    # Here, not at the top: the checkpoint store loads torch, and the backends that import this module are
+    # loaded by every command that names one (config validation) - `harness check` and refusals stay light.
+    from harness.record import checkpoints as checkpoint_store
+
     return checkpoint_store.open_for(tracker, run_id)
 
 

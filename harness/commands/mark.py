@@ -8,7 +8,7 @@ from harness import tags as T
 from harness.errors import HarnessError
 from harness.record import loading
 
-# The heartbeat rule lives with the record (the loader refuses a live RUNNING run by it); named here for `harness runs`.
+# The heartbeat rule lives with the record (the loader refuses a live RUNNING run by it); still importable from here.
 from harness.record.liveness import heartbeat_age, heartbeat_interval, is_stale
 from harness.store.tracking import Tracker
 

@@ -6,8 +6,10 @@ harness.judge judges them.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,3 +51,15 @@ class RunRecord:
     # step -> {"tensors": name -> sha256, "ranks": [sha256 per rank]}; None when the run recorded none (no
     # checkpoints, or a run from before they were recorded).
     checkpoint_tensors: dict[int, dict] | None = None
+
+
+def same_value(recorded: float, again: float) -> bool:
+    """One logged value against another, bit for bit as IEEE doubles: a NaN equals a NaN of the same bits and
+    -0.0 is not 0.0 (`==` says the opposite of both). The rule for "the same value" wherever a value logged again
+    is held to the record (harness/judge/reproduced.py; the store's MetricWriter on a resume)."""
+    return struct.pack("<d", recorded) == struct.pack("<d", again)
+
+
+def series(metrics: Mapping[str, tuple[Any, Any]]) -> dict[str, dict[int, float]]:
+    """A record's metrics ({key: (steps, values)} arrays) as {key: {step: value}}, for looking values up."""
+    return {key: dict(zip(steps.tolist(), values.tolist())) for key, (steps, values) in metrics.items()}

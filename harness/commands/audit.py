@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,10 +19,9 @@ from harness import events, executors, tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
+from harness.judge import reproduced
 from harness.judge.compare import BITWISE, DIVERGED
-from harness.record import checkpoints as checkpoint_store, seal
-from harness.record.provenance import runtime_facts
-from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.record import checkpoints as checkpoint_store, derived, loading
 from harness.runtime import checkpoint
 from harness.runtime.context import CheckpointPlan
 from harness.store.tracking import Tracker
@@ -86,12 +84,8 @@ def audit(
     run_id: str, *, segments: int, seed: int | None = None, tracking_uri: str | None = None, repo: Path | None = None
 ) -> AuditResult:
     tracker = Tracker(tracking_uri)
-    run = tracker.harness_run(run_id)
-    refuse_non_training(run, "audit")
-    seal.check(tracker, run_id)
-    if run.status != T.FINISHED:
-        raise HarnessError(f"run {run_id} is {run.status}; only a FINISHED run has an end to verify. Resume it first.")
-    record = tracker.load_record(run_id)
+    loaded = loading.load(tracker, run_id, loading.AUDIT)
+    run, record = loaded.summary, loaded.record
     chain = segments_of(record.checkpoints, record.final_fingerprint, record.steps_total)
     if not chain:
         raise HarnessError(
@@ -102,7 +96,7 @@ def audit(
         raise HarnessError(f"--segments must be between 1 and {len(chain)} (the run has {len(chain)} segments).")
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     drawn = sorted(random.Random(seed).sample(chain, segments), key=lambda s: s.index)
-    recorded = RecordedRun.load(tracker, run)
+    recorded = loaded.recorded
     recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
     executors.check_segments(cfg, "audit", here=False)  # their backend runs segments: said before the draw
@@ -201,36 +195,26 @@ def _run_segments(segments: list[Segment], record, job: Job, directory: Path) ->
 
 
 def _first_metric_mismatch(logged: dict[tuple[str, int], float], record) -> str:
-    lookup = {key: dict(zip(steps.tolist(), values.tolist())) for key, (steps, values) in record.metrics.items()}
-    for (key, step), value in sorted(logged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        original = lookup.get(key, {}).get(step)
-        if original is None or struct.pack("<d", original) != struct.pack("<d", value):
-            return f"{key} at step {step}: {value!r}, the run recorded {original!r}"
-    return ""
+    # An audited run is FINISHED: it recorded every value it logged, so one it lacks differs.
+    return reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED).mismatch
 
 
 def _record(tracker: Tracker, run, result: AuditResult) -> str:
     """An MLflow run nested under the audited one: verdict, drawn segments, report."""
-    tags = {
-        T.VERSION: run.tags[T.VERSION],
-        T.KIND: T.KIND_AUDIT,
-        T.AUDIT_OF: run.run_id,
-        T.MLFLOW_PARENT_RUN_ID: run.run_id,
+    tags = derived.tags(T.KIND_AUDIT, run, version=run.tags[T.VERSION], runtime=True, extra={
         T.VERDICT: result.verdict,
         T.AUDIT_SEED: str(result.seed),
         T.AUDIT_SEGMENTS: ",".join(str(s.index) for s in result.drawn),
-    }
-    tags.update({T.ENV_PREFIX + k: v for k, v in runtime_facts().items()})
-    audit_id = tracker.create_run(run.experiment, tags, run_name=f"audit-of-{run.run_name}")
-    result.audit_id = audit_id
-    report = render(result)
-    tracker.set_tags(audit_id, {T.MLFLOW_RUN_NOTE: report})
-    tracker.log_text(audit_id, report, T.ARTIFACT_AUDIT)
-    doc = {**{k: v for k, v in asdict(result).items() if k != "drawn"},
-           "segments": [asdict(s) for s in result.drawn], "step_fraction": result.step_fraction,
-           "catch_probability": result.catch_probability}
-    tracker.log_text(audit_id, json.dumps(doc, indent=2), T.ARTIFACT_AUDIT_JSON)
-    tracker.end_run(audit_id, T.FINISHED)
+    })
+    with derived.opened(tracker, run.experiment, tags, f"audit-of-{run.run_name}") as audit_id:
+        result.audit_id = audit_id
+        report = render(result)
+        tracker.set_tags(audit_id, {T.MLFLOW_RUN_NOTE: report})
+        tracker.log_text(audit_id, report, T.ARTIFACT_AUDIT)
+        doc = {**{k: v for k, v in asdict(result).items() if k != "drawn"},
+               "segments": [asdict(s) for s in result.drawn], "step_fraction": result.step_fraction,
+               "catch_probability": result.catch_probability}
+        tracker.log_text(audit_id, json.dumps(doc, indent=2), T.ARTIFACT_AUDIT_JSON)
     return audit_id
 
 

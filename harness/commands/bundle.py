@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from harness import scratch, tags as T
 from harness.errors import HarnessError
-from harness.record import data, seal
+from harness.record import data, loading, seal
 from harness.record.data import sha256_file
 from harness.store.reach import exclusive
 from harness.store.tracking import Tracker, import_complete
@@ -321,8 +321,7 @@ def export(
     """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s."""
     tracker = Tracker(tracking_uri, writable=False)
     run = tracker.harness_run(run_id)
-    if run.status == T.RUNNING:
-        raise HarnessError(f"run {run_id} is still RUNNING; its record is not complete. Export it when it has ended.")
+    loading.refuse(loading.EXPORT, run)
     if out.is_dir():
         raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
     replays = [r for r in tracker.children(run_id) if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness import events, executors, scratch, tags as T
-from harness.commands import mark as liveness, run as runner
+from harness.commands import run as runner
 from harness.config import compose, parse_overrides, validate
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.executors import Outcome, Topology
@@ -31,8 +30,7 @@ from harness.judge.compare import (
     judged_tolerance,
     parse_tolerances,
 )
-from harness.record import redaction, seal
-from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.record import derived, loading, redaction, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 from harness.systems import git as gitsource
 
@@ -76,14 +74,14 @@ def apply_changes(
     return new, changes
 
 
-# kind -> tag naming the run it was made from
-_DERIVED_OF = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF}
+# The kinds a replay follows to the run they were made from (a trace is not followed: it is refused, by the loader).
+_FOLLOWED = {kind: derived.OF_TAG[kind] for kind in (T.KIND_REPLAY, T.KIND_STUDY_REPLAY, T.KIND_AUDIT)}
 
 
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
     """The run a replay or an audit was made from (and so on), which is what replaying it means."""
     seen = {run.run_id}
-    while (tag := _DERIVED_OF.get(run.tags.get(T.KIND, ""))) and run.tags.get(tag):
+    while (tag := _FOLLOWED.get(run.tags.get(T.KIND, ""))) and run.tags.get(tag):
         source = tracker.harness_run(run.tags[tag])
         if source.run_id in seen:  # a hand-edited tag could close a loop
             break
@@ -92,32 +90,6 @@ def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
         seen.add(source.run_id)
         run = source
     return run
-
-
-def check_replayable(run: RunSummary, allow_incomplete: bool) -> None:
-    """Refuse a run whose record is not complete: there is no end to judge a replay against."""
-    rid = run.run_id
-    if run.status == T.RUNNING:
-        now = time.time()
-        if liveness.is_stale(run.tags, now):
-            raise HarnessError(
-                f"run {rid} is RUNNING but its launcher is gone (no heartbeat for "
-                f"{liveness.heartbeat_age(run.tags, now):.0f} s). Close it with `harness mark {rid} --status FAILED`, "
-                "then replay it with --allow-incomplete."
-            )
-        raise HarnessError(
-            f"run {rid} is still RUNNING; its record is not complete. Wait until it ends, then replay it."
-        )
-    if run.status in T.INCOMPLETE and not allow_incomplete:
-        try:  # the flattened config is in the params; a resume needs checkpoints
-            checkpointed = int(run.params.get("checkpoint_every", "0")) > 0
-        except ValueError:
-            checkpointed = False
-        resume = f"Resume it with `harness resume {rid}` (it has checkpoints), or pass" if checkpointed else "Pass"
-        raise HarnessError(
-            f"run {rid} is {run.status}: it stopped before its end, so a full replay cannot be judged against it. "
-            f"{resume} --allow-incomplete to replay it and compare only the steps it reached."
-        )
 
 
 def replay(
@@ -152,11 +124,10 @@ def replay(
     if follow:
         original = follow_original(tracker, original)
         run_id = original.run_id
-    refuse_non_training(original, "replay")
-    seal.check(tracker, run_id)  # before anything is recorded: an edited record is not replayed
-    check_replayable(original, allow_incomplete)
-    incomplete = original.status in T.INCOMPLETE
-    recorded = RecordedRun.load(tracker, original)
+    # Before anything is recorded: a run that is no training job, edited since its seal, or not complete is refused.
+    loaded = loading.load(tracker, original, loading.REPLAY, allow_incomplete=allow_incomplete)
+    incomplete = loaded.incomplete
+    recorded = loaded.recorded
     overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
     cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
     changes = [redaction.redact_override(c) for c in changes]  # recorded and printed: no secret in them
@@ -173,11 +144,10 @@ def replay(
     data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
     if data.stats is not None:
         events.emit(events.Notice(data.stats.summary()))
-    extra = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: run_id, T.MLFLOW_PARENT_RUN_ID: run_id, **(extra_tags or {})}
+    # Where each secret came from (harness.config_redacted) is carried, for a replay of this replay.
+    extra = derived.tags(T.KIND_REPLAY, original, copy=(T.CONFIG_REDACTED,), extra=extra_tags)
     if changes:
         extra[T.CHANGES] = " ".join(changes)
-    if original.tags.get(T.CONFIG_REDACTED):  # where each secret came from, for a replay of this replay
-        extra[T.CONFIG_REDACTED] = original.tags[T.CONFIG_REDACTED]
     if given:
         extra[T.TOLERANCE] = format_tolerances(given)
     if data.changes:
@@ -270,9 +240,8 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances:
     judged_tolerance says) with `tolerances` (METRIC=ATOL[,RTOL]) on top; nothing is rerun or recorded."""
     given = parse_tolerances(tolerances)
     tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
-    seal.check(tracker, run_a)
-    seal.check(tracker, run_b)
-    a, b = tracker.load_record(run_a), tracker.load_record(run_b)
+    first, second = loading.load(tracker, run_a, loading.COMPARE), loading.load(tracker, run_b, loading.COMPARE)
+    a, b = first.record, second.record
     failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
     cmp = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed)
     return with_noise(tracker, cmp, a, b)
@@ -360,9 +329,7 @@ def replay_study(
     given = parse_tolerances(options.get("tolerances"))  # bad input: said before the study replay is recorded
     tracker = tracker or Tracker(tracking_uri)
     recorded = study.load_study(tracker, study_id)
-    if recorded.run.status != T.FINISHED:
-        raise HarnessError(f"study {study_id} is {recorded.run.status}: only a study whose every member finished can "
-                           "be replayed as a whole. Replay its finished members one by one with `harness replay MEMBER`.")
+    loading.refuse(loading.STUDY_REPLAY, recorded.run)
     finished = [m for m in recorded.members if m.status == T.FINISHED]
     if members is not None and members < 1:
         raise HarnessError(f"--members {members}: pass at least 1.")
@@ -370,13 +337,11 @@ def replay_study(
     for member in chosen:  # every member before the study replay is recorded
         seal.check(tracker, member.run_id)
     member_records = study.member_records(tracker, recorded)
-    tags = {T.VERSION: recorded.run.tags[T.VERSION], T.KIND: T.KIND_STUDY_REPLAY, T.REPLAY_OF: study_id,
-            T.MLFLOW_PARENT_RUN_ID: study_id, T.STUDY_SIZE: str(len(chosen))}
+    tags = derived.tags(T.KIND_STUDY_REPLAY, recorded.run, version=recorded.run.tags[T.VERSION],
+                        extra={T.STUDY_SIZE: str(len(chosen))})
     if seed is not None:
         tags[T.STUDY_MEMBERS_SEED] = str(seed)
-    run_id = tracker.create_run(recorded.run.experiment, tags, run_name=f"replay-of-{recorded.run.run_name}")
-    status = T.FAILED
-    try:
+    with derived.opened(tracker, recorded.run.experiment, tags, f"replay-of-{recorded.run.run_name}") as run_id:
         results = []
         for i, member in enumerate(chosen, 1):
             events.emit(events.Progress(f"study replay {run_id}: member {i} of {len(chosen)} "
@@ -393,13 +358,7 @@ def replay_study(
                                   **({T.TOLERANCE: format_tolerances(given)} if given else {})})
         tracker.log_text(run_id, markdown, T.ARTIFACT_REPORT)
         tracker.log_text(run_id, json.dumps(json_safe(_study_json(out)), indent=2), T.ARTIFACT_COMPARISON)
-        status = T.FINISHED
         return out
-    except KeyboardInterrupt:
-        status = T.KILLED
-        raise
-    finally:
-        tracker.end_run(run_id, status)
 
 
 def _study_json(result: StudyReplayResult) -> dict[str, Any]:

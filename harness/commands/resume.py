@@ -9,7 +9,6 @@ does not, the resume is refused, naming the first tensor that differs.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,8 @@ from harness.errors import HarnessError, RunFailed
 from harness.executors import Outcome
 from harness.executors.base import SegmentMessages
 from harness.executors.local import run_segments
-from harness.record import checkpoints as checkpoint_store, seal
-from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.judge import reproduced
+from harness.record import checkpoints as checkpoint_store, loading
 from harness.runtime.context import CheckpointPlan
 from harness.store.tracking import RunRecord, Tracker
 
@@ -32,18 +31,9 @@ LIKELY_CAUSES = (
 
 def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = None) -> Outcome:
     tracker = Tracker(tracking_uri)
-    run = tracker.harness_run(run_id)
-    refuse_non_training(run, "resume")
     # A FAILED or KILLED run was sealed when it closed; the resumed run is sealed again when it closes.
-    seal.check(tracker, run_id)
-    if run.status not in T.INCOMPLETE:
-        hint = (
-            f" If its launcher itself was SIGKILLed, nothing could mark it; check no rank still runs, then "
-            f"close it: `harness mark {run_id} --status FAILED`."
-            if run.status == T.RUNNING else ""
-        )
-        raise HarnessError(f"run {run_id} is {run.status}; only FAILED or KILLED runs are resumed.{hint}")
-    recorded = RecordedRun.load(tracker, run)
+    loaded = loading.load(tracker, run_id, loading.RESUME)
+    run, recorded = loaded.summary, loaded.recorded
     recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
     store = checkpoint_store.open_for(tracker, run_id)
@@ -55,7 +45,7 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
             f"start, judged on the steps it reached: `harness replay {run_id} --allow-incomplete`; or run it again with "
             "checkpoint_every=N to make it resumable."
         )
-    record = tracker.load_record(run_id)
+    record = loaded.record
     earlier = max((s for s in record.checkpoints if s < step), default=None)
     if earlier is not None and not store.fetch(earlier, cfg.world_size):
         earlier = None
@@ -141,11 +131,6 @@ def _hold_to_checkpoint(report: Any, record: RunRecord, start: int, end: int, re
 
 
 def _first_logged_mismatch(logged: dict[tuple[str, int], float], record: RunRecord, start: int, end: int) -> str:
-    lookup = {key: dict(zip(steps.tolist(), values.tolist())) for key, (steps, values) in record.metrics.items()}
-    for (key, step), value in sorted(logged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if not start <= step < end:
-            continue
-        original = lookup.get(key, {}).get(step)
-        if original is not None and struct.pack("<d", original) != struct.pack("<d", value):
-            return f"{key} at step {step}: {value!r}, the run recorded {original!r}"
-    return ""
+    # The run stopped before its end: a value it lacks may be one it never wrote, no evidence either way.
+    return reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED,
+                             first=start, end=end).mismatch

@@ -17,7 +17,7 @@ from harness.config import compose, flatten, load_experiment, split_entry, to_co
 from harness.errors import HarnessError
 from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import printable
-from harness.record import confine, redaction
+from harness.record import confine, derived, loading, redaction
 from harness.record.recorded import code_id, recorded_config
 from harness.store.reach import local_paths, probe_store, store_timeout
 from harness.store.tracking import Tracker, resolve_uri
@@ -88,8 +88,8 @@ def create_record(
     if redacted:
         tags[T.CONFIG_REDACTED] = redacted
     tags.update(extra_tags or {})
-    run_id = tracker.create_run(experiment or experiment_name(exp_dir), tags, run_name=run_name)
-    try:
+    # The launcher ends the run when its ranks end; until then an error ends it FAILED (record/derived.py).
+    with derived.opened(tracker, experiment or experiment_name(exp_dir), tags, run_name, close=False) as run_id:
         tracker.log_params(run_id, params)
         tracker.log_text(run_id, text, T.ARTIFACT_CONFIG)
         if git.dirty:
@@ -97,9 +97,6 @@ def create_record(
         if data is not None:
             tracker.log_text(run_id, D.dumps(data), T.ARTIFACT_DATA_MANIFEST)
             tracker.log_data_inputs(run_id, [(n, e["sha256"], e["path"]) for n, e in sorted(data["entries"].items())])
-    except BaseException:
-        tracker.end_run(run_id, T.FAILED)
-        raise
     return run_id
 
 
@@ -322,9 +319,7 @@ def execute_recorded(
     from harness.record.data import recorded_data
 
     tracker = Tracker(tracking_uri)
-    run = tracker.harness_run(run_id)
-    if run.status != T.RUNNING:
-        raise HarnessError(f"run {run_id} is {run.status}, not RUNNING; it was already executed.")
+    run = loading.load(tracker, run_id, loading.EXECUTE).summary
     cfg = recorded_config(tracker, run)
     container = to_container(cfg)
     if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables

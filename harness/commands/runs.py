@@ -7,9 +7,9 @@ import time
 from collections import Counter
 
 from harness import tags as T
-from harness.commands.mark import is_stale
 from harness.fmt import printable
 from harness.judge.compare import VERDICTS
+from harness.record.liveness import is_stale
 from harness.store.tracking import RunSummary, Tracker
 
 STALE = "STALE"

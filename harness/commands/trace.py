@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +19,9 @@ from harness import events, executors, scratch, tags as T
 from harness.errors import HarnessError
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
+from harness.judge import reproduced
 from harness.judge.delta import config_delta, environment_delta
-from harness.record import seal
-from harness.record.provenance import runtime_facts
-from harness.record.recorded import RecordedRun, refuse_non_training
+from harness.record import derived, loading
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 if TYPE_CHECKING:  # torch loads only when a trace is made or read
@@ -137,12 +135,8 @@ def trace(
     from harness.runtime.context import CheckpointPlan
 
     tracker = tracker or Tracker(tracking_uri)
-    run = tracker.harness_run(run_id)
-    if run.tags.get(T.KIND) == T.KIND_TRACE:
-        raise HarnessError(f"run {run_id} is a trace; trace the run it traced ({run.tags.get(T.TRACE_OF)}).")
-    refuse_non_training(run, "trace")
-    seal.check(tracker, run_id)
-    record = tracker.load_record(run_id)
+    loaded = loading.load(tracker, run_id, loading.TRACE)
+    run, record = loaded.summary, loaded.record
     total = record.steps_total
     if total is None:
         raise HarnessError(f"run {run_id} is {run.status} and recorded no step count; only steps a run completed can be "
@@ -154,7 +148,7 @@ def trace(
     if not 0 <= step < total:
         shown = "step 0" if total == 1 else f"steps 0-{total - 1}"
         raise HarnessError(f"--step {step}: run {run_id} has {shown}. Pass a step in that range.")
-    recorded = RecordedRun.load(tracker, run)
+    recorded = loaded.recorded
     recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
     if max(ranks) >= cfg.world_size:
@@ -212,17 +206,11 @@ def _run(job: Job, plans: list[Any]) -> list[tuple[dict, tuple | None]]:
 def _reproduced(record: RunRecord, first: int, step: int, logged: dict[tuple[str, int], float],
                 end: tuple[int, str | None] | None) -> tuple[bool | None, str]:
     """Did the re-execution log the run's values bit for bit, and end with the weights it recorded after the step?"""
-    lookup = {key: dict(zip(s.tolist(), v.tolist())) for key, (s, v) in record.metrics.items()}
-    checked = 0
-    for (key, s), value in sorted(logged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if not first <= s <= step:
-            continue
-        original = lookup.get(key, {}).get(s)
-        if original is None:
-            continue
-        checked += 1
-        if struct.pack("<d", original) != struct.pack("<d", value):
-            return False, f"{key} at step {s}: {value!r}, the run recorded {original!r}"
+    held = reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED,
+                             first=first, end=step + 1)
+    if held.mismatch:
+        return False, held.mismatch
+    checked = held.checked
     if end is not None:
         at, sha = end
         expected = record.checkpoints.get(at) if at == step + 1 else None
@@ -236,31 +224,21 @@ def _reproduced(record: RunRecord, first: int, step: int, logged: dict[tuple[str
 
 
 def _record(tracker: Tracker, run: RunSummary, result: TraceResult, files: Path, parent: str, purpose: str) -> str:
-    tags = {
-        T.VERSION: run.tags[T.VERSION],
-        T.KIND: T.KIND_TRACE,
-        T.TRACE_OF: run.run_id,
-        T.MLFLOW_PARENT_RUN_ID: parent,
+    tags = derived.tags(T.KIND_TRACE, run, parent=parent, version=run.tags[T.VERSION], runtime=True, extra={
         T.TRACE_STEP: str(result.step),
         T.TRACE_RANKS: ",".join(map(str, result.ranks)),
         T.TRACE_FROM_CHECKPOINT: "none" if result.from_checkpoint is None else str(result.from_checkpoint),
         T.TRACE_REPRODUCED: {True: "true", False: "false", None: "unknown"}[result.reproduced],
-    }
+    })
     if purpose:
         tags[T.TRACE_PURPOSE] = purpose
-    tags.update({T.ENV_PREFIX + k: v for k, v in runtime_facts().items()})
-    trace_id = tracker.create_run(run.experiment, tags, run_name=f"trace-{run.run_name}-step{result.step}")
-    try:
+    with derived.opened(tracker, run.experiment, tags, f"trace-{run.run_name}-step{result.step}") as trace_id:
         meta = {"traced": run.run_id, "step": result.step, "ranks": list(result.ranks),
                 "from_checkpoint": result.from_checkpoint, "reproduced": result.reproduced, "detail": result.detail,
                 "seconds": round(result.seconds, 3), "purpose": purpose,
                 "bytes": {p.name: p.stat().st_size for p in sorted(files.iterdir())}}
         (files / Path(T.ARTIFACT_TRACE_META).name).write_text(json.dumps(meta, indent=2))
         tracker.log_dir(trace_id, files, T.ARTIFACT_TRACE_DIR)
-    except BaseException:
-        tracker.end_run(trace_id, T.FAILED)
-        raise
-    tracker.end_run(trace_id, T.FINISHED)
     return trace_id
 
 
@@ -303,8 +281,8 @@ def diff(tracker: Tracker, a_id: str, b_id: str) -> TraceDiff:
     (else the lowest), with hints from the traced runs' deltas."""
     from harness.optrace import tracer as optrace
 
-    seal.check(tracker, a_id)
-    seal.check(tracker, b_id)
+    loading.load(tracker, a_id, loading.COMPARE)
+    loading.load(tracker, b_id, loading.COMPARE)
     ta, tb = load_traces(tracker, a_id), load_traces(tracker, b_id)
     common = sorted(ta.keys() & tb.keys())
     if not common:

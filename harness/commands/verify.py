@@ -31,7 +31,7 @@ from harness.judge.claims import (
 from harness.judge.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
 from harness.judge.noise import MIN_SEEDS, another_mean, spread
 from harness.judge.verify_report import render_html, render_markdown
-from harness.record import seal
+from harness.record import derived, loading, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 # The verify run's verdict (harness.verdict): every claim holds, or not.
@@ -121,8 +121,9 @@ def load_source(tracker: Tracker, claim: Claim, where: str) -> Source:
         return Source(claim.source, run, records, True)
     if is_study(run):
         raise HarnessError(f"{where}: run: {claim.run} is a study; write study: {claim.run}.")
-    if run.status != T.FINISHED:
-        raise HarnessError(f"{where}: run {claim.run} is {run.status}; a claim rests on a FINISHED run.")
+    why = loading.refusal(loading.VERIFY, run, name=claim.run)  # said for the claim that rests on the run
+    if why is not None:
+        raise HarnessError(f"{where}: {why}")
     return Source(claim.source, run, [tracker.load_record(run.run_id)], False)
 
 
@@ -222,12 +223,12 @@ def record(tracker: Tracker, claims_file: Path, verdicts: list[Verdict], replaye
     """One MLflow run (kind verify) in the first claim's experiment: the reports, claims.json, the claims file."""
     held = sum(v.holds for v in verdicts)
     verdict = ALL_HOLD if held == len(verdicts) else SOME_FAIL
-    tags = {T.VERSION: __version__, T.KIND: T.KIND_VERIFY, T.VERIFY_CLAIMS_FILE: str(claims_file),
-            T.VERIFY_HELD: f"{held}/{len(verdicts)}", T.VERDICT: verdict}
+    # It rests on many runs (every claim's): no of-tag, no parent.
+    tags = derived.tags(T.KIND_VERIFY, version=__version__, extra={
+        T.VERIFY_CLAIMS_FILE: str(claims_file), T.VERIFY_HELD: f"{held}/{len(verdicts)}", T.VERDICT: verdict})
     if changes:
         tags[T.CHANGES] = " ".join(changes)
-    run_id = tracker.create_run(verdicts[0].source.run.experiment, tags, run_name=f"verify-{claims_file.stem}")
-    try:
+    with derived.opened(tracker, verdicts[0].source.run.experiment, tags, f"verify-{claims_file.stem}") as run_id:
         markdown = render_markdown(verdicts, replayed, changes, run_id)
         tracker.set_tags(run_id, {T.MLFLOW_RUN_NOTE: markdown})
         tracker.log_text(run_id, markdown, f"{T.ARTIFACT_VERIFY_DIR}/report.md")
@@ -237,10 +238,6 @@ def record(tracker: Tracker, claims_file: Path, verdicts: list[Verdict], replaye
         tracker.log_text(run_id, json.dumps(summary, indent=2), f"{T.ARTIFACT_VERIFY_DIR}/claims.json")
         # The claims file as it was checked, byte for byte.
         tracker.log_bytes(run_id, claims_file.read_bytes(), f"{T.ARTIFACT_VERIFY_DIR}/{claims_file.name}")
-    except BaseException:
-        tracker.end_run(run_id, T.FAILED)
-        raise
-    tracker.end_run(run_id, T.FINISHED)
     local = tracker.local_artifact_dir(run_id)
     where = (str(local / T.ARTIFACT_VERIFY_DIR / "report.html") if local is not None
              else f"{tracker.get_run(run_id).artifact_uri}/{T.ARTIFACT_VERIFY_DIR}/report.html")

@@ -20,14 +20,6 @@ from harness.record import confine, redaction
 from harness.store.tracking import RunSummary, Tracker
 from harness.systems import git as gitsource
 
-# Runs that record a group or a check rather than one training job: there is nothing of their own to rerun.
-_NOT_TRAINING = {
-    T.KIND_STUDY: "a study (its members are the runs): replay it with `harness replay {id}`, or one member by its id",
-    T.KIND_STUDY_REPLAY: "a study replay: replay the study it was made from (harness.replay_of), or one of its members",
-    T.KIND_VERIFY: "a claims check (harness verify): rerun it with `harness verify CLAIMS_FILE --replay`",
-    T.KIND_TRACE: "a trace of one step (harness trace); trace or replay the run it traced (harness.trace_of) instead",
-}
-
 
 def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
     """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
@@ -45,19 +37,12 @@ def code_id(commit: str, patch_sha256: str | None) -> str:
     return f"{commit}+{patch_sha256}" if patch_sha256 else commit
 
 
-def refuse_non_training(run: RunSummary, command: str) -> None:
-    """Replay, resume and audit run one recorded training job; a study, study replay or claims check is none."""
-    why = _NOT_TRAINING.get(run.tags.get(T.KIND, ""))
-    if why is not None:
-        raise HarnessError(f"run {run.run_id} is {why.format(id=run.run_id)}; `harness {command}` applies to a training run.")
-
-
 @dataclass
 class RecordedRun:
-    """A harness run as the store holds it, loaded by replay, resume and audit.
+    """A harness run as the store holds it, made ready to run again (by replay, resume, audit and trace).
 
-    Each command checks the run's status itself, may adjust `cfg` (replay's --world-size, overrides,
-    --executor), then enters `code()`.
+    The command loads it through harness/record/loading.py (which refuses what it cannot use), may adjust
+    `cfg` (replay's --world-size, overrides, --executor), then enters `code()`.
     """
 
     tracker: Tracker

@@ -1,0 +1,70 @@
+"""Runs made from another run (a replay, an audit, a trace, a study replay) or from a claims file (a verify run).
+
+One place says how such a run is recorded: its kind, the tag naming the run it was made from, the MLflow
+parent it is nested under, the facts it carries from its source and the machine it ran on; and how it
+closes: FINISHED when its body completes, KILLED on Ctrl-C, FAILED with the error as its status reason on
+any other error (never left RUNNING). A training replay's run is opened by `harness run`'s recorder
+(commands/run.py create_record), which closes it when the ranks end: `opened(..., close=False)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+from harness import tags as T
+from harness.record.provenance import runtime_facts
+from harness.records import RunSummary
+from harness.store.tracking import Tracker
+
+# kind -> the tag naming the run it was made from
+OF_TAG = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF, T.KIND_TRACE: T.TRACE_OF}
+REASON_LIMIT = 500  # characters of the error kept as the status reason
+
+
+def tags(
+    kind: str,
+    source: RunSummary | None = None,
+    *,
+    parent: str | None = None,
+    version: str | None = None,
+    runtime: bool = False,
+    copy: tuple[str, ...] = (),
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The tags of a run of `kind` made from `source`: its of-tag and MLflow parent (`parent`, default the source).
+
+    `version`: the harness version tag (a run recorded by `harness run`'s recorder gets its own); `runtime`: the
+    facts of the machine it runs on (an audit or a trace re-executes here); `copy`: tags carried from the source
+    when it has them; `extra`: the kind's own tags.
+    """
+    out = {T.VERSION: version} if version is not None else {}
+    out[T.KIND] = kind
+    if source is not None:
+        out[OF_TAG[kind]] = source.run_id
+        out[T.MLFLOW_PARENT_RUN_ID] = parent or source.run_id
+        out.update({name: source.tags[name] for name in copy if source.tags.get(name)})
+    elif parent is not None:
+        out[T.MLFLOW_PARENT_RUN_ID] = parent
+    if runtime:
+        out.update({T.ENV_PREFIX + k: v for k, v in runtime_facts().items()})
+    out.update(extra or {})
+    return out
+
+
+@contextlib.contextmanager
+def opened(tracker: Tracker, experiment: str, run_tags: Mapping[str, str], run_name: str | None, *,
+           close: bool = True) -> Iterator[str]:
+    """Create the run and yield its id; it ends FINISHED when the body completes (unless `close` is False: its
+    launcher ends it), KILLED on Ctrl-C, FAILED with the error as harness.status_reason on any other error."""
+    run_id = tracker.create_run(experiment, dict(run_tags), run_name=run_name)
+    try:
+        yield run_id
+    except BaseException as err:
+        status = T.KILLED if isinstance(err, KeyboardInterrupt) else T.FAILED
+        with contextlib.suppress(Exception):  # the store that failed may refuse this too; the close must still come
+            tracker.set_tags(run_id, {T.STATUS_REASON: (str(err) or type(err).__name__)[:REASON_LIMIT]})
+        tracker.end_run(run_id, status)
+        raise
+    if close:
+        tracker.end_run(run_id, T.FINISHED)

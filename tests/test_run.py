@@ -291,8 +291,10 @@ def test_signal_while_recording_waits_until_the_run_is_closed(project: Project) 
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return original(*args, **kwargs)\n"
         "recorder.record_results = record\n"
+        "from harness import events\n"
         "if __name__ == '__main__':\n"
-        "    outcome = runner.run(Path('experiments/linear_ddp'), ['train.epochs=1'])\n"
+        "    with events.listening(lambda event: print(event.line(), file=sys.stderr)):\n"
+        "        outcome = runner.run(Path('experiments/linear_ddp'), ['train.epochs=1'])\n"
         "    print(outcome.run_id)\n"
         "    sys.exit(outcome.exit_code)\n"
     )

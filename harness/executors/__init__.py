@@ -16,14 +16,13 @@ or, in-process, through `register(backend)`. run, replay, resume, audit and trac
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import config
+from harness import config, events
 from harness.errors import HarnessError
 from harness.executors.base import (
     Backend,
@@ -67,12 +66,12 @@ def _load() -> None:
         try:
             loaded = point.load()
         except Exception as err:  # a broken outside package must not take harness down with it
-            print(f"Warning: the executor entry point {point.name} ({point.value}) does not load: {err}", file=sys.stderr)
+            events.emit(events.Warning(f"the executor entry point {point.name} ({point.value}) does not load: {err}"))
             continue
         declared = getattr(loaded, "BACKEND", loaded)
         if not isinstance(declared, Backend):
-            print(f"Warning: the executor entry point {point.name} ({point.value}) is not a harness Backend; ignored.",
-                  file=sys.stderr)
+            events.emit(events.Warning(f"the executor entry point {point.name} ({point.value}) is not a harness "
+                                       "Backend; ignored."))
             continue
         register(declared)
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
 from harness.executors.base import Event, Job, Outcome
@@ -112,8 +111,8 @@ def node_tags(nodes: dict[int, dict[str, Any]]) -> dict[str, str]:
     differ = differing(nodes)
     if differ:
         tags[T.NODES_DIFFER] = "; ".join(f"node {n}: {', '.join(keys)}" for n, keys in differ.items())
-        print(f"Warning: the nodes' environments differ ({tags[T.NODES_DIFFER]}); recorded, and a replay's delta "
-              "will show it.", file=sys.stderr)
+        events.emit(events.Warning(f"the nodes' environments differ ({tags[T.NODES_DIFFER]}); recorded, and a "
+                                   "replay's delta will show it."))
     return tags
 
 
@@ -211,7 +210,7 @@ def ranks_only(job: Job, work: Path, node: Node, spec_for: SpecFor, run: RunRank
 def after_deferred(outcome: Outcome, deferred: list[int]) -> Outcome:
     """A signal that arrived while the run was being recorded waited for it: the exit code says it came."""
     if deferred:
-        print(f"{signal.Signals(deferred[0]).name} arrived while the run was being recorded; it was recorded "
-              "in full first.", file=sys.stderr)
+        events.emit(events.Notice(f"{signal.Signals(deferred[0]).name} arrived while the run was being recorded; "
+                                  "it was recorded in full first."))
         outcome.exit_code = 128 + deferred[0]
     return outcome

@@ -9,14 +9,13 @@ through the rendezvous (executors/multinode.py).
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import scratch, tags as T
+from harness import events, scratch, tags as T
 from harness.config import check_nodes
 from harness.errors import Interrupted, RunFailed
 from harness.executors.base import (
@@ -136,7 +135,7 @@ class LocalHandle(Handle):
             joined = self.node.join(node_facts(job.code_id, config_id(job.cfg)))
             if joined is None:
                 job.run_id = self.node.attach()
-                print(f"node {topo.node_rank}: joined run {job.run_id}", file=sys.stderr, flush=True)
+                events.emit(events.Notice(f"node {topo.node_rank}: joined run {job.run_id}"))
                 return
             tags[T.MASTER] = f"{topo.master_addr}:{topo.master_port}"
             record_and_publish(job, self.node, {**tags, **node_tags(joined.nodes)}, joined.nodes, "node 0")

@@ -97,3 +97,20 @@ def test_bad_input_raises_the_error_the_cli_prints(fresh_project: Project) -> No
         answer = p.cli(*argv)
         assert answer.returncode == err.value.exit_code == 2, answer
         assert answer.stderr == f"Error: {err.value}\n", (argv, answer.stderr)
+
+
+def test_placement_splits_the_backends_options_into_recorded_overrides_and_job_choices() -> None:
+    """The CLI hands every placement option by name; the backends' declarations decide what each one is."""
+    placement = harness.Placement.of({"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None,
+                                      "slurm_nodes": 2, "partition": "gpu", "slurm_time": None,
+                                      "allow_unpinned": True})
+    assert placement.nnodes is None and dict(placement.backend) == {"slurm_nodes": 2, "partition": "gpu",
+                                                                     "allow_unpinned": True}
+    # A config key: recorded as that backend's override (a replay shows it as a change); none: this job only.
+    assert placement.backend_overrides() == ["slurm.nodes=2", "slurm.partition=gpu"]
+    assert placement.job_options() == {"allow_unpinned": True}
+    assert placement.given() == ["--allow-unpinned", "--nodes", "--partition"]  # the registry's order: docker, slurm
+    assert harness.Placement(nnodes=2, node_rank=1).multi_node() == ["--nnodes", "--node-rank"]
+    assert harness.Placement().backend_overrides() == [] and harness.Placement().job_options() == {}
+    with pytest.raises(HarnessError, match="no backend takes the option"):
+        harness.Placement(backend={"no_such_option": 1}).backend_overrides()

@@ -150,7 +150,7 @@ def backends() -> dict[str, BackendSchema]:
     """The known backends by name. Loading the registry is what registers them: this module is a leaf and
     imports no backend, so a caller that never imported harness.executors gets it loaded here, by name."""
     if not _BACKENDS:
-        importlib.import_module("harness.executors")
+        importlib.import_module("harness.executors").backends()
     return dict(_BACKENDS)
 
 

@@ -14,9 +14,8 @@ from typing import Any
 
 from harness import events, executors, tags as T
 from harness.errors import HarnessError, RunFailed
-from harness.executors import Outcome
+from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
-from harness.executors.local import run_segments
 from harness.judge import reproduced
 from harness.record import checkpoints as checkpoint_store, loading
 from harness.runtime.context import CheckpointPlan
@@ -59,14 +58,12 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
 
     data = recorded.check_data(repo)  # the rest of the run must read the bytes its first part read
     with recorded.code(repo) as (tree, exp_dir):
-        prove(record, cfg, exp_dir, Path(store.directory), earlier, step, data.paths)
-        return executors.run(
-            recorded.job(tree, exp_dir, record=reopen, run_id=run_id, resume_step=step, data=data.paths)
-        )
+        job = recorded.job(tree, exp_dir, record=reopen, run_id=run_id, resume_step=step, data=data.paths)
+        prove(record, job, Path(store.directory), earlier, step)
+        return executors.run(job)
 
 
-def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, earlier: int | None, step: int,
-          data: dict[str, str] | None) -> None:
+def prove(record: RunRecord, job: Job, directory: Path, earlier: int | None, step: int) -> None:
     """Hold a resume from `step` to what the run recorded, before it continues; HarnessError (exit 2) if it differs.
 
     Two re-executions, in one set of fresh ranks: steps [earlier, step) from the checkpoint before, which must land
@@ -92,7 +89,7 @@ def prove(record: RunRecord, cfg: Any, exp_dir: Path, directory: Path, earlier: 
            f"register what the step depends on (ctx.track), or rerun it: harness replay {record.run_id} --allow-incomplete.")
     messages = SegmentMessages(len(plans))
     try:
-        run_segments(cfg, exp_dir, plans, messages, data)
+        executors.run_segments(job, plans, messages, "resume")  # on the run's backend, as audit and trace do
     except RunFailed as err:
         raise HarnessError(f"{refused.format(what=' and '.join(what))} failed ({err}). Fix the failure, or rerun it: "
                            f"harness replay {record.run_id} --allow-incomplete.") from None

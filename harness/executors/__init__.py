@@ -51,10 +51,22 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, Backend] = {}
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    """The built-in backends and the entry points' are loaded at the first use of the registry, not when this
+    package is imported: a backend imports the layers beside this one (record.recorded, the recorder), and they
+    import this package - loading at import would run into modules still half imported."""
+    global _loaded
+    if not _loaded:
+        _loaded = True  # first: _load() registers through register(), which lands here again
+        _load()
 
 
 def register(declared: Backend) -> None:
     """Make a backend known (in this process): `executor: NAME`, its section and its options."""
+    _ensure_loaded()  # the built-in ones first, whoever registers first
     _REGISTRY[declared.name] = declared
     config.register_backend(config.BackendSchema(declared.name, declared.section, declared.check))
 
@@ -78,11 +90,13 @@ def _load() -> None:
 
 def backends() -> dict[str, Backend]:
     """Every known backend by name: the built-in ones first, then the entry points', then register()'s."""
+    _ensure_loaded()
     return dict(_REGISTRY)
 
 
 def backend(name: str) -> Backend:
     """The named backend, or one line naming the known ones (exit 2)."""
+    _ensure_loaded()
     if name not in _REGISTRY:
         raise HarnessError(f"unknown executor {name!r}; known: {', '.join(_REGISTRY)}.")
     return _REGISTRY[name]
@@ -123,12 +137,9 @@ def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
     before anything is recorded."""
     declared = backend(str(cfg.executor))
     if not declared.runs_segments:
-        able = ", ".join(n for n, b in _REGISTRY.items() if b.runs_segments) or "none"
+        able = ", ".join(n for n, b in backends().items() if b.runs_segments) or "none"
         raise HarnessError(f"{what} re-executes segments of the run on its backend, and the {declared.name} backend "
                            f"runs no segments (those that do: {able}).")
     check = getattr(declared.executor(), "check_segments", None)
     if here and check is not None:
         check(cfg)
-
-
-_load()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import signal
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +22,7 @@ from omegaconf import DictConfig
 from harness import events, tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
-from harness.executors.base import Event, Job, Outcome
+from harness.executors.base import FAILED, FINISHED, KILLED, PENDING, RUNNING, Event, Handle, Job, Outcome
 from harness.executors.launch import LaunchSpec, failure_details, resolve_device
 from harness.executors.multinode import Node, differing
 from harness.messages import Message
@@ -214,3 +216,55 @@ def after_deferred(outcome: Outcome, deferred: list[int]) -> Outcome:
                                   "it was recorded in full first."))
         outcome.exit_code = 128 + deferred[0]
     return outcome
+
+
+class RanksHandle(Handle):
+    """What the handles that supervise this node's own ranks (local, torchrun) share: the state `status()` reports,
+    signals held while the run is recorded, and `wait()` - the node that runs global rank 0 feeds the recorder
+    (record_ranks), any other only runs its ranks (ranks_only). A backend says which node this is and how its
+    ranks start (`_spec`, `_launch`)."""
+
+    def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str], work: Path) -> None:
+        self.job = job
+        self.on_event = on_event
+        self.placement = placement
+        self.work = work
+        self.node: Any = None
+        self.cancelled: int | None = None
+        self.deferred: list[int] = []  # signals that arrived while the run was being recorded
+        self.recording = False
+        self.state = PENDING
+
+    def status(self) -> str:
+        return self.state
+
+    def _records_here(self) -> bool:
+        """Whether this process runs global rank 0, and so records the job."""
+        return self.job.topology.node_rank == 0
+
+    @abstractmethod
+    def _spec(self, device: str, backend: str, log_dir: Path, plan: Any) -> LaunchSpec:
+        """This node's ranks' LaunchSpec."""
+
+    @abstractmethod
+    def _launch(self, spec: LaunchSpec, on_message: Callable[[Message], None],
+                on_ranks: Callable[[Any], None] | None = None) -> None:
+        """Run this node's ranks to their end (launch.launch, with the backend's store, checks and cancel)."""
+
+    def _closing(self) -> None:
+        self.recording = True
+
+    def wait(self) -> Outcome:
+        self.state = RUNNING
+        outcome: Outcome | None = None
+        try:
+            if self._records_here():
+                outcome = after_deferred(record_ranks(self.job, self.work, self.node, self._spec, self._launch,
+                                                      self.on_event, self._closing), self.deferred)
+            else:
+                outcome = ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
+                                     self._closing)
+            return outcome
+        finally:
+            self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
+            shutil.rmtree(self.work, ignore_errors=True)

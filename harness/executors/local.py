@@ -19,28 +19,20 @@ from harness import events, scratch, tags as T
 from harness.config import check_nodes
 from harness.errors import Interrupted, RunFailed
 from harness.executors.base import (
-    FAILED,
-    FINISHED,
-    KILLED,
-    PENDING,
-    RUNNING,
     Backend,
     Event,
     Executor,
     Handle,
     Job,
-    Outcome,
 )
 from harness.executors.common import (
-    after_deferred,
+    RanksHandle,
     check_runnable,
     config_id,
     launch_spec,
     local_image_tags,
     node_tags,
-    ranks_only,
     record_and_publish,
-    record_ranks,
 )
 from harness.executors.launch import LaunchSpec, Ranks, failure_details, is_peer_failure, launch
 from harness.executors.multinode import check_topology
@@ -93,23 +85,13 @@ BACKEND = Backend(
 )
 
 
-class LocalHandle(Handle):
+class LocalHandle(RanksHandle):
     """This node's ranks; on the node that runs rank 0, their messages go to the job's recorder."""
 
     def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str]) -> None:
-        self.job = job
-        self.on_event = on_event
-        self.placement = placement
-        self.node: Any = None
-        self.cancelled: int | None = None
-        self.deferred: list[int] = []  # signals that arrived while the run was being recorded
-        self.recording = False
-        self.state = PENDING
         # Ranks started before the record already write their logs into <work>/logs.
-        self.work = Path(job.ranks.log_dir).parent if job.ranks is not None else scratch.make("run")
-
-    def status(self) -> str:
-        return self.state
+        work = Path(job.ranks.log_dir).parent if job.ranks is not None else scratch.make("run")
+        super().__init__(job, on_event, placement, work)
 
     def cancel(self, signum: int) -> None:
         if self.recording:  # a signal now would cut the record short: it waits until the run is closed
@@ -142,24 +124,6 @@ class LocalHandle(Handle):
         except BaseException:
             shutil.rmtree(self.work, ignore_errors=True)
             raise
-
-    def wait(self) -> Outcome:
-        self.state = RUNNING
-        outcome: Outcome | None = None
-        try:
-            if self.job.topology.node_rank == 0:
-                outcome = after_deferred(record_ranks(self.job, self.work, self.node, self._spec, self._launch,
-                                                      self.on_event, self._closing), self.deferred)
-            else:
-                outcome = ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
-                                     self._closing)
-            return outcome
-        finally:
-            self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
-            shutil.rmtree(self.work, ignore_errors=True)
-
-    def _closing(self) -> None:
-        self.recording = True
 
     def _spec(self, device: str, backend: str, log_dir: Path, plan: Any) -> LaunchSpec:
         topo = self.job.topology

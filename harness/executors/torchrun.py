@@ -23,28 +23,20 @@ from typing import Any
 from harness import scratch, tags as T
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import (
-    FAILED,
-    FINISHED,
-    KILLED,
-    PENDING,
-    RUNNING,
     Event,
     Executor,
     Handle,
     Job,
-    Outcome,
     Topology,
 )
 from harness.executors.common import (
-    after_deferred,
+    RanksHandle,
     check_runnable,
     config_id,
     launch_spec,
     local_image_tags,
     node_tags,
-    ranks_only,
     record_and_publish,
-    record_ranks,
 )
 from harness.executors.launch import (
     failed,
@@ -178,42 +170,16 @@ class _Channel:
         self._on_message = None
 
 
-class TorchrunHandle(Handle):
+class TorchrunHandle(RanksHandle):
     """This process's one rank; on global rank 0, its messages go to the job's recorder."""
 
     def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str], env: TorchrunEnv) -> None:
-        self.job = job
-        self.on_event = on_event
-        self.placement = placement
+        super().__init__(job, on_event, placement, scratch.make("run"))
         self.env = env
-        self.node: Any = None
-        self.cancelled: int | None = None
-        self.deferred: list[int] = []  # signals that arrived while the run was being recorded
-        self.recording = False
         self.training = False  # the rank's body runs in this thread: a signal now interrupts it
-        self.work = scratch.make("run")
-        self.state = PENDING
 
-    def status(self) -> str:
-        return self.state
-
-    def wait(self) -> Outcome:
-        self.state = RUNNING
-        outcome: Outcome | None = None
-        try:
-            if self.env.rank == 0:
-                outcome = after_deferred(record_ranks(self.job, self.work, self.node, self._spec, self._launch,
-                                                      self.on_event, self._closing), self.deferred)
-            else:
-                outcome = ranks_only(self.job, self.work, self.node, self._spec, self._launch, self.on_event,
-                                     self._closing)
-            return outcome
-        finally:
-            self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
-            shutil.rmtree(self.work, ignore_errors=True)
-
-    def _closing(self) -> None:
-        self.recording = True
+    def _records_here(self) -> bool:
+        return self.env.rank == 0
 
     def cancel(self, signum: int) -> None:
         if self.recording:  # a signal now would cut the record short: it waits until the run is closed

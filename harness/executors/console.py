@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from harness import events
 from harness.messages import Total
 from harness.record.recorder import Line
 
@@ -99,8 +100,8 @@ class Console:
         run and on stderr once the bar is closed (shown even with show=False: the run is over, nothing interleaves)."""
         if isinstance(shown, Total):
             self.total(shown.steps)
-        elif self._closed:
-            print(shown.text, file=sys.stderr)
+        elif self._closed:  # the bar is gone: the line goes out as the library's other words do (the CLI draws it)
+            events.emit(events.Notice(shown.text))
         else:
             self.write(shown.text)
 

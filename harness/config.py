@@ -31,6 +31,13 @@ class Device(enum.Enum):
     cuda = "cuda"
 
 
+class Weights(enum.Enum):
+    """How a replay's parameters are held to the original's (replay.tolerance.weights)."""
+
+    exact = "exact"  # differing fingerprints are a divergence, whatever the metrics' tolerance
+    any = "any"  # the parameters may differ where every metric stays within its tolerance
+
+
 class Level(enum.Enum):
     """How hard determinism is enforced in every rank."""
 
@@ -63,6 +70,10 @@ class ToleranceConfig:
     """Applies to every metric not listed under `metrics`."""
     metrics: dict[str, Tolerance] = field(default_factory=dict)
     """Per-metric tolerances, keyed by metric name."""
+    weights: Weights = Weights.exact
+    """`exact`: differing parameter fingerprints are DIVERGED, whatever the metrics' tolerance (a fingerprint is a
+    digest: how far the weights moved cannot be read from it). `any`: the metrics decide, and the weights may
+    differ where every metric stays within its tolerance."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from harness import tags
+from harness.errors import HarnessError
 from harness.judge.compare import (
     BITWISE,
     DIVERGED,
@@ -18,9 +19,13 @@ from harness.judge.compare import (
     WITHIN_TOLERANCE,
     Comparison,
     compare_runs,
+    format_tolerances,
+    judged_tolerance,
+    parse_tolerances,
 )
 from harness.judge.delta import environment_delta
 from harness.judge.report import plot_metrics, render_markdown
+from harness.judge.text import comparison_lines
 from records import FACTS, clone, make_record, tol
 
 
@@ -144,7 +149,7 @@ def test_extra_metric_diverges() -> None:
     assert (cmp.divergence.kind, cmp.divergence.metric, cmp.divergence.step) == ("missing_metric", "acc", 0)
 
 
-def test_fingerprint_mismatch_with_zero_tolerance_diverges() -> None:
+def test_differing_fingerprints_diverge_unless_the_tolerance_lets_weights_differ() -> None:
     a = make_record()
     b = clone(a)
     b.fingerprints[10] = "2" * 64
@@ -152,8 +157,25 @@ def test_fingerprint_mismatch_with_zero_tolerance_diverges() -> None:
     assert cmp.verdict == DIVERGED
     assert (cmp.divergence.kind, cmp.divergence.step) == ("fingerprint", 10)
     assert cmp.fingerprints.first_mismatch_step == 10 and cmp.fingerprints.equal == 2
-    # With any tolerance the metrics decide, and identical metrics pass.
-    assert compare_runs(a, b, tolerance=tol(rtol=1e-9)).verdict == WITHIN_TOLERANCE
+    # Other weights are never within a tolerance set for the metrics, even with every value bit-identical.
+    loose = compare_runs(a, b, tolerance=tol(rtol=1e-3, atol=1e-3))
+    assert loose.verdict == DIVERGED and loose.divergence.kind == "fingerprint" and loose.exit_code == 1
+    # Only weights=any (config replay.tolerance.weights, or --tolerance weights=any) leaves them to the metrics.
+    allowed = compare_runs(a, b, tolerance={**tol(rtol=1e-9), "weights": "any"})
+    assert allowed.verdict == WITHIN_TOLERANCE and allowed.exit_code == 0
+    assert "2/3 fingerprints equal (weights may differ: weights=any)" in allowed.summary()
+    a.config = {"replay": {"tolerance": {"default": {"rtol": 1e-9, "atol": 0.0}, "metrics": {}, "weights": "any"}}}
+    assert compare_runs(a, b).verdict == WITHIN_TOLERANCE
+    assert compare_runs(a, b, tolerance=judged_tolerance(a, b, parse_tolerances(["weights=exact"]))).verdict == DIVERGED
+
+
+def test_values_within_tolerance_with_other_weights_diverge_and_say_how_to_let_the_metrics_decide() -> None:
+    a = make_record()
+    b = clone(a, final_fingerprint="e" * 64)
+    b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
+    cmp = compare_runs(a, b, tolerance=tol(atol=1e-9))
+    assert cmp.verdict == DIVERGED and cmp.divergence.kind == "fingerprint"
+    assert "weights=any would let the metrics decide" in cmp.summary()
 
 
 def test_final_fingerprint_mismatch_blocks_bitwise() -> None:
@@ -164,12 +186,22 @@ def test_final_fingerprint_mismatch_blocks_bitwise() -> None:
     assert cmp.fingerprints.final_equal is False and cmp.divergence.step is None
 
 
-def test_world_size_change_blocks_bitwise() -> None:
+def test_bit_identical_despite_a_world_size_change_is_bitwise_and_lists_it() -> None:
     a = make_record()
     b = clone(a)
     b.facts[tags.WORLD_SIZE] = "4"
     cmp = compare_runs(a, b)
-    assert cmp.verdict == WITHIN_TOLERANCE
+    # What was observed decides: every value and fingerprint bit-identical is BITWISE, the change beside it.
+    assert cmp.verdict == BITWISE and cmp.exit_code == 0
+    assert cmp.summary() == (f"BITWISE: 2 metrics x 20 steps bit-identical, 3 fingerprints equal; "
+                             f"bitwise despite 1 environment change: {tags.WORLD_SIZE}")
+    assert any(line.startswith("Bitwise despite environment changes") for line in comparison_lines(cmp, []))
+    assert "**Bitwise despite**" in render_markdown(cmp, [])
+    # A value one ulp off is judged by tolerance then, and says why bitwise was not to be expected.
+    near_b = clone(b)
+    near_b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
+    near = compare_runs(a, near_b, tolerance=tol(atol=1e-9))
+    assert near.verdict == WITHIN_TOLERANCE and "bitwise impossible (1 environment change)" in near.summary()
     assert cmp.bitwise_possible is False
     assert [d.name for d in cmp.delta] == [tags.WORLD_SIZE]
     d = cmp.delta[0]
@@ -487,3 +519,14 @@ def test_two_plain_runs_are_named_run_a_and_run_b() -> None:
     cmp = compare_runs(a, b)
     assert cmp.verdict == DIVERGED and not cmp.of_replay
     assert "logged by run A but not by run B" in cmp.summary(), cmp.summary()
+
+
+@pytest.mark.parametrize("spec", ["weights=maybe", "weights=", "weights=1e-3"])
+def test_weights_tolerance_takes_any_or_exact_once(spec: str) -> None:
+    with pytest.raises(HarnessError, match=r"weights take 'any' .* or 'exact', once"):
+        parse_tolerances([spec])
+    with pytest.raises(HarnessError, match="once"):
+        parse_tolerances(["weights=any", "weights=exact"])
+    given = parse_tolerances(["loss=1e-3", "weights=any"])
+    assert format_tolerances(given) == "loss=0.001,0.0 weights=any"
+    assert parse_tolerances(format_tolerances(given).split()) == given  # the tag reads back as given

@@ -341,14 +341,21 @@ def test_tolerance_given_decides_the_verdict_and_is_recorded(project: Project, w
     assert exact.returncode == 1, exact.stdout + exact.stderr
     assert verdict_line(exact.stdout).startswith("verdict: DIVERGED at step "), exact.stdout
 
-    wide = project.harness("replay", wide_run, *OTHER_HARDWARE, "--tolerance", "loss=1e-2")
+    # Values within the loss tolerance, but other weights: never within a tolerance set for the metrics.
+    metrics_only = project.harness("replay", wide_run, *OTHER_HARDWARE, "--tolerance", "loss=1e-2")
+    assert metrics_only.returncode == 1, metrics_only.stdout + metrics_only.stderr
+    assert "parameter fingerprints differ" in verdict_line(metrics_only.stdout), metrics_only.stdout
+    assert "--tolerance weights=any would let the metrics decide" in metrics_only.stdout
+
+    wide = project.harness("replay", wide_run, *OTHER_HARDWARE, "--tolerance", "loss=1e-2", "--tolerance", "weights=any")
     assert wide.returncode == 0, wide.stdout + wide.stderr
     assert verdict_line(wide.stdout).startswith("verdict: WITHIN_TOLERANCE: "), wide.stdout
+    assert "(weights may differ: weights=any)" in verdict_line(wide.stdout)
     assert "Tolerance given (--tolerance, over the recorded replay.tolerance): loss atol 0.01 rtol 0" in wide.stdout
     assert ", tolerance atol 0.01 rtol 0" in wide.stdout  # on the loss line
     client = project.client()
     run = client.get_run(wide.last_line)
-    assert run.data.tags["harness.replay.tolerance"] == "loss=0.01,0.0"
+    assert run.data.tags["harness.replay.tolerance"] == "loss=0.01,0.0 weights=any"
     assert run.data.tags["harness.verdict"] == "WITHIN_TOLERANCE"
     assert "harness.replay.tolerance:" not in wide.stdout  # a judgement's choice, not an environment fact
     report = Path(client.download_artifacts(wide.last_line, "replay/report.md")).read_text()
@@ -359,13 +366,14 @@ def test_tolerance_given_decides_the_verdict_and_is_recorded(project: Project, w
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.strip().splitlines()[-1].startswith("verdict: WITHIN_TOLERANCE"), again.stdout
     assert project.harness("compare", wide_run, exact.last_line).returncode == 1
-    loose = project.harness("compare", wide_run, exact.last_line, "--tolerance", "loss=1e-2")
+    loose = project.harness("compare", wide_run, exact.last_line, "--tolerance", "loss=1e-2", "--tolerance", "weights=any")
     assert loose.returncode == 0, loose.stdout + loose.stderr
     assert "verdict: WITHIN_TOLERANCE" in loose.stdout and "loss atol 0.01 rtol 0" in loose.stdout
 
 
 def test_allowed_tolerance_change_is_the_tolerance_judged(project: Project, wide_run: str) -> None:
-    result = project.harness("replay", wide_run, *OTHER_HARDWARE, "replay.tolerance.metrics.loss.atol=1e-2")
+    result = project.harness("replay", wide_run, *OTHER_HARDWARE, "replay.tolerance.metrics.loss.atol=1e-2",
+                             "replay.tolerance.weights=any")
     assert result.returncode == 0, result.stdout + result.stderr
     assert verdict_line(result.stdout).startswith("verdict: WITHIN_TOLERANCE: "), result.stdout
     assert "replay.tolerance.metrics.loss.atol=1e-2" in result.stdout  # the change requested, as recorded

@@ -12,7 +12,11 @@ from scipy import stats
 import pytest
 
 from conftest import OTHER_HARDWARE, Project
-from harness.judge.claims import load_claims, parse_printed, prints_as
+from harness.commands.verify import judge
+from harness.judge.claims import Claim, Source, load_claims, parse_printed, possible_typo, prints_as
+from harness.judge.verify_report import why
+from harness.records import RunSummary
+from records import make_record
 from harness.errors import HarnessError
 
 # --- printed numbers ---------------------------------------------------------------------------------------
@@ -61,6 +65,32 @@ def test_rounding_compares_decimals_at_the_printed_precision() -> None:
     # 1.8625006675720215 is what a float32 loss reads as: 1.863, never 1.862.
     assert prints_as(1.8625006675720215, Decimal("1.863")) and not prints_as(1.8625006675720215, Decimal("1.862"))
     assert not prints_as(math.nan, Decimal("0.5")) and not prints_as(math.inf, Decimal("1"))
+
+
+@pytest.mark.parametrize("recorded,printed,typo", [
+    (2.8851, "2.858", "possible typo: printed 2.858, runs give 2.885"),  # two adjacent digits swapped
+    (2.8851, "2.985", "possible typo: printed 2.985, runs give 2.885"),  # one digit replaced, not the last
+    (97.31, "79.3", "possible typo: printed 79.3, runs give 97.3"),
+    (2.8851, "2.888", None),  # the last digit: rounding and noise move it too
+    (2.8851, "-2.885", None), (2.8851, "28.85", None), (2.8851, "2.89", None), (2.8851, "3.012", None),
+])
+def test_a_slipped_digit_is_named_a_possible_typo(recorded: float, printed: str, typo: str | None) -> None:
+    assert possible_typo(recorded, Decimal(printed)) == typo
+
+
+def test_a_transposed_mean_inside_the_noise_is_still_misprinted() -> None:
+    """Seeds with a wide spread: 2.858 lies inside where another 3 seeds' mean lands, but it is 2.885 with two
+    digits swapped, so it is MISPRINTED with the typo named, not WITHIN_NOISE."""
+    members = [make_record(f"m{i}", metrics={"loss": (np.arange(3), np.array([3.0, 2.9, v]))})
+               for i, v in enumerate((2.8451, 2.8851, 2.9251))]
+    study = RunSummary("s1", "wide", "1", "study", "FINISHED", None, None, {}, {}, [], "")
+    source = Source("s1", study, members, True)
+    swapped = judge(Claim("t", "loss", parse_printed("2.858"), "2.858", study="s1"), source, "claim 't'")
+    assert swapped.noise_interval[0] < 2.858 < swapped.noise_interval[1]
+    assert (swapped.outcome, swapped.typo) == ("MISPRINTED", "possible typo: printed 2.858, runs give 2.885")
+    assert "possible typo: printed 2.858" in " ".join(why(swapped)) and swapped.to_dict()["possible_typo"]
+    nearby = judge(Claim("n", "loss", parse_printed("2.870"), "2.870", study="s1"), source, "claim 'n'")
+    assert (nearby.outcome, nearby.typo) == ("WITHIN_NOISE", None)
 
 
 # --- the claims file ---------------------------------------------------------------------------------------

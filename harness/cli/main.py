@@ -258,7 +258,8 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--members-seed", type=click.IntRange(min=0), default=None,
               help="A study with --members: the seed of the draw (to repeat an earlier one).")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
-              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance (recorded). Repeatable.")
+              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance (recorded). Repeatable. "
+                   "weights=any lets the metrics decide where the parameters' fingerprints differ.")
 @click.option("--localize/--no-localize", default=None,
               help="When the replay DIVERGES, trace its first divergent step and name the first differing op "
                    "(default: only when the run has checkpoints).")
@@ -355,6 +356,9 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
     for row in table:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for verdict in result.verdicts:
+        if verdict.typo:
+            click.echo(f"Note: claim {verdict.claim.id}: {verdict.typo}")
     click.echo(f"Report: {result.report_path}", err=True)
     click.echo(f"claims: {result.held} of {len(result.verdicts)} hold")
     click.echo(result.run_id)
@@ -368,7 +372,8 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
 @click.option("--report", "report", type=click.Path(path_type=Path), default=None,
               help="Two traces: also write the localization report to PATH (HTML if it ends in .html, else markdown).")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
-              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance. Repeatable.")
+              help="Judge METRIC with this tolerance instead of the recorded replay.tolerance. Repeatable. "
+                   "weights=any lets the metrics decide where the parameters' fingerprints differ.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tolerances: tuple[str, ...],

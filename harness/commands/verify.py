@@ -26,6 +26,7 @@ from harness.judge.claims import (
     Verdict,
     as_decimal,
     load_claims,
+    possible_typo,
     prints_as,
 )
 from harness.judge.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
@@ -143,12 +144,14 @@ def judge(claim: Claim, source: Source, where: str) -> Verdict:
     spread_ok = claim.paper.pm is None or (spread is not None and prints_as(spread, claim.paper.pm))
     outcome = HOLDS if value_ok and spread_ok else MISPRINTED
     interval = None
+    # A slipped digit (2.858 for 2.885) is a misprint even where the seeds' noise would cover the number.
+    typo = None if value_ok else possible_typo(recorded, claim.paper.value)
     if source.is_study and claim.statistic == "mean" and len(values) >= MIN_SEEDS:
         interval = another_mean(values)
-        if not value_ok and interval[0] <= float(claim.paper.value) <= interval[1]:
+        if not value_ok and typo is None and interval[0] <= float(claim.paper.value) <= interval[1]:
             outcome = CLAIM_WITHIN_NOISE
     return Verdict(claim, source, values, recorded, spread, value_ok, spread_ok, outcome=outcome,
-                   noise_interval=interval)
+                   noise_interval=interval, typo=typo)
 
 
 def replay_source(source: Source, *, members: int | None, world_size: int | None, overrides: list[str],

@@ -58,6 +58,26 @@ def parse_printed(text: str) -> Printed:
     return Printed(value, pm)
 
 
+def possible_typo(x: float | Decimal, printed: Decimal) -> str | None:
+    """'possible typo: printed 2.858, runs give 2.885' when the printed number is the recorded one, at the printed
+    precision, with two adjacent digits swapped or one digit other than the last replaced - the slips of a hand
+    copying a number. A last digit that differs is left alone: rounding and a seed's noise move it too.
+    None when no such slip explains the difference."""
+    for shown in sorted(roundings(x, printed)):
+        a, b = str(printed), str(shown)
+        if a == b or len(a) != len(b):
+            continue
+        diff = [i for i, (p, q) in enumerate(zip(a, b)) if p != q]
+        if not all(a[i].isdigit() and b[i].isdigit() for i in diff):
+            continue  # a sign or the decimal point moved: another number, not a slip of one digit
+        swapped = len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
+        last = max(i for i, ch in enumerate(a) if ch.isdigit())
+        replaced = len(diff) == 1 and diff[0] != last
+        if swapped or replaced:
+            return f"possible typo: printed {a}, runs give {b}"
+    return None
+
+
 def as_decimal(x: float) -> Decimal:
     """The float's shortest repr as a Decimal: '0.9535' rather than the binary 0.953499999..., which is the
     number a person reads off a log and rounds by hand."""
@@ -275,6 +295,7 @@ class Verdict:
     recorded_replayed_members: float | None = None
     outcome: str = HOLDS
     noise_interval: tuple[float, float] | None = None  # where another N seeds' mean lands (a mean claim on a study)
+    typo: str | None = None  # possible_typo(): the printed number is the recorded one with a digit slipped
 
     @property
     def holds(self) -> bool:
@@ -293,7 +314,7 @@ class Verdict:
             "replay_verdict": self.source.replay_verdict, "replay_id": self.source.replay_id,
             "replayed_values": [json_float(v) for v in self.replayed_values], "replayed": json_float(self.replayed),
             "recorded_replayed_members": json_float(self.recorded_replayed_members),
-            "outcome": self.outcome,
+            "outcome": self.outcome, "possible_typo": self.typo,
         }
 
 

@@ -187,7 +187,7 @@ class Comparison:
                     "log metrics with ctx.log and register the model with ctx.ddp")
         if self.verdict == WITHIN_NOISE and self.noise is not None:
             n = len(self.bitwise_blockers)
-            why = f"bitwise impossible ({n} environment change{'s' if n != 1 else ''})" if n else "the config changed"
+            why = f"bitwise impossible ({_changes(n)})" if n else "the config changed"
             return (f"{WITHIN_NOISE}: {self.noise.headline()}; {why}, first outside the tolerance "
                     f"{self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
         if self.verdict == DIVERGED and self.divergence is not None:
@@ -198,16 +198,21 @@ class Comparison:
         shape = _shape(self.metrics)
         fps = self.fingerprints
         if self.verdict == BITWISE:
-            return f"{BITWISE}: {shape} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
+            line = f"{BITWISE}: {shape} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
+            if self.bitwise_blockers:
+                names = [d.name for d in self.delta if d.breaks_bitwise]
+                line += f"; bitwise despite {_changes(len(names))}: {', '.join(names)}"
+            return line
         if all(m.bitwise_equal for m in self.metrics):
             body = f"{shape} bit-identical"
         else:
             worst = max(self.metrics, key=lambda m: _sort_key(m.max_abs_diff))
             body = f"{shape} within tolerance, max abs diff {fmt_short(worst.max_abs_diff)} ({worst.name})"
         line = f"{self.verdict}: {body}, {fps.equal}/{fps.compared} fingerprints equal"
+        if not fps.all_equal:
+            line += " (weights may differ: weights=any)"
         if not self.bitwise_possible:
-            n = len(self.bitwise_blockers)
-            line += f"; bitwise impossible ({n} environment change{'s' if n != 1 else ''})"
+            line += f"; bitwise impossible ({_changes(len(self.bitwise_blockers))})"
         return line
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,20 +224,39 @@ class Comparison:
 # Metrics
 
 
+# `--tolerance weights=any` (or replay.tolerance.weights: any): the parameters may differ where every metric stays
+# within its tolerance. A fingerprint is a digest, so weights are either held exact or left to the metrics.
+WEIGHTS = "weights"
+WEIGHTS_EXACT, WEIGHTS_ANY = "exact", "any"
+
+
 def default_tolerance(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """config["replay"]["tolerance"], or zero tolerance when the config has none."""
     tol = ((config or {}).get("replay") or {}).get("tolerance")
     if not tol:
-        return {"default": {"rtol": 0.0, "atol": 0.0}, "metrics": {}}
-    return {"default": dict(tol.get("default") or {}), "metrics": {k: dict(v) for k, v in (tol.get("metrics") or {}).items()}}
+        return {"default": {"rtol": 0.0, "atol": 0.0}, "metrics": {}, WEIGHTS: WEIGHTS_EXACT}
+    return {"default": dict(tol.get("default") or {}), "metrics": {k: dict(v) for k, v in (tol.get("metrics") or {}).items()},
+            WEIGHTS: str(tol.get(WEIGHTS) or WEIGHTS_EXACT)}
 
 
-def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, dict[str, float]]:
-    """--tolerance METRIC=ATOL[,RTOL] (repeatable) as {metric: {"atol": ..., "rtol": ...}}; RTOL defaults to 0."""
-    out: dict[str, dict[str, float]] = {}
+def weights_may_differ(tolerance: Mapping[str, Any]) -> bool:
+    """Whether the tolerance explicitly lets the parameters differ (else differing fingerprints are DIVERGED)."""
+    return tolerance.get(WEIGHTS) == WEIGHTS_ANY
+
+
+def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, Any]:
+    """--tolerance METRIC=ATOL[,RTOL] (repeatable) as {metric: {"atol": ..., "rtol": ...}}; RTOL defaults to 0.
+    `weights=any` / `weights=exact` sets how the parameters are held (entry WEIGHTS: "any" or "exact")."""
+    out: dict[str, Any] = {}
     for spec in specs or ():
         metric, sep, value = spec.partition("=")
         metric = metric.strip()
+        if metric == WEIGHTS:
+            if value.strip() not in (WEIGHTS_ANY, WEIGHTS_EXACT) or WEIGHTS in out:
+                raise HarnessError(f"--tolerance {spec!r}: weights take 'any' (the metrics decide, the parameters may "
+                                   "differ) or 'exact', once. Pass --tolerance weights=any.")
+            out[WEIGHTS] = value.strip()
+            continue
         parts = value.split(",") if sep else []
         try:
             numbers = [float(x) for x in parts]
@@ -247,13 +271,14 @@ def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, dic
     return out
 
 
-def format_tolerances(given: Mapping[str, Mapping[str, float]]) -> str:
+def format_tolerances(given: Mapping[str, Any]) -> str:
     """The inverse of parse_tolerances, as recorded in the tag harness.replay.tolerance: `loss=0.01,0.0 acc=...`."""
-    return " ".join(f"{m}={float(t['atol'])!r},{float(t['rtol'])!r}" for m, t in sorted(given.items()))
+    return " ".join(f"{m}={t}" if m == WEIGHTS else f"{m}={float(t['atol'])!r},{float(t['rtol'])!r}"
+                    for m, t in sorted(given.items()))
 
 
 def judged_tolerance(
-    original: RunRecord, replay: RunRecord, given: Mapping[str, Mapping[str, float]] | None = None
+    original: RunRecord, replay: RunRecord, given: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The tolerance a judgement uses - the one rule for `harness replay` and `harness compare`.
 
@@ -267,9 +292,11 @@ def judged_tolerance(
     tol = default_tolerance(replay.config if of_replay and replay.config else original.config)
     recorded = replay.facts.get(tags.TOLERANCE) if of_replay else None
     layered = {**parse_tolerances(recorded.split() if recorded else []), **(given or {})}
-    tol["metrics"].update({m: dict(t) for m, t in layered.items()})
+    if WEIGHTS in layered:
+        tol[WEIGHTS] = layered[WEIGHTS]
+    tol["metrics"].update({m: dict(t) for m, t in layered.items() if m != WEIGHTS})
     if layered:
-        tol["given"] = {m: dict(t) for m, t in layered.items()}
+        tol["given"] = {m: t if m == WEIGHTS else dict(t) for m, t in layered.items()}
     return tol
 
 
@@ -286,11 +313,6 @@ def _tolerance_for(tolerance: Mapping[str, Any], metric: str) -> tuple[float, fl
     if metric in per_metric:
         return _tol_pair(per_metric[metric], f"'{metric}'")
     return _tol_pair(tolerance.get("default"), "default")
-
-
-def _zero_everywhere(tolerance: Mapping[str, Any]) -> bool:
-    entries = [("default", tolerance.get("default"))] + [(f"'{k}'", v) for k, v in (tolerance.get("metrics") or {}).items()]
-    return all(_tol_pair(v, where) == (0.0, 0.0) for where, v in entries)
 
 
 def as_series(steps: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -497,19 +519,24 @@ def compare_runs(
         divergence, verdict = None, NOTHING_TO_COMPARE
     elif metric_div is not None:
         divergence, verdict = metric_div, DIVERGED
-    elif not fps.all_equal and _zero_everywhere(tol):
-        # Zero tolerance asks for exactness, so the parameters themselves must match too.
+    elif not fps.all_equal and not weights_may_differ(tol):
+        # Other weights are never within a tolerance set for the metrics: a fingerprint is a digest, so how far the
+        # weights moved cannot be judged from it. Only an explicit weights=any leaves them to the metrics.
         if fps.first_mismatch_step is not None:
             step = fps.first_mismatch_step
             detail = f"{original.fingerprints.get(step, 'none')[:12]} vs {replay.fingerprints.get(step, 'none')[:12]}"
         else:
             step = None
             detail = f"final {(original.final_fingerprint or 'none')[:12]} vs {(replay.final_fingerprint or 'none')[:12]}"
+        if stats and not all(s.bitwise_equal for s in stats):
+            detail += "; every metric within its tolerance: --tolerance weights=any would let the metrics decide"
         divergence, verdict = Divergence(KIND_FINGERPRINT, step, detail=detail), DIVERGED
     else:
         divergence = None
+        # What was observed decides: bit-identical values and fingerprints are BITWISE even where the delta
+        # predicted otherwise (the changes are listed beside it).
         exact = all(s.bitwise_equal for s in stats) and fps.all_equal
-        verdict = BITWISE if exact and not blockers else WITHIN_TOLERANCE
+        verdict = BITWISE if exact else WITHIN_TOLERANCE
 
     last_step = max((int(s[-1]) for s, _ in orig_metrics.values()), default=None) if incomplete_original else None
     checkpoints = diff_checkpoints(original, replay, labels, last_step)
@@ -558,6 +585,10 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     if cmp.noise.within:
         cmp.verdict = WITHIN_NOISE
     return cmp
+
+
+def _changes(n: int) -> str:
+    return f"{n} environment change{'s' if n != 1 else ''}"
 
 
 def _sort_key(x: float) -> float:

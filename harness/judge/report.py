@@ -11,7 +11,7 @@ import numpy as np
 
 from harness.fmt import fmt_short, fmt_value
 from harness.judge.compare import BITWISE, KIND_REPLAY_FAILED, NOTHING_TO_COMPARE, Comparison, MetricStats, as_series
-from harness.judge.text import given_tolerances
+from harness.judge.text import given_tolerances, weights_line
 from harness.records import RunRecord
 
 _VERDICT_WORDS = {
@@ -71,7 +71,11 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     if cmp.notes:
         out += ["Notes:", ""] + [f"- {_cell(n)}" for n in cmp.notes] + [""]
 
-    if not cmp.bitwise_possible:
+    if not cmp.bitwise_possible and cmp.verdict == BITWISE:
+        out += ["> **Bitwise despite** environment changes that usually alter the arithmetic:", ">"]
+        out += [f"> - {_cell(b)}" for b in cmp.bitwise_blockers]
+        out += [">", "> Every value and fingerprint came out bit-identical all the same.", ""]
+    elif not cmp.bitwise_possible:
         out += ["> **Bitwise impossible** because the environment changed in ways that alter the arithmetic:", ">"]
         out += [f"> - {_cell(b)}" for b in cmp.bitwise_blockers]
         out += [">", "> The verdict is judged by tolerance instead.", ""]
@@ -86,6 +90,9 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     if given:
         out += ["", "Tolerance given with `--tolerance` (over the recorded `replay.tolerance`):", ""]
         out += [f"- {_code(m)}: atol {fmt_short(atol)}, rtol {fmt_short(rtol)}" for m, atol, rtol in given]
+    weights = weights_line(cmp)
+    if weights:
+        out += ["", f"Tolerance: {_cell(weights)}."]
     out.append("")
 
     # The report belongs to a replay run, so its columns are always the original and the replay.

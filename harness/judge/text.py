@@ -8,13 +8,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.judge.compare import Comparison
+from harness.judge.compare import BITWISE, WEIGHTS, Comparison, weights_may_differ
 
 
 def given_tolerances(cmp: Comparison) -> list[tuple[str, float, float]]:
     """(metric, atol, rtol) of each --tolerance given over the recorded replay.tolerance, by metric."""
     given = cmp.tolerance.get("given") or {}
-    return [(m, t["atol"], t["rtol"]) for m, t in sorted(given.items())]
+    return [(m, t["atol"], t["rtol"]) for m, t in sorted(given.items()) if m != WEIGHTS]
+
+
+def weights_line(cmp: Comparison) -> str | None:
+    """How the parameters were held, when the tolerance lets them differ (the default, exact, goes unsaid)."""
+    if not weights_may_differ(cmp.tolerance):
+        return None
+    return "weights=any: the parameters may differ where every metric stays within its tolerance"
+
+
+def bitwise_line(cmp: Comparison) -> str | None:
+    """The environment changes that usually rule out bitwise: bitwise despite them, or judged by tolerance."""
+    if cmp.bitwise_possible:
+        return None
+    if cmp.verdict == BITWISE:
+        return "Bitwise despite environment changes that usually alter the arithmetic: " + "; ".join(cmp.bitwise_blockers)
+    return "A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers)
 
 
 def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
@@ -26,8 +42,12 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
     if given:
         out.append("Tolerance given (--tolerance, over the recorded replay.tolerance): "
                    + ", ".join(f"{m} atol {atol:g} rtol {rtol:g}" for m, atol, rtol in given))
-    if not cmp.bitwise_possible:
-        out.append("A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers))
+    weights = weights_line(cmp)
+    if weights:
+        out.append("Tolerance: " + weights)
+    bitwise = bitwise_line(cmp)
+    if bitwise:
+        out.append(bitwise)
     out += [f"Note: {note}" for note in cmp.notes]
     arrow = " -> ".join(cmp.labels)
     if cmp.config_delta:

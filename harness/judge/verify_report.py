@@ -62,6 +62,8 @@ def why(v: Verdict) -> list[str]:
     dec = abs(int(c.paper.value.as_tuple().exponent))
     verb = "prints as" if v.value_ok else "does NOT print as"
     out.append(f"Recorded: {fmt(v.recorded, c.paper.value)}, which {verb} {c.paper.value} at {dec} decimals.")
+    if v.typo:
+        out.append(f"A {v.typo}: a misprint, even where the noise would cover the number.")
     if c.paper.pm is not None:
         verb = "prints as" if v.spread_ok else "does NOT print as"
         out.append(f"Recorded {c.spread}: {fmt(v.recorded_spread, c.paper.pm)}, which {verb} ± {c.paper.pm}.")

@@ -36,6 +36,7 @@ KIND_STUDY = "study"  # the parent of a seed ensemble: its members are ordinary 
 KIND_STUDY_REPLAY = "study_replay"  # the parent of the replays of a study's members, nested under the study
 KIND_VERIFY = "verify"  # `harness verify`: a claims file checked against the record (and replays)
 KIND_TRACE = "trace"  # `harness trace`: an op-level trace of one step of a run, nested under it
+KIND_BISECT = "bisect"  # `harness bisect GOOD BAD`: the search for the change that flips a result; its probes nest under it
 STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
@@ -138,6 +139,13 @@ STUDY_MEMBERS_SEED = "harness.study_replay.members_seed"  # on a study replay dr
 # harness verify: the claims file (path as given) and how many claims held ("2/3").
 VERIFY_CLAIMS_FILE = "harness.verify.claims_file"
 VERIFY_HELD = "harness.verify.held"
+# harness bisect: the two runs it started from, each probe's bisect run, what it found ("commit <sha>", "config
+# <key> [<key>...]", or "" when nothing flipped), and how many probes it ran.
+BISECT_GOOD = "harness.bisect.good"
+BISECT_BAD = "harness.bisect.bad"
+BISECT_OF = "harness.bisect.of"
+BISECT_CULPRIT = "harness.bisect.culprit"
+BISECT_PROBES = "harness.bisect.probes"
 
 # The seal (harness/record/seal.py): "v1:<sha256>" of the run's canonical record, written when the run closes.
 SEAL = "harness.seal"

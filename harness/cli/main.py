@@ -325,6 +325,31 @@ def replay(
 
 
 @main.command()
+@click.argument("good")
+@click.argument("bad")
+@click.option("--max-probes", type=click.IntRange(min=1), default=24, show_default=True,
+              help="At most this many probe replays; then it says how far the search got.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def bisect(good: str, bad: str, max_probes: int, tracking_uri: str | None) -> None:
+    """Find which difference between runs GOOD and BAD flips the result: a commit between theirs, a config key.
+
+    Each probe is a replay of GOOD, recorded and nested under one bisect run, with part of BAD's changes: the
+    code of a commit on the path from GOOD's commit to BAD's (halved each time), or some of BAD's config values
+    (split in halves until one alone flips it). Prints each probe, what cannot be varied on this machine, the
+    culprit, and the bisect run's id as the last line. Run it inside a clone holding both commits.
+    Exit 0 a culprit was found, 1 none was (said why), 2 bad input (nothing recorded).
+    """
+    from harness.commands import api
+
+    result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, on_event=_draw))
+    for line in result.lines():
+        click.echo(line)
+    click.echo(result.run_id)
+    sys.exit(result.exit_code)
+
+
+@main.command()
 @click.argument("claims_file", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
 @click.option("--replay", "do_replay", is_flag=True,

@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from harness import events, tags as T
 from harness.commands import (
+    bisect as bisect_command,
     replay as replay_command,
     run as run_command,
     study,
     trace as trace_command,
     verify as verify_command,
 )
+from harness.commands.bisect import BisectResult
 from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome
 from harness.commands.trace import TraceDiff, TraceResult
@@ -373,3 +375,21 @@ def verify(options: VerifyOptions) -> VerifyResult:
         return verify_command.verify(o.claims_file, replay=o.replay, members=o.members, world_size=o.world_size,
                                      overrides=list(o.overrides), allow_changes=o.allow_changes, executor=o.executor,
                                      tracking_uri=o.tracking_uri)
+
+
+@dataclass(frozen=True)
+class BisectOptions:
+    """`harness bisect GOOD BAD`: the commit or config key whose change flips GOOD's result into BAD's."""
+
+    good: str
+    bad: str
+    max_probes: int = bisect_command.DEFAULT_MAX_PROBES  # replays it may run before it stops and says how far it got
+    tracking_uri: str | None = None
+    repo: Path | None = None  # the clone holding both runs' commits (default: the one holding the current folder)
+    on_event: Listener | None = None
+
+
+def bisect(options: BisectOptions) -> BisectResult:
+    o = options
+    with events.listening(o.on_event):
+        return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo)

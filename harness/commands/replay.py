@@ -112,10 +112,13 @@ def replay(
     study_members: list[RunRecord] | None = None,
     localize: bool | None = None,
     tolerances: list[str] | None = None,
+    commit: str | None = None,
 ) -> ReplayResult:
     """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
     the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
-    METRIC=ATOL[,RTOL] specs that override the recorded replay.tolerance for this judgement (recorded)."""
+    METRIC=ATOL[,RTOL] specs that override the recorded replay.tolerance for this judgement (recorded). `commit`:
+    run the code of that commit of the repository instead of the recorded one (harness bisect's probes; the replay
+    records the commit it ran)."""
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
     # First: an unreachable store is said before torch is even loaded.
     tracker = tracker or Tracker(tracking_uri)
@@ -155,7 +158,10 @@ def replay(
         for change in data.changes:
             events.emit(events.Warning(f"{change.line()} (allowed by --allow-data-changes)"))
 
-    with recorded.code(repo) as (tree, exp_dir):
+    if commit is not None and commit != original.tags.get(T.GIT_COMMIT):
+        changes.append(f"commit={commit[:12]}")
+        extra[T.CHANGES] = " ".join(changes)
+    with recorded.code(repo, commit=commit) as (tree, exp_dir):
         # The worktree holds exactly the recorded code (checked above), which was admitted when it
         # was recorded: its untracked files are not refused a second time.
         git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)

@@ -38,7 +38,8 @@ EXECUTE = "execute"  # the recorded run a container or batch job executes (harne
 STUDY_REPLAY = "study_replay"  # a study replayed as a whole
 
 STATUSES = (T.RUNNING, T.FINISHED, T.FAILED, T.KILLED)
-KINDS = (T.KIND_RUN, T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY, T.KIND_STUDY_REPLAY, T.KIND_VERIFY, T.KIND_TRACE)
+KINDS = (T.KIND_RUN, T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY, T.KIND_STUDY_REPLAY, T.KIND_VERIFY, T.KIND_TRACE,
+         T.KIND_BISECT)
 
 # A refusal: a template formatted with {rid} (the run id), {run} (the run as the caller names it: a claim's
 # source, an imported run's original id), {status}, {kind}; or a function of the run, where the line depends on
@@ -85,6 +86,7 @@ NOT_TRAINING: dict[str, Refusal] = {
         T.KIND_STUDY_REPLAY: "a study replay: replay the study it was made from (harness.replay_of), or one of its members",
         T.KIND_VERIFY: "a claims check (harness verify): rerun it with `harness verify CLAIMS_FILE --replay`",
         T.KIND_TRACE: "a trace of one step (harness trace); trace or replay the run it traced (harness.trace_of) instead",
+        T.KIND_BISECT: "a bisection (harness bisect): its probes are the runs; rerun it with `harness bisect GOOD BAD`",
     }.items()
 }
 _RESUMED = "run {rid} is {status}; only FAILED or KILLED runs are resumed."

@@ -107,9 +107,10 @@ class RecordedRun:
         )
 
     @contextlib.contextmanager
-    def code(self, repo: Path | None = None) -> Iterator[tuple[Path, Path]]:
-        """Check out the recorded code and validate `cfg` against it; yields (worktree, experiment folder)."""
-        with checkout(self.tracker, self.run, repo) as (tree, exp_dir):
+    def code(self, repo: Path | None = None, commit: str | None = None) -> Iterator[tuple[Path, Path]]:
+        """Check out the recorded code and validate `cfg` against it; yields (worktree, experiment folder).
+        `commit`: another commit of the same repository instead (harness bisect's probes), without the patch."""
+        with checkout(self.tracker, self.run, repo, commit=commit) as (tree, exp_dir):
             validate(self.cfg, exp_dir)  # the entry must exist in the recorded code
             confine.check_code(
                 tree, exp_dir, split_entry(str(self.cfg.entry))[0], gitsource.recorded_symlinks(tree, exp_dir)
@@ -119,16 +120,25 @@ class RecordedRun:
 
 @contextlib.contextmanager
 def checkout(
-    tracker: Tracker, run: RunSummary, repo: Path | None = None, base: Path | None = None
+    tracker: Tracker, run: RunSummary, repo: Path | None = None, base: Path | None = None, commit: str | None = None
 ) -> Iterator[tuple[Path, Path]]:
     """The run's recorded code (commit + patch) in a temporary worktree; yields (worktree, experiment folder).
+    `commit`: that commit of the live repository instead, as committed (no patch: the patch belongs to the run's).
 
     The user's working tree and index are never touched.
     """
-    commit = run.tags[T.GIT_COMMIT]
     with contextlib.ExitStack() as stack:
+        if commit is not None and commit != run.tags[T.GIT_COMMIT]:
+            root = gitsource.find_repo(repo or Path.cwd())
+            if root is None or not gitsource.has_commit(root, commit):
+                raise HarnessError(f"commit {commit[:12]} is not in the repository at {repo or Path.cwd()}. "
+                                   "Run this inside a clone that has it (git fetch).")
+            path = confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)
+            with gitsource.worktree(root, commit, None, base) as tree:
+                yield tree, tree / path
+            return
         root = _code_source(stack, tracker, run, repo)
-        with _checkout_from(tracker, run, root, commit, base) as checked_out:
+        with _checkout_from(tracker, run, root, run.tags[T.GIT_COMMIT], base) as checked_out:
             yield checked_out
 
 

@@ -350,6 +350,23 @@ def has_commit(root: Path, commit: str) -> bool:
         return False
 
 
+def commits_between(root: Path, older: str, newer: str) -> list[tuple[str, str]]:
+    """(sha, subject) of each commit on the ancestry path from `older` (excluded) to `newer` (included), oldest first.
+    Empty when `older` is no ancestor of `newer` (the caller says so)."""
+    if not is_ancestor(root, older, newer):
+        return []
+    out = _run(root, ["log", "--ancestry-path", "--first-parent", "--reverse", "--format=%H %s", f"{older}..{newer}"])
+    return [(line[:40], line[41:]) for line in out.decode(errors="replace").splitlines() if line.strip()]
+
+
+def is_ancestor(root: Path, older: str, newer: str) -> bool:
+    try:
+        _run(root, ["merge-base", "--is-ancestor", older, newer])
+        return True
+    except GitFailed:
+        return False
+
+
 _WORKTREE_PREFIX = "harness-code-"
 _STALE = re.compile(rf"{_WORKTREE_PREFIX}(\d+)-[^/]*/tree$")
 

@@ -180,7 +180,16 @@ class UserSeeds:
     calls: tuple[UserSeed, ...]
 
 
+@dataclass(frozen=True)
+class DataOrder:
+    """Per training step fed by ctx.loader: a digest of the sample indices every rank's batches held (one digest
+    over the ranks' own, in rank order), sent once at the end by rank 0."""
+
+    steps: tuple[int, ...]
+    digests: tuple[str, ...]
+
+
 Message = (
     Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | DeterminismChanged | Total | Checkpoint
-    | SegmentStart | SegmentEnd | Notice | UserSeeds
+    | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder
 )

@@ -51,6 +51,8 @@ class RunRecord:
     # step -> {"tensors": name -> sha256, "ranks": [sha256 per rank]}; None when the run recorded none (no
     # checkpoints, or a run from before they were recorded).
     checkpoint_tensors: dict[int, dict] | None = None
+    # step -> digest of the sample indices every rank's ctx.loader batches held at that step (empty: none recorded)
+    data_order: dict[int, str] = field(default_factory=dict)
 
 
 def same_value(recorded: float, again: float) -> bool:

@@ -180,6 +180,10 @@ ARTIFACT_NODES = "environment/nodes.json"  # every node's provenance, node rank 
 ARTIFACT_DETERMINISM = "environment/determinism.json"  # settings at start and in force, every change in training
 ARTIFACT_LOGS_DIR = "logs"
 ARTIFACT_FINGERPRINTS = "fingerprints.json"
+# {"steps": [...], "digests": [...]}: per step fed by ctx.loader, a digest of the sample indices of every rank's
+# batches (messages.DataOrder), so a replay tells a data-pipeline change from a numerical one.
+ARTIFACT_DATA_ORDER = "data_order.json"
+DATA_ORDER_STEPS = "harness.data_order.steps"  # how many steps data_order.json holds (absent: none recorded)
 ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts
 # Per checkpoint step: sha256 per tensor (rank 0) and per rank over the set. Outside checkpoints/, so a bundle
 # without --with-checkpoints still carries it.

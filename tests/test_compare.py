@@ -530,3 +530,22 @@ def test_weights_tolerance_takes_any_or_exact_once(spec: str) -> None:
     given = parse_tolerances(["loss=1e-3", "weights=any"])
     assert format_tolerances(given) == "loss=0.001,0.0 weights=any"
     assert parse_tolerances(format_tolerances(given).split()) == given  # the tag reads back as given
+
+
+def test_data_order_tells_a_data_change_from_an_arithmetic_one() -> None:
+    a = make_record()
+    a.data_order = {s: f"{s:016x}" for s in range(20)}
+    b = clone(a)
+    b.data_order = dict(a.data_order)
+    b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
+    same = compare_runs(a, b)
+    assert same.verdict == DIVERGED and same.data_order.first_diff_step is None
+    assert "data order: identical at the 20 common steps" in comparison_lines(same, [])[-1]
+    b.data_order[5] = "f" * 16
+    moved = compare_runs(a, b)
+    assert moved.data_order.first_diff_step == 5 and "data order: first differs at step 5" in moved.data_order.describe()
+    assert "## Data order" in render_markdown(moved, [])
+    b.data_order = {}
+    assert "not recorded by run B" in compare_runs(a, b).data_order.describe()
+    a.data_order = {}
+    assert compare_runs(a, b).data_order is None  # neither recorded one: nothing is said

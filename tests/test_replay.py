@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import OTHER_HARDWARE, WIDE_CONFIG, WIDE_TRAIN, Project, git
@@ -53,6 +55,19 @@ def test_replay_of_clean_run_is_bitwise(project: Project, original: str, clean_r
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = Path(client.download_artifacts(replay_id, "replay/report.md")).read_text()
     assert "BITWISE" in report and "loss" in report
+    # What the data did: every ctx.loader step's samples, per rank, digested; identical in the replay.
+    assert "data order: identical at the 25 common steps (every rank drew the same samples)" in clean_replay.stdout
+    assert "## Data order" in report
+    order = json.loads(Path(client.download_artifacts(original, "data_order.json")).read_text())
+    assert order["steps"] == list(range(25)) and client.get_run(original).data.tags["harness.data_order.steps"] == "25"
+    # Step 0, computed here independently: each rank's first batch of DistributedSampler(seed 0, epoch 0).
+    from torch.utils.data.distributed import DistributedSampler
+
+    ranks = []
+    for rank in (0, 1):
+        first = list(DistributedSampler(range(100), num_replicas=2, rank=rank, shuffle=True, seed=0))[:10]
+        ranks.append(hashlib.sha256(np.asarray(first, dtype=np.int64).tobytes()).hexdigest()[:16])
+    assert order["digests"][0] == hashlib.sha256(",".join(ranks).encode()).hexdigest()[:16]
 
 
 def test_replay_never_touches_the_working_tree(project: Project, original: str, clean_replay) -> None:
@@ -98,6 +113,8 @@ def test_changed_lr_diverges_at_the_first_differing_step(project: Project, origi
     assert first == 1  # step 0's loss is computed before the first update
     assert verdict_line(result.stdout).startswith(f"verdict: DIVERGED at step {first}: loss")
     assert "Changes requested: train.lr=0.02" in result.stdout
+    # Other numbers from the same samples: the difference is the arithmetic's, not the data pipeline's.
+    assert "data order: identical at the 25 common steps" in result.stdout
     assert client.get_run(result.last_line).data.tags["harness.verdict"] == "DIVERGED"
 
 

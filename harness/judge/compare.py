@@ -17,6 +17,7 @@ from harness import tags
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import fmt_pair, fmt_short, json_safe, the
 from harness.judge import noise
+from harness.judge.dataorder import DataOrderDiff, diff_data_order
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.judge.noise import NoiseJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
@@ -148,6 +149,7 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     noise: NoiseJudgement | None = None  # set when a difference was judged against a study's spread
     checkpoints: CheckpointDiff | None = None  # checkpoint tensors compared; None when neither run checkpointed
+    data_order: DataOrderDiff | None = None  # the samples each step drew, compared; None when neither recorded them
 
     @property
     def exit_code(self) -> int:
@@ -542,6 +544,7 @@ def compare_runs(
     checkpoints = diff_checkpoints(original, replay, labels, last_step)
     return Comparison(
         checkpoints=checkpoints,
+        data_order=diff_data_order(original, replay, labels, last_step),
         verdict=verdict,
         original_id=original.run_id,
         replay_id=replay.run_id,

@@ -164,7 +164,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         ]
     out.append("")
 
-    out += _checkpoint_section(cmp)
+    out += _checkpoint_section(cmp) + _data_order_section(cmp)
     out += _noise_section(cmp)
 
     out += ["## First divergence", ""]
@@ -213,6 +213,13 @@ def _checkpoint_section(cmp: Comparison) -> list[str]:
         out.append(f"- In {label}, ranks that held other tensors than rank 0: {shown}")
     out.append("")
     return out
+
+
+def _data_order_section(cmp: Comparison) -> list[str]:
+    """Whether both runs drew the same samples at each ctx.loader step (dataorder.py)."""
+    if cmp.data_order is None:
+        return []
+    return ["## Data order", "", _cell(cmp.data_order.describe(cmp.labels)), ""]
 
 
 def render_study_markdown(result: Any) -> str:

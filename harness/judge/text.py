@@ -70,6 +70,8 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
         out.append(f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
                    f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
                    + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else ""))
+    if cmp.data_order is not None:
+        out.append(cmp.data_order.describe(cmp.labels))  # a data-pipeline change, told from a numerical one
     out += cmp.checkpoint_lines()  # where the weights parted, just above the verdict
     return out
 

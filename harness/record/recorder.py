@@ -28,6 +28,7 @@ from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.delta import setting_risk
 from harness.messages import (
     Checkpoint,
+    DataOrder,
     Determinism,
     DeterminismChanged,
     Final,
@@ -135,7 +136,7 @@ class Recorder:
         self.plan: CheckpointPlan | None = None  # where the ranks save and load checkpoints (set by start)
         self.fingerprints: dict[int, str] = {}
         self.notices: dict[str, str] = {}  # the ranks' warnings about the record, by kind
-        self.final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}, "notices": self.notices,
+        self.final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}, "data_order": {}, "notices": self.notices,
                                       "determinism_changes": []}
         self.warned: set[tuple[str | None, str]] = set()  # strict: each call that broke bitwise is warned about once
         # A resumed run continues the record so far: what it holds before the resumed step stays on record.
@@ -146,6 +147,7 @@ class Recorder:
             self.fingerprints.update({k: v for k, v in prior.fingerprints.items() if k < resume_step})
             final["checkpoints"] = {k: v for k, v in prior.checkpoints.items() if k <= resume_step}
             final["checkpoint_tensors"] = {k: v for k, v in (prior.checkpoint_tensors or {}).items() if k <= resume_step}
+            final["data_order"] = {k: v for k, v in prior.data_order.items() if k < resume_step}
             # Changes made before the resumed step stay on record; the resumed ranks' own readings follow them.
             earlier = (SettingChange.from_line(line) for line in prior.facts.get(T.DETERMINISM_CHANGES, "").splitlines())
             final["determinism_changes"] = [c for c in earlier if c is not None and c.step < resume_step]
@@ -196,6 +198,8 @@ class Recorder:
                 self.fingerprints[step] = sha256
             case Final(sha256, steps, of):
                 final["fingerprint"], final["steps_total"], final["of"] = sha256, steps, of
+            case DataOrder(steps, digests):
+                final["data_order"].update(zip(steps, digests))
             case Notice(key, text):
                 self.notices.setdefault(key, text)
                 self.view(Line(f"Warning: {text}"))
@@ -429,6 +433,8 @@ def record_results(
         tracker.log_text(run_id, json.dumps(doc, indent=1), T.ARTIFACT_DETERMINISM)
     if final.get("fingerprint"):
         tags[T.FINGERPRINT] = final["fingerprint"]
+    if final.get("data_order"):
+        tags[T.DATA_ORDER_STEPS] = str(len(final["data_order"]))
     if final.get("of"):
         tags[T.FINGERPRINT_OF] = final["of"]
     if final.get("notices"):
@@ -447,6 +453,10 @@ def record_results(
     if final.get("checkpoint_tensors"):
         tracker.log_text(run_id, checkpoint_fingerprints_json(final["checkpoint_tensors"]),
                          T.ARTIFACT_CHECKPOINT_FINGERPRINTS)
+    if final.get("data_order"):
+        order = sorted(final["data_order"].items())
+        tracker.log_text(run_id, json.dumps({"steps": [k for k, _ in order], "digests": [v for _, v in order]}),
+                         T.ARTIFACT_DATA_ORDER)
     if (work / "series.npz").exists():
         tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
     logs_dir = work / "logs"

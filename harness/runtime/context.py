@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import numbers
 import time
@@ -18,7 +19,18 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from harness.errors import ExperimentError
-from harness.messages import Checkpoint, Final, Fingerprint, Initial, Message, Notice, SegmentEnd, SegmentStart, Total
+from harness.messages import (
+    Checkpoint,
+    DataOrder,
+    Final,
+    Fingerprint,
+    Initial,
+    Message,
+    Notice,
+    SegmentEnd,
+    SegmentStart,
+    Total,
+)
 from harness.optrace import tracer as optrace
 from harness.runtime import checkpoint as ckpt, determinism
 from harness.runtime.fingerprint import fingerprint
@@ -66,6 +78,17 @@ class _Loader(DataLoader):
         if ctx._train_loader is not self:
             return ctx._beating(super().__iter__())
         return ctx._train_iter(self)
+
+
+def _batch_order(loader: DataLoader) -> list[np.ndarray] | None:
+    """This epoch's batches as the sampler ctx.loader made hands them out (index arrays), for the data-order
+    digests. Iterating that sampler again draws nothing (its permutation is a function of seed and epoch); any
+    other sampler might draw from a global RNG, so it is not read (None)."""
+    batches = loader.batch_sampler
+    inner = getattr(batches, "sampler", batches)
+    if not isinstance(inner, (DistributedSampler, ShardBatchSampler)) or batches is None:
+        return None
+    return [np.asarray(list(b), dtype=np.int64) for b in batches]
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -124,6 +147,7 @@ class Context:
         self._outbox = Outbox(channel) if channel is not None else None
         self._model: torch.nn.Module | None = None
         self._samplers: list[DistributedSampler] = []
+        self._data_order: dict[int, Any] = {}  # step -> sha256 over the sample indices of this rank's batches
         self._steps_per_epoch: int | None = None
         self._next_fingerprint = 0
         self._last_step: int | None = None
@@ -436,9 +460,23 @@ class Context:
                 + (", compared across ranks" if self.world_size > 1 else "") + ". Register it with model = ctx.ddp(model)."
             ))
         self._send(determinism.observe(self.clock.done, determinism.END))  # determinism read-back: training ends
+        self._send_data_order()
         if self.is_main:
             of = "model" if self._model is not None else "optimizer" if target is not None else None
             self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))
+
+    def _send_data_order(self) -> None:
+        """Every rank's per-step sample-index digests, joined per step in rank order, to rank 0's launcher."""
+        mine = {step: h.hexdigest()[:16] for step, h in self._data_order.items()}
+        every: list[Any] = [mine]
+        if self.world_size > 1 and dist.is_initialized():
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine)
+        steps = sorted(set().union(*(e or {} for e in every)))
+        if self.is_main and steps:
+            joined = (hashlib.sha256(",".join((e or {}).get(s, "-") for e in every).encode()).hexdigest()[:16]
+                      for s in steps)
+            self._send(DataOrder(tuple(steps), tuple(joined)))
 
     def close(self) -> None:
         """Send every value still buffered and stop the sender thread; also after a failure. Called by the
@@ -580,6 +618,7 @@ class Context:
             loader._harness_raw = False
         n = len(loader)
         clock = self.clock
+        order = _batch_order(loader)
         for i in range(first, n):
             if clock.would_begin():
                 # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
@@ -589,7 +628,9 @@ class Context:
                 batch = next(iterator)
             except StopIteration:
                 return
-            clock.begin(clean=True)  # a micro-batch of a step already begun only beats
+            step = clock.begin(clean=True)  # a micro-batch of a step already begun only beats
+            if order is not None and i < len(order):
+                self._data_order.setdefault(step, hashlib.sha256()).update(order[i].tobytes())
             yield batch
 
     def _traced(self, step: int) -> bool:

@@ -835,6 +835,8 @@ class Tracker:
         config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
         data_text = self.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)
         tensors_text = self.read_text(run_id, T.ARTIFACT_CHECKPOINT_FINGERPRINTS) if fp.get("checkpoints") else None
+        order_text = self.read_text(run_id, T.ARTIFACT_DATA_ORDER) if run.tags.get(T.DATA_ORDER_STEPS) else None
+        order = json.loads(order_text) if order_text else {}
         return RunRecord(
             run_id=run_id,
             experiment=run.experiment,
@@ -850,6 +852,7 @@ class Tracker:
             data=json.loads(data_text) if data_text is not None else None,
             checkpoint_tensors=(None if tensors_text is None else
                                 {int(k): v for k, v in json.loads(tensors_text).get("steps", {}).items()}),
+            data_order=dict(zip((int(s) for s in order.get("steps", [])), order.get("digests", []))),
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 

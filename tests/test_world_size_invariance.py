@@ -24,6 +24,8 @@ def test_invariant_run_on_4_ranks_replays_bitwise_on_fewer(project: Project, fou
     assert result.stdout.strip().splitlines()[-2].startswith("verdict: BITWISE"), result.stdout
     assert f"harness.world_size: 4 -> {world_size}" in result.stdout
     assert "world-size-invariant mode" in result.stdout
+    # The global batches are the same samples whatever the world size: the data order says so too.
+    assert "data order: identical at the 22 common steps" in result.stdout, result.stdout
     tags = project.client().get_run(result.last_line).data.tags
     assert tags["harness.world_size"] == str(world_size)
     assert tags["harness.determinism.world_size_invariant"] == "True"

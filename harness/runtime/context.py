@@ -84,9 +84,11 @@ def _batch_order(loader: DataLoader) -> list[np.ndarray] | None:
     """This epoch's batches as the sampler ctx.loader made hands them out (index arrays), for the data-order
     digests. Iterating that sampler again draws nothing (its permutation is a function of seed and epoch); any
     other sampler might draw from a global RNG, so it is not read (None)."""
-    batches = loader.batch_sampler
-    inner = getattr(batches, "sampler", batches)
-    if not isinstance(inner, (DistributedSampler, ShardBatchSampler)) or batches is None:
+    batches: Any = loader.batch_sampler
+    if isinstance(batches, ShardBatchSampler):
+        # World-size-invariant mode: the global batch, which every world size shares, not this rank's part of it.
+        batches = batches.global_view()
+    elif batches is None or not isinstance(getattr(batches, "sampler", None), DistributedSampler):
         return None
     return [np.asarray(list(b), dtype=np.int64) for b in batches]
 
@@ -474,8 +476,13 @@ class Context:
             dist.all_gather_object(every, mine)
         steps = sorted(set().union(*(e or {} for e in every)))
         if self.is_main and steps:
-            joined = (hashlib.sha256(",".join((e or {}).get(s, "-") for e in every).encode()).hexdigest()[:16]
-                      for s in steps)
+            # Invariant mode digests the global batch on every rank: the ranks' distinct digests (one when they
+            # agree) are joined, so the same samples give the same digest for any world size.
+            def joined_at(step: int) -> str:
+                digests = [(e or {}).get(step, "-") for e in every]
+                return ",".join(sorted(set(digests)) if self._shards else digests)
+
+            joined = (hashlib.sha256(joined_at(s).encode()).hexdigest()[:16] for s in steps)
             self._send(DataOrder(tuple(steps), tuple(joined)))
 
     def close(self) -> None:

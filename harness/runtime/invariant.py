@@ -122,6 +122,12 @@ class ShardBatchSampler(Sampler[list]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def global_view(self) -> ShardBatchSampler:
+        """The same epoch's whole global batches (as one rank of one would draw them): what every world size shares."""
+        view = ShardBatchSampler(self.dataset_len, self.shard_size, self.shards, 1, 0, self.seed, shuffle=self.shuffle)
+        view.set_epoch(self.epoch)
+        return view
+
     def __len__(self) -> int:
         return self.dataset_len // self._global
 

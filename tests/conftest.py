@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,27 @@ from infra import lab_server, slurm, two_hosts  # noqa: F401  (fixtures, re-expo
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
+
+
+# With a GPU present, `device: auto` (the schema's default, which the examples keep for their users) would move
+# these tests onto cuda, where their golden losses - CPU losses - cannot match. Every command that composes an
+# experiment folder's config gets device=cpu after its other arguments, unless the test names a device itself (a
+# CUDA test passes device=cuda); replay, resume, audit and trace take the recorded config, and with it the device.
+CPU = "device=cpu"
+_COMPOSES_CONFIG = frozenset({"run", "check"})
+
+
+def on_cpu(args: Sequence[str]) -> list[str]:
+    """`harness ARGS` with device=cpu added where ARGS compose an experiment's config and name no device."""
+    args = [str(a) for a in args]
+    command = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    if command is None or args[command] not in _COMPOSES_CONFIG or {"-h", "--help"} & set(args):
+        return args
+    rest = args[command + 1 :]
+    folder = any(not a.startswith("-") and "=" not in a for a in rest)  # else click refuses the missing folder
+    if not folder or any(a.startswith("device=") for a in rest):
+        return args
+    return [*args, CPU]
 
 
 @dataclass
@@ -76,7 +97,7 @@ class Project:
                 env: dict[str, str] | None = None) -> Result:
         env = {**os.environ, "MLFLOW_TRACKING_URI": self.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.run(
-            [sys.executable, "-m", "harness", *args], cwd=cwd or self.root, env=env,
+            [sys.executable, "-m", "harness", *on_cpu(args)], cwd=cwd or self.root, env=env,
             capture_output=True, text=True, timeout=timeout,
         )
         return Result(proc.returncode, proc.stdout, proc.stderr)
@@ -100,7 +121,7 @@ class Project:
         try:
             with _chdir(cwd or self.root):
                 # catch_exceptions=False: click still maps SystemExit to exit_code; anything else is raised.
-                result = CliRunner().invoke(main, list(args), env=env, prog_name="python -m harness",
+                result = CliRunner().invoke(main, on_cpu(args), env=env, prog_name="python -m harness",
                                             catch_exceptions=False)
         finally:
             os.environ.clear()
@@ -119,7 +140,7 @@ class Project:
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         env = {**os.environ, "MLFLOW_TRACKING_URI": self.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
         return subprocess.Popen(
-            [sys.executable, "-m", "harness", *args], cwd=self.root, env=env,
+            [sys.executable, "-m", "harness", *on_cpu(args)], cwd=self.root, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
 

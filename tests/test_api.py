@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Project
+from conftest import CPU, Project
 
 import harness
 from harness import events
@@ -32,7 +32,7 @@ def test_a_run_and_its_replay_through_the_api_are_bitwise_and_say_nothing_unaske
     fresh_project: Project, capfd: pytest.CaptureFixture[str]
 ) -> None:
     p = fresh_project
-    outcome = harness.run(harness.RunOptions(p.root / "experiments" / "linear_ddp", ("train.epochs=1",),
+    outcome = harness.run(harness.RunOptions(p.root / "experiments" / "linear_ddp", ("train.epochs=1", CPU),
                                              tracking_uri=p.uri))
     assert isinstance(outcome, Outcome) and outcome.status == "FINISHED", outcome
     result = harness.replay(harness.ReplayOptions(outcome.run_id, tracking_uri=p.uri, repo=p.root))
@@ -58,7 +58,7 @@ def test_a_run_and_its_replay_through_the_api_are_bitwise_and_say_nothing_unaske
 def test_a_study_is_run_and_replayed_through_the_api_as_the_cli_does(fresh_project: Project) -> None:
     p = fresh_project
     said: list[events.Event] = []
-    study = harness.run(harness.RunOptions(p.root / "experiments" / "linear_ddp", ("train.epochs=1",), seeds=2,
+    study = harness.run(harness.RunOptions(p.root / "experiments" / "linear_ddp", ("train.epochs=1", CPU), seeds=2,
                                            tracking_uri=p.uri, on_event=said.append))
     assert isinstance(study, StudyOutcome) and study.status == "FINISHED" and len(study.members) == 2, study
     assert any(isinstance(e, events.Notice) and e.text.startswith("study ") for e in said), said
@@ -82,9 +82,9 @@ def test_bad_input_raises_the_error_the_cli_prints(fresh_project: Project) -> No
     cases = [
         (harness.replay, harness.ReplayOptions("0123456789abcdef0123456789abcdef", tracking_uri=p.uri),
          ["replay", "0123456789abcdef0123456789abcdef"]),
-        (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", ("seed=-1",), tracking_uri=p.uri),
+        (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", ("seed=-1", CPU), tracking_uri=p.uri),
          ["run", "experiments/linear_ddp", "seed=-1"]),
-        (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", seeds=2,
+        (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", (CPU,), seeds=2,
                                          placement=harness.Placement(nnodes=2), tracking_uri=p.uri),
          ["run", "experiments/linear_ddp", "--seeds", "2", "--nnodes", "2"]),
         (harness.compare, harness.CompareOptions("0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210",

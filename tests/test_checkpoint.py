@@ -103,6 +103,7 @@ def resume(path: Path, *, restore_rng: bool = True, reseed: str | None = None) -
     parts = make_parts(123)  # other initial weights and RNG: everything must come from the file
     model, optimizer, scheduler, scaler = parts
     ckpt = ck.load(path)
+    assert ckpt["rng"]["cuda"] == [] or "cuda_devices" not in ckpt["rng"], "a CPU run's checkpoint holds a CUDA state"
     position = ck.restore(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     assert position.step == CHECKPOINT_AT
     assert (position.epoch, position.batch_in_epoch) == (1, CHECKPOINT_AT - 2)
@@ -158,6 +159,82 @@ def test_rng_state_round_trips_through_weights_only_save() -> None:
     ck.set_rng_state(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     got = (torch.rand(4), np.random.rand(4), random.random())
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+# A CUDA generator's state as torch.cuda.get_rng_state returns it: 16 bytes (seed, offset). Made up here: no GPU.
+def crafted_cuda_state(seed: int) -> torch.Tensor:
+    return torch.tensor(list(seed.to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8)
+
+
+def test_cpu_run_checkpointed_on_a_host_with_8_gpus_resumes_here_bit_identically(
+        original: dict[str, Any], tmp_path: Path) -> None:
+    """The layout earlier versions wrote: one CUDA state per visible GPU, also for a device=cpu run."""
+    ckpt = ck.load(original["path"])
+    ckpt["rng"]["cuda"] = [crafted_cuda_state(i) for i in range(8)]
+    ckpt["rng"].pop("cuda_devices")
+    path = tmp_path / "rank0.pt"
+    ck.save_atomic(ckpt, path)
+    losses, (model, *_) = resume(path)
+    assert losses == original["losses"][CHECKPOINT_AT:]
+    assert fingerprint(model) == original["fingerprint"]
+
+
+def test_rng_state_holds_the_cuda_state_of_the_ranks_own_device_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (ck.rng_state()["cuda"], ck.rng_state(torch.device("cpu"))["cuda_devices"]) == ([], [])
+    # No GPU here: torch.cuda's getter is replaced by one answering for device 3 only.
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda index: crafted_cuda_state(100 + index))
+    state = ck.rng_state(torch.device("cuda", 3))
+    assert state["cuda_devices"] == [3] and len(state["cuda"]) == 1
+    assert torch.equal(state["cuda"][0], crafted_cuda_state(103))
+
+
+@pytest.mark.parametrize("devices, index, expected", [
+    (None, 5, 5),  # earlier layout: one state per visible GPU, the rank takes its own index's
+    ([2], 0, 2),  # this layout: the rank's own state, wherever the rank runs now
+    ([0, 1], 1, 1),
+])
+def test_gpu_rank_restores_only_the_state_of_its_device(
+        monkeypatch: pytest.MonkeyPatch, devices: list[int] | None, index: int, expected: int) -> None:
+    state = ck.rng_state()
+    state["cuda"] = [crafted_cuda_state(i) for i in (devices if devices is not None else range(8))]
+    if devices is None:
+        state.pop("cuda_devices")
+    else:
+        state["cuda_devices"] = devices
+    # No GPU here: torch.cuda's setter records what it is given instead of setting a generator.
+    restored: list[tuple[torch.Tensor, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append((s, i)))
+    ck.set_rng_state(state, torch.device("cuda", index))
+    assert len(restored) == 1 and restored[0][1] == index
+    assert torch.equal(restored[0][0], crafted_cuda_state(expected))
+    restored.clear()
+    ck.set_rng_state(state, torch.device("cpu"))
+    ck.set_rng_state(state)
+    assert restored == [], "a CPU rank restored a CUDA generator"
+
+
+@pytest.mark.parametrize("states, devices, index, said", [
+    (2, None, 3, "the checkpoint holds CUDA RNG states for 2 device(s), none for cuda:3, this rank's device. "
+                 "Resume with the GPUs of the checkpointed run visible (at least 4)."),
+    (0, [], 0, "the checkpoint holds no CUDA RNG state (its rank ran on the cpu) but this rank runs on cuda:0. "
+               "Resume with device=cpu, as the checkpointed run did."),
+    (2, [0, 1], 2, "the checkpoint holds CUDA RNG states for devices [0, 1], none for cuda:2, this rank's device. "
+                   "Resume on the devices of the checkpointed run."),
+])
+def test_gpu_rank_missing_its_cuda_state_is_refused_in_one_line(
+        states: int, devices: list[int] | None, index: int, said: str) -> None:
+    # Refused before torch.cuda is touched, so this runs as it would on a GPU host.
+    state = ck.rng_state()
+    state["cuda"] = [crafted_cuda_state(i) for i in range(states)]
+    if devices is None:
+        state.pop("cuda_devices")
+    else:
+        state["cuda_devices"] = devices
+    before = torch.get_rng_state()
+    with pytest.raises(HarnessError) as err:
+        ck.set_rng_state(state, torch.device("cuda", index))
+    assert str(err.value) == said
+    assert torch.equal(torch.get_rng_state(), before), "a refused state changed a generator"
 
 
 def test_malformed_rng_state_changes_nothing() -> None:
@@ -425,10 +502,11 @@ def test_resume_iterator_refuses_persistent_workers_and_overlong_positions() -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none exists on CPU-only CI machines)")
 def test_cuda_generators_and_models_round_trip() -> None:
     torch.cuda.manual_seed_all(3)
-    saved = saved_bytes(ck.rng_state())
+    device = torch.device("cuda", torch.cuda.current_device())
+    saved = saved_bytes(ck.rng_state(device))
     expected = torch.rand(4, device="cuda")
     torch.cuda.manual_seed_all(4)
-    ck.set_rng_state(torch.load(io.BytesIO(saved), weights_only=True))
+    ck.set_rng_state(torch.load(io.BytesIO(saved), weights_only=True), device)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
     model = Net().cuda()
     ckpt = ck.build(model=model, position=position_at(0))

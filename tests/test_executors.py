@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import TESTS_DIR, Project
+from conftest import CPU, TESTS_DIR, Project
 
 from harness import config, executors, tags as T
 from harness.errors import ConfigError, HarnessError
@@ -172,7 +172,7 @@ def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) ->
     from harness.store.tracking import Tracker
 
     exp = project.root / "experiments" / "linear_ddp"
-    checked = runner.preflight(exp, ["train.epochs=1"], tracking_uri=project.uri)
+    checked = runner.preflight(exp, ["train.epochs=1", CPU], tracking_uri=project.uri)
     tracker = Tracker(project.uri)
     job = executors.Job(
         tracker, checked.cfg, executors.JobInputs(checked.git.root, exp, code_id=checked.git.commit),

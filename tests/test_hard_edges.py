@@ -120,6 +120,60 @@ def test_failing_rank_is_named_first_and_peers_are_summarised(project: Project, 
     assert run.info.status == "FAILED" and run.data.tags["harness.status_reason"] == failed[0][len("FAILED: "):]
 
 
+# Errors as torch raises them (texts from NVIDIA/nccl#795, #1241, #1928, #2076, NVIDIA/Megatron-LM#935, pytorch#64241).
+_NCCL = "NCCL error in: /opt/pytorch/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3763, "
+_WATCHDOG = ("[PG 1 Rank 0] Process group watchdog thread terminated with exception: [Rank 0] Watchdog caught collective "
+             "operation timeout: WorkNCCL(SeqNum=199, OpType=ALLREDUCE, NumelIn=466119168, NumelOut=466119168, "
+             "Timeout(ms)=600000) ran for 600060 milliseconds before timing out.\nException raised from checkTimeout at "
+             "/opt/pytorch/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:567 (most recent call first):")
+PEER_CAUSED = {
+    "remote exited": _NCCL + "remote process exited or there was a network error, NCCL version 2.28.8\nncclRemoteError: "
+                     "A call failed possibly due to a network error or a remote process exiting prematurely.\nLast error:\n"
+                     "NET/OFI Request 0x7f14cc5b60c0 completed with error. RC: 113. Error: 2 (UNDELIVERABLE).",
+    "reset by peer": _NCCL + "unhandled system error, NCCL version 2.21.5\nncclSystemError: System call (e.g. socket, "
+                     "malloc) or external library call failed or device error.\nLast error:\nsocketProgressOpt: Call to "
+                     "recv from 172.31.0.12<33759> failed : Connection reset by peer",
+    "closed by remote peer": _NCCL + "internal error - please report this issue to the NCCL developers, NCCL version "
+                             "2.14.3\nncclInternalError: Internal check failed.\nLast error:\nNet : Connection closed by "
+                             "remote peer node-22<47861>",
+    "aborted on the peer": "NCCL communicator was aborted on rank 1. Original reason for failure was: [Rank 1] Watchdog "
+                           "caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600013 ms",
+    "own abort, peer's cause": "NCCL communicator was aborted on rank 0. Original reason for failure was: NCCL error: "
+                               "remote process exited or there was a network error, NCCL version 2.21.5",
+    "gloo": "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:28765",
+}
+OWN = {
+    "internal error": _NCCL + "internal error - please report this issue to the NCCL developers, NCCL version 2.18.6\n"
+                      "ncclInternalError: Internal check failed.\nLast error:\nFailed to CUDA calloc 6291456 bytes",
+    "invalid usage": _NCCL + "invalid usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.17.1\n"
+                     "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
+                     "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 1000",
+    "watchdog timeout": _WATCHDOG,
+    "own abort, own timeout": "NCCL communicator was aborted on rank 0. Original reason for failure was: " + _WATCHDOG,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PEER_CAUSED))
+def test_nccl_errors_that_say_a_peer_failed_are_consequences(name: str) -> None:
+    import torch.distributed as dist
+
+    from harness.executors.launch import is_peer_error
+
+    assert is_peer_error(dist.DistBackendError(PEER_CAUSED[name]), rank=0)
+
+
+@pytest.mark.parametrize("name", sorted(OWN))
+def test_a_ranks_own_nccl_error_is_a_cause_not_a_consequence(name: str) -> None:
+    import torch.distributed as dist
+
+    from harness.executors.launch import is_peer_error
+
+    assert not is_peer_error(dist.DistBackendError(OWN[name]), rank=0)
+    # The same words raised on another rank than the one whose communicator aborted: there, a consequence.
+    if name.startswith("own abort"):
+        assert is_peer_error(dist.DistBackendError(OWN[name]), rank=1)
+
+
 def test_a_hanging_rank_ends_the_job_naming_it(project: Project, tmp_path: Path) -> None:
     start = time.monotonic()
     result = run_edges(project, tmp_path, "hang", "timeout_s=25")

@@ -18,7 +18,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from harness.errors import ConfigError
+from harness.runtime import invariant
 from harness.runtime.invariant import (
+    GATHER_BELOW_BYTES,
     EvalSampler,
     InvariantStep,
     KeyedDataset,
@@ -101,6 +103,50 @@ def train_invariant(rank: int, world: int, num_workers: int) -> dict[str, Any]:
     return {"initial": initial, "sha": params_sha(model), "losses": losses}
 
 
+def make_wide_model(rank: int) -> nn.Module:
+    """267,779 parameters: a gradient vector over 1 MiB, so canonical_allreduce takes the point-to-point path."""
+    torch.manual_seed(200 + rank)
+    return nn.Sequential(nn.Linear(6, 512), nn.ReLU(), nn.Dropout(0.3), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 3))
+
+
+WIDE_STEPS = 2
+
+
+def train_wide(rank: int, world: int) -> dict[str, Any]:
+    """A few invariant steps of the wide model, counting how the exchanges were posted."""
+    counts = {"batches": 0, "not_one_pair": 0}
+    batch_isend_irecv = dist.batch_isend_irecv
+
+    def counted_batch(ops: list) -> list:
+        counts["batches"] += 1
+        pair = [(op.op, op.peer) for op in ops]
+        counts["not_one_pair"] += len(pair) != 2 or {op for op, _ in pair} != {dist.isend, dist.irecv} or len(
+            {peer for _, peer in pair}) != 1
+        return batch_isend_irecv(ops)
+
+    # A spy that calls the real function (this is a spawned rank: nothing outlives it).
+    dist.batch_isend_irecv = counted_batch
+    try:
+        model = make_wide_model(rank)
+        broadcast_parameters(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sampler = ShardBatchSampler(SAMPLES, SHARD_SIZE, SHARDS, world, rank, SEED)
+        loader = DataLoader(KeyedDataset(NoisyPoints(), SEED), batch_sampler=sampler)
+        stepper = InvariantStep(SHARDS, world, rank, SEED)
+        loss_fn = nn.CrossEntropyLoss()
+        losses = []
+        for step, (x, y) in zip(range(WIDE_STEPS), loader):
+            optimizer.zero_grad()
+            loss = stepper.backward(model, (x, y), lambda a, b: loss_fn(model(a), b), step)
+            optimizer.step()
+            losses.append(float(loss).hex())
+    finally:
+        dist.batch_isend_irecv = batch_isend_irecv
+    numel = sum(p.numel() for p in model.parameters())
+    return {"sha": params_sha(model), "losses": losses, "numel": numel, **counts}
+
+
 def train_standard(rank: int, world: int) -> dict[str, Any]:
     """The usual recipe: the rank's whole batch in one pass, grads summed by all_reduce, divided by W."""
     model = make_model(rank)
@@ -144,6 +190,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
         torch.save(record, Path(out) / f"reduce_w{world}_r{rank}.pt")
         # The DataLoader runs in a worker process at W=2 only: keys, not workers, decide the noise.
         result["invariant"] = train_invariant(rank, world, num_workers=1 if world == 2 else 0)
+        result["wide"] = train_wide(rank, world)
         if world <= 2:
             result["standard"] = train_standard(rank, world)
         (Path(out) / f"train_w{world}_r{rank}.json").write_text(json.dumps(result))
@@ -217,6 +264,37 @@ def test_training_is_bitwise_identical_for_world_sizes_1_2_4(runs: Path) -> None
     for world in (2, 4):
         assert results[world][0]["losses"] == reference["losses"], f"losses at W={world} differ from W=1"
         assert results[world][0]["sha"] == reference["sha"], f"parameters at W={world} differ from W=1"
+
+
+def test_gradients_over_1_mib_go_point_to_point_in_one_batch_per_round_and_stay_invariant(runs: Path) -> None:
+    """The wide model's gradient takes canonical_allreduce's halving/doubling path on real gloo ranks, each round
+    posted as one batch_isend_irecv of one send and one receive to the same peer, and W = 1, 2, 4 agree bit for bit.
+
+    What this cannot show on CPU: that ungrouped isend/irecv would hang under NCCL (gloo buffers them). That
+    the ops are posted as one group is what is asserted, here and in test_exchange_ops_are_one_send_and_one_receive.
+    """
+    results = {world: [load_train(runs, world, r)["wide"] for r in range(world)] for world in (1, 2, 4)}
+    reference = results[1][0]
+    assert (reference["numel"] + SHARDS) * 4 >= GATHER_BELOW_BYTES, "the model is too small to take the p2p path"
+    assert len(reference["losses"]) == WIDE_STEPS
+    for world, ranks in results.items():
+        rounds = 2 * (world.bit_length() - 1)  # log2(W) halving rounds, then as many doubling rounds
+        for rank, result in enumerate(ranks):
+            assert result["batches"] == WIDE_STEPS * rounds, f"W={world} rank {rank}: {result['batches']} batches"
+            assert result["not_one_pair"] == 0, f"W={world} rank {rank} posted a batch that is not one send + one receive"
+            assert (result["losses"], result["sha"]) == (reference["losses"], reference["sha"]), f"W={world} rank {rank}"
+
+
+def test_exchange_ops_are_one_send_and_one_receive_to_the_same_peer() -> None:
+    """The ops one round posts together, built in a one-rank gloo group (P2POp needs one; nothing is sent)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        send, recv = torch.zeros(3), torch.zeros(3)
+        ops = invariant._exchange_ops(send, recv, 0, None)
+        assert [(op.op, op.peer) for op in ops] == [(dist.isend, 0), (dist.irecv, 0)]
+        assert ops[0].tensor is send and ops[1].tensor is recv and ops[0].group is ops[1].group
+    finally:
+        dist.destroy_process_group()
 
 
 def test_standard_data_parallel_is_not_invariant(runs: Path) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import Project, pid_alive
+from conftest import Project, on_cpu, pid_alive
 from snippets import CRASHING
 
 MASTER = "198.51.100.1"
@@ -19,7 +19,7 @@ MASTER = "198.51.100.1"
 
 def _node(two_hosts, project: Project, ns: str, rank: int, port: int, *args: str, env: dict | None = None,
           command: str = "run"):
-    argv = [sys.executable, "-m", "harness", command, *args, "--nnodes", "2", "--node-rank", str(rank),
+    argv = [sys.executable, "-m", "harness", *on_cpu([command, *args]), "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", MASTER, "--master-port", str(port)]
     environ = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
     return two_hosts.ns_popen(ns, argv, environ, cwd=project.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

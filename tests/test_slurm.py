@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project
+from conftest import Project, on_cpu
 from snippets import CRASHING
 
 
@@ -30,8 +30,8 @@ def _start_endless(project: Project, slurm_env: dict[str, str], pid_dir: Path, n
     env = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", "PID_DIR": str(pid_dir),
            **slurm_env}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", "experiments/crashing", "--executor", "slurm", "--nodes", str(nodes),
-         "train={steps: 100000, fail_rank: -1, fail_step: -1, sleep: 0.05}"],
+        [sys.executable, "-m", "harness", *on_cpu(["run", "experiments/crashing", "--executor", "slurm", "--nodes",
+                                                   str(nodes), "train={steps: 100000, fail_rank: -1, fail_step: -1, sleep: 0.05}"])],
         cwd=project.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     deadline = time.monotonic() + 120

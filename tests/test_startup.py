@@ -72,3 +72,20 @@ def test_ranks_whose_launcher_gives_up_exit_by_themselves(tmp_path: Path) -> Non
     ranks.stop()  # idempotent once they are gone
     assert not any(pid_alive(p) for p in pids)
     assert {"rank0.log", "rank1.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
+
+
+def test_ranks_on_a_gpu_give_init_process_group_their_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from harness.executors.launch import device_id
+
+    assert device_id(torch.device("cpu")) == {}
+    assert device_id(torch.device("cuda", 3)) == {"device_id": torch.device("cuda", 3)}
+    # A torch before 2.3 (none installable here) has no device_id: a stand-in with that older signature.
+    def older(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name="",
+              pg_options=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(dist, "init_process_group", older)
+    assert device_id(torch.device("cuda", 3)) == {}

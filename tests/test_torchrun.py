@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Project, Result, pid_alive
+from conftest import Project, Result, on_cpu, pid_alive
 
 
 def torchrun(project: Project, *args: str, env: dict[str, str] | None = None, nproc: int = 2) -> Result:
     """`torchrun --standalone --nproc-per-node N -m harness run ...` in the project, on its store."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "harness", "run", *args]
+               "-m", "harness", *on_cpu(["run", *args])]
     proc = subprocess.run(
         command, cwd=project.root, capture_output=True, text=True, timeout=300,
         env={**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", **(env or {})},

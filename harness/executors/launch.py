@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import inspect
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from harness.record.provenance import env_vars
 from harness.runtime import usermlflow, userseed
 
 if TYPE_CHECKING:  # torch loads only in the processes that run ranks
+    import torch
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
     from harness.runtime.context import CheckpointPlan
@@ -40,12 +42,19 @@ _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
 _PG_MARGIN_S = 30.0
 _STACK_WAIT_S = 1.0  # how long a rank gets to write its stacks when the job is stopped for no progress
 _SIGNAL_WAIT_S = 2.0  # a rank killed by SIGTERM: how long to wait for the launcher's own signal
-# Errors a rank raises only because a peer died or hung: they are consequences, never the cause.
+# Errors a rank raises only because a peer died or hung: they are consequences, never the cause. An NCCL error
+# is one only where it says so (ncclRemoteError's "remote process exited", a connection the peer closed, a
+# communicator aborted on another rank): "ProcessGroupNCCL" names the layer, not who failed, and a rank's own
+# ncclInternalError, invalid usage or watchdog timeout is the cause of its job's failure.
 _PEER_ERROR = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ProcessGroupGloo|ProcessGroupNCCL|"
-    r"NCCL communicator was aborted|Socket Timeout|Timed out waiting|recvBytes|sendBytes|DistNetworkError",
+    r"Connection (closed|reset) by (remote )?peer|Broken pipe|Connection refused|ProcessGroupGloo|"
+    r"remote process exited|ncclRemoteError|NCCL communicator was aborted|Socket Timeout|Timed out waiting|"
+    r"recvBytes|sendBytes|DistNetworkError",
     re.I,
 )
+# "NCCL communicator was aborted on rank N": on another rank, a consequence; on this one, its own abort, which the
+# rest of the message (torch adds "Original reason for failure was: ...") judges.
+_ABORTED_ON = re.compile(r"NCCL communicator was aborted on rank (\d+)", re.I)
 
 
 @dataclass
@@ -397,7 +406,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             store = dist.TCPStore(spec.master_addr, spec.port, is_master=False, timeout=timeout)
         dist.init_process_group(
             spec.backend, store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=spec.world_size,
-            timeout=timeout,
+            timeout=timeout, **device_id(device),
         )
         _beat(progress, local_rank, -1)
         os.chdir(spec.code_dir)
@@ -439,7 +448,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 ctx.announce_segment(index)
             try:
                 fn(ctx)
-                regroup(spec, rank, store, timeout)
+                regroup(spec, rank, store, timeout, device)
                 ctx.finish()
             except StopSegment:  # an audit segment ended: every rank stops at the same step
                 pass
@@ -463,7 +472,19 @@ _REGROUPS = "regroup-"  # the ranks' keys for a re-created default group: ranks/
 _regrouped = 0  # default groups re-created in this process so far
 
 
-def regroup(spec: LaunchSpec, rank: int, store: Any, timeout: datetime.timedelta) -> None:
+def device_id(device: torch.device) -> dict[str, Any]:
+    """init_process_group's `device_id` for a rank on a GPU ({} on the CPU, or where torch lacks it): NCCL then
+    binds the communicator to that device and forms it at once, so a bad GPU or NCCL set-up fails at start-up,
+    not at the first collective, and the invariant mode's first batch_isend_irecv comes after a formed
+    communicator."""
+    import torch.distributed as dist
+
+    if device.type != "cuda" or "device_id" not in inspect.signature(dist.init_process_group).parameters:
+        return {}
+    return {"device_id": device}
+
+
+def regroup(spec: LaunchSpec, rank: int, store: Any, timeout: datetime.timedelta, device: torch.device) -> None:
     """A default process group for harness's end-of-run collectives (the replica check) when the training code
     destroyed harness's own with dist.destroy_process_group(), as scripts written for torchrun do at their end.
 
@@ -479,6 +500,7 @@ def regroup(spec: LaunchSpec, rank: int, store: Any, timeout: datetime.timedelta
     prefix = f"{RANKS_PREFIX}{_REGROUPS}{_regrouped}/"
     dist.init_process_group(
         spec.backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=spec.world_size, timeout=timeout,
+        **device_id(device),
     )
 
 
@@ -527,11 +549,17 @@ def _from_user_code(tb: Any) -> Any:
     return start or tb
 
 
-def _is_peer_error(err: BaseException) -> bool:
+def is_peer_error(err: BaseException, rank: int) -> bool:
+    """Whether rank `rank` raised `err` only because a peer died, hung or broke the connection (a consequence)."""
     import torch.distributed as dist
 
     dist_error = getattr(dist, "DistNetworkError", ())
-    return isinstance(err, dist_error) or bool(_PEER_ERROR.search(f"{type(err).__name__}: {err}"))
+    if isinstance(err, dist_error):
+        return True
+    text = f"{type(err).__name__}: {err}"
+    for own in [m for m in _ABORTED_ON.finditer(text) if int(m.group(1)) == rank][::-1]:
+        text = text[: own.start()] + text[own.end() :]
+    return bool(_PEER_ERROR.search(text))
 
 
 def failure_record(spec: LaunchSpec, rank: int, err: BaseException) -> dict[str, Any]:
@@ -549,7 +577,7 @@ def failure_record(spec: LaunchSpec, rank: int, err: BaseException) -> dict[str,
         "time": time.time(),
         "line": line,
         "expected": isinstance(err, HarnessError),
-        "peer": _is_peer_error(err),
+        "peer": is_peer_error(err, rank),
         "traceback": "".join(traceback.format_exception(type(err), err, _from_user_code(err.__traceback__))),
     }
 

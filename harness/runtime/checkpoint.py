@@ -60,8 +60,21 @@ class TrainingPosition:
 
 
 # -- RNG ---------------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """This process's torch (CPU, every CUDA device), numpy-global and python RNG states, as plain values."""
+def _cuda_index(device: torch.device | None) -> int | None:
+    """The CUDA device whose generator a rank on `device` draws from; None for a rank on the CPU."""
+    if device is None or device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's torch CPU, numpy-global and python RNG states, and the CUDA one of `device` when it is a
+    GPU, as plain values.
+
+    Only the rank's own device: one state per visible GPU would tie the checkpoint to how many GPUs the host
+    showed (8 on the node that wrote it, 4 on the allocation that resumes, none for a CPU run on a CPU host).
+    `cuda_devices` names the index each CUDA state was read from.
+    """
     np_state = np.random.get_state()
     if not isinstance(np_state, tuple):
         raise HarnessError(
@@ -70,9 +83,11 @@ def rng_state() -> dict[str, Any]:
         )
     name, key, pos, has_gauss, cached_gaussian = np_state
     version, internal, gauss_next = random.getstate()
+    index = _cuda_index(device)
     return {
         "torch": torch.get_rng_state(),
-        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
+        "cuda": [] if index is None else [torch.cuda.get_rng_state(index)],
+        "cuda_devices": [] if index is None else [index],
         "numpy": {
             "name": str(name),
             # int64, not uint32: the key must come back as the exact same 32-bit words.
@@ -89,17 +104,43 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Put back what rng_state() captured, in this process."""
+def _cuda_state_for(state: Mapping[str, Any], index: int | None) -> torch.Tensor | None:
+    """The CUDA RNG state a rank on cuda:`index` resumes with; None for a rank on the CPU, which uses none."""
+    if index is None:
+        return None  # a CPU rank drew nothing from a GPU: states a GPU host saved for it do not matter
+    states = list(state["cuda"])
+    devices = state.get("cuda_devices")
+    if devices is None:
+        # Written before the devices were recorded: one state per GPU the process saw, in index order; the rank
+        # drew from the one at its own index.
+        if index < len(states):
+            return states[index]
+        raise HarnessError(
+            f"the checkpoint holds CUDA RNG states for {len(states)} device(s), none for cuda:{index}, this rank's "
+            f"device. Resume with the GPUs of the checkpointed run visible (at least {index + 1})."
+        )
+    devices = [int(d) for d in devices]
+    if len(states) == 1:
+        return states[0]  # the checkpointed rank's own device: the generator follows the rank, not the index
+    if index in devices:
+        return states[devices.index(index)]
+    if not states:
+        raise HarnessError(
+            f"the checkpoint holds no CUDA RNG state (its rank ran on the cpu) but this rank runs on cuda:{index}. "
+            "Resume with device=cpu, as the checkpointed run did."
+        )
+    raise HarnessError(
+        f"the checkpoint holds CUDA RNG states for devices {devices}, none for cuda:{index}, this rank's device. "
+        "Resume on the devices of the checkpointed run."
+    )
+
+
+def set_rng_state(state: Mapping[str, Any], device: torch.device | None = None) -> None:
+    """Put back what rng_state() captured, in this process, for a rank on `device` (the CUDA state only when it
+    is a GPU); refused in one line when a GPU rank would need a state the checkpoint lacks."""
+    index = _cuda_index(device)
     try:
-        cuda_states = list(state["cuda"])
-        if cuda_states:
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if count != len(cuda_states):
-                raise HarnessError(
-                    f"the checkpoint holds RNG states for {len(cuda_states)} CUDA device(s) but this "
-                    f"process sees {count}. Resume with the same GPUs visible as the original run."
-                )
+        cuda_state = _cuda_state_for(state, index)
         np_state = state["numpy"]
         key = np_state["key"]
         key_array = key.to(torch.int64).numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
@@ -122,7 +163,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             f"the checkpoint's RNG state is malformed ({_one_line(exc)}). Resume from another checkpoint."
         ) from exc
     torch.set_rng_state(torch_state)
-    for index, cuda_state in enumerate(cuda_states):
+    if cuda_state is not None and index is not None:
         torch.cuda.set_rng_state(cuda_state, index)
     np.random.set_state(numpy_tuple)
     random.setstate(python_tuple)
@@ -196,8 +237,10 @@ def build(
     position: TrainingPosition,
     loader_generators: Mapping[str, torch.Tensor | torch.Generator] | None = None,
     extra: Mapping[str, Any] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
-    """This rank's checkpoint at a step boundary: states on the CPU, RNG, position and fingerprint."""
+    """This rank's checkpoint at a step boundary: states on the CPU, RNG (with `device`'s CUDA generator when the
+    rank runs on a GPU), position and fingerprint."""
     module = _unwrap(model)
     generators = {
         str(name): generator_state(g) if isinstance(g, torch.Generator) else g.detach().clone()
@@ -216,7 +259,7 @@ def build(
             "batch_in_epoch": int(position.batch_in_epoch),
             "epoch_start_generator": None if start is None else start.detach().clone(),
         },
-        "rng": rng_state(),
+        "rng": rng_state(device),
         "loader_generators": generators,
         "extra": _snapshot(dict(extra or {})),
         "fingerprint": fingerprint(module),

@@ -394,7 +394,7 @@ class Context:
         start = self._load_resume_checkpoint()
         if self._resume is not None:
             # No loader replays batches here: the RNGs go back to the checkpoint's at once.
-            ckpt.set_rng_state(self._resume[1])
+            ckpt.set_rng_state(self._resume[1], self.device)
             self._resume = None
         for k in range(start, n):
             self.clock.set(k)
@@ -616,7 +616,7 @@ class Context:
                 position, rng = self._resume
                 iterator = ckpt.resume_iterator(loader, position)  # replays this epoch's first batches
                 self._epoch_start_generator = position.epoch_start_generator
-                ckpt.set_rng_state(rng)  # after the replay: it drew from the RNGs as the original did
+                ckpt.set_rng_state(rng, self.device)  # after the replay: it drew from the RNGs as the original did
                 self._resume, first = None, position.batch_in_epoch
             else:
                 self._epoch_start_generator = ckpt.generator_state(loader.generator)
@@ -679,7 +679,7 @@ class Context:
         generators = {str(i): dl.generator for i, dl in enumerate(self._loaders) if dl is not self._train_loader}
         state = ckpt.build(
             model=model, position=position, loader_generators=generators,
-            extra={"next_fingerprint": self._next_fingerprint}, **self._tracked,
+            extra={"next_fingerprint": self._next_fingerprint}, device=self.device, **self._tracked,
         )
         directory = Path(plan.directory)
         ckpt.save_atomic(state, ckpt.path_for(directory, step, self.rank))

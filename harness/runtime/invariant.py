@@ -235,11 +235,17 @@ def _global_rank(group: Any, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+def _exchange_ops(send: Tensor, recv: Tensor, peer: int, group: Any) -> list[dist.P2POp]:
+    """The send and the receive of one round with `peer`, to be posted together as one batch."""
+    return [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+
+
 def _exchange(send: Tensor, recv: Tensor, peer: int, group: Any) -> None:
-    # Both sides post send and receive before waiting: no ordering can deadlock.
-    requests = [dist.isend(send, peer, group=group), dist.irecv(recv, peer, group=group)]
-    for request in requests:
-        assert request is not None  # None only for a rank outside `group`, and both ends are in it
+    # One fused group (ncclGroupStart/End under NCCL): two ranks that each post isend then irecv to the
+    # other, ungrouped, deadlock on NCCL (NVIDIA/nccl#479); gloo buffers and takes the same call. torch
+    # documents that a batch_isend_irecv which is a group's first collective must involve every rank of it:
+    # each halving/doubling round pairs every rank with one peer, so every rank takes part in every call.
+    for request in dist.batch_isend_irecv(_exchange_ops(send, recv, peer, group)):
         request.wait()
 
 

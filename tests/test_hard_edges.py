@@ -182,8 +182,8 @@ def test_an_op_strict_mode_refuses_fails_with_one_line_naming_it_and_the_way_out
     assert failed == [
         "FAILED: rank 0: max_unpooling2d_forward_out has no deterministic implementation, so "
         f"determinism.level=strict refused it (train.py, line {REFUSED_LINE}). Use another op there, or set "
-        "determinism.level=warn to let it run with a warning (its results may then differ between runs, and a "
-        "replay cannot be BITWISE). (rank 1 failed the same way)"], result.stderr
+        "determinism.level=warn to let it run with a warning (its results may then differ between runs, so a "
+        "replay need not be BITWISE). (rank 1 failed the same way)"], result.stderr
     assert "Traceback" not in result.stderr
     run = project.client().get_run(result.last_line)
     assert run.info.status == "FAILED" and run.data.tags["harness.status_reason"] == failed[0][len("FAILED: "):]

@@ -34,5 +34,5 @@ def refusal_line(op: str, where: str | None) -> str:
     return (
         f"{op} has no deterministic implementation, so determinism.level=strict refused it{at}. "
         "Use another op there, or set determinism.level=warn to let it run with a warning "
-        "(its results may then differ between runs, and a replay cannot be BITWISE)."
+        "(its results may then differ between runs, so a replay need not be BITWISE)."
     )

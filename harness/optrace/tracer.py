@@ -274,7 +274,7 @@ def _settings() -> dict[str, Any]:
         "deterministic_warn_only": read(torch.is_deterministic_algorithms_warn_only_enabled),
         # torch fills the memory of torch.empty & co. with NaN (or the integer maximum) under deterministic
         # algorithms unless this is off: off, such memory holds whatever was there before.
-        "fill_uninitialized_memory": read(lambda: torch.utils.deterministic.fill_uninitialized_memory),
+        "fill_uninitialized_memory": read(lambda: torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]  # a module property torch's stubs do not declare
         "cudnn_deterministic": read(lambda: b.cudnn.deterministic),
         "cudnn_benchmark": read(lambda: b.cudnn.benchmark),
         "num_threads": read(torch.get_num_threads),
@@ -292,10 +292,10 @@ def _settings() -> dict[str, Any]:
         # none of these (read() answers None), and allow_tf32 above is then the whole story.
         "fp32_precision": read(lambda: b.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
         "cuda_matmul_fp32_precision": read(lambda: b.cuda.matmul.fp32_precision),
-        "cudnn_fp32_precision": read(lambda: b.cudnn.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
+        "cudnn_fp32_precision": read(lambda: b.cudnn.fp32_precision),
         "cudnn_conv_fp32_precision": read(lambda: b.cudnn.conv.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
         "cudnn_rnn_fp32_precision": read(lambda: b.cudnn.rnn.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
-        "mkldnn_fp32_precision": read(lambda: b.mkldnn.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
+        "mkldnn_fp32_precision": read(lambda: b.mkldnn.fp32_precision),
         # Which scaled_dot_product_attention kernels may be picked: each computes attention in its own order.
         "flash_sdp_enabled": read(b.cuda.flash_sdp_enabled),
         "mem_efficient_sdp_enabled": read(b.cuda.mem_efficient_sdp_enabled),

@@ -331,6 +331,7 @@ def test_a_trace_records_its_device_libraries_and_the_settings_that_pick_kernels
         torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
     default = tracer.result()
     assert default.meta["flash_sdp_enabled"] is True and default.meta["fill_uninitialized_memory"] is True
+    assert default.meta["device"] == "cpu"  # no device given, and CUDA not in use in this process
     # The attention kernel and its backward, as this CPU runs them, are matmuls to the precision rule.
     attention = [r.op for r in default.ops if "attention" in r.op]
     assert attention == ["aten._scaled_dot_product_flash_attention_for_cpu.default",

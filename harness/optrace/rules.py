@@ -22,8 +22,6 @@ MATMUL_OPS = frozenset({
     "_addmm_activation", "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
     "mkldnn_convolution", "convolution_backward", "_convolution_double_backward",
     "mkldnn_linear", "_mkldnn_linear", "_scaled_mm", "_int_mm", "einsum", "tensordot",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "cudnn_convolution", "cudnn_convolution_transpose", "slow_conv2d_forward",
     "slow_conv_transpose2d", "_slow_conv2d_forward", "_slow_conv2d_backward",
 })
@@ -60,10 +58,13 @@ def _base(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
+def is_attention(op: str) -> bool:
+    return _ATTENTION_OP.fullmatch(_base(op)) is not None
+
+
 def is_matmul(op: str) -> bool:
     """A matmul, convolution or attention kernel (forward or backward): precision settings change its bits."""
-    base = _base(op)
-    return base in MATMUL_OPS or _ATTENTION_OP.fullmatch(base) is not None
+    return _base(op) in MATMUL_OPS or is_attention(op)
 
 
 def _meta_delta(a: Trace, b: Trace, keys: tuple[str, ...]) -> list[str]:
@@ -104,7 +105,7 @@ def precision_setting(loc: Localization, a: Trace, b: Trace, hints: dict | None)
 
 
 def attention_backend(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    if loc.status != "CULPRIT" or loc.a is None or _ATTENTION_OP.fullmatch(_base(loc.a.op)) is None:
+    if loc.status != "CULPRIT" or loc.a is None or not is_attention(loc.a.op):
         return None
     delta = _meta_delta(a, b, ATTENTION_KEYS)
     if not delta:

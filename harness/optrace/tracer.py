@@ -389,13 +389,17 @@ class OpTracer:
     model: hooks on its submodules keep the module stack (None: every op's module is "").
     meta: merged into the trace's meta (e.g. {"step": 412}).
     device: where the step runs (the rank's ctx.device); the meta names it, its GPU and the libraries for it.
+        None: this process's current CUDA device once CUDA is in use here, else the CPU.
     """
 
     def __init__(self, code_dir: str, model: torch.nn.Module | None = None,
                  meta: dict | None = None, optimizer_hooks: bool = True,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str | None = None) -> None:
         self.code_dir = os.path.realpath(code_dir) + os.sep
         self.model = model
+        if device is None:
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
         self.device = torch.device(device)
         self.user_meta = dict(meta or {})
         self.ops: list[OpRecord] = []

@@ -183,3 +183,44 @@ def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) ->
     outcome = executors.run_job(executors.get("local"), job, on_start=lambda h: (handles.append(h), seen.append(h.status())))
     assert outcome.status == "FINISHED" and seen == ["PENDING"]
     assert handles[0].status() == "FINISHED" == project.client().get_run(outcome.run_id).info.status
+
+
+def test_docker_forwards_the_hosts_numerics_variables_and_gives_only_the_visible_gpus(tmp_path: Path) -> None:
+    from harness.executors.docker import host_environment
+    from harness.systems import docker
+
+    host = {
+        "NCCL_ALGO": "Ring", "NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "CUBLASLT_WORKSPACE_SIZE": "1024", "TORCH_BLAS_PREFER_CUBLASLT": "1", "NVIDIA_TF32_OVERRIDE": "0",
+        "DISABLE_ADDMM_CUDA_LT": "1", "CUDA_VISIBLE_DEVICES": "2,3",
+        "NCCL_AUTH_KEY": "s3cr3t-nccl", "TORCH_HUB_TOKEN": "s3cr3t-hub",  # credentials by their names
+        "HOME": "/root", "OMP_NUM_THREADS": "8", "MLFLOW_TRACKING_URI": "http://u:pw@host", "PATH": "/usr/bin",
+    }
+    env = host_environment("cuda", host, gpus_here=True)
+    assert env.values == {k: host[k] for k in (
+        "NCCL_ALGO", "NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
+        "TORCH_BLAS_PREFER_CUBLASLT", "NVIDIA_TF32_OVERRIDE", "DISABLE_ADDMM_CUDA_LT")}
+    assert env.by_name == {"NCCL_AUTH_KEY": "s3cr3t-nccl", "TORCH_HUB_TOKEN": "s3cr3t-hub"}
+    # Host indices 2,3 are the container's 0,1: the list becomes --gpus, and CUDA_VISIBLE_DEVICES stays out.
+    assert env.gpus == '"device=2,3"'
+    args = docker.run_args("img@sha256:" + "0" * 64, workdir_host=tmp_path, workdir_container="/w", mounts=[],
+                           env={**env.values, "PYTHONUNBUFFERED": "1"}, passed=("MLFLOW_TRACKING_URI", *env.by_name),
+                           gpus=env.gpus, command=["true"], name="n")
+    assert args[args.index("--gpus") + 1] == '"device=2,3"'
+    pairs = [args[i + 1] for i, a in enumerate(args) if a == "-e"]
+    assert "NCCL_ALGO=Ring" in pairs and "NVIDIA_TF32_OVERRIDE=0" in pairs and "CUBLASLT_WORKSPACE_SIZE=1024" in pairs
+    assert "NCCL_AUTH_KEY" in pairs and "TORCH_HUB_TOKEN" in pairs
+    assert not any(secret in " ".join(args) for secret in ("s3cr3t", "pw@host"))
+    assert not any(p.startswith(("CUDA_VISIBLE_DEVICES", "HOME", "OMP_", "PATH")) for p in pairs)
+    # Which GPUs: all when CUDA_VISIBLE_DEVICES is unset, none when it hides them all or the job runs on cpu.
+    assert host_environment("cuda", {}, gpus_here=False).gpus == "all"
+    assert host_environment("auto", {}, gpus_here=True).gpus == "all"
+    assert host_environment("auto", {}, gpus_here=False).gpus is None
+    assert host_environment("cpu", {"CUDA_VISIBLE_DEVICES": "0"}, gpus_here=True).gpus is None
+    for hidden in ("", "-1", " "):
+        assert host_environment("cuda", {"CUDA_VISIBLE_DEVICES": hidden}, gpus_here=True).gpus is None, hidden
+    assert host_environment("cuda", {"CUDA_VISIBLE_DEVICES": "GPU-8f3e9a1c, 1"}, gpus_here=True).gpus == (
+        '"device=GPU-8f3e9a1c,1"')
+    single = docker.run_args("img", workdir_host=tmp_path, workdir_container="/w", mounts=[], env={},
+                             gpus=True, command=["true"], name="n")
+    assert single[single.index("--gpus") + 1] == "all"

@@ -212,6 +212,78 @@ def test_non_numeric_metric_names_key_and_type(project: Project, tmp_path: Path)
     assert_ranks_gone(tmp_path)
 
 
+# MaxUnpool2d has no deterministic kernel on any device (torch.use_deterministic_algorithms' own list): the CPU
+# op that strict mode refuses, as it refuses interpolate's, AdaptiveAvgPool2d's or grid_sample's backward on CUDA.
+STRICT_REFUSES = '''
+import torch
+from torch import nn
+
+
+def train(ctx):
+    x = torch.randn(1, 1, 4, 4, generator=torch.Generator().manual_seed(ctx.seed))
+    pooled, indices = nn.functional.max_pool2d(x, 2, return_indices=True)
+    restored = nn.functional.max_unpool2d(pooled, indices, 2)  # REFUSED_LINE
+    ctx.log({"loss": restored.sum()}, 0)
+'''
+REFUSED_LINE = next(i for i, line in enumerate(STRICT_REFUSES.splitlines(), 1) if "REFUSED_LINE" in line)
+
+
+def test_an_op_strict_mode_refuses_fails_with_one_line_naming_it_and_the_way_out(project: Project) -> None:
+    project.add_experiment("refused", train_py=STRICT_REFUSES)
+    result = project.harness("run", "experiments/refused")
+    assert result.returncode == 1, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED: ")]
+    assert failed == [
+        "FAILED: rank 0: max_unpooling2d_forward_out has no deterministic implementation, so "
+        f"determinism.level=strict refused it (train.py, line {REFUSED_LINE}). Use another op there, or set "
+        "determinism.level=warn to let it run with a warning (its results may then differ between runs, so a "
+        "replay need not be BITWISE). (rank 1 failed the same way)"], result.stderr
+    assert "Traceback" not in result.stderr
+    run = project.client().get_run(result.last_line)
+    assert run.info.status == "FAILED" and run.data.tags["harness.status_reason"] == failed[0][len("FAILED: "):]
+    # The way out it names works: the same code runs to its end under warn.
+    warned = project.harness("run", "experiments/refused", "determinism.level=warn")
+    assert warned.returncode == 0, warned.stderr
+    assert project.client().get_run(warned.last_line).info.status == "FINISHED"
+
+
+# torch's text (at::Context::alertNotDeterministic) for the kernels that strict mode refuses on CUDA only.
+_TORCH_ALERT = ("{} does not have a deterministic implementation, but you set 'torch.use_deterministic_algorithms(True)'. "
+                "You can turn off determinism just for this operation, or you can use the 'warn_only=True' option, if "
+                "that's acceptable for your application. You can also file an issue at "
+                "https://github.com/pytorch/pytorch/issues to help us prioritize adding deterministic support for this "
+                "operation.")
+
+
+@pytest.mark.parametrize("op", [
+    "upsample_bilinear2d_backward_out_cuda", "upsample_bicubic2d_backward_out_cuda",
+    "adaptive_avg_pool2d_backward_cuda", "nll_loss2d_forward_out_cuda_template", "grid_sampler_2d_backward_cuda",
+    "_histc_cuda with floating point input",
+])
+def test_strict_refusal_error_text_names_the_cuda_kernel(op: str) -> None:
+    from harness.runtime.refusals import refusal_line, refused_op
+
+    assert refused_op(_TORCH_ALERT.format(op)) == op
+    # TORCH_SHOW_CPP_STACKTRACES=1 appends the C++ stack on lines of their own.
+    assert refused_op(_TORCH_ALERT.format(op) + "\nException raised from alertNotDeterministic at Context.cpp:91") == op
+    line = refusal_line(op, "model.py, line 40")
+    assert line.startswith(f"{op} has no deterministic implementation, so determinism.level=strict refused it "
+                           "(model.py, line 40). ") and "determinism.level=warn" in line and "\n" not in line
+
+
+def test_errors_that_are_not_a_strict_refusal_are_left_alone() -> None:
+    from harness.runtime.refusals import refused_op
+
+    warn_only = ("adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, but you set "
+                 "'torch.use_deterministic_algorithms(True, warn_only=True)'. You can file an issue ...")
+    for text in (warn_only, "", "boom at step 3", "CUDA error: an illegal memory access was encountered",
+                 "the model does not have a deterministic implementation, but you set it up wrong"):
+        assert refused_op(text) is None, text
+    # Re-raised inside another library's text, it is still the refusal, and still names the kernel.
+    assert refused_op("layer 3 (Upsample): " + _TORCH_ALERT.format("upsample_bilinear2d_backward_out_cuda")) == (
+        "upsample_bilinear2d_backward_out_cuda")
+
+
 def test_ranks_that_train_apart_fail_the_run(project: Project, tmp_path: Path) -> None:
     result = run_edges(project, tmp_path, "apart")
     assert result.returncode == 1

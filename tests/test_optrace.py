@@ -298,6 +298,82 @@ def test_rules_name_only_what_they_know() -> None:
     assert "nondeterministic accumulation" in optrace_rules.accumulation_order(scatter, same, same, None)
 
 
+def test_a_trace_records_its_device_libraries_and_the_settings_that_pick_kernels(user: tuple[ModuleType, Path]) -> None:
+    _, code_dir = user
+    b = torch.backends
+    q = torch.randn(1, 2, 4, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    b.cuda.enable_flash_sdp(False)
+    b.cuda.matmul.fp32_precision = "tf32"  # the new TF32 API is a plain setting on a CPU build too
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        with OpTracer(str(code_dir), device="cpu") as tracer:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    finally:
+        b.cuda.enable_flash_sdp(True)
+        b.cuda.matmul.fp32_precision = "none"
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    trace = tracer.result()
+    meta = trace.meta
+    assert (meta["device"], meta["device_name"], meta["compute_capability"]) == ("cpu", None, None)
+    assert meta["cpu_capability"] == b.cpu.get_cpu_capability() and meta["cpu_capability"]
+    # This CPU build of torch has no CUDA, cuDNN, cuBLAS or NCCL: each is recorded, as absent.
+    assert {k: meta[k] for k in ("cuda_version", "cudnn_version", "cublas_version", "nccl_version")} == dict.fromkeys(
+        ("cuda_version", "cudnn_version", "cublas_version", "nccl_version"))
+    assert meta["flash_sdp_enabled"] is False and meta["math_sdp_enabled"] is True
+    assert meta["mem_efficient_sdp_enabled"] is True and meta["cudnn_sdp_enabled"] is True
+    assert meta["cuda_matmul_fp32_precision"] == "tf32" and meta["fp32_precision"] == b.fp32_precision
+    assert meta["cudnn_conv_fp32_precision"] == b.cudnn.conv.fp32_precision
+    assert meta["fill_uninitialized_memory"] is False
+    assert loads(dumps(trace)).meta == meta
+    # The flag is no label: without flash attention this CPU computed attention from plain matmuls and a softmax.
+    assert not [r.op for r in trace.ops if "attention" in r.op] and "aten.bmm.default" in {r.op for r in trace.ops}
+    with OpTracer(str(code_dir)) as tracer:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    default = tracer.result()
+    assert default.meta["flash_sdp_enabled"] is True and default.meta["fill_uninitialized_memory"] is True
+    assert default.meta["device"] == "cpu"  # no device given, and CUDA not in use in this process
+    # The attention kernel and its backward, as this CPU runs them, are matmuls to the precision rule.
+    attention = [r.op for r in default.ops if "attention" in r.op]
+    assert attention == ["aten._scaled_dot_product_flash_attention_for_cpu.default",
+                         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"]
+    assert all(optrace_rules.is_matmul(op) for op in attention)
+
+
+def test_rules_name_another_gpu_or_library_and_attention_settings() -> None:
+    h100 = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
+            "cpu_capability": "AVX512", "cudnn_version": 90100, "cuda_version": "12.8", "cublas_version": "12.8.4.1",
+            "nccl_version": "2.26.2", "flash_sdp_enabled": True, "cuda_matmul_fp32_precision": "ieee"}
+    a = Trace([], h100)
+    b = Trace([], {**h100, "device_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"})
+    addmm = Localization(CULPRIT, 0, _record(0, "aten.addmm.default"), None, None, [])
+    assert optrace_rules.device_change(addmm, a, b, None) == (
+        "the traces ran on different hardware, whose kernels need not give the same bits: device_name "
+        "'NVIDIA H100 80GB HBM3' vs 'NVIDIA A100-SXM4-80GB', compute_capability '9.0' vs '8.0'")
+    assert optrace_rules.device_change(addmm, a, a, None) is None
+    cudnn = Trace([], {**h100, "cudnn_version": 90300})
+    assert optrace_rules.library_version(addmm, a, cudnn, None) == "a different library version: cuDNN 90100 vs 90300"
+    assert "cuDNN 90100 vs 90300" in optrace_rules.likely_cause(addmm, a, cudnn, None)
+    # A trace from a harness that recorded none of these facts is not a different GPU or library.
+    old = Trace([], {"torch": None})
+    assert optrace_rules.device_change(addmm, a, old, None) is None
+    assert optrace_rules.library_version(addmm, Trace([], {}), Trace([], {}), None) is None
+    assert optrace_rules.library_version(addmm, a, Trace([], {k: v for k, v in h100.items() if k != "cudnn_version"}),
+                                         None) is None
+    # The attention kernels and their backward fall under the precision rule, and under their own.
+    tf32 = Trace([], {**h100, "cuda_matmul_fp32_precision": "tf32", "flash_sdp_enabled": False})
+    for op in ("aten._scaled_dot_product_efficient_attention_backward.default",
+               "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
+               "aten._efficient_attention_backward.default", "aten._flash_attention_forward.default"):
+        loc = Localization(CULPRIT, 0, _record(0, op), None, None, [])
+        assert optrace_rules.precision_setting(loc, a, tf32, None) == (
+            "a precision setting differs between the traces: cuda_matmul_fp32_precision 'ieee' vs 'tf32'"), op
+        assert optrace_rules.attention_backend(loc, a, tf32, None).endswith("flash_sdp_enabled True vs False"), op
+    assert optrace_rules.attention_backend(addmm, a, tf32, None) is None
+    tanh = Localization(CULPRIT, 0, _record(0, "aten.tanh.default"), None, None, [])
+    assert optrace_rules.precision_setting(tanh, a, tf32, None) is None
+    assert not optrace_rules.is_matmul("aten.softmax.int") and optrace_rules.is_matmul("aten.mm.default")
+
+
 def test_reports_name_the_op_module_and_line(user: tuple[ModuleType, Path], tmp_path: Path) -> None:
     a, b = trace_step(user, gen_seed=1), trace_step(user, gen_seed=2)
     loc = localize(a, b)

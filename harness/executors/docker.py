@@ -7,9 +7,10 @@ into the same store (mounted, or reached over HTTP); this side only starts, stop
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,53 @@ from harness.executors.base import (
 from harness.executors.local import LocalExecutor
 from harness.messages import Message
 from harness.record.recorder import ENV_DIGEST
-from harness.record.redaction import redact
+from harness.record.redaction import env_name_is_secret, redact
 from harness.store.reach import SUPPRESS_URL, artifact_path, database_file
 from harness.store.tracking import Tracker
 from harness.systems import docker
 
 WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted
+
+# The host's variables that change numerics or communication, which a container does not inherit (it starts from
+# the image's environment): without them a user's NCCL_ALGO, CUBLAS_WORKSPACE_CONFIG or NVIDIA_TF32_OVERRIDE pin
+# would be silently absent where the ranks run.
+_FORWARD_PREFIXES = ("NCCL_", "CUBLAS_", "CUBLASLT_", "TORCH_")
+_FORWARD_NAMES = frozenset({"NVIDIA_TF32_OVERRIDE", "DISABLE_ADDMM_CUDA_LT"})
+# CUDA_VISIBLE_DEVICES values under which CUDA sees no GPU at all.
+_NO_DEVICES = frozenset({"", "-1", "none", "nodevfiles", "void"})
+
+
+@dataclass(frozen=True)
+class HostEnvironment:
+    """What of the host's environment a job's container gets."""
+
+    values: dict[str, str]  # forwarded as -e NAME=VALUE
+    # Credential-named (NCCL_AUTH_KEY, TORCH_HUB_TOKEN...): forwarded by name, -e NAME, the value handed to
+    # docker's own environment, so that it is on no command line.
+    by_name: dict[str, str]
+    gpus: str | None  # docker's --gpus value; None: the container gets no GPU
+
+
+def host_environment(device: str, environ: Mapping[str, str], gpus_here: bool) -> HostEnvironment:
+    """The host's numerics and NCCL variables for the container, and the GPUs it may use: those
+    CUDA_VISIBLE_DEVICES names, or all when it is unset (`gpus_here`: this host has NVIDIA GPUs)."""
+    values: dict[str, str] = {}
+    by_name: dict[str, str] = {}
+    for name, value in environ.items():
+        if name.startswith(_FORWARD_PREFIXES) or name in _FORWARD_NAMES:
+            (by_name if env_name_is_secret(name) else values)[name] = value
+    gpus = None
+    if device == "cuda" or (device == "auto" and gpus_here):
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            gpus = "all"
+        elif visible.strip().lower() not in _NO_DEVICES:
+            # The container is given exactly those GPUs, and numbers them 0..n-1 itself: CUDA_VISIBLE_DEVICES is
+            # not forwarded, since its host indices (2,3) would name GPUs the container does not have. docker
+            # splits --gpus at commas unless the value is quoted (docker run --gpus '"device=2,3"').
+            devices = ",".join(d.strip() for d in visible.split(",") if d.strip())
+            gpus = f'"device={devices}"'
+    return HostEnvironment(values, by_name, gpus)
 
 
 @dataclass(frozen=True)
@@ -206,20 +248,22 @@ class ContainerHandle(Handle):
         self.job = job
         self.name = f"harness-{job.run_id[:12]}"
         tracker = job.tracker
+        host = host_environment(job.cfg.device.value, os.environ, _nvidia_smi_here())
         args = docker.run_args(
             image.run_reference,
             workdir_host=job.code_root,
             workdir_container=WORKSPACE,
             mounts=_mounts(tracker, job.run_id, job.data),
-            env={ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1", SUPPRESS_URL: "true"},
-            passed=("MLFLOW_TRACKING_URI",),  # by name: its value may hold the server's password
-            gpus=wants_gpus(job.cfg.device.value),
+            env={**host.values, ENV_DIGEST: image.digest, "PYTHONUNBUFFERED": "1", SUPPRESS_URL: "true"},
+            # by name: the tracking URI's value may hold the server's password, and so may a credential-named variable
+            passed=("MLFLOW_TRACKING_URI", *sorted(host.by_name)),
+            gpus=host.gpus or False,
             command=["harness", "_execute", job.run_id, "--code-dir", f"{WORKSPACE}/{job.exp_rel}", *extra_args],
             name=self.name,
         )
         self.interrupted: list[int] = []
         self.ended: str | None = None
-        self.proc = docker.start_container(args, {"MLFLOW_TRACKING_URI": tracker.uri})
+        self.proc = docker.start_container(args, {**host.by_name, "MLFLOW_TRACKING_URI": tracker.uri})
 
     def status(self) -> str:
         if self.ended is not None:
@@ -264,6 +308,6 @@ class ContainerHandle(Handle):
         return Outcome(run_id, status, code if code else EXIT_FAILED, reason)
 
 
-def wants_gpus(device: str) -> bool:
-    """--gpus all when the job runs on cuda, or on auto when this host has NVIDIA GPUs."""
-    return device == "cuda" or (device == "auto" and shutil.which("nvidia-smi") is not None)
+def _nvidia_smi_here() -> bool:
+    """This host has NVIDIA GPUs (their driver's tool is installed): a job on device auto gets them."""
+    return shutil.which("nvidia-smi") is not None

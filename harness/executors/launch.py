@@ -27,6 +27,7 @@ from harness.errors import ExperimentError, HarnessError, Interrupted, RunFailed
 from harness.messages import Determinism, Message
 from harness.record.provenance import env_vars
 from harness.runtime import usermlflow, userseed
+from harness.runtime.refusals import refusal_line, refused_op
 
 if TYPE_CHECKING:  # torch loads only in the processes that run ranks
     import torch
@@ -567,8 +568,13 @@ def failure_record(spec: LaunchSpec, rank: int, err: BaseException) -> dict[str,
     it is only a peer's consequence, and the traceback from the user's code on."""
     message = str(err).strip()
     first = message.splitlines()[0] if message else ""
-    if isinstance(err, HarnessError):
+    expected = isinstance(err, HarnessError)
+    op = None if expected else refused_op(message)
+    if expected:
         line = first
+    elif op is not None:  # strict mode's refusal says all there is to say: the op, the line, the way out
+        line = refusal_line(op, _user_frame(err, spec.code_dir))
+        expected = True
     else:
         where = _user_frame(err, spec.code_dir)
         line = f"{type(err).__name__}: {first}" + (f" ({where})" if where else "")
@@ -576,7 +582,7 @@ def failure_record(spec: LaunchSpec, rank: int, err: BaseException) -> dict[str,
         "rank": rank,
         "time": time.time(),
         "line": line,
-        "expected": isinstance(err, HarnessError),
+        "expected": expected,
         "peer": is_peer_error(err, rank),
         "traceback": "".join(traceback.format_exception(type(err), err, _from_user_code(err.__traceback__))),
     }

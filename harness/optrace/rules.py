@@ -3,6 +3,7 @@ culprit and the two traces' meta and returns one sentence, or None when it does 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,23 +22,35 @@ MATMUL_OPS = frozenset({
     "_addmm_activation", "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
     "mkldnn_convolution", "convolution_backward", "_convolution_double_backward",
     "mkldnn_linear", "_mkldnn_linear", "_scaled_mm", "_int_mm", "einsum", "tensordot",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "cudnn_convolution", "cudnn_convolution_transpose", "slow_conv2d_forward",
     "slow_conv_transpose2d", "_slow_conv2d_forward", "_slow_conv2d_backward",
 })
+# scaled_dot_product_attention's kernels and their backward (aten._scaled_dot_product_flash_attention,
+# _scaled_dot_product_efficient_attention_backward, _scaled_dot_product_flash_attention_for_cpu_backward,
+# _scaled_dot_product_cudnn_attention, _flash_attention_forward, _efficient_attention_backward, ...): matmuls
+# inside, under the same precision settings, plus the choice of kernel.
+_ATTENTION_OP = re.compile(r"_?scaled_dot_product_\w*attention\w*|_(flash|efficient|cudnn)_attention_(forward|backward)")
 # Meta keys (harness.optrace.tracer._settings) that change a matmul's or convolution's arithmetic.
 PRECISION_KEYS = (
     "float32_matmul_precision", "cuda_matmul_allow_tf32", "cudnn_allow_tf32",
     "cuda_matmul_allow_fp16_reduced_precision_reduction",
     "cuda_matmul_allow_bf16_reduced_precision_reduction", "mkldnn_enabled",
-    "mkldnn_matmul_fp32_precision", "mkldnn_conv_fp32_precision", "flush_denormal",
+    "mkldnn_matmul_fp32_precision", "mkldnn_conv_fp32_precision",
+    "fp32_precision", "cuda_matmul_fp32_precision", "cudnn_fp32_precision", "cudnn_conv_fp32_precision",
+    "cudnn_rnn_fp32_precision", "mkldnn_fp32_precision", "flush_denormal",
 )
+# Meta keys that decide which attention kernel scaled_dot_product_attention runs.
+ATTENTION_KEYS = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled")
 # Meta keys that decide whether kernels are deterministic or how CPU reductions are split.
 DETERMINISM_KEYS = (
-    "deterministic_algorithms", "deterministic_warn_only", "cudnn_deterministic",
+    "deterministic_algorithms", "deterministic_warn_only", "fill_uninitialized_memory", "cudnn_deterministic",
     "cudnn_benchmark", "num_threads",
 )
+# Meta keys (harness.optrace.tracer._device_facts) naming the hardware: another GPU, or another generation of
+# one, or a CPU whose vector units torch uses differently, runs other kernels on the same settings.
+DEVICE_KEYS = ("device", "device_name", "compute_capability", "cpu_capability")
+# Meta keys naming the numerical libraries, with the name a sentence gives them.
+LIBRARY_KEYS = {"cuda_version": "CUDA", "cudnn_version": "cuDNN", "cublas_version": "cuBLAS", "nccl_version": "NCCL"}
 
 
 def _base(op: str) -> str:
@@ -45,9 +58,19 @@ def _base(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
+def is_attention(op: str) -> bool:
+    return _ATTENTION_OP.fullmatch(_base(op)) is not None
+
+
+def is_matmul(op: str) -> bool:
+    """A matmul, convolution or attention kernel (forward or backward): precision settings change its bits."""
+    return _base(op) in MATMUL_OPS or is_attention(op)
+
+
 def _meta_delta(a: Trace, b: Trace, keys: tuple[str, ...]) -> list[str]:
+    # A key one trace lacks was not recorded by the harness that made it (an older one): it says nothing.
     return [f"{k} {a.meta.get(k)!r} vs {b.meta.get(k)!r}" for k in keys
-            if a.meta.get(k) != b.meta.get(k)]
+            if k in a.meta and k in b.meta and a.meta[k] != b.meta[k]]
 
 
 def random_generator(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
@@ -73,12 +96,31 @@ def accumulation_order(loc: Localization, a: Trace, b: Trace, hints: dict | None
 
 
 def precision_setting(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in MATMUL_OPS:
+    if loc.status != "CULPRIT" or loc.a is None or not is_matmul(loc.a.op):
         return None
     delta = _meta_delta(a, b, PRECISION_KEYS)
     if not delta:
         return None
     return "a precision setting differs between the traces: " + ", ".join(delta)
+
+
+def attention_backend(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
+    if loc.status != "CULPRIT" or loc.a is None or not is_attention(loc.a.op):
+        return None
+    delta = _meta_delta(a, b, ATTENTION_KEYS)
+    if not delta:
+        return None
+    return ("the attention kernels allowed differ between the traces, so scaled_dot_product_attention may have "
+            "run another one: " + ", ".join(delta))
+
+
+def device_change(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
+    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
+        return None
+    delta = _meta_delta(a, b, DEVICE_KEYS)
+    if not delta:
+        return None
+    return "the traces ran on different hardware, whose kernels need not give the same bits: " + ", ".join(delta)
 
 
 def determinism_setting(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
@@ -96,6 +138,9 @@ def library_version(loc: Localization, a: Trace, b: Trace, hints: dict | None) -
     packages: dict[str, Any] = dict((hints or {}).get("packages") or {})
     if a.meta.get("torch") != b.meta.get("torch") and "torch" not in packages:
         packages["torch"] = (a.meta.get("torch"), b.meta.get("torch"))
+    for key, name in LIBRARY_KEYS.items():
+        if key in a.meta and key in b.meta and a.meta[key] != b.meta[key] and name not in packages:
+            packages[name] = (a.meta[key], b.meta[key])
     if not packages:
         return None
     shown = ", ".join(f"{name} {pair[0]} vs {pair[1]}" for name, pair in sorted(packages.items()))
@@ -112,8 +157,8 @@ def collective_peer(loc: Localization, a: Trace, b: Trace, hints: dict | None) -
 
 # Most specific first; every rule that applies contributes its sentence.
 RULES: tuple[Callable[[Localization, Trace, Trace, dict | None], str | None], ...] = (
-    random_generator, accumulation_order, collective_peer, precision_setting, determinism_setting,
-    library_version,
+    random_generator, accumulation_order, collective_peer, precision_setting, attention_backend,
+    determinism_setting, device_change, library_version,
 )
 
 

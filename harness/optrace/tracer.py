@@ -22,6 +22,7 @@ import sys
 import weakref
 import zlib
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from types import FrameType
 from typing import Any
 
@@ -255,20 +256,25 @@ def _flat_tensors(x: Any) -> list[Any]:
     return [x]
 
 
+def _read(fn: Any) -> Any:
+    """fn()'s answer as a JSON value; None where this torch (or its build) has no such setting."""
+    try:
+        value = fn()
+    except (AttributeError, RuntimeError, AssertionError, ImportError):
+        return None
+    return value if isinstance(value, (bool, int, str, type(None))) else str(value)
+
+
 def _settings() -> dict[str, Any]:
     """Determinism and precision settings of this process, read back (not what was asked for)."""
-
-    def read(fn: Any) -> Any:
-        try:
-            value = fn()
-        except (AttributeError, RuntimeError, AssertionError):
-            return None
-        return value if isinstance(value, (bool, int, str, type(None))) else str(value)
-
+    read = _read
     b = torch.backends
     return {
         "deterministic_algorithms": read(torch.are_deterministic_algorithms_enabled),
         "deterministic_warn_only": read(torch.is_deterministic_algorithms_warn_only_enabled),
+        # torch fills the memory of torch.empty & co. with NaN (or the integer maximum) under deterministic
+        # algorithms unless this is off: off, such memory holds whatever was there before.
+        "fill_uninitialized_memory": read(lambda: torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]  # a module property torch's stubs do not declare
         "cudnn_deterministic": read(lambda: b.cudnn.deterministic),
         "cudnn_benchmark": read(lambda: b.cudnn.benchmark),
         "num_threads": read(torch.get_num_threads),
@@ -282,8 +288,48 @@ def _settings() -> dict[str, Any]:
         "mkldnn_enabled": read(lambda: b.mkldnn.enabled),
         "mkldnn_matmul_fp32_precision": read(lambda: b.mkldnn.matmul.fp32_precision),  # type: ignore[attr-defined]  # newer torch only; read() answers None without it
         "mkldnn_conv_fp32_precision": read(lambda: b.mkldnn.conv.fp32_precision),  # type: ignore[attr-defined]  # newer torch only; read() answers None without it
+        # The TF32 API of torch >= 2.9 ("ieee" | "tf32" | "none" = inherit from the level above); older torch has
+        # none of these (read() answers None), and allow_tf32 above is then the whole story.
+        "fp32_precision": read(lambda: b.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
+        "cuda_matmul_fp32_precision": read(lambda: b.cuda.matmul.fp32_precision),
+        "cudnn_fp32_precision": read(lambda: b.cudnn.fp32_precision),
+        "cudnn_conv_fp32_precision": read(lambda: b.cudnn.conv.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
+        "cudnn_rnn_fp32_precision": read(lambda: b.cudnn.rnn.fp32_precision),  # type: ignore[attr-defined]  # newer torch only
+        "mkldnn_fp32_precision": read(lambda: b.mkldnn.fp32_precision),
+        # Which scaled_dot_product_attention kernels may be picked: each computes attention in its own order.
+        "flash_sdp_enabled": read(b.cuda.flash_sdp_enabled),
+        "mem_efficient_sdp_enabled": read(b.cuda.mem_efficient_sdp_enabled),
+        "math_sdp_enabled": read(b.cuda.math_sdp_enabled),
+        "cudnn_sdp_enabled": read(b.cuda.cudnn_sdp_enabled),
         "flush_denormal": _flush_denormal(),
     }
+
+
+def _device_facts(device: torch.device) -> dict[str, Any]:
+    """The device the step ran on and the numerical libraries this process has loaded for it: a trace made on
+    another GPU, or with another cuDNN, may differ without any setting having changed."""
+    facts: dict[str, Any] = {"device": str(device), "device_name": None, "compute_capability": None,
+                             "cpu_capability": _read(torch.backends.cpu.get_cpu_capability)}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        facts["device_name"] = _read(lambda: torch.cuda.get_device_name(index))
+        facts["compute_capability"] = _read(lambda: ".".join(map(str, torch.cuda.get_device_capability(index))))
+    facts["cuda_version"] = torch.version.cuda  # the toolkit torch was built with: None on a CPU build
+    facts["cudnn_version"] = _read(torch.backends.cudnn.version)  # None without cuDNN
+    facts["cublas_version"] = _cublas_version()
+    facts["nccl_version"] = _read(lambda: ".".join(map(str, torch.cuda.nccl.version())))  # no NCCL: None
+    return facts
+
+
+def _cublas_version() -> str | None:
+    """The cuBLAS of torch's CUDA wheels (the nvidia-cublas package they depend on); None when it is not a
+    package (a CPU build, or CUDA from the system, where torch.version.cuda is what there is to say)."""
+    for name in ("nvidia-cublas-cu12", "nvidia-cublas-cu13", "nvidia-cublas", "nvidia-cublas-cu11"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _flush_denormal() -> bool:
@@ -342,12 +388,19 @@ class OpTracer:
     code_dir: the user's code; the innermost stack frame under it is an op's user_line.
     model: hooks on its submodules keep the module stack (None: every op's module is "").
     meta: merged into the trace's meta (e.g. {"step": 412}).
+    device: where the step runs (the rank's ctx.device); the meta names it, its GPU and the libraries for it.
+        None: this process's current CUDA device once CUDA is in use here, else the CPU.
     """
 
     def __init__(self, code_dir: str, model: torch.nn.Module | None = None,
-                 meta: dict | None = None, optimizer_hooks: bool = True) -> None:
+                 meta: dict | None = None, optimizer_hooks: bool = True,
+                 device: torch.device | str | None = None) -> None:
         self.code_dir = os.path.realpath(code_dir) + os.sep
         self.model = model
+        if device is None:
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
+        self.device = torch.device(device)
         self.user_meta = dict(meta or {})
         self.ops: list[OpRecord] = []
         self.meta: dict[str, Any] = {}
@@ -429,6 +482,7 @@ class OpTracer:
         meta: dict[str, Any] = {"rank": rank, "world_size": world, "torch": torch.__version__,
                                 "python": sys.version.split()[0]}
         meta.update(_settings())
+        meta.update(_device_facts(self.device))
         meta.update(self.user_meta)
         return meta
 

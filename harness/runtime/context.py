@@ -653,7 +653,8 @@ class Context:
             self._tracer.__exit__(None, None, None)
         meta = {"step": step, "rank": self.rank, "world_size": self.world_size, "invariant_shards": self._shards}
         # self._model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
-        self._tracer = optrace.OpTracer(self._code_dir, model=self._model, meta=meta, optimizer_hooks=False)
+        self._tracer = optrace.OpTracer(self._code_dir, model=self._model, meta=meta, optimizer_hooks=False,
+                                        device=self.device)
         self._tracer.__enter__()
 
     def _end_trace(self, before: int | None = None) -> None:

@@ -193,7 +193,7 @@ def run_args(
     workdir_container: str,
     mounts: list[tuple[Path, str]],
     env: dict[str, str],
-    gpus: bool,
+    gpus: bool | str,
     command: list[str],
     name: str,
     network_host: bool = True,
@@ -203,12 +203,13 @@ def run_args(
 
     `passed`: variables given by name only (`-e NAME`): docker copies their values from its own environment
     (start_container's `env`), so that a secret (a tracking URI with a password) is not on the command line.
+    `gpus`: True for all of the host's GPUs, or docker's own --gpus value ('"device=0,1"').
     """
     # ipc=host: DataLoader workers and NCCL need shared memory. --init: a real PID 1 that forwards
     # SIGTERM/SIGINT to the harness inside (a bare Python PID 1 ignores signals it has no handler for).
     args = ["docker", "run", "--rm", "--init", "--name", name, "--ipc=host"]
     if gpus:
-        args += ["--gpus", "all"]
+        args += ["--gpus", "all" if gpus is True else gpus]
     if network_host:
         args += ["--network", "host"]  # rendezvous on the host's addresses, as outside a container
     for host, container in [(workdir_host, workdir_container), *mounts]:

@@ -4,6 +4,7 @@ recorded with the step and its own line, warned about once under strict, and sho
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -293,3 +294,23 @@ print("legacy:", s["cuda_matmul_tf32"], s["cudnn_tf32"], s["float32_matmul_preci
         expected += ["legacy getter raises", "read: True high tf32"]
     expected += ["legacy: False False highest []"]
     assert out.splitlines() == expected, out
+
+
+@pytest.mark.parametrize("users", [None, "1"])
+def test_strict_pins_nvls_off_unless_the_user_set_it(users: str | None) -> None:
+    # NVLink SHARP is not deterministic between calls (NVIDIA/nccl#1497); the user's own choice stays.
+    code = '''
+import os
+from harness.config import Level
+from harness.runtime import determinism as d
+d.set_determinism(Level.off)
+print(os.environ.get("NCCL_NVLS_ENABLE"))
+d.set_determinism(Level.strict)
+print(os.environ.get("NCCL_NVLS_ENABLE"))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}
+    if users is not None:
+        env["NCCL_NVLS_ENABLE"] = users
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=env).stdout
+    assert out.splitlines() == ([str(None), "0"] if users is None else [users, users]), out

@@ -87,6 +87,15 @@ class Determinism:
 
 
 @dataclass(frozen=True)
+class RankFacts:
+    """What rank 0 measured where it runs: its device (provenance.device_facts) and NCCL's configuration files
+    (provenance.nccl_conf)."""
+
+    device: dict[str, str]
+    nccl_conf: dict[str, str]
+
+
+@dataclass(frozen=True)
 class SettingChange:
     """One determinism setting that user code changed during training, as read back at `step`.
 
@@ -190,6 +199,6 @@ class DataOrder:
 
 
 Message = (
-    Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | DeterminismChanged | Total | Checkpoint
-    | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder
+    Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | RankFacts | DeterminismChanged | Total
+    | Checkpoint | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder
 )

@@ -78,6 +78,9 @@ THREADS_PER_RANK = "harness.threads_per_rank"
 
 # Runtime environment, measured where the ranks run (harness.env.<name>).
 ENV_PREFIX = "harness.env."
+# The device rank 0 trained on, measured inside rank 0 (harness.env.device.<name>: name, capability, sm_count,
+# memory; "cpu" and "none" on CPU). harness.env.gpu is the host's GPU list, for information.
+DEVICE_PREFIX = "harness.env.device."
 # Effective determinism settings read back in rank 0 (harness.determinism.<name>).
 DETERMINISM_PREFIX = "harness.determinism."
 # What user code changed during training, one determinism.SettingChange line each ("none": nothing); the
@@ -85,6 +88,10 @@ DETERMINISM_PREFIX = "harness.determinism."
 DETERMINISM_CHANGES = "harness.determinism.changes"
 # NCCL_*, OMP_*, MKL_*, CUBLAS_* ... variables in force (harness.var.<NAME>).
 VAR_PREFIX = "harness.var."
+# NCCL's configuration files as rank 0 found them (harness.nccl_conf.<file>: "absent" or "<path> sha256:<hex>",
+# <file> = system for /etc/nccl.conf, user for $NCCL_CONF_FILE else ~/.nccl.conf), and each KEY=VALUE they set
+# (harness.nccl_conf.<file>.<KEY>).
+NCCL_CONF_PREFIX = "harness.nccl_conf."
 
 # Declared data (harness/record/data.py): harness.data.<name> = the entry's full sha256 (a folder's over its files).
 DATA_PREFIX = "harness.data."

@@ -549,3 +549,95 @@ def test_data_order_tells_a_data_change_from_an_arithmetic_one() -> None:
     assert "not recorded by run B" in compare_runs(a, b).data_order.describe()
     a.data_order = {}
     assert compare_runs(a, b).data_order is None  # neither recorded one: nothing is said
+
+
+# -- GPU facts, numerics variables and NCCL's configuration files (issue 23) ------------------------------------
+# Records made by hand: each case is a pair of tag values, and a GPU cannot exist here.
+H200 = {tags.DEVICE_PREFIX + "name": "NVIDIA H200", tags.DEVICE_PREFIX + "capability": "9.0",
+        tags.DEVICE_PREFIX + "sm_count": "132", tags.DEVICE_PREFIX + "memory": "150754820096"}
+CPU_DEVICE = {tags.DEVICE_PREFIX + "name": "cpu", tags.DEVICE_PREFIX + "capability": "none",
+              tags.DEVICE_PREFIX + "sm_count": "none", tags.DEVICE_PREFIX + "memory": "none"}
+
+
+def on(device: str, backend: str, **facts: str) -> dict[str, str]:
+    return {**FACTS, tags.DEVICE: device, tags.BACKEND: backend, **facts}
+
+
+def delta_of(a: dict[str, str], b: dict[str, str]) -> dict:
+    return {d.name: d for d in environment_delta(make_record(facts=a), make_record(facts=b))}
+
+
+def test_host_gpus_never_break_bitwise_and_a_cpu_run_ignores_gpu_facts() -> None:
+    # A cpu run on a GPU host against one on a CPU host, and another count of identical GPUs.
+    a = on("cpu", "gloo", **CPU_DEVICE, **{tags.ENV_PREFIX + "gpu": "NVIDIA H200, NVIDIA H200",
+                                           tags.ENV_PREFIX + "gpu_count": "2"})
+    b = on("cpu", "gloo", **CPU_DEVICE, **{tags.ENV_PREFIX + "gpu": "none", tags.ENV_PREFIX + "gpu_count": "0"})
+    delta = delta_of(a, b)
+    assert set(delta) == {tags.ENV_PREFIX + "gpu", tags.ENV_PREFIX + "gpu_count"}
+    assert not any(d.breaks_bitwise for d in delta.values())
+    assert compare_runs(make_record(facts=a), make_record(facts=b)).verdict == BITWISE
+    # Even a GPU model recorded for rank 0 of a cpu run (no GPU kernel ran) does not.
+    cpu_on_gpu = on("cpu", "gloo", **{**CPU_DEVICE, tags.DEVICE_PREFIX + "name": "NVIDIA H200"})
+    assert not delta_of(a, cpu_on_gpu)[tags.DEVICE_PREFIX + "name"].breaks_bitwise
+
+
+def test_rank0_gpu_facts_break_bitwise_on_cuda_runs() -> None:
+    a = on("cuda", "nccl", **H200, **{tags.ENV_PREFIX + "gpu": "NVIDIA H200", tags.ENV_PREFIX + "gpu_count": "1"})
+    # Eight identical GPUs on the replay's host: only the host's list differs, so bitwise stays possible.
+    more = {**a, tags.ENV_PREFIX + "gpu": ", ".join(["NVIDIA H200"] * 8), tags.ENV_PREFIX + "gpu_count": "8"}
+    assert not any(d.breaks_bitwise for d in delta_of(a, more).values())
+    h100 = {**a, tags.DEVICE_PREFIX + "name": "NVIDIA H100 80GB HBM3", tags.DEVICE_PREFIX + "sm_count": "114"}
+    delta = delta_of(a, h100)
+    assert delta[tags.DEVICE_PREFIX + "name"].breaks_bitwise and delta[tags.DEVICE_PREFIX + "sm_count"].breaks_bitwise
+    assert "GPU model changed" in delta[tags.DEVICE_PREFIX + "name"].note
+    sm80 = delta_of(a, {**a, tags.DEVICE_PREFIX + "capability": "8.0"})[tags.DEVICE_PREFIX + "capability"]
+    assert sm80.breaks_bitwise and "capability" in sm80.note
+    # Memory chooses no kernel.
+    assert not delta_of(a, {**a, tags.DEVICE_PREFIX + "memory": "1"})[tags.DEVICE_PREFIX + "memory"].breaks_bitwise
+    # A cuda record without rank 0's device (an older harness) cannot prove the same GPU.
+    old = {k: v for k, v in a.items() if not k.startswith(tags.DEVICE_PREFIX)}
+    assert delta_of(old, a)[tags.DEVICE_PREFIX + "name"].breaks_bitwise
+
+
+@pytest.mark.parametrize("var", ["NVIDIA_TF32_OVERRIDE", "CUBLASLT_WORKSPACE_SIZE", "DISABLE_ADDMM_CUDA_LT",
+                                 "TORCH_BLAS_PREFER_CUBLASLT", "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG"])
+def test_cuda_numerics_variables_break_bitwise_on_cuda_runs_only(var: str) -> None:
+    name = tags.VAR_PREFIX + var
+    assert delta_of(on("cuda", "nccl"), on("cuda", "nccl", **{name: "1"}))[name].breaks_bitwise
+    assert not delta_of(on("cpu", "gloo"), on("cpu", "gloo", **{name: "1"}))[name].breaks_bitwise
+
+
+@pytest.mark.parametrize("var", ["NCCL_NVLS_ENABLE", "NCCL_BUFFSIZE", "NCCL_P2P_LEVEL", "NCCL_P2P_DISABLE",
+                                 "NCCL_SHM_DISABLE", "NCCL_COLLNET_ENABLE", "NCCL_ALGO"])
+def test_nccl_numerics_variables_break_bitwise_on_nccl_runs_only(var: str) -> None:
+    name = tags.VAR_PREFIX + var
+    delta = delta_of(on("cuda", "nccl", **{name: "0"}), on("cuda", "nccl", **{name: "1"}))
+    assert delta[name].breaks_bitwise and var in delta[name].note
+    # A gloo run reads no NCCL variable (strict pins NCCL_NVLS_ENABLE=0 in every run; older records lack it).
+    assert not delta_of(on("cpu", "gloo"), on("cpu", "gloo", **{name: "0"}))[name].breaks_bitwise
+    # NCCL_DEBUG and the like change logging or transport only.
+    debug = tags.VAR_PREFIX + "NCCL_DEBUG"
+    assert not delta_of(on("cuda", "nccl"), on("cuda", "nccl", **{debug: "INFO"}))[debug].breaks_bitwise
+
+
+def test_nccl_configuration_file_settings_break_bitwise_as_variables_do() -> None:
+    conf = tags.NCCL_CONF_PREFIX
+    a = on("cuda", "nccl", **{conf + "system": "/etc/nccl.conf sha256:" + "a" * 64, conf + "system.NCCL_DEBUG": "WARN",
+                              conf + "user": "absent"})
+    b = {**a, conf + "system": "/etc/nccl.conf sha256:" + "b" * 64, conf + "system.NCCL_DEBUG": "INFO"}
+    delta = delta_of(a, b)
+    assert set(delta) == {conf + "system", conf + "system.NCCL_DEBUG"}
+    assert not any(d.breaks_bitwise for d in delta.values())  # another comment or a logging setting
+    c = {**b, conf + "user": "/home/u/nccl.conf sha256:" + "c" * 64, conf + "user.NCCL_ALGO": "Tree"}
+    algo = delta_of(a, c)[conf + "user.NCCL_ALGO"]
+    assert (algo.a, algo.b, algo.breaks_bitwise) == (None, "Tree", True) and "configuration file" in algo.note
+    gloo = {**on("cpu", "gloo"), conf + "user.NCCL_ALGO": "Tree"}
+    assert not delta_of(on("cpu", "gloo"), gloo)[conf + "user.NCCL_ALGO"].breaks_bitwise
+
+
+def test_a_determinism_setting_recorded_by_one_run_only_does_not_break_bitwise() -> None:
+    # A record from before harness read the fp32_precision API back: it proves nothing either way.
+    key = tags.DETERMINISM_PREFIX + "cuda_matmul_fp32_precision"
+    missing = delta_of(FACTS, {**FACTS, key: "ieee"})[key]
+    assert not missing.breaks_bitwise and "one run only" in missing.note
+    assert delta_of({**FACTS, key: "ieee"}, {**FACTS, key: "tf32"})[key].breaks_bitwise

@@ -4,11 +4,13 @@ recorded with the step and its own line, warned about once under strict, and sho
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, Project
 
@@ -43,11 +45,15 @@ PLAIN_TRAIN = "\n".join(line for line in TF32_TRAIN.splitlines()
                         and "precision" not in line) + "\n"
 CONFIG = ["checkpoint_every=4"]
 
+# torch >= 2.9 (its fp32_precision API): the same calls also move the new API's leaves, read back as their own keys.
+NEW_API = hasattr(torch._C, "_get_fp32_precision_getter")
 EXPECTED_CHANGES = [
     "cuda_matmul_tf32: False -> True at step 0 (first step) by train.py:7",
     "float32_matmul_precision: highest -> high at step 0 (first step) by train.py:7",
+    *(["cuda_matmul_fp32_precision: ieee -> tf32 at step 0 (first step) by train.py:7"] if NEW_API else []),
     "cudnn_benchmark: False -> True at step 4 (checkpoint) by train.py:17",
     "float32_matmul_precision: high -> medium at step 10 (end) by train.py:21",
+    *(["mkldnn_matmul_fp32_precision: ieee -> bf16 at step 10 (end) by train.py:21"] if NEW_API else []),
 ]
 
 
@@ -83,9 +89,9 @@ def test_changes_are_recorded_with_step_point_and_line(project: Project, tf32_ru
         tf32_run.last_line, "environment/determinism.json", str(tmp_path))).read_text())
     assert doc["start"]["cuda_matmul_tf32"] == "False" and doc["start"]["float32_matmul_precision"] == "highest"
     assert doc["in_force"]["float32_matmul_precision"] == "medium"
+    tf32, medium = "torch.backends.cuda.matmul.allow_tf32 = True", "torch.set_float32_matmul_precision('medium')"
     assert [c["call"] for c in doc["changes"]] == [
-        "torch.backends.cuda.matmul.allow_tf32 = True", "torch.backends.cuda.matmul.allow_tf32 = True",
-        "torch.backends.cudnn.benchmark = True", "torch.set_float32_matmul_precision('medium')",
+        *[tf32] * (3 if NEW_API else 2), "torch.backends.cudnn.benchmark = True", *[medium] * (2 if NEW_API else 1),
     ]
 
 
@@ -124,8 +130,10 @@ def test_compare_shows_a_change_made_in_one_run_only_and_rules_bitwise_out(proje
            "may differ between GPUs)" in out, out
     assert " ! changed in training:cudnn_benchmark: None -> True at step 4 (checkpoint) by train.py:17" in out
     assert " ! harness.determinism.cuda_matmul_tf32: False -> True" in out  # the settings in force differ too
-    assert "A bitwise match is impossible" in out and "changed in training:cuda_matmul_tf32" in out.split(
-        "A bitwise match is impossible")[1].splitlines()[0]
+    # On CPU TF32 changes no bit, so the two runs are bit-identical: BITWISE, with the change listed among what
+    # usually rules it out (a GPU run would read "A bitwise match is impossible" with the same list).
+    assert "Bitwise despite" in out and "changed in training:cuda_matmul_tf32" in out.split(
+        "Bitwise despite")[1].splitlines()[0]
 
 
 def test_replay_delta_shows_the_same_change_without_ruling_bitwise_out(project: Project, tf32_run) -> None:
@@ -194,3 +202,117 @@ def test_delta_rules_for_changes_made_in_training() -> None:
     new = clone(old)
     new.facts[tags.DETERMINISM_CHANGES] = "none"
     assert [d.name for d in environment_delta(old, new)] == []
+
+
+# torch's fp32_precision API (torch >= 2.9): TF32 turned on for matmuls in the loop (seen by the checkpoint at
+# step 4) and for cuDNN convolutions after it (seen at the end). Line numbers matter, as above.
+NEW_API_TRAIN = '''"""Linear(10, 5) that turns TF32 on through torch's fp32_precision API."""
+import torch
+from torch import nn
+
+
+def train(ctx):
+    data = torch.randn(100, 10, generator=torch.Generator().manual_seed(ctx.seed))
+    loader = ctx.loader(data, batch_size=10)
+    model = ctx.ddp(nn.Linear(10, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctx.track(optimizer)
+    for epoch in ctx.epochs(2):
+        for batch in loader:
+            optimizer.zero_grad()
+            if ctx.step == 2:
+                torch.backends.cuda.matmul.fp32_precision = "tf32"
+            loss = ctx.backward(batch, lambda b: ((model(b) - 1) ** 2).mean())
+            optimizer.step()
+            ctx.log({"loss": loss}, ctx.step)
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+'''
+needs_new_api = pytest.mark.skipif(not NEW_API, reason="torch < 2.9 has no fp32_precision API")
+
+
+@needs_new_api
+def test_strict_records_the_new_tf32_api_read_back(project: Project, plain_run) -> None:
+    tags = tags_of(project, plain_run.last_line)
+    for key in ("cuda_matmul", "cudnn_conv", "cudnn_rnn", "mkldnn_matmul", "mkldnn_conv", "mkldnn_rnn"):
+        assert tags[f"harness.determinism.{key}_fp32_precision"] == "ieee", key
+    # The legacy keys stay, derived from the same values.
+    assert (tags["harness.determinism.cuda_matmul_tf32"], tags["harness.determinism.cudnn_tf32"]) == ("False", "False")
+
+
+@needs_new_api
+def test_the_new_tf32_api_in_the_loop_is_recorded_and_warned_with_its_line(project: Project) -> None:
+    project.add_experiment("fp32_precision_linear", train_py=NEW_API_TRAIN)
+    result = project.harness("run", "experiments/fp32_precision_linear", *CONFIG)
+    assert result.returncode == 0, result.stderr
+    tags = tags_of(project, result.last_line)
+    assert tags["harness.determinism.changes"].splitlines() == [
+        "cuda_matmul_tf32: False -> True at step 4 (checkpoint) by train.py:16",
+        "float32_matmul_precision: highest -> high at step 4 (checkpoint) by train.py:16",
+        "cuda_matmul_fp32_precision: ieee -> tf32 at step 4 (checkpoint) by train.py:16",
+        "cudnn_tf32: False -> True at step 10 (end) by train.py:20",
+        "cudnn_conv_fp32_precision: ieee -> tf32 at step 10 (end) by train.py:20",
+    ]
+    assert tags["harness.determinism.cuda_matmul_fp32_precision"] == "tf32"
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning: train.py:")]
+    tail = ("Recorded in harness.determinism.changes; remove that line to keep strict's guarantee, or set "
+            "determinism.level=off.")
+    assert warnings == [
+        "Warning: train.py:16 set torch.backends.cuda.matmul.fp32_precision = 'tf32' under determinism.level=strict: "
+        "TF32 matmuls round their inputs to 10 mantissa bits: results may differ between GPUs. " + tail,
+        "Warning: train.py:20 set torch.backends.cudnn.conv.fp32_precision = 'tf32' under determinism.level=strict: "
+        "TF32 convolutions round their inputs to 10 mantissa bits: results may differ between GPUs. " + tail,
+    ], result.stderr
+
+
+def test_settings_read_back_without_torch_s_legacy_getters() -> None:
+    # In a fresh interpreter (the settings are process-wide). With the new API torch's legacy getters raise once
+    # the two APIs disagree; the read-back derives the legacy keys instead. Without it (torch < 2.9, forced here
+    # by the flag) the legacy API is set and read as before, and no new key is recorded.
+    code = '''
+import warnings
+import torch
+from harness.config import Level
+from harness.runtime import determinism as d
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    s = d.set_determinism(Level.strict)
+print("strict:", torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, len(seen))
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+try:
+    torch.backends.cuda.matmul.allow_tf32
+except RuntimeError:
+    print("legacy getter raises")
+s = d.read_determinism(Level.strict)
+print("read:", s["cuda_matmul_tf32"], s["float32_matmul_precision"], s["cuda_matmul_fp32_precision"])
+d.NEW_TF32_API = False
+torch.backends.cuda.matmul.allow_tf32 = True
+s = d.set_determinism(Level.strict)
+print("legacy:", s["cuda_matmul_tf32"], s["cudnn_tf32"], s["float32_matmul_precision"],
+      [k for k in s if k.endswith("fp32_precision")])
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    expected = ["strict: False False 0"]
+    if NEW_API:
+        expected += ["legacy getter raises", "read: True high tf32"]
+    expected += ["legacy: False False highest []"]
+    assert out.splitlines() == expected, out
+
+
+@pytest.mark.parametrize("users", [None, "1"])
+def test_strict_pins_nvls_off_unless_the_user_set_it(users: str | None) -> None:
+    # NVLink SHARP is not deterministic between calls (NVIDIA/nccl#1497); the user's own choice stays.
+    code = '''
+import os
+from harness.config import Level
+from harness.runtime import determinism as d
+d.set_determinism(Level.off)
+print(os.environ.get("NCCL_NVLS_ENABLE"))
+d.set_determinism(Level.strict)
+print(os.environ.get("NCCL_NVLS_ENABLE"))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}
+    if users is not None:
+        env["NCCL_NVLS_ENABLE"] = users
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=env).stdout
+    assert out.splitlines() == ([str(None), "0"] if users is None else [users, users]), out

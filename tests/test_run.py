@@ -103,6 +103,16 @@ def test_run_records_provenance(project: Project, linear_run, tmp_path: Path) ->
     assert tags["harness.determinism.cuda_matmul_tf32"] == "False"
     assert tags["harness.determinism.cublas_workspace_config"] == ":4096:8"
     assert tags["harness.var.OMP_NUM_THREADS"] == "1"
+    # Strict pins NVLink SHARP off (the user set nothing), recorded with the variables.
+    assert tags["harness.var.NCCL_NVLS_ENABLE"] == "0"
+    # The device rank 0 trained on, measured inside rank 0; the host's GPU list stays a fact of its own.
+    assert {k: v for k, v in tags.items() if k.startswith("harness.env.device.")} == {
+        "harness.env.device.name": "cpu", "harness.env.device.capability": "none",
+        "harness.env.device.sm_count": "none", "harness.env.device.memory": "none"}
+    # NCCL's configuration files as rank 0 found them (none on this machine: absent, never an error).
+    for which, path in (("system", "/etc/nccl.conf"), ("user", str(Path.home() / ".nccl.conf"))):
+        conf = tags[f"harness.nccl_conf.{which}"]
+        assert conf == "absent" or conf.startswith(f"{path} sha256:"), conf
     # Params: the flattened resolved config.
     assert params["train.lr"] == "0.01" and params["world_size"] == "2"
     assert params["determinism.level"] == "strict" and params["entry"] == "train.py:train"
@@ -309,3 +319,40 @@ def test_signal_while_recording_waits_until_the_run_is_closed(project: Project) 
     client = project.client()
     assert client.get_run(run_id).info.status == "FINISHED"  # training had ended; the record is whole
     assert {"fingerprints.json", "metrics/series.npz", "logs/rank0.log"} <= artifact_paths(client, run_id)
+
+
+def test_env_vars_record_the_variables_that_change_numerics() -> None:
+    from harness.record.provenance import env_vars
+
+    numerics = {"NVIDIA_TF32_OVERRIDE": "0", "CUBLASLT_WORKSPACE_SIZE": "1024", "DISABLE_ADDMM_CUDA_LT": "1",
+                "TORCH_BLAS_PREFER_CUBLASLT": "1", "NCCL_BUFFSIZE": "4194304", "NCCL_P2P_LEVEL": "NVL",
+                "NCCL_SHM_DISABLE": "1", "NCCL_COLLNET_ENABLE": "0", "NCCL_NVLS_ENABLE": "1",
+                "CUDA_VISIBLE_DEVICES": "3,1"}
+    assert env_vars({**numerics, "HOME": "/root", "NVIDIA_UNRELATED_TOKEN": "x"}) == numerics
+
+
+def test_nccl_conf_records_the_files_nccl_reads(tmp_path: Path) -> None:
+    import hashlib
+
+    from harness.record.provenance import nccl_conf
+
+    system, home = tmp_path / "etc-nccl.conf", tmp_path / "home"
+    home.mkdir()
+    # Nothing there: recorded as absent, never an error.
+    assert nccl_conf({}, system=str(system), home=str(home)) == {"system": "absent", "user": "absent"}
+    # NCCL's parsing: # lines skipped, split at the first =, the value verbatim; a secret's value redacted.
+    system.write_text("# site defaults\nNCCL_ALGO=Ring\nNCCL_SOCKET_IFNAME==ens1f0\nnot a setting\n"
+                      "NCCL_IB_AUTH_KEY=hunter2\n")
+    (home / ".nccl.conf").write_text("NCCL_PROTO=Simple\n")
+    digest = hashlib.sha256(system.read_bytes()).hexdigest()
+    user = home / ".nccl.conf"
+    assert nccl_conf({}, system=str(system), home=str(home)) == {
+        "system": f"{system} sha256:{digest}", "system.NCCL_ALGO": "Ring", "system.NCCL_SOCKET_IFNAME": "=ens1f0",
+        "system.NCCL_IB_AUTH_KEY": "<redacted>",
+        "user": f"{user} sha256:{hashlib.sha256(user.read_bytes()).hexdigest()}", "user.NCCL_PROTO": "Simple"}
+    # $NCCL_CONF_FILE replaces ~/.nccl.conf (NCCL reads one or the other), even when it is missing.
+    other = tmp_path / "mine.conf"
+    assert nccl_conf({"NCCL_CONF_FILE": str(other)}, system=str(system), home=str(home))["user"] == "absent"
+    other.write_text("NCCL_MAX_NCHANNELS=4\n")
+    facts = nccl_conf({"NCCL_CONF_FILE": str(other)}, system=str(system), home=str(home))
+    assert facts["user.NCCL_MAX_NCHANNELS"] == "4" and "user.NCCL_PROTO" not in facts

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import harness
 from harness.config import Level, load_module_function
 from harness.errors import ExperimentError, HarnessError, Interrupted, RunFailed
-from harness.messages import Determinism, Message
-from harness.record.provenance import env_vars
+from harness.messages import Determinism, Message, RankFacts
+from harness.record.provenance import device_facts, env_vars, nccl_conf
 from harness.runtime import usermlflow, userseed
 from harness.runtime.refusals import refusal_line, refused_op
 
@@ -439,6 +439,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
 
         if channel is not None:
             channel.send(Determinism(settings, env_vars()))
+            channel.send(RankFacts(device_facts(device), nccl_conf()))
         for index, plan in enumerate(spec.segments or [spec.checkpoints]):
             if index:
                 # Each segment starts as a fresh rank does: what train() draws before the checkpoint is loaded

@@ -125,8 +125,14 @@ _BREAKING_FACTS: dict[str, str] = {
     tags.ENV_PREFIX + "cuda": "CUDA version changed: cuBLAS kernels may differ",
     tags.ENV_PREFIX + "cudnn": "cuDNN version changed: convolution algorithms may differ",
     tags.ENV_PREFIX + "nccl": "NCCL version changed: all-reduce algorithms may differ",
-    tags.ENV_PREFIX + "gpu": "GPU model changed: different kernels and tensor-core paths",
     tags.ENV_PREFIX + "cpu": "CPU model changed: vector kernels may round differently",
+}
+# The device rank 0 trained on decides the kernels, on a cuda run only (a cpu run on a GPU host uses none);
+# how much memory it has does not.
+_BREAKING_DEVICE_FACTS: dict[str, str] = {
+    tags.DEVICE_PREFIX + "name": "GPU model changed: different kernels and tensor-core paths",
+    tags.DEVICE_PREFIX + "capability": "GPU compute capability changed: different kernels and tensor-core paths",
+    tags.DEVICE_PREFIX + "sm_count": "GPU SM count changed: cuBLAS and NCCL choose kernels and splits by it",
 }
 
 _NOTES: dict[str, str] = {
@@ -151,12 +157,28 @@ _NOTES: dict[str, str] = {
     tags.ENV_PREFIX + "hostname": "different host",
     tags.ENV_PREFIX + "os": "operating system differs",
     tags.ENV_PREFIX + "gpu_driver": "GPU driver differs (usually harmless)",
+    # The host's GPUs: another count of identical GPUs, or a cpu run on a GPU host, computes the same.
+    tags.ENV_PREFIX + "gpu": "the host's GPUs differ (the device rank 0 used decides: harness.env.device.*)",
+    tags.ENV_PREFIX + "gpu_count": "the host's GPU count differs (the device rank 0 used decides)",
+    tags.DEVICE_PREFIX + "memory": "GPU memory differs (it chooses no kernel)",
     tags.ENV_PREFIX + "python": "Python version differs",
 }
 
 # Environment variables that select kernels, thread counts or reduction algorithms. Others
-# (NCCL_DEBUG, NCCL_SOCKET_IFNAME, ...) only change logging or transport.
-_BREAKING_VARS: frozenset[str] = frozenset(
+# (NCCL_DEBUG, NCCL_SOCKET_IFNAME, ...) only change logging or transport. The CUDA ones matter only where
+# a run's device is cuda, NCCL's only where its backend is nccl: a gloo run on CPU reads neither.
+_BREAKING_VARS: frozenset[str] = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS"})
+_BREAKING_CUDA_VARS: frozenset[str] = frozenset(
+    {
+        "CUBLAS_WORKSPACE_CONFIG",
+        "CUBLASLT_WORKSPACE_SIZE",
+        "NVIDIA_TF32_OVERRIDE",
+        "DISABLE_ADDMM_CUDA_LT",
+        "TORCH_BLAS_PREFER_CUBLASLT",
+        "CUDA_VISIBLE_DEVICES",  # which GPUs, in which order: the ranks' placement and NCCL's topology
+    }
+)
+_BREAKING_NCCL_VARS: frozenset[str] = frozenset(
     {
         "NCCL_ALGO",
         "NCCL_PROTO",
@@ -166,13 +188,26 @@ _BREAKING_VARS: frozenset[str] = frozenset(
         "NCCL_MAX_CTAS",
         "NCCL_NTHREADS",
         "NCCL_TREE_THRESHOLD",
-        "OMP_NUM_THREADS",
-        "MKL_NUM_THREADS",
-        "MKL_CBWR",
-        "MKL_ENABLE_INSTRUCTIONS",
-        "CUBLAS_WORKSPACE_CONFIG",
+        "NCCL_BUFFSIZE",
+        "NCCL_SHM_DISABLE",
+        "NCCL_COLLNET_ENABLE",
+        "NCCL_NVLS_ENABLE",  # NVLink SHARP reduces in the switch, not deterministically (NVIDIA/nccl#1497)
     }
 )
+_BREAKING_NCCL_VAR_PREFIXES: tuple[str, ...] = ("NCCL_P2P_",)  # which transport, chunk sizes: other channels
+
+
+def var_breaks(var: str, facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> bool:
+    """Whether a change of environment variable `var` (also as set by an NCCL configuration file) can change
+    the arithmetic of these two runs."""
+    if var in _BREAKING_VARS:
+        return True
+    if var in _BREAKING_CUDA_VARS:
+        return "cuda" in (facts_a.get(tags.DEVICE), facts_b.get(tags.DEVICE))
+    if var in _BREAKING_NCCL_VARS or var.startswith(_BREAKING_NCCL_VAR_PREFIXES):
+        return "nccl" in (facts_a.get(tags.BACKEND), facts_b.get(tags.BACKEND))
+    return False
+
 
 # Packages whose version decides numerical kernels; other lock changes are reported only.
 _BREAKING_PACKAGES: frozenset[str] = frozenset({"torch", "triton", "mkl", "intel-openmp"})
@@ -196,6 +231,9 @@ def setting_risk(setting: str, value: str) -> str | None:
     """Why `setting` = `value` (a harness.determinism.<setting> value) can break bitwise, or None if it cannot."""
     if setting == "float32_matmul_precision" and value != "highest":
         return f"float32 matmuls at precision '{value}' may use TF32 or bf16: results may differ between GPUs"
+    if setting.endswith("_fp32_precision") and value in ("tf32", "bf16"):
+        ops = setting.removesuffix("_fp32_precision").replace("_", " ")
+        return f"{ops} at fp32_precision '{value}' round their inputs to {value}: results may differ between devices"
     return _RISKY_SETTINGS.get((setting, value))
 
 
@@ -263,8 +301,17 @@ def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str
         return False, "world size changed in world-size-invariant mode (same shards): bitwise still possible"
     if name in _BREAKING_FACTS:
         return True, _BREAKING_FACTS[name]
+    if name in _BREAKING_DEVICE_FACTS:
+        if "cuda" not in (facts_a.get(tags.DEVICE), facts_b.get(tags.DEVICE)):
+            return False, "rank 0's device differs (a cpu run: no GPU kernel ran)"
+        if a is None or b is None:
+            return True, "rank 0's GPU recorded in one run only: cannot prove the same GPU"
+        return True, _BREAKING_DEVICE_FACTS[name]
     if name.startswith(tags.DETERMINISM_PREFIX):
         setting = name[len(tags.DETERMINISM_PREFIX):]
+        if a is None or b is None:
+            # A setting a harness before it did not read back (the fp32_precision keys): nothing to hold against.
+            return False, f"determinism setting '{setting}' recorded in one run only"
         return True, f"determinism setting '{setting}' changed: different kernels may be chosen"
     if name == tags.IMAGE_DIGEST:
         # An unknown digest proves nothing either way; only two known, different digests do.
@@ -282,9 +329,16 @@ def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str
         return True, f"data '{name[len(tags.DATA_PREFIX):]}' changed: the training read other bytes"
     if name.startswith(tags.VAR_PREFIX):
         var = name[len(tags.VAR_PREFIX):]
-        if var in _BREAKING_VARS:
+        if var_breaks(var, facts_a, facts_b):
             return True, f"{var} changed: selects kernels, threads or reduction algorithm"
         return False, "environment variable differs"
+    if name.startswith(tags.NCCL_CONF_PREFIX):
+        which, _, var = name[len(tags.NCCL_CONF_PREFIX):].partition(".")
+        if not var:  # the file itself: its settings are compared one by one
+            return False, f"NCCL's {which} configuration file differs (its settings decide)"
+        if var_breaks(var, facts_a, facts_b):
+            return True, f"{var} in NCCL's {which} configuration file changed: selects NCCL's reduction algorithm"
+        return False, f"NCCL's {which} configuration file differs"
     if name in _NOTES:
         return False, _NOTES[name]
     if name.startswith(tags.NODE_PREFIX):

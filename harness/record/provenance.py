@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import socket
 import subprocess
 from collections.abc import Mapping
 from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 from harness import __version__
 from harness.record.redaction import env_name_is_secret
 
 # Variables that change numerics or communication; recorded when set.
-_VAR_PREFIXES = ("NCCL_", "OMP_", "MKL_", "CUBLAS_", "CUDA_", "GLOO_", "TORCH_", "KMP_", "OPENBLAS_")
-_VAR_NAMES = ("PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
+_VAR_PREFIXES = ("NCCL_", "OMP_", "MKL_", "CUBLAS_", "CUBLASLT_", "CUDA_", "GLOO_", "TORCH_", "KMP_", "OPENBLAS_")
+# NVIDIA_TF32_OVERRIDE=0 turns TF32 off under every library; DISABLE_ADDMM_CUDA_LT=1 keeps addmm off cuBLASLt.
+_VAR_NAMES = ("PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES", "NVIDIA_TF32_OVERRIDE", "DISABLE_ADDMM_CUDA_LT")
+# NCCL also reads KEY=VALUE lines from these files (a variable already set wins): $NCCL_CONF_FILE, else
+# ~/.nccl.conf, then /etc/nccl.conf (NCCL's src/misc/param.cc, initEnvFunc).
+NCCL_SYSTEM_CONF = "/etc/nccl.conf"
+ABSENT = "absent"
 # A captured variable whose name says it holds a credential (TORCH_TOKEN, NCCL_AUTH_KEY, TORCH_HUB_PAT...)
 # is recorded by name only: its presence can matter to a delta, its value must never reach the store.
 REDACTED = "<redacted>"
@@ -86,6 +94,49 @@ def env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
         for k, v in sorted(env.items())
         if k.startswith(_VAR_PREFIXES) or k in _VAR_NAMES
     }
+
+
+def device_facts(device: Any) -> dict[str, str]:
+    """The device this process trains on (`device`: a torch.device or its name), measured here: what decides the
+    kernels, where the host's GPU list (runtime_facts' gpu) only says what else was there."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"name": device.type, "capability": "none", "sm_count": "none", "memory": "none"}
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "capability": f"{props.major}.{props.minor}",
+            "sm_count": str(props.multi_processor_count), "memory": str(props.total_memory)}
+
+
+def _conf_file(path: Path) -> dict[str, str]:
+    """One NCCL configuration file: "" -> "absent" or "<path> sha256:<hex>", and KEY -> VALUE as NCCL parses
+    it (lines starting with # skipped, split at the first =, the value verbatim); secrets' values redacted."""
+    try:
+        raw = path.read_bytes()
+    except OSError:  # missing or unreadable: NCCL skips it too
+        return {"": ABSENT}
+    out = {"": f"{path} sha256:{hashlib.sha256(raw).hexdigest()}"}
+    for line in raw.decode(errors="replace").splitlines():
+        key, eq, value = line.partition("=")
+        if line.startswith("#") or not eq or not key:
+            continue
+        out[key] = REDACTED if env_name_is_secret(key) else value
+    return out
+
+
+def nccl_conf(environ: Mapping[str, str] | None = None, system: str = NCCL_SYSTEM_CONF,
+              home: str | None = None) -> dict[str, str]:
+    """The NCCL configuration files this process's NCCL reads, as flat facts: "system" and "user" ("absent" or
+    path and digest), "system.KEY" and "user.KEY" for their settings. `system` and `home` (default: the user's
+    home) are parameters so that tests need not write /etc."""
+    env = os.environ if environ is None else environ
+    user_file = env.get("NCCL_CONF_FILE") or str(Path(home or os.path.expanduser("~")) / ".nccl.conf")
+    out: dict[str, str] = {}
+    for which, path in (("system", system), ("user", user_file)):
+        for key, value in _conf_file(Path(path)).items():
+            out[f"{which}.{key}" if key else which] = value
+    return out
 
 
 def package_lock() -> list[str]:

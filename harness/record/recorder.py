@@ -38,6 +38,7 @@ from harness.messages import (
     Metrics,
     MetricsBatch,
     Notice,
+    RankFacts,
     SettingChange,
     Total,
     UserSeeds,
@@ -208,6 +209,9 @@ class Recorder:
             case Determinism(settings, env):
                 final["determinism"], final["vars"] = dict(settings), env
                 final["determinism_start"] = dict(settings)
+            case RankFacts(device, conf):
+                final["rank_facts"] = {**{T.DEVICE_PREFIX + k: v for k, v in device.items()},
+                                       **{T.NCCL_CONF_PREFIX + k: v for k, v in conf.items()}}
             case DeterminismChanged(changes):
                 # The tags say what was in force: the last reading (the start values stay in the changes).
                 final["determinism"].update({c.setting: c.after for c in changes})
@@ -426,6 +430,7 @@ def record_results(
     if "determinism" in final:
         tags.update({T.DETERMINISM_PREFIX + k: v for k, v in final["determinism"].items()})
         tags.update({T.VAR_PREFIX + k: v for k, v in final["vars"].items()})
+        tags.update(final.get("rank_facts", {}))
         changes = final.get("determinism_changes", [])
         tags[T.DETERMINISM_CHANGES] = changes_tag(changes)
         doc = {"start": final.get("determinism_start", {}), "in_force": final["determinism"],

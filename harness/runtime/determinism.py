@@ -7,6 +7,7 @@ import functools
 import os
 import random
 import sys
+import warnings
 from collections.abc import Callable
 from types import FrameType, ModuleType
 from typing import Any
@@ -35,29 +36,89 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+# torch >= 2.9 sets TF32 per backend and op (torch.backends.cuda.matmul.fp32_precision, cudnn.conv/.rnn, mkldnn.*),
+# deprecates allow_tf32 and raises when a legacy getter finds the two APIs disagreeing (ATen Context.cpp:
+# allowTF32CuBLAS, allowTF32CuDNN, float32MatmulPrecision). Where it exists, harness sets and reads the new one;
+# the legacy keys stay in the record, derived from the same values, so no legacy getter is called.
+NEW_TF32_API = hasattr(torch._C, "_get_fp32_precision_getter")
+# (backend, op) of torch's fp32_precision leaves -> the setting key (read back resolved: "none" falls to the
+# backend's "all", then to the generic one).
+FP32_PRECISION_KEYS: dict[tuple[str, str], str] = {
+    ("cuda", "matmul"): "cuda_matmul_fp32_precision",
+    ("cuda", "conv"): "cudnn_conv_fp32_precision",
+    ("cuda", "rnn"): "cudnn_rnn_fp32_precision",
+    ("mkldnn", "matmul"): "mkldnn_matmul_fp32_precision",  # oneDNN on CPU: "bf16" rounds fp32 matmuls on AMX
+    ("mkldnn", "conv"): "mkldnn_conv_fp32_precision",
+    ("mkldnn", "rnn"): "mkldnn_rnn_fp32_precision",
+}
+
+
 def set_determinism(level: Level) -> dict[str, str]:
     """Apply `level` to this process and return the effective settings, read back from torch."""
     if level in (Level.strict, Level.warn):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        # NVLink SHARP (NVSwitch nodes) reduces in the switch, documented as not deterministic between calls
+        # (NVIDIA/nccl#1497): off unless the user chose. NCCL reads it when the ranks' communicator starts.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.use_deterministic_algorithms(True, warn_only=level == Level.warn)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         # TF32 changes results with the GPU generation; strict runs keep full fp32.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        if NEW_TF32_API:
+            _set_ieee()
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
     return read_determinism(level)
 
 
+def _set_ieee() -> None:
+    """Every fp32_precision leaf to "ieee", the legacy flags to agree with them (so that the training code, or
+    torch.compile, reading allow_tf32 gets False rather than torch's mixed-API error)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy setters' deprecation notice: set only to agree
+        torch.set_float32_matmul_precision("highest")  # legacy HIGHEST, cuda and mkldnn matmul "ieee"
+        torch.backends.cudnn.allow_tf32 = False  # legacy cuDNN flag; conv and rnn to "none"
+    for backend, op in FP32_PRECISION_KEYS:
+        torch._C._set_fp32_precision_setter(backend, op, "ieee")
+
+
+def _fp32_precisions() -> dict[str, str]:
+    return {key: torch._C._get_fp32_precision_getter(backend, op) for (backend, op), key in FP32_PRECISION_KEYS.items()}
+
+
+def _tf32_settings() -> dict[str, str]:
+    """The TF32 and matmul-precision keys. With the new API the legacy three are derived from its values (what
+    the kernels read), as torch's legacy getters would return them when the two APIs agree."""
+    if not NEW_TF32_API:
+        return {"cuda_matmul_tf32": str(torch.backends.cuda.matmul.allow_tf32),
+                "cudnn_tf32": str(torch.backends.cudnn.allow_tf32),
+                "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    p = _fp32_precisions()
+    cuda_mm, mkl_mm = p["cuda_matmul_fp32_precision"], p["mkldnn_matmul_fp32_precision"]
+    if mkl_mm == "bf16":
+        matmul = "medium"
+    elif "tf32" in (cuda_mm, mkl_mm):
+        matmul = "high"
+    else:
+        matmul = "highest"
+    return {"cuda_matmul_tf32": str(cuda_mm == "tf32"),
+            "cudnn_tf32": str("tf32" in (p["cudnn_conv_fp32_precision"], p["cudnn_rnn_fp32_precision"])),
+            "float32_matmul_precision": matmul, **p}
+
+
 def read_determinism(level: Level) -> dict[str, str]:
+    tf32 = _tf32_settings()
     return {
         "level": level.value,
         "deterministic_algorithms": str(torch.are_deterministic_algorithms_enabled()),
         "deterministic_warn_only": str(torch.is_deterministic_algorithms_warn_only_enabled()),
         "cudnn_deterministic": str(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": str(torch.backends.cudnn.benchmark),
-        "cuda_matmul_tf32": str(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_tf32": str(torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_tf32": tf32.pop("cuda_matmul_tf32"),
+        "cudnn_tf32": tf32.pop("cudnn_tf32"),
+        "float32_matmul_precision": tf32.pop("float32_matmul_precision"),
+        **tf32,  # the new API's values, where it exists
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "unset"),
         "intra_op_threads": str(torch.get_num_threads()),
     }
@@ -71,13 +132,27 @@ CHECKPOINT = "checkpoint"  # a checkpoint was saved
 END = "end"  # training ended (Context.finish)
 
 # The setting keys (of read_determinism) each watched setter can change: allow_tf32 and the matmul precision
-# are one switch in torch (setting either changes how both read back).
-_MATMUL = ("cuda_matmul_tf32", "float32_matmul_precision")
-_CUDNN_KEYS = {"allow_tf32": ("cudnn_tf32",), "fp32_precision": ("cudnn_tf32", *_MATMUL),
+# are one switch in torch (setting either changes how both read back), and so are the legacy flags and the new
+# API's fp32_precision leaves they set (a parent's fp32_precision reaches every leaf left at "none").
+_CUDA_MM, _CONV, _RNN = (FP32_PRECISION_KEYS[("cuda", op)] for op in ("matmul", "conv", "rnn"))
+_MKL = tuple(FP32_PRECISION_KEYS[("mkldnn", op)] for op in ("matmul", "conv", "rnn"))
+_MATMUL = ("cuda_matmul_tf32", "float32_matmul_precision", _CUDA_MM)
+_CUDNN_TF32 = ("cudnn_tf32", _CONV, _RNN)
+_ALL_PRECISION = (*_MATMUL, *_CUDNN_TF32, *_MKL)
+_CUDNN_KEYS = {"allow_tf32": _CUDNN_TF32, "fp32_precision": (*_CUDNN_TF32, *_MATMUL),
                "benchmark": ("cudnn_benchmark",), "deterministic": ("cudnn_deterministic",)}
-_FUNCTION_KEYS = {"set_float32_matmul_precision": _MATMUL,
+_FUNCTION_KEYS = {"set_float32_matmul_precision": (*_MATMUL, _MKL[0]),
                   "use_deterministic_algorithms": ("deterministic_algorithms", "deterministic_warn_only"),
                   "set_num_threads": ("intra_op_threads",)}
+# The new API's other setters: (module of torch.backends, its fp32_precision's path as written, keys).
+_PRECISION_PROPS = (("", "torch.backends.fp32_precision", _ALL_PRECISION),
+                    ("cudnn.rnn", "torch.backends.cudnn.rnn.fp32_precision", ("cudnn_tf32", _RNN)),
+                    ("mkldnn", "torch.backends.mkldnn.fp32_precision", _ALL_PRECISION))  # it sets the generic one
+# torch.backends.cudnn.conv and torch.backends.mkldnn.matmul/conv/rnn: objects of one class, by (backend, op).
+_LEAF_PATHS = {("cuda", "conv"): ("torch.backends.cudnn.conv", ("cudnn_tf32", _CONV)),
+               ("mkldnn", "matmul"): ("torch.backends.mkldnn.matmul", ("float32_matmul_precision", _MKL[0])),
+               ("mkldnn", "conv"): ("torch.backends.mkldnn.conv", (_MKL[1],)),
+               ("mkldnn", "rnn"): ("torch.backends.mkldnn.rnn", (_MKL[2],))}
 # The last watched call that may have changed each setting since the previous reading: key -> (where, call).
 _calls: dict[str, tuple[str, str]] = {}
 _watch: Watch | None = None
@@ -172,16 +247,39 @@ def _wrap_setters() -> None:
         prop = vars(cudnn_cls).get(name)
         if isinstance(prop, ContextProp):
             setattr(cudnn_cls, name, _NotedProp(prop, f"torch.backends.cudnn.{name}", keys))
+    if NEW_TF32_API:
+        _wrap_precision_setters()
 
     for name, keys in _FUNCTION_KEYS.items():
         setattr(torch, name, _noted_function(getattr(torch, name), keys))
+
+
+def _wrap_precision_setters() -> None:
+    """The new TF32 API's setters beyond torch.backends.cuda.matmul's and torch.backends.cudnn's own."""
+    for module, path, keys in _PRECISION_PROPS:
+        owner = type(functools.reduce(getattr, module.split(".") if module else [], torch.backends))
+        prop = vars(owner).get("fp32_precision")
+        if prop is not None and hasattr(prop, "__set__"):
+            owner.fp32_precision = _NotedProp(prop, path, keys)  # type: ignore[attr-defined]
+    # torch.backends._FP32Precision, whose __setattr__ takes fp32_precision (torch's stubs do not declare it).
+    leaf_cls: Any = type(torch.backends.cudnn.conv)  # type: ignore[attr-defined]
+    original_setattr = leaf_cls.__setattr__
+
+    def leaf_setattr(self: Any, name: str, value: Any) -> Any:
+        result = original_setattr(self, name, value)
+        where = _LEAF_PATHS.get((getattr(self, "backend", ""), getattr(self, "op", "")))
+        if name == "fp32_precision" and where is not None:
+            _note(where[1], f"{where[0]}.fp32_precision = {value!r}")
+        return result
+
+    leaf_cls.__setattr__ = leaf_setattr  # as for matmul's class above
 
 
 class _NotedProp(ContextProp):
     """torch's ContextProp, same getter and setter, that notes who set it."""
 
     def __init__(self, prop: Any, path: str, keys: tuple[str, ...]) -> None:
-        super().__init__(prop.getter, prop.setter)
+        super().__init__(getattr(prop, "getter", None), getattr(prop, "setter", None))
         self._prop, self._path, self._keys = prop, path, keys
 
     def __get__(self, obj: Any, objtype: Any) -> Any:

@@ -177,7 +177,11 @@ def _fresh_digests(level: str, cpu: bool) -> dict[str, str]:
 
 def probe_processes(p: Probes, cpu: bool) -> None:
     """Two fresh processes per level: strict must agree byte for byte (or refuse in both); off says what it did."""
-    runs = {level: [_fresh_digests(level, cpu) for _ in range(2)] for level in ("strict", "off")}
+    judge_processes(p, {level: [_fresh_digests(level, cpu) for _ in range(2)] for level in ("strict", "off")}, cpu)
+
+
+def judge_processes(p: Probes, runs: dict[str, list[dict[str, str]]], cpu: bool) -> None:
+    """The probe lines for two processes' digests per level (`runs`: level -> [first, second])."""
     (s1, s2), (o1, o2) = runs["strict"], runs["off"]
     for name in DETERMINISTIC_OPS:
         if s1[name].startswith(RAISED) or s1[name] != s2[name]:

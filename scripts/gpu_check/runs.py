@@ -29,16 +29,25 @@ STRICT = {
 FULL_FP32 = {"ieee", "none", "highest"}
 
 
-def check_tags(run_id: str) -> int:
-    tags = Tracker(writable=False).get_run(run_id).tags
+def _precision(tags: dict[str, str]) -> dict[str, str]:
+    return {k[len(T.DETERMINISM_PREFIX):]: v for k, v in tags.items()
+            if k.startswith(T.DETERMINISM_PREFIX) and "fp32_precision" in k}
+
+
+def wrong_settings(tags: dict[str, str]) -> list[str]:
+    """What a strict run's tags say that strict must not: a setting off its value, TF32 by the new API, a change."""
     wrong = [f"{k}={tags.get(T.DETERMINISM_PREFIX + k)!r} (want {v!r})" for k, v in STRICT.items()
              if tags.get(T.DETERMINISM_PREFIX + k) != v]
-    precision = {k[len(T.DETERMINISM_PREFIX):]: v for k, v in tags.items()
-                 if k.startswith(T.DETERMINISM_PREFIX) and "fp32_precision" in k}
-    wrong += [f"{k}={v!r} (want full fp32)" for k, v in precision.items() if v not in FULL_FP32]
+    wrong += [f"{k}={v!r} (want full fp32)" for k, v in _precision(tags).items() if v not in FULL_FP32]
     changes = tags.get(T.DETERMINISM_CHANGES, "none")
     if changes not in ("", "none"):
         wrong.append(f"{T.DETERMINISM_CHANGES}={changes!r}")
+    return wrong
+
+
+def check_tags(run_id: str) -> int:
+    tags = Tracker(writable=False).get_run(run_id).tags
+    wrong, precision = wrong_settings(tags), _precision(tags)
     nvls = {k: v for k, v in tags.items() if "NCCL_NVLS_ENABLE" in k}
     extra = (f"; fp32_precision {precision}" if precision else "; no fp32_precision tags") + \
             (f"; {nvls}" if nvls else "; NCCL_NVLS_ENABLE not recorded")

@@ -167,17 +167,29 @@ class Probes:
         return any(r["status"] == "FAIL" for r in self.results)
 
 
-def _fresh_digests(level: str, cpu: bool) -> dict[str, str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "digest", "--level", level] + (["--cpu"] if cpu else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0:
-        raise RuntimeError(f"digest --level {level} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _fresh_digests(levels: list[str], cpu: bool) -> list[dict[str, str]]:
+    """One fresh process per entry of `levels`, all at once (most of each one's time is importing torch)."""
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "digest", "--level", level]
+                              + (["--cpu"] if cpu else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for level in levels]
+    found = []
+    for level, proc in zip(levels, procs):
+        try:
+            out, err = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"digest --level {level} exited {proc.returncode}: {err.strip()[-500:]}")
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    return found
 
 
 def probe_processes(p: Probes, cpu: bool) -> None:
     """Two fresh processes per level: strict must agree byte for byte (or refuse in both); off says what it did."""
-    judge_processes(p, {level: [_fresh_digests(level, cpu) for _ in range(2)] for level in ("strict", "off")}, cpu)
+    s1, s2, o1, o2 = _fresh_digests(["strict", "strict", "off", "off"], cpu)
+    judge_processes(p, {"strict": [s1, s2], "off": [o1, o2]}, cpu)
 
 
 def judge_processes(p: Probes, runs: dict[str, list[dict[str, str]]], cpu: bool) -> None:

@@ -337,7 +337,7 @@ else
   fi
   for nvls in 0 1; do
     if in_time "allreduce.nvls$nvls"; then
-      line=$(NCCL_NVLS_ENABLE=$nvls timeout "$(deadline 120)" "$PY" scripts/gpu_probes.py allreduce 2>"$LOGS/allreduce-nvls$nvls.err")
+      line=$(NCCL_NVLS_ENABLE=$nvls timeout "$(deadline 120)" "$PY" scripts/gpu_probes.py allreduce "${probe_args[@]}" 2>"$LOGS/allreduce-nvls$nvls.err")
       rc=$?
       if [[ $rc -eq 0 ]]; then record "allreduce.nvls$nvls" ok "$line"
       elif [[ $nvls -eq 1 && $rc -eq 1 ]]; then record "allreduce.nvls$nvls" info "$line (NVLS is documented as not deterministic)"

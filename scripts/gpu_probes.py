@@ -14,11 +14,12 @@ Prints one line per probe, `probe NAME STATUS DETAIL` (STATUS ok, FAIL or info);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -223,6 +224,27 @@ def _relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
+@contextlib.contextmanager
+def _tf32_allowed() -> Iterator[None]:
+    """TF32 on for fp32 matmuls and convolutions, then back as it was. Through torch's fp32_precision settings where
+    they exist (torch >= 2.9 warns on the old switches and refuses a mix of the two that disagrees), else allow_tf32."""
+    b = torch.backends
+    if hasattr(b.cuda.matmul, "fp32_precision") and hasattr(b.cudnn, "conv"):
+        before = (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision)
+        b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision = "tf32", "tf32"
+        try:
+            yield
+        finally:
+            b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision = before
+    else:
+        old = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)
+        b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32 = True, True
+        try:
+            yield
+        finally:
+            b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32 = old
+
+
 def probe_tf32(p: Probes, device: str) -> None:
     """fp32 matmul and convolution under strict against fp64: within what full fp32 gives, beyond what TF32 gives."""
     determinism.set_determinism(Level.strict)
@@ -242,13 +264,8 @@ def probe_tf32(p: Probes, device: str) -> None:
     if device != "cuda":
         return
     # The control: TF32 switched on here must exceed the bound, or the bound proves nothing on this GPU.
-    torch.set_float32_matmul_precision("high")
-    torch.backends.cudnn.allow_tf32 = True
-    try:
+    with _tf32_allowed():
         mm_on, conv_on = errors()
-    finally:
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.allow_tf32 = False
     for name, err in (("matmul", mm_on), ("conv", conv_on)):
         status = "ok" if err > TF32_BOUND else "FAIL"
         p.add(f"tf32_on_control.{name}", status, f"with TF32 allowed: relative error {err:.2e}")

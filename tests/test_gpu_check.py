@@ -143,3 +143,20 @@ def test_the_strict_tags_rule_on_crafted_tags() -> None:
                                        T.DETERMINISM_PREFIX + "cuda_matmul_fp32_precision": "tf32"})
     assert wrong == ["cudnn_tf32='True' (want 'False')", "cuda_matmul_fp32_precision='tf32' (want full fp32)"]
     assert check_runs.wrong_settings({**strict, T.DETERMINISM_CHANGES: "x"}) == [f"{T.DETERMINISM_CHANGES}='x'"]
+
+
+def test_the_tf32_control_switches_tf32_on_and_restores_what_was_set() -> None:
+    """The probes' positive control sets TF32 through the API this torch has (no GPU needed to set it)."""
+    import torch
+
+    b = torch.backends
+    new_api = hasattr(b.cuda.matmul, "fp32_precision")
+
+    def state() -> tuple:
+        return (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision) if new_api else \
+            (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)
+
+    before = state()
+    with gpu_probes._tf32_allowed():
+        assert state() == (("tf32", "tf32") if new_api else (True, True))
+    assert state() == before

@@ -243,7 +243,22 @@ def _default_of(key: str) -> Any:
     return obj
 
 
+def _yaml_words(node: Any, prefix: str = "") -> Any:
+    """YAML 1.1 reads a bare `off` (also `no`, `on`, `yes`) as a boolean: for a field whose values are an Enum
+    with a member `off` / `on` (determinism.level), the word the user wrote is meant, not the boolean."""
+    if isinstance(node, dict):
+        return {k: _yaml_words(v, f"{prefix}{k}.") for k, v in node.items()}
+    if isinstance(node, bool):
+        default = _default_of(prefix.rstrip("."))
+        word = "on" if node else "off"
+        if isinstance(default, enum.Enum) and word in type(default).__members__:
+            return word
+    return node
+
+
 def _merge(base: DictConfig, other: Any, source: str, schema: DictConfig) -> DictConfig:
+    if isinstance(other, DictConfig):
+        other = OmegaConf.create(_yaml_words(OmegaConf.to_container(other)))
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except oc_errors.OmegaConfBaseException as err:

@@ -425,6 +425,20 @@ def test_bad_override_is_refused_before_anything_runs(project: Project, override
     assert len(project.all_runs()) == before
 
 
+@pytest.mark.parametrize("where", ["override", "yaml"])
+def test_determinism_level_off_is_the_word_not_yaml_false(fresh_project: Project, where: str) -> None:
+    """YAML 1.1 reads a bare `off` as false; harness's own advice says `determinism.level=off`, so it must work."""
+    project = fresh_project
+    args = ["determinism.level=off"] if where == "override" else []
+    if where == "yaml":
+        path = project.root / "experiments" / "linear_ddp" / "experiment.yaml"
+        path.write_text(path.read_text().replace("level: strict", "level: off"))
+    result = project.cli("check", "experiments/linear_ddp", *args)
+    assert result.returncode == 0, result.stderr
+    wrong = project.cli("check", "experiments/linear_ddp", "determinism.level=true")
+    assert wrong.returncode == 2 and "expected one of strict, warn, off" in wrong.stderr
+
+
 def test_file_passed_as_experiment_and_missing_image(fresh_project: Project) -> None:
     project = fresh_project  # its own repository: the experiment it writes is never committed
     result = project.cli("run", "experiments/linear_ddp/train.py")

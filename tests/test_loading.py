@@ -67,6 +67,8 @@ NOT_TRAINING = {
                    "`harness {command}` applies to a training run.",
     T.KIND_TRACE: f"run {RID} is a trace of one step (harness trace); trace or replay the run it traced "
                   "(harness.trace_of) instead; `harness {command}` applies to a training run.",
+    T.KIND_BISECT: f"run {RID} is a bisection (harness bisect): its probes are the runs; rerun it with "
+                   "`harness bisect GOOD BAD`; `harness {command}` applies to a training run.",
 }
 
 

@@ -18,7 +18,7 @@ from harness.errors import HarnessError
 from harness.optrace.tracer import (CULPRIT, IDENTICAL, INPUTS_DIFFER_FROM_START, NOT_ALIGNED,
                              Localization, OpRecord, OpTracer, Trace, TensorSig, dumps, loads,
                              localize, render_html, render_markdown, tensor_sig)
-from harness.optrace import rules as optrace_rules
+from harness.optrace import rules as optrace_rules, tracer as tracer_module
 
 USER_CODE = '''\
 import torch
@@ -412,3 +412,30 @@ def test_order_free_digest_ignores_only_the_order_of_contributions() -> None:
     emb = _order_free("embedding_dense_backward", (grad, tokens, 4, -1, False), {})
     swapped = torch.tensor([3, 1, 0, 2])
     assert _order_free("embedding_dense_backward", (grad[swapped], tokens[swapped], 4, -1, False), {}) == emb
+
+
+def test_a_generator_state_that_differed_before_the_step_is_named(tmp_path: Path) -> None:
+    """The tracer records each global generator's state digest at the start of the traced step; a generator
+    reseeded (or drawn from more often) before it is named as such, not blamed on the op that drew from it."""
+    import random
+
+    torch.manual_seed(5)
+    before = tracer_module._generator_states()
+    assert set(before) == set(tracer_module.GENERATOR_KEYS) and before["rng_cuda"] is None  # no CUDA in use here
+    torch.manual_seed(5)
+    assert tracer_module._generator_states() == before  # a digest of the state, not of the time it was read
+    torch.rand(1)
+    random.random()
+    after = tracer_module._generator_states()
+    assert after["rng_torch"] != before["rng_torch"] and after["rng_python"] != before["rng_python"]
+    assert after["rng_numpy"] == before["rng_numpy"]
+    dropout = Localization(CULPRIT, 0, _record(0, "aten.bernoulli_.float"), None, None, [])
+    a, b = Trace([], {"step": 5, **before}), Trace([], {"step": 5, **after})
+    cause = optrace_rules.likely_cause(dropout, a, b, None)
+    assert cause.startswith("torch's default generator, Python's random module already differed at the start of "
+                            "step 5 (state digests)"), cause
+    assert optrace_rules.generator_state(dropout, a, a, None) is None
+    assert optrace_rules.generator_state(dropout, a, Trace([], {"step": 5}), None) is None  # an older trace: unsaid
+    with OpTracer(str(tmp_path)) as traced:
+        torch.ones(2).sum()
+    assert traced.meta["rng_torch"] == tracer_module._generator_states()["rng_torch"]  # read at the step's start

@@ -73,6 +73,24 @@ def _meta_delta(a: Trace, b: Trace, keys: tuple[str, ...]) -> list[str]:
             if k in a.meta and k in b.meta and a.meta[k] != b.meta[k]]
 
 
+_GENERATORS = {"rng_torch": "torch's default generator", "rng_cuda": "the CUDA generator",
+               "rng_numpy": "numpy's global generator", "rng_python": "Python's random module"}
+
+
+def generator_state(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
+    """A global generator whose state differed before the traced step began: reseeded or drawn from otherwise."""
+    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
+        return None
+    differ = [name for key, name in _GENERATORS.items()
+              if key in a.meta and key in b.meta and a.meta[key] != b.meta[key]]
+    if not differ:
+        return None
+    step = a.meta.get("step")
+    when = f"the start of step {step}" if step is not None else "the start of the traced step"
+    return (f"{', '.join(differ)} already differed at {when} (state digests): it was seeded differently, or drawn "
+            "from a different number of times, before this step - the difference began earlier")
+
+
 def random_generator(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in RANDOM_OPS:
         return None
@@ -157,7 +175,7 @@ def collective_peer(loc: Localization, a: Trace, b: Trace, hints: dict | None) -
 
 # Most specific first; every rule that applies contributes its sentence.
 RULES: tuple[Callable[[Localization, Trace, Trace, dict | None], str | None], ...] = (
-    random_generator, accumulation_order, collective_peer, precision_setting, attention_backend,
+    generator_state, random_generator, accumulation_order, collective_peer, precision_setting, attention_backend,
     determinism_setting, device_change, library_version,
 )
 

@@ -305,6 +305,29 @@ def _settings() -> dict[str, Any]:
     }
 
 
+# The global generators a step may draw from, as meta keys: their state digests at the start of the traced step
+# tell a generator reseeded (or drawn from more often) before the step from arithmetic inside it.
+GENERATOR_KEYS = ("rng_torch", "rng_cuda", "rng_numpy", "rng_python")
+
+
+def _generator_states() -> dict[str, str | None]:
+    """sha256 (16 hex) of each global generator's state now; None for CUDA's before CUDA is in use."""
+    import random
+
+    import numpy as np
+
+    def digest(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()[:16]
+
+    kind, keys, pos, gauss, cached = np.random.get_state()
+    return {
+        "rng_torch": digest(torch.get_rng_state().numpy().tobytes()),
+        "rng_cuda": digest(torch.cuda.get_rng_state().numpy().tobytes()) if torch.cuda.is_initialized() else None,
+        "rng_numpy": digest(f"{kind}:{pos}:{gauss}:{cached}:".encode() + np.asarray(keys).tobytes()),
+        "rng_python": digest(repr(random.getstate()).encode()),
+    }
+
+
 def _device_facts(device: torch.device) -> dict[str, Any]:
     """The device the step ran on and the numerical libraries this process has loaded for it: a trace made on
     another GPU, or with another cuDNN, may differ without any setting having changed."""
@@ -483,6 +506,7 @@ class OpTracer:
                                 "python": sys.version.split()[0]}
         meta.update(_settings())
         meta.update(_device_facts(self.device))
+        meta.update(_generator_states())  # at the start of the traced step (a trace begun earlier starts over)
         meta.update(self.user_meta)
         return meta
 

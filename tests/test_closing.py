@@ -225,6 +225,7 @@ def test_checkpoint_on_a_full_disk_is_one_line_naming_the_disk(fresh_project: Pr
 _HOLDER = '''
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY)
+print("queued", flush=True)
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))
@@ -235,8 +236,9 @@ def _hold(folder: Path, seconds: float, *, held: bool = True) -> subprocess.Pope
     """A process that takes the folder's flock (blocking: queued in the kernel) and keeps it `seconds`."""
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), str(seconds)], stdout=subprocess.PIPE,
                             text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "queued\n"  # started, about to block in flock
     if held:
-        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        assert proc.stdout.readline() == "held\n"
     return proc
 
 
@@ -247,7 +249,7 @@ def test_opening_lock_is_waited_for_while_it_changes_hands(tmp_path: Path, monke
     monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")  # each holder may keep it 3 s (hold_limit); 4 take 6 s
     holders = [_hold(tmp_path, 1.5)]
     holders += [_hold(tmp_path, 1.5, held=False) for _ in range(3)]  # queued: each takes it as the last lets go
-    time.sleep(0.5)
+    time.sleep(0.5)  # from "queued" to blocking in flock is one system call; on a loaded machine it can wait
     start = time.monotonic()
     try:
         with opening(f"sqlite:///{tmp_path / 'mlflow.db'}"):

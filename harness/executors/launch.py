@@ -191,16 +191,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process took the number: ours is gone
-        return False
-    return True
-
-
 def _redirect_output(path: Path) -> None:
     # fd-level, so C++ warnings (gloo, NCCL) and tracebacks land in the rank's log too.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -216,10 +206,10 @@ def _redirect_output(path: Path) -> None:
 def _worker(local_rank: int, start: _Start, inboxes: list[Any], channel: Any, progress: Any) -> None:
     """One spawned rank: tied to its launcher, output to its log file, stacks on demand; its heavy imports
     while the launcher records the run; then, once its spec arrives, the rank's body."""
-    _die_with_parent()  # the parent is the launch's forkserver, which ends when the launcher does
-    if start.launcher_pid and not _alive(start.launcher_pid):
-        # The launcher died while this process was still starting, before the death signal was armed: the
-        # kernel will not send it now, so nothing would end this rank.
+    _die_with_parent()
+    if start.launcher_pid and os.getppid() != start.launcher_pid:
+        # The launcher died while this process was still starting (importing torch), before the death signal
+        # was armed: the kernel will not send it now, so nothing would end this rank.
         os._exit(1)
     rank = start.node_rank * start.nproc + local_rank
     # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
@@ -302,7 +292,6 @@ class Ranks:
             if error_file:
                 with contextlib.suppress(OSError):
                     os.unlink(error_file)
-        stop_forkserver()
 
 
 def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
@@ -312,7 +301,7 @@ def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     # torch logs each rank it terminates; which rank failed, and why, is said once by harness.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    spawn_ctx = _fresh_forkserver()
+    spawn_ctx = mp.get_context("spawn")
     reader, writer = spawn_ctx.Pipe(duplex=False)
     pipes = [spawn_ctx.Pipe(duplex=False) for _ in range(nproc)]
     # Per local rank: the step it is at and when it last made progress (time.monotonic()).
@@ -323,7 +312,7 @@ def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
     try:
         procs = mp.spawn(
             _worker, args=(start, [r for r, _ in pipes], writer, progress), nprocs=nproc, join=False,
-            start_method=START_METHOD,
+            start_method="spawn",
         )
     except BaseException:
         for r, w in pipes:
@@ -336,31 +325,6 @@ def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
     for r, _ in pipes:
         r.close()
     return Ranks(str(log_dir), node_rank, nproc, procs, [w for _, w in pipes], reader, progress)
-
-
-# The ranks fork from a forkserver that imported torch and the rank body once, instead of each spawned rank
-# importing them itself (1.5-2 s of CPU per rank, on cores the other ranks and the launcher need at start-up).
-# A fresh server per launch: it hands its ranks the environment of this process as it is now, as spawn would.
-START_METHOD = "forkserver"
-_PRELOADED = ["torch", "torch.distributed", "torch.nn.parallel", "torch.utils.data", "numpy", "omegaconf",
-              "harness.executors.launch", "harness.runtime.context", "harness.runtime.determinism"]
-
-
-def _fresh_forkserver() -> Any:
-    """The forkserver context, its server (re)started with this process's current environment and sys.path."""
-    import multiprocessing
-
-    stop_forkserver()
-    multiprocessing.set_forkserver_preload(_PRELOADED)
-    return multiprocessing.get_context(START_METHOD)
-
-
-def stop_forkserver() -> None:
-    """End this process's forkserver (its ranks are gone): nothing outlives a launch, also in a long-lived caller."""
-    from multiprocessing import forkserver
-
-    with contextlib.suppress(OSError, ChildProcessError):
-        forkserver._forkserver._stop()  # type: ignore[attr-defined]  # the stdlib's own way to stop it
 
 
 def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = None, store: Any = None) -> None:

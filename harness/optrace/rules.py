@@ -79,7 +79,7 @@ _GENERATORS = {"rng_torch": "torch's default generator", "rng_cuda": "the CUDA g
 
 def generator_state(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
     """A global generator whose state differed before the traced step began: reseeded or drawn from otherwise."""
-    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
+    if not _localized(loc):
         return None
     differ = [name for key, name in _GENERATORS.items()
               if key in a.meta and key in b.meta and a.meta[key] != b.meta[key]]
@@ -113,45 +113,42 @@ def accumulation_order(loc: Localization, a: Trace, b: Trace, hints: dict | None
             "picks a deterministic kernel or says there is none)")
 
 
+def _settings_differ(applies: bool, a: Trace, b: Trace, keys: tuple[str, ...], said: str) -> str | None:
+    """`said` followed by the meta keys that differ between the traces, when the rule applies and any does."""
+    delta = _meta_delta(a, b, keys) if applies else []
+    return said + ", ".join(delta) if delta else None
+
+
+def _culprit_is(loc: Localization, kind: Callable[[str], bool]) -> bool:
+    return loc.status == "CULPRIT" and loc.a is not None and kind(loc.a.op)
+
+
+def _localized(loc: Localization) -> bool:
+    return loc.status in ("CULPRIT", "NOT_ALIGNED")
+
+
 def precision_setting(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    if loc.status != "CULPRIT" or loc.a is None or not is_matmul(loc.a.op):
-        return None
-    delta = _meta_delta(a, b, PRECISION_KEYS)
-    if not delta:
-        return None
-    return "a precision setting differs between the traces: " + ", ".join(delta)
+    return _settings_differ(_culprit_is(loc, is_matmul), a, b, PRECISION_KEYS,
+                            "a precision setting differs between the traces: ")
 
 
 def attention_backend(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    if loc.status != "CULPRIT" or loc.a is None or not is_attention(loc.a.op):
-        return None
-    delta = _meta_delta(a, b, ATTENTION_KEYS)
-    if not delta:
-        return None
-    return ("the attention kernels allowed differ between the traces, so scaled_dot_product_attention may have "
-            "run another one: " + ", ".join(delta))
+    return _settings_differ(_culprit_is(loc, is_attention), a, b, ATTENTION_KEYS,
+                            "the attention kernels allowed differ between the traces, so scaled_dot_product_attention "
+                            "may have run another one: ")
 
 
 def device_change(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
-        return None
-    delta = _meta_delta(a, b, DEVICE_KEYS)
-    if not delta:
-        return None
-    return "the traces ran on different hardware, whose kernels need not give the same bits: " + ", ".join(delta)
+    return _settings_differ(_localized(loc), a, b, DEVICE_KEYS,
+                            "the traces ran on different hardware, whose kernels need not give the same bits: ")
 
 
 def determinism_setting(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
-        return None
-    delta = _meta_delta(a, b, DETERMINISM_KEYS)
-    if not delta:
-        return None
-    return "determinism settings differ between the traces: " + ", ".join(delta)
+    return _settings_differ(_localized(loc), a, b, DETERMINISM_KEYS, "determinism settings differ between the traces: ")
 
 
 def library_version(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    if loc.status not in ("CULPRIT", "NOT_ALIGNED"):
+    if not _localized(loc):
         return None
     packages: dict[str, Any] = dict((hints or {}).get("packages") or {})
     if a.meta.get("torch") != b.meta.get("torch") and "torch" not in packages:

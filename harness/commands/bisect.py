@@ -136,9 +136,10 @@ def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, t
         raise HarnessError(f"runs {good.run_id} and {bad.run_id} are of different experiments "
                            f"({good.tags.get(T.EXPERIMENT_PATH)}, {bad.tags.get(T.EXPERIMENT_PATH)}): bisect compares "
                            "two runs of one experiment.")
-    keys, not_varied = _config_changes(a, b)
+    delta = config_delta(a.config, b.config, a.facts, b.facts)
+    keys, not_varied = _config_changes(delta)
     commits, more = _commits(a, b, repo)
-    not_varied += more + _fixed_environment(a, b)
+    not_varied += more + _fixed_environment(a, b, {c.key for c in delta})
 
     run_tags = derived.tags(T.KIND_BISECT, version=__version__, parent=good.run_id,
                             extra={T.BISECT_GOOD: good.run_id, T.BISECT_BAD: bad.run_id})
@@ -205,10 +206,10 @@ def _search(result: BisectResult, probe: Callable[[str, str | None, list[ConfigC
                              + f", or in nondeterminism GOOD's own replay did not show (GOOD's commit {good_commit[:12]})")
 
 
-def _config_changes(a: RunRecord, b: RunRecord) -> tuple[list[ConfigChange], list[str]]:
+def _config_changes(delta: list[ConfigChange]) -> tuple[list[ConfigChange], list[str]]:
     """BAD's config changes that affect the result and an override can make; the others, said as not varied."""
     keys, not_varied = [], []
-    for change in config_delta(a.config, b.config, a.facts, b.facts):
+    for change in delta:
         if not change.affects_result:
             continue
         if change.b is None:
@@ -237,9 +238,9 @@ def _commits(a: RunRecord, b: RunRecord, repo: Path | None) -> tuple[list[tuple[
     return commits, notes
 
 
-def _fixed_environment(a: RunRecord, b: RunRecord) -> list[str]:
-    """Differences of the machine or its software that change the arithmetic and that no probe here can vary."""
-    config_keys = {c.key for c in config_delta(a.config, b.config, a.facts, b.facts)}
+def _fixed_environment(a: RunRecord, b: RunRecord, config_keys: set[str]) -> list[str]:
+    """Differences of the machine or its software that change the arithmetic and that no probe here can vary
+    (`config_keys`: the config keys that differ, which the probes do vary)."""
     return [f"{d.name}: {d.a} -> {d.b}" for d in environment_delta(a, b)
             if d.breaks_bitwise and d.name not in (T.GIT_COMMIT, T.GIT_DIRTY, T.GIT_PATCH_SHA256)
             and d.name.removeprefix(T.PREFIX) not in config_keys]

@@ -9,6 +9,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,48 +224,83 @@ def test_checkpoint_on_a_full_disk_is_one_line_naming_the_disk(fresh_project: Pr
 
 # --- many clients of one SQLite store -----------------------------------------------------------
 _HOLDER = '''
-import fcntl, os, sys, time
+import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDONLY)
-print("queued", flush=True)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(float(sys.argv[2]))
+print("ready", flush=True)
+for line in sys.stdin:  # "take" then "release": the test decides when the lock changes hands
+    if line.strip() == "take":
+        fcntl.flock(fd, fcntl.LOCK_SH if sys.argv[2] == "shared" else fcntl.LOCK_EX)
+        print("held", flush=True)
+    else:
+        break
 '''
 
 
-def _hold(folder: Path, seconds: float, *, held: bool = True) -> subprocess.Popen:
-    """A process that takes the folder's flock (blocking: queued in the kernel) and keeps it `seconds`."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), str(seconds)], stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout is not None and proc.stdout.readline() == "queued\n"  # started, about to block in flock
-    if held:
-        assert proc.stdout.readline() == "held\n"
-    return proc
+class _Holder:
+    """A process that holds the folder's flock from "take" until "release", each said on its stdin."""
+
+    def __init__(self, folder: Path, mode: str = "exclusive") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder), mode], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        assert self._say(None) == "ready\n"
+
+    def _say(self, word: str | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if word is not None:
+            self.proc.stdin.write(word + "\n")
+            self.proc.stdin.flush()
+        return self.proc.stdout.readline() if word != "release" else ""
+
+    def take(self) -> None:
+        assert self._say("take") == "held\n"
+
+    def release(self) -> None:
+        self._say("release")
+        self.proc.wait(timeout=60)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def test_opening_lock_is_waited_for_while_it_changes_hands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Busy, not hung: other processes taking turns for longer than the store timeout in all is waited out."""
     from harness.store.reach import hold_limit, opening
 
-    monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")  # each holder may keep it 3 s (hold_limit); 4 take 6 s
-    holders = [_hold(tmp_path, 1.5)]
-    holders += [_hold(tmp_path, 1.5, held=False) for _ in range(3)]  # queued: each takes it as the last lets go
-    time.sleep(0.5)  # from "queued" to blocking in flock is one system call; on a loaded machine it can wait
+    monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")  # each holder may keep it 3 s (hold_limit)
+    # Shared locks, so that each next holder takes the lock before the last lets go: the lock is never free while
+    # they take turns (with exclusive ones the opener could win the race between two holders and wait less).
+    holders = [_Holder(tmp_path, "shared") for _ in range(4)]
+    holders[0].take()
+
+    def take_turns() -> None:
+        for last, nxt in zip(holders, holders[1:]):
+            time.sleep(0.6 * hold_limit())
+            nxt.take()
+            last.release()
+        time.sleep(0.6 * hold_limit())
+        holders[-1].release()
+
+    relay = threading.Thread(target=take_turns)
     start = time.monotonic()
+    relay.start()
     try:
         with opening(f"sqlite:///{tmp_path / 'mlflow.db'}"):
             waited = time.monotonic() - start
     finally:
+        relay.join()
         for h in holders:
-            h.wait()
-    assert waited > hold_limit()  # longer than any one holder may keep it: the lock changed hands meanwhile
+            h.kill()
+    assert waited > 2 * hold_limit()  # far longer than any one holder may keep it: it changed hands meanwhile
 
 
 def test_opening_lock_held_without_letting_go_names_the_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from harness.store.reach import opening
 
     monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")
-    holder = _hold(tmp_path, 60)
+    holder = _Holder(tmp_path)
+    holder.take()
     try:
         start = time.monotonic()
         with pytest.raises(HarnessError) as err, opening(f"sqlite:///{tmp_path / 'mlflow.db'}"):
@@ -272,7 +308,6 @@ def test_opening_lock_held_without_letting_go_names_the_holder(tmp_path: Path, m
         assert time.monotonic() - start < 10
     finally:
         holder.kill()
-        holder.wait()
     text = str(err.value)
     assert f"process {holder.pid} (" in text and "has held the opening lock of the store" in text
     assert f"kill {holder.pid}" in text and "HARNESS_STORE_TIMEOUT_S" in text

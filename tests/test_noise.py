@@ -40,7 +40,13 @@ def test_spread_is_the_t_prediction_interval() -> None:
 def test_check_places_the_replay_among_the_seeds() -> None:
     inside = noise.check("acc", 0.90, 0.91, SEEDS)
     assert inside.inside and inside.below == 2 and not inside.reason
-    assert "inside the 95% prediction interval" in inside.describe()
+    # One check alone: the whole nominal level (a third of the 1% bound), on a log scale: every seed is positive.
+    assert "inside the 99.67% prediction interval (log scale)" in inside.describe() and inside.log
+    lo, hi = noise.prediction_interval(noise.spread(np.log(SEEDS)), 1 - 0.01 / 3)
+    assert inside.interval == pytest.approx((math.exp(lo), math.exp(hi)), rel=1e-12)
+    signed = noise.check("delta", 0.0, 0.01, [0.02, -0.01, 0.0, 0.01, -0.02])  # not all positive: the values' scale
+    assert not signed.log and signed.inside and "log" not in signed.describe()
+    assert noise.check("acc", 0.90, 0.91, SEEDS, 0.95).describe().count("95% prediction interval") == 1
     outside = noise.check("acc", 1.2, 0.91, SEEDS)
     assert not outside.inside and outside.below == 5 and "OUTSIDE" in outside.describe()
     few = noise.check("acc", 0.90, 0.91, SEEDS[:2])
@@ -94,22 +100,31 @@ def test_a_cross_hardware_difference_inside_the_seeds_spread_is_within_noise() -
     assert cmp.verdict == DIVERGED and not cmp.bitwise_possible
     cmp = judge_noise(cmp, original, replay, "study0", MEMBERS)
     assert cmp.verdict == WITHIN_NOISE and cmp.exit_code == 0
-    assert [c.metric for c in cmp.noise.checks] == ["acc", "loss"] and all(c.inside for c in cmp.noise.checks)
-    assert cmp.summary().startswith("WITHIN_NOISE: every final value inside the 95% prediction interval of 5 seeds")
+    # Each metric's curve (10 steps) in 4 segments by their means, and its last value: 10 checks sharing the bound.
+    parts = [(0, 2), (3, 5), (6, 7), (8, 9), (9, 9)]
+    assert [(c.metric, c.steps) for c in cmp.noise.checks] == [(m, k) for m in ("acc", "loss") for k in parts]
+    assert all(c.inside for c in cmp.noise.checks) and {c.level for c in cmp.noise.checks} == {1 - 0.01 / 3 / 10}
+    assert cmp.noise.checks[5].value == pytest.approx(np.mean(np.linspace(2.0, 0.91, 10)[:3]))
+    assert cmp.summary().startswith("WITHIN_NOISE: every segment mean and final value inside its 99.97% prediction "
+                                    "interval of 5 seeds (acc at step 9 0.5 in [0.5, 0.5], loss at step 9 0.91 in [")
+    assert "false-alarm bound 1% for the replay: 10 checks at 0.033% each" in cmp.summary()
     assert "threads" not in cmp.summary() and "bitwise impossible (1 environment change)" in cmp.summary()
     doc = json.loads(json.dumps(cmp.to_dict()))
     assert doc["verdict"] == WITHIN_NOISE and doc["noise"]["within"] is True
-    assert doc["noise"]["checks"][1]["spread"]["n"] == 5
+    assert doc["noise"]["checks"][-1]["spread"]["n"] == 5 and doc["noise"]["checks"][-1]["steps"] == [9, 9]
     report = render_markdown(cmp)
     assert "## Run-to-run noise" in report and "**inside**" in report and "3 of 5" in report
+    assert "loss mean over steps 3-5" in report and "(99.97%, log scale)" in report
 
 
 def test_a_difference_outside_the_seeds_spread_stays_diverged_with_the_numbers() -> None:
     original = MEMBERS[0]
-    replay = _replay_of(original, 1.4)  # a change that matters: far from every seed
+    replay = _replay_of(original, 2.0)  # a change that matters: far from every seed (sd 0.03)
     cmp = judge_noise(compare_runs(original, replay), original, replay, "study0", MEMBERS)
     assert cmp.verdict == DIVERGED and cmp.exit_code == 1
-    assert "outside the seeds' noise: loss: replay 1.4 OUTSIDE the 95% prediction interval" in cmp.summary()
+    # Both the last segment's mean and the last value are outside; each is named with its numbers.
+    assert "outside the seeds' noise: loss mean over steps 8-9: replay 1." in cmp.summary()
+    assert "; loss at step 9: replay 2 OUTSIDE the 99.97% prediction interval (log scale)" in cmp.summary()
     assert "**OUTSIDE**" in render_markdown(cmp)
 
 
@@ -153,13 +168,14 @@ def test_a_cross_hardware_replay_of_a_member_is_within_noise(project, wide_study
     _, members = wide_study
     result = project.harness("replay", members[0], *OTHER_HARDWARE)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _verdict(result).startswith("verdict: WITHIN_NOISE: every final value inside the 95% prediction interval of 3 seeds")
+    assert _verdict(result).startswith("verdict: WITHIN_NOISE: every curve point inside its ")
+    assert "prediction interval of 3 seeds" in _verdict(result)
     replay = project.client().get_run(result.last_line)
     assert replay.data.tags[tags.VERDICT] == WITHIN_NOISE
     local = project.client().download_artifacts(result.last_line, tags.ARTIFACT_COMPARISON, str(tmp_path))
     doc = json.loads(Path(local).read_text())
     # The difference is real (not bit-identical), and tiny against the seeds' spread.
-    (check,) = doc["noise"]["checks"]
+    check = doc["noise"]["checks"][-1]  # the final point of the loss curve
     assert check["metric"] == "loss" and check["value"] != check["original"] and check["inside"] is True
     assert doc["bitwise_possible"] is False and doc["noise"]["seeds"] == 3
 
@@ -169,7 +185,7 @@ def test_a_planted_learning_rate_change_is_diverged(project, wide_study) -> None
     result = project.harness("replay", members[0], *OTHER_HARDWARE, "train.lr=5.0")
     assert result.returncode == 1, result.stdout + result.stderr
     line = _verdict(result)
-    assert line.startswith("verdict: DIVERGED") and "outside the seeds' noise: loss: replay" in line and "OUTSIDE" in line
+    assert line.startswith("verdict: DIVERGED") and "outside the seeds' noise: loss at step " in line and "OUTSIDE" in line
     assert project.client().get_run(result.last_line).data.tags[tags.VERDICT] == DIVERGED
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from harness.fmt import fmt_short, fmt_value
 from harness.judge.compare import BITWISE, KIND_REPLAY_FAILED, NOTHING_TO_COMPARE, Comparison, MetricStats, as_series
+from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.text import given_tolerances, weights_line
 from harness.records import RunRecord
 
@@ -254,20 +255,23 @@ def _noise_section(cmp: Comparison) -> list[str]:
     if j is None:
         return []
     out = ["## Run-to-run noise", "",
-           f"The original is a member of study {_code(j.study_id)} ({j.seeds} seeds). Each final value of the replay "
-           "is judged against the 95% prediction interval of the seeds' final values, "
-           "mean +- t(N-1, 0.975) x sd x sqrt(1 + 1/N): where one more seed would land 95% of the time.", ""]
+           f"The original is a member of study {_code(j.study_id)} ({j.seeds} seeds). Each {j.what} of the replay "
+           "is judged against the prediction interval of the seeds' values at that step, "
+           "mean +- t(N-1, 1 - a/2) x sd x sqrt(1 + 1/N): where one more seed would land 1 - a of the time, with a "
+           f"set so that an honest replay is called DIVERGED at most {percent(FALSE_ALARM)} of the time over all its "
+           f"checks ({_cell(j.family()) if j.checks else 'Bonferroni'}; measured in benchmarks/verdict_bench.py).", ""]
     if j.reason:
         return out + [f"**Not judged:** {_cell(j.reason)}", ""]
     rows = []
     for c in j.checks:
         s = c.spread
         rows.append([
-            _cell(c.metric), fmt_value(c.value), fmt_value(c.original), f"{s.mean:.6g}", f"{s.std:.3g}",
-            f"[{s.pi95[0]:.6g}, {s.pi95[1]:.6g}]", f"{c.below} of {s.n}",
+            _cell(c.label), fmt_value(c.value), fmt_value(c.original), f"{s.mean:.6g}", f"{s.std:.3g}",
+            f"[{c.interval[0]:.6g}, {c.interval[1]:.6g}] ({percent(c.level)}{', log scale' if c.log else ''})",
+            f"{c.below} of {s.n}",
             _cell(c.reason) if c.reason else ("**inside**" if c.inside else "**OUTSIDE**"),
         ])
-    out += _table(["Metric", "Replay final", "Original final", "Seeds' mean", "Seeds' sd", "95% prediction interval",
+    out += _table(["Metric", "Replay", "Original", "Seeds' mean", "Seeds' sd", "Prediction interval",
                    "Seeds below the replay", "Verdict"], rows)
     return out + [""]
 

@@ -1,0 +1,340 @@
+"""Calibration of the noise verdict: how often an honest replay is called DIVERGED, and how often a planted change is.
+
+    python benchmarks/verdict_bench.py            # the table in docs/verdicts.md (about 15 min on 2 cores)
+    python benchmarks/verdict_bench.py --small    # the version tests/test_verdict_bench.py runs in CI (~1 min)
+
+Each model is trained in this process, many times, with the seed deciding the initial weights, the data order and
+the augmentation noise (the dataset itself is fixed, as a paper's is). A trial is what `harness replay` of a study
+member judges: a study of N seeds (disjoint from every other trial's), its first member as the original, and a
+replay of that member under one change. The replay's curves go through harness's own rules (harness/judge/noise.py:
+`judge` on the final values, `judge_curves` on CURVE_POINTS points of each curve, `judge_curves(before=K)` for
+the first-K-steps check), so what is measured is the code that decides verdicts.
+
+Honest changes alter bits, not the algorithm: another thread count, the loss reduced in two halves, the gradient
+summed over 4 shards (what invariant mode does for another world size), the oneDNN path off; and, the worst case,
+a replay that decorrelated completely (another seed), which is what long training on other hardware approaches.
+Planted changes are graded: lr x1.1 / x1.5 / x2, 1% label noise, one of 4 data shards dropped, weight decay off,
+zero_grad skipped once mid-run, another augmentation seed (by design indistinguishable from seed noise: a rule
+that caught it would also flag honest replays).
+
+The rates are per trial with Clopper-Pearson 95% intervals. Training runs happen in-process, not through
+`harness run`: the end-to-end path (a real study, a replay with another thread count) is tests/test_study_noise.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.stats import binomtest
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness.judge import noise  # noqa: E402
+
+Curves = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+# --- what one training run is ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Change:
+    """One way a replay differs from its original; the defaults are the original's own settings."""
+
+    name: str
+    honest: bool
+    lr_scale: float = 1.0
+    label_noise: float = 0.0
+    drop_shard: bool = False
+    weight_decay: bool = True
+    skip_zero_grad: bool = False
+    aug_seed: int = 1
+    threads: int = 1
+    halves: bool = False  # the batch loss as the mean of its two halves' means
+    shards: int = 1  # the gradient accumulated over this many equal shards (invariant mode's world size)
+    onednn: bool = True
+    new_seed: bool = False
+
+
+HONEST = [
+    Change("threads 1 -> 2", True, threads=2),
+    Change("loss reduced in two halves", True, halves=True),
+    Change("gradient over 4 shards (invariant world size)", True, shards=4),
+    Change("oneDNN path off", True, onednn=False),
+    Change("another seed (decorrelated, worst case)", True, new_seed=True),
+]
+PLANTED = [
+    Change("lr x1.1", False, lr_scale=1.1),
+    Change("lr x1.5", False, lr_scale=1.5),
+    Change("lr x2", False, lr_scale=2.0),
+    Change("1% label noise", False, label_noise=0.01),
+    Change("one of 4 data shards dropped", False, drop_shard=True),
+    Change("weight decay off", False, weight_decay=False),
+    Change("zero_grad skipped once", False, skip_zero_grad=True),
+    Change("another augmentation seed", False, aug_seed=2),
+]
+ORIGINAL = Change("original", True)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    build: Callable[[], nn.Module]
+    data: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    classify: bool
+    steps: int
+    batch: int
+    lr: float
+    momentum: float = 0.9
+    weight_decay: float = 5e-3
+    eval_every: int = 4
+
+
+def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    g = torch.Generator().manual_seed(1234)  # the dataset's split is fixed, as a paper's is
+    order = torch.randperm(len(y), generator=g)
+    return x[order[:1400]], y[order[:1400]], x[order[1400:]], y[order[1400:]]
+
+
+def _regression() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randn(16, 1, generator=g)
+    x = torch.randn(1280, 16, generator=g)
+    y = x @ w + 0.3 * torch.randn(1280, 1, generator=g)
+    return x[:1024], y[:1024], x[1024:], y[1024:]
+
+
+def _blobs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    centers = 0.35 * torch.randn(4, 20, generator=g)  # overlapping classes: accuracy near 0.8, not 1
+    y = torch.randint(0, 4, (2000,), generator=g)
+    x = centers[y] + torch.randn(2000, 20, generator=g)
+    return x[:1600], y[:1600], x[1600:], y[1600:]
+
+
+MODELS = {
+    # linear_ddp's shape: linear regression, one metric.
+    "linear": Model("linear", lambda: nn.Linear(16, 1), _regression, False, steps=48, batch=32, lr=0.02),
+    # digits_cnn's shape: a small CNN on the 8x8 digits.
+    "cnn": Model("cnn", lambda: nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                              nn.Flatten(), nn.Linear(128, 10)),
+                 _digits, True, steps=48, batch=32, lr=0.05),
+    # A model with several metrics (train loss, val loss, val accuracy, weight norm, gradient norm).
+    "mlp": Model("mlp", lambda: nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 4)),
+                 _blobs, True, steps=48, batch=32, lr=0.05),
+}
+
+
+@contextmanager
+def _settings(change: Change) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(change.threads)
+    try:
+        with torch.backends.mkldnn.flags(enabled=change.onednn):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train(model: Model, seed: int, change: Change, data: Any) -> Curves:
+    """One run: every metric's curve (steps, values). Seeded like a harness run: one seed for weights and order."""
+    xs, ys, xv, yv = data
+    if change.label_noise:
+        g = torch.Generator().manual_seed(99)  # the same corrupted labels for every seed: a data bug, not noise
+        flip = torch.rand(len(ys), generator=g) < change.label_noise
+        ys = ys.clone()
+        ys[flip] = (ys[flip] + 1) % (int(ys.max()) + 1) if model.classify else ys[flip] + 3.0
+    if change.drop_shard:
+        xs, ys = xs[: 3 * len(xs) // 4], ys[: 3 * len(ys) // 4]
+    torch.manual_seed(seed)
+    net = model.build()
+    opt = torch.optim.SGD(net.parameters(), lr=model.lr * change.lr_scale, momentum=model.momentum,
+                          weight_decay=model.weight_decay if change.weight_decay else 0.0)
+    order = torch.Generator().manual_seed(seed)
+    aug = torch.Generator().manual_seed(1000 * change.aug_seed + seed)
+    loss_fn = nn.functional.cross_entropy if model.classify else nn.functional.mse_loss
+    names = ["train_loss", "val_loss"] + (["val_acc"] if model.classify else [])
+    if model.name == "mlp":
+        names += ["weight_norm", "grad_norm"]
+    curves: dict[str, list[float]] = {k: [] for k in names}
+    steps: dict[str, list[int]] = {k: [] for k in names}
+
+    def log(key: str, step: int, value: float) -> None:
+        if key in curves:
+            steps[key].append(step)
+            curves[key].append(value)
+
+    perm = torch.randperm(len(ys), generator=order)
+    at = 0
+    with _settings(change):
+        for step in range(model.steps):
+            if at + model.batch > len(perm):
+                perm, at = torch.randperm(len(ys), generator=order), 0
+            idx = perm[at: at + model.batch]
+            at += model.batch
+            x = xs[idx] + 0.05 * torch.randn(xs[idx].shape, generator=aug)  # augmentation: input jitter
+            y = ys[idx]
+            if not (change.skip_zero_grad and step == model.steps // 2):
+                opt.zero_grad()
+            total = 0.0
+            parts = change.shards if change.shards > 1 else (2 if change.halves else 1)
+            for xp, yp in zip(x.chunk(parts), y.chunk(parts)):
+                loss = loss_fn(net(xp), yp) / parts
+                loss.backward()
+                total += float(loss.detach())
+            grad = math.sqrt(sum(float((p.grad ** 2).sum()) for p in net.parameters() if p.grad is not None))
+            opt.step()
+            log("train_loss", step, total)
+            log("grad_norm", step, grad)
+            if (step + 1) % model.eval_every == 0:
+                with torch.no_grad():
+                    out = net(xv)
+                    log("val_loss", step, float(loss_fn(out, yv)))
+                    if model.classify:
+                        log("val_acc", step, float((out.argmax(1) == yv).float().mean()))
+                    log("weight_norm", step, math.sqrt(sum(float((p ** 2).sum()) for p in net.parameters())))
+    return {k: (np.asarray(steps[k]), np.asarray(curves[k])) for k in names}
+
+
+# --- the rules under test ----------------------------------------------------------------------------------------
+def _old_rule(replay: Curves, original: Curves, members: list[Curves]) -> bool:
+    """Before calibration: each metric's final value inside its own 95% prediction interval."""
+    fin = noise.final_values
+    return all(noise.check(m, fin(replay)[m], None, [fin(x)[m] for x in members], 0.95).inside for m in original)
+
+
+def _final_rule(replay: Curves, original: Curves, members: list[Curves]) -> bool:
+    fin = noise.final_values
+    return noise.judge("bench", fin(replay), fin(original), [fin(x) for x in members]).within
+
+
+def _curve_rule(replay: Curves, original: Curves, members: list[Curves]) -> bool:
+    return noise.judge_curves("bench", replay, original, members).within
+
+
+def _early_rule(steps: int) -> Callable[[Curves, Curves, list[Curves]], bool]:
+    def rule(replay: Curves, original: Curves, members: list[Curves]) -> bool:
+        return noise.judge_curves("bench", replay, original, members, points=1, before=steps).within
+    return rule
+
+
+RULE = f"curve: {noise.CURVE_POINTS} segment means + final, 1% (the rule)"  # the one `harness replay` applies
+
+
+def rules(model: Model) -> dict[str, Callable[[Curves, Curves, list[Curves]], bool]]:
+    k = model.steps // 4
+    return {"final, 95% per metric (before)": _old_rule, "final only, 1% per replay": _final_rule,
+            RULE: _curve_rule,
+            f"first {k} steps (--steps {k}), 1%": _early_rule(k)}
+
+
+# --- trials ------------------------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    alarms: int = 0
+    trials: int = 0
+
+    def rate(self) -> str:
+        if not self.trials:
+            return "-"
+        ci = binomtest(self.alarms, self.trials).proportion_ci(0.95, method="exact")
+        return f"{self.alarms}/{self.trials} = {self.alarms / self.trials:.1%} [{ci.low:.1%}, {ci.high:.1%}]"
+
+
+def measure(model: Model, seeds: int, trials: int, changes: list[Change], null_trials: int
+            ) -> dict[tuple[str, str], Tally]:
+    """Per (change, rule): how many of `trials` disjoint studies of `seeds` seeds called the replay DIVERGED.
+
+    The worst honest case (another seed) needs no training per trial, so it gets `null_trials` studies, drawn at
+    random from the same pool of runs (they overlap, so its interval is somewhat narrower than it should be)."""
+    data = model.data()
+    table: dict[tuple[str, str], Tally] = {}
+    judges = rules(model)
+    pool = seeds * trials
+    base = {s: train(model, s, ORIGINAL, data) for s in range(pool)}
+    draw = np.random.default_rng(seeds)
+    for change in changes:
+        if change.new_seed:
+            studies = [[int(x) for x in draw.choice(pool, seeds + 1, replace=False)] for _ in range(null_trials)]
+        else:
+            studies = [list(range(t * seeds, (t + 1) * seeds)) for t in range(trials)]
+        for study in studies:
+            members = [base[s] for s in study[:seeds]]
+            if change.new_seed:
+                replay = base[study[seeds]]  # a seed outside this study
+            else:
+                replay = train(model, study[0], change, data)
+            for name, rule in judges.items():
+                tally = table.setdefault((change.name, name), Tally())
+                tally.trials += 1
+                tally.alarms += not rule(replay, members[0], members)
+    return table
+
+
+# The CI version: the honest changes and one planted one, on two models (about 30 s on a quiet 2-core machine).
+SMALL = {"models": ["linear", "mlp"], "sizes": [5], "trials": 20, "null_trials": 300, "planted": ["lr x2"]}
+
+
+def calibrate(models: list[str], sizes: list[int], trials: int, null_trials: int, planted: list[str] | None = None
+              ) -> dict[tuple[str, int], dict[tuple[str, str], Tally]]:
+    """(model, study size) -> its table: the whole measurement, as the CI test and main() take it (`planted`: only
+    the planted changes of these names)."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+    changes = HONEST + [c for c in PLANTED if planted is None or c.name in planted]
+    return {(name, seeds): measure(MODELS[name], seeds, trials, changes, null_trials)
+            for name in models for seeds in sizes}
+
+
+def report(model: Model, seeds: int, table: dict[tuple[str, str], Tally], changes: list[Change]) -> list[str]:
+    names = list(rules(model))
+    metrics = len(train(model, 0, ORIGINAL, model.data()))
+    out = [f"### {model.name}: {metrics} metric{'s' if metrics != 1 else ''}, {model.steps} steps, studies of {seeds} "
+           "seeds", "", "| change | kind | " + " | ".join(names) + " |", "| --- | --- |" + " --- |" * len(names)]
+    for change in changes:
+        kind = "honest: false alarm" if change.honest else "planted: power"
+        out.append(f"| {change.name} | {kind} | " + " | ".join(table[change.name, n].rate() for n in names) + " |")
+    return out + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="the CI version: fewer trials, two models")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="study sizes (default 5 10; --small 5)")
+    parser.add_argument("--trials", type=int, default=None, help="studies per change (default 100; --small 30)")
+    parser.add_argument("--null-trials", type=int, default=None,
+                        help="studies for the another-seed case (default 2000; --small 300)")
+    args = parser.parse_args(argv)
+    sizes = args.seeds or (SMALL["sizes"] if args.small else [5, 10])
+    trials = args.trials or (SMALL["trials"] if args.small else 100)
+    null_trials = args.null_trials or (SMALL["null_trials"] if args.small else 2000)
+    models = SMALL["models"] if args.small else list(MODELS)
+    planted = SMALL["planted"] if args.small else None
+    changes = HONEST + [c for c in PLANTED if planted is None or c.name in planted]
+    start = time.monotonic()
+    print(f"# verdict calibration: {trials} trials per change ({null_trials} for another seed), false-alarm bound {noise.percent(noise.FALSE_ALARM)} "
+          f"per replay (Bonferroni over metrics x points), torch {torch.__version__}\n")
+    for name in models:  # one model at a time, printed as it is measured
+        for seeds in sizes:
+            table = calibrate([name], [seeds], trials, null_trials, planted)[name, seeds]
+            print("\n".join(report(MODELS[name], seeds, table, changes)), flush=True)
+    print(f"({time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,7 +40,7 @@ from scipy.stats import binomtest
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.judge import noise  # noqa: E402
+from harness.judge import noise
 
 Curves = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -326,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     planted = SMALL["planted"] if args.small else None
     changes = HONEST + [c for c in PLANTED if planted is None or c.name in planted]
     start = time.monotonic()
-    print(f"# verdict calibration: {trials} trials per change ({null_trials} for another seed), false-alarm bound {noise.percent(noise.FALSE_ALARM)} "
-          f"per replay (Bonferroni over metrics x points), torch {torch.__version__}\n")
+    bound = noise.percent(noise.FALSE_ALARM)
+    print(f"# verdict calibration: {trials} trials per change ({null_trials} for another seed), false-alarm bound "
+          f"{bound} per replay (Bonferroni over metrics x checks), torch {torch.__version__}\n")
     for name in models:  # one model at a time, printed as it is measured
         for seeds in sizes:
             table = calibrate([name], [seeds], trials, null_trials, planted)[name, seeds]

@@ -118,13 +118,23 @@ def test_bisect_names_the_config_key_that_matters(planted) -> None:
     changed = ["train.note_a=1", "train.note_b=2", "train.lr=0.02", "train.note_c=3", "train.note_d=4", "train.note_e=5"]
     bad = project.harness("run", "experiments/knobbed", *changed)
     assert good.returncode == 0 and bad.returncode == 0, good.stderr + bad.stderr
-    result = project.harness("bisect", good.last_line, bad.last_line)
+    result = project.harness("bisect", good.last_line, bad.last_line, "--localize")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
     assert "culprit: config train.lr: 0.01 -> 0.02 flips the result" in lines, result.stdout
     assert not any(line.startswith("culprit: commit") for line in lines)
     assert len([line for line in lines if line.startswith("probe ")]) <= 2 + 2 * math.ceil(math.log2(6))
-    assert project.client().get_run(lines[-1]).data.tags["harness.bisect.culprit"] == "config train.lr"
+    client = project.client()
+    assert client.get_run(lines[-1]).data.tags["harness.bisect.culprit"] == "config train.lr"
+    # --localize: the probe that carried train.lr alone is traced against GOOD at its first divergent step (1: the
+    # learning rate acts in step 0's update), where the weights the step begins with already differ.
+    where = [line for line in lines if line.startswith("at the culprit (probe replay ")]
+    assert where and "Localization of step 1" in where[0], result.stdout
+    assert any("INPUTS_DIFFER_FROM_START" in line for line in where) and any("op: aten." in line for line in where)
+    probe_id = where[0].split("probe replay ")[1].split(")")[0]
+    assert client.get_run(probe_id).data.tags["harness.localized"] == "INPUTS_DIFFER_FROM_START", result.stdout
+    doc = json.loads(Path(client.download_artifacts(lines[-1], "bisect/bisect.json")).read_text())
+    assert doc["culprit_probe"] == probe_id and doc["localized"][0].startswith("Localization of step 1")
 
 
 def test_runs_that_agree_are_refused_in_one_line_and_nothing_is_recorded(planted) -> None:

@@ -45,13 +45,13 @@ def killable(project: Project) -> tuple[str, str]:
         # first batches through the DataLoader workers.
         (1, ["checkpoint_every=10", "train.epochs=3"], 37, ["train_loss", "val_acc"]),
         # Every world size resumes bit for bit, not merely refused: from 3 ranks on, DDP's bucket layout
-        # decides the sums, and a process that starts from a checkpoint must lay them out as the original did.
+        # decides the sums, and a process that starts from a checkpoint must lay them out as the original did
+        # (4 ranks stand for every size from 3: one case fewer keeps the suite's time).
         (0, ["checkpoint_every=5", "world_size=1"], 13, ["loss"]),
-        (0, ["checkpoint_every=5", "world_size=3"], 13, ["loss"]),
         (0, ["checkpoint_every=5", "world_size=4"], 9, ["loss"]),
         (1, ["checkpoint_every=8", "train.epochs=2", "world_size=4"], 20, ["train_loss", "val_acc"]),
     ],
-    ids=["linear_ddp", "digits_cnn", "linear_ws1", "linear_ws3", "linear_ws4", "digits_ws4"],
+    ids=["linear_ddp", "digits_cnn", "linear_ws1", "linear_ws4", "digits_ws4"],
 )
 def test_sigkilled_rank_then_resume_equals_uninterrupted(
     project: Project, killable, which: int, overrides: list[str], kill_at: int, keys: list[str]

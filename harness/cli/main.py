@@ -329,9 +329,11 @@ def replay(
 @click.argument("bad")
 @click.option("--max-probes", type=click.IntRange(min=1), default=24, show_default=True,
               help="At most this many probe replays; then it says how far the search got.")
+@click.option("--localize", is_flag=True,
+              help="Then trace the culprit's probe against GOOD and name the first op that differs.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def bisect(good: str, bad: str, max_probes: int, tracking_uri: str | None) -> None:
+def bisect(good: str, bad: str, max_probes: int, localize: bool, tracking_uri: str | None) -> None:
     """Find which difference between runs GOOD and BAD flips the result: a commit between theirs, a config key.
 
     Each probe is a replay of GOOD, recorded and nested under one bisect run, with part of BAD's changes: the
@@ -342,7 +344,8 @@ def bisect(good: str, bad: str, max_probes: int, tracking_uri: str | None) -> No
     """
     from harness.commands import api
 
-    result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, on_event=_draw))
+    result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, localize=localize,
+                                          on_event=_draw))
     for line in result.lines():
         click.echo(line)
     click.echo(result.run_id)

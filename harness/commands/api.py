@@ -386,10 +386,12 @@ class BisectOptions:
     max_probes: int = bisect_command.DEFAULT_MAX_PROBES  # replays it may run before it stops and says how far it got
     tracking_uri: str | None = None
     repo: Path | None = None  # the clone holding both runs' commits (default: the one holding the current folder)
+    localize: bool = False  # trace the culprit's probe and name the first op that differs from GOOD
     on_event: Listener | None = None
 
 
 def bisect(options: BisectOptions) -> BisectResult:
     o = options
     with events.listening(o.on_event):
-        return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo)
+        return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo,
+                                     localize=o.localize)

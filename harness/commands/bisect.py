@@ -21,7 +21,7 @@ import yaml
 from harness import __version__, events, tags as T
 from harness.commands import replay as rp
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.judge.compare import BITWISE, NOTHING_TO_COMPARE, WITHIN_TOLERANCE, compare_runs
+from harness.judge.compare import BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_TOLERANCE, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
 from harness.record import derived, loading
 from harness.records import RunRecord
@@ -40,6 +40,7 @@ class Probe:
     run_id: str
     verdict: str
     summary: str
+    replayed: Any = None  # replay.ReplayResult: its comparison and records, for --localize
 
     @property
     def flipped(self) -> bool:
@@ -56,6 +57,8 @@ class BisectResult:
     culprit_keys: list[ConfigChange] = field(default_factory=list)  # the config keys whose BAD values flip it
     unresolved: str | None = None  # what could not be decided, and why
     not_varied: list[str] = field(default_factory=list)  # differences this machine cannot vary
+    culprit_probe: Probe | None = None  # the probe that carried the culprit alone and flipped the result
+    localized: Any = None  # trace.Localized: where that probe first differed from GOOD (--localize)
 
     @property
     def found(self) -> bool:
@@ -81,6 +84,9 @@ class BisectResult:
             out.append(f"culprit: commit {sha[:12]} ({subject}): its code flips the result")
         for c in self.culprit_keys:
             out.append(f"culprit: config {c.key}: {c.a} -> {c.b} flips the result")
+        if self.localized is not None:
+            probe = f" (probe replay {self.culprit_probe.run_id})" if self.culprit_probe is not None else ""
+            out += [f"at the culprit{probe}: {line}" for line in self.localized.lines()]
         if self.unresolved:
             out.append(f"unresolved: {self.unresolved}")
         n = len(self.probes)
@@ -120,8 +126,10 @@ def _split(keys: list[ConfigChange], flips: Callable[[list[ConfigChange]], bool]
 
 
 def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, tracking_uri: str | None = None,
-           repo: Path | None = None) -> BisectResult:
-    """Find what flips GOOD's result into BAD's; bad input raises HarnessError before anything is recorded."""
+           repo: Path | None = None, localize: bool = False) -> BisectResult:
+    """Find what flips GOOD's result into BAD's; bad input raises HarnessError before anything is recorded.
+    `localize`: then trace the culprit's probe against GOOD and name the first op that differs (replay --localize's
+    machinery, on the probe that carried the culprit alone)."""
     if max_probes < 1:
         raise HarnessError(f"--max-probes must be >= 1, got {max_probes}.")
     tracker = Tracker(tracking_uri)
@@ -155,7 +163,7 @@ def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, t
                 extra_tags={T.MLFLOW_PARENT_RUN_ID: bisect_id, T.BISECT_OF: bisect_id},
             )
             cmp = replayed.judged
-            done = Probe(what, replayed.outcome.run_id, cmp.verdict, cmp.summary())
+            done = Probe(what, replayed.outcome.run_id, cmp.verdict, cmp.summary(), replayed)
             result.probes.append(done)
             events.emit(events.Notice(f"bisect: probe {len(result.probes)}: {what}: {cmp.verdict}"))
             return done
@@ -166,8 +174,23 @@ def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, t
             result.unresolved = (f"--max-probes {max_probes} spent before the search ended"
                                  + (f"; {result.unresolved}" if result.unresolved else "")
                                  + ". Raise --max-probes and run it again.")
+        if localize and result.culprit_probe is not None:
+            _localize(tracker, result, result.culprit_probe, repo)
         _record(tracker, result)
     return result
+
+
+def _localize(tracker: Tracker, result: BisectResult, probe: Probe, repo: Path | None) -> None:
+    """Where the culprit's probe first differs from GOOD, recorded on that probe as replay --localize records it."""
+    from harness.commands.trace import localize_after_replay
+
+    replayed = probe.replayed
+    if replayed is None or replayed.records is None or probe.verdict != DIVERGED:
+        return
+    events.emit(events.Notice(f"bisect: localizing the culprit's probe {probe.run_id}"))
+    good, replay = replayed.records
+    result.localized = localize_after_replay(tracker, replayed.judged, good, replay, repo)
+    rp.record_localization(tracker, probe.run_id, replayed.judged, replayed.changes, result.localized)
 
 
 def _search(result: BisectResult, probe: Callable[[str, str | None, list[ConfigChange]], Probe], a: RunRecord,
@@ -177,24 +200,37 @@ def _search(result: BisectResult, probe: Callable[[str, str | None, list[ConfigC
         result.unresolved = ("GOOD does not reproduce itself, so no difference can be blamed: make it reproducible "
                              "first (harness replay GOOD; determinism.level=strict)")
         return
+    flipping: dict[str, Probe] = {}  # what a probe carried -> the probe, for the ones that flipped
+
+    def flips(what: str, commit: str | None, changed: list[ConfigChange]) -> bool:
+        done = probe(what, commit, changed)
+        if done.flipped:
+            flipping[what] = done
+        return done.flipped
+
+    def keys_what(part: list[ConfigChange]) -> str:
+        return "config " + ", ".join(c.key for c in part)
+
     if keys:
-        if probe("config " + ", ".join(c.key for c in keys), None, keys).flipped:
-            result.culprit_keys, minimal = _split(
-                keys, lambda part: probe("config " + ", ".join(c.key for c in part), None, part).flipped)
+        if flips(keys_what(keys), None, keys):
+            result.culprit_keys, minimal = _split(keys, lambda part: flips(keys_what(part), None, part))
+            result.culprit_probe = flipping.get(keys_what(result.culprit_keys))
             if not minimal:
                 result.unresolved = "only these config keys together flip the result, none alone"
     if commits:
-        last_sha, last_subject = commits[-1]
-        if probe(f"commit {last_sha[:12]} ({last_subject})", last_sha, []).flipped:
+        def commit_what(i: int) -> str:
+            return f"commit {commits[i][0][:12]} ({commits[i][1]})"
+
+        if flips(commit_what(len(commits) - 1), commits[-1][0], []):
             lo, hi = -1, len(commits) - 1  # commits[lo] (or GOOD's commit at -1) keeps GOOD; commits[hi] flips
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                sha, subject = commits[mid]
-                if probe(f"commit {sha[:12]} ({subject})", sha, []).flipped:
+                if flips(commit_what(mid), commits[mid][0], []):
                     hi = mid
                 else:
                     lo = mid
             result.culprit_commit = commits[hi]
+            result.culprit_probe = flipping.get(commit_what(hi))
     if not result.found and keys and commits:
         sha, _ = commits[-1]
         if probe(f"commit {sha[:12]} with config " + ", ".join(c.key for c in keys), sha, keys).flipped:
@@ -255,5 +291,7 @@ def _record(tracker: Tracker, result: BisectResult) -> None:
            "culprit_commit": list(result.culprit_commit) if result.culprit_commit else None,
            "culprit_keys": [{"key": c.key, "good": c.a, "bad": c.b} for c in result.culprit_keys],
            "unresolved": result.unresolved, "not_varied": result.not_varied,
+           "culprit_probe": result.culprit_probe.run_id if result.culprit_probe is not None else None,
+           "localized": result.localized.lines() if result.localized is not None else None,
            "probes": [{"what": p.what, "run_id": p.run_id, "verdict": p.verdict} for p in result.probes]}
     tracker.log_text(result.run_id, json.dumps(doc, indent=2), "bisect/bisect.json")

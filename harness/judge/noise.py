@@ -292,7 +292,7 @@ Curves = Mapping[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values
 def segments(steps: Iterable[int], parts: int = CURVE_POINTS) -> list[list[int]]:
     """`steps` (sorted, distinct) cut into `parts` contiguous runs of nearly equal length, the last one ending at
     the last step."""
-    ordered = sorted(set(int(s) for s in steps))
+    ordered = sorted({int(s) for s in steps})
     return [[int(x) for x in part] for part in np.array_split(np.asarray(ordered, dtype=np.int64),
                                                                min(parts, len(ordered))) if part.size]
 

@@ -121,16 +121,18 @@ class FingerprintStats:
 
 @dataclass
 class Reached:
-    """How far the judged steps go: those an incomplete (FAILED or KILLED) original reached, or the first `steps`
-    of the original's `of` that a replay --steps K ran before it stopped on purpose. Only these steps were judged."""
+    """How far an incomplete (FAILED or KILLED) original got: only these steps were judged."""
 
-    status: str  # the original's
+    status: str
     steps: int
-    of: int | None = None  # replay --steps: the original's steps (None: an incomplete original)
 
-    @property
-    def early(self) -> bool:
-        return self.of is not None
+
+@dataclass
+class FirstSteps(Reached):
+    """replay --steps K: the replay stopped on purpose after the first `steps` of the original's `of` steps; only
+    those were judged (the same cut as an incomplete original's, for another reason)."""
+
+    of: int = 0
 
     def clause(self) -> str:
         return f"over the first {self.steps} of {self.of} steps"
@@ -153,7 +155,7 @@ class Comparison:
     config_delta: list[ConfigChange] = field(default_factory=list)
     of_replay: bool = True  # run B is a replay of run A (else two independent runs)
     weights_unchanged_in: list[str] = field(default_factory=list)  # labels of runs that trained nothing
-    reached: Reached | None = None  # an incomplete original, judged up to where it stopped
+    reached: Reached | None = None  # an incomplete original, judged up to where it stopped (FirstSteps: replay --steps)
     failed_alike: bool = False  # the replay of an incomplete original failed with the original's own reason
     notes: list[str] = field(default_factory=list)
     noise: NoiseJudgement | None = None  # set when a difference was judged against a study's spread
@@ -171,7 +173,7 @@ class Comparison:
     def summary(self) -> str:
         """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
         line = self._verdict_line()
-        if self.reached is not None and self.reached.early:
+        if isinstance(self.reached, FirstSteps):
             line = self._early_line(line, self.reached)
         elif self.reached is not None:
             alike = "; the replay failed the same way" if self.failed_alike else ""
@@ -182,7 +184,7 @@ class Comparison:
             line += f" - but {the(self.weights_unchanged_in[0])}'s model weights never changed: nothing was trained in it"
         return line
 
-    def _early_line(self, line: str, reached: Reached) -> str:
+    def _early_line(self, line: str, reached: FirstSteps) -> str:
         """replay --steps K: the verdict names the steps it covers, and whether the weights were held to anything."""
         head = f"{self.verdict}:"
         line = (f"{self.verdict} {reached.clause()}:{line[len(head):]}" if line.startswith(head)
@@ -532,7 +534,7 @@ def compare_runs(
         reached = Reached(original.status, len(steps))
     elif first_steps is not None:
         orig_metrics, rep_metrics = _upto(orig_metrics, first_steps - 1), _upto(rep_metrics, first_steps - 1)
-        reached = Reached(original.status, first_steps, original_steps(original))
+        reached = FirstSteps(original.status, first_steps, original_steps(original))
     clamped = (not original.metrics_exact, not replay.metrics_exact)
 
     stats: list[MetricStats] = []
@@ -655,7 +657,7 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     # The curves at CURVE_POINTS steps, the last among them, not the final values alone: a change that shows early
     # (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
     # replay --steps K: every run's curve (the members' too) before step K only, the last point step K-1's value.
-    before = cmp.reached.steps if cmp.reached is not None and cmp.reached.early else None
+    before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
     cmp.noise = noise.judge_curves(study_id, replay.metrics, original.metrics, [m.metrics for m in members],
                                    before=before)
     if cmp.noise.within:

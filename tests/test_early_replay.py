@@ -34,6 +34,7 @@ def test_first_steps_replay_is_bitwise_and_stops_there(project: Project, checkpo
     verdict = result.stdout.strip().splitlines()[-2]
     assert verdict.startswith("verdict: BITWISE over the first 3 of 5 steps: 1 metric x 3 steps bit-identical"), verdict
     assert "including the weights after step 3 (the original's checkpoint of that step)" in verdict
+    assert "data order: identical at the 3 common steps" in result.stdout  # sent as at an end, though it stopped
     run = project.client().get_run(result.last_line)
     assert run.info.status == "FINISHED"
     assert run.data.tags[tags.REPLAY_STEPS] == "3" and run.data.tags[tags.VERDICT] == BITWISE

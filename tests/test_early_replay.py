@@ -32,7 +32,8 @@ def test_first_steps_replay_is_bitwise_and_stops_there(project: Project, checkpo
     result = project.harness("replay", checkpointed, "--steps", "3")
     assert result.returncode == 0, result.stderr
     verdict = result.stdout.strip().splitlines()[-2]
-    assert verdict.startswith("verdict: BITWISE over the first 3 of 5 steps: 1 metric x 3 steps bit-identical"), verdict
+    assert verdict.startswith("verdict: BITWISE over the first 3 of 5 steps: 1 metric x 3 steps bit-identical, "
+                               "2 fingerprints equal"), verdict  # step 0's, and the weights after step 3
     assert "including the weights after step 3 (the original's checkpoint of that step)" in verdict
     assert "data order: identical at the 3 common steps" in result.stdout  # sent as at an end, though it stopped
     run = project.client().get_run(result.last_line)

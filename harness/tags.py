@@ -131,6 +131,9 @@ CONFIG_REDACTED = "harness.config.redacted"  # config keys recorded as <redacted
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
 # --tolerance METRIC=ATOL[,RTOL] this replay was judged by, over the recorded replay.tolerance: "loss=0.01,0.0 ..."
 TOLERANCE = "harness.replay.tolerance"
+# replay --steps K: the replay stopped on purpose after its first K optimizer steps (and was judged on them). On the
+# replay run, from its creation: the ranks read it from the record (a container or batch job's too).
+REPLAY_STEPS = "harness.replay.steps"
 
 # Seed ensembles (harness/commands/study.py). A member run carries STUDY (the study's run id) and is nested under it.
 STUDY = "harness.study"

@@ -61,3 +61,41 @@ def train(ctx):
             opt.step()
             ctx.log({"loss": loss}, ctx.step)
 '''
+
+
+# A loop of its own (no ctx.loader, no ctx.steps): batches from get_batch(), every step inside the user's own
+# `except Exception`, then a final evaluation and an MLflow call of its own. Each rank writes its pid under
+# cfg.pid_dir. replay --steps must stop it at a step (the step's training forward) and leave no rank behind.
+OWN_LOOP = '''
+import os, pathlib
+import torch
+from torch import nn
+
+
+def train(ctx):
+    pathlib.Path(ctx.cfg.pid_dir, f"rank{ctx.rank}").write_text(str(os.getpid()))
+    generator = torch.Generator().manual_seed(ctx.seed + ctx.rank)
+
+    def get_batch():
+        return torch.randn(8, 4, generator=generator)
+
+    model = ctx.ddp(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(ctx.cfg.iters):
+        try:
+            loss = model(get_batch()).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        except Exception as err:  # a loop that carries on past its own errors
+            print("step skipped:", err)
+            continue
+        ctx.log({"loss": loss.item()}, ctx.step)
+    model.eval()
+    with torch.no_grad():
+        ctx.log({"eval": model(get_batch()).pow(2).mean().item()}, ctx.step)
+    if ctx.rank == 0:
+        import mlflow
+
+        mlflow.log_metric("own_eval", 1.0, step=0)
+'''

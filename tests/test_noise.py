@@ -180,6 +180,19 @@ def test_a_cross_hardware_replay_of_a_member_is_within_noise(project, wide_study
     assert doc["bitwise_possible"] is False and doc["noise"]["seeds"] == 3
 
 
+def test_a_first_check_of_a_member_is_judged_against_the_seeds_at_its_last_step(project, wide_study) -> None:
+    """replay --steps 4 on "other hardware": its values differ in their last bits, and are judged on the curves
+    before step 4 (the last point step 3's value) against the seeds' curves there, not their final values."""
+    _, members = wide_study
+    result = project.harness("replay", members[0], "--steps", "4", *OTHER_HARDWARE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _verdict(result).startswith("verdict: WITHIN_NOISE over the first 4 of 12 steps: every segment mean and "
+                                       "value before step 4 inside its"), _verdict(result)
+    assert "prediction interval of 3 seeds" in _verdict(result)
+    replay = project.client().get_run(result.last_line)
+    assert replay.data.tags[tags.VERDICT] == WITHIN_NOISE and replay.data.tags[tags.REPLAY_STEPS] == "4"
+
+
 def test_a_planted_learning_rate_change_is_diverged(project, wide_study) -> None:
     _, members = wide_study
     result = project.harness("replay", members[0], *OTHER_HARDWARE, "train.lr=5.0")
@@ -216,6 +229,8 @@ def test_study_replay_options_are_checked_before_anything_runs(project, wide_stu
     assert too_many.returncode == 2 and "--members 4: the study has 3 finished members" in too_many.stderr
     zero = project.cli("replay", study_id, "--members", "0")
     assert zero.returncode == 2 and "--members 0: pass at least 1" in zero.stderr
+    early = project.cli("replay", study_id, "--steps", "2")
+    assert early.returncode == 2 and f"--steps: run {study_id} is a study" in early.stderr
     not_study = project.cli("replay", members[1], "--members", "2")
     assert not_study.returncode == 2 and "apply to a study" in not_study.stderr
     # Resume (like audit, and replay with --no-follow) takes one training run; a study is a group of them.

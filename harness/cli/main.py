@@ -263,6 +263,9 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--localize/--no-localize", default=None,
               help="When the replay DIVERGES, trace its first divergent step and name the first differing op "
                    "(default: only when the run has checkpoints).")
+@click.option("--steps", type=int, default=None, metavar="K",
+              help="A first check before a full replay: train only the first K steps, stop there, and judge those "
+                   "(the weights only where the original checkpointed step K). Recorded as harness.replay.steps.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def replay(
@@ -279,6 +282,7 @@ def replay(
     members_seed: int | None,
     localize: bool | None,
     tolerances: tuple[str, ...],
+    steps: int | None,
     tracking_uri: str | None,
     **placement: Any,
 ) -> None:
@@ -303,7 +307,7 @@ def replay(
         allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths), executor=executor,
         placement=api.Placement.of(placement), allow_incomplete=allow_incomplete, follow=not no_follow,
         members=members, members_seed=members_seed, localize=localize, tolerances=tuple(tolerances),
-        tracking_uri=tracking_uri, on_event=_draw,
+        steps=steps, tracking_uri=tracking_uri, on_event=_draw,
     ))
     if isinstance(result, StudyReplayResult):
         for line in study_replay_lines(result):

@@ -216,6 +216,7 @@ class ReplayOptions:
     members_seed: int | None = None  # a study with `members`: the draw's seed
     localize: bool | None = None  # trace a DIVERGED replay's first divergent step (None: when it has checkpoints)
     tolerances: tuple[str, ...] = ()  # METRIC=ATOL[,RTOL] over the recorded replay.tolerance
+    steps: int | None = None  # a first check: train and judge only the first K steps (harness.replay.steps)
     tracking_uri: str | None = None
     repo: Path | None = None  # the git repository holding the recorded commit (default: found from the cwd)
     on_event: Listener | None = None
@@ -226,9 +227,13 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
     o = options
     with events.listening(o.on_event):
         layout = topology(o.executor, o.placement)
+        replay_command.check_steps(o.steps, o.allow_incomplete)
         # Writable: a replay records, so a read-only store is said first, whatever the run is.
         tracker = Tracker(o.tracking_uri)
         study_id = _study_to_replay(tracker, o.run_id, o.follow)
+        if study_id is not None and o.steps is not None:
+            raise HarnessError(f"--steps: run {o.run_id} is a study. A first check replays one run: pass a member's id "
+                               "(its values at the last step are judged against the study's seeds).")
         if study_id is not None:
             refused = [*o.placement.backend_overrides(), *o.placement.multi_node()]
             if refused:
@@ -249,7 +254,7 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
             allow_data_changes=o.allow_data_changes, data_paths=dict(o.data_paths), tracker=tracker, repo=o.repo,
             executor=o.executor, allow_incomplete=o.allow_incomplete, follow=o.follow,
             placement=o.placement.backend_overrides(), topology=layout, localize=o.localize,
-            tolerances=list(o.tolerances),
+            tolerances=list(o.tolerances), steps=o.steps,
         )
 
 

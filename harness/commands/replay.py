@@ -28,6 +28,7 @@ from harness.judge.compare import (
     format_tolerances,
     judge_noise,
     judged_tolerance,
+    original_steps,
     parse_tolerances,
 )
 from harness.record import derived, loading, redaction, seal
@@ -113,13 +114,16 @@ def replay(
     localize: bool | None = None,
     tolerances: list[str] | None = None,
     commit: str | None = None,
+    steps: int | None = None,
 ) -> ReplayResult:
     """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
     the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
     METRIC=ATOL[,RTOL] specs that override the recorded replay.tolerance for this judgement (recorded). `commit`:
     run the code of that commit of the repository instead of the recorded one (harness bisect's probes; the replay
-    records the commit it ran)."""
+    records the commit it ran). `steps` K: a first check - train only the first K steps, stop every rank there,
+    and judge those steps (harness.replay.steps)."""
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
+    check_steps(steps, allow_incomplete)
     # First: an unreachable store is said before torch is even loaded.
     tracker = tracker or Tracker(tracking_uri)
 
@@ -131,6 +135,11 @@ def replay(
     loaded = loading.load(tracker, original, loading.REPLAY, allow_incomplete=allow_incomplete)
     incomplete = loaded.incomplete
     recorded = loaded.recorded
+    # A study replay has the member's record already (it judges every member against the same seeds).
+    a = next((m for m in study_members or [] if m.run_id == run_id), None)
+    if steps is not None:
+        a = a or tracker.load_record(run_id)
+        check_steps_of(steps, a)
     overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
     cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
     changes = [redaction.redact_override(c) for c in changes]  # recorded and printed: no secret in them
@@ -153,6 +162,8 @@ def replay(
         extra[T.CHANGES] = " ".join(changes)
     if given:
         extra[T.TOLERANCE] = format_tolerances(given)
+    if steps is not None:  # on the run from its creation: a container's or batch job's ranks read it from there
+        extra[T.REPLAY_STEPS] = str(steps)
     if data.changes:
         extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
         for change in data.changes:
@@ -172,18 +183,17 @@ def replay(
                 run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
             )
 
-        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths)
+        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths, stop_at=steps)
         outcome = executors.run(job)
         replay_id = outcome.run_id
 
     if job.topology.node_rank != 0:  # one job, one verdict: node 0's
         return ReplayResult(original, outcome, None, changes)
-    # A study replay has the member's record already (it judges every member against the same seeds).
-    a = next((m for m in study_members or [] if m.run_id == run_id), None) or tracker.load_record(run_id)
+    a = a or tracker.load_record(run_id)
     b = tracker.load_record(replay_id)
     failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
     comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
-                              incomplete_original=incomplete)
+                              incomplete_original=incomplete, first_steps=steps)
     comparison = with_noise(tracker, comparison, a, b, study_members)
     record_verdict(tracker, replay_id, a, b, comparison, changes)
     # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
@@ -194,6 +204,24 @@ def replay(
         localized = localize_after_replay(tracker, comparison, a, b, repo)
         record_localization(tracker, replay_id, comparison, changes, localized)
     return ReplayResult(original, outcome, comparison, changes, (a, b), localized)
+
+
+def check_steps(steps: int | None, allow_incomplete: bool = False) -> None:
+    """replay --steps K: what can be said before the run is even read (nothing is recorded)."""
+    if steps is None:
+        return
+    if steps < 1:
+        raise HarnessError(f"--steps {steps}: a first check trains at least 1 step. Pass --steps 1 or more.")
+    if allow_incomplete:
+        raise HarnessError("--steps judges the first K steps of a finished run; --allow-incomplete judges the steps a "
+                           "FAILED or KILLED one reached. Pass one of them.")
+
+
+def check_steps_of(steps: int, original: RunRecord) -> None:
+    """K must lie within the original's steps (K equal to them is a full replay that says so)."""
+    total = original_steps(original)
+    if steps > total:
+        raise HarnessError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
 
 
 def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str], localized: Any) -> None:

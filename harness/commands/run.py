@@ -337,8 +337,10 @@ def execute_recorded(
         # Where the submitting side found the data (a Slurm job shares its filesystem).
         data=data_paths(recorded_data(tracker, run_id)),
     )
+    # replay --steps K: the record says where its ranks stop (the submitting side tagged the run when it created it).
+    stop_at = int(run.tags[T.REPLAY_STEPS]) if run.tags.get(T.REPLAY_STEPS) else None
     job = Job(
-        tracker, cfg, inputs, run_id=run_id, resume_step=resume_step, topology=topology or Topology(),
+        tracker, cfg, inputs, run_id=run_id, resume_step=resume_step, stop_at=stop_at, topology=topology or Topology(),
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),
     )

@@ -416,8 +416,9 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 fn(ctx)
                 regroup(spec, rank, store, timeout, device)
                 ctx.finish()
-            except StopSegment:  # an audit segment ended: every rank stops at the same step
-                pass
+            except StopSegment:  # an audit segment (or replay --steps K) ended: every rank stops at the same step
+                if not spec.segments:  # replay --steps K: the run itself ends there, and is wrapped up as at an end
+                    ctx.finish_stopped()
             finally:
                 ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
         _beat(progress, local_rank, -2)  # trained: tearing down (the process group, the interpreter) is no hang

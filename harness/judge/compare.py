@@ -128,6 +128,17 @@ class Reached:
 
 
 @dataclass
+class FirstSteps(Reached):
+    """replay --steps K: the replay stopped on purpose after the first `steps` of the original's `of` steps; only
+    those were judged (the same cut as an incomplete original's, for another reason)."""
+
+    of: int = 0
+
+    def clause(self) -> str:
+        return f"over the first {self.steps} of {self.of} steps"
+
+
+@dataclass
 class Comparison:
     """The verdict on a replay and the evidence behind it."""
 
@@ -144,7 +155,7 @@ class Comparison:
     config_delta: list[ConfigChange] = field(default_factory=list)
     of_replay: bool = True  # run B is a replay of run A (else two independent runs)
     weights_unchanged_in: list[str] = field(default_factory=list)  # labels of runs that trained nothing
-    reached: Reached | None = None  # an incomplete original, judged up to where it stopped
+    reached: Reached | None = None  # an incomplete original, judged up to where it stopped (FirstSteps: replay --steps)
     failed_alike: bool = False  # the replay of an incomplete original failed with the original's own reason
     notes: list[str] = field(default_factory=list)
     noise: NoiseJudgement | None = None  # set when a difference was judged against a study's spread
@@ -162,7 +173,9 @@ class Comparison:
     def summary(self) -> str:
         """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
         line = self._verdict_line()
-        if self.reached is not None:
+        if isinstance(self.reached, FirstSteps):
+            line = self._early_line(line, self.reached)
+        elif self.reached is not None:
             alike = "; the replay failed the same way" if self.failed_alike else ""
             line += f" (compared the {self.reached.steps} steps the {self.reached.status} original reached{alike})"
         if len(self.weights_unchanged_in) == 2:
@@ -170,6 +183,18 @@ class Comparison:
         elif self.weights_unchanged_in:
             line += f" - but {the(self.weights_unchanged_in[0])}'s model weights never changed: nothing was trained in it"
         return line
+
+    def _early_line(self, line: str, reached: FirstSteps) -> str:
+        """replay --steps K: the verdict names the steps it covers, and whether the weights were held to anything."""
+        head = f"{self.verdict}:"
+        line = (f"{self.verdict} {reached.clause()}:{line[len(head):]}" if line.startswith(head)
+                else f"{line} ({reached.clause()})")
+        if self.verdict == DIVERGED:
+            return line
+        if self.fingerprints.final_equal is None:
+            return (f"{line}; weights after step {reached.steps} not compared: the original has no checkpoint "
+                    f"fingerprint of step {reached.steps}")
+        return f"{line}, including the weights after step {reached.steps} (the original's checkpoint of that step)"
 
     def checkpoint_lines(self) -> list[str]:
         """Where the weights parted, for the verdict output: said on a divergence, or whenever tensors differ."""
@@ -415,12 +440,17 @@ def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, v
     return stats, first
 
 
-def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bool = False) -> FingerprintStats:
+def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bool = False,
+                          first: int | None = None) -> FingerprintStats:
+    """`first` (replay --steps K): only the fingerprints of steps < K, and the replay's last weights (after K steps)
+    held to the original's checkpoint of step K where one is recorded - the original's final weights are not K's."""
     fa, fb = original.fingerprints, replay.fingerprints
     if incomplete:
         # Only the steps the original reached; it has no final fingerprint to hold the replay to.
         last = max(fa, default=-1)
         fb = {k: v for k, v in fb.items() if k <= last}
+    elif first is not None:
+        fa, fb = _upto(fa, first - 1), _upto(fb, first - 1)
     stats = FingerprintStats()
     for step in sorted(fa.keys() | fb.keys()):
         stats.compared += 1
@@ -429,11 +459,38 @@ def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bo
             stats.equal += 1
         elif stats.first_mismatch_step is None:
             stats.first_mismatch_step = int(step)
-    if not incomplete and (original.final_fingerprint is not None or replay.final_fingerprint is not None):
+    if first is not None:
+        held = original.checkpoints.get(first)
+        if held is not None:
+            stats.compared += 1
+            stats.final_equal = held == replay.final_fingerprint
+            stats.equal += int(stats.final_equal)
+    elif not incomplete and (original.final_fingerprint is not None or replay.final_fingerprint is not None):
         stats.compared += 1
         stats.final_equal = original.final_fingerprint == replay.final_fingerprint
         stats.equal += int(stats.final_equal)
     return stats
+
+
+def _upto(series: dict[Any, Any], last: int) -> dict[Any, Any]:
+    """Only what was logged at steps <= `last`: metric series (steps, values), or step -> fingerprint; a metric with
+    nothing left is dropped (it carries no evidence, as a key with no values does)."""
+    out: dict[Any, Any] = {}
+    for key, value in series.items():
+        if isinstance(value, tuple):
+            s, v = value
+            if s.size and s[0] <= last:
+                out[key] = (s[s <= last], v[s <= last])
+        elif key <= last:
+            out[key] = value
+    return out
+
+
+def original_steps(original: RunRecord) -> int:
+    """How many training steps the original took: its recorded count, else one past the last step it logged at."""
+    if original.steps_total is not None:
+        return int(original.steps_total)
+    return max((int(np.max(s)) + 1 for s, _ in original.metrics.values() if np.size(s)), default=0)
 
 
 def compare_runs(
@@ -442,11 +499,14 @@ def compare_runs(
     tolerance: dict | None = None,
     replay_failed: str | None = None,
     incomplete_original: bool = False,
+    first_steps: int | None = None,
 ) -> Comparison:
     """Compare a replay with its original and give the verdict (one of VERDICTS).
 
     With `incomplete_original` (a FAILED or KILLED original), only the steps the original reached
-    are judged, and its missing final fingerprint is no divergence.
+    are judged, and its missing final fingerprint is no divergence. With `first_steps` K (replay --steps K),
+    only both runs' steps < K are judged, and the replay's weights after K steps are held to the original's
+    checkpoint of step K when it has one (else they are not compared).
     """
     tol = judged_tolerance(original, replay) if tolerance is None else tolerance
     delta = environment_delta(original, replay)
@@ -469,9 +529,12 @@ def compare_runs(
     reached = None
     if incomplete_original:
         last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=-1)
-        rep_metrics = {k: (s[s <= last], v[s <= last]) for k, (s, v) in rep_metrics.items() if s[0] <= last}
+        rep_metrics = _upto(rep_metrics, last)
         steps = np.unique(np.concatenate([s for s, _ in orig_metrics.values()])) if orig_metrics else np.empty(0)
         reached = Reached(original.status, len(steps))
+    elif first_steps is not None:
+        orig_metrics, rep_metrics = _upto(orig_metrics, first_steps - 1), _upto(rep_metrics, first_steps - 1)
+        reached = FirstSteps(original.status, first_steps, original_steps(original))
     clamped = (not original.metrics_exact, not replay.metrics_exact)
 
     stats: list[MetricStats] = []
@@ -491,7 +554,7 @@ def compare_runs(
 
     # Smallest step wins, ties by metric name (stats are already in name order).
     metric_div = min(firsts, key=lambda d: (d.step, d.metric or "")) if firsts else None
-    fps = _compare_fingerprints(original, replay, incomplete_original)
+    fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)
 
     failure = replay_failed
     if failure is None and replay.status != tags.FINISHED:
@@ -527,6 +590,10 @@ def compare_runs(
         if fps.first_mismatch_step is not None:
             step = fps.first_mismatch_step
             detail = f"{original.fingerprints.get(step, 'none')[:12]} vs {replay.fingerprints.get(step, 'none')[:12]}"
+        elif first_steps is not None:  # the replay's weights after K steps against the original's checkpoint of K
+            step = first_steps
+            detail = (f"after {first_steps} steps: the original's checkpoint {original.checkpoints[first_steps][:12]} "
+                      f"vs {(replay.final_fingerprint or 'none')[:12]}")
         else:
             step = None
             detail = f"final {(original.final_fingerprint or 'none')[:12]} vs {(replay.final_fingerprint or 'none')[:12]}"
@@ -541,10 +608,15 @@ def compare_runs(
         verdict = BITWISE if exact else WITHIN_TOLERANCE
 
     last_step = max((int(s[-1]) for s, _ in orig_metrics.values()), default=None) if incomplete_original else None
-    checkpoints = diff_checkpoints(original, replay, labels, last_step)
+    if first_steps is not None:  # a checkpoint of step K holds the weights after the K steps both ran
+        checkpoints = diff_checkpoints(original, replay, labels, first_steps)
+        data_order = diff_data_order(original, replay, labels, first_steps - 1)
+    else:
+        checkpoints = diff_checkpoints(original, replay, labels, last_step)
+        data_order = diff_data_order(original, replay, labels, last_step)
     return Comparison(
         checkpoints=checkpoints,
-        data_order=diff_data_order(original, replay, labels, last_step),
+        data_order=data_order,
         verdict=verdict,
         original_id=original.run_id,
         replay_id=replay.run_id,
@@ -584,7 +656,10 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
         return cmp
     # The curves at CURVE_POINTS steps, the last among them, not the final values alone: a change that shows early
     # (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
-    cmp.noise = noise.judge_curves(study_id, replay.metrics, original.metrics, [m.metrics for m in members])
+    # replay --steps K: every run's curve (the members' too) before step K only, the last point step K-1's value.
+    before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
+    cmp.noise = noise.judge_curves(study_id, replay.metrics, original.metrics, [m.metrics for m in members],
+                                   before=before)
     if cmp.noise.within:
         cmp.verdict = WITHIN_NOISE
     return cmp

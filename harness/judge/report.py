@@ -10,7 +10,15 @@ from typing import Any
 import numpy as np
 
 from harness.fmt import fmt_short, fmt_value
-from harness.judge.compare import BITWISE, KIND_REPLAY_FAILED, NOTHING_TO_COMPARE, Comparison, MetricStats, as_series
+from harness.judge.compare import (
+    BITWISE,
+    KIND_REPLAY_FAILED,
+    NOTHING_TO_COMPARE,
+    Comparison,
+    FirstSteps,
+    MetricStats,
+    as_series,
+)
 from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.text import given_tolerances, weights_line
 from harness.records import RunRecord
@@ -66,7 +74,13 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         who = "either run" if len(cmp.weights_unchanged_in) == 2 else cmp.weights_unchanged_in[0]
         out += [f"> **The model's weights never changed in {who}**: it ended with exactly the weights it started "
                 "with, so nothing was trained and agreement proves little.", ""]
-    if cmp.reached is not None:
+    if isinstance(cmp.reached, FirstSteps):
+        held = ("were held to the original's checkpoint of that step" if cmp.fingerprints.final_equal is not None
+                else "were not compared: the original has no checkpoint fingerprint of that step")
+        out += [f"> A first check (`--steps {cmp.reached.steps}`): the replay stopped on purpose after the first "
+                f"{cmp.reached.steps} of the original's {cmp.reached.of} steps; only those steps were compared, and its "
+                f"weights after step {cmp.reached.steps} {held}.", ""]
+    elif cmp.reached is not None:
         out += [f"> The original is {cmp.reached.status}: only the {cmp.reached.steps} steps it reached were compared, "
                 "and its missing final fingerprint is not held against the replay.", ""]
     if cmp.notes:

@@ -39,6 +39,7 @@ from harness.messages import (
     MetricsBatch,
     Notice,
     RankFacts,
+    SegmentEnd,
     SettingChange,
     Total,
     UserSeeds,
@@ -105,16 +106,16 @@ def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step
     return checkpoint_store.open_for(tracker, run_id)
 
 
-def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None) -> CheckpointPlan | None:
+def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None,
+                    stop_at: int | None = None) -> CheckpointPlan | None:
     """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
-    lists them with the run."""
+    lists them with the run. `stop_at` (replay --steps K): the ranks stop where step K would begin, at the same
+    boundary an audit segment ends at, whether or not the run checkpoints."""
     from harness.runtime.context import CheckpointPlan
 
     if store is None:
-        return None
-    if resume_step is None:
-        return CheckpointPlan(str(store.directory), cfg.checkpoint_every)
-    return CheckpointPlan(str(store.directory), cfg.checkpoint_every, resume_step=resume_step)
+        return None if stop_at is None else CheckpointPlan("", 0, stop_at=stop_at)
+    return CheckpointPlan(str(store.directory), cfg.checkpoint_every, resume_step=resume_step, stop_at=stop_at)
 
 
 class Recorder:
@@ -125,10 +126,11 @@ class Recorder:
     """
 
     def __init__(self, tracker: Tracker, run_id: str, cfg: DictConfig, work: Path,
-                 view: Callable[[Shown], None], resume_step: int | None = None) -> None:
+                 view: Callable[[Shown], None], resume_step: int | None = None, stop_at: int | None = None) -> None:
         self.tracker, self.run_id, self.cfg, self.work = tracker, run_id, cfg, work
         self.view = view
         self.resume_step = resume_step
+        self.stop_at = stop_at
         self.outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         self.writer: MetricWriter | None = None
         self.heartbeat: Heartbeat | None = None
@@ -174,7 +176,7 @@ class Recorder:
             if resume_step is not None and not self.ckpts.fetch(resume_step, cfg.world_size):
                 raise HarnessError(f"run {run_id} has no complete checkpoint of step {resume_step} in its artifacts.")
             self.ckpts.start_uploads(self.outages)
-        self.plan = checkpoint_plan(self.ckpts, cfg, resume_step)
+        self.plan = checkpoint_plan(self.ckpts, cfg, resume_step, self.stop_at)
         self.writer = tracker.metric_writer(run_id, cfg.flush_interval_s, self.outages)
         if self.prior is not None:
             self.writer.prime(self.prior.metrics)
@@ -199,6 +201,10 @@ class Recorder:
                 self.fingerprints[step] = sha256
             case Final(sha256, steps, of):
                 final["fingerprint"], final["steps_total"], final["of"] = sha256, steps, of
+            case SegmentEnd(step, sha256, _) if self.stop_at is not None:
+                # replay --steps K stopped every rank where step K would begin: its weights there are the ones it
+                # ends with, which the judge holds to the original's checkpoint of step K where there is one.
+                final["fingerprint"], final["steps_total"] = sha256, step
             case DataOrder(steps, digests):
                 final["data_order"].update(zip(steps, digests))
             case Notice(key, text):

@@ -452,6 +452,19 @@ class Context:
 
         Called by the launcher after train(ctx) returns, not by the training code.
         """
+        target = self._wrap_up()
+        if self.is_main:
+            of = "model" if self._model is not None else "optimizer" if target is not None else None
+            self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))
+
+    def finish_stopped(self) -> None:
+        """replay --steps K stopped every rank where step K would begin (StopSegment, the same step on each): the run
+        ends there, so it is checked and reported as at an end - its weights went with the SegmentEnd already.
+        Called by the launcher, not by the training code."""
+        self._wrap_up()
+
+    def _wrap_up(self) -> torch.nn.Module | None:
+        """What every end of training checks and sends: the ranks hold one model, determinism, the data order."""
         self._end_trace()
         target = self._fingerprinted()
         self._check_replicas_equal(target)
@@ -463,9 +476,7 @@ class Context:
             ))
         self._send(determinism.observe(self.clock.done, determinism.END))  # determinism read-back: training ends
         self._send_data_order()
-        if self.is_main:
-            of = "model" if self._model is not None else "optimizer" if target is not None else None
-            self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))
+        return target
 
     def _send_data_order(self) -> None:
         """Every rank's per-step sample-index digests, joined per step in rank order, to rank 0's launcher."""

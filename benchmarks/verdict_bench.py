@@ -7,8 +7,9 @@ Each model is trained in this process, many times, with the seed deciding the in
 the augmentation noise (the dataset itself is fixed, as a paper's is). A trial is what `harness replay` of a study
 member judges: a study of N seeds (disjoint from every other trial's), its first member as the original, and a
 replay of that member under one change. The replay's curves go through harness's own rules (harness/judge/noise.py:
-`judge` on the final values, `judge_curves` on CURVE_POINTS points of each curve, `judge_curves(before=K)` for
-the first-K-steps check), so what is measured is the code that decides verdicts.
+`judge` on the final values; `judge_curves`, CURVE_POINTS segment means and the last value of each curve, which is
+the rule `harness replay` applies; `judge_curves(before=K)`, the same on steps < K, as `replay --steps K` judges),
+so what is measured is the code that decides verdicts.
 
 Honest changes alter bits, not the algorithm: another thread count, the loss reduced in two halves, the gradient
 summed over 4 shards (what invariant mode does for another world size), the oneDNN path off; and, the worst case,
@@ -228,7 +229,7 @@ def _curve_rule(replay: Curves, original: Curves, members: list[Curves]) -> bool
 
 def _early_rule(steps: int) -> Callable[[Curves, Curves, list[Curves]], bool]:
     def rule(replay: Curves, original: Curves, members: list[Curves]) -> bool:
-        return noise.judge_curves("bench", replay, original, members, points=1, before=steps).within
+        return noise.judge_curves("bench", replay, original, members, before=steps).within  # as replay --steps K
     return rule
 
 

@@ -654,8 +654,8 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
                          f"difference is not judged against the noise of study {study_id}: a new seed does not "
                          "explain it (nondeterminism or a code change does)")
         return cmp
-    # The curves at CURVE_POINTS steps, the last among them, not the final values alone: a change that shows early
-    # (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
+    # The curves by CURVE_POINTS segment means and their last value, not the final values alone: a change that shows
+    # early (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
     # replay --steps K: every run's curve (the members' too) before step K only, the last point step K-1's value.
     before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
     cmp.noise = noise.judge_curves(study_id, replay.metrics, original.metrics, [m.metrics for m in members],

@@ -156,6 +156,7 @@ BISECT_BAD = "harness.bisect.bad"
 BISECT_OF = "harness.bisect.of"
 BISECT_CULPRIT = "harness.bisect.culprit"
 BISECT_PROBES = "harness.bisect.probes"
+BISECT_RESUMED_FROM = "harness.bisect.resumed_from"  # bisect --resume: the bisect whose probes it took up
 
 # The seal (harness/record/seal.py): "v1:<sha256>" of the run's canonical record, written when the run closes.
 SEAL = "harness.seal"

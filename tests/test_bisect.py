@@ -118,9 +118,23 @@ def test_bisect_names_the_config_key_that_matters(planted) -> None:
     changed = ["train.note_a=1", "train.note_b=2", "train.lr=0.02", "train.note_c=3", "train.note_d=4", "train.note_e=5"]
     bad = project.harness("run", "experiments/knobbed", *changed)
     assert good.returncode == 0 and bad.returncode == 0, good.stderr + bad.stderr
-    result = project.harness("bisect", good.last_line, bad.last_line, "--localize")
+    # Cut short by its budget: GOOD as recorded and all six keys at once; it says how far it got.
+    cut = project.harness("bisect", good.last_line, bad.last_line, "--max-probes", "2")
+    assert cut.returncode == 1 and "--max-probes 2 spent before the search ended" in cut.stdout, cut.stdout + cut.stderr
+    # Taken up where it stopped: its two probes are reused (not replayed again), the budget counts new ones only.
+    replays_before = len([r for r in project.all_runs() if r.data.tags.get("harness.kind") == "replay"])
+    result = project.harness("bisect", good.last_line, bad.last_line, "--resume", cut.last_line, "--localize")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
+    reused = [line for line in lines if line.startswith("probe ") and f"reused from bisect {cut.last_line}" in line]
+    assert [line.split(":")[1].strip() for line in reused] == ["GOOD as recorded", "config train.lr, train.note_a, "
+                                                               "train.note_b, train.note_c, train.note_d, train.note_e"]
+    probes = [line for line in lines if line.startswith("probe ")]
+    new = len([r for r in project.all_runs() if r.data.tags.get("harness.kind") == "replay"]) - replays_before
+    assert new == len(probes) - 2, result.stdout
+    assert project.client().get_run(lines[-1]).data.tags["harness.bisect.resumed_from"] == cut.last_line
+    other = project.cli("bisect", good.last_line, bad.last_line, "--resume", good.last_line)
+    assert other.returncode == 2 and "is no bisect" in other.stderr and len(other.stderr.strip().splitlines()) == 1
     assert "culprit: config train.lr: 0.01 -> 0.02 flips the result" in lines, result.stdout
     assert not any(line.startswith("culprit: commit") for line in lines)
     assert len([line for line in lines if line.startswith("probe ")]) <= 2 + 2 * math.ceil(math.log2(6))

@@ -335,9 +335,11 @@ def replay(
               help="At most this many probe replays; then it says how far the search got.")
 @click.option("--localize", is_flag=True,
               help="Then trace the culprit's probe against GOOD and name the first op that differs.")
+@click.option("--resume", "resume", default=None, metavar="BISECT_ID",
+              help="Take up the probes of an earlier bisect of GOOD and BAD that was cut short (not run again).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
-def bisect(good: str, bad: str, max_probes: int, localize: bool, tracking_uri: str | None) -> None:
+def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | None, tracking_uri: str | None) -> None:
     """Find which difference between runs GOOD and BAD flips the result: a commit between theirs, a config key.
 
     Each probe is a replay of GOOD, recorded and nested under one bisect run, with part of BAD's changes: the
@@ -349,7 +351,7 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, tracking_uri: s
     from harness.commands import api
 
     result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, localize=localize,
-                                          on_event=_draw))
+                                          resume=resume, on_event=_draw))
     for line in result.lines():
         click.echo(line)
     click.echo(result.run_id)

@@ -392,6 +392,7 @@ class BisectOptions:
     tracking_uri: str | None = None
     repo: Path | None = None  # the clone holding both runs' commits (default: the one holding the current folder)
     localize: bool = False  # trace the culprit's probe and name the first op that differs from GOOD
+    resume: str | None = None  # an earlier bisect of GOOD and BAD, cut short: its probes are taken up
     on_event: Listener | None = None
 
 
@@ -399,4 +400,4 @@ def bisect(options: BisectOptions) -> BisectResult:
     o = options
     with events.listening(o.on_event):
         return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo,
-                                     localize=o.localize)
+                                     localize=o.localize, resume=o.resume)

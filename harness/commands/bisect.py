@@ -41,6 +41,7 @@ class Probe:
     verdict: str
     summary: str
     replayed: Any = None  # replay.ReplayResult: its comparison and records, for --localize
+    reused_from: str | None = None  # bisect --resume: the earlier bisect that ran this probe
 
     @property
     def flipped(self) -> bool:
@@ -77,7 +78,8 @@ class BisectResult:
         return "; ".join(parts)
 
     def lines(self) -> list[str]:
-        out = [f"probe {i}: {p.what}: {p.summary}  (replay {p.run_id})" for i, p in enumerate(self.probes, 1)]
+        out = [f"probe {i}: {p.what}: {p.summary}  (replay {p.run_id}"
+               + (f", reused from bisect {p.reused_from})" if p.reused_from else ")") for i, p in enumerate(self.probes, 1)]
         out += [f"not varied here: {what}" for what in self.not_varied]
         if self.culprit_commit is not None:
             sha, subject = self.culprit_commit
@@ -126,10 +128,11 @@ def _split(keys: list[ConfigChange], flips: Callable[[list[ConfigChange]], bool]
 
 
 def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, tracking_uri: str | None = None,
-           repo: Path | None = None, localize: bool = False) -> BisectResult:
+           repo: Path | None = None, localize: bool = False, resume: str | None = None) -> BisectResult:
     """Find what flips GOOD's result into BAD's; bad input raises HarnessError before anything is recorded.
     `localize`: then trace the culprit's probe against GOOD and name the first op that differs (replay --localize's
-    machinery, on the probe that carried the culprit alone)."""
+    machinery, on the probe that carried the culprit alone). `resume`: an earlier bisect of the same two runs (cut
+    short by --max-probes or a kill): its probes are taken up, not run again; --max-probes counts new ones."""
     if max_probes < 1:
         raise HarnessError(f"--max-probes must be >= 1, got {max_probes}.")
     tracker = Tracker(tracking_uri)
@@ -144,18 +147,25 @@ def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, t
         raise HarnessError(f"runs {good.run_id} and {bad.run_id} are of different experiments "
                            f"({good.tags.get(T.EXPERIMENT_PATH)}, {bad.tags.get(T.EXPERIMENT_PATH)}): bisect compares "
                            "two runs of one experiment.")
+    earlier = _earlier_probes(tracker, resume, good.run_id, bad.run_id) if resume else {}
     delta = config_delta(a.config, b.config, a.facts, b.facts)
     keys, not_varied = _config_changes(delta)
     commits, more = _commits(a, b, repo)
     not_varied += more + _fixed_environment(a, b, {c.key for c in delta})
 
     run_tags = derived.tags(T.KIND_BISECT, version=__version__, parent=good.run_id,
-                            extra={T.BISECT_GOOD: good.run_id, T.BISECT_BAD: bad.run_id})
+                            extra={T.BISECT_GOOD: good.run_id, T.BISECT_BAD: bad.run_id,
+                                   **({T.BISECT_RESUMED_FROM: resume} if resume else {})})
     with derived.opened(tracker, good.experiment, run_tags, f"bisect-{good.run_name}") as bisect_id:
         result = BisectResult(bisect_id, good.run_id, bad.run_id, not_varied=not_varied)
 
         def probe(what: str, commit: str | None, changed: list[ConfigChange]) -> Probe:
-            if len(result.probes) >= max_probes:
+            if what in earlier:
+                result.probes.append(earlier[what])
+                events.emit(events.Notice(f"bisect: probe {len(result.probes)}: {what}: {earlier[what].verdict} "
+                                          f"(reused from bisect {resume})"))
+                return earlier[what]
+            if sum(1 for p in result.probes if p.reused_from is None) >= max_probes:
                 raise _Budget
             replayed = rp.replay(
                 good.run_id, overrides=[_override(c.key, b.config) for c in changed], allow_changes=bool(changed),
@@ -184,13 +194,45 @@ def _localize(tracker: Tracker, result: BisectResult, probe: Probe, repo: Path |
     """Where the culprit's probe first differs from GOOD, recorded on that probe as replay --localize records it."""
     from harness.commands.trace import localize_after_replay
 
-    replayed = probe.replayed
-    if replayed is None or replayed.records is None or probe.verdict != DIVERGED:
+    if probe.verdict != DIVERGED:
         return
     events.emit(events.Notice(f"bisect: localizing the culprit's probe {probe.run_id}"))
-    good, replay = replayed.records
-    result.localized = localize_after_replay(tracker, replayed.judged, good, replay, repo)
-    rp.record_localization(tracker, probe.run_id, replayed.judged, replayed.changes, result.localized)
+    replayed = probe.replayed
+    if replayed is not None and replayed.records is not None:
+        (good, replay), judged, changes = replayed.records, replayed.judged, replayed.changes
+    else:  # a probe taken up from an earlier bisect: judged again from its record, as it was
+        good, replay = tracker.load_record(result.good), tracker.load_record(probe.run_id)
+        judged = rp.compare(result.good, probe.run_id, tracker.uri)
+        changes = tracker.harness_run(probe.run_id).tags.get(T.CHANGES, "").split()
+    result.localized = localize_after_replay(tracker, judged, good, replay, repo)
+    rp.record_localization(tracker, probe.run_id, judged, changes, result.localized)
+
+
+def _earlier_probes(tracker: Tracker, bisect_id: str, good: str, bad: str) -> dict[str, Probe]:
+    """The probes an earlier bisect of GOOD and BAD ran, by what each carried; each probe replay is checked as a
+    comparison checks a run (made by harness, sealed and unedited) and must carry the verdict that bisect saw."""
+    run = tracker.harness_run(bisect_id)
+    if run.tags.get(T.KIND) != T.KIND_BISECT:
+        raise HarnessError(f"--resume {bisect_id}: run {bisect_id} is no bisect (harness.kind "
+                           f"{run.tags.get(T.KIND)}). Give the id `harness bisect` printed last.")
+    if (run.tags.get(T.BISECT_GOOD), run.tags.get(T.BISECT_BAD)) != (good, bad):
+        raise HarnessError(f"--resume {bisect_id}: that bisect was of {run.tags.get(T.BISECT_GOOD)} and "
+                           f"{run.tags.get(T.BISECT_BAD)}, not {good} and {bad}. Resume it with its own two runs.")
+    text = tracker.read_text(bisect_id, "bisect/bisect.json")
+    if text is None:  # cut before it wrote its report: its probes are nested under it, each tagged with what it carried
+        raise HarnessError(f"--resume {bisect_id}: that bisect wrote no bisect/bisect.json (it was stopped before its "
+                           "end). Run harness bisect again without --resume.")
+    probes: dict[str, Probe] = {}
+    for entry in json.loads(text).get("probes", []):
+        replay = loading.load(tracker, tracker.harness_run(entry["run_id"]), loading.COMPARE).summary
+        if replay.tags.get(T.VERDICT) != entry["verdict"]:
+            raise HarnessError(f"--resume {bisect_id}: probe replay {entry['run_id']} carries the verdict "
+                               f"{replay.tags.get(T.VERDICT)}, not the {entry['verdict']} that bisect recorded. "
+                               "Run harness bisect again without --resume.")
+        origin = entry.get("reused_from") or bisect_id
+        probes[entry["what"]] = Probe(entry["what"], entry["run_id"], entry["verdict"],
+                                      f"{entry['verdict']} (as judged then)", reused_from=origin)
+    return probes
 
 
 def _search(result: BisectResult, probe: Callable[[str, str | None, list[ConfigChange]], Probe], a: RunRecord,
@@ -293,5 +335,6 @@ def _record(tracker: Tracker, result: BisectResult) -> None:
            "unresolved": result.unresolved, "not_varied": result.not_varied,
            "culprit_probe": result.culprit_probe.run_id if result.culprit_probe is not None else None,
            "localized": result.localized.lines() if result.localized is not None else None,
-           "probes": [{"what": p.what, "run_id": p.run_id, "verdict": p.verdict} for p in result.probes]}
+           "probes": [{"what": p.what, "run_id": p.run_id, "verdict": p.verdict, "reused_from": p.reused_from}
+                      for p in result.probes]}
     tracker.log_text(result.run_id, json.dumps(doc, indent=2), "bisect/bisect.json")

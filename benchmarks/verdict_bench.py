@@ -317,13 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="the CI version: fewer trials, two models")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="study sizes (default 5 10; --small 5)")
     parser.add_argument("--trials", type=int, default=None, help="studies per change (default 100; --small 30)")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
+                        help="which models (default: all; --small: linear mlp)")
     parser.add_argument("--null-trials", type=int, default=None,
                         help="studies for the another-seed case (default 2000; --small 300)")
     args = parser.parse_args(argv)
     sizes = args.seeds or (SMALL["sizes"] if args.small else [5, 10])
     trials = args.trials or (SMALL["trials"] if args.small else 100)
     null_trials = args.null_trials or (SMALL["null_trials"] if args.small else 2000)
-    models = SMALL["models"] if args.small else list(MODELS)
+    models = args.models or (SMALL["models"] if args.small else list(MODELS))
     planted = SMALL["planted"] if args.small else None
     changes = HONEST + [c for c in PLANTED if planted is None or c.name in planted]
     start = time.monotonic()

@@ -168,7 +168,7 @@ def test_a_cross_hardware_replay_of_a_member_is_within_noise(project, wide_study
     _, members = wide_study
     result = project.harness("replay", members[0], *OTHER_HARDWARE)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _verdict(result).startswith("verdict: WITHIN_NOISE: every curve point inside its ")
+    assert _verdict(result).startswith("verdict: WITHIN_NOISE: every segment mean and final value inside its ")
     assert "prediction interval of 3 seeds" in _verdict(result)
     replay = project.client().get_run(result.last_line)
     assert replay.data.tags[tags.VERDICT] == WITHIN_NOISE

@@ -30,7 +30,7 @@ import numpy as np
 MIN_SEEDS = 3  # below this a spread is no estimate: t(1, .975) = 12.7 makes any interval meaningless
 _LEVEL = 0.95  # the study summary's descriptive intervals (ci95, pi95)
 # The chance that an honest replay is called DIVERGED by the noise rule, for the whole replay: every metric and
-# every curve point it is judged on together (benchmarks/verdict_bench.py measures it).
+# every check of its curves it is judged on together (benchmarks/verdict_bench.py measures it).
 FALSE_ALARM = 0.01
 # The level the intervals are set for: a third of the bound. The t interval's far tail is exact only for normal
 # values; a final loss across seeds is skewed even on a log scale: at the nominal 1% the benchmark measured up to

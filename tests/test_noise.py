@@ -198,7 +198,7 @@ def test_a_planted_learning_rate_change_is_diverged(project, wide_study) -> None
     result = project.harness("replay", members[0], *OTHER_HARDWARE, "train.lr=5.0")
     assert result.returncode == 1, result.stdout + result.stderr
     line = _verdict(result)
-    assert line.startswith("verdict: DIVERGED") and "outside the seeds' noise: loss at step " in line and "OUTSIDE" in line
+    assert line.startswith("verdict: DIVERGED") and "outside the seeds' noise: loss mean over steps " in line and "OUTSIDE" in line
     assert project.client().get_run(result.last_line).data.tags[tags.VERDICT] == DIVERGED
 
 

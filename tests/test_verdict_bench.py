@@ -27,7 +27,7 @@ def test_honest_replays_stay_under_the_false_alarm_bound(tables: dict) -> None:
     for (model, seeds), table in tables.items():
         for change in bench.HONEST:
             tally = table[change.name, bench.RULE]
-            assert tally.trials >= 30, (model, change.name)
+            assert tally.trials >= bench.SMALL["trials"], (model, change.name)
             assert tally.alarms / tally.trials <= noise.FALSE_ALARM, (model, seeds, change.name, tally.rate())
 
 

@@ -214,11 +214,7 @@ class Context:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = model.to(self.device)
-        self._model = model
-        # A training forward of the registered model is the next step's work beginning (a loop of its own).
-        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
-        if self._tracer is not None:
-            self._tracer.attach(model)
+        self._adopt(model)
         if self._shards:
             # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
             # all-reduce would add them in a world-size-dependent order. Start from rank 0's weights, as DDP does.
@@ -234,6 +230,45 @@ class Context:
         _fix_buckets(wrapped)
         self._send(Initial(fingerprint(model)) if self.is_main else None)
         return wrapped
+
+    def register(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Fingerprint and checkpoint `model` without wrapping it: for code whose framework (Lightning, Fabric,
+        Accelerate) or own lines wrap it in DDP. Returns `model` unchanged; a DDP wrapper is looked through, so
+        the fingerprints hash the module the user named. Call it once the weights are the ranks' common start
+        (after the wrap, or on every rank before a wrap that broadcasts rank 0's)."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        inner = model.module if isinstance(model, DDP) else model
+        if not isinstance(inner, torch.nn.Module):
+            raise ExperimentError(f"ctx.register: {type(model).__name__} is not a torch.nn.Module; register the model.")
+        if inner is self._model:
+            return model  # a framework's hook may see the same model again (fit, then validate)
+        if self._model is not None:
+            raise ExperimentError(
+                f"ctx.register: a model ({type(self._model).__name__}) is already registered and harness fingerprints "
+                f"one; {type(inner).__name__} is a second. Register the model being trained, once."
+            )
+        if self.clock.optimizer_steps:
+            raise ExperimentError(
+                f"ctx.register after {self.clock.optimizer_steps} optimizer steps: the fingerprints start from the "
+                "weights before the first update. Register the model before training starts."
+            )
+        if self._shards:
+            raise ExperimentError(
+                "ctx.register: world-size-invariant mode reduces the gradients itself, which needs the model from "
+                "model = ctx.ddp(model); a framework's own DDP cannot run in it. Set determinism.world_size_invariant=false."
+            )
+        self._adopt(inner)
+        self._send(Initial(fingerprint(inner)) if self.is_main else None)
+        return model
+
+    def _adopt(self, model: torch.nn.Module) -> None:
+        """`model` is the one fingerprinted, checkpointed and traced (ctx.ddp and ctx.register)."""
+        self._model = model
+        # A training forward of the registered model is the next step's work beginning (a loop of its own).
+        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        if self._tracer is not None:
+            self._tracer.attach(model)
 
     def _guard_gradients(self, model: torch.nn.Module) -> None:
         """Invariant mode: a gradient that reaches the model outside ctx.backward is never synchronised across

@@ -195,6 +195,7 @@ def preflight(
         warnings.append(
             "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
             + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
+            + gitsource.framework_hint(gitsource.framework_outputs(list(git.untracked)))
         )
     if cfg.executor == "local":
         here = max(cfg.world_size // nnodes, 1)

@@ -231,6 +231,11 @@ class Recorder:
                     self.view(Line(line))
             case UserSeeds(calls):
                 final["user_seeds"] = calls
+                fixed = userseed.foreign(calls, int(self.cfg.seed), int(self.cfg.world_size))
+                if fixed and "user-seeds" not in self.notices:
+                    text = userseed.foreign_warning(fixed, int(self.cfg.seed))
+                    self.notices["user-seeds"] = text
+                    self.view(Line(f"Warning: {text}"))
             case Total():
                 self.view(msg)
             case Checkpoint(step, sha256, tensors, ranks):

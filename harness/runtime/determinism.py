@@ -18,6 +18,7 @@ from torch.backends import ContextProp
 
 from harness.config import Level
 from harness.messages import DeterminismChanged, SettingChange
+from harness.runtime.callsite import Sites
 
 # cuBLAS needs a fixed workspace to be deterministic; must be in the environment before CUDA starts.
 CUBLAS_WORKSPACE = ":4096:8"
@@ -207,7 +208,12 @@ def _package_dir(module: ModuleType) -> str:
 
 
 def _caller() -> str:
-    """'train.py:12': the innermost frame outside torch and harness (relative to the cwd, the experiment folder)."""
+    """'train.py:12': the innermost frame in the experiment's code (the cwd), with the framework function called there
+    ('train.py:30 (lightning.pytorch.trainer.trainer.Trainer.__init__)'); without one, the innermost frame outside
+    torch and harness."""
+    line = Sites(os.getcwd(), ()).user_line(sys._getframe(2))
+    if line is not None:
+        return line
     skip = tuple(_package_dir(m) for m in (torch, sys.modules["harness"]))
     frame: FrameType | None = sys._getframe(2)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):

@@ -16,10 +16,10 @@ from typing import Any
 
 import harness
 from harness.messages import UserSeed, UserSeeds
+from harness.runtime.callsite import Sites
 
 # harness's whole package, every layer (not this module's folder): its calls are its own.
 _OWN = os.path.dirname(os.path.abspath(harness.__file__)) + os.sep
-_HARNESS = "\0"  # a frame's kind: harness's own code (no file name holds a NUL)
 _MAX_CALLS = 20  # distinct (line, function, value) kept: a seed per step in a loop is one line, said once
 
 
@@ -30,7 +30,7 @@ class Watch:
     code_dir: str
     calls: list[UserSeed] = field(default_factory=list)
     _restore: list[tuple[Any, str, Any]] = field(default_factory=list)
-    _kinds: dict[str, str] = field(default_factory=dict)  # co_filename -> _kind(): frames are walked per call
+    _sites: Sites | None = None  # which files are the experiment's: frames are walked per call
 
     def message(self) -> UserSeeds | None:
         return UserSeeds(tuple(self.calls)) if self.calls else None
@@ -58,29 +58,12 @@ class Watch:
         self._restore.append((owner, name, original))
 
     def _user_caller(self, frame: Any) -> str | None:
-        """'train.py:12' of the innermost frame in the experiment's code, unless harness made the call (its own
+        """'train.py:12' of the innermost frame in the experiment's code, with the framework function called there
+        ('train.py:12 (lightning.fabric.utilities.seed.seed_everything)'), unless harness made the call (its own
         seeding, a DataLoader worker's, or one wrapped function calling another: torch.manual_seed seeds CUDA too)."""
-        while frame is not None:
-            path = frame.f_code.co_filename
-            kind = self._kinds.get(path)
-            if kind is None:
-                kind = self._kinds[path] = self._kind(path)
-            if kind == _HARNESS:
-                return None
-            if kind:
-                return f"{kind}:{frame.f_lineno}"
-            frame = frame.f_back
-        return None
-
-    def _kind(self, path: str) -> str:
-        """A code file's name relative to the experiment folder, _HARNESS for harness's, "" for any other."""
-        if path.startswith("<"):  # <string>, <frozen ...>
-            return ""
-        root = os.path.realpath(self.code_dir) + os.sep
-        real = os.path.realpath(os.path.join(self.code_dir, path))  # relative: to the import's cwd, the code's
-        if real.startswith(root):
-            return os.path.relpath(real, root)
-        return _HARNESS if real.startswith(_OWN) else ""
+        if self._sites is None:
+            self._sites = Sites(self.code_dir, (_OWN,))
+        return self._sites.user_line(frame)
 
     def _note(self, where: str, function: str, args: tuple, kwargs: dict) -> None:
         value = args[0] if args else next(iter(kwargs.values()), None)
@@ -128,3 +111,20 @@ def send_once(w: Watch | None, send: Callable[[Any], None] | None) -> None:
     message = w.message()
     if message is not None:
         send(message)
+
+
+def foreign(calls: tuple[UserSeed, ...], seed: int, world_size: int) -> list[UserSeed]:
+    """The calls that seeded with a value harness did not derive from the recorded seed (its base seed, a rank's
+    seed): those values, not the record's seed, decide what the RNGs draw. L.seed_everything(ctx.seed) is not one."""
+    from harness.runtime.determinism import derive_rank_seeds
+
+    ours = {str(seed), *map(str, derive_rank_seeds(seed, world_size))}
+    return [c for c in calls if c.value not in ours]
+
+
+def foreign_warning(calls: list[UserSeed], seed: int) -> str:
+    """The run's one warning that its code seeds the RNGs itself, naming where (and the framework call, if any)."""
+    return (f"the training code seeds the RNGs itself ({describe(calls[:4])}{' ...' if len(calls) > 4 else ''}): "
+            f"those values, not the recorded seed={seed}, decide what it draws, so another seed (a study's members) "
+            "changes nothing there. Seed from ctx.seed (L.seed_everything(ctx.seed), set_seed(ctx.seed)), or drop "
+            "the call: harness seeds every RNG.")

@@ -104,6 +104,32 @@ def _run(
     return proc.stdout
 
 
+# Folders training frameworks write into their working folder, which in a rank is the experiment folder (code):
+# Lightning's logs and checkpoints, wandb's run files, Hydra's outputs, MLflow's file store.
+FRAMEWORK_OUTPUTS = ("lightning_logs", "wandb", "outputs", "mlruns")
+
+
+def framework_outputs(paths: tuple[str, ...] | list[str]) -> list[str]:
+    """The framework output folders (FRAMEWORK_OUTPUTS) that `paths` (repository-relative) lie in, in order."""
+    found: list[str] = []
+    for path in paths:
+        for part in path.split("/")[:-1]:
+            if part in FRAMEWORK_OUTPUTS and part + "/" not in found:
+                found.append(part + "/")
+    return found
+
+
+def framework_hint(folders: list[str]) -> str:
+    """What to do about framework output folders in the code record ("" when there are none)."""
+    if not folders:
+        return ""
+    shown = ", ".join(folders)
+    return (f" {shown} {'is' if len(folders) == 1 else 'are'} what a training framework writes into its working "
+            "folder, which in a rank is the experiment folder: point it at ctx.output_dir (Lightning: "
+            "Trainer(default_root_dir=ctx.output_dir) or **harness.lightning.trainer_kwargs(ctx); wandb: "
+            f"wandb.init(dir=ctx.output_dir)), and add {shown} to .gitignore.")
+
+
 def first_few(names: tuple[str, ...] | list[str], limit: int = 5) -> str:
     """`'a', 'b', 'c' and 4 more`: names for a one-line message, however many there are."""
     shown = ", ".join(f"'{n}'" for n in names[:limit])
@@ -209,7 +235,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
                     f"'{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
                     f"record's limit of {max_mib:g} MiB (record.max_untracked_mib). Commit it, add it to "
                     "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
-                    "limit (record.max_untracked_mib=50)."
+                    "limit (record.max_untracked_mib=50)." + framework_hint(framework_outputs([_show(rel)]))
                 )
     if len(secrets) == 1:
         (rel, pattern), = secrets

@@ -1,0 +1,61 @@
+"""Which line of the training code made a call harness watches (a seeding function, a determinism setter), and
+through which framework function: `train.py:24 (lightning.fabric.utilities.seed.seed_everything)`.
+
+A framework (Lightning, Accelerate) seeds and switches determinism from its own files, called from one line of the
+user's; that line is what the user can change, and the framework function is what they called there."""
+
+from __future__ import annotations
+
+import os
+from types import FrameType
+
+# What the walk skips without naming: the libraries whose functions harness wraps call each other.
+_PLAIN = ("torch", "numpy", "random")
+
+
+class Sites:
+    """Classifies code files as the experiment's (a path relative to its folder), harness's, or another's; cached."""
+
+    def __init__(self, code_dir: str, own: tuple[str, ...]) -> None:
+        self._root = os.path.realpath(code_dir) + os.sep
+        self._code_dir = code_dir
+        self._own = own  # folders (with a trailing separator) whose frames end the walk: harness's own calls
+        self._kinds: dict[str, str | None] = {}  # co_filename -> relative path, "" (another's) or None (own)
+
+    def _kind(self, path: str) -> str | None:
+        kind = self._kinds.get(path, "\0")
+        if kind != "\0":
+            return kind
+        if path.startswith("<"):  # <string>, <frozen ...>
+            kind = ""
+        else:
+            real = os.path.realpath(os.path.join(self._code_dir, path))  # relative: to the import's cwd, the code's
+            kind = os.path.relpath(real, self._root) if real.startswith(self._root) else (
+                None if real.startswith(self._own) else "")
+        self._kinds[path] = kind
+        return kind
+
+    def user_line(self, frame: FrameType | None) -> str | None:
+        """'train.py:12' of the innermost frame in the experiment's code at or above `frame`, with the framework
+        function it called in parentheses when the call went through one; None when harness's own code (one of
+        `own`) made the call first, or no frame is the experiment's."""
+        below: FrameType | None = None  # the outermost frame of another's code under the one being looked at
+        while frame is not None:
+            kind = self._kind(frame.f_code.co_filename)
+            if kind is None:
+                return None
+            if kind:
+                via = _function(below) if below is not None else None
+                return f"{kind}:{frame.f_lineno}" + (f" ({via})" if via else "")
+            below = frame
+            frame = frame.f_back
+        return None
+
+
+def _function(frame: FrameType) -> str | None:
+    """'lightning.fabric.utilities.seed.seed_everything', or None for torch's, numpy's and random's own."""
+    module = str(frame.f_globals.get("__name__", ""))
+    if module.split(".")[0] in _PLAIN:
+        return None
+    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # co_qualname: Python 3.11+
+    return f"{module}.{name}" if module else name

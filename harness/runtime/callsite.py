@@ -39,17 +39,24 @@ class Sites:
         """'train.py:12' of the innermost frame in the experiment's code at or above `frame`, with the framework
         function it called in parentheses when the call went through one; None when harness's own code (one of
         `own`) made the call first, or no frame is the experiment's."""
-        below: FrameType | None = None  # the outermost frame of another's code under the one being looked at
+        below: list[FrameType] = []  # the frames of another's code under the one being looked at, innermost first
         while frame is not None:
             kind = self._kind(frame.f_code.co_filename)
             if kind is None:
                 return None
             if kind:
-                via = _function(below) if below is not None else None
+                via = _called(below)
                 return f"{kind}:{frame.f_lineno}" + (f" ({via})" if via else "")
-            below = frame
+            below.append(frame)
             frame = frame.f_back
         return None
+
+
+def _called(frames: list[FrameType]) -> str | None:
+    """The function the user's line called: the outermost of `frames` - but not a decorator's inner wrapper
+    (`<locals>`), which says less than the function it wraps."""
+    named = [f for f in frames if "<locals>" not in getattr(f.f_code, "co_qualname", "")]
+    return _function((named or frames)[-1]) if frames else None
 
 
 def _function(frame: FrameType) -> str | None:

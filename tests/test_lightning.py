@@ -188,3 +188,50 @@ def test_fabric_run_and_replay_are_bitwise_with_fingerprints(lit: Project) -> No
     assert replay.returncode == 0, replay.stderr
     verdict = next(line for line in replay.stdout.splitlines() if line.startswith("verdict: "))
     assert verdict.startswith("verdict: BITWISE") and "fingerprints equal" in verdict, verdict
+
+
+def _context(world_size: int = 2, run_id: str = "") -> object:
+    import torch
+
+    from harness.runtime.context import Context
+
+    return Context(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0, rank_seed=0,
+                   fingerprint_every=5, channel=None, output_dir="", run_id=run_id)
+
+
+def test_logger_keeps_one_value_per_key_and_step_and_refuses_a_second_one() -> None:
+    import harness.lightning
+    from harness.errors import ExperimentError
+
+    ctx = _context()
+    logger = harness.lightning.Logger(ctx)
+    logger.log_metrics({"loss": 0.5, "epoch": 0.0}, step=3)
+    logger.log_metrics({"val_loss": 0.7, "epoch": 0.0}, step=3)  # the epoch's end, at the same step: one `epoch`
+    assert {k: sorted(v) for k, v in ctx._logged.items()} == {"loss": [3], "epoch": [3], "val_loss": [3]}
+    with pytest.raises(ExperimentError, match=r"Lightning logged 'loss' twice at step 3 \(0.5, then 0.25\)"):
+        logger.log_metrics({"loss": 0.25}, step=3)
+
+
+def test_environment_refuses_a_layout_that_is_not_the_jobs() -> None:
+    import harness.lightning
+    from harness.errors import ExperimentError
+
+    env = harness.lightning.Environment(_context(world_size=2))
+    env.validate_settings(num_devices=2, num_nodes=1)
+    with pytest.raises(ExperimentError, match=r"devices=1 x num_nodes=1 make 1 process, but harness started 2 ranks"):
+        env.validate_settings(num_devices=1, num_nodes=1)
+    with pytest.raises(ExperimentError, match=r"make 4 processes.*Pass devices=ctx.world_size"):
+        env.set_world_size(4)
+
+
+def test_an_mlflow_logger_of_its_own_run_is_refused_and_one_on_the_harness_run_is_not(tmp_path) -> None:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    import harness.lightning
+    from harness.errors import ExperimentError
+
+    ctx = _context(run_id="a" * 32)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(ExperimentError, match="MLFlowLogger would log into a run of its own"):
+        harness.lightning._check_mlflow_loggers(ctx, [MLFlowLogger(tracking_uri=uri)])
+    harness.lightning._check_mlflow_loggers(ctx, [MLFlowLogger(tracking_uri=uri, run_id=ctx.run_id)])

@@ -89,7 +89,8 @@ def audit(
     chain = segments_of(record.checkpoints, record.final_fingerprint, record.steps_total)
     if not chain:
         raise HarnessError(
-            f"run {run_id} has no checkpoint chain to audit (it ran with checkpoint_every: 0). "
+            f"run {run_id} has no checkpoint chain to audit (no checkpoint was saved: checkpoint_every was 0, or its "
+            "loop gave harness no step boundary to save at - see the run's harness.notices). "
             f"Replay it in full instead: harness replay {run_id}"
         )
     if not 1 <= segments <= len(chain):

@@ -345,12 +345,14 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     if run_id:
         usermlflow.keep_run_open(run_id)
     seeds_seen = None
+    kept = None
 
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
     from harness.runtime.context import Context, StopSegment
     from harness.runtime.determinism import seed_everything, set_determinism, start_watch
+    from harness.runtime.groupkeep import keep_default_group
 
     try:
         torch.set_num_threads(spec.threads_per_rank)
@@ -373,6 +375,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             spec.backend, store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=spec.world_size,
             timeout=timeout, **device_id(device),
         )
+        kept = keep_default_group()  # the training code's destroy_process_group() waits for harness's end
         _beat(progress, local_rank, -1)
         os.chdir(spec.code_dir)
         sys.path.insert(0, spec.code_dir)  # the entry may import its sibling modules
@@ -423,12 +426,15 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
         _beat(progress, local_rank, -2)  # trained: tearing down (the process group, the interpreter) is no hang
         userseed.send_once(seeds_seen, channel.send if channel is not None else None)
-        if dist.is_initialized():  # the training code may have destroyed it itself (see regroup)
+        kept.stop()
+        if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as err:
         _write_failure(spec, rank, err)
         raise
     finally:
+        if kept is not None:
+            kept.stop()
         if seeds_seen is not None:
             seeds_seen.stop()  # torchrun runs the body in its launcher's process, which lives on
         if channel is not None:
@@ -453,7 +459,8 @@ def device_id(device: torch.device) -> dict[str, Any]:
 
 def regroup(spec: LaunchSpec, rank: int, store: Any, timeout: datetime.timedelta, device: torch.device) -> None:
     """A default process group for harness's end-of-run collectives (the replica check) when the training code
-    destroyed harness's own with dist.destroy_process_group(), as scripts written for torchrun do at their end.
+    destroyed harness's own past the deferring wrapper (harness.runtime.groupkeep), e.g. through a reference to
+    torch's function taken before the wrap.
 
     Every rank re-creates it on the job's store under a prefix no earlier group used (each rank counts alike:
     they all ran the same code), so no key of the destroyed group is read again.

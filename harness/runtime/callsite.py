@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from types import FrameType
 
-# What the walk skips without naming: the libraries whose functions harness wraps call each other.
-_PLAIN = ("torch", "numpy", "random")
+# Never named as the call made: the libraries whose functions harness wraps (they call each other), and harness's
+# own wrappers around them.
+_PLAIN = ("torch", "numpy", "random", "harness")
 
 
 class Sites:
@@ -55,14 +56,17 @@ class Sites:
 def _called(frames: list[FrameType]) -> str | None:
     """The function the user's line called: the outermost of `frames` - but not a decorator's inner wrapper
     (`<locals>`), which says less than the function it wraps."""
-    named = [f for f in frames if "<locals>" not in getattr(f.f_code, "co_qualname", "")]
-    return _function((named or frames)[-1]) if frames else None
+    theirs = [f for f in frames if _module(f).split(".")[0] not in _PLAIN]
+    named = [f for f in theirs if "<locals>" not in getattr(f.f_code, "co_qualname", "")]
+    return _function((named or theirs)[-1]) if theirs else None
 
 
-def _function(frame: FrameType) -> str | None:
-    """'lightning.fabric.utilities.seed.seed_everything', or None for torch's, numpy's and random's own."""
-    module = str(frame.f_globals.get("__name__", ""))
-    if module.split(".")[0] in _PLAIN:
-        return None
+def _module(frame: FrameType) -> str:
+    return str(frame.f_globals.get("__name__", ""))
+
+
+def _function(frame: FrameType) -> str:
+    """'lightning.fabric.utilities.seed.seed_everything'."""
+    module = _module(frame)
     name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # co_qualname: Python 3.11+
     return f"{module}.{name}" if module else name

@@ -239,6 +239,30 @@ def test_untracked_files_warning_names_them(fresh_project: Project) -> None:
     assert warning.endswith(f"Untracked files among them: {names} and 2 more."), warning
 
 
+def test_framework_output_folders_are_named_with_the_ctx_output_dir_fix(fresh_project: Project) -> None:
+    # What a Lightning script writes into its working folder (the experiment folder) without default_root_dir.
+    p = fresh_project
+    logs = p.root / EXP / "lightning_logs" / "version_0"
+    (logs / "checkpoints").mkdir(parents=True)
+    (logs / "checkpoints" / "epoch=0-step=4.ckpt").write_bytes(b"\0" * 10240)
+    (logs / "hparams.yaml").write_text("lr: 0.1\n")
+    hint = (" lightning_logs/ is what a training framework writes into its working folder, which in a rank is the "
+            "experiment folder: point it at ctx.output_dir (Lightning: Trainer(default_root_dir=ctx.output_dir) or "
+            "**harness.lightning.trainer_kwargs(ctx); wandb: wandb.init(dir=ctx.output_dir)), and add lightning_logs/ "
+            "to .gitignore.")
+    refused(p.cli("run", EXP, "record.max_untracked_mib=0.001"), (
+        f"'{EXP}/lightning_logs/version_0/checkpoints/epoch=0-step=4.ckpt' is an untracked file of 0.01 MiB (10240 "
+        "bytes), over the code record's limit of 0.001 MiB (record.max_untracked_mib). Commit it, add it to a "
+        "'.gitignore, or keep data outside the repository and declare it as data; or raise the limit "
+        f"(record.max_untracked_mib=50).{hint}").replace("'.gitignore", ".gitignore"))
+    result = p.cli("check", EXP)
+    assert result.returncode == 0, result.stderr
+    warning = next(line for line in result.stderr.splitlines() if line.startswith("Warning: uncommitted changes"))
+    assert warning.endswith(hint), warning
+    assert gitsource.framework_outputs(["a/wandb/run-1/files/x", "outputs/2026-12-02/y", "wandb.py", "lightning_logs"]) \
+        == ["wandb/", "outputs/"]
+
+
 def test_untracked_secret_is_refused_unless_allowed(fresh_project: Project, tmp_path: Path) -> None:
     p = fresh_project
     (p.root / EXP / ".env").write_text("API_TOKEN=tok-allowed-on-purpose\n")

@@ -17,22 +17,25 @@ _PLAIN = ("torch", "numpy", "random", "harness")
 class Sites:
     """Classifies code files as the experiment's (a path relative to its folder), harness's, or another's; cached."""
 
-    def __init__(self, code_dir: str, own: tuple[str, ...]) -> None:
+    def __init__(self, code_dir: str, own: tuple[str, ...] = (), passed: tuple[str, ...] = ()) -> None:
         self._root = os.path.realpath(code_dir) + os.sep
         self._code_dir = code_dir
-        self._own = own  # folders (with a trailing separator) whose frames end the walk: harness's own calls
+        # Folders (each with a trailing separator), even inside the experiment's: frames in `own` end the walk
+        # (harness's own calls), frames in `passed` are walked past as another's (torch's, harness's wrappers).
+        self._own, self._passed = own, passed
         self._kinds: dict[str, str | None] = {}  # co_filename -> relative path, "" (another's) or None (own)
 
     def _kind(self, path: str) -> str | None:
         kind = self._kinds.get(path, "\0")
         if kind != "\0":
             return kind
-        if path.startswith("<"):  # <string>, <frozen ...>
+        real = os.path.realpath(os.path.join(self._code_dir, path))  # relative: to the import's cwd, the code's
+        if path.startswith("<") or real.startswith(self._passed):  # <string>, <frozen ...>
             kind = ""
+        elif real.startswith(self._own):
+            kind = None
         else:
-            real = os.path.realpath(os.path.join(self._code_dir, path))  # relative: to the import's cwd, the code's
-            kind = os.path.relpath(real, self._root) if real.startswith(self._root) else (
-                None if real.startswith(self._own) else "")
+            kind = os.path.relpath(real, self._root) if real.startswith(self._root) else ""
         self._kinds[path] = kind
         return kind
 

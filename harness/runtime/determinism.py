@@ -211,10 +211,10 @@ def _caller() -> str:
     """'train.py:12': the innermost frame in the experiment's code (the cwd), with the framework function called there
     ('train.py:30 (lightning.pytorch.trainer.trainer.Trainer.__init__)'); without one, the innermost frame outside
     torch and harness."""
-    line = Sites(os.getcwd(), ()).user_line(sys._getframe(2))
+    skip = tuple(_package_dir(m) for m in (torch, sys.modules["harness"]))
+    line = Sites(os.getcwd(), passed=skip).user_line(sys._getframe(2))
     if line is not None:
         return line
-    skip = tuple(_package_dir(m) for m in (torch, sys.modules["harness"]))
     frame: FrameType | None = sys._getframe(2)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame = frame.f_back

@@ -25,6 +25,7 @@ TRAIN = '''"""An MLP trained the way an Accelerate script is, converted with one
 
 import json
 
+import accelerate
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,7 +36,10 @@ import harness.accelerate
 
 def train(ctx):
     cfg = ctx.cfg
-    accelerator = harness.accelerate.Accelerator(ctx)  # was: accelerate.Accelerator()
+    if cfg.unconverted:  # Accelerate's own class, only the tracker added
+        accelerator = accelerate.Accelerator(log_with=[harness.accelerate.Tracker(ctx)])
+    else:
+        accelerator = harness.accelerate.Accelerator(ctx)  # was: accelerate.Accelerator()
     accelerator.init_trackers("mlp", config={"lr": cfg.lr})
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.arange(cfg.samples), torch.randn(cfg.samples, 8, generator=g),
@@ -78,6 +82,7 @@ train:
   samples: 64
   batch_size: 8
   loader: plain
+  unconverted: false
 """
 
 SAMPLES, EPOCHS, BATCH = 64, 2, 8
@@ -172,3 +177,15 @@ def test_a_study_over_ctx_loader_has_distinct_members_each_sharded_once(project:
         assert_sharded_once(every, 2)
         orders.append(every)
     assert len({json.dumps(o) for o in orders}) == 3  # ctx.loader's permutation follows each member's seed
+
+
+def test_a_plain_accelerator_on_the_cpu_is_refused_in_one_line(project: Project, experiment: str) -> None:
+    """accelerate.Accelerator() on a machine without a GPU sees no distributed job: each rank would train alone on
+    all the data. The tracker refuses it before training, with the fix (on every rank: each is its own main process)."""
+    result = project.harness("run", experiment, "train.unconverted=true")
+    assert result.returncode == 1, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED:")]
+    assert failed == ["FAILED: rank 0: Accelerate sees 1 process(es) in a job of 2 ranks: each would train alone. "
+                      "Use accelerator = harness.accelerate.Accelerator(ctx, ...) (it passes cpu=True on the CPU). "
+                      "(rank 1 failed the same way)"], \
+        result.stderr

@@ -124,7 +124,9 @@ def foreign(calls: tuple[UserSeed, ...], seed: int, world_size: int) -> list[Use
 
 def foreign_warning(calls: list[UserSeed], seed: int) -> str:
     """The run's one warning that its code seeds the RNGs itself, naming where (and the framework call, if any)."""
-    return (f"the training code seeds the RNGs itself ({describe(calls[:4])}{' ...' if len(calls) > 4 else ''}): "
-            f"those values, not the recorded seed={seed}, decide what it draws, so another seed (a study's members) "
-            "changes nothing there. Seed from ctx.seed (L.seed_everything(ctx.seed), set_seed(ctx.seed)), or drop "
-            "the call: harness seeds every RNG.")
+    # By value alone 1337 + ctx.seed cannot be told from 1337: the warning says what holds unless it is computed.
+    return (f"the training code seeds the RNGs itself with values harness did not give it ({describe(calls[:4])}"
+            f"{' ...' if len(calls) > 4 else ''}): unless they are computed from ctx.seed, the recorded seed={seed} no "
+            "longer decides what it draws, and another seed (a study's members) changes nothing there. Seed with "
+            "ctx.seed or ctx.rank_seed (L.seed_everything(ctx.seed), set_seed(ctx.seed)), or drop the call: harness "
+            "seeds every RNG.")

@@ -190,20 +190,32 @@ def test_fabric_run_and_replay_are_bitwise_with_fingerprints(lit: Project) -> No
     assert verdict.startswith("verdict: BITWISE") and "fingerprints equal" in verdict, verdict
 
 
-def _context(world_size: int = 2, run_id: str = "") -> object:
+@pytest.fixture
+def contexts(tmp_path):
+    """A rank's Context made in this process (no ranks, no launcher); closed after the test, since its step clock
+    hooks every optimizer of the process."""
     import torch
 
     from harness.runtime.context import Context
 
-    return Context(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0, rank_seed=0,
-                   fingerprint_every=5, channel=None, output_dir="", run_id=run_id)
+    made = []
+
+    def make(world_size: int = 2, run_id: str = "") -> Context:
+        made.append(Context(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0,
+                            rank_seed=0, fingerprint_every=5, channel=None, output_dir=str(tmp_path / "out"),
+                            run_id=run_id))
+        return made[-1]
+
+    yield make
+    for ctx in made:
+        ctx.close()
 
 
-def test_logger_keeps_one_value_per_key_and_step_and_refuses_a_second_one() -> None:
+def test_logger_keeps_one_value_per_key_and_step_and_refuses_a_second_one(contexts) -> None:
     import harness.lightning
     from harness.errors import ExperimentError
 
-    ctx = _context()
+    ctx = contexts()
     logger = harness.lightning.Logger(ctx)
     logger.log_metrics({"loss": 0.5, "epoch": 0.0}, step=3)
     logger.log_metrics({"val_loss": 0.7, "epoch": 0.0}, step=3)  # the epoch's end, at the same step: one `epoch`
@@ -212,11 +224,11 @@ def test_logger_keeps_one_value_per_key_and_step_and_refuses_a_second_one() -> N
         logger.log_metrics({"loss": 0.25}, step=3)
 
 
-def test_environment_refuses_a_layout_that_is_not_the_jobs() -> None:
+def test_environment_refuses_a_layout_that_is_not_the_jobs(contexts) -> None:
     import harness.lightning
     from harness.errors import ExperimentError
 
-    env = harness.lightning.Environment(_context(world_size=2))
+    env = harness.lightning.Environment(contexts(world_size=2))
     env.validate_settings(num_devices=2, num_nodes=1)
     with pytest.raises(ExperimentError, match=r"devices=1 x num_nodes=1 make 1 process, but harness started 2 ranks"):
         env.validate_settings(num_devices=1, num_nodes=1)
@@ -224,13 +236,13 @@ def test_environment_refuses_a_layout_that_is_not_the_jobs() -> None:
         env.set_world_size(4)
 
 
-def test_an_mlflow_logger_of_its_own_run_is_refused_and_one_on_the_harness_run_is_not(tmp_path) -> None:
+def test_an_mlflow_logger_of_its_own_run_is_refused_and_one_on_the_harness_run_is_not(contexts, tmp_path) -> None:
     from lightning.pytorch.loggers import MLFlowLogger
 
     import harness.lightning
     from harness.errors import ExperimentError
 
-    ctx = _context(run_id="a" * 32)
+    ctx = contexts(run_id="a" * 32)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(ExperimentError, match="MLFlowLogger would log into a run of its own"):
         harness.lightning._check_mlflow_loggers(ctx, [MLFlowLogger(tracking_uri=uri)])

@@ -11,27 +11,27 @@ harness itself never does (docs/training-api.md, "Accelerate").
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator
 from typing import Any
 
 import accelerate
-import numpy as np
 import torch
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import send_to_device
 
 from harness.errors import ExperimentError
-from harness.runtime.context import Context
+from harness.runtime.context import Context, metric_value
 
 __all__ = ["Accelerator", "Tracker"]
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(key: Any, value: Any) -> bool:
     """What ctx.log records: a real number, or a tensor or array holding one."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return value.size == 1 if isinstance(value, np.ndarray) else value.numel() == 1
-    return isinstance(value, numbers.Real)
+    try:
+        metric_value(key, value)
+    except ExperimentError:
+        return False
+    return True
 
 
 def _same(device: torch.device, other: torch.device) -> bool:
@@ -71,7 +71,7 @@ class Tracker(GeneralTracker):
         pass  # harness records the experiment's resolved config itself (params and config.yaml)
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        numbers_only = {key: value for key, value in values.items() if _is_number(value)}
+        numbers_only = {key: value for key, value in values.items() if _is_number(key, value)}
         skipped = sorted(str(key) for key in values.keys() - numbers_only.keys())
         if skipped:
             kinds = ", ".join(f"{key} ({type(values[key]).__name__})" for key in skipped)

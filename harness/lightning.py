@@ -34,7 +34,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import Logger as _LightningLogger
 
 from harness.errors import ExperimentError
-from harness.runtime.context import Context
+from harness.runtime.context import Context, metric_value
 
 SEED_ENV = "PL_GLOBAL_SEED"  # Lightning's: its DistributedSampler's seed, and what its reset_seed() seeds with
 
@@ -98,7 +98,7 @@ class Logger(_LightningLogger):
             self._step, self._values = at, {}
         fresh: dict[str, float] = {}
         for key, value in metrics.items():
-            number = _float(key, value)
+            number = metric_value(key, value)
             if key in self._values:
                 if _same(self._values[key], number):
                     continue
@@ -237,17 +237,6 @@ def _without_environment(plugins: list[Any]) -> list[Any]:
                 "are harness's (harness.lightning.Environment). Drop it: harness runs the job on Slurm or torchrun itself."
             )
     return plugins
-
-
-def _float(key: str, value: Any) -> float:
-    item = getattr(value, "item", None)
-    try:
-        return float(item() if callable(item) else value)
-    except (TypeError, ValueError):
-        raise ExperimentError(
-            f"Lightning logged '{key}' as a {type(value).__name__}; harness records numbers (log a float or a "
-            "one-element tensor, or log it another way)."
-        ) from None
 
 
 def _same(a: float, b: float) -> bool:

@@ -448,7 +448,7 @@ class Context:
         the top of its body is logging the next step."""
         if not self.is_main:
             return
-        values = {str(k): _number(k, v) for k, v in metrics.items()}
+        values = {str(k): metric_value(k, v) for k, v in metrics.items()}
         step = int(step)
         clock = self.clock
         if clock.pending and step == clock.index and any(step in self._logged.get(k, ()) for k in values):
@@ -813,8 +813,9 @@ def _fix_buckets(ddp: Any) -> None:
     reducer._rebuild_buckets()
 
 
-def _number(key: Any, value: Any) -> float:
-    """A metric value as a float (NaN and +-inf kept); anything else names the key and its type."""
+def metric_value(key: Any, value: Any) -> float:
+    """A metric value as a float (NaN and +-inf kept); anything else names the key and its type. What ctx.log and the
+    framework integrations' loggers record."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ExperimentError(

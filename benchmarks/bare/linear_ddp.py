@@ -1,6 +1,7 @@
-"""experiments/linear_ddp written as a bare mp.spawn script: the baseline of benchmarks/startup_bench.py.
+"""experiments/linear_ddp written as a bare mp.spawn script: the baseline of benchmarks/startup_bench.py
+(2 ranks, as the experiment's world_size) and of benchmarks/scale_ranks_data_bench.py (any world size).
 
-Usage: python benchmarks/bare/linear_ddp.py [EPOCHS]
+Usage: python benchmarks/bare/linear_ddp.py [EPOCHS [WORLD_SIZE]]
 """
 
 import datetime
@@ -53,4 +54,5 @@ def free_port():
 
 if __name__ == "__main__":
     epochs = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-    mp.spawn(train, args=(WORLD_SIZE, free_port(), epochs), nprocs=WORLD_SIZE)
+    world_size = int(sys.argv[2]) if len(sys.argv) > 2 else WORLD_SIZE
+    mp.spawn(train, args=(world_size, free_port(), epochs), nprocs=world_size)

@@ -23,7 +23,7 @@ from harness.judge import reproduced
 from harness.judge.compare import BITWISE, DIVERGED
 from harness.record import checkpoints as checkpoint_store, derived, loading
 from harness.runtime import checkpoint
-from harness.runtime.context import CheckpointPlan
+from harness.runtime.plan import CheckpointPlan
 from harness.store.tracking import Tracker
 
 

@@ -18,7 +18,7 @@ from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
 from harness.record import checkpoints as checkpoint_store, loading
-from harness.runtime.context import CheckpointPlan
+from harness.runtime.plan import CheckpointPlan
 from harness.store.tracking import RunRecord, Tracker
 
 LIKELY_CAUSES = (

@@ -36,7 +36,7 @@ def experiment_name(exp_dir: Path) -> str:
 
 def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
     """Tags known before anything runs: code, image, seeds, topology as configured."""
-    from harness.runtime.determinism import derive_rank_seeds
+    from harness.seeds import derive_rank_seeds
 
     rel = Path(exp_dir).resolve().relative_to(git.root.resolve()).as_posix()
     source = f"{rel}/{split_entry(cfg.entry)[0]}"
@@ -157,7 +157,7 @@ def preflight(
 
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
     """
-    from harness.executors.launch import capacity_warning, no_gpu_here, resolve_device
+    from harness.executors.launch import capacity_warning, resolve_device
     from harness.record import data
 
     if executor is not None:
@@ -199,10 +199,7 @@ def preflight(
         )
     if cfg.executor == "local":
         here = max(cfg.world_size // nnodes, 1)
-        if no_gpu_here() and cfg.device.value in ("auto", "cpu") and cfg.backend.value in ("auto", "gloo"):
-            device = "cpu"  # what resolve_device says on such a machine, without importing torch
-        else:
-            device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
+        device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
         warning = capacity_warning(device, here, cfg.threads_per_rank)
         if warning:
             warnings.append(warning)

@@ -132,7 +132,7 @@ def trace(
     before anything runs or is recorded.
     """
     from harness.record import checkpoints as checkpoint_store
-    from harness.runtime.context import CheckpointPlan
+    from harness.runtime.plan import CheckpointPlan
 
     tracker = tracker or Tracker(tracking_uri)
     loaded = loading.load(tracker, run_id, loading.TRACE)

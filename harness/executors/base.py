@@ -92,6 +92,8 @@ class Ranks(Protocol):
 
     def stop(self) -> None: ...
 
+    def torch_facts(self) -> dict[str, str] | None: ...
+
 
 @dataclass
 class Job:

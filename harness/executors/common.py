@@ -31,7 +31,7 @@ from harness.systems import docker
 
 if TYPE_CHECKING:
     from harness.executors.launch import Ranks
-    from harness.runtime.context import CheckpointPlan
+    from harness.runtime.plan import CheckpointPlan
 
 # (device, backend, log folder, checkpoint plan) -> this node's LaunchSpec
 SpecFor = Callable[[str, str, Path, "CheckpointPlan | None"], LaunchSpec]
@@ -66,7 +66,7 @@ def launch_spec(
     data: dict[str, str] | None = None,
 ) -> LaunchSpec:
     """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
-    from harness.runtime.determinism import derive_rank_seeds
+    from harness.seeds import derive_rank_seeds
 
     entry_file, entry_func = split_entry(str(cfg.entry))
     return LaunchSpec(
@@ -148,7 +148,8 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
     ended: Failed | Killed | BaseException | None = None
     try:
         device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
-        recorder.start(device, backend)
+        # Ranks started before the record measured torch's facts there; the launcher never imports torch for them.
+        recorder.start(device, backend, job.ranks.torch_facts() if job.ranks is not None else None)
         spec = spec_for(device, backend, log_dir, recorder.plan)
         spec.run_id = job.run_id
         spec.env.update(recorder.rank_env())

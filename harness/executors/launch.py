@@ -1,4 +1,4 @@
-"""Start one process per rank with torch.multiprocessing.spawn and supervise them to the end."""
+"""Start one process per rank (executors/procs.py: the launcher never imports torch) and supervise them to the end."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import datetime
 import functools
 import inspect
 import json
-import logging
 import os
 import re
 import signal
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import harness
 from harness.config import Level, load_module_function
 from harness.errors import ExperimentError, HarnessError, Interrupted, RunFailed
+from harness.executors import procs
 from harness.messages import Determinism, Message, RankFacts
 from harness.record.provenance import device_facts, env_vars, nccl_conf
 from harness.runtime import usermlflow, userseed
@@ -31,9 +31,8 @@ from harness.runtime.refusals import refusal_line, refused_op
 
 if TYPE_CHECKING:  # torch loads only in the processes that run ranks
     import torch
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    from harness.runtime.context import CheckpointPlan
+    from harness.runtime.plan import CheckpointPlan
 
 MASTER_ADDR = "127.0.0.1"
 RANKS_PREFIX = "ranks/"  # the ranks' keys in the job's store; the launchers' own keys live beside them
@@ -108,18 +107,21 @@ def no_gpu_here() -> bool:
 
 def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str]:
     """auto -> concrete device and backend; refuse what this machine cannot run."""
-    import torch
+    if no_gpu_here():  # torch could see none either: answered without importing it (seconds of a core)
+        cuda, count = False, 0
+    else:
+        import torch
 
-    cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available()
+        count = torch.cuda.device_count() if cuda else 0
     if device == "auto":
         device = "cuda" if cuda else "cpu"
     if device == "cuda":
         if not cuda:
             raise HarnessError("device cuda requested but no GPU is visible here. Set device=cpu (or auto).")
-        if torch.cuda.device_count() < world_size:
+        if count < world_size:
             raise HarnessError(
-                f"world_size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible. "
-                "Lower world_size or set device=cpu."
+                f"world_size {world_size} needs {world_size} GPUs, {count} visible. Lower world_size or set device=cpu."
             )
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
@@ -228,6 +230,8 @@ def _worker(local_rank: int, start: _Start, inboxes: list[Any], channel: Any, pr
         if other is not inbox:
             other.close()
     _preload()
+    if local_rank == 0:
+        _write_torch_facts(Path(start.log_dir))
     try:
         spec = inbox.recv()
     except (EOFError, OSError):
@@ -235,6 +239,20 @@ def _worker(local_rank: int, start: _Start, inboxes: list[Any], channel: Any, pr
     finally:
         inbox.close()
     run_rank(spec, local_rank, channel, progress)
+
+
+_TORCH_FACTS = "torch-facts.json"
+
+
+def _write_torch_facts(log_dir: Path) -> None:
+    """What the record says about torch and the GPUs, measured by this node's first rank while the launcher
+    (which never imports torch) records the run; written whole (a rename) so that a reader never sees half."""
+    from harness.record.provenance import torch_facts
+
+    tmp = log_dir / f".{_TORCH_FACTS}.tmp"
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(torch_facts()))
+        tmp.replace(log_dir / _TORCH_FACTS)
 
 
 def _preload() -> None:
@@ -268,10 +286,26 @@ class Ranks:
     log_dir: str
     node_rank: int
     nproc: int
-    context: Any  # torch.multiprocessing's ProcessContext
+    context: procs.Processes
     inboxes: list[Any]  # the launcher's write end of each rank's spec pipe
     reader: Any  # rank 0's message channel, the launcher's end
     progress: Any  # per local rank: (step, monotonic time of its last progress)
+
+    def torch_facts(self, timeout_s: float = 120.0) -> dict[str, str] | None:
+        """The torch and GPU facts this node's first rank measured once torch was imported there; None if it
+        ended, or took longer than `timeout_s`, before it said (the caller then measures them itself)."""
+        path = Path(self.log_dir) / _TORCH_FACTS
+        deadline = time.monotonic() + timeout_s
+        first = self.context.processes[0]
+        while time.monotonic() < deadline:
+            try:
+                return dict(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                pass
+            if not first.is_alive():
+                return None
+            first.join(0.02)
+        return None
 
     def send(self, spec: LaunchSpec) -> None:
         for inbox in self.inboxes:
@@ -284,36 +318,26 @@ class Ranks:
         for inbox in self.inboxes:
             with contextlib.suppress(OSError):
                 inbox.close()
-        _stop_all(self.context.processes)
+        procs.stop(self.context.processes, _GRACE_S)
         with contextlib.suppress(OSError):
             self.reader.close()
-        # torch's spawn leaves a rank's error record (/tmp/pytorch-errorfile-*.pickle) behind once it has been read.
-        for error_file in getattr(self.context, "error_files", None) or []:
-            if error_file:
-                with contextlib.suppress(OSError):
-                    os.unlink(error_file)
+        self.context.remove_error_files()
 
 
 def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
     """Spawn this node's `nproc` ranks now; they load torch and wait for launch() to send their spec."""
-    import torch.multiprocessing as mp
-
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    # torch logs each rank it terminates; which rank failed, and why, is said once by harness.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    spawn_ctx = mp.get_context("spawn")
+    spawn_ctx = procs.SPAWN
     reader, writer = spawn_ctx.Pipe(duplex=False)
     pipes = [spawn_ctx.Pipe(duplex=False) for _ in range(nproc)]
-    # Per local rank: the step it is at and when it last made progress (time.monotonic()).
-    progress = spawn_ctx.Array("d", 2 * nproc, lock=False)
+    # Per local rank: the step it is at and when it last made progress (time.monotonic()); then the port of
+    # the job's store once the first rank hosts it (0 until then).
+    progress = spawn_ctx.Array("d", 2 * nproc + 1, lock=False)
     for rank in range(nproc):
         _beat(progress, rank, -1)
     start = _Start(str(log_dir), node_rank, nproc, os.getpid())
     try:
-        procs = mp.spawn(
-            _worker, args=(start, [r for r, _ in pipes], writer, progress), nprocs=nproc, join=False,
-            start_method="spawn",
-        )
+        processes = procs.start(_worker, (start, [r for r, _ in pipes], writer, progress), nproc)
     except BaseException:
         for r, w in pipes:
             r.close()
@@ -324,7 +348,7 @@ def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
         writer.close()  # the ranks hold the only write ends now: EOF once they are gone
     for r, _ in pipes:
         r.close()
-    return Ranks(str(log_dir), node_rank, nproc, procs, [w for _, w in pipes], reader, progress)
+    return Ranks(str(log_dir), node_rank, nproc, processes, [w for _, w in pipes], reader, progress)
 
 
 def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = None, store: Any = None) -> None:
@@ -333,10 +357,14 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
 
     `channel` (global rank 0 only; others get None) takes rank 0's messages with send() and close().
     `store` is the job's TCPStore when this process already holds it; otherwise the rank connects
-    to spec.master_addr:spec.port as a client.
+    to spec.master_addr:spec.port as a client, or, for ranks this node's launcher spawned with port 0, the first
+    of them hosts it (local_store).
     """
     import torch
     rank = spec.global_rank(local_rank)
+    hosts = store is None and not spec.port and progress is not None
+    if hosts:
+        store = local_store(spec, local_rank, progress)
     if rank != 0 and channel is not None:
         channel.close()
         channel = None
@@ -429,6 +457,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         kept.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if hosts:
+            _leave_store(spec, local_rank, progress)
     except BaseException as err:
         _write_failure(spec, rank, err)
         raise
@@ -439,6 +469,49 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             seeds_seen.stop()  # torchrun runs the body in its launcher's process, which lives on
         if channel is not None:
             channel.close()
+
+
+_DONE = -3.0  # a rank's step in the progress array once it no longer needs the job's store
+
+
+def local_store(spec: LaunchSpec, local_rank: int, progress: Any) -> Any:
+    """The job's store on a single node: the first rank hosts it on a free port (as torch's env:// rendezvous
+    has rank 0 do) and publishes the port in the shared progress array; the others wait for it and connect.
+    MASTER_PORT, set from spec.port, is then the store's."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=spec.timeout_s + _PG_MARGIN_S)
+    slot = 2 * spec.local_ranks
+    if local_rank == 0:
+        try:
+            store = dist.TCPStore(spec.master_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        except Exception as err:  # torch raises DistNetworkError / RuntimeError with a C++ message
+            raise HarnessError(f"cannot listen on {spec.master_addr} for the job's rendezvous "
+                               f"({_last_line(str(err))}). Check that the loopback interface is up.") from err
+        progress[slot] = store.port
+    else:
+        # The launcher ends every rank if the first one dies before it publishes: this wait needs no deadline of
+        # its own beyond the job's.
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not progress[slot]:
+            if time.monotonic() > deadline:
+                raise HarnessError(f"rank 0 did not host the job's store within {timeout.total_seconds():g} s. "
+                                   "Raise timeout_s if its start-up can take longer.")
+            time.sleep(0.005)
+        store = dist.TCPStore(spec.master_addr, int(progress[slot]), is_master=False, timeout=timeout)
+    spec.port = int(progress[slot])
+    return store
+
+
+def _leave_store(spec: LaunchSpec, local_rank: int, progress: Any) -> None:
+    """The rank that hosts the store exits only once every other rank has finished with it (or the margin passed:
+    a rank that failed is the launcher's to report)."""
+    progress[2 * local_rank] = _DONE  # its time stays as the teardown beat left it: no timeout judges this wait
+    if local_rank != 0:
+        return
+    deadline = time.monotonic() + _PG_MARGIN_S
+    while time.monotonic() < deadline and any(progress[2 * r] != _DONE for r in range(1, spec.local_ranks)):
+        time.sleep(0.005)
 
 
 _REGROUPS = "regroup-"  # the ranks' keys for a re-created default group: ranks/regroup-<n>/...
@@ -598,9 +671,6 @@ def _read_channel(conn: Any, on_message: Callable[[Message], None]) -> None:
             traceback.print_exc()
 
 
-_RAISED = re.compile(r"-- Process (\d+) terminated with the following error:\n", re.M)
-
-
 def host_store(addr: str, port: int, timeout_s: float) -> Any:
     """A TCPStore served by this process (port 0: any free one); the job's ranks are its clients."""
     import torch.distributed as dist
@@ -633,12 +703,9 @@ def launch(
     start_ranks() started them already (they wait for `spec`); otherwise they are started here.
     `on_ranks` is told the ranks once they exist (their progress array shows each one's step).
     """
-    import torch.multiprocessing as mp
-
     own_store = None
-    if store is None:
+    if store is None and spec.port:  # a port of its own on one node: hosted here; port 0: by the first rank
         own_store = host_store(spec.master_addr, spec.port, spec.timeout_s + _PG_MARGIN_S)
-        spec.port = own_store.port
     if ranks is not None and (ranks.log_dir != str(spec.log_dir) or ranks.nproc != spec.local_ranks
                               or ranks.node_rank != spec.node_rank):
         ranks.stop()
@@ -650,12 +717,12 @@ def launch(
     previous = None
     if cancelled is None and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, on_term)
-    procs: Any = None
+    context: procs.Processes | None = None
     drain: threading.Thread | None = None
     try:
         if ranks is None:
             ranks = start_ranks(spec.local_ranks, spec.log_dir, spec.node_rank)
-        procs, progress = ranks.context, ranks.progress
+        context, progress = ranks.context, ranks.progress
         if on_ranks is not None:
             on_ranks(ranks)
         # The ranks' time without progress counts from now: waiting for the record was not theirs.
@@ -666,20 +733,20 @@ def launch(
         drain.start()
         ranks.send(spec)
         try:
-            while not procs.join(timeout=0.5, grace_period=_GRACE_S):
+            while not context.join(timeout=0.5, grace_period=_GRACE_S):
                 signum = cancelled() if cancelled is not None else None
                 if signum:
                     raise Interrupted(signum)
                 if check is not None:
                     check()
-                silent = _silent_ranks(progress, procs.processes, spec.timeout_s)
+                silent = _silent_ranks(progress, context.processes, spec.timeout_s)
                 if silent:
-                    raise _stalled(spec, procs.processes, progress, silent)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+                    raise _stalled(spec, context.processes, progress, silent)
+        except procs.RankFailed as err:
             signum = _signalled_too(err, cancelled)
             if signum:  # a scheduler signals every process of the job: the ranks died of the launcher's signal
                 raise Interrupted(signum) from None
-            _stop_all(procs.processes)  # every rank's error record is final before it is read
+            procs.stop(context.processes, _GRACE_S)  # every rank's error record is final before it is read
             rank, line, text, expected, peer = _diagnose(spec, err)
             raise RunFailed(line) from _RankError(rank, text, expected, peer)
     except KeyboardInterrupt:
@@ -687,8 +754,8 @@ def launch(
     except _Terminate:
         raise Interrupted(signal.SIGTERM) from None
     finally:
-        if procs is not None:
-            _stop_all(procs.processes)
+        if context is not None:
+            procs.stop(context.processes, _GRACE_S)
         for stacks in Path(spec.log_dir).glob("rank*.stacks.txt"):
             if stacks.stat().st_size == 0:  # nobody asked for this rank's stacks
                 stacks.unlink()
@@ -701,15 +768,13 @@ def launch(
         del own_store  # the store's server stops with its last reference
 
 
-def _signalled_too(err: Exception, cancelled: Callable[[], int | None] | None) -> int | None:
+def _signalled_too(err: procs.RankFailed, cancelled: Callable[[], int | None] | None) -> int | None:
     """The launcher's own SIGTERM/SIGINT when a rank died of the same signal at about the same time."""
-    import torch.multiprocessing as mp
-
     if cancelled is None:
         return None
     if cancelled():  # already told to stop: a rank still starting up dies of Ctrl-C in any way (abort, exit 1)
         return cancelled()
-    if not isinstance(err, mp.ProcessExitedException):
+    if not isinstance(err, procs.RankExited):
         return None
     if err.signal_name not in ("SIGTERM", "SIGINT"):
         return None
@@ -781,18 +846,16 @@ def _stack_location(path: Path, code_dir: str) -> tuple[str | None, str]:
     return None, "other"
 
 
-def _diagnose(spec: LaunchSpec, err: ProcessRaisedException | ProcessExitedException) -> tuple[int, str, str, bool, bool]:
+def _diagnose(spec: LaunchSpec, err: procs.RankFailed) -> tuple[int, str, str, bool, bool]:
     """(rank, one line, traceback, whether the line says it all, whether it only lost a peer) of the failure that
     caused the others: a peer's connection error never is."""
-    import torch.multiprocessing as mp
-
     records: list[dict[str, Any]] = []
     for path in sorted(Path(spec.log_dir).glob("rank*.error.json")):
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text()))
     failing = spec.global_rank(err.error_index)
     root: dict[str, Any]
-    if isinstance(err, mp.ProcessExitedException) and not any(r["rank"] == failing for r in records):
+    if isinstance(err, procs.RankExited) and not any(r["rank"] == failing for r in records):
         how = f"was killed by {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
         root = {"rank": failing, "line": how, "expected": True, "traceback": str(err)}
         line = f"rank {failing} {how}"
@@ -803,9 +866,7 @@ def _diagnose(spec: LaunchSpec, err: ProcessRaisedException | ProcessExitedExcep
             # Ranks that failed alike (every rank importing a broken entry) are one cause: name the lowest.
             root = min((r for r in causes if r["line"] == first["line"]), key=lambda r: r["rank"])
         else:  # it died before it could say why: spawn's own report is all there is
-            message = str(err)
-            match = _RAISED.search(message)
-            text = message[match.end():] if match else message
+            text = err.traceback_text if isinstance(err, procs.RankRaised) else str(err)
             root = {"rank": failing, "line": _last_line(text), "expected": False, "traceback": text}
         line = f"rank {root['rank']}: {root['line']}" if root["expected"] else f"rank {root['rank']} raised: {root['line']}"
     others = [r for r in records if r["rank"] != root["rank"]]
@@ -853,18 +914,3 @@ def failure_details(err: BaseException) -> tuple[int | None, str, bool]:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else "unknown error"
-
-
-def _stop_all(processes: list[Any]) -> None:
-    """SIGTERM, a grace period, then SIGKILL: no rank outlives its launcher."""
-    alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        with contextlib.suppress(Exception):
-            p.terminate()
-    for p in alive:
-        p.join(timeout=_GRACE_S)
-    for p in alive:
-        if p.is_alive():
-            with contextlib.suppress(Exception):
-                p.kill()
-            p.join(timeout=_GRACE_S)

@@ -50,8 +50,9 @@ def _gpu_driver() -> str:
         return "none"
 
 
-def runtime_facts() -> dict[str, str]:
-    """Measured in the process that launches the ranks (inside the container when there is one)."""
+def torch_facts() -> dict[str, str]:
+    """What torch says about itself and the GPUs: measured where torch is imported anyway (a rank, see
+    executors/launch.py), since the launcher does not import it."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -63,6 +64,20 @@ def runtime_facts() -> dict[str, str]:
             nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception:  # nccl not built in
             nccl = "none"
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
+        "nccl": nccl,
+        "gpu": ", ".join(gpus) if gpus else "none",
+        "gpu_count": str(len(gpus)),
+    }
+
+
+def runtime_facts(measured: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Measured on the machine that runs the ranks (inside the container when there is one). `measured`: the
+    torch_facts() one of its ranks took; without them they are measured here (importing torch)."""
+    facts = dict(measured) if measured is not None else torch_facts()
     cpus = os.cpu_count() or 0
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -71,13 +86,13 @@ def runtime_facts() -> dict[str, str]:
     return {
         "harness": __version__,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
-        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
-        "nccl": nccl,
-        "gpu": ", ".join(gpus) if gpus else "none",
-        "gpu_count": str(len(gpus)),
-        "gpu_driver": _gpu_driver() if cuda else "none",
+        "torch": facts["torch"],
+        "cuda": facts["cuda"],
+        "cudnn": facts["cudnn"],
+        "nccl": facts["nccl"],
+        "gpu": facts["gpu"],
+        "gpu_count": facts["gpu_count"],
+        "gpu_driver": _gpu_driver() if facts["gpu_count"] != "0" else "none",
         "cpu": _cpu_model(),
         "cpu_count": str(cpus),
         "hostname": socket.gethostname(),

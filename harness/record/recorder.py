@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,7 +51,7 @@ from harness.store.tracking import Outages, Patient, Tracker, save_series, trans
 
 if TYPE_CHECKING:
     from harness.records import RunRecord
-    from harness.runtime.context import CheckpointPlan
+    from harness.runtime.plan import CheckpointPlan
     from harness.store.tracking import Heartbeat, MetricWriter
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
@@ -111,7 +111,7 @@ def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None,
     """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
     lists them with the run. `stop_at` (replay --steps K): the ranks stop where step K would begin, at the same
     boundary an audit segment ends at, whether or not the run checkpoints."""
-    from harness.runtime.context import CheckpointPlan
+    from harness.runtime.plan import CheckpointPlan
 
     if store is None:
         return None if stop_at is None else CheckpointPlan("", 0, stop_at=stop_at)
@@ -156,10 +156,11 @@ class Recorder:
             final["determinism_changes"] = [c for c in earlier if c is not None and c.step < resume_step]
 
     # -- start ------------------------------------------------------------------------------------------
-    def start(self, device: str, backend: str) -> None:
-        """The ranks are about to start on `device` with `backend`: record where, and open the run's writers."""
+    def start(self, device: str, backend: str, measured: Mapping[str, str] | None = None) -> None:
+        """The ranks are about to start on `device` with `backend`: record where, and open the run's writers.
+        `measured`: the torch facts a rank took (provenance.torch_facts), if one did."""
         tracker, run_id, cfg, resume_step = self.tracker, self.run_id, self.cfg, self.resume_step
-        facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts().items()}
+        facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts(measured).items()}
         facts.update({T.DEVICE: device, T.BACKEND: backend})
         # Where the ranks run: inside the pinned image only if the docker backend said so.
         in_image = bool(os.environ.get(ENV_DIGEST))
@@ -311,8 +312,14 @@ class Recorder:
             if self.heartbeat is not None:
                 self.heartbeat.close()
             if writer is not None:
-                writer.close()
-                save_series(writer.series, self.work / "series.npz")
+                # The exact series is written (compressed: ~1 s a million points) while the store takes the last
+                # points: both release the GIL for most of their time. The ranks are done: the series is final.
+                with ThreadPoolExecutor(1, thread_name_prefix="harness-series") as pool:
+                    saved = pool.submit(save_series, writer.series, self.work / "series.npz")
+                    try:
+                        writer.close()
+                    finally:
+                        saved.result()
             if ckpts is not None:
                 ckpts.close()
             if collect is not None:

@@ -7,7 +7,6 @@ import multiprocessing as mp
 import numbers
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -43,22 +42,8 @@ from harness.runtime.invariant import (
     broadcast_parameters,
 )
 from harness.runtime.outbox import Outbox
+from harness.runtime.plan import CheckpointPlan
 from harness.runtime.steps import StepClock, optimizer_parameters
-
-
-@dataclass
-class CheckpointPlan:
-    """Where and how often ranks checkpoint, and what this launch resumes from or stops at."""
-
-    directory: str
-    every: int  # 0: never save (a resume or audit may still load)
-    resume_step: int | None = None  # load the checkpoint of this step before the first epoch
-    stop_at: int | None = None  # an audit segment ends when this many steps are done
-    # harness trace: an op-level trace (optrace.OpTracer) around this step, on these ranks, written to
-    # trace_dir/rank<R>.jsonl.gz when the step ends.
-    trace_step: int | None = None
-    trace_ranks: tuple[int, ...] = ()
-    trace_dir: str = ""
 
 
 class StopSegment(BaseException):

@@ -24,12 +24,6 @@ from harness.runtime.callsite import Sites
 CUBLAS_WORKSPACE = ":4096:8"
 
 
-def derive_rank_seeds(seed: int, world_size: int) -> list[int]:
-    """One independent 32-bit seed per rank, derived from the base seed (recorded with the run)."""
-    children = np.random.SeedSequence(seed).spawn(world_size)
-    return [int(child.generate_state(1)[0]) for child in children]
-
-
 def seed_everything(seed: int) -> None:
     """Seed every RNG a training step may draw from in this process."""
     random.seed(seed)

@@ -116,7 +116,7 @@ def send_once(w: Watch | None, send: Callable[[Any], None] | None) -> None:
 def foreign(calls: tuple[UserSeed, ...], seed: int, world_size: int) -> list[UserSeed]:
     """The calls that seeded with a value harness did not derive from the recorded seed (its base seed, a rank's
     seed): those values, not the record's seed, decide what the RNGs draw. L.seed_everything(ctx.seed) is not one."""
-    from harness.runtime.determinism import derive_rank_seeds
+    from harness.seeds import derive_rank_seeds
 
     ours = {str(seed), *map(str, derive_rank_seeds(seed, world_size))}
     return [c for c in calls if c.value not in ours]

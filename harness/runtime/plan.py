@@ -1,0 +1,21 @@
+"""What a launch tells its ranks about checkpoints: a plain record, built by the launcher (which does not import torch)
+and pickled into every rank's LaunchSpec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CheckpointPlan:
+    """Where and how often ranks checkpoint, and what this launch resumes from or stops at."""
+
+    directory: str
+    every: int  # 0: never save (a resume or audit may still load)
+    resume_step: int | None = None  # load the checkpoint of this step before the first epoch
+    stop_at: int | None = None  # an audit segment ends when this many steps are done
+    # harness trace: an op-level trace (optrace.OpTracer) around this step, on these ranks, written to
+    # trace_dir/rank<R>.jsonl.gz when the step ends.
+    trace_step: int | None = None
+    trace_ranks: tuple[int, ...] = ()
+    trace_dir: str = ""

@@ -711,11 +711,12 @@ class Context:
         generators = {str(i): dl.generator for i, dl in enumerate(self._loaders) if dl is not self._train_loader}
         state = ckpt.build(
             model=model, position=position, loader_generators=generators,
-            extra={"next_fingerprint": self._next_fingerprint}, device=self.device, **self._tracked,
+            extra={"next_fingerprint": self._next_fingerprint}, device=self.device, copy=False, **self._tracked,
         )
         directory = Path(plan.directory)
-        ckpt.save_atomic(state, ckpt.path_for(directory, step, self.rank))
-        tensors = ckpt.tensor_fingerprints(state, model, self._tracked.get("optimizer"))
+        # Saved and digested before the loop goes on: the live CPU tensors (copy=False) are what the file holds.
+        tensors = ckpt.save_with_digests(state, ckpt.path_for(directory, step, self.rank), model,
+                                         self._tracked.get("optimizer"))
         # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
         ranks = self._gather(ckpt.replica_sha256(tensors, model))
         self._saved.add(step)

@@ -1,0 +1,119 @@
+"""How the cost of fingerprints and checkpoints grows with the model: 1 MB / 100 MB / 1 GB of fp32 parameters.
+
+Two rows per size, each against its baseline, interleaved rounds, medians (benchmarks/scaling.py prints the table):
+- fingerprint: `harness.runtime.fingerprint.fingerprint(model)` (what ctx.ddp logs every `fingerprint_every` steps)
+  against one `hashlib.sha256` over the same bytes in one buffer - the least any exact digest of the weights costs
+  on one core. Throughput in GB/s is printed beside it.
+- checkpoint: what a rank does at a checkpoint (runtime/context.py `_maybe_checkpoint` without the collective: the
+  state built, saved atomically with fsync, its per-tensor digests) against a plain `torch.save(model.state_dict())`
+  to the same folder, without fsync (what a training script usually does).
+
+The model is a stack of Linear layers with an SGD optimizer that holds momentum (its state is saved too, and the
+baseline saves it as well). Files go to a temporary folder on the same disk and are removed after each round.
+
+Usage: python benchmarks/scale_model_bench.py [--rounds N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.runtime import checkpoint as ckpt  # noqa: E402
+from harness.runtime.fingerprint import fingerprint, raw_bytes  # noqa: E402
+from scaling import Axis, interleaved, table  # noqa: E402
+
+MB = 1_000_000
+
+
+def model_of(size_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Linear layers of 4 MB (1000x1000 fp32) or one smaller one, `size_bytes` of parameters in all."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    left = size_bytes // 4
+    while left > 0:
+        n = min(1000, max(1, int(left ** 0.5)))
+        layers.append(torch.nn.Linear(n, n, bias=False))
+        left -= n * n
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():  # one step, so the optimizer holds a momentum buffer per parameter
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return model, opt
+
+
+def harness_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: Path) -> None:
+    position = ckpt.TrainingPosition(step=1, epoch=0, batch_in_epoch=1)
+    state = ckpt.build(model=model, optimizer=opt, position=position, copy=False)
+    ckpt.save_with_digests(state, ckpt.path_for(folder, 1, 0), model, opt)
+
+
+def plain_save(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, folder / "plain.pt")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1 MB and 10 MB, one round")
+    args = ap.parse_args()
+    sizes = [1 * MB, 10 * MB] if args.quick else [1 * MB, 100 * MB, 1000 * MB]
+    rounds = 1 if args.quick else args.rounds
+    fp = Axis("model size", "fingerprint(model), s (GB/s in notes)", "one hashlib.sha256 over the same bytes")
+    cp = Axis("model size", "checkpoint: build + save_atomic + per-tensor digests, s", "plain torch.save, no fsync")
+    notes = []
+    scratch = Path(tempfile.mkdtemp(prefix="harness-model-bench-", dir=Path.cwd()))
+    try:
+        for size in sizes:
+            model, opt = model_of(size)
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            flat = b"".join(bytes(raw_bytes(p)) for p in model.parameters())  # one buffer: the baseline's input
+
+            def one_sha() -> None:
+                hashlib.sha256(flat).hexdigest()
+
+            times = interleaved({"harness": lambda: fingerprint(model) and None, "sha": lambda: one_sha()}, rounds)
+            h, b = sorted(times["harness"])[len(times["harness"]) // 2], sorted(times["sha"])[len(times["sha"]) // 2]
+            fp.add(nbytes, f"{nbytes / MB:,.0f} MB", h, b)
+            notes.append(f"{nbytes / MB:,.0f} MB: fingerprint {nbytes / h / 1e9:.2f} GB/s, one sha256 {nbytes / b / 1e9:.2f} GB/s")
+
+            def run_harness() -> float:
+                folder = scratch / "h"
+                t0 = time.perf_counter()
+                harness_checkpoint(model, opt, folder)
+                took = time.perf_counter() - t0
+                shutil.rmtree(folder)
+                return took
+
+            def run_plain() -> float:
+                folder = scratch / "p"
+                t0 = time.perf_counter()
+                plain_save(model, opt, folder)
+                took = time.perf_counter() - t0
+                shutil.rmtree(folder)
+                return took
+
+            times = interleaved({"harness": run_harness, "plain": run_plain}, rounds)
+            h, b = sorted(times["harness"])[len(times["harness"]) // 2], sorted(times["plain"])[len(times["plain"]) // 2]
+            cp.add(nbytes, f"{nbytes / MB:,.0f} MB", h, b)
+            del model, opt, flat
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(table([fp, cp], f"## Model size ({rounds} interleaved rounds, medians, torch threads {torch.get_num_threads()})"))
+    print("\n" + "\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ Usage: python benchmarks/bare/linear_ddp.py [EPOCHS [WORLD_SIZE]]
 """
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -25,6 +26,18 @@ def train(rank, world_size, port, epochs):
     torch.use_deterministic_algorithms(True)  # as harness's determinism level strict
     torch.manual_seed(SEED + rank)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
+    fit(rank, world_size, epochs)
+    # The DDP model is gone (fit's frame, and any cycle it left) while the group is still registered: freed after
+    # destroy_process_group(), DDP's Reducer would be the group's last owner and destroy it holding the GIL while
+    # joining gloo's workers, one of which may need the GIL to free the last all-reduce - a deadlock in torch 2.13
+    # that hung this script now and then (harness/runtime/groupkeep.py describes the same).
+    gc.collect()
+    # Rank 0 hosts the rendezvous store: it must not exit while a peer still needs it.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fit(rank, world_size, epochs):
     data = torch.randn(SAMPLES, 10, generator=torch.Generator().manual_seed(SEED))
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=SEED)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
@@ -41,9 +54,6 @@ def train(rank, world_size, port, epochs):
             optimizer.step()
         if rank == 0:
             print(f"epoch {epoch + 1}/{epochs} loss {loss.item():.4f}", flush=True)
-    # Rank 0 hosts the rendezvous store: it must not exit while a peer still needs it.
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def free_port():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import inspect
 import json
 import os
@@ -456,6 +457,9 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         _beat(progress, local_rank, -2)  # trained: tearing down (the process group, the interpreter) is no hang
         userseed.send_once(seeds_seen, channel.send if channel is not None else None)
         kept.stop()
+        # A DDP model in a reference cycle would otherwise be freed by a later collection, after the group below is
+        # destroyed: its Reducer then frees the group, joining gloo's threads with the GIL held (groupkeep.py).
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
         if hosts:

@@ -275,6 +275,9 @@ def build_manifest(
             cache.close()
 
 
+_HASH_BATCH = 256  # files a hashing task takes at most (a big file is one task's whole time either way)
+
+
 def _hash_entry(entry: Declared, cache: HashCache, stats: HashStats) -> dict[str, Any]:
     path = entry.path
     try:
@@ -313,8 +316,14 @@ def _hash_entry(entry: Declared, cache: HashCache, stats: HashStats) -> dict[str
                 racy.add(p)
 
     if len(todo) > 1:
+        # Batches, not a Future per file: 100,000 live Futures cost a sixth of the time in garbage-collector passes.
+        def batch(items: list[tuple[bytes, os.stat_result]]) -> None:
+            for item in items:
+                work(item)
+
+        size = max(1, min(_HASH_BATCH, len(todo) // (4 * _workers())))
         with ThreadPoolExecutor(max_workers=_workers()) as pool:
-            list(pool.map(work, todo))  # list(): re-raises the first error
+            list(pool.map(batch, [todo[i:i + size] for i in range(0, len(todo), size)]))  # re-raises the first error
     else:
         for item in todo:
             work(item)

@@ -598,8 +598,6 @@ def bundle_axes(cache: Path, repo: Path, sizes: tuple[tuple[int, int], ...], rou
     work = cache / "work"
     for points, checkpoint_bytes in sizes:
         made = bundle_run(cache, repo, points, checkpoint_bytes)
-        notes.append(f"bundle run of {made['points']:,} points + {made['checkpoint_bytes'] / MB:.1f} MB checkpoints "
-                     f"({made['artifact_bytes'] / MB:.1f} MB of artifacts): made in {made['build_s']:.0f} s")
         artifacts = Path(made["artifacts"])
         out = work / "bundle" / "run.tar.gz"
         tarred = work / "bundle" / "artifacts.tar.gz"
@@ -609,12 +607,13 @@ def bundle_axes(cache: Path, repo: Path, sizes: tuple[tuple[int, int], ...], rou
 
         variants = bundle_variants(made, artifacts, out, tarred, uri, repo, work, blank)
         got = interleaved({k: variants[k] for k in ("export", "tar czf")}, rounds)
-        sizes_note = f"bundle {out.stat().st_size / MB:.1f} MB, tar.gz {tarred.stat().st_size / MB:.1f} MB"
+        notes.append(f"bundle run of {made['points']:,} points + {made['checkpoint_bytes'] / MB:.1f} MB checkpoints "
+                     f"({made['artifact_bytes'] / MB:.1f} MB of artifacts): made in {made['build_s']:.0f} s; its bundle "
+                     f"{out.stat().st_size / MB:.1f} MB, its artifacts' tar.gz {tarred.stat().st_size / MB:.1f} MB")
         got.update(interleaved({k: variants[k] for k in ("import", "tar xzf")}, rounds))
         label = f"{made['points'] / 1000:g}k points + {made['checkpoint_bytes'] / MB:.3g} MB"
         export.add(made["points"], label, statistics.median(got["export"]), statistics.median(got["tar czf"]))
         imp.add(made["points"], label, statistics.median(got["import"]), statistics.median(got["tar xzf"]))
-        notes.append(f"  {label}: {sizes_note}")
         for key, base in (("export", "tar czf"), ("import", "tar xzf")):
             say(f"  {key}: harness {statistics.median(got[key]):.2f} s, {base} {statistics.median(got[base]):.2f} s "
                 f"(rounds: {', '.join(f'{x:.2f}' for x in got[key])} / {', '.join(f'{x:.2f}' for x in got[base])})")

@@ -9,7 +9,10 @@ time to its first line on stderr, and the peak resident memory of the launcher, 
 rest of its process tree (sampled from /proc every 0.1 s). Prints two markdown tables (medians and ratios
 to the bare script) and the load average.
 
-Usage: python benchmarks/startup_bench.py [--rounds N] [--jobs linear_ddp,digits_cnn] [--before /work/main]
+Usage: python benchmarks/startup_bench.py [--rounds N] [--jobs linear_ddp,digits_cnn] [--before /work/main] [--fork-workers]
+
+--fork-workers: the bare digits_cnn's loader workers fork as ctx.loader's do; without it they are spawned (the ranks'
+start method, inherited) and re-import torch every epoch, which makes the bare script several times slower
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", default="linear_ddp,digits_cnn")
     ap.add_argument("--before", type=Path, default=None, help="another harness checkout to time alongside")
+    ap.add_argument("--fork-workers", action="store_true",
+                    help="the bare scripts' DataLoader workers fork, as ctx.loader's do (BARE_FORK_WORKERS=1)")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="startup-bench-"))
     try:
@@ -137,6 +142,8 @@ def main() -> None:
                     env["PYTHONUNBUFFERED"] = "1"
                     if name == "bare":
                         cmd = [sys.executable, str(BARE / f"{job}.py")]
+                        if args.fork_workers:
+                            env["BARE_FORK_WORKERS"] = "1"
                     else:
                         tree = variants[name][1]
                         env["PYTHONPATH"] = tree

@@ -62,7 +62,10 @@ def train(rank, world_size, port, epochs):
     val, tr = order[:n_val], order[n_val:]
     train_set, val_set = Digits(images[tr], labels[tr], augment=True), Digits(images[val], labels[val])
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=SEED)
-    loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler, num_workers=NUM_WORKERS)
+    # BARE_FORK_WORKERS=1: the loader workers fork (as ctx.loader's do) instead of inheriting the ranks' spawn, which
+    # re-imports torch in a new worker every epoch.
+    fork = {"multiprocessing_context": "fork"} if os.environ.get("BARE_FORK_WORKERS") == "1" else {}
+    loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler, num_workers=NUM_WORKERS, **fork)
     val_loader = DataLoader(val_set, batch_size=256,
                             sampler=DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False))
     model = DDP(make_model())

@@ -958,6 +958,7 @@ def load_series(path: Path) -> dict[str, tuple[Any, Any]]:
 
 _MLFLOW_MAX_FLOAT = 1.7976931348623157e308  # MLflow stores +-inf as the largest float: SQL has no infinity
 _SINK_CHUNK = 200_000  # points per transaction: a few MB of rows, so a reader waits at most a fraction of a second
+_SINK_WAKE = 20_000  # points pending that a bulk store takes at once instead of at the next flush interval
 
 
 class SqliteMetricSink:
@@ -1055,6 +1056,8 @@ class MetricWriter:
         self._outages = outages or Outages()
         self._pending: deque[tuple[str, float, int, int]] = deque()
         self._stop = threading.Event()
+        # Set by stop, and by a backlog a bulk store should take now rather than at the next interval.
+        self._wake = threading.Event()
         self._lock = threading.Lock()  # one flush at a time
         self.written = 0
         self.error: Exception | None = None
@@ -1064,10 +1067,8 @@ class MetricWriter:
         self._known: dict[str, dict[int, float]] = {}
         # A resume that logs another value at a step the run already holds is not the run's continuation.
         self.conflict: tuple[str, int, float, float] | None = None  # the first (key, step, recorded, now)
-        # A local SQLite store takes the points in bulk (SqliteMetricSink), opened by the first flush; None after that:
-        # MLflow's log_batch, for every other store.
-        self._sink: SqliteMetricSink | None = None
-        self._sink_tried = False
+        # A local SQLite store takes the points in bulk (SqliteMetricSink); None: MLflow's log_batch, for every other store.
+        self._sink: SqliteMetricSink | None = SqliteMetricSink.open(tracker.uri)
         self._thread = threading.Thread(target=self._loop, name="harness-metrics", daemon=True)
         self._thread.start()
 
@@ -1087,6 +1088,7 @@ class MetricWriter:
                     continue
                 self.conflict = self.conflict or (key, step, known, value)
             self._pending.append((key, value, timestamp_ms, step))
+        self._backlog()
 
     def add_batch(self, batch: Any) -> None:
         """Every point of a messages.MetricsBatch, in its order: as add() per point, in one pass."""
@@ -1101,9 +1103,18 @@ class MetricWriter:
                         continue
                     self.conflict = self.conflict or (key, step, old, value)
             pending.append((key, value, unix_ms, step))
+        self._backlog()
+
+    def _backlog(self) -> None:
+        if self._sink is not None and len(self._pending) >= _SINK_WAKE and not self._wake.is_set():
+            self._wake.set()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._wait()):
+        while True:
+            self._wake.wait(self._wait())
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if unwritable(self.error):  # a full or read-only store: the values stay in series for the close
                 return
             self.flush()
@@ -1111,13 +1122,10 @@ class MetricWriter:
     def _wait(self) -> float:
         """Until the next flush: the interval, or none while a bulk store has a backlog (a loop logging faster than the
         store ingests), so that the end of the run finds little left to write."""
-        return 0.0 if self._sink is not None and self.error is None and len(self._pending) >= _SINK_CHUNK // 4 else self._interval
+        return 0.0 if self._sink is not None and self.error is None and len(self._pending) >= _SINK_WAKE else self._interval
 
     def flush(self) -> None:
         with self._lock:
-            if not self._sink_tried:
-                self._sink_tried = True
-                self._sink = SqliteMetricSink.open(self._tracker.uri)
             if self._sink is not None:
                 self._flush_bulk(self._sink)
             else:
@@ -1167,6 +1175,7 @@ class MetricWriter:
         """Stop the thread and write everything still buffered, waiting up to the outage limit for a store
         that is away (also after a failure)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=30)
         deadline = self._outages.deadline()
         self.flush()

@@ -89,23 +89,17 @@ def main() -> None:
             fp.add(nbytes, f"{nbytes / MB:,.0f} MB", h, b)
             notes.append(f"{nbytes / MB:,.0f} MB: fingerprint {nbytes / h / 1e9:.2f} GB/s, one sha256 {nbytes / b / 1e9:.2f} GB/s")
 
-            def run_harness() -> float:
-                folder = scratch / "h"
-                t0 = time.perf_counter()
-                harness_checkpoint(model, opt, folder)
-                took = time.perf_counter() - t0
-                shutil.rmtree(folder)
-                return took
+            def saving(save, folder: Path):
+                def timed() -> float:
+                    t0 = time.perf_counter()
+                    save(model, opt, folder)
+                    took = time.perf_counter() - t0
+                    shutil.rmtree(folder)  # the next round writes a new file, as the next checkpoint does
+                    return took
+                return timed
 
-            def run_plain() -> float:
-                folder = scratch / "p"
-                t0 = time.perf_counter()
-                plain_save(model, opt, folder)
-                took = time.perf_counter() - t0
-                shutil.rmtree(folder)
-                return took
-
-            times = interleaved({"harness": run_harness, "plain": run_plain}, rounds)
+            times = interleaved({"harness": saving(harness_checkpoint, scratch / "h"),
+                                 "plain": saving(plain_save, scratch / "p")}, rounds)
             h, b = sorted(times["harness"])[len(times["harness"]) // 2], sorted(times["plain"])[len(times["plain"]) // 2]
             cp.add(nbytes, f"{nbytes / MB:,.0f} MB", h, b)
             del model, opt, flat

@@ -321,6 +321,19 @@ def mlflow_schema_head() -> str | None:
     return mlflow_schema_revisions()[0]
 
 
+def _local_store(uri: str) -> tuple[Path, str] | None:
+    """(database file, the schema revision MLflow expects) of a local SQLite store harness may read and write without
+    MLflow; None for any other store, an empty file, workspaces (MLflow scopes every query by them), or an MLflow whose
+    migrations cannot be read."""
+    path = database_file(uri)
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return None
+    if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("true", "1"):
+        return None
+    head = mlflow_schema_head()
+    return None if head is None else (path, head)
+
+
 class SqliteReader:
     """Read-only queries on a current local SQLite store: the same answers as MLflow's client for what
     harness reads (runs, tags, params, metric history, local artifacts)."""
@@ -332,14 +345,10 @@ class SqliteReader:
     def open(cls, uri: str) -> SqliteReader | None:
         """A reader for `uri`, or None when MLflow must open it (not a local SQLite file, a schema of
         another revision - MLflow names that -, workspaces enabled, or anything unexpected)."""
-        path = database_file(uri)
-        if path is None or not path.is_file() or path.stat().st_size == 0:
+        known = _local_store(uri)
+        if known is None:
             return None
-        if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("true", "1"):
-            return None
-        head = mlflow_schema_head()
-        if head is None:
-            return None
+        path, head = known
         try:
             # mode=ro: nothing is written, not even a journal, so a read-only store reads too.
             db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=_READ_TIMEOUT_S,
@@ -979,14 +988,10 @@ class SqliteMetricSink:
 
     @classmethod
     def open(cls, uri: str) -> SqliteMetricSink | None:
-        path = database_file(uri)
-        if path is None or not path.is_file():
+        known = _local_store(uri)
+        if known is None:
             return None
-        if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("true", "1"):
-            return None
-        head = mlflow_schema_head()
-        if head is None:
-            return None
+        path, head = known
         try:
             db = sqlite3.connect(str(path), timeout=_READ_TIMEOUT_S, check_same_thread=False, isolation_level=None)
             found = db.execute("SELECT version_num FROM alembic_version").fetchall()

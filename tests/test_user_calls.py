@@ -257,3 +257,41 @@ def test_seed_watch_still_seeds_and_notes_only_the_experiments_calls(tmp_path: P
     # torch.manual_seed seeds CUDA through torch.cuda.manual_seed_all: that inner call is not the user's.
     assert userseed.describe(watch.calls) == ("seeding.py:8 torch.manual_seed(5); seeding.py:9 numpy.random.seed(6); "
                                              "seeding.py:10 random.seed(7)")
+
+
+# A rank leaves without Python's teardown once train() returns (procs._leave) - unless a thread of the user's is
+# still working: an asynchronous saver that outlives train() must finish its file before the rank is gone.
+LATE_SAVER = '''"""linear_ddp whose rank 0 hands its last file to a plain (non-daemon) thread that is still writing when train()
+returns, as an asynchronous checkpoint saver does."""
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+
+def train(ctx):
+    model = ctx.ddp(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        ctx.log({"loss": float(step)}, step)
+
+    def save_later():
+        time.sleep(1.5)
+        (ctx.output_dir / "late.txt").write_text("x" * 100_000)
+
+    if ctx.rank == 0:
+        threading.Thread(target=save_later).start()
+'''
+
+
+def test_a_thread_still_saving_when_train_returns_finishes_its_file(fresh_project: Project, tmp_path: Path) -> None:
+    fresh_project.add_experiment("late_saver", train_py=LATE_SAVER)
+    result = fresh_project.harness("run", "experiments/late_saver")
+    assert result.returncode == 0, result.stderr
+    got = fresh_project.client().download_artifacts(result.last_line, "outputs/late.txt", str(tmp_path))
+    assert Path(got).read_text() == "x" * 100_000

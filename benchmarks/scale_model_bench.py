@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -29,9 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.runtime import checkpoint as ckpt  # noqa: E402
-from harness.runtime.fingerprint import fingerprint, raw_bytes  # noqa: E402
-from scaling import Axis, interleaved, table  # noqa: E402
+from scaling import Axis, interleaved, table
+
+from harness.runtime import checkpoint as ckpt
+from harness.runtime.fingerprint import fingerprint, raw_bytes
 
 MB = 1_000_000
 
@@ -64,6 +66,31 @@ def plain_save(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: Path)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, folder / "plain.pt")
 
 
+def measure(size: int, rounds: int, scratch: Path, fp: Axis, cp: Axis, notes: list[str]) -> None:
+    """One size: the fingerprint against one sha256, then a checkpoint against torch.save (interleaved rounds)."""
+    model, opt = model_of(size)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    flat = b"".join(bytes(raw_bytes(p)) for p in model.parameters())  # one buffer: the baseline's input
+    times = interleaved({"harness": lambda: fingerprint(model) and None,
+                         "sha": lambda: hashlib.sha256(flat).hexdigest() and None}, rounds)
+    h, b = statistics.median(times["harness"]), statistics.median(times["sha"])
+    fp.add(nbytes, f"{nbytes / MB:,.0f} MB", h, b)
+    notes.append(f"{nbytes / MB:,.0f} MB: fingerprint {nbytes / h / 1e9:.2f} GB/s, one sha256 {nbytes / b / 1e9:.2f} GB/s")
+
+    def saving(save, folder: Path):
+        def timed() -> float:
+            t0 = time.perf_counter()
+            save(model, opt, folder)
+            took = time.perf_counter() - t0
+            shutil.rmtree(folder)  # the next round writes a new file, as the next checkpoint does
+            return took
+        return timed
+
+    times = interleaved({"harness": saving(harness_checkpoint, scratch / "h"),
+                         "plain": saving(plain_save, scratch / "p")}, rounds)
+    cp.add(nbytes, f"{nbytes / MB:,.0f} MB", statistics.median(times["harness"]), statistics.median(times["plain"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -77,32 +104,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="harness-model-bench-", dir=Path.cwd()))
     try:
         for size in sizes:
-            model, opt = model_of(size)
-            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            flat = b"".join(bytes(raw_bytes(p)) for p in model.parameters())  # one buffer: the baseline's input
-
-            def one_sha() -> None:
-                hashlib.sha256(flat).hexdigest()
-
-            times = interleaved({"harness": lambda: fingerprint(model) and None, "sha": lambda: one_sha()}, rounds)
-            h, b = sorted(times["harness"])[len(times["harness"]) // 2], sorted(times["sha"])[len(times["sha"]) // 2]
-            fp.add(nbytes, f"{nbytes / MB:,.0f} MB", h, b)
-            notes.append(f"{nbytes / MB:,.0f} MB: fingerprint {nbytes / h / 1e9:.2f} GB/s, one sha256 {nbytes / b / 1e9:.2f} GB/s")
-
-            def saving(save, folder: Path):
-                def timed() -> float:
-                    t0 = time.perf_counter()
-                    save(model, opt, folder)
-                    took = time.perf_counter() - t0
-                    shutil.rmtree(folder)  # the next round writes a new file, as the next checkpoint does
-                    return took
-                return timed
-
-            times = interleaved({"harness": saving(harness_checkpoint, scratch / "h"),
-                                 "plain": saving(plain_save, scratch / "p")}, rounds)
-            h, b = sorted(times["harness"])[len(times["harness"]) // 2], sorted(times["plain"])[len(times["plain"]) // 2]
-            cp.add(nbytes, f"{nbytes / MB:,.0f} MB", h, b)
-            del model, opt, flat
+            measure(size, rounds, scratch, fp, cp, notes)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(table([fp, cp], f"## Model size ({rounds} interleaved rounds, medians, torch threads {torch.get_num_threads()})"))

@@ -26,14 +26,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchrepo import git  # noqa: E402
-from scaling import Axis, table  # noqa: E402
+from benchrepo import git
+from scaling import Axis, table
 
 METRICS = 10
 JOB_YAML = """\
@@ -159,7 +158,7 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [1_000, 10_000] if args.quick else [1_000, 100_000, 1_000_000]
     rounds = 1 if args.quick else args.rounds
-    end = Axis("metric points", f"end: last step to process end, s{' (paced %gs)' % args.paced if args.paced else ''}",
+    end = Axis("metric points", f"end: last step to process end, s{f' (paced {args.paced:g} s)' if args.paced else ''}",
                "MLflow log_batch of the same points at the end")
     loop = Axis("metric points", "loop: cost per point, us", "appending an mlflow Metric to a list", unit="us")
     with tempfile.TemporaryDirectory(prefix="harness-points-bench-") as tmp:

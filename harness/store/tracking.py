@@ -977,7 +977,7 @@ class SqliteMetricSink:
     project's machines: 40 s at the end of a 200k-point run); the same rows inserted with executemany take a few
     microseconds. The rows are MLflow's own: `metrics` deduplicated on its primary key, NaN stored as 0 with
     is_nan, +-inf as +-max float, and `latest_metrics` updated by MLflow's rule (the greatest (step, timestamp,
-    value) wins). Keys pass MLflow's own name check first. tests/test_store.py reads both paths back through MLflow's
+    value) wins). Keys pass MLflow's own name check first. tests/test_metric_sink.py reads both paths back through MLflow's
     client and asserts the same answers. Any other store (a server, PostgreSQL, a schema of another revision) keeps
     MLflow's log_batch.
     """

@@ -970,6 +970,13 @@ _SINK_CHUNK = 200_000  # points per transaction: a few MB of rows, so a reader w
 _SINK_WAKE = 20_000  # points pending that a bulk store takes at once instead of at the next flush interval
 
 
+def _stored(value: float) -> tuple[int, float]:
+    """(is_nan, value) as MLflow's SQL store keeps a metric value: NaN as 0 with is_nan, +-inf as +-max float."""
+    if value != value:
+        return 1, 0.0
+    return 0, value if abs(value) <= _MLFLOW_MAX_FLOAT else math.copysign(_MLFLOW_MAX_FLOAT, value)
+
+
 class SqliteMetricSink:
     """Metric points straight into a current local SQLite store, as the rows MLflow's log_batch writes.
 
@@ -1012,17 +1019,23 @@ class SqliteMetricSink:
 
     def write(self, run_id: str, points: list[tuple[str, float, int, int]]) -> None:
         """(key, value, timestamp ms, step) points, in one transaction: all of them are in the store, or none."""
-        rows = []
-        latest: dict[str, tuple[int, int, float, int]] = {}
-        for key, value, ts, step in points:
+        for key in {p[0] for p in points}:
             self._check_key(key)
-            is_nan = 1 if value != value else 0
-            stored = 0.0 if is_nan else (value if abs(value) <= _MLFLOW_MAX_FLOAT else math.copysign(_MLFLOW_MAX_FLOAT, value))
-            rows.append((key, stored, ts, step, is_nan, run_id))
-            now = (step, ts, stored, is_nan)
-            was = latest.get(key)
-            if was is None or now[:3] > was[:3]:
-                latest[key] = now
+        # Rows as MLflow stores them; values all finite (a finite sum) are stored as they are, in one pass.
+        rows: list[tuple[str, float, int, int, int, str]]
+        if math.isfinite(sum([p[1] for p in points])):
+            rows = [(key, value, ts, step, 0, run_id) for key, value, ts, step in points]
+        else:
+            rows = []
+            for key, value, ts, step in points:
+                nan, stored = _stored(value)
+                rows.append((key, stored, ts, step, nan, run_id))
+        # latest_metrics by MLflow's rule: per key the greatest (step, timestamp, stored value), the first on a tie.
+        latest: dict[str, tuple[str, float, int, int, int, str]] = {}
+        for row in rows:
+            was = latest.get(row[0])
+            if was is None or (row[3], row[2], row[1]) > (was[3], was[2], was[1]):
+                latest[row[0]] = row
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -1034,7 +1047,7 @@ class SqliteMetricSink:
                 "step = excluded.step, is_nan = excluded.is_nan "
                 "WHERE (excluded.step, excluded.timestamp, excluded.value) > "
                 "(latest_metrics.step, latest_metrics.timestamp, latest_metrics.value)",
-                [(key, v, ts, step, nan, run_id) for key, (step, ts, v, nan) in latest.items()])
+                list(latest.values()))
             db.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):

@@ -9,7 +9,6 @@ on a 2-core machine, which the ranks need for their own torch import at the same
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.connection
@@ -18,11 +17,12 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from harness import shutdown
 
 SPAWN = multiprocessing.get_context("spawn")
 _ERROR_PREFIX = "harness-rank-error-"
@@ -68,18 +68,9 @@ def _child(fn: Callable[..., None], index: int, args: tuple[Any, ...], error_fil
 
 
 def _leave() -> None:
-    """Out of a rank whose work is done without Python's teardown of torch's modules (0.3-0.6 s of a core per rank,
-    measured, which the launcher would wait for): multiprocessing's finalizers and the exit handlers still run and
-    the streams are flushed first. A thread of the user's that is still running (a saver, a prefetcher) is waited
-    for by the usual exit instead: it may be writing a file."""
-    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        return
-    multiprocessing.util._exit_function()  # type: ignore[attr-defined]  # what Process._bootstrap runs last
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(0)
+    """Out of a rank whose work is done without Python's teardown of torch (harness/shutdown.py), multiprocessing's
+    finalizers first (what Process._bootstrap runs last); with a thread of the user's still running, the usual exit."""
+    shutdown.leave(0, first=multiprocessing.util._exit_function)  # type: ignore[attr-defined]
 
 
 class Processes:

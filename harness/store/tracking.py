@@ -1124,23 +1124,20 @@ class MetricWriter:
         self._backlog()
 
     def _backlog(self) -> None:
-        if self._sink is not None and len(self._pending) >= _SINK_WAKE and not self._wake.is_set():
+        """Wake the writer now when a bulk store has a backlog (a loop logging faster than the store ingests), so that
+        the end of the run finds little left to write; a store that just failed is retried at the interval."""
+        if self._sink is not None and self.error is None and len(self._pending) >= _SINK_WAKE and not self._wake.is_set():
             self._wake.set()
 
     def _loop(self) -> None:
         while True:
-            self._wake.wait(self._wait())
+            self._wake.wait(self._interval)
             self._wake.clear()
             if self._stop.is_set():
                 return
             if unwritable(self.error):  # a full or read-only store: the values stay in series for the close
                 return
             self.flush()
-
-    def _wait(self) -> float:
-        """Until the next flush: the interval, or none while a bulk store has a backlog (a loop logging faster than the
-        store ingests), so that the end of the run finds little left to write."""
-        return 0.0 if self._sink is not None and self.error is None and len(self._pending) >= _SINK_WAKE else self._interval
 
     def flush(self) -> None:
         with self._lock:

@@ -31,6 +31,13 @@ class Device(enum.Enum):
     cuda = "cuda"
 
 
+class Launcher(str, enum.Enum):
+    """How the launcher starts this machine's ranks (the results are the same either way)."""
+
+    forkserver = "forkserver"  # forked from a warm rank server that imported torch once (executors/procs.py)
+    spawn = "spawn"  # a fresh interpreter per rank that imports torch itself, as torch.multiprocessing.spawn does
+
+
 class Weights(enum.Enum):
     """How a replay's parameters are held to the original's (replay.tolerance.weights)."""
 
@@ -106,6 +113,9 @@ class ExperimentConfig:
     (harness/commands/study.py). `harness run --seeds N` sets it to seed, seed+1, ..., seed+N-1."""
     threads_per_rank: int = 1
     """torch intra-op threads in each rank (results depend on it)."""
+    launcher: Launcher = Launcher.forkserver
+    """How ranks start: forkserver forks them from a server that imported torch once (seconds faster per run);
+    spawn starts a fresh interpreter per rank, as torch.multiprocessing.spawn does. Recorded as harness.rank_start."""
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     flush_interval_s: float = 2.0
     """How often logged metrics are written to MLflow in the background."""

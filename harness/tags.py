@@ -63,6 +63,7 @@ IN_IMAGE = "harness.in_image"  # true when the job ran inside the pinned image
 NNODES = "harness.nnodes"
 NPROC_PER_NODE = "harness.nproc_per_node"
 LAUNCHER = "harness.launcher"  # spawn | slurm | torchrun: who started the launcher processes
+RANK_START = "harness.rank_start"  # forkserver | spawn | torchrun: how this job's rank processes were started
 MASTER = "harness.master"  # host:port of node 0's rendezvous store (multi-node only)
 NODE_PREFIX = "harness.node."  # harness.node.<R>.<fact>: node R's provenance (node 0's is harness.env.*)
 NODES_DIFFER = "harness.nodes.differ"  # "node 1: cpu, torch": nodes whose environments differ from node 0's

@@ -297,11 +297,11 @@ def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
     if cfg.executor != "local" or topology.multi_node or topology.launcher != "spawn":
         return None
 
-    from harness.executors import launch
+    from harness.executors import launch, procs
 
     work = scratch.make("run")
     try:
-        return launch.start_ranks(cfg.world_size, work / "logs")
+        return launch.start_ranks(cfg.world_size, work / "logs", method=procs.Method(cfg.launcher))
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise

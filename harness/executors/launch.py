@@ -79,7 +79,8 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)
     checkpoints: CheckpointPlan | None = None
     invariant_shards: int = 0  # > 0: world-size-invariant mode with this many shards
-    timeout_s: float = 1800.0  # no progress from a rank for this long ends the job
+    timeout_s: float = 1800.0  # no progress from a rank for this long ends the job (its teardown included)
+    launcher: str = "forkserver"  # how this node's ranks start: procs.Method
     output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts
     data: dict[str, str] = field(default_factory=dict)  # ctx.data: declared name -> absolute path
     run_id: str = ""  # ctx.run_id: the MLflow run this job records ("" for a re-execution: audit, trace)
@@ -194,6 +195,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _alive(pid: int) -> bool:
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _redirect_output(path: Path) -> None:
     # fd-level, so C++ warnings (gloo, NCCL) and tracebacks land in the rank's log too.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -209,10 +222,11 @@ def _redirect_output(path: Path) -> None:
 def _worker(local_rank: int, start: _Start, inboxes: list[Any], channel: Any, progress: Any) -> None:
     """One spawned rank: tied to its launcher, output to its log file, stacks on demand; its heavy imports
     while the launcher records the run; then, once its spec arrives, the rank's body."""
+    parent = os.getppid()  # the launcher, or the rank server this rank was forked from (which dies with it)
     _die_with_parent()
-    if start.launcher_pid and os.getppid() != start.launcher_pid:
-        # The launcher died while this process was still starting (importing torch), before the death signal
-        # was armed: the kernel will not send it now, so nothing would end this rank.
+    if os.getppid() != parent or not _alive(start.launcher_pid):
+        # The launcher (or the server) died while this process was still starting, before the death signal was
+        # armed: the kernel will not send it now, so nothing would end this rank.
         os._exit(1)
     rank = start.node_rank * start.nproc + local_rank
     # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
@@ -298,7 +312,10 @@ class Ranks:
         ended, or took longer than `timeout_s`, before it said (the caller then measures them itself)."""
         path = Path(self.log_dir) / _TORCH_FACTS
         deadline = time.monotonic() + timeout_s
-        first = self.context.processes[0]
+        started = self.context.started()
+        if not started:
+            return None
+        first = started[0]
         while time.monotonic() < deadline:
             try:
                 return dict(json.loads(path.read_text()))
@@ -320,36 +337,43 @@ class Ranks:
         for inbox in self.inboxes:
             with contextlib.suppress(OSError):
                 inbox.close()
-        procs.stop(self.context.processes, _GRACE_S)
+        self.context.stop(_GRACE_S)
         with contextlib.suppress(OSError):
             self.reader.close()
         self.context.remove_error_files()
 
 
-def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0) -> Ranks:
-    """Spawn this node's `nproc` ranks now; they load torch and wait for launch() to send their spec."""
+def start_ranks(nproc: int, log_dir: str | Path, node_rank: int = 0,
+                method: procs.Method = procs.Method.forkserver) -> Ranks:
+    """Start this node's `nproc` ranks now (forked from the warm rank server, or spawned); they load what they need
+    and wait for launch() to send their spec."""
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    spawn_ctx = procs.SPAWN
-    reader, writer = spawn_ctx.Pipe(duplex=False)
-    pipes = [spawn_ctx.Pipe(duplex=False) for _ in range(nproc)]
+    ctx = procs.SPAWN  # pipes and shared memory are the same for either start method
+    reader, writer = ctx.Pipe(duplex=False)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     # Per local rank: the step it is at and when it last made progress (time.monotonic()); then the port of
     # the job's store once the first rank hosts it (0 until then).
-    progress = spawn_ctx.Array("d", 2 * nproc + 1, lock=False)
+    progress = ctx.Array("d", 2 * nproc + 1, lock=False)
     for rank in range(nproc):
         _beat(progress, rank, -1)
     start = _Start(str(log_dir), node_rank, nproc, os.getpid())
-    try:
-        processes = procs.start(_worker, (start, [r for r, _ in pipes], writer, progress), nproc)
-    except BaseException:
-        for r, w in pipes:
+
+    def close_theirs() -> None:
+        # Once every rank holds its own copies: the ranks hold the only write end of the channel (EOF once they
+        # are gone), and the read ends of their inboxes.
+        writer.close()
+        for r, _ in pipes:
             r.close()
+
+    try:
+        processes = procs.start(_worker, (start, [r for r, _ in pipes], writer, progress), nproc, method,
+                                after=close_theirs)
+    except BaseException:
+        close_theirs()
+        for _, w in pipes:
             w.close()
         reader.close()
         raise
-    finally:
-        writer.close()  # the ranks hold the only write ends now: EOF once they are gone
-    for r, _ in pipes:
-        r.close()
     return Ranks(str(log_dir), node_rank, nproc, processes, [w for _, w in pipes], reader, progress)
 
 
@@ -454,7 +478,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                     ctx.finish_stopped()
             finally:
                 ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
-        _beat(progress, local_rank, -2)  # trained: tearing down (the process group, the interpreter) is no hang
+        _beat(progress, local_rank, _TEARDOWN)  # trained: tearing down, which must end within timeout_s too
         userseed.send_once(seeds_seen, channel.send if channel is not None else None)
         kept.stop()
         # A DDP model in a reference cycle would otherwise be freed by a later collection, after the group below is
@@ -511,11 +535,12 @@ def local_store(spec: LaunchSpec, local_rank: int, progress: Any) -> Any:
 def _leave_store(spec: LaunchSpec, local_rank: int, progress: Any) -> None:
     """The rank that hosts the store exits only once every other rank has finished with it (or the margin passed:
     a rank that failed is the launcher's to report)."""
-    progress[2 * local_rank] = _DONE  # its time stays as the teardown beat left it: no timeout judges this wait
+    progress[2 * local_rank] = _DONE
     if local_rank != 0:
         return
     deadline = time.monotonic() + _PG_MARGIN_S
     while time.monotonic() < deadline and any(progress[2 * r] != _DONE for r in range(1, spec.local_ranks)):
+        progress[1] = time.monotonic()  # a bounded wait of its own: the others' progress is judged on theirs
         time.sleep(0.005)
 
 
@@ -556,13 +581,14 @@ def regroup(spec: LaunchSpec, rank: int, store: Any, timeout: datetime.timedelta
     )
 
 
+_TEARDOWN = -2  # a rank's step once its training is over: it is tearing down (the process group, the interpreter)
+
+
 def _beat(progress: Any, rank: int, step: int) -> None:
-    """This rank is alive and at `step` (-1: before the first one; -2: its training is over, it is only tearing
-    down, which no timeout judges); read by the launcher's progress check."""
+    """This rank is alive and at `step` (-1: before the first one; _TEARDOWN: its training is over); read by the
+    launcher's progress check. A teardown is judged as a step is: a rank stuck in it (a collective a finalizer
+    started, a group's destructor) ends the job after timeout_s like a rank stuck in training."""
     if progress is not None:
-        if step == -2:
-            progress[2 * rank + 1] = float("inf")
-            return
         progress[2 * rank] = step
         progress[2 * rank + 1] = time.monotonic()  # CLOCK_MONOTONIC is one clock for every process
 
@@ -726,7 +752,7 @@ def launch(
     drain: threading.Thread | None = None
     try:
         if ranks is None:
-            ranks = start_ranks(spec.local_ranks, spec.log_dir, spec.node_rank)
+            ranks = start_ranks(spec.local_ranks, spec.log_dir, spec.node_rank, procs.Method(spec.launcher))
         context, progress = ranks.context, ranks.progress
         if on_ranks is not None:
             on_ranks(ranks)
@@ -751,7 +777,7 @@ def launch(
             signum = _signalled_too(err, cancelled)
             if signum:  # a scheduler signals every process of the job: the ranks died of the launcher's signal
                 raise Interrupted(signum) from None
-            procs.stop(context.processes, _GRACE_S)  # every rank's error record is final before it is read
+            context.stop(_GRACE_S)  # every rank's error record is final before it is read
             rank, line, text, expected, peer = _diagnose(spec, err)
             raise RunFailed(line) from _RankError(rank, text, expected, peer)
     except KeyboardInterrupt:
@@ -760,7 +786,7 @@ def launch(
         raise Interrupted(signal.SIGTERM) from None
     finally:
         if context is not None:
-            procs.stop(context.processes, _GRACE_S)
+            context.stop(_GRACE_S)
         for stacks in Path(spec.log_dir).glob("rank*.stacks.txt"):
             if stacks.stat().st_size == 0:  # nobody asked for this rank's stacks
                 stacks.unlink()
@@ -798,25 +824,20 @@ def _silent_ranks(progress: Any, processes: list[Any], timeout_s: float) -> list
 
 
 def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list[int]) -> RunFailed:
-    """Ask the silent ranks for their stacks, then say which ranks stopped where."""
+    """Ask the silent ranks for their stacks, then say which ranks stopped where, and in which collective."""
     for rank in silent:
         with contextlib.suppress(OSError, AttributeError):
             os.kill(processes[rank].pid, signal.SIGUSR1)
     time.sleep(_STACK_WAIT_S)
     found = {
-        r: _stack_location(Path(spec.log_dir) / f"rank{spec.global_rank(r)}.stacks.txt", spec.code_dir) for r in silent
+        r: stack_location(Path(spec.log_dir) / f"rank{spec.global_rank(r)}.stacks.txt", spec.code_dir) for r in silent
     }
     # A rank stuck in the experiment's own code (a sleep, a loop) is the likely culprit; ranks stuck
     # inside torch are usually waiting for it in a collective. Culprits first.
-    order = sorted(silent, key=lambda r: (found[r][1] != "own", progress[2 * r], r))
+    order = sorted(silent, key=lambda r: (found[r].kind != "own", progress[2 * r], r))
     parts = []
     for rank in order:
-        step = int(progress[2 * rank])
-        at = "before its first step" if step < 0 else f"at step {step}"
-        where, kind = found[rank]
-        if where:
-            at += f" waiting in a call made at {where}" if kind == "call" else f" in {where}"
-        parts.append(f"rank {spec.global_rank(rank)} {at}")
+        parts.append(f"rank {spec.global_rank(rank)} {_phase(int(progress[2 * rank]))}{found[rank].describe()}")
     line = (
         f"no progress for {spec.timeout_s:g} s (timeout_s): " + ", ".join(parts)
         + ". Their stacks are in logs/rank<N>.stacks.txt; raise timeout_s if a step can take longer."
@@ -826,29 +847,86 @@ def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list
     return failure
 
 
+def _phase(step: int) -> str:
+    if step == _TEARDOWN or step == _DONE:
+        return "in its teardown after training"
+    return "before its first step" if step < 0 else f"at step {step}"
+
+
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
+# torch.distributed's own wrappers (the c10d logger's, a decorator's) around the call that names the collective.
+_WRAPPERS = frozenset({"wrapper", "inner", "_wrapper", "decorate_context"})
+_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+_AUTOGRAD = os.sep + os.path.join("torch", "autograd") + os.sep
+_DDP = os.sep + os.path.join("torch", "nn", "parallel") + os.sep
 
 
-def _stack_location(path: Path, code_dir: str) -> tuple[str | None, str]:
-    """Where the main thread's dumped stack is: (frame, "own") when it ends in the experiment's code,
-    (the experiment's innermost frame, "call") when it is inside a library called from there, else
-    (the innermost frame, "other")."""
+@dataclass(frozen=True)
+class StackLocation:
+    """Where a rank's main thread stood when its stacks were dumped."""
+
+    frame: str | None  # "train.py:21 (train)": the experiment's innermost frame, else the innermost one
+    kind: str  # own: the stack ends in the experiment's code; call: inside a library it called; other
+    collective: str | None  # the torch.distributed call (all_reduce, barrier, ...) the thread waits in, if any
+
+    def describe(self) -> str:
+        """' waiting in all_reduce called at train.py:21 (train)', or what of it is known."""
+        if self.frame is None:
+            return f" waiting in {self.collective}" if self.collective else ""
+        if self.kind == "own":
+            return f" in {self.frame}"
+        if self.collective:
+            return f" waiting in {self.collective} called at {self.frame}"
+        return f" waiting in a call made at {self.frame}" if self.kind == "call" else f" in {self.frame}"
+
+
+def _collective(frames: list[re.Match[str]]) -> str | None:
+    """The collective a stack (innermost frame first) waits in: torch.distributed's innermost public call, or DDP's
+    gradient all-reduce for a thread inside backward() or DDP's forward."""
+    for f in frames:
+        path = f["file"]
+        if _DISTRIBUTED in path and f["func"] not in _WRAPPERS and not f["func"].startswith("_"):
+            return str(f["func"])
+    for f in frames:
+        if _DDP in f["file"]:
+            return f"DDP's {f['func'].strip('_')}"
+        if _AUTOGRAD in f["file"]:
+            return "backward (DDP's gradient all-reduce)"
+    return None
+
+
+def stack_location(path: Path, code_dir: str) -> StackLocation:
+    """Where the main thread's dumped stack is, and in which collective it waits (see StackLocation)."""
     try:
         dump = path.read_text(errors="replace")
     except OSError:
-        return None, "other"
+        return StackLocation(None, "other", None)
     root = os.path.realpath(code_dir) + os.sep
     # faulthandler prints one block per thread, innermost frame first; the main thread runs _worker.
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
         frames = list(_FRAME.finditer(block))
         if not any(f["func"] == "_worker" for f in frames):
             continue
+        collective = _collective(frames)
         for i, f in enumerate(frames):
             if os.path.realpath(f["file"]).startswith(root):
-                return f"{os.path.relpath(f['file'], code_dir)}:{f['line']} ({f['func']})", "own" if i == 0 else "call"
+                where = f"{os.path.relpath(f['file'], code_dir)}:{f['line']} ({f['func']})"
+                return StackLocation(where, "own" if i == 0 else "call", collective)
         if frames:
-            return f"{frames[0]['file']}:{frames[0]['line']} ({frames[0]['func']})", "other"
-    return None, "other"
+            # Outside the experiment (harness's own teardown, a framework): the innermost frame that is not torch's.
+            torch_dir = os.sep + "torch" + os.sep
+            f = next((f for f in frames if torch_dir not in f["file"]), frames[0])
+            return StackLocation(f"{_short(f['file'])}:{f['line']} ({f['func']})", "other", collective)
+    return StackLocation(None, "other", None)
+
+
+def _short(path: str) -> str:
+    """A path under site-packages or harness's own folder from the package's name on (harness/executors/launch.py)."""
+    own = os.path.dirname(os.path.dirname(os.path.abspath(harness.__file__))) + os.sep
+    if path.startswith(own):
+        return path[len(own):]
+    marker = os.sep + "site-packages" + os.sep
+    return path.split(marker, 1)[1] if marker in path else path
 
 
 def _diagnose(spec: LaunchSpec, err: procs.RankFailed) -> tuple[int, str, str, bool, bool]:

@@ -103,7 +103,7 @@ class LocalHandle(RanksHandle):
         """Rendezvous with the other nodes (if any), then record the run (node 0) or attach to it."""
         job, topo = self.job, self.job.topology
         tags = {**self.placement, T.NNODES: str(topo.nnodes), T.NPROC_PER_NODE: str(job.cfg.world_size // topo.nnodes),
-                T.LAUNCHER: topo.launcher}
+                T.LAUNCHER: topo.launcher, T.RANK_START: job.cfg.launcher.value}
         if topo.scheduler.get("job_id"):
             tags[T.SLURM_JOB_ID] = topo.scheduler["job_id"]
             tags[T.SLURM_NODELIST] = topo.scheduler.get("nodelist", "")

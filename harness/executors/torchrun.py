@@ -205,7 +205,7 @@ class TorchrunHandle(RanksHandle):
                 return
             nodes = {r["group_rank"]: r for r in joined.nodes.values() if r["local_rank"] == 0}
             tags = {**self.placement, T.NNODES: str(env.nnodes), T.NPROC_PER_NODE: str(env.local_world_size),
-                    T.LAUNCHER: LAUNCHER, T.MASTER: f"{env.master_addr}:{env.master_port}", **node_tags(nodes)}
+                    T.LAUNCHER: LAUNCHER, T.RANK_START: LAUNCHER, T.MASTER: f"{env.master_addr}:{env.master_port}", **node_tags(nodes)}
             record_and_publish(job, self.node, tags, nodes if env.nnodes > 1 else None, "rank 0")
         except BaseException:
             shutil.rmtree(self.work, ignore_errors=True)

@@ -18,7 +18,7 @@ from harness.records import RunRecord
 # Keys that decide how a run is recorded, watched or judged, not what it computes.
 _NO_EFFECT_KEYS: frozenset[str] = frozenset(
     {"flush_interval_s", "heartbeat_s", "timeout_s", "executor", "fingerprint_every", "checkpoint_every",
-     "rendezvous_timeout_s"}
+     "rendezvous_timeout_s", "launcher"}
 )
 # slurm.*: which nodes and resources; the ranks' arithmetic is the same (world_size and backend decide it).
 # data.*: where the data was declared to be; its bytes decide, and the data delta below compares them.
@@ -152,6 +152,7 @@ _NOTES: dict[str, str] = {
     tags.NNODES: "number of nodes differs (same world size and backend: the arithmetic is the same)",
     tags.NPROC_PER_NODE: "ranks per node differ (same world size: the arithmetic is the same)",
     tags.LAUNCHER: "launched differently (mp.spawn, Slurm or torchrun): the ranks run the same code",
+    tags.RANK_START: "ranks started differently (forked from the rank server, spawned, or by torchrun): same code",
     tags.SLURM_NODELIST: "ran on other Slurm nodes",
     tags.NODES_DIFFER: "which nodes' environments differ from node 0's changed",
     tags.ENV_PREFIX + "hostname": "different host",

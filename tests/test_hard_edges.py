@@ -24,7 +24,22 @@ from conftest import Project, Result, git, pid_alive
 EDGES = '''
 import os, pathlib, time
 import torch
+import torch.distributed as dist
 from torch import nn
+
+
+class Finalizer:
+    """In a reference cycle: freed by a full collection only, which harness's teardown runs."""
+
+    def __init__(self, rank, group):
+        self.rank, self.group, self.me = rank, group, self
+
+    def __del__(self):
+        # Each rank enters a collective the other never joins: both wait, alive, in harness's teardown.
+        if self.rank == 0:
+            dist.all_reduce(torch.ones(1), group=self.group)  # TEARDOWN_LINE
+        else:
+            dist.barrier()  # TEARDOWN_PEER_LINE
 
 
 def train(ctx):
@@ -34,6 +49,9 @@ def train(ctx):
     loader = ctx.loader(data, batch_size=5, pin_memory=True)
     if mode == "nolog":
         return
+    group = dist.new_group([0, 1]) if mode in ("group", "teardown") else None  # the user's own second group
+    if mode == "teardown":
+        finalizer = Finalizer(ctx.rank, group)  # long-lived: promoted to the oldest generation while training
     model = ctx.ddp(nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.0 if mode == "frozen" else 0.1)
     for epoch in ctx.epochs(2):
@@ -45,6 +63,8 @@ def train(ctx):
                 loss = model(x).pow(2).mean()
             if mode == "hang" and ctx.rank == 1 and ctx.step == 2:
                 time.sleep(600)  # HANG_LINE
+            if mode == "group" and ctx.rank == 0 and ctx.step == 2:
+                dist.all_reduce(torch.ones(1), group=group)  # GROUP_LINE: rank 1 never joins, and waits in backward
             loss.backward()
             opt.step()
             if mode == "str":
@@ -52,8 +72,14 @@ def train(ctx):
             ctx.log({"loss": loss, "nan": float("nan"), "inf": float("inf"), "ninf": -float("inf")}, ctx.step)
     if ctx.is_main:
         (ctx.output_dir / "note.txt").write_text("written by rank 0")
+    if mode == "teardown":
+        del finalizer  # garbage now, in a cycle: harness's teardown collects it
+        dist.destroy_process_group()
 '''
 HANG_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "HANG_LINE" in line)
+GROUP_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "GROUP_LINE" in line)
+TEARDOWN_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "TEARDOWN_LINE" in line)
+TEARDOWN_PEER_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "TEARDOWN_PEER_LINE" in line)
 BACKWARD_LINE = next(i for i, line in enumerate(EDGES.splitlines(), 1) if "loss.backward()" in line)
 
 # The plain-DDP habits (loss.backward(), loader.sampler.set_epoch, model.module) under world-size-invariant mode.
@@ -185,11 +211,48 @@ def test_a_hanging_rank_ends_the_job_naming_it(project: Project, tmp_path: Path)
     # Rank 1, stuck in the experiment's own code, comes first; rank 0 waits inside torch for it.
     assert reason.startswith(
         f"no progress for 25 s (timeout_s): rank 1 at step 2 in train.py:{HANG_LINE} (train), rank 0 at step 2 "
-        f"waiting in a call made at train.py:{BACKWARD_LINE} (train)."), reason
+        f"waiting in backward (DDP's gradient all-reduce) called at train.py:{BACKWARD_LINE} (train)."), reason
     assert "raise timeout_s" in reason
     assert project.client().get_run(result.last_line).info.status == "FAILED"
     assert elapsed < 150  # 25 s of silence, not gloo's own 30-minute timeout
     assert_ranks_gone(tmp_path)
+
+
+def stalled(project: Project, tmp_path: Path, mode: str, timeout_s: int) -> str:
+    """Run the edges experiment in `mode`, which deadlocks; harness's own stall check must end it (never the test's
+    timeout, nor gloo's own): its status reason, after checking the run failed and no rank was left behind."""
+    start = time.monotonic()
+    result = run_edges(project, tmp_path, mode, f"timeout_s={timeout_s}")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    run = project.client().get_run(result.last_line)
+    assert run.info.status == "FAILED"
+    # timeout_s of silence and the stack dump, not the process group's timeout (timeout_s + 30 s) nor gloo's 30 min.
+    assert elapsed < timeout_s + 25 + 30, elapsed
+    assert_ranks_gone(tmp_path)
+    return run.data.tags["harness.status_reason"]
+
+
+def test_a_deadlock_in_teardown_after_destroy_process_group_is_ended_naming_rank_frame_and_collective(
+        project: Project, tmp_path: Path) -> None:
+    # train() destroys the default group and returns; a finalizer that harness's teardown runs enters a collective
+    # the other rank never joins, on each rank. Before, a rank in its teardown was never judged: the run hung until a
+    # test's timeout.
+    reason = stalled(project, tmp_path, "teardown", 8)
+    assert reason == (
+        f"no progress for 8 s (timeout_s): rank 0 in its teardown after training waiting in all_reduce called at "
+        f"train.py:{TEARDOWN_LINE} (__del__), rank 1 in its teardown after training waiting in barrier called at "
+        f"train.py:{TEARDOWN_PEER_LINE} (__del__). Their stacks are in logs/rank<N>.stacks.txt; raise timeout_s if a "
+        "step can take longer."), reason
+
+
+def test_a_deadlock_in_the_users_own_process_group_names_both_ranks_and_their_collectives(
+        project: Project, tmp_path: Path) -> None:
+    reason = stalled(project, tmp_path, "group", 8)
+    assert reason.startswith(
+        f"no progress for 8 s (timeout_s): rank 0 at step 2 waiting in all_reduce called at train.py:{GROUP_LINE} "
+        f"(train), rank 1 at step 2 waiting in backward (DDP's gradient all-reduce) called at "
+        f"train.py:{BACKWARD_LINE} (train)."), reason
 
 
 def test_entry_that_cannot_be_imported_is_one_line(project: Project) -> None:

@@ -89,3 +89,105 @@ def test_ranks_on_a_gpu_give_init_process_group_their_device(monkeypatch: pytest
 
     monkeypatch.setattr(dist, "init_process_group", older)
     assert device_id(torch.device("cuda", 3)) == {}
+
+
+# --- the warm rank server: a forked rank is a spawned one, started warm -------------------------------------------
+
+def _probe(method: str, out: Path, marker_inode: int) -> list[dict]:
+    import json
+
+    from harness.executors import procs
+
+    out.mkdir()
+    from rankprobe import probe_rank  # a module of the standard library's imports only
+
+    ranks = procs.start(probe_rank, (str(out), marker_inode), 2, procs.Method(method))
+    deadline = time.monotonic() + 300
+    try:
+        while not ranks.join(timeout=1):  # True once both ended with status 0; a failure raises
+            assert time.monotonic() < deadline, "the probes did not finish"
+    finally:
+        ranks.stop(5)
+    return [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
+
+
+def test_a_forked_rank_sees_what_a_spawned_rank_sees_and_starts_warm(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher's environment as spawn would pass it, a descriptor of its own the ranks must not inherit.
+    monkeypatch.setenv("HARNESS_PROBE_SET", "set after the launcher started")
+    monkeypatch.delenv("HARNESS_PROBE_GONE", raising=False)
+    read_end, write_end = os.pipe()
+    try:
+        marker = os.fstat(write_end).st_ino
+        forked = _probe("forkserver", tmp_path / "fork", marker)
+        spawned = _probe("spawn", tmp_path / "spawn", marker)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    for rank in forked + spawned:
+        assert rank["env"] == {"HARNESS_PROBE_SET": "set after the launcher started", "HARNESS_PROBE_GONE": None}
+        assert not rank["marker_held"], "a rank inherited a descriptor of the launcher's"
+        assert not rank["cuda_initialised"]
+        assert not rank["preloaded"]["mlflow"] and not rank["preloaded"]["sqlalchemy"]  # no MLflow, no store
+    for f, s in zip(forked, spawned):
+        assert (f["cwd"], f["sys_path"], f["handlers"]) == (s["cwd"], s["sys_path"], s["handlers"])
+        assert f["threads"] <= s["threads"]
+    # Warm: torch, DDP's dynamo import and harness's rank body were loaded before the rank's code ran, in one
+    # server whose child each forked rank is; a spawned rank loads them itself.
+    assert all(r["preloaded"]["torch"] and r["preloaded"]["torch._dynamo"] for r in forked)
+    assert all(r["preloaded"]["harness.runtime.context"] for r in forked)
+    assert not any(r["preloaded"]["torch"] for r in spawned)
+    assert forked[0]["ppid"] == forked[1]["ppid"] != os.getpid()
+    assert spawned[0]["ppid"] == spawned[1]["ppid"] == os.getpid()
+    # The global RNGs a spawned process seeds from the OS (torch's default generator too) differ in
+    # every rank: a fork of one server must not hand every rank the server's state.
+    for rng in ("numpy", "random", "torch_seed", "torch_draw"):
+        assert len({r[rng] for r in forked + spawned}) == 4, rng
+
+
+def test_the_rank_server_is_reused_while_the_environment_holds_and_restarted_when_it_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Variables read at torch's import (OMP_*, ATEN_CPU_CAPABILITY) decided how the server loaded it: a launch under
+    # other values gets a server that loaded under them.
+    monkeypatch.delenv("HARNESS_PROBE_SET", raising=False)
+    first = _probe("forkserver", tmp_path / "a", 0)
+    again = _probe("forkserver", tmp_path / "b", 0)
+    assert first[0]["ppid"] == again[0]["ppid"]  # the same warm server
+    monkeypatch.setenv("HARNESS_PROBE_SET", "other")
+    changed = _probe("forkserver", tmp_path / "c", 0)
+    assert changed[0]["ppid"] != first[0]["ppid"] and not pid_alive(first[0]["ppid"])
+    assert changed[0]["env"]["HARNESS_PROBE_SET"] == "other"
+
+
+def test_the_rank_server_never_initialises_cuda() -> None:
+    # On this CPU machine torch.cuda is never initialised anyway; what is checked is that the preload makes no call
+    # that would initialise it on a GPU host (torch.cuda's lazy initialiser and its public init are watched).
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.cuda as c\n"
+        "calls = []\n"
+        "for name in ('_lazy_init', 'init', 'device_count', 'is_available', 'get_device_name', 'get_device_properties'):\n"
+        "    original = getattr(c, name)\n"
+        "    setattr(c, name, lambda *a, _n=name, _o=original, **k: calls.append(_n) or _o(*a, **k))\n"
+        "import harness.executors.warm\n"
+        "import sys\n"
+        "assert 'harness.runtime.context' in sys.modules and 'mlflow' not in sys.modules, sorted(sys.modules)\n"
+        "print(calls, c.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] False", out.stdout
+
+
+def test_a_rank_forked_after_cuda_was_initialised_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Faked: no GPU here, so CUDA cannot really be initialised in a server; torch's own bad-fork flag says it was.
+    import torch
+
+    from harness.errors import HarnessError
+    from harness.executors import procs
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    with pytest.raises(HarnessError, match="^the rank server initialised CUDA before forking this rank.*launcher: spawn"):
+        procs._as_if_spawned(dict(os.environ))

@@ -128,15 +128,18 @@ def _as_if_spawned(env: dict[str, str]) -> None:
     # The launcher's environment at start(), as spawn passes it (the server kept the one it was started with).
     os.environ.clear()
     os.environ.update(env)
-    # numpy's global RNG was seeded once, in the server: every fork would draw the same numbers where spawned ranks
-    # draw different ones (Python's `random` reseeds itself after a fork; torch's default seed is a constant).
+    # torch's CPU generator and numpy's global one were seeded from the OS once, in the server: every fork would draw
+    # the same numbers where spawned ranks draw different ones (Python's `random` reseeds itself after a fork). A
+    # GPU's generators are seeded when CUDA initialises, in the rank.
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda._is_in_bad_fork():
-        raise HarnessError("the rank server initialised CUDA before forking this rank, which CUDA cannot survive. "
-                           "Set launcher: spawn, and report it: the server must never touch CUDA.")
+    if torch is not None:
+        if torch.cuda._is_in_bad_fork():
+            raise HarnessError("the rank server initialised CUDA before forking this rank, which CUDA cannot survive. "
+                               "Set launcher: spawn, and report it: the server must never touch CUDA.")
+        torch.random.default_generator.seed()
 
 
 def _leave() -> None:

@@ -53,7 +53,8 @@ class Sample:
 
 
 def _kind(proc: psutil.Process, root: int) -> str:
-    """launcher (the command itself), rank (a process spawned by mp.spawn), other (helpers, loader workers)."""
+    """launcher (the command itself), rank (a process spawned by mp.spawn, or forked by harness's rank server),
+    rank server, other (helpers, loader workers)."""
     if proc.pid == root:
         return "launcher"
     try:
@@ -63,6 +64,8 @@ def _kind(proc: psutil.Process, root: int) -> str:
         return "other"
     if parent == root and "spawn_main" in cmd:
         return "rank"
+    if "multiprocessing.forkserver" in cmd:  # harness's warm rank server, and the ranks it forks
+        return "rank server" if parent == root else "rank"
     return "other"
 
 
@@ -194,10 +197,13 @@ def _print_tables(results: dict[tuple[str, str], list[Sample]], jobs: list[str],
         bare = {k: _median([s.rss.get(k) for s in results[(job, "bare")]]) for k in ("launcher", "rank", "other")}
         for name in names:
             samples = results[(job, name)]
-            for kind in ("launcher", "rank", "other"):
+            for kind in ("launcher", "rank", "rank server", "other"):
                 value = _median([s.rss.get(kind) for s in samples])
+                if value is None and kind == "rank server":
+                    continue
                 ratio = value / bare[kind] if value is not None and bare.get(kind) else None
-                label = {"launcher": "launcher (the command)", "rank": "one rank (the largest)",
+                label = {"launcher": "launcher (the command)", "rank": "one rank (the largest; a forked one shares "
+                         "the server's pages)", "rank server": "rank server (harness's forkserver)",
                          "other": "helpers + loader workers (sum)"}[kind]
                 print(f"| {job} | {name} | {label} | {_f(value, 0)} | {_f(ratio)} |")
 

@@ -130,6 +130,7 @@ REFUSED_OPS: dict[str, Callable[[str], list[torch.Tensor]]] = {
     "nll_loss2d": op_nll_loss2d, "grid_sample_backward": op_grid_sample_backward,
 }
 RAISED = "raised: "
+ERROR = "error: "
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
@@ -142,12 +143,19 @@ def _digest(tensors: list[torch.Tensor]) -> str:
 def digests(level: Level, device: str) -> dict[str, str]:
     """Every op's output digest in this process under `level`, or 'raised: ...' for an op the level refused."""
     determinism.set_determinism(level)
+    if device == "cpu":
+        # One intra-op thread: the CPU mode checks the probes themselves, and a process's result must not depend on
+        # how a loaded machine schedules its threads (every op here gave the same bytes with 1-8 threads, at load 9).
+        torch.set_num_threads(1)
     out: dict[str, str] = {}
     for name, op in {**DETERMINISTIC_OPS, **REFUSED_OPS}.items():
         try:
             out[name] = _digest(op(device))
         except RuntimeError as exc:
-            out[name] = RAISED + (str(exc).strip().splitlines() or ["?"])[0][:200]
+            text = (str(exc).strip().splitlines() or ["?"])[0][:200]
+            # Only torch's determinism refusal is a refusal; anything else (out of memory, a broken kernel) is an
+            # error of its own, which the judge reports as such rather than as "neither refused nor deterministic".
+            out[name] = (RAISED if "deterministic" in text else ERROR) + text
         if device == "cuda":
             torch.cuda.synchronize()
     return out
@@ -197,13 +205,16 @@ def judge_processes(p: Probes, runs: dict[str, list[dict[str, str]]], cpu: bool)
     """The probe lines for two processes' digests per level (`runs`: level -> [first, second])."""
     (s1, s2), (o1, o2) = runs["strict"], runs["off"]
     for name in DETERMINISTIC_OPS:
-        if s1[name].startswith(RAISED) or s1[name] != s2[name]:
+        if s1[name].startswith((RAISED, ERROR)) or s1[name] != s2[name]:
             p.add(f"strict.{name}", "FAIL", "two processes differ" if s1[name] != s2[name] else s1[name])
         else:
             p.add(f"strict.{name}", "ok", f"identical bytes in two processes ({s1[name][:12]})")
     refused = []
     for name in REFUSED_OPS:
-        if s1[name].startswith(RAISED) and s2[name].startswith(RAISED):
+        failed = next((d for d in (s1[name], s2[name]) if d.startswith(ERROR)), None)
+        if failed is not None:
+            p.add(f"strict.refuses.{name}", "FAIL", f"failed, not refused: {failed[len(ERROR):]}")
+        elif s1[name].startswith(RAISED) and s2[name].startswith(RAISED):
             refused.append(name)
             p.add(f"strict.refuses.{name}", "ok", s1[name])
         elif s1[name] == s2[name]:

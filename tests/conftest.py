@@ -374,14 +374,15 @@ def _registry_digest(repository: str, tag: str) -> str | None:
 #           (by the fixtures it uses, the `slow` marker, or what its code starts);
 #   cli   - runs harness commands (subprocess or in-process), ranks (start_ranks, launch), git or any
 #           other process;
-#   unit  - everything else: library code called directly.
+#   unit  - everything else: library code called directly, in seconds (a module that computes for minutes in-process,
+#           the verdict calibration, declares itself cli: `-m unit` stays under a minute).
 # What counts is the test function, every fixture it uses (transitively) and every helper they call
 # that is defined in tests/. A test module's own `pytestmark` (or a test's marker) of a tier wins.
 TIERS = ("unit", "cli", "infra")
 INFRA_FIXTURES = frozenset({"engine", "two_hosts", "slurm", "lab_server"})
 INFRA_CODE = re.compile(r"open_page\(|chromium\(|\"mlflow\", \"server\"")
 CLI_CODE = re.compile(r"\.harness\(|\.popen\(|\.cli\(|make_project\(|\bgit\(|subprocess|Popen|mp\.spawn|"
-                      r"sys\.executable|CliRunner|multiprocessing|start_ranks\(|\blaunch\(")
+                      r"sys\.executable|CliRunner|multiprocessing|start_ranks\(|\blaunch\(|procs\.start\(")
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -458,3 +459,29 @@ def _resource_groups(items: list[pytest.Item]) -> dict[str, str]:
             joined = [g for g in joined if not g & resources] + [merged]
     name = {r: "infra-" + "+".join(sorted(g)) for g in joined for r in g}
     return {nodeid: name[next(iter(resources))] for nodeid, resources in used.items() if resources}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under xdist, a group's tests run on one worker (its module- and session-scoped fixtures - a daemon, a server,
+    a shared run - are built and torn down there once): a group that reaches a second worker fails here, naming both,
+    instead of as a connection refused from a server the first worker already stopped."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    mark = item.get_closest_marker("xdist_group")
+    if worker is None or mark is None or not mark.args:
+        return
+    # Every worker's base temp is a folder of the session's own (pytest-N/popen-gwK): their parent is shared, and
+    # removed with pytest's old temporary folders.
+    claims = item.config._tmp_path_factory.getbasetemp().parent / "xdist-groups"  # type: ignore[attr-defined]
+    claims.mkdir(exist_ok=True)
+    claim = claims / hashlib.sha256(str(mark.args[0]).encode()).hexdigest()[:32]
+    try:
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        owner = claim.read_text().strip()
+        if owner and owner != worker:
+            pytest.fail(f"xdist group {mark.args[0]!r} ran on {owner} and now on {worker}: its tests share fixtures that "
+                        "must live on one worker (run with --dist loadgroup; a crashed worker's tests are rescheduled "
+                        "elsewhere)", pytrace=False)
+        return
+    with os.fdopen(fd, "w") as fh:
+        fh.write(worker)

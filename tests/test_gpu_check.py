@@ -98,6 +98,13 @@ def test_the_probes_fail_when_strict_differs_or_refuses_in_one_process_only(caps
     assert broken["off.conv"][0] == "FAIL"  # off must never refuse
     assert broken["strict.refuses"][0] == "FAIL"  # on a GPU, no refusal at all means strict was not applied
     assert "strict.refuses" not in _judged({"strict": [_digests()] * 2, "off": [_digests()] * 2}, cpu=True)
+    # An op that failed for another cause than a determinism refusal (out of memory under load) says so, in both
+    # lists, and is never taken for a refusal or for identical bytes.
+    oom = gpu_probes.ERROR + "DefaultCPUAllocator: can't allocate memory"
+    failing = _judged({"strict": [_digests(grid_sample_backward=oom, conv=oom)] * 2, "off": [_digests()] * 2})
+    assert failing["strict.refuses.grid_sample_backward"] == (
+        "FAIL", "failed, not refused: DefaultCPUAllocator: can't allocate memory")
+    assert failing["strict.conv"] == ("FAIL", oom)
     capsys.readouterr()
 
 

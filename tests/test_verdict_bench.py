@@ -17,6 +17,10 @@ from harness.judge import noise
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import verdict_bench as bench
 
+# In-process, but it trains hundreds of small models (a minute and a half of CPU): not for the quick unit tier,
+# which must stay under a minute (docs/development.md).
+pytestmark = pytest.mark.cli
+
 
 @pytest.fixture(scope="module")
 def tables() -> dict:

@@ -21,6 +21,7 @@ torch's `mp.spawn` is an import plus a little bookkeeping; this module is the bo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.connection
@@ -93,6 +94,15 @@ def warm() -> None:
             FORKSERVER.set_forkserver_preload([_PRELOAD])
             multiprocessing.forkserver.ensure_running()
             _server_env = env
+            # Gone with the command, not a moment later: the server would otherwise notice its launcher's exit only
+            # when the pipe it watches closes, after the process that ran the command has already been reaped.
+            atexit.register(stop_server)
+
+
+def stop_server() -> None:
+    """Stop the rank server (idempotent); the next start starts another."""
+    with _server_lock:
+        _stop_server()
 
 
 def _stop_server() -> None:
@@ -100,7 +110,8 @@ def _stop_server() -> None:
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is None:  # a Python without it: the old server stays; its ranks get the new environment from _child
         return
-    stop()
+    with contextlib.suppress(OSError, ChildProcessError):
+        stop()
     _server_env = None
 
 

@@ -232,6 +232,19 @@ def test_a_failing_member_fails_the_study(study_project: Project, tmp_path: Path
     assert summary["metrics"] == {}
 
 
+def _rank_processes(pid: int) -> list[int]:
+    """The rank processes below the command `pid`: spawned ones, or forked by the rank server (its children)."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd, parent = " ".join(child.cmdline()), child.ppid()
+        except psutil.Error:
+            continue
+        if "spawn_main" in cmd or ("multiprocessing.forkserver" in cmd and parent != pid):
+            found.append(child.pid)
+    return found
+
+
 def test_ctrl_c_stops_every_member(study_project: Project) -> None:
     proc = study_project.popen("run", "experiments/linear_ddp", "--seeds", "3", "--parallel", "2", "train.epochs=100000")
     lines: list[str] = []
@@ -242,18 +255,21 @@ def test_ctrl_c_stops_every_member(study_project: Project) -> None:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.monotonic() + 300
-    while sum(" started" in line for line in lines) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-        time.sleep(0.2)
-    time.sleep(3)  # let the ranks start: their processes must go too
-    children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    assert len(children) >= 4, children  # two members x two ranks (and mp's helpers)
-    os.killpg(proc.pid, signal.SIGINT)
     try:
+        while sum(" started" in line for line in lines) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        # Both members' ranks running (forked by the rank server, grandchildren of the command): they must go too.
+        while len(ranks := _rank_processes(proc.pid)) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, (ranks, "".join(lines))
+            time.sleep(0.2)
+        children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGINT)
         stdout, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    finally:  # a failed assertion must not leave a 100,000-epoch study running beside the rest of the suite
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
     reader.join(timeout=10)
     assert proc.returncode == 130, "".join(lines)
     study_id = stdout.strip().splitlines()[-1]

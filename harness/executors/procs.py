@@ -26,8 +26,10 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.util
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -92,11 +94,26 @@ def warm() -> None:
             _stop_server()
         if _server_env is None:
             FORKSERVER.set_forkserver_preload([_PRELOAD])
+            _short_socket_dir()
             multiprocessing.forkserver.ensure_running()
             _server_env = env
             # Gone with the command, not a moment later: the server would otherwise notice its launcher's exit only
             # when the pipe it watches closes, after the process that ran the command has already been reaped.
             atexit.register(stop_server)
+
+
+# A Unix socket's path holds 107 bytes: the server listens at <multiprocessing's temp dir>/listener-XXXXXXXX.
+_SOCKET_DIR_ROOM = 80
+
+
+def _short_socket_dir() -> None:
+    """Under a long TMPDIR the server's socket path would not fit ("AF_UNIX path too long"): multiprocessing's temp
+    folder for this process moves to a short one of its own under /tmp, removed at exit."""
+    if len(os.fsencode(multiprocessing.util.get_temp_dir())) <= _SOCKET_DIR_ROOM:
+        return
+    short = tempfile.mkdtemp(prefix="harness-mp-", dir="/tmp")
+    atexit.register(shutil.rmtree, short, True)
+    multiprocessing.process.current_process()._config["tempdir"] = short  # type: ignore[attr-defined]
 
 
 def stop_server() -> None:
@@ -136,6 +153,14 @@ def _child(fn: Callable[..., None], index: int, args: tuple[Any, ...], error_fil
 
 def _as_if_spawned(env: dict[str, str]) -> None:
     """Undo what a fork of the rank server carries over that a spawned rank would not have."""
+    # The server lives while anyone holds its "alive" pipe, which every fork inherits: a rank holding it would keep
+    # the server alive after its launcher died, and the server's death is what ends the rank (PR_SET_PDEATHSIG).
+    # Dropped, and the server forgotten: a forkserver this rank starts itself (a loader's) is its own.
+    server: Any = multiprocessing.forkserver._forkserver  # its private state: the standard library has no call for it
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
     # The launcher's environment at start(), as spawn passes it (the server kept the one it was started with).
     os.environ.clear()
     os.environ.update(env)

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import __version__, events, executors, scratch, tags as T
-from harness.config import compose, flatten, load_experiment, split_entry, to_container, to_yaml
+from harness.config import Launcher, compose, flatten, load_experiment, split_entry, to_container, to_yaml
 from harness.errors import HarnessError
+from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import printable
 from harness.record import confine, derived, loading, redaction
@@ -152,10 +153,12 @@ def preflight(
     allow_untracked_secrets: bool = False,
     tracking_uri: str | None = None,
     nnodes: int = 1,
+    warm_ranks: bool = False,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
-    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks.
+    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks. `warm_ranks`: this process will
+    start the job's ranks, so the rank server starts its imports as soon as the config says it is wanted.
     """
     from harness.executors.launch import capacity_warning, resolve_device
     from harness.record import data
@@ -163,6 +166,8 @@ def preflight(
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     cfg = load_experiment(Path(exp_dir), overrides)
+    if warm_ranks and cfg.executor == "local" and nnodes == 1 and cfg.launcher is Launcher.forkserver:
+        procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = gitsource.inspect(
         Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
         exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
@@ -243,6 +248,7 @@ def run(
     checked = preflight(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
+        warm_ranks=torchrun is None,
     )
     cfg, git = checked.cfg, checked.git
     if cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config validated here (one load)
@@ -297,7 +303,7 @@ def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
     if cfg.executor != "local" or topology.multi_node or topology.launcher != "spawn":
         return None
 
-    from harness.executors import launch, procs
+    from harness.executors import launch
 
     work = scratch.make("run")
     try:

@@ -127,6 +127,12 @@ def _stop_server() -> None:
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is None:  # a Python without it: the old server stays; its ranks get the new environment from _child
         return
+    server: Any = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        # It may still be importing torch (a command refused after warm()): it would notice the closed pipe only
+        # once that is done, seconds later. Nothing runs in it but the preload; its ranks have ended.
+        with contextlib.suppress(OSError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
     with contextlib.suppress(OSError, ChildProcessError):
         stop()
     _server_env = None

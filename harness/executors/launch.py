@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import harness
+from harness import scratch
 from harness.config import Level, load_module_function
 from harness.errors import ExperimentError, HarnessError, Interrupted, RunFailed
 from harness.executors import procs
@@ -195,18 +196,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _alive(pid: int) -> bool:
-    if not pid:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _redirect_output(path: Path) -> None:
     # fd-level, so C++ warnings (gloo, NCCL) and tracebacks land in the rank's log too.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -224,7 +213,7 @@ def _worker(local_rank: int, start: _Start, inboxes: list[Any], channel: Any, pr
     while the launcher records the run; then, once its spec arrives, the rank's body."""
     parent = os.getppid()  # the launcher, or the rank server this rank was forked from (which dies with it)
     _die_with_parent()
-    if os.getppid() != parent or not _alive(start.launcher_pid):
+    if os.getppid() != parent or (start.launcher_pid and not scratch.alive(start.launcher_pid)):
         # The launcher (or the server) died while this process was still starting, before the death signal was
         # armed: the kernel will not send it now, so nothing would end this rank.
         os._exit(1)

@@ -197,7 +197,7 @@ def empty_store(db: Path) -> None:
         source.backup(copy)
 
 
-def make_project(base: Path, store_made: bool = True) -> Project:
+def make_project(base: Path, store_made: bool = False) -> Project:
     """A researcher's repository and its store (`store_made`: already made, as after a first run; else absent)."""
     root = base / "my project"  # a space: paths must survive quoting nowhere
     (root / "experiments").mkdir(parents=True)

@@ -4,7 +4,6 @@ Also sorts every test into one tier - unit, cli or infra - by what it needs (see
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import importlib
@@ -16,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -175,36 +173,11 @@ class Project:
         return client.search_runs(ids) if ids else []
 
 
-_STORE_TEMPLATE: list[Path] = []  # this process's empty store, made once by harness (and so MLflow) itself
-
-
-def empty_store(db: Path) -> None:
-    """`db` as a new store is when harness first opens it: MLflow's schema, no run. Building the schema (MLflow's
-    migrations) takes seconds of a core, once per process here; every project's store is a copy of that one."""
-    import sqlite3
-
-    if not _STORE_TEMPLATE:
-        template = Path(tempfile.mkdtemp(prefix="harness-store-template-")) / "mlflow.db"
-        atexit.register(shutil.rmtree, template.parent, True)
-        # Made as the first `harness run` on a path makes it, in a process of its own (harness sets MLflow's
-        # variables in the process that opens a store: they must not leak into this one's later commands).
-        subprocess.run([sys.executable, "-c", "import sys; from harness.store.tracking import Tracker; "
-                        "Tracker('sqlite:///' + sys.argv[1])", str(template)], check=True, timeout=300,
-                       capture_output=True, cwd=template.parent)
-        _STORE_TEMPLATE.append(template)
-    with contextlib.closing(sqlite3.connect(_STORE_TEMPLATE[0])) as source, \
-            contextlib.closing(sqlite3.connect(db)) as copy:
-        source.backup(copy)
-
-
-def make_project(base: Path, store_made: bool = False) -> Project:
-    """A researcher's repository and its store (`store_made`: already made, as after a first run; else absent)."""
+def make_project(base: Path) -> Project:
     root = base / "my project"  # a space: paths must survive quoting nowhere
     (root / "experiments").mkdir(parents=True)
     store = base / "store"
     store.mkdir()
-    if store_made:
-        empty_store(store / "mlflow.db")
     for name in ("linear_ddp", "digits_cnn"):
         shutil.copytree(EXPERIMENTS / name, root / "experiments" / name)
     (root / ".gitignore").write_text("mlruns/\n__pycache__/\n")

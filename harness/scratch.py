@@ -1,5 +1,6 @@
 """Scratch folders of harness processes, named for the process that made them (harness-KIND-<pid>-...): a process
-killed before its cleanup leaves a folder that the next harness process of that kind sees is stale, and removes."""
+killed before its cleanup leaves a folder that the next harness process of that kind sees is stale, and removes.
+Also where harness keeps what it may rebuild at any time (cache_dir)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+
+ENV_CACHE_DIR = "HARNESS_CACHE_DIR"  # where harness keeps what it can rebuild (default ~/.cache/harness)
+
+
+def cache_dir() -> Path:
+    """The folder of harness's caches (declared data's hashes, an empty store's schema): $HARNESS_CACHE_DIR, else
+    ~/.cache/harness. Nothing in it is a record: any of it may be deleted at any time, and is rebuilt."""
+    return Path(os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "harness"))
 
 
 def alive(pid: int) -> bool:

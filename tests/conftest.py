@@ -428,6 +428,24 @@ def _tier(item: pytest.Item) -> str:
     return "cli" if CLI_CODE.search(code) else "unit"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which would make a bare `-n N` distribute test by test
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`-n N` alone runs as `-n N --dist loadgroup`: the groups below are what keeps a module's shared fixtures (and a
+    daemon's tests) on one worker, and every documented command relies on them."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
+        config.option.dist = "loadgroup"
+
+
+def pytest_configure_node(node) -> None:  # type: ignore[no-untyped-def]  (pytest-xdist's hook, in the controller)
+    node.workerinput["harness_dist"] = node.config.getvalue("dist")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A worker parses the command line again, without the dist chosen above: it is told.
+    if getattr(config, "workerinput", {}).get("harness_dist") == "loadgroup":
+        config.option.loadgroup = True
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:

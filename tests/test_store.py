@@ -217,3 +217,42 @@ def test_a_new_sqlite_store_appears_whole_and_a_killed_creation_leaves_nothing(t
     assert tracker.client.search_experiments()  # opened: the default experiment is there
     assert (tmp_path / "mlflow.db").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_a_new_store_starts_from_the_cached_empty_schema_and_has_its_own_default_experiment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first new store MLflow migrates is cached without its default experiment; the next new store is a copy
+    that MLflow opens and completes itself (the default experiment's artifacts under where that command ran). A cached
+    template of another schema revision is not used."""
+    from harness.store import tracking
+    from harness.store.tracking import Tracker
+
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
+    template = tracking._schema_template()
+    assert template is not None and template.parent == tmp_path / "cache"
+
+    def new_store(name: str) -> sqlite3.Connection:
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        Tracker(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+        return sqlite3.connect(tmp_path / name / "mlflow.db")
+
+    first = new_store("first")
+    assert template.is_file()
+    with sqlite3.connect(template) as cached:
+        assert cached.execute("SELECT COUNT(*) FROM experiments").fetchone() == (0,)
+    second = new_store("second")
+    for db, name in ((first, "first"), (second, "second")):
+        assert db.execute("SELECT experiment_id, name, artifact_location FROM experiments").fetchall() == [
+            (0, "Default", str(tmp_path / name / "mlruns" / "0"))]
+    schema = "SELECT type, name, sql FROM sqlite_master ORDER BY name"
+    assert first.execute(schema).fetchall() == second.execute(schema).fetchall()
+    assert first.execute("SELECT * FROM alembic_version").fetchall() == second.execute(
+        "SELECT * FROM alembic_version").fetchall()
+    # A template that is not of this MLflow's schema is left alone: the store is migrated as MLflow would.
+    with sqlite3.connect(template) as cached:
+        cached.execute("UPDATE alembic_version SET version_num = 'ffffffffffff'")
+    third = new_store("third")
+    assert third.execute("SELECT version_num FROM alembic_version").fetchall() == first.execute(
+        "SELECT version_num FROM alembic_version").fetchall()
+    assert sorted(p.name for p in (tmp_path / "third").iterdir()) == ["mlflow.db"]

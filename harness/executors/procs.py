@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -233,6 +234,7 @@ class Processes:
         failed = next((i for i, p in enumerate(processes) if p.exitcode not in (None, 0)), None)
         if failed is None:
             return all(p.exitcode == 0 for p in processes)
+        _settle(processes)
         stop(processes, grace_period)
         process = processes[failed]
         text = _read(self.error_files[failed])
@@ -292,6 +294,18 @@ def start(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, method: M
     processes = Processes(Method(method), error_files)
     threading.Thread(target=processes._start, args=(fn, args, after), name="harness-rank-start", daemon=True).start()
     return processes
+
+
+# Ranks that fail alike (a refused op, an entry that cannot be imported) fail within moments of each other, in an
+# order the scheduler picks: stopping the others at once would let a chance ordering decide which rank the failure
+# names, and lose the others' own reports. Those still running get this long to end by themselves first.
+SETTLE_S = 1.0
+
+
+def _settle(processes: list[Any]) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while (running := [p.sentinel for p in processes if p.exitcode is None]) and time.monotonic() < deadline:
+        multiprocessing.connection.wait(running, timeout=max(0.0, deadline - time.monotonic()))
 
 
 def stop(processes: list[Any], grace_period: float) -> None:

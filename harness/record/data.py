@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.errors import HarnessError
 
 MANIFEST_FORMAT = 1
 KIND_FILE = "file"
 KIND_FOLDER = "folder"
-ENV_CACHE_DIR = "HARNESS_CACHE_DIR"  # where the hash cache lives (default ~/.cache/harness)
+ENV_CACHE_DIR = scratch.ENV_CACHE_DIR  # where the hash cache lives (default ~/.cache/harness)
 CACHE_FILE = "data-hashes.sqlite"
 # 1 MiB reads into one reused buffer: 64 KiB to 1 MiB measured alike here, 4 MiB slightly slower
 # (benchmarks/data_bench.py). hashlib releases the GIL for each update, so a pool of threads overlaps
@@ -104,8 +104,7 @@ def resolve(
 
 
 def cache_path() -> Path:
-    base = os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "harness")
-    return Path(base) / CACHE_FILE
+    return scratch.cache_dir() / CACHE_FILE
 
 
 class HashCache:

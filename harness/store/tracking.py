@@ -449,8 +449,74 @@ def _create_whole(uri: str, client_class: Any) -> None:
     scratch.remove_stale(path.parent, prefix)
     tmp = path.with_name(f"{prefix}{os.getpid()}")
     tmp.unlink(missing_ok=True)
+    template = _schema_template()
+    copied = template is not None and _copy_template(template, tmp)
+    # MLflow opens the copy as it opens any current store: it makes the default experiment, whose artifact location
+    # depends on where this command runs, which is why the template has none.
     client_class(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+    if template is not None and not copied:
+        _save_template(tmp, template)
     os.replace(tmp, path)
+
+
+# MLflow builds a new SQLite store by running each of its schema migrations: 2-3 s of a core for every new store
+# (every new project, every `harness import` into a clean folder) that ends in the same tables. The first store a
+# version of MLflow builds is kept, without its default experiment, in harness's cache, and later new stores start
+# as a copy of it; MLflow still opens the copy itself and checks its schema, and any doubt falls back to migrating.
+_TEMPLATE_SUFFIX = ".sqlite"
+
+
+def _schema_template() -> Path | None:
+    """Where the empty store of the installed MLflow's schema is (or would be) cached; None when it cannot be named."""
+    if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("true", "1"):
+        return None
+    head = mlflow_schema_head()
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            mlflow_version = version("mlflow")
+        except PackageNotFoundError:
+            mlflow_version = version("mlflow-skinny")
+    except Exception:
+        return None
+    if head is None:
+        return None
+    name = f"mlflow-empty-store-{mlflow_version}-{head}-sqlite{sqlite3.sqlite_version}{_TEMPLATE_SUFFIX}"
+    return scratch.cache_dir() / name
+
+
+def _copy_template(template: Path, dest: Path) -> bool:
+    """Copy the cached empty store to `dest` when it is one of the schema MLflow expects; False (nothing at `dest`)
+    when there is none or it is not."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"{template.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            (revision,) = db.execute("SELECT version_num FROM alembic_version").fetchone()
+            experiments = db.execute("SELECT COUNT(*) FROM experiments").fetchone()[0]
+            if revision != mlflow_schema_head() or experiments != 0:
+                return False
+            with contextlib.closing(sqlite3.connect(dest)) as out:
+                db.backup(out)
+        return True
+    except (sqlite3.Error, OSError, TypeError):
+        dest.unlink(missing_ok=True)
+        return False
+
+
+def _save_template(store: Path, template: Path) -> None:
+    """Keep the store MLflow just built, less its default experiment, as the template (best effort: a cache)."""
+    with contextlib.suppress(sqlite3.Error, OSError):
+        template.parent.mkdir(parents=True, exist_ok=True)
+        partial = template.with_name(f"{template.name}.{os.getpid()}.partial")
+        with contextlib.closing(sqlite3.connect(store)) as db, contextlib.closing(sqlite3.connect(partial)) as out:
+            db.backup(out)
+        with contextlib.closing(sqlite3.connect(partial)) as out:
+            out.execute("DELETE FROM experiment_tags")
+            out.execute("DELETE FROM experiments")
+            out.commit()
+        os.replace(partial, template)
+    with contextlib.suppress(OSError):
+        template.with_name(f"{template.name}.{os.getpid()}.partial").unlink(missing_ok=True)
 
 
 class Tracker:

@@ -11,7 +11,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-
 ENV_CACHE_DIR = "HARNESS_CACHE_DIR"  # where harness keeps what it can rebuild (default ~/.cache/harness)
 
 

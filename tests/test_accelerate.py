@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import Project, Result
 from infra import in_ci
 

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import Project, Result
 
 FAKE_ID = "0123456789abcdef0123456789abcdef"

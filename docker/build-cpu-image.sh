@@ -94,6 +94,15 @@ fi
 docker version >/dev/null 2>&1 \
   || die "Docker engine is not running. Start it with scripts/docker-up.sh STATE_DIR and retry."
 
+# One build at a time on this machine: .ci/run builds the image beside the first tests, and the Docker tests' fixture
+# builds it again (every layer cached) once that build is done, never a second build of the same layers at once.
+LOCK=${HARNESS_IMAGE_BUILD_LOCK:-${TMPDIR:-/tmp}/harness-cpu-image.lock}
+exec 9>>"$LOCK"
+if ! flock -n 9; then
+  step "waiting for another build of the image to end (lock $LOCK)"
+  flock 9
+fi
+
 TMP=$(mktemp -d /tmp/harness-cpu-build.XXXXXX)
 trap 'rm -rf "$TMP"' EXIT
 

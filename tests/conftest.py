@@ -451,24 +451,66 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
-    groups = _resource_groups(items)
+    groups = _resource_groups(items, _started_outside())
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups.get(item.nodeid) or item.nodeid.split("::", 1)[0]))
+    items[:] = _in_schedule_order(items)
+
+
+def _started_outside() -> frozenset[str]:
+    """The daemons that already run as the session starts (`.ci/run` starts the Docker engine and the lab server
+    before the tests): their fixtures reuse them and never stop them, so their tests need not share a worker. Read
+    once per process at collection, before any fixture starts anything: every worker sees the same."""
+    from harness.systems import docker
+
+    from infra import LABSERVER_STATE, _labserver_running
+
+    outside = set()
+    if docker.engine_available()[0] and _registry_answers():
+        outside.add("engine")
+    if _labserver_running(LABSERVER_STATE):
+        outside.add("lab_server")
+    return frozenset(outside)
+
+
+def _in_schedule_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """Items in the order their groups are handed to workers (`--no-loadscope-reorder`: in collection order): the
+    infrastructure modules first, then the first half of the command modules, then those using the Docker engine (its
+    image may still be building when the session starts: `.ci/run` builds it beside the first tests), the other half,
+    and the unit modules last, many small ones that even out the workers' ends. Within a module, the file's order."""
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    tiers: dict[str, set[str]] = {}
+    engine: set[str] = set()
+    for item in items:
+        tiers.setdefault(module(item), set()).update(t for t in TIERS if item.get_closest_marker(t))
+        if "engine" in item.fixturenames:
+            engine.add(module(item))
+    modules = list(dict.fromkeys(module(item) for item in items))
+    infra = [m for m in modules if "infra" in tiers[m] and m not in engine]
+    cli = [m for m in modules if tiers[m] == {"cli"} or ("cli" in tiers[m] and "infra" not in tiers[m])]
+    cli = [m for m in cli if m not in engine]
+    unit = [m for m in modules if m not in infra and m not in cli and m not in engine]
+    half = len(cli) // 2
+    order = {m: i for i, m in enumerate([*infra, *cli[:half], *sorted(engine), *cli[half:], *unit])}
+    return sorted(items, key=lambda item: order[module(item)])  # stable: a module's own order is kept
 
 
 # The session fixtures that own a daemon, namespaces or fixed addresses (`slurm` runs on `two_hosts`).
 RESOURCES = ("engine", "lab_server", "two_hosts")
 
 
-def _resource_groups(items: list[pytest.Item]) -> dict[str, str]:
+def _resource_groups(items: list[pytest.Item], outside: frozenset[str] = frozenset()) -> dict[str, str]:
     """Under pytest-xdist (`-n N --dist loadgroup`) each xdist group runs on one worker, in order.
 
     The tests of one daemon share one group: one worker's teardown would otherwise stop what the other uses.
     Daemons are independent of each other, so each has its own group and two workers run, say, a Docker test
     and a Slurm test at once - unless some test uses both, which joins their groups. Every other module (a
     browser or a server of its own on a free port included) stays whole on one worker, its module-scoped
-    fixtures built once."""
-    used = {item.nodeid: {r for r in RESOURCES if r in item.fixturenames} for item in items}
+    fixtures built once. A daemon in `outside` was started before the session and outlives it: its tests need no group
+    of their own."""
+    used = {item.nodeid: {r for r in RESOURCES if r in item.fixturenames and r not in outside} for item in items}
     joined: list[set[str]] = []
     for resources in used.values():
         if resources:

@@ -62,7 +62,7 @@ def train(ctx):
             else:
                 loss = model(x).pow(2).mean()
             if mode == "hang" and ctx.rank == 1 and ctx.step == 2:
-                time.sleep(600)  # HANG_LINE
+                time.sleep(3.0)  # HANG_LINE
             if mode == "group" and ctx.rank == 0 and ctx.step == 2:
                 dist.all_reduce(torch.ones(1), group=group)  # GROUP_LINE: rank 1 never joins, and waits in backward
             loss.backward()
@@ -265,6 +265,41 @@ def test_entry_that_cannot_be_imported_is_one_line(project: Project) -> None:
     assert project.client().get_run(result.last_line).info.status == "FAILED"
 
 
+# Rank 1 raises at once; rank 0 raises the same error 1.5 s after rank 1 is gone (rank 1's lock on a file is released
+# when it exits): the order a loaded machine's scheduler may pick, made certain.
+FAIL_ALIKE = '''
+import fcntl
+import os
+import time
+
+
+def train(ctx):
+    path = ctx.cfg.lock
+    if ctx.rank == 1:
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(path + ".tmp", path)
+    else:
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        fcntl.flock(os.open(path, os.O_RDONLY), fcntl.LOCK_EX)
+        time.sleep(1.5)
+    raise ValueError("no data in the data folder")
+'''
+FAIL_ALIKE_LINE = next(i for i, line in enumerate(FAIL_ALIKE.splitlines(), 1) if "raise ValueError" in line)
+
+
+def test_ranks_that_fail_alike_are_named_by_the_lowest_whichever_failed_first(project: Project, tmp_path: Path) -> None:
+    """The launcher gives the other ranks a moment before stopping them: both report, and the line names rank 0 with
+    rank 1 as failing the same way, not whichever rank the scheduler ran first."""
+    project.add_experiment("fail_alike", train_py=FAIL_ALIKE)
+    result = project.harness("run", "experiments/fail_alike", f"train.lock={tmp_path / 'rank1.lock'}")
+    assert result.returncode == 1, result.stderr
+    failed = [line for line in result.stderr.splitlines() if line.startswith("FAILED:")]
+    assert failed == [f"FAILED: rank 0 raised: ValueError: no data in the data folder (train.py, line {FAIL_ALIKE_LINE}) "
+                      "(rank 1 failed the same way)"], result.stderr
+
+
 def test_non_numeric_metric_names_key_and_type(project: Project, tmp_path: Path) -> None:
     result = run_edges(project, tmp_path, "str")
     assert result.returncode == 1
@@ -441,7 +476,7 @@ def test_killed_launcher_leaves_a_stale_run_that_mark_closes(project: Project, t
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
         assert proc.poll() is None and time.monotonic() < deadline, "ranks never started"
-        time.sleep(0.2)
+        time.sleep(3.0)
     client = project.client()
     edges = client.get_experiment_by_name("edges").experiment_id
     running = client.search_runs([edges], "attributes.status = 'RUNNING'")

@@ -299,7 +299,7 @@ def start(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, method: M
 # Ranks that fail alike (a refused op, an entry that cannot be imported) fail within moments of each other, in an
 # order the scheduler picks: stopping the others at once would let a chance ordering decide which rank the failure
 # names, and lose the others' own reports. Those still running get this long to end by themselves first.
-SETTLE_S = 1.0
+SETTLE_S = 2.0
 
 
 def _settle(processes: list[Any]) -> None:

@@ -24,6 +24,7 @@ import pytest
 
 # Real multi-host infrastructure (namespace hosts, a two-node Slurm cluster): see tests/infra.py.
 from infra import lab_server, slurm, two_hosts  # noqa: F401  (fixtures, re-exported for every test module)
+import warmcli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
@@ -96,6 +97,8 @@ class Project:
     def harness(self, *args: str, cwd: Path | None = None, timeout: float = 600,
                 env: dict[str, str] | None = None) -> Result:
         env = {**os.environ, "MLFLOW_TRACKING_URI": self.uri, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if warmcli.usable(env):  # the same command in its own process, without importing MLflow again
+            return Result(*warmcli.run(on_cpu(args), cwd or self.root, env, timeout))
         proc = subprocess.run(
             [sys.executable, "-m", "harness", *on_cpu(args)], cwd=cwd or self.root, env=env,
             capture_output=True, text=True, timeout=timeout,

@@ -62,7 +62,7 @@ def train(ctx):
             else:
                 loss = model(x).pow(2).mean()
             if mode == "hang" and ctx.rank == 1 and ctx.step == 2:
-                time.sleep(3.0)  # HANG_LINE
+                time.sleep(600)  # HANG_LINE
             if mode == "group" and ctx.rank == 0 and ctx.step == 2:
                 dist.all_reduce(torch.ones(1), group=group)  # GROUP_LINE: rank 1 never joins, and waits in backward
             loss.backward()
@@ -476,7 +476,7 @@ def test_killed_launcher_leaves_a_stale_run_that_mark_closes(project: Project, t
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
         assert proc.poll() is None and time.monotonic() < deadline, "ranks never started"
-        time.sleep(3.0)
+        time.sleep(0.2)
     client = project.client()
     edges = client.get_experiment_by_name("edges").experiment_id
     running = client.search_runs([edges], "attributes.status = 'RUNNING'")

@@ -37,6 +37,9 @@ KIND_STUDY_REPLAY = "study_replay"  # the parent of the replays of a study's mem
 KIND_VERIFY = "verify"  # `harness verify`: a claims file checked against the record (and replays)
 KIND_TRACE = "trace"  # `harness trace`: an op-level trace of one step of a run, nested under it
 KIND_BISECT = "bisect"  # `harness bisect GOOD BAD`: the search for the change that flips a result; its probes nest under it
+# `harness calibrate RUN_ID`: the rounding envelope of a run's first steps, nested under it; its members (replays
+# whose weights were nudged by one ulp) nest under the run too, tagged CALIBRATION.
+KIND_CALIBRATION = "calibration"
 STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
@@ -136,6 +139,15 @@ TOLERANCE = "harness.replay.tolerance"
 # replay run, from its creation: the ranks read it from the record (a container or batch job's too).
 REPLAY_STEPS = "harness.replay.steps"
 
+# harness calibrate (harness/commands/calibrate.py, harness/judge/rounding.py). On the calibration run: the run it
+# calibrates, how many members, how many first steps. On each member (a replay of the run): the calibration it
+# belongs to and the seed of its one-ulp nudge, from its creation (its ranks read it from the record).
+CALIBRATION_OF = "harness.calibration_of"
+CALIBRATION_MEMBERS = "harness.calibration.members"
+CALIBRATION_STEPS = "harness.calibration.steps"
+CALIBRATION = "harness.calibration"
+PERTURB_SEED = "harness.calibration.perturb_seed"
+
 # Seed ensembles (harness/commands/study.py). A member run carries STUDY (the study's run id) and is nested under it.
 STUDY = "harness.study"
 STUDY_SEEDS = "harness.study.seeds"  # on the study: the members' seeds, comma-separated, in member order
@@ -216,4 +228,5 @@ ARTIFACT_TRACE_DIR = "trace"  # trace/rank<R>.jsonl.gz (optrace.dumps) and trace
 ARTIFACT_TRACE_META = "trace/meta.json"
 ARTIFACT_LOCALIZATION = "replay/localization.md"
 ARTIFACT_LOCALIZATION_HTML = "replay/localization.html"
+ARTIFACT_ENVELOPE = "calibration/envelope.json"  # the rounding envelope (harness/judge/rounding.py Envelope)
 ARTIFACT_SEAL = "seal/manifest.json"  # the canonical record harness.seal is the sha256 of

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warmcli
 
 # Real multi-host infrastructure (namespace hosts, a two-node Slurm cluster): see tests/infra.py.
 from infra import lab_server, slurm, two_hosts  # noqa: F401  (fixtures, re-exported for every test module)
-import warmcli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
@@ -464,9 +464,9 @@ def _started_outside() -> frozenset[str]:
     """The daemons that already run as the session starts (`.ci/run` starts the Docker engine and the lab server
     before the tests): their fixtures reuse them and never stop them, so their tests need not share a worker. Read
     once per process at collection, before any fixture starts anything: every worker sees the same."""
-    from harness.systems import docker
-
     from infra import LABSERVER_STATE, _labserver_running
+
+    from harness.systems import docker
 
     outside = set()
     if docker.engine_available()[0] and _registry_answers():

@@ -148,6 +148,9 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--seeds", "seeds_n", type=int, default=None,
               help="Run a study: N runs with seeds seed, seed+1, ..., seed+N-1, nested under one study run.")
 @click.option("--parallel", type=int, default=None, help="A study's members run J at once (default 1).")
+@click.option("--calibrate", "calibrate", is_flag=True,
+              help="Once the run FINISHED, calibrate it (harness calibrate, with its defaults): its replays on other "
+                   "machines can then be judged WITHIN_ROUNDING.")
 @_expected_errors
 def run(
     experiment_dir: Path,
@@ -158,6 +161,7 @@ def run(
     tracking_uri: str | None,
     seeds_n: int | None,
     parallel: int | None,
+    calibrate: bool,
     **placement: Any,
 ) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
@@ -172,6 +176,7 @@ def run(
         experiment_dir, tuple(overrides), seeds=seeds_n, parallel=parallel, require_clean=require_clean,
         executor=executor, placement=api.Placement.of(placement),
         allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, on_event=_draw,
+        calibrate=calibrate,
     ))
     # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
     _finish(outcome, tracking_uri, print_id=api.speaks_for_job())
@@ -456,6 +461,31 @@ def resume(run_id: str, tracking_uri: str | None) -> None:
     from harness.commands import api
 
     _finish(api.resume(api.ResumeOptions(run_id, tracking_uri=tracking_uri, on_event=_draw)), tracking_uri)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--members", "-k", type=int, default=None,
+              help="How many nudged re-executions (default 8, at most 32).")
+@click.option("--steps", "-m", type=int, default=None,
+              help="How many first steps each re-executes (default: 20, or the run's steps when fewer).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_expected_errors
+def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri: str | None) -> None:
+    """Measure the rounding envelope of a FINISHED run's first steps, for WITHIN_ROUNDING verdicts.
+
+    K members replay the run's first M steps as recorded (commit, config, seed, data, image), each with every
+    weight nudged by one ulp: how far they land from the run is how far rounding alone carries it. A later replay
+    that is not bit-identical (another CPU's or GPU's kernels) is judged against that envelope step by step:
+    WITHIN_ROUNDING, or DIVERGED at the first step outside it. Costs K x M training steps (said first). The last
+    line of stdout is the calibration run's id. Exit 0 calibrated, 1 a member failed, 2 bad input.
+    """
+    from harness.commands import api
+
+    done = api.calibrate(api.CalibrateOptions(run_id, members=members, steps=steps, tracking_uri=tracking_uri,
+                                              on_event=_draw))
+    click.echo(done.summary())
+    click.echo(done.calibration_id)
 
 
 @main.command()

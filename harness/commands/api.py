@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from harness import events, tags as T
 from harness.commands import (
     bisect as bisect_command,
+    calibrate as calibrate_command,
     replay as replay_command,
     run as run_command,
     study,
@@ -27,6 +28,7 @@ from harness.commands import (
     verify as verify_command,
 )
 from harness.commands.bisect import BisectResult
+from harness.commands.calibrate import Calibration
 from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome
 from harness.commands.trace import TraceDiff, TraceResult
@@ -44,8 +46,8 @@ if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: import
     from harness.commands.audit import AuditResult
 
 __all__ = [
-    "AuditOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
-    "VerifyOptions", "audit", "compare", "replay", "resume", "run", "trace", "verify",
+    "AuditOptions", "CalibrateOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
+    "VerifyOptions", "audit", "calibrate", "compare", "replay", "resume", "run", "trace", "verify",
 ]
 
 
@@ -169,12 +171,17 @@ class RunOptions:
     allow_untracked_secrets: bool = False  # record untracked files named like secrets in the code patch
     tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db
     on_event: Listener | None = None  # gets what the command says while it works; None: nothing is said
+    calibrate: bool = False  # --calibrate: once the run FINISHED, `harness calibrate` it with the defaults
 
 
 def run(options: RunOptions) -> Outcome | StudyOutcome:
     """Record and launch the experiment: its Outcome, or a StudyOutcome when it is a study (--seeds or `seeds:`)."""
     o = options
     with events.listening(o.on_event):
+        if o.calibrate and (o.seeds is not None or o.parallel is not None or o.placement.multi_node()
+                            or torchrun_env() is not None):
+            raise HarnessError("--calibrate calibrates one run on this machine, not a study or a multi-node job. Drop "
+                               "it, and calibrate a run afterwards with `harness calibrate RUN_ID`.")
         if o.seeds is not None or o.parallel is not None:
             multi = o.placement.multi_node()
             if multi or torchrun_env() is not None:
@@ -194,7 +201,33 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
             tracking_uri=o.tracking_uri, executor=o.executor, allow_unpinned=o.allow_unpinned,
             allow_untracked_secrets=o.allow_untracked_secrets, topology=layout, job_options=o.placement.job_options(),
         )
+        if o.calibrate and isinstance(outcome, StudyOutcome):
+            raise HarnessError(f"--calibrate: the config made study {outcome.run_id} (`seeds:`); calibrate a member "
+                               "with `harness calibrate MEMBER_ID`.")
+        if o.calibrate and outcome.status == T.FINISHED:
+            # Right after the run, on the same machine and image: the reference its replays are judged against.
+            calibrate_command.calibrate(outcome.run_id, tracking_uri=o.tracking_uri)
         return outcome
+
+
+# -- calibrate ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """`harness calibrate RUN_ID [--members K] [--steps M]`: the rounding envelope of a run's first M steps."""
+
+    run_id: str
+    members: int | None = None  # default calibrate.DEFAULT_MEMBERS
+    steps: int | None = None  # default: calibrate.DEFAULT_STEPS, or the run's steps when fewer
+    tracking_uri: str | None = None
+    on_event: Listener | None = None
+
+
+def calibrate(options: CalibrateOptions) -> Calibration:
+    """Re-execute the run's first steps with one-ulp nudges of its weights; record the envelope its replays are
+    judged against (WITHIN_ROUNDING)."""
+    with events.listening(options.on_event):
+        return calibrate_command.calibrate(options.run_id, members=options.members, steps=options.steps,
+                                           tracking_uri=options.tracking_uri)
 
 
 # -- replay ---------------------------------------------------------------------------------------------

@@ -21,14 +21,14 @@ import yaml
 from harness import __version__, events, tags as T
 from harness.commands import replay as rp
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.judge.compare import BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_TOLERANCE, compare_runs
+from harness.judge.compare import BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_ROUNDING, WITHIN_TOLERANCE, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
 from harness.record import derived, loading
 from harness.records import RunRecord
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
 
-REPRODUCED = (BITWISE, WITHIN_TOLERANCE)  # a probe judged like GOOD: the change it carries is innocent
+REPRODUCED = (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE)  # a probe judged like GOOD: the change it carries is innocent
 DEFAULT_MAX_PROBES = 24
 
 

@@ -20,13 +20,17 @@ from harness.judge import noise
 from harness.judge.compare import (
     BITWISE,
     DIVERGED,
+    INCONCLUSIVE,
     NOTHING_TO_COMPARE,
+    REPRODUCED,
     WITHIN_NOISE,
+    WITHIN_ROUNDING,
     WITHIN_TOLERANCE,
     Comparison,
     compare_runs,
     format_tolerances,
     judge_noise,
+    judge_rounding,
     judged_tolerance,
     original_steps,
     parse_tolerances,
@@ -115,13 +119,15 @@ def replay(
     tolerances: list[str] | None = None,
     commit: str | None = None,
     steps: int | None = None,
+    perturb_seed: int | None = None,
 ) -> ReplayResult:
     """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
     the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
     METRIC=ATOL[,RTOL] specs that override the recorded replay.tolerance for this judgement (recorded). `commit`:
     run the code of that commit of the repository instead of the recorded one (harness bisect's probes; the replay
     records the commit it ran). `steps` K: a first check - train only the first K steps, stop every rank there,
-    and judge those steps (harness.replay.steps)."""
+    and judge those steps (harness.replay.steps). `perturb_seed`: a calibration member (harness calibrate) - the
+    weights start one ulp off; it is the reference, so it is not judged (its comparison is None)."""
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
     check_steps(steps, allow_incomplete)
     # First: an unreachable store is said before torch is even loaded.
@@ -152,6 +158,8 @@ def replay(
         validate(cfg, None)
         changes.extend(placement)
     recorded.cfg = cfg
+    # Before anything is recorded or launched: a calibration edited since its seal is refused here, not after the run.
+    envelope = None if perturb_seed is not None else calibration_envelope(tracker, run_id)
     # Before anything is recorded or launched: the data must hash as recorded (or the change be allowed).
     data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
     if data.stats is not None:
@@ -164,6 +172,8 @@ def replay(
         extra[T.TOLERANCE] = format_tolerances(given)
     if steps is not None:  # on the run from its creation: a container's or batch job's ranks read it from there
         extra[T.REPLAY_STEPS] = str(steps)
+    if perturb_seed is not None:  # likewise
+        extra[T.PERTURB_SEED] = str(perturb_seed)
     if data.changes:
         extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
         for change in data.changes:
@@ -183,17 +193,19 @@ def replay(
                 run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
             )
 
-        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths, stop_at=steps)
+        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths, stop_at=steps,
+                           perturb_seed=perturb_seed)
         outcome = executors.run(job)
         replay_id = outcome.run_id
 
-    if job.topology.node_rank != 0:  # one job, one verdict: node 0's
+    if job.topology.node_rank != 0 or perturb_seed is not None:  # one job, one verdict: node 0's; a member: none
         return ReplayResult(original, outcome, None, changes)
     a = a or tracker.load_record(run_id)
     b = tracker.load_record(replay_id)
     failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
     comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
                               incomplete_original=incomplete, first_steps=steps)
+    comparison = with_rounding(tracker, comparison, a, b, envelope)
     comparison = with_noise(tracker, comparison, a, b, study_members)
     record_verdict(tracker, replay_id, a, b, comparison, changes)
     # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
@@ -239,6 +251,23 @@ def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison
     seal.seal(tracker, replay_id)  # the replay closed before its localization was written: sealed again with it
 
 
+def calibration_envelope(tracker: Tracker, run_id: str) -> Any:
+    """The rounding envelope of the run's latest calibration (checked against its seal), or None."""
+    from harness.commands.calibrate import envelope_of
+
+    return envelope_of(tracker, run_id)
+
+
+def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord, envelope: Any = False) -> Comparison:
+    """A replay of a calibrated run that is not bit-identical, held to the calibration's rounding envelope (`envelope`:
+    the one read before the replay ran; False: read it now)."""
+    if cmp.verdict in (BITWISE, NOTHING_TO_COMPARE) or not cmp.of_replay:
+        return cmp
+    if envelope is False:
+        envelope = calibration_envelope(tracker, a.run_id)
+    return cmp if envelope is None else judge_rounding(cmp, a, b, envelope)
+
+
 def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
                members: list[RunRecord] | None = None) -> Comparison:
     """A difference from a study member that bitwise could not hold to, judged against the study's seeds."""
@@ -278,7 +307,7 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances:
     a, b = first.record, second.record
     failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
     cmp = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed)
-    return with_noise(tracker, cmp, a, b)
+    return with_noise(tracker, with_rounding(tracker, cmp, a, b), a, b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +326,7 @@ class StudyReplayResult:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.verdict in (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE) else EXIT_FAILED
+        return EXIT_OK if self.verdict in REPRODUCED else EXIT_FAILED
 
     def summary(self) -> str:
         k, n = len(self.members), len(self.study.members)
@@ -321,12 +350,17 @@ def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], s
     verdicts = [r.judged.verdict for r in results]
     if all(v == BITWISE for v in verdicts):
         return BITWISE, [], "every member bit-identical"
-    if all(v in (BITWISE, WITHIN_TOLERANCE) for v in verdicts):
+    if all(v in (BITWISE, WITHIN_ROUNDING) for v in verdicts):
+        return WITHIN_ROUNDING, [], "every member bit-identical or within its rounding envelope"
+    if all(v in (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE) for v in verdicts):
         return WITHIN_TOLERANCE, [], "every member within tolerance"
     if NOTHING_TO_COMPARE in verdicts:
         return NOTHING_TO_COMPARE, [], "a member had nothing to compare"
+    if INCONCLUSIVE in verdicts and DIVERGED not in verdicts:
+        first = next(r for r in results if r.judged.verdict == INCONCLUSIVE)
+        return INCONCLUSIVE, [], f"seed {first.original.tags.get(T.SEED)}: {first.judged.summary()}"
     # Only differences in values that were judged against the seeds can be noise.
-    unjudged = [r for r in results if r.judged.verdict not in (BITWISE, WITHIN_TOLERANCE)
+    unjudged = [r for r in results if r.judged.verdict not in (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE)
                 and (r.judged.noise is None or r.judged.noise.reason)]
     if unjudged:
         first = unjudged[0]

@@ -29,8 +29,8 @@ from harness.judge.claims import (
     possible_typo,
     prints_as,
 )
-from harness.judge.compare import BITWISE, WITHIN_NOISE, WITHIN_TOLERANCE
-from harness.judge.noise import MIN_SEEDS, another_mean, spread
+from harness.judge.compare import REPRODUCED
+from harness.judge.noise import MIN_SEEDS, another_mean, claims_level, spread
 from harness.judge.verify_report import render_html, render_markdown
 from harness.record import derived, loading, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
@@ -39,7 +39,6 @@ from harness.store.tracking import RunRecord, RunSummary, Tracker
 ALL_HOLD, SOME_FAIL = "HOLDS", "FAILS"
 # Replay verdicts under which a claim stands: the replay reproduced the runs, bit for bit, within the
 # experiment's tolerance, or within the seeds' noise.
-REPRODUCED = (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE)
 
 
 @dataclass
@@ -128,8 +127,9 @@ def load_source(tracker: Tracker, claim: Claim, where: str) -> Source:
     return Source(claim.source, run, [tracker.load_record(run.run_id)], False)
 
 
-def judge(claim: Claim, source: Source, where: str) -> Verdict:
-    """The recorded number against the printed one (MISPRINTED or not); the replay is judged later."""
+def judge(claim: Claim, source: Source, where: str, level: float = claims_level(1)) -> Verdict:
+    """The recorded number against the printed one (MISPRINTED or not); the replay is judged later. `level`: of the
+    noise interval, set for the whole claims file (noise.claims_level)."""
     for record in source.records:
         if claim.metric not in record.metrics or not len(record.metrics[claim.metric][1]):
             logged = ", ".join(sorted(record.metrics)) or "none"
@@ -147,7 +147,7 @@ def judge(claim: Claim, source: Source, where: str) -> Verdict:
     # A slipped digit (2.858 for 2.885) is a misprint even where the seeds' noise would cover the number.
     typo = None if value_ok else possible_typo(recorded, claim.paper.value)
     if source.is_study and claim.statistic == "mean" and len(values) >= MIN_SEEDS:
-        interval = another_mean(values)
+        interval = another_mean(values, level)
         if not value_ok and typo is None and interval[0] <= float(claim.paper.value) <= interval[1]:
             outcome = CLAIM_WITHIN_NOISE
     return Verdict(claim, source, values, recorded, spread, value_ok, spread_ok, outcome=outcome,
@@ -201,11 +201,14 @@ def verify(claims_file: Path, *, replay: bool = False, members: int | None = Non
     verdicts: list[Verdict] = []
     # Everything is checked before anything runs or is recorded: bad input records nothing.
     for claim in claims:
-        where = f"{claims_file}: claim {claim.id!r}"
         key = ("study:" if claim.study else "run:") + claim.source
         if key not in sources:
-            sources[key] = load_source(tracker, claim, where)
-        verdicts.append(judge(claim, sources[key], where))
+            sources[key] = load_source(tracker, claim, f"{claims_file}: claim {claim.id!r}")
+    # One bound for the file: every claim that could be judged against its seeds' noise shares it.
+    noisy = sum(1 for c in claims if c.study and c.statistic == "mean")
+    for claim in claims:
+        key = ("study:" if claim.study else "run:") + claim.source
+        verdicts.append(judge(claim, sources[key], f"{claims_file}: claim {claim.id!r}", claims_level(noisy)))
     if overrides and not allow_changes:
         raise HarnessError(f"overrides {' '.join(overrides)} would change the replays' config. Pass --allow-changes "
                            "with --replay to replay with them (they are recorded and reported).")

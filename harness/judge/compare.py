@@ -16,21 +16,29 @@ import numpy as np
 from harness import tags
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import fmt_pair, fmt_short, json_safe, the
-from harness.judge import noise
+from harness.judge import noise, rounding
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.judge.noise import NoiseJudgement
+from harness.judge.rounding import Envelope, RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
 from harness.records import RunRecord
 
 BITWISE = "BITWISE"
+# Not bit-identical, but inside the rounding envelope a calibration measured (rounding.py): the same training,
+# its last bits differing as another machine's rounding makes them differ.
+WITHIN_ROUNDING = "WITHIN_ROUNDING"
 WITHIN_TOLERANCE = "WITHIN_TOLERANCE"
 # Outside the tolerance, but where a new seed could have landed: judged against a study's spread (noise.py).
 WITHIN_NOISE = "WITHIN_NOISE"
 DIVERGED = "DIVERGED"
+# Inside the seeds' noise, but by intervals so wide that a doubled learning rate would have passed too (noise.Power):
+# no evidence either way, so no pass (exit 1).
+INCONCLUSIVE = "INCONCLUSIVE"
 # Neither run logged a metric or a fingerprint: agreement would be vacuous, so it is not a pass.
 NOTHING_TO_COMPARE = "NOTHING_TO_COMPARE"
-VERDICTS = (BITWISE, WITHIN_TOLERANCE, WITHIN_NOISE, DIVERGED, NOTHING_TO_COMPARE)
+VERDICTS = (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE, WITHIN_NOISE, INCONCLUSIVE, DIVERGED, NOTHING_TO_COMPARE)
+REPRODUCED = (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE, WITHIN_NOISE)  # exit 0
 
 # Divergence kinds.
 KIND_VALUE = "value"  # a metric left its tolerance at a step both runs logged
@@ -40,6 +48,7 @@ KIND_MISSING_METRIC = "missing_metric"  # the metric exists in the original only
 KIND_EXTRA_METRIC = "extra_metric"  # the metric exists in the replay only
 KIND_FINGERPRINT = "fingerprint"
 KIND_REPLAY_FAILED = "replay_failed"
+KIND_ROUNDING = "rounding"  # a metric left a calibrated run's rounding envelope (rounding.py)
 
 
 # MLflow's SQL store writes +-inf as +-DBL_MAX; a record read back from its history cannot tell them apart.
@@ -78,7 +87,7 @@ class Divergence:
             return f"at {where}: metric {self.metric} appears only in {the(b)}"
         if self.kind == KIND_FINGERPRINT:
             return f"at {where}: parameter fingerprints differ ({self.detail})"
-        if self.kind == KIND_REPLAY_FAILED:
+        if self.kind in (KIND_REPLAY_FAILED, KIND_ROUNDING):
             return self.detail
         return f"at {where}: {self.detail}"
 
@@ -161,10 +170,11 @@ class Comparison:
     noise: NoiseJudgement | None = None  # set when a difference was judged against a study's spread
     checkpoints: CheckpointDiff | None = None  # checkpoint tensors compared; None when neither run checkpointed
     data_order: DataOrderDiff | None = None  # the samples each step drew, compared; None when neither recorded them
+    rounding: RoundingJudgement | None = None  # the first steps held to a calibration's envelope (judge_rounding)
 
     @property
     def exit_code(self) -> int:
-        return EXIT_FAILED if self.verdict in (DIVERGED, NOTHING_TO_COMPARE) else EXIT_OK
+        return EXIT_OK if self.verdict in REPRODUCED else EXIT_FAILED
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -173,6 +183,11 @@ class Comparison:
     def summary(self) -> str:
         """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
         line = self._verdict_line()
+        if self.rounding is not None and self.rounding.within and self.verdict != WITHIN_ROUNDING:
+            # The envelope held over its steps; what came after decided (the tolerance, or the seeds' noise).
+            by = "the seeds' noise" if self.noise is not None else "the tolerance"
+            line += (f"; the first {self.rounding.steps} steps inside {self.rounding.describe_envelope()}, "
+                     f"the steps after them judged by {by}")
         if isinstance(self.reached, FirstSteps):
             line = self._early_line(line, self.reached)
         elif self.reached is not None:
@@ -212,6 +227,15 @@ class Comparison:
         if self.verdict == NOTHING_TO_COMPARE:
             return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
                     "log metrics with ctx.log and register the model with ctx.ddp")
+        if self.verdict == WITHIN_ROUNDING and self.rounding is not None:
+            shape = _shape(self.metrics)
+            n = len(self.bitwise_blockers)
+            why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
+            return (f"{WITHIN_ROUNDING}: {shape} not bit-identical, {self.rounding.headline()}; {why}; "
+                    f"the weights differ as the calibration's members' did")
+        if self.verdict == INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
+            return (f"{INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "
+                    f"first outside the tolerance {self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
         if self.verdict == WITHIN_NOISE and self.noise is not None:
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "the config changed"
@@ -637,6 +661,87 @@ def compare_runs(
     )
 
 
+def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope) -> Comparison:
+    """A replay of a calibrated run that is not bit-identical, held step by step to the rounding envelope over the
+    envelope's first M steps. Inside at every judged value: WITHIN_ROUNDING where the envelope covered every step
+    compared, else the steps from M on are judged as without a calibration (the tolerance here, the seeds' noise by
+    the caller) and the line says so. Outside: DIVERGED at the first step outside, naming the metric and the envelope.
+
+    A failed replay, or one that logged other steps or metrics, stays as it is: rounding explains none of that.
+    """
+    if cmp.verdict in (BITWISE, NOTHING_TO_COMPARE):
+        return cmp
+    if cmp.divergence is not None and cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
+        return cmp
+    if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
+        return cmp
+    first_steps = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
+    orig = {k: as_series(*v) for k, v in original.metrics.items()}
+    rep = {k: as_series(*v) for k, v in replay.metrics.items()}
+    if first_steps is not None:
+        orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
+    judged = rounding.judge(envelope, orig, rep)
+    m = envelope.steps
+    last = max((int(s[-1]) for s, _ in orig.values() if s.size), default=-1)
+    judged.covers_run = last < m and (first_steps is None or first_steps <= m)
+    if judged.judged_steps == 0:
+        cmp.notes.append(f"calibration {envelope.calibration_id} holds none of the metrics both runs logged in its "
+                         f"first {m} steps: not judged against its envelope")
+        return cmp
+    if envelope.weights_differed == 0 and not cmp.fingerprints.all_equal:
+        cmp.notes.append(f"the weights of calibration {envelope.calibration_id}'s members ended equal to the "
+                         "original's, so weights that differ here are not rounding's: not judged against its envelope")
+        return cmp
+    cmp.rounding = judged
+    outside = judged.first()
+    if outside is not None:
+        rel = outside.distance / abs(outside.original) if outside.original else math.inf
+        detail = (f"at step {outside.step}: {outside.describe()}, outside {judged.describe_envelope()} "
+                  f"(calibration {envelope.calibration_id})")
+        cmp.verdict = DIVERGED
+        cmp.divergence = Divergence(KIND_ROUNDING, outside.step, outside.metric, outside.original, outside.replay,
+                                    outside.distance, rel, detail)
+        return cmp
+    if judged.covers_run:
+        cmp.verdict, cmp.divergence = WITHIN_ROUNDING, None
+        return cmp
+    # The steps from M on, as without a calibration: metrics by the tolerance, weights by their fingerprints.
+    rest = [d for d in (_first_outside(name, orig[name], rep[name], cmp.tolerance, m) for name in sorted(orig) if name in rep)
+            if d is not None]
+    fps = cmp.fingerprints
+    late_fp = fps.first_mismatch_step is not None and fps.first_mismatch_step >= m or fps.final_equal is False
+    if rest:
+        cmp.verdict, cmp.divergence = DIVERGED, min(rest, key=lambda d: (d.step, d.metric or ""))
+    elif late_fp and not weights_may_differ(cmp.tolerance):
+        cmp.verdict = DIVERGED
+        cmp.divergence = Divergence(KIND_FINGERPRINT, None, detail=(
+            f"the weights after the first {m} steps differ (final {(original.final_fingerprint or 'none')[:12]} vs "
+            f"{(replay.final_fingerprint or 'none')[:12]}); --tolerance weights=any would let the metrics decide"))
+    else:
+        exact = all(_bitwise_from(orig[n], rep[n], m) for n in orig if n in rep) and not late_fp
+        cmp.verdict, cmp.divergence = (WITHIN_ROUNDING if exact else WITHIN_TOLERANCE), None
+    return cmp
+
+
+def _from(series: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray, np.ndarray]:
+    s, v = series
+    return s[s >= first], v[s >= first]
+
+
+def _first_outside(name: str, a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
+                   tol: Mapping[str, Any], first: int) -> Divergence | None:
+    """The first value at a step >= `first` outside the tolerance (the steps after a rounding envelope)."""
+    rtol, atol = _tolerance_for(tol, name)
+    _, div = _compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
+    return div
+
+
+def _bitwise_from(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], first: int) -> bool:
+    sa, va = _from(a, first)
+    sb, vb = _from(b, first)
+    return bool(np.array_equal(sa, sb) and np.array_equal(va.view(np.int64), vb.view(np.int64)))
+
+
 def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_id: str,
                 members: list[RunRecord]) -> Comparison:
     """A DIVERGED replay of a study member, where bitwise was never possible, judged against the seeds' spread.
@@ -646,7 +751,7 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     is nondeterminism or a code change, which a new seed would not explain.
     """
     if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
-        return cmp
+        return cmp  # (a replay outside a calibration's rounding envelope is KIND_ROUNDING: no seed explains it)
     if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
         return cmp
     if cmp.bitwise_possible and not any(c.affects_result for c in cmp.config_delta):
@@ -661,7 +766,7 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     cmp.noise = noise.judge_curves(study_id, replay.metrics, original.metrics, [m.metrics for m in members],
                                    before=before)
     if cmp.noise.within:
-        cmp.verdict = WITHIN_NOISE
+        cmp.verdict = INCONCLUSIVE if cmp.noise.vacuous else WITHIN_NOISE
     return cmp
 
 

@@ -126,6 +126,7 @@ _BREAKING_FACTS: dict[str, str] = {
     tags.ENV_PREFIX + "cudnn": "cuDNN version changed: convolution algorithms may differ",
     tags.ENV_PREFIX + "nccl": "NCCL version changed: all-reduce algorithms may differ",
     tags.ENV_PREFIX + "cpu": "CPU model changed: vector kernels may round differently",
+    tags.ENV_PREFIX + "cpu_capability": "CPU kernel level changed (ATen's dispatch): other vector kernels round differently",
 }
 # The device rank 0 trained on decides the kernels, on a cuda run only (a cpu run on a GPU host uses none);
 # how much memory it has does not.
@@ -168,7 +169,12 @@ _NOTES: dict[str, str] = {
 # Environment variables that select kernels, thread counts or reduction algorithms. Others
 # (NCCL_DEBUG, NCCL_SOCKET_IFNAME, ...) only change logging or transport. The CUDA ones matter only where
 # a run's device is cuda, NCCL's only where its backend is nccl: a gloo run on CPU reads neither.
-_BREAKING_VARS: frozenset[str] = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS"})
+_BREAKING_VARS: frozenset[str] = frozenset({
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
+    # The CPU's vector kernels: ATen's dispatch level, oneDNN's instruction-set limit and its floating-point mode.
+    "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_DEFAULT_FPMATH_MODE",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+})
 _BREAKING_CUDA_VARS: frozenset[str] = frozenset(
     {
         "CUBLAS_WORKSPACE_CONFIG",

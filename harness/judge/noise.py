@@ -103,8 +103,8 @@ def spread(values: Iterable[float]) -> Spread:
     )
 
 
-def another_mean(values: Sequence[float]) -> tuple[float, float]:
-    """95% prediction interval for the mean of another N seeds: mean +- t(N-1, 0.975) * s * sqrt(2/N).
+def another_mean(values: Sequence[float], level: float = _LEVEL) -> tuple[float, float]:
+    """`level` (95%) prediction interval for the mean of another N seeds: mean +- t(N-1, (1+level)/2) * s * sqrt(2/N).
 
     Where a paper's mean over N seeds, drawn again (another seed set, another machine), lands: the
     difference of two N-seed means has standard deviation s * sqrt(2/N).
@@ -112,8 +112,17 @@ def another_mean(values: Sequence[float]) -> tuple[float, float]:
     s = spread(values)
     if s.n < 2:
         return (math.nan, math.nan)
-    half = _t(s.n - 1, 0.5 + _LEVEL / 2) * s.std * math.sqrt(2 / s.n)
+    half = _t(s.n - 1, 0.5 + level / 2) * s.std * math.sqrt(2 / s.n)
     return (s.mean - half, s.mean + half)
+
+
+CLAIMS_FALSE_ALARM = 1 - _LEVEL  # for all of a claims file's noise checks together (harness verify)
+
+
+def claims_level(checks: int) -> float:
+    """The level of each of `checks` noise intervals of one claims file: 5% for the whole file (Bonferroni), as a
+    replay's checks share one bound - with 10 claims at 95% each, an honest paper would fail one 40% of the time."""
+    return family_level(checks, CLAIMS_FALSE_ALARM)
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,87 @@ def final_values(metrics: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[s
     return out
 
 
+@dataclass(frozen=True)
+class Power:
+    """Could the judgement have caught a doubled learning rate? A judgement whose every interval would hold it too
+    says nothing: it is INCONCLUSIVE, never WITHIN_NOISE.
+
+    The test: early in training, k steps at twice the learning rate go about as far as 2k steps at the recorded one
+    (gradient descent's path, taken in steps twice as long). So the doubled run's segment mean over steps a..b is
+    about the seeds' mean over steps 2a..2b, and a check whose interval excludes that value would have caught it.
+    Only segments whose doubled steps the seeds logged are asked. benchmarks/verdict_bench.py measures how often a
+    judgement that passes this test catches a real doubled learning rate."""
+
+    caught: bool
+    check: str  # the label of the check nearest to catching it
+    counterfactual: float  # the seeds' mean at twice the steps: where a doubled learning rate would land
+    interval: tuple[float, float]
+    seeds: int
+    seeds_needed: int | None  # seeds that would narrow that check's interval enough (same spread); None: no number does
+
+    def describe(self) -> str:
+        if self.caught:
+            return (f"a doubled learning rate would have been caught: {self.check} would be about "
+                    f"{self.counterfactual:.6g}, outside [{self.interval[0]:.6g}, {self.interval[1]:.6g}]")
+        more = (f"about {self.seeds_needed} seeds would narrow it enough" if self.seeds_needed is not None
+                else "no number of seeds would (the metric barely moves early in training)")
+        return (f"its intervals could not have caught a doubled learning rate: {self.check} would be about "
+                f"{self.counterfactual:.6g}, inside [{self.interval[0]:.6g}, {self.interval[1]:.6g}] of "
+                f"{self.seeds} seeds; {more}, or calibrate the run (harness calibrate RUN_ID) and judge it against "
+                "its rounding envelope")
+
+
+_MAX_SEEDS = 200  # beyond this "run more seeds" is no advice
+
+
+def doubled_rate_power(checks: Sequence[NoiseCheck], members: Sequence[Curves]) -> Power | None:
+    """The Power of a curve judgement (see Power); None when no segment's doubled steps were logged."""
+    best: tuple[float, Power] | None = None
+    for c in checks:
+        if c.steps is None or c.reason or not all(math.isfinite(b) for b in c.interval):
+            continue
+        first, last = c.steps
+        logged = sorted(set.intersection(*({int(s) for s in np.asarray(m[c.metric][0]) if first <= s <= last}
+                                           for m in members if c.metric in m)) or {first})
+        doubled = [2 * s for s in logged]
+        at = [v for v in (mean_over(m, c.metric, doubled) for m in members) if v is not None]
+        if len(at) < len(members) or not at:
+            continue
+        cf = float(np.mean(at))
+        lo, hi = c.interval
+        caught = not lo <= cf <= hi
+        # How far inside the interval the doubled rate lands, as a fraction of its half-width (on the check's scale).
+        centre, half, x = _on_scale(c, cf)
+        ratio = abs(x - centre) / half if half > 0 else math.inf
+        power = Power(caught, c.label, cf, (lo, hi), c.spread.n,
+                      None if caught else _seeds_needed(c, abs(x - centre)))
+        if best is None or ratio > best[0]:
+            best = (ratio, power)
+    return None if best is None else best[1]
+
+
+def _on_scale(c: NoiseCheck, value: float) -> tuple[float, float, float]:
+    """The check's interval as centre and half-width, and `value`, on the scale it was judged on."""
+    lo, hi = c.interval
+    if c.log:
+        lo, hi = math.log(lo), math.log(hi)
+        value = math.log(value) if value > 0 else -math.inf
+    return (lo + hi) / 2, (hi - lo) / 2, value
+
+
+def _seeds_needed(c: NoiseCheck, distance: float) -> int | None:
+    """The fewest seeds whose interval at the check's level, with the spread it has now, would exclude a value at
+    `distance` from its centre."""
+    values = [math.log(v) for v in c.spread.values] if c.log else list(c.spread.values)
+    sd = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+    if not (math.isfinite(sd) and sd > 0 and distance > 0):
+        return None
+    for n in range(c.spread.n + 1, _MAX_SEEDS + 1):
+        if _t(n - 1, 0.5 + c.level / 2) * sd * math.sqrt(1 + 1 / n) < distance:
+            return n
+    return None
+
+
 @dataclass
 class NoiseJudgement:
     """The evidence behind WITHIN_NOISE (or a DIVERGED that the noise did not explain)."""
@@ -233,6 +323,12 @@ class NoiseJudgement:
     checks: list[NoiseCheck] = field(default_factory=list)
     reason: str = ""  # why no judgement was possible (too few seeds, no shared metric)
     what: str = "final value"  # what was judged: "final value", "curve point", "value at step k"
+    power: Power | None = None  # could it have caught a doubled learning rate (curve judgements)
+
+    @property
+    def vacuous(self) -> bool:
+        """Inside every interval, but the intervals would have held a doubled learning rate too."""
+        return self.within and self.power is not None and not self.power.caught
 
     def family(self) -> str:
         """How the level was set: the whole replay's false-alarm bound over its checks."""
@@ -347,4 +443,5 @@ def judge_curves(study_id: str, replay: Curves, original: Curves, members: Seque
                               steps=(part[0], part[-1])))
     if missing:
         return NoiseJudgement(study_id, n, False, checks, f"the replay logged no {', '.join(missing)}", what)
-    return NoiseJudgement(study_id, n, all(c.inside for c in checks), checks, what=what)
+    return NoiseJudgement(study_id, n, all(c.inside for c in checks), checks, what=what,
+                          power=doubled_rate_power(checks, members))

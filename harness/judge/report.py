@@ -25,8 +25,10 @@ from harness.records import RunRecord
 
 _VERDICT_WORDS = {
     BITWISE: "bit-identical to the original",
+    "WITHIN_ROUNDING": "not bit-identical, but inside the rounding envelope of the original's calibration",
     "WITHIN_TOLERANCE": "within tolerance of the original",
     "WITHIN_NOISE": "outside the tolerance, but where a new seed of the study could have landed",
+    "INCONCLUSIVE": "inside the seeds' noise, but by intervals too wide to have caught a doubled learning rate",
     "DIVERGED": "diverged from the original",
     NOTHING_TO_COMPARE: "could not be judged: neither run logged a metric or a fingerprint",
 }

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # Verdict colours of the HTML page (background of the verdict cell).
 _COLOURS = {"HOLDS": "#c8f0c8", "MISPRINTED": "#ffd9a8", "NOT_REPRODUCED": "#f7b8b8",
-            "BITWISE": "#c8f0c8", "WITHIN_TOLERANCE": "#dff5c8", "WITHIN_NOISE": "#eef5c0",
+            "BITWISE": "#c8f0c8", "WITHIN_ROUNDING": "#d2f2c8", "WITHIN_TOLERANCE": "#dff5c8", "WITHIN_NOISE": "#eef5c0",
             "DIVERGED": "#f7b8b8", "NOTHING_TO_COMPARE": "#f7b8b8"}
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222;line-height:1.4}

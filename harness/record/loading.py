@@ -36,10 +36,11 @@ EXPORT = "export"
 MARK = "mark"
 EXECUTE = "execute"  # the recorded run a container or batch job executes (harness run's inner side)
 STUDY_REPLAY = "study_replay"  # a study replayed as a whole
+CALIBRATE = "calibrate"  # a run whose first steps are re-executed with one-ulp nudges (harness calibrate)
 
 STATUSES = (T.RUNNING, T.FINISHED, T.FAILED, T.KILLED)
 KINDS = (T.KIND_RUN, T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY, T.KIND_STUDY_REPLAY, T.KIND_VERIFY, T.KIND_TRACE,
-         T.KIND_BISECT)
+         T.KIND_BISECT, T.KIND_CALIBRATION)
 
 # A refusal: a template formatted with {rid} (the run id), {run} (the run as the caller names it: a claim's
 # source, an imported run's original id), {status}, {kind}; or a function of the run, where the line depends on
@@ -87,6 +88,7 @@ NOT_TRAINING: dict[str, Refusal] = {
         T.KIND_VERIFY: "a claims check (harness verify): rerun it with `harness verify CLAIMS_FILE --replay`",
         T.KIND_TRACE: "a trace of one step (harness trace); trace or replay the run it traced (harness.trace_of) instead",
         T.KIND_BISECT: "a bisection (harness bisect): its probes are the runs; rerun it with `harness bisect GOOD BAD`",
+        T.KIND_CALIBRATION: "a calibration (harness calibrate) of run {calibration_of}; use that run instead",
     }.items()
 }
 _RESUMED = "run {rid} is {status}; only FAILED or KILLED runs are resumed."
@@ -118,6 +120,9 @@ RULES: dict[str, Rule] = {
     TRACE: Rule(dict.fromkeys(STATUSES),
                 {**NOT_TRAINING, T.KIND_TRACE: "run {rid} is a trace; trace the run it traced ({trace_of})."}),
     VERIFY: Rule(_finished_only("run {run} is {status}; a claim rests on a FINISHED run.")),
+    # Its first steps are re-executed and held to the record: only a finished run is a reference.
+    CALIBRATE: Rule(_finished_only("run {rid} is {status}; only a FINISHED run can be calibrated (its steps are the "
+                                   "reference). Resume it first."), NOT_TRAINING),
     # Two records side by side: any run, also one harness did not make.
     COMPARE: Rule(dict.fromkeys(STATUSES), harness_only=False),
     EXPORT: Rule({**dict.fromkeys(STATUSES), T.RUNNING: "run {rid} is still RUNNING; its record is not complete. "
@@ -137,7 +142,8 @@ def _say(refusal: Refusal, run: RunSummary, command: str, name: str | None) -> s
     if callable(refusal):
         return refusal(run)
     return refusal.format(rid=run.run_id, run=name or run.run_id, status=run.status, kind=run.tags.get(T.KIND, "run"),
-                          command=command, trace_of=run.tags.get(T.TRACE_OF))
+                          command=command, trace_of=run.tags.get(T.TRACE_OF),
+                          calibration_of=run.tags.get(T.CALIBRATION_OF))
 
 
 def refusal(command: str, run: RunSummary, *, allow_incomplete: bool = False, name: str | None = None) -> str | None:

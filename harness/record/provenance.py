@@ -16,7 +16,9 @@ from harness import __version__
 from harness.record.redaction import env_name_is_secret
 
 # Variables that change numerics or communication; recorded when set.
-_VAR_PREFIXES = ("NCCL_", "OMP_", "MKL_", "CUBLAS_", "CUBLASLT_", "CUDA_", "GLOO_", "TORCH_", "KMP_", "OPENBLAS_")
+# ATEN_CPU_CAPABILITY and oneDNN's DNNL_/ONEDNN_MAX_CPU_ISA choose the CPU's vector kernels.
+_VAR_PREFIXES = ("NCCL_", "OMP_", "MKL_", "CUBLAS_", "CUBLASLT_", "CUDA_", "GLOO_", "TORCH_", "KMP_", "OPENBLAS_",
+                 "ATEN_", "DNNL_", "ONEDNN_")
 # NVIDIA_TF32_OVERRIDE=0 turns TF32 off under every library; DISABLE_ADDMM_CUDA_LT=1 keeps addmm off cuBLASLt.
 _VAR_NAMES = ("PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES", "NVIDIA_TF32_OVERRIDE", "DISABLE_ADDMM_CUDA_LT")
 # NCCL also reads KEY=VALUE lines from these files (a variable already set wins): $NCCL_CONF_FILE, else
@@ -71,7 +73,17 @@ def torch_facts() -> dict[str, str]:
         "nccl": nccl,
         "gpu": ", ".join(gpus) if gpus else "none",
         "gpu_count": str(len(gpus)),
+        # Which vector kernels ATen dispatches to on this CPU (DEFAULT, AVX2, AVX512, ...): ATEN_CPU_CAPABILITY or an
+        # older CPU lowers it, and the lower level's kernels round differently.
+        "cpu_capability": _cpu_capability(torch),
     }
+
+
+def _cpu_capability(torch: Any) -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # a torch without the call
+        return "unknown"
 
 
 def runtime_facts(measured: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -92,6 +104,7 @@ def runtime_facts(measured: Mapping[str, str] | None = None) -> dict[str, str]:
         "nccl": facts["nccl"],
         "gpu": facts["gpu"],
         "gpu_count": facts["gpu_count"],
+        "cpu_capability": facts.get("cpu_capability", "unknown"),
         "gpu_driver": _gpu_driver() if facts["gpu_count"] != "0" else "none",
         "cpu": _cpu_model(),
         "cpu_count": str(cpus),

@@ -107,15 +107,19 @@ def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step
 
 
 def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None,
-                    stop_at: int | None = None) -> CheckpointPlan | None:
+                    stop_at: int | None = None, perturb_seed: int | None = None) -> CheckpointPlan | None:
     """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
     lists them with the run. `stop_at` (replay --steps K): the ranks stop where step K would begin, at the same
-    boundary an audit segment ends at, whether or not the run checkpoints."""
+    boundary an audit segment ends at, whether or not the run checkpoints. `perturb_seed`: a calibration member's
+    one-ulp nudge of the weights."""
     from harness.runtime.plan import CheckpointPlan
 
     if store is None:
-        return None if stop_at is None else CheckpointPlan("", 0, stop_at=stop_at)
-    return CheckpointPlan(str(store.directory), cfg.checkpoint_every, resume_step=resume_step, stop_at=stop_at)
+        if stop_at is None and perturb_seed is None:
+            return None
+        return CheckpointPlan("", 0, stop_at=stop_at, perturb_seed=perturb_seed)
+    return CheckpointPlan(str(store.directory), cfg.checkpoint_every, resume_step=resume_step, stop_at=stop_at,
+                          perturb_seed=perturb_seed)
 
 
 class Recorder:
@@ -126,11 +130,13 @@ class Recorder:
     """
 
     def __init__(self, tracker: Tracker, run_id: str, cfg: DictConfig, work: Path,
-                 view: Callable[[Shown], None], resume_step: int | None = None, stop_at: int | None = None) -> None:
+                 view: Callable[[Shown], None], resume_step: int | None = None, stop_at: int | None = None,
+                 perturb_seed: int | None = None) -> None:
         self.tracker, self.run_id, self.cfg, self.work = tracker, run_id, cfg, work
         self.view = view
         self.resume_step = resume_step
         self.stop_at = stop_at
+        self.perturb_seed = perturb_seed
         self.outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         self.writer: MetricWriter | None = None
         self.heartbeat: Heartbeat | None = None
@@ -177,7 +183,7 @@ class Recorder:
             if resume_step is not None and not self.ckpts.fetch(resume_step, cfg.world_size):
                 raise HarnessError(f"run {run_id} has no complete checkpoint of step {resume_step} in its artifacts.")
             self.ckpts.start_uploads(self.outages)
-        self.plan = checkpoint_plan(self.ckpts, cfg, resume_step, self.stop_at)
+        self.plan = checkpoint_plan(self.ckpts, cfg, resume_step, self.stop_at, self.perturb_seed)
         self.writer = tracker.metric_writer(run_id, cfg.flush_interval_s, self.outages)
         if self.prior is not None:
             self.writer.prime(self.prior.metrics)

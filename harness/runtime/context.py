@@ -250,6 +250,11 @@ class Context:
     def _adopt(self, model: torch.nn.Module) -> None:
         """`model` is the one fingerprinted, checkpointed and traced (ctx.ddp and ctx.register)."""
         self._model = model
+        if self._plan is not None and self._plan.perturb_seed is not None:
+            # A calibration member (harness calibrate): the weights start one ulp off, before the first fingerprint.
+            from harness.runtime.perturb import nudge
+
+            nudge(model, self._plan.perturb_seed)
         # A training forward of the registered model is the next step's work beginning (a loop of its own).
         self._forward_hook = model.register_forward_pre_hook(self._on_forward)
         if self._tracer is not None:

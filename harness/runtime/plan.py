@@ -14,6 +14,9 @@ class CheckpointPlan:
     every: int  # 0: never save (a resume or audit may still load)
     resume_step: int | None = None  # load the checkpoint of this step before the first epoch
     stop_at: int | None = None  # an audit segment ends when this many steps are done
+    # harness calibrate: every floating-point parameter of the registered model is nudged by one ulp, up or down as
+    # a generator of this seed draws it, before training starts (harness/runtime/perturb.py).
+    perturb_seed: int | None = None
     # harness trace: an op-level trace (optrace.OpTracer) around this step, on these ranks, written to
     # trace_dir/rank<R>.jsonl.gz when the step ends.
     trace_step: int | None = None

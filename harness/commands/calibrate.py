@@ -1,0 +1,120 @@
+"""`harness calibrate RUN_ID`: measure how far rounding alone carries a run's first steps (harness/judge/rounding.py).
+
+K members replay the run's first M steps as recorded - its commit, config, seed, data, image and executor - each with
+its weights nudged by one ulp (harness/runtime/perturb.py, the seed i of member i). They are ordinary replay runs,
+nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
+by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
+sealed when it closes; a replay of the run finds it here (`envelope_of`) and is judged against it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from harness import events, tags as T
+from harness.errors import EXIT_FAILED, HarnessError
+from harness.fmt import json_safe
+from harness.judge import rounding
+from harness.judge.compare import original_steps
+from harness.record import derived, loading, seal
+from harness.store.tracking import RunSummary, Tracker
+
+DEFAULT_MEMBERS = 8
+DEFAULT_STEPS = 20
+MAX_MEMBERS = 32
+
+
+@dataclass
+class Calibration:
+    run_id: str  # the calibrated run
+    calibration_id: str
+    envelope: rounding.Envelope
+    member_ids: list[str]
+    steps_of_run: int
+
+    def summary(self) -> str:
+        env = self.envelope
+        widest = {name: max(m.deviation, default=0.0) for name, m in env.metrics.items()}
+        spread = ", ".join(f"{name} up to {value:.3g}" for name, value in widest.items()) or "no metric logged"
+        return (f"calibrated run {self.run_id}: {env.describe()} ({env.members} x {env.steps} = "
+                f"{env.members * env.steps} training steps); the members' largest distance from the run: {spread}; "
+                f"{env.weights_differed} of {env.members} members' weights differed after step {env.steps}")
+
+
+def check_options(members: int | None, steps: int | None) -> None:
+    """What can be refused before the store is read (nothing is recorded)."""
+    if members is not None and not 2 <= members <= MAX_MEMBERS:
+        raise HarnessError(f"--members {members}: a calibration takes 2 to {MAX_MEMBERS} members. Pass e.g. --members "
+                           f"{DEFAULT_MEMBERS}.")
+    if steps is not None and steps < 1:
+        raise HarnessError(f"--steps {steps}: a calibration re-executes at least 1 step. Pass --steps 1 or more.")
+
+
+def calibrate(run_id: str, *, members: int | None = None, steps: int | None = None, tracking_uri: str | None = None,
+              tracker: Tracker | None = None) -> Calibration:
+    """Re-execute the first `steps` steps of `run_id` `members` times with one-ulp nudges; record the envelope."""
+    from harness.commands.replay import replay
+
+    check_options(members, steps)
+    tracker = tracker or Tracker(tracking_uri)
+    loaded = loading.load(tracker, run_id, loading.CALIBRATE)
+    original = loaded.summary
+    record = tracker.load_record(original.run_id)
+    total = original_steps(record)
+    if total < 1:
+        raise HarnessError(f"run {original.run_id} logged no step: there is nothing to calibrate.")
+    k = members or DEFAULT_MEMBERS
+    if steps is not None and steps > total:
+        raise HarnessError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
+    m = steps or min(DEFAULT_STEPS, total)
+    events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
+                              f"(the run took {total}), each member one replay of its first {m} steps"))
+    run_tags = derived.tags(T.KIND_CALIBRATION, original, version=original.tags.get(T.VERSION),
+                            extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m)})
+    with derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}") as cal_id:
+        ids: list[str] = []
+        records = []
+        for i in range(1, k + 1):
+            events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}", i, k))
+            result = replay(original.run_id, follow=False, tracker=tracker, steps=m, perturb_seed=i, localize=False,
+                            extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id})
+            ids.append(result.outcome.run_id)
+            if result.outcome.status != T.FINISHED:
+                raise HarnessError(f"calibration member {i} (run {result.outcome.run_id}) {result.outcome.status}: "
+                                   f"{result.outcome.message or 'see its logs'}. The run's first {m} steps do not "
+                                   "re-execute here; replay it to see why.", EXIT_FAILED)
+            records.append(tracker.load_record(result.outcome.run_id))
+        held = record.checkpoints.get(m) if m < total else record.final_fingerprint
+        differed = sum(1 for r in records if held is None or r.final_fingerprint != held)
+        envelope = rounding.measure(original.run_id, cal_id, record.metrics, [r.metrics for r in records], m, differed)
+        tracker.log_text(cal_id, json.dumps(json_safe(envelope.to_dict()), indent=2), T.ARTIFACT_ENVELOPE)
+        done = Calibration(original.run_id, cal_id, envelope, ids, total)
+        tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
+    return done
+
+
+def calibration_of(tracker: Tracker, run_id: str) -> RunSummary | None:
+    """The run's latest FINISHED calibration, if it has one."""
+    found = [r for r in tracker.children(run_id)
+             if r.tags.get(T.KIND) == T.KIND_CALIBRATION and r.tags.get(T.CALIBRATION_OF) == run_id
+             and r.status == T.FINISHED]
+    return max(found, key=lambda r: r.start_time or 0) if found else None
+
+
+def envelope_of(tracker: Tracker, run_id: str) -> rounding.Envelope | None:
+    """The envelope of the run's latest calibration, checked against its seal (an edited envelope would pass any
+    replay: it is refused, in one line naming what changed)."""
+    found = calibration_of(tracker, run_id)
+    if found is None:
+        return None
+    seal.check(tracker, found.run_id)
+    text = tracker.read_text(found.run_id, T.ARTIFACT_ENVELOPE)
+    try:
+        envelope = rounding.Envelope.from_dict(json.loads(text or ""))
+    except (ValueError, KeyError, TypeError) as err:
+        raise HarnessError(f"calibration {found.run_id} of run {run_id} has no readable {T.ARTIFACT_ENVELOPE} "
+                           f"({err}). Calibrate the run again: harness calibrate {run_id}.") from None
+    # The ids as this store has them (an imported calibration's file names the ids of the store it came from).
+    envelope.run_id, envelope.calibration_id = run_id, found.run_id
+    return envelope

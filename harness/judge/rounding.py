@@ -1,0 +1,212 @@
+"""The rounding envelope of a run's first steps, and a replay judged against it (`WITHIN_ROUNDING`).
+
+A replay on another machine is rarely bit-identical: another CPU's vector kernels or another GPU's reduce the same
+sums in another order, and the last bits differ. A seed study measures how far *another seed* lands, which is the
+worst case; a same-seed replay on other hardware differs by rounding only, and rounding differences stay three to
+four orders of magnitude below any real change for the first steps (docs/verdicts.md has the measurements).
+
+`harness calibrate` measures that reference directly, as the climate models' ensemble consistency tests do: K
+members re-execute the first M steps with the same seed, config and data, each with every weight nudged by one ulp
+(harness/runtime/perturb.py). Per metric and step, the envelope is how far the members landed from the original.
+A replay is inside when, at every judged step, its distance from the original is within
+
+    SAFETY x (the widest member's relative distance at this step or any earlier one) x |original value|
+
+and never narrower than FLOOR_ULPS float32 ulps of the original value. The running maximum keeps the envelope from
+closing at a step where the members happened to agree, and is the right shape: rounding differences only grow.
+SAFETY covers what K members cannot see (the K+1-th member can land outside the K's widest one) and the difference
+between a nudge of the weights and other kernels; both constants were chosen by benchmarks/verdict_bench.py
+(`--rounding`), which measures the false alarms of real other-machine changes and the power on planted ones.
+
+Pure: records in, an envelope or a judgement out. The calibration's storage is harness/commands/calibrate.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harness.fmt import fmt_pair, fmt_short
+
+FORMAT = 1
+SAFETY = 8.0
+FLOOR_ULPS = 4
+# How close to zero an original value may be before relative distances mean nothing: below it, absolute.
+_TINY = 1e-30
+
+Series = tuple[np.ndarray, np.ndarray]  # steps, values
+
+
+@dataclass
+class MetricEnvelope:
+    """One metric over the first steps: the original's values and the widest member distance at each step."""
+
+    steps: list[int]
+    original: list[float]
+    deviation: list[float]  # max over members of |member - original|; inf where a member logged NaN or inf alone
+
+    def half_widths(self) -> np.ndarray:
+        """The envelope's half-width at each of `steps` (see the module's docstring)."""
+        original = np.abs(np.asarray(self.original, dtype=np.float64))
+        dev = np.asarray(self.deviation, dtype=np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = np.where(original > _TINY, dev / np.maximum(original, _TINY), dev)
+        rel = np.maximum.accumulate(rel) if rel.size else rel
+        with np.errstate(invalid="ignore"):
+            width = SAFETY * np.where(original > _TINY, rel * original, rel)
+        width = np.nan_to_num(width, nan=np.inf)  # inf x 0: a member that went to NaN or inf there
+        floor = FLOOR_ULPS * np.spacing(original.astype(np.float32)).astype(np.float64)
+        return np.maximum(width, floor)
+
+
+@dataclass
+class Envelope:
+    """What `harness calibrate` measured: K members, the first M steps (0..M-1), per metric."""
+
+    run_id: str
+    calibration_id: str
+    members: int
+    steps: int
+    metrics: dict[str, MetricEnvelope]
+    # How many members' weights after the M steps differed from the original's (a nudge that training washed out
+    # would leave the members bitwise, and then no difference is rounding's).
+    weights_differed: int = 0
+    format: int = FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Envelope:
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"envelope format {doc.get('format')!r}, this harness reads {FORMAT}")
+        metrics = {name: MetricEnvelope([int(s) for s in m["steps"]], [float(v) for v in m["original"]],
+                                        [float(v) for v in m["deviation"]]) for name, m in doc["metrics"].items()}
+        return cls(str(doc["run_id"]), str(doc["calibration_id"]), int(doc["members"]), int(doc["steps"]), metrics,
+                   int(doc.get("weights_differed", 0)))
+
+    def describe(self) -> str:
+        return f"the rounding envelope of {self.members} members over the first {self.steps} steps"
+
+
+def measure(run_id: str, calibration_id: str, original: Mapping[str, Series], members: list[Mapping[str, Series]],
+            steps: int, weights_differed: int = 0) -> Envelope:
+    """The envelope of `members` (each a run's metrics: name -> (steps, values)) around `original`, steps < `steps`.
+    A metric or step a member did not log is no evidence: the envelope there is the other members'."""
+    metrics: dict[str, MetricEnvelope] = {}
+    for name, (s, v) in sorted(original.items()):
+        s, v = np.asarray(s), np.asarray(v, dtype=np.float64)
+        keep = s < steps
+        s, v = s[keep], v[keep]
+        if not s.size:
+            continue
+        dev = np.zeros(s.size)
+        for member in members:
+            if name in member:
+                found, other = _at(member[name], s)
+                dev = np.maximum(dev, np.where(found, _distance(v, other), 0.0))
+        metrics[name] = MetricEnvelope([int(x) for x in s], [float(x) for x in v], [float(x) for x in dev])
+    return Envelope(run_id, calibration_id, len(members), steps, metrics, weights_differed)
+
+
+def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b|: 0 where both are equal (inf == inf) or both NaN, inf where one side only is NaN or infinite."""
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a - b)
+    diff = np.where(same, 0.0, diff)
+    return np.where(np.isfinite(diff), diff, np.inf)
+
+
+@dataclass
+class Outside:
+    """A metric that left the envelope: where first, by how much, and how often."""
+
+    metric: str
+    step: int
+    original: float
+    replay: float
+    distance: float
+    half_width: float
+    count: int  # judged steps outside
+    judged: int  # judged steps of this metric
+
+    def describe(self) -> str:
+        return (f"{self.metric} at step {self.step}: {fmt_pair(self.original, self.replay)} "
+                f"(abs {fmt_short(self.distance)}, envelope ±{fmt_short(self.half_width)}); outside at "
+                f"{self.count} of {self.judged} judged steps")
+
+
+@dataclass
+class RoundingJudgement:
+    """A replay's first steps held to a calibration's envelope."""
+
+    calibration_id: str
+    members: int
+    steps: int  # M: the envelope covers steps 0..M-1
+    judged_steps: int  # steps judged, over all metrics (values)
+    outside: list[Outside] = field(default_factory=list)
+    widest: float = 0.0  # the replay's largest distance as a fraction of the envelope's half-width there
+    covers_run: bool = False  # every step both runs logged lies inside the envelope's steps
+
+    @property
+    def within(self) -> bool:
+        return not self.outside and self.judged_steps > 0
+
+    def first(self) -> Outside | None:
+        return min(self.outside, key=lambda o: (o.step, o.metric)) if self.outside else None
+
+    def headline(self) -> str:
+        where = f"{self.describe_envelope()} (calibration {self.calibration_id})"
+        if self.within:
+            return (f"inside {where} at all {self.judged_steps} judged values, at most "
+                    f"{self.widest:.2g}x its half-width")
+        first = self.first()
+        assert first is not None
+        return f"outside {where}: {first.describe()}"
+
+    def describe_envelope(self) -> str:
+        return f"the rounding envelope of {self.members} members over the first {self.steps} steps"
+
+
+def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[str, Series],
+          before: int | None = None) -> RoundingJudgement:
+    """Every metric of the envelope, at every step < M (and < `before`, replay --steps) that both runs logged: the
+    replay's distance from the original within the half-width there."""
+    last = envelope.steps if before is None else min(envelope.steps, before)
+    out = RoundingJudgement(envelope.calibration_id, envelope.members, envelope.steps, 0)
+    for name, env in sorted(envelope.metrics.items()):
+        if name not in original or name not in replay:
+            continue  # a metric missing from one run is a divergence of its own (compare.py)
+        es = np.asarray(env.steps)
+        widths = env.half_widths()
+        ov, rv = _at(original[name], es), _at(replay[name], es)
+        judged = (es < last) & ov[0] & rv[0]
+        dist = _distance(ov[1], rv[1])
+        inside = (dist == 0) | (dist <= widths)  # equal values are inside even where the width is nan (inf values)
+        bad = judged & ~inside
+        n = int(judged.sum())
+        out.judged_steps += n
+        if n:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratios = np.where(dist[judged] == 0, 0.0, dist[judged] / widths[judged])
+            out.widest = max(out.widest, float(np.max(ratios)))
+        if bad.any():
+            i = int(np.argmax(bad))
+            out.outside.append(Outside(name, int(es[i]), float(ov[1][i]), float(rv[1][i]), float(dist[i]),
+                                       float(widths[i]), int(bad.sum()), n))
+    return out
+
+
+def _at(series: Series, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(logged?, value) of `series` at each of `steps` (nan where not logged)."""
+    s, v = np.asarray(series[0]), np.asarray(series[1], dtype=np.float64)
+    if not s.size:
+        return np.zeros(steps.size, bool), np.full(steps.size, math.nan)
+    idx = np.minimum(np.searchsorted(s, steps), s.size - 1)
+    found = s[idx] == steps
+    return found, np.where(found, v[idx], math.nan)

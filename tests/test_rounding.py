@@ -1,0 +1,284 @@
+"""`harness calibrate` and the WITHIN_ROUNDING verdict; the doubled-learning-rate test that makes a seed verdict
+INCONCLUSIVE; the CPU kernel level in the record.
+
+The arithmetic is pinned on synthetic records; the end-to-end part is one real calibration of linear_ddp (one
+epoch, 8 members: `harness run --calibrate`, as a user would) shared by the replays that are judged against it:
+another CPU kernel level (ATEN_CPU_CAPABILITY=default, what an older CPU runs) and a learning rate 2% higher.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from records import clone, make_record, tol
+
+from harness import tags
+from harness.judge import noise, rounding
+from harness.judge.compare import (
+    DIVERGED,
+    INCONCLUSIVE,
+    KIND_ROUNDING,
+    WITHIN_NOISE,
+    WITHIN_ROUNDING,
+    WITHIN_TOLERANCE,
+    compare_runs,
+    judge_noise,
+    judge_rounding,
+)
+from harness.judge.delta import environment_delta
+from harness.judge.report import render_markdown
+
+STEPS = np.arange(12, dtype=np.int64)
+LOSS = 2.0 / (STEPS + 1.0)
+
+
+def _run(run_id: str, loss: np.ndarray, **facts: str):
+    rec = make_record(run_id, metrics={"loss": (STEPS.copy(), loss.astype(np.float64))}, final="f" * 64,
+                      fingerprints={0: "0" * 64})
+    rec.facts.update(facts)
+    return rec
+
+
+def _replay(original, loss: np.ndarray, final: str = "e" * 64):
+    rep = clone(original, "repl0000")
+    rep.metrics["loss"] = (STEPS.copy(), loss.astype(np.float64))
+    rep.facts[tags.KIND] = tags.KIND_REPLAY
+    rep.facts[tags.REPLAY_OF] = original.run_id
+    rep.facts[tags.ENV_PREFIX + "cpu_capability"] = "DEFAULT"  # another machine's kernels
+    rep.final_fingerprint, rep.fingerprints = final, {0: "1" * 64}
+    return rep
+
+
+def _rounding_growth(k: int) -> np.ndarray:
+    """A member's relative distance from the original: a few ulps at step 0, growing as training carries it."""
+    return (k + 1) * 1e-7 * np.exp(STEPS / 6.0)
+
+
+def _envelope(original, steps: int = 8, members: int = 4):
+    recs = [{"loss": (STEPS.copy(), LOSS * (1 + (-1) ** k * _rounding_growth(k)))} for k in range(members)]
+    return rounding.measure(original.run_id, "cal00000", original.metrics, recs, steps, weights_differed=members)
+
+
+def test_the_envelope_is_the_widest_member_widened_by_its_running_maximum_and_floored() -> None:
+    original = _run("orig0000", LOSS)
+    env = _envelope(original)
+    m = env.metrics["loss"]
+    assert m.steps == list(range(8)) and m.original == list(LOSS[:8])
+    assert m.deviation == pytest.approx(list(LOSS[:8] * _rounding_growth(3)[:8]), rel=1e-6)
+    widths = m.half_widths()
+    rel = widths / LOSS[:8]
+    assert rel == pytest.approx(rounding.SAFETY * _rounding_growth(3)[:8], rel=1e-6)
+    # A step where every member agreed with the original keeps the width reached before it (rounding only grows).
+    m.deviation[5] = 0.0
+    assert m.half_widths()[5] / LOSS[5] == pytest.approx(rounding.SAFETY * _rounding_growth(3)[4], rel=1e-6)
+    # Members that never differed leave the floor: FLOOR_ULPS float32 ulps of the value.
+    flat = rounding.MetricEnvelope([0], [1.0], [0.0])
+    assert flat.half_widths()[0] == rounding.FLOOR_ULPS * float(np.spacing(np.float32(1.0)))
+    # Stored as JSON and read back unchanged; another format is refused.
+    doc = json.loads(json.dumps(env.to_dict()))
+    assert rounding.Envelope.from_dict(doc) == env
+    with pytest.raises(ValueError, match="envelope format 99"):
+        rounding.Envelope.from_dict({**doc, "format": 99})
+
+
+def test_a_replay_inside_the_envelope_is_within_rounding_and_says_against_what() -> None:
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=12)
+    replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
+    cmp = compare_runs(original, replay)
+    assert cmp.verdict == DIVERGED  # zero tolerance: without a calibration it is a divergence
+    cmp = judge_rounding(cmp, original, replay, env)
+    assert cmp.verdict == WITHIN_ROUNDING and cmp.exit_code == 0 and cmp.divergence is None
+    line = cmp.summary()
+    assert line.startswith("WITHIN_ROUNDING: 1 metric x 12 steps not bit-identical, inside the rounding envelope of 4 "
+                           "members over the first 12 steps (calibration cal00000) at all 12 judged values, at most ")
+    assert "bitwise impossible (1 environment change)" in line and "the weights differ as the calibration's members' did" in line
+    assert "not bit-identical, but inside the rounding envelope" in render_markdown(cmp)
+    assert json.loads(json.dumps(cmp.to_dict()))["rounding"]["members"] == 4
+
+
+def test_a_real_change_leaves_the_envelope_at_its_first_step_and_no_seed_rescues_it() -> None:
+    original = _run("orig0000", LOSS)
+    env = _envelope(original)
+    changed = LOSS.copy()
+    changed[1:] *= 1 + 1.7e-4  # lr x1.02 at step 1 (the issue's measured size)
+    replay = _replay(original, changed)
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == DIVERGED and cmp.divergence.kind == KIND_ROUNDING and cmp.divergence.step == 1
+    assert cmp.summary().startswith("DIVERGED at step 1: loss at step 1: 1 vs 1.0002 (abs 0.00017, envelope ±")
+    assert "outside at 7 of 8 judged steps, outside the rounding envelope of 4 members over the first 8 steps " \
+           "(calibration cal00000)" in cmp.summary()
+    # A study member outside its rounding envelope is not judged against the seeds: a seed explains no such change.
+    members = [_run(f"m{i}", LOSS * (1 + 0.05 * i)) for i in range(5)]
+    assert judge_noise(cmp, original, replay, "study0", members).verdict == DIVERGED
+
+
+def test_after_the_envelope_the_tolerance_decides_and_the_line_says_which_judgement_did() -> None:
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=4)
+    replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == DIVERGED and cmp.divergence.step == 4 and cmp.rounding.within
+    assert cmp.summary().endswith("; the first 4 steps inside the rounding envelope of 4 members over the first 4 steps, "
+                                  "the steps after them judged by the tolerance")
+    loose = compare_runs(original, replay, tolerance={**tol(rtol=1e-3), "weights": "any"})
+    assert judge_rounding(loose, original, replay, env).verdict == WITHIN_TOLERANCE
+    # replay --steps 4: the envelope covers all it judged.
+    early = judge_rounding(compare_runs(original, replay, first_steps=4), original, replay, env)
+    assert early.verdict == WITHIN_ROUNDING and early.summary().startswith("WITHIN_ROUNDING over the first 4 of 12 steps")
+
+
+def test_an_envelope_whose_members_kept_the_weights_explains_no_other_weights() -> None:
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=12)
+    env.weights_differed = 0
+    replay = _replay(original, LOSS * (1 + 2e-7))
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == DIVERGED and cmp.rounding is None
+    assert any("members ended equal to the original's" in n for n in cmp.notes)
+
+
+def test_a_seed_verdict_that_could_not_have_caught_a_doubled_learning_rate_is_inconclusive() -> None:
+    """3 seeds: the 99.97% intervals are so wide that the seeds' own curve at twice the steps - where a doubled
+    learning rate lands early in training - lies inside them. That is no evidence, so no pass."""
+    def member(run_id: str, scale: float):
+        rec = _run(run_id, 2.0 * scale / (STEPS + 1.0))
+        rec.facts[tags.STUDY] = "study0"
+        return rec
+
+    wide = [member(f"m{i}", s) for i, s in enumerate([1.0, 0.6, 1.5])]
+    original = wide[0]
+    replay = _replay(original, original.metrics["loss"][1] * (1 + 1e-6))
+    replay.facts[tags.THREADS_PER_RANK] = "2"
+    cmp = judge_noise(compare_runs(original, replay), original, replay, "study0", wide)
+    assert cmp.noise.within and cmp.verdict == INCONCLUSIVE and cmp.exit_code == 1
+    power = cmp.noise.power
+    assert power is not None and not power.caught and power.seeds == 3
+    assert cmp.summary().startswith("INCONCLUSIVE: inside the noise of 3 seeds, but its intervals could not have caught "
+                                    "a doubled learning rate: loss mean over steps ")
+    assert "or calibrate the run (harness calibrate RUN_ID)" in cmp.summary()
+    # Seeds that agree closely: the same replay is WITHIN_NOISE, and the test says what it would have caught.
+    close = [member(f"m{i}", s) for i, s in enumerate([1.0, 1.01, 0.99, 1.005, 0.995])]
+    replay = _replay(close[0], close[0].metrics["loss"][1] * (1 + 1e-6))
+    replay.facts[tags.THREADS_PER_RANK] = "2"
+    cmp = judge_noise(compare_runs(close[0], replay), close[0], replay, "study0", close)
+    assert cmp.verdict == WITHIN_NOISE and cmp.noise.power.caught
+
+
+def test_seeds_needed_is_the_fewest_that_would_exclude_the_doubled_rate() -> None:
+    spread = noise.spread([1.0, 1.2, 0.8])
+    c = noise.NoiseCheck("loss", 1.0, 1.0, spread, True, 1, level=0.99, interval=(0.0, 2.0), steps=(0, 2))
+    distance = 0.6
+    n = noise._seeds_needed(c, distance)
+    assert n is not None and n > 3
+    half = lambda k: noise._t(k - 1, 0.5 + 0.99 / 2) * 0.2 * math.sqrt(1 + 1 / k)  # noqa: E731
+    assert half(n) < distance <= half(n - 1)
+    # A prediction interval never narrows below z x sd, however many seeds: then no number is advice.
+    assert noise._seeds_needed(c, 0.5) is None
+
+
+def test_claims_share_one_false_alarm_bound() -> None:
+    assert noise.claims_level(1) == pytest.approx(0.95)
+    assert noise.claims_level(10) == pytest.approx(1 - 0.05 / 10)
+    values = [1.0, 1.1, 0.9, 1.05]
+    one, ten = noise.another_mean(values), noise.another_mean(values, noise.claims_level(10))
+    assert ten[0] < one[0] and one[1] < ten[1]
+
+
+def test_the_cpu_kernel_level_is_recorded_and_breaks_bitwise() -> None:
+    from harness.record.provenance import env_vars, torch_facts
+
+    assert torch_facts()["cpu_capability"] not in ("", "unknown")
+    assert env_vars({"ATEN_CPU_CAPABILITY": "default", "DNNL_MAX_CPU_ISA": "AVX2", "HOME": "/root"}) == {
+        "ATEN_CPU_CAPABILITY": "default", "DNNL_MAX_CPU_ISA": "AVX2"}
+    a = make_record("a")
+    b = clone(a, "b")
+    a.facts[tags.ENV_PREFIX + "cpu_capability"], b.facts[tags.ENV_PREFIX + "cpu_capability"] = "AVX512", "DEFAULT"
+    b.facts[tags.VAR_PREFIX + "ATEN_CPU_CAPABILITY"] = "default"
+    broken = {d.name: d.note for d in environment_delta(a, b) if d.breaks_bitwise}
+    assert set(broken) == {tags.ENV_PREFIX + "cpu_capability", tags.VAR_PREFIX + "ATEN_CPU_CAPABILITY"}, broken
+    assert "CPU kernel level changed" in broken[tags.ENV_PREFIX + "cpu_capability"]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: one calibrated linear_ddp run, replayed as a user on another machine would.
+
+@pytest.fixture(scope="module")
+def calibrated(project) -> dict[str, str]:
+    """`harness run experiments/linear_ddp train.epochs=1 --calibrate`: 5 steps, 8 members (the defaults)."""
+    result = project.harness("run", "experiments/linear_ddp", "train.epochs=1", "train.lr=0.011", "--calibrate")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "calibrate " in result.stderr and ": 8 members x 5 steps = 40 training steps (the run took 5)" in result.stderr
+    run_id = result.last_line
+    calibration = next(r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == run_id)
+    return {"run": run_id, "calibration": calibration.info.run_id}
+
+
+def _verdict(result) -> str:
+    return result.stdout.strip().splitlines()[-2]
+
+
+def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(project, calibrated, tmp_path) -> None:
+    client = project.client()
+    cal = client.get_run(calibrated["calibration"])
+    assert cal.info.status == "FINISHED" and cal.data.tags[tags.KIND] == tags.KIND_CALIBRATION
+    assert cal.data.tags[tags.MLFLOW_PARENT_RUN_ID] == calibrated["run"] and cal.data.tags[tags.SEAL].startswith("v1:")
+    assert (cal.data.tags[tags.CALIBRATION_MEMBERS], cal.data.tags[tags.CALIBRATION_STEPS]) == ("8", "5")
+    members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == calibrated["calibration"]]
+    assert sorted(r.data.tags[tags.PERTURB_SEED] for r in members) == [str(i) for i in range(1, 9)]
+    assert all(r.data.tags[tags.MLFLOW_PARENT_RUN_ID] == calibrated["calibration"] and tags.VERDICT not in r.data.tags
+               for r in members)
+    doc = json.loads(open(client.download_artifacts(cal.info.run_id, tags.ARTIFACT_ENVELOPE, str(tmp_path))).read())
+    assert doc["members"] == 8 and doc["steps"] == 5 and doc["weights_differed"] == 8
+    # Every member started one ulp off: they differ from the run from step 0, and by rounding only (a step where
+    # all of them happened to round to the run's value is possible: the envelope keeps its earlier width there).
+    deviation, original = doc["metrics"]["loss"]["deviation"], doc["metrics"]["loss"]["original"]
+    assert deviation[0] > 0 and all(d < 1e-5 * abs(o) for d, o in zip(deviation, original)), deviation
+
+
+def test_other_cpu_kernels_are_within_rounding_and_a_2_percent_learning_rate_is_not(project, calibrated) -> None:
+    other = project.harness("replay", calibrated["run"], env={"ATEN_CPU_CAPABILITY": "default"})
+    assert other.returncode == 0, other.stdout + other.stderr
+    line = _verdict(other)
+    assert line.startswith(("verdict: WITHIN_ROUNDING: 1 metric x 5 steps not bit-identical, inside the rounding "
+                            "envelope of 8 members over the first 5 steps", "verdict: BITWISE")), line
+    assert project.client().get_run(other.last_line).data.tags[tags.VERDICT] in (WITHIN_ROUNDING, "BITWISE")
+    assert "harness.env.cpu_capability" in other.stdout  # the delta names the kernels that changed
+    changed = project.harness("replay", calibrated["run"], "--allow-changes", "train.lr=0.01122")
+    assert changed.returncode == 1, changed.stdout + changed.stderr
+    line = _verdict(changed)
+    assert line.startswith("verdict: DIVERGED at step 1: loss at step 1: "), line
+    assert "outside the rounding envelope of 8 members over the first 5 steps" in line
+
+
+def test_an_edited_envelope_is_refused(project, calibrated) -> None:
+    client = project.client()
+    client.set_tag(calibrated["calibration"], tags.CALIBRATION_STEPS, "50")
+    try:
+        # A replay that is not bit-identical consults the envelope (a bitwise one needs none).
+        result = project.harness("replay", calibrated["run"], "--steps", "2", "--allow-changes", "train.lr=0.01122")
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"run {calibrated['calibration']} was changed after it was sealed: tag {tags.CALIBRATION_STEPS}" \
+            in result.stderr, result.stderr
+        # Refused before the replay ran: nothing was recorded for it.
+        assert not [r for r in project.all_runs() if r.data.tags.get(tags.REPLAY_STEPS) == "2"
+                    and r.data.tags.get(tags.CHANGES) == "train.lr=0.01122"]
+    finally:
+        client.set_tag(calibrated["calibration"], tags.CALIBRATION_STEPS, "5")
+
+
+def test_calibrate_refuses_bad_input_before_recording(project, calibrated) -> None:
+    before = len(project.all_runs())
+    for args, said in ((["--members", "1"], "--members 1: a calibration takes 2 to 32 members"),
+                       (["--steps", "0"], "--steps 0: a calibration re-executes at least 1 step"),
+                       (["--steps", "6"], "--steps 6: run "),):
+        result = project.cli("calibrate", calibrated["run"], *args)
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+    cal = project.cli("calibrate", calibrated["calibration"])
+    assert cal.returncode == 2 and "is a calibration (harness calibrate) of run" in cal.stderr
+    study = project.cli("run", "experiments/linear_ddp", "--seeds", "3", "--calibrate")
+    assert study.returncode == 2 and "--calibrate calibrates one run" in study.stderr
+    assert len(project.all_runs()) == before

@@ -25,6 +25,8 @@ from harness.store.tracking import Tracker
 RID = "abc123"
 RESUMED = f"run {RID} is {{status}}; only FAILED or KILLED runs are resumed."
 AUDITED = f"run {RID} is {{status}}; only a FINISHED run has an end to verify. Resume it first."
+CALIBRATED = (f"run {RID} is {{status}}; only a FINISHED run can be calibrated (its steps are the reference). "
+              "Resume it first.")
 CLAIMED = "run claimed-id is {status}; a claim rests on a FINISHED run."
 MARKED = f"run {RID} is {{status}}, not RUNNING; only a RUNNING run can be marked. Nothing to do."
 EXECUTED = f"run {RID} is {{status}}, not RUNNING; it was already executed."
@@ -46,6 +48,7 @@ EXPECTED: dict[str, dict[str, str | None]] = {
     },
     loading.AUDIT: {T.RUNNING: AUDITED, T.FINISHED: None, T.FAILED: AUDITED, T.KILLED: AUDITED},
     loading.TRACE: dict.fromkeys(loading.STATUSES),
+    loading.CALIBRATE: {T.RUNNING: CALIBRATED, T.FINISHED: None, T.FAILED: CALIBRATED, T.KILLED: CALIBRATED},
     loading.VERIFY: {T.RUNNING: CLAIMED, T.FINISHED: None, T.FAILED: CLAIMED, T.KILLED: CLAIMED},
     loading.COMPARE: dict.fromkeys(loading.STATUSES),
     loading.EXPORT: {
@@ -69,6 +72,8 @@ NOT_TRAINING = {
                   "(harness.trace_of) instead; `harness {command}` applies to a training run.",
     T.KIND_BISECT: f"run {RID} is a bisection (harness bisect): its probes are the runs; rerun it with "
                    "`harness bisect GOOD BAD`; `harness {command}` applies to a training run.",
+    T.KIND_CALIBRATION: f"run {RID} is a calibration (harness calibrate) of run calibrated1; use that run instead; "
+                        "`harness {command}` applies to a training run.",
 }
 
 
@@ -92,11 +97,11 @@ def test_each_command_accepts_or_refuses_each_status_in_its_own_words(command: s
     assert got == (None if want is None else want.format(status=status))
 
 
-@pytest.mark.parametrize("command", [loading.REPLAY, loading.RESUME, loading.AUDIT, loading.TRACE])
+@pytest.mark.parametrize("command", [loading.REPLAY, loading.RESUME, loading.AUDIT, loading.TRACE, loading.CALIBRATE])
 @pytest.mark.parametrize("kind", loading.KINDS)
 def test_the_training_commands_refuse_what_holds_no_training_job(command: str, kind: str) -> None:
     got = loading.refusal(command, summary(T.FINISHED if command != loading.RESUME else T.FAILED, kind,
-                                           **{T.TRACE_OF: "traced1"}))
+                                           **{T.TRACE_OF: "traced1", T.CALIBRATION_OF: "calibrated1"}))
     if command == loading.TRACE and kind == T.KIND_TRACE:  # trace says which run to trace instead
         assert got == f"run {RID} is a trace; trace the run it traced (traced1)."
     elif kind in NOT_TRAINING:

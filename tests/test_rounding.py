@@ -282,3 +282,18 @@ def test_calibrate_refuses_bad_input_before_recording(project, calibrated) -> No
     study = project.cli("run", "experiments/linear_ddp", "--seeds", "3", "--calibrate")
     assert study.returncode == 2 and "--calibrate calibrates one run" in study.stderr
     assert len(project.all_runs()) == before
+
+
+def test_a_bundle_carries_the_calibration_and_the_imported_run_is_judged_by_it(project, calibrated, tmp_path) -> None:
+    from harness.commands.calibrate import envelope_of
+    from harness.store.tracking import Tracker
+
+    archive = tmp_path / "run.tar.gz"
+    exported = project.harness("export", calibrated["run"], "-o", str(archive))
+    assert exported.returncode == 0, exported.stderr
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    imported = project.harness("import", str(archive), "--tracking-uri", other, cwd=tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    envelope = envelope_of(Tracker(other), imported.last_line)
+    assert envelope is not None and envelope.run_id == imported.last_line and envelope.members == 8
+    assert envelope.calibration_id != calibrated["calibration"]  # the copy in this store, as its id here

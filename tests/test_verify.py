@@ -257,12 +257,13 @@ def test_verify_holds_a_true_claim_and_catches_a_misprint(study: Study, checked)
     assert by_id["table1-typo"]["outcome"] == "MISPRINTED" and not by_id["table1-typo"]["printed_value_matches"]
     assert by_id["table1-typo"]["printed_spread_matches"]
     lo, hi = by_id["table1-noisy"]["noise_interval"]
-    half = stats.t.ppf(0.975, 2) * np.std(study.final, ddof=1) * np.sqrt(2 / 3)
+    # Three mean claims on the study share one 5% bound: each interval at 1 - 0.05/3.
+    half = stats.t.ppf(1 - 0.05 / 3 / 2, 2) * np.std(study.final, ddof=1) * np.sqrt(2 / 3)
     assert (lo, hi) == pytest.approx((mean - half, mean + half)) and not lo <= float(wrong.split()[0]) <= hi
     assert by_id["table1-noisy"]["outcome"] == "WITHIN_NOISE" and by_id["table1-true"]["outcome"] == "HOLDS"
     assert by_id["table1-true"]["values"] == study.final and by_id["table1-true"]["recorded"] == pytest.approx(mean)
     report = Path(client.download_artifacts(verify_id, "verify/report.md")).read_text()
-    assert "MISPRINTED" in report and "does NOT print as" in report and "95% prediction interval" in report
+    assert "MISPRINTED" in report and "does NOT print as" in report and "98.33% prediction interval" in report
     assert "the claim stands within the noise" in report and "not within the noise either" in report
     assert f"Report: {run.info.artifact_uri.removeprefix('file://')}/verify/report.html" in result.stderr
 

@@ -325,7 +325,9 @@ def export(
     loading.refuse(loading.EXPORT, run)
     if out.is_dir():
         raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
-    replays = [r for r in tracker.children(run_id) if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE)]
+    # Its replays, audits and traces, and its calibrations (the rounding envelope its replays elsewhere are judged by).
+    replays = [r for r in tracker.children(run_id)
+               if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE, T.KIND_CALIBRATION)]
     for one in [run, *replays]:  # a bundle carries only a record as it was sealed
         seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]
@@ -426,7 +428,8 @@ def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
 
 
 # Tags whose value is the id of another run.
-RUN_REFERENCES = (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF, T.STUDY, T.STUDY_REPLAY)
+RUN_REFERENCES = (T.MLFLOW_PARENT_RUN_ID, T.REPLAY_OF, T.AUDIT_OF, T.TRACE_OF, T.STUDY, T.STUDY_REPLAY, T.CALIBRATION_OF,
+                  T.CALIBRATION)
 
 
 def _remap(tags: dict[str, str], ids: dict[str, str]) -> dict[str, str]:

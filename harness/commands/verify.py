@@ -151,7 +151,7 @@ def judge(claim: Claim, source: Source, where: str, level: float = claims_level(
         if not value_ok and typo is None and interval[0] <= float(claim.paper.value) <= interval[1]:
             outcome = CLAIM_WITHIN_NOISE
     return Verdict(claim, source, values, recorded, spread, value_ok, spread_ok, outcome=outcome,
-                   noise_interval=interval, typo=typo)
+                   noise_interval=interval, noise_level=level if interval is not None else None, typo=typo)
 
 
 def replay_source(source: Source, *, members: int | None, world_size: int | None, overrides: list[str],

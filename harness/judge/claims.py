@@ -295,6 +295,7 @@ class Verdict:
     recorded_replayed_members: float | None = None
     outcome: str = HOLDS
     noise_interval: tuple[float, float] | None = None  # where another N seeds' mean lands (a mean claim on a study)
+    noise_level: float | None = None  # that interval's level, set for the whole claims file (noise.claims_level)
     typo: str | None = None  # possible_typo(): the printed number is the recorded one with a digit slipped
 
     @property
@@ -311,6 +312,7 @@ class Verdict:
             "recorded": json_float(self.recorded), "recorded_spread": json_float(self.recorded_spread),
             "printed_value_matches": self.value_ok, "printed_spread_matches": self.spread_ok,
             "noise_interval": None if self.noise_interval is None else [json_float(x) for x in self.noise_interval],
+            "noise_level": self.noise_level,
             "replay_verdict": self.source.replay_verdict, "replay_id": self.source.replay_id,
             "replayed_values": [json_float(v) for v in self.replayed_values], "replayed": json_float(self.replayed),
             "recorded_replayed_members": json_float(self.recorded_replayed_members),

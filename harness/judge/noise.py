@@ -281,11 +281,13 @@ def doubled_rate_power(checks: Sequence[NoiseCheck], members: Sequence[Curves]) 
         cf = float(np.mean(at))
         lo, hi = c.interval
         caught = not lo <= cf <= hi
-        # How far inside the interval the doubled rate lands, as a fraction of its half-width (on the check's scale).
+        # How far from the interval's centre the doubled rate lands, in half-widths (on the check's scale): 1 or more
+        # is outside. A metric that did not move (a constant accuracy) is at 0, however narrow its interval.
         centre, half, x = _on_scale(c, cf)
-        ratio = abs(x - centre) / half if half > 0 else math.inf
+        distance = abs(x - centre)
+        ratio = distance / half if half > 0 else (math.inf if distance > 0 else 0.0)
         power = Power(caught, c.label, cf, (lo, hi), c.spread.n,
-                      None if caught else _seeds_needed(c, abs(x - centre)))
+                      None if caught else _seeds_needed(c, distance))
         if best is None or ratio > best[0]:
             best = (ratio, power)
     return None if best is None else best[1]

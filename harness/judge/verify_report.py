@@ -9,7 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 from harness.judge.claims import environment, fmt
-from harness.judge.noise import spread
+from harness.judge.noise import percent, spread
 from harness.judge.report import _cell, _code, _table
 
 if TYPE_CHECKING:
@@ -70,8 +70,9 @@ def why(v: Verdict) -> list[str]:
     if v.noise_interval is not None:
         lo, hi = v.noise_interval
         inside = "inside" if lo <= float(c.paper.value) <= hi else "OUTSIDE"
-        out.append(f"The printed {c.paper.value} lies {inside} [{lo:.6g}, {hi:.6g}], the 95% prediction interval for the "
-                   f"mean of another {len(v.values)} seeds (mean ± t·sd·√(2/N)): "
+        level = percent(v.noise_level if v.noise_level is not None else 0.95)
+        out.append(f"The printed {c.paper.value} lies {inside} [{lo:.6g}, {hi:.6g}], the {level} prediction interval for "
+                   f"the mean of another {len(v.values)} seeds (mean ± t·sd·√(2/N); one 5% bound for the file's claims): "
                    + ("printed as recorded." if v.value_ok else "the claim stands within the noise, "
                       "not these runs' digits." if inside == "inside" else "not within the noise either."))
     if len(v.values) >= 2:

@@ -41,7 +41,8 @@ from scipy.stats import binomtest
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.judge import noise
+from harness.judge import noise, rounding
+from harness.runtime.perturb import nudge
 
 Curves = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -64,6 +65,8 @@ class Change:
     shards: int = 1  # the gradient accumulated over this many equal shards (invariant mode's world size)
     onednn: bool = True
     new_seed: bool = False
+    perturb: int | None = None  # a calibration member: the weights start one ulp off (harness/runtime/perturb.py)
+    dropout: float = 0.0  # dropout before the last layer (the rounding table's models use 0.1)
 
 
 HONEST = [
@@ -163,6 +166,10 @@ def train(model: Model, seed: int, change: Change, data: Any) -> Curves:
         xs, ys = xs[: 3 * len(xs) // 4], ys[: 3 * len(ys) // 4]
     torch.manual_seed(seed)
     net = model.build()
+    if change.dropout:
+        net = nn.Sequential(nn.Dropout(change.dropout), net)
+    if change.perturb is not None:
+        nudge(net, change.perturb)
     opt = torch.optim.SGD(net.parameters(), lr=model.lr * change.lr_scale, momentum=model.momentum,
                           weight_decay=model.weight_decay if change.weight_decay else 0.0)
     order = torch.Generator().manual_seed(seed)
@@ -312,6 +319,79 @@ def report(model: Model, seeds: int, table: dict[tuple[str, str], Tally], change
     return out + [""]
 
 
+# --- the rounding envelope (harness calibrate, WITHIN_ROUNDING) ----------------------------------------------------
+# Honest: what another machine changes while the training stays the same. Planted: real changes, down to 2%.
+ROUNDING_HONEST = [
+    Change("threads 1 -> 2", True, threads=2),
+    Change("threads 1 -> 4", True, threads=4),
+    Change("loss reduced in two halves", True, halves=True),
+    Change("gradient over 4 shards (invariant world size)", True, shards=4),
+    Change("oneDNN path off", True, onednn=False),
+]
+ROUNDING_PLANTED = [
+    Change("lr x1.02", False, lr_scale=1.02),
+    Change("lr x1.1", False, lr_scale=1.1),
+    Change("1% label noise", False, label_noise=0.01),
+    Change("weight decay off", False, weight_decay=False),
+    Change("zero_grad skipped once", False, skip_zero_grad=True),
+    Change("one of 4 data shards dropped", False, drop_shard=True),
+    Change("another augmentation seed", False, aug_seed=2),
+    Change("dropout p 0 -> 0.01", False, dropout=0.01),
+]
+
+
+# Another CPU's kernels: ATen reads ATEN_CPU_CAPABILITY once per process, so those replays train in a child process.
+KERNELS = ("default", "avx2")
+
+
+def _replays_in_child(model: Model, trials: int, capability: str) -> list[Curves]:
+    import pickle
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "curves.pkl"
+        subprocess.run([sys.executable, __file__, "--dump-originals", model.name, str(trials), str(out)], check=True,
+                       env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": capability}, timeout=3600)
+        return pickle.loads(out.read_bytes())
+
+
+def rounding_trials(model: Model, trials: int, members: int, changes: list[Change]) -> dict[str, Tally]:
+    """Per change: of `trials` calibrated runs (seeds 0..trials-1, each with `members` nudged members over all its
+    steps), how many replays under the change left the envelope (rounding.judge, as `harness replay` judges)."""
+    data = model.data()
+    table = {c.name: Tally() for c in changes}
+    kernels = {cap: _replays_in_child(model, trials, cap) for cap in KERNELS}
+    for cap in KERNELS:
+        table[f"ATEN_CPU_CAPABILITY={cap}"] = Tally()
+    for seed in range(trials):
+        original = train(model, seed, ORIGINAL, data)
+        calibration = [train(model, seed, Change("member", True, perturb=i), data) for i in range(1, members + 1)]
+        envelope = rounding.measure("run", "cal", original, calibration, model.steps, members)
+        replays = [(change.name, train(model, seed, change, data)) for change in changes]
+        replays += [(f"ATEN_CPU_CAPABILITY={cap}", kernels[cap][seed]) for cap in KERNELS]
+        for name, replay in replays:
+            bitwise = all(np.array_equal(replay[k][1], original[k][1]) for k in original)
+            judged = rounding.judge(envelope, original, replay)
+            table[name].trials += 1
+            table[name].alarms += not (bitwise or judged.within)
+    return table
+
+
+def rounding_report(trials: int, members: int, models: list[str]) -> list[str]:
+    torch.set_num_threads(1)
+    changes = ROUNDING_HONEST + ROUNDING_PLANTED
+    out = [f"### rounding envelope: {members} members over all steps, {trials} calibrated runs per model "
+           f"(SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS})", "",
+           f"| change | kind | {' | '.join(models)} |", "| --- | --- |" + " --- |" * len(models)]
+    tables = {name: rounding_trials(MODELS[name], trials, members, changes) for name in models}
+    rows = [(f"ATEN_CPU_CAPABILITY={cap}", True) for cap in KERNELS] + [(c.name, c.honest) for c in changes]
+    for name, honest in rows:
+        kind = "honest: false alarm" if honest else "planted: power"
+        out.append(f"| {name} | {kind} | " + " | ".join(tables[n][name].rate() for n in models) + " |")
+    return out + [""]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="the CI version: fewer trials, two models")
@@ -321,7 +401,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="which models (default: all; --small: linear mlp)")
     parser.add_argument("--null-trials", type=int, default=None,
                         help="studies for the another-seed case (default 2000; --small 300)")
+    parser.add_argument("--rounding", action="store_true",
+                        help="the rounding envelope's table instead (harness calibrate): false alarms and power")
+    parser.add_argument("--members", type=int, default=8, help="--rounding: calibration members (default 8)")
+    parser.add_argument("--dump-originals", nargs=3, metavar=("MODEL", "TRIALS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.dump_originals:  # the child of _replays_in_child: the originals under this process's kernels
+        import pickle
+
+        name, n, out = args.dump_originals
+        torch.set_num_threads(1)
+        data = MODELS[name].data()
+        Path(out).write_bytes(pickle.dumps([train(MODELS[name], s, ORIGINAL, data) for s in range(int(n))]))
+        return 0
+    if args.rounding:
+        start = time.monotonic()
+        print("\n".join(rounding_report(args.trials or 50, args.members, args.models or list(MODELS))))
+        print(f"({time.monotonic() - start:.0f} s)")
+        return 0
     sizes = args.seeds or (SMALL["sizes"] if args.small else [5, 10])
     trials = args.trials or (SMALL["trials"] if args.small else 100)
     null_trials = args.null_trials or (SMALL["null_trials"] if args.small else 2000)

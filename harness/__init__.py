@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "AuditOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
-    "VerifyOptions", "__version__", "audit", "compare", "replay", "resume", "run", "trace", "verify",
+    "AuditOptions", "CalibrateOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
+    "VerifyOptions", "__version__", "audit", "calibrate", "compare", "replay", "resume", "run", "trace", "verify",
 ]
 
 

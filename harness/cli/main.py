@@ -299,7 +299,7 @@ def replay(
     The recorded commit (and patch) is checked out in a temporary git worktree; the recorded
     config, seed, world size and determinism settings are used. The replay is a new MLflow run
     nested under the original, with a report and plots. The last two lines of stdout are
-    `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged or nothing to compare,
+    `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged, inconclusive or nothing to compare,
     2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """
     from harness.commands import api

@@ -29,6 +29,13 @@ from infra import lab_server, slurm, two_hosts  # noqa: F401  (fixtures, re-expo
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
 
+# One rank server kept warm between the session's commands (harness/executors/rankserver.py) instead of one per
+# launch: no torch import per command, about half the CPU of a small run. Every forked rank is still a fork of a
+# server that imported harness's preload; the tests of the per-launch server itself (tests/test_startup.py) and of
+# what a killed command leaves (tests/test_kills.py) set it to 0. Set here, before any worker or command starts.
+KEPT_RANK_SERVER = "HARNESS_RANK_SERVER_IDLE_S"
+os.environ.setdefault(KEPT_RANK_SERVER, "60")
+
 
 # With a GPU present, `device: auto` (the schema's default, which the examples keep for their users) would move
 # these tests onto cuda, where their golden losses - CPU losses - cannot match. Every command that composes an
@@ -441,6 +448,13 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 def pytest_configure_node(node) -> None:  # type: ignore[no-untyped-def]  (pytest-xdist's hook, in the controller)
     node.workerinput["harness_dist"] = node.config.getvalue("dist")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, once every worker is done: this checkout's servers go
+        from harness.executors import rankserver
+
+        rankserver.stop_all(ROOT / "harness")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -27,6 +28,7 @@ def probe_rank(index: int, out_dir: str, marker_inode: int) -> None:
         "preloaded": preloaded,
         "env": {k: os.environ.get(k) for k in ("HARNESS_PROBE_SET", "HARNESS_PROBE_GONE")},
         "cwd": os.getcwd(),
+        "tmp": tempfile.gettempdir(),
         "sys_path": sys.path,
         "handlers": {s.name: str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD,
                                                                   signal.SIGUSR1, signal.SIGPIPE, signal.SIGHUP)},

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Project, make_project
+from conftest import KEPT_RANK_SERVER, Project, make_project
 from harness.record import seal
 from harness import tags as T
 from harness.errors import HarnessError
@@ -48,7 +48,9 @@ class World:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"TMPDIR": str(self.tmp)}
+        # The per-launch rank server: its ranks are in the killed command's session, where this module looks (a kept
+        # server's ranks die with their launcher too: tests/test_startup.py).
+        return {"TMPDIR": str(self.tmp), KEPT_RANK_SERVER: "0"}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     project = make_project(base)
     tmp = base / "tmp"
     tmp.mkdir()
-    env = {"TMPDIR": str(tmp)}
+    env = World(project, tmp, "", base).env
     run = project.harness("run", "experiments/linear_ddp", "train.epochs=2", "checkpoint_every=4", env=env)
     assert run.returncode == 0, run.stderr
     bundle = base / "run.tar.gz"

@@ -6,6 +6,7 @@ are a pure function, tested without a clock.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, pid_alive
+from conftest import KEPT_RANK_SERVER, ROOT, Project, pid_alive
 from harness.executors.console import progress_note, rate_and_eta
 from harness.errors import RunFailed
 from harness.executors.launch import LaunchSpec, launch, start_ranks
@@ -111,11 +112,20 @@ def _probe(method: str, out: Path, marker_inode: int) -> list[dict]:
     return [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
 
 
-def test_a_forked_rank_sees_what_a_spawned_rank_sees_and_starts_warm(tmp_path: Path,
+@pytest.mark.parametrize("kept", ["per launch", "kept"])
+def test_a_forked_rank_sees_what_a_spawned_rank_sees_and_starts_warm(kept: str, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server of this launch's own, or one kept between commands (of its own: a variable of the import-time kind).
+    if kept == "kept":
+        monkeypatch.setenv(KEPT_RANK_SERVER, "30")
+        monkeypatch.setenv("PYTORCH_HARNESS_TEST_KEY", str(tmp_path))
+    else:
+        monkeypatch.setenv(KEPT_RANK_SERVER, "0")
     # The launcher's environment as spawn would pass it, a descriptor of its own the ranks must not inherit.
     monkeypatch.setenv("HARNESS_PROBE_SET", "set after the launcher started")
     monkeypatch.delenv("HARNESS_PROBE_GONE", raising=False)
+    (tmp_path / "t").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "t"))  # after the server started, when it is kept
     read_end, write_end = os.pipe()
     try:
         marker = os.fstat(write_end).st_ino
@@ -130,8 +140,9 @@ def test_a_forked_rank_sees_what_a_spawned_rank_sees_and_starts_warm(tmp_path: P
         assert not rank["cuda_initialised"]
         assert not rank["preloaded"]["mlflow"] and not rank["preloaded"]["sqlalchemy"]  # no MLflow, no store
     for f, s in zip(forked, spawned):
-        assert (f["cwd"], f["sys_path"], f["handlers"]) == (s["cwd"], s["sys_path"], s["handlers"])
-        assert f["threads"] <= s["threads"]
+        assert (f["cwd"], f["sys_path"], f["handlers"], f["tmp"]) == (s["cwd"], s["sys_path"], s["handlers"], s["tmp"])
+        assert f["tmp"] == str(tmp_path / "t")
+        assert f["threads"] <= s["threads"] + 1  # the one that watches the launcher (procs._watch_launcher)
     # Warm: torch, DDP's dynamo import and harness's rank body were loaded before the rank's code ran, in one
     # server whose child each forked rank is; a spawned rank loads them itself.
     assert all(r["preloaded"]["torch"] and r["preloaded"]["torch._dynamo"] for r in forked)
@@ -149,6 +160,7 @@ def test_the_rank_server_is_reused_while_the_environment_holds_and_restarted_whe
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Variables read at torch's import (OMP_*, ATEN_CPU_CAPABILITY) decided how the server loaded it: a launch under
     # other values gets a server that loaded under them.
+    monkeypatch.setenv(KEPT_RANK_SERVER, "0")  # a server of this launch's own
     monkeypatch.delenv("HARNESS_PROBE_SET", raising=False)
     first = _probe("forkserver", tmp_path / "a", 0)
     again = _probe("forkserver", tmp_path / "b", 0)
@@ -191,3 +203,112 @@ def test_a_rank_forked_after_cuda_was_initialised_refuses_in_one_line(monkeypatc
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     with pytest.raises(HarnessError, match="^the rank server initialised CUDA before forking this rank.*launcher: spawn"):
         procs._as_if_spawned(dict(os.environ))
+
+
+# --- a rank server kept warm between commands (harness/executors/rankserver.py) -----------------------------------
+
+def _kept_env(tmp_path: Path, idle: str) -> dict[str, str]:
+    # A variable of the import-time kind, unique to the test: a server of the test's own, not the session's.
+    return {KEPT_RANK_SERVER: idle, "PYTORCH_HARNESS_TEST_KEY": str(tmp_path)}
+
+
+def test_a_kept_server_serves_later_launches_and_goes_once_idle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import psutil
+
+    from harness.executors import procs, rankserver
+
+    for name, value in _kept_env(tmp_path, "2").items():
+        monkeypatch.setenv(name, value)
+    folder = rankserver.root() / rankserver.key()
+    first = _probe("forkserver", tmp_path / "a", 0)
+    state = json.loads((folder / "state.json").read_text())
+    procs.stop_server()  # this command lets go; a later one finds the same server
+    again = _probe("forkserver", tmp_path / "b", 0)
+    assert first[0]["ppid"] == again[1]["ppid"] == state["server"]
+    # Kept by a keeper in a session of its own: no terminal's Ctrl-C, and not the launcher's child.
+    assert psutil.Process(state["server"]).ppid() == state["keeper"] == os.getsid(state["keeper"])
+    assert len({r["torch_seed"] for r in first + again}) == 4
+    # Held while a command holds it; gone within its idle time once none does, and nothing of it is left.
+    time.sleep(3)
+    assert pid_alive(state["server"]) and pid_alive(state["keeper"])
+    procs.stop_server()
+    deadline = time.monotonic() + 30
+    while (pid_alive(state["server"]) or pid_alive(state["keeper"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(state["server"]) and not pid_alive(state["keeper"])
+    assert not (folder / "state.json").exists() and not (folder / "socket").exists()
+
+
+def test_a_kept_servers_ranks_die_with_their_killed_launcher_and_the_server_serves_on(
+        project: Project, tmp_path: Path) -> None:
+    import json
+
+    import psutil
+
+    from harness.executors import rankserver
+
+    env = _kept_env(tmp_path, "30")
+    command_env = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", **env}  # Project's
+    folder = rankserver.root() / rankserver.key(command_env)
+    # Ranks that say nothing to their launcher (no step, no log, no pipe written to, which would fail once it is gone):
+    # only their watch on the launcher can end them.
+    project.add_experiment("kept_quiet", train_py=(
+        "import os\nimport time\n\n\ndef train(ctx):\n"
+        "    open(os.path.join(os.environ['KEPT_MARKS'], os.environ['RANK']), 'w').close()\n    time.sleep(600)\n"))
+    doomed = project.popen("run", "experiments/kept_quiet", env={**env, "KEPT_MARKS": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 300
+        ranks: list[int] = []
+        # Both in the user's code (before it, a rank also ends when its launcher's spec never comes).
+        while len(ranks) < 2 or not ((tmp_path / "0").exists() and (tmp_path / "1").exists()):
+            assert doomed.poll() is None and time.monotonic() < deadline, doomed.communicate()
+            time.sleep(0.2)
+            with contextlib.suppress(OSError, ValueError, psutil.Error):
+                server = json.loads((folder / "state.json").read_text())["server"]
+                ranks = [c.pid for c in psutil.Process(server).children()]
+        keeper = psutil.Process(server).ppid()
+        assert os.getsid(keeper) == keeper != os.getsid(doomed.pid)  # the server outlives the launcher's session
+        os.kill(doomed.pid, signal.SIGKILL)  # the launcher alone, as the OOM killer would
+        doomed.communicate(timeout=60)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.communicate(timeout=60)
+    deadline = time.monotonic() + 20
+    while any(pid_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in ranks), "a kept server's rank outlived its killed launcher"
+    assert pid_alive(server)
+    after = project.harness("run", "experiments/linear_ddp", "train.epochs=1", env=env)
+    assert after.returncode == 0, after.stderr
+    assert json.loads((folder / "state.json").read_text())["server"] == server  # the same server served it
+    rankserver.stop_all(ROOT / "harness")
+
+
+def test_the_kept_servers_key_and_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.errors import HarnessError
+    from harness.executors import rankserver
+
+    base = {"PATH": "/usr/bin", KEPT_RANK_SERVER: "60"}
+    key = rankserver.key(base)
+    # What a rank takes from the command at the fork does not matter; what the server loaded under does.
+    assert rankserver.key({**base, "MLFLOW_TRACKING_URI": "sqlite:///x", "TMPDIR": "/elsewhere"}) == key
+    for name in ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "LD_PRELOAD", "PYTHONPATH", "MKL_CBWR"):
+        assert rankserver.key({**base, name: "x"}) != key, name
+    assert rankserver.idle_s(base) == 60 and rankserver.idle_s({}) == 0
+    for bad in ("soon", "-1", "inf", "nan"):
+        with pytest.raises(HarnessError, match=f"^{KEPT_RANK_SERVER}='{bad}' is not a number of seconds"):
+            rankserver.idle_s({KEPT_RANK_SERVER: bad})
+    # The folder whose socket takes pickles to run: this user's, private, never a planted link.
+    monkeypatch.setattr(rankserver, "_ROOT", tmp_path)
+    assert rankserver._private_dir(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert oct((tmp_path / "a").stat().st_mode & 0o777) == oct(0o700)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    for planted in ("link", "open"):
+        with pytest.raises(HarnessError, match="is not a private folder of this user's"):
+            rankserver._private_dir(tmp_path / planted / "k")

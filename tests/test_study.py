@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import WIDE_CONFIG, Project, make_project, pid_alive
+from conftest import KEPT_RANK_SERVER, WIDE_CONFIG, Project, make_project, pid_alive
 from harness import tags as T
 from harness.errors import HarnessError
 
@@ -246,7 +246,10 @@ def _rank_processes(pid: int) -> list[int]:
 
 
 def test_ctrl_c_stops_every_member(study_project: Project) -> None:
-    proc = study_project.popen("run", "experiments/linear_ddp", "--seeds", "3", "--parallel", "2", "train.epochs=100000")
+    # The per-launch rank server: its ranks are the command's descendants, found below (a kept server's die with
+    # their launcher too: tests/test_startup.py).
+    proc = study_project.popen("run", "experiments/linear_ddp", "--seeds", "3", "--parallel", "2", "train.epochs=100000",
+                               env={KEPT_RANK_SERVER: "0"})
     lines: list[str] = []
     def read() -> None:
         for line in proc.stderr:

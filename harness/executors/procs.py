@@ -43,6 +43,7 @@ from typing import Any
 from harness import shutdown
 from harness.config import Launcher as Method
 from harness.errors import HarnessError
+from harness.executors import rankserver
 
 SPAWN = multiprocessing.get_context("spawn")
 FORKSERVER = multiprocessing.get_context("forkserver")
@@ -81,14 +82,18 @@ class RankExited(RankFailed):
 
 _server_lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # the environment the running server was started with
+_lease: rankserver.Lease | None = None  # this command's hold on a server kept between commands
 
 
 def warm() -> None:
     """Start the rank server now, if it is not running, so that its torch import overlaps the launcher's own work
-    (MLflow, the record). Returns at once; the first fork waits for the import to finish."""
+    (MLflow, the record). Returns at once; the first fork waits for the import to finish. With
+    HARNESS_RANK_SERVER_IDLE_S set, a server kept warm between commands (executors/rankserver.py) instead."""
     global _server_env
     with _server_lock:
         env = dict(os.environ)
+        if _kept(env):
+            return
         if _server_env is not None and _server_env != env:
             # Variables read at import (OMP_*, MKL_*, ATEN_CPU_CAPABILITY, ...) decided how the server's torch loaded:
             # a rank that must see other values is forked from a server that loaded under them.
@@ -101,6 +106,36 @@ def warm() -> None:
             # Gone with the command, not a moment later: the server would otherwise notice its launcher's exit only
             # when the pipe it watches closes, after the process that ran the command has already been reaped.
             atexit.register(stop_server)
+
+
+def _kept(env: dict[str, str]) -> bool:
+    """Hold the kept server for this environment (starting it if none runs); False: this command starts its own."""
+    global _lease
+    wanted = rankserver.idle_s(env) > 0 and rankserver.supported()
+    if _lease is not None:
+        if wanted and _lease.key == rankserver.key(env) and rankserver.alive(_lease.server_pid):
+            return True
+        _release()
+    if not wanted:
+        return False
+    _stop_server()  # one of this command's own, started under other settings
+    try:
+        _lease = rankserver.lease(env)
+    except (OSError, HarnessError) as err:
+        print(f"harness: the rank server is not kept between commands ({err}); this launch starts its own.",
+              file=sys.stderr, flush=True)
+        return False
+    rankserver.adopt(_lease)
+    atexit.register(_release)
+    return True
+
+
+def _release() -> None:
+    global _lease
+    if _lease is not None:
+        rankserver.forget()
+        _lease.release()
+        _lease = None
 
 
 # A Unix socket's path holds 107 bytes: the server listens at <multiprocessing's temp dir>/listener-XXXXXXXX.
@@ -118,8 +153,9 @@ def _short_socket_dir() -> None:
 
 
 def stop_server() -> None:
-    """Stop the rank server (idempotent); the next start starts another."""
+    """Stop the rank server (idempotent; a kept one is only let go); the next start starts another."""
     with _server_lock:
+        _release()
         _stop_server()
 
 
@@ -148,6 +184,7 @@ def _child(fn: Callable[..., None], index: int, args: tuple[Any, ...], error_fil
     try:
         if env is not None:
             _as_if_spawned(env)
+            _watch_launcher()
         fn(index, *args)
     except KeyboardInterrupt:
         return  # the launcher stopped the job: it says why
@@ -171,6 +208,9 @@ def _as_if_spawned(env: dict[str, str]) -> None:
     # The launcher's environment at start(), as spawn passes it (the server kept the one it was started with).
     os.environ.clear()
     os.environ.update(env)
+    # Folders the server looked up under its own environment (TMPDIR), looked up again under the launcher's.
+    tempfile.tempdir = None
+    multiprocessing.process.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
     # torch's CPU generator and numpy's global one were seeded from the OS once, in the server: every fork would draw
     # the same numbers where spawned ranks draw different ones (Python's `random` reseeds itself after a fork). A
     # GPU's generators are seeded when CUDA initialises, in the rank.
@@ -183,6 +223,22 @@ def _as_if_spawned(env: dict[str, str]) -> None:
             raise HarnessError("the rank server initialised CUDA before forking this rank, which CUDA cannot survive. "
                                "Set launcher: spawn, and report it: the server must never touch CUDA.")
         torch.random.default_generator.seed()
+
+
+def _watch_launcher() -> None:
+    """Die with the launcher. A rank's death signal (PR_SET_PDEATHSIG, launch.py) follows its parent, the rank
+    server; a server of the launcher's own dies with it, a kept one does not. The launcher holds the write end of the
+    pipe multiprocessing gives the rank as its parent's sentinel: its end of file is the launcher's death."""
+    parent = multiprocessing.parent_process()
+    sentinel = getattr(parent, "sentinel", None)
+    if sentinel is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="harness-launcher-watch", daemon=True).start()
 
 
 def _leave() -> None:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
+from harness.scratch import alive
 
 IDLE_ENV = "HARNESS_RANK_SERVER_IDLE_S"
 # What the server imports once (a module of its own: importing it is the preload).
@@ -185,16 +186,6 @@ def _read_state(folder: Path) -> dict[str, Any] | None:
         return None
     pids_alive = all(isinstance(state.get(k), int) and alive(state[k]) for k in ("keeper", "server"))
     return state if pids_alive else None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # not ours
-    return True
 
 
 @contextlib.contextmanager

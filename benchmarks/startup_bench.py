@@ -10,6 +10,11 @@ rest of its process tree (sampled from /proc every 0.1 s). Prints two markdown t
 to the bare script) and the load average.
 
 Usage: python benchmarks/startup_bench.py [--rounds N] [--jobs linear_ddp,digits_cnn] [--before /work/main] [--fork-workers]
+                                         [--kept-server]
+
+--kept-server: also `harness run` with its rank server kept warm between commands (HARNESS_RANK_SERVER_IDLE_S): its
+first round starts the server, the later ones find it warm (the medians are over every round). Its ranks are not the
+command's descendants then, so their memory is not in its table.
 
 --fork-workers: the bare digits_cnn's loader workers fork as ctx.loader's do; without it they are spawned (the ranks'
 start method, inherited) and re-import torch every epoch, which makes the bare script several times slower
@@ -39,7 +44,8 @@ from benchrepo import project  # benchmarks/, on sys.path when run as a script
 ROOT = Path(__file__).resolve().parents[1]
 BARE = Path(__file__).resolve().parent / "bare"
 MiB = 1024 * 1024
-TIMEOUT_S = 1200.0  # one process, on a loaded 2-core machine
+TIMEOUT_S = 1200.0
+KEPT = "HARNESS_RANK_SERVER_IDLE_S"  # one process, on a loaded 2-core machine
 
 
 @dataclass
@@ -127,6 +133,8 @@ def main() -> None:
     ap.add_argument("--before", type=Path, default=None, help="another harness checkout to time alongside")
     ap.add_argument("--fork-workers", action="store_true",
                     help="the bare scripts' DataLoader workers fork, as ctx.loader's do (BARE_FORK_WORKERS=1)")
+    ap.add_argument("--kept-server", action="store_true",
+                    help="also time `harness run` with its rank server kept warm between commands")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="startup-bench-"))
     try:
@@ -134,6 +142,8 @@ def main() -> None:
         variants: dict[str, tuple[list[str], str | None]] = {"bare": ([], None), "harness": ([], str(ROOT))}
         if args.before is not None:
             variants["harness (before)"] = ([], str(args.before.resolve()))
+        if args.kept_server:
+            variants["harness (kept server)"] = ([], str(ROOT))
         results: dict[tuple[str, str], list[Sample]] = {}
         jobs = args.jobs.split(",")
         for rnd in range(args.rounds):
@@ -141,8 +151,11 @@ def main() -> None:
                 names = list(variants)
                 names = names[rnd % len(names):] + names[:rnd % len(names)]  # rotate who goes first
                 for name in names:
-                    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH")}
+                    env = {k: v for k, v in os.environ.items()
+                           if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH", KEPT)}
                     env["PYTHONUNBUFFERED"] = "1"
+                    if name == "harness (kept server)":
+                        env[KEPT] = "300"
                     if name == "bare":
                         cmd = [sys.executable, str(BARE / f"{job}.py")]
                         if args.fork_workers:
@@ -164,6 +177,11 @@ def main() -> None:
         _print_tables(results, jobs, list(variants), args.rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        if args.kept_server:
+            sys.path.insert(0, str(ROOT))
+            from harness.executors import rankserver
+
+            rankserver.stop_all(ROOT / "harness")
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -2,6 +2,7 @@
 
     python benchmarks/verdict_bench.py            # the table in docs/verdicts.md (about 15 min on 2 cores)
     python benchmarks/verdict_bench.py --small    # the version tests/test_verdict_bench.py runs in CI (~1 min)
+    python benchmarks/verdict_bench.py --power    # the INCONCLUSIVE rule: small studies against real lr x2, x10
 
 Each model is trained in this process, many times, with the seed deciding the initial weights, the data order and
 the augmentation noise (the dataset itself is fixed, as a paper's is). A trial is what `harness replay` of a study
@@ -392,6 +393,48 @@ def rounding_report(trials: int, members: int, models: list[str]) -> list[str]:
     return out + [""]
 
 
+# --- the INCONCLUSIVE rule (noise.Power): what a small study says of a real doubled learning rate ------------------
+POWER_CHANGES = [Change("lr x2", False, lr_scale=2.0), Change("lr x10", False, lr_scale=10.0),
+                 Change("another seed (honest)", True, new_seed=True)]
+OUTCOMES = ("WITHIN_NOISE", "INCONCLUSIVE", "DIVERGED")
+
+
+def _outcome(replay: Curves, original: Curves, members: list[Curves]) -> str:
+    judgement = noise.judge_curves("bench", replay, original, members)
+    if judgement.vacuous:
+        return "INCONCLUSIVE"
+    return "WITHIN_NOISE" if judgement.within else "DIVERGED"
+
+
+def power_trials(model: Model, seeds: int, trials: int) -> dict[str, dict[str, int]]:
+    """Per change, how many of `trials` disjoint studies of `seeds` seeds said each outcome of `harness replay`'s
+    seed rule (the curve rule, then the doubled-learning-rate test) of a replay of their first member."""
+    data = model.data()
+    base = {s: train(model, s, ORIGINAL, data) for s in range(seeds * trials + trials)}  # the last `trials`: outsiders
+    counts: dict[str, dict[str, int]] = {c.name: dict.fromkeys(OUTCOMES, 0) for c in POWER_CHANGES}
+    for t in range(trials):
+        members = [base[s] for s in range(t * seeds, (t + 1) * seeds)]
+        for change in POWER_CHANGES:
+            replay = base[seeds * trials + t] if change.new_seed else train(model, t * seeds, change, data)
+            counts[change.name][_outcome(replay, members[0], members)] += 1
+    return counts
+
+
+def power_report(trials: int, sizes: list[int], models: list[str]) -> list[str]:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+    out = [f"### the seed rule on small studies: {trials} disjoint studies per row, a replay of the first member", "",
+           "| model | seeds | replay | " + " | ".join(OUTCOMES) + " |", "| --- | --- | --- |" + " --- |" * len(OUTCOMES)]
+    for name in models:
+        for seeds in sizes:
+            counts = power_trials(MODELS[name], seeds, trials)
+            for change in POWER_CHANGES:
+                cells = [Tally(counts[change.name][o], trials).rate() for o in OUTCOMES]
+                out.append(f"| {name} | {seeds} | {change.name} | " + " | ".join(cells) + " |")
+            print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="the CI version: fewer trials, two models")
@@ -404,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounding", action="store_true",
                         help="the rounding envelope's table instead (harness calibrate): false alarms and power")
     parser.add_argument("--members", type=int, default=8, help="--rounding: calibration members (default 8)")
+    parser.add_argument("--power", action="store_true",
+                        help="the INCONCLUSIVE rule's table instead: small studies against real lr x2 and x10")
     parser.add_argument("--dump-originals", nargs=3, metavar=("MODEL", "TRIALS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dump_originals:  # the child of _replays_in_child: the originals under this process's kernels
@@ -413,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         data = MODELS[name].data()
         Path(out).write_bytes(pickle.dumps([train(MODELS[name], s, ORIGINAL, data) for s in range(int(n))]))
+        return 0
+    if args.power:
+        start = time.monotonic()
+        print("\n".join(power_report(args.trials or 30, args.seeds or [3, 5], args.models or ["linear", "mlp"])))
+        print(f"({time.monotonic() - start:.0f} s)")
         return 0
     if args.rounding:
         start = time.monotonic()

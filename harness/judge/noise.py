@@ -240,7 +240,7 @@ class Power:
     The test: early in training, k steps at twice the learning rate go about as far as 2k steps at the recorded one
     (gradient descent's path, taken in steps twice as long). So the doubled run's segment mean over steps a..b is
     about the seeds' mean over steps 2a..2b, and a check whose interval excludes that value would have caught it.
-    Only segments whose doubled steps the seeds logged are asked. benchmarks/verdict_bench.py measures how often a
+    Only segments whose doubled steps the seeds logged are asked. benchmarks/verdict_bench.py --power measures how often a
     judgement that passes this test catches a real doubled learning rate."""
 
     caught: bool

@@ -394,7 +394,7 @@ def rounding_report(trials: int, members: int, models: list[str]) -> list[str]:
 
 
 # --- the INCONCLUSIVE rule (noise.Power): what a small study says of a real doubled learning rate ------------------
-POWER_CHANGES = [Change("lr x2", False, lr_scale=2.0), Change("lr x10", False, lr_scale=10.0),
+POWER_CHANGES = [next(c for c in PLANTED if c.name == "lr x2"), Change("lr x10", False, lr_scale=10.0),
                  Change("another seed (honest)", True, new_seed=True)]
 OUTCOMES = ("WITHIN_NOISE", "INCONCLUSIVE", "DIVERGED")
 

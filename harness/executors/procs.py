@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import shutdown
+from harness import events, shutdown
 from harness.config import Launcher as Method
 from harness.errors import HarnessError
 from harness.executors import rankserver
@@ -83,6 +83,7 @@ class RankExited(RankFailed):
 _server_lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # the environment the running server was started with
 _lease: rankserver.Lease | None = None  # this command's hold on a server kept between commands
+_unkept: set[str] = set()  # keys whose kept server could not be had in this process
 
 
 def warm() -> None:
@@ -118,12 +119,15 @@ def _kept(env: dict[str, str]) -> bool:
         _release()
     if not wanted:
         return False
+    key = rankserver.key(env)
+    if key in _unkept:  # said once; this command's own server serves it
+        return False
     _stop_server()  # one of this command's own, started under other settings
     try:
         _lease = rankserver.lease(env)
     except (OSError, HarnessError) as err:
-        print(f"harness: the rank server is not kept between commands ({err}); this launch starts its own.",
-              file=sys.stderr, flush=True)
+        _unkept.add(key)
+        events.emit(events.Warning(f"the rank server is not kept between commands ({err}); this launch starts its own."))
         return False
     rankserver.adopt(_lease)
     atexit.register(_release)

@@ -5,7 +5,9 @@
 #            bytes, `off` as the negative control, the refused ops, TF32 really off, digests, RNG round trips),
 #            then the tests that need a GPU (pytest -k cuda);
 #   stage 2  harness itself on cuda/nccl in a throwaway git repo and SQLite store: digits_cnn run + replay
-#            BITWISE, the recorded determinism tags, world-size-invariant mode twice, a crash + resume equal to
+#            BITWISE, the recorded determinism tags, a calibrated run with nondeterministic kernels (off) whose
+#            plain replays are WITHIN_ROUNDING and whose lr x1.02 replay is DIVERGED by step 2, the kept rank
+#            server's preload never initialising CUDA, world-size-invariant mode twice, a crash + resume equal to
 #            the uninterrupted run, a TF32 change localised to its matmul and the precision rule, and the
 #            strict-vs-off step time;
 #   stage 3  (two GPUs or more, else one line saying it was skipped) a 2-rank DDP replay, invariant mode 1 vs 2
@@ -30,7 +32,7 @@ PY=${PYTHON:-python3}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 # The CPU dry run installs nothing by default: on a development machine pip would re-point its own harness.
 INSTALL=${GPU_CHECK_INSTALL:-$([[ "$DEVICE" == cuda ]] && echo 1 || echo 0)}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-450}  # the stages stop starting checks after this; the rest is packing up
+BUDGET_S=${GPU_CHECK_BUDGET_S:-480}  # the stages stop starting checks after this; the rest is packing up
 
 if [[ "$DEVICE" == cuda ]]; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
@@ -213,7 +215,7 @@ export MLFLOW_TRACKING_URI="sqlite:///$WORK/store/mlflow.db"
 harness() {  # harness NAME ARGS...: runs `harness ARGS` in the project; the run id (stdout's last line) on stdout
   local name=$1
   shift
-  (cd "$PROJECT" && timeout "$(deadline 150)" "$PY" -m harness "$@") >"$LOGS/$name.out" 2>"$LOGS/$name.err"
+  (cd "$PROJECT" && timeout "$(deadline "${CMD_S:-150}")" "$PY" -m harness "$@") >"$LOGS/$name.out" 2>"$LOGS/$name.err"
   local rc=$?
   tail -1 "$LOGS/$name.out"
   return $rc
@@ -243,6 +245,69 @@ if [[ -n "$strict_run" ]] && in_time replay.digits; then
   if [[ $rc -eq 0 && "$v" == "verdict: BITWISE"* ]]; then record "replay.digits" ok "$v"; else record "replay.digits" FAIL "${v:-$(failure replay-digits $rc)}"; fi
   tags=$(timeout 60 "$PY" scripts/gpu_check/runs.py tags "$strict_run" 2>&1)
   if [[ $? -eq 0 ]]; then record "tags.determinism" ok "$tags"; else record "tags.determinism" FAIL "$tags"; fi
+fi
+
+# The rounding envelope on a GPU (harness calibrate, WITHIN_ROUNDING). With determinism.level=off the kernels may be
+# nondeterministic, so the envelope must also hold the machine's own run-to-run variation: two plain replays of the
+# calibrated run are BITWISE or WITHIN_ROUNDING, `drift` prints how far they landed beside the envelope's width, and
+# lr x1.02 is DIVERGED against it by step 2. The members fork from a kept rank server, which must never touch CUDA.
+if in_time calibrate.off; then
+  export HARNESS_RANK_SERVER_IDLE_S=120
+  OFF1=(experiments/digits_cnn "${ON[@]}" world_size=1 train.epochs=1 "determinism.level='off'")  # 45 steps
+  if ! cal_run=$(harness run-cal run "${OFF1[@]}"); then
+    record "calibrate.off" FAIL "run: $(failure run-cal $?)"
+  elif ! CMD_S=300 harness calibrate calibrate "$cal_run" --members 6 --steps 45 >/dev/null; then
+    record "calibrate.off" FAIL "calibrate: $(failure calibrate $?)"
+  else
+    record "calibrate.off" ok "$(grep -h -m1 -oE 'the members. largest distance.*' "$LOGS/calibrate.out" "$LOGS/calibrate.err" | head -1)"
+    replays=()
+    for i in 1 2; do
+      rid=$(harness "replay-off-$i" replay "$cal_run")
+      rc=$?
+      v=$(verdict "replay-off-$i")
+      if [[ $rc -eq 0 && ( "$v" == "verdict: BITWISE"* || "$v" == "verdict: WITHIN_ROUNDING"* ) ]]; then
+        record "calibrate.replay$i" ok "${v:0:220}"
+        replays+=("$rid")
+      else
+        record "calibrate.replay$i" FAIL "${v:-$(failure "replay-off-$i" $rc)}"
+      fi
+    done
+    if [[ ${#replays[@]} -gt 0 ]]; then
+      d=$(timeout 60 "$PY" scripts/gpu_check/runs.py drift "$cal_run" "${replays[@]}" 2>&1)
+      record "calibrate.drift" info "$d"
+    fi
+    harness replay-lr replay "$cal_run" --allow-changes train.lr=0.051 >/dev/null
+    rc=$?
+    v=$(verdict replay-lr)
+    at=$(grep -m1 -oE 'DIVERGED at step [0-9]+' <<<"$v" | grep -oE '[0-9]+$')
+    if [[ $rc -eq 1 && -n "$at" && "$at" -le 2 ]]; then record "calibrate.lr_x1.02" ok "${v:0:300}"
+    else record "calibrate.lr_x1.02" FAIL "exit $rc: ${v:-$(failure replay-lr $rc)}"; fi
+  fi
+  # The kept server that forked those ranks. What CUDA cannot survive is a fork after the driver was initialised
+  # (cuInit); a mapped libcuda alone is harmless (measured on an H200: `import torch` 2.11+cu130 maps it, calls no
+  # cuInit, and a fork of it uses the GPU).
+  # scripts/gpu_check/preload.py replays the server's preload import by import, asks the driver whether it was
+  # initialised, and forks a child that must use the GPU; the live server's maps are reported beside it.
+  server_pids=$("$PY" -c 'import json; from harness.executors import rankserver as r
+[print(json.loads(f.read_text())["server"]) for f in r.root().glob("*/state.json")]' 2>/dev/null)
+  mapped=""
+  for pid in $server_pids; do
+    grep -q 'libcuda\.so' "/proc/$pid/maps" 2>/dev/null && mapped+=" $pid:libcuda"
+    ls -l "/proc/$pid/fd" 2>/dev/null | grep -q '/dev/nvidia' && mapped+=" $pid:/dev/nvidia-open"
+  done
+  line=$(timeout 120 "$PY" scripts/gpu_check/preload.py 2>&1)
+  rc=$?
+  if [[ "$DEVICE" != cuda ]]; then
+    record "rankserver.no_cuda" info "no GPU: $line; live server(s) ${server_pids:-none}"
+  elif [[ -z "$server_pids" ]]; then
+    record "rankserver.no_cuda" FAIL "no kept rank server found (harness/executors/rankserver.py root()); preload: $line"
+  elif [[ $rc -eq 0 ]]; then
+    record "rankserver.no_cuda" ok "$line; live server(s) $server_pids:${mapped:- nothing of CUDA mapped}"
+  else
+    record "rankserver.no_cuda" FAIL "$line; live server(s) $server_pids:${mapped:- nothing of CUDA mapped}"
+  fi
+  "$PY" -c 'from harness.executors import rankserver; rankserver.stop_all()' >/dev/null 2>&1
+  unset HARNESS_RANK_SERVER_IDLE_S
 fi
 
 if in_time invariant.twice; then

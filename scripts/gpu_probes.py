@@ -304,10 +304,12 @@ def probe_digests(p: Probes, device: str) -> None:
 def probe_rng(p: Probes, device: str) -> None:
     """The RNG state harness checkpoints restores the next draws exactly, on CPU and on every GPU it holds."""
     torch.manual_seed(SEED)
-    state = checkpoint.rng_state()
+    # The rank's own device: a checkpoint holds the CUDA state of that GPU only (checkpoint.rng_state's docstring).
+    on = torch.device(device)
+    state = checkpoint.rng_state(on)
     first = [torch.rand(4), torch.rand(4, device=device)] + ([torch.randn(4, device="cuda")] if device == "cuda" else [])
     torch.rand(100, device=device)  # move on, then come back
-    checkpoint.set_rng_state(state)
+    checkpoint.set_rng_state(state, on)
     again = [torch.rand(4), torch.rand(4, device=device)] + ([torch.randn(4, device="cuda")] if device == "cuda" else [])
     same = all(torch.equal(a, b) for a, b in zip(first, again))
     p.add(f"rng.{device}", "ok" if same else "FAIL",

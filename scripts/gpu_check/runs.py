@@ -1,8 +1,9 @@
 """scripts/gpu-check.sh's reads of the recorded runs (through harness's own store module): the determinism settings
-a strict CUDA run recorded, and the strict-vs-off step time.
+a strict CUDA run recorded, the strict-vs-off step time, and how far a replay drifted against the rounding envelope.
 
 usage: python scripts/gpu_check/runs.py tags RUN_ID
        python scripts/gpu_check/runs.py steptime STRICT_RUN_ID OFF_RUN_ID
+       python scripts/gpu_check/runs.py drift RUN_ID REPLAY_ID [REPLAY_ID ...]
 Prints one line; exit 0 as expected, 1 not.
 """
 
@@ -72,7 +73,37 @@ def step_time(strict_id: str, off_id: str) -> int:
     return 0
 
 
+def drift(run_id: str, replay_ids: list[str]) -> int:
+    """The machine's own run-to-run variation beside the envelope: at a few steps, the envelope's relative half-width
+    and each replay's relative distance from the run (train_loss). Exit 1 when the run has no envelope."""
+    import numpy as np
+
+    from harness.commands.calibrate import envelope_of
+
+    tracker = Tracker(writable=False)
+    envelope = envelope_of(tracker, run_id)
+    if envelope is None or "train_loss" not in envelope.metrics:
+        print(f"run {run_id} has no calibration with train_loss")
+        return 1
+    env = envelope.metrics["train_loss"]
+    widths, original = env.half_widths(), np.abs(np.asarray(env.original))
+    picks = sorted({i for i in (0, 1, 2, len(env.steps) // 2, len(env.steps) - 1) if 0 <= i < len(env.steps)})
+    parts = []
+    for i in picks:
+        cell = f"step {env.steps[i]}: envelope {widths[i] / original[i]:.1e}"
+        for n, rid in enumerate(replay_ids, 1):
+            steps, values = tracker.metric_history(rid, "train_loss")
+            found = dict(zip(steps, values))
+            if env.steps[i] in found:
+                cell += f" r{n} {abs(found[env.steps[i]] - env.original[i]) / original[i]:.1e}"
+        parts.append(cell)
+    print(f"{envelope.members} members x {envelope.steps} steps, relative train_loss: " + "; ".join(parts))
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) >= 4 and sys.argv[1] == "drift":
+        return drift(sys.argv[2], sys.argv[3:])
     if len(sys.argv) == 3 and sys.argv[1] == "tags":
         return check_tags(sys.argv[2])
     if len(sys.argv) == 4 and sys.argv[1] == "steptime":

@@ -21,6 +21,7 @@ new seed could have given. The statistics here answer it from a study's N seeds 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -60,7 +61,10 @@ def percent(level: float, digits: int = 4) -> str:
     return f"{100 * level:.{digits}g}%"
 
 
+@functools.lru_cache(maxsize=4096)
 def _t(df: int, q: float) -> float:
+    """Student's t quantile. Cached: a replay's power search (_seeds_needed) asks for up to 200 of them per check,
+    each 0.25 ms in scipy, and the same few (df, q) pairs recur (verdict_bench asked 1.2M times, 80% of its CPU)."""
     from scipy.stats import t
 
     return float(t.ppf(q, df))
@@ -267,7 +271,7 @@ _MAX_SEEDS = 200  # beyond this "run more seeds" is no advice
 
 def doubled_rate_power(checks: Sequence[NoiseCheck], members: Sequence[Curves]) -> Power | None:
     """The Power of a curve judgement (see Power); None when no segment's doubled steps were logged."""
-    best: tuple[float, Power] | None = None
+    best: tuple[float, Power, NoiseCheck, float] | None = None
     for c in checks:
         if c.steps is None or c.reason or not all(math.isfinite(b) for b in c.interval):
             continue
@@ -286,11 +290,13 @@ def doubled_rate_power(checks: Sequence[NoiseCheck], members: Sequence[Curves]) 
         centre, half, x = _on_scale(c, cf)
         distance = abs(x - centre)
         ratio = distance / half if half > 0 else (math.inf if distance > 0 else 0.0)
-        power = Power(caught, c.label, cf, (lo, hi), c.spread.n,
-                      None if caught else _seeds_needed(c, distance))
         if best is None or ratio > best[0]:
-            best = (ratio, power)
-    return None if best is None else best[1]
+            best = (ratio, Power(caught, c.label, cf, (lo, hi), c.spread.n, None), c, distance)
+    if best is None:
+        return None
+    _, power, check, distance = best
+    # Only the check that decides the power is searched for the seeds it would take (the search is the costly part).
+    return power if power.caught else replace(power, seeds_needed=_seeds_needed(check, distance))
 
 
 def _on_scale(c: NoiseCheck, value: float) -> tuple[float, float, float]:

@@ -312,3 +312,35 @@ def test_the_kept_servers_key_and_folder(tmp_path: Path, monkeypatch: pytest.Mon
     for planted in ("link", "open"):
         with pytest.raises(HarnessError, match="is not a private folder of this user's"):
             rankserver._private_dir(tmp_path / planted / "k")
+
+
+def test_stale_key_folders_are_swept_and_used_ones_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every edit of harness makes a new key: the folders of old keys go once unused for a day."""
+    import fcntl
+
+    from harness.executors import rankserver
+
+    monkeypatch.setattr(rankserver, "_ROOT", tmp_path)
+    root = rankserver.root()
+    day_ago = time.time() - rankserver.STALE_S - 60
+
+    def folder(name: str, old: bool) -> Path:
+        f = rankserver._private_dir(root / name)
+        for n in ("lock", "lease"):
+            (f / n).touch()
+        if old:
+            for g in (f / "lock", f / "lease", f):
+                os.utime(g, (day_ago, day_ago))
+        return f
+
+    stale, recent, mine, held = folder("stale", True), folder("recent", False), folder("mine", True), folder("held", True)
+    (root / "elsewhere").mkdir()
+    (root / "link").symlink_to(root / "elsewhere")
+    fd = os.open(held / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a command attaching right now
+    os.utime(held / "lock", (day_ago, day_ago))
+    try:
+        assert rankserver.sweep(keep=mine) == [stale]
+    finally:
+        os.close(fd)
+    assert not stale.exists() and recent.is_dir() and mine.is_dir() and held.is_dir() and (root / "link").is_symlink()

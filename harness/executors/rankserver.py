@@ -66,6 +66,9 @@ IMPORT_TIME_PREFIXES = (
 )
 _ROOT = Path("/tmp")  # not $TMPDIR: the socket's path must fit in 107 bytes
 _START_S = 10.0  # for a new keeper to say where its server listens
+# A key folder nobody used for this long is removed by the next keeper that starts: every change of harness's
+# files or of the environment makes a new key, and a developer's edits would otherwise leave one folder each.
+STALE_S = 24 * 3600.0
 
 
 def idle_s(environ: dict[str, str] | None = None) -> float:
@@ -304,6 +307,7 @@ def _keep(folder: Path, idle: float) -> int:
     tmp.write_text(json.dumps({"keeper": os.getpid(), "server": server.pid, "address": address,
                                "harness": str(harness_root), "idle_s": idle}))
     tmp.replace(folder / "state.json")
+    sweep(keep=folder)
     poll = max(0.05, min(1.0, idle / 4))
     while server.poll() is None:
         time.sleep(poll)
@@ -320,6 +324,28 @@ def _keep(folder: Path, idle: float) -> int:
         server.kill()
         server.wait()
     return 0
+
+
+def sweep(keep: Path, stale_s: float = STALE_S) -> list[Path]:
+    """Remove the key folders (but `keep`) that no keeper serves and no command used for `stale_s`; returns them.
+    Each is removed under its own `lock`, taken without waiting: a command attaching to it right now keeps it."""
+    removed = []
+    now = time.time()
+    for folder in sorted(root().iterdir()) if root().is_dir() else []:
+        if folder == keep or folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            used = max(f.lstat().st_mtime for f in (folder, *folder.iterdir()))
+            if now - used < stale_s or _read_state(folder) is not None:
+                continue
+            with _locked(folder / "lock", fcntl.LOCK_EX | fcntl.LOCK_NB):
+                for f in folder.iterdir():
+                    f.unlink()
+                folder.rmdir()
+            removed.append(folder)
+        except OSError:  # in use, not ours, or already gone: left as it is
+            continue
+    return removed
 
 
 def _has_children(pid: int) -> bool:

@@ -425,13 +425,20 @@ def test_copies_and_pickles_of_a_registered_model_leave_the_context_and_its_pipe
     from harness.runtime import context
 
     ctx, launcher = rank_context()
-    net = ctx.register(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)))
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    net.register_forward_hook(_users_hook)
+    ctx.register(net)
     copied = copy.deepcopy(net)
     pickled = pickle.dumps(net)
     assert b"harness" not in pickled  # a model saved in a run loads where harness is not installed
     saved = io.BytesIO()
     torch.save(net, saved)
-    loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+    # word_language_model's load: weights_only, its module classes allowed (a harness name in the file is refused).
+    with torch.serialization.safe_globals([nn.Sequential, nn.Linear, nn.ReLU, _users_hook]):
+        loaded = torch.load(io.BytesIO(saved.getvalue()))
+    for other in (copied, loaded, copy.copy(net)):  # the user's hook is kept, harness's is not there
+        assert not other._forward_pre_hooks and list(other._forward_hooks.values()) == [_users_hook]
+        assert "__getstate__" not in vars(other)
     for fd in (ctx._channel.fileno(), launcher.fileno()):  # the failed copy used to close the rank's pipe
         os.fstat(fd)
     # After the optimizer step the step that ended stays current until the model's next training forward: the
@@ -454,12 +461,17 @@ def test_copies_and_pickles_of_a_registered_model_leave_the_context_and_its_pipe
     with pytest.raises(ExperimentError, match=r"unpickled outside the rank whose context it is.*Keep ctx out of"):
         pickle.loads(pickle.dumps(ctx))
     ctx.close()
+    assert not net._forward_pre_hooks and "__getstate__" not in vars(net)
     got = []
     while launcher.poll(5):
         got.append(type(launcher.recv()).__name__)
         if "MetricsBatch" in got:
             break
     assert got[0] == "Initial" and "MetricsBatch" in got, got
+
+
+def _users_hook(module, args, output) -> None:
+    """A forward hook of the user's own, which copies keep."""
 
 
 def _update_by_hand(net) -> float:

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.errors import HarnessError
-from harness.optrace.hooks import ModuleHook
+from harness.optrace import hooks
 from harness.optrace.report import html, markdown
 from harness.optrace.rules import likely_cause
 
@@ -405,7 +405,7 @@ class _Dispatch(TorchDispatchMode):
             return self.tracer._record(func, args, kwargs or {})
 
 
-class _Push(ModuleHook):
+class _Push(hooks.ModuleHook):
     """A module's forward begins: its name goes on the tracer's module stack."""
 
     def __init__(self, stack: list[str], name: str) -> None:
@@ -415,7 +415,7 @@ class _Push(ModuleHook):
         self.stack.append(self.name)
 
 
-class _Pop(ModuleHook):
+class _Pop(hooks.ModuleHook):
     """A module's forward ended (or raised: registered with always_call)."""
 
     def __init__(self, stack: list[str]) -> None:
@@ -486,8 +486,8 @@ class OpTracer:
             root = type(self.model).__name__
             for name, mod in self.model.named_modules():
                 qual = name or root
-                self._handles.append(mod.register_forward_pre_hook(_Push(self._module_stack, qual)))
-                self._handles.append(mod.register_forward_hook(_Pop(self._module_stack), always_call=True))
+                self._handles.append(hooks.add(mod, _Push(self._module_stack, qual)))
+                self._handles.append(hooks.add(mod, _Pop(self._module_stack), after=True))
 
     def attach(self, model: torch.nn.Module) -> None:
         """The model registered after tracing began (a step traced from the start of train): its modules from now on."""

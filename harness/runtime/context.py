@@ -33,7 +33,7 @@ from harness.messages import (
     Total,
 )
 from harness.optrace import tracer as optrace
-from harness.optrace.hooks import ModuleHook
+from harness.optrace import hooks
 from harness.runtime import checkpoint as ckpt, determinism
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (
@@ -119,10 +119,10 @@ def _live_context(token: int) -> Context:
     return ctx
 
 
-class _StepHook(ModuleHook):
+class _StepHook(hooks.ModuleHook):
     """The registered model's forward pre-hook: a training-mode forward with gradients is the next step's work
-    beginning. The context is held weakly and checked to be this model's: a shallow copy shares the hook, and its
-    forwards (an EMA model's) are not the training model's steps."""
+    beginning. Copies of the model are made without it (hooks.add); the context is held weakly and the module checked
+    to be the registered one all the same, since another model's forwards (an EMA copy's) are not this one's steps."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = weakref.ref(ctx)
@@ -191,7 +191,7 @@ class Context:
         self._saved: set[int] = set()  # steps checkpointed by this context
         self._noted: set[str] = set()  # notices already sent
         self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
-        self._forward_hook: Any = None
+        self._forward_hook: hooks.Handle | None = None
         self._initial_fingerprint: str | None = None  # rank 0: the registered model's, when it was registered
         self._tracer: optrace.OpTracer | None = None  # of plan.trace_step while it runs
         self._trace_written = False
@@ -306,7 +306,7 @@ class Context:
 
             nudge(model, self._plan.perturb_seed)
         # A training forward of the registered model is the next step's work beginning (a loop of its own).
-        self._forward_hook = model.register_forward_pre_hook(_StepHook(self))
+        self._forward_hook = hooks.add(model, _StepHook(self))
         if self._tracer is not None:
             self._tracer.attach(model)
 

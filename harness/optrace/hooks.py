@@ -44,6 +44,7 @@ class _Unhooked:
 
     def __call__(self) -> Any:
         module = self._module()
+        assert module is not None  # the module being copied is what calls it
         state = type(module).__getstate__(module)
         if not isinstance(state, dict):
             return state
@@ -54,9 +55,6 @@ class _Unhooked:
             if hooks and not self.ids.isdisjoint(hooks):
                 state[name] = OrderedDict((k, v) for k, v in hooks.items() if k not in self.ids)
         return state
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _INERT  # reached only where a module's __dict__ is pickled by hand
 
 
 class Handle:

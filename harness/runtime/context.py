@@ -32,8 +32,7 @@ from harness.messages import (
     SegmentStart,
     Total,
 )
-from harness.optrace import tracer as optrace
-from harness.optrace import hooks
+from harness.optrace import hooks, tracer as optrace
 from harness.runtime import checkpoint as ckpt, determinism
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -36,6 +36,29 @@ def fmt_short(x: float | None) -> str:
 def the(label: str) -> str:
     """ "the original", "the replay", but "run A", "run B"."""
     return label if label.startswith("run ") else f"the {label}"
+
+
+def step_list(steps: Iterable[int], runs: int = 3) -> str:
+    """Ascending steps as runs of consecutive ones ("0-99", "0, 5, 7-9"); past `runs` runs the rest is counted
+    ("0, 10, 20, ... (101 steps)"), so a long series reads in one line."""
+    shown: list[str] = []
+    start = prev = None
+    count = 0
+    for step in steps:
+        count += 1
+        if prev is not None and step == prev + 1:
+            prev = step
+            continue
+        if start is not None and len(shown) <= runs:
+            shown.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = step
+    if start is not None and len(shown) <= runs:
+        shown.append(f"{start}" if start == prev else f"{start}-{prev}")
+    if not shown:
+        return "none"
+    if len(shown) > runs:
+        return ", ".join(shown[:runs]) + f", ... ({count} steps)"
+    return ", ".join(shown)
 
 
 def json_float(x: float | None) -> float | str | None:

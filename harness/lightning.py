@@ -1,6 +1,7 @@
 """PyTorch Lightning (Trainer and Fabric) inside `train(ctx)`: one line gives a full record.
 
     trainer = L.Trainer(max_epochs=3, **harness.lightning.trainer_kwargs(ctx))
+    cli = LightningCLI(Model, DataModule, trainer_defaults=harness.lightning.trainer_kwargs(ctx), args=..., run=False)
     fabric = harness.lightning.fabric(ctx, accelerator="cpu", devices=ctx.world_size)
 
 What the line adds, and why each piece is needed:
@@ -15,6 +16,9 @@ What the line adds, and why each piece is needed:
   experiment folder (which is code: they would make the next run dirty);
 - PL_GLOBAL_SEED (unless the code set it, e.g. with L.seed_everything): the seed of the DistributedSampler the
   Trainer puts in, which otherwise is 0 whatever the recorded seed.
+
+The objects it adds deep-copy and pickle (LightningCLI deep-copies its defaults): each copy holds the same ctx,
+which copies as a reference to the rank's one context.
 
 Settings the Trainer puts in force (`deterministic=`, precision switches) are read back by harness at the first
 step and at the end, and recorded with the line that set them; seeds the code sets itself are recorded and warned

@@ -149,6 +149,25 @@ def test_extra_metric_diverges() -> None:
     assert (cmp.divergence.kind, cmp.divergence.metric, cmp.divergence.step) == ("missing_metric", "acc", 0)
 
 
+def test_a_metric_with_no_common_step_says_so_with_both_step_lists() -> None:
+    """Not "0 steps, max abs diff nan, ..., first divergence 101": where each run logged it, abbreviated."""
+    a = make_record()
+    a.metrics["test_loss"] = (np.arange(0, 101, dtype=np.int64), np.zeros(101))
+    b = clone(a)
+    b.metrics["test_loss"] = (np.array([101], dtype=np.int64), np.zeros(1))
+    del b.metrics["acc"]
+    cmp = compare_runs(a, b)
+    lines = comparison_lines(cmp, [])
+    assert "  test_loss: no common step: logged by run A at steps 0-100, run B at step 101; first divergence 0" \
+        in lines, lines
+    assert "  acc: no common step: logged by run A at steps 0-19, run B not at all; first divergence 0" in lines, lines
+    assert not any("nan" in line for line in lines), lines
+    b.metrics["test_loss"] = (np.arange(101, 1101, 2, dtype=np.int64), np.zeros(500))
+    lines = comparison_lines(compare_runs(a, b), [])
+    assert any(line.startswith("  test_loss: no common step") and "run B at steps 101, 103, 105, ... (500 steps)"
+               in line for line in lines), lines
+
+
 def test_differing_fingerprints_diverge_unless_the_tolerance_lets_weights_differ() -> None:
     a = make_record()
     b = clone(a)

@@ -247,3 +247,22 @@ def test_an_mlflow_logger_of_its_own_run_is_refused_and_one_on_the_harness_run_i
     with pytest.raises(ExperimentError, match="MLFlowLogger would log into a run of its own"):
         harness.lightning._check_mlflow_loggers(ctx, [MLFlowLogger(tracking_uri=uri)])
     harness.lightning._check_mlflow_loggers(ctx, [MLFlowLogger(tracking_uri=uri, run_id=ctx.run_id)])
+
+
+def test_what_trainer_kwargs_returns_deep_copies_and_pickles_as_lightning_cli_needs(contexts) -> None:
+    """LightningCLI(trainer_defaults=trainer_kwargs(ctx)) deep-copies the defaults: the copies are harness's objects
+    on the same context (which copies as a reference to itself), and they log into it."""
+    import copy
+    import pickle
+
+    import harness.lightning
+
+    ctx = contexts()
+    kwargs = harness.lightning.trainer_kwargs(ctx, max_epochs=2)
+    for made in (copy.deepcopy(kwargs), pickle.loads(pickle.dumps(kwargs))):
+        assert made.keys() == kwargs.keys() and made["max_epochs"] == 2
+        logger, callback, environment = made["logger"][-1], made["callbacks"][-1], made["plugins"][-1]
+        assert isinstance(logger, harness.lightning.Logger) and logger is not kwargs["logger"][-1]
+        assert logger._ctx is callback._ctx is environment._ctx is ctx
+    copy.deepcopy(kwargs)["logger"][-1].log_metrics({"loss": 0.5}, step=0)
+    assert ctx._logged == {"loss": {0}}

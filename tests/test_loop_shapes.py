@@ -1,10 +1,16 @@
 """Training loops shaped unlike the examples: batches of their own (get_batch), a prefetch before the optimizer
-step, gradient accumulation, their own seeding and TF32 switch, no ctx.ddp. Each is recorded, resumed and
-judged right, or refused in one line (real gloo ranks, real store, real SIGKILL)."""
+step, gradient accumulation, their own seeding and TF32 switch, no ctx.ddp, copies of the model (EMA) and saves of
+it, updates written by hand. Each is recorded, resumed and judged right, or refused in one line (real gloo ranks,
+real store, real SIGKILL)."""
 
 from __future__ import annotations
 
+import copy
+import io
 import json
+import multiprocessing as mp
+import os
+import pickle
 
 import pytest
 
@@ -157,6 +163,74 @@ def train(ctx):
 '''
 
 
+# A model copied, averaged and saved as public recipes do: torchvision's EMA and timm's ModelEma (a deepcopy updated
+# by hand), torch.optim.swa_utils.AveragedModel, a DDP wrapper deep-copied, word_language_model's torch.save(model)
+# and load; its update by an optimizer or by hand (word_language_model's default), in a loop of its own or ctx.steps.
+COPIES = '''"""A model registered with ctx.ddp, copied, averaged, saved and loaded back."""
+
+import copy
+import os
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+
+def descriptors():
+    return {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+
+
+def train(ctx):
+    cfg = ctx.cfg
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    model = ctx.ddp(net)
+    before = descriptors()
+    frozen = copy.deepcopy(model)
+    averaged = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    teacher = copy.deepcopy(net)
+    assert descriptors() == before, (before, descriptors())
+    if cfg.by_hand:
+        optimizer = None
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ctx.track(optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 2))
+    generator = torch.Generator().manual_seed(ctx.rank)
+    for _ in ctx.steps(cfg.steps) if cfg.use_steps else range(cfg.steps):
+        x = torch.randn(8, 4, generator=generator)
+        loss = model(x).pow(2).mean()
+        model.zero_grad()
+        loss.backward()
+        if optimizer is None:
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.05)
+        else:
+            optimizer.step()
+        averaged.update_parameters(net)
+        with torch.no_grad():
+            for t, p in zip(teacher.parameters(), net.parameters()):
+                t.mul_(0.9).add_(p, alpha=0.1)
+        # The copy's training-mode forward with gradients, between the update and the log: not a step of the model.
+        teacher_loss = teacher(x).pow(2).mean()
+        with torch.no_grad():
+            averaged_loss = averaged(x).pow(2).mean()
+        ctx.log({"loss": loss.item(), "teacher_loss": teacher_loss.item(), "averaged_loss": averaged_loss.item()},
+                ctx.step)
+    path = ctx.output_dir / f"model{ctx.rank}.pt"
+    torch.save(net, path)
+    back = torch.load(path, weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), net.state_dict().values()))
+    assert not any(torch.equal(a, b) for a, b in zip(frozen.module.parameters(), net.parameters()))
+    ctx.log({"loaded_loss": back.eval()(x).pow(2).mean().item()}, ctx.step)
+'''
+
+COPIES_YAML = """
+train:
+  steps: 6
+  by_hand: false
+  use_steps: false
+"""
+
 BASE_YAML = """image: none
 entry: train.py:train
 world_size: 2
@@ -174,13 +248,14 @@ def shapes(project: Project) -> dict[str, str]:
 
     made = {}
     for name, code, train in (("gpt_shape", GPT, GPT_YAML), ("unregistered", UNREGISTERED, "train:\n  wrap: true\n"),
-                              ("loader_accum", LOADER_ACCUM, "train: {}\n")):
+                              ("loader_accum", LOADER_ACCUM, "train: {}\n"), ("copies", COPIES, COPIES_YAML)):
         exp = project.add_experiment(name, train_py=code, commit=False)
         (exp / "experiment.yaml").write_text(BASE_YAML + train.lstrip("\n"))
         made[name] = f"experiments/{name}"
     git(project.root, "add", "-A")
     git(project.root, "commit", "-qm", "loop shapes")
-    return {"gpt": made["gpt_shape"], "unregistered": made["unregistered"], "accum": made["loader_accum"]}
+    return {"gpt": made["gpt_shape"], "unregistered": made["unregistered"], "accum": made["loader_accum"],
+            "copies": made["copies"]}
 
 
 def series(project: Project, run_id: str, key: str) -> list[tuple[int, str]]:
@@ -280,7 +355,8 @@ def test_a_model_never_given_to_ctx_ddp(project: Project, shapes) -> None:
     tags = project.client().get_run(wrapped.last_line).data.tags
     assert tags["harness.fingerprint.of"] == "optimizer"
     assert tags["harness.weights_changed"] == "true"
-    assert "no model was given to ctx.ddp" in wrapped.stderr
+    assert "no model was given to ctx.ddp or ctx.register" in wrapped.stderr
+    assert "ctx.register(model) after its DDP(...) line" in wrapped.stderr
     replay = project.harness("replay", wrapped.last_line)
     assert replay.returncode == 0 and "BITWISE" in replay.stdout, replay.stdout + replay.stderr
 
@@ -296,3 +372,156 @@ def test_accumulating_loader_counts_optimizer_steps_and_resumes(project: Project
     assert series(project, crashed.last_line, "loss") == series(project, clean.last_line, "loss")
     a, b = (project.client().get_run(r).data.tags for r in (crashed.last_line, clean.last_line))
     assert a["harness.fingerprint"] == b["harness.fingerprint"]
+
+
+def test_a_model_copied_averaged_and_saved_trains_and_replays_bitwise(project: Project, shapes) -> None:
+    """deepcopy of the DDP model and of the module ctx.ddp registered, AveragedModel, a teacher updated by hand and run
+    in training mode between the update and the log, torch.save(model) and load: the run finishes with no descriptor
+    of the rank touched (the script checks), the copies' forwards are no steps, and the replay is bitwise."""
+    run = project.harness("run", shapes["copies"])
+    assert run.returncode == 0, run.stderr
+    for key in ("loss", "teacher_loss", "averaged_loss"):
+        assert [s for s, _ in series(project, run.last_line, key)] == list(range(6)), key
+    replay = project.harness("replay", run.last_line)
+    assert replay.returncode == 0 and "verdict: BITWISE" in replay.stdout, replay.stdout + replay.stderr
+
+
+def test_an_update_written_by_hand_counts_its_steps_in_ctx_steps(project: Project, shapes) -> None:
+    run = project.harness("run", shapes["copies"], "train.by_hand=true", "train.use_steps=true")
+    assert run.returncode == 0, run.stderr
+    assert [s for s, _ in series(project, run.last_line, "loss")] == list(range(6))
+    tags = project.client().get_run(run.last_line).data.tags
+    assert tags["harness.fingerprint.of"] == "model" and tags["harness.weights_changed"] == "true"
+
+
+@pytest.fixture
+def rank_context(tmp_path):
+    """Rank 0's Context made in this process, with a real pipe to a launcher's end (returned with it); closed after
+    the test, since its step clock hooks every optimizer of the process."""
+    import torch
+
+    from harness.runtime.context import Context
+
+    made = []
+
+    def make():
+        reader, writer = mp.Pipe(duplex=False)
+        ctx = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0, rank_seed=0,
+                      fingerprint_every=5, channel=writer, output_dir=str(tmp_path / "out"))
+        made.append(ctx)
+        return ctx, reader
+
+    yield make
+    for ctx in made:
+        ctx.close()
+
+
+def test_copies_and_pickles_of_a_registered_model_leave_the_context_and_its_pipe_alone(rank_context,
+                                                                                      monkeypatch) -> None:
+    import torch
+    from torch import nn
+
+    from harness.errors import ExperimentError
+    from harness.runtime import context
+
+    ctx, launcher = rank_context()
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    net.register_forward_hook(_users_hook)
+    ctx.register(net)
+    copied = copy.deepcopy(net)
+    pickled = pickle.dumps(net)
+    assert b"harness" not in pickled  # a model saved in a run loads where harness is not installed
+    saved = io.BytesIO()
+    torch.save(net, saved)
+    # word_language_model's load: weights_only, its module classes allowed (a harness name in the file is refused).
+    with torch.serialization.safe_globals([nn.Sequential, nn.Linear, nn.ReLU, _users_hook]):
+        loaded = torch.load(io.BytesIO(saved.getvalue()))
+    for other in (copied, loaded, copy.copy(net)):  # the user's hook is kept, harness's is not there
+        assert not other._forward_pre_hooks and list(other._forward_hooks.values()) == [_users_hook]
+        assert "__getstate__" not in vars(other)
+    for fd in (ctx._channel.fileno(), launcher.fileno()):  # the failed copy used to close the rank's pipe
+        os.fstat(fd)
+    # After the optimizer step the step that ended stays current until the model's next training forward: the
+    # copies' training forwards with gradients are not that.
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.ones(2, 3)
+    net(x).sum().backward()
+    optimizer.step()
+    for other in (copied, pickle.loads(pickled), loaded, copy.copy(net)):
+        other(x).sum().backward()
+        assert ctx.step == 0
+    net(x)
+    assert ctx.step == 1
+    # The context itself copies and pickles as a reference to itself, so what holds it (a Lightning logger, a model
+    # that keeps ctx) copies too; in a process without it, one line says why.
+    holder = {"ctx": ctx, "weights": [1.0]}
+    assert copy.deepcopy(holder)["ctx"] is ctx and pickle.loads(pickle.dumps(holder))["ctx"] is ctx
+    ctx.log({"loss": 1.0}, ctx.step)
+    monkeypatch.setattr(context, "_LIVE", {})
+    with pytest.raises(ExperimentError, match=r"unpickled outside the rank whose context it is.*Keep ctx out of"):
+        pickle.loads(pickle.dumps(ctx))
+    ctx.close()
+    assert not net._forward_pre_hooks and "__getstate__" not in vars(net)
+    got = []
+    while launcher.poll(5):
+        got.append(type(launcher.recv()).__name__)
+        if "MetricsBatch" in got:
+            break
+    assert got[0] == "Initial" and "MetricsBatch" in got, got
+
+
+def _users_hook(module, args, output) -> None:
+    """A forward hook of the user's own, which copies keep."""
+
+
+def _update_by_hand(net) -> float:
+    """word_language_model's update: no optimizer."""
+    import torch
+
+    loss = net(torch.ones(2, 3)).pow(2).mean()
+    net.zero_grad()
+    loss.backward()
+    for p in net.parameters():
+        p.data.add_(p.grad, alpha=-0.1)
+    return loss.item()
+
+
+def test_an_update_by_hand_outside_ctx_steps_is_named_as_the_cause(rank_context) -> None:
+    from torch import nn
+
+    from harness.errors import ExperimentError
+
+    ctx, _ = rank_context()
+    net = ctx.register(nn.Linear(3, 1))
+    ctx.log({"micro_loss": 1.0}, ctx.step)
+    with pytest.raises(ExperimentError, match="micro-batches share one") as micro:
+        ctx.log({"micro_loss": 1.0}, ctx.step)  # the weights are as registered: micro-batches, not an update
+    assert "by hand" not in str(micro.value)
+    ctx.log({"train_loss": _update_by_hand(net)}, ctx.step)
+    with pytest.raises(ExperimentError) as by_hand:
+        ctx.log({"train_loss": _update_by_hand(net)}, ctx.step)
+    said = str(by_hand.value)
+    assert said.startswith("ctx.log: 'train_loss' was already logged at step 0; a second value would overwrite the "
+                           "first. The weights changed but no optimizer has stepped: "), said
+    assert "(p.data.add_(p.grad, alpha=-lr)) is neither" in said and "`for step in ctx.steps(n):`" in said
+    ctx2, _ = rank_context()
+    net2 = ctx2.register(nn.Linear(3, 1))
+    for _ in ctx2.steps(3):
+        ctx2.log({"train_loss": _update_by_hand(net2)}, ctx2.step)
+    assert ctx2._logged["train_loss"] == {0, 1, 2}
+
+
+def test_track_takes_the_scheduler_and_scaler_by_position_and_refuses_one_in_the_others_place(rank_context) -> None:
+    import torch
+    from torch import nn
+
+    from harness.errors import ExperimentError
+
+    ctx, _ = rank_context()
+    optimizer = torch.optim.SGD(ctx.register(nn.Linear(3, 1)).parameters(), lr=0.1)
+    scheduler, scaler = torch.optim.lr_scheduler.StepLR(optimizer, 2), torch.amp.GradScaler("cpu")
+    ctx.track(optimizer, scheduler, scaler)
+    assert ctx._tracked == {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+    with pytest.raises(ExperimentError, match=r"^ctx.track: a GradScaler \(GradScaler\) was given as the scheduler\. "
+                                              r"Pass it by name: ctx.track\(optimizer, scaler=scaler\)\.$"):
+        ctx.track(optimizer, scaler)

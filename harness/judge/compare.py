@@ -15,7 +15,7 @@ import numpy as np
 
 from harness import tags
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.fmt import fmt_pair, fmt_short, json_safe, the
+from harness.fmt import fmt_pair, fmt_short, json_safe, step_list, the
 from harness.judge import noise, rounding
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
@@ -110,6 +110,9 @@ class MetricStats:
     extra_steps: int = 0  # in the replay only
     in_original: bool = True
     in_replay: bool = True
+    # No step logged by both: each run's steps (fmt.step_list, "none" for a run that never logged it), so a reader is
+    # told where each logged it rather than "0 steps" and NaN diffs.
+    steps_apart: tuple[str, str] | None = None
 
 
 
@@ -391,6 +394,7 @@ def _metric_only_in_one(name: str, steps: np.ndarray, values: np.ndarray, in_ori
         first_divergence=step, first_divergence_kind=kind, bitwise_equal=False, rtol=rtol, atol=atol,
         missing_steps=int(steps.size) if in_original else 0, extra_steps=0 if in_original else int(steps.size),
         in_original=in_original, in_replay=not in_original,
+        steps_apart=(step_list(steps.tolist()), "none") if in_original else ("none", step_list(steps.tolist())),
     )
     return stats, div
 
@@ -460,6 +464,7 @@ def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, v
         atol=atol,
         missing_steps=int(only_a.size),
         extra_steps=int(only_b.size),
+        steps_apart=None if n else (step_list(sa.tolist()), step_list(sb.tolist())),
     )
     return stats, first
 

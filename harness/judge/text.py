@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.fmt import the
 from harness.judge.compare import BITWISE, WEIGHTS, Comparison, weights_may_differ
 
 
@@ -67,6 +68,12 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
         out.append("Environment delta: none")
     for m in cmp.metrics:
         first = "-" if m.first_divergence is None else str(m.first_divergence)
+        if m.steps_apart is not None:
+            where = ", ".join(f"{the(label)} " + ("not at all" if steps == "none" else
+                                                   f"at step{'' if steps.isdigit() else 's'} {steps}")
+                              for label, steps in zip(cmp.labels, m.steps_apart, strict=True))
+            out.append(f"  {m.name}: no common step: logged by {where}; first divergence {first}")
+            continue
         out.append(f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
                    f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
                    + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else ""))

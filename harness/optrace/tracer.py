@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.errors import HarnessError
+from harness.optrace import hooks
 from harness.optrace.report import html, markdown
 from harness.optrace.rules import likely_cause
 
@@ -404,6 +405,27 @@ class _Dispatch(TorchDispatchMode):
             return self.tracer._record(func, args, kwargs or {})
 
 
+class _Push(hooks.ModuleHook):
+    """A module's forward begins: its name goes on the tracer's module stack."""
+
+    def __init__(self, stack: list[str], name: str) -> None:
+        self.stack, self.name = stack, name
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.stack.append(self.name)
+
+
+class _Pop(hooks.ModuleHook):
+    """A module's forward ended (or raised: registered with always_call)."""
+
+    def __init__(self, stack: list[str]) -> None:
+        self.stack = stack
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+
 class OpTracer:
     """Context manager around ONE training step: records every dispatched op (forward, backward,
     optimizer) with its module, phase, exact tensor hashes and the user's line.
@@ -464,8 +486,8 @@ class OpTracer:
             root = type(self.model).__name__
             for name, mod in self.model.named_modules():
                 qual = name or root
-                self._handles.append(mod.register_forward_pre_hook(self._push(qual)))
-                self._handles.append(mod.register_forward_hook(self._pop, always_call=True))
+                self._handles.append(hooks.add(mod, _Push(self._module_stack, qual)))
+                self._handles.append(hooks.add(mod, _Pop(self._module_stack), after=True))
 
     def attach(self, model: torch.nn.Module) -> None:
         """The model registered after tracing began (a step traced from the start of train): its modules from now on."""
@@ -511,15 +533,6 @@ class OpTracer:
         return meta
 
     # -- hooks -------------------------------------------------------------------------------
-    def _push(self, name: str) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self._module_stack.append(name)
-        return hook
-
-    def _pop(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._module_stack:
-            self._module_stack.pop()
-
     def _optimizer_enter(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._in_optimizer += 1
 

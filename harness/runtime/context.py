@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import multiprocessing as mp
 import numbers
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -30,7 +32,7 @@ from harness.messages import (
     SegmentStart,
     Total,
 )
-from harness.optrace import tracer as optrace
+from harness.optrace import hooks, tracer as optrace
 from harness.runtime import checkpoint as ckpt, determinism
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (
@@ -99,6 +101,37 @@ class DataPaths(dict):
         )
 
 
+# This process's contexts, by token: what a pickled or copied reference to a context comes back as (Context.__reduce__).
+_LIVE: weakref.WeakValueDictionary[int, Context] = weakref.WeakValueDictionary()
+_TOKENS = itertools.count()
+
+
+def _live_context(token: int) -> Context:
+    """The context a pickled reference names, in the process that made it."""
+    ctx = _LIVE.get(token)
+    if ctx is None:
+        raise ExperimentError(
+            "a harness context (ctx) was unpickled outside the rank whose context it is: ctx is a rank's link to its "
+            "launcher, not data. Keep ctx out of what is saved or sent to another process (store the values you "
+            "need from it, e.g. ctx.rank or ctx.cfg)."
+        )
+    return ctx
+
+
+class _StepHook(hooks.ModuleHook):
+    """The registered model's forward pre-hook: a training-mode forward with gradients is the next step's work
+    beginning. Copies of the model are made without it (hooks.add); the context is held weakly and the module checked
+    to be the registered one all the same, since another model's forwards (an EMA copy's) are not this one's steps."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = weakref.ref(ctx)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        ctx = self._ctx()
+        if ctx is not None and module is ctx._model and module.training and torch.is_grad_enabled():
+            ctx.clock.begin()
+
+
 class Context:
     """Rank identity, the experiment's `train:` config, and the few calls that keep a run reproducible."""
 
@@ -157,7 +190,8 @@ class Context:
         self._saved: set[int] = set()  # steps checkpointed by this context
         self._noted: set[str] = set()  # notices already sent
         self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
-        self._forward_hook: Any = None
+        self._forward_hook: hooks.Handle | None = None
+        self._initial_fingerprint: str | None = None  # rank 0: the registered model's, when it was registered
         self._tracer: optrace.OpTracer | None = None  # of plan.trace_step while it runs
         self._trace_written = False
         self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
@@ -168,6 +202,8 @@ class Context:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.data: Mapping[str, Path] = DataPaths({k: Path(v) for k, v in (data or {}).items()})
         """The experiment's declared data (`data:` in experiment.yaml), name -> absolute path, checked by hash."""
+        self._token = next(_TOKENS)
+        _LIVE[self._token] = self
         self.run_id = run_id
         """The MLflow run this job records ("" in a re-execution that records none: audit, trace). Rank 0's own
         mlflow.log_metric/log_param/set_tag calls land in it (see docs/training-api.md: your own calls)."""
@@ -177,6 +213,13 @@ class Context:
             # Step 0 of a loop harness does not drive begins with train() itself; a loader or ctx.steps
             # that turns up restarts the trace at its first batch.
             self._start_trace(0)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The context is the rank's link to its launcher (a pipe, a sender thread, shared memory): copying it would
+        # make a second sender on one pipe, and a copy that failed halfway closed the rank's descriptors as it was
+        # freed. So copy.deepcopy and pickle take it by reference: a model, a config or a Lightning logger that
+        # holds ctx copies, and the copy holds this same context.
+        return (_live_context, (self._token,))
 
     @property
     def step(self) -> int:
@@ -207,13 +250,13 @@ class Context:
             broadcast_parameters(model)
             self._invariant_step = InvariantStep(self._shards, self.world_size, self.rank, self.seed)
             self._guard_gradients(model)
-            self._send(Initial(fingerprint(model)) if self.is_main else None)
+            self._send_initial(model)
             return InvariantModule(model)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         wrapped = DDP(model, **ddp_kwargs)  # broadcasts rank 0's weights: the initial fingerprint comes after
         _fix_buckets(wrapped)
-        self._send(Initial(fingerprint(model)) if self.is_main else None)
+        self._send_initial(model)
         return wrapped
 
     def register(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -244,8 +287,14 @@ class Context:
                 "model = ctx.ddp(model); a framework's own DDP cannot run in it. Set determinism.world_size_invariant=false."
             )
         self._adopt(inner)
-        self._send(Initial(fingerprint(inner)) if self.is_main else None)
+        self._send_initial(inner)
         return model
+
+    def _send_initial(self, model: torch.nn.Module) -> None:
+        """Rank 0: the registered model's weights before the first update (harness.fingerprint.initial)."""
+        if self.is_main:
+            self._initial_fingerprint = fingerprint(model)
+            self._send(Initial(self._initial_fingerprint))
 
     def _adopt(self, model: torch.nn.Module) -> None:
         """`model` is the one fingerprinted, checkpointed and traced (ctx.ddp and ctx.register)."""
@@ -256,7 +305,7 @@ class Context:
 
             nudge(model, self._plan.perturb_seed)
         # A training forward of the registered model is the next step's work beginning (a loop of its own).
-        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        self._forward_hook = hooks.add(model, _StepHook(self))
         if self._tracer is not None:
             self._tracer.attach(model)
 
@@ -277,8 +326,20 @@ class Context:
             if param.requires_grad:
                 param.register_hook(check)
 
-    def track(self, optimizer: Any = None, *, scheduler: Any = None, scaler: Any = None) -> None:
-        """Register what a checkpoint must hold besides the model (optimizer, LR scheduler, GradScaler)."""
+    def track(self, optimizer: Any = None, scheduler: Any = None, scaler: Any = None) -> None:
+        """Register what a checkpoint must hold besides the model (optimizer, LR scheduler, GradScaler), by position
+        or by name."""
+        from torch.amp import GradScaler
+        from torch.optim.lr_scheduler import LRScheduler
+
+        for name, obj, wrong, what in (("scheduler", scheduler, GradScaler, "a GradScaler"),
+                                       ("scaler", scaler, LRScheduler, "an LR scheduler")):
+            if isinstance(obj, wrong):
+                right = "scaler" if name == "scheduler" else "scheduler"
+                raise ExperimentError(
+                    f"ctx.track: {what} ({type(obj).__name__}) was given as the {name}. Pass it by name: "
+                    f"ctx.track(optimizer, {right}={right})."
+                )
         for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 self._tracked[name] = obj
@@ -447,11 +508,7 @@ class Context:
         for key in values:
             seen = self._logged.setdefault(key, set())
             if step in seen:
-                raise ExperimentError(
-                    f"ctx.log: '{key}' was already logged at step {step}; a second value would overwrite the first. "
-                    "Log each key once per step (ctx.step counts optimizer steps: micro-batches share one), or "
-                    "give this value its own key."
-                )
+                raise ExperimentError(self._logged_twice(key, step))
             seen.add(step)
         self._last_step = step if self._last_step is None else max(self._last_step, step)
         target = self._fingerprinted()
@@ -461,6 +518,23 @@ class Context:
             self._next_fingerprint = (step // self._every + 1) * self._every
         if self._outbox is not None:
             self._outbox.add(step, values, int(time.time() * 1000))
+
+    def _logged_twice(self, key: str, step: int) -> str:
+        """Why `key` came back at `step`: micro-batches of one step, or a loop whose updates no optimizer makes."""
+        said = f"ctx.log: '{key}' was already logged at step {step}; a second value would overwrite the first."
+        micro = ("Log each key once per step (ctx.step counts optimizer steps: micro-batches share one), or give this "
+                 "value its own key.")
+        if self.clock.optimizer_steps or self.clock.counted is not None or self._driver == "steps":
+            return f"{said} {micro}"
+        by_hand = ("ctx.step counts the steps of a torch.optim optimizer (or the iterations of ctx.steps), and an "
+                   "update written by hand (p.data.add_(p.grad, alpha=-lr)) is neither, so every value lands at step 0. "
+                   "Drive the loop with `for step in ctx.steps(n):`, one iteration per update, or update with an "
+                   "optimizer (torch.optim.SGD(model.parameters(), lr=lr)).")
+        if self._model is None:
+            return f"{said} No optimizer has stepped yet. If the loop updates the weights by hand: {by_hand} Else: {micro}"
+        if fingerprint(self._model) == self._initial_fingerprint:
+            return f"{said} {micro}"  # the weights are as registered: micro-batches before the first optimizer step
+        return f"{said} The weights changed but no optimizer has stepped: {by_hand}"
 
     def barrier(self) -> None:
         if dist.is_initialized():
@@ -495,9 +569,11 @@ class Context:
         self._check_replicas_equal(target)
         if self._model is None and target is not None:
             self._notice("unregistered", (
-                "no model was given to ctx.ddp: the fingerprints hash the parameters the optimizer stepped "
-                f"({len(list(target.parameters()))} tensors; buffers such as BatchNorm statistics are not among them)"
-                + (", compared across ranks" if self.world_size > 1 else "") + ". Register it with model = ctx.ddp(model)."
+                "no model was given to ctx.ddp or ctx.register: the fingerprints hash the parameters the optimizer "
+                f"stepped ({len(list(target.parameters()))} tensors; buffers such as BatchNorm statistics are not among "
+                "them)" + (", compared across ranks" if self.world_size > 1 else "") + ". Register it with "
+                "model = ctx.ddp(model), or, where the script wraps it in DDP itself, ctx.register(model) after its "
+                "DDP(...) line."
             ))
         self._send(determinism.observe(self.clock.done, determinism.END))  # determinism read-back: training ends
         self._send_data_order()
@@ -572,16 +648,13 @@ class Context:
         optimizer = self._tracked.get("optimizer")
         if optimizer is None:
             raise ExperimentError(
-                "checkpoint_every is set but no model is registered: call ctx.ddp(model) (or ctx.track(optimizer), "
-                "whose parameters are then checkpointed), or set checkpoint_every: 0."
+                "checkpoint_every is set but no model is registered: call ctx.ddp(model) (ctx.register(model) where "
+                "the script wraps DDP itself), or ctx.track(optimizer), whose parameters are then checkpointed, or set "
+                "checkpoint_every: 0."
             )
         if self._stepped_params is None:
             self._stepped_params = optimizer_parameters(optimizer)
         return self._stepped_params
-
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled():
-            self.clock.begin()
 
     def _on_first_step(self, optimizer: Any) -> None:
         if self._model is None and self.is_main:

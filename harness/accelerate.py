@@ -16,10 +16,12 @@ from typing import Any
 
 import accelerate
 import torch
-from accelerate.tracking import GeneralTracker
+from accelerate.tracking import GeneralTracker, MLflowTracker
 from accelerate.utils import send_to_device
 
+from harness import tags as T
 from harness.errors import ExperimentError
+from harness.runtime import boundaries
 from harness.runtime.context import Context, metric_value
 
 __all__ = ["Accelerator", "Tracker"]
@@ -85,6 +87,52 @@ class Tracker(GeneralTracker):
             self.ctx.log(numbers_only, self.ctx.step if step is None else step)
 
 
+class _MLflowInRun(MLflowTracker):
+    """Accelerate's MLflow tracker (`log_with="mlflow"`, or `"all"`, which takes it wherever mlflow is installed, as
+    it is with harness) inside a harness rank. Rank 0's MLflow is the harness run (MLFLOW_RUN_ID, which the tracker
+    reads before its own arguments): its params are the recorded config and its metrics are ctx.log's. So:
+
+    - `init_trackers(config=...)` is stored as params `accelerate.<key>`: under its own names a config's `seed`,
+      `device` or `world_size` is a param harness logged already, and MLflow's "Changing param values is not allowed"
+      would fail the run;
+    - `accelerator.log` writes nothing more: the harness Tracker beside this one already took the values to the run
+      through ctx.log, at ctx.step. A second write would put each point in MLflow twice - a step of None at step 0 -
+      and the history, which a run cut off before its series was written is judged from, would mix them;
+    - figures and artifacts go under `accelerate/` in the run's artifacts, never over harness's own files.
+    """
+
+    def __init__(self, ctx: Context, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._harness_ctx = ctx
+
+    @classmethod
+    def of(cls, ctx: Context, tracker: MLflowTracker) -> _MLflowInRun:
+        """One the user made (`log_with=[MLflowTracker(...)]`), with its arguments."""
+        return cls(ctx, tracker.experiment_name, tracker.logging_dir, tracker.run_id, tracker.tags, tracker.nested_run,
+                   tracker.run_name, tracker.description)
+
+    def store_init_configuration(self, values: dict) -> None:
+        super().store_init_configuration({f"{T.ACCELERATE_PARAM_PREFIX}{key}": value for key, value in values.items()})
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if self._harness_ctx.run_id and self.run_id == self._harness_ctx.run_id:
+            return  # in the run already, through ctx.log
+        super().log(values, step, **kwargs)  # a run of its own: a re-execution's scratch store (audit, trace)
+
+    def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
+        super().log_figure(figure, f"{T.ACCELERATE_ARTIFACTS}/{artifact_file}", **save_kwargs)
+
+    def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
+        super().log_artifacts(local_dir, _under_accelerate(artifact_path))
+
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        super().log_artifact(local_path, _under_accelerate(artifact_path))
+
+
+def _under_accelerate(artifact_path: str | None) -> str:
+    return T.ACCELERATE_ARTIFACTS if not artifact_path else f"{T.ACCELERATE_ARTIFACTS}/{artifact_path}"
+
+
 class _OnDevice:
     """A ctx.loader handed back by prepare: the same loader (this rank's shard, harness's step boundaries,
     checkpoints and data-order digests), its batches moved to the accelerator's device as a prepared loader's are."""
@@ -113,6 +161,8 @@ class Accelerator(accelerate.Accelerator):
       all the data, never synchronised), so `cpu=True` is passed there; a job Accelerate sees otherwise than harness
       launched it (world size, rank, device) is refused in one line.
     - `accelerator.log` reaches `ctx.log` (a `Tracker` beside the `log_with` ones, without `init_trackers`).
+    - Accelerate's MLflow tracker (`log_with="all"` or `"mlflow"`) logs into the harness run without clashing with
+      it: its config as params `accelerate.<key>`, its artifacts under `accelerate/` (see `_MLflowInRun`).
     - The first model prepared is registered with `ctx.register` for fingerprints and checkpoints.
     - A `ctx.loader` passed to `prepare` comes back unsharded (see `prepare_data_loader`).
     """
@@ -124,6 +174,7 @@ class Accelerator(accelerate.Accelerator):
         self._harness_ctx = ctx
         self._harness_model: torch.nn.Module | None = None
         self._harness_tracker = Tracker(ctx)
+        ctx._loop_of(boundaries.ACCELERATE)  # its loop has harness's step boundaries only over a ctx.loader
         # In trackers now, so accelerator.log works without init_trackers(), as harness records from the start.
         self.trackers.append(self._harness_tracker)
         if (self.num_processes, self.process_index) != (ctx.world_size, ctx.rank) or not _same(self.device, ctx.device):
@@ -135,6 +186,13 @@ class Accelerator(accelerate.Accelerator):
             )
 
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        # Accelerate's MLflow tracker logs into the harness run: made here as one that cannot clash with it.
+        options = (init_kwargs or {}).get("mlflow", {})
+        self.log_with = [
+            _MLflowInRun(self._harness_ctx, project_name, **options) if str(t) == "mlflow"
+            else _MLflowInRun.of(self._harness_ctx, t) if type(t) is MLflowTracker else t
+            for t in self.log_with  # type: ignore[has-type]
+        ]
         super().init_trackers(project_name, config, init_kwargs)
         # The harness tracker is already in trackers; a Tracker in log_with, or a second call, must not log twice
         # (ctx.log refuses a second value at one step).

@@ -6,7 +6,8 @@
 
 What the line adds, and why each piece is needed:
 - `Logger`: what the LightningModule logs (`self.log`, `fabric.log`) becomes `ctx.log` at the trainer's step,
-  so replays judge it (without it a replay has NOTHING_TO_COMPARE);
+  so replays judge it (without it a replay has NOTHING_TO_COMPARE); what validation and test log is recorded as
+  evaluation values (an evaluation batch's at Lightning's count of evaluation batches, not a training step);
 - `Callback`: registers the LightningModule for fingerprints (ctx.register: no throwaway ctx.ddp), and refuses a
   Trainer whose world size is not the job's before it trains on a share of the data that is not its own;
 - `Environment`: Lightning's ClusterEnvironment for processes harness started (`creates_processes_externally`): it
@@ -38,6 +39,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import Logger as _LightningLogger
 
 from harness.errors import ExperimentError
+from harness.runtime import boundaries
 from harness.runtime.context import Context, metric_value
 
 SEED_ENV = "PL_GLOBAL_SEED"  # Lightning's: its DistributedSampler's seed, and what its reset_seed() seeds with
@@ -73,13 +75,20 @@ class Logger(_LightningLogger):
 
     Lightning logs some keys at one step twice with one value (`epoch` with the step's and the epoch's metrics):
     those are one value. Two different values of a key at one step would overwrite each other in MLflow: that
-    fails the run with one line, as ctx.log does."""
+    fails the run with one line, as ctx.log does.
+
+    What validation and test log (the Trainer's Callback says when they run) are evaluation values: an evaluation
+    epoch's at the trainer's step, as Lightning logs them; an evaluation batch's (`self.log(..., on_step=True)` in
+    validation_step) at Lightning's count of evaluation batches, which is no training step - recorded as an index of
+    their own ("validation batch 3"), so that no verdict names a training step that did not log them."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__()
         self._ctx = ctx
-        self._step: int | None = None
-        self._values: dict[str, float] = {}  # what was logged at self._step
+        self._at: tuple[str | None, int] | None = None
+        self._values: dict[str, float] = {}  # what was logged at self._at
+        self._evaluation: str | None = None  # "validation" or "test" while one runs (set by Callback)
+        self._eval_batch = False  # the next log is an evaluation batch's (Lightning logs it right after its end hooks)
 
     @property
     def name(self) -> str:
@@ -98,8 +107,10 @@ class Logger(_LightningLogger):
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         at = self._ctx.step if step is None else int(step)
-        if at != self._step:
-            self._step, self._values = at, {}
+        index = f"{self._evaluation} batch" if self._evaluation and self._eval_batch else None
+        self._eval_batch = False
+        if (index, at) != self._at:
+            self._at, self._values = (index, at), {}
         fresh: dict[str, float] = {}
         for key, value in metrics.items():
             number = metric_value(key, value)
@@ -107,25 +118,73 @@ class Logger(_LightningLogger):
                 if _same(self._values[key], number):
                     continue
                 raise ExperimentError(
-                    f"Lightning logged '{key}' twice at step {at} ({self._values[key]!r}, then {number!r}); the second "
-                    "would overwrite the first. Log it once per step (self.log(..., on_step=True, on_epoch=False), or "
-                    "give the epoch's value its own name)."
+                    f"Lightning logged '{key}' twice at {index or 'step'} {at} ({self._values[key]!r}, then "
+                    f"{number!r}); the second would overwrite the first. Log it once per step (self.log(..., "
+                    "on_step=True, on_epoch=False), or give the epoch's value its own name)."
                 )
             self._values[key] = fresh[key] = number
-        if fresh:
+        if not fresh:
+            return
+        if self._evaluation is None:
             self._ctx.log(fresh, at)
+        else:
+            self._ctx._log_evaluation(fresh, at, index)
 
 
 class Callback(pl.Callback):
-    """Registers the LightningModule for fingerprints, and refuses a Trainer that does not run the job's world size."""
+    """Registers the LightningModule for fingerprints, refuses a Trainer that does not run the job's world size, and
+    tells harness's Logger when validation and test run (and when one of their batches has ended)."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        self._loggers: list[Logger] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         _check_world_size(self._ctx, trainer.world_size, "L.Trainer")
         _check_mlflow_loggers(self._ctx, trainer.loggers)
         self._ctx.register(pl_module)
+        self._ctx._loop_of(boundaries.LIGHTNING)  # its loop, which harness cannot checkpoint: said with Lightning's way
+        self._loggers = [lg for lg in trainer.loggers if isinstance(lg, Logger) and lg._ctx is self._ctx]
+
+    def _evaluating(self, what: str | None) -> None:
+        for logger in self._loggers:
+            logger._evaluation, logger._eval_batch = what, False
+
+    def _batch_ended(self, ended: bool) -> None:
+        for logger in self._loggers:
+            logger._eval_batch = ended
+
+    # Lightning logs an evaluation batch's values right after its *_batch_end hooks (update_eval_step_metrics), and
+    # the evaluation epoch's before on_*_end.
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluating("validation")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluating("test")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluating(None)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluating(None)
+
+    def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self._batch_ended(False)
+
+    def on_test_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self._batch_ended(False)
+
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._batch_ended(True)
+
+    def on_test_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._batch_ended(True)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._batch_ended(False)
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._batch_ended(False)
 
 
 class Environment(ClusterEnvironment):

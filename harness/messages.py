@@ -198,7 +198,24 @@ class DataOrder:
     digests: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """The metric keys rank 0 logged from an evaluation (a framework's validation or test) and never from training:
+    key -> what its steps count, tags.EVAL_AT_STEP (the training step the evaluation ran at) or an index of its own
+    ("validation batch"). The whole map, sent again whenever it changes."""
+
+    keys: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What drove the training steps (harness/runtime/boundaries.py: "ctx.loader", "lightning", ...), sent at the
+    first step."""
+
+    name: str
+
+
 Message = (
     Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | RankFacts | DeterminismChanged | Total
-    | Checkpoint | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder
+    | Checkpoint | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder | Evaluation | Loop
 )

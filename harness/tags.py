@@ -104,6 +104,14 @@ DATA_CHANGES = "harness.replay.data_changes"  # differences accepted with --allo
 FINGERPRINT = "harness.fingerprint"
 FINGERPRINT_OF = "harness.fingerprint.of"  # what was hashed: model (ctx.ddp) | optimizer (its parameters)
 NOTICES = "harness.notices"  # warnings the ranks raised about the record (one per line)
+# Metric keys logged by an evaluation (Lightning's validation and test), not by training, as JSON: key -> what its
+# steps count. EVAL_AT_STEP: the trainer's step the evaluation ran at; anything else is an index of the key's own
+# ("validation batch": Lightning's count of evaluation batches), which no verdict may call a training step.
+EVALUATION_METRICS = "harness.metrics.evaluation"
+EVAL_AT_STEP = "step"
+# What drove the training steps (harness/runtime/boundaries.py): ctx.loader, ctx.steps, own, lightning, accelerate;
+# resume and audit read from it why a run has no checkpoint and the way out.
+LOOP = "harness.loop"
 FAILED_RANK = "harness.failed_rank"
 RESUMES = "harness.resumed_from"  # checkpoint steps this run was resumed from, comma-separated
 STATUS_REASON = "harness.status_reason"
@@ -127,6 +135,11 @@ USER_MLFLOW_METRICS = "harness.user.mlflow_metrics"
 # RNG seeds the training code set itself, "train.py:12 torch.manual_seed(1337); ...": the ones harness set are
 # harness.seed and harness.seed.ranks.
 USER_SEEDS = "harness.user.seeds"
+# Accelerate's MLflow tracker (harness/accelerate.py): the config given to init_trackers(config=...), as params
+# `accelerate.<key>`, beside the recorded config's own params (`seed`, `world_size`, ...), which MLflow refuses to
+# change; its figures and artifacts under this folder of the run's artifacts.
+ACCELERATE_PARAM_PREFIX = "accelerate."
+ACCELERATE_ARTIFACTS = "accelerate"
 
 # Replay / compare.
 REPLAY_OF = "harness.replay_of"

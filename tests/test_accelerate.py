@@ -20,6 +20,8 @@ except ImportError as err:  # the test extra installs it: CI must run these, a l
 
 # Each rank writes down the sample indices it trained on, per epoch; rank 0 keeps every rank's in seen.json.
 # A value that is not a number is logged every step beside the loss (Accelerate's trackers take strings).
+# log_with="mlflow", as Accelerate's examples pass "all" (which takes MLflow, installed with harness): its tracker
+# logs into the harness run, and its config holds the `seed` and `world_size` harness recorded as params already.
 TRAIN = '''"""An MLP trained the way an Accelerate script is, converted with one line."""
 
 import json
@@ -38,8 +40,8 @@ def train(ctx):
     if cfg.unconverted:  # Accelerate's own class, only the tracker added
         accelerator = accelerate.Accelerator(log_with=[harness.accelerate.Tracker(ctx)])
     else:
-        accelerator = harness.accelerate.Accelerator(ctx)  # was: accelerate.Accelerator()
-    accelerator.init_trackers("mlp", config={"lr": cfg.lr})
+        accelerator = harness.accelerate.Accelerator(ctx, log_with="mlflow")  # was: accelerate.Accelerator(...)
+    accelerator.init_trackers("mlp", config={"lr": cfg.lr, "seed": 1234, "world_size": 8})
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.arange(cfg.samples), torch.randn(cfg.samples, 8, generator=g),
                          torch.randn(cfg.samples, 1, generator=g))
@@ -75,6 +77,7 @@ threads_per_rank: 1
 determinism:
   level: strict
 fingerprint_every: 4
+checkpoint_every: 4
 train:
   lr: 0.05
   epochs: 2
@@ -138,6 +141,41 @@ def test_run_finishes_after_end_training_with_fingerprints(project: Project, ori
     assert_sharded_once(seen(project, original.last_line, tmp_path), 2)
 
 
+def test_accelerates_mlflow_tracker_logs_into_the_run_without_clashing(project: Project, original: Result) -> None:
+    """Accelerate's MLflow tracker attaches to the harness run (MLFLOW_RUN_ID): init_trackers' config is kept as
+    params `accelerate.<key>` (its `seed` under its own name would be a change of the recorded param, which MLflow
+    refuses: the run failed), no experiment of its own is made, and accelerator.log's values are in the run once, at
+    ctx.step (the tracker's own writes would add each again - a step of None at step 0)."""
+    assert original.returncode == 0, original.stderr
+    run = project.client().get_run(original.last_line)
+    params = run.data.params
+    assert (params["seed"], params["world_size"]) == ("0", "2")
+    assert {k: v for k, v in params.items() if k.startswith("accelerate.")} == {
+        "accelerate.lr": "0.05", "accelerate.seed": "1234", "accelerate.world_size": "8"}
+    assert "mlp" not in [e.name for e in project.client().search_experiments()]
+    history = project.client().get_metric_history(original.last_line, "loss")
+    steps = SAMPLES // 2 // BATCH * EPOCHS
+    assert [m.step for m in history] == list(range(steps)), [m.step for m in history]
+
+
+def test_checkpoint_every_over_accelerates_own_loader_names_the_way_out(project: Project, original: Result) -> None:
+    """Accelerate's loop over a DataLoader of its own gives harness no step boundary: the notice and audit's refusal
+    (read from the record) name a ctx.loader through accelerator.prepare - the way out an Accelerate loop has - and
+    not `for it in ctx.steps(...)`, which cannot be written there."""
+    assert original.returncode == 0, original.stderr
+    tags = project.client().get_run(original.last_line).data.tags
+    assert tags["harness.loop"] == "accelerate"
+    line = next(line for line in original.stderr.splitlines() if "checkpoint_every=4" in line)
+    assert "Accelerate's loop iterates a DataLoader of its own, not a ctx.loader" in line, line
+    assert "Pass a ctx.loader(...) to accelerator.prepare" in line and "ctx.steps" not in line, line
+    audit = project.cli("audit", original.last_line, "--segments", "1")
+    assert audit.returncode == 2 and len(audit.stderr.strip().splitlines()) == 1, audit.stderr
+    assert (f"run {original.last_line} has no checkpoint chain to audit (checkpoint_every was 4, but Accelerate's loop "
+            "iterates a DataLoader of its own, not a ctx.loader: harness had no step boundary to save at).") \
+        in audit.stderr, audit.stderr
+    assert "Pass a ctx.loader(...) to accelerator.prepare" in audit.stderr and "ctx.steps" not in audit.stderr
+
+
 def test_replay_is_bitwise_with_fingerprints(project: Project, original: Result) -> None:
     assert original.returncode == 0, original.stderr
     replay = project.harness("replay", original.last_line)
@@ -170,6 +208,12 @@ def test_a_study_over_ctx_loader_has_distinct_members_each_sharded_once(project:
     assert sorted(r.data.tags["harness.seed"] for r in members) == ["0", "1", "2"]
     assert all(r.info.status == "FINISHED" and r.data.tags["harness.fingerprint.of"] == "model" for r in members)
     assert len({r.data.tags["harness.fingerprint"] for r in members}) == 3
+    # The way out the notice names: over a ctx.loader, checkpoint_every saves (steps 0 and 4 of 8).
+    assert {r.data.tags["harness.loop"] for r in members} == {"ctx.loader"}
+    assert not any("checkpoint_every" in r.data.tags["harness.notices"] for r in members)
+    fingerprints = json.loads(Path(project.client().download_artifacts(
+        members[0].info.run_id, "fingerprints.json", str(tmp_path))).read_text())
+    assert sorted(fingerprints["checkpoints"]) == ["0", "4"]
     orders = []
     for member in members:
         every = seen(project, member.info.run_id, tmp_path / member.info.run_id)

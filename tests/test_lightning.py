@@ -5,6 +5,7 @@ or `harness.lightning.fabric(ctx, ...)` and `ctx.register(model)`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -97,11 +98,64 @@ def train(ctx):
 '''
 
 
+# Validation and test log per batch and per epoch (an autoencoder example's shape), in a run too short for
+# log_every_n_steps=50 to log any training value: 2 epochs of 4 steps, 2 validation batches each, 2 test batches.
+EVALUATED = '''"""An MLP whose validation and test log per step and per epoch; Lightning's checkpoints left on."""
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import harness.lightning
+
+
+class Model(L.LightningModule):
+    def __init__(self, lr):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.lr = lr
+
+    def training_step(self, batch, idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), on_step=True, on_epoch=True, sync_dist=True)
+
+    def test_step(self, batch, idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.net(x), y), on_step=True, on_epoch=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def train(ctx):
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    y = x.sum(1, keepdim=True)
+    data = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    held_out = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=16)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=ctx.world_size, log_every_n_steps=50,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        **harness.lightning.trainer_kwargs(ctx))
+    model = Model(ctx.cfg.lr)
+    trainer.fit(model, data, held_out)
+    trainer.test(model, held_out, verbose=False)
+    if ctx.cfg.fail:
+        raise RuntimeError("the job died after its test")
+'''
+
+
 @pytest.fixture(scope="module")
 def lit(tmp_path_factory: pytest.TempPathFactory) -> Project:
     project = make_project(tmp_path_factory.mktemp("lightning"))
     project.add_experiment("lit", train_py=TRAINER, yaml_extra=TRAINER_CFG)
     project.add_experiment("fab", train_py=FABRIC)
+    project.add_experiment("evaluated", train_py=EVALUATED, yaml_extra="  fail: false\ncheckpoint_every: 5\n")
     return project
 
 
@@ -190,6 +244,89 @@ def test_fabric_run_and_replay_are_bitwise_with_fingerprints(lit: Project) -> No
     assert verdict.startswith("verdict: BITWISE") and "fingerprints equal" in verdict, verdict
 
 
+@pytest.fixture(scope="module")
+def evaluated_run(lit: Project) -> str:
+    result = lit.harness("run", "experiments/evaluated")
+    assert result.returncode == 0, result.stderr
+    return result.last_line
+
+
+@pytest.fixture(scope="module")
+def evaluated_replay(lit: Project, evaluated_run: str):
+    return lit.harness("replay", evaluated_run)
+
+
+def test_evaluation_values_are_recorded_at_the_trainers_step_or_at_an_index_of_their_own(lit: Project,
+                                                                                         evaluated_run: str) -> None:
+    """An evaluation epoch's values at the trainer's step (validation after steps 3 and 7, the test after all 8);
+    an evaluation batch's at Lightning's count of evaluation batches, which the record names as such - no training
+    step logged them (log_every_n_steps=50 logged no training value at all)."""
+    client = lit.client()
+    run = client.get_run(evaluated_run)
+    steps = {key: [m.step for m in client.get_metric_history(evaluated_run, key)] for key in run.data.metrics}
+    assert steps == {"val_loss_step": [0, 1, 2, 3], "val_loss_epoch": [3, 7], "test_loss_step": [0, 1],
+                     "test_loss_epoch": [8], "epoch": [3, 7, 8]}, steps
+    assert json.loads(run.data.tags[T.EVALUATION_METRICS]) == {
+        "epoch": "step", "test_loss_epoch": "step", "test_loss_step": "test batch", "val_loss_epoch": "step",
+        "val_loss_step": "validation batch"}
+    # checkpoint_every=5: the notice names Lightning's own checkpoints, not a loop harness cannot write here.
+    assert run.data.tags[T.LOOP] == "lightning"
+    notice = run.data.tags[T.NOTICES]
+    assert "checkpoint_every=5: no checkpoint at step 0 or after: Lightning's Trainer runs the loop" in notice, notice
+    assert "checkpoint with Lightning itself" in notice and "ctx.steps" not in notice
+
+
+def test_a_replay_of_evaluation_values_only_says_none_is_a_training_step_value(evaluated_replay) -> None:
+    assert evaluated_replay.returncode == 0, evaluated_replay.stderr
+    verdict = next(line for line in evaluated_replay.stdout.splitlines() if line.startswith("verdict: "))
+    assert verdict.startswith("verdict: BITWISE: 5 metrics (12 values) bit-identical"), verdict
+    assert verdict.endswith("; none of its values is a training-step value (every metric compared was logged by an "
+                            "evaluation: epoch, test_loss_epoch, test_loss_step, val_loss_epoch and 1 more)"), verdict
+    assert "  val_loss_step: 4 validation batches, " in evaluated_replay.stdout, evaluated_replay.stdout
+
+
+def test_an_evaluation_that_differs_is_named_at_its_training_step_never_at_a_batch_index(
+        lit: Project, evaluated_run: str, evaluated_replay) -> None:
+    """What an lr x2 change does to the record, judged: the validation epoch after step 3 differs first, and an
+    evaluation batch's value is named by its own index ("test batch 0"), never as training step 0."""
+    from harness.judge.compare import DIVERGED, compare_runs
+    from harness.store.tracking import Tracker
+
+    assert evaluated_replay.returncode == 0, evaluated_replay.stderr
+    tracker = Tracker(lit.uri)
+    original = tracker.load_record(evaluated_run)
+
+    def changed(keys: tuple[str, ...]):
+        replay = tracker.load_record(evaluated_replay.last_line)
+        for key in keys:
+            steps, values = replay.metrics[key]
+            replay.metrics[key] = (steps, values * 1.5)
+        return compare_runs(original, replay)
+
+    every = changed(("val_loss_step", "val_loss_epoch", "test_loss_step", "test_loss_epoch"))
+    assert every.verdict == DIVERGED and every.summary().startswith("DIVERGED at step 3: val_loss_epoch "), every.summary()
+    batches = changed(("test_loss_step",))
+    assert batches.summary().startswith("DIVERGED at test batch 0: test_loss_step "), batches.summary()
+    assert next(m for m in batches.metrics if m.name == "test_loss_step").counts == "test batch"
+
+
+def test_resume_and_audit_of_a_trainers_run_name_lightnings_checkpoints(lit: Project, evaluated_run: str) -> None:
+    """checkpoint_every was 5 (not 0): the refusals read the cause from the record, and name the way out that a
+    Lightning loop has - not `for it in ctx.steps(...)`, which cannot be written there."""
+    died = lit.harness("run", "experiments/evaluated", "train.fail=true")
+    assert died.returncode == 1 and lit.client().get_run(died.last_line).info.status == "FAILED", died.stderr
+    resume = lit.cli("resume", died.last_line)
+    assert resume.returncode == 2 and len(resume.stderr.strip().splitlines()) == 1, resume.stderr
+    assert (f"run {died.last_line} has no complete checkpoint in its artifacts (checkpoint_every was 5, but "
+            "Lightning's Trainer runs the loop, which harness cannot stop and restart mid-fit: harness had no step "
+            "boundary to save at), so it cannot be resumed.") in resume.stderr, resume.stderr
+    assert f"`harness replay {died.last_line} --allow-incomplete`. Set checkpoint_every: 0 and checkpoint with " \
+           "Lightning itself" in resume.stderr and "ctx.steps" not in resume.stderr, resume.stderr
+    audit = lit.cli("audit", evaluated_run, "--segments", "1")
+    assert audit.returncode == 2 and "(checkpoint_every was 5, but Lightning's Trainer runs the loop" in audit.stderr
+    assert "checkpoint with Lightning itself" in audit.stderr and "ctx.steps" not in audit.stderr, audit.stderr
+
+
 @pytest.fixture
 def contexts(tmp_path):
     """A rank's Context made in this process (no ranks, no launcher); closed after the test, since its step clock
@@ -222,6 +359,28 @@ def test_logger_keeps_one_value_per_key_and_step_and_refuses_a_second_one(contex
     assert {k: sorted(v) for k, v in ctx._logged.items()} == {"loss": [3], "epoch": [3], "val_loss": [3]}
     with pytest.raises(ExperimentError, match=r"Lightning logged 'loss' twice at step 3 \(0.5, then 0.25\)"):
         logger.log_metrics({"loss": 0.25}, step=3)
+
+
+def test_logger_keeps_evaluation_batches_apart_from_training_steps(contexts) -> None:
+    """An evaluation batch's value is at an index of its own: it may share a number with a training step, never a
+    series (one key is logged at one kind of step)."""
+    import harness.lightning
+    from harness.errors import ExperimentError
+
+    ctx = contexts()
+    logger = harness.lightning.Logger(ctx)
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger._evaluation, logger._eval_batch = "validation", True  # as the Callback's hooks set them
+    logger.log_metrics({"val_loss": 0.7}, step=0)  # Lightning's first evaluation batch
+    logger._eval_batch = True
+    with pytest.raises(ExperimentError, match=r"Lightning logged 'val_loss' twice at validation batch 0"):
+        logger.log_metrics({"val_loss": 0.8}, step=0)
+    logger.log_metrics({"val_acc": 0.9}, step=0)  # the epoch's end, at the trainer's step 0
+    assert ctx._evaluation_keys() == {"val_acc": "step", "val_loss": "validation batch"}
+    logger._evaluation = None
+    with pytest.raises(ExperimentError, match=r"'val_loss' was logged at validation batch indexes, and now at "
+                                              r"training steps: one series cannot hold both"):
+        logger.log_metrics({"val_loss": 0.8}, step=5)
 
 
 def test_environment_refuses_a_layout_that_is_not_the_jobs(contexts) -> None:

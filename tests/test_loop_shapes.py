@@ -286,8 +286,13 @@ def test_own_batches_longer_than_timeout_log_at_optimizer_steps(project: Project
     assert ck.returncode == 0, ck.stderr
     assert "no checkpoint at step 0" in ck.stderr and "ctx.steps(max_iters)" in ck.stderr
     assert "ctx.steps" in client.get_run(ck.last_line).data.tags["harness.notices"]
+    assert client.get_run(ck.last_line).data.tags["harness.loop"] == "own"
     refused = project.cli("resume", ck.last_line)
     assert refused.returncode == 2
+    audit = project.cli("audit", ck.last_line, "--segments", "1")  # the cause from the record, not "was 0"
+    assert audit.returncode == 2 and ("(checkpoint_every was 4, but the loop is driven by neither a training "
+                                      "ctx.loader nor ctx.steps(): harness had no step boundary") in audit.stderr
+    assert "`for it in ctx.steps(max_iters):`" in audit.stderr, audit.stderr
 
 
 def test_trace_a_loop_of_its_own(project: Project, shapes) -> None:

@@ -105,9 +105,43 @@ def test_resume_refuses_finished_and_checkpointless_runs(project: Project, killa
     none = project.cli("resume", crashed.last_line)
     assert none.returncode == 2 and "has no complete checkpoint" in none.stderr
     assert len(none.stderr.strip().splitlines()) == 1
+    # The cause read from the record (its config and its loop: a ctx.loader), and the way out that applies.
+    assert "(it ran with checkpoint_every=0, so none was saved)" in none.stderr, none.stderr
+    assert none.stderr.strip().endswith("Run it again with checkpoint_every=N to make it resumable (and auditable).")
     # The way out it names works: the suggested command, run as given.
     suggested = none.stderr.split("`")[1]
     assert suggested == f"harness replay {crashed.last_line} --allow-incomplete", none.stderr
     rerun = project.harness(*suggested.split()[1:])
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "the FAILED original reached" in rerun.stdout, rerun.stdout
+
+
+@pytest.mark.parametrize(
+    "every,loop,notices,cause,way_out",
+    [
+        (0, "ctx.loader", "", "it ran with checkpoint_every=0, so none was saved", "with checkpoint_every=N"),
+        (0, "lightning", "", "with it none could have been saved: Lightning's Trainer runs the loop",
+         "checkpoint with Lightning itself"),
+        (5, "own", "checkpoint_every=5: no checkpoint at step 0 or after: ...",
+         "checkpoint_every was 5, but the loop is driven by neither a training ctx.loader nor ctx.steps()",
+         "`for it in ctx.steps(max_iters):`"),
+        (10, "accelerate", "", "checkpoint_every was 10, but Accelerate's loop iterates a DataLoader of its own",
+         "Pass a ctx.loader(...) to accelerator.prepare"),
+        (10, "ctx.steps", "checkpoint_every=10: no checkpoint at step 20: a step's first batch was drawn before ...",
+         "checkpoint_every was 10, but a step's first batch was drawn before the previous optimizer step",
+         "Draw each step's batches at the top of the step"),
+        (10, "ctx.loader", "", "checkpoint_every was 10, but it stopped before its first checkpoint was complete",
+         "with checkpoint_every=N"),
+        (5, None, "", "checkpoint_every was 5, but its loop gave harness no step boundary to save at (see the run's "
+         "harness.notices) or it stopped before the first was complete", "with checkpoint_every=N"),
+    ],
+    ids=["every0", "every0-lightning", "own-loop", "accelerate", "prefetch", "died-first", "unrecorded-loop"],
+)
+def test_no_checkpoint_is_explained_from_the_record(every: int, loop: str | None, notices: str, cause: str,
+                                                    way_out: str) -> None:
+    """Why a run has no checkpoint, read from its record (checkpoint_every, harness.loop, harness.notices) - never
+    "checkpoint_every was 0" for a run that had 5 - with the way out its loop has."""
+    from harness.runtime import boundaries
+
+    said, fix = boundaries.no_checkpoint(every, loop, notices)
+    assert cause in said and way_out in fix, (said, fix)

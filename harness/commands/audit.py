@@ -22,7 +22,7 @@ from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
 from harness.judge.compare import BITWISE, DIVERGED
 from harness.record import checkpoints as checkpoint_store, derived, loading
-from harness.runtime import checkpoint
+from harness.runtime import boundaries, checkpoint
 from harness.runtime.plan import CheckpointPlan
 from harness.store.tracking import Tracker
 
@@ -88,10 +88,11 @@ def audit(
     run, record = loaded.summary, loaded.record
     chain = segments_of(record.checkpoints, record.final_fingerprint, record.steps_total)
     if not chain:
+        cause, fix = boundaries.no_checkpoint(int(loaded.recorded.cfg.checkpoint_every), run.tags.get(T.LOOP),
+                                              run.tags.get(T.NOTICES, ""))
         raise HarnessError(
-            f"run {run_id} has no checkpoint chain to audit (no checkpoint was saved: checkpoint_every was 0, or its "
-            "loop gave harness no step boundary to save at - see the run's harness.notices). "
-            f"Replay it in full instead: harness replay {run_id}"
+            f"run {run_id} has no checkpoint chain to audit ({cause}). Replay it in full instead: "
+            f"`harness replay {run_id}`. {fix}"
         )
     if not 1 <= segments <= len(chain):
         raise HarnessError(f"--segments must be between 1 and {len(chain)} (the run has {len(chain)} segments).")

@@ -18,6 +18,7 @@ from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
 from harness.record import checkpoints as checkpoint_store, loading
+from harness.runtime import boundaries
 from harness.runtime.plan import CheckpointPlan
 from harness.store.tracking import RunRecord, Tracker
 
@@ -38,11 +39,11 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
     store = checkpoint_store.open_for(tracker, run_id)
     step = store.latest(cfg.world_size)  # fetched into the store's local folder when a server holds it
     if step is None:
+        cause, fix = boundaries.no_checkpoint(int(cfg.checkpoint_every), run.tags.get(T.LOOP),
+                                              run.tags.get(T.NOTICES, ""))
         raise HarnessError(
-            f"run {run_id} has no complete checkpoint in its artifacts (checkpoint_every was 0, its loop gave harness "
-            f"no step boundary to save at, or it died before the first), so it cannot be resumed. Rerun it from the "
-            f"start, judged on the steps it reached: `harness replay {run_id} --allow-incomplete`; or run it again with "
-            "checkpoint_every=N to make it resumable."
+            f"run {run_id} has no complete checkpoint in its artifacts ({cause}), so it cannot be resumed. Rerun it "
+            f"from the start, judged on the steps it reached: `harness replay {run_id} --allow-incomplete`. {fix}"
         )
     record = loaded.record
     earlier = max((s for s in record.checkpoints if s < step), default=None)

@@ -6,6 +6,7 @@ noise a cross-hardware replay is judged against is harness/judge/noise.py.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -67,11 +68,12 @@ class Divergence:
     abs_diff: float | None = None
     rel_diff: float | None = None
     detail: str = ""
+    counts: str | None = None  # what `step` counts when it is no training step: an evaluation's own index
 
     def describe(self, labels: tuple[str, str] = ("original", "replay")) -> str:
         """One human line, without the verdict; `labels` name the two runs (run A / run B for a plain compare)."""
         a, b = labels
-        where = f"step {self.step}" if self.step is not None else "the end"
+        where = "the end" if self.step is None else f"{self.counts or 'step'} {self.step}"
         if self.kind == KIND_VALUE:
             return (
                 f"at {where}: {self.metric} {fmt_pair(self.original, self.replay)} "
@@ -113,6 +115,15 @@ class MetricStats:
     # No step logged by both: each run's steps (fmt.step_list, "none" for a run that never logged it), so a reader is
     # told where each logged it rather than "0 steps" and NaN diffs.
     steps_apart: tuple[str, str] | None = None
+    evaluation: bool = False  # logged by an evaluation (validation, test), not by training
+    counts: str | None = None  # what its steps count when they are no training steps ("validation batch")
+
+    @property
+    def unit(self) -> str:
+        """What one of its compared steps is, plural: "steps", or "validation batches"."""
+        if self.counts is None:
+            return "steps"
+        return f"{self.counts}es" if self.counts.endswith(("s", "h")) else f"{self.counts}s"
 
 
 
@@ -196,6 +207,8 @@ class Comparison:
         elif self.reached is not None:
             alike = "; the replay failed the same way" if self.failed_alike else ""
             line += f" (compared the {self.reached.steps} steps the {self.reached.status} original reached{alike})"
+        if self.verdict in REPRODUCED and self.metrics and all(m.evaluation for m in self.metrics):
+            line += f"; {_evaluation_only(self.metrics)}"
         if len(self.weights_unchanged_in) == 2:
             line += " - but the model's weights never changed: nothing was trained"
         elif self.weights_unchanged_in:
@@ -515,6 +528,39 @@ def _upto(series: dict[Any, Any], last: int) -> dict[Any, Any]:
     return out
 
 
+def evaluation_keys(*records: RunRecord) -> dict[str, str]:
+    """The metric keys the runs' evaluations logged (tags.EVALUATION_METRICS): key -> what its steps count."""
+    out: dict[str, str] = {}
+    for record in records:
+        try:
+            keys = json.loads(record.facts.get(tags.EVALUATION_METRICS) or "{}")
+        except ValueError:  # cut at MLflow's tag length: the keys are not known
+            continue
+        out.update({str(k): str(v) for k, v in keys.items() if str(k) not in out})
+    return out
+
+
+def _without(series: dict[str, Any], keys: Mapping[str, str]) -> dict[str, Any]:
+    return {k: v for k, v in series.items() if k not in keys}
+
+
+def _only(series: dict[str, Any], keys: Mapping[str, str]) -> dict[str, Any]:
+    return {k: v for k, v in series.items() if k in keys}
+
+
+def _as_far(series: dict[str, Any], other: dict[str, Any], keys: Mapping[str, str]) -> dict[str, Any]:
+    """Each of `keys` (indexes of their own) in `series` as far as `other` logged it: `other` is the run that stopped
+    early, so what it lacks is what came after, not a difference."""
+    out = {}
+    for key in keys:
+        if key in series and key in other:
+            s, v = series[key]
+            last = other[key][0][-1]
+            if s.size and s[0] <= last:
+                out[key] = (s[s <= last], v[s <= last])
+    return out
+
+
 def original_steps(original: RunRecord) -> int:
     """How many training steps the original took: its recorded count, else one past the last step it logged at."""
     if original.steps_total is not None:
@@ -555,14 +601,19 @@ def compare_runs(
     # A key with no logged values carries no evidence; treat it as absent.
     orig_metrics = {k: v for k, v in orig_metrics.items() if v[0].size}
     rep_metrics = {k: v for k, v in rep_metrics.items() if v[0].size}
+    evaluation = evaluation_keys(original, replay)
+    own = {k: counts for k, counts in evaluation.items() if counts != tags.EVAL_AT_STEP}
+    stepped = {k: v for k, v in orig_metrics.items() if k not in own}  # the original's values at training steps
     reached = None
     if incomplete_original:
-        last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=-1)
-        rep_metrics = _upto(rep_metrics, last)
-        steps = np.unique(np.concatenate([s for s, _ in orig_metrics.values()])) if orig_metrics else np.empty(0)
+        last = max((int(s[-1]) for s, _ in stepped.values()), default=-1)
+        rep_metrics = {**_upto(_without(rep_metrics, own), last), **_as_far(rep_metrics, orig_metrics, own)}
+        steps = np.unique(np.concatenate([s for s, _ in stepped.values()])) if stepped else np.empty(0)
         reached = Reached(original.status, len(steps))
     elif first_steps is not None:
-        orig_metrics, rep_metrics = _upto(orig_metrics, first_steps - 1), _upto(rep_metrics, first_steps - 1)
+        # An index of its own is no step: the replay's values of one are what it logged before step K.
+        orig_metrics = {**_upto(stepped, first_steps - 1), **_as_far(orig_metrics, rep_metrics, own)}
+        rep_metrics = {**_upto(_without(rep_metrics, own), first_steps - 1), **_only(rep_metrics, own)}
         reached = FirstSteps(original.status, first_steps, original_steps(original))
     clamped = (not original.metrics_exact, not replay.metrics_exact)
 
@@ -577,12 +628,15 @@ def compare_runs(
             st, div = _metric_only_in_one(name, *rep_metrics[name], False, rtol, atol)
         else:
             st, div = _compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol, clamped)
+        st.evaluation, st.counts = name in evaluation, own.get(name)
         stats.append(st)
         if div is not None:
+            div.counts = own.get(name)
             firsts.append(div)
 
-    # Smallest step wins, ties by metric name (stats are already in name order).
-    metric_div = min(firsts, key=lambda d: (d.step, d.metric or "")) if firsts else None
+    # Smallest step wins, ties by metric name (stats are already in name order); a value at an index of its own (an
+    # evaluation batch's) only where no training step differs: its index says nothing of when it was logged.
+    metric_div = min(firsts, key=lambda d: (d.counts is not None, d.step, d.metric or "")) if firsts else None
     fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)
 
     failure = replay_failed
@@ -605,7 +659,8 @@ def compare_runs(
         if metric_div is not None:
             detail += f"; first metric difference {metric_div.describe(labels)}"
             divergence = Divergence(KIND_REPLAY_FAILED, metric_div.step, metric_div.metric, metric_div.original,
-                                    metric_div.replay, metric_div.abs_diff, metric_div.rel_diff, detail)
+                                    metric_div.replay, metric_div.abs_diff, metric_div.rel_diff, detail,
+                                    metric_div.counts)
         else:
             divergence = Divergence(KIND_REPLAY_FAILED, None, detail=detail)
         verdict = DIVERGED
@@ -636,7 +691,7 @@ def compare_runs(
         exact = all(s.bitwise_equal for s in stats) and fps.all_equal
         verdict = BITWISE if exact else WITHIN_TOLERANCE
 
-    last_step = max((int(s[-1]) for s, _ in orig_metrics.values()), default=None) if incomplete_original else None
+    last_step = max((int(s[-1]) for s, _ in stepped.values()), default=None) if incomplete_original else None
     if first_steps is not None:  # a checkpoint of step K holds the weights after the K steps both ran
         checkpoints = diff_checkpoints(original, replay, labels, first_steps)
         data_order = diff_data_order(original, replay, labels, first_steps - 1)
@@ -775,6 +830,14 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     return cmp
 
 
+def _evaluation_only(metrics: list[MetricStats]) -> str:
+    """Said beside a pass whose every value came from an evaluation (Lightning's validation or test, a short run
+    whose log_every_n_steps was never reached): it holds nothing training logged."""
+    names = [m.name for m in metrics]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"none of its values is a training-step value (every metric compared was logged by an evaluation: {shown})"
+
+
 def _changes(n: int) -> str:
     return f"{n} environment change{'s' if n != 1 else ''}"
 
@@ -787,7 +850,7 @@ def _sort_key(x: float) -> float:
 def _shape(metrics: list[MetricStats]) -> str:
     counts = {m.steps_compared for m in metrics}
     noun = "metric" if len(metrics) == 1 else "metrics"
-    if len(counts) <= 1:
+    if len(counts) <= 1 and not any(m.counts for m in metrics):
         steps = counts.pop() if counts else 0
         return f"{len(metrics)} {noun} x {steps} steps"
     return f"{len(metrics)} {noun} ({sum(m.steps_compared for m in metrics)} values)"

@@ -99,6 +99,9 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # The record's own digest, and the warnings it carries: about the record, never what decided the result.
         tags.SEAL,
         tags.NOTICES,
+        # What the run's loop and its evaluations were: the code's, whose changes the commit and metrics show.
+        tags.LOOP,
+        tags.EVALUATION_METRICS,
         # How the tracking store behaved while the run wrote to it.
         tags.STORE_WRITE_FAILURES,
         tags.STORE_METRICS_SPOOLED,

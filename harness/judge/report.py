@@ -142,7 +142,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
             if m.first_divergence is None:
                 first = "-"
             else:
-                first = f"{m.first_divergence} ({m.first_divergence_kind})"
+                first = f"{m.counts + ' ' if m.counts else ''}{m.first_divergence} ({m.first_divergence_kind})"
             gaps = []
             if m.missing_steps and m.in_replay:
                 gaps.append(f"{m.missing_steps} missing in replay")
@@ -379,7 +379,7 @@ def plot_metrics(original: RunRecord, replay: RunRecord, cmp: Comparison, out_di
             else:
                 ax_diff.text(0.5, 0.5, "logged by one run only", ha="center", va="center", transform=ax_diff.transAxes)
             ax_diff.set_ylabel("replay - original", fontsize=8)
-            ax_diff.set_xlabel("step")
+            ax_diff.set_xlabel(m.counts if m is not None and m.counts else "step")
             ax_diff.grid(True, alpha=0.3)
 
             title = name
@@ -393,7 +393,7 @@ def plot_metrics(original: RunRecord, replay: RunRecord, cmp: Comparison, out_di
             if m is not None and m.first_divergence is not None:
                 step = m.first_divergence
                 is_first = overall is not None and overall.metric == name and overall.step == step
-                label = f"{'first divergence' if is_first else 'diverges'}: step {step}"
+                label = f"{'first divergence' if is_first else 'diverges'}: {m.counts or 'step'} {step}"
                 for axis in (ax, ax_diff):
                     axis.axvline(step, color="black", linestyle=":", linewidth=1.2)
                 lo, hi = ax.get_xlim()

@@ -67,14 +67,14 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
     else:
         out.append("Environment delta: none")
     for m in cmp.metrics:
-        first = "-" if m.first_divergence is None else str(m.first_divergence)
+        first = "-" if m.first_divergence is None else f"{m.counts} {m.first_divergence}" if m.counts else str(m.first_divergence)
         if m.steps_apart is not None:
             where = ", ".join(f"{the(label)} " + ("not at all" if steps == "none" else
                                                    f"at step{'' if steps.isdigit() else 's'} {steps}")
                               for label, steps in zip(cmp.labels, m.steps_apart, strict=True))
             out.append(f"  {m.name}: no common step: logged by {where}; first divergence {first}")
             continue
-        out.append(f"  {m.name}: {m.steps_compared} steps, max abs diff {m.max_abs_diff:.3g}, "
+        out.append(f"  {m.name}: {m.steps_compared} {m.unit}, max abs diff {m.max_abs_diff:.3g}, "
                    f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
                    + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else ""))
     if cmp.data_order is not None:

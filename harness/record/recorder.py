@@ -31,9 +31,11 @@ from harness.messages import (
     DataOrder,
     Determinism,
     DeterminismChanged,
+    Evaluation,
     Final,
     Fingerprint,
     Initial,
+    Loop,
     Message,
     Metrics,
     MetricsBatch,
@@ -191,8 +193,8 @@ class Recorder:
     def rank_env(self) -> dict[str, str]:
         """The environment rank 0 needs so that the user's own mlflow calls land in this run, never in a store
         of the code folder."""
-        experiment_id = self.tracker.get_run(self.run_id).experiment_id
-        return usermlflow.run_env(absolute_uri(self.tracker.client_uri), self.run_id, experiment_id)
+        run = self.tracker.get_run(self.run_id)
+        return usermlflow.run_env(absolute_uri(self.tracker.client_uri), self.run_id, run.experiment_id, run.experiment)
 
     # -- while the ranks run ------------------------------------------------------------------------------
     def feed(self, msg: Message) -> None:
@@ -214,6 +216,10 @@ class Recorder:
                 final["fingerprint"], final["steps_total"] = sha256, step
             case DataOrder(steps, digests):
                 final["data_order"].update(zip(steps, digests))
+            case Evaluation(keys):
+                final["evaluation"] = dict(keys)
+            case Loop(name):
+                final["loop"] = name
             case Notice(key, text):
                 self.notices.setdefault(key, text)
                 self.view(Line(f"Warning: {text}"))
@@ -468,6 +474,10 @@ def record_results(
         tags[T.FINGERPRINT_OF] = final["of"]
     if final.get("notices"):
         tags[T.NOTICES] = "\n".join(final["notices"].values())[:4900]
+    if final.get("loop"):
+        tags[T.LOOP] = final["loop"]
+    if final.get("evaluation"):
+        tags[T.EVALUATION_METRICS] = json.dumps(final["evaluation"], sort_keys=True)
     if final.get("user_seeds"):
         tags[T.USER_SEEDS] = userseed.describe(final["user_seeds"])
     tracker.set_tags(run_id, tags)

@@ -23,9 +23,11 @@ from harness.errors import ExperimentError
 from harness.messages import (
     Checkpoint,
     DataOrder,
+    Evaluation,
     Final,
     Fingerprint,
     Initial,
+    Loop,
     Message,
     Notice,
     SegmentEnd,
@@ -33,7 +35,7 @@ from harness.messages import (
     Total,
 )
 from harness.optrace import hooks, tracer as optrace
-from harness.runtime import checkpoint as ckpt, determinism
+from harness.runtime import boundaries, checkpoint as ckpt, determinism
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (
     EvalSampler,
@@ -46,6 +48,7 @@ from harness.runtime.invariant import (
 from harness.runtime.outbox import Outbox
 from harness.runtime.plan import CheckpointPlan
 from harness.runtime.steps import StepClock, optimizer_parameters
+from harness.tags import EVAL_AT_STEP
 
 
 class StopSegment(BaseException):
@@ -132,6 +135,10 @@ class _StepHook(hooks.ModuleHook):
             ctx.clock.begin()
 
 
+def _counted(index: str) -> str:
+    return "training steps" if index == EVAL_AT_STEP else f"{index} indexes"
+
+
 class Context:
     """Rank identity, the experiment's `train:` config, and the few calls that keep a run reproducible."""
 
@@ -186,7 +193,16 @@ class Context:
         # What drives the loop, so what a step boundary is: "loader" (the training ctx.loader's fetches),
         # "steps" (ctx.steps() iterations) or None (a loop of the user's own: only optimizer steps are seen).
         self._driver: str | None = None
+        # The framework whose loop runs the steps or feeds their batches (boundaries.LIGHTNING, .ACCELERATE), set by
+        # its integration: a step boundary missing there has another way out than a loop of the user's own.
+        self._framework: str | None = None
+        self._loop_sent = False
         self._logged: dict[str, set[int]] = {}  # rank 0: the steps each key was logged at (no silent overwrite)
+        # rank 0: what each key's steps count (EVAL_AT_STEP, or an evaluation's index of its own), and which keys
+        # training logged and which an evaluation did (the record names the evaluation's: harness.metrics.evaluation)
+        self._index_of: dict[str, str] = {}
+        self._by_training: set[str] = set()
+        self._by_evaluation: set[str] = set()
         self._saved: set[int] = set()  # steps checkpointed by this context
         self._noted: set[str] = set()  # notices already sent
         self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
@@ -500,16 +516,61 @@ class Context:
         if not self.is_main:
             return
         values = {str(k): metric_value(k, v) for k, v in metrics.items()}
-        step = int(step)
+        self._logged_by(values, EVAL_AT_STEP, evaluation=False)
+        self._log_at_step(values, int(step))
+
+    def _log_evaluation(self, metrics: Mapping[str, float | torch.Tensor], step: int, index: str | None = None) -> None:
+        """Rank 0's values logged by an evaluation (a framework's validation or test, not training): at training step
+        `step` as ctx.log logs, or, with `index` ("validation batch"), at position `step` of an index of their own -
+        the framework's count of evaluation batches, which is no training step. The record names these keys, so that
+        a verdict says what their steps are. For the framework integrations (harness.lightning)."""
+        if not self.is_main:
+            return
+        values = {str(k): metric_value(k, v) for k, v in metrics.items()}
+        self._logged_by(values, index or EVAL_AT_STEP, evaluation=True)
+        if index is None:
+            self._log_at_step(values, int(step))
+            return
+        self._beat_now()
+        self._once_per_step(values, int(step), f"{index} {int(step)}")
+        if self._outbox is not None:
+            self._outbox.add(int(step), values, int(time.time() * 1000))
+
+    def _logged_by(self, keys: Mapping[str, float], index: str, evaluation: bool) -> None:
+        """Note what logged `keys` and what their steps count; a key's series holds one kind of step."""
+        seen = self._by_evaluation if evaluation else self._by_training
+        # Every call after a key's first (a key training logged counts steps: it got past the check below).
+        if seen.issuperset(keys) and (not evaluation or all(self._index_of[key] == index for key in keys)):
+            return
+        before = self._evaluation_keys()
+        for key in keys:
+            known = self._index_of.setdefault(key, index)
+            if known != index:
+                raise ExperimentError(
+                    f"'{key}' was logged at {_counted(known)}, and now at {_counted(index)}: one series cannot hold "
+                    "both. Give one of them its own key."
+                )
+            (self._by_evaluation if evaluation else self._by_training).add(key)
+        after = self._evaluation_keys()
+        if after != before:
+            self._send(Evaluation(after))
+
+    def _evaluation_keys(self) -> dict[str, str]:
+        return {key: self._index_of[key] for key in sorted(self._by_evaluation - self._by_training)}
+
+    def _once_per_step(self, values: Mapping[str, float], step: int, where: str) -> None:
+        for key in values:
+            seen = self._logged.setdefault(key, set())
+            if step in seen:
+                raise ExperimentError(self._logged_twice(key, step, where))
+            seen.add(step)
+
+    def _log_at_step(self, values: Mapping[str, float], step: int) -> None:
         clock = self.clock
         if clock.pending and step == clock.index and any(step in self._logged.get(k, ()) for k in values):
             step = clock.begin()
         self._beat_now()  # the clock's step, not the one logged at (a counter of the user's may be anything)
-        for key in values:
-            seen = self._logged.setdefault(key, set())
-            if step in seen:
-                raise ExperimentError(self._logged_twice(key, step))
-            seen.add(step)
+        self._once_per_step(values, step, f"step {step}")
         self._last_step = step if self._last_step is None else max(self._last_step, step)
         target = self._fingerprinted()
         if target is not None and step >= self._next_fingerprint:
@@ -519,12 +580,13 @@ class Context:
         if self._outbox is not None:
             self._outbox.add(step, values, int(time.time() * 1000))
 
-    def _logged_twice(self, key: str, step: int) -> str:
-        """Why `key` came back at `step`: micro-batches of one step, or a loop whose updates no optimizer makes."""
-        said = f"ctx.log: '{key}' was already logged at step {step}; a second value would overwrite the first."
+    def _logged_twice(self, key: str, step: int, where: str) -> str:
+        """Why `key` came back at `step` (`where`: "step 3", or an evaluation's index): micro-batches of one step, or
+        a loop whose updates no optimizer makes."""
+        said = f"ctx.log: '{key}' was already logged at {where}; a second value would overwrite the first."
         micro = ("Log each key once per step (ctx.step counts optimizer steps: micro-batches share one), or give this "
                  "value its own key.")
-        if self.clock.optimizer_steps or self.clock.counted is not None or self._driver == "steps":
+        if where != f"step {step}" or self.clock.optimizer_steps or self.clock.counted is not None or self._driver == "steps":
             return f"{said} {micro}"
         by_hand = ("ctx.step counts the steps of a torch.optim optimizer (or the iterations of ctx.steps), and an "
                    "update written by hand (p.data.add_(p.grad, alpha=-lr)) is neither, so every value lands at step 0. "
@@ -668,6 +730,7 @@ class Context:
     def _on_begin(self, step: int, clean: bool) -> None:
         """Step `step`'s work has begun (`clean`: at a fetch or ctx.steps() iteration, nothing of it ran yet)."""
         self._send(determinism.observe(step, determinism.FIRST_STEP))  # determinism read-back: the first step
+        self._send_loop()
         self._end_trace(before=step)
         self._check_stop(step)
         if not clean:
@@ -686,6 +749,7 @@ class Context:
     def _before_step(self, step: int, position: ckpt.TrainingPosition) -> None:
         """A clean boundary: nothing of `step` has run yet (checkpoints are saved here, audits stop here)."""
         self._send(determinism.observe(step, determinism.FIRST_STEP))  # read back before a checkpoint takes it
+        self._send_loop()
         self._end_trace(before=step)
         self._maybe_checkpoint(position)
         self._check_stop(step)
@@ -702,17 +766,35 @@ class Context:
         plan = self._plan
         if plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step or step in self._saved:
             return
-        if self._driver is None:
-            what = (f"no checkpoint at step {step} or after: the loop is driven by neither a training ctx.loader nor "
-                    "ctx.steps()")
+        loop = self._loop()
+        if not boundaries.has_boundaries(loop):
+            cause, fix = boundaries.why(loop)
+            what = f"no checkpoint at step {step} or after: {cause}"
         else:
-            what = f"no checkpoint at step {step}: its first batch was drawn before the previous optimizer step (a prefetch)"
+            what, fix = f"no checkpoint at step {step}: {boundaries.PREFETCH[0]}", boundaries.PREFETCH[1]
         self._notice(
             "no-checkpoint",
             f"checkpoint_every={plan.every}: {what}, so harness has no step boundary to save at or resume from there. "
-            "Write the loop as `for it in ctx.steps(max_iters):` drawing each step's batches inside it, or iterate a "
-            "training ctx.loader inside ctx.epochs(n).",
+            f"{fix}",
         )
+
+    def _loop(self) -> str:
+        """What drives the steps (boundaries.LOADER, ...). Lightning's Trainer runs its loop whatever it iterates."""
+        if self._framework == boundaries.LIGHTNING:
+            return self._framework
+        if self._driver is not None:
+            return boundaries.LOADER if self._driver == "loader" else boundaries.STEPS
+        return self._framework or boundaries.OWN
+
+    def _send_loop(self) -> None:
+        if not self._loop_sent:
+            self._loop_sent = True
+            self._send(Loop(self._loop()))
+
+    def _loop_of(self, framework: str) -> None:
+        """The framework (boundaries.LIGHTNING, .ACCELERATE) runs the loop or feeds its batches. For the framework
+        integrations."""
+        self._framework = framework
 
     def _train_iter(self, loader: _Loader) -> Iterator[Any]:
         """Hand out the training batches of one epoch; checkpoint before fetching a step's first batch."""

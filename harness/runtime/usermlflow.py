@@ -4,8 +4,9 @@ Ranks run with the experiment folder as their cwd, so an `mlflow.log_metric` the
 default store in the code folder (a second store, a separate run, and a dirty next run). Instead:
 
 - rank 0 reaches the job's run: MLFLOW_TRACKING_URI is the job's store as an absolute URI, MLFLOW_RUN_ID
-  the run's id (MLflow's fluent API attaches to it), MLFLOW_EXPERIMENT_ID its experiment (a nested run of
-  the user's lands beside it);
+  the run's id (MLflow's fluent API attaches to it), MLFLOW_EXPERIMENT_ID and MLFLOW_EXPERIMENT_NAME its
+  experiment (a nested run of the user's lands beside it; a library that names an experiment of its own, such
+  as Accelerate's MLflow tracker, takes the variable's name first and makes no experiment of its own);
 - every other rank, and every rank of a re-execution that records no run (audit, trace), reaches a
   scratch store in the job's work folder, discarded with it: like ctx.log, their calls are ignored.
 
@@ -28,18 +29,20 @@ from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL
 TRACKING_URI = "MLFLOW_TRACKING_URI"
 RUN_ID = "MLFLOW_RUN_ID"
 EXPERIMENT_ID = "MLFLOW_EXPERIMENT_ID"
+EXPERIMENT_NAME = "MLFLOW_EXPERIMENT_NAME"
 # MLflow's default artifact root for a store it creates is "./mlruns", relative to the cwd (the code folder);
 # MLflow reads this variable first (as `harness ui` uses it too).
 _ARTIFACT_ROOT = "_MLFLOW_SERVER_ARTIFACT_ROOT"
+_JOB_VARIABLES = (TRACKING_URI, RUN_ID, EXPERIMENT_ID, EXPERIMENT_NAME)
 SCRATCH_DIR = "user-mlflow"  # beside the job's logs/ folder, removed with the job's work folder
 
 
-def run_env(tracking_uri: str, run_id: str, experiment_id: str) -> dict[str, str]:
+def run_env(tracking_uri: str, run_id: str, experiment_id: str, experiment_name: str) -> dict[str, str]:
     """What rank 0 gets so that the user's fluent MLflow calls land in the job's run (LaunchSpec.env).
 
     `tracking_uri` is already absolute (harness.store.reach.absolute_uri, the launcher's to call): a rank runs
     in the code folder, and this layer never reaches the store."""
-    return {TRACKING_URI: tracking_uri, RUN_ID: run_id, EXPERIMENT_ID: experiment_id}
+    return {TRACKING_URI: tracking_uri, RUN_ID: run_id, EXPERIMENT_ID: experiment_id, EXPERIMENT_NAME: experiment_name}
 
 
 def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: Mapping[str, str]) -> str | None:
@@ -51,12 +54,14 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
     """
     environ[SUPPRESS_URL] = "true"  # the user's own end_run in any rank (left set: restore() keeps it)
     if rank == 0 and job_env.get(RUN_ID) and job_env.get(TRACKING_URI):
-        environ.update({k: job_env[k] for k in (TRACKING_URI, RUN_ID, EXPERIMENT_ID) if k in job_env})
+        environ.update({k: job_env[k] for k in _JOB_VARIABLES if k in job_env})
+        if EXPERIMENT_NAME not in job_env:
+            environ.pop(EXPERIMENT_NAME, None)
         return job_env[RUN_ID]
     scratch = Path(log_dir).parent / SCRATCH_DIR / f"rank{rank}"
     environ[TRACKING_URI] = f"sqlite:///{scratch / 'mlflow.db'}"
     environ[_ARTIFACT_ROOT] = (scratch / "artifacts").as_uri()
-    for name in (RUN_ID, EXPERIMENT_ID):
+    for name in (RUN_ID, EXPERIMENT_ID, EXPERIMENT_NAME):
         environ.pop(name, None)
     scratch.mkdir(parents=True, exist_ok=True)  # the store itself is made only by a first call of the user's
     return None
@@ -65,7 +70,7 @@ def route(environ: MutableMapping[str, str], rank: int, log_dir: str, job_env: M
 def snapshot(environ: Mapping[str, str]) -> dict[str, str | None]:
     """The MLflow variables route() and run_env() change, to put back with restore(): under torchrun a rank's body
     runs in its launcher's process, whose own store must stay the job's."""
-    return {name: environ.get(name) for name in (TRACKING_URI, RUN_ID, EXPERIMENT_ID, _ARTIFACT_ROOT)}
+    return {name: environ.get(name) for name in (*_JOB_VARIABLES, _ARTIFACT_ROOT)}
 
 
 def restore(environ: MutableMapping[str, str], saved: Mapping[str, str | None]) -> None:

@@ -3,11 +3,13 @@ routing and the same refusals as the command line, and nothing on stderr unless 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
-from conftest import CPU, Project
+from conftest import CPU, ROOT, Project
 
 import harness
 from harness import events
@@ -114,3 +116,41 @@ def test_placement_splits_the_backends_options_into_recorded_overrides_and_job_c
     assert harness.Placement().backend_overrides() == [] and harness.Placement().job_options() == {}
     with pytest.raises(HarnessError, match="no backend takes the option"):
         harness.Placement(backend={"no_such_option": 1}).backend_overrides()
+
+
+def _docs_snippet() -> str:
+    """The first Python block of docs/python-api.md, as a reader would paste it into a script."""
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_docs_snippet_runs_as_a_script_and_without_its_guard_is_refused_before_anything_starts(
+    fresh_project: Project,
+) -> None:
+    """Ranks import the script that started them again: an unguarded call would run in each of them (raw tracebacks
+    of multiprocessing's bootstrapping, a FAILED run). It is refused in one line, before a rank or a record exists."""
+    p = fresh_project
+    snippet = _docs_snippet()
+    guard = 'if __name__ == "__main__":'
+    assert guard in snippet
+    head, body = snippet.split(guard, 1)
+    unguarded = head + textwrap.dedent(body.split("\n", 1)[1])
+    env = {**os.environ, "MLFLOW_TRACKING_URI": p.uri}
+    for name, source in (("pasted.py", unguarded), ("docs_snippet.py", snippet)):
+        (p.root / name).write_text(source)
+    refused = subprocess.run([sys.executable, "pasted.py"], cwd=p.root, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 1, refused.stderr
+    line = next(n for n, text in enumerate(unguarded.splitlines(), 1) if "harness.run(" in text)
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"harness.errors.HarnessError: pasted.py calls harness at its top level (line {line}), outside an "
+        '`if __name__ == "__main__":` block: every rank starts as a fresh Python process that imports the script '
+        'again and would run that call again. Put the script\'s calls under `if __name__ == "__main__":` '
+        "(docs/python-api.md shows it)."), refused.stderr
+    assert "bootstrapping" not in refused.stderr and "Error" not in refused.stderr.replace("HarnessError", ""), refused.stderr
+    assert p.all_runs() == []  # nothing recorded
+    # The snippet as the docs show it, pasted as it is: a run, and its replay's verdict.
+    ran = subprocess.run([sys.executable, "docs_snippet.py"], cwd=p.root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines()[-1] == BITWISE and ran.stdout.splitlines()[-2].endswith(" FINISHED"), ran.stdout

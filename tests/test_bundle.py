@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -45,8 +46,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     (samples / "part").mkdir(parents=True)
     (samples / "a.bin").write_bytes(bytes(range(256)) * 8)
     (samples / "part" / "b.csv").write_text("x,y\n1,2\n")
+    table = base / "lab data" / "table.csv"  # an entry that is one file, not a folder
+    table.write_text("id,label\n1,cat\n")
     yaml = project.root / "experiments" / "linear_ddp" / "experiment.yaml"
-    yaml.write_text(yaml.read_text() + f"data:\n  samples: '{samples}'\n")
+    yaml.write_text(yaml.read_text() + f"data:\n  samples: '{samples}'\n  table: '{table}'\n")
     run = project.harness("run", "experiments/linear_ddp", "train.epochs=1", "checkpoint_every=2")
     assert run.returncode == 0, run.stderr
     replay = project.harness("replay", run.last_line)
@@ -72,13 +75,24 @@ def clean(exported: Exported) -> Project:
     return Project(root, root / "store")
 
 
+@dataclass
+class Imported:
+    run_id: str
+    replay_command: list[str]  # the `harness replay ...` command the import printed, word for word
+
+
 @pytest.fixture(scope="module")
-def imported(exported: Exported, clean: Project) -> str:
+def imported_with(exported: Exported, clean: Project) -> Imported:
     result = clean.harness("import", str(exported.path))
     assert result.returncode == 0, result.stderr
     assert "Imported run" in result.stderr
-    assert "--data samples=" in result.stderr  # how to point a replay at the bundled data
-    return result.last_line
+    (line,) = [line for line in result.stderr.splitlines() if "harness replay" in line]
+    return Imported(result.last_line, shlex.split(line.split(": harness ", 1)[1]))
+
+
+@pytest.fixture(scope="module")
+def imported(imported_with: Imported) -> str:
+    return imported_with.run_id
 
 
 def _by_tag(project: Project, tag: str, value: str) -> list:
@@ -90,9 +104,13 @@ def _imported_data(exported: Exported, clean: Project) -> Path:
 
 
 def test_imported_run_replays_bitwise_from_the_bundled_commit(exported: Exported, clean: Project,
-                                                              imported: str) -> None:
+                                                              imported_with: Imported) -> None:
+    """The replay command the import printed, run as printed: a file entry is pointed at the file, not its folder."""
     assert not (clean.root / ".git").exists()
-    result = clean.harness("replay", imported, "--data", f"samples={_imported_data(exported, clean)}")
+    home = clean.root / "harness-data" / exported.run_id
+    assert imported_with.replay_command == ["replay", imported_with.run_id, "--data", f"samples={home / 'samples'}",
+                                            "--data", f"table={home / 'table' / 'table.csv'}"]
+    result = clean.harness(*imported_with.replay_command)
     assert result.returncode == 0, result.stderr + result.stdout
     assert result.stdout.strip().splitlines()[-2].startswith("verdict: BITWISE"), result.stdout
 
@@ -106,9 +124,16 @@ def test_declared_data_travels_and_a_changed_file_is_caught_before_the_replay(ex
     gone = clean.cli("replay", imported)
     assert gone.returncode == 2 and "data 'samples'" in gone.stderr and "does not exist" in gone.stderr, gone.stderr
     assert "--data" not in gone.stderr or len(gone.stderr.strip().splitlines()) == 1
+    # A file entry pointed at the folder holding it (what import printed before): the refusal names the file.
+    table = data.parent / "table"
+    folder = clean.cli("replay", imported, "--data", f"samples={data}", "--data", f"table={table}")
+    assert folder.returncode == 2, folder.stderr
+    assert folder.stderr.strip().splitlines()[-1] == (
+        f"Error: data 'table': the whole entry was a file, is now a folder since run {imported} was recorded. "
+        f"Point data 'table' at the file itself: {table / 'table.csv'}."), folder.stderr
     (data / "part" / "b.csv").write_text("x,y\n1,3\n")
     try:
-        changed = clean.cli("replay", imported, "--data", f"samples={data}")
+        changed = clean.cli("replay", imported, "--data", f"samples={data}", "--data", f"table={table / 'table.csv'}")
         assert changed.returncode == 2, changed.stderr
         assert changed.stderr.strip().splitlines()[-1].startswith("Error: data 'samples'") and "part/b.csv" in changed.stderr
     finally:

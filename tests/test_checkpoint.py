@@ -17,6 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from harness import events
+from harness.commands.resume import _hold_to_checkpoint, _provable_step
+from harness.executors.base import SegmentReport
+from harness.record.checkpoints import CheckpointStore
+from harness.records import RunRecord
 from harness.runtime import checkpoint as ck
 from harness.errors import HarnessError
 from harness.runtime.fingerprint import fingerprint
@@ -514,3 +519,53 @@ def test_cuda_generators_and_models_round_trip() -> None:
     other = Net().cuda()
     ck.restore(ckpt, model=other)
     assert fingerprint(other) == fingerprint(model)
+
+
+def _record(checkpoints: dict[int, str], tensors: dict[int, dict] | None) -> RunRecord:
+    return RunRecord(run_id="R", experiment="e", status="FAILED", facts={}, lock=[], metrics={}, fingerprints={},
+                     final_fingerprint=None, config={}, checkpoints=checkpoints, checkpoint_tensors=tensors)
+
+
+def _digests(sha: str) -> dict[str, Any]:
+    return {"sha256": sha, "tensors": {"0.weight": sha + "w", "0.bias": sha + "b"}, "ranks": [sha + "r"] * 2}
+
+
+def test_the_marker_holds_the_checkpoints_digests_and_a_resume_takes_them_where_the_record_lacks_them(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 killed between a step's marker and the message carrying its digests: the marker, written in one atomic
+    write with them, gives them to the resume; a marker without any (an older harness) is skipped, and said."""
+    store = CheckpointStore(None, "R", tmp_path, remote=False)  # type: ignore[arg-type]  # a local store: no tracker
+    for step, digests in ((5, _digests("a")), (10, _digests("b"))):
+        touch_ranks(tmp_path, step, range(2))
+        ck.mark_complete(tmp_path, step, world_size=2, digests=digests)
+    assert ck.saved_digests(tmp_path, 10) == _digests("b")
+    assert ck.complete_steps(tmp_path, 2) == [5, 10] and ck.complete_steps(tmp_path, 3) == []  # world size still read
+    record = _record({5: "a"}, {5: {"tensors": _digests("a")["tensors"], "ranks": _digests("a")["ranks"]}})
+    assert _provable_step(record, store, 10, 2) == 10
+    assert record.checkpoints == {5: "a", 10: "b"}
+    assert record.checkpoint_tensors[10] == {"tensors": _digests("b")["tensors"], "ranks": _digests("b")["ranks"]}
+
+    touch_ranks(tmp_path, 15, range(2))
+    ck.mark_complete(tmp_path, 15, world_size=2)  # no digests: as a harness before markers held them wrote it
+    assert ck.saved_digests(tmp_path, 15) is None
+    said: list[events.Event] = []
+    with events.listening(said.append):
+        assert _provable_step(record, store, 15, 2) == 10
+    assert any("The checkpoint of step 15 holds no digests" in e.line() for e in said), said
+    nothing = _record({}, None)  # no step recorded anywhere: resumed from the last, proven on its logged values
+    assert _provable_step(nothing, CheckpointStore(None, "R", tmp_path / "none", remote=False), 15, 2) == 15  # type: ignore[arg-type]
+
+
+def test_a_proof_that_misses_the_recorded_tensors_names_the_first_and_counts_them_all() -> None:
+    recorded = {"0.bias": "x", "0.weight": "y"}
+    record = _record({10: "sha"}, {10: {"tensors": recorded, "ranks": []}})
+    report = SegmentReport(end=(10, "other"), tensors={"0.bias": "x", "0.weight": "z", "1.weight": "q"})
+    with pytest.raises(HarnessError) as err:
+        _hold_to_checkpoint(report, record, 5, 10, "resume refused", "Fix it.")
+    assert "'0.weight' differs (and 1 more of 3 tensors)" in str(err.value), err.value
+    # A run from before per-tensor digests were recorded: held to its weights' fingerprint, never to "0 tensors".
+    old = _record({10: "sha"}, None)
+    with pytest.raises(HarnessError) as err:
+        _hold_to_checkpoint(report, old, 5, 10, "resume refused", "Fix it.")
+    assert "ended with weights other" in str(err.value) and "tensors" not in str(err.value).split("Fix")[0], err.value

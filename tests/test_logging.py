@@ -94,6 +94,23 @@ def test_outbox_sends_a_quiet_loops_points_without_another_log_call() -> None:
     pipe.finish()
 
 
+def test_outbox_flush_returns_once_everything_before_it_is_in_the_pipe() -> None:
+    """What a checkpoint relies on before it marks its step complete: a rank killed the next instant (the pipe's
+    writer gone, the sender thread with it) still leaves every earlier point and message for the launcher."""
+    pipe = _Reader()
+    outbox = Outbox(pipe.writer)
+    outbox.flush()  # nothing logged yet: returns at once
+    for i in range(3 * BATCH_POINTS // 2):
+        outbox.add(i, {"loss": float(i)}, i)
+    outbox.send(Fingerprint(7, "f" * 64))
+    outbox.add(9, {"loss": 0.5}, 9)
+    outbox.flush()
+    got = pipe.finish()  # the writer closed without outbox.close(): only what reached the pipe arrives
+    points = [p[:3] for m in got if isinstance(m, MetricsBatch) for p in m.points()]
+    assert len(points) == 3 * BATCH_POINTS // 2 + 1 and points[-1] == ("loss", 9, 0.5)
+    assert any(isinstance(m, Fingerprint) for m in got)
+
+
 LOGGING_CRASH = '''
 import numpy as np
 

@@ -77,14 +77,15 @@ def line_of(marker: str) -> str:
 
 
 def trace_step(user: tuple[ModuleType, Path], *, denormal_x: bool = False, seed_x: int = 0,
-               gen_seed: int | None = None, zero_bias: bool = False) -> Trace:
+               gen_seed: int | None = None, zero_bias: bool = False, lr: float = 0.1,
+               registered: bool = True) -> Trace:
     steps, code_dir = user
     torch.manual_seed(0)
     model = steps.Net()
     if zero_bias:
         with torch.no_grad():
             model.fc1.bias.zero_()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed_x))
     if denormal_x:  # denormal float32 values made from their bits: no arithmetic that FTZ could flush
         bits = torch.randint(1, 1 << 23, (5, 4), generator=torch.Generator().manual_seed(seed_x),
@@ -92,7 +93,8 @@ def trace_step(user: tuple[ModuleType, Path], *, denormal_x: bool = False, seed_
         x = bits.view(torch.float32)
     y = torch.randn(5, 2, generator=torch.Generator().manual_seed(1))
     gen = None if gen_seed is None else torch.Generator().manual_seed(gen_seed)
-    with OpTracer(str(code_dir), model, {"step": 3}) as tracer:
+    # registered=False: a model the script wrapped itself, never given to ctx.ddp or ctx.register.
+    with OpTracer(str(code_dir), model if registered else None, {"step": 3}) as tracer:
         steps.train_step(model, opt, x, y, gen)
     return tracer.result()
 
@@ -189,6 +191,37 @@ def test_different_data_going_in_is_not_blamed_on_an_op(user: tuple[ModuleType, 
     assert loc.a.op == "aten.addmm.default" and loc.a.module == "fc1"
     assert loc.likely_cause is None
     assert "input 1 differs: float32[5, 4]" in "\n".join(loc.detail)
+
+
+def test_an_op_of_a_model_never_registered_is_not_called_outside_the_model(user: tuple[ModuleType, Path]) -> None:
+    """No model given (a script that wraps its model itself): the module is unknown, and the way to name it is said."""
+    from harness.commands.trace import describe
+
+    loc = localize(trace_step(user, registered=False), trace_step(user, seed_x=7, registered=False))
+    assert loc.status == INPUTS_DIFFER_FROM_START and loc.a is not None and loc.a.module == ""
+    assert loc.model_unknown and loc.a.op == "aten.addmm.default" and loc.a.user_line == line_of("fc1")
+    assert loc.detail[0] == f"op {loc.index}: aten.addmm.default in a module harness does not know (forward) at {line_of('fc1')}"
+    assert loc.detail[-1] == tracer_module.UNREGISTERED_MODEL and "ctx.register(model)" in loc.detail[-1]
+    assert "outside the model" not in "\n".join(loc.detail)
+    assert "  op: aten.addmm.default  module: unknown (no model registered: ctx.register(model))  phase: forward" in describe(loc)
+
+
+def test_a_learning_rate_change_is_pinned_on_the_optimizer_op(user: tuple[ModuleType, Path],
+                                                               honest: tuple[Trace, Trace]) -> None:
+    """The step whose update ran with another lr: forward and backward match, the optimizer's update differs only in
+    its arguments, and the rule names the hyper-parameter and the config key that differs."""
+    hints = {"config": {"train.lr": ("0.1", "0.2")}}
+    loc = localize(honest[0], trace_step(user, lr=0.2), hints)
+    assert loc.status == INPUTS_DIFFER_FROM_START and loc.arguments_only and loc.a is not None and loc.b is not None
+    assert loc.a.phase == "optimizer" and loc.a.user_line == line_of("step")
+    assert "alpha=-0.1" in loc.a.params and "alpha=-0.2" in loc.b.params
+    assert "its tensor inputs are identical but its non-tensor arguments differ" in loc.detail[1]
+    assert loc.likely_cause == (f"the optimizer step ran with other hyper-parameters ({loc.a.params} vs {loc.b.params}): "
+                                "a learning rate, momentum or weight decay differs; the configs differ in train.lr "
+                                "(0.1 vs 0.2)")
+    # Tensors that differ as they come in (data, or weights an earlier step updated) are not pinned on the op.
+    data = localize(honest[0], trace_step(user, seed_x=7), hints)
+    assert data.status == INPUTS_DIFFER_FROM_START and not data.arguments_only and data.likely_cause is None
 
 
 def _record(i: int, op: str, out: str = "aa", inp: str = "bb") -> OpRecord:

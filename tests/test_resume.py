@@ -3,12 +3,30 @@ uninterrupted run bit for bit (real gloo ranks, real store, real checkpoint file
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import Project
+
+# A kill planted right after rank 0 wrote a checkpoint's COMPLETE marker, before its Checkpoint message left
+# for the launcher: the moment a kill used to leave a complete step whose digests no record held.
+KILL_AFTER_MARKER_HOOK = '''
+import harness.runtime.checkpoint as _checkpoint
+
+_mark_complete = _checkpoint.mark_complete
+
+
+def _mark_then_die(directory, step, *args, **kwargs):
+    _mark_complete(directory, step, *args, **kwargs)
+    if step == int(os.environ.get("KILL_AFTER_MARKER", "-1")):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_checkpoint.mark_complete = _mark_then_die
+'''
 
 KILL_HOOK = '''
             if ctx.rank == min(1, ctx.world_size - 1) and ctx.step == int(os.environ.get("KILL_AT", "-1")):
@@ -19,7 +37,7 @@ KILL_HOOK = '''
 def with_kill_hook(source: Path, after: str) -> str:
     text = source.read_text()
     assert after in text
-    return "import os\nimport signal\n" + text.replace(after, after + KILL_HOOK, 1)
+    return "import os\nimport signal\n" + KILL_AFTER_MARKER_HOOK + text.replace(after, after + KILL_HOOK, 1)
 
 
 def history(project: Project, run_id: str, key: str) -> list[tuple[int, str]]:
@@ -35,6 +53,21 @@ def killable(project: Project) -> tuple[str, str]:
     project.add_experiment("digits_kill", source="digits_cnn", train_py=with_kill_hook(
         EXPERIMENTS / "digits_cnn/train.py", '            ctx.log({"train_loss": loss}, ctx.step)\n'))
     return "experiments/linear_kill", "experiments/digits_kill"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(project: Project) -> Callable[..., str]:
+    """The run of `exp` with `overrides`, never killed: one per module, for every test that compares with it."""
+    runs: dict[tuple[str, ...], str] = {}
+
+    def run(exp: str, *overrides: str) -> str:
+        if (exp, *overrides) not in runs:
+            clean = project.harness("run", exp, *overrides)
+            assert clean.returncode == 0, clean.stderr
+            runs[(exp, *overrides)] = clean.last_line
+        return runs[(exp, *overrides)]
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -54,7 +87,7 @@ def killable(project: Project) -> tuple[str, str]:
     ids=["linear_ddp", "digits_cnn", "linear_ws1", "linear_ws4", "digits_ws4"],
 )
 def test_sigkilled_rank_then_resume_equals_uninterrupted(
-    project: Project, killable, which: int, overrides: list[str], kill_at: int, keys: list[str]
+    project: Project, killable, uninterrupted, which: int, overrides: list[str], kill_at: int, keys: list[str]
 ) -> None:
     exp = killable[which]
     crashed = project.harness("run", exp, *overrides, env={"KILL_AT": str(kill_at)})
@@ -65,17 +98,41 @@ def test_sigkilled_rank_then_resume_equals_uninterrupted(
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.last_line == run_id  # the same MLflow run continues
     assert "Proved: steps" in resumed.stderr  # it re-executed the segment before the checkpoint first
-    clean = project.harness("run", exp, *overrides)
-    assert clean.returncode == 0, clean.stderr
+    _assert_equal_runs(project, run_id, uninterrupted(exp, *overrides), keys)
+    every = int(overrides[0].split("=")[1])
+    assert project.client().get_run(run_id).data.tags["harness.resumed_from"] == str(kill_at // every * every)
+
+
+def _assert_equal_runs(project: Project, run_id: str, clean: str, keys: list[str]) -> None:
     client = project.client()
-    a, b = client.get_run(run_id), client.get_run(clean.last_line)
+    a, b = client.get_run(run_id), client.get_run(clean)
     assert a.info.status == "FINISHED"
     assert a.data.tags["harness.fingerprint"] == b.data.tags["harness.fingerprint"]
-    every = int(overrides[0].split("=")[1])
-    assert a.data.tags["harness.resumed_from"] == str(kill_at // every * every)
     for key in keys:
         # Same steps, same bits, and no step logged twice although steps after the checkpoint ran twice.
-        assert history(project, run_id, key) == history(project, clean.last_line, key)
+        assert history(project, run_id, key) == history(project, clean, key)
+
+
+def _recorded_checkpoints(project: Project, run_id: str) -> dict[str, str]:
+    import json
+
+    return json.loads(Path(project.client().download_artifacts(run_id, "fingerprints.json")).read_text())["checkpoints"]
+
+
+def test_rank_killed_right_after_the_checkpoint_marker_resumes_from_that_checkpoint(
+    project: Project, killable, uninterrupted
+) -> None:
+    """Rank 0 killed between a checkpoint's COMPLETE marker and the message carrying its digests: the marker holds
+    them, the run's close records them, and the resume proves itself against them and continues from that step."""
+    crashed = project.harness("run", killable[0], "checkpoint_every=5", env={"KILL_AFTER_MARKER": "10"})
+    assert crashed.returncode == 1 and "was killed by SIGKILL" in crashed.stderr, crashed.stderr
+    run_id = crashed.last_line
+    assert sorted(_recorded_checkpoints(project, run_id)) == ["0", "10", "5"]
+    resumed = project.harness("resume", run_id)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Proved: steps 5-10 from the checkpoint of step 5" in resumed.stderr, resumed.stderr
+    assert project.client().get_run(run_id).data.tags["harness.resumed_from"] == "10"
+    _assert_equal_runs(project, run_id, uninterrupted(killable[0], "checkpoint_every=5"), ["loss"])
 
 
 def test_checkpoints_load_with_weights_only(project: Project, killable) -> None:

@@ -25,7 +25,7 @@ def train(ctx):
     teacher = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     loader = ctx.loader(data, batch_size=cfg.batch_size)
     model = ctx.ddp(nn.Linear(8, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     ctx.track(optimizer)
     # Per-slot statistics gathered rank by rank, each rank's share of the rows after the other's: the order of
     # the contributions follows the world size. (1e8 + 1) - 1e8 = 0 but (1e8 - 1e8) + 1 = 1 in float32.
@@ -55,7 +55,7 @@ def train(ctx):
 YAML = "  unseeded: false\n  precision: ieee\n"
 # World-size-invariant mode, 2 shards of 4 samples a step: 6 steps, a checkpoint every 2.
 CONFIG = ["determinism.world_size_invariant=true", "determinism.shards=2", "train.batch_size=4", "train.samples=48",
-          "train.epochs=1", "checkpoint_every=2"]
+          "train.epochs=1", "checkpoint_every=2", "train.lr=0.05"]
 
 
 def line_of(tag: str) -> str:
@@ -198,3 +198,18 @@ def test_precision_change_is_localized(project: Project, honest: str) -> None:
     text = _localized(project, result)
     assert "CULPRIT" in text and "aten.mm" in text and line_of("precision") in text, text
     assert "flush_denormal False vs True" in text, text
+
+
+def test_a_learning_rate_change_is_pinned_on_the_optimizer_step_of_the_step_before(project: Project,
+                                                                                   honest: str) -> None:
+    """lr x2: the first step whose loss differs reads weights that already differ (its first op that reads them
+    is blamed on nothing); the step before is traced too, and there the optimizer's update is the op."""
+    result = project.harness("replay", honest, "--allow-changes", "train.lr=0.1", "--localize")
+    text = _localized(project, result)
+    head, first = text.splitlines()[:2]
+    step = int(head.split("Localization of step ", 1)[1].split(":", 1)[0])
+    assert first.strip().startswith(f"step {step + 1}'s inputs already differed at its first differing op"), text
+    assert "INPUTS_DIFFER_FROM_START" in text and "phase: optimizer" in text, text
+    (number,) = [n for n, line in enumerate(PLANTED.splitlines(), 1) if line.strip() == "optimizer.step()"]
+    assert f"train.py:{number}" in text, text
+    assert "the optimizer step ran with other hyper-parameters" in text and "train.lr (0.05 vs 0.1)" in text, text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -651,9 +652,10 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None) -> No
         click.echo(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.",
                    err=True)
     if result.data:
-        where = " ".join(f"--data {name}={path}" for name, path in sorted(result.data.items()))
-        click.echo(f"Its declared data is in {', '.join(result.data.values())}: harness replay {result.run_id} {where}",
-                   err=True)
+        # Quoted for a shell: the command is meant to be pasted, and data folders often hold spaces.
+        where = shlex.join(["replay", result.run_id, *(w for name, path in sorted(result.data.items())
+                                                       for w in ("--data", f"{name}={path}"))])
+        click.echo(f"Its declared data is in {', '.join(result.data.values())}: harness {where}", err=True)
     click.echo(result.run_id)
 
 

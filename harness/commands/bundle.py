@@ -457,10 +457,14 @@ def _import_run(tracker: Any, record: dict[str, Any], folder: Path, ids: dict[st
 def _place_data(unpacked: Path, dest: Path, created: list[Path]) -> dict[str, str]:
     """Copy the bundled data (data/<name>/...) to dest/<name>; an existing dest/<name> must hold the same bytes.
 
-    The folders it makes are appended to `created` (removed again if the import fails)."""
+    Returns name -> the path a replay's --data takes: the folder, or for an entry that was a single file
+    the file inside it (the folder would be refused as "was a file, is now a folder"). The folders it
+    makes are appended to `created` (removed again if the import fails)."""
     source = unpacked / DATA_DIR
     if not source.is_dir():
         return {}
+    text = unpacked / RUN_DIR / ARTIFACTS / T.ARTIFACT_DATA_MANIFEST
+    entries = (data.loads(text.read_text()).get("entries") or {}) if text.is_file() else {}
     placed: dict[str, str] = {}
     for entry in sorted(source.iterdir()):
         target = dest / entry.name
@@ -476,7 +480,10 @@ def _place_data(unpacked: Path, dest: Path, created: list[Path]) -> dict[str, st
             target.parent.mkdir(parents=True, exist_ok=True)
             created.append(target)
             shutil.copytree(entry, target)
-        placed[entry.name] = str(target)
+        recorded = entries.get(entry.name) or {}
+        files = [p for p in target.iterdir() if p.is_file()]
+        single = recorded.get("kind") == data.KIND_FILE and len(files) == 1
+        placed[entry.name] = str(files[0] if single else target)
     return placed
 
 

@@ -46,6 +46,7 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
             f"from the start, judged on the steps it reached: `harness replay {run_id} --allow-incomplete`. {fix}"
         )
     record = loaded.record
+    step = _provable_step(record, store, step, cfg.world_size)
     earlier = max((s for s in record.checkpoints if s < step), default=None)
     if earlier is not None and not store.fetch(earlier, cfg.world_size):
         earlier = None
@@ -62,6 +63,32 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
         job = recorded.job(tree, exp_dir, record=reopen, run_id=run_id, resume_step=step, data=data.paths)
         prove(record, job, Path(store.directory), earlier, step)
         return executors.run(job)
+
+
+def _provable_step(record: RunRecord, store: checkpoint_store.CheckpointStore, step: int, world_size: int) -> int:
+    """The step to resume from: `step` (the last complete on disk) when its digests are known, else the last one
+    whose digests are.
+
+    The digests of a step the record lacks (its launcher was killed before closing the run, or a harness before
+    markers held them closed it) are taken from its COMPLETE marker into `record`, as the run's close would have
+    recorded them. A step with none anywhere cannot be proven: the last recorded one before it is resumed
+    instead, and said."""
+    tensors = record.checkpoint_tensors if record.checkpoint_tensors is not None else {}
+    for saved, digests in store.saved(world_size).items():
+        if saved not in record.checkpoints:
+            record.checkpoints[saved] = digests["sha256"]
+            tensors[saved] = {"tensors": digests["tensors"], "ranks": digests["ranks"]}
+    record.checkpoint_tensors = tensors or record.checkpoint_tensors
+    if step in record.checkpoints or not record.checkpoints:
+        return step  # no digests for any step (a run from before they were recorded): proven on its logged values
+    recorded = max((s for s in record.checkpoints if s < step and store.fetch(s, world_size)), default=None)
+    if recorded is None:
+        return step
+    events.emit(events.Notice(
+        f"The checkpoint of step {step} holds no digests and run {record.run_id} recorded none for it (it was written "
+        f"by an older harness and never announced), so a resume from it cannot be proven: resuming from step "
+        f"{recorded}, the last checkpoint the run recorded."))
+    return recorded
 
 
 def prove(record: RunRecord, job: Job, directory: Path, earlier: int | None, step: int) -> None:
@@ -114,12 +141,15 @@ def _hold_to_checkpoint(report: Any, record: RunRecord, start: int, end: int, re
     recorded_tensors = (record.checkpoint_tensors or {}).get(end, {}).get("tensors") or {}
     if at != end:
         raise HarnessError(f"{refused} stopped at step {at}, not {end} (the run ended there). {how}")
-    differing = [name for name in recorded_tensors if report.tensors.get(name) != recorded_tensors[name]]
-    differing += sorted(name for name in report.tensors if name not in recorded_tensors)
-    if differing:
-        more = f" (and {len(differing) - 1} more of {len(recorded_tensors)} tensors)" if len(differing) > 1 else ""
-        raise HarnessError(f"{refused} did not land on the tensors it recorded at step {end}: '{differing[0]}' "
-                           f"differs{more}. {how}")
+    if recorded_tensors:  # a run from before per-tensor digests were recorded is held to its fingerprint below
+        differing = [name for name in recorded_tensors if report.tensors.get(name) != recorded_tensors[name]]
+        unrecorded = sorted(name for name in report.tensors if name not in recorded_tensors)
+        if differing or unrecorded:
+            first = f"'{differing[0]}' differs" if differing else f"'{unrecorded[0]}' is not among them"
+            count = len(differing) + len(unrecorded)
+            total = len(recorded_tensors.keys() | report.tensors.keys())
+            more = f" (and {count - 1} more of {total} tensors)" if count > 1 else ""
+            raise HarnessError(f"{refused} did not land on the tensors it recorded at step {end}: {first}{more}. {how}")
     if sha != record.checkpoints.get(end):
         raise HarnessError(f"{refused} ended with weights {str(sha)[:12]}, the run recorded "
                            f"{str(record.checkpoints.get(end))[:12]} at step {end}. {how}")

@@ -268,6 +268,7 @@ def run(
         # refuses before torchrun stops the others.
         check_config(torchrun, cfg.world_size)
     elif cfg.executor == "local" and not topology.multi_node:
+        procs.check_main_guarded()  # a script that would run again in every rank: said before "recording"
         # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
         # and the store, which take seconds.
         count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"

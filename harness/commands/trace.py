@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch loads only when a trace is made or read
     from harness.optrace.tracer import Localization, Trace
 
 IDENTICAL = "IDENTICAL"  # optrace.IDENTICAL, without importing torch to read a status
+INPUTS_DIFFER_FROM_START = "INPUTS_DIFFER_FROM_START"  # optrace's, likewise
 
 
 @dataclass
@@ -82,7 +83,9 @@ def describe(loc: Any, rank: int | None = None) -> list[str]:
     op = loc.b or loc.a
     out = [f"{loc.status}{on}" + (f" at op #{loc.index}" if loc.index is not None else "")]
     if op is not None:
-        out.append(f"  op: {op.op}  module: {op.module or '-'}  phase: {getattr(op, 'phase', '-')}")
+        module = op.module or ("unknown (no model registered: ctx.register(model))"
+                               if getattr(loc, "model_unknown", False) else "-")
+        out.append(f"  op: {op.op}  module: {module}  phase: {getattr(op, 'phase', '-')}")
         out.append(f"  outputs: {_sigs(op.outputs)}")
         out.append(f"  inputs: {_sigs(op.inputs)}")
         out.append(f"  line: {op.user_line or '-'}")
@@ -332,7 +335,7 @@ class Localized:
             return [f"{head}: {self.note}"]
         why = ("the original's step traced twice on this machine differs (same-machine nondeterminism)"
                if self.nondeterministic else "the original's step traced under the original's and the replay's config")
-        return [f"{head}: {why}", *self.diff.lines()]
+        return [f"{head}: {why}", *([f"  {self.note}"] if self.note else []), *self.diff.lines()]
 
     def markdown(self) -> str:
         out = ["", "## Where it diverged", "", *(f"    {line}" for line in self.lines()), ""]
@@ -364,7 +367,23 @@ def localize_replay(tracker: Tracker, original: str, replay_id: str, step: int, 
     ids.append(theirs[0].run_id)
     second = diff(tracker, ids[0], ids[2])
     second.purpose = "the original's step and the replay's"
-    return Localized(step, second, ids)
+    loc = second.localization
+    if loc.status != INPUTS_DIFFER_FROM_START or loc.arguments_only or step == 0:
+        return Localized(step, second, ids)
+    # The step's first differing op read tensors that already differed (weights an lr change updated the step
+    # before, say, read first by an embedding lookup): the step before holds the op that made them differ.
+    events.emit(events.Progress(f"Localizing step {step - 1}: step {step}'s inputs already differed; tracing the "
+                                "step before in both", 2, 2))
+    before = [trace(run, step=step - 1, tracker=tracker, repo=repo, parent=replay_id, purpose=purpose)[0].run_id
+              for run, purpose in ((original, "original (the step before)"), (replay_id, "replay (the step before)"))]
+    ids += before
+    earlier = diff(tracker, *before)
+    earlier.purpose = "the original's step before and the replay's"
+    if not earlier.differs:
+        return Localized(step, second, ids, note=f"step {step - 1} traced too: identical in both, so the difference "
+                                                 f"arose between the two steps")
+    return Localized(step - 1, earlier, ids, note=f"step {step}'s inputs already differed at its first differing op "
+                                                  f"({loc.a.op if loc.a else '-'}); the step before shows where")
 
 
 def localize_after_replay(tracker: Tracker, comparison: Any, a: RunRecord, b: RunRecord, repo: Path | None) -> Localized:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from harness import events, scratch, tags as T
 from harness.config import check_nodes
 from harness.errors import Interrupted, RunFailed
+from harness.executors import procs
 from harness.executors.base import (
     Backend,
     Event,
@@ -64,6 +65,7 @@ class LocalExecutor(Executor):
         check_topology(job.topology)
         check_nodes(job.topology.nnodes, job.cfg.world_size, "--nnodes")
         check_runnable(job.cfg, job.cfg.world_size // job.topology.nnodes)
+        procs.check_main_guarded()  # the ranks start in this process: before the run is recorded
         return local_image_tags(str(job.cfg.image))
 
     def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
@@ -73,6 +75,7 @@ class LocalExecutor(Executor):
 
     def check_segments(self, cfg: DictConfig) -> None:
         check_runnable(cfg)
+        procs.check_main_guarded()
 
     def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
         run_segments(job.cfg, job.exp_dir, plans, on_message, job.data)

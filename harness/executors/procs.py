@@ -21,6 +21,7 @@ torch's `mp.spawn` is an import plus a little bookkeeping; this module is the bo
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import multiprocessing
@@ -50,6 +51,53 @@ FORKSERVER = multiprocessing.get_context("forkserver")
 _ERROR_PREFIX = "harness-rank-error-"
 # What the rank server imports once, for every rank it forks (a module of its own: importing it is the preload).
 _PRELOAD = "harness.executors.warm"
+
+
+def check_main_guarded() -> None:
+    """Refuse (HarnessError, exit 2) to start ranks from a script that calls harness at its top level unguarded.
+
+    A spawned or forkserver rank is a fresh Python process: multiprocessing imports the launcher's main script
+    into it again (as __mp_main__), so a script whose harness call is not under `if __name__ == "__main__":`
+    makes every rank run that call again - the ranks die in multiprocessing's bootstrapping error and the run
+    is recorded FAILED with their tracebacks. Said here, in one line, before any rank starts or anything is
+    recorded. Only a call made while the main script's top level is running is looked at: a notebook, `-c`,
+    `python -m package` (never imported again) and any call under the guard pass.
+    """
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    path = getattr(main, "__file__", None)
+    if main is None or not path or spec_name.endswith(".__main__"):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return
+    line = frame.f_lineno
+    try:
+        tree = ast.parse(Path(frame.f_code.co_filename).read_text(), frame.f_code.co_filename)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return  # not a readable Python source (a frozen program): nothing to point at
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and node.body and \
+                node.body[0].lineno <= line <= (node.body[-1].end_lineno or node.body[-1].lineno):
+            return
+    shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+    raise HarnessError(
+        f"{shown} calls harness at its top level (line {line}), outside an `if __name__ == \"__main__\":` block: "
+        "every rank starts as a fresh Python process that imports the script again and would run that call again. "
+        "Put the script's calls under `if __name__ == \"__main__\":` (docs/python-api.md shows it)."
+    )
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    values = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(values) == 1
 
 
 class RankFailed(Exception):
@@ -345,6 +393,7 @@ def start(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, method: M
           after: Callable[[], None] | None = None) -> Processes:
     """`nprocs` processes running fn(i, *args), i = 0..nprocs-1, started in the background from now; `after` runs
     once every start is over (the launcher closes its copies of the descriptors the processes were given)."""
+    check_main_guarded()
     error_files: list[str] = []
     for _ in range(nprocs):
         fd, error_file = tempfile.mkstemp(prefix=_ERROR_PREFIX, suffix=".txt")

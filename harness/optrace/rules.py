@@ -170,10 +170,23 @@ def collective_peer(loc: Localization, a: Trace, b: Trace, hints: dict | None) -
             f"({a.meta.get('world_size')!r} vs {b.meta.get('world_size')!r})")
 
 
+def optimizer_arguments(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
+    """An optimizer op whose tensors are equal and whose arguments are not: a hyper-parameter differs (an lr x2)."""
+    if not (loc.status == "INPUTS_DIFFER_FROM_START" and loc.arguments_only and loc.a is not None and loc.b is not None
+            and loc.a.phase == "optimizer"):
+        return None
+    said = (f"the optimizer step ran with other hyper-parameters ({loc.a.params} vs {loc.b.params}): a learning "
+            "rate, momentum or weight decay differs")
+    config = (hints or {}).get("config") or {}
+    if config:
+        said += "; the configs differ in " + ", ".join(f"{k} ({v[0]} vs {v[1]})" for k, v in sorted(config.items()))
+    return said
+
+
 # Most specific first; every rule that applies contributes its sentence.
 RULES: tuple[Callable[[Localization, Trace, Trace, dict | None], str | None], ...] = (
-    generator_state, random_generator, accumulation_order, collective_peer, precision_setting, attention_backend,
-    determinism_setting, device_change, library_version,
+    generator_state, random_generator, accumulation_order, collective_peer, optimizer_arguments, precision_setting,
+    attention_backend, determinism_setting, device_change, library_version,
 )
 
 

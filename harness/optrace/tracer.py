@@ -13,6 +13,7 @@ Markdown and HTML pages in harness/optrace/report.py.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -21,6 +22,7 @@ import os
 import sys
 import weakref
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from types import FrameType
@@ -493,6 +495,7 @@ class OpTracer:
         """The model registered after tracing began (a step traced from the start of train): its modules from now on."""
         if self.model is None and self._modes is not None:
             self.model = model
+            self.meta["model"] = type(model).__name__
             self._hook_modules()
 
     def optimizer_event(self, phase: str, optimizer: Any) -> None:
@@ -529,6 +532,8 @@ class OpTracer:
         meta.update(_settings())
         meta.update(_device_facts(self.device))
         meta.update(_generator_states())  # at the start of the traced step (a trace begun earlier starts over)
+        # None: no model was given, so no op can be placed in a module (the diff says so, and how to register one).
+        meta["model"] = type(self.model).__name__ if self.model is not None else None
         meta.update(self.user_meta)
         return meta
 
@@ -746,6 +751,18 @@ class Localization:
     detail: list[str]  # human lines: shapes, dtypes, which tensors differ, ops matched before
     # True when the culprit's inputs are equal only as a multiset of contributions (see order_free)
     order_only: bool = False
+    # True when a trace was made with no model given (meta "model" None): an op's empty module means "not known",
+    # not "outside the model"
+    model_unknown: bool = False
+    # True at INPUTS_DIFFER_FROM_START when the op's tensor inputs are equal and only its non-tensor arguments
+    # differ (a hyper-parameter such as the learning rate): the difference is pinned on this op already
+    arguments_only: bool = False
+
+
+# Said when no model was given to the tracer: ops inside the model cannot be told from ops outside it.
+UNREGISTERED_MODEL = ("harness was given no model (neither ctx.ddp nor ctx.register), so the trace cannot name the "
+                      "module an op ran in: where the script wraps the model itself (its own DDP, FSDP, "
+                      "torch.compile), call ctx.register(model) with the module inside the wrapper")
 
 
 def describe_sig(s: TensorSig | None) -> str:
@@ -756,9 +773,15 @@ def describe_sig(s: TensorSig | None) -> str:
     return f"{s.dtype}{shape} {digest}"
 
 
-def _where(r: OpRecord) -> str:
-    where = f"in {r.module}" if r.module else "outside the model"
+def _where(r: OpRecord, model_unknown: bool = False) -> str:
+    where = f"in {r.module}" if r.module else ("in a module harness does not know" if model_unknown
+                                               else "outside the model")
     return f"{r.op} {where} ({r.phase}) at {r.user_line or 'no line in the user code'}"
+
+
+def model_unknown(a: Trace, b: Trace) -> bool:
+    """A trace made with no model given (a trace from before this was recorded says nothing)."""
+    return any("model" in t.meta and t.meta["model"] is None for t in (a, b))
 
 
 def _differing(xs: list[TensorSig | None], ys: list[TensorSig | None], what: str) -> list[str]:
@@ -774,8 +797,17 @@ def _differing(xs: list[TensorSig | None], ys: list[TensorSig | None], what: str
 def localize(a: Trace, b: Trace, hints: dict | None = None) -> Localization:
     """Walk both op sequences in step; the first op with any difference decides:
     equal inputs, different outputs -> CULPRIT; different inputs -> INPUTS_DIFFER_FROM_START (the
-    values came from outside the traced step: data, parameters, state); different op names or
-    lengths -> NOT_ALIGNED; no difference -> IDENTICAL."""
+    values came from outside the traced step: data, parameters, state, or a non-tensor argument such as
+    a learning rate); different op names or lengths -> NOT_ALIGNED; no difference -> IDENTICAL."""
+    unknown = model_unknown(a, b)
+    loc = _localize(a, b, hints, functools.partial(_where, model_unknown=unknown))
+    if unknown and loc.status != IDENTICAL:
+        loc.model_unknown = True
+        loc.detail.append(UNREGISTERED_MODEL)
+    return loc
+
+
+def _localize(a: Trace, b: Trace, hints: dict | None, _where: Callable[[OpRecord], str]) -> Localization:
     n = min(len(a.ops), len(b.ops))
     for i in range(n):
         x, y = a.ops[i], b.ops[i]
@@ -804,14 +836,17 @@ def localize(a: Trace, b: Trace, hints: dict | None = None) -> Localization:
             loc = Localization(CULPRIT, i, x, y, None, detail, order_only)
             loc.likely_cause = likely_cause(loc, a, b, hints)
             return loc
-        detail = [f"op {i}: {_where(x)}", "its inputs already differ, and no earlier op in the "
-                  "step produced them differently: they came from outside the traced step "
-                  "(data, parameters or state from before it)"]
+        arguments_only = x.inputs == y.inputs
+        detail = [f"op {i}: {_where(x)}",
+                  "its tensor inputs are identical but its non-tensor arguments differ: they came from outside "
+                  "the traced step (a setting or hyper-parameter)" if arguments_only else
+                  "its inputs already differ, and no earlier op in the step produced them differently: they "
+                  "came from outside the traced step (data, parameters or state from before it)"]
         detail += _differing(x.inputs, y.inputs, "input")
         if x.params != y.params:
             detail.append(f"non-tensor arguments differ: ({x.params}) vs ({y.params})")
         detail.append(matched)
-        loc = Localization(INPUTS_DIFFER_FROM_START, i, x, y, None, detail)
+        loc = Localization(INPUTS_DIFFER_FROM_START, i, x, y, None, detail, arguments_only=arguments_only)
         loc.likely_cause = likely_cause(loc, a, b, hints)
         return loc
     if len(a.ops) != len(b.ops):

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness import tags as T
 from harness.errors import HarnessError
@@ -101,6 +101,18 @@ class CheckpointStore:
             if self._remote_complete(path, world_size) and self.fetch(step, world_size):  # marker: its world size
                 return step
         return None
+
+    def saved(self, world_size: int) -> dict[int, dict[str, Any]]:
+        """step -> the digests ({"sha256", "tensors", "ranks"}) held by the COMPLETE marker of every step complete
+        in `directory`: what a Checkpoint message said, or would have said had rank 0 lived to send it. A step
+        whose digests the record lacks takes these (the run's close, a resume); one whose marker holds none
+        (written by an older harness) is left out."""
+        out = {}
+        for step in checkpoint.complete_steps(self.directory, world_size):
+            digests = checkpoint.saved_digests(self.directory, step)
+            if digests is not None:
+                out[step] = digests
+        return out
 
     # -- writing (the launcher of a run) ------------------------------------------------------------
     def start_uploads(self, outages: Outages) -> None:

@@ -377,6 +377,7 @@ class DataChange:
     kind: str  # changed | missing | added | renamed | undeclared | declared | kind
     path: str  # the file (relative to the entry), or "" for the whole entry
     detail: str
+    fix: str = ""  # a way out more precise than "restore the data as recorded", when one is known
 
     def line(self) -> str:
         where = f"'{self.path}'" if self.path else "the whole entry"
@@ -399,7 +400,10 @@ def diff(recorded: Mapping[str, Any] | None, current: Mapping[str, Any] | None) 
         if ea["sha256"] == eb["sha256"] and ea["kind"] == eb["kind"]:
             continue
         if ea["kind"] != eb["kind"]:
-            out.append(DataChange(name, "kind", "", f"was a {ea['kind']}, is now a {eb['kind']}"))
+            # A folder holding the recorded file (the folder an import put it in): the way out is that file.
+            inside = [f["path"] for f in eb["files"] if f["sha256"] == ea["sha256"]] if ea["kind"] == KIND_FILE else []
+            fix = f"Point data '{name}' at the file itself: {os.path.join(eb['path'], inside[0])}" if inside else ""
+            out.append(DataChange(name, "kind", "", f"was a {ea['kind']}, is now a {eb['kind']}", fix))
             continue
         fa = {f["path"]: f for f in ea["files"]}
         fb = {f["path"]: f for f in eb["files"]}
@@ -483,9 +487,8 @@ def verify(
         more = f" (and {len(changes) - 1} more difference{'s' if len(changes) > 2 else ''})" if len(changes) > 1 else ""
         way = (f", or pass {flag} to go on with the data as it is now (the verdict cannot be BITWISE)" if flag
                else "; the run must go on reading the bytes it read")
-        raise HarnessError(
-            f"{changes[0].line()} since run {run_id} was recorded{more}. Restore the data as recorded{way}."
-        )
+        fix = changes[0].fix or f"Restore the data as recorded{way}"
+        raise HarnessError(f"{changes[0].line()} since run {run_id} was recorded{more}. {fix}.")
     return DataCheck(manifest, changes, {e.name: str(e.path) for e in entries}, stats)
 
 

@@ -333,6 +333,7 @@ class Recorder:
                     finally:
                         saved.result()
             if ckpts is not None:
+                self._record_unannounced_checkpoints()
                 ckpts.close()
             if collect is not None:
                 collect()
@@ -349,6 +350,13 @@ class Recorder:
         except Exception as err:  # the record is incomplete: whatever ran, the run cannot be FINISHED
             failed_write = err
         self._close_run(patient, status, message, failed_write)
+
+    def _record_unannounced_checkpoints(self) -> None:
+        """Steps complete on disk whose Checkpoint message never came (rank 0 was killed after writing the marker,
+        before the message left): recorded from their markers, as the message would have been, and uploaded."""
+        for step, digests in sorted(self.ckpts.saved(int(self.cfg.world_size)).items()):
+            if step not in self.final["checkpoints"]:
+                self.feed(Checkpoint(step, digests["sha256"], digests["tensors"], tuple(digests["ranks"])))
 
     def _close_run(self, patient: Patient, status: str, message: str, failed_write: Exception | None) -> None:
         """End the run in the store as `status` when every closing write went through. When one failed the record

@@ -6,6 +6,7 @@ import collections
 import errno
 import functools
 import hashlib
+import json
 import os
 import pickle
 import random
@@ -521,18 +522,43 @@ def step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def mark_complete(directory: Path, step: int, world_size: int | None = None) -> None:
-    """Rank 0, after a barrier that every rank reached with its file saved: the step is usable."""
+def mark_complete(directory: Path, step: int, world_size: int | None = None,
+                  digests: Mapping[str, Any] | None = None) -> None:
+    """Rank 0, after a barrier that every rank reached with its file saved: the step is usable.
+
+    `digests` ({"sha256", "tensors", "ranks"}: what the Checkpoint message tells the launcher) go into the marker,
+    in the same atomic write: the message reaches the record later, through a thread, a pipe and the launcher,
+    and a rank killed in between left a complete step whose digests no record held (a resume then held its
+    proof to no tensors at all). With them in the marker, a marker on disk always comes with its digests."""
     content = f"step={step}\n" + (f"world_size={world_size}\n" if world_size is not None else "")
+    if digests is not None:
+        content += f"{_DIGESTS_KEY}={json.dumps(dict(digests), sort_keys=True, separators=(',', ':'))}\n"
     _write_atomic(step_dir(directory, step) / COMPLETE_MARKER, lambda fh: fh.write(content.encode()))
 
 
+_DIGESTS_KEY = "digests"
+
+
+def _marker_fields(marker: Path) -> dict[str, str]:
+    return {key: value for key, _, value in (line.partition("=") for line in marker.read_text().splitlines())}
+
+
 def _marker_world_size(marker: Path) -> int | None:
-    for line in marker.read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key == "world_size" and value.strip().isdigit():
-            return int(value)
-    return None
+    value = _marker_fields(marker).get("world_size", "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def saved_digests(directory: Path, step: int) -> dict[str, Any] | None:
+    """The digests the COMPLETE marker of `step` holds ({"sha256", "tensors", "ranks"}); None when it holds none
+    (no marker, or one written before markers held them)."""
+    marker = step_dir(directory, step) / COMPLETE_MARKER
+    try:
+        doc = json.loads(_marker_fields(marker)[_DIGESTS_KEY])
+    except (OSError, KeyError, ValueError):
+        return None
+    ok = (isinstance(doc, dict) and isinstance(doc.get("sha256"), str) and isinstance(doc.get("tensors"), dict)
+          and isinstance(doc.get("ranks"), list))
+    return doc if ok else None
 
 
 def complete_steps(directory: Path, world_size: int) -> list[int]:

@@ -881,7 +881,13 @@ class Context:
         ranks = self._gather(ckpt.replica_sha256(tensors, model))
         self._saved.add(step)
         if self.is_main:
-            ckpt.mark_complete(directory, step, self.world_size)
+            if self._outbox is not None:
+                # What was logged before the step is in the pipe before the step is complete: a kill from here on
+                # costs the record nothing that the resume from this step will not log again.
+                self._outbox.flush()
+            # The marker carries the digests the message announces: a kill between the two leaves them on disk.
+            ckpt.mark_complete(directory, step, self.world_size,
+                               {"sha256": state["fingerprint"], "tensors": tensors, "ranks": ranks})
             self._send(Checkpoint(step, state["fingerprint"], tensors, tuple(ranks)))
         self._send(determinism.observe(step, determinism.CHECKPOINT))  # determinism read-back: checkpoint saved
 

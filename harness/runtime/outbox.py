@@ -75,6 +75,18 @@ class Outbox:
                 self._put(self._take())
             self._put(message)
 
+    def flush(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
+        """Wait (at most `timeout_s`) until everything logged or sent so far is in the pipe: what is in the pipe
+        reaches the launcher even if this process dies the next instant."""
+        done = threading.Event()
+        with self._lock:
+            if self._closed or self._thread is None and not self._steps:
+                return  # closed: sends go straight to the pipe; no thread yet: nothing was ever queued
+            if self._steps:
+                self._put(self._take())
+            self._put(done)
+        done.wait(timeout_s)
+
     def close(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
         """Send what is buffered, wait (at most `timeout_s`) for the queue to reach the pipe, stop the thread."""
         with self._lock:
@@ -126,6 +138,9 @@ class Outbox:
                 continue
             if item is _STOP:
                 return
+            if isinstance(item, threading.Event):  # a flush: everything queued before it is in the pipe
+                item.set()
+                continue
             if self.error is not None:
                 continue  # keep draining so the loop never blocks on a full queue
             if isinstance(item, tuple):

@@ -446,13 +446,6 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.dist = "loadgroup"
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker more than the cores. A worker spends much of a test waiting on what it started (ranks
-    meeting, a server answering, a daemon loading an image, a planted stall's deadline), and a third worker on two
-    cores fills those waits (docs/development.md has the clean-clone runs that measured it)."""
-    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) + 1
-
-
 def pytest_configure_node(node) -> None:  # type: ignore[no-untyped-def]  (pytest-xdist's hook, in the controller)
     node.workerinput["harness_dist"] = node.config.getvalue("dist")
 

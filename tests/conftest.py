@@ -468,6 +468,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
+        # The adversarial suite (`-m adversarial`) is a module family, across tiers: one place the next round adds to.
+        if Path(str(item.fspath)).name.startswith("test_adversarial_"):
+            item.add_marker(pytest.mark.adversarial)
     groups = _resource_groups(items, _started_outside())
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups.get(item.nodeid) or item.nodeid.split("::", 1)[0]))

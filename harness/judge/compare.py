@@ -22,7 +22,7 @@ from harness.judge.delta import ConfigChange, FactDelta, config_delta, environme
 from harness.judge.noise import NoiseJudgement
 from harness.judge.rounding import Envelope, RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
-from harness.records import RunRecord
+from harness.records import RunRecord, own_metric
 
 BITWISE = "BITWISE"
 # Not bit-identical, but inside the rounding envelope a calibration measured (rounding.py): the same training,
@@ -565,6 +565,11 @@ def compare_runs(
     firsts: list[Divergence] = []
     div: Divergence | None
     for name in sorted(orig_metrics.keys() | rep_metrics.keys()):
+        if own_metric(name) and (name in orig_metrics) != (name in rep_metrics):
+            # harness's own metric (the learning rate) in one run only: the other was recorded before harness logged
+            # it, or stepped no optimizer (which its other values and weights show).
+            notes.append(f"{name} recorded by {the(labels[0] if name in orig_metrics else labels[1])} only: not compared")
+            continue
         rtol, atol = _tolerance_for(tol, name)
         if name not in rep_metrics:
             st, div = _metric_only_in_one(name, *orig_metrics[name], True, rtol, atol)
@@ -780,9 +785,16 @@ def _sort_key(x: float) -> float:
 
 
 def _shape(metrics: list[MetricStats]) -> str:
-    counts = {m.steps_compared for m in metrics}
-    noun = "metric" if len(metrics) == 1 else "metrics"
+    """"2 metrics x 25 steps + harness.lr": the training code's metrics, harness's own (the learning rate) named."""
+    mine = [m for m in metrics if not own_metric(m.name)]
+    own = ", ".join(m.name for m in metrics if own_metric(m.name))
+    if not mine and own:
+        return own
+    counts = {m.steps_compared for m in mine}
+    noun = "metric" if len(mine) == 1 else "metrics"
     if len(counts) <= 1:
         steps = counts.pop() if counts else 0
-        return f"{len(metrics)} {noun} x {steps} steps"
-    return f"{len(metrics)} {noun} ({sum(m.steps_compared for m in metrics)} values)"
+        shape = f"{len(mine)} {noun} x {steps} steps"
+    else:
+        shape = f"{len(mine)} {noun} ({sum(m.steps_compared for m in mine)} values)"
+    return f"{shape} + {own}" if own else shape

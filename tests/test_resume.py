@@ -73,9 +73,17 @@ def test_sigkilled_rank_then_resume_equals_uninterrupted(
     assert a.data.tags["harness.fingerprint"] == b.data.tags["harness.fingerprint"]
     every = int(overrides[0].split("=")[1])
     assert a.data.tags["harness.resumed_from"] == str(kill_at // every * every)
-    for key in keys:
+    for key in keys + ["harness.lr"]:
         # Same steps, same bits, and no step logged twice although steps after the checkpoint ran twice.
         assert history(project, run_id, key) == history(project, clean.last_line, key)
+    # Every step's samples, those before the kill too (the killed ranks sent none: they came in the checkpoint).
+    from harness.store.tracking import Tracker
+
+    tracker = Tracker(project.uri)
+    resumed_order, clean_order = (tracker.load_record(r).data_order for r in (run_id, clean.last_line))
+    assert resumed_order == clean_order and sorted(resumed_order) == list(range(int(b.data.tags["harness.data_order.steps"])))
+    assert a.data.tags["harness.data_order.steps"] == b.data.tags["harness.data_order.steps"]
+    assert a.data.tags["harness.optimizer"] == b.data.tags["harness.optimizer"] == "torch.optim.sgd.SGD"
 
 
 def test_checkpoints_load_with_weights_only(project: Project, killable) -> None:

@@ -228,7 +228,9 @@ class Comparison:
             return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
                     "log metrics with ctx.log and register the model with ctx.ddp")
         if self.verdict == WITHIN_ROUNDING and self.rounding is not None:
-            shape = _shape(self.metrics)
+            # The training code's metrics: harness's learning rate is the recorded one, bit for bit, or this is no
+            # rounding.
+            shape = _shape([m for m in self.metrics if not own_metric(m.name)] or self.metrics)
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
             return (f"{WITHIN_ROUNDING}: {shape} not bit-identical, {self.rounding.headline()}; {why}; "

@@ -653,7 +653,12 @@ def test_the_learning_rate_is_judged_but_a_record_made_before_harness_logged_it_
     same = compare_runs(a, b)
     assert same.summary() == "BITWISE: 2 metrics x 20 steps + harness.lr bit-identical, 3 fingerprints equal"
     b.metrics[tags.METRIC_LR] = (steps.copy(), np.full(20, 0.02))
-    assert compare_runs(a, b).summary().startswith("DIVERGED at step 0: harness.lr 0.01 vs 0.02")
+    a.facts[tags.OPTIMIZER_SETTINGS], b.facts[tags.OPTIMIZER_SETTINGS] = "lr=0.01, momentum=0", "lr=0.02, momentum=0"
+    changed = compare_runs(a, b)
+    assert changed.summary().startswith("DIVERGED at step 0: harness.lr 0.01 vs 0.02")
+    assert [(d.name, d.breaks_bitwise, d.note) for d in changed.delta] == [
+        (tags.OPTIMIZER_SETTINGS, False, "optimizer settings differ")]  # it follows the config: no environment change
+    del a.facts[tags.OPTIMIZER_SETTINGS]
     old = clone(a)
     del old.metrics[tags.METRIC_LR]
     judged = compare_runs(old, clone(a))

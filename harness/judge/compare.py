@@ -512,6 +512,11 @@ def _upto(series: dict[Any, Any], last: int) -> dict[Any, Any]:
     return out
 
 
+def user_mlflow_metrics(*records: RunRecord) -> set[str]:
+    """The keys the training code logged through MLflow itself, in any of `records`."""
+    return {k for rec in records for k in rec.facts.get(tags.USER_MLFLOW_METRICS, "").split(",") if k}
+
+
 def original_steps(original: RunRecord) -> int:
     """How many training steps the original took: its recorded count, else one past the last step it logged at."""
     if original.steps_total is not None:
@@ -553,6 +558,15 @@ def compare_runs(
     orig_metrics = {k: v for k, v in orig_metrics.items() if v[0].size}
     rep_metrics = {k: v for k, v in rep_metrics.items() if v[0].size}
     reached = None
+    if incomplete_original or first_steps is not None:
+        # The script's own MLflow metrics are at its own steps (an epoch, MLflow's default 0), not training steps: a
+        # cut by training step cannot tell which of them the original had logged by then.
+        direct = sorted(user_mlflow_metrics(original, replay) & (orig_metrics.keys() | rep_metrics.keys()))
+        if direct:
+            notes.append(f"{', '.join(direct)} (logged through MLflow at the script's own steps) not compared: only a "
+                         "whole run's are")
+            orig_metrics = {k: v for k, v in orig_metrics.items() if k not in direct}
+            rep_metrics = {k: v for k, v in rep_metrics.items() if k not in direct}
     if incomplete_original:
         last = max((int(s[-1]) for s, _ in orig_metrics.values()), default=-1)
         rep_metrics = _upto(rep_metrics, last)
@@ -770,7 +784,12 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     # early (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
     # replay --steps K: every run's curve (the members' too) before step K only, the last point step K-1's value.
     before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
-    cmp.noise = noise.judge_curves(study_id, replay.metrics, original.metrics, [m.metrics for m in members],
+    skip = user_mlflow_metrics(original, replay) if before is not None else set()  # not at training steps (above)
+
+    def curves(rec: RunRecord) -> dict[str, Any]:
+        return {k: v for k, v in rec.metrics.items() if k not in skip}
+
+    cmp.noise = noise.judge_curves(study_id, curves(replay), curves(original), [curves(m) for m in members],
                                    before=before)
     if cmp.noise.within:
         cmp.verdict = INCONCLUSIVE if cmp.noise.vacuous else WITHIN_NOISE

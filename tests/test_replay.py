@@ -47,7 +47,7 @@ def test_replay_of_clean_run_is_bitwise(project: Project, original: str, clean_r
     assert recorded["harness.optimizer.settings"].startswith("lr=0.01, momentum=0, dampening=0, weight_decay=0, ")
     assert (recorded["harness.lr_scheduler"], recorded["harness.amp.autocast"], recorded["harness.amp.grad_scaler"]) == (
         "none", "none", "none")
-    assert steps_values(client, original, "harness.lr") == {step: 0.01 for step in range(25)}
+    assert steps_values(client, original, "harness.lr") == dict.fromkeys(range(25), 0.01)
     run = client.get_run(replay_id)
     tags = run.data.tags
     assert run.info.status == "FINISHED"

@@ -277,7 +277,7 @@ def build(
 
 def pack_digests(digests: Mapping[int, str]) -> dict[str, Any]:
     """Per-step digests of 16 hex digits (the data order) as a checkpoint holds them: the steps, and the digests'
-    bytes end to end, 8 a step (a million steps: 8 MB of digests, where a dict of strings pickles to 40)."""
+    bytes end to end, 8 a step (a million steps: 17 MB in the file, where a dict of strings took 31)."""
     steps = sorted(digests)
     return {"steps": steps, "digests": b"".join(bytes.fromhex(digests[s]) for s in steps)}
 

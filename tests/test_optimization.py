@@ -173,7 +173,12 @@ def test_the_recorder_writes_the_set_up_as_tags_and_an_artifact(tmp_path: Path, 
         "BITWISE: 2 metrics (7 values) + harness.amp.scale, harness.lr, harness.lr.group1 bit-identical")
     replay.metrics["eval_loss"] = (np.array([5]), np.array([0.5]))
     judged = compare_runs(record, replay)
-    assert judged.verdict == DIVERGED and judged.summary().startswith("DIVERGED at step 5: eval_loss 0.75 vs 0.5")
+    # Its step is the script's own (an epoch, say), not a training step: the verdict says so.
+    assert judged.verdict == DIVERGED and judged.summary().startswith("DIVERGED at MLflow step 5: eval_loss 0.75 vs 0.5")
+    # A training-step metric that differs too is the first divergence, wherever the script's own step lies.
+    steps, loss = replay.metrics["loss"]
+    replay.metrics["loss"] = (steps, np.where(steps == 5, loss + 1, loss))
+    assert compare_runs(record, replay).summary().startswith("DIVERGED at step 5: loss ")
 
 
 def test_a_run_without_optimizer_records_none_and_ctx_log_refuses_harness_names(tmp_path: Path) -> None:

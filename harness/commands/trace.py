@@ -374,6 +374,9 @@ def localize_after_replay(tracker: Tracker, comparison: Any, a: RunRecord, b: Ru
     total = min(a.steps_total or 0, b.steps_total or 0)
     if div is None or div.step is None or total == 0:
         return Localized(None, None, note="no divergent training step to trace (the replay failed, or differs only at the end)")
+    if getattr(div, "mlflow_step", False):
+        return Localized(None, None, note=f"no training step to trace: {div.metric} first differs at a step of the "
+                                          "script's own, logged through MLflow")
     step = min(div.step, total - 1)
     try:
         return localize_replay(tracker, a.run_id, b.run_id, step, repo)

@@ -67,11 +67,14 @@ class Divergence:
     abs_diff: float | None = None
     rel_diff: float | None = None
     detail: str = ""
+    # The metric was logged through MLflow by the script itself: `step` is the script's own (an epoch, MLflow's
+    # default 0), not a training step.
+    mlflow_step: bool = False
 
     def describe(self, labels: tuple[str, str] = ("original", "replay")) -> str:
         """One human line, without the verdict; `labels` name the two runs (run A / run B for a plain compare)."""
         a, b = labels
-        where = f"step {self.step}" if self.step is not None else "the end"
+        where = "the end" if self.step is None else f"MLflow step {self.step}" if self.mlflow_step else f"step {self.step}"
         if self.kind == KIND_VALUE:
             return (
                 f"at {where}: {self.metric} {fmt_pair(self.original, self.replay)} "
@@ -597,8 +600,13 @@ def compare_runs(
         if div is not None:
             firsts.append(div)
 
-    # Smallest step wins, ties by metric name (stats are already in name order).
-    metric_div = min(firsts, key=lambda d: (d.step, d.metric or "")) if firsts else None
+    # Smallest step wins, ties by metric name (stats are already in name order). The script's own MLflow metrics
+    # count their own steps, which cannot be set against training steps: they decide only where nothing else differs.
+    direct = user_mlflow_metrics(original, replay)
+    for d in firsts:
+        d.mlflow_step = d.metric in direct
+    trained = [d for d in firsts if not d.mlflow_step] or firsts
+    metric_div = min(trained, key=lambda d: (d.step, d.metric or "")) if trained else None
     fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)
 
     failure = replay_failed

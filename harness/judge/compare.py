@@ -602,9 +602,9 @@ def compare_runs(
 
     # Smallest step wins, ties by metric name (stats are already in name order). The script's own MLflow metrics
     # count their own steps, which cannot be set against training steps: they decide only where nothing else differs.
-    direct = user_mlflow_metrics(original, replay)
+    own_steps = user_mlflow_metrics(original, replay)
     for d in firsts:
-        d.mlflow_step = d.metric in direct
+        d.mlflow_step = d.metric in own_steps
     trained = [d for d in firsts if not d.mlflow_step] or firsts
     metric_div = min(trained, key=lambda d: (d.step, d.metric or "")) if trained else None
     fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)

@@ -215,7 +215,20 @@ class Loop:
     name: str
 
 
+@dataclass(frozen=True)
+class Optimization:
+    """What trains the model, as rank 0 saw it (harness/runtime/optimization.py), as plain values: the counted
+    optimizer ({"class", "groups": [settings per param group, without the parameters]}, None when none stepped),
+    the LR schedulers bound to it and the GradScaler that stepped it ({"class", "settings"}), and the autocast
+    regions entered ({"device_type", "dtype", "first_step"}). Sent at the optimizer's first step and at the end."""
+
+    optimizer: dict[str, Any] | None
+    schedulers: tuple[dict[str, Any], ...] = ()
+    grad_scaler: dict[str, Any] | None = None
+    autocast: tuple[dict[str, Any], ...] = ()
+
+
 Message = (
     Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | RankFacts | DeterminismChanged | Total
-    | Checkpoint | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder | Evaluation | Loop
+    | Checkpoint | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder | Evaluation | Loop | Optimization
 )

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from harness.tags import OWN_METRIC_PREFIX
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -60,6 +62,13 @@ def same_value(recorded: float, again: float) -> bool:
     -0.0 is not 0.0 (`==` says the opposite of both). The rule for "the same value" wherever a value logged again
     is held to the record (harness/judge/reproduced.py; the store's MetricWriter on a resume)."""
     return struct.pack("<d", recorded) == struct.pack("<d", again)
+
+
+def own_metric(key: str) -> bool:
+    """A metric harness logs itself (tags.OWN_METRIC_PREFIX: the learning rate, the GradScaler's scale), not the
+    training code: judged like the others, but never against the seeds' noise, and not missed in a record made
+    before harness logged it."""
+    return key.startswith(OWN_METRIC_PREFIX)
 
 
 def series(metrics: Mapping[str, tuple[Any, Any]]) -> dict[str, dict[int, float]]:

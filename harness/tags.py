@@ -130,8 +130,22 @@ STORE_METRICS_SPOOLED = "harness.store.metrics_spooled"
 STORE_LONGEST_OUTAGE_S = "harness.store.longest_outage_s"
 
 # The training code's own calls (harness/runtime/usermlflow.py, harness/runtime/userseed.py).
-# Metric keys rank 0 logged through MLflow directly, comma-separated: kept in the run, not compared by replay.
+# Metric keys rank 0 logged through MLflow directly, comma-separated: read back from MLflow's history into the
+# run's record (Tracker.load_record), so a replay judges them as it judges ctx.log's values, at their own steps.
 USER_MLFLOW_METRICS = "harness.user.mlflow_metrics"
+
+# What trains the model (harness/runtime/optimization.py), as rank 0 saw it at the counted optimizer's first step.
+OPTIMIZER = "harness.optimizer"  # the class ("torch.optim.sgd.SGD"); "none" when no optimizer stepped
+# Its param groups' settings without the parameters: "lr=0.1, momentum=0.9, ..." ("group 0: ...; group 1: ...").
+OPTIMIZER_SETTINGS = "harness.optimizer.settings"
+LR_SCHEDULER = "harness.lr_scheduler"  # "torch.optim.lr_scheduler.StepLR(step_size=1, gamma=0.7, ...)"; or "none"
+AUTOCAST = "harness.amp.autocast"  # the autocast regions entered: "cpu bfloat16 from step 0"; or "none"
+GRAD_SCALER = "harness.amp.grad_scaler"  # the GradScaler that stepped the optimizer, "disabled", or "none"
+# Metrics harness logs itself, at every step of the counted optimizer, beside the training code's: a replay judges
+# them as it judges those. A name under this prefix is refused by ctx.log.
+OWN_METRIC_PREFIX = "harness."
+METRIC_LR = "harness.lr"  # param group 0's learning rate as the step used it; harness.lr.group<i> for group i > 0
+METRIC_GRAD_SCALE = "harness.amp.scale"  # the GradScaler's scale the step's loss was multiplied by
 # RNG seeds the training code set itself, "train.py:12 torch.manual_seed(1337); ...": the ones harness set are
 # harness.seed and harness.seed.ranks.
 USER_SEEDS = "harness.user.seeds"
@@ -220,6 +234,8 @@ ARTIFACT_FINGERPRINTS = "fingerprints.json"
 # {"steps": [...], "digests": [...]}: per step fed by ctx.loader, a digest of the sample indices of every rank's
 # batches (messages.DataOrder), so a replay tells a data-pipeline change from a numerical one.
 ARTIFACT_DATA_ORDER = "data_order.json"
+# The optimizer, LR schedulers, GradScaler and autocast regions in full (runtime/optimization.py: messages.Optimization).
+ARTIFACT_OPTIMIZATION = "optimization.json"
 DATA_ORDER_STEPS = "harness.data_order.steps"  # how many steps data_order.json holds (absent: none recorded)
 ARTIFACT_CHECKPOINTS = "checkpoints"  # step-NNNNNNNN/rank<R>.pt + COMPLETE, in the run's artifacts
 # Per checkpoint step: sha256 per tensor (rank 0) and per rank over the set. Outside checkpoints/, so a bundle

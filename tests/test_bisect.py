@@ -140,11 +140,12 @@ def test_bisect_names_the_config_key_that_matters(planted) -> None:
     assert len([line for line in lines if line.startswith("probe ")]) <= 2 + 2 * math.ceil(math.log2(6))
     client = project.client()
     assert client.get_run(lines[-1]).data.tags["harness.bisect.culprit"] == "config train.lr"
-    # --localize: the probe that carried train.lr alone is traced against GOOD at its first divergent step (1: the
-    # learning rate acts in step 0's update), where the weights the step begins with already differ.
+    # --localize: the probe that carried train.lr alone is traced against GOOD at its first divergent step: 0, where
+    # the recorded learning rate (harness.lr) differs, so the trace pins the optimizer's update and its lr.
     where = [line for line in lines if line.startswith("at the culprit (probe replay ")]
     assert where and "Localization of step 0" in where[0], result.stdout
     assert any("INPUTS_DIFFER_FROM_START" in line for line in where) and any("op: aten." in line for line in where)
+    assert any("phase: optimizer" in line for line in where) and any("alpha=-0.02) vs" in line for line in where)
     probe_id = where[0].split("probe replay ")[1].split(")")[0]
     assert client.get_run(probe_id).data.tags["harness.localized"] == "INPUTS_DIFFER_FROM_START", result.stdout
     doc = json.loads(Path(client.download_artifacts(lines[-1], "bisect/bisect.json")).read_text())

@@ -569,3 +569,13 @@ def test_a_proof_that_misses_the_recorded_tensors_names_the_first_and_counts_the
     with pytest.raises(HarnessError) as err:
         _hold_to_checkpoint(report, old, 5, 10, "resume refused", "Fix it.")
     assert "ended with weights other" in str(err.value) and "tensors" not in str(err.value).split("Fix")[0], err.value
+
+
+@pytest.mark.parametrize("digests", [{}, {0: "00" * 8, 1: "ff" * 8, 7: "0123456789abcdef"}])
+def test_the_data_order_rides_in_a_weights_only_checkpoint(tmp_path: Path, digests: dict[int, str]) -> None:
+    """A run resumed from a checkpoint records the data order of the steps before it: the digests are in the file,
+    which a weights_only load still reads when there are none (a loop without ctx.loader)."""
+    path = tmp_path / "rank0.pt"
+    ck.save_atomic({ck.FORMAT_KEY: ck.FORMAT_VERSION, "extra": {"data_order": ck.pack_digests(digests)}}, path)
+    assert ck.unpack_digests(ck.load(path)["extra"]["data_order"]) == digests
+    assert ck.unpack_digests(None) == {}  # a checkpoint written before the data order rode along

@@ -660,3 +660,26 @@ def test_a_determinism_setting_recorded_by_one_run_only_does_not_break_bitwise()
     missing = delta_of(FACTS, {**FACTS, key: "ieee"})[key]
     assert not missing.breaks_bitwise and "one run only" in missing.note
     assert delta_of({**FACTS, key: "ieee"}, {**FACTS, key: "tf32"})[key].breaks_bitwise
+
+
+def test_the_learning_rate_is_judged_but_a_record_made_before_harness_logged_it_is_not_diverged() -> None:
+    """harness.lr (harness's own metric) is compared like the loss; an original recorded before harness logged it
+    lacks it, which is said, not called a divergence; a replay on another learning rate diverges where it acted."""
+    a = make_record()
+    steps = np.arange(20, dtype=np.int64)
+    a.metrics[tags.METRIC_LR] = (steps.copy(), np.full(20, 0.01))
+    b = clone(a)
+    same = compare_runs(a, b)
+    assert same.summary() == "BITWISE: 2 metrics x 20 steps + harness.lr bit-identical, 3 fingerprints equal"
+    b.metrics[tags.METRIC_LR] = (steps.copy(), np.full(20, 0.02))
+    a.facts[tags.OPTIMIZER_SETTINGS], b.facts[tags.OPTIMIZER_SETTINGS] = "lr=0.01, momentum=0", "lr=0.02, momentum=0"
+    changed = compare_runs(a, b)
+    assert changed.summary().startswith("DIVERGED at step 0: harness.lr 0.01 vs 0.02")
+    assert [(d.name, d.breaks_bitwise, d.note) for d in changed.delta] == [
+        (tags.OPTIMIZER_SETTINGS, False, "optimizer settings differ")]  # it follows the config: no environment change
+    del a.facts[tags.OPTIMIZER_SETTINGS]
+    old = clone(a)
+    del old.metrics[tags.METRIC_LR]
+    judged = compare_runs(old, clone(a))
+    assert judged.verdict == BITWISE and judged.summary().startswith("BITWISE: 2 metrics x 20 steps bit-identical")
+    assert "harness.lr recorded by run B only: not compared" in judged.notes  # two independent runs: A and B

@@ -32,7 +32,7 @@ def test_first_steps_replay_is_bitwise_and_stops_there(project: Project, checkpo
     result = project.harness("replay", checkpointed, "--steps", "3")
     assert result.returncode == 0, result.stderr
     verdict = result.stdout.strip().splitlines()[-2]
-    assert verdict.startswith("verdict: BITWISE over the first 3 of 5 steps: 1 metric x 3 steps bit-identical, "
+    assert verdict.startswith("verdict: BITWISE over the first 3 of 5 steps: 1 metric x 3 steps + harness.lr bit-identical, "
                                "2 fingerprints equal"), verdict  # step 0's, and the weights after step 3
     assert "including the weights after step 3 (the original's checkpoint of that step)" in verdict
     assert "data order: identical at the 3 common steps" in result.stdout  # sent as at an end, though it stopped
@@ -48,8 +48,8 @@ def test_a_changed_learning_rate_diverges_at_its_step(project: Project, checkpoi
                              "--no-localize")
     assert result.returncode == 1, result.stderr
     verdict = result.stdout.strip().splitlines()[-2]
-    # Step 0's loss is taken before the first update: the new learning rate shows from step 1 on.
-    assert verdict.startswith("verdict: DIVERGED at step 1: loss ") and verdict.endswith(
+    # Step 0's loss is taken before the first update, which the new learning rate made: the rate names the step.
+    assert verdict.startswith("verdict: DIVERGED at step 0: harness.lr 0.01 vs 0.05 ") and verdict.endswith(
         "(over the first 3 of 5 steps)"), verdict
     run = project.client().get_run(result.last_line)
     assert run.info.status == "FINISHED" and run.data.tags[tags.VERDICT] == DIVERGED

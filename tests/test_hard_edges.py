@@ -437,7 +437,7 @@ def test_nan_and_inf_are_recorded_exactly_and_outputs_become_artifacts(project: 
     # No progress bar off a terminal: its carriage returns would litter logs.
     assert "\r" not in nan_run.stderr
     replay = project.harness("replay", nan_run.last_line)
-    assert replay.returncode == 0 and "verdict: BITWISE: 4 metrics x 8 steps bit-identical" in replay.stdout, replay.stdout
+    assert replay.returncode == 0 and "verdict: BITWISE: 4 metrics x 8 steps + harness.lr bit-identical" in replay.stdout, replay.stdout
 
 
 def test_run_that_logs_nothing_warns_and_its_replay_has_nothing_to_compare(project: Project, tmp_path: Path) -> None:

@@ -38,9 +38,16 @@ def clean_replay(project: Project, original: str):
 
 def test_replay_of_clean_run_is_bitwise(project: Project, original: str, clean_replay) -> None:
     assert clean_replay.returncode == 0, clean_replay.stderr
-    assert verdict_line(clean_replay.stdout).startswith("verdict: BITWISE")
+    # The learning rate of every step is recorded beside the loss, and judged with it.
+    assert verdict_line(clean_replay.stdout).startswith("verdict: BITWISE: 1 metric x 25 steps + harness.lr bit-identical")
     replay_id = clean_replay.last_line
     client = project.client()
+    recorded = client.get_run(original).data.tags
+    assert recorded["harness.optimizer"] == "torch.optim.sgd.SGD"
+    assert recorded["harness.optimizer.settings"].startswith("lr=0.01, momentum=0, dampening=0, weight_decay=0, ")
+    assert (recorded["harness.lr_scheduler"], recorded["harness.amp.autocast"], recorded["harness.amp.grad_scaler"]) == (
+        "none", "none", "none")
+    assert steps_values(client, original, "harness.lr") == dict.fromkeys(range(25), 0.01)
     run = client.get_run(replay_id)
     tags = run.data.tags
     assert run.info.status == "FINISHED"
@@ -110,8 +117,9 @@ def test_changed_lr_diverges_at_the_first_differing_step(project: Project, origi
     client = project.client()
     a, b = steps_values(client, original), steps_values(client, result.last_line)
     first = min(s for s in a if a[s] != b[s])  # found independently of harness' comparison
-    assert first == 1  # step 0's loss is computed before the first update
-    assert verdict_line(result.stdout).startswith(f"verdict: DIVERGED at step {first}: loss")
+    assert first == 1  # step 0's loss is computed before the first update...
+    # ...which used the other learning rate: the verdict names it, at the step it acted in.
+    assert verdict_line(result.stdout).startswith("verdict: DIVERGED at step 0: harness.lr 0.01 vs 0.02")
     assert "Changes requested: train.lr=0.02" in result.stdout
     # Other numbers from the same samples: the difference is the arithmetic's, not the data pipeline's.
     assert "data order: identical at the 25 common steps" in result.stdout

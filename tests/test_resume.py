@@ -108,9 +108,17 @@ def _assert_equal_runs(project: Project, run_id: str, clean: str, keys: list[str
     a, b = client.get_run(run_id), client.get_run(clean)
     assert a.info.status == "FINISHED"
     assert a.data.tags["harness.fingerprint"] == b.data.tags["harness.fingerprint"]
-    for key in keys:
+    for key in keys + ["harness.lr"]:
         # Same steps, same bits, and no step logged twice although steps after the checkpoint ran twice.
         assert history(project, run_id, key) == history(project, clean, key)
+    # Every step's samples, those before the kill too (the killed ranks sent none: they came in the checkpoint).
+    from harness.store.tracking import Tracker
+
+    tracker = Tracker(project.uri)
+    resumed_order, clean_order = (tracker.load_record(r).data_order for r in (run_id, clean))
+    assert resumed_order == clean_order and sorted(resumed_order) == list(range(int(b.data.tags["harness.data_order.steps"])))
+    assert a.data.tags["harness.data_order.steps"] == b.data.tags["harness.data_order.steps"]
+    assert a.data.tags["harness.optimizer"] == b.data.tags["harness.optimizer"] == "torch.optim.sgd.SGD"
 
 
 def _recorded_checkpoints(project: Project, run_id: str) -> dict[str, str]:

@@ -117,12 +117,19 @@ def test_the_users_own_mlflow_calls_land_in_the_harness_run(project: Project) ->
     seen = json.loads(Path(client.download_artifacts(run_id, "outputs/seen.json")).read_text())
     assert seen == {"status_after_end_run": "RUNNING", "again": run_id, "active": run_id, "ctx_run_id": run_id}
     assert run.data.tags["harness.user.mlflow_metrics"] == "after,after_with,lr,user_loss"
-    warning = [line for line in result.stderr.splitlines() if "through MLflow directly" in line]
-    assert warning == ["Warning: train logged 4 metrics through MLflow directly (after, after_with, lr, user_loss): "
-                       "they are kept in the run but replay does not compare them (only ctx.log values are judged)."]
+    assert "through MLflow directly" not in result.stderr  # no longer a warning: they are judged (below)
     # No store in the code folder: the experiment stays clean for the next run.
     assert not any((exp / name).exists() for name in ("mlruns", "mlflow.db", "mlartifacts"))
     assert subprocess.run(["git", "status", "--porcelain"], cwd=project.root, capture_output=True, text=True).stdout == ""
+
+    # The replay's rank 0 logs them into the replay run, and the verdict judges them as ctx.log's, at their own
+    # steps: loss and user_loss at steps 0 and 1, lr, after and after_with at MLflow's default step 0.
+    replay = project.harness("replay", run_id, env={"MLFLOW_TRACKING_URI": relative})
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    verdict = replay.stdout.strip().splitlines()[-2]
+    assert verdict.startswith("verdict: BITWISE: 5 metrics (7 values) + harness.lr bit-identical"), verdict
+    assert client.get_metric_history(replay.last_line, "user_loss")[1].value == \
+        client.get_metric_history(run_id, "user_loss")[1].value
 
 
 def test_absolute_uri_resolves_only_relative_sqlite_paths(tmp_path: Path, monkeypatch) -> None:

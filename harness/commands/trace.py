@@ -393,6 +393,9 @@ def localize_after_replay(tracker: Tracker, comparison: Any, a: RunRecord, b: Ru
     total = min(a.steps_total or 0, b.steps_total or 0)
     if div is None or div.step is None or total == 0:
         return Localized(None, None, note="no divergent training step to trace (the replay failed, or differs only at the end)")
+    if div.counts is not None:  # an evaluation's own index, or the steps of the script's own MLflow metrics
+        return Localized(None, None, note=f"no training step to trace: {div.metric} first differs at {div.counts} "
+                                          f"{div.step}, an index of its own")
     step = min(div.step, total - 1)
     try:
         return localize_replay(tracker, a.run_id, b.run_id, step, repo)

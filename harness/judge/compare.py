@@ -23,7 +23,7 @@ from harness.judge.delta import ConfigChange, FactDelta, config_delta, environme
 from harness.judge.noise import NoiseJudgement
 from harness.judge.rounding import Envelope, RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
-from harness.records import RunRecord
+from harness.records import RunRecord, own_metric
 
 BITWISE = "BITWISE"
 # Not bit-identical, but inside the rounding envelope a calibration measured (rounding.py): the same training,
@@ -56,6 +56,10 @@ KIND_ROUNDING = "rounding"  # a metric left a calibrated run's rounding envelope
 _CLAMPED = np.finfo(np.float64).max
 
 
+# Divergence.counts of a metric the script logged through MLflow itself: its steps are the script's own.
+MLFLOW_STEP = "MLflow step"
+
+
 @dataclass
 class Divergence:
     """Where the replay first left the original."""
@@ -68,7 +72,8 @@ class Divergence:
     abs_diff: float | None = None
     rel_diff: float | None = None
     detail: str = ""
-    counts: str | None = None  # what `step` counts when it is no training step: an evaluation's own index
+    counts: str | None = None  # what `step` counts when it is no training step: an evaluation's own index, or
+    # MLFLOW_STEP (the script logged the metric through MLflow itself: an epoch, MLflow's default 0)
 
     def describe(self, labels: tuple[str, str] = ("original", "replay")) -> str:
         """One human line, without the verdict; `labels` name the two runs (run A / run B for a plain compare)."""
@@ -244,7 +249,9 @@ class Comparison:
             return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
                     "log metrics with ctx.log and register the model with ctx.ddp")
         if self.verdict == WITHIN_ROUNDING and self.rounding is not None:
-            shape = _shape(self.metrics)
+            # The training code's metrics: harness's learning rate is the recorded one, bit for bit, or this is no
+            # rounding.
+            shape = _shape([m for m in self.metrics if not own_metric(m.name)] or self.metrics)
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
             return (f"{WITHIN_ROUNDING}: {shape} not bit-identical, {self.rounding.headline()}; {why}; "
@@ -561,6 +568,11 @@ def _as_far(series: dict[str, Any], other: dict[str, Any], keys: Mapping[str, st
     return out
 
 
+def user_mlflow_metrics(*records: RunRecord) -> set[str]:
+    """The keys the training code logged through MLflow itself, in any of `records`."""
+    return {k for rec in records for k in rec.facts.get(tags.USER_MLFLOW_METRICS, "").split(",") if k}
+
+
 def original_steps(original: RunRecord) -> int:
     """How many training steps the original took: its recorded count, else one past the last step it logged at."""
     if original.steps_total is not None:
@@ -605,6 +617,15 @@ def compare_runs(
     own = {k: counts for k, counts in evaluation.items() if counts != tags.EVAL_AT_STEP}
     stepped = {k: v for k, v in orig_metrics.items() if k not in own}  # the original's values at training steps
     reached = None
+    if incomplete_original or first_steps is not None:
+        # The script's own MLflow metrics are at its own steps (an epoch, MLflow's default 0), not training steps: a
+        # cut by training step cannot tell which of them the original had logged by then.
+        direct = sorted(user_mlflow_metrics(original, replay) & (orig_metrics.keys() | rep_metrics.keys()))
+        if direct:
+            notes.append(f"{', '.join(direct)} (logged through MLflow at the script's own steps) not compared: only a "
+                         "whole run's are")
+            orig_metrics = {k: v for k, v in orig_metrics.items() if k not in direct}
+            rep_metrics = {k: v for k, v in rep_metrics.items() if k not in direct}
     if incomplete_original:
         last = max((int(s[-1]) for s, _ in stepped.values()), default=-1)
         rep_metrics = {**_upto(_without(rep_metrics, own), last), **_as_far(rep_metrics, orig_metrics, own)}
@@ -621,6 +642,11 @@ def compare_runs(
     firsts: list[Divergence] = []
     div: Divergence | None
     for name in sorted(orig_metrics.keys() | rep_metrics.keys()):
+        if own_metric(name) and (name in orig_metrics) != (name in rep_metrics):
+            # harness's own metric (the learning rate) in one run only: the other was recorded before harness logged
+            # it, or stepped no optimizer (which its other values and weights show).
+            notes.append(f"{name} recorded by {the(labels[0] if name in orig_metrics else labels[1])} only: not compared")
+            continue
         rtol, atol = _tolerance_for(tol, name)
         if name not in rep_metrics:
             st, div = _metric_only_in_one(name, *orig_metrics[name], True, rtol, atol)
@@ -634,8 +660,13 @@ def compare_runs(
             div.counts = own.get(name)
             firsts.append(div)
 
-    # Smallest step wins, ties by metric name (stats are already in name order); a value at an index of its own (an
-    # evaluation batch's) only where no training step differs: its index says nothing of when it was logged.
+    # Smallest step wins, ties by metric name (stats are already in name order). A value at an index of its own (an
+    # evaluation batch's, or a metric the script logged through MLflow at steps of its own) decides only where no
+    # training step differs: its index cannot be set against training steps.
+    own_steps = user_mlflow_metrics(original, replay)
+    for d in firsts:
+        if d.metric in own_steps:
+            d.counts = MLFLOW_STEP
     metric_div = min(firsts, key=lambda d: (d.counts is not None, d.step, d.metric or "")) if firsts else None
     fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)
 
@@ -823,7 +854,12 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     # early (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
     # replay --steps K: every run's curve (the members' too) before step K only, the last point step K-1's value.
     before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
-    cmp.noise = noise.judge_curves(study_id, replay.metrics, original.metrics, [m.metrics for m in members],
+    skip = user_mlflow_metrics(original, replay) if before is not None else set()  # not at training steps (above)
+
+    def curves(rec: RunRecord) -> dict[str, Any]:
+        return {k: v for k, v in rec.metrics.items() if k not in skip}
+
+    cmp.noise = noise.judge_curves(study_id, curves(replay), curves(original), [curves(m) for m in members],
                                    before=before)
     if cmp.noise.within:
         cmp.verdict = INCONCLUSIVE if cmp.noise.vacuous else WITHIN_NOISE
@@ -848,9 +884,16 @@ def _sort_key(x: float) -> float:
 
 
 def _shape(metrics: list[MetricStats]) -> str:
-    counts = {m.steps_compared for m in metrics}
-    noun = "metric" if len(metrics) == 1 else "metrics"
-    if len(counts) <= 1 and not any(m.counts for m in metrics):
+    """"2 metrics x 25 steps + harness.lr": the training code's metrics, harness's own (the learning rate) named."""
+    mine = [m for m in metrics if not own_metric(m.name)]
+    own = ", ".join(m.name for m in metrics if own_metric(m.name))
+    if not mine and own:
+        return own
+    counts = {m.steps_compared for m in mine}
+    noun = "metric" if len(mine) == 1 else "metrics"
+    if len(counts) <= 1 and not any(m.counts for m in mine):
         steps = counts.pop() if counts else 0
-        return f"{len(metrics)} {noun} x {steps} steps"
-    return f"{len(metrics)} {noun} ({sum(m.steps_compared for m in metrics)} values)"
+        shape = f"{len(mine)} {noun} x {steps} steps"
+    else:
+        shape = f"{len(mine)} {noun} ({sum(m.steps_compared for m in mine)} values)"
+    return f"{shape} + {own}" if own else shape

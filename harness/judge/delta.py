@@ -139,6 +139,8 @@ _BREAKING_DEVICE_FACTS: dict[str, str] = {
     tags.DEVICE_PREFIX + "sm_count": "GPU SM count changed: cuBLAS and NCCL choose kernels and splits by it",
 }
 
+_OPTIMIZATION_TAGS = frozenset({tags.OPTIMIZER, tags.OPTIMIZER_SETTINGS, tags.LR_SCHEDULER, tags.GRAD_SCALER,
+                                tags.AUTOCAST})
 _NOTES: dict[str, str] = {
     tags.VERSION: "harness version differs",
     tags.EXPERIMENT_PATH: "experiment folder differs",
@@ -160,6 +162,12 @@ _NOTES: dict[str, str] = {
     tags.SLURM_NODELIST: "ran on other Slurm nodes",
     tags.NODES_DIFFER: "which nodes' environments differ from node 0's changed",
     tags.ENV_PREFIX + "hostname": "different host",
+    # What trains the model follows the code and config (an --allow-changes train.lr shows here as the lr it set).
+    tags.OPTIMIZER: "optimizer differs",
+    tags.OPTIMIZER_SETTINGS: "optimizer settings differ",
+    tags.LR_SCHEDULER: "LR schedulers differ",
+    tags.GRAD_SCALER: "GradScaler differs",
+    tags.AUTOCAST: "autocast regions differ: other dtypes in the arithmetic",
     tags.ENV_PREFIX + "os": "operating system differs",
     tags.ENV_PREFIX + "gpu_driver": "GPU driver differs (usually harmless)",
     # The host's GPUs: another count of identical GPUs, or a cpu run on a GPU host, computes the same.
@@ -350,6 +358,8 @@ def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str
             return True, f"{var} in NCCL's {which} configuration file changed: selects NCCL's reduction algorithm"
         return False, f"NCCL's {which} configuration file differs"
     if name in _NOTES:
+        if name in _OPTIMIZATION_TAGS and (a is None or b is None):
+            return False, "recorded in one run only (a harness before it did not record it)"
         return False, _NOTES[name]
     if name.startswith(tags.NODE_PREFIX):
         node, _, fact = name[len(tags.NODE_PREFIX):].partition(".")

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from harness.records import own_metric
+
 MIN_SEEDS = 3  # below this a spread is no estimate: t(1, .975) = 12.7 makes any interval meaningless
 _LEVEL = 0.95  # the study summary's descriptive intervals (ci95, pi95)
 # The chance that an honest replay is called DIVERGED by the noise rule, for the whole replay: every metric and
@@ -227,9 +229,12 @@ def equivalence(metric: str, originals: Sequence[float], replays: Sequence[float
 
 
 def final_values(metrics: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
-    """Each metric's value at its last logged step (a RunRecord's metrics)."""
+    """Each metric's value at its last logged step (a RunRecord's metrics); not harness's own (a learning rate
+    schedule is no seed's noise)."""
     out: dict[str, float] = {}
     for name, (steps, values) in metrics.items():
+        if own_metric(name):
+            continue
         s = np.asarray(steps, dtype=np.int64)
         if s.size:
             out[name] = float(np.asarray(values, dtype=np.float64)[int(np.argmax(s))])
@@ -427,7 +432,7 @@ def judge_curves(study_id: str, replay: Curves, original: Curves, members: Seque
             f"too few seeds to judge ({n} < {MIN_SEEDS}): a spread needs at least {MIN_SEEDS} seeds "
             f"(harness run --seeds {MIN_SEEDS})"), what=what)
     chosen: list[tuple[str, list[int]]] = []
-    for metric in sorted(original):
+    for metric in sorted(m for m in original if not own_metric(m)):  # harness's learning rate is no seed's noise
         shared = {int(s) for s in np.asarray(original[metric][0])}
         for m in members:
             shared &= {int(s) for s in np.asarray(m[metric][0])} if metric in m else set()

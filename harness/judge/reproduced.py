@@ -4,7 +4,8 @@ One rule for every re-execution (an audit's segments, a trace's steps, a resume'
 same when its bits are (records.same_value: a NaN of the same bits is the same, -0.0 is not 0.0). A value
 the record lacks counts against the re-execution only where the record is complete - a FINISHED run
 recorded every value it logged - and is otherwise no evidence either way (a run that died may not have
-written its last values). Pure: values in, a verdict out.
+written its last values); so is a metric of harness's own that the record lacks altogether (a run recorded before
+harness logged it). Pure: values in, a verdict out.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from harness.records import same_value, series
+from harness.records import own_metric, same_value, series
 
 __all__ = ["Reproduction", "same_value", "series", "values"]
 
@@ -47,6 +48,8 @@ def values(
     for (key, step), value in sorted(logged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if (first is not None and step < first) or (end is not None and step >= end):
             continue
+        if key not in recorded and own_metric(key):
+            continue  # harness's own metric, which a run recorded before harness logged it lacks: no evidence
         original = recorded.get(key, {}).get(step)
         if original is None and not complete:
             continue

@@ -40,6 +40,7 @@ from harness.messages import (
     Metrics,
     MetricsBatch,
     Notice,
+    Optimization,
     RankFacts,
     SegmentEnd,
     SettingChange,
@@ -47,6 +48,7 @@ from harness.messages import (
     UserSeeds,
 )
 from harness.record.provenance import package_lock, runtime_facts
+from harness.records import own_metric
 from harness.runtime import usermlflow, userseed
 from harness.store.reach import absolute_uri, reason_of
 from harness.store.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
@@ -152,6 +154,7 @@ class Recorder:
         self.warned: set[tuple[str | None, str]] = set()  # strict: each call that broke bitwise is warned about once
         # A resumed run continues the record so far: what it holds before the resumed step stays on record.
         self.prior: RunRecord | None = None
+        self.prior_direct: set[str] = set()  # the metrics the run it continues logged through MLflow directly
         if resume_step is not None:
             prior = self.prior = tracker.load_record(run_id)
             final = self.final
@@ -162,6 +165,7 @@ class Recorder:
             # Changes made before the resumed step stay on record; the resumed ranks' own readings follow them.
             earlier = (SettingChange.from_line(line) for line in prior.facts.get(T.DETERMINISM_CHANGES, "").splitlines())
             final["determinism_changes"] = [c for c in earlier if c is not None and c.step < resume_step]
+            self.prior_direct = set(filter(None, prior.facts.get(T.USER_MLFLOW_METRICS, "").split(",")))
 
     # -- start ------------------------------------------------------------------------------------------
     def start(self, device: str, backend: str, measured: Mapping[str, str] | None = None) -> None:
@@ -188,7 +192,8 @@ class Recorder:
         self.plan = checkpoint_plan(self.ckpts, cfg, resume_step, self.stop_at, self.perturb_seed)
         self.writer = tracker.metric_writer(run_id, cfg.flush_interval_s, self.outages)
         if self.prior is not None:
-            self.writer.prime(self.prior.metrics)
+            # Not the values the training code logged through MLflow itself: they are MLflow's history, not the writer's.
+            self.writer.prime({k: v for k, v in self.prior.metrics.items() if k not in self.prior_direct})
 
     def rank_env(self) -> dict[str, str]:
         """The environment rank 0 needs so that the user's own mlflow calls land in this run, never in a store
@@ -220,6 +225,9 @@ class Recorder:
                 final["evaluation"] = dict(keys)
             case Loop(name):
                 final["loop"] = name
+            case Optimization() if self.prior is None or T.OPTIMIZER not in self.prior.facts:
+                # A resumed run keeps the set-up its run recorded at the first step (its own first step is later).
+                final["optimization"] = msg
             case Notice(key, text):
                 self.notices.setdefault(key, text)
                 self.view(Line(f"Warning: {text}"))
@@ -423,18 +431,18 @@ class Recorder:
         return kept
 
     def _note_direct_metrics(self, tracker: Tracker | Patient, ctx_keys: set[str]) -> None:
-        """Metrics the training code logged through MLflow itself: kept in the run, named in a tag, and said once
-        to be outside what replay compares (series.npz holds only ctx.log's values)."""
+        """Metrics the training code logged through MLflow itself, named in a tag: series.npz holds ctx.log's values,
+        and the record reads these back from MLflow's history by that tag (Tracker.load_record), so that a replay
+        judges them too."""
         keys = usermlflow.direct_keys(tracker.get_run(self.run_id).metric_keys, ctx_keys)
         if keys:
             tracker.set_tags(self.run_id, {T.USER_MLFLOW_METRICS: ",".join(keys)})
-            self.view(Line(usermlflow.direct_keys_warning(keys)))
 
     def _warn_if_vacuous(self, tracker: Tracker | Patient) -> None:
         """A finished run that logged nothing, or whose model never changed, proves nothing: say so, and record it."""
         writer, final = self.writer, self.final
         initial, last = final.get("initial"), final.get("fingerprint")
-        if writer is not None and not writer.series:
+        if writer is not None and all(own_metric(key) for key in writer.series):  # harness's own values prove nothing
             if initial or last:
                 self.view(Line("Warning: the run logged no metrics (call ctx.log(...) in train); a replay can only "
                                "compare the model's fingerprints."))
@@ -488,6 +496,9 @@ def record_results(
         tags[T.EVALUATION_METRICS] = json.dumps(final["evaluation"], sort_keys=True)
     if final.get("user_seeds"):
         tags[T.USER_SEEDS] = userseed.describe(final["user_seeds"])
+    if final.get("optimization") is not None:
+        tags.update(optimization_tags(final["optimization"]))
+        tracker.log_text(run_id, json.dumps(asdict(final["optimization"]), indent=1), T.ARTIFACT_OPTIMIZATION)
     tracker.set_tags(run_id, tags)
     if fingerprints or final.get("fingerprint") or final["checkpoints"]:
         doc = {
@@ -512,6 +523,38 @@ def record_results(
     outputs = work / "outputs"
     if outputs.is_dir() and any(outputs.iterdir()):
         tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+_TAG_CHARS = 4900  # MLflow keeps 5,000 characters of a tag value on older stores; the artifact holds the rest
+
+
+def optimization_tags(opt: Optimization) -> dict[str, str]:
+    """The tags of what trained the model: optimizer, its settings, LR schedulers, GradScaler, autocast."""
+    def call(part: dict[str, Any]) -> str:
+        return f"{part['class']}({settings_line(part['settings'])})"
+
+    optimizer = opt.optimizer
+    if optimizer is None:
+        tags = {T.OPTIMIZER: "none"}
+    else:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer["groups"]]
+        if len(groups) > 1 and any(g != groups[0] for g in groups):
+            settings = "; ".join(f"group {i}: {settings_line(g)}" for i, g in enumerate(groups))
+        else:
+            settings = settings_line(groups[0] if groups else {}) + (f" ({len(groups)} groups)" if len(groups) > 1 else "")
+        tags = {T.OPTIMIZER: optimizer["class"], T.OPTIMIZER_SETTINGS: settings}
+    scaler = opt.grad_scaler
+    tags.update({
+        T.LR_SCHEDULER: "; ".join(call(s) for s in opt.schedulers) or "none",
+        T.GRAD_SCALER: "none" if scaler is None else call(scaler) if scaler["settings"].get("enabled") else "disabled",
+        T.AUTOCAST: ", ".join(f"{a['device_type']} {a['dtype']} from step {a['first_step']}" for a in opt.autocast) or "none",
+    })
+    return {k: v if len(v) <= _TAG_CHARS else v[:_TAG_CHARS - 3] + "..." for k, v in tags.items()}
+
+
+def settings_line(settings: dict[str, Any]) -> str:
+    """"lr=0.1, momentum=0.9, betas=[0.9, 0.999]": a set-up's plain values, in their order."""
+    return ", ".join(f"{k}={v!r}" for k, v in settings.items())
 
 
 _CHANGES_SHOWN = 40  # lines in the changes tag (MLflow keeps 8,000 characters); the artifact holds them all

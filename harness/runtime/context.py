@@ -35,7 +35,7 @@ from harness.messages import (
     Total,
 )
 from harness.optrace import hooks, tracer as optrace
-from harness.runtime import boundaries, checkpoint as ckpt, determinism
+from harness.runtime import boundaries, checkpoint as ckpt, determinism, optimization
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (
     EvalSampler,
@@ -48,7 +48,7 @@ from harness.runtime.invariant import (
 from harness.runtime.outbox import Outbox
 from harness.runtime.plan import CheckpointPlan
 from harness.runtime.steps import StepClock, optimizer_parameters
-from harness.tags import EVAL_AT_STEP
+from harness.tags import EVAL_AT_STEP, OWN_METRIC_PREFIX
 
 
 class StopSegment(BaseException):
@@ -175,6 +175,8 @@ class Context:
         self._model: torch.nn.Module | None = None
         self._samplers: list[DistributedSampler] = []
         self._data_order: dict[int, Any] = {}  # step -> sha256 over the sample indices of this rank's batches
+        # step -> that digest (16 hex digits), for the steps before a resume: carried in the checkpoint resumed from.
+        self._data_order_before: dict[int, str] = {}
         self._steps_per_epoch: int | None = None
         self._next_fingerprint = 0
         self._last_step: int | None = None
@@ -211,6 +213,9 @@ class Context:
         self._tracer: optrace.OpTracer | None = None  # of plan.trace_step while it runs
         self._trace_written = False
         self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
+        # Rank 0 of a recorded job: what trains the model (optimizer, LR schedulers, GradScaler, autocast), the
+        # learning rate of every step and the GradScaler's scale.
+        self._optimization = optimization.Watch(self._coming_step).start() if self._outbox is not None else None
         self.output_dir = Path(output_dir) if output_dir else Path.cwd() / "outputs"
         """A folder for files the run produces (checkpoints of your own, samples, plots): they become the
         run's artifacts under outputs/. Write there, not into the experiment folder, which is code."""
@@ -516,6 +521,7 @@ class Context:
         if not self.is_main:
             return
         values = {str(k): metric_value(k, v) for k, v in metrics.items()}
+        _not_own(values)
         self._logged_by(values, EVAL_AT_STEP, evaluation=False)
         self._log_at_step(values, int(step))
 
@@ -527,6 +533,7 @@ class Context:
         if not self.is_main:
             return
         values = {str(k): metric_value(k, v) for k, v in metrics.items()}
+        _not_own(values)
         self._logged_by(values, index or EVAL_AT_STEP, evaluation=True)
         if index is None:
             self._log_at_step(values, int(step))
@@ -639,11 +646,17 @@ class Context:
             ))
         self._send(determinism.observe(self.clock.done, determinism.END))  # determinism read-back: training ends
         self._send_data_order()
+        if self._optimization is not None:
+            self._send(self._optimization.message())
         return target
+
+    def _own_data_order(self) -> dict[int, str]:
+        """This rank's per-step sample-index digests: the steps before a resume (from its checkpoint), then its own."""
+        return {**self._data_order_before, **{step: h.hexdigest()[:16] for step, h in self._data_order.items()}}
 
     def _send_data_order(self) -> None:
         """Every rank's per-step sample-index digests, joined per step in rank order, to rank 0's launcher."""
-        mine = {step: h.hexdigest()[:16] for step, h in self._data_order.items()}
+        mine = self._own_data_order()
         every: list[Any] = [mine]
         if self.world_size > 1 and dist.is_initialized():
             every = [None] * self.world_size
@@ -663,6 +676,8 @@ class Context:
         """Send every value still buffered and stop the sender thread; also after a failure. Called by the
         launcher once train(ctx) has returned or raised, not by the training code."""
         self.clock.close()
+        if self._optimization is not None:
+            self._optimization.stop()
         if self._forward_hook is not None:
             self._forward_hook.remove()
         if self._tracer is not None:  # an audit stop or a failure inside the traced step: no trace is written
@@ -726,6 +741,17 @@ class Context:
     def _on_optimizer(self, phase: str, optimizer: Any) -> None:
         if self._tracer is not None:
             self._tracer.optimizer_event(phase, optimizer)
+        if phase == "pre" and self._optimization is not None and self._outbox is not None:
+            values, first = self._optimization.on_step(optimizer)
+            if first:  # the set-up as the first step found it: a run killed later still has it on record
+                self._send(self._optimization.message())
+            if values:
+                self._outbox.add(self.clock.index, values, int(time.time() * 1000))
+
+    def _coming_step(self) -> int:
+        """The step whose work is under way, or comes next once the previous one has ended."""
+        clock = self.clock
+        return clock.done if clock.pending else clock.index
 
     def _on_begin(self, step: int, clean: bool) -> None:
         """Step `step`'s work has begun (`clean`: at a fetch or ctx.steps() iteration, nothing of it ran yet)."""
@@ -869,9 +895,11 @@ class Context:
             return
         model = self._checkpointed()
         generators = {str(i): dl.generator for i, dl in enumerate(self._loaders) if dl is not self._train_loader}
+        # The data order so far rides along: a run resumed from here records every step's, not only those after it.
+        extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._own_data_order())}
         state = ckpt.build(
-            model=model, position=position, loader_generators=generators,
-            extra={"next_fingerprint": self._next_fingerprint}, device=self.device, copy=False, **self._tracked,
+            model=model, position=position, loader_generators=generators, extra=extra, device=self.device, copy=False,
+            **self._tracked,
         )
         directory = Path(plan.directory)
         # Saved and digested before the loop goes on: the live CPU tensors (copy=False) are what the file holds.
@@ -922,6 +950,9 @@ class Context:
                 ckpt.set_generator_state(dl.generator, state["loader_generators"][key])
         self.clock.set(position.step)
         self._next_fingerprint = int(state["extra"]["next_fingerprint"])
+        # Written before data orders rode along: only the steps from the resume on are recorded.
+        before = ckpt.unpack_digests(state["extra"].get("data_order"))
+        self._data_order_before = {step: digest for step, digest in before.items() if step < position.step}
         self._resume = (position, state["rng"])
         return position.step if self._driver == "steps" else position.epoch
 
@@ -994,3 +1025,12 @@ class _Chained:
     def __call__(self, worker_id: int) -> None:
         self.first(worker_id)
         self.second(worker_id)
+
+
+def _not_own(values: Mapping[str, float]) -> None:
+    for key in values:
+        if key.startswith(OWN_METRIC_PREFIX):
+            raise ExperimentError(
+                f"ctx.log: '{key}' is named like the metrics harness logs itself ({OWN_METRIC_PREFIX}*: the "
+                "learning rate, the GradScaler's scale). Give your value another key."
+            )

@@ -145,11 +145,6 @@ def _wrap_end_run(mlflow: Any, run_id: str) -> None:
 
 
 def direct_keys(run_metric_keys: list[str], ctx_keys: set[str]) -> list[str]:
-    """The metric keys in the run that were not logged through ctx.log: the user's own MLflow calls."""
+    """The metric keys in the run that were not logged through ctx.log: the user's own MLflow calls (judged by a
+    replay like ctx.log's, read back from MLflow's history: Tracker.load_record)."""
     return sorted(set(run_metric_keys) - set(ctx_keys))
-
-
-def direct_keys_warning(keys: list[str]) -> str:
-    shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-    return (f"Warning: train logged {len(keys)} metric{'s' if len(keys) != 1 else ''} through MLflow directly ({shown}): "
-            "they are kept in the run but replay does not compare them (only ctx.log values are judged).")

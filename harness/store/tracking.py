@@ -928,15 +928,20 @@ class Tracker:
                 local = self._local_artifact(run_id, T.ARTIFACT_SERIES) or Path(
                     self.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp))
                 metrics = load_series(local)
+                # The training code's own MLflow metrics never passed through harness, so the series lacks them:
+                # MLflow's history holds them, exact (+-inf clamped as in every run that logs them so), at the steps
+                # they were logged at (a step logged twice: its last value).
+                direct = set(run.tags.get(T.USER_MLFLOW_METRICS, "").split(","))
+                from_history = sorted((direct & set(run.metric_keys)) - metrics.keys())
             except Exception as err:  # a run cut off before its series was written: MLflow's history
                 if is_store_error(err) and not _missing(err):
                     raise
                 # ...which holds +-inf clamped to +-DBL_MAX: the comparison must not call such values identical.
                 exact = not run.metric_keys
-                metrics = {}
-                for key in run.metric_keys:
-                    steps, values = self.metric_history(run_id, key)
-                    metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
+                metrics, from_history = {}, run.metric_keys
+        for key in from_history:
+            steps, values = self.metric_history(run_id, key)
+            metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
         fp = json.loads(self.read_text(run_id, T.ARTIFACT_FINGERPRINTS) or "{}")
         config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
         data_text = self.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)

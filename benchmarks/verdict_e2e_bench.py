@@ -5,7 +5,7 @@
 benchmarks/verdict_bench.py --rounding measures the envelope (harness/judge/rounding.py) on models trained in its own
 process. This is the same question asked as a user asks it, of the bundled experiments: each trial, in a throwaway
 git repository and SQLite store, `harness run experiments/X seed=S train.epochs=E` (another seed per trial, a run
-of 20-25 steps), `harness calibrate RUN --members K --steps <all the run's steps>`, then `harness replay RUN` once
+of 23-25 steps), `harness calibrate RUN --members K --steps <all the run's steps>`, then `harness replay RUN` once
 per change below; the verdict is the replay's `verdict:` line.
 
 Honest changes alter the arithmetic, not the training - what another machine does - and must be `BITWISE` or

@@ -100,6 +100,24 @@ def test_a_replay_inside_the_envelope_is_within_rounding_and_says_against_what()
     assert json.loads(json.dumps(cmp.to_dict()))["rounding"]["members"] == 4
 
 
+def test_a_replay_whose_values_are_bit_identical_but_weights_not_says_so() -> None:
+    """Only the weights parted (a rounding below what the logged loss shows): the line must not call the metrics
+    not bit-identical."""
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=12)
+    replay = _replay(original, LOSS.copy())
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == WITHIN_ROUNDING, cmp.summary()
+    assert cmp.summary().startswith("WITHIN_ROUNDING: 1 metric x 12 steps bit-identical, the weights not, inside "), cmp.summary()
+    replay.metrics["acc"] = (STEPS.copy(), np.ones(12))
+    original.metrics["acc"] = (STEPS.copy(), np.ones(12))
+    replay.metrics["loss"] = (STEPS.copy(), LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
+    env = _envelope(original, steps=12)
+    env.metrics["acc"] = rounding.MetricEnvelope(list(range(12)), [1.0] * 12, [0.0] * 12)
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.summary().startswith("WITHIN_ROUNDING: loss not bit-identical (1 of 2 metrics x 12 steps), inside "), cmp.summary()
+
+
 def test_a_real_change_leaves_the_envelope_at_its_first_step_and_no_seed_rescues_it() -> None:
     original = _run("orig0000", LOSS)
     env = _envelope(original)

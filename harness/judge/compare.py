@@ -251,10 +251,19 @@ class Comparison:
         if self.verdict == WITHIN_ROUNDING and self.rounding is not None:
             # The training code's metrics: harness's learning rate is the recorded one, bit for bit, or this is no
             # rounding.
-            shape = _shape([m for m in self.metrics if not own_metric(m.name)] or self.metrics)
+            mine = [m for m in self.metrics if not own_metric(m.name)] or self.metrics
+            shape, apart = _shape(mine), [m.name for m in mine if not m.bitwise_equal]
+            # Say which values differed: the weights can part while every logged value is still bit-identical.
+            if len(apart) == len(mine):
+                what = f"{shape} not bit-identical"
+            elif apart:
+                names = ", ".join(apart[:3]) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
+                what = f"{names} not bit-identical ({len(apart)} of {shape})"
+            else:
+                what = f"{shape} bit-identical, the weights not"
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
-            return (f"{WITHIN_ROUNDING}: {shape} not bit-identical, {self.rounding.headline()}; {why}; "
+            return (f"{WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}; "
                     f"the weights differ as the calibration's members' did")
         if self.verdict == INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
             return (f"{INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "

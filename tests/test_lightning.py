@@ -264,8 +264,9 @@ def test_evaluation_values_are_recorded_at_the_trainers_step_or_at_an_index_of_t
     client = lit.client()
     run = client.get_run(evaluated_run)
     steps = {key: [m.step for m in client.get_metric_history(evaluated_run, key)] for key in run.data.metrics}
+    # harness's own learning rate is recorded at each of the 8 optimizer steps.
     assert steps == {"val_loss_step": [0, 1, 2, 3], "val_loss_epoch": [3, 7], "test_loss_step": [0, 1],
-                     "test_loss_epoch": [8], "epoch": [3, 7, 8]}, steps
+                     "test_loss_epoch": [8], "epoch": [3, 7, 8], "harness.lr": list(range(8))}, steps
     assert json.loads(run.data.tags[T.EVALUATION_METRICS]) == {
         "epoch": "step", "test_loss_epoch": "step", "test_loss_step": "test batch", "val_loss_epoch": "step",
         "val_loss_step": "validation batch"}
@@ -279,9 +280,10 @@ def test_evaluation_values_are_recorded_at_the_trainers_step_or_at_an_index_of_t
 def test_a_replay_of_evaluation_values_only_says_none_is_a_training_step_value(evaluated_replay) -> None:
     assert evaluated_replay.returncode == 0, evaluated_replay.stderr
     verdict = next(line for line in evaluated_replay.stdout.splitlines() if line.startswith("verdict: "))
-    assert verdict.startswith("verdict: BITWISE: 5 metrics (12 values) bit-identical"), verdict
-    assert verdict.endswith("; none of its values is a training-step value (every metric compared was logged by an "
-                            "evaluation: epoch, test_loss_epoch, test_loss_step, val_loss_epoch and 1 more)"), verdict
+    assert verdict.startswith("verdict: BITWISE: 5 metrics (12 values) + harness.lr bit-identical"), verdict
+    assert verdict.endswith("; none of the code's values is a training-step value (every metric it logged was logged "
+                            "by an evaluation: epoch, test_loss_epoch, test_loss_step, val_loss_epoch and 1 more; only "
+                            "harness.lr, harness's own, was compared at training steps)"), verdict
     assert "  val_loss_step: 4 validation batches, " in evaluated_replay.stdout, evaluated_replay.stdout
 
 

@@ -16,6 +16,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -168,18 +169,22 @@ def _file(s: Sealed, path: str, edit) -> Iterator[bytes]:
 
 @contextlib.contextmanager
 def _series(s: Sealed) -> Iterator[str]:
+    def loss(npz: Any) -> str:
+        return f"values_{json.loads(str(npz['keys'])).index('loss')}"
+
     def swap(data: bytes) -> bytes:
         with np.load(io.BytesIO(data)) as npz:
             arrays = {k: npz[k] for k in npz.files}
-        arrays["values_0"] = arrays["values_0"].copy()
-        arrays["values_0"][3] = 0.25
+            key = loss(npz)
+        arrays[key] = arrays[key].copy()
+        arrays[key][3] = 0.25
         out = io.BytesIO()
         np.savez_compressed(out, **arrays)
         return out.getvalue()
 
     with _file(s, T.ARTIFACT_SERIES, swap) as old:
         with np.load(io.BytesIO(old)) as npz:
-            was = float(npz["values_0"][3])
+            was = float(npz[loss(npz)][3])
         yield f"artifact {T.ARTIFACT_SERIES}: loss at step 3 ({was!r} -> 0.25)"
 
 

@@ -25,7 +25,7 @@ def train(ctx):
     teacher = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     loader = ctx.loader(data, batch_size=cfg.batch_size)
     model = ctx.ddp(nn.Linear(8, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ctx.track(optimizer)
     # Per-slot statistics gathered rank by rank, each rank's share of the rows after the other's: the order of
     # the contributions follows the world size. (1e8 + 1) - 1e8 = 0 but (1e8 - 1e8) + 1 = 1 in float32.
@@ -52,7 +52,7 @@ def train(ctx):
             optimizer.step()
             ctx.log({"loss": loss}, ctx.step)
 '''
-YAML = "  unseeded: false\n  precision: ieee\n"
+YAML = "  unseeded: false\n  precision: ieee\n  weight_decay: 0.01\n"
 # World-size-invariant mode, 2 shards of 4 samples a step: 6 steps, a checkpoint every 2.
 CONFIG = ["determinism.world_size_invariant=true", "determinism.shards=2", "train.batch_size=4", "train.samples=48",
           "train.epochs=1", "checkpoint_every=2", "train.lr=0.05"]
@@ -200,11 +200,26 @@ def test_precision_change_is_localized(project: Project, honest: str) -> None:
     assert "flush_denormal False vs True" in text, text
 
 
-def test_a_learning_rate_change_is_pinned_on_the_optimizer_step_of_the_step_before(project: Project,
-                                                                                   honest: str) -> None:
-    """lr x2: the first step whose loss differs reads weights that already differ (its first op that reads them
-    is blamed on nothing); the step before is traced too, and there the optimizer's update is the op."""
+def test_a_learning_rate_change_is_caught_at_its_first_step_and_pinned_on_the_optimizer_step(project: Project,
+                                                                                            honest: str) -> None:
+    """lr x2: harness's own per-step learning rate differs at step 0, before any loss does; step 0 is traced and
+    the optimizer's update is the op, with the arguments that differ."""
     result = project.harness("replay", honest, "--allow-changes", "train.lr=0.1", "--localize")
+    assert "DIVERGED at step 0: harness.lr 0.05 vs 0.1" in result.stdout, result.stdout
+    text = _localized(project, result)
+    assert text.startswith("Localization of step 0:"), text
+    assert "phase: optimizer" in text and "alpha=-0.05 vs T, T, alpha=-0.1" in text, text
+    (number,) = [n for n, line in enumerate(PLANTED.splitlines(), 1) if line.strip() == "optimizer.step()"]
+    assert f"train.py:{number}" in text, text
+    assert "the optimizer step ran with other hyper-parameters" in text and "train.lr (0.05 vs 0.1)" in text, text
+
+
+def test_a_weight_decay_change_is_pinned_on_the_optimizer_step_of_the_step_before(project: Project,
+                                                                                  honest: str) -> None:
+    """Weight decay x2: the learning rate is the same, so the first step whose loss differs (step 1) reads weights
+    that already differ (its first op that reads them is blamed on nothing); the step before is traced too, and
+    there the optimizer's update is the op."""
+    result = project.harness("replay", honest, "--allow-changes", "train.weight_decay=0.02", "--localize")
     text = _localized(project, result)
     head, first = text.splitlines()[:2]
     step = int(head.split("Localization of step ", 1)[1].split(":", 1)[0])
@@ -212,4 +227,5 @@ def test_a_learning_rate_change_is_pinned_on_the_optimizer_step_of_the_step_befo
     assert "INPUTS_DIFFER_FROM_START" in text and "phase: optimizer" in text, text
     (number,) = [n for n, line in enumerate(PLANTED.splitlines(), 1) if line.strip() == "optimizer.step()"]
     assert f"train.py:{number}" in text, text
-    assert "the optimizer step ran with other hyper-parameters" in text and "train.lr (0.05 vs 0.1)" in text, text
+    assert "the optimizer step ran with other hyper-parameters" in text, text
+    assert "train.weight_decay (0.01 vs 0.02)" in text, text

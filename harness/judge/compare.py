@@ -212,8 +212,9 @@ class Comparison:
         elif self.reached is not None:
             alike = "; the replay failed the same way" if self.failed_alike else ""
             line += f" (compared the {self.reached.steps} steps the {self.reached.status} original reached{alike})"
-        if self.verdict in REPRODUCED and self.metrics and all(m.evaluation for m in self.metrics):
-            line += f"; {_evaluation_only(self.metrics)}"
+        code = [m for m in self.metrics if not own_metric(m.name)]
+        if self.verdict in REPRODUCED and code and all(m.evaluation for m in code):
+            line += f"; {_evaluation_only(code, [m.name for m in self.metrics if own_metric(m.name)])}"
         if len(self.weights_unchanged_in) == 2:
             line += " - but the model's weights never changed: nothing was trained"
         elif self.weights_unchanged_in:
@@ -257,8 +258,8 @@ class Comparison:
             if len(apart) == len(mine):
                 what = f"{shape} not bit-identical"
             elif apart:
-                names = ", ".join(apart[:3]) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
-                what = f"{names} not bit-identical ({len(apart)} of {shape})"
+                listed = ", ".join(apart[:3]) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
+                what = f"{listed} not bit-identical ({len(apart)} of {shape})"
             else:
                 what = f"{shape} bit-identical, the weights not"
             n = len(self.bitwise_blockers)
@@ -624,7 +625,6 @@ def compare_runs(
     rep_metrics = {k: v for k, v in rep_metrics.items() if v[0].size}
     evaluation = evaluation_keys(original, replay)
     own = {k: counts for k, counts in evaluation.items() if counts != tags.EVAL_AT_STEP}
-    stepped = {k: v for k, v in orig_metrics.items() if k not in own}  # the original's values at training steps
     reached = None
     if incomplete_original or first_steps is not None:
         # The script's own MLflow metrics are at its own steps (an epoch, MLflow's default 0), not training steps: a
@@ -635,6 +635,7 @@ def compare_runs(
                          "whole run's are")
             orig_metrics = {k: v for k, v in orig_metrics.items() if k not in direct}
             rep_metrics = {k: v for k, v in rep_metrics.items() if k not in direct}
+    stepped = {k: v for k, v in orig_metrics.items() if k not in own}  # the original's values at training steps
     if incomplete_original:
         last = max((int(s[-1]) for s, _ in stepped.values()), default=-1)
         rep_metrics = {**_upto(_without(rep_metrics, own), last), **_as_far(rep_metrics, orig_metrics, own)}
@@ -875,12 +876,16 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     return cmp
 
 
-def _evaluation_only(metrics: list[MetricStats]) -> str:
-    """Said beside a pass whose every value came from an evaluation (Lightning's validation or test, a short run
-    whose log_every_n_steps was never reached): it holds nothing training logged."""
+def _evaluation_only(metrics: list[MetricStats], own: list[str]) -> str:
+    """Said beside a pass whose every value of the training code's came from an evaluation (Lightning's validation
+    or test, a short run whose log_every_n_steps was never reached): it holds nothing training logged - harness's
+    own per-step values (the learning rate) aside, which say nothing of what the model computed."""
     names = [m.name for m in metrics]
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return f"none of its values is a training-step value (every metric compared was logged by an evaluation: {shown})"
+    if not own:
+        return f"none of its values is a training-step value (every metric compared was logged by an evaluation: {shown})"
+    return (f"none of the code's values is a training-step value (every metric it logged was logged by an evaluation: "
+            f"{shown}; only {', '.join(own)}, harness's own, was compared at training steps)")
 
 
 def _changes(n: int) -> str:

@@ -19,6 +19,7 @@ from harness import scratch, tags as T
 from harness.errors import HarnessError
 from harness.record import data, loading, seal
 from harness.record.data import sha256_file
+from harness.record.recorded import recorded_submodules
 from harness.store.reach import exclusive
 from harness.store.tracking import Tracker, import_complete, unwritable
 from harness.systems import docker, git as gitsource
@@ -343,7 +344,7 @@ def export(
         carried = stage / RUN_DIR / ARTIFACTS / T.ARTIFACT_CODE_BUNDLE  # an imported run carries its code
         live = gitsource.find_repo(repo or Path.cwd())
         if live is not None and gitsource.has_commit(live, commit):
-            gitsource.bundle_commit(live, commit, code)
+            gitsource.bundle_commit(live, commit, code, recorded_submodules(tracker, run))
             carried.unlink(missing_ok=True)
         elif carried.is_file():
             carried.rename(code)

@@ -10,8 +10,8 @@ that returned, with everything it logged and its final fingerprint.
 from __future__ import annotations
 
 import pytest
-
 from conftest import Project
+
 from harness import tags as T
 from harness.errors import EXIT_FAILED
 

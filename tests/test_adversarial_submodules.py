@@ -8,16 +8,15 @@ with none - checks it out at that commit with that patch.
 
 from __future__ import annotations
 
-import json
 import base64
+import json
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import Project, git, make_project
+
 from harness import tags as T
 
 # linear_ddp whose loss is scaled by a constant from the submodule: the submodule's code decides the result.

@@ -20,11 +20,12 @@ from conftest import Project, git, make_project
 from harness import tags as T
 
 # linear_ddp whose loss is scaled by a constant from the submodule: the submodule's code decides the result.
-TRAIN = '''"""linear_ddp, its loss scaled by lib.scale.SCALE (a submodule)."""
+TRAIN = '''"""linear_ddp, its loss scaled by lib.scale.SCALE (a submodule) and lib.deep.factor.FACTOR (the submodule's own)."""
 
 import torch
 from torch import nn
 
+from lib.deep.factor import FACTOR
 from lib.scale import SCALE
 
 
@@ -37,11 +38,12 @@ def train(ctx):
     for epoch in ctx.epochs(cfg.epochs):
         for batch in loader:
             optimizer.zero_grad()
-            loss = ctx.backward(batch.to(ctx.device), lambda b: model(b).square().mean() * SCALE)
+            loss = ctx.backward(batch.to(ctx.device), lambda b: model(b).square().mean() * SCALE * FACTOR)
             optimizer.step()
             ctx.log({"loss": loss}, ctx.step)
 '''
 EDITED = "SCALE = 3.0  # not committed in the submodule\n"
+DEEP_EDITED = "FACTOR = 0.5  # not committed in the submodule's submodule\n"
 
 
 @dataclass
@@ -49,36 +51,49 @@ class Recorded:
     project: Project
     run_id: str
     lib_commit: str
+    deep_commit: str
     check: str  # what `harness check` said of the edited tree
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     base = tmp_path_factory.mktemp("submodules")
+    deep = base / "deep origin"
+    deep.mkdir()
+    (deep / "factor.py").write_text("FACTOR = 1.0\n")
+    git(deep, "init", "-q", "-b", "main")
+    git(deep, "add", "-A")
+    git(deep, "commit", "-qm", "factor")
     lib = base / "lib origin"
     lib.mkdir()
     (lib / "scale.py").write_text("SCALE = 1.0\n")
     git(lib, "init", "-q", "-b", "main")
+    git(lib, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(deep), "deep")
     git(lib, "add", "-A")
-    git(lib, "commit", "-qm", "scale")
+    git(lib, "commit", "-qm", "scale, with its own submodule")
     project = make_project(base)
     exp = project.root / "experiments" / "scaled"
     shutil.copytree(project.root / "experiments" / "linear_ddp", exp)
     (exp / "train.py").write_text(TRAIN)
     git(project.root, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "experiments/scaled/lib")
+    git(project.root, "-c", "protocol.file.allow=always", "submodule", "update", "-q", "--init", "--recursive")
     git(project.root, "add", "-A")
     git(project.root, "commit", "-qm", "scaled, with its submodule")
     sub = exp / "lib"
     (sub / "scale.py").write_text(EDITED)
     (sub / "notes.txt").write_text("untracked, in the submodule\n")
+    (sub / "deep" / "factor.py").write_text(DEEP_EDITED)
     check = project.harness("check", "experiments/scaled")
     assert check.returncode == 0, check.stderr
     run = project.harness("run", "experiments/scaled", "train.epochs=1")
     assert run.returncode == 0, run.stderr
     # The live tree is clean again: only the record holds the edit.
     git(sub, "checkout", "-q", "--", "scale.py")
+    git(sub / "deep", "checkout", "-q", "--", "factor.py")
     (sub / "notes.txt").unlink()
-    return Recorded(project, run.last_line, git(sub, "rev-parse", "HEAD").strip(), check.stdout + check.stderr)
+    assert not git(project.root, "status", "--porcelain", "--ignore-submodules=none")
+    return Recorded(project, run.last_line, git(sub, "rev-parse", "HEAD").strip(),
+                    git(sub / "deep", "rev-parse", "HEAD").strip(), check.stdout + check.stderr)
 
 
 def test_an_edit_inside_a_submodule_makes_the_tree_dirty(recorded: Recorded) -> None:
@@ -91,11 +106,14 @@ def test_an_edit_inside_a_submodule_makes_the_tree_dirty(recorded: Recorded) -> 
 def test_each_submodule_is_recorded_with_its_commit_and_exact_patch(recorded: Recorded, tmp_path: Path) -> None:
     client = recorded.project.client()
     local = Path(client.download_artifacts(recorded.run_id, T.ARTIFACT_SUBMODULES, str(tmp_path)))
-    (entry,) = json.loads(local.read_bytes())["submodules"]
+    entry, nested = json.loads(local.read_bytes())["submodules"]  # a parent before its own submodules
     assert entry["path"] == "experiments/scaled/lib" and entry["commit"] == recorded.lib_commit
     patch = base64.b64decode(entry["patch"])
     assert b"+SCALE = 3.0  # not committed in the submodule" in patch and b"-SCALE = 1.0" in patch
     assert b"+untracked, in the submodule" in patch and entry["untracked"] == ["notes.txt"]
+    assert b"factor.py" not in patch  # the nested submodule's edit is in its own patch
+    assert nested["path"] == "experiments/scaled/lib/deep" and nested["commit"] == recorded.deep_commit
+    assert b"+FACTOR = 0.5" in base64.b64decode(nested["patch"]) and nested["untracked"] == []
 
 
 def test_replay_checks_the_submodule_out_with_its_patch(recorded: Recorded) -> None:

@@ -243,11 +243,11 @@ def _submodules(root: Path, commit: str, prefix: str, max_mib: float | None, all
         sub_root = Path(os.fsdecode(os.path.join(os.fsencode(root), rel)))
         if not (sub_root / ".git").exists():
             continue
-        path = prefix + _show(rel)
+        path = prefix + os.fsdecode(rel)
         head = _run(sub_root, ["rev-parse", "--verify", "-q", "HEAD"]).strip().decode("ascii")
         if head != recorded:  # the superproject's own check (_refuse_gitlinks) sees this first; a nested one's is here
             raise HarnessError(
-                f"submodule '{path}' is checked out at {head[:12]}, not at the commit recorded in {commit[:12]}; the "
+                f"submodule '{_show(os.fsencode(path))}' is checked out at {head[:12]}, not at the commit recorded in {commit[:12]}; the "
                 f"code record cannot hold a submodule change. Commit the submodule update, or check it out at the "
                 "recorded commit."
             )
@@ -525,6 +525,11 @@ def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Pa
     Its objects come from the repository's own checkout of it (root/PATH), or from `root` itself when that holds
     them (a code bundle carries the submodules' commits): a shared clone borrows them, so nothing is fetched from
     the submodule's URL and nothing is registered in the user's repositories."""
+    shown = _show(os.fsencode(sub.path))
+    dest = tree / sub.path
+    if not dest.resolve().is_relative_to(tree.resolve()):  # a symbolic link of the commit on the way
+        raise HarnessError(f"submodule '{shown}' lies outside the worktree of the recorded commit (a symbolic link "
+                           "on its path). Replay another run.")
     source = None
     for candidate in (root / sub.path, root):
         if (candidate / ".git").exists() and has_commit(candidate, sub.commit):
@@ -532,15 +537,14 @@ def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Pa
             break
     if source is None:
         raise HarnessError(
-            f"commit {sub.commit[:12]} of submodule '{sub.path}' is not in the repository at {root / sub.path}. "
-            f"Fetch it there (git -C '{sub.path}' fetch), or run this inside a clone that has it."
+            f"commit {sub.commit[:12]} of submodule '{shown}' is not in the repository at {root / sub.path}. "
+            f"Fetch it there (git -C '{shown}' fetch), or run this inside a clone that has it."
         )
-    dest = tree / sub.path
     dest.mkdir(parents=True, exist_ok=True)
     _run(dest, ["clone", "-q", "--no-checkout", "--shared", str(source), "."])
     _run(dest, ["checkout", "-q", "--detach", sub.commit])
     if sub.patch:
-        _apply(dest, sub.commit, sub.patch, scratch_dir / "submodule.patch", f" of submodule '{sub.path}'")
+        _apply(dest, sub.commit, sub.patch, scratch_dir / "submodule.patch", f" of submodule '{shown}'")
 
 
 @contextlib.contextmanager

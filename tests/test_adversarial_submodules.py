@@ -98,6 +98,8 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
 
 def test_an_edit_inside_a_submodule_makes_the_tree_dirty(recorded: Recorded) -> None:
     assert "+uncommitted changes" in recorded.check, recorded.check
+    assert "Submodules with changes of their own (git/submodules.json): 'experiments/scaled/lib', " \
+           "'experiments/scaled/lib/deep'" in recorded.check, recorded.check
     run = recorded.project.client().get_run(recorded.run_id)
     assert run.data.tags[T.GIT_DIRTY] == "true"
     assert run.data.tags.get(T.GIT_SUBMODULES_SHA256)
@@ -135,3 +137,27 @@ def test_a_bundle_carries_the_submodule_to_a_machine_without_the_repository(reco
     result = clean.harness("replay", imported.last_line)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout
     assert result.stdout.strip().splitlines()[-2].startswith("verdict: BITWISE"), result.stdout
+
+
+def test_a_submodules_untracked_files_follow_the_repositorys_rules(tmp_path: Path) -> None:
+    """A secret-named untracked file inside a submodule is refused as one in the repository is (nothing recorded)."""
+    from harness.errors import HarnessError
+    from harness.systems import git as gitsource
+
+    lib = tmp_path / "lib origin"
+    lib.mkdir()
+    (lib / "scale.py").write_text("SCALE = 1.0\n")
+    git(lib, "init", "-q", "-b", "main")
+    git(lib, "add", "-A")
+    git(lib, "commit", "-qm", "scale")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "lib")
+    git(repo, "commit", "-qm", "lib")
+    assert not gitsource.inspect(repo, max_untracked_mib=10).dirty
+    (repo / "lib" / ".env").write_text("TOKEN=x\n")
+    with pytest.raises(HarnessError, match=r"'lib/\.env' is an untracked file whose name marks it as a secret"):
+        gitsource.inspect(repo, max_untracked_mib=10)
+    state = gitsource.inspect(repo, max_untracked_mib=10, allow_secrets=True)
+    assert state.dirty and state.patch == b"" and state.submodules[0].untracked == (".env",)

@@ -201,8 +201,11 @@ def preflight(
                 f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
                 "Commit or stash them."
             )
+        edited = [s.path for s in git.submodules if s.patch]
         warnings.append(
             "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
+            + (f" Submodules with changes of their own (git/submodules.json): {gitsource.first_few(edited)}."
+               if edited else "")
             + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
             + gitsource.framework_hint(gitsource.framework_outputs(list(git.untracked)))
         )

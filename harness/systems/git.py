@@ -251,7 +251,7 @@ def _submodules(root: Path, commit: str, prefix: str, max_mib: float | None, all
                 f"code record cannot hold a submodule change. Commit the submodule update, or check it out at the "
                 "recorded commit."
             )
-        untracked = _check_untracked(sub_root, max_mib, allow_secrets, [])
+        untracked = _check_untracked(sub_root, max_mib, allow_secrets, [], _show(os.fsencode(path)) + "/")
         patch = _working_tree_patch(sub_root, recorded, [])
         yield Submodule(path, recorded, patch, untracked)
         yield from _submodules(sub_root, recorded, path + "/", max_mib, allow_secrets)
@@ -285,8 +285,10 @@ def secret_pattern(name: bytes) -> str | None:
     return next((p for p in SECRET_PATTERNS if fnmatch.fnmatchcase(base, p)), None)
 
 
-def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str]) -> tuple[str, ...]:
-    """Refuse untracked files the record must not or cannot hold; returns the untracked files it will hold."""
+def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str],
+                     shown: str = "") -> tuple[str, ...]:
+    """Refuse untracked files the record must not or cannot hold; returns the untracked files it will hold.
+    `shown`: what messages put before a path (a submodule's own path and a slash)."""
     out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
     secrets: list[tuple[bytes, str]] = []
     names = tuple(_show(rel) for rel in filter(None, out.split(b"\0")))
@@ -294,7 +296,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
             raise HarnessError(
-                f"'{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
+                f"'{shown}{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
                 "cannot hold it. Add it to .gitignore, or add it as a submodule and commit the submodule."
             )
         pattern = secret_pattern(rel)
@@ -307,7 +309,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
             size = os.lstat(os.path.join(os.fsencode(root), rel)).st_size
             if size > max_mib * MIB:
                 raise HarnessError(
-                    f"'{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
+                    f"'{shown}{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
                     f"record's limit of {max_mib:g} MiB (record.max_untracked_mib). Commit it, add it to "
                     "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
                     "limit (record.max_untracked_mib=50)." + framework_hint(framework_outputs([_show(rel)]))
@@ -315,13 +317,13 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
     if len(secrets) == 1:
         (rel, pattern), = secrets
         raise HarnessError(
-            f"'{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
+            f"'{shown}{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
             "stored with the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
             "--allow-untracked-secrets knowingly."
         )
     if secrets:  # every one at once: fixing them one run at a time would be tedious
         raise HarnessError(
-            f"{first_few([_show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
+            f"{first_few([shown + _show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
             "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, "
             "or pass --allow-untracked-secrets knowingly."
         )

@@ -49,6 +49,7 @@ GIT_BRANCH = "harness.git.branch"
 GIT_DIRTY = "harness.git.dirty"
 GIT_REPO_URL = "harness.git.repo_url"
 GIT_PATCH_SHA256 = "harness.git.patch_sha256"
+GIT_SUBMODULES_SHA256 = "harness.git.submodules_sha256"  # of ARTIFACT_SUBMODULES: each submodule's commit and patch
 
 IMAGE = "harness.image"  # as pinned in experiment.yaml
 IMAGE_DIGEST = "harness.image.digest"  # registry digest, or "unknown"
@@ -225,6 +226,7 @@ LOCALIZED = "harness.localized"  # on a replay: the localization's status (CULPR
 # Artifacts.
 ARTIFACT_CONFIG = "config.yaml"
 ARTIFACT_PATCH = "git/uncommitted.patch"  # bytes of `git diff --binary`, never decoded
+ARTIFACT_SUBMODULES = "git/submodules.json"  # every checked-out submodule: path, commit, its own exact patch
 ARTIFACT_CODE_BUNDLE = "git/code.bundle"  # an imported run's recorded commit as a git bundle (harness import)
 ARTIFACT_LOCK = "environment/requirements.lock"
 ARTIFACT_NODES = "environment/nodes.json"  # every node's provenance, node rank -> facts

@@ -272,6 +272,23 @@ def fresh_project(tmp_path: Path) -> Project:
     return make_project(tmp_path)
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 12 MB filesystem (tmpfs) at tmp_path/"small disk": writes past it fail with ENOSPC mid-write; unmounted
+    afterwards."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":  # CI runs as root: a missing full-disk test there is a failure
+            pytest.fail("the full-disk tests need root to mount a tmpfs in CI")
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    disk = tmp_path / "small disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,22 +72,6 @@ def _experiment(project: Project, name: str, train_py: str, yaml: str) -> str:
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-qm", name],
                        cwd=project.root, check=True)
     return f"experiments/{name}"
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 12 MB filesystem (tmpfs): writes past it fail with ENOSPC mid-write."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI") == "true":  # CI runs as root: a missing full-disk test there is a failure
-            pytest.fail("the full-disk tests need root to mount a tmpfs in CI")
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    disk = tmp_path / "small disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True)
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _runs(db: Path) -> list[tuple[str, str, str | None]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -18,8 +19,9 @@ from harness import scratch, tags as T
 from harness.errors import HarnessError
 from harness.record import data, loading, seal
 from harness.record.data import sha256_file
+from harness.record.recorded import recorded_submodules
 from harness.store.reach import exclusive
-from harness.store.tracking import Tracker, import_complete
+from harness.store.tracking import Tracker, import_complete, unwritable
 from harness.systems import docker, git as gitsource
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
@@ -342,7 +344,7 @@ def export(
         carried = stage / RUN_DIR / ARTIFACTS / T.ARTIFACT_CODE_BUNDLE  # an imported run carries its code
         live = gitsource.find_repo(repo or Path.cwd())
         if live is not None and gitsource.has_commit(live, commit):
-            gitsource.bundle_commit(live, commit, code)
+            gitsource.bundle_commit(live, commit, code, recorded_submodules(tracker, run))
             carried.unlink(missing_ok=True)
         elif carried.is_file():
             carried.rename(code)
@@ -543,24 +545,28 @@ def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir:
     data_home = (data_dir or Path.cwd() / "harness-data" / original).resolve()
     created: list[Path] = []
     ids: dict[str, str] = {}
-    try:
-        placed = _place_data(unpacked, data_home, created)
-        new_id = _import_run(tracker, record, unpacked / RUN_DIR, ids)
-        for rec in replays:
-            _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
-        for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
-            tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
-        # The commit: until the run says complete, the next import takes it for a half one and redoes it.
-        for rec in [*replays, record]:
-            tracker.set_tags_exact(ids[rec["run_id"]], {T.IMPORT_STATE: T.IMPORT_COMPLETE})
-    except BaseException:
-        for folder in created:
-            shutil.rmtree(folder, ignore_errors=True)
-        for made in ids.values():  # nothing half-imported stays
-            try:
-                tracker.delete_run(made)
-            except Exception:
-                pass
-        raise
+    # A full disk may stop any write below; undoing them must not need that disk to take more (rollback_room).
+    with tracker.rollback_room() as free_room:
+        try:
+            placed = _place_data(unpacked, data_home, created)
+            new_id = _import_run(tracker, record, unpacked / RUN_DIR, ids)
+            for rec in replays:
+                _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
+            for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
+                tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+            # The commit: until the run says complete, the next import takes it for a half one and redoes it.
+            for rec in [*replays, record]:
+                tracker.set_tags_exact(ids[rec["run_id"]], {T.IMPORT_STATE: T.IMPORT_COMPLETE})
+        except BaseException as err:
+            free_room()
+            for folder in created:
+                shutil.rmtree(folder, ignore_errors=True)
+            for made in ids.values():  # nothing half-imported stays
+                with contextlib.suppress(Exception):
+                    tracker.discard_run(made)
+            if isinstance(err, OSError) and unwritable(err):  # the data folder's disk, not the store's
+                raise HarnessError(f"the disk of {data_home} {unwritable(err)}: the bundle's data could not be placed "
+                                   "there. Free space on it, or pass another --data-dir.") from None
+            raise
     return ImportResult(new_id, original, already=False, replays=[ids[r["run_id"]] for r in replays],
                         image=image, data=placed)

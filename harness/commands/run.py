@@ -19,7 +19,7 @@ from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import printable
 from harness.record import confine, derived, loading, redaction
-from harness.record.recorded import code_id, recorded_config
+from harness.record.recorded import git_code_id, recorded_config, tags_code_id
 from harness.store.reach import local_paths, probe_store, store_timeout
 from harness.store.tracking import Tracker, resolve_uri
 from harness.systems import git as gitsource
@@ -64,6 +64,8 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
         tags[T.MLFLOW_GIT_REPO_URL] = git.repo_url
     if git.dirty:
         tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch).hexdigest()
+    if git.submodules:
+        tags[T.GIT_SUBMODULES_SHA256] = hashlib.sha256(gitsource.submodules_json(git.submodules)).hexdigest()
     tags.update(image)
     return tags
 
@@ -95,6 +97,8 @@ def create_record(
         tracker.log_text(run_id, text, T.ARTIFACT_CONFIG)
         if git.dirty:
             tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
+        if git.submodules:
+            tracker.log_bytes(run_id, gitsource.submodules_json(git.submodules), T.ARTIFACT_SUBMODULES)
         if data is not None:
             tracker.log_text(run_id, D.dumps(data), T.ARTIFACT_DATA_MANIFEST)
             tracker.log_data_inputs(run_id, [(n, e["sha256"], e["path"]) for n, e in sorted(data["entries"].items())])
@@ -197,8 +201,11 @@ def preflight(
                 f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
                 "Commit or stash them."
             )
+        edited = [s.path for s in git.submodules if s.patch]
         warnings.append(
             "uncommitted changes: a run records them as a patch (git/uncommitted.patch) and is tagged dirty."
+            + (f" Submodules with changes of their own (git/submodules.json): {gitsource.first_few(edited)}."
+               if edited else "")
             + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
             + gitsource.framework_hint(gitsource.framework_outputs(list(git.untracked)))
         )
@@ -285,7 +292,7 @@ def run(
     try:
         tracker = Tracker(tracking_uri)
         inputs = JobInputs(git.root, Path(exp_dir), data=data_paths(checked.data),
-                           code_id=code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None))
+                           code_id=git_code_id(git))
         job = Job(
             tracker, cfg, inputs,
             record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
@@ -338,7 +345,7 @@ def execute_recorded(
     for _ in Path(rel).parts:
         root = root.parent
     inputs = JobInputs(
-        root, code_dir, code_id=code_id(run.tags[T.GIT_COMMIT], run.tags.get(T.GIT_PATCH_SHA256)),
+        root, code_dir, code_id=tags_code_id(run.tags),
         # Where the submitting side found the data (a Slurm job shares its filesystem).
         data=data_paths(recorded_data(tracker, run_id)),
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import os
@@ -288,7 +287,6 @@ def run_study(
     tracker = Tracker(tracking_uri)
     name = Path(exp_dir).resolve().name
     data_paths = runner.data_paths(checked.data)
-    patch_sha = hashlib.sha256(git.patch).hexdigest() if git.dirty else None
     # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
     placement = executors.get(backend).prepare(Job(tracker, study_cfg, JobInputs(git.root, Path(exp_dir), data=data_paths)))
     study_tags = {
@@ -319,7 +317,7 @@ def run_study(
                     return runner.create_record(tracker, member_cfg, Path(exp_dir), git, image=tags, extra_tags=extra,
                                                 run_name=f"{name}-seed{seed}", data=checked.data)
 
-                inputs = JobInputs(tree, tree_exp, code_id=runner.code_id(git.commit, patch_sha), data=data_paths)
+                inputs = JobInputs(tree, tree_exp, code_id=runner.git_code_id(git), data=data_paths)
                 options = executors.options_for(
                     backend, **{"allow_unpinned": allow_unpinned, **(job_options or {}), "quiet": jobs_at_once > 1})
                 return Job(tracker, member_cfg, inputs, record=record, options=options)

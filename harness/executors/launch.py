@@ -459,7 +459,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             if spec.segments:
                 ctx.announce_segment(index)
             try:
-                fn(ctx)
+                _train(fn, ctx)
                 regroup(spec, rank, store, timeout, device)
                 ctx.finish()
             except StopSegment:  # an audit segment (or replay --steps K) ended: every rank stops at the same step
@@ -487,6 +487,17 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             seeds_seen.stop()  # torchrun runs the body in its launcher's process, which lives on
         if channel is not None:
             channel.close()
+
+
+def _train(fn: Callable[[Any], Any], ctx: Any) -> None:
+    """The experiment's entry function. sys.exit(0) (or sys.exit()) in it ends it as a return does: SystemExit
+    unwinds like one, and Python calls that status a success; the rank then finishes as a rank that returned (its
+    metrics flushed, its end-of-run checks and final fingerprint). Any other status is raised: the rank failed."""
+    try:
+        fn(ctx)
+    except SystemExit as err:
+        if err.code not in (None, 0):
+            raise
 
 
 _DONE = -3.0  # a rank's step in the progress array once it no longer needs the job's store
@@ -759,14 +770,23 @@ def launch(
                     raise Interrupted(signum)
                 if check is not None:
                     check()
+                if _left(context.processes, progress):
+                    break  # the others are stopped below: they would only wait for it, or lose their peer
                 silent = _silent_ranks(progress, context.processes, spec.timeout_s)
                 if silent:
                     raise _stalled(spec, context.processes, progress, silent)
+            left = _left(context.processes, progress)
+            if left:
+                context.stop(_GRACE_S)
+                raise _left_failure(spec, progress, left)
         except procs.RankFailed as err:
             signum = _signalled_too(err, cancelled)
             if signum:  # a scheduler signals every process of the job: the ranks died of the launcher's signal
                 raise Interrupted(signum) from None
             context.stop(_GRACE_S)  # every rank's error record is final before it is read
+            left = _left(context.processes, progress)
+            if left:  # the others' failures (a peer's connection reset, a store gone) follow from its leaving
+                raise _left_failure(spec, progress, left) from None
             rank, line, text, expected, peer = _diagnose(spec, err)
             raise RunFailed(line) from _RankError(rank, text, expected, peer)
     except KeyboardInterrupt:
@@ -805,6 +825,24 @@ def _signalled_too(err: procs.RankFailed, cancelled: Callable[[], int | None] | 
             return signum
         time.sleep(0.05)
     return None
+
+
+def _left(processes: list[Any], progress: Any) -> list[int]:
+    """This node's ranks whose process ended with status 0 although the rank never said its training was over (its
+    progress reached the teardown once `train` returned): os._exit(0), or a library that ends the process. Exit
+    status 0 alone says nothing: only a rank that returned has flushed its metrics and joined the end-of-run checks."""
+    return [r for r, p in enumerate(processes) if p.exitcode == 0 and progress[2 * r] not in (_TEARDOWN, _DONE)]
+
+
+def _left_failure(spec: LaunchSpec, progress: Any, left: list[int]) -> RunFailed:
+    rank = spec.global_rank(left[0])
+    others = [spec.global_rank(r) for r in left[1:]]
+    line = (f"rank {rank} left without returning from train: its process ended with status 0 "
+            f"{_phase(int(progress[2 * left[0]]))} (os._exit, or code that ends the process)"
+            + (f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} too)" if others else "")
+            + ", so what it logged since its last flush and its end-of-run checks are lost. End training by returning "
+            "from train (sys.exit(0) counts as a return).")
+    return failed(line, rank)
 
 
 def _silent_ranks(progress: Any, processes: list[Any], timeout_s: float) -> list[int]:

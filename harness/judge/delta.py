@@ -148,6 +148,7 @@ _NOTES: dict[str, str] = {
     tags.GIT_COMMIT: "code differs",
     tags.GIT_DIRTY: "code differs",
     tags.GIT_PATCH_SHA256: "code differs",
+    tags.GIT_SUBMODULES_SHA256: "code differs",
     tags.GIT_BRANCH: "branch differs",
     tags.GIT_REPO_URL: "repository URL differs",
     tags.IMAGE_ID: "local image id differs (compare digests)",

@@ -32,9 +32,21 @@ def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
     return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
 
 
-def code_id(commit: str, patch_sha256: str | None) -> str:
-    """What every node of a job must agree on: the commit and, for a dirty tree, the patch."""
-    return f"{commit}+{patch_sha256}" if patch_sha256 else commit
+def code_id(commit: str, patch_sha256: str | None, submodules_sha256: str | None = None) -> str:
+    """What every node of a job must agree on: the commit and, for a dirty tree, the patch; with submodules, their
+    record (each one's commit and patch)."""
+    return commit + (f"+{patch_sha256}" if patch_sha256 else "") + (f"+s{submodules_sha256}" if submodules_sha256 else "")
+
+
+def git_code_id(git: gitsource.GitState) -> str:
+    """code_id of the code record `git` makes."""
+    subs = hashlib.sha256(gitsource.submodules_json(git.submodules)).hexdigest() if git.submodules else None
+    return code_id(git.commit, hashlib.sha256(git.patch).hexdigest() if git.dirty else None, subs)
+
+
+def tags_code_id(tags: dict[str, str]) -> str:
+    """code_id of a recorded run, from its tags."""
+    return code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256), tags.get(T.GIT_SUBMODULES_SHA256))
 
 
 @dataclass
@@ -70,7 +82,7 @@ class RecordedRun:
         """The job that runs this recorded code (inside `code()`); its image digest is the recorded one."""
         tags = self.run.tags
         data = fields.pop("data", {})
-        inputs = JobInputs(tree, exp_dir, code_id=code_id(tags[T.GIT_COMMIT], tags.get(T.GIT_PATCH_SHA256)), data=data)
+        inputs = JobInputs(tree, exp_dir, code_id=tags_code_id(tags), data=data)
         return Job(self.tracker, self.cfg, inputs, record=record, recorded=self.run, topology=topology or Topology(),
                    **fields)
 
@@ -183,5 +195,27 @@ def _checkout_from(
                 f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a "
                 "backup of the store, or replay another run."
             )
-    with gitsource.worktree(root, commit, patch, base) as tree:
+    with gitsource.worktree(root, commit, patch, base, recorded_submodules(tracker, run)) as tree:
         yield tree, tree / confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)
+
+
+def recorded_submodules(tracker: Tracker, run: RunSummary) -> tuple[gitsource.Submodule, ...]:
+    """The submodules the run's code record holds (each one's commit and patch), checked against their tag."""
+    expected = run.tags.get(T.GIT_SUBMODULES_SHA256)
+    if expected is None:
+        return ()
+    raw = tracker.read_bytes(run.run_id, T.ARTIFACT_SUBMODULES)
+    if raw is None:
+        raise HarnessError(f"run {run.run_id} recorded submodules but its {T.ARTIFACT_SUBMODULES} artifact is missing. "
+                           "Restore it from a backup of the store, or replay another run.")
+    got = hashlib.sha256(raw).hexdigest()
+    if got != expected:
+        raise HarnessError(
+            f"the recorded submodules of run {run.run_id} were altered ({T.ARTIFACT_SUBMODULES}: sha256 expected "
+            f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a backup of "
+            "the store, or replay another run."
+        )
+    try:
+        return gitsource.submodules_from_json(raw)
+    except ValueError as err:
+        raise HarnessError(f"run {run.run_id}'s {T.ARTIFACT_SUBMODULES} is malformed ({err}). Replay another run.") from None

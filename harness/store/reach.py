@@ -195,10 +195,12 @@ def opening(uri: str) -> Iterator[None]:
         return
     try:
         # The processes of one job, or many jobs on one store, take turns: each opening takes a second or two, more
-        # on a loaded machine. Waiting is bounded per holder, not in all: only one process that holds the lock for
-        # longer than HOLD_LIMIT without letting go is a problem, and it is named.
+        # on a loaded machine. Waiting is bounded per holder, not in all, and a holder that makes progress is not
+        # waited out: the one that builds a new store's schema (MLflow's migrations, minutes of a loaded core) burns
+        # CPU and writes the database as it goes. Only a holder that keeps the lock for longer than HOLD_LIMIT with
+        # neither is a problem, and it is named.
         limit = hold_limit()
-        holder, since = None, time.monotonic()
+        holder, since, seen = None, time.monotonic(), None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -206,8 +208,9 @@ def opening(uri: str) -> Iterator[None]:
             except BlockingIOError:
                 now = time.monotonic()
                 who = flock_holder(fd)
-                if who != holder:
-                    holder, since = who, now
+                progress = _progress(who, path)
+                if who != holder or progress != seen:
+                    holder, since, seen = who, now, progress
                 elif now - since > limit:
                     raise HarnessError(_held_message(holder, path.parent, limit)) from None
                 time.sleep(0.05)
@@ -236,8 +239,28 @@ def exclusive(uri: str) -> Iterator[None]:
 
 
 def hold_limit() -> float:
-    """Seconds one process may hold a store's opening lock before the next one gives up: six store timeouts (60 s)."""
+    """Seconds one process may hold a store's opening lock without progress (no CPU time, no write to the store)
+    before the next one gives up: six store timeouts (60 s)."""
     return 6 * store_timeout()
+
+
+def _progress(pid: int | None, db: Path) -> tuple[object, ...]:
+    """What changes while the opening lock's holder works: its CPU time (utime and stime of /proc/PID/stat), and
+    the size and modification time of the store's files (the database, its journal, the one being created)."""
+    cpu: object = None
+    if pid is not None:
+        with contextlib.suppress(OSError, IndexError):
+            # The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+            fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+            cpu = (fields[11], fields[12])  # utime, stime (fields 14 and 15)
+    files = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(db.parent):
+            if entry.name.startswith((db.name, f".{db.name}.creating-")):
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    files.append((entry.name, st.st_size, st.st_mtime_ns))
+    return cpu, tuple(sorted(files))
 
 
 def flock_holder(fd: int) -> int | None:

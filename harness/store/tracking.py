@@ -10,12 +10,13 @@ import logging
 import math
 import os
 import re
+import shutil
 import sqlite3
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit
@@ -100,6 +101,11 @@ def is_store_error(err: BaseException) -> bool:
 
 
 def store_failure(err: BaseException, uri: str) -> HarnessError:
+    full = unwritable(err)
+    if full:  # waiting or retrying cannot help: say what can
+        fix = "Free space on its disk" if full == "is full" else "Make it writable for this user"
+        return HarnessError(f"the tracking store {display_uri(uri)} {full}: {reason_of(err)}. {fix} "
+                            f"(or use another store with --tracking-uri), then rerun.")
     return HarnessError(
         f"the tracking store {display_uri(uri)} failed: {reason_of(err)}. Check that it is reachable (and writable for "
         "commands that record), then rerun."
@@ -119,6 +125,10 @@ def _store_call(method: Callable[_P, _R]) -> Callable[_P, _R]:
             return method(*args, **kwargs)
         except HarnessError:
             raise
+        except OSError as err:  # an artifact written to a local store's disk
+            if unwritable(err) is None:
+                raise
+            raise store_failure(err, args[0].uri) from err  # type: ignore[attr-defined]
         except Exception as err:
             if not is_store_error(err):
                 raise
@@ -519,6 +529,26 @@ def _save_template(store: Path, template: Path) -> None:
         template.with_name(f"{template.name}.{os.getpid()}.partial").unlink(missing_ok=True)
 
 
+# What undoing an import needs on a full disk, with a wide margin: its runs marked deleted (SQLite journals a few
+# 4 KiB pages); the artifact files it wrote are removed, which frees space.
+ROLLBACK_ROOM = 1 << 20
+
+
+def _allocate(path: Path, size: int) -> None:
+    """A file of `size` bytes whose blocks are taken on its disk (not a sparse one): ENOSPC when they are not there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.write(fd, bytes(size))  # a filesystem without fallocate
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Tracker:
     """An MLflow client bound to one tracking store, reached (or refused) before it is used.
 
@@ -764,6 +794,40 @@ class Tracker:
     @_store_call
     def delete_run(self, run_id: str) -> None:
         self.client.delete_run(run_id)
+
+    def discard_run(self, run_id: str) -> None:
+        """Undo a run this command made and could not finish: its local artifact files removed first (that frees
+        space, and needs none), then the run deleted."""
+        folder = self.local_artifact_dir(run_id)
+        if folder is not None:
+            # MLflow's local layout: <experiment location>/<run id>/artifacts; the run's folder goes whole.
+            shutil.rmtree(folder.parent if folder.parent.name == run_id else folder, ignore_errors=True)
+        self.delete_run(run_id)
+
+    @contextlib.contextmanager
+    def rollback_room(self) -> Iterator[Callable[[], None]]:
+        """Room set aside on a local store's disk while a write runs that must be undone if that disk fills up (an
+        import): yields the call that frees it, made before undoing, so that the undo (the runs' rows marked deleted:
+        a few pages of SQLite journal) never needs space the failed write could not get. A disk without that room
+        is refused before anything is written. Nothing for a store on a server: its disk is not this machine's."""
+        db = database_file(self.uri)
+        if db is None or not db.parent.is_dir():
+            yield lambda: None
+            return
+        prefix = f".{db.name}.room-"
+        scratch.remove_stale(db.parent, prefix)  # a killed import's
+        path = db.with_name(f"{prefix}{os.getpid()}")
+        try:
+            _allocate(path, ROLLBACK_ROOM)
+        except OSError as err:
+            path.unlink(missing_ok=True)
+            if unwritable(err) is None:
+                raise
+            raise store_failure(err, self.uri) from None
+        try:
+            yield lambda: path.unlink(missing_ok=True)
+        finally:
+            path.unlink(missing_ok=True)
 
     @_store_call
     def metric_entries(self, run_id: str, key: str) -> list[tuple[float, int, int]]:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fnmatch
 import hashlib
+import json
 import os
 import re
 import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,15 +48,50 @@ _DIFF_CONFIG = ("core.quotepath=off", "diff.suppressBlankEmpty=false")
 
 
 @dataclass(frozen=True)
+class Submodule:
+    """A checked-out submodule as the code record holds it: where, at which commit, and its own uncommitted changes
+    (tracked and untracked, as for the repository itself): the superproject's patch cannot hold them."""
+
+    path: str  # relative to the superproject's root, '/'-separated; a nested one's path runs through its parent's
+    commit: str
+    patch: bytes
+    untracked: tuple[str, ...] = ()  # relative to the submodule's folder
+
+
+@dataclass(frozen=True)
 class GitState:
     root: Path
     commit: str
     branch: str | None  # None on a detached HEAD
-    dirty: bool
+    dirty: bool  # uncommitted changes in the repository or in any submodule
     patch: bytes  # tracked and untracked (not ignored) changes against `commit`, exact bytes, never decoded
     repo_url: str | None  # origin's URL with any credentials stripped
     excluded: tuple[str, ...] = ()  # paths left out of the record though not ignored (the store's own files)
     untracked: tuple[str, ...] = ()  # untracked, not ignored files the patch records, relative to `root`
+    submodules: tuple[Submodule, ...] = ()  # the checked-out ones, parents before their own submodules
+
+
+def submodules_json(submodules: Sequence[Submodule]) -> bytes:
+    """The submodules as recorded (ARTIFACT_SUBMODULES): the patches' exact bytes in base64."""
+    return json.dumps({"submodules": [
+        {"path": s.path, "commit": s.commit, "patch": base64.b64encode(s.patch).decode("ascii"),
+         "untracked": list(s.untracked)} for s in submodules]}, indent=1, sort_keys=True).encode()
+
+
+def submodules_from_json(raw: bytes) -> tuple[Submodule, ...]:
+    """The submodules of a record (ValueError when it is not one)."""
+    try:
+        items = json.loads(raw)["submodules"]
+        out = tuple(Submodule(str(i["path"]), str(i["commit"]), base64.b64decode(i["patch"], validate=True),
+                              tuple(map(str, i.get("untracked", ())))) for i in items)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"not a record of submodules ({err})") from None
+    for sub in out:
+        parts = sub.path.split("/")
+        if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", sub.commit) or sub.path.startswith("/") or \
+                any(part in ("", ".", "..", ".git") for part in parts):
+            raise ValueError(f"submodule path {sub.path!r} or commit {sub.commit!r} is not one git would hold")
+    return out
 
 
 @dataclass(frozen=True)
@@ -175,11 +212,49 @@ def inspect(
     # Before `add -A`: a secret or a huge file must not even be hashed into the object store.
     untracked = _check_untracked(root, max_untracked_mib, allow_secrets, pathspec)
     patch = _working_tree_patch(root, commit, pathspec)
+    submodules = tuple(_submodules(root, commit, "", max_untracked_mib, allow_secrets))
     url = None
     with contextlib.suppress(Exception):
         remote = repo.remotes.origin if "origin" in repo.remotes else (repo.remotes[0] if repo.remotes else None)
         url = strip_credentials(next(remote.urls)) if remote is not None else None
-    return GitState(root, commit, branch, bool(patch), patch, url, excluded, untracked)
+    dirty = bool(patch) or any(s.patch for s in submodules)
+    return GitState(root, commit, branch, dirty, patch, url, excluded, untracked, submodules)
+
+
+def _gitlinks(root: Path, commit: str) -> list[tuple[bytes, str]]:
+    """(path, commit) of every submodule `commit` records (its gitlinks)."""
+    out = _run(root, ["ls-tree", "-r", "-z", "--full-tree", commit])
+    links = []
+    for entry in filter(None, out.split(b"\0")):
+        meta, _, path = entry.partition(b"\t")
+        mode, _, object_id = meta.decode("ascii").split(" ")
+        if mode == MODE_GITLINK:
+            links.append((path, object_id))
+    return links
+
+
+def _submodules(root: Path, commit: str, prefix: str, max_mib: float | None, allow_secrets: bool) -> Iterator[Submodule]:
+    """Every checked-out submodule of the tree at `root` (at `commit`), and theirs: commit and exact patch each.
+
+    The superproject's `add -A` sees a submodule only as its commit, so an edit inside one would go unrecorded (and
+    the tree be called clean): each is read as a repository of its own, with the same refusals. One not checked out
+    (`git submodule update --init` never ran) is an empty folder, as a replay's checkout leaves it."""
+    for rel, recorded in _gitlinks(root, commit):
+        sub_root = Path(os.fsdecode(os.path.join(os.fsencode(root), rel)))
+        if not (sub_root / ".git").exists():
+            continue
+        path = prefix + os.fsdecode(rel)
+        head = _run(sub_root, ["rev-parse", "--verify", "-q", "HEAD"]).strip().decode("ascii")
+        if head != recorded:  # the superproject's own check (_refuse_gitlinks) sees this first; a nested one's is here
+            raise HarnessError(
+                f"submodule '{_show(os.fsencode(path))}' is checked out at {head[:12]}, not at the commit recorded in {commit[:12]}; the "
+                f"code record cannot hold a submodule change. Commit the submodule update, or check it out at the "
+                "recorded commit."
+            )
+        untracked = _check_untracked(sub_root, max_mib, allow_secrets, [], _show(os.fsencode(path)) + "/")
+        patch = _working_tree_patch(sub_root, recorded, [])
+        yield Submodule(path, recorded, patch, untracked)
+        yield from _submodules(sub_root, recorded, path + "/", max_mib, allow_secrets)
 
 
 def _exclusions(root: Path, paths: tuple[Path, ...]) -> tuple[list[str], tuple[str, ...]]:
@@ -210,8 +285,10 @@ def secret_pattern(name: bytes) -> str | None:
     return next((p for p in SECRET_PATTERNS if fnmatch.fnmatchcase(base, p)), None)
 
 
-def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str]) -> tuple[str, ...]:
-    """Refuse untracked files the record must not or cannot hold; returns the untracked files it will hold."""
+def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pathspec: list[str],
+                     shown: str = "") -> tuple[str, ...]:
+    """Refuse untracked files the record must not or cannot hold; returns the untracked files it will hold.
+    `shown`: what messages put before a path (a submodule's own path and a slash)."""
     out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
     secrets: list[tuple[bytes, str]] = []
     names = tuple(_show(rel) for rel in filter(None, out.split(b"\0")))
@@ -219,7 +296,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
             raise HarnessError(
-                f"'{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
+                f"'{shown}{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
                 "cannot hold it. Add it to .gitignore, or add it as a submodule and commit the submodule."
             )
         pattern = secret_pattern(rel)
@@ -232,7 +309,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
             size = os.lstat(os.path.join(os.fsencode(root), rel)).st_size
             if size > max_mib * MIB:
                 raise HarnessError(
-                    f"'{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
+                    f"'{shown}{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
                     f"record's limit of {max_mib:g} MiB (record.max_untracked_mib). Commit it, add it to "
                     "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
                     "limit (record.max_untracked_mib=50)." + framework_hint(framework_outputs([_show(rel)]))
@@ -240,13 +317,13 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
     if len(secrets) == 1:
         (rel, pattern), = secrets
         raise HarnessError(
-            f"'{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
+            f"'{shown}{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
             "stored with the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
             "--allow-untracked-secrets knowingly."
         )
     if secrets:  # every one at once: fixing them one run at a time would be tedious
         raise HarnessError(
-            f"{first_few([_show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
+            f"{first_few([shown + _show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
             "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, "
             "or pass --allow-untracked-secrets knowingly."
         )
@@ -423,9 +500,60 @@ def prune_stale_worktrees(repo: Any) -> list[str]:
     return removed
 
 
+def _apply(path: Path, commit: str, patch: bytes, patch_file: Path, what: str) -> None:
+    """Apply a recorded patch to the checkout at `path` (of `commit`) and check every byte it touches."""
+    patch_file.write_bytes(patch)
+    try:
+        _run(path, ["apply", "--binary", "--whitespace=nowarn", str(patch_file)])
+    except GitFailed as err:
+        raise HarnessError(
+            f"the recorded patch{what} does not apply to {commit[:12]}: {err.detail}. "
+            "The commit in this repository differs from the recorded one."
+        ) from None
+    # git apply writes through checkout filters and eol conversion: the bytes the ranks
+    # would read may differ from the ones recorded.
+    mismatch = verify_patch(path, commit, patch, path)
+    if mismatch is not None:
+        raise HarnessError(
+            f"'{mismatch.path}'{what} in the replay worktree is not what was recorded ({mismatch.found} instead of "
+            f"{mismatch.expected}): git converted it on checkout (a .gitattributes filter or eol setting, or "
+            "core.autocrlf of this repository). Remove that setting for it, or replay in a clone without it."
+        )
+
+
+def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Path) -> None:
+    """The submodule at its recorded commit, in its folder of the replay worktree, with its patch applied.
+
+    Its objects come from the repository's own checkout of it (root/PATH), or from `root` itself when that holds
+    them (a code bundle carries the submodules' commits): a shared clone borrows them, so nothing is fetched from
+    the submodule's URL and nothing is registered in the user's repositories."""
+    shown = _show(os.fsencode(sub.path))
+    dest = tree / sub.path
+    if not dest.resolve().is_relative_to(tree.resolve()):  # a symbolic link of the commit on the way
+        raise HarnessError(f"submodule '{shown}' lies outside the worktree of the recorded commit (a symbolic link "
+                           "on its path). Replay another run.")
+    source = None
+    for candidate in (root / sub.path, root):
+        if (candidate / ".git").exists() and has_commit(candidate, sub.commit):
+            source = candidate
+            break
+    if source is None:
+        raise HarnessError(
+            f"commit {sub.commit[:12]} of submodule '{shown}' is not in the repository at {root / sub.path}. "
+            f"Fetch it there (git -C '{shown}' fetch), or run this inside a clone that has it."
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    _run(dest, ["clone", "-q", "--no-checkout", "--shared", str(source), "."])
+    _run(dest, ["checkout", "-q", "--detach", sub.commit])
+    if sub.patch:
+        _apply(dest, sub.commit, sub.patch, scratch_dir / "submodule.patch", f" of submodule '{shown}'")
+
+
 @contextlib.contextmanager
-def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = None) -> Iterator[Path]:
+def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = None,
+             submodules: Sequence[Submodule] = ()) -> Iterator[Path]:
     """A detached temporary worktree at `commit` with `patch` applied and checked byte for byte; removed afterwards.
+    Each of `submodules` is checked out in it at its commit, its own patch applied.
 
     `base`: the folder to make it in (default: the system's temporary folder).
     """
@@ -450,24 +578,9 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
         ) from None
     try:
         if patch:
-            patch_file = tmp / "uncommitted.patch"
-            patch_file.write_bytes(patch)
-            try:
-                _run(path, ["apply", "--binary", "--whitespace=nowarn", str(patch_file)])
-            except GitFailed as err:
-                raise HarnessError(
-                    f"the recorded patch does not apply to {commit[:12]}: {err.detail}. "
-                    "The commit in this repository differs from the recorded one."
-                ) from None
-            # git apply writes through checkout filters and eol conversion: the bytes the ranks
-            # would read may differ from the ones recorded.
-            mismatch = verify_patch(path, commit, patch, path)
-            if mismatch is not None:
-                raise HarnessError(
-                    f"'{mismatch.path}' in the replay worktree is not what was recorded ({mismatch.found} instead of "
-                    f"{mismatch.expected}): git converted it on checkout (a .gitattributes filter or eol setting, or "
-                    "core.autocrlf of this repository). Remove that setting for it, or replay in a clone without it."
-                )
+            _apply(path, commit, patch, tmp / "uncommitted.patch", "")
+        for sub in submodules:  # parents first: a nested one's folder is in its parent's checkout
+            _check_out_submodule(root, path, sub, tmp)
         yield path
     finally:
         with contextlib.suppress(git.GitCommandError):
@@ -480,8 +593,16 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
 BUNDLE_REF = "refs/harness/recorded"  # the one ref of a run's code bundle, naming the recorded commit
 
 
-def bundle_commit(root: Path, commit: str, dest: Path) -> None:
-    """Write a git bundle holding `commit` and its history to `dest`: the code travels without the remote.
+SUBMODULE_REFS = "refs/harness/submodules/"  # a code bundle's refs naming its submodules' commits, one each
+
+
+def _objects(root: Path) -> str:
+    return _run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
+
+
+def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Submodule] = ()) -> None:
+    """Write a git bundle holding `commit` and its history to `dest`: the code travels without the remote. With
+    `submodules`, each one's commit too (from its checkout under `root`), under SUBMODULE_REFS.
 
     A bundle must name a ref; it is made in a scratch repository that borrows the objects of `root`
     (git alternates), so the user's refs stay as they are.
@@ -490,13 +611,25 @@ def bundle_commit(root: Path, commit: str, dest: Path) -> None:
         raise HarnessError(
             f"commit {commit[:12]} is not in the repository at {root}. Run the export inside a clone that has it."
         )
-    objects = Path(_run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode())
+    alternates = [_objects(root)]
+    for sub in submodules:
+        sub_root = root / sub.path
+        if not ((sub_root / ".git").exists() and has_commit(sub_root, sub.commit)):
+            raise HarnessError(
+                f"commit {sub.commit[:12]} of submodule '{sub.path}' is not in its checkout at {sub_root}. Run the "
+                f"export inside a clone whose submodules have it (git submodule update --init)."
+            )
+        alternates.append(_objects(sub_root))
     with scratch.folder("bundle") as tmp:
         bare = Path(tmp, "scratch.git")
         _run(Path(tmp), ["init", "-q", "--bare", f"--object-format={_object_format(root)}", str(bare)])
-        (bare / "objects" / "info" / "alternates").write_text(f"{objects}\n")
+        (bare / "objects" / "info" / "alternates").write_text("".join(f"{a}\n" for a in alternates))
         _run(bare, ["update-ref", BUNDLE_REF, commit])
-        _run(bare, ["bundle", "create", "-q", str(dest), BUNDLE_REF])
+        refs = [BUNDLE_REF]
+        for index, sub in enumerate(submodules):
+            refs.append(f"{SUBMODULE_REFS}{index}")
+            _run(bare, ["update-ref", refs[-1], sub.commit])
+        _run(bare, ["bundle", "create", "-q", str(dest), *refs])
 
 
 @contextlib.contextmanager
@@ -509,6 +642,8 @@ def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
         repo = tmp / "repo"
         _run(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])
         _run(repo, ["fetch", "-q", str(bundle), f"{BUNDLE_REF}:{BUNDLE_REF}"])
+        if any(h.startswith(SUBMODULE_REFS.encode()) for h in heads):  # the submodules' commits, when it carries them
+            _run(repo, ["fetch", "-q", str(bundle), f"{SUBMODULE_REFS}*:{SUBMODULE_REFS}*"])
         if not has_commit(repo, commit):
             raise HarnessError(
                 f"the code bundle {bundle.name} does not hold the recorded commit {commit[:12]}. "

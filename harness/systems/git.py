@@ -55,6 +55,7 @@ class GitState:
     repo_url: str | None  # origin's URL with any credentials stripped
     excluded: tuple[str, ...] = ()  # paths left out of the record though not ignored (the store's own files)
     untracked: tuple[str, ...] = ()  # untracked, not ignored files the patch records, relative to `root`
+    redacted: tuple[str, ...] = ()  # `path:line` whose secrets were cut from `patch`: it no longer rebuilds the tree
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import EXPERIMENTS, Project, git, make_project
 from omegaconf import DictConfig, OmegaConf
 
-from conftest import EXPERIMENTS, Project, git, make_project
 from harness import secrets, tags as T
 from harness.errors import EXIT_USAGE, HarnessError
 from harness.record import provenance, redaction

@@ -42,7 +42,7 @@ TOKEN_SHAPES: tuple[tuple[str, str], ...] = (
 _SHAPES = tuple((name, re.compile(rf"(?<![A-Za-z0-9_]){pattern}")) for name, pattern in TOKEN_SHAPES)
 # scheme://user:password@host: the password is what must go (a user alone, git@host, is no secret). A password
 # that is a variable reference (${DB_PASS}, $PASS, %(pw)s, <password>) is not a literal one.
-URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<pw>[^\s/@]+)(?P<at>@)")
+URL_PASSWORD = re.compile(r"(?P<head>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<pw>[^\s/@]+)(?P<at>@)")
 _NOT_LITERAL = re.compile(r"^(?:\$|%|<|\{|\*+$)")
 _TOKENISH = re.compile(r"[A-Za-z0-9+/=_-]{32,}")
 SCRUBBED = "<redacted>"
@@ -108,7 +108,7 @@ def scrub(text: str) -> str:
 # credential word, given a literal value. `password = os.environ[...]`, `token = None`, `secret = cfg.secret`
 # are expressions, not literals: in code only a quoted string counts.
 _ASSIGN = re.compile(
-    r"""(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)["']?\s*(?::\s*[A-Za-z_][\w\[\], .|]*)?(?P<op>:=|=|:)\s*"""
+    r"""(?<![A-Za-z0-9_.-])(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)["']?\s*(?::\s*[A-Za-z_][\w\[\], .|]*)?(?P<op>:=|=|:)\s*"""
     r"""(?:(?P<q>["'])(?P<quoted>[^"'\n]*)(?P=q)|(?P<bare>[^\s"'#;,]+))"""
 )
 # Files whose bare words are expressions (Python, and the like); everywhere else (.env, shell, YAML, INI, TOML,

@@ -94,6 +94,25 @@ def is_secret(key: str, value: Any) -> bool:
     return key_is_secret(key) or value_is_secret(value)
 
 
+def secret_copies(plain: Any, prefix: str = "") -> set[str]:
+    """The secrets (is_secret) among the string values of a plain config (dicts and lists). The same string under
+    any other key is a copy of one (`url: ${train.api_key}` resolved) and must be hidden as well."""
+    found: set[str] = set()
+
+    def walk(path: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{path}.{k}" if path else str(k), v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(f"{path}.{i}" if path else str(i), v)
+        elif isinstance(node, str) and len(node) >= 4 and is_secret(path, node):
+            found.add(node)
+
+    walk(prefix, plain)
+    return found
+
+
 def scrub(text: str) -> str:
     """`text` as it may be stored or printed: URL passwords and known token formats replaced by <redacted>."""
     text = URL_PASSWORD.sub(lambda m: m["head"] + (m["pw"] if _NOT_LITERAL.match(m["pw"]) else SCRUBBED) + m["at"],

@@ -129,6 +129,11 @@ def test_config_values_redacted_with_a_keyed_digest(tmp_path: Path) -> None:
                         "token": None}}
     clean, keys = redaction.redact(config, key)
     assert keys == ["train.db_url", "train.token_list.0", "train.token_list.1"]
+    # A copy under another key (`${train.db_url}` resolved) is hidden too.
+    copied, names = redaction.redact({**config, "log_to": "postgresql://bob:pw@db/x"}, key)
+    assert names[-1] == "log_to" and copied["log_to"] == copied["train"]["db_url"]
+    given = ["train.db_url=postgresql://bob:pw@db/x", "train.token_list.0=tok-a", "train.token_list.1=tok-b"]
+    assert redaction.restore(copied, given, {}, {}, "r0", key)[0]["log_to"] == "postgresql://bob:pw@db/x"
     assert clean["train"]["lr"] == 0.1 and clean["train"]["token"] is None
     shown = clean["train"]["db_url"]
     # The same secret in the same store: the same placeholder; "hunter2"'s sha256 no longer tells what it hides.
@@ -153,12 +158,14 @@ def test_config_values_redacted_with_a_keyed_digest(tmp_path: Path) -> None:
 
 
 def test_ctx_cfg_prints_redacted_and_reads_real() -> None:
-    cfg = redacted_view(OmegaConf.create({"lr": 0.1, "api_key": "abc", "db": {"url": "postgresql://bob:pw@db/x"},
+    cfg = redacted_view(OmegaConf.create({"lr": 0.1, "api_key": "abc-def", "db": {"url": "postgresql://bob:pw@db/x",
+                                                                               "login": "${api_key}"},
                                           "token_list": ["tok-a", "tok-b"]}))
-    assert isinstance(cfg, DictConfig) and cfg.api_key == "abc" and cfg.db.url == "postgresql://bob:pw@db/x"
-    assert cfg.token_list[1] == "tok-b" and OmegaConf.to_container(cfg)["api_key"] == "abc"
+    assert isinstance(cfg, DictConfig) and cfg.api_key == "abc-def" and cfg.db.url == "postgresql://bob:pw@db/x"
+    assert cfg.token_list[1] == "tok-b" and OmegaConf.to_container(cfg)["api_key"] == "abc-def"
+    assert cfg.db.login == "abc-def"
     for text in (str(cfg), repr(cfg), f"{cfg.db}", str(cfg.token_list)):
-        assert not any(s in text for s in ("abc", "bob:pw", "tok-a", "tok-b")), text
+        assert not any(s in text for s in ("abc-def", "bob:pw", "tok-a", "tok-b")), text
     assert "'lr': 0.1" in str(cfg) and "<redacted>" in str(cfg)
 
 

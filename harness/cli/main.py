@@ -199,7 +199,7 @@ def _finish(outcome: Any, tracking_uri: str | None, print_id: bool = True) -> No
     if study:
         click.echo(outcome.table, err=True)
     if outcome.message:
-        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+        click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     if print_id or study:
         what = f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds)." if study else \
             f"Run {outcome.run_id} {outcome.status}."
@@ -683,7 +683,7 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 
     outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
     if outcome.message:
-        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+        click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     sys.exit(outcome.exit_code)
 
 

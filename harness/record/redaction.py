@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.secrets import env_name_is_secret, in_line, is_secret, key_is_secret, value_is_secret
+from harness.secrets import env_name_is_secret, in_line, is_secret, key_is_secret, secret_copies, value_is_secret
 from harness.store.reach import key_file
 
 __all__ = ["env_name_is_secret", "key_is_secret", "value_is_secret"]  # the rules live in harness/secrets.py
@@ -90,13 +90,14 @@ def redact(container: Mapping[str, Any], key: Key | None, prefix: str = "") -> t
     """The resolved config (plain dict) with every secret replaced by its placeholder, and the dotted keys replaced.
     With `key` None only the keys are wanted: the secrets are replaced by "<redacted>"."""
     keys: list[str] = []
+    copies = secret_copies(dict(container), prefix)
 
     def walk(path: str, node: Any) -> Any:
         if isinstance(node, Mapping):
             return {k: walk(f"{path}.{k}" if path else str(k), v) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(f"{path}.{i}", v) for i, v in enumerate(node)]
-        if _secret(path, node):
+        if _secret(path, node) or (isinstance(node, str) and node in copies):
             keys.append(path)
             return placeholder(node, key) if key is not None else "<redacted>"
         return node
@@ -157,30 +158,56 @@ def restore(
             given[name.lstrip("+~")] = value
         else:
             rest.append(item)
+    found: dict[str, Any] = {}  # placeholder -> the value given for it: a copy of a secret needs no second telling
     for name in keys:
-        node, parts = container, name.split(".")
-        for part in parts[:-1]:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        last = int(parts[-1]) if isinstance(node, list) else parts[-1]
+        got = _given_value(container, name, given, sources, environ, run_id, key)
+        if got is not None:
+            node, last = _at(container, name)
+            found[node[last]] = got[0]
+    for name in keys:
+        node, last = _at(container, name)
         recorded = node[last]
-        var = sources.get(name)
-        if name in given:
-            value, origin = _typed(given[name]), f"{name}=..."
-        elif var and var in environ:
-            value, origin = environ[var], f"${var}"
-        else:
-            where = f"set ${var} as when it ran, or pass" if var else "pass it again:"
-            raise HarnessError(
-                f"{name} of run {run_id} is a secret the record does not hold ({recorded}); {where} "
-                f"harness replay {run_id} {name}=VALUE."
-            )
-        if _matches(value, recorded, key) is False:
-            raise HarnessError(
-                f"{origin} is not the value run {run_id} recorded for {name} (its digest differs from {recorded}). "
-                f"Pass the value the run used: {name}=VALUE."
-            )
-        node[last] = value
+        if recorded not in found:  # neither given nor a copy of one given: the refusal, by name
+            _given_value(container, name, given, sources, environ, run_id, key, required=True)
+        node[last] = found[recorded]
     return container, rest
+
+
+def _at(container: Any, name: str) -> tuple[Any, Any]:
+    """(the list or mapping holding the dotted key `name`, its index or key there)."""
+    node, parts = container, name.split(".")
+    for part in parts[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node, int(parts[-1]) if isinstance(node, list) else parts[-1]
+
+
+def _given_value(
+    container: Any, name: str, given: Mapping[str, str], sources: Mapping[str, str], environ: Mapping[str, str],
+    run_id: str, key: Key, required: bool = False,
+) -> tuple[Any] | None:
+    """(the value given for the redacted key `name`,) from KEY=VALUE or its variable, checked against the record;
+    None when none is given (with `required`, the refusal instead)."""
+    node, last = _at(container, name)
+    recorded = node[last]
+    var = sources.get(name)
+    if name in given:
+        value, origin = _typed(given[name]), f"{name}=..."
+    elif var and var in environ:
+        value, origin = environ[var], f"${var}"
+    elif required:
+        where = f"set ${var} as when it ran, or pass" if var else "pass it again:"
+        raise HarnessError(
+            f"{name} of run {run_id} is a secret the record does not hold ({recorded}); {where} "
+            f"harness replay {run_id} {name}=VALUE."
+        )
+    else:
+        return None
+    if _matches(value, recorded, key) is False:
+        raise HarnessError(
+            f"{origin} is not the value run {run_id} recorded for {name} (its digest differs from {recorded}). "
+            f"Pass the value the run used: {name}=VALUE."
+        )
+    return (value,)
 
 
 def _typed(text: str) -> Any:

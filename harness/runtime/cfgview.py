@@ -6,7 +6,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from harness.secrets import SCRUBBED, is_secret
+from harness.secrets import SCRUBBED, is_secret, secret_copies
 
 
 def _shown(node: Any) -> str:
@@ -16,13 +16,18 @@ def _shown(node: Any) -> str:
     except Exception:  # an interpolation that does not resolve: printing must not fail, show it unresolved
         plain = OmegaConf.to_container(node, resolve=False)
     base = node._get_full_key(None) or ""
+    root = node._get_root()
+    try:  # copies of a secret held elsewhere in the config (an interpolation of it) are hidden too
+        copies = secret_copies(OmegaConf.to_container(root, resolve=True))
+    except Exception:
+        copies = set()
 
     def walk(path: str, value: Any) -> Any:
         if isinstance(value, dict):
             return {k: walk(f"{path}.{k}" if path else str(k), v) for k, v in value.items()}
         if isinstance(value, list):
             return [walk(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value)]
-        return SCRUBBED if is_secret(path, value) else value
+        return SCRUBBED if is_secret(path, value) or (isinstance(value, str) and value in copies) else value
 
     return repr(walk(str(base), plain))
 

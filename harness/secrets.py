@@ -29,7 +29,7 @@ TOKEN_SHAPES: tuple[tuple[str, str], ...] = (
     ("GitHub token", r"github_pat_[A-Za-z0-9_]{30,}"),
     ("GitLab token", r"glpat-[A-Za-z0-9_-]{20,}"),
     ("Hugging Face token", r"hf_[A-Za-z0-9]{30,}"),
-    ("OpenAI/Anthropic key", r"sk-[A-Za-z0-9_-]{20,}"),
+    ("OpenAI/Anthropic key", r"sk-(?=[A-Za-z0-9_-]*[0-9])[A-Za-z0-9_-]{32,}"),  # not a long `sk-learn-...` name
     ("Stripe key", r"(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{16,}"),
     ("AWS access key id", r"(?:AKIA|ASIA)[0-9A-Z]{16}"),
     ("Slack token", r"xox[abposre]-[A-Za-z0-9-]{10,}"),

@@ -4,8 +4,10 @@ and variables never reaches the store or the terminal; the placeholder is a dige
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import os
+import pickle
 import signal
 import socket
 import stat
@@ -95,6 +97,7 @@ def test_literal_credentials_are_found(line: str, path: str) -> None:
     ("git clone ssh://git@github.com/lab/x.git", "README.md"),
     ('sha = "sha256:" + "ab" * 32', "train.py"),
     ('print("sk-learn is not scikit-learn")', "train.py"),
+    ("cd /data/sk-learn-experiments-from-the-last-year", "run.sh"),
 ])
 def test_obvious_non_secrets_are_left_alone(line: str, path: str) -> None:
     assert secrets.in_line(line, path) is None, line
@@ -164,7 +167,8 @@ def test_ctx_cfg_prints_redacted_and_reads_real() -> None:
     assert isinstance(cfg, DictConfig) and cfg.api_key == "abc-def" and cfg.db.url == "postgresql://bob:pw@db/x"
     assert cfg.token_list[1] == "tok-b" and OmegaConf.to_container(cfg)["api_key"] == "abc-def"
     assert cfg.db.login == "abc-def"
-    for text in (str(cfg), repr(cfg), f"{cfg.db}", str(cfg.token_list)):
+    for text in (str(cfg), repr(cfg), f"{cfg.db}", str(cfg.token_list), str(copy.deepcopy(cfg)),
+                 str(pickle.loads(pickle.dumps(cfg)))):
         assert not any(s in text for s in ("abc-def", "bob:pw", "tok-a", "tok-b")), text
     assert "'lr': 0.1" in str(cfg) and "<redacted>" in str(cfg)
 
@@ -213,6 +217,9 @@ def test_check_and_run_refuse_secrets_in_the_uncommitted_changes(dirty: Project)
             assert where in line, line
         assert "line 36" not in line  # password = os.environ.get(...) is no literal
         assert not any(s in result.stdout + result.stderr for s in (HF, GHP, DB_PW))
+    # A study's members run from a checkout of the stored patch: with the secrets cut out, it is refused.
+    study = dirty.cli("run", "experiments/secrets36", "--seeds", "2", "--allow-secret-in-diff")
+    assert study.returncode == EXIT_USAGE and "a study runs its members from a checkout" in study.stderr
     assert dirty.all_runs() == []  # refused before anything was recorded
 
 

@@ -33,12 +33,16 @@ def _shown(node: Any) -> str:
 
 
 class DictView(DictConfig):
-    """A DictConfig that prints redacted; attribute and item access return the real values."""
+    """A DictConfig that prints redacted; attribute and item access return the real values. A deep copy is a view
+    too (a config the code builds from it, OmegaConf.merge, to_container, is the code's own)."""
 
     def __repr__(self) -> str:
         return _shown(self)
 
     __str__ = __repr__
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return redacted_view(super().__deepcopy__(memo))
 
 
 class ListView(ListConfig):
@@ -48,6 +52,9 @@ class ListView(ListConfig):
         return _shown(self)
 
     __str__ = __repr__
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return redacted_view(super().__deepcopy__(memo))
 
 
 def redacted_view(cfg: Any) -> Any:

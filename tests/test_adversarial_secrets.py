@@ -13,6 +13,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -277,6 +278,30 @@ def test_replay_asks_for_the_secrets_and_reproduces(dirty: Project, allowed: tup
         dirty.client().get_run(run_id).data.params["train.db_url"]  # the same secret, the same store: equal
     store = _store_bytes(dirty)
     assert not any(v.encode() in store for v in (HF, GHP, DB_PW, *VALUES))
+
+
+def test_a_bundle_carries_placeholders_not_the_key(dirty: Project, allowed: tuple[str, str], tmp_path: Path) -> None:
+    """Imported into another store, a run's placeholders name a key that store lacks: its replay takes the secrets
+    as given (they cannot be checked there), and reproduces with the right ones."""
+    run_id, _ = allowed
+    bundle = tmp_path / "run.tar.gz"
+    exported = dirty.harness("export", run_id, "-o", str(bundle))
+    assert exported.returncode == 0, exported.stderr
+    key = redaction.store_key(dirty.uri)
+    raw = bundle.read_bytes()
+    with tarfile.open(bundle) as tar:
+        members = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())  # type: ignore[union-attr]
+    assert key.secret.hex().encode() not in members + raw and not any(v.encode() in members for v in VALUES)
+    other = Project(dirty.root, tmp_path / "other")
+    other.store.mkdir()
+    imported = other.harness("import", str(bundle))
+    assert imported.returncode == 0, imported.stderr
+    assert redaction.store_key(other.uri).id != key.id
+    given = ("train.db_url=postgresql://bob:pw-in-url@db/x", "train.token_list.0=tok-a1", "train.token_list.1=tok-b2")
+    replay = other.harness("replay", imported.last_line, *given)
+    assert replay.returncode == 0, replay.stderr + replay.stdout
+    assert "verdict: BITWISE" in replay.stdout, replay.stdout
+    assert not any(v.encode() in _store_bytes(other) for v in (HF, GHP, DB_PW, *VALUES))
 
 
 # --- the tracking server's password in an outage's last line -------------------------------------------------

@@ -183,6 +183,12 @@ def preflight(
         raise HarnessError(redaction.patch_refusal(in_diff))
     if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
         where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
+        if cfg.executor not in ("local", "docker"):  # the others run a checkout of the record: code without them
+            raise HarnessError(
+                f"--allow-secret-in-diff cuts the secrets at {', '.join(where)} from the recorded code, and the "
+                f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "
+                "environment variables, or use --executor local."
+            )
         git = dataclasses.replace(git, patch=redaction.redact_patch(git.patch), redacted=where)
         warnings.append(
             f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "

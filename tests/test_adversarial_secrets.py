@@ -221,6 +221,8 @@ def test_check_and_run_refuse_secrets_in_the_uncommitted_changes(dirty: Project)
     # A study's members run from a checkout of the stored patch: with the secrets cut out, it is refused.
     study = dirty.cli("run", "experiments/secrets36", "--seeds", "2", "--allow-secret-in-diff")
     assert study.returncode == EXIT_USAGE and "a study runs its members from a checkout" in study.stderr
+    slurm = dirty.cli("check", "experiments/secrets36", "--allow-secret-in-diff", "executor=slurm")
+    assert slurm.returncode == EXIT_USAGE and "the slurm executor runs the recorded code" in slurm.stderr
     assert dirty.all_runs() == []  # refused before anything was recorded
 
 

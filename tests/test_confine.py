@@ -22,7 +22,7 @@ from harness.systems import git as gitsource
 from harness.record import provenance
 from harness.record import redaction
 from harness.runtime import usermlflow
-from harness import tags as T
+from harness import secrets, tags as T
 from harness.cli.main import main
 from harness.errors import EXIT_USAGE, HarnessError
 
@@ -235,13 +235,13 @@ def test_secret_names_and_values() -> None:
         assert provenance.env_vars({name: "v"}) == {name: provenance.REDACTED}, name
     assert provenance.env_vars({"TORCH_HOME": "/x", "CUDA_PATH": "/c"}) == {"TORCH_HOME": "/x", "CUDA_PATH": "/c"}
     for key in ("train.api_key", "hf_token", "db.password", "github.pat", "x.client_secret", "passphrase"):
-        assert redaction.key_is_secret(key), key
+        assert secrets.key_is_secret(key), key
     for key in ("train.max_tokens", "tokenizer", "key_dim", "train.lr", "path", "sort_key"):
-        assert not redaction.key_is_secret(key), key
+        assert not secrets.key_is_secret(key), key
     for value in (SECRET, "ghp_" + "a1B2" * 9, "AKIAIOSFODNN7EXAMPLE", "xoxb-1234-abcdefghij", ENV_SECRET):
-        assert redaction.value_is_secret(value), value
+        assert secrets.value_is_secret(value), value
     for value in ("sha256:" + "ab" * 32, "ab" * 32, "experiments/linear_ddp", "hello world", "localhost:5000/x:0.1"):
-        assert not redaction.value_is_secret(value), value
+        assert not secrets.value_is_secret(value), value
     # --allow-changes KEY=VALUE is recorded (harness.replay.changes) and printed: a secret there is redacted too.
     key = redaction.Key(b"k" * 32)
     assert redaction.redact_override("train.hf_token=abc", key) == f"train.hf_token={redaction.placeholder('abc', key)}"

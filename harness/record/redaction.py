@@ -1,4 +1,5 @@
-"""Secrets kept out of the record: which names and values look like credentials, their redaction, their return."""
+"""Secrets kept out of the record: config values replaced by keyed digests, secrets cut from the code patch, and
+the values put back for a replay. What looks like a credential is decided in harness/secrets.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.secrets import env_name_is_secret, in_line, is_secret, key_is_secret, secret_copies, value_is_secret
+from harness.secrets import in_line, is_secret, secret_copies
 from harness.store.reach import key_file
-
-__all__ = ["env_name_is_secret", "key_is_secret", "value_is_secret"]  # the rules live in harness/secrets.py
 
 # What the record holds instead of a secret: a keyed digest (HMAC-SHA256 under the store's own random key,
 # key_file) so that two runs of one store with the same secret compare equal, but a guess ("hunter2") cannot

@@ -161,6 +161,17 @@ def test_config_values_redacted_with_a_keyed_digest(tmp_path: Path) -> None:
     assert restored["train"]["db_url"] == "anything"
 
 
+def test_a_key_that_cannot_be_made_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HARNESS_KEY_DIR", str(tmp_path / "file" / "keys"))
+    with pytest.raises(HarnessError, match=r"cannot make the store's redaction key .*set HARNESS_KEY_DIR"):
+        redaction.store_key(f"http://alice:{PASSWORD}@127.0.0.1:1")
+    monkeypatch.setenv("HARNESS_KEY_DIR", str(tmp_path / "keys"))
+    # One key per store, whatever credentials its URI carries.
+    assert redaction.store_key(f"http://alice:{PASSWORD}@127.0.0.1:1").id == redaction.store_key("http://127.0.0.1:1").id
+    assert [p.name for p in (tmp_path / "keys").iterdir()] == [next((tmp_path / "keys").iterdir()).name]
+
+
 def test_ctx_cfg_prints_redacted_and_reads_real() -> None:
     cfg = redacted_view(OmegaConf.create({"lr": 0.1, "api_key": "abc-def", "db": {"url": "postgresql://bob:pw@db/x",
                                                                                "login": "${api_key}"},

@@ -87,7 +87,7 @@ def create_record(
 
     tags = record_tags(cfg, exp_dir, git, image)
     tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
-    params, text, redacted = recordable_config(cfg, redaction.store_key(tracker.uri))
+    params, text, redacted = recordable_config(cfg, tracker.uri)
     if redacted:
         tags[T.CONFIG_REDACTED] = redacted
     tags.update(extra_tags or {})
@@ -119,15 +119,15 @@ def fit_params(params: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return out, long
 
 
-def recordable_config(cfg: DictConfig, key: redaction.Key) -> tuple[dict[str, str], str, str]:
+def recordable_config(cfg: DictConfig, store_uri: str) -> tuple[dict[str, str], str, str]:
     """(params, config.yaml, the harness.config.redacted tag) with every secret replaced by its placeholder.
 
     The ranks get `cfg` itself: only what the store holds is redacted."""
     from omegaconf import OmegaConf
 
-    clean, keys = redaction.redact(to_container(cfg), key)
-    if not keys:
+    if not redaction.redact(to_container(cfg), None)[1]:  # no secret: the store's key is not even made
         return fit_params(flatten(cfg))[0], to_yaml(cfg), ""
+    clean, keys = redaction.redact(to_container(cfg), redaction.store_key(store_uri))
     unresolved = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(unresolved, dict)  # cfg is a DictConfig
     sources = redaction.env_sources(unresolved, keys)

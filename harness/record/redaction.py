@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.errors import HarnessError
 from harness.secrets import in_line, is_secret, secret_copies
-from harness.store.reach import key_file
+from harness.store.reach import KEY_DIR_ENV, key_file
 
 # What the record holds instead of a secret: a keyed digest (HMAC-SHA256 under the store's own random key,
 # key_file) so that two runs of one store with the same secret compare equal, but a guess ("hunter2") cannot
@@ -38,23 +38,35 @@ class Key:
 def store_key(uri: str) -> Key:
     """The redaction key of the store at `uri`, created on first use (never in the store itself: see key_file)."""
     path = key_file(uri)
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         return _read_key(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(random.token_hex(32) + "\n")
-        with contextlib.suppress(FileExistsError):  # a concurrent first run made it: the first one wins
-            os.link(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(random.token_hex(32) + "\n")
+            with contextlib.suppress(FileExistsError):  # a concurrent first run made it: the first one wins
+                os.link(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as err:
+        raise HarnessError(
+            f"cannot make the store's redaction key '{path}' ({err.strerror or err}); the record needs it to hide "
+            f"the config's secrets. Make its folder writable, or set {KEY_DIR_ENV} to a writable folder (remote stores)."
+        ) from None
     return _read_key(path)
 
 
 def _read_key(path: Path) -> Key:
-    text = path.read_text().strip()
+    try:
+        text = path.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as err:
+        raise HarnessError(f"cannot read the store's redaction key '{path}' ({err.strerror or err}). "
+                           "Give this user read access to it (it is the store's, mode 0600).") from None
     if not re.fullmatch(r"[0-9a-f]{64}", text):
         raise HarnessError(
             f"'{path}' is not a harness redaction key (64 hex digits). Restore it from a backup, or remove it "

@@ -217,8 +217,7 @@ def _store_bytes(project: Project) -> bytes:
 
 
 def test_check_and_run_refuse_secrets_in_the_uncommitted_changes(dirty: Project) -> None:
-    for cmd in ("check", "run"):
-        result = dirty.harness(cmd, "experiments/secrets36", "train.epochs=1")
+    for result in (dirty.cli("check", "experiments/secrets36"), dirty.harness("run", "experiments/secrets36")):
         assert result.returncode == EXIT_USAGE, result.stderr
         errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
         assert len(errors) == 1 and not result.stdout.strip(), result.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from harness.secrets import scrub
+
 # Documented exit codes (docs/troubleshooting.md, "Exit codes").
 EXIT_OK = 0
 EXIT_FAILED = 1  # the training failed, or a replay/compare diverged
@@ -16,7 +18,8 @@ class HarnessError(Exception):
     exit_code = EXIT_USAGE
 
     def __init__(self, message: str, exit_code: int | None = None) -> None:
-        super().__init__(message)
+        # Messages embed outside text (an exception's, a URL, a file's line): a credential in it never goes further.
+        super().__init__(scrub(message))
         if exit_code is not None:
             self.exit_code = exit_code
 

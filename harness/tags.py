@@ -50,6 +50,8 @@ GIT_DIRTY = "harness.git.dirty"
 GIT_REPO_URL = "harness.git.repo_url"
 GIT_PATCH_SHA256 = "harness.git.patch_sha256"
 GIT_SUBMODULES_SHA256 = "harness.git.submodules_sha256"  # of ARTIFACT_SUBMODULES: each submodule's commit and patch
+# `path:line, ...` whose secrets --allow-secret-in-diff cut from the stored patch: it is not the code that ran there.
+GIT_PATCH_REDACTED = "harness.git.patch_redacted"
 
 IMAGE = "harness.image"  # as pinned in experiment.yaml
 IMAGE_DIGEST = "harness.image.digest"  # registry digest, or "unknown"

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Project, Result, git
+from harness.errors import EXIT_USAGE
 from harness.systems import git as gitsource
 
 EXP = "experiments/linear_ddp"
@@ -271,10 +272,15 @@ def test_untracked_secret_is_refused_unless_allowed(fresh_project: Project, tmp_
         "the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
         "--allow-untracked-secrets knowingly."))
     assert run_ids(p) == []
-    run = p.harness("run", EXP, "train.epochs=1", "--allow-untracked-secrets")
+    # Its name allowed, its content is still read (issue 36): a literal token is refused by file and line ...
+    content = p.cli("run", EXP, "--allow-untracked-secrets")
+    assert content.returncode == EXIT_USAGE and f"'{EXP}/.env' line 1 (literal API_TOKEN)" in content.stderr
+    assert "tok-allowed-on-purpose" not in content.stderr and run_ids(p) == []
+    # ... and --allow-secret-in-diff records the file with the token cut out.
+    run = p.harness("run", EXP, "train.epochs=1", "--allow-untracked-secrets", "--allow-secret-in-diff")
     assert run.returncode == 0, run.stderr
     stored = Path(p.client().download_artifacts(run.last_line, "git/uncommitted.patch", str(tmp_path))).read_bytes()
-    assert b"tok-allowed-on-purpose" in stored
+    assert b"+API_TOKEN=<redacted>" in stored and b"tok-allowed-on-purpose" not in stored
 
 
 @pytest.mark.parametrize("name", ["id_ed25519.pub", "server.PEM", "credentials.json", "prod.env", ".env.local",

@@ -22,7 +22,7 @@ from harness.systems import git as gitsource
 from harness.record import provenance
 from harness.record import redaction
 from harness.runtime import usermlflow
-from harness import tags as T
+from harness import secrets, tags as T
 from harness.cli.main import main
 from harness.errors import EXIT_USAGE, HarnessError
 
@@ -235,16 +235,17 @@ def test_secret_names_and_values() -> None:
         assert provenance.env_vars({name: "v"}) == {name: provenance.REDACTED}, name
     assert provenance.env_vars({"TORCH_HOME": "/x", "CUDA_PATH": "/c"}) == {"TORCH_HOME": "/x", "CUDA_PATH": "/c"}
     for key in ("train.api_key", "hf_token", "db.password", "github.pat", "x.client_secret", "passphrase"):
-        assert redaction.key_is_secret(key), key
+        assert secrets.key_is_secret(key), key
     for key in ("train.max_tokens", "tokenizer", "key_dim", "train.lr", "path", "sort_key"):
-        assert not redaction.key_is_secret(key), key
+        assert not secrets.key_is_secret(key), key
     for value in (SECRET, "ghp_" + "a1B2" * 9, "AKIAIOSFODNN7EXAMPLE", "xoxb-1234-abcdefghij", ENV_SECRET):
-        assert redaction.value_is_secret(value), value
+        assert secrets.value_is_secret(value), value
     for value in ("sha256:" + "ab" * 32, "ab" * 32, "experiments/linear_ddp", "hello world", "localhost:5000/x:0.1"):
-        assert not redaction.value_is_secret(value), value
+        assert not secrets.value_is_secret(value), value
     # --allow-changes KEY=VALUE is recorded (harness.replay.changes) and printed: a secret there is redacted too.
-    assert redaction.redact_override("train.hf_token=abc") == f"train.hf_token={redaction.placeholder('abc')}"
-    assert redaction.redact_override("train.lr=0.1") == "train.lr=0.1"
+    key = redaction.Key(b"k" * 32)
+    assert redaction.redact_override("train.hf_token=abc", key) == f"train.hf_token={redaction.placeholder('abc', key)}"
+    assert redaction.redact_override("train.lr=0.1", key) == "train.lr=0.1"
 
 
 def test_mlflow_never_prints_the_server_url_and_docker_gets_it_by_name(tmp_path: Path, store_uri: str,
@@ -341,7 +342,7 @@ def test_secrets_are_redacted_in_the_record_and_asked_for_again_by_replay(
     assert "View run" not in run.stdout + run.stderr  # MLflow's line, the URL with the password in it
     client = MlflowClient(plain)
     recorded = client.get_run(run.last_line)
-    assert recorded.data.params["train.api_key"] == redaction.placeholder(SECRET)
+    assert recorded.data.params["train.api_key"] == redaction.placeholder(SECRET, redaction.store_key(plain))
     assert recorded.data.tags[T.CONFIG_REDACTED] == "train.aws=$HARNESS_TEST_AWS, train.api_key"
     runs = len(project.all_runs())
 
@@ -349,7 +350,7 @@ def test_secrets_are_redacted_in_the_record_and_asked_for_again_by_replay(
     assert missing.returncode == EXIT_USAGE
     assert _one_line(missing.stderr).startswith(f"Error: train.api_key of run {run.last_line} is a secret")
     wrong = project.harness("replay", run.last_line, f"train.api_key={SECRET}x", env=env)
-    assert wrong.returncode == EXIT_USAGE and "does not hash as run" in _one_line(wrong.stderr)
+    assert wrong.returncode == EXIT_USAGE and "is not the value run" in _one_line(wrong.stderr)
     no_env = project.harness("replay", run.last_line, f"train.api_key={SECRET}")
     assert no_env.returncode == EXIT_USAGE and "set $HARNESS_TEST_AWS as when it ran" in _one_line(no_env.stderr)
     assert len(project.all_runs()) == runs  # refused before anything was recorded

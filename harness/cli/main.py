@@ -14,6 +14,7 @@ import click
 
 from harness import events, tags as T
 from harness.errors import EXIT_SIGINT, HarnessError
+from harness.secrets import scrub
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
 
@@ -31,7 +32,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             with events.listening(_draw):  # what the library says on its way, on stderr
                 return fn(*args, **kwargs)
         except HarnessError as err:
-            click.echo(f"Error: {err}", err=True)
+            click.echo(f"Error: {scrub(str(err))}", err=True)
             _exit(err.exit_code)
         except Exception as err:
             from harness.store.tracking import is_store_error, resolve_uri, store_failure
@@ -39,7 +40,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if not is_store_error(err):
                 raise
             failure = store_failure(err, resolve_uri(kwargs.get("tracking_uri")))
-            click.echo(f"Error: {failure}", err=True)
+            click.echo(f"Error: {scrub(str(failure))}", err=True)
             sys.exit(failure.exit_code)
 
     return wrapper
@@ -47,7 +48,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _draw(event: events.Event) -> None:
     """An event from the library, drawn as the line it says, on stderr (stdout carries only results and ids)."""
-    click.echo(event.line(), err=True)
+    click.echo(scrub(event.line()), err=True)
 
 
 def _exit(code: int) -> NoReturn:
@@ -145,6 +146,10 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @_placement_options
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
+@click.option("--allow-secret-in-diff", is_flag=True,
+              help="Record uncommitted changes that hold a secret (a token, a password assigned a literal, a URL's "
+                   "password) with each such secret cut from the stored patch; the run is tagged "
+                   "harness.git.patch_redacted and a replay warns that its code is not exact there.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @click.option("--seeds", "seeds_n", type=int, default=None,
               help="Run a study: N runs with seeds seed, seed+1, ..., seed+N-1, nested under one study run.")
@@ -159,6 +164,7 @@ def run(
     require_clean: bool,
     executor: str | None,
     allow_untracked_secrets: bool,
+    allow_secret_in_diff: bool,
     tracking_uri: str | None,
     seeds_n: int | None,
     parallel: int | None,
@@ -176,7 +182,8 @@ def run(
     outcome = api.run(api.RunOptions(
         experiment_dir, tuple(overrides), seeds=seeds_n, parallel=parallel, require_clean=require_clean,
         executor=executor, placement=api.Placement.of(placement),
-        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, on_event=_draw,
+        allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
+        tracking_uri=tracking_uri, on_event=_draw,
         calibrate=calibrate,
     ))
     # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
@@ -192,7 +199,7 @@ def _finish(outcome: Any, tracking_uri: str | None, print_id: bool = True) -> No
     if study:
         click.echo(outcome.table, err=True)
     if outcome.message:
-        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+        click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     if print_id or study:
         what = f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds)." if study else \
             f"Run {outcome.run_id} {outcome.status}."
@@ -207,11 +214,15 @@ def _finish(outcome: Any, tracking_uri: str | None, print_id: bool = True) -> No
 @click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Accept untracked files whose names mark them as secrets (they would be recorded).")
+@click.option("--allow-secret-in-diff", is_flag=True,
+              help="Record uncommitted changes that hold a secret (a token, a password assigned a literal, a URL's "
+                   "password) with each such secret cut from the stored patch; the run is tagged "
+                   "harness.git.patch_redacted and a replay warns that its code is not exact there.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def check(
     experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, allow_untracked_secrets: bool,
-    tracking_uri: str | None,
+    allow_secret_in_diff: bool, tracking_uri: str | None,
 ) -> None:
     """Check EXPERIMENT_DIR and KEY=VALUE overrides as `harness run` would, without running or recording.
 
@@ -222,10 +233,10 @@ def check(
 
     checked = runner.preflight(
         experiment_dir, list(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets,
-        tracking_uri=tracking_uri,
+        allow_secret_in_diff=allow_secret_in_diff, tracking_uri=tracking_uri,
     )
     for warning in checked.warnings:
-        click.echo(f"Warning: {warning}", err=True)
+        click.echo(f"Warning: {scrub(warning)}", err=True)
     if checked.data_stats is not None:
         click.echo(checked.data_stats.summary(), err=True)
     cfg = checked.cfg
@@ -672,7 +683,7 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 
     outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
     if outcome.message:
-        click.echo(f"{outcome.status}: {outcome.message}", err=True)
+        click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     sys.exit(outcome.exit_code)
 
 

@@ -169,6 +169,7 @@ class RunOptions:
     placement: Placement = field(default_factory=Placement)
     allow_unpinned: bool = False  # accept an image pinned by the moving 'latest' tag
     allow_untracked_secrets: bool = False  # record untracked files named like secrets in the code patch
+    allow_secret_in_diff: bool = False  # record a patch holding secrets with them cut out (tagged patch_redacted)
     tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db
     on_event: Listener | None = None  # gets what the command says while it works; None: nothing is said
     calibrate: bool = False  # --calibrate: once the run FINISHED, `harness calibrate` it with the defaults
@@ -192,6 +193,7 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
                 o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], seeds_n=o.seeds,
                 parallel=o.parallel, require_clean=o.require_clean, tracking_uri=o.tracking_uri, executor=o.executor,
                 allow_unpinned=o.allow_unpinned, allow_untracked_secrets=o.allow_untracked_secrets,
+                allow_secret_in_diff=o.allow_secret_in_diff,
                 job_options=o.placement.job_options(),
             )
         layout = topology(o.executor, o.placement, torchrun=True)
@@ -199,7 +201,8 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
         outcome: Outcome | StudyOutcome = run_command.run(
             o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], require_clean=o.require_clean,
             tracking_uri=o.tracking_uri, executor=o.executor, allow_unpinned=o.allow_unpinned,
-            allow_untracked_secrets=o.allow_untracked_secrets, topology=layout, job_options=o.placement.job_options(),
+            allow_untracked_secrets=o.allow_untracked_secrets, allow_secret_in_diff=o.allow_secret_in_diff,
+            topology=layout, job_options=o.placement.job_options(),
         )
         if o.calibrate and isinstance(outcome, StudyOutcome):
             raise HarnessError(f"--calibrate: the config made study {outcome.run_id} (`seeds:`); calibrate a member "

@@ -148,7 +148,7 @@ def replay(
         check_steps_of(steps, a)
     overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
     cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
-    changes = [redaction.redact_override(c) for c in changes]  # recorded and printed: no secret in them
+    changes = [redaction.redact_override(c, redaction.store_key(tracker.uri)) for c in changes]  # recorded and printed: no secret in them
     if executor is not None and executor != str(cfg.executor):
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
@@ -165,7 +165,13 @@ def replay(
     if data.stats is not None:
         events.emit(events.Notice(data.stats.summary()))
     # Where each secret came from (harness.config_redacted) is carried, for a replay of this replay.
-    extra = derived.tags(T.KIND_REPLAY, original, copy=(T.CONFIG_REDACTED,), extra=extra_tags)
+    # A patch --allow-secret-in-diff cut secrets from is carried too: this replay's code is not exact there either.
+    extra = derived.tags(T.KIND_REPLAY, original, copy=(T.CONFIG_REDACTED, T.GIT_PATCH_REDACTED), extra=extra_tags)
+    if original.tags.get(T.GIT_PATCH_REDACTED):
+        events.emit(events.Warning(
+            f"run {original.run_id} was recorded with secrets cut from its code patch (--allow-secret-in-diff, at "
+            f"{original.tags[T.GIT_PATCH_REDACTED]}): this replay runs those lines with <redacted>, not as they ran."
+        ))
     if changes:
         extra[T.CHANGES] = " ".join(changes)
     if given:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,8 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
         tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch).hexdigest()
     if git.submodules:
         tags[T.GIT_SUBMODULES_SHA256] = hashlib.sha256(gitsource.submodules_json(git.submodules)).hexdigest()
+    if git.redacted:
+        tags[T.GIT_PATCH_REDACTED] = ", ".join(git.redacted)
     tags.update(image)
     return tags
 
@@ -87,7 +89,7 @@ def create_record(
 
     tags = record_tags(cfg, exp_dir, git, image)
     tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
-    params, text, redacted = recordable_config(cfg)
+    params, text, redacted = recordable_config(cfg, tracker.uri)
     if redacted:
         tags[T.CONFIG_REDACTED] = redacted
     tags.update(extra_tags or {})
@@ -121,15 +123,15 @@ def fit_params(params: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return out, long
 
 
-def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
+def recordable_config(cfg: DictConfig, store_uri: str) -> tuple[dict[str, str], str, str]:
     """(params, config.yaml, the harness.config.redacted tag) with every secret replaced by its placeholder.
 
     The ranks get `cfg` itself: only what the store holds is redacted."""
     from omegaconf import OmegaConf
 
-    clean, keys = redaction.redact(to_container(cfg))
-    if not keys:
+    if not redaction.redact(to_container(cfg), None)[1]:  # no secret: the store's key is not even made
         return fit_params(flatten(cfg))[0], to_yaml(cfg), ""
+    clean, keys = redaction.redact(to_container(cfg), redaction.store_key(store_uri))
     unresolved = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(unresolved, dict)  # cfg is a DictConfig
     sources = redaction.env_sources(unresolved, keys)
@@ -137,7 +139,7 @@ def recordable_config(cfg: DictConfig) -> tuple[dict[str, str], str, str]:
             redaction.format_sources(keys, sources))
 
 
-@dataclass
+@dataclasses.dataclass
 class Preflight:
     """What `harness run` checked before recording: the validated config, the code state, and warnings."""
 
@@ -155,6 +157,7 @@ def preflight(
     require_clean: bool = False,
     executor: str | None = None,
     allow_untracked_secrets: bool = False,
+    allow_secret_in_diff: bool = False,
     tracking_uri: str | None = None,
     nnodes: int = 1,
     warm_ranks: bool = False,
@@ -179,6 +182,22 @@ def preflight(
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
     warnings: list[str] = []
+    in_diff = redaction.patch_secrets(git.patch) if git.dirty else []
+    if in_diff and not allow_secret_in_diff:
+        raise HarnessError(redaction.patch_refusal(in_diff))
+    if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
+        where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
+        if cfg.executor not in ("local", "docker"):  # the others run a checkout of the record: code without them
+            raise HarnessError(
+                f"--allow-secret-in-diff cuts the secrets at {', '.join(where)} from the recorded code, and the "
+                f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "
+                "environment variables, or use --executor local."
+            )
+        git = dataclasses.replace(git, patch=redaction.redact_patch(git.patch), redacted=where)
+        warnings.append(
+            f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "
+            "the code that ran there (tagged harness.git.patch_redacted); a replay runs those lines with <redacted>."
+        )
     long = fit_params(flatten(cfg))[1]
     if long:
         warnings.append(
@@ -186,7 +205,7 @@ def preflight(
             f"params ({', '.join(long[:3])}{', ...' if len(long) > 3 else ''}): recorded in params as length and sha256, "
             "whole in config.yaml."
         )
-    _, secret_keys = redaction.redact(to_container(cfg))
+    _, secret_keys = redaction.redact(to_container(cfg), None)
     if secret_keys:
         warnings.append(redaction.warning(secret_keys))
     if git.excluded:
@@ -236,6 +255,7 @@ def run(
     executor: str | None = None,
     allow_unpinned: bool = False,
     allow_untracked_secrets: bool = False,
+    allow_secret_in_diff: bool = False,
     topology: Topology | None = None,
     job_options: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -254,7 +274,8 @@ def run(
     probe_store(resolve_uri(tracking_uri), True, store_timeout())
     checked = preflight(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
-        allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri, nnodes=topology.nnodes,
+        allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
+        tracking_uri=tracking_uri, nnodes=topology.nnodes,
         warm_ranks=torchrun is None,
     )
     cfg, git = checked.cfg, checked.git
@@ -267,7 +288,8 @@ def run(
 
         return study.run_study(
             exp_dir, overrides, require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
-            allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets, checked=checked,
+            allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
+            allow_secret_in_diff=allow_secret_in_diff, checked=checked,
             job_options=job_options,
         )
     if torchrun is not None:
@@ -336,7 +358,8 @@ def execute_recorded(
     container = to_container(cfg)
     if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
         restored, _ = redaction.restore(
-            container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id
+            container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id,
+            redaction.store_key(tracker.uri),
         )
         cfg = compose([("recorded config", OmegaConf.create(restored))])
     code_dir = Path(code_dir)

@@ -244,6 +244,7 @@ def run_study(
     executor: str | None = None,
     allow_unpinned: bool = False,
     allow_untracked_secrets: bool = False,
+    allow_secret_in_diff: bool = False,
     checked: Any = None,
     job_options: Mapping[str, Any] | None = None,
 ) -> StudyOutcome:
@@ -262,9 +263,16 @@ def run_study(
         probe_store(resolve_uri(tracking_uri), True, store_timeout())
         checked = runner.preflight(
             exp_dir, overrides, require_clean=require_clean, executor=executor,
-            allow_untracked_secrets=allow_untracked_secrets, tracking_uri=tracking_uri,
+            allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
+            tracking_uri=tracking_uri,
         )
     cfg, git = checked.cfg, checked.git
+    if git.redacted:
+        raise HarnessError(
+            "a study runs its members from a checkout of the recorded code, and --allow-secret-in-diff cut "
+            f"secrets from that record ({', '.join(git.redacted)}): the members would not run your code. Move the "
+            "secrets to environment variables, or run single runs."
+        )
     seeds = resolve_seeds(None if cfg.seeds is None else list(cfg.seeds), int(cfg.seed), seeds_n)
     jobs_at_once = min(parallel or 1, len(seeds))
     backend = str(cfg.executor)

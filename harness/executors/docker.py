@@ -36,7 +36,8 @@ from harness.executors.base import (
 from harness.executors.local import LocalExecutor
 from harness.messages import Message
 from harness.record.recorder import ENV_DIGEST
-from harness.record.redaction import env_name_is_secret, redact
+from harness.record.redaction import redact
+from harness.secrets import env_name_is_secret
 from harness.store.reach import SUPPRESS_URL, artifact_path, database_file
 from harness.store.tracking import Tracker
 from harness.systems import docker
@@ -181,7 +182,7 @@ class DockerExecutor(Executor):
         if job.topology.multi_node:
             raise HarnessError("the docker executor runs one node; for several, use --executor slurm or local --nnodes.")
 
-        secret = redact(to_container(job.cfg))[1]
+        secret = redact(to_container(job.cfg), None)[1]
         if secret:  # the container reads the recorded config, which holds placeholders, not the values
             raise HarnessError(
                 f"{', '.join(secret)} look{'s' if len(secret) == 1 else ''} like a secret, which the record does not "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import __version__
-from harness.record.redaction import env_name_is_secret
+from harness.secrets import env_name_is_secret, scrub
 
 # Variables that change numerics or communication; recorded when set.
 # ATEN_CPU_CAPABILITY and oneDNN's DNNL_/ONEDNN_MAX_CPU_ISA choose the CPU's vector kernels.
@@ -118,7 +118,7 @@ def env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables that change numerics or communication, secrets' values replaced by REDACTED."""
     env = os.environ if environ is None else environ
     return {
-        k: REDACTED if env_name_is_secret(k) else v
+        k: REDACTED if env_name_is_secret(k) else scrub(v)  # OMP_PROXY=http://u:pw@proxy: the password goes
         for k, v in sorted(env.items())
         if k.startswith(_VAR_PREFIXES) or k in _VAR_NAMES
     }
@@ -149,7 +149,7 @@ def _conf_file(path: Path) -> dict[str, str]:
         key, eq, value = line.partition("=")
         if line.startswith("#") or not eq or not key:
             continue
-        out[key] = REDACTED if env_name_is_secret(key) else value
+        out[key] = REDACTED if env_name_is_secret(key) else scrub(value)
     return out
 
 

@@ -74,7 +74,8 @@ class RecordedRun:
         if not redaction.redacted_keys(container):
             return list(overrides)
         sources = redaction.parse_sources(self.run.tags.get(T.CONFIG_REDACTED))
-        restored, rest = redaction.restore(container, list(overrides), sources, os.environ, self.run.run_id)
+        restored, rest = redaction.restore(container, list(overrides), sources, os.environ, self.run.run_id,
+                                           redaction.store_key(self.tracker.uri))
         self.cfg = compose([("recorded config", OmegaConf.create(restored))])
         return rest
 

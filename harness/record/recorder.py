@@ -50,6 +50,7 @@ from harness.messages import (
 from harness.record.provenance import package_lock, runtime_facts
 from harness.records import own_metric
 from harness.runtime import usermlflow, userseed
+from harness.secrets import scrub
 from harness.store.reach import absolute_uri, reason_of
 from harness.store.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
 
@@ -297,6 +298,7 @@ class Recorder:
                 case None:
                     status, code = T.FINISHED, EXIT_OK
                 case Failed(line, rank, tb, expected):
+                    line, tb = scrub(line), scrub(tb)  # an exception's text: a URL's password goes no further
                     failure_text = "" if expected else tb
                     message = line
                     tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)

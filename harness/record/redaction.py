@@ -1,93 +1,125 @@
-"""Secrets kept out of the record: which names and values look like credentials, their redaction, their return."""
+"""Secrets kept out of the record: config values replaced by keyed digests, secrets cut from the code patch, and
+the values put back for a replay. What looks like a credential is decided in harness/secrets.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import math
+import hmac
+import os
 import re
-from collections.abc import Mapping
+import secrets as random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
+from harness.secrets import in_line, is_secret, secret_copies
+from harness.store.reach import KEY_DIR_ENV, key_file
 
-# Variable names (harness.var.*): any of these substrings, or one of the `_`-separated words below
-# (TORCH_HUB_PAT, but not PATH), marks a credential.
-_ENV_SUBSTRINGS = ("TOKEN", "SECRET", "KEY", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "AUTH", "PRIVATE")
-_ENV_WORDS = frozenset({"PAT", "PASS"})
-# Config keys are matched by whole words only: ML configs are full of `max_tokens`, `key_dim`, `tokenizer`.
-_KEY_WORDS = frozenset({
-    "token", "secret", "password", "passwd", "passphrase", "pat", "credential", "credentials", "apikey", "pwd",
-})
-_KEY_PAIRS = ("api_key", "private_key", "access_key", "secret_key", "auth_key", "auth_token", "access_token",
-              "client_secret", "signing_key", "encryption_key")
-# Values that are credentials whatever their key: the well-known token formats, conservatively.
-_VALUE_RES = tuple(re.compile(p) for p in (
-    r"sk-[A-Za-z0-9_-]{20,}",  # OpenAI, Anthropic (sk-ant-...)
-    r"(ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{30,}", r"github_pat_[A-Za-z0-9_]{30,}",
-    r"glpat-[A-Za-z0-9_-]{20,}", r"hf_[A-Za-z0-9]{30,}",
-    r"(AKIA|ASIA)[0-9A-Z]{16}", r"xox[abposr]-[A-Za-z0-9-]{10,}",
-))
-_TOKENISH = re.compile(r"[A-Za-z0-9+/=_-]{32,}")
-PLACEHOLDER = re.compile(r"<redacted sha256:([0-9a-f]{16})>")
+# What the record holds instead of a secret: a keyed digest (HMAC-SHA256 under the store's own random key,
+# key_file) so that two runs of one store with the same secret compare equal, but a guess ("hunter2") cannot
+# be checked against it by anyone who lacks the key. `sha256:` is the unkeyed form of records made before.
+PLACEHOLDER = re.compile(r"<redacted (sha256|hmac-([0-9a-f]{8})):([0-9a-f]{16})>")
 
 
-def env_name_is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(s in upper for s in _ENV_SUBSTRINGS) or any(w in _ENV_WORDS for w in upper.split("_"))
+class Key:
+    """A store's redaction key: 32 random bytes, and the short id its placeholders carry."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self.id = hashlib.sha256(b"harness redaction key id\0" + secret).hexdigest()[:8]
+
+    def digest(self, value: Any) -> str:
+        return hmac.new(self.secret, str(value).encode(), hashlib.sha256).hexdigest()[:16]
 
 
-def key_is_secret(dotted: str) -> bool:
-    """`train.api_key`, `hf_token`, `db.password`: the last part of the dotted key names a credential."""
-    last = dotted.rsplit(".", 1)[-1].lower().replace("-", "_")
-    return any(w in _KEY_WORDS for w in last.split("_")) or any(p in last for p in _KEY_PAIRS)
+def store_key(uri: str) -> Key:
+    """The redaction key of the store at `uri`, created on first use (never in the store itself: see key_file)."""
+    path = key_file(uri)
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        return _read_key(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(random.token_hex(32) + "\n")
+            with contextlib.suppress(FileExistsError):  # a concurrent first run made it: the first one wins
+                os.link(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as err:
+        raise HarnessError(
+            f"cannot make the store's redaction key '{path}' ({err.strerror or err}); the record needs it to hide "
+            f"the config's secrets. Make its folder writable, or set {KEY_DIR_ENV} to a writable folder (remote stores)."
+        ) from None
+    return _read_key(path)
 
 
-def value_is_secret(value: Any) -> bool:
-    """A known token format, or a long high-entropy string with upper, lower and digits (not a hex digest)."""
-    if not isinstance(value, str):
-        return False
-    if any(r.fullmatch(value) for r in _VALUE_RES):
-        return True
-    if not _TOKENISH.fullmatch(value) or not (re.search(r"[a-z]", value) and re.search(r"[A-Z]", value)
-                                             and re.search(r"[0-9]", value)):
-        return False
-    counts = {c: value.count(c) for c in set(value)}
-    entropy = -sum(n / len(value) * math.log2(n / len(value)) for n in counts.values())
-    return entropy >= 4.5
+def _read_key(path: Path) -> Key:
+    try:
+        text = path.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as err:
+        raise HarnessError(f"cannot read the store's redaction key '{path}' ({err.strerror or err}). "
+                           "Give this user read access to it (it is the store's, mode 0600).") from None
+    if not re.fullmatch(r"[0-9a-f]{64}", text):
+        raise HarnessError(
+            f"'{path}' is not a harness redaction key (64 hex digits). Restore it from a backup, or remove it "
+            "(the runs recorded with it can then no longer check a secret given to their replay)."
+        )
+    return Key(bytes.fromhex(text))
 
 
-def placeholder(value: Any) -> str:
-    """What the record holds instead of a secret: a short hash, so that a config delta still sees a change."""
-    return f"<redacted sha256:{hashlib.sha256(str(value).encode()).hexdigest()[:16]}>"
+def placeholder(value: Any, key: Key) -> str:
+    """What the record holds instead of a secret: its keyed digest, so that a config delta still sees a change."""
+    return f"<redacted hmac-{key.id}:{key.digest(value)}>"
+
+
+def _matches(value: Any, recorded: str, key: Key) -> bool | None:
+    """Whether `value` is the secret `recorded` stands for; None when this store's key cannot tell (a run
+    imported from another store)."""
+    match = PLACEHOLDER.fullmatch(recorded)
+    if match is None:
+        return None
+    if match[1] == "sha256":
+        return hashlib.sha256(str(value).encode()).hexdigest()[:16] == match[3]
+    if match[2] != key.id:
+        return None
+    return hmac.compare_digest(key.digest(value), match[3])
 
 
 def _secret(key: str, value: Any) -> bool:
-    if value is None or isinstance(value, bool) or value == "" or (isinstance(value, str) and PLACEHOLDER.fullmatch(value)):
-        return False
-    return key_is_secret(key) or value_is_secret(value)
+    return not (isinstance(value, str) and PLACEHOLDER.fullmatch(value)) and is_secret(key, value)
 
 
-def redact(container: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], list[str]]:
-    """The resolved config (plain dict) with every secret replaced by its placeholder, and the dotted keys replaced."""
+def redact(container: Mapping[str, Any], key: Key | None, prefix: str = "") -> tuple[dict[str, Any], list[str]]:
+    """The resolved config (plain dict) with every secret replaced by its placeholder, and the dotted keys replaced.
+    With `key` None only the keys are wanted: the secrets are replaced by "<redacted>"."""
     keys: list[str] = []
+    copies = secret_copies(dict(container), prefix)
 
     def walk(path: str, node: Any) -> Any:
         if isinstance(node, Mapping):
             return {k: walk(f"{path}.{k}" if path else str(k), v) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(f"{path}.{i}", v) for i, v in enumerate(node)]
-        if _secret(path, node):
+        if _secret(path, node) or (isinstance(node, str) and node in copies):
             keys.append(path)
-            return placeholder(node)
+            return placeholder(node, key) if key is not None else "<redacted>"
         return node
 
     return walk(prefix, container), keys
 
 
-def redact_override(item: str) -> str:
+def redact_override(item: str, key: Key) -> str:
     """`KEY=VALUE` as a record may show it (harness.replay.changes): a secret's value replaced by its placeholder."""
-    key, sep, value = item.partition("=")
-    return f"{key}={placeholder(value)}" if sep and _secret(key.lstrip("+~"), value) else item
+    name, sep, value = item.partition("=")
+    return f"{name}={placeholder(value, key)}" if sep and _secret(name.lstrip("+~"), value) else item
 
 
 def redacted_keys(container: Mapping[str, Any]) -> list[str]:
@@ -110,19 +142,21 @@ def redacted_keys(container: Mapping[str, Any]) -> list[str]:
 
 def warning(keys: list[str]) -> str:
     shown = ", ".join(keys)
-    return (f"{shown} look{'s' if len(keys) == 1 else ''} like a secret: recorded as <redacted sha256:...> in params "
-            "and config.yaml (the ranks get the real value); a replay needs it again, as KEY=VALUE or from "
-            "the environment variable it was read from.")
+    return (f"{shown} look{'s' if len(keys) == 1 else ''} like a secret: recorded as <redacted hmac-...> (a digest "
+            "keyed by the store) in params and config.yaml (the ranks get the real value; print(ctx.cfg) shows it "
+            "redacted); a replay needs it again, as KEY=VALUE or from the environment variable it was read from.")
 
 
 def restore(
     container: dict[str, Any], overrides: list[str], sources: Mapping[str, str], environ: Mapping[str, str],
-    run_id: str,
+    run_id: str, key: Key,
 ) -> tuple[dict[str, Any], list[str]]:
     """Put the real values back into a recorded config; returns it and the overrides left (those not secrets).
 
     A redacted key's value comes from a `KEY=VALUE` override, else from the environment variable the
-    run read it from (`sources`: key -> variable, the tag harness.config.redacted). It must hash as recorded.
+    run read it from (`sources`: key -> variable, the tag harness.config.redacted). It must digest as recorded
+    under this store's key; a run imported from another store (another key) cannot be checked here, and its value
+    is used as given.
     """
     keys = redacted_keys(container)
     if not keys:
@@ -130,35 +164,61 @@ def restore(
     given: dict[str, str] = {}
     rest = []
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key.lstrip("+~") in keys:
-            given[key.lstrip("+~")] = value
+        name, sep, value = item.partition("=")
+        if sep and name.lstrip("+~") in keys:
+            given[name.lstrip("+~")] = value
         else:
             rest.append(item)
-    for key in keys:
-        node, parts = container, key.split(".")
-        for part in parts[:-1]:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        last = int(parts[-1]) if isinstance(node, list) else parts[-1]
+    found: dict[str, Any] = {}  # placeholder -> the value given for it: a copy of a secret needs no second telling
+    for name in keys:
+        got = _given_value(container, name, given, sources, environ, run_id, key)
+        if got is not None:
+            node, last = _at(container, name)
+            found[node[last]] = got[0]
+    for name in keys:
+        node, last = _at(container, name)
         recorded = node[last]
-        var = sources.get(key)
-        if key in given:
-            value, origin = _typed(given[key]), f"{key}=..."
-        elif var and var in environ:
-            value, origin = environ[var], f"${var}"
-        else:
-            where = f"set ${var} as when it ran, or pass" if var else "pass it again:"
-            raise HarnessError(
-                f"{key} of run {run_id} is a secret the record does not hold ({recorded}); {where} "
-                f"harness replay {run_id} {key}=VALUE."
-            )
-        if placeholder(value) != recorded:
-            raise HarnessError(
-                f"{origin} does not hash as run {run_id} recorded {key} ({placeholder(value)} instead of {recorded}). "
-                f"Pass the value the run used: {key}=VALUE."
-            )
-        node[last] = value
+        if recorded not in found:  # neither given nor a copy of one given: the refusal, by name
+            _given_value(container, name, given, sources, environ, run_id, key, required=True)
+        node[last] = found[recorded]
     return container, rest
+
+
+def _at(container: Any, name: str) -> tuple[Any, Any]:
+    """(the list or mapping holding the dotted key `name`, its index or key there)."""
+    node, parts = container, name.split(".")
+    for part in parts[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node, int(parts[-1]) if isinstance(node, list) else parts[-1]
+
+
+def _given_value(
+    container: Any, name: str, given: Mapping[str, str], sources: Mapping[str, str], environ: Mapping[str, str],
+    run_id: str, key: Key, required: bool = False,
+) -> tuple[Any] | None:
+    """(the value given for the redacted key `name`,) from KEY=VALUE or its variable, checked against the record;
+    None when none is given (with `required`, the refusal instead)."""
+    node, last = _at(container, name)
+    recorded = node[last]
+    var = sources.get(name)
+    if name in given:
+        value, origin = _typed(given[name]), f"{name}=..."
+    elif var and var in environ:
+        value, origin = environ[var], f"${var}"
+    elif required:
+        where = f"set ${var} as when it ran, or pass" if var else "pass it again:"
+        raise HarnessError(
+            f"{name} of run {run_id} is a secret the record does not hold ({recorded}); {where} "
+            f"harness replay {run_id} {name}=VALUE."
+        )
+    else:
+        return None
+    if _matches(value, recorded, key) is False:
+        raise HarnessError(
+            f"{origin} is not the value run {run_id} recorded for {name} (its digest differs from {recorded}). "
+            f"Pass the value the run used: {name}=VALUE."
+        )
+    return (value,)
 
 
 def _typed(text: str) -> Any:
@@ -198,3 +258,97 @@ def parse_sources(tag: str | None) -> dict[str, str]:
         if sep:
             out[key] = var
     return out
+
+
+# --- secrets in the uncommitted patch ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PatchSecret:
+    """A secret on an added line of the code patch: the file, its line number in the new file, what it is."""
+
+    path: str
+    line: int
+    kind: str
+    value: str
+
+    def where(self) -> str:
+        return f"'{self.path}' line {self.line} ({self.kind})"
+
+
+def _added_lines(lines: list[bytes]) -> Iterator[tuple[int, str, int]]:
+    """(index in `lines`, file path, line number in the new file) of each line a patch adds; binary hunks hold no
+    lines to read."""
+    path, line_no, header, binary = "", 0, False, False
+    for index, raw in enumerate(lines):
+        if raw.startswith(b"diff --git "):
+            path, line_no, header, binary = "", 0, True, False
+        elif binary:
+            continue
+        elif raw.startswith(b"GIT binary patch"):
+            binary = True
+        elif header and raw.startswith(b"+++ "):
+            name = _unquote(raw[4:])
+            path = name[2:] if name != "/dev/null" else ""
+        elif raw.startswith(b"@@ "):
+            header = False
+            match = re.match(rb"@@ -\d+(?:,\d+)? \+(\d+)", raw)
+            line_no = int(match[1]) if match else 0
+        elif header or not path:
+            continue
+        elif raw.startswith(b"+"):
+            yield index, path, line_no
+            line_no += 1
+        elif raw.startswith(b" "):
+            line_no += 1
+
+
+def patch_secrets(patch: bytes) -> list[PatchSecret]:
+    """The secrets on the lines the patch adds (tracked edits and untracked files alike), by the rules config
+    values get (harness/secrets.py)."""
+    lines = patch.split(b"\n")
+    found = []
+    for index, path, line_no in _added_lines(lines):
+        hit = in_line(lines[index][1:].decode(errors="surrogateescape"), path)
+        if hit is not None:
+            found.append(PatchSecret(path, line_no, hit.kind, hit.value))
+    return found
+
+
+_ESCAPES = {b"a": b"\a", b"b": b"\b", b"t": b"\t", b"n": b"\n", b"v": b"\v", b"f": b"\f", b"r": b"\r"}
+
+
+def _unquote(name: bytes) -> str:
+    """A path as git writes it in a patch header: C-quoted ("a/tab\\there") when it holds odd bytes."""
+    if len(name) >= 2 and name[:1] == name[-1:] == b'"':
+        name = re.sub(rb"\\([0-7]{3}|.)", lambda m: bytes([int(m[1], 8)]) if len(m[1]) == 3
+                      else _ESCAPES.get(m[1], m[1]), name[1:-1])
+    return name.decode(errors="replace")
+
+
+def patch_refusal(found: list[PatchSecret]) -> str:
+    """The one line `harness run` and `harness check` refuse a patch holding secrets with."""
+    shown = ", ".join(f.where() for f in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return (f"{shown} {'holds a secret' if len(found) == 1 else 'hold secrets'} in the uncommitted changes, which "
+            "a run stores with its code (git/uncommitted.patch). Read it from an environment variable instead "
+            "(os.environ[...], ${oc.env:NAME} in the config), keep it in a file listed in .gitignore, commit it "
+            "elsewhere if it is no secret, or pass --allow-secret-in-diff to store the patch with it redacted "
+            "(the run is then tagged as having an inexact patch).")
+
+
+PATCH_REDACTED = "<redacted>"
+
+
+def redact_patch(patch: bytes) -> bytes:
+    """The patch with each secret cut from the lines it adds (a fixed mark, no digest: the patch a replay applies
+    is then not the code that ran, and the record says so). Only added lines change: the patch still applies."""
+    lines = patch.split(b"\n")
+    for index, path, _ in _added_lines(lines):
+        text = lines[index][1:].decode(errors="surrogateescape")
+        for _ in range(100):  # each pass cuts one secret; a line holds a few at most
+            hit = in_line(text, path)
+            if hit is None:
+                break
+            text = text[:hit.start] + PATCH_REDACTED + text[hit.start + len(hit.value):]
+        lines[index] = b"+" + text.encode(errors="surrogateescape")
+    return b"\n".join(lines)

@@ -36,6 +36,7 @@ from harness.messages import (
 )
 from harness.optrace import hooks, tracer as optrace
 from harness.runtime import boundaries, checkpoint as ckpt, determinism, optimization
+from harness.runtime.cfgview import redacted_view
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (
     EvalSampler,
@@ -166,7 +167,7 @@ class Context:
         self.world_size = world_size
         self.local_rank = local_rank
         self.device = device
-        self.cfg = cfg
+        self.cfg = redacted_view(cfg)  # print(ctx.cfg) in a rank log shows no secret; ctx.cfg.key is the real value
         self.seed = seed
         self.rank_seed = rank_seed
         self._every = fingerprint_every

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from harness.errors import HarnessError
+from harness.secrets import scrub
 from harness.tags import MLFLOW_SUPPRESS_URL_ENV
 from harness.urls import strip_credentials
 
@@ -70,12 +72,28 @@ def artifact_path(uri: str) -> Path | None:
 
 
 def local_paths(uri: str) -> list[Path]:
-    """The files and folders of a local store (database, its journals, artifacts): never part of the code record."""
+    """The files and folders of a local store (database, its journals, artifacts, redaction key): never part of
+    the code record."""
     db = database_file(uri)
     if db is None:
         return []
     root = artifact_root(uri)
-    return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm")), *([Path(root)] if root else [])]
+    return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm")), *([Path(root)] if root else []),
+            key_file(uri)]
+
+
+KEY_DIR_ENV = "HARNESS_KEY_DIR"
+
+
+def key_file(uri: str) -> Path:
+    """Where the redaction key of the store at `uri` lives (record/redaction.py): beside a local database
+    (`mlflow.db.harness-key`), else in $HARNESS_KEY_DIR (default ~/.config/harness/keys) under a name derived from
+    the store's URI without credentials. Never in the store itself: whoever reads the store must not get the key."""
+    db = database_file(uri)
+    if db is not None:
+        return db.with_name(db.name + ".harness-key")
+    folder = Path(os.environ.get(KEY_DIR_ENV) or Path.home() / ".config" / "harness" / "keys")
+    return folder / f"{hashlib.sha256(strip_credentials(uri).encode()).hexdigest()[:16]}.key"
 
 
 # --- deadlines ---------------------------------------------------------------------------------
@@ -149,7 +167,7 @@ def reason_of(err: BaseException) -> str:
     """The first line of an error, short enough for a one-line message."""
     text = getattr(err, "message", None) or str(err) or type(err).__name__
     line = str(text).strip().splitlines()[0] if str(text).strip() else type(err).__name__
-    return strip_credentials(line[:300].rstrip("."))
+    return scrub(line)[:300].rstrip(".")  # scrubbed before cut: a cut URL would no longer read as one
 
 
 def probe_store(uri: str, writable: bool, timeout_s: float, must_exist: bool = True) -> str:

@@ -25,6 +25,7 @@ from harness import scratch, tags as T
 from harness.errors import HarnessError
 from harness.record import seal
 from harness.records import RunRecord, RunSummary, same_value, series
+from harness.secrets import scrub
 from harness.store.reach import (
     DB_NAME,
     MLFLOW_HTTP_DEFAULTS,
@@ -672,7 +673,9 @@ class Tracker:
         from mlflow.entities import RunTag
 
         if values:
-            self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:8000]) for k, v in values.items()])
+            # Why a run ended carries outside text (an exception's, a rank's): scrubbed before it is stored.
+            self.client.log_batch(run_id, tags=[RunTag(k, (scrub(str(v)) if k == T.STATUS_REASON else str(v))[:8000])
+                                                for k, v in values.items()])
 
     @_store_call
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:

@@ -69,6 +69,7 @@ class GitState:
     excluded: tuple[str, ...] = ()  # paths left out of the record though not ignored (the store's own files)
     untracked: tuple[str, ...] = ()  # untracked, not ignored files the patch records, relative to `root`
     submodules: tuple[Submodule, ...] = ()  # the checked-out ones, parents before their own submodules
+    redacted: tuple[str, ...] = ()  # `path:line` whose secrets were cut from `patch`: it no longer rebuilds the tree
 
 
 def submodules_json(submodules: Sequence[Submodule]) -> bytes:

@@ -161,3 +161,19 @@ def test_a_submodules_untracked_files_follow_the_repositorys_rules(tmp_path: Pat
         gitsource.inspect(repo, max_untracked_mib=10)
     state = gitsource.inspect(repo, max_untracked_mib=10, allow_secrets=True)
     assert state.dirty and state.patch == b"" and state.submodules[0].untracked == (".env",)
+
+
+def test_a_secret_inside_a_submodules_changes_is_refused_naming_its_path(recorded: Recorded) -> None:
+    """A submodule's patch is stored beside the repository's: the same secret rules hold for it."""
+    sub = recorded.project.root / "experiments" / "scaled" / "lib"
+    token = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    (sub / "config.local").write_text(f"token: {token}\n")
+    try:
+        check = recorded.project.harness("check", "experiments/scaled")
+        run = recorded.project.harness("run", "experiments/scaled", "train.epochs=1")
+    finally:
+        (sub / "config.local").unlink()
+    for result in (check, run):
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "'experiments/scaled/lib/config.local' line 1" in result.stderr, result.stderr
+        assert token not in result.stdout + result.stderr

@@ -183,6 +183,8 @@ def preflight(
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
     warnings: list[str] = []
     in_diff = redaction.patch_secrets(git.patch) if git.dirty else []
+    for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules
+        in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch)]
     if in_diff and not allow_secret_in_diff:
         raise HarnessError(redaction.patch_refusal(in_diff))
     if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
@@ -193,7 +195,9 @@ def preflight(
                 f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "
                 "environment variables, or use --executor local."
             )
-        git = dataclasses.replace(git, patch=redaction.redact_patch(git.patch), redacted=where)
+        git = dataclasses.replace(
+            git, patch=redaction.redact_patch(git.patch), redacted=where,
+            submodules=tuple(dataclasses.replace(sub, patch=redaction.redact_patch(sub.patch)) for sub in git.submodules))
         warnings.append(
             f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "
             "the code that ran there (tagged harness.git.patch_redacted); a replay runs those lines with <redacted>."

@@ -13,7 +13,7 @@ While a command works it says what happens as `harness.events` (notices, warning
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ from harness.executors import Outcome, Topology, backend, backends
 from harness.executors.multinode import topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 from harness.judge.compare import Comparison
-from harness.store.tracking import Tracker
+from harness.store.tracking import Tracker, full_ids
 
 if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: imported where they run, so that
     # compare and replay stay as light as they are (tests/test_cli_fast.py: compare imports no torch)
@@ -49,6 +49,14 @@ __all__ = [
     "AuditOptions", "CalibrateOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
     "VerifyOptions", "audit", "calibrate", "compare", "replay", "resume", "run", "trace", "verify",
 ]
+
+
+def _with_full_ids(options: Any, *names: str) -> Any:
+    """`options` with the run ids in the fields `names` made whole: a unique prefix names a run everywhere an id
+    does (as git's and docker's ids do); an ambiguous one is refused in one line (Tracker.resolve_id)."""
+    given = [getattr(options, n) for n in names]
+    full = full_ids(options.tracking_uri, *given)
+    return options if full == given else replace(options, **dict(zip(names, full)))
 
 
 # -- where the ranks run --------------------------------------------------------------------------------
@@ -226,6 +234,7 @@ def calibrate(options: CalibrateOptions) -> Calibration:
     """Re-execute the run's first steps with one-ulp nudges of its weights; record the envelope its replays are
     judged against (WITHIN_ROUNDING)."""
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return calibrate_command.calibrate(options.run_id, members=options.members, steps=options.steps,
                                            tracking_uri=options.tracking_uri)
 
@@ -257,8 +266,8 @@ class ReplayOptions:
 
 def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
     """Rerun a recorded run, or a study's members, and judge it against the record."""
-    o = options
-    with events.listening(o.on_event):
+    with events.listening(options.on_event):
+        o = _with_full_ids(options, "run_id")
         layout = topology(o.executor, o.placement)
         replay_command.check_steps(o.steps, o.allow_incomplete)
         # Writable: a replay records, so a read-only store is said first, whatever the run is.
@@ -316,8 +325,8 @@ class CompareOptions:
 def compare(options: CompareOptions) -> Comparison | TraceDiff:
     """Judge two existing runs against each other (a Comparison), or localize two traces (a TraceDiff); nothing
     is rerun or recorded."""
-    o = options
-    with events.listening(o.on_event):
+    with events.listening(options.on_event):
+        o = _with_full_ids(options, "run_a", "run_b")
         tracker = Tracker(o.tracking_uri, writable=False)  # comparing only reads
         traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]
         if any(traces) and not all(traces):
@@ -350,6 +359,7 @@ def resume(options: ResumeOptions) -> Outcome:
     from harness.commands import resume as resume_command  # loads torch (see the imports above)
 
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return resume_command.resume(options.run_id, tracking_uri=options.tracking_uri, repo=options.repo)
 
 
@@ -369,6 +379,7 @@ def audit(options: AuditOptions) -> AuditResult:
     from harness.commands import audit as audit_command  # loads torch (see the imports above)
 
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return audit_command.audit(options.run_id, segments=options.segments, seed=options.seed,
                                    tracking_uri=options.tracking_uri, repo=options.repo)
 
@@ -387,6 +398,7 @@ class TraceOptions:
 
 def trace(options: TraceOptions) -> TraceResult:
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return trace_command.trace(options.run_id, step=options.step, ranks=options.ranks,
                                    tracking_uri=options.tracking_uri, repo=options.repo)[0]
 
@@ -430,7 +442,7 @@ class BisectOptions:
 
 
 def bisect(options: BisectOptions) -> BisectResult:
-    o = options
-    with events.listening(o.on_event):
+    with events.listening(options.on_event):
+        o = _with_full_ids(options, "good", "bad", "resume")
         return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo,
                                      localize=o.localize, resume=o.resume)

@@ -257,8 +257,8 @@ class Comparison:
             if len(apart) == len(mine):
                 what = f"{shape} not bit-identical"
             elif apart:
-                names = ", ".join(apart[:3]) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
-                what = f"{names} not bit-identical ({len(apart)} of {shape})"
+                listed = ", ".join(apart[:3]) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
+                what = f"{listed} not bit-identical ({len(apart)} of {shape})"
             else:
                 what = f"{shape} bit-identical, the weights not"
             n = len(self.bitwise_blockers)

@@ -180,12 +180,15 @@ class RunOptions:
     tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db
     on_event: Listener | None = None  # gets what the command says while it works; None: nothing is said
     calibrate: bool = False  # --calibrate: once the run FINISHED, `harness calibrate` it with the defaults
+    name: str | None = None  # --name: the run's name in MLflow (default: the experiment's name and the id's start)
+    tags: Mapping[str, str] | tuple[str, ...] = ()  # --tag KEY=VALUE: tags of the user's own (not harness./mlflow.)
 
 
 def run(options: RunOptions) -> Outcome | StudyOutcome:
     """Record and launch the experiment: its Outcome, or a StudyOutcome when it is a study (--seeds or `seeds:`)."""
     o = options
     with events.listening(o.on_event):
+        named = run_command.labels(o.name, o.tags)  # refused before anything is checked or recorded
         if o.calibrate and (o.seeds is not None or o.parallel is not None or o.placement.multi_node()
                             or torchrun_env() is not None):
             raise HarnessError("--calibrate calibrates one run on this machine, not a study or a multi-node job. Drop "
@@ -200,7 +203,7 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
                 o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], seeds_n=o.seeds,
                 parallel=o.parallel, require_clean=o.require_clean, tracking_uri=o.tracking_uri, executor=o.executor,
                 allow_unpinned=o.allow_unpinned, allow_untracked_secrets=o.allow_untracked_secrets,
-                job_options=o.placement.job_options(),
+                job_options=o.placement.job_options(), named=named,
             )
         layout = topology(o.executor, o.placement, torchrun=True)
         # `seeds: [...]` in the config makes it a study: run_command.run hands it over once the config is loaded.
@@ -208,6 +211,7 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
             o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], require_clean=o.require_clean,
             tracking_uri=o.tracking_uri, executor=o.executor, allow_unpinned=o.allow_unpinned,
             allow_untracked_secrets=o.allow_untracked_secrets, topology=layout, job_options=o.placement.job_options(),
+            named=named,
         )
         if o.calibrate and isinstance(outcome, StudyOutcome):
             raise HarnessError(f"--calibrate: the config made study {outcome.run_id} (`seeds:`); calibrate a member "

@@ -658,6 +658,11 @@ class Tracker:
         return run.info.run_id
 
     @_store_call
+    def rename_run(self, run_id: str, name: str) -> None:
+        """Set the run's name (MLflow's run name, the UI's)."""
+        self.client.update_run(run_id, name=name)
+
+    @_store_call
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 

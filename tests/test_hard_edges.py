@@ -526,6 +526,7 @@ REFUSED = [
     (["--tag", "a=1", "--tag", "a=2"], "Error: --tag a is given twice; give it once."),
     (["--tag", "bad\tkey=1"], "Error: --tag 'bad\\tkey': a tag key is up to 250 letters"),
     (["--name", " "], "Error: --name ' ': a run name is 1 to 250 printable characters."),
+    (["--tag", "a/../b=1"], "Error: --tag 'a/../b': a tag key is a relative path with no '.', '..' or empty parts"),
 ]
 
 

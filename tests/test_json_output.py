@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import Project, Result, make_project
 
 # The keys docs/json.md documents, per command (every document starts with HEAD).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 import shutil
 from collections.abc import Mapping, Sequence
@@ -64,6 +65,10 @@ def labels(name: str | None, tags: Sequence[str] | Mapping[str, str] = ()) -> La
         if len(key) > _NAME_LIMIT or not _TAG_KEY.fullmatch(key):
             raise HarnessError(f"--tag {key!r}: a tag key is up to {_NAME_LIMIT} letters, digits, '_', '-', '.', '/', "
                                "':' and spaces. Rename it.")
+        norm = posixpath.normpath(key)
+        if norm != key or norm == "." or norm.startswith(("..", "/")):  # MLflow stores tags as paths on some stores
+            raise HarnessError(f"--tag {key!r}: a tag key is a relative path with no '.', '..' or empty parts "
+                               f"({norm!r} once normalized). Rename it.")
         if len(value) > _TAG_VALUE_LIMIT:
             raise HarnessError(f"--tag {key}: its value has {len(value)} characters; MLflow holds {_TAG_VALUE_LIMIT}. "
                                "Shorten it.")

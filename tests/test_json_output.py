@@ -21,6 +21,7 @@ KEYS = {
     "replay": {"run_id", "replay_of", "kind", "status", "verdict", "summary", "changes", "comparison", "localized"},
     "compare": {"verdict", "summary", "relation", "run_a", "run_b", "delta", "metrics", "fingerprints", "divergence",
                 "config_delta", "bitwise_possible", "bitwise_blockers"},
+    "compare traces": {"relation", "run_a", "run_b", "rank", "differs", "status", "op_index", "likely_cause", "lines"},
     "runs": {"runs"},
     "audit": {"run_id", "audited", "verdict", "summary", "seed", "segments_total", "steps_total", "catch_probability",
               "step_fraction", "segments"},
@@ -134,6 +135,12 @@ def test_trace_json(project: Project, run_id: str) -> None:
     doc = document(project.harness("trace", run_id[:8], "--step", "1", "--json"), "trace")
     assert doc["traced"] == run_id and doc["step"] == 1 and doc["ranks"] == [0] and doc["reproduced"] is True
     assert doc["from_checkpoint"] == 0 and len(doc["run_id"]) == 32
+    # The same step traced again: the two traces compare as identical, with compare's document for traces.
+    again = json.loads(project.harness("trace", run_id, "--step", "1", "--json").stdout)["run_id"]
+    traces = document(project.harness("compare", doc["run_id"][:8], again[:8], "--json"), "compare",
+                      keys="compare traces")
+    assert (traces["relation"], traces["run_a"], traces["run_b"]) == ("traces", doc["run_id"], again)
+    assert traces["differs"] is False and traces["status"] == "IDENTICAL" and traces["exit_meaning"] == "the traces are identical"
 
 
 def test_bisect_json_names_the_culprit_key(project: Project, run_id: str) -> None:

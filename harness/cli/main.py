@@ -131,6 +131,7 @@ def main(quiet: bool, verbose: bool) -> None:
         raise click.UsageError("--quiet and --verbose contradict each other; pass one.")
     _Voice.quiet, _Voice.verbose = quiet, verbose
 
+
 class _ExecutorName(click.ParamType):
     """--executor NAME: any registered backend. Listed from the registry only when help is shown; an unknown name
     is refused by the command in one line (click's own refusal is a usage block)."""

@@ -89,6 +89,19 @@ def test_run_json_is_the_only_stdout_and_the_run_is_named_and_tagged(project: Pr
     assert recorded.stderr.strip() == "", recorded.stderr
 
 
+def test_a_study_named_and_tagged_json(project: Project) -> None:
+    """A study's document lists its members; --name names the study and, with its seed, each member; --tag tags all."""
+    result = project.harness("run", "experiments/linear_ddp", "train.epochs=1", "--seeds", "2", "--name", "lr sweep",
+                             "--tag", "team=ml", "--json")
+    doc = document(result, "run")
+    assert doc["kind"] == "study" and doc["status"] == "FINISHED" and doc["name"] == "lr sweep"
+    assert [m["seed"] for m in doc["members"]] == [0, 1] and all(m["status"] == "FINISHED" for m in doc["members"])
+    client = project.client()
+    for run_id, name in [(doc["run_id"], "lr sweep"), *((m["run_id"], f"lr sweep-seed{m['seed']}") for m in doc["members"])]:
+        run = client.get_run(run_id)
+        assert (run.info.run_name, run.data.tags["team"]) == (name, "ml")
+
+
 def test_replay_by_prefix_json(replayed: Result, run_id: str, replay_id: str) -> None:
     doc = document(replayed, "replay")
     assert doc["replay_of"] == run_id and doc["run_id"] == replay_id and doc["kind"] == "replay"

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import enum
 import importlib.util
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -302,6 +303,13 @@ def _sweep_values(value: str) -> list[str] | None:
             parts.append(value[start:i].strip())
             start = i + 1
     return [*parts, value[start:].strip()] if parts else None
+
+
+def as_override(key: str, text: str) -> str:
+    """KEY=TEXT that parse_overrides reads back as TEXT's value, for overrides harness writes itself (a backend's
+    option, a bisect probe's value): TEXT (plain YAML) that the sweep rule would refuse, `a,b`, is quoted as the
+    string it is."""
+    return f"{key}={json.dumps(text) if _sweep_values(text) is not None else text}"
 
 
 def _refuse_sweep(item: str, key: str, values: list[str]) -> None:

@@ -530,6 +530,22 @@ REFUSED = [
 ]
 
 
+def test_overrides_harness_writes_itself_read_back_as_their_values() -> None:
+    """A backend's option (`--partition gpu,debug`, Slurm's list) and a bisect probe's value hold commas that are no
+    sweep: they are written so that parse_overrides reads them back whole, not refused."""
+    from omegaconf import OmegaConf
+
+    from harness.commands import api
+    from harness.commands.bisect import _override
+    from harness.config import parse_overrides
+
+    given = api.Placement(backend={"partition": "gpu,debug", "slurm_nodes": 2}).backend_overrides()
+    assert OmegaConf.to_container(parse_overrides(given)) == {"slurm": {"partition": "gpu,debug", "nodes": 2}}
+    for value in ["a,b", "a: b, c", "choice(1,2)", [1, 2], {"a": 1, "b": 2}, "it's, \"q\" \\ é", "0.1,0.2"]:
+        read = OmegaConf.to_container(parse_overrides([_override("train.k", {"train": {"k": value}})]))
+        assert read == {"train": {"k": value}}, value
+
+
 @pytest.mark.parametrize("value,read", [('"a,b"', "a,b"), ("'a, b'", "a, b"), ("[1,2]", [1, 2]),
                                         ("{a: 1, b: 2}", {"a": 1, "b": 2}), ("${oc.env:NO_SUCH_VAR_38,x}", "x")])
 def test_a_comma_inside_quotes_brackets_or_an_interpolation_is_a_value(project: Project, value: str, read) -> None:

@@ -33,6 +33,7 @@ from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome
 from harness.commands.trace import TraceDiff, TraceResult
 from harness.commands.verify import VerifyResult
+from harness.config import as_override
 from harness.errors import HarnessError
 from harness.events import Listener
 from harness.executors import Outcome, Topology, backend, backends
@@ -94,7 +95,7 @@ class Placement:
 
     def backend_overrides(self) -> list[str]:
         """The backends' options that set their config, as `BACKEND.KEY=VALUE` overrides (a replay records them)."""
-        return [f"{name}.{opt.key}={self.backend[opt.dest]}" for name, opt in self._backend_options()
+        return [as_override(f"{name}.{opt.key}", str(self.backend[opt.dest])) for name, opt in self._backend_options()
                 if opt.key is not None and opt.dest in self.backend]
 
     def job_options(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import enum
 import importlib.util
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -277,6 +278,55 @@ def _merge(base: DictConfig, other: Any, source: str, schema: DictConfig) -> Dic
         raise ConfigError(f"{source}: {str(err).splitlines()[0] if str(err) else type(err).__name__}.") from None
 
 
+# Hydra's sweep functions: `key=choice(a,b)`, `key=range(1,5)` would be stored as a string here.
+_SWEEP_FUNCTION = re.compile(r"\s*(choice|range|interval|glob|sort|shuffle|tag)\s*\(")
+
+
+def _sweep_values(value: str) -> list[str] | None:
+    """The values of a Hydra multirun sweep written as an override's value (`0.1,0.2`, `choice(0.1,0.2)`), else None.
+
+    Only a comma outside quotes, brackets, braces and parentheses makes a sweep: `'a,b'` (quoted), `[1,2]` (a list),
+    `{a: 1, b: 2}` and `${oc.env:X,1}` are values, as YAML reads them."""
+    if _SWEEP_FUNCTION.match(value):
+        return [value.strip()]
+    parts, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(value):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth = max(depth - 1, 0)
+        elif c == "," and depth == 0:
+            parts.append(value[start:i].strip())
+            start = i + 1
+    return [*parts, value[start:].strip()] if parts else None
+
+
+def as_override(key: str, text: str) -> str:
+    """KEY=TEXT that parse_overrides reads back as TEXT's value, for overrides harness writes itself (a backend's
+    option, a bisect probe's value): TEXT (plain YAML) that the sweep rule would refuse, `a,b`, is quoted as the
+    string it is."""
+    return f"{key}={json.dumps(text) if _sweep_values(text) is not None else text}"
+
+
+def _refuse_sweep(item: str, key: str, values: list[str]) -> None:
+    """Hydra's `-m key=a,b` runs one job per value; here it would silently be the string "a,b" and fail in a rank."""
+    if key.strip() == "seed":
+        way = f"for a study of seeds write seeds=[{','.join(values)}] (or --seeds N)"
+    elif len(values) > 1:
+        way = (f"run one per value (harness run DIR {key}={values[0]}, then {key}={values[1]}, ...)"
+               f"{', or seeds=[...] for a study of seeds' if key.strip() != 'seeds' else ''}")
+    else:
+        way = f"run one per value ({key}=VALUE each)"
+    quoted = "" if key.strip() == "seed" else \
+        f" A string that holds a comma is quoted: '{key}=\"{values[0] if len(values) == 1 else ','.join(values)}\"'."
+    raise ConfigError(f"override '{item}' is Hydra's multirun sweep syntax; harness runs one config per run: {way}."
+                      + quoted)
+
+
 def parse_overrides(overrides: list[str]) -> DictConfig:
     """KEY=VALUE (Hydra-style dotlist) -> a config fragment."""
     seen: dict[str, str] = {}
@@ -298,6 +348,9 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
             raise ConfigError(
                 f"override '{item}' has no value. Give one ({key}=VALUE), or write {key}=null to set it to null."
             )
+        sweep = _sweep_values(value)
+        if sweep is not None:
+            _refuse_sweep(item, key, sweep)
     fragments = []
     for item in overrides:  # one by one, so that an error names its override
         try:

@@ -82,6 +82,14 @@ def emit(event: Event) -> None:
         listener(event)
 
 
+def quiet() -> bool:
+    """Whether the innermost listener asked for quiet (its `quiet` attribute: the CLI's --quiet): the library's
+    progress view then draws neither its bar nor rank 0's output."""
+    with _lock:
+        listener = _listeners[-1] if _listeners else None
+    return bool(getattr(listener, "quiet", False))
+
+
 @contextlib.contextmanager
 def listening(listener: Listener | None) -> Iterator[None]:
     """Events emitted inside go to `listener` (None: to no one, whoever listens outside)."""

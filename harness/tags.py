@@ -10,6 +10,7 @@ MLFLOW_SOURCE_NAME = "mlflow.source.name"
 MLFLOW_SOURCE_TYPE = "mlflow.source.type"
 MLFLOW_PARENT_RUN_ID = "mlflow.parentRunId"
 MLFLOW_RUN_NOTE = "mlflow.note.content"
+MLFLOW_PREFIX = "mlflow."  # MLflow's namespace: a user's `harness run --tag` may not write into it (nor harness.)
 # Experiment tags the UI reads: the experiment's kind, and views shared through `?viewStateShareKey=`.
 MLFLOW_EXPERIMENT_KIND = "mlflow.experimentKind"
 MLFLOW_SHARED_VIEW_PREFIX = "mlflow.sharedViewState."

@@ -511,7 +511,52 @@ REFUSED = [
     (["fingerprint_evry=3"], "Error: overrides: unknown key 'fingerprint_evry'. Did you mean fingerprint_every?"),
     (["+train.extra=1"], "Error: override '+train.extra=1': drop the '+'; write train.extra=1"),
     (["world_size=2", "world_size=3"], "Error: override 'world_size' is given twice (world_size=2, world_size=3); give it once."),
+    # Hydra's multirun idiom would be stored as the string "0.1,0.2" and fail only inside the rank.
+    (["train.lr=0.1,0.2"], "Error: override 'train.lr=0.1,0.2' is Hydra's multirun sweep syntax; harness runs one config "
+                           "per run: run one per value (harness run DIR train.lr=0.1, then train.lr=0.2, ...), or "
+                           "seeds=[...] for a study of seeds. A string that holds a comma is quoted: "
+                           "'train.lr=\"0.1,0.2\"'."),
+    (["seed=0,1,2"], "Error: override 'seed=0,1,2' is Hydra's multirun sweep syntax; harness runs one config per run: "
+                     "for a study of seeds write seeds=[0,1,2] (or --seeds N)."),
+    (["train.lr=choice(0.1,0.2)"], "Error: override 'train.lr=choice(0.1,0.2)' is Hydra's multirun sweep syntax"),
+    # --name and --tag are checked with the overrides, before anything is recorded.
+    (["--tag", "harness.kind=replay"], "Error: --tag harness.kind: the harness. tags are harness's own"),
+    (["--tag", "mlflow.runName=x"], "Error: --tag mlflow.runName: the mlflow. tags are mlflow's own"),
+    (["--tag", "team"], "Error: --tag 'team' is not KEY=VALUE; e.g. --tag dataset=mnist."),
+    (["--tag", "a=1", "--tag", "a=2"], "Error: --tag a is given twice; give it once."),
+    (["--tag", "bad\tkey=1"], "Error: --tag 'bad\\tkey': a tag key is up to 250 letters"),
+    (["--name", " "], "Error: --name ' ': a run name is 1 to 250 printable characters."),
+    (["--tag", "a/../b=1"], "Error: --tag 'a/../b': a tag key is a relative path with no '.', '..' or empty parts"),
 ]
+
+
+def test_overrides_harness_writes_itself_read_back_as_their_values() -> None:
+    """A backend's option (`--partition gpu,debug`, Slurm's list) and a bisect probe's value hold commas that are no
+    sweep: they are written so that parse_overrides reads them back whole, not refused."""
+    from omegaconf import OmegaConf
+
+    from harness.commands import api
+    from harness.commands.bisect import _override
+    from harness.config import parse_overrides
+
+    given = api.Placement(backend={"partition": "gpu,debug", "slurm_nodes": 2}).backend_overrides()
+    assert OmegaConf.to_container(parse_overrides(given)) == {"slurm": {"partition": "gpu,debug", "nodes": 2}}
+    for value in ["a,b", "a: b, c", "choice(1,2)", [1, 2], {"a": 1, "b": 2}, "it's, \"q\" \\ é", "0.1,0.2"]:
+        read = OmegaConf.to_container(parse_overrides([_override("train.k", {"train": {"k": value}})]))
+        assert read == {"train": {"k": value}}, value
+
+
+@pytest.mark.parametrize("value,read", [('"a,b"', "a,b"), ("'a, b'", "a, b"), ("[1,2]", [1, 2]),
+                                        ("{a: 1, b: 2}", {"a": 1, "b": 2}), ("${oc.env:NO_SUCH_VAR_38,x}", "x")])
+def test_a_comma_inside_quotes_brackets_or_an_interpolation_is_a_value(project: Project, value: str, read) -> None:
+    from omegaconf import OmegaConf
+
+    from harness.config import load_experiment
+
+    result = project.cli("check", "experiments/linear_ddp", f"train.note={value}", "--json")
+    assert result.returncode == 0, result.stderr
+    cfg = load_experiment(project.root / "experiments" / "linear_ddp", [f"train.note={value}"])
+    assert OmegaConf.to_container(cfg.train, resolve=True)["note"] == read
 
 
 @pytest.mark.parametrize("overrides,message", REFUSED, ids=[r[0][0] for r in REFUSED])

@@ -95,7 +95,7 @@ def test_compare_two_runs_and_json(project: Project, original: str, clean_replay
     assert result.returncode == 0 and result.stdout.strip().splitlines()[-1].startswith("verdict: BITWISE")
     as_json = project.harness("compare", original, clean_replay.last_line, "--json")
     doc = json.loads(as_json.stdout)
-    assert doc["verdict"] == "BITWISE" and doc["original_id"] == original
+    assert doc["verdict"] == "BITWISE" and doc["run_a"] == original and doc["relation"] == "replay"
 
 
 def test_replay_with_other_world_size_is_judged_by_tolerance(project: Project, original: str) -> None:

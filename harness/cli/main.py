@@ -17,6 +17,66 @@ from harness.errors import EXIT_SIGINT, HarnessError
 from harness.secrets import scrub
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
+_JSON_HELP = ("Print the result as one JSON document on stdout, and nothing else there (a refusal too: its `error`); "
+              "the keys are in docs/json.md.")
+
+
+class _Voice:
+    """How much the CLI says on stderr (the global --quiet / --verbose); stdout carries only results either way."""
+
+    quiet = False  # only warnings and errors: no notices, progress or links (the job's own output neither)
+    verbose = False  # an error's traceback too, after its one line
+
+
+class _Drawer:
+    """The listener the commands get: an event from the library, drawn as the line it says, on stderr. `quiet`
+    is read by the library's progress view (events.quiet): with --quiet it draws neither the bar nor rank 0's output."""
+
+    @property
+    def quiet(self) -> bool:
+        return _Voice.quiet
+
+    def __call__(self, event: events.Event) -> None:
+        if _Voice.quiet and not isinstance(event, events.Warning):
+            return
+        click.echo(scrub(event.line()), err=True)
+
+
+_draw = _Drawer()
+
+
+def _say(line: str) -> None:
+    """A line of the CLI's own for the user (a link, where a report went), on stderr; --quiet leaves it out."""
+    if not _Voice.quiet:
+        click.echo(line, err=True)
+
+
+def _json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)(fn)
+
+
+def _emit(doc: dict[str, Any]) -> NoReturn:
+    """A command's JSON document (harness/commands/documents.py) on stdout, then its exit code."""
+    from harness.commands import documents
+
+    click.echo(scrub(documents.dumps(doc)))  # the same scrubber as every line: a reason may quote outside text
+    _exit(doc["exit_code"])
+
+
+def _refused(message: str, exit_code: int, as_json: bool) -> NoReturn:
+    """An expected failure: its one line on stderr (and with --json its document on stdout); --verbose adds the
+    traceback."""
+    if _Voice.verbose:
+        import traceback
+
+        click.echo(traceback.format_exc().rstrip(), err=True)
+    message = scrub(message)  # outside text (an MLflow exception, a URL) may carry a password
+    click.echo(f"Error: {message}", err=True)
+    if as_json:
+        from harness.commands import documents
+
+        click.echo(documents.dumps(documents.error(click.get_current_context().command.name or "", exit_code, message)))
+    _exit(exit_code)
 
 
 def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -28,27 +88,21 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
         try:
             with events.listening(_draw):  # what the library says on its way, on stderr
                 return fn(*args, **kwargs)
         except HarnessError as err:
-            click.echo(f"Error: {scrub(str(err))}", err=True)
-            _exit(err.exit_code)
+            _refused(str(err), err.exit_code, as_json)
         except Exception as err:
             from harness.store.tracking import is_store_error, resolve_uri, store_failure
 
             if not is_store_error(err):
                 raise
             failure = store_failure(err, resolve_uri(kwargs.get("tracking_uri")))
-            click.echo(f"Error: {scrub(str(failure))}", err=True)
-            sys.exit(failure.exit_code)
+            _refused(str(failure), failure.exit_code, as_json)
 
     return wrapper
-
-
-def _draw(event: events.Event) -> None:
-    """An event from the library, drawn as the line it says, on stderr (stdout carries only results and ids)."""
-    click.echo(scrub(event.line()), err=True)
 
 
 def _exit(code: int) -> NoReturn:
@@ -63,12 +117,22 @@ def _exit(code: int) -> NoReturn:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ddp-harness")
-def main() -> None:
+@click.option("-q", "--quiet", is_flag=True,
+              help="Say only warnings and errors on stderr: no progress, rank output, notices or links.")
+@click.option("-v", "--verbose", is_flag=True, help="With an error, also print its traceback (for a bug report).")
+def main(quiet: bool, verbose: bool) -> None:
     """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
+
+    A run id may be given as a unique prefix of at least 6 of its hex digits (`harness replay 1a2b3c4d`).
+    Every command that prints a result takes --json: one JSON document on stdout (docs/json.md).
 
     Exit codes: 0 success / reproduced, 1 training failed / diverged / nothing to compare, 2 bad input,
     130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
+    if quiet and verbose:
+        raise click.UsageError("--quiet and --verbose contradict each other; pass one.")
+    _Voice.quiet, _Voice.verbose = quiet, verbose
+
 
 class _ExecutorName(click.ParamType):
     """--executor NAME: any registered backend. Listed from the registry only when help is shown; an unknown name
@@ -157,6 +221,11 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--calibrate", "calibrate", is_flag=True,
               help="Once the run FINISHED, calibrate it (harness calibrate, with its defaults): its replays on other "
                    "machines can then be judged WITHIN_ROUNDING.")
+@click.option("--name", default=None,
+              help="The run's name in MLflow and its UI (default: the experiment's name and the id's first 8 digits).")
+@click.option("--tag", "user_tags", multiple=True, metavar="KEY=VALUE",
+              help="A tag of your own on the run (a study: on it and its members); not harness.* or mlflow.*. Repeatable.")
+@_json_option
 @_expected_errors
 def run(
     experiment_dir: Path,
@@ -169,13 +238,18 @@ def run(
     seeds_n: int | None,
     parallel: int | None,
     calibrate: bool,
+    name: str | None,
+    user_tags: tuple[str, ...],
+    as_json: bool,
     **placement: Any,
 ) -> None:
     """Record and launch EXPERIMENT_DIR as DDP, with KEY=VALUE config overrides.
 
     Prints progress on stderr and the MLflow run id as the last line of stdout. Started by torchrun,
     it runs as the rank torchrun made it; the job is still one run. With --seeds N (or `seeds:` in the
-    config) it runs a study, one run per seed, and the last line is the study's run id.
+    config) it runs a study, one run per seed, and the last line is the study's run id. A sweep over
+    values (Hydra's `train.lr=0.1,0.2`) is refused: run one per value.
+    Exit 0 finished, 1 the training failed, 2 bad input (nothing recorded).
     """
     from harness.commands import api
 
@@ -184,26 +258,32 @@ def run(
         executor=executor, placement=api.Placement.of(placement),
         allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
         tracking_uri=tracking_uri, on_event=_draw,
-        calibrate=calibrate,
+        calibrate=calibrate, name=name, tags=tuple(user_tags),
     ))
     # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
-    _finish(outcome, tracking_uri, print_id=api.speaks_for_job())
+    _finish("run", outcome, tracking_uri, as_json, print_id=api.speaks_for_job())
 
 
-def _finish(outcome: Any, tracking_uri: str | None, print_id: bool = True) -> None:
-    """A run's or a study's end: its table (a study), why it ended so, the link; its id last on stdout."""
+def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool, print_id: bool = True) -> None:
+    """A run's or a study's end: its table (a study), why it ended so, the link; its id last on stdout (with
+    --json its document instead)."""
+    from harness.commands import documents
     from harness.commands.study import StudyOutcome
     from harness.store.tracking import Tracker
 
     study = isinstance(outcome, StudyOutcome)
-    if study:
+    if study and not _Voice.quiet:
         click.echo(outcome.table, err=True)
     if outcome.message:
         click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     if print_id or study:
+        tracker = Tracker(tracking_uri)
+        summary = tracker.get_run(outcome.run_id)
         what = f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds)." if study else \
-            f"Run {outcome.run_id} {outcome.status}."
-        click.echo(f"{what} {Tracker(tracking_uri).ui_hint(outcome.run_id)}", err=True)
+            f"Run {outcome.run_id} ({summary.run_name}) {outcome.status}."
+        _say(f"{what} {tracker.ui_hint(summary)}")
+        if as_json:
+            _emit(documents.run(command, outcome, summary))
         click.echo(outcome.run_id)
     _exit(outcome.exit_code)
 
@@ -219,17 +299,19 @@ def _finish(outcome: Any, tracking_uri: str | None, print_id: bool = True) -> No
                    "password) with each such secret cut from the stored patch; the run is tagged "
                    "harness.git.patch_redacted and a replay warns that its code is not exact there.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
 def check(
     experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, allow_untracked_secrets: bool,
-    allow_secret_in_diff: bool, tracking_uri: str | None,
+    allow_secret_in_diff: bool, tracking_uri: str | None, as_json: bool,
 ) -> None:
     """Check EXPERIMENT_DIR and KEY=VALUE overrides as `harness run` would, without running or recording.
 
     Validates the config, the code record (the uncommitted changes) and the world size against this
-    machine. Exit 0 when `harness run` would start, 2 with the reason when it would refuse.
+    machine, and says when the config would run a study (`seeds:`). Exit 0 when `harness run` would start,
+    2 with the reason when it would refuse.
     """
-    from harness.commands import run as runner
+    from harness.commands import documents, run as runner
 
     checked = runner.preflight(
         experiment_dir, list(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets,
@@ -238,10 +320,15 @@ def check(
     for warning in checked.warnings:
         click.echo(f"Warning: {scrub(warning)}", err=True)
     if checked.data_stats is not None:
-        click.echo(checked.data_stats.summary(), err=True)
+        _say(checked.data_stats.summary())
+    if as_json:
+        _emit(documents.check(checked, str(experiment_dir)))
     cfg = checked.cfg
     dirty = "+uncommitted changes" if checked.git.dirty else "clean"
-    click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} {dirty})")
+    study = "" if cfg.seeds is None else \
+        f"; a study: {len(cfg.seeds)} runs, seeds {', '.join(map(str, cfg.seeds))}"
+    click.echo(f"ok: {experiment_dir} (world_size {cfg.world_size}, seed {cfg.seed}, commit {checked.git.commit[:10]} "
+               f"{dirty}{study})")
 
 
 def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -284,6 +371,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="A first check before a full replay: train only the first K steps, stop there, and judge those "
                    "(the weights only where the original checkpointed step K). Recorded as harness.replay.steps.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
 def replay(
     run_id: str,
@@ -301,6 +389,7 @@ def replay(
     tolerances: tuple[str, ...],
     steps: int | None,
     tracking_uri: str | None,
+    as_json: bool,
     **placement: Any,
 ) -> None:
     """Rerun RUN_ID exactly as recorded and say whether it reproduced.
@@ -314,7 +403,7 @@ def replay(
     `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged, inconclusive or nothing to compare,
     2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """
-    from harness.commands import api
+    from harness.commands import api, documents
     from harness.commands.replay import StudyReplayResult
     from harness.judge.text import comparison_lines, study_replay_lines, verdict_line
     from harness.store.tracking import Tracker
@@ -326,6 +415,9 @@ def replay(
         members=members, members_seed=members_seed, localize=localize, tolerances=tuple(tolerances),
         steps=steps, tracking_uri=tracking_uri, on_event=_draw,
     ))
+    if as_json and (isinstance(result, StudyReplayResult) or result.comparison is not None):
+        _say(Tracker(tracking_uri).ui_hint(result.run_id if isinstance(result, StudyReplayResult) else result.outcome.run_id))
+        _emit(documents.replay(result))
     if isinstance(result, StudyReplayResult):
         for line in study_replay_lines(result):
             click.echo(line)
@@ -333,13 +425,15 @@ def replay(
         sys.exit(result.exit_code)
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
         click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
+        if as_json:
+            _emit(documents.replay(result))
         click.echo(result.outcome.run_id)
         _exit(result.outcome.exit_code)
     for line in comparison_lines(result.comparison, result.changes):
         click.echo(line)
     for line in result.localized.lines() if result.localized is not None else []:
         click.echo(line)
-    click.echo(Tracker(tracking_uri).ui_hint(result.outcome.run_id), err=True)
+    _say(Tracker(tracking_uri).ui_hint(result.outcome.run_id))
     click.echo(verdict_line(result.comparison))
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)
@@ -355,8 +449,10 @@ def replay(
 @click.option("--resume", "resume", default=None, metavar="BISECT_ID",
               help="Take up the probes of an earlier bisect of GOOD and BAD that was cut short (not run again).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | None, tracking_uri: str | None) -> None:
+def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | None, tracking_uri: str | None,
+           as_json: bool) -> None:
     """Find which difference between runs GOOD and BAD flips the result: a commit between theirs, a config key.
 
     Each probe is a replay of GOOD, recorded and nested under one bisect run, with part of BAD's changes: the
@@ -369,6 +465,10 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
 
     result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, localize=localize,
                                           resume=resume, on_event=_draw))
+    if as_json:
+        from harness.commands import documents
+
+        _emit(documents.bisect(result))
     for line in result.lines():
         click.echo(line)
     click.echo(result.run_id)
@@ -385,9 +485,10 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
 @click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
 @click.option("--executor", type=_EXECUTOR, default=None, help="--replay: where the replays run (default: as recorded).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
 def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, members: int | None, world_size: int | None,
-           allow_changes: bool, executor: str | None, tracking_uri: str | None) -> None:
+           allow_changes: bool, executor: str | None, tracking_uri: str | None, as_json: bool) -> None:
     """Check a paper's claims (CLAIMS_FILE) against the recorded studies and runs, optionally replaying them.
 
     Each claim's printed number must be what its runs produced, rounded as printed (HOLDS), or a mean
@@ -403,6 +504,11 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
         claims_file, tuple(overrides), replay=do_replay, members=members, world_size=world_size,
         allow_changes=allow_changes, executor=executor, tracking_uri=tracking_uri, on_event=_draw,
     ))
+    _say(f"Report: {result.report_path}")
+    if as_json:
+        from harness.commands import documents
+
+        _emit(documents.verify(result))
     table = [HEADER] + rows(result.verdicts, result.replayed)
     widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
     for row in table:
@@ -410,7 +516,6 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     for verdict in result.verdicts:
         if verdict.typo:
             click.echo(f"Note: claim {verdict.claim.id}: {verdict.typo}")
-    click.echo(f"Report: {result.report_path}", err=True)
     click.echo(f"claims: {result.held} of {len(result.verdicts)} hold")
     click.echo(result.run_id)
     sys.exit(result.exit_code)
@@ -419,16 +524,16 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
 @main.command()
 @click.argument("run_a")
 @click.argument("run_b")
-@click.option("--json", "as_json", is_flag=True, help="Print the whole comparison as JSON.")
 @click.option("--report", "report", type=click.Path(path_type=Path), default=None,
               help="Two traces: also write the localization report to PATH (HTML if it ends in .html, else markdown).")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
               help="Judge METRIC with this tolerance instead of the recorded replay.tolerance. Repeatable. "
                    "weights=any lets the metrics decide where the parameters' fingerprints differ.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, tolerances: tuple[str, ...],
-            tracking_uri: str | None) -> None:
+def compare(run_a: str, run_b: str, report: Path | None, tolerances: tuple[str, ...], tracking_uri: str | None,
+            as_json: bool) -> None:
     """Compare two existing runs (any experiments): environment delta and verdict, no rerun.
 
     RUN_A is the reference; its tolerance applies (RUN_B a replay of it: the replay's, with the
@@ -437,42 +542,42 @@ def compare(run_a: str, run_b: str, as_json: bool, report: Path | None, toleranc
     with its module, shapes, dtypes, the user's line and a likely cause; nothing is recorded.
     Exit 0 identical, 1 they differ.
     """
-    import json
-
-    from harness.commands import api
+    from harness.commands import api, documents
     from harness.commands.trace import TraceDiff
     from harness.judge.text import comparison_lines, verdict_line
 
     found = api.compare(api.CompareOptions(run_a, run_b, tuple(tolerances), report=report, tracking_uri=tracking_uri,
                                            on_event=_draw))
+    if isinstance(found, TraceDiff) and report is not None:
+        _say(f"Report: {report}")
+    if as_json:
+        _emit(documents.compare(found))
     if isinstance(found, TraceDiff):
         for line in found.lines():
             click.echo(line)
-        if report is not None:
-            click.echo(f"Report: {report}", err=True)
         sys.exit(1 if found.differs else 0)
-    if as_json:
-        click.echo(json.dumps(found.to_dict(), indent=2))
-    else:
-        for line in comparison_lines(found, []):
-            click.echo(line)
-        click.echo(verdict_line(found))
+    for line in comparison_lines(found, []):
+        click.echo(line)
+    click.echo(verdict_line(found))
     sys.exit(found.exit_code)
 
 
 @main.command()
 @click.argument("run_id")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def resume(run_id: str, tracking_uri: str | None) -> None:
+def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
     """Continue a FAILED or KILLED run from its last complete checkpoint, in the same MLflow run.
 
     Uses the recorded code, config and environment like replay; metrics continue at their steps.
-    Needs `checkpoint_every` > 0 in the run's config.
+    Needs `checkpoint_every` > 0 in the run's config. Prints the run's id as the last line.
+    Exit 0 the resumed run finished, 1 its training failed again, 2 bad input.
     """
     from harness.commands import api
 
-    _finish(api.resume(api.ResumeOptions(run_id, tracking_uri=tracking_uri, on_event=_draw)), tracking_uri)
+    _finish("resume", api.resume(api.ResumeOptions(run_id, tracking_uri=tracking_uri, on_event=_draw)), tracking_uri,
+            as_json)
 
 
 @main.command()
@@ -482,8 +587,9 @@ def resume(run_id: str, tracking_uri: str | None) -> None:
 @click.option("--steps", "-m", type=int, default=None,
               help="How many first steps each re-executes (default: 20, or the run's steps when fewer).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri: str | None) -> None:
+def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri: str | None, as_json: bool) -> None:
     """Measure the rounding envelope of a FINISHED run's first steps, for WITHIN_ROUNDING verdicts.
 
     K members replay the run's first M steps as recorded (commit, config, seed, data, image), each with every
@@ -496,6 +602,10 @@ def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri:
 
     done = api.calibrate(api.CalibrateOptions(run_id, members=members, steps=steps, tracking_uri=tracking_uri,
                                               on_event=_draw))
+    if as_json:
+        from harness.commands import documents
+
+        _emit(documents.calibrate(done))
     click.echo(done.summary())
     click.echo(done.calibration_id)
 
@@ -506,8 +616,9 @@ def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri:
               help="How many checkpoint-to-checkpoint segments to replay.")
 @click.option("--seed", type=int, default=None, help="Seed of the random draw (printed; default: random).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None) -> None:
+def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None, as_json: bool) -> None:
     """Verify a FINISHED run by replaying K random segments between its checkpoints.
 
     Each drawn segment restarts from its start checkpoint and must reach the fingerprint the run
@@ -518,6 +629,10 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
     from harness.commands import api
 
     result = api.audit(api.AuditOptions(run_id, segments, seed=seed, tracking_uri=tracking_uri, on_event=_draw))
+    if as_json:
+        from harness.commands import documents
+
+        _emit(documents.audit(result))
     for s in result.drawn:
         click.echo(f"segment {s.index} steps {s.start}-{s.end}: {'ok' if s.ok else 'FAILED'}"
                    f"{'' if s.ok else ' - ' + s.detail} ({s.seconds:.1f}s)")
@@ -533,8 +648,9 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
 @click.option("--step", type=click.IntRange(min=0), required=True, help="The training step to trace (0-based).")
 @click.option("--ranks", default="0", show_default=True, help="The ranks to trace, separated by commas.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None) -> None:
+def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None, as_json: bool) -> None:
     """Trace every op of step STEP of RUN_ID: name, module, input/output tensor hashes, the user's line.
 
     Restarts from the run's checkpoint at or before STEP (else from step 0), re-executes up to STEP
@@ -546,11 +662,15 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None) -> None:
     from harness.commands.trace import parse_ranks
 
     result = api.trace(api.TraceOptions(run_id, step, parse_ranks(ranks), tracking_uri=tracking_uri, on_event=_draw))
-    start = "step 0" if result.from_checkpoint is None else f"the checkpoint of step {result.from_checkpoint}"
-    click.echo(f"traced step {result.step} of run {run_id} on rank{'s' if len(result.ranks) > 1 else ''} "
-               f"{','.join(map(str, result.ranks))} from {start} ({result.seconds:.1f}s)")
     if result.reproduced is False:
         click.echo(f"Warning: the re-execution did not reproduce the run's record: {result.detail}", err=True)
+    if as_json:
+        from harness.commands import documents
+
+        _emit(documents.trace(result))
+    start = "step 0" if result.from_checkpoint is None else f"the checkpoint of step {result.from_checkpoint}"
+    click.echo(f"traced step {result.step} of run {result.traced} on rank{'s' if len(result.ranks) > 1 else ''} "
+               f"{','.join(map(str, result.ranks))} from {start} ({result.seconds:.1f}s)")
     click.echo(result.run_id)
 
 
@@ -564,9 +684,10 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None) -> None:
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), default=None,
               help="An ed25519 private key (PEM): also write OUTPUT.intoto.json, a signed attestation of the run.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
 def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool,
-            sign_key: Path | None, tracking_uri: str | None) -> None:
+            sign_key: Path | None, tracking_uri: str | None, as_json: bool) -> None:
     """Write RUN_ID, its code and its replays to one portable bundle.
 
     The bundle holds the run's record (params, tags, every metric write with its step and timestamp,
@@ -574,6 +695,7 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
     sha256 of every member. Run it inside a clone that has the recorded commit. Exit 0 written, 2 bad input
     (nothing written).
     """
+    from harness.commands import documents
     from harness.commands.bundle import export
 
     envelope = None
@@ -582,13 +704,23 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
     result = export(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image, with_data=with_data,
                     tracking_uri=tracking_uri)
     image = f", image {result.image}" if result.image else ""
-    click.echo(f"Exported run {run_id} ({len(result.replays)} replays{image}): {result.members} files, "
-               f"{result.size} bytes.", err=True)
+    _say(f"Exported run {result.run_id} ({len(result.replays)} replays{image}): {result.members} files, "
+         f"{result.size} bytes.")
+    signed = None
     if envelope is not None:
         signed = output.with_name(output.name + ".intoto.json")
         signed.write_bytes(envelope)
-        click.echo(f"Signed attestation: {signed}", err=True)
+        _say(f"Signed attestation: {signed}")
+    if as_json:
+        _emit(documents.export(result, None if signed is None else str(signed)))
     click.echo(str(result.path))
+
+
+def _full_id(run_id: str, tracking_uri: str | None) -> str:
+    """The run's whole id where a prefix of it was given (the store's one rule: Tracker.resolve_id)."""
+    from harness.store.tracking import full_ids
+
+    return full_ids(tracking_uri, run_id)[0] or run_id
 
 
 def _attestation(run_id: str, key: Path, tracking_uri: str | None) -> bytes:
@@ -603,8 +735,9 @@ def _attestation(run_id: str, key: Path, tracking_uri: str | None) -> bytes:
 @click.option("--key", type=click.Path(path_type=Path), required=True, help="The ed25519 private key (PEM) to sign with.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The attestation to write (.json).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None) -> None:
+def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_json: bool) -> None:
     """Sign an attestation of sealed run RUN_ID with a key the store does not hold.
 
     The attestation is an in-toto Statement (subject: the final weights' digest, harness.fingerprint;
@@ -612,7 +745,12 @@ def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None) -> No
     `harness verify-record RUN_ID --attestation FILE --key PUBLIC.pem`. Exit 0 written, 2 bad input (an edited
     or unsealed run, no final weights, a key that is not ed25519).
     """
+    from harness.commands import documents
+
+    run_id = _full_id(run_id, tracking_uri)
     output.write_bytes(_attestation(run_id, key, tracking_uri))
+    if as_json:
+        _emit(documents.attest(run_id, str(output)))
     click.echo(str(output))
 
 
@@ -621,18 +759,23 @@ def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None) -> No
 @click.option("--attestation", type=click.Path(path_type=Path), required=True, help="From `harness attest` or `export --sign`.")
 @click.option("--key", type=click.Path(path_type=Path), required=True, help="The signer's ed25519 public key (PEM).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str | None) -> None:
+def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str | None, as_json: bool) -> None:
     """Check that RUN_ID is the run an attestation signed by KEY attests, and unchanged since.
 
     The signature must verify with KEY, the run's seal must hold and be the attested one (an imported copy of
     the attested run: its seal must hold), and its final weights' digest must be the attested subject. Exit 0
     holds, 2 refused (one line saying which check failed).
     """
+    from harness.commands import documents
     from harness.record.attest import verify_record as check
     from harness.store.tracking import Tracker
 
+    run_id = _full_id(run_id, tracking_uri)
     doc = check(Tracker(tracking_uri, writable=False), run_id, attestation, key)
+    if as_json:
+        _emit(documents.verify_record(run_id, doc))
     click.echo(f"Run {run_id} is the attested run {doc['predicate']['run_id']}, unchanged: final weights sha256 "
                f"{doc['subject'][0]['digest']['sha256']}.")
 
@@ -642,8 +785,9 @@ def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str |
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None,
               help="Where the bundle's declared data goes (default ./harness-data/ORIGINAL_RUN_ID).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None) -> None:
+def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_json: bool) -> None:
     """Verify BUNDLE (from `harness export`) and import its run and replays into this store.
 
     Every member is checked against the manifest before anything is written: a bundle with an altered
@@ -653,20 +797,22 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None) -> No
     An image in the bundle is loaded into the local engine. Importing the same run again writes nothing.
     Prints the run id in this store as the last line. Exit 0 imported or already there, 2 refused.
     """
+    from harness.commands import documents
     from harness.commands.bundle import import_bundle
 
     result = import_bundle(bundle, tracking_uri=tracking_uri, data_dir=data_dir)
     if result.already:
-        click.echo(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.", err=True)
+        _say(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.")
     else:
         image = f"; image {result.image} loaded" if result.image else ""
-        click.echo(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.",
-                   err=True)
+        _say(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.")
     if result.data:
         # Quoted for a shell: the command is meant to be pasted, and data folders often hold spaces.
         where = shlex.join(["replay", result.run_id, *(w for name, path in sorted(result.data.items())
                                                        for w in ("--data", f"{name}={path}"))])
-        click.echo(f"Its declared data is in {', '.join(result.data.values())}: harness {where}", err=True)
+        _say(f"Its declared data is in {', '.join(result.data.values())}: harness {where}")
+    if as_json:
+        _emit(documents.import_(result))
     click.echo(result.run_id)
 
 
@@ -741,16 +887,21 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
 @click.argument("experiment", required=False)
 @click.option("-n", "--limit", default=20, show_default=True, help="How many runs to list.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def runs(experiment: str | None, limit: int, tracking_uri: str | None) -> None:
+def runs(experiment: str | None, limit: int, tracking_uri: str | None, as_json: bool) -> None:
     """List recent runs: id, experiment, start, status, world size, commit, image digest, replay verdicts.
 
     STATUS is STALE for a RUNNING run whose launcher stopped writing its heartbeat (close it with
     `harness mark`). VERDICTS counts every replay of a run by verdict, e.g. `BITWISE 2, DIVERGED 1
     (with changes)`, replays made with --allow-changes or --world-size counted apart.
+    Exit 0 listed, 2 bad input (an unknown experiment, no store).
     """
-    from harness.commands.runs import render_runs
+    from harness.commands import documents
+    from harness.commands.runs import listing, render_runs
 
+    if as_json:
+        _emit(documents.runs(listing(tracking_uri, experiment, limit)))
     click.echo(render_runs(tracking_uri, experiment, limit))
 
 
@@ -760,17 +911,22 @@ def runs(experiment: str | None, limit: int, tracking_uri: str | None) -> None:
               help="How to close the run.")
 @click.option("--force", is_flag=True, help="Close a run that has no heartbeat tags (nothing shows it is alive).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
 @_expected_errors
-def mark(run_id: str, status: str, force: bool, tracking_uri: str | None) -> None:
+def mark(run_id: str, status: str, force: bool, tracking_uri: str | None, as_json: bool) -> None:
     """Close a RUNNING run whose launcher is gone (stale heartbeat) as FAILED or KILLED.
 
     Refuses a run that is not RUNNING, or whose heartbeat is fresh (its launcher still runs:
     stop that with Ctrl-C or SIGTERM), or that has no heartbeat tags unless --force.
     Exit 0 closed, 2 refused.
     """
+    from harness.commands import documents
     from harness.commands.mark import mark as do_mark
 
+    run_id = _full_id(run_id, tracking_uri)
     reason = do_mark(run_id, status, force=force, tracking_uri=tracking_uri)
+    if as_json:
+        _emit(documents.mark(run_id, status, reason))
     click.echo(f"Run {run_id} is now {status}: {reason}.")
 
 

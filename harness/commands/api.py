@@ -13,7 +13,7 @@ While a command works it says what happens as `harness.events` (notices, warning
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +33,14 @@ from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome
 from harness.commands.trace import TraceDiff, TraceResult
 from harness.commands.verify import VerifyResult
+from harness.config import as_override
 from harness.errors import HarnessError
 from harness.events import Listener
 from harness.executors import Outcome, Topology, backend, backends
 from harness.executors.multinode import topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 from harness.judge.compare import Comparison
-from harness.store.tracking import Tracker
+from harness.store.tracking import Tracker, full_ids
 
 if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: imported where they run, so that
     # compare and replay stay as light as they are (tests/test_cli_fast.py: compare imports no torch)
@@ -49,6 +50,14 @@ __all__ = [
     "AuditOptions", "CalibrateOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
     "VerifyOptions", "audit", "calibrate", "compare", "replay", "resume", "run", "trace", "verify",
 ]
+
+
+def _with_full_ids(options: Any, *names: str) -> Any:
+    """`options` with the run ids in the fields `names` made whole: a unique prefix names a run everywhere an id
+    does (as git's and docker's ids do); an ambiguous one is refused in one line (Tracker.resolve_id)."""
+    given = [getattr(options, n) for n in names]
+    full = full_ids(options.tracking_uri, *given)
+    return options if full == given else replace(options, **dict(zip(names, full)))
 
 
 # -- where the ranks run --------------------------------------------------------------------------------
@@ -86,7 +95,7 @@ class Placement:
 
     def backend_overrides(self) -> list[str]:
         """The backends' options that set their config, as `BACKEND.KEY=VALUE` overrides (a replay records them)."""
-        return [f"{name}.{opt.key}={self.backend[opt.dest]}" for name, opt in self._backend_options()
+        return [as_override(f"{name}.{opt.key}", str(self.backend[opt.dest])) for name, opt in self._backend_options()
                 if opt.key is not None and opt.dest in self.backend]
 
     def job_options(self) -> dict[str, Any]:
@@ -173,12 +182,15 @@ class RunOptions:
     tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db
     on_event: Listener | None = None  # gets what the command says while it works; None: nothing is said
     calibrate: bool = False  # --calibrate: once the run FINISHED, `harness calibrate` it with the defaults
+    name: str | None = None  # --name: the run's name in MLflow (default: the experiment's name and the id's start)
+    tags: Mapping[str, str] | tuple[str, ...] = ()  # --tag KEY=VALUE: tags of the user's own (not harness./mlflow.)
 
 
 def run(options: RunOptions) -> Outcome | StudyOutcome:
     """Record and launch the experiment: its Outcome, or a StudyOutcome when it is a study (--seeds or `seeds:`)."""
     o = options
     with events.listening(o.on_event):
+        named = run_command.labels(o.name, o.tags)  # refused before anything is checked or recorded
         if o.calibrate and (o.seeds is not None or o.parallel is not None or o.placement.multi_node()
                             or torchrun_env() is not None):
             raise HarnessError("--calibrate calibrates one run on this machine, not a study or a multi-node job. Drop "
@@ -194,7 +206,7 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
                 parallel=o.parallel, require_clean=o.require_clean, tracking_uri=o.tracking_uri, executor=o.executor,
                 allow_unpinned=o.allow_unpinned, allow_untracked_secrets=o.allow_untracked_secrets,
                 allow_secret_in_diff=o.allow_secret_in_diff,
-                job_options=o.placement.job_options(),
+                job_options=o.placement.job_options(), named=named,
             )
         layout = topology(o.executor, o.placement, torchrun=True)
         # `seeds: [...]` in the config makes it a study: run_command.run hands it over once the config is loaded.
@@ -202,7 +214,7 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
             o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], require_clean=o.require_clean,
             tracking_uri=o.tracking_uri, executor=o.executor, allow_unpinned=o.allow_unpinned,
             allow_untracked_secrets=o.allow_untracked_secrets, allow_secret_in_diff=o.allow_secret_in_diff,
-            topology=layout, job_options=o.placement.job_options(),
+            topology=layout, job_options=o.placement.job_options(), named=named,
         )
         if o.calibrate and isinstance(outcome, StudyOutcome):
             raise HarnessError(f"--calibrate: the config made study {outcome.run_id} (`seeds:`); calibrate a member "
@@ -229,6 +241,7 @@ def calibrate(options: CalibrateOptions) -> Calibration:
     """Re-execute the run's first steps with one-ulp nudges of its weights; record the envelope its replays are
     judged against (WITHIN_ROUNDING)."""
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return calibrate_command.calibrate(options.run_id, members=options.members, steps=options.steps,
                                            tracking_uri=options.tracking_uri)
 
@@ -260,8 +273,8 @@ class ReplayOptions:
 
 def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
     """Rerun a recorded run, or a study's members, and judge it against the record."""
-    o = options
-    with events.listening(o.on_event):
+    with events.listening(options.on_event):
+        o = _with_full_ids(options, "run_id")
         layout = topology(o.executor, o.placement)
         replay_command.check_steps(o.steps, o.allow_incomplete)
         # Writable: a replay records, so a read-only store is said first, whatever the run is.
@@ -319,8 +332,8 @@ class CompareOptions:
 def compare(options: CompareOptions) -> Comparison | TraceDiff:
     """Judge two existing runs against each other (a Comparison), or localize two traces (a TraceDiff); nothing
     is rerun or recorded."""
-    o = options
-    with events.listening(o.on_event):
+    with events.listening(options.on_event):
+        o = _with_full_ids(options, "run_a", "run_b")
         tracker = Tracker(o.tracking_uri, writable=False)  # comparing only reads
         traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]
         if any(traces) and not all(traces):
@@ -353,6 +366,7 @@ def resume(options: ResumeOptions) -> Outcome:
     from harness.commands import resume as resume_command  # loads torch (see the imports above)
 
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return resume_command.resume(options.run_id, tracking_uri=options.tracking_uri, repo=options.repo)
 
 
@@ -372,6 +386,7 @@ def audit(options: AuditOptions) -> AuditResult:
     from harness.commands import audit as audit_command  # loads torch (see the imports above)
 
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return audit_command.audit(options.run_id, segments=options.segments, seed=options.seed,
                                    tracking_uri=options.tracking_uri, repo=options.repo)
 
@@ -390,6 +405,7 @@ class TraceOptions:
 
 def trace(options: TraceOptions) -> TraceResult:
     with events.listening(options.on_event):
+        options = _with_full_ids(options, "run_id")
         return trace_command.trace(options.run_id, step=options.step, ranks=options.ranks,
                                    tracking_uri=options.tracking_uri, repo=options.repo)[0]
 
@@ -433,7 +449,7 @@ class BisectOptions:
 
 
 def bisect(options: BisectOptions) -> BisectResult:
-    o = options
-    with events.listening(o.on_event):
+    with events.listening(options.on_event):
+        o = _with_full_ids(options, "good", "bad", "resume")
         return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo,
                                      localize=o.localize, resume=o.resume)

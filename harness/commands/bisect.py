@@ -20,6 +20,7 @@ import yaml
 
 from harness import __version__, events, tags as T
 from harness.commands import replay as rp
+from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.compare import BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_ROUNDING, WITHIN_TOLERANCE, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
@@ -112,7 +113,7 @@ def _override(key: str, config: Mapping[str, Any]) -> str:
     for part in key.split("."):
         node = node[int(part)] if isinstance(node, list) else node[part]
     text = yaml.safe_dump(node, default_flow_style=True, width=10**9).strip()
-    return f"{key}={text.removesuffix('...').strip()}"
+    return as_override(key, text.removesuffix("...").strip())
 
 
 def _split(keys: list[ConfigChange], flips: Callable[[list[ConfigChange]], bool]) -> tuple[list[ConfigChange], bool]:

@@ -323,6 +323,7 @@ def export(
 ) -> ExportResult:
     """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s."""
     tracker = Tracker(tracking_uri, writable=False)
+    run_id = tracker.resolve_id(run_id)
     run = tracker.harness_run(run_id)
     loading.refuse(loading.EXPORT, run)
     if out.is_dir():

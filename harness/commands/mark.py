@@ -20,6 +20,7 @@ def mark(run_id: str, status: str, *, force: bool = False, tracking_uri: str | N
     if status not in T.INCOMPLETE:
         raise HarnessError(f"--status must be one of {', '.join(T.INCOMPLETE)}, not '{status}'.")
     tracker = Tracker(tracking_uri)
+    run_id = tracker.resolve_id(run_id)
     run = loading.load(tracker, run_id, loading.MARK).summary
     now = time.time()
     age, interval = heartbeat_age(run.tags, now), heartbeat_interval(run.tags)

@@ -431,11 +431,12 @@ def replay_study(
                                   **({T.CHANGES: " ".join(results[0].changes)} if results and results[0].changes else {}),
                                   **({T.TOLERANCE: format_tolerances(given)} if given else {})})
         tracker.log_text(run_id, markdown, T.ARTIFACT_REPORT)
-        tracker.log_text(run_id, json.dumps(json_safe(_study_json(out)), indent=2), T.ARTIFACT_COMPARISON)
+        tracker.log_text(run_id, json.dumps(json_safe(study_document(out)), indent=2), T.ARTIFACT_COMPARISON)
         return out
 
 
-def _study_json(result: StudyReplayResult) -> dict[str, Any]:
+def study_document(result: StudyReplayResult) -> dict[str, Any]:
+    """A study replay as its comparison.json records it (and `replay --json` prints it)."""
     return {
         "verdict": result.verdict, "summary": result.summary(), "exit_code": result.exit_code,
         "study_id": result.study.run_id, "draw_seed": result.draw_seed,

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import posixpath
+import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +31,59 @@ from harness.systems.git import GitState
 if TYPE_CHECKING:  # imported where a run hashes its data, as the functions below do
     from harness.record.data import HashStats
 
-__all__ = ["Outcome", "Preflight", "create_record", "preflight", "recorded_config", "run", "execute_recorded"]
+__all__ = ["Labels", "Outcome", "Preflight", "create_record", "labels", "preflight", "recorded_config", "run",
+           "execute_recorded"]
+
+_NAME_LIMIT = 250  # MLflow's run name and tag key columns
+_TAG_VALUE_LIMIT = 8000  # MLflow's tag value column: longer would be cut, so it is refused
+_TAG_KEY = re.compile(r"[\w./\- :]+")  # what MLflow accepts in a tag key
+
+
+@dataclass(frozen=True)
+class Labels:
+    """What the user calls a run: `--name` (MLflow's run name, shown in the UI) and `--tag KEY=VALUE` tags of their own.
+
+    Without a name a run is named after its experiment and the start of its id (`digits_cnn-1a2b3c4d`), not
+    MLflow's random `hilarious-horse-989`."""
+
+    name: str | None = None
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+def labels(name: str | None, tags: Sequence[str] | Mapping[str, str] = ()) -> Labels:
+    """--name and --tag KEY=VALUE checked: refused in one line (exit 2) before anything is recorded."""
+    if name is not None:
+        if not name.strip() or len(name) > _NAME_LIMIT or any(ord(c) < 32 or ord(c) == 127 for c in name):
+            raise HarnessError(f"--name {name!r}: a run name is 1 to {_NAME_LIMIT} printable characters. "
+                               "Pass another, e.g. --name lr-0.1-baseline.")
+        name = name.strip()
+    pairs = list(tags.items()) if isinstance(tags, Mapping) else [_tag_pair(t) for t in tags]
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        if key.lower().startswith((T.PREFIX, T.MLFLOW_PREFIX)):
+            raise HarnessError(f"--tag {key}: the {key.split('.')[0]}. tags are {key.split('.')[0]}'s own (what "
+                               "the record says); pick another key, e.g. --tag team.owner=ada.")
+        if len(key) > _NAME_LIMIT or not _TAG_KEY.fullmatch(key):
+            raise HarnessError(f"--tag {key!r}: a tag key is up to {_NAME_LIMIT} letters, digits, '_', '-', '.', '/', "
+                               "':' and spaces. Rename it.")
+        norm = posixpath.normpath(key)
+        if norm != key or norm == "." or norm.startswith(("..", "/")):  # MLflow stores tags as paths on some stores
+            raise HarnessError(f"--tag {key!r}: a tag key is a relative path with no '.', '..' or empty parts "
+                               f"({norm!r} once normalized). Rename it.")
+        if len(value) > _TAG_VALUE_LIMIT:
+            raise HarnessError(f"--tag {key}: its value has {len(value)} characters; MLflow holds {_TAG_VALUE_LIMIT}. "
+                               "Shorten it.")
+        if key in out:
+            raise HarnessError(f"--tag {key} is given twice; give it once.")
+        out[key] = value
+    return Labels(name, out)
+
+
+def _tag_pair(pair: str) -> tuple[str, str]:
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip():
+        raise HarnessError(f"--tag {pair!r} is not KEY=VALUE; e.g. --tag dataset=mnist.")
+    return key.strip(), value
 
 
 def experiment_name(exp_dir: Path) -> str:
@@ -93,8 +148,11 @@ def create_record(
     if redacted:
         tags[T.CONFIG_REDACTED] = redacted
     tags.update(extra_tags or {})
+    experiment = experiment or experiment_name(exp_dir)
     # The launcher ends the run when its ranks end; until then an error ends it FAILED (record/derived.py).
-    with derived.opened(tracker, experiment or experiment_name(exp_dir), tags, run_name, close=False) as run_id:
+    with derived.opened(tracker, experiment, tags, run_name, close=False) as run_id:
+        if run_name is None:  # named after what it is, not MLflow's random words: its experiment and its id's start
+            tracker.rename_run(run_id, f"{experiment}-{run_id[:8]}")
         tracker.log_params(run_id, params)
         tracker.log_text(run_id, text, T.ARTIFACT_CONFIG)
         if git.dirty:
@@ -262,6 +320,7 @@ def run(
     allow_secret_in_diff: bool = False,
     topology: Topology | None = None,
     job_options: Mapping[str, Any] | None = None,
+    named: Labels | None = None,
 ) -> Any:
     """Validate, record, launch: the Outcome (a study.StudyOutcome when the config sets `seeds`). Bad input
     raises HarnessError before any run is created.
@@ -294,7 +353,7 @@ def run(
             exp_dir, overrides, require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
             allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
             allow_secret_in_diff=allow_secret_in_diff, checked=checked,
-            job_options=job_options,
+            job_options=job_options, named=named,
         )
     if torchrun is not None:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
@@ -321,7 +380,9 @@ def run(
                            code_id=git_code_id(git))
         job = Job(
             tracker, cfg, inputs,
-            record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data),
+            record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data,
+                                              extra_tags=dict(named.tags) if named else None,
+                                              run_name=named.name if named else None),
             topology=topology, ranks=ranks,
             options=executors.options_for(cfg.executor, **{"allow_unpinned": allow_unpinned, **(job_options or {})}),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import Counter
+from typing import Any
 
 from harness import tags as T
 from harness.fmt import printable
@@ -60,23 +61,43 @@ def status_of(run: RunSummary, now: float) -> str:
     return STALE if run.status == T.RUNNING and is_stale(run.tags, now) else run.status
 
 
+def row(r: RunSummary, verdicts: dict[str, str], now: float) -> dict[str, Any]:
+    """One run as `harness runs` lists it (the table's columns; `runs --json`'s entries)."""
+    kind = r.tags.get(T.KIND)
+    # A replay, audit, study replay or verify run carries its own verdict; a run shows its replays' verdicts.
+    verdict = r.tags.get(T.VERDICT, "") if kind in _OWN_VERDICT else verdicts.get(r.run_id, "")
+    return {
+        "run_id": r.run_id, "name": r.run_name, "experiment": r.experiment,
+        "start": dt.datetime.fromtimestamp(r.start_time / 1000).isoformat(timespec="seconds") if r.start_time else None,
+        "status": status_of(r, now), "kind": kind,
+        "study_size": r.tags.get(T.STUDY_SIZE) if kind == T.KIND_STUDY else None,
+        "world_size": r.tags.get(T.WORLD_SIZE), "commit": r.tags.get(T.GIT_COMMIT),
+        "dirty": r.tags.get(T.GIT_DIRTY) == "true" if T.GIT_DIRTY in r.tags else None,
+        "image_digest": r.tags.get(T.IMAGE_DIGEST), "verdicts": verdict or None,
+    }
+
+
 def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = None) -> list[list[str]]:
     now = time.time() if now is None else now
     out = []
     for r in runs:
-        commit = r.tags.get(T.GIT_COMMIT, "-")[:10]
-        if r.tags.get(T.GIT_DIRTY) == "true":
-            commit += "+dirty"
-        kind = r.tags.get(T.KIND, "-")
+        one = row(r, verdicts, now)
+        commit = (one["commit"] or "-")[:10] + ("+dirty" if one["dirty"] else "")
+        kind = one["kind"] or "-"
         if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
-            kind = f"{kind} ({r.tags.get(T.STUDY_SIZE, '?')})"
-        # A replay, audit, study replay or verify run carries its own verdict; a run shows its replays' verdicts.
-        verdict = r.tags.get(T.VERDICT, "") if kind in _OWN_VERDICT else verdicts.get(r.run_id, "")
-        out.append(
-            [r.run_id, printable(r.experiment), _when(r.start_time), status_of(r, now), kind, r.tags.get(T.WORLD_SIZE, "-"),
-             commit, _digest(r.tags), verdict or "-"]
-        )
+            kind = f"{kind} ({one['study_size'] or '?'})"
+        out.append([r.run_id, printable(r.experiment), _when(r.start_time), str(one["status"]), kind,
+                    one["world_size"] or "-", commit, _digest(r.tags), one["verdicts"] or "-"])
     return out
+
+
+def listing(tracking_uri: str | None, experiment: str | None, limit: int) -> list[dict[str, Any]]:
+    """The `limit` newest runs (of `experiment`), newest first, as `row` describes each."""
+    tracker = Tracker(tracking_uri, writable=False)  # listing only reads: a read-only store will do
+    runs = tracker.search(experiment, max_results=limit)
+    verdicts = replay_verdicts(tracker, experiment) if runs else {}
+    now = time.time()
+    return [row(r, verdicts, now) for r in runs]
 
 
 def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) -> str:

@@ -247,6 +247,7 @@ def run_study(
     allow_secret_in_diff: bool = False,
     checked: Any = None,
     job_options: Mapping[str, Any] | None = None,
+    named: runner.Labels | None = None,
 ) -> StudyOutcome:
     """Validate once, record the study, run one ordinary run per seed from one checkout of the recorded code.
 
@@ -294,15 +295,17 @@ def run_study(
     study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))])
     tracker = Tracker(tracking_uri)
     name = Path(exp_dir).resolve().name
+    given = named.name if named is not None else None
+    user_tags = dict(named.tags) if named is not None else {}
     data_paths = runner.data_paths(checked.data)
     # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
     placement = executors.get(backend).prepare(Job(tracker, study_cfg, JobInputs(git.root, Path(exp_dir), data=data_paths)))
     study_tags = {
-        T.KIND: T.KIND_STUDY, T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)),
+        **user_tags, T.KIND: T.KIND_STUDY, T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)),
         T.STUDY_PARALLEL: str(jobs_at_once),
     }
     study_id = runner.create_record(tracker, study_cfg, Path(exp_dir), git, image=placement, extra_tags=study_tags,
-                                    run_name=f"{name}-study{len(seeds)}", data=checked.data)
+                                    run_name=given or f"{name}-study{len(seeds)}", data=checked.data)
     _say(f"study {study_id}: {len(seeds)} seeds ({_seed_list(seeds)}), {jobs_at_once} at once")
     heartbeat = None
     status, code, message = T.FAILED, EXIT_FAILED, ""
@@ -319,11 +322,11 @@ def run_study(
 
             def make_job(seed: int) -> Any:
                 member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))])
-                extra = {T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
+                extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
 
                 def record(tags: dict[str, str]) -> str:
                     return runner.create_record(tracker, member_cfg, Path(exp_dir), git, image=tags, extra_tags=extra,
-                                                run_name=f"{name}-seed{seed}", data=checked.data)
+                                                run_name=f"{given or name}-seed{seed}", data=checked.data)
 
                 inputs = JobInputs(tree, tree_exp, code_id=runner.git_code_id(git), data=data_paths)
                 options = executors.options_for(

@@ -45,8 +45,11 @@ class Console:
     """Follows rank 0's log file and draws a progress bar on stderr (stdout is kept for the run id)."""
 
     def __init__(self, log_path: Path, description: str, show: bool = True) -> None:
-        """`show=False`: nothing on the terminal (runs at once would interleave; rank 0's log is still kept)."""
+        """`show=False`: nothing on the terminal (runs at once would interleave; rank 0's log is still kept). A
+        listener that asked for quiet (`harness --quiet`) hides the bar and rank 0's output too, not the warnings."""
         self._log_path = log_path
+        self._quiet = show and events.quiet()  # its warnings still go out, as the library's other words do
+        show = show and not self._quiet
         self._show = show
         # Only a terminal gets a bar: redrawn with carriage returns, it would fill a log file with them.
         self._bar = tqdm(
@@ -94,6 +97,9 @@ class Console:
         """A line of the launcher's own (a warning) among rank 0's output, above the bar."""
         if self._show:
             self._bar.write(line, file=sys.stderr)
+        elif self._quiet:
+            events.emit(events.Warning(line.removeprefix("Warning: ")) if line.startswith("Warning: ")
+                        else events.Notice(line))
 
     def show(self, shown: Total | Line) -> None:
         """The recorder's view (record/recorder.py): the bar's length, or a warning, above the bar while the ranks

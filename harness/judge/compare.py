@@ -166,13 +166,18 @@ class FirstSteps(Reached):
         return f"over the first {self.steps} of {self.of} steps"
 
 
+# What run B is to run A in a comparison (its JSON's "relation").
+RELATION_REPLAY = "replay"
+RELATION_INDEPENDENT = "independent"
+
+
 @dataclass
 class Comparison:
     """The verdict on a replay and the evidence behind it."""
 
     verdict: str
-    original_id: str
-    replay_id: str
+    run_a: str  # the reference (the original, when run B is a replay of it)
+    run_b: str  # judged against run A
     delta: list[FactDelta]
     bitwise_possible: bool
     bitwise_blockers: list[str]
@@ -300,8 +305,10 @@ class Comparison:
         return line
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable; inf and nan become the strings "inf", "-inf" and "nan"."""
-        return json_safe({"verdict": self.verdict, "summary": self.summary(), "exit_code": self.exit_code, **asdict(self)})
+        """JSON-serialisable; inf and nan become the strings "inf", "-inf" and "nan". `run_a` is the reference and
+        `relation` says what `run_b` is to it: "replay" (a replay of it) or "independent" (two runs compared)."""
+        return json_safe({"verdict": self.verdict, "summary": self.summary(), "exit_code": self.exit_code,
+                          "relation": RELATION_REPLAY if self.of_replay else RELATION_INDEPENDENT, **asdict(self)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,8 +750,8 @@ def compare_runs(
         checkpoints=checkpoints,
         data_order=data_order,
         verdict=verdict,
-        original_id=original.run_id,
-        replay_id=replay.run_id,
+        run_a=original.run_id,
+        run_b=replay.run_id,
         delta=delta,
         bitwise_possible=not blockers,
         bitwise_blockers=blockers,

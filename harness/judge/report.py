@@ -67,8 +67,8 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         "",
         f"**{cmp.summary()}**",
         "",
-        f"- Original run: {_code(cmp.original_id)}",
-        f"- Replay run: {_code(cmp.replay_id)}",
+        f"- Original run: {_code(cmp.run_a)}",
+        f"- Replay run: {_code(cmp.run_b)}",
         f"- Outcome: the replay {_VERDICT_WORDS.get(cmp.verdict, cmp.verdict)} (exit code {cmp.exit_code})",
         "",
     ]
@@ -359,12 +359,12 @@ def plot_metrics(original: RunRecord, replay: RunRecord, cmp: Comparison, out_di
             if name in orig:
                 s, v = _envelope(*orig[name])
                 # Wide, pale solid line under a narrow dashed one: identical curves show both.
-                ax.plot(s, v, color="tab:blue", linewidth=3.0, alpha=0.45, label=f"original {cmp.original_id[:8]}")
+                ax.plot(s, v, color="tab:blue", linewidth=3.0, alpha=0.45, label=f"original {cmp.run_a[:8]}")
             if name in rep:
                 s, v = _envelope(*rep[name])
                 ax.plot(s, v, color="tab:red", linewidth=1.2, linestyle="--",
                         marker="o" if few else None, markersize=3.5, fillstyle="none",
-                        label=f"replay {cmp.replay_id[:8]}")
+                        label=f"replay {cmp.run_b[:8]}")
             ax.set_ylabel(name)
             ax.legend(loc="best", fontsize=8)
             ax.grid(True, alpha=0.3)

@@ -87,6 +87,7 @@ def statement(run: Any) -> dict[str, Any]:
 def sign(tracker: Any, run_id: str, key_path: Path) -> bytes:
     """A DSSE envelope (JSON) of the run's Statement, signed with the ed25519 private key at `key_path`."""
     key = _key(key_path, private=True)
+    run_id = tracker.resolve_id(run_id)
     seal.check(tracker, run_id)
     payload = json.dumps(statement(tracker.harness_run(run_id)), sort_keys=True, separators=(",", ":")).encode()
     envelope = {
@@ -103,6 +104,7 @@ def verify_record(tracker: Any, run_id: str, attestation: Path, key_path: Path) 
     from cryptography.exceptions import InvalidSignature
 
     public = _key(key_path, private=False)
+    run_id = tracker.resolve_id(run_id)
     try:
         envelope = json.loads(attestation.read_bytes())
         payload = base64.b64decode(envelope["payload"], validate=True)

@@ -50,6 +50,26 @@ STORE_DIR = "mlruns"
 UI_PORT = 5050
 _BATCH = 1000  # MLflow's per-request limit for metrics in log_batch
 _READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other
+# A run id is MLflow's 32 hex digits; a shorter unique start of one names it too (as git's and docker's ids do).
+# Six digits at least: one in 16.7 million, so a prefix typed from `harness runs` rarely matches two runs.
+MIN_PREFIX = 6
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},31}}")
+_SHOWN_MATCHES = 5  # an ambiguous prefix lists this many of its runs
+
+
+def is_prefix(ref: str) -> bool:
+    """Whether `ref` may be the start of a run id rather than a whole one (Tracker.resolve_id)."""
+    ref = ref.strip()
+    return not _RUN_ID.fullmatch(ref) and _PREFIX.fullmatch(ref.lower()) is not None
+
+
+def full_ids(tracking_uri: str | None, *refs: str | None) -> list[str | None]:
+    """`refs` as full run ids (Tracker.resolve_id); the store is opened, read-only, only when one is a prefix."""
+    if not any(r is not None and is_prefix(r) for r in refs):
+        return list(refs)
+    tracker = Tracker(tracking_uri, writable=False)
+    return [None if r is None else tracker.resolve_id(r) for r in refs]
 
 
 def default_uri(cwd: Path | None = None) -> str:
@@ -411,6 +431,12 @@ class SqliteReader:
             "ORDER BY r.start_time IS NULL, r.start_time DESC, r.run_uuid LIMIT ?", (*args, max_results))]
         return [self.run(i, names) for i in ids]  # type: ignore[misc]
 
+    def ids_starting(self, prefix: str, limit: int) -> list[str]:
+        """The active runs whose id starts with `prefix` (hex digits only: no LIKE wildcard), at most `limit`."""
+        return [row[0] for row in self._rows(
+            "SELECT run_uuid FROM runs WHERE run_uuid >= ? AND run_uuid < ? AND lifecycle_stage = 'active' "
+            "ORDER BY run_uuid LIMIT ?", (prefix, prefix + "g", limit))]
+
     def run(self, run_id: str, names: dict[str, str] | None = None) -> RunSummary | None:
         found = self._rows("SELECT r.run_uuid, r.experiment_id, r.name, r.status, r.start_time, r.end_time, "
                            "r.artifact_uri, e.name FROM runs r JOIN experiments e ON e.experiment_id = r.experiment_id "
@@ -661,6 +687,11 @@ class Tracker:
         tags = {T.STARTED: started, **tags}
         run = self.client.create_run(self.experiment_id(experiment), tags=tags, run_name=run_name)
         return run.info.run_id
+
+    @_store_call
+    def rename_run(self, run_id: str, name: str) -> None:
+        """Set the run's name (MLflow's run name, the UI's)."""
+        self.client.update_run(run_id, name=name)
 
     @_store_call
     def log_params(self, run_id: str, params: dict[str, str]) -> None:
@@ -915,7 +946,34 @@ class Tracker:
 
     # -- reading ---------------------------------------------------------------------------------
     @_store_call
+    def resolve_id(self, ref: str) -> str:
+        """The full id of the run `ref` names: its id, or a unique start of it (MIN_PREFIX hex digits or more).
+
+        The one place a run id given by a user is read: every command that takes one resolves it here first.
+        An ambiguous prefix is refused in one line listing its runs; a ref that names no run is returned as
+        given, so that the command's own lookup says so (with the store's name)."""
+        ref = ref.strip()
+        if not is_prefix(ref):
+            return ref
+        prefix = ref.lower()
+        limit = _SHOWN_MATCHES + 1
+        if self._reader is not None:
+            found = self._reader.ids_starting(prefix, limit)
+        else:
+            names = {e.experiment_id for e in self.client.search_experiments()}
+            found = sorted(r.info.run_id for r in self.client.search_runs(
+                list(names), filter_string=f"attributes.run_id LIKE '{prefix}%'", max_results=limit)) if names else []
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            return ref
+        shown = ", ".join(found[:_SHOWN_MATCHES]) + (", ..." if len(found) > _SHOWN_MATCHES else "")
+        raise HarnessError(f"run id prefix '{ref}' is ambiguous: it starts {'more than ' if len(found) > _SHOWN_MATCHES else ''}"
+                           f"{min(len(found), _SHOWN_MATCHES)} runs ({shown}). Pass more of the id.")
+
+    @_store_call
     def get_run(self, run_id: str) -> RunSummary:
+        run_id = self.resolve_id(run_id)
         if self._reader is not None:
             found = self._reader.run(run_id)
             if found is None:

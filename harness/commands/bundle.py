@@ -15,7 +15,10 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from harness import scratch, tags as T
+from harness.commands.replay import judged_again
 from harness.errors import HarnessError
+from harness.fmt import plain_name
+from harness.judge.compare import follows
 from harness.record import data, loading, seal
 from harness.record.data import sha256_file
 from harness.store.reach import exclusive
@@ -116,8 +119,7 @@ def _loads(data: bytes) -> Any:
 
 def check_plain_name(value: Any, what: str) -> str:
     """A name the store turns into a folder or a path segment (an experiment name): no separator, no '..'."""
-    if not (isinstance(value, str) and value.strip() and value not in (".", "..") and "/" not in value
-            and "\\" not in value and "\0" not in value and value.isprintable() and len(value) <= 256):
+    if not plain_name(value):
         raise ValueError(f"{what} {value!r} (a plain name: no '/', '\\', '..' or control characters)")
     return value
 
@@ -487,6 +489,24 @@ def _place_data(unpacked: Path, dest: Path, created: list[Path]) -> dict[str, st
     return placed
 
 
+def _hold_verdicts(tracker: Any, record: dict[str, Any], replays: list[dict[str, Any]], ids: dict[str, str]) -> None:
+    """Each replay's verdict derived again from the two bundled records, not taken from its tag: a seal shows an edit
+    made without harness, but whoever runs harness can seal a forged verdict too. One that does not follow is refused."""
+    original = None
+    calibrated = any(r["tags"].get(T.KIND) == T.KIND_CALIBRATION for r in replays)
+    for rec in replays:
+        verdict = rec["tags"].get(T.VERDICT)
+        if (rec["tags"].get(T.KIND) != T.KIND_REPLAY or verdict is None
+                or rec["tags"].get(T.REPLAY_OF) != record["run_id"]):
+            continue
+        original = original or tracker.load_record(ids[record["run_id"]])
+        judged = judged_again(tracker, original, tracker.load_record(ids[rec["run_id"]])).verdict
+        if not follows(judged, verdict, calibrated, studied=T.STUDY in record["tags"]):
+            raise BundleError(
+                f"replay {rec['run_id']} (in the bundle) records the verdict {verdict}, but its metrics and weights "
+                f"against the original's judge {judged}: the verdict does not follow from the record; refused. {_FIX}")
+
+
 def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None) -> ImportResult:
     """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
 
@@ -550,6 +570,7 @@ def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir:
             _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
         for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
             tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+        _hold_verdicts(tracker, record, replays, ids)
         # The commit: until the run says complete, the next import takes it for a half one and redoes it.
         for rec in [*replays, record]:
             tracker.set_tags_exact(ids[rec["run_id"]], {T.IMPORT_STATE: T.IMPORT_COMPLETE})

@@ -768,7 +768,8 @@ def launch(
                 raise Interrupted(signum) from None
             context.stop(_GRACE_S)  # every rank's error record is final before it is read
             rank, line, text, expected, peer = _diagnose(spec, err)
-            raise RunFailed(line) from _RankError(rank, text, expected, peer)
+            killed = err.signal_name if isinstance(err, procs.RankExited) and line.startswith(f"rank {rank} was killed") else None
+            raise RunFailed(line) from _RankError(rank, text, expected, peer, killed)
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None
     except _Terminate:
@@ -956,8 +957,10 @@ def _diagnose(spec: LaunchSpec, err: procs.RankFailed) -> tuple[int, str, str, b
 class _RankError(Exception):
     """Carries the failing rank and its traceback from launch() to whoever records the failure."""
 
-    def __init__(self, rank: int | None, traceback_text: str, expected: bool = False, peer: bool = False) -> None:
+    def __init__(self, rank: int | None, traceback_text: str, expected: bool = False, peer: bool = False,
+                 signal_name: str | None = None) -> None:
         super().__init__(traceback_text)
+        self.signal_name = signal_name  # the failing rank was killed by this signal (none the launcher sent)
         self.rank = rank
         self.traceback_text = traceback_text
         self.expected = expected  # the one line says it all: no traceback for the terminal
@@ -973,6 +976,12 @@ def failed(line: str, rank: int | None, cls: type[RunFailed] = RunFailed, traceb
 
 def is_peer_failure(err: BaseException) -> bool:
     return isinstance(err.__cause__, _RankError) and err.__cause__.peer
+
+
+def killed_by(err: BaseException) -> str | None:
+    """The signal that killed the failing rank (SIGKILL: the OOM killer, a user's kill -9), when that is the failure."""
+    cause = err.__cause__
+    return cause.signal_name if isinstance(cause, _RankError) else None
 
 
 def failure_details(err: BaseException) -> tuple[int | None, str, bool]:

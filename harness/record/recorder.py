@@ -79,6 +79,7 @@ class Failed:
     rank: int | None  # the failing rank; None when no rank is to blame
     traceback: str  # the failing rank's traceback (its one line when that says it all)
     expected: bool = True  # the one line says it all: no traceback for the terminal
+    signal: str | None = None  # the failing rank was killed by this signal, from outside (SIGKILL: OOM, kill -9)
 
 
 @dataclass(frozen=True)
@@ -296,11 +297,12 @@ class Recorder:
             match ended:
                 case None:
                     status, code = T.FINISHED, EXIT_OK
-                case Failed(line, rank, tb, expected):
+                case Failed(line, rank, tb, expected, killed):
                     failure_text = "" if expected else tb
                     message = line
                     tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
-                    tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
+                    tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message,
+                                              **({T.FAILED_SIGNAL: killed} if killed else {})})
                 case Killed(line, exit_code):
                     status, code, message = T.KILLED, exit_code, line
                     tracker.set_tags(run_id, {T.STATUS_REASON: message})

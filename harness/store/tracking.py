@@ -443,10 +443,13 @@ def _create_whole(uri: str, client_class: Any) -> None:
     (a second or more): a process killed meanwhile leaves no half-made database that every later command refuses
     ("duplicate column name"), only a temporary file the next opening removes. Called under `opening`'s lock."""
     path = sqlite_path(uri) if uri.startswith("sqlite:///") else None
-    if path is None or path.exists() or not path.parent.is_dir():
+    if path is None or not path.parent.is_dir():
         return
     prefix = f".{path.name}.creating-"
+    # Whatever a killed creation left (its pid gone), also once another process has made the store since.
     scratch.remove_stale(path.parent, prefix)
+    if path.exists():
+        return
     tmp = path.with_name(f"{prefix}{os.getpid()}")
     tmp.unlink(missing_ok=True)
     template = _schema_template()
@@ -695,9 +698,10 @@ class Tracker:
     @_store_call
     def reopen(self, run_id: str) -> None:
         """Mark an ended run RUNNING again (a resume continues it): the failure it ended with is no longer its state."""
+        seal.open_for_resume(self, run_id)  # first: a launcher killed from here on leaves a run `harness mark` closes
         self.client.update_run(run_id, status=T.RUNNING)
         tags = self.client.get_run(run_id).data.tags
-        for stale in (T.FAILED_RANK, T.STATUS_REASON):
+        for stale in (T.FAILED_RANK, T.STATUS_REASON, T.FAILED_SIGNAL):
             if stale in tags:
                 self.client.delete_tag(run_id, stale)
 

@@ -206,9 +206,9 @@ def replay(
     if outcome.status == T.FAILED and killed:
         # Killed from outside (the OOM killer, kill -9): what the code would have done is unknown, so no verdict is
         # recorded against the original; the replay stays FAILED, with its reason.
-        raise RunFailed(f"replay {replay_id} FAILED: {outcome.message}; a rank killed by {killed} from outside is a "
-                        f"failed replay, no verdict on run {run_id}. Free what killed it (memory), then replay it "
-                        f"again: harness replay {run_id}")
+        raise RunFailed(f"replay {replay_id} FAILED: {outcome.message}. A rank killed by {killed} from outside (the OOM "
+                        f"killer, kill -9) is a failed replay, no verdict: none was recorded against run {run_id}. Free "
+                        f"what killed it (memory), then replay it again: harness replay {run_id}")
     failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
     comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
                               incomplete_original=incomplete, first_steps=steps)

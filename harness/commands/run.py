@@ -168,7 +168,7 @@ def preflight(
     name = experiment_name(Path(exp_dir))
     if not plain_name(name):  # before anything else: every run it records would be named so
         raise HarnessError(
-            f"the experiment folder's name {printable(name)!r} is no plain name (it holds a newline, a tab or another "
+            f"the experiment folder's name '{printable(name)}' is no plain name (it holds a newline, a tab or another "
             "control character, or a backslash, or is over 256 characters); it names the MLflow experiment, and a "
             "bundle of its runs could not be imported. Rename the folder.")
     cfg = load_experiment(Path(exp_dir), overrides)

@@ -288,3 +288,71 @@ def test_an_experiment_folder_named_with_a_newline_is_refused_at_run(tmp_path: P
             "bundle of its runs could not be imported. Rename the folder.")
     assert not (project.store / "mlflow.db").exists()
     git(project.root, "status", "--short")
+
+
+# -- a full disk ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def small_disk(where: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs of `options` (size=..., nr_inodes=...): writes past it fail with ENOSPC. Needs root (CI is)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the full-disk tests need root to mount a tmpfs in CI")
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    where.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _fill(disk: Path) -> None:
+    """Take every byte left on `disk` (a tmpfs), as another program would."""
+    with open(disk / "filler", "wb") as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"\0" * 65536)
+            fh.flush()
+
+
+def test_a_full_disk_before_a_replay_is_harness_one_line_not_sqlalchemy(tmp_path: Path) -> None:
+    """The store's disk (a 12 MB tmpfs) filled after the run: the replay says the store is full in one line, exit 2,
+    not SQLAlchemy's "raised as a result of Query-invoked autoflush", and leaves no run and no worktree."""
+    project = make_project(tmp_path)
+    with small_disk(tmp_path / "disk", "size=12m") as disk:
+        store = Project(project.root, disk)
+        run = store.harness("run", "experiments/linear_ddp", "train.epochs=1", env={"XDG_CACHE_HOME": str(tmp_path)})
+        assert run.returncode == 0, run.stderr
+        _fill(disk)
+        result = store.harness("replay", run.last_line, env={"XDG_CACHE_HOME": str(tmp_path)})
+        assert result.returncode == EXIT_USAGE, result.stderr
+        assert _error(result.stderr) == (
+            f"Error: the tracking store {store.uri} is full ((sqlite3.OperationalError) database or disk is full). "
+            "Free space on its disk (or use another store with --tracking-uri), then rerun.")
+        assert "autoflush" not in result.stderr
+        with contextlib.closing(sqlite3.connect(f"{(disk / 'mlflow.db').as_uri()}?mode=ro", uri=True)) as db:
+            assert db.execute("SELECT run_uuid FROM runs").fetchall() == [(run.last_line,)]
+        trees = git(project.root, "worktree", "list", "--porcelain")
+        assert trees.count("worktree ") == 1, trees
+
+
+def test_a_checkpoint_refused_for_want_of_an_inode_is_named(tmp_path: Path) -> None:
+    """ENOSPC where the step's folder or the file is made (a disk out of inodes: bytes free, no file can be made), not
+    only mid-write: one line naming the disk, never an OSError from mkdir or mkstemp."""
+    import torch
+
+    from harness.errors import ExperimentError
+    from harness.runtime import checkpoint
+
+    with small_disk(tmp_path / "disk", "size=8m,nr_inodes=16") as disk:
+        with contextlib.suppress(OSError):  # every inode taken: the root's own and what these files use
+            for i in range(100):
+                (disk / f"f{i}").touch()
+        target = disk / "checkpoints" / "step-00000004" / "rank0.pt"
+        with pytest.raises(ExperimentError) as err:
+            checkpoint.save_atomic({"w": torch.ones(3)}, target)
+        assert str(err.value) == (f"the disk of {target.parent} is full (no inode left): rank0.pt could not be written. "
+                                  "Free space there (or set checkpoint_every: 0), then rerun.")
+        (disk / "f0").unlink()  # one inode: the folder is made, the file is not
+        with pytest.raises(ExperimentError, match=r"is full \(no inode left\): rank0.pt could not be written"):
+            checkpoint.save_atomic({"w": torch.ones(3)}, target)
+        assert not any(p.name.endswith(".tmp") for p in disk.rglob("*"))

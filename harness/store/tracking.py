@@ -100,6 +100,11 @@ def is_store_error(err: BaseException) -> bool:
 
 
 def store_failure(err: BaseException, uri: str) -> HarnessError:
+    full = unwritable(err)
+    if full:  # the words that say so, not a wrapper's (SQLAlchemy's "raised as a result of Query-invoked autoflush")
+        fix = "Free space on its disk" if full == "is full" else "Make it writable"
+        return HarnessError(f"the tracking store {display_uri(uri)} {full} ({_unwritable_words(err)}). {fix} (or use "
+                            "another store with --tracking-uri), then rerun.")
     return HarnessError(
         f"the tracking store {display_uri(uri)} failed: {reason_of(err)}. Check that it is reachable (and writable for "
         "commands that record), then rerun."
@@ -166,6 +171,20 @@ def unwritable(err: BaseException | None) -> str | None:
                 return what
         err = err.__cause__ or err.__context__
     return None
+
+
+def _unwritable_words(err: BaseException | None) -> str:
+    """The line of `err` (or what caused it) that says its disk is full or read-only, for a one-line message."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _UNWRITABLE_ERRNO:
+            return err.strerror or os.strerror(err.errno or 0)
+        for line in str(getattr(err, "message", None) or err).splitlines():
+            if any(needle in line.lower() for needle, _ in _UNWRITABLE_TEXT):
+                return reason_of(Exception(line.strip()))
+        err = err.__cause__ or err.__context__
+    return "no space"
 
 
 def transient(err: BaseException | None) -> bool:

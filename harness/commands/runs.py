@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import Counter
-
 from collections.abc import Callable
 
 from harness import tags as T

@@ -328,8 +328,9 @@ def export(
     if out.is_dir():
         raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
     # Its replays, audits and traces, and its calibrations (the rounding envelope its replays elsewhere are judged by).
-    replays = [r for r in tracker.children(run_id)
-               if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE, T.KIND_CALIBRATION)]
+    # One still RUNNING is not complete, nor sealed: a bundle carries closed runs only (import refuses any other).
+    replays = [r for r in tracker.children(run_id) if r.status != T.RUNNING
+               and r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE, T.KIND_CALIBRATION)]
     for one in [run, *replays]:  # a bundle carries only a record as it was sealed
         seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]

@@ -4,10 +4,8 @@ a record without its seal is refused, and a replay's verdict is derived again fr
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import sqlite3
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,14 +97,6 @@ def _store(tmp_path: Path) -> Project:
     return Project(tmp_path, tmp_path / "store")
 
 
-def _active_runs(store: Project) -> list:
-    db = store.store / "mlflow.db"
-    if not db.exists():
-        return []
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        return conn.execute("SELECT run_uuid FROM runs WHERE lifecycle_stage = 'active'").fetchall()
-
-
 def test_a_seal_stripped_bundle_with_a_forged_verdict_is_refused_and_nothing_is_written(
         exported: Exported, tmp_path: Path) -> None:
     """The attack of issue 36: the verdict set to DIVERGED, the seal tag and manifest deleted, the bundle's manifest
@@ -157,9 +147,7 @@ def test_a_forged_verdict_sealed_afresh_is_derived_again_and_refused(exported: E
     assert result.stderr.strip().splitlines() == [
         f"Error: replay {exported.replay_id} (in the bundle) records the verdict DIVERGED, but its metrics and weights "
         f"against the original's judge BITWISE: the verdict does not follow from the record; refused. {FIX}"]
-    assert _active_runs(store) == []
-    listing = store.cli("runs")
-    assert listing.returncode == 0 and "DIVERGED" not in listing.stdout and exported.run_id not in listing.stdout
+    assert not (store.store / "mlflow.db").exists()  # judged in a scratch store: this one was never opened
 
 
 def test_an_intact_bundle_imports_with_its_verdict_derived_again_and_reexports_sealed(

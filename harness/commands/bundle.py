@@ -508,6 +508,20 @@ def _hold_verdicts(tracker: Any, record: dict[str, Any], replays: list[dict[str,
                 f"against the original's judge {judged}: the verdict does not follow from the record; refused. {_FIX}")
 
 
+def _judge_again(unpacked: Path, record: dict[str, Any], replays: list[dict[str, Any]]) -> None:
+    """_hold_verdicts on the bundle's runs copied into a scratch store of their own (the records a replay is judged
+    from are read from a store: Tracker.load_record), before the destination store is opened."""
+    if not any(r["tags"].get(T.VERDICT) for r in replays):
+        return
+    with scratch.folder("judge") as tmp:
+        judge = Tracker(f"sqlite:///{Path(tmp) / 'mlflow.db'}")
+        ids: dict[str, str] = {}
+        for rec, folder in [(record, unpacked / RUN_DIR), *((r, unpacked / REPLAYS_DIR / r["run_id"]) for r in replays)]:
+            _import_run(judge, rec, folder, ids)
+            judge.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+        _hold_verdicts(judge, record, replays, ids)
+
+
 def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None) -> ImportResult:
     """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
 
@@ -524,6 +538,7 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
         seal.check_bundled(record, unpacked / RUN_DIR / ARTIFACTS, f"run {record['run_id']} (in the bundle)")
         for rec in replays:
             seal.check_bundled(rec, unpacked / REPLAYS_DIR / rec["run_id"] / ARTIFACTS, f"run {rec['run_id']} (in the bundle)")
+        _judge_again(unpacked, record, replays)  # in a scratch store: a forged verdict leaves this one untouched
         tracker = Tracker(tracking_uri)
         # One import into a store at a time: a second import of the bundle waits, then finds the first's run.
         with exclusive(tracker.uri):
@@ -571,7 +586,6 @@ def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir:
             _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
         for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
             tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
-        _hold_verdicts(tracker, record, replays, ids)
         # The commit: until the run says complete, the next import takes it for a half one and redoes it.
         for rec in [*replays, record]:
             tracker.set_tags_exact(ids[rec["run_id"]], {T.IMPORT_STATE: T.IMPORT_COMPLETE})

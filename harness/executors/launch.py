@@ -43,6 +43,9 @@ _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
 # which can name the silent rank, fires before a waiting rank's collective gives up with a peer error.
 _PG_MARGIN_S = 30.0
 _STACK_WAIT_S = 1.0  # how long a rank gets to write its stacks when the job is stopped for no progress
+# Signals that come from outside a rank (the OOM killer's SIGKILL, a user's kill), unlike a fault of its own code
+# (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL): a rank they killed says nothing of what the code does.
+_FROM_OUTSIDE = frozenset({"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
 _SIGNAL_WAIT_S = 2.0  # a rank killed by SIGTERM: how long to wait for the launcher's own signal
 # Errors a rank raises only because a peer died or hung: they are consequences, never the cause. An NCCL error
 # is one only where it says so (ncclRemoteError's "remote process exited", a connection the peer closed, a
@@ -768,7 +771,8 @@ def launch(
                 raise Interrupted(signum) from None
             context.stop(_GRACE_S)  # every rank's error record is final before it is read
             rank, line, text, expected, peer = _diagnose(spec, err)
-            killed = err.signal_name if isinstance(err, procs.RankExited) and line.startswith(f"rank {rank} was killed") else None
+            killed = (err.signal_name if isinstance(err, procs.RankExited) and err.signal_name in _FROM_OUTSIDE
+                      and line.startswith(f"rank {rank} was killed") else None)
             raise RunFailed(line) from _RankError(rank, text, expected, peer, killed)
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None

@@ -85,6 +85,14 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def plain_name(value: object) -> bool:
+    """A name the store turns into a folder or a path segment (an experiment's), one a bundle carries back: no
+    separator, no '..', no control character, at most 256 characters. The folder a run records from and the
+    bundle it is imported from hold their names to the same rule."""
+    return (isinstance(value, str) and bool(value.strip()) and value not in (".", "..") and "/" not in value
+            and "\\" not in value and "\0" not in value and value.isprintable() and len(value) <= 256)
+
+
 def printable(text: str) -> str:
     """`text` as a terminal may show it: control characters (an escape sequence in a folder or run name would
     drive the terminal) written out as Python escapes."""

@@ -119,6 +119,8 @@ LOOP = "harness.loop"
 FAILED_RANK = "harness.failed_rank"
 RESUMES = "harness.resumed_from"  # checkpoint steps this run was resumed from, comma-separated
 STATUS_REASON = "harness.status_reason"
+# The signal that killed the failing rank from outside (SIGKILL: the OOM killer, kill -9): no verdict on its code.
+FAILED_SIGNAL = "harness.failed_signal"
 # Liveness: the launcher rewrites HEARTBEAT (unix seconds) every HEARTBEAT_S seconds while the job runs;
 # a RUNNING run whose heartbeat is older than STALE_FACTOR intervals has lost its launcher.
 HEARTBEAT = "harness.heartbeat"

@@ -125,13 +125,14 @@ def test_allow_incomplete_lifts_only_replays_refusal_of_a_run_that_stopped() -> 
 
 
 def test_a_replay_refusal_says_how_to_go_on() -> None:
-    # A run with checkpoints can be resumed instead; a RUNNING run whose heartbeat stopped is closed first.
+    # A run that saves checkpoints may be resumed instead (whether it saved one is read from its store, which this
+    # summary lacks: tests/test_adversarial_verdicts.py has both); a RUNNING run whose heartbeat stopped is closed first.
     checkpointed = RunSummary(RID, "exp", "1", "n", T.KILLED, 0, None, {T.VERSION: "0.1.0"}, {"checkpoint_every": "5"},
                               [], "")
     assert loading.refusal(loading.REPLAY, checkpointed) == (
         f"run {RID} is KILLED: it stopped before its end, so a full replay cannot be judged against it. Resume it "
-        f"with `harness resume {RID}` (it has checkpoints), or pass --allow-incomplete to replay it and compare only "
-        "the steps it reached.")
+        f"with `harness resume {RID}` if it saved a checkpoint, or pass --allow-incomplete to replay it and compare "
+        "only the steps it reached.")
     gone = summary(T.RUNNING, **{T.HEARTBEAT: str(time.time() - 1000), T.HEARTBEAT_S: "10"})
     assert loading.refusal(loading.REPLAY, gone) == (
         f"run {RID} is RUNNING but its launcher is gone (no heartbeat for 1000 s). Close it with `harness mark {RID} "

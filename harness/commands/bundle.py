@@ -16,7 +16,10 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from harness import scratch, tags as T
+from harness.commands.replay import judged_again
 from harness.errors import HarnessError
+from harness.fmt import plain_name
+from harness.judge.compare import follows
 from harness.record import data, loading, seal
 from harness.record.data import sha256_file
 from harness.record.recorded import recorded_submodules
@@ -118,8 +121,7 @@ def _loads(data: bytes) -> Any:
 
 def check_plain_name(value: Any, what: str) -> str:
     """A name the store turns into a folder or a path segment (an experiment name): no separator, no '..'."""
-    if not (isinstance(value, str) and value.strip() and value not in (".", "..") and "/" not in value
-            and "\\" not in value and "\0" not in value and value.isprintable() and len(value) <= 256):
+    if not plain_name(value):
         raise ValueError(f"{what} {value!r} (a plain name: no '/', '\\', '..' or control characters)")
     return value
 
@@ -329,8 +331,9 @@ def export(
     if out.is_dir():
         raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
     # Its replays, audits and traces, and its calibrations (the rounding envelope its replays elsewhere are judged by).
-    replays = [r for r in tracker.children(run_id)
-               if r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE, T.KIND_CALIBRATION)]
+    # One still RUNNING is not complete, nor sealed: a bundle carries closed runs only (import refuses any other).
+    replays = [r for r in tracker.children(run_id) if r.status != T.RUNNING
+               and r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE, T.KIND_CALIBRATION)]
     for one in [run, *replays]:  # a bundle carries only a record as it was sealed
         seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]
@@ -490,6 +493,38 @@ def _place_data(unpacked: Path, dest: Path, created: list[Path]) -> dict[str, st
     return placed
 
 
+def _hold_verdicts(tracker: Any, record: dict[str, Any], replays: list[dict[str, Any]], ids: dict[str, str]) -> None:
+    """Each replay's verdict derived again from the two bundled records, not taken from its tag: a seal shows an edit
+    made without harness, but whoever runs harness can seal a forged verdict too. One that does not follow is refused."""
+    original = None
+    calibrated = any(r["tags"].get(T.KIND) == T.KIND_CALIBRATION for r in replays)
+    for rec in replays:
+        verdict = rec["tags"].get(T.VERDICT)
+        if (rec["tags"].get(T.KIND) != T.KIND_REPLAY or verdict is None
+                or rec["tags"].get(T.REPLAY_OF) != record["run_id"]):
+            continue
+        original = original or tracker.load_record(ids[record["run_id"]])
+        judged = judged_again(tracker, original, tracker.load_record(ids[rec["run_id"]])).verdict
+        if not follows(judged, verdict, calibrated, studied=T.STUDY in record["tags"]):
+            raise BundleError(
+                f"replay {rec['run_id']} (in the bundle) records the verdict {verdict}, but its metrics and weights "
+                f"against the original's judge {judged}: the verdict does not follow from the record; refused. {_FIX}")
+
+
+def _judge_again(unpacked: Path, record: dict[str, Any], replays: list[dict[str, Any]]) -> None:
+    """_hold_verdicts on the bundle's runs copied into a scratch store of their own (the records a replay is judged
+    from are read from a store: Tracker.load_record), before the destination store is opened."""
+    if not any(r["tags"].get(T.VERDICT) for r in replays):
+        return
+    with scratch.folder("judge") as tmp:
+        judge = Tracker(f"sqlite:///{Path(tmp) / 'mlflow.db'}")
+        ids: dict[str, str] = {}
+        for rec, folder in [(record, unpacked / RUN_DIR), *((r, unpacked / REPLAYS_DIR / r["run_id"]) for r in replays)]:
+            _import_run(judge, rec, folder, ids)
+            judge.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+        _hold_verdicts(judge, record, replays, ids)
+
+
 def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None) -> ImportResult:
     """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
 
@@ -506,6 +541,7 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
         seal.check_bundled(record, unpacked / RUN_DIR / ARTIFACTS, f"run {record['run_id']} (in the bundle)")
         for rec in replays:
             seal.check_bundled(rec, unpacked / REPLAYS_DIR / rec["run_id"] / ARTIFACTS, f"run {rec['run_id']} (in the bundle)")
+        _judge_again(unpacked, record, replays)  # in a scratch store: a forged verdict leaves this one untouched
         tracker = Tracker(tracking_uri)
         # One import into a store at a time: a second import of the bundle waits, then finds the first's run.
         with exclusive(tracker.uri):

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import events, executors, scratch, tags as T
 from harness.commands import run as runner
 from harness.config import compose, parse_overrides, validate
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
 from harness.executors import Outcome, Topology
 from harness.fmt import json_safe
 from harness.judge import noise
@@ -208,6 +208,13 @@ def replay(
         return ReplayResult(original, outcome, None, changes)
     a = a or tracker.load_record(run_id)
     b = tracker.load_record(replay_id)
+    killed = b.facts.get(T.FAILED_SIGNAL)
+    if outcome.status == T.FAILED and killed:
+        # Killed from outside (the OOM killer, kill -9): what the code would have done is unknown, so no verdict is
+        # recorded against the original; the replay stays FAILED, with its reason.
+        raise RunFailed(f"replay {replay_id} FAILED: {outcome.message}. A rank killed by {killed} from outside (the OOM "
+                        f"killer, kill -9) is a failed replay, no verdict: none was recorded against run {run_id}. Free "
+                        f"what killed it (memory), then replay it again: harness replay {run_id}")
     failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
     comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
                               incomplete_original=incomplete, first_steps=steps)
@@ -302,6 +309,14 @@ def record_verdict(
         plot_metrics(a, b, comparison, Path(tmp))
         tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
     seal.seal(tracker, replay_id)  # the replay closed before its verdict was written: sealed again with it
+
+
+def judged_again(tracker: Tracker, a: RunRecord, b: RunRecord) -> Comparison:
+    """Replay `b` of run `a`, judged again from the two records alone, as replay judged it: its tolerance, its --steps,
+    the original's completeness (not the calibration or the study it was held to: see compare.follows)."""
+    steps = b.facts.get(T.REPLAY_STEPS)
+    return compare_runs(a, b, tolerance=judged_tolerance(a, b), incomplete_original=a.status != T.FINISHED,
+                        first_steps=int(steps) if steps and steps.isdigit() else None)
 
 
 def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances: list[str] | None = None) -> Comparison:

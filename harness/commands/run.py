@@ -20,7 +20,7 @@ from harness.config import Launcher, compose, flatten, load_experiment, split_en
 from harness.errors import HarnessError
 from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology
-from harness.fmt import printable
+from harness.fmt import plain_name, printable
 from harness.record import confine, derived, loading, redaction
 from harness.record.recorded import git_code_id, recorded_config, tags_code_id
 from harness.store.reach import local_paths, probe_store, store_timeout
@@ -230,6 +230,12 @@ def preflight(
 
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
+    name = experiment_name(Path(exp_dir))
+    if not plain_name(name):  # before anything else: every run it records would be named so
+        raise HarnessError(
+            f"the experiment folder's name '{printable(name)}' is no plain name (it holds a newline, a tab or another "
+            "control character, or a backslash, or is over 256 characters); it names the MLflow experiment, and a "
+            "bundle of its runs could not be imported. Rename the folder.")
     cfg = load_experiment(Path(exp_dir), overrides)
     if warm_ranks and cfg.executor == "local" and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record

@@ -5,15 +5,19 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from harness import tags as T
 from harness.fmt import printable
 from harness.judge.compare import VERDICTS
+from harness.record import seal
 from harness.record.liveness import is_stale
 from harness.store.tracking import RunSummary, Tracker
 
 STALE = "STALE"
+# A verdict tag its seal does not hold (edited, or a seal removed): shown as this, never as the verdict it says.
+UNVERIFIED = "UNVERIFIED"
 
 
 def _when(ms: int | None) -> str:
@@ -32,14 +36,23 @@ def _order(verdict: str) -> tuple[int, str]:
     return (VERDICTS.index(verdict), "") if verdict in VERDICTS else (len(VERDICTS), verdict)
 
 
-def tally(replays: list[RunSummary]) -> dict[str, str]:
-    """original run id -> every replay's verdict counted, e.g. "BITWISE 2, DIVERGED 1 (with changes)"."""
+def verdict_of(run: RunSummary, trusted: Callable[[RunSummary], bool] | None) -> str | None:
+    """The run's verdict tag where `trusted` (its seal holds it) says so, else UNVERIFIED; None when it has none."""
+    verdict = run.tags.get(T.VERDICT)
+    if verdict is None or trusted is None or trusted(run):
+        return verdict
+    return UNVERIFIED
+
+
+def tally(replays: list[RunSummary], trusted: Callable[[RunSummary], bool] | None = None) -> dict[str, str]:
+    """original run id -> every replay's verdict counted, e.g. "BITWISE 2, DIVERGED 1 (with changes)". `trusted`: is a
+    replay's verdict tag the sealed one (an edited one counts as UNVERIFIED)."""
     counts: dict[str, Counter[tuple[bool, str]]] = {}
     for r in replays:
         original = r.tags.get(T.REPLAY_OF)
         if original:
             # A replay with --allow-changes or --world-size answers another question than "does it reproduce".
-            counts.setdefault(original, Counter())[(T.CHANGES in r.tags, r.tags.get(T.VERDICT, r.status))] += 1
+            counts.setdefault(original, Counter())[(T.CHANGES in r.tags, verdict_of(r, trusted) or r.status)] += 1
     out: dict[str, str] = {}
     for original, counter in counts.items():
         parts = [f"{verdict} {n}" + (" (with changes)" if changed else "")
@@ -48,9 +61,13 @@ def tally(replays: list[RunSummary]) -> dict[str, str]:
     return out
 
 
-def replay_verdicts(tracker: Tracker, experiment: str | None) -> dict[str, str]:
-    """The verdicts of every replay in the store (or experiment), in one store query."""
-    return tally(tracker.search(experiment, max_results=5000, filter_string=f"tags.`{T.KIND}` = 'replay'"))
+def replay_verdicts(tracker: Tracker, experiment: str | None, of: set[str] | None = None) -> dict[str, str]:
+    """The verdicts of every replay in the store (or experiment; of the runs `of`), in one store query, each checked
+    against its seal's manifest."""
+    replays = tracker.search(experiment, max_results=5000, filter_string=f"tags.`{T.KIND}` = 'replay'")
+    if of is not None:
+        replays = [r for r in replays if r.tags.get(T.REPLAY_OF) in of]
+    return tally(replays, lambda r: seal.verdict_sealed(tracker, r))
 
 
 # Runs that carry a verdict of their own (a run, or a study, shows its replays' verdicts instead).
@@ -61,11 +78,12 @@ def status_of(run: RunSummary, now: float) -> str:
     return STALE if run.status == T.RUNNING and is_stale(run.tags, now) else run.status
 
 
-def row(r: RunSummary, verdicts: dict[str, str], now: float) -> dict[str, Any]:
+def row(r: RunSummary, verdicts: dict[str, str], now: float,
+        trusted: Callable[[RunSummary], bool] | None = None) -> dict[str, Any]:
     """One run as `harness runs` lists it (the table's columns; `runs --json`'s entries)."""
     kind = r.tags.get(T.KIND)
     # A replay, audit, study replay or verify run carries its own verdict; a run shows its replays' verdicts.
-    verdict = r.tags.get(T.VERDICT, "") if kind in _OWN_VERDICT else verdicts.get(r.run_id, "")
+    verdict = (verdict_of(r, trusted) or "") if kind in _OWN_VERDICT else verdicts.get(r.run_id, "")
     return {
         "run_id": r.run_id, "name": r.run_name, "experiment": r.experiment,
         "start": dt.datetime.fromtimestamp(r.start_time / 1000).isoformat(timespec="seconds") if r.start_time else None,
@@ -77,11 +95,12 @@ def row(r: RunSummary, verdicts: dict[str, str], now: float) -> dict[str, Any]:
     }
 
 
-def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = None) -> list[list[str]]:
+def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = None,
+         trusted: Callable[[RunSummary], bool] | None = None) -> list[list[str]]:
     now = time.time() if now is None else now
     out = []
     for r in runs:
-        one = row(r, verdicts, now)
+        one = row(r, verdicts, now, trusted)
         commit = (one["commit"] or "-")[:10] + ("+dirty" if one["dirty"] else "")
         kind = one["kind"] or "-"
         if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
@@ -97,7 +116,7 @@ def listing(tracking_uri: str | None, experiment: str | None, limit: int) -> lis
     runs = tracker.search(experiment, max_results=limit)
     verdicts = replay_verdicts(tracker, experiment) if runs else {}
     now = time.time()
-    return [row(r, verdicts, now) for r in runs]
+    return [row(r, verdicts, now, trusted=lambda run: seal.verdict_sealed(tracker, run)) for r in runs]
 
 
 def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) -> str:
@@ -106,6 +125,7 @@ def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) ->
     if not runs:
         return f"No runs in {tracker.uri}" + (f" for experiment '{experiment}'." if experiment else ".")
     header = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "VERDICTS"]
-    table = [header, *rows(runs, replay_verdicts(tracker, experiment))]
+    verdicts = replay_verdicts(tracker, experiment, {r.run_id for r in runs})
+    table = [header, *rows(runs, verdicts, trusted=lambda r: seal.verdict_sealed(tracker, r))]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

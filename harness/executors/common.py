@@ -23,7 +23,7 @@ from harness import events, tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
 from harness.executors.base import FAILED, FINISHED, KILLED, PENDING, RUNNING, Event, Handle, Job, Outcome
-from harness.executors.launch import LaunchSpec, failure_details, resolve_device
+from harness.executors.launch import LaunchSpec, failure_details, killed_by, resolve_device
 from harness.executors.multinode import Node, differing
 from harness.messages import Message
 from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, open_checkpoints
@@ -164,7 +164,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
         ended = recorder.ranks_done()
     except RunFailed as err:
         rank, tb, expected = failure_details(err)
-        ended = Failed(str(err), rank, tb, expected)
+        ended = Failed(str(err), rank, tb, expected, killed_by(err))
     except Interrupted as err:
         ended = Killed(str(err), err.exit_code)
     except BaseException as err:

@@ -43,6 +43,9 @@ _GRACE_S = 5.0  # how long ranks get to exit after SIGTERM before SIGKILL
 # which can name the silent rank, fires before a waiting rank's collective gives up with a peer error.
 _PG_MARGIN_S = 30.0
 _STACK_WAIT_S = 1.0  # how long a rank gets to write its stacks when the job is stopped for no progress
+# Signals that come from outside a rank (the OOM killer's SIGKILL, a user's kill), unlike a fault of its own code
+# (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL): a rank they killed says nothing of what the code does.
+_FROM_OUTSIDE = frozenset({"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
 _SIGNAL_WAIT_S = 2.0  # a rank killed by SIGTERM: how long to wait for the launcher's own signal
 # Errors a rank raises only because a peer died or hung: they are consequences, never the cause. An NCCL error
 # is one only where it says so (ncclRemoteError's "remote process exited", a connection the peer closed, a
@@ -788,7 +791,9 @@ def launch(
             if left:  # the others' failures (a peer's connection reset, a store gone) follow from its leaving
                 raise _left_failure(spec, progress, left) from None
             rank, line, text, expected, peer = _diagnose(spec, err)
-            raise RunFailed(line) from _RankError(rank, text, expected, peer)
+            killed = (err.signal_name if isinstance(err, procs.RankExited) and err.signal_name in _FROM_OUTSIDE
+                      and line.startswith(f"rank {rank} was killed") else None)
+            raise RunFailed(line) from _RankError(rank, text, expected, peer, killed)
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None
     except _Terminate:
@@ -994,8 +999,10 @@ def _diagnose(spec: LaunchSpec, err: procs.RankFailed) -> tuple[int, str, str, b
 class _RankError(Exception):
     """Carries the failing rank and its traceback from launch() to whoever records the failure."""
 
-    def __init__(self, rank: int | None, traceback_text: str, expected: bool = False, peer: bool = False) -> None:
+    def __init__(self, rank: int | None, traceback_text: str, expected: bool = False, peer: bool = False,
+                 signal_name: str | None = None) -> None:
         super().__init__(traceback_text)
+        self.signal_name = signal_name  # the failing rank was killed by this signal (none the launcher sent)
         self.rank = rank
         self.traceback_text = traceback_text
         self.expected = expected  # the one line says it all: no traceback for the terminal
@@ -1011,6 +1018,12 @@ def failed(line: str, rank: int | None, cls: type[RunFailed] = RunFailed, traceb
 
 def is_peer_failure(err: BaseException) -> bool:
     return isinstance(err.__cause__, _RankError) and err.__cause__.peer
+
+
+def killed_by(err: BaseException) -> str | None:
+    """The signal that killed the failing rank (SIGKILL: the OOM killer, a user's kill -9), when that is the failure."""
+    cause = err.__cause__
+    return cause.signal_name if isinstance(cause, _RankError) else None
 
 
 def failure_details(err: BaseException) -> tuple[int | None, str, bool]:

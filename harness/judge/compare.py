@@ -597,6 +597,21 @@ def original_steps(original: RunRecord) -> int:
     return max((int(np.max(s)) + 1 for s, _ in original.metrics.values() if np.size(s)), default=0)
 
 
+def follows(judged: str, recorded: str, calibrated: bool, studied: bool) -> bool:
+    """Can a replay recorded with verdict `recorded` be the one whose two records compare_runs judges `judged` now?
+
+    Exactly equal where nothing else entered the judgement. A calibration's envelope (judge_rounding) may have
+    turned any verdict but BITWISE and NOTHING_TO_COMPARE into another such, and a study's seeds (judge_noise) a
+    DIVERGED into WITHIN_NOISE or INCONCLUSIVE: those are read from runs a bundle need not carry."""
+    if judged == recorded:
+        return True
+    if judged in (BITWISE, NOTHING_TO_COMPARE) or recorded in (BITWISE, NOTHING_TO_COMPARE):
+        return False
+    if calibrated:
+        return True
+    return studied and judged == DIVERGED and recorded in (WITHIN_NOISE, INCONCLUSIVE)
+
+
 def compare_runs(
     original: RunRecord,
     replay: RunRecord,

@@ -44,8 +44,9 @@ KINDS = (T.KIND_RUN, T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY, T.KIND_STUDY_REP
 
 # A refusal: a template formatted with {rid} (the run id), {run} (the run as the caller names it: a claim's
 # source, an imported run's original id), {status}, {kind}; or a function of the run, where the line depends on
-# more than its fields (a RUNNING run's heartbeat, an incomplete run's checkpoints).
-Refusal = str | Callable[[RunSummary], str]
+# more than its fields (a RUNNING run's heartbeat, an incomplete run's checkpoints: read from the store when the
+# caller gives it).
+Refusal = str | Callable[[RunSummary, Tracker | None], str]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Rule:
     harness_only: bool = True  # a run harness did not make is refused (it lacks what the command reads)
 
 
-def _replay_running(run: RunSummary) -> str:
+def _replay_running(run: RunSummary, tracker: Tracker | None = None) -> str:
     rid, now = run.run_id, time.time()
     if liveness.is_stale(run.tags, now):
         return (f"run {rid} is RUNNING but its launcher is gone (no heartbeat for "
@@ -68,13 +69,23 @@ def _replay_running(run: RunSummary) -> str:
     return f"run {rid} is still RUNNING; its record is not complete. Wait until it ends, then replay it."
 
 
-def _replay_incomplete(run: RunSummary) -> str:
-    rid = run.run_id
-    try:  # the flattened config is in the params; a resume needs checkpoints
-        checkpointed = int(run.params.get("checkpoint_every", "0")) > 0
+def _saved_checkpoint(run: RunSummary, tracker: Tracker | None) -> bool | None:
+    """Did the run leave a complete checkpoint (a COMPLETE marker in its artifacts)? None: not known here."""
+    try:  # the flattened config is in the params
+        if int(run.params.get("checkpoint_every", "0")) <= 0:
+            return False
     except ValueError:
-        checkpointed = False
-    resume = f"Resume it with `harness resume {rid}` (it has checkpoints), or pass" if checkpointed else "Pass"
+        return False
+    if tracker is None:
+        return None
+    return any(path.rsplit("/", 1)[-1] == "COMPLETE" for path, _ in tracker.artifact_files(run.run_id, T.ARTIFACT_CHECKPOINTS))
+
+
+def _replay_incomplete(run: RunSummary, tracker: Tracker | None = None) -> str:
+    rid = run.run_id
+    saved = _saved_checkpoint(run, tracker)  # a run that saves checkpoints may have stopped before its first
+    resume = ("Pass" if saved is False else f"Resume it with `harness resume {rid}` (it has checkpoints), or pass" if saved
+              else f"Resume it with `harness resume {rid}` if it saved a checkpoint, or pass")
     return (f"run {rid} is {run.status}: it stopped before its end, so a full replay cannot be judged against it. "
             f"{resume} --allow-incomplete to replay it and compare only the steps it reached.")
 
@@ -138,16 +149,18 @@ RULES: dict[str, Rule] = {
 }
 
 
-def _say(refusal: Refusal, run: RunSummary, command: str, name: str | None) -> str:
+def _say(refusal: Refusal, run: RunSummary, command: str, name: str | None, tracker: Tracker | None = None) -> str:
     if callable(refusal):
-        return refusal(run)
+        return refusal(run, tracker)
     return refusal.format(rid=run.run_id, run=name or run.run_id, status=run.status, kind=run.tags.get(T.KIND, "run"),
                           command=command, trace_of=run.tags.get(T.TRACE_OF),
                           calibration_of=run.tags.get(T.CALIBRATION_OF))
 
 
-def refusal(command: str, run: RunSummary, *, allow_incomplete: bool = False, name: str | None = None) -> str | None:
-    """The one line `command` refuses `run` with for its kind or status (not its seal), or None if it accepts it."""
+def refusal(command: str, run: RunSummary, *, allow_incomplete: bool = False, name: str | None = None,
+            tracker: Tracker | None = None) -> str | None:
+    """The one line `command` refuses `run` with for its kind or status (not its seal), or None if it accepts it.
+    `tracker`: the run's store, where the line depends on more than the run's fields (its checkpoints)."""
     rule = RULES[command]
     kind = rule.kinds.get(run.tags.get(T.KIND, ""))
     if kind is not None:
@@ -155,12 +168,13 @@ def refusal(command: str, run: RunSummary, *, allow_incomplete: bool = False, na
     said = rule.statuses.get(run.status)
     if said is None or (allow_incomplete and run.status in rule.lifted):
         return None
-    return _say(said, run, command, name)
+    return _say(said, run, command, name, tracker)
 
 
-def refuse(command: str, run: RunSummary, *, allow_incomplete: bool = False, name: str | None = None) -> None:
+def refuse(command: str, run: RunSummary, *, allow_incomplete: bool = False, name: str | None = None,
+           tracker: Tracker | None = None) -> None:
     """HarnessError (exit 2) with `refusal`'s line, if there is one."""
-    why = refusal(command, run, allow_incomplete=allow_incomplete, name=name)
+    why = refusal(command, run, allow_incomplete=allow_incomplete, name=name, tracker=tracker)
     if why is not None:
         raise HarnessError(why)
 
@@ -210,5 +224,5 @@ def load(tracker: Tracker, run: str | RunSummary, command: str, *, allow_incompl
         raise HarnessError(_say(kind, summary, command, name))
     if rule.sealed:  # before anything is read or recorded: an edited record is not used
         seal.check(tracker, summary.run_id)
-    refuse(command, summary, allow_incomplete=allow_incomplete, name=name)
+    refuse(command, summary, allow_incomplete=allow_incomplete, name=name, tracker=tracker)
     return Loaded(tracker, summary, command)

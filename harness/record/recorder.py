@@ -80,6 +80,7 @@ class Failed:
     rank: int | None  # the failing rank; None when no rank is to blame
     traceback: str  # the failing rank's traceback (its one line when that says it all)
     expected: bool = True  # the one line says it all: no traceback for the terminal
+    signal: str | None = None  # the failing rank was killed by this signal, from outside (SIGKILL: OOM, kill -9)
 
 
 @dataclass(frozen=True)
@@ -297,12 +298,13 @@ class Recorder:
             match ended:
                 case None:
                     status, code = T.FINISHED, EXIT_OK
-                case Failed(line, rank, tb, expected):
+                case Failed(line, rank, tb, expected, killed):
                     line, tb = scrub(line), scrub(tb)  # an exception's text: a URL's password goes no further
                     failure_text = "" if expected else tb
                     message = line
                     tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
-                    tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message})
+                    tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message,
+                                              **({T.FAILED_SIGNAL: killed} if killed else {})})
                 case Killed(line, exit_code):
                     status, code, message = T.KILLED, exit_code, line
                     tracker.set_tags(run_id, {T.STATUS_REASON: message})
@@ -395,7 +397,9 @@ class Recorder:
         else:
             cause = f"recording run {run_id} failed: {reason_of(err)}"
             fix = "Check the store and the message above, then rerun"
-        reason = f"{cause} while the run was being closed ({status}): its record is incomplete"
+        # What ended the training (a checkpoint the same full disk refused) is said first: the close only failed after.
+        ended_by = f"{message}; then " if status != T.FINISHED and message and shown not in message else ""
+        reason = f"{ended_by}{cause} while the run was being closed ({status}): its record is incomplete"
         with contextlib.suppress(Exception):
             patient.set_tags(run_id, {T.STATUS_REASON: reason[:500]})
         try:  # tried even when the reason did not fit: a full disk may take an update when it takes no new rows
@@ -410,7 +414,7 @@ class Recorder:
         state = (f"so it is {T.FAILED} in the store" + ("" if status == T.FAILED else f", not {status}") if ended else
                  f"and the store took no status either: run {run_id} stays {T.RUNNING} in the store until "
                  f"`harness mark {run_id} --status {T.FAILED}` (once its heartbeat is stale)")
-        raise HarnessError(f"{cause} while run {run_id} was being closed, {state}. Its outcome, metrics and logs are "
+        raise HarnessError(f"{ended_by}{cause} while run {run_id} was being closed, {state}. Its outcome, metrics and logs are "
                            f"{kept}. {fix}.", exit_code=EXIT_FAILED) from err
 
     def _keep_outcome(self, status: str, message: str) -> Path:

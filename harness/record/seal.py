@@ -168,6 +168,7 @@ def seal(tracker: Any, run_id: str, status: str | None = None) -> str:
 
 
 PENDING = "+pending"  # suffix of the seal while harness writes a verdict onto a closed, sealed replay
+REOPENED = "+reopened"  # suffix of the seal while a resume continues the run (RUNNING again until it is closed)
 
 
 def open_for_verdict(tracker: Any, run_id: str) -> None:
@@ -178,9 +179,32 @@ def open_for_verdict(tracker: Any, run_id: str) -> None:
         tracker.set_tags(run_id, {T.SEAL: value + PENDING})
 
 
+def open_for_resume(tracker: Any, run_id: str) -> None:
+    """Say, before a closed run is made RUNNING again (a resume continues it), that it was reopened: a launcher killed
+    before the run is closed again leaves a RUNNING run that `harness mark` closes, not one that reads as edited."""
+    value = tracker.get_run(run_id).tags.get(T.SEAL)
+    if value and not value.endswith(REOPENED):
+        tracker.set_tags(run_id, {T.SEAL: value + REOPENED})
+
+
 def check(tracker: Any, run_id: str) -> None:
     """Nothing when the run is as it was sealed; else HarnessError naming the first field that changed."""
     check_record(from_store(tracker, run_id), f"run {run_id}")
+
+
+def verdict_sealed(tracker: Any, run: Any) -> bool:
+    """Is the verdict tag of `run` (a RunSummary) the one its seal holds? The seal's manifest, read alone, must digest
+    to the seal tag and hold this status and verdict: one artifact read, where `check` hashes the whole record - so a
+    listing of many replays can afford it. An edit of the tag (or of the manifest, or a seal removed) reads False."""
+    value = run.tags.get(T.SEAL)
+    if not value or not value.startswith(VERSION + ":") or value.endswith((PENDING, REOPENED)):
+        return False
+    try:
+        stored = json.loads(tracker.read_bytes(run.run_id, T.ARTIFACT_SEAL) or b"null")
+    except ValueError:
+        return False
+    return (isinstance(stored, dict) and digest(stored) == value and stored.get("status") == run.status
+            and isinstance(stored.get("tags"), dict) and stored["tags"].get(T.VERDICT) == run.tags.get(T.VERDICT))
 
 
 # -- checking ----------------------------------------------------------------------------------------
@@ -196,6 +220,10 @@ def check_record(record: Record, who: str) -> None:
             events.emit(events.Warning(f"{who} has no seal (recorded before harness sealed its runs): an edit of its "
                                        "record after it closed cannot be detected."))
         return
+    if value.endswith(REOPENED):
+        if record.status == T.RUNNING:  # a resume continues it: its seal is renewed when it closes again
+            return
+        raise changed(who, f"tag {T.SEAL} (a reopened run closed without a new seal)")
     if value.endswith(PENDING):
         raise HarnessError(
             f"{who}'s verdict was being written when the process writing it stopped: its report is incomplete. "
@@ -389,6 +417,14 @@ def check_bundled(record: dict[str, Any], artifacts_dir: Path, who: str) -> None
     for key, value, ts, step in record["entries"]:
         metrics.setdefault(key, []).append((value, ts, step))
     rec = Record(record["status"], dict(record["params"]), dict(record["tags"]), metrics, files)
+    # A bundle holds closed runs only, each sealed by the harness that exported it: a record without its seal (or one
+    # still open) cannot be told from a forged one, and the import would seal it afresh as if it were genuine.
+    value = rec.tags.get(T.SEAL)
+    if value is None or rec.read(T.ARTIFACT_SEAL) is None or rec.status == T.RUNNING or value.endswith(REOPENED):
+        state = "is still RUNNING" if rec.status == T.RUNNING else "carries no seal"
+        raise HarnessError(
+            f"{who} {state}: nothing shows its record is the one its harness closed, and an import would seal it as "
+            "genuine; refused. Export it again with a harness that seals its runs, from the store that holds it.")
     try:
         stored = json.loads(rec.read(T.ARTIFACT_SEAL) or b"null")
     except ValueError:

@@ -438,11 +438,13 @@ def _make_dirs(directory: Path) -> None:
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     path = Path(path)
-    _make_dirs(path.parent)
-    # Same directory, so os.replace is a rename within one filesystem, atomic under POSIX.
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
+    tmp: Path | None = None
     try:
+        # Inside the try: the step's folder or the file itself may be what the full disk refuses (no block, no inode).
+        _make_dirs(path.parent)
+        # Same directory, so os.replace is a rename within one filesystem, atomic under POSIX.
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(tmp_name)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -450,7 +452,8 @@ def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         full = _disk_refused(err, path.parent)  # before the partial file goes: it holds what space there was
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         if full:
             raise ExperimentError(
                 f"the disk of {path.parent} {full}: {path.name} could not be written. Free space there (or set "
@@ -465,6 +468,8 @@ def _disk_refused(err: BaseException, folder: Path) -> str | None:
     says so only as `[enforce fail at inline_container.cc:...] ... file write failed`, without an errno."""
     if not isinstance(err, (OSError, RuntimeError)):
         return None
+    while not folder.exists() and folder != folder.parent:  # the step's folder itself could not be made
+        folder = folder.parent
     try:
         fs = os.statvfs(folder)
     except OSError:
@@ -472,6 +477,8 @@ def _disk_refused(err: BaseException, folder: Path) -> str | None:
     if fs.f_flag & os.ST_RDONLY or (isinstance(err, OSError) and err.errno == errno.EROFS):
         return "is read-only"
     free = fs.f_bavail * fs.f_frsize
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC and fs.f_files and not fs.f_favail:
+        return "is full (no inode left)"
     if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or (
             isinstance(err, RuntimeError) and "inline_container" in str(err) and free < 16 << 20):
         return f"is full ({free // 1024} KiB free)"

@@ -123,10 +123,10 @@ def is_store_error(err: BaseException) -> bool:
 
 def store_failure(err: BaseException, uri: str) -> HarnessError:
     full = unwritable(err)
-    if full:  # waiting or retrying cannot help: say what can
+    if full:  # the words that say so, not a wrapper's (SQLAlchemy's "raised as a result of Query-invoked autoflush")
         fix = "Free space on its disk" if full == "is full" else "Make it writable for this user"
-        return HarnessError(f"the tracking store {display_uri(uri)} {full}: {reason_of(err)}. {fix} "
-                            f"(or use another store with --tracking-uri), then rerun.")
+        return HarnessError(f"the tracking store {display_uri(uri)} {full} ({_unwritable_words(err)}). {fix} (or use "
+                            "another store with --tracking-uri), then rerun.")
     return HarnessError(
         f"the tracking store {display_uri(uri)} failed: {reason_of(err)}. Check that it is reachable (and writable for "
         "commands that record), then rerun."
@@ -197,6 +197,20 @@ def unwritable(err: BaseException | None) -> str | None:
                 return what
         err = err.__cause__ or err.__context__
     return None
+
+
+def _unwritable_words(err: BaseException | None) -> str:
+    """The line of `err` (or what caused it) that says its disk is full or read-only, for a one-line message."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _UNWRITABLE_ERRNO:
+            return err.strerror or os.strerror(err.errno or 0)
+        for line in str(getattr(err, "message", None) or err).splitlines():
+            if any(needle in line.lower() for needle, _ in _UNWRITABLE_TEXT):
+                return reason_of(Exception(line.strip()))
+        err = err.__cause__ or err.__context__
+    return "no space"
 
 
 def transient(err: BaseException | None) -> bool:
@@ -480,10 +494,13 @@ def _create_whole(uri: str, client_class: Any) -> None:
     (a second or more): a process killed meanwhile leaves no half-made database that every later command refuses
     ("duplicate column name"), only a temporary file the next opening removes. Called under `opening`'s lock."""
     path = sqlite_path(uri) if uri.startswith("sqlite:///") else None
-    if path is None or path.exists() or not path.parent.is_dir():
+    if path is None or not path.parent.is_dir():
         return
     prefix = f".{path.name}.creating-"
+    # Whatever a killed creation left (its pid gone), also once another process has made the store since.
     scratch.remove_stale(path.parent, prefix)
+    if path.exists():
+        return
     tmp = path.with_name(f"{prefix}{os.getpid()}")
     tmp.unlink(missing_ok=True)
     template = _schema_template()
@@ -759,9 +776,10 @@ class Tracker:
     @_store_call
     def reopen(self, run_id: str) -> None:
         """Mark an ended run RUNNING again (a resume continues it): the failure it ended with is no longer its state."""
+        seal.open_for_resume(self, run_id)  # first: a launcher killed from here on leaves a run `harness mark` closes
         self.client.update_run(run_id, status=T.RUNNING)
         tags = self.client.get_run(run_id).data.tags
-        for stale in (T.FAILED_RANK, T.STATUS_REASON):
+        for stale in (T.FAILED_RANK, T.STATUS_REASON, T.FAILED_SIGNAL):
             if stale in tags:
                 self.client.delete_tag(run_id, stale)
 

@@ -293,6 +293,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
     out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
     secrets: list[tuple[bytes, str]] = []
     names = tuple(_show(rel) for rel in filter(None, out.split(b"\0")))
+    sizes: list[tuple[int, bytes]] = []  # every untracked file the patch will hold: the limit bounds their total too
     for rel in filter(None, out.split(b"\0")):
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
@@ -315,6 +316,17 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
                     "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
                     "limit (record.max_untracked_mib=50)." + framework_hint(framework_outputs([_show(rel)]))
                 )
+            sizes.append((size, rel))
+    total = sum(size for size, _ in sizes)
+    if max_mib is not None and total > max_mib * MIB:
+        largest = ", ".join(f"'{_show(rel)}' ({size / MIB:.2f} MiB)" for size, rel in sorted(sizes, reverse=True)[:3])
+        raise HarnessError(
+            f"the {len(sizes)} untracked files hold {total / MIB:.2f} MiB ({total} bytes) together, over the code "
+            f"record's limit of {max_mib:g} MiB (record.max_untracked_mib), which bounds their total as well as each "
+            f"one; the largest: {largest}. Commit them, add them to a .gitignore, or keep data outside "
+            "the repository and declare it as data; or raise the limit (record.max_untracked_mib=50)."
+            + framework_hint(framework_outputs([_show(rel) for _, rel in sizes]))
+        )
     if len(secrets) == 1:
         (rel, pattern), = secrets
         raise HarnessError(

@@ -1,0 +1,167 @@
+"""Hostile bundles, crafted as an attacker would: the bundle's manifest of sizes and sha256s recomputed after each
+edit, so only what harness checks beyond it can refuse them. A verdict never enters a store on a bundle's word:
+a record without its seal is refused, and a replay's verdict is derived again from the two bundled records."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import Project, make_project
+from harness import tags as T
+from harness.commands import bundle
+from harness.errors import EXIT_USAGE
+from harness.record import seal
+
+FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
+
+
+@dataclass
+class Exported:
+    project: Project
+    run_id: str
+    replay_id: str
+    path: Path
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    """One run, its BITWISE replay, and their bundle: every forgery below starts from it."""
+    project = make_project(tmp_path_factory.mktemp("adversarial bundles"))
+    run = project.harness("run", "experiments/linear_ddp", "train.epochs=1")
+    assert run.returncode == 0, run.stderr
+    replay = project.harness("replay", run.last_line)
+    assert replay.returncode == 0, replay.stderr + replay.stdout
+    out = project.root.parent / "run.tar.gz"
+    result = project.harness("export", run.last_line, "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    return Exported(project, run.last_line, replay.last_line, out)
+
+
+def forge(exported: Exported, dest: Path, edit: Callable[[Path, bundle.Manifest], None]) -> Path:
+    """Unpack the bundle, let `edit` change the files, and pack them again under a manifest recomputed to match."""
+    unpacked = dest.with_suffix(".d")
+    unpacked.mkdir()
+    manifest = bundle.verify(exported.path, unpacked)
+    edit(unpacked, manifest)
+    members = {p.relative_to(unpacked).as_posix(): bundle.Member(p.stat().st_size, bundle.sha256_file(p))
+               for p in sorted(unpacked.rglob("*")) if p.is_file()}
+    data = bundle.Manifest(manifest.format, manifest.run_id, manifest.replays, members, manifest.image).to_json()
+    with tarfile.open(dest, "w:gz") as tar:
+        info = tarfile.TarInfo(bundle.MANIFEST)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        for name in members:
+            tar.add(unpacked / name, arcname=name)
+    return dest
+
+
+def _replay_dir(unpacked: Path, exported: Exported) -> Path:
+    return unpacked / bundle.REPLAYS_DIR / exported.replay_id
+
+
+def _edit_record(folder: Path, change: Callable[[dict], None]) -> None:
+    path = folder / bundle.RECORD
+    record = json.loads(path.read_bytes())
+    change(record)
+    path.write_bytes(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _forge_verdict(record: dict) -> None:
+    record["tags"][T.VERDICT] = "DIVERGED"
+
+
+def _reseal(folder: Path) -> None:
+    """What a forger who runs harness's own code does: seal the edited record afresh, as check_bundled reads it."""
+    record = bundle._load_record(folder, json.loads((folder / bundle.RECORD).read_bytes())["run_id"])
+    artifacts = folder / bundle.ARTIFACTS
+    (artifacts / T.ARTIFACT_SEAL).unlink()
+    files = {p.relative_to(artifacts).as_posix(): p.read_bytes for p in artifacts.rglob("*") if p.is_file()}
+    metrics: dict[str, list[tuple[float, int, int]]] = {}
+    for key, value, ts, step in record["entries"]:
+        metrics.setdefault(key, []).append((value, ts, step))
+    rec = seal.Record(record["status"], record["params"], record["tags"], metrics, files)
+    doc = seal.manifest(rec)
+    (artifacts / T.ARTIFACT_SEAL).write_bytes(json.dumps(doc, indent=1, sort_keys=True).encode())
+    _edit_record(folder, lambda r: r["tags"].__setitem__(T.SEAL, seal.digest(doc)))
+
+
+def _store(tmp_path: Path) -> Project:
+    (tmp_path / "store").mkdir()
+    return Project(tmp_path, tmp_path / "store")
+
+
+def test_a_seal_stripped_bundle_with_a_forged_verdict_is_refused_and_nothing_is_written(
+        exported: Exported, tmp_path: Path) -> None:
+    """The attack of issue 36: the verdict set to DIVERGED, the seal tag and manifest deleted, the bundle's manifest
+    recomputed. Before, the import took it with one warning and sealed the copy as genuine."""
+    def strip(unpacked: Path, _: bundle.Manifest) -> None:
+        folder = _replay_dir(unpacked, exported)
+        _edit_record(folder, lambda r: (_forge_verdict(r), r["tags"].pop(T.SEAL)))
+        (folder / bundle.ARTIFACTS / T.ARTIFACT_SEAL).unlink()
+
+    forged = forge(exported, tmp_path / "forged.tar.gz", strip)
+    store = _store(tmp_path)
+    result = store.cli("import", str(forged))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"Error: run {exported.replay_id} (in the bundle) carries no seal: nothing shows its record is the one its "
+        "harness closed, and an import would seal it as genuine; refused. Export it again with a harness that seals "
+        "its runs, from the store that holds it."]
+    assert not (store.store / "mlflow.db").exists()  # refused before the store was opened
+    assert "DIVERGED" not in store.cli("runs").stdout
+
+
+def test_a_record_marked_running_without_its_seal_is_refused_too(exported: Exported, tmp_path: Path) -> None:
+    """A RUNNING record is accepted unsealed in a store (it has not closed yet): in a bundle it is refused, or the
+    import would close and seal it."""
+    def running(unpacked: Path, _: bundle.Manifest) -> None:
+        folder = unpacked / bundle.RUN_DIR
+        _edit_record(folder, lambda r: (r.__setitem__("status", T.RUNNING), r["tags"].pop(T.SEAL)))
+        (folder / bundle.ARTIFACTS / T.ARTIFACT_SEAL).unlink()
+
+    store = _store(tmp_path)
+    result = store.cli("import", str(forge(exported, tmp_path / "running.tar.gz", running)))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert result.stderr.startswith(f"Error: run {exported.run_id} (in the bundle) is still RUNNING: "), result.stderr
+    assert not (store.store / "mlflow.db").exists()
+
+
+def test_a_forged_verdict_sealed_afresh_is_derived_again_and_refused(exported: Exported, tmp_path: Path) -> None:
+    """A forger who reseals the edited record with harness's own code passes the seal: the verdict is judged again
+    from the two bundled series, which are bit-identical, and the import is refused with nothing left in the store."""
+    def reseal(unpacked: Path, _: bundle.Manifest) -> None:
+        folder = _replay_dir(unpacked, exported)
+        _edit_record(folder, _forge_verdict)
+        _reseal(folder)
+
+    store = _store(tmp_path)
+    result = store.cli("import", str(forge(exported, tmp_path / "resealed.tar.gz", reseal)))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"Error: replay {exported.replay_id} (in the bundle) records the verdict DIVERGED, but its metrics and weights "
+        f"against the original's judge BITWISE: the verdict does not follow from the record; refused. {FIX}"]
+    assert not (store.store / "mlflow.db").exists()  # judged in a scratch store: this one was never opened
+
+
+def test_an_intact_bundle_imports_with_its_verdict_derived_again_and_reexports_sealed(
+        exported: Exported, tmp_path: Path) -> None:
+    """The control: the same bundle, untouched, imports (its verdict follows from its series), `runs` shows the
+    verdict, and a re-export of the copy imports again into a third store."""
+    store = _store(tmp_path)
+    result = store.harness("import", str(exported.path))
+    assert result.returncode == 0, result.stderr
+    listing = store.cli("runs")
+    [row] = [line for line in listing.stdout.splitlines() if line.startswith(result.last_line)]
+    assert row.rstrip().endswith("BITWISE 1"), listing.stdout
+    again = tmp_path / "again.tar.gz"
+    assert store.harness("export", result.last_line, "-o", str(again)).returncode == 0
+    third = Project(tmp_path / "third", tmp_path / "third" / "store")
+    third.store.mkdir(parents=True)
+    assert third.harness("import", str(again)).returncode == 0

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import click
 
 from harness import events, tags as T
+from harness.cli.help import OrderedGroup, teach
 from harness.errors import EXIT_SIGINT, HarnessError
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
@@ -60,7 +61,7 @@ def _exit(code: int) -> NoReturn:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OrderedGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ddp-harness")
 def main() -> None:
     """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
@@ -170,6 +171,8 @@ def run(
     Prints progress on stderr and the MLflow run id as the last line of stdout. Started by torchrun,
     it runs as the rank torchrun made it; the job is still one run. With --seeds N (or `seeds:` in the
     config) it runs a study, one run per seed, and the last line is the study's run id.
+    Exit 0 finished (a study: every member), 1 the training failed, 2 bad input (nothing recorded),
+    130 / 143 interrupted (the run is recorded KILLED).
     """
     from harness.commands import api
 
@@ -457,7 +460,10 @@ def resume(run_id: str, tracking_uri: str | None) -> None:
     """Continue a FAILED or KILLED run from its last complete checkpoint, in the same MLflow run.
 
     Uses the recorded code, config and environment like replay; metrics continue at their steps.
-    Needs `checkpoint_every` > 0 in the run's config.
+    Needs `checkpoint_every` > 0 in the run's config. The run's id is the last line of stdout.
+    Exit 0 finished, 1 the training failed again, 2 refused (a FINISHED or RUNNING run, no complete
+    checkpoint, or a re-execution that does not land on what the run recorded: said why), 130 / 143
+    interrupted.
     """
     from harness.commands import api
 
@@ -688,7 +694,8 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     The page lists every run and replay with its verdict, world size, commit and image digest (a view
     harness saves in the experiment). Prints the page's link on stdout once the UI answers. On a local
     store this starts `mlflow server` until Ctrl-C; an http(s) store is a server already: its link is
-    printed and nothing is started.
+    printed and nothing is started. Exit 130 stopped with Ctrl-C (143 SIGTERM), 0 a server store's link
+    printed, 2 bad input (an unknown experiment, a port in use, a server that never answered).
     """
     import signal
     import subprocess
@@ -737,6 +744,7 @@ def runs(experiment: str | None, limit: int, tracking_uri: str | None) -> None:
     STATUS is STALE for a RUNNING run whose launcher stopped writing its heartbeat (close it with
     `harness mark`). VERDICTS counts every replay of a run by verdict, e.g. `BITWISE 2, DIVERGED 1
     (with changes)`, replays made with --allow-changes or --world-size counted apart.
+    Exit 0 listed (also an empty store), 2 bad input (an unknown experiment, an unreadable store).
     """
     from harness.commands.runs import render_runs
 
@@ -762,6 +770,8 @@ def mark(run_id: str, status: str, force: bool, tracking_uri: str | None) -> Non
     reason = do_mark(run_id, status, force=force, tracking_uri=tracking_uri)
     click.echo(f"Run {run_id} is now {status}: {reason}.")
 
+
+teach(main)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

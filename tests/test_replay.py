@@ -256,6 +256,64 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
+def test_ui_is_quiet_and_runs_link_to_its_port(project: Project, original: str) -> None:
+    """While `harness ui` serves the store, `run` and `replay` link to its port in the model-training view; its stderr
+    is its own line (no MLflow INFO lines, no deprecation warnings); once it stops, the links name the default."""
+    import signal
+
+    from harness.store.tracking import Tracker
+
+    port = _free_port()
+    server = project.popen("ui", "linear_ddp", "--port", str(port))
+    exp_id = project.client().get_run(original).info.experiment_id
+    try:
+        assert _read_line(server, 180).startswith(f"http://127.0.0.1:{port}/#/experiments/{exp_id}/runs?")
+        assert Tracker(project.uri, writable=False).ui_hint(original) == (
+            f"Open it in the MLflow UI: http://127.0.0.1:{port}/#/experiments/{exp_id}/runs/{original}"
+            "?workflowType=machine_learning")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 130
+    said = server.stderr.read()
+    assert said.startswith("Starting the MLflow UI for ") and len(said.splitlines()) == 1, said
+    hint = Tracker(project.uri, writable=False).ui_hint(original)
+    assert hint.startswith("Open it in the MLflow UI: harness ui --tracking-uri ") and hint.endswith(
+        f", then http://127.0.0.1:5050/#/experiments/{exp_id}/runs/{original}?workflowType=machine_learning"), hint
+
+
+def test_a_ui_that_is_gone_is_not_linked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The announcement of a `harness ui` killed with SIGKILL stays behind: a dead process, or a port nobody answers
+    on, is not linked; a wildcard bind is linked on the loopback."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from harness.store import ui
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        base = ui.link_base("0.0.0.0", listening.getsockname()[1])
+        assert base == f"http://127.0.0.1:{listening.getsockname()[1]}"
+        with ui.announced(uri, base):
+            assert ui.served_at(uri) == base
+            assert ui.served_at(f"sqlite:///{tmp_path / 'other.db'}") is None  # another store's UI
+            path = next((tmp_path / "harness" / "ui").glob("*.json"))
+            dead = subprocess.Popen(["true"])  # a pid that no longer runs
+            dead.wait()
+            path.write_text(json.dumps({"pid": dead.pid, "url": base}))
+            assert ui.served_at(uri) is None
+        assert json.loads(path.read_text())["pid"] == dead.pid  # not ours any more: left to whoever wrote it
+    path.write_text(json.dumps({"pid": os.getpid(), "url": base}))  # alive, but nothing listens there now
+    assert ui.served_at(uri) is None
+    with ui.announced(uri, base):
+        pass
+    assert not path.exists()  # its own announcement goes with it
+
+
 def test_ui_of_an_unknown_experiment_is_one_line(project: Project, original: str) -> None:
     result = project.harness("ui", "no_such_experiment", "--port", str(_free_port()))
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(

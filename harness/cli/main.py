@@ -685,7 +685,8 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 @main.command()
 @click.argument("experiment", required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=5050, show_default=True, help="Port to listen on (5000 is left to a local registry).")
+@click.option("--port", type=click.IntRange(1, 65535), default=5050, show_default=True,
+              help="Port to listen on (5000 is left to a local registry). `run` and `replay` link to it while it runs.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -> None:
@@ -708,7 +709,7 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     if served:  # a tracking server is its own UI
         click.echo(mlflow_ui.page(served, mlflow_ui.prepare(Tracker(uri), experiment)))
         return
-    base = f"http://{host}:{port}"
+    base = mlflow_ui.link_base(host, port)  # what a browser here opens (bound to 0.0.0.0: the loopback)
     click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)
     cmd, env = ui_command(uri, host, port)
     # Its own process group: the server's worker goes with it, whoever stops `harness ui`. Its log goes
@@ -724,8 +725,9 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
         # (writable=False): a current local store is read without MLflow, which opens only to write the view.
         experiment_id = mlflow_ui.prepare(Tracker(uri, writable=False, must_exist=False), experiment)
         mlflow_ui.wait_ready(server, base)
-        click.echo(mlflow_ui.page(base, experiment_id))
-        sys.exit(server.wait())
+        with mlflow_ui.announced(uri, base):  # `run` and `replay` link to this port while it serves
+            click.echo(mlflow_ui.page(base, experiment_id))
+            sys.exit(server.wait())
     except KeyboardInterrupt:
         mlflow_ui.stop(server)
         sys.exit(EXIT_SIGINT)

@@ -242,7 +242,8 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
         # The training-runs table (not the GenAI overview), harness's columns, and both rows: the run
         # and its replay, each a row of its own, the replay's verdict in it.
         assert 'data-testid="sort-select-dropdown"' in dom and "Sort: harness.started" in dom
-        for column in ("harness.verdict", "harness.world_size", "harness.git.commit", "harness.image.digest"):
+        for column in ("harness.verdict", "harness.replays", "harness.world_size", "harness.git.commit",
+                       "harness.image.digest"):
             assert column in dom, column
         for run_id in (original, replay_id):
             assert client.get_run(run_id).info.run_name in dom
@@ -392,6 +393,10 @@ def test_replaying_a_replay_replays_its_original(project: Project, original: str
     listed = project.harness("runs", "linear_ddp", "-n", "100")
     row = next(line for line in listed.stdout.splitlines() if line.startswith(original))
     assert "BITWISE 2" in row  # every replay counted, not just the latest
+    # The original's row in the UI says the same (a tag rewritten as each replay is judged). This replay checked the
+    # original's seal after the first replay had written that tag: the tag is outside the seal.
+    counted = project.client().get_run(original).data.tags["harness.replays"]
+    assert "BITWISE 2" in counted and row.endswith(counted), (counted, row)
 
 
 def test_compare_lists_the_config_delta_first(project: Project, original: str) -> None:

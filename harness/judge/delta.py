@@ -76,6 +76,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.KIND,
         tags.REPLAY_OF,
         tags.VERDICT,
+        tags.REPLAYS,  # the original's count of its replays' verdicts, not its environment
         tags.CHANGES,
         tags.TOLERANCE,
         tags.DATA_CHANGES,

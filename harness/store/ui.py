@@ -50,6 +50,7 @@ COLUMNS = [
     "attributes.`Created`",
     "attributes.`Duration`",
     _tag(T.VERDICT),
+    _tag(T.REPLAYS),  # an original's row: its replays' verdicts, as `harness runs` shows them
     _tag(T.KIND),
     _tag(T.SEED),  # a study's members differ only in it
     _tag(T.WORLD_SIZE),

@@ -36,6 +36,9 @@ def test_first_steps_replay_is_bitwise_and_stops_there(project: Project, checkpo
                                "2 fingerprints equal"), verdict  # step 0's, and the weights after step 3
     assert "including the weights after step 3 (the original's checkpoint of that step)" in verdict
     assert "data order: identical at the 3 common steps" in result.stdout  # sent as at an end, though it stopped
+    # Its own consequences (the request, the steps of data order it recorded, no final weights) are no change of
+    # environment: the verdict says "over the first 3 of 5 steps".
+    assert "Environment delta: none" in result.stdout, result.stdout
     run = project.client().get_run(result.last_line)
     assert run.info.status == "FINISHED"
     assert run.data.tags[tags.REPLAY_STEPS] == "3" and run.data.tags[tags.VERDICT] == BITWISE

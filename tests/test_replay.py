@@ -292,7 +292,7 @@ def test_a_ui_that_is_gone_is_not_linked(tmp_path: Path, monkeypatch: pytest.Mon
 
     from harness.store import ui
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -302,7 +302,7 @@ def test_a_ui_that_is_gone_is_not_linked(tmp_path: Path, monkeypatch: pytest.Mon
         with ui.announced(uri, base):
             assert ui.served_at(uri) == base
             assert ui.served_at(f"sqlite:///{tmp_path / 'other.db'}") is None  # another store's UI
-            path = next((tmp_path / "harness" / "ui").glob("*.json"))
+            path = next((tmp_path / "ui").glob("*.json"))
             dead = subprocess.Popen(["true"])  # a pid that no longer runs
             dead.wait()
             path.write_text(json.dumps({"pid": dead.pid, "url": base}))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit
 
-from harness import events, tags as T
+from harness import events, scratch, tags as T
 from harness.errors import HarnessError
 
 if TYPE_CHECKING:
@@ -112,15 +112,15 @@ def hint(uri: str, experiment_id: str, run_id: str) -> str:
 
 
 # --- which `harness ui` serves a store -----------------------------------------------------------
-# `harness ui` says where it serves a store in a small file (one per store, in the user's cache folder) for as long
-# as it runs, so that `run` and `replay` print links with the port it actually listens on.
+# `harness ui` says where it serves a store in a small file (one per store) for as long
+# as it runs (in harness's cache folder, scratch.cache_dir), so that `run` and `replay` print links with the port it
+# actually listens on.
 
 
 def _announcement(uri: str) -> Path:
     from harness.store.reach import absolute_uri
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "harness" / "ui" / f"{hashlib.sha256(absolute_uri(uri).encode()).hexdigest()[:16]}.json"
+    return scratch.cache_dir() / "ui" / f"{hashlib.sha256(absolute_uri(uri).encode()).hexdigest()[:16]}.json"
 
 
 def link_base(host: str, port: int) -> str:
@@ -156,7 +156,8 @@ def served_at(uri: str) -> str | None:
     try:
         said = json.loads(_announcement(uri).read_text(encoding="utf-8"))
         pid, url = int(said["pid"]), str(said["url"])
-        os.kill(pid, 0)  # the `harness ui` that wrote it is still there (killed with SIGKILL, it left the file)
+        if not scratch.alive(pid):  # killed with SIGKILL, the `harness ui` that wrote it left the file behind
+            return None
         parts = urlsplit(url)
         with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=0.5):
             return url

@@ -328,11 +328,11 @@ def test_packages_on_one_side_are_one_line_each_side() -> None:
     b.facts[tags.REPLAY_OF] = a.run_id
     cmp = compare_runs(a, b)
     env = _env_lines(comparison_lines(cmp, []))
-    assert len(env) == 3, env  # the 32, the 2, and the one that decides kernels
-    assert env[0] == " ! lock:nvidia-cublas: None -> 12.8  (package only in the replay: numerical kernels may differ)"
-    assert env[1] == "   lock: 2 packages -> None  (only in the original: gone-too 2.0, left-behind 1.0)"
-    assert env[2] == ("   lock: None -> 32 packages  (only in the replay: extra-00 1.0, extra-01 1.1, extra-02 1.2, "
+    assert len(env) == 3, env  # the 32, the 2, and the one that decides kernels; each where its first package stood
+    assert env[0] == ("   lock: None -> 32 packages  (only in the replay: extra-00 1.0, extra-01 1.1, extra-02 1.2, "
                       "extra-03 1.3, extra-04 1.4, extra-05 1.5, +26 more)")
+    assert env[1] == "   lock: 2 packages -> None  (only in the original: gone-too 2.0, left-behind 1.0)"
+    assert env[2] == " ! lock:nvidia-cublas: None -> 12.8  (package only in the replay: numerical kernels may differ)"
     markdown = render_markdown(cmp, [])
     assert "only in the replay: extra-00 1.0" in markdown and "lock:extra-07" not in markdown
     # The JSON keeps every package: a script reads them one by one.
@@ -341,11 +341,12 @@ def test_packages_on_one_side_are_one_line_each_side() -> None:
 
 def test_compare_of_two_independent_runs_names_them_run_a_and_run_b() -> None:
     a = make_record()
-    b = clone(a, lock=[*LOCK, "rich==13.0", "pygments==2.0"])  # not a replay of a
+    b = clone(a, lock=[*LOCK, "rich==13.0", "pygments==2.0", "local-pkg @ file:///wheels/local_pkg-1.0.whl"])
     a.lock.append("click==8.4")
     text = "\n".join(comparison_lines(compare_runs(a, b), []))
     assert "replay" not in text and "original" not in text, text
-    assert "lock: None -> 2 packages  (only in run B: pygments 2.0, rich 13.0)" in text
+    # b is no replay of a. A package installed from a URL is named, not its URL.
+    assert "lock: None -> 3 packages  (only in run B: local-pkg, pygments 2.0, rich 13.0)" in text
     assert "lock:click: 8.4 -> None  (package only in run A)" in text
 
 

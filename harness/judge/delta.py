@@ -433,24 +433,25 @@ _NAMED = 6  # packages named in a summary line; the rest counted
 
 def summarized(delta: list[FactDelta], labels: tuple[str, str]) -> list[FactDelta]:
     """`delta` as a screen shows it: the packages installed on one side only (a test extra's 30-odd, say) as one
-    line per side, naming the first few; a package that decides kernels (torch, nvidia-*) keeps its own line."""
+    line per side where the first of them stood, naming the first few; a package that decides kernels (torch,
+    nvidia-*) keeps its own line."""
     one_side: tuple[list[FactDelta], list[FactDelta]] = ([], [])
-    out: list[FactDelta] = []
     for d in delta:
         if d.name.startswith(LOCK_PREFIX) and not d.breaks_bitwise and (d.a is None) != (d.b is None):
             one_side[0 if d.b is None else 1].append(d)
-        else:
-            out.append(d)
+    lines: dict[int, FactDelta] = {}  # id of the first package of a side -> its summary line
     for side, found in enumerate(one_side):
         if len(found) < 2:
-            out.extend(found)
             continue
-        names = [f"{d.name.removeprefix(LOCK_PREFIX)} {d.b if side else d.a}".rstrip() for d in found]
+        # A version that is a URL (`pkg @ https://...`) would fill the line: the name says enough.
+        names = [d.name.removeprefix(LOCK_PREFIX) + ("" if "://" in (v := str(d.b if side else d.a)) else f" {v}")
+                 for d in found]
         shown = ", ".join(names[:_NAMED]) + (f", +{len(names) - _NAMED} more" if len(names) > _NAMED else "")
         count = f"{len(found)} packages"
-        out.append(FactDelta("lock", None if side else count, count if side else None, False,
-                             f"only in {the(labels[side])}: {shown}"))
-    return out
+        lines[id(found[0])] = FactDelta("lock", None if side else count, count if side else None, False,
+                                        f"only in {the(labels[side])}: {shown}")
+    folded = {id(d) for found in one_side if len(found) >= 2 for d in found}
+    return [lines.get(id(d), d) for d in delta if id(d) in lines or id(d) not in folded]
 
 
 def environment_delta(a: RunRecord, b: RunRecord,

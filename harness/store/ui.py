@@ -102,12 +102,12 @@ def run_link(base_url: str, experiment_id: str, run_id: str) -> str:
 def hint(uri: str, experiment_id: str, run_id: str) -> str:
     """Where to look at a run: on the store's server, on the `harness ui` serving this store now, else the command
     that starts one and the link it will answer at (its default port)."""
-    from harness.store.tracking import default_uri, server_url
+    from harness.store.tracking import default_uri, display_uri, server_url
 
     base = server_url(uri) or served_at(uri)
     if base:
         return f"Open it in the MLflow UI: {run_link(base, experiment_id, run_id)}"
-    store = "" if uri == default_uri() else f" --tracking-uri {uri}"
+    store = "" if uri == default_uri() else f" --tracking-uri {display_uri(uri)}"  # never a password on the terminal
     return f"Open it in the MLflow UI: harness ui{store}, then {run_link(f'http://127.0.0.1:{UI_PORT}', experiment_id, run_id)}"
 
 

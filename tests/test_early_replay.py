@@ -67,6 +67,8 @@ def test_a_loop_of_its_own_stops_at_the_step_and_leaves_no_rank(project: Project
     for rank in (0, 1):
         (tmp_path / f"rank{rank}").unlink()
     result = project.harness("replay", run.last_line, "--steps", "4")
+    # The script's own MLflow metric, logged after step 4, is not reached: no change of environment either.
+    assert "Environment delta: none" in result.stdout, result.stdout
     assert result.returncode == 0, result.stderr
     verdict = result.stdout.strip().splitlines()[-2]
     assert verdict.startswith("verdict: BITWISE over the first 4 of 8 steps: "), verdict

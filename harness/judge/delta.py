@@ -84,6 +84,9 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # the first K of N steps"); how far a run got is its outcome, not what it ran under.
         tags.REPLAY_STEPS,
         tags.DATA_ORDER_STEPS,
+        # Which metrics the script logged through MLflow itself: what it logged (a replay stopped at step K may not
+        # have reached them), which the metric comparison judges, not what the run ran under.
+        tags.USER_MLFLOW_METRICS,
         tags.DATA_CHANGES,
         # A replay runs in a detached worktree; the branch name decides nothing, the commit does.
         tags.GIT_BRANCH,

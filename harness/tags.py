@@ -164,6 +164,10 @@ ACCELERATE_ARTIFACTS = "accelerate"
 # Replay / compare.
 REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
+# On an original run: its replays' verdicts counted as `harness runs` counts them ("BITWISE 2, DIVERGED 1 (with
+# changes)"), so that its row in the MLflow UI shows them. Rewritten whenever one of its replays is judged, long after
+# the run closed: a summary of the replays' own sealed verdicts, and so not sealed itself (record/seal.py).
+REPLAYS = "harness.replays"
 CONFIG_REDACTED = "harness.config.redacted"  # config keys recorded as <redacted sha256:...>, with =$VAR when read from one
 CHANGES = "harness.replay.changes"  # overrides allowed with --allow-changes
 # --tolerance METRIC=ATOL[,RTOL] this replay was judged by, over the recorded replay.tolerance: "loss=0.01,0.0 ..."

@@ -55,7 +55,7 @@ def render_cli() -> str:
         title = " ".join(path)
         out.append(f"{'#' * min(len(path) + 1, 4)} `{title}`\n\n```text\n{cmd.get_help(ctx).rstrip()}\n```\n\n")
         if isinstance(cmd, click.Group):
-            for sub_name in sorted(cmd.list_commands(ctx)):
+            for sub_name in cmd.list_commands(ctx):  # in the order `harness --help` lists them
                 sub = cmd.get_command(ctx, sub_name)
                 if sub is None or sub.hidden:
                     continue

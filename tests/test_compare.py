@@ -26,7 +26,7 @@ from harness.judge.compare import (
 from harness.judge.delta import environment_delta
 from harness.judge.report import plot_metrics, render_markdown
 from harness.judge.text import comparison_lines
-from records import FACTS, clone, make_record, tol
+from records import FACTS, LOCK, clone, make_record, tol
 
 
 def test_identical_runs_are_bitwise() -> None:
@@ -313,6 +313,41 @@ def test_lock_delta_names_changed_package() -> None:
     c = clone(a, lock=["numpy==2.1.0", "torch==2.14.0", "tqdm==4.66.0"])
     torch_delta = [d for d in environment_delta(a, c) if d.name == "lock:torch"]
     assert len(torch_delta) == 1 and torch_delta[0].breaks_bitwise
+
+
+def _env_lines(lines: list[str]) -> list[str]:
+    at = next(i for i, line in enumerate(lines) if line.startswith("Environment delta"))
+    return [line for line in lines[at + 1:] if line.startswith(("   ", " ! "))]
+
+
+def test_packages_on_one_side_are_one_line_each_side() -> None:
+    # `pip install -e '.[test]'` beside a run recorded without the test extra: 32 packages more in the replay.
+    a = make_record(lock=[*LOCK, "left-behind==1.0", "gone-too==2.0"])
+    extra = [f"extra-{i:02d}==1.{i}" for i in range(32)]
+    b = clone(a, lock=[*LOCK, *extra, "nvidia-cublas==12.8"])
+    b.facts[tags.REPLAY_OF] = a.run_id
+    cmp = compare_runs(a, b)
+    env = _env_lines(comparison_lines(cmp, []))
+    assert len(env) == 3, env  # the 32, the 2, and the one that decides kernels; each where its first package stood
+    assert env[0] == ("   lock: None -> 32 packages  (only in the replay: extra-00 1.0, extra-01 1.1, extra-02 1.2, "
+                      "extra-03 1.3, extra-04 1.4, extra-05 1.5, +26 more)")
+    assert env[1] == "   lock: 2 packages -> None  (only in the original: gone-too 2.0, left-behind 1.0)"
+    assert env[2] == " ! lock:nvidia-cublas: None -> 12.8  (package only in the replay: numerical kernels may differ)"
+    markdown = render_markdown(cmp, [])
+    assert "only in the replay: extra-00 1.0" in markdown and "lock:extra-07" not in markdown
+    # The JSON keeps every package: a script reads them one by one.
+    assert sum(d["name"].startswith("lock:extra-") for d in cmp.to_dict()["delta"]) == 32
+
+
+def test_compare_of_two_independent_runs_names_them_run_a_and_run_b() -> None:
+    a = make_record()
+    b = clone(a, lock=[*LOCK, "rich==13.0", "pygments==2.0", "local-pkg @ file:///wheels/local_pkg-1.0.whl"])
+    a.lock.append("click==8.4")
+    text = "\n".join(comparison_lines(compare_runs(a, b), []))
+    assert "replay" not in text and "original" not in text, text
+    # b is no replay of a. A package installed from a URL is named, not its URL.
+    assert "lock: None -> 3 packages  (only in run B: local-pkg, pygments 2.0, rich 13.0)" in text
+    assert "lock:click: 8.4 -> None  (package only in run A)" in text
 
 
 def test_to_dict_is_json_serialisable() -> None:

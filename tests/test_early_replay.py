@@ -36,6 +36,9 @@ def test_first_steps_replay_is_bitwise_and_stops_there(project: Project, checkpo
                                "2 fingerprints equal"), verdict  # step 0's, and the weights after step 3
     assert "including the weights after step 3 (the original's checkpoint of that step)" in verdict
     assert "data order: identical at the 3 common steps" in result.stdout  # sent as at an end, though it stopped
+    # Its own consequences (the request, the steps of data order it recorded, no final weights) are no change of
+    # environment: the verdict says "over the first 3 of 5 steps".
+    assert "Environment delta: none" in result.stdout, result.stdout
     run = project.client().get_run(result.last_line)
     assert run.info.status == "FINISHED"
     assert run.data.tags[tags.REPLAY_STEPS] == "3" and run.data.tags[tags.VERDICT] == BITWISE
@@ -64,6 +67,8 @@ def test_a_loop_of_its_own_stops_at_the_step_and_leaves_no_rank(project: Project
     for rank in (0, 1):
         (tmp_path / f"rank{rank}").unlink()
     result = project.harness("replay", run.last_line, "--steps", "4")
+    # The script's own MLflow metric, logged after step 4, is not reached: no change of environment either.
+    assert "Environment delta: none" in result.stdout, result.stdout
     assert result.returncode == 0, result.stderr
     verdict = result.stdout.strip().splitlines()[-2]
     assert verdict.startswith("verdict: BITWISE over the first 4 of 8 steps: "), verdict

@@ -242,7 +242,8 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
         # The training-runs table (not the GenAI overview), harness's columns, and both rows: the run
         # and its replay, each a row of its own, the replay's verdict in it.
         assert 'data-testid="sort-select-dropdown"' in dom and "Sort: harness.started" in dom
-        for column in ("harness.verdict", "harness.world_size", "harness.git.commit", "harness.image.digest"):
+        for column in ("harness.verdict", "harness.replays", "harness.world_size", "harness.git.commit",
+                       "harness.image.digest"):
             assert column in dom, column
         for run_id in (original, replay_id):
             assert client.get_run(run_id).info.run_name in dom
@@ -254,6 +255,64 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
     # The server went with `harness ui`: nothing listens on the port any more.
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_ui_is_quiet_and_runs_link_to_its_port(project: Project, original: str) -> None:
+    """While `harness ui` serves the store, `run` and `replay` link to its port in the model-training view; its stderr
+    is its own line (no MLflow INFO lines, no deprecation warnings); once it stops, the links name the default."""
+    import signal
+
+    from harness.store.tracking import Tracker
+
+    port = _free_port()
+    server = project.popen("ui", "linear_ddp", "--port", str(port))
+    exp_id = project.client().get_run(original).info.experiment_id
+    try:
+        assert _read_line(server, 180).startswith(f"http://127.0.0.1:{port}/#/experiments/{exp_id}/runs?")
+        assert Tracker(project.uri, writable=False).ui_hint(original) == (
+            f"Open it in the MLflow UI: http://127.0.0.1:{port}/#/experiments/{exp_id}/runs/{original}"
+            "?workflowType=machine_learning")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 130
+    said = server.stderr.read()
+    assert said.startswith("Starting the MLflow UI for ") and len(said.splitlines()) == 1, said
+    hint = Tracker(project.uri, writable=False).ui_hint(original)
+    assert hint.startswith("Open it in the MLflow UI: harness ui --tracking-uri ") and hint.endswith(
+        f", then http://127.0.0.1:5050/#/experiments/{exp_id}/runs/{original}?workflowType=machine_learning"), hint
+
+
+def test_a_ui_that_is_gone_is_not_linked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The announcement of a `harness ui` killed with SIGKILL stays behind: a dead process, or a port nobody answers
+    on, is not linked; a wildcard bind is linked on the loopback."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from harness.store import ui
+
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        base = ui.link_base("0.0.0.0", listening.getsockname()[1])
+        assert base == f"http://127.0.0.1:{listening.getsockname()[1]}"
+        with ui.announced(uri, base):
+            assert ui.served_at(uri) == base
+            assert ui.served_at(f"sqlite:///{tmp_path / 'other.db'}") is None  # another store's UI
+            path = next((tmp_path / "ui").glob("*.json"))
+            dead = subprocess.Popen(["true"])  # a pid that no longer runs
+            dead.wait()
+            path.write_text(json.dumps({"pid": dead.pid, "url": base}))
+            assert ui.served_at(uri) is None
+        assert json.loads(path.read_text())["pid"] == dead.pid  # not ours any more: left to whoever wrote it
+    path.write_text(json.dumps({"pid": os.getpid(), "url": base}))  # alive, but nothing listens there now
+    assert ui.served_at(uri) is None
+    with ui.announced(uri, base):
+        pass
+    assert not path.exists()  # its own announcement goes with it
 
 
 def test_ui_of_an_unknown_experiment_is_one_line(project: Project, original: str) -> None:
@@ -334,6 +393,10 @@ def test_replaying_a_replay_replays_its_original(project: Project, original: str
     listed = project.harness("runs", "linear_ddp", "-n", "100")
     row = next(line for line in listed.stdout.splitlines() if line.startswith(original))
     assert "BITWISE 2" in row  # every replay counted, not just the latest
+    # The original's row in the UI says the same (a tag rewritten as each replay is judged). This replay checked the
+    # original's seal after the first replay had written that tag: the tag is outside the seal.
+    counted = project.client().get_run(original).data.tags["harness.replays"]
+    assert "BITWISE 2" in counted and row.endswith(counted), (counted, row)
 
 
 def test_compare_lists_the_config_delta_first(project: Project, original: str) -> None:

@@ -12,9 +12,9 @@ from scipy import stats
 import pytest
 
 from conftest import OTHER_HARDWARE, Project
-from harness.commands.verify import judge
+from harness.commands.verify import judge, judge_replay
 from harness.judge.claims import Claim, Source, load_claims, parse_printed, possible_typo, prints_as
-from harness.judge.verify_report import why
+from harness.judge.verify_report import rows, why
 from harness.records import RunSummary
 from records import make_record
 from harness.errors import HarnessError
@@ -91,6 +91,25 @@ def test_a_transposed_mean_inside_the_noise_is_still_misprinted() -> None:
     assert "possible typo: printed 2.858" in " ".join(why(swapped)) and swapped.to_dict()["possible_typo"]
     nearby = judge(Claim("n", "loss", parse_printed("2.870"), "2.870", study="s1"), source, "claim 'n'")
     assert (nearby.outcome, nearby.typo) == ("WITHIN_NOISE", None)
+
+
+def test_the_table_sets_replayed_members_beside_the_same_members_as_recorded() -> None:
+    """--members 2 of 3: the replayed mean stands beside the recorded mean of those 2, not only of all 3."""
+    members = [make_record(f"m{i}", metrics={"loss": (np.arange(3), np.array([3.0, 2.9, v]))})
+               for i, v in enumerate((2.80, 2.90, 3.30))]
+    study = RunSummary("s1", "wide", "1", "study", "FINISHED", None, None, {}, {}, [], "")
+    source = Source("s1", study, members, True)
+    source.replays = [make_record(f"r{i}", metrics={"loss": (np.arange(3), np.array([3.0, 2.9, v]))})
+                      for i, v in enumerate((2.81, 2.91))]
+    source.replayed_originals, source.replay_verdict = ["m0", "m1"], "WITHIN_NOISE"
+    verdict = judge(Claim("c", "loss", parse_printed("3.00"), "3.00", study="s1"), source, "claim 'c'")
+    judge_replay(verdict)
+    (row,) = rows([verdict], replayed=True)
+    assert row[2] == "3.0000 ± 0.264575 (n=3)"  # recorded: all three members
+    assert row[3] == "2.8600 (n=2; these 2 recorded: 2.8500)"  # replayed: m0 and m1, and m0 and m1 as recorded
+    (unreplayed,) = rows([judge(Claim("c", "loss", parse_printed("3.00"), "3.00", study="s1"),
+                                Source("s1", study, members, True), "claim 'c'")], replayed=False)
+    assert unreplayed[3] == "-"
 
 
 # --- the claims file ---------------------------------------------------------------------------------------
@@ -246,7 +265,7 @@ def test_verify_holds_a_true_claim_and_catches_a_misprint(study: Study, checked)
     run = client.get_run(verify_id)
     tags = run.data.tags
     assert run.info.status == "FINISHED"
-    assert tags["harness.kind"] == "verify" and tags["harness.verdict"] == "FAILS"
+    assert tags["harness.kind"] == "verify" and tags["harness.verdict"] == "3 of 4 hold"  # its row in the UI
     assert tags["harness.verify.claims_file"] == "claims.yaml" and tags["harness.verify.held"] == "3/4"
     assert run.info.experiment_id == client.get_run(study.id).info.experiment_id
     files = {f.path for f in client.list_artifacts(verify_id, "verify")}

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import click
 
 from harness import events, tags as T
+from harness.cli.help import OrderedGroup, teach
 from harness.errors import EXIT_SIGINT, HarnessError
 from harness.secrets import scrub
 
@@ -115,7 +116,7 @@ def _exit(code: int) -> NoReturn:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OrderedGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ddp-harness")
 @click.option("-q", "--quiet", is_flag=True,
               help="Say only warnings and errors on stderr: no progress, rank output, notices or links.")
@@ -249,7 +250,8 @@ def run(
     it runs as the rank torchrun made it; the job is still one run. With --seeds N (or `seeds:` in the
     config) it runs a study, one run per seed, and the last line is the study's run id. A sweep over
     values (Hydra's `train.lr=0.1,0.2`) is refused: run one per value.
-    Exit 0 finished, 1 the training failed, 2 bad input (nothing recorded).
+    Exit 0 finished (a study: every member), 1 the training failed, 2 bad input (nothing recorded),
+    130 / 143 interrupted (the run is recorded KILLED).
     """
     from harness.commands import api
 
@@ -571,8 +573,10 @@ def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
     """Continue a FAILED or KILLED run from its last complete checkpoint, in the same MLflow run.
 
     Uses the recorded code, config and environment like replay; metrics continue at their steps.
-    Needs `checkpoint_every` > 0 in the run's config. Prints the run's id as the last line.
-    Exit 0 the resumed run finished, 1 its training failed again, 2 bad input.
+    Needs `checkpoint_every` > 0 in the run's config. The run's id is the last line of stdout.
+    Exit 0 finished, 1 the training failed again, 2 refused (a FINISHED or RUNNING run, no complete
+    checkpoint, or a re-execution that does not land on what the run recorded: said why), 130 / 143
+    interrupted.
     """
     from harness.commands import api
 
@@ -836,7 +840,8 @@ def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: 
 @main.command()
 @click.argument("experiment", required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=5050, show_default=True, help="Port to listen on (5000 is left to a local registry).")
+@click.option("--port", type=click.IntRange(1, 65535), default=5050, show_default=True,
+              help="Port to listen on (5000 is left to a local registry). `run` and `replay` link to it while it runs.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_expected_errors
 def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -> None:
@@ -845,7 +850,8 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     The page lists every run and replay with its verdict, world size, commit and image digest (a view
     harness saves in the experiment). Prints the page's link on stdout once the UI answers. On a local
     store this starts `mlflow server` until Ctrl-C; an http(s) store is a server already: its link is
-    printed and nothing is started.
+    printed and nothing is started. Exit 130 stopped with Ctrl-C (143 SIGTERM), 0 a server store's link
+    printed, 2 bad input (an unknown experiment, a port in use, a server that never answered).
     """
     import signal
     import subprocess
@@ -858,7 +864,7 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     if served:  # a tracking server is its own UI
         click.echo(mlflow_ui.page(served, mlflow_ui.prepare(Tracker(uri), experiment)))
         return
-    base = f"http://{host}:{port}"
+    base = mlflow_ui.link_base(host, port)  # what a browser here opens (bound to 0.0.0.0: the loopback)
     click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)
     cmd, env = ui_command(uri, host, port)
     # Its own process group: the server's worker goes with it, whoever stops `harness ui`. Its log goes
@@ -874,8 +880,9 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
         # (writable=False): a current local store is read without MLflow, which opens only to write the view.
         experiment_id = mlflow_ui.prepare(Tracker(uri, writable=False, must_exist=False), experiment)
         mlflow_ui.wait_ready(server, base)
-        click.echo(mlflow_ui.page(base, experiment_id))
-        sys.exit(server.wait())
+        with mlflow_ui.announced(uri, base):  # `run` and `replay` link to this port while it serves
+            click.echo(mlflow_ui.page(base, experiment_id))
+            sys.exit(server.wait())
     except KeyboardInterrupt:
         mlflow_ui.stop(server)
         sys.exit(EXIT_SIGINT)
@@ -895,7 +902,7 @@ def runs(experiment: str | None, limit: int, tracking_uri: str | None, as_json: 
     STATUS is STALE for a RUNNING run whose launcher stopped writing its heartbeat (close it with
     `harness mark`). VERDICTS counts every replay of a run by verdict, e.g. `BITWISE 2, DIVERGED 1
     (with changes)`, replays made with --allow-changes or --world-size counted apart.
-    Exit 0 listed, 2 bad input (an unknown experiment, no store).
+    Exit 0 listed (also an empty store), 2 bad input (an unknown experiment, an unreadable store).
     """
     from harness.commands import documents
     from harness.commands.runs import listing, render_runs
@@ -929,6 +936,8 @@ def mark(run_id: str, status: str, force: bool, tracking_uri: str | None, as_jso
         _emit(documents.mark(run_id, status, reason))
     click.echo(f"Run {run_id} is now {status}: {reason}.")
 
+
+teach(main)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

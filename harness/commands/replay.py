@@ -228,7 +228,24 @@ def replay(
 
         localized = localize_after_replay(tracker, comparison, a, b, repo)
         record_localization(tracker, replay_id, comparison, changes, localized)
+    record_replay_verdicts(tracker, original)
     return ReplayResult(original, outcome, comparison, changes, (a, b), localized)
+
+
+def record_replay_verdicts(tracker: Tracker, original: RunSummary) -> None:
+    """The original's harness.replays tag: every replay's verdict so far, counted as `harness runs` counts them."""
+    from harness.commands.runs import tally
+
+    replays = tracker.search(original.experiment, max_results=5000,
+                             filter_string=f"tags.`{T.REPLAY_OF}` = '{original.run_id}'")
+    counted = tally([r for r in replays if r.tags.get(T.KIND) == T.KIND_REPLAY]).get(original.run_id)
+    if not counted:
+        return
+    try:
+        tracker.set_tags(original.run_id, {T.REPLAYS: counted})
+    except HarnessError as err:  # the replay and its verdict are recorded; only the original's summary is behind
+        events.emit(events.Warning(f"the verdicts of run {original.run_id}'s replays could not be written on it "
+                                   f"({err}); `harness runs` counts them from the replays."))
 
 
 def check_steps(steps: int | None, allow_incomplete: bool = False) -> None:

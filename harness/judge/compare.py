@@ -628,10 +628,10 @@ def compare_runs(
     checkpoint of step K when it has one (else they are not compared).
     """
     tol = judged_tolerance(original, replay) if tolerance is None else tolerance
-    delta = environment_delta(original, replay)
-    blockers = [f"{d.name}: {d.note}" for d in delta if d.breaks_bitwise]
     of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id
     labels = ("original", "replay") if of_replay else ("run A", "run B")
+    delta = environment_delta(original, replay, labels)
+    blockers = [f"{d.name}: {d.note}" for d in delta if d.breaks_bitwise]
     notes = [
         f"metrics of {the(label)} {rec.run_id} were read from MLflow's metric history ({tags.ARTIFACT_SERIES} is missing), "
         "which stores +-inf as +-1.8e308: such values are not counted as bit-identical"

@@ -12,6 +12,7 @@ from typing import Any
 
 from harness import tags
 from harness.config import flatten
+from harness.fmt import the
 from harness.messages import SettingChange
 from harness.records import RunRecord
 
@@ -76,8 +77,16 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.KIND,
         tags.REPLAY_OF,
         tags.VERDICT,
+        tags.REPLAYS,  # the original's count of its replays' verdicts, not its environment
         tags.CHANGES,
         tags.TOLERANCE,
+        # replay --steps K: the request, and how many steps' data order it then recorded (the verdict says "over
+        # the first K of N steps"); how far a run got is its outcome, not what it ran under.
+        tags.REPLAY_STEPS,
+        tags.DATA_ORDER_STEPS,
+        # Which metrics the script logged through MLflow itself: what it logged (a replay stopped at step K may not
+        # have reached them), which the metric comparison judges, not what the run ran under.
+        tags.USER_MLFLOW_METRICS,
         tags.DATA_CHANGES,
         # A replay runs in a detached worktree; the branch name decides nothing, the commit does.
         tags.GIT_BRANCH,
@@ -396,13 +405,13 @@ def _lock_breaks(package: str) -> bool:
     return package in _BREAKING_PACKAGES or package.startswith(_BREAKING_PACKAGE_PREFIXES)
 
 
-def _lock_delta(a: list[str], b: list[str]) -> list[FactDelta]:
+def _lock_delta(a: list[str], b: list[str], labels: tuple[str, str]) -> list[FactDelta]:
     if bool(a) != bool(b):
         # One run has no lock recorded: listing every package as "missing" would bury the
         # report, and says nothing about whether the packages actually differed.
-        which = "original" if a else "replay"
+        which = labels[0] if a else labels[1]
         return [FactDelta("lock", f"{len(a)} packages" if a else None, f"{len(b)} packages" if b else None,
-                          False, f"package lock recorded in the {which} only")]
+                          False, f"package lock recorded in {the(which)} only")]
     pa, pb = _parse_lock(a), _parse_lock(b)
     out: list[FactDelta] = []
     for pkg in sorted(pa.keys() | pb.keys()):
@@ -410,21 +419,50 @@ def _lock_delta(a: list[str], b: list[str]) -> list[FactDelta]:
         if va == vb:
             continue
         if va is None:
-            note = "package only in the replay"
+            note = f"package only in {the(labels[1])}"
         elif vb is None:
-            note = "package only in the original"
+            note = f"package only in {the(labels[0])}"
         else:
             note = "package version changed"
         breaks = _lock_breaks(pkg)
         if breaks:
             note += ": numerical kernels may differ"
-        out.append(FactDelta(f"lock:{pkg}", va, vb, breaks, note))
+        out.append(FactDelta(f"{LOCK_PREFIX}{pkg}", va, vb, breaks, note))
     return out
 
 
-def environment_delta(a: RunRecord, b: RunRecord) -> list[FactDelta]:
+LOCK_PREFIX = "lock:"
+_NAMED = 6  # packages named in a summary line; the rest counted
+
+
+def summarized(delta: list[FactDelta], labels: tuple[str, str]) -> list[FactDelta]:
+    """`delta` as a screen shows it: the packages installed on one side only (a test extra's 30-odd, say) as one
+    line per side where the first of them stood, naming the first few; a package that decides kernels (torch,
+    nvidia-*) keeps its own line."""
+    one_side: tuple[list[FactDelta], list[FactDelta]] = ([], [])
+    for d in delta:
+        if d.name.startswith(LOCK_PREFIX) and not d.breaks_bitwise and (d.a is None) != (d.b is None):
+            one_side[0 if d.b is None else 1].append(d)
+    lines: dict[int, FactDelta] = {}  # id of the first package of a side -> its summary line
+    for side, found in enumerate(one_side):
+        if len(found) < 2:
+            continue
+        # A version that is a URL (`pkg @ https://...`) would fill the line: the name says enough.
+        names = [d.name.removeprefix(LOCK_PREFIX) + ("" if "://" in (v := str(d.b if side else d.a)) else f" {v}")
+                 for d in found]
+        shown = ", ".join(names[:_NAMED]) + (f", +{len(names) - _NAMED} more" if len(names) > _NAMED else "")
+        count = f"{len(found)} packages"
+        lines[id(found[0])] = FactDelta("lock", None if side else count, count if side else None, False,
+                                        f"only in {the(labels[side])}: {shown}")
+    folded = {id(d) for found in one_side if len(found) >= 2 for d in found}
+    return [lines.get(id(d), d) for d in delta if id(d) in lines or id(d) not in folded]
+
+
+def environment_delta(a: RunRecord, b: RunRecord,
+                      labels: tuple[str, str] = ("original", "replay")) -> list[FactDelta]:
     """Every provenance fact that differs (sorted by name), every setting the training code changed in either
-    run, then every locked package and data file that differs."""
+    run, then every locked package and data file that differs. `labels` name the two runs in the notes: an original
+    and its replay, or two independent runs."""
     fa = {k: v for k, v in a.facts.items() if _is_fact(k)}
     fb = {k: v for k, v in b.facts.items() if _is_fact(k)}
     out: list[FactDelta] = []
@@ -434,10 +472,12 @@ def environment_delta(a: RunRecord, b: RunRecord) -> list[FactDelta]:
             continue
         if name.startswith(tags.NODE_PREFIX) and (va is None or vb is None) and not name.endswith(".hostname"):
             continue  # a node present in one run only is one line (its hostname), not one per fact
+        if name == tags.FINGERPRINT_OF and (va is None or vb is None):
+            continue  # one run has no final weights (stopped after --steps K, or failed): the verdict says so
         breaks, note = _classify(name, va, vb, fa, fb)
         out.append(FactDelta(name, va, vb, breaks, note))
     out.extend(_changes_delta(a.facts, b.facts))
-    out.extend(_lock_delta(list(a.lock), list(b.lock)))
+    out.extend(_lock_delta(list(a.lock), list(b.lock), labels))
     out.extend(_data_delta(a.data, b.data))
     return out
 

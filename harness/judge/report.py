@@ -19,6 +19,7 @@ from harness.judge.compare import (
     MetricStats,
     as_series,
 )
+from harness.judge.delta import summarized
 from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.text import given_tolerances, weights_line
 from harness.records import RunRecord
@@ -126,7 +127,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     out += ["## Environment delta", ""]
     if cmp.delta:
         rows = []
-        for fact in cmp.delta:
+        for fact in summarized(cmp.delta, cmp.labels):
             name = f"**{_cell(fact.name)}** (breaks bitwise)" if fact.breaks_bitwise else _cell(fact.name)
             rows.append([name, _code(fact.a), _code(fact.b), _cell(fact.note)])
         out += _table(["Fact", a_label, b_label, "Note"], rows)

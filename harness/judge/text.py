@@ -10,6 +10,7 @@ from typing import Any
 
 from harness.fmt import the
 from harness.judge.compare import BITWISE, WEIGHTS, Comparison, weights_may_differ
+from harness.judge.delta import summarized
 
 
 def given_tolerances(cmp: Comparison) -> list[tuple[str, float, float]]:
@@ -60,7 +61,7 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
     if cmp.delta:
         out.append(f"Environment delta ({arrow}):")
         out += [f" {'!' if d.breaks_bitwise else ' '} {d.name}: {d.a} -> {d.b}" + (f"  ({d.note})" if d.note else "")
-                for d in cmp.delta]
+                for d in summarized(cmp.delta, cmp.labels)]
     elif cmp.config_delta:
         # The runs do differ: "none" alone would read as "nothing changed".
         out.append(f"Environment delta ({arrow}): none besides the config delta above")

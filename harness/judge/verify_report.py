@@ -39,7 +39,12 @@ def _recorded_text(v: Verdict) -> str:
 def _replayed_text(v: Verdict, replayed: bool) -> str:
     if not replayed:
         return "-"
-    return f"{fmt(v.replayed, v.claim.paper.value)} (n={len(v.replayed_values)})"
+    k = len(v.replayed_values)
+    text = f"{fmt(v.replayed, v.claim.paper.value)} (n={k}"
+    if v.recorded_replayed_members is not None:
+        # --members K of N: the replayed K beside the same K as recorded, not beside all N (the recorded column).
+        text += f"; these {k} recorded: {fmt(v.recorded_replayed_members, v.claim.paper.value)}"
+    return text + ")"
 
 
 def rows(verdicts: list[Verdict], replayed: bool) -> list[list[str]]:

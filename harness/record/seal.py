@@ -33,9 +33,10 @@ from harness.errors import HarnessError
 VERSION = "v1"
 # Tags that legitimately change after a run has closed, and so are not sealed: the seal itself, the
 # run's note (the MLflow UI edits it; harness's reports are sealed as the artifact replay/report.md), and the
-# launcher's heartbeat (a liveness clock, not part of the record), and an import's commit marker (written
-# last, after the imported copy was sealed: see bundle.import_bundle).
-UNSEALED_TAGS = frozenset({T.SEAL, T.MLFLOW_RUN_NOTE, T.HEARTBEAT, T.IMPORT_STATE})
+# launcher's heartbeat (a liveness clock, not part of the record), an import's commit marker (written
+# last, after the imported copy was sealed: see bundle.import_bundle), and the count of a run's replays' verdicts
+# (rewritten on the original as each replay is judged; each replay's own verdict is sealed on the replay).
+UNSEALED_TAGS = frozenset({T.SEAL, T.MLFLOW_RUN_NOTE, T.HEARTBEAT, T.IMPORT_STATE, T.REPLAYS})
 # The standard MLflow tags harness sets and seals (other mlflow.* tags - run name, user - are the UI's).
 SEALED_MLFLOW_PREFIX = "mlflow.source."
 SEALED_MLFLOW_TAGS = frozenset({T.MLFLOW_PARENT_RUN_ID})

@@ -46,8 +46,6 @@ from harness.store.reach import (
 )
 
 STORE_DIR = "mlruns"
-# Not MLflow's 5000: a local Docker registry (the docker executor's) usually listens there.
-UI_PORT = 5050
 _BATCH = 1000  # MLflow's per-request limit for metrics in log_batch
 _READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other
 # A run id is MLflow's 32 hex digits; a shorter unique start of one names it too (as git's and docker's ids do).
@@ -1149,14 +1147,11 @@ class Tracker:
         return [_summary(r, names[r.info.experiment_id]) for r in runs]
 
     def ui_hint(self, run: str | RunSummary) -> str:
+        """Where to look at `run` in the MLflow UI (harness.store.ui.hint)."""
+        from harness.store import ui
+
         summary = run if isinstance(run, RunSummary) else self.get_run(run)
-        if server_url(self.uri):  # a tracking server is its own UI
-            return f"Open it in the MLflow UI: {run_url(self.uri, summary.experiment_id, summary.run_id)}"
-        store = "" if self.uri == default_uri() else f" --tracking-uri {self.uri}"
-        return (
-            f"Open it in the MLflow UI: harness ui{store}, then "
-            f"http://127.0.0.1:{UI_PORT}/#/experiments/{summary.experiment_id}/runs/{summary.run_id}"
-        )
+        return ui.hint(self.uri, summary.experiment_id, summary.run_id)
 
 
 def save_series(series: dict[str, dict[int, float]], path: Path) -> None:
@@ -1426,10 +1421,8 @@ def server_url(uri: str) -> str | None:
     return shown.rstrip("/") if shown.split("://", 1)[0].lower() in ("http", "https") else None
 
 
-def run_url(uri: str, experiment_id: str, run_id: str | None = None) -> str:
-    """A server store's page for an experiment's runs, or for one run."""
-    page = f"{server_url(uri)}/#/experiments/{experiment_id}"
-    return f"{page}/runs/{run_id}" if run_id else f"{page}/runs"
+_QUIET_WARNINGS = ("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning", "ignore::FutureWarning",
+                   "ignore:starlette:UserWarning")
 
 
 def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
@@ -1443,13 +1436,20 @@ def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str
     import sys
 
     root = artifact_root(uri)
-    cmd = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", "1"]
+    # Its own warnings only: no line per request or per start-up stage, no access log.
+    cmd = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", "1",
+           "--log-level", "warning", "--no-access-log"]
     log_config = _mlflow_file("server", "uvicorn_log_config.yaml")
     if log_config is not None:
         cmd += ["--log-config", str(log_config)]
     cmd.append("mlflow.server.fastapi_app:app")
     env = {
         **os.environ,
+        # A reader of the UI has no use for MLflow's INFO lines or its dependencies' deprecation warnings (Starlette's
+        # WSGI middleware on every start: a UserWarning whose text starts with "starlette"); errors and other
+        # warnings still show.
+        "MLFLOW_LOGGING_LEVEL": "WARNING",
+        "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *_QUIET_WARNINGS])),
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "MLFLOW_SERVER_X_FRAME_OPTIONS": "SAMEORIGIN",
         "MLFLOW_ENABLE_WORKSPACES": "false",

@@ -10,16 +10,21 @@ links to it; a user can leave it ("Exit shared view") or save it as their own.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
-from harness import events, tags as T
+from harness import events, scratch, tags as T
 from harness.errors import HarnessError
 
 if TYPE_CHECKING:
@@ -28,6 +33,12 @@ if TYPE_CHECKING:
 VIEW_KEY = "harness"
 # The UI's experiment "kind": without it MLflow 3 may open an experiment on its GenAI overview.
 EXPERIMENT_KIND = "custom_model_development"
+# MLflow 3's UI picks its sidebar and pages by a workflow type: the link's `workflowType`, else the reader's last
+# choice kept in the browser, else GenAI (its JS: the `mlflow.workflowType` local-storage key, initial value "genai").
+# Every link harness prints says "machine_learning": the training runs' table and run pages, not traces and prompts.
+WORKFLOW = "workflowType=machine_learning"
+# Not MLflow's 5000: a local Docker registry (the docker executor's) usually listens there.
+UI_PORT = 5050
 
 
 def _tag(name: str) -> str:
@@ -39,6 +50,7 @@ COLUMNS = [
     "attributes.`Created`",
     "attributes.`Duration`",
     _tag(T.VERDICT),
+    _tag(T.REPLAYS),  # an original's row: its replays' verdicts, as `harness runs` shows them
     _tag(T.KIND),
     _tag(T.SEED),  # a study's members differ only in it
     _tag(T.WORLD_SIZE),
@@ -78,8 +90,79 @@ def link(base_url: str, experiment_id: str) -> str:
     """The experiment's training-runs page, opened on harness's view ("Model training", not GenAI)."""
     return (
         f"{base_url.rstrip('/')}/#/experiments/{quote(experiment_id)}/runs"
-        f"?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning&compareRunsMode=TABLE"
+        f"?viewStateShareKey={VIEW_KEY}&{WORKFLOW}&compareRunsMode=TABLE"
     )
+
+
+def run_link(base_url: str, experiment_id: str, run_id: str) -> str:
+    """One run's page, in the model-training view."""
+    return f"{base_url.rstrip('/')}/#/experiments/{quote(experiment_id)}/runs/{quote(run_id)}?{WORKFLOW}"
+
+
+def hint(uri: str, experiment_id: str, run_id: str) -> str:
+    """Where to look at a run: on the store's server, on the `harness ui` serving this store now, else the command
+    that starts one and the link it will answer at (its default port)."""
+    from harness.store.tracking import default_uri, display_uri, server_url
+
+    base = server_url(uri) or served_at(uri)
+    if base:
+        return f"Open it in the MLflow UI: {run_link(base, experiment_id, run_id)}"
+    store = "" if uri == default_uri() else f" --tracking-uri {display_uri(uri)}"  # never a password on the terminal
+    return f"Open it in the MLflow UI: harness ui{store}, then {run_link(f'http://127.0.0.1:{UI_PORT}', experiment_id, run_id)}"
+
+
+# --- which `harness ui` serves a store -----------------------------------------------------------
+# `harness ui` says where it serves a store in a small file (one per store) for as long
+# as it runs (in harness's cache folder, scratch.cache_dir), so that `run` and `replay` print links with the port it
+# actually listens on.
+
+
+def _announcement(uri: str) -> Path:
+    from harness.store.reach import absolute_uri
+
+    return scratch.cache_dir() / "ui" / f"{hashlib.sha256(absolute_uri(uri).encode()).hexdigest()[:16]}.json"
+
+
+def link_base(host: str, port: int) -> str:
+    """The address a browser on this machine opens for a server bound to host:port (a wildcard: the loopback)."""
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@contextlib.contextmanager
+def announced(uri: str, base_url: str) -> Iterator[None]:
+    """While the block runs, `served_at(uri)` answers base_url. Nothing is said where the cache cannot be written:
+    the links then name the default port, as before a UI runs."""
+    path = _announcement(uri)
+    mine = json.dumps({"pid": os.getpid(), "url": base_url})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(mine, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if path.read_text(encoding="utf-8") == mine:  # a later `harness ui` of the same store took it over
+                path.unlink()
+
+
+def served_at(uri: str) -> str | None:
+    """The address of the `harness ui` serving `uri` now; None when none does (or it left a stale file behind)."""
+    try:
+        said = json.loads(_announcement(uri).read_text(encoding="utf-8"))
+        pid, url = int(said["pid"]), str(said["url"])
+        if not scratch.alive(pid):  # killed with SIGKILL, the `harness ui` that wrote it left the file behind
+            return None
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=0.5):
+            return url
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # --- serving -------------------------------------------------------------------------------------

@@ -94,3 +94,28 @@ def step_series(record: RunRecord) -> tuple[list[int], list[float]]:
         return [], []
     steps, values = found
     return [int(s) for s in steps], [float(v) for v in values]
+
+
+# A speed claim (harness verify) names a wall-clock metric; a run's number for it is the median the run recorded
+# over its counted steps, not one step's value.
+MEDIAN_OF = {
+    T.METRIC_STEP_S: T.PERF_STEP_MEDIAN_S,
+    T.METRIC_STEP_S_MAX: T.PERF_STEP_MAX_MEDIAN_S,
+    T.METRIC_SAMPLES_PER_S: T.PERF_SAMPLES_PER_S,
+    T.METRIC_LOADER_WAIT: T.PERF_LOADER_WAIT,
+}
+
+
+def run_speed(record: RunRecord, metric: str) -> float | None:
+    """The run's median of a wall-clock metric (MEDIAN_OF), None when it recorded none."""
+    tag = MEDIAN_OF.get(metric)
+    try:
+        value = float(record.facts[tag]) if tag is not None else math.nan
+    except (KeyError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def within(x: float, claimed: float, rtol: float) -> bool:
+    """|x - claimed| <= rtol * |claimed|: a speed held to the relative tolerance its claim states."""
+    return abs(x - claimed) <= rtol * abs(claimed)

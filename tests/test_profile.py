@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import Project
+
 from harness import tags as T
 from harness.judge.compare import BITWISE, compare_runs
 from harness.runtime.perf import covered, is_communication

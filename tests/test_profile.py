@@ -178,3 +178,29 @@ def test_communication_share_counts_overlapping_collectives_once() -> None:
     assert covered([(0, 10), (2, 3)]) == 10 and covered([]) == 0
     assert is_communication("gloo:all_reduce") and is_communication("c10d::allreduce_")
     assert is_communication("ncclDevKernel_AllReduce_Sum_f32_RING_LL") and not is_communication("aten::addmm")
+
+
+def test_the_step_timer_times_steps_from_the_fetch_and_profiles_only_its_step(tmp_path: Path) -> None:
+    import torch
+
+    from harness.runtime.perf import StepTimer, summary
+    from harness.runtime.plan import ProfilePlan
+
+    timer = StepTimer(0, torch.device("cpu"), ProfilePlan(str(tmp_path), (1,), (0,)))
+    for k in range(6):
+        timer.starting(k)  # before the first batch's fetch: the step's time starts here
+        timer.fetched(0.002, 64)
+        timer.begin(k)
+        timer.fetched(0.001, 64)  # a second micro-batch of the same step
+        torch.randn(64, 64).matmul(torch.randn(64, 64)).sum()
+        timer.end(k)
+    times = timer.times
+    assert times.steps == [0, 2, 3, 4, 5]  # step 1 was profiled: not a step time
+    assert times.waits == [pytest.approx(0.003)] * 5 and times.samples == [128] * 5
+    assert all(s > 0 for s in times.seconds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0-step1.summary.json", "rank0-step1.table.txt",
+                                                         "rank0-step1.trace.json"]
+    assert [p["step"] for p in timer.profiled] == [1]
+    stats = summary(times.steps, times.seconds, times.seconds, times.waits, times.samples)
+    assert stats["steps"] == 3 and stats["samples_per_step"] == 128  # after 2 warm-up steps
+    timer.close()  # nothing open: nothing happens

@@ -686,11 +686,19 @@ class Context:
         if self.world_size > 1 and dist.is_initialized():
             every = [None] * self.world_size
             dist.all_gather_object(every, (mine, timer.profiled))
-        if not self.is_main or not times.steps:
+        if not self.is_main:
             return
         ranks: list[tuple[dict[int, float], list[dict[str, Any]]]] = [e or ({}, []) for e in every]
         slowest = [max(r[0].get(step, seconds) for r in ranks) for step, seconds in zip(times.steps, times.seconds)]
         profiled = sorted((p for r in ranks for p in r[1]), key=lambda p: (p["step"], p["rank"]))
+        missed = sorted(set(timer.plan.steps) - {p["step"] for p in profiled})
+        if missed:
+            self._notice("profile-missed", (
+                f"profile.steps {', '.join(map(str, missed))}: no such step ran to its end (the run did {self.clock.done} "
+                f"steps), so {'it was' if len(missed) == 1 else 'they were'} not profiled. Profile steps below "
+                f"{self.clock.done}, e.g. profile.steps=[{min(3, max(self.clock.done - 1, 0))}]."))
+        if not times.steps and not profiled:
+            return
         self._send(Performance(tuple(times.steps), tuple(times.seconds), tuple(slowest), tuple(times.waits),
                                tuple(times.samples), tuple(profiled)))
 

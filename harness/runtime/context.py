@@ -801,6 +801,9 @@ class Context:
         step K is traced from the end of step K-1 to the end of step K."""
         self._timer.end(step)
         if self._driver is None:
+            # A loop of the user's own shows its next step only at the model's forward or the optimizer's step: the
+            # next step is timed (and profiled) from here, its own batch drawing included.
+            self._timer.starting(step + 1)
             self._end_trace(before=step + 1)
             if self._traced(step + 1):
                 self._start_trace(step + 1)

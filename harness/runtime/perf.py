@@ -83,11 +83,14 @@ class StepTimer:
 
     # -- the clock -------------------------------------------------------------------------------
     def starting(self, step: int) -> None:
-        """Step `step` is about to fetch its first batch (a clean boundary): its time starts here, before the fetch,
-        and so does its profile."""
-        self._pending = (step, time.perf_counter())
+        """Step `step` is about to fetch its first batch (a clean boundary; in a loop of the user's own, the end of
+        the step before): its time starts here, before the fetch, and so does its profile."""
         if step in self._profiled and self._profiles_here:
+            # Started anew: a boundary seen twice (an epoch's loader ran out before its first fetch, then an evaluation
+            # ran) profiles the step from the later one.
+            self.close()
             self._start_profile(step)
+        self._pending = (step, time.perf_counter())
 
     def begin(self, step: int) -> None:
         """Step `step`'s work has begun (StepClock.on_begin)."""
@@ -98,15 +101,11 @@ class StepTimer:
             return
         self._step = step
         self._t0 = pending[1] if pending is not None and pending[0] == step else time.perf_counter()
-        if pending is None or pending[0] != step:
-            self._wait, self._samples = 0.0, 0
-            if step in self._profiled and self._profiles_here and self._profiler is None:
-                self._start_profile(step)
+        if (pending is None or pending[0] != step) and step in self._profiled and self._profiles_here:
+            self._start_profile(step)  # (a no-op when one runs already)
 
     def fetched(self, wait_s: float, samples: int) -> None:
         """A batch of the training loader came after `wait_s` seconds, with `samples` samples over all ranks."""
-        if self._step is None and self._pending is not None:
-            self._wait, self._samples = 0.0, 0  # the first fetch of the step about to begin
         self._wait += wait_s
         self._samples += samples
 
@@ -115,7 +114,8 @@ class StepTimer:
         if self._step != step:
             return
         seconds = time.perf_counter() - self._t0
-        self._step = None
+        wait, samples = self._wait, self._samples
+        self._step, self._wait, self._samples = None, 0.0, 0
         if self._profiler is not None:
             self._stop_profile(step, seconds)
         if step in self._profiled:
@@ -123,9 +123,8 @@ class StepTimer:
         times = self.times
         times.steps.append(step)
         times.seconds.append(seconds)
-        times.waits.append(self._wait)
-        times.samples.append(self._samples or self.plan.samples_per_step)
-        self._wait, self._samples = 0.0, 0
+        times.waits.append(wait)
+        times.samples.append(samples or self.plan.samples_per_step)
 
     def close(self) -> None:
         """Training ended or failed inside a profiled step: the profiler stops, and writes nothing."""

@@ -246,9 +246,12 @@ def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictCon
             f"{source}: unknown key '{key}'.{hint} Valid keys here: {_valid_keys(parent)}."
         )
     if isinstance(err, oc_errors.ValidationError):
-        default = _default_of(str(key))
+        listed = re.sub(r"\[\d+\]$", "", str(key))  # an item of a list (profile.steps[0]): the list's key
+        default = _default_of(listed)
         if isinstance(default, enum.Enum):
             expected = "one of " + ", ".join(m.value for m in type(default))
+        elif isinstance(default, list):
+            expected = f"a list of integers, e.g. {listed}=[0]"
         else:
             expected = _TYPE_NAMES.get(type(default), "a valid value")
         value = getattr(err, "value", None)

@@ -165,6 +165,7 @@ def test_a_malformed_speed_claim_is_refused(project: Project, tmp_path: Path, cl
     ("profile.ranks=[]", "profile.ranks is empty"),
     ("profile.samples_per_step=-5", "profile.samples_per_step must be >= 0"),
     ("profile.step=[3]", "unknown key 'profile.step'"),
+    ("profile.steps=[a]", "expected a list of integers, e.g. profile.steps=[0]"),
 ])
 def test_bad_profile_config_is_refused_in_one_line(project: Project, override: str, says: str) -> None:
     result = project.cli("check", "experiments/digits_cnn", override)

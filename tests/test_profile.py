@@ -8,15 +8,23 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import Project
+from records import make_record
 
 from harness import tags as T
+from harness.commands.verify import judge, judge_replay
+from harness.errors import HarnessError
+from harness.judge.claims import Claim, Printed, Source
 from harness.judge.compare import BITWISE, compare_runs
-from harness.runtime.perf import covered, is_communication
+from harness.records import RunSummary
+from harness.runtime.perf import StepTimer, covered, is_communication, summary
+from harness.runtime.plan import ProfilePlan
 from harness.store.tracking import Tracker
 
 EPOCH = ["train.epochs=1"]  # 1,437 training digits over 2 ranks of 32: 23 steps
@@ -182,11 +190,6 @@ def test_communication_share_counts_overlapping_collectives_once() -> None:
 
 
 def test_the_step_timer_times_steps_from_the_fetch_and_profiles_only_its_step(tmp_path: Path) -> None:
-    import torch
-
-    from harness.runtime.perf import StepTimer, summary
-    from harness.runtime.plan import ProfilePlan
-
     timer = StepTimer(0, torch.device("cpu"), ProfilePlan(str(tmp_path), (1,), (0,)))
     for k in range(6):
         timer.starting(k)  # before the first batch's fetch: the step's time starts here
@@ -205,3 +208,23 @@ def test_the_step_timer_times_steps_from_the_fetch_and_profiles_only_its_step(tm
     stats = summary(times.steps, times.seconds, times.seconds, times.waits, times.samples)
     assert stats["steps"] == 3 and stats["samples_per_step"] == 128  # after 2 warm-up steps
     timer.close()  # nothing open: nothing happens
+
+
+def test_a_speed_claim_replayed_elsewhere_holds_only_within_its_rtol() -> None:
+    def run(rate: float, run_id: str):  # a run that recorded its median throughput, as record_performance tags it
+        return make_record(run_id, facts={T.PERF_SAMPLES_PER_S: str(rate)})
+
+    claim = Claim("speed", T.METRIC_SAMPLES_PER_S, Printed(Decimal("1000")), "1000", run="r", rtol=0.2)
+    summary = RunSummary("r", "e", "1", "r", "FINISHED", None, None, {}, {}, [], "")
+    outcomes = []
+    for replayed in (1150.0, 700.0):  # another machine: 15% faster, then 30% slower
+        source = Source("r", summary, [run(1100.0, "r")], False, replay_verdict="BITWISE", replays=[run(replayed, "x")])
+        verdict = judge(claim, source, "claims.yaml: claim 'speed'")
+        assert verdict.value_ok and verdict.recorded == 1100.0
+        judge_replay(verdict)
+        outcomes.append((verdict.replayed, verdict.outcome))
+    assert outcomes == [(1150.0, "HOLDS"), (700.0, "NOT_REPRODUCED")]
+    # A run that recorded no speed is refused in one line naming it.
+    bare = Source("r", summary, [make_record("old")], False)
+    with pytest.raises(HarnessError, match="run old recorded no step times"):
+        judge(claim, bare, "claims.yaml: claim 'speed'")

@@ -96,6 +96,20 @@ class RecordConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)
+    """Training steps to run under torch.profiler (CPU activity, CUDA too on cuda; shapes and memory): each one's
+    Chrome trace, key_averages table and summary become artifacts under profile/, the first one's communication share
+    and peak memory tags (docs/performance.md). Profiling changes no number; a profiled step's wall time is left out
+    of the step-time statistics."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """The ranks that profile `steps` (each < world_size)."""
+    samples_per_step: int = 0
+    """Samples one training step consumes over all ranks, for the throughput (harness.perf.samples_per_s). 0: counted
+    from the training ctx.loader's batches; a loop without one records no throughput unless this is set."""
+
+
+@dataclass
 class ExperimentConfig:
     image: str = MISSING
     """Container image the experiment is meant to run in: `name:tag` or `name@sha256:...`."""
@@ -135,6 +149,8 @@ class ExperimentConfig:
     timeout_s: float = 1800.0
     """A rank or collective that makes no progress for this long ends the job (also the process-group timeout)."""
     record: RecordConfig = field(default_factory=RecordConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Step times are recorded in every run; `profile:` adds torch.profiler over chosen steps (docs/performance.md)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: dict[str, Any] = field(default_factory=dict)
     """The experiment's own hyper-parameters, free-form; `ctx.cfg` in the training code."""
@@ -231,9 +247,12 @@ def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictCon
             f"{source}: unknown key '{key}'.{hint} Valid keys here: {_valid_keys(parent)}."
         )
     if isinstance(err, oc_errors.ValidationError):
-        default = _default_of(str(key))
+        listed = re.sub(r"\[\d+\]$", "", str(key))  # an item of a list (profile.steps[0]): the list's key
+        default = _default_of(listed)
         if isinstance(default, enum.Enum):
             expected = "one of " + ", ".join(m.value for m in type(default))
+        elif isinstance(default, list):
+            expected = f"a list of integers, e.g. {listed}=[0]"
         else:
             expected = _TYPE_NAMES.get(type(default), "a valid value")
         value = getattr(err, "value", None)
@@ -482,6 +501,27 @@ def check_layout(shards: int, world_size: int) -> None:
         )
 
 
+def check_profile(profile: Any, world_size: int) -> None:
+    """profile.steps are step indexes (>= 0, each once), profile.ranks ranks of this world, samples_per_step >= 0."""
+    steps, ranks = list(profile.steps), list(profile.ranks)
+    bad = [s for s in steps if s < 0]
+    if bad:
+        raise ConfigError(f"profile.steps holds {bad[0]}; steps are counted from 0 (e.g. profile.steps=[3]).")
+    if len(set(steps)) != len(steps):
+        raise ConfigError(f"profile.steps lists a step more than once ({steps}); give each step once.")
+    if not ranks:
+        raise ConfigError("profile.ranks is empty; give the ranks to profile (e.g. profile.ranks=[0]).")
+    outside = [r for r in ranks if not 0 <= r < world_size]
+    if outside:
+        raise ConfigError(f"profile.ranks holds {outside[0]}, which is no rank of world_size={world_size}; "
+                          f"use ranks 0 to {world_size - 1}.")
+    if len(set(ranks)) != len(ranks):
+        raise ConfigError(f"profile.ranks lists a rank more than once ({ranks}); give each rank once.")
+    if profile.samples_per_step < 0:
+        raise ConfigError(f"profile.samples_per_step must be >= 0 (0: counted from ctx.loader), "
+                          f"got {profile.samples_per_step}.")
+
+
 def validate(cfg: DictConfig, exp_dir: Path | None) -> None:
     """Checks the schema cannot express: required keys, ranges, the entry function exists."""
     if OmegaConf.is_missing(cfg, "image"):
@@ -510,6 +550,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None) -> None:
         raise ConfigError(f"checkpoint_every must be >= 0 (0 disables), got {cfg.checkpoint_every}.")
     if not cfg.flush_interval_s > 0:  # `not >`: NaN must fail too
         raise ConfigError(f"flush_interval_s must be > 0, got {cfg.flush_interval_s}.")
+    check_profile(cfg.profile, cfg.world_size)
     if cfg.determinism.world_size_invariant:
         check_layout(cfg.determinism.shards, cfg.world_size)
     if cfg.backend == Backend.nccl and cfg.device == Device.cpu:

@@ -228,7 +228,23 @@ class Optimization:
     autocast: tuple[dict[str, Any], ...] = ()
 
 
+@dataclass(frozen=True)
+class Performance:
+    """The run's step times (harness/runtime/perf.py), sent once at the end by rank 0: per timed step (profiled steps
+    left out) rank 0's wall seconds, the slowest rank's, rank 0's seconds waiting for ctx.loader and the samples the
+    step consumed over all ranks (0: unknown); and each profiled step's summary (rank, step, step_s, comm_share,
+    peak_memory_mb, ...), by step then rank. Wall-clock values: recorded, never judged."""
+
+    steps: tuple[int, ...]
+    seconds: tuple[float, ...]
+    slowest: tuple[float, ...]
+    waits: tuple[float, ...]
+    samples: tuple[int, ...]
+    profiled: tuple[dict[str, Any], ...] = ()
+
+
 Message = (
     Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | RankFacts | DeterminismChanged | Total
     | Checkpoint | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder | Evaluation | Loop | Optimization
+    | Performance
 )

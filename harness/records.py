@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from harness.tags import OWN_METRIC_PREFIX
+from harness.tags import OWN_METRIC_PREFIX, PERF_PREFIX
 
 if TYPE_CHECKING:
     import numpy as np
@@ -55,6 +55,9 @@ class RunRecord:
     checkpoint_tensors: dict[int, dict] | None = None
     # step -> digest of the sample indices every rank's ctx.loader batches held at that step (empty: none recorded)
     data_order: dict[int, str] = field(default_factory=dict)
+    # The wall-clock series (tags.PERF_PREFIX: step times, loader wait, throughput), {key: (steps, values)}: kept
+    # apart from `metrics` so that no verdict ever sees them (wall_clock); the performance line and report read them.
+    performance: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def same_value(recorded: float, again: float) -> bool:
@@ -69,6 +72,13 @@ def own_metric(key: str) -> bool:
     training code: judged like the others, but never against the seeds' noise, and not missed in a record made
     before harness logged it."""
     return key.startswith(OWN_METRIC_PREFIX)
+
+
+def wall_clock(key: str) -> bool:
+    """A metric of how long things took (tags.PERF_PREFIX), not of what was computed: it differs from run to run by
+    nature, so it is never judged. The one rule: the store loads such keys into RunRecord.performance, never into
+    RunRecord.metrics, which every verdict (compare, noise, rounding, calibrate, bisect, trace, verify) reads."""
+    return key.startswith(PERF_PREFIX)
 
 
 def series(metrics: Mapping[str, tuple[Any, Any]]) -> dict[str, dict[int, float]]:

@@ -152,6 +152,33 @@ GRAD_SCALER = "harness.amp.grad_scaler"  # the GradScaler that stepped the optim
 OWN_METRIC_PREFIX = "harness."
 METRIC_LR = "harness.lr"  # param group 0's learning rate as the step used it; harness.lr.group<i> for group i > 0
 METRIC_GRAD_SCALE = "harness.amp.scale"  # the GradScaler's scale the step's loss was multiplied by
+# Wall-clock measurements (harness/runtime/perf.py): logged as metrics under this prefix so that the MLflow UI draws
+# the step-time curve, and never judged: harness/records.py `wall_clock` keeps them out of every verdict (a run's
+# record holds them apart, RunRecord.performance). Steps after warm-up, profiled steps left out.
+PERF_PREFIX = "harness.perf."
+METRIC_STEP_S = "harness.perf.step_s"  # rank 0's wall time of each step, in seconds
+METRIC_STEP_S_MAX = "harness.perf.step_s_max"  # the slowest rank's wall time of each step (gathered once at the end)
+METRIC_LOADER_WAIT = "harness.perf.loader_wait"  # the share of rank 0's step spent waiting for ctx.loader's batches
+METRIC_SAMPLES_PER_S = "harness.perf.samples_per_s"  # every rank's samples in the step over the slowest rank's time
+# The run's summary of those, as tags (the UI's run page): median seconds per step over the steps counted (rank 0 and
+# the slowest rank), samples per second, the loader-wait share, how many steps were counted and how many skipped.
+PERF_STEP_MEDIAN_S = "harness.perf.step_median_s"
+PERF_STEP_MAX_MEDIAN_S = "harness.perf.step_max_median_s"
+PERF_SAMPLES_PER_S = "harness.perf.samples_per_s_median"
+PERF_SAMPLES_PER_STEP = "harness.perf.samples_per_step"
+PERF_LOADER_WAIT = "harness.perf.loader_wait_share"
+PERF_STEPS = "harness.perf.steps_counted"
+# torch.profiler over `profile.steps` (harness/runtime/perf.py): the first profiled step of the first profiled rank,
+# summarised; every profiled step's files are artifacts under ARTIFACT_PROFILE_DIR.
+PROFILE_PREFIX = "harness.profile."
+PROFILE_STEPS = "harness.profile.steps"  # the profiled steps, comma-separated
+PROFILE_RANKS = "harness.profile.ranks"
+PROFILE_STEP_S = "harness.profile.step_s"  # the profiled step's wall time (profiler overhead included)
+# The share of the step's wall time covered by communication events (all-reduce, broadcast, p2p, gloo/nccl work):
+# the union of their intervals over the step's window, 0..1.
+PROFILE_COMM_SHARE = "harness.profile.comm_share"
+PROFILE_PEAK_MEMORY_MB = "harness.profile.peak_memory_mb"  # CUDA: max allocated; CPU: the process's peak RSS
+PROFILE_PEAK_MEMORY_OF = "harness.profile.peak_memory_of"  # "cuda allocated" | "cpu peak rss"
 # RNG seeds the training code set itself, "train.py:12 torch.manual_seed(1337); ...": the ones harness set are
 # harness.seed and harness.seed.ranks.
 USER_SEEDS = "harness.user.seeds"
@@ -269,4 +296,5 @@ ARTIFACT_TRACE_META = "trace/meta.json"
 ARTIFACT_LOCALIZATION = "replay/localization.md"
 ARTIFACT_LOCALIZATION_HTML = "replay/localization.html"
 ARTIFACT_ENVELOPE = "calibration/envelope.json"  # the rounding envelope (harness/judge/rounding.py Envelope)
+ARTIFACT_PROFILE_DIR = "profile"  # rank<R>-step<K>.trace.json (Chrome trace), .table.txt, .summary.json
 ARTIFACT_SEAL = "seal/manifest.json"  # the canonical record harness.seal is the sha256 of

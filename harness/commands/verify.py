@@ -16,6 +16,7 @@ from harness import __version__, events, tags as T
 from harness.commands import replay as rp
 from harness.commands.study import is_study, load_study, member_records
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.judge import perf
 from harness.judge.claims import (
     CLAIM_WITHIN_NOISE,
     HOLDS,
@@ -127,9 +128,35 @@ def load_source(tracker: Tracker, claim: Claim, where: str) -> Source:
     return Source(claim.source, run, [tracker.load_record(run.run_id)], False)
 
 
+def _speeds(records: list[RunRecord], claim: Claim, where: str | None) -> list[float]:
+    """Each run's median of the claim's wall-clock metric, scaled; a run without one is refused (`where`) or skipped."""
+    out = []
+    for record in records:
+        value = perf.run_speed(record, claim.metric)
+        if value is None:
+            if where is None:
+                continue
+            raise HarnessError(f"{where}: metric: run {record.run_id} recorded no step times, so no {claim.metric!r} "
+                               "(a run recorded before harness timed steps, or one that did not finish). Point the claim "
+                               "at a run made since.")
+        out.append(_scaled(value, claim.scale))
+    return out
+
+
+def judge_speed(claim: Claim, source: Source, where: str) -> Verdict:
+    """A speed claim: the runs' statistic within the claim's rtol of the printed number."""
+    assert claim.rtol is not None
+    values = _speeds(source.records, claim, where)
+    recorded = statistic(values, claim.statistic)
+    ok = perf.within(recorded, float(claim.paper.value), claim.rtol)
+    return Verdict(claim, source, values, recorded, None, ok, True, outcome=HOLDS if ok else MISPRINTED)
+
+
 def judge(claim: Claim, source: Source, where: str, level: float = claims_level(1)) -> Verdict:
     """The recorded number against the printed one (MISPRINTED or not); the replay is judged later. `level`: of the
     noise interval, set for the whole claims file (noise.claims_level)."""
+    if claim.rtol is not None:
+        return judge_speed(claim, source, where)
     for record in source.records:
         if claim.metric not in record.metrics or not len(record.metrics[claim.metric][1]):
             logged = ", ".join(sorted(record.metrics)) or "none"
@@ -180,6 +207,13 @@ def replay_source(source: Source, *, members: int | None, world_size: int | None
 
 def judge_replay(verdict: Verdict) -> None:
     c, s = verdict.claim, verdict.source
+    if c.rtol is not None:  # a speed claim: the replays' speed within its rtol (the numbers' verdict is not its)
+        verdict.replayed_values = _speeds(s.replays, c, None)
+        if verdict.replayed_values:
+            verdict.replayed = statistic(verdict.replayed_values, c.statistic)
+        if verdict.holds and (verdict.replayed is None or not perf.within(verdict.replayed, float(c.paper.value), c.rtol)):
+            verdict.outcome = NOT_REPRODUCED
+        return
     verdict.replayed_values = [_scaled(run_value(r, c.metric, c.value), c.scale)
                                for r in s.replays if c.metric in r.metrics]
     if verdict.replayed_values:

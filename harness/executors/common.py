@@ -66,6 +66,7 @@ def launch_spec(
     data: dict[str, str] | None = None,
 ) -> LaunchSpec:
     """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
+    from harness.runtime.plan import ProfilePlan
     from harness.seeds import derive_rank_seeds
 
     entry_file, entry_func = split_entry(str(cfg.entry))
@@ -89,6 +90,8 @@ def launch_spec(
         launcher=cfg.launcher.value,
         output_dir=str(Path(log_dir).parent / "outputs"),
         data=dict(data or {}),
+        profile=ProfilePlan(str(Path(log_dir).parent / T.ARTIFACT_PROFILE_DIR), tuple(cfg.profile.steps),
+                            tuple(cfg.profile.ranks), int(cfg.profile.samples_per_step)),
     )
 
 

@@ -34,7 +34,7 @@ from harness.runtime.refusals import refusal_line, refused_op
 if TYPE_CHECKING:  # torch loads only in the processes that run ranks
     import torch
 
-    from harness.runtime.plan import CheckpointPlan
+    from harness.runtime.plan import CheckpointPlan, ProfilePlan
 
 MASTER_ADDR = "127.0.0.1"
 RANKS_PREFIX = "ranks/"  # the ranks' keys in the job's store; the launchers' own keys live beside them
@@ -87,6 +87,7 @@ class LaunchSpec:
     launcher: str = "forkserver"  # how this node's ranks start: procs.Method
     output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts
     data: dict[str, str] = field(default_factory=dict)  # ctx.data: declared name -> absolute path
+    profile: ProfilePlan | None = None  # step times and torch.profiler (experiment.yaml's profile:)
     run_id: str = ""  # ctx.run_id: the MLflow run this job records ("" for a re-execution: audit, trace)
     # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
     segments: list[Any] = field(default_factory=list)
@@ -448,6 +449,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 data=spec.data,
                 run_id=spec.run_id,
                 code_dir=spec.code_dir,
+                profile=spec.profile,
             )
 
         if channel is not None:

@@ -14,12 +14,13 @@ from harness import tags as T
 from harness.errors import HarnessError
 from harness.fmt import json_float
 from harness.judge.compare import WITHIN_NOISE
-from harness.records import RunRecord, RunSummary
+from harness.judge.perf import MEDIAN_OF
+from harness.records import RunRecord, RunSummary, wall_clock
 
 VALUES = ("final", "max", "min")  # per run: the value at the last step, or the best over all steps
 STATISTICS = ("mean", "median", "min", "max")  # over a study's seeds
 SPREADS = ("std", "sem", "ci95")  # what the printed +- is
-KEYS = ("id", "text", "study", "run", "metric", "paper", "value", "statistic", "spread", "scale")
+KEYS = ("id", "text", "study", "run", "metric", "paper", "value", "statistic", "spread", "scale", "rtol")
 
 # A number as a paper prints it: sign, digits, an optional exponent ("1e-3", "1.5E-4").
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
@@ -120,6 +121,9 @@ class Claim:
     statistic: str = "mean"
     spread: str = "std"
     scale: Decimal = Decimal(1)
+    # A speed claim (metric: harness.perf.samples_per_s, ...): held to this relative tolerance, not to the printed
+    # precision; None for every other claim.
+    rtol: float | None = None
 
     @property
     def source(self) -> str:
@@ -237,8 +241,35 @@ def _claim(path: Path, index: int, node: object) -> Claim:
     except InvalidOperation:
         raise _fail(path, where, f"scale: {scale_text!r} is not a positive number (100 when the paper prints a "
                     "fraction as a percent)") from None
+    rtol = _rtol(path, where, metric, scalar("rtol"), paper, scalar("value"))
     return Claim(id=cid, metric=metric, paper=paper, paper_text=paper_text, study=study, run=run,
-                 text=scalar("text") or "", value=value, statistic=statistic, spread=spread, scale=scale)
+                 text=scalar("text") or "", value=value, statistic=statistic, spread=spread, scale=scale, rtol=rtol)
+
+
+def _rtol(path: Path, where: str, metric: str, text: str | None, paper: Printed, value: str | None) -> float | None:
+    """A speed claim's relative tolerance: required for a wall-clock metric, refused for any other."""
+    speeds = ", ".join(MEDIAN_OF)
+    if not wall_clock(metric):
+        if text is not None:
+            raise _fail(path, where, f"rtol: only a speed claim states one (metric: one of {speeds}); a claim on "
+                        f"{metric!r} is held to the precision its number is printed at")
+        return None
+    if metric not in MEDIAN_OF:
+        raise _fail(path, where, f"metric: {metric!r} is no speed harness records; use one of {speeds}")
+    if text is None:
+        raise _fail(path, where, "rtol: missing; a speed claim states how far another machine's speed may be "
+                    "from the printed one, e.g. rtol: 0.2 (within 20%)")
+    try:
+        rtol = float(text)
+    except ValueError:
+        rtol = math.nan
+    if not math.isfinite(rtol) or rtol < 0:
+        raise _fail(path, where, f"rtol: {text!r} is not a number >= 0 (0.2: within 20% of the printed speed)")
+    if paper.pm is not None:
+        raise _fail(path, where, f"paper: a speed claim prints no ± (rtol: {text} is its tolerance)")
+    if value is not None:
+        raise _fail(path, where, "value: a speed claim takes each run's median over its steps; drop value:")
+    return rtol
 
 
 # -- a claim judged (harness verify) ------------------------------------------------------------------

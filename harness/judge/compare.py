@@ -21,6 +21,7 @@ from harness.judge import noise, rounding
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.judge.noise import NoiseJudgement
+from harness.judge.perf import SpeedDelta, speed_delta
 from harness.judge.rounding import Envelope, RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
 from harness.records import RunRecord, own_metric
@@ -195,6 +196,8 @@ class Comparison:
     checkpoints: CheckpointDiff | None = None  # checkpoint tensors compared; None when neither run checkpointed
     data_order: DataOrderDiff | None = None  # the samples each step drew, compared; None when neither recorded them
     rounding: RoundingJudgement | None = None  # the first steps held to a calibration's envelope (judge_rounding)
+    # The two runs' speed, shown beside the verdict and never read by it (harness/judge/perf.py).
+    speed: SpeedDelta | None = None
 
     @property
     def exit_code(self) -> int:
@@ -781,6 +784,7 @@ def compare_runs(
         reached=reached,
         notes=notes,
         failed_alike=failed_alike,
+        speed=speed_delta(original, replay, labels),
     )
 
 

@@ -23,7 +23,8 @@ _NO_EFFECT_KEYS: frozenset[str] = frozenset(
 )
 # slurm.*: which nodes and resources; the ranks' arithmetic is the same (world_size and backend decide it).
 # data.*: where the data was declared to be; its bytes decide, and the data delta below compares them.
-_NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.", "slurm.", "data.")
+# profile.*: which steps run under torch.profiler, which only observes (a profiled run and an unprofiled one are BITWISE).
+_NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.", "slurm.", "data.", "profile.")
 
 # "auto" in a config is resolved at launch and recorded as a tag; a replay pins it to that value,
 # so "auto" -> "cpu" is no change when the original did run on cpu.
@@ -314,7 +315,9 @@ class FactDelta:
 
 def _is_fact(name: str) -> bool:
     # The changes tag is compared setting by setting (_changes_delta), not as one block of text.
-    return name.startswith(tags.PREFIX) and name not in IGNORED_TAGS and name != tags.DETERMINISM_CHANGES
+    # Step times and profiles are what the run measured, not conditions it ran under: the performance line shows them.
+    return (name.startswith(tags.PREFIX) and name not in IGNORED_TAGS and name != tags.DETERMINISM_CHANGES
+            and not name.startswith((tags.PERF_PREFIX, tags.PROFILE_PREFIX)))
 
 
 def _world_size_invariant(facts_a: Mapping[str, str], facts_b: Mapping[str, str]) -> bool:

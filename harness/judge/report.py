@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from harness import tags
 from harness.fmt import fmt_short, fmt_value
 from harness.judge.compare import (
     BITWISE,
@@ -21,6 +22,7 @@ from harness.judge.compare import (
 )
 from harness.judge.delta import summarized
 from harness.judge.noise import FALSE_ALARM, percent
+from harness.judge.perf import step_series
 from harness.judge.text import given_tolerances, weights_line
 from harness.records import RunRecord
 
@@ -184,6 +186,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
 
     out += _checkpoint_section(cmp) + _data_order_section(cmp)
     out += _noise_section(cmp)
+    out += _speed_section(cmp)
 
     out += ["## First divergence", ""]
     d = cmp.divergence
@@ -206,6 +209,33 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out += _table(["", ""], rows)
     out.append("")
     return "\n".join(out)
+
+
+def _speed_section(cmp: Comparison) -> list[str]:
+    """The two runs' step times side by side: wall clock, shown beside the verdict and never part of it."""
+    speed = cmp.speed
+    if speed is None or speed.line() is None:
+        return []
+    a, b = speed.a, speed.b
+
+    def num(x: float | None, unit: str = "") -> str:
+        return "-" if x is None else f"{x:.4g}{unit}"
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    rows = [
+        ["Median step time, rank 0", num(a.step_s, " s"), num(b.step_s, " s")],
+        ["Median step time, slowest rank", num(a.slowest_step_s, " s"), num(b.slowest_step_s, " s")],
+        ["Samples per second", num(a.samples_per_s), num(b.samples_per_s)],
+        ["Loader wait (share of the step)", share(a.loader_wait), share(b.loader_wait)],
+        ["Communication share (profiled step)", share(a.comm_share), share(b.comm_share)],
+        ["Steps counted (after warm-up, unprofiled)", str(a.steps or "-"), str(b.steps or "-")],
+    ]
+    out = ["## Performance (wall clock: not part of the verdict)", "", _cell(speed.line() or ""), ""]
+    out += _table(["", "Original", "Replay"], rows)
+    out += ["", f"Per-step times: `{tags.ARTIFACT_PLOTS_DIR}/{STEP_TIMES_PLOT}`.", ""]
+    return out
 
 
 def _checkpoint_section(cmp: Comparison) -> list[str]:
@@ -408,4 +438,42 @@ def plot_metrics(original: RunRecord, replay: RunRecord, cmp: Comparison, out_di
             paths.append(path)
         finally:
             plt.close(fig)
-    return paths
+    step_times = plot_step_times(original, replay, cmp, out_dir)
+    return paths + ([step_times] if step_times is not None else [])
+
+
+STEP_TIMES_PLOT = "step_times.png"
+
+
+def plot_step_times(original: RunRecord, replay: RunRecord, cmp: Comparison, out_dir: Path) -> Path | None:
+    """The two runs' per-step wall times (the slowest rank's) side by side, one panel each on one scale; None when
+    neither run recorded them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [step_series(original), step_series(replay)]
+    if not any(steps for steps, _ in series):
+        return None
+    fig, axes = plt.subplots(1, 2, sharey=True, figsize=(11, 3.8))
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.88, bottom=0.13, wspace=0.06)
+    try:
+        for ax, (steps, seconds), label, run_id, color in zip(
+                axes, series, ("original", "replay"), (cmp.original_id, cmp.replay_id), ("tab:blue", "tab:red")):
+            if steps:
+                s, v = _envelope(np.asarray(steps), np.asarray(seconds))
+                ax.plot(s, v, color=color, linewidth=1.0)
+                ax.axhline(float(np.median(seconds)), color="grey", linestyle=":", linewidth=1.0)
+            else:
+                ax.text(0.5, 0.5, "no step times recorded", ha="center", va="center", transform=ax.transAxes)
+            ax.set_title(f"{label} {run_id[:8]}", fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel("seconds per step (slowest rank)")
+        fig.suptitle("Step times (wall clock, not part of the verdict)", fontsize=10)
+        path = Path(out_dir) / STEP_TIMES_PLOT
+        fig.savefig(path, dpi=100)
+        return path
+    finally:
+        plt.close(fig)

@@ -81,6 +81,9 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
     if cmp.data_order is not None:
         out.append(cmp.data_order.describe(cmp.labels))  # a data-pipeline change, told from a numerical one
     out += cmp.checkpoint_lines()  # where the weights parted, just above the verdict
+    speed = cmp.speed.line() if cmp.speed is not None else None
+    if speed:
+        out.append(speed)  # beside the verdict, never in it: wall clock differs from run to run
     return out
 
 

@@ -60,6 +60,8 @@ def why(v: Verdict) -> list[str]:
     """Sentences explaining the claim's verdict."""
     c = v.claim
     kind = f"{c.statistic} over {len(v.values)} seeds" if v.source.is_study else "one run"
+    if c.rtol is not None:
+        return _why_speed(v, kind)
     per_run = {"final": "the value at the last step", "max": "the maximum over all steps",
                "min": "the minimum over all steps"}[c.value]
     scale = f", x{c.scale}" if c.scale != 1 else ""
@@ -92,6 +94,23 @@ def why(v: Verdict) -> list[str]:
                 line += (f" (the recorded {c.statistic} of the same {k} of {len(v.values)} members: "
                          f"{fmt(v.recorded_replayed_members, c.paper.value)})")
             out.append(line + ".")
+    return out
+
+
+def _why_speed(v: Verdict, kind: str) -> list[str]:
+    """A speed claim: held to its stated relative tolerance, on every machine that replays it."""
+    c = v.claim
+    assert c.rtol is not None
+    scale = f", x{c.scale}" if c.scale != 1 else ""
+    lo, hi = float(c.paper.value) * (1 - c.rtol), float(c.paper.value) * (1 + c.rtol)
+    out = [f"The paper prints {c.paper_text} for {c.metric} (each run's median over its timed steps{scale}; {kind}), "
+           f"a speed held to rtol {c.rtol:g}: [{lo:.6g}, {hi:.6g}]."]
+    out.append(f"Recorded: {v.recorded:.6g}, " + ("within it." if v.value_ok else "OUTSIDE it."))
+    if v.source.replay_verdict is not None:
+        out.append(f"Replay {v.source.replay_id}: {v.source.replay_summary}")
+        out.append(f"Replayed speed: {v.replayed:.6g}, " + ("within the claim's rtol." if v.replayed is not None and
+                   lo <= v.replayed <= hi else "not within the claim's rtol.") if v.replayed is not None else
+                   "Replayed speed: not recorded by the replays.")
     return out
 
 

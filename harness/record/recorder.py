@@ -41,6 +41,7 @@ from harness.messages import (
     MetricsBatch,
     Notice,
     Optimization,
+    Performance,
     RankFacts,
     SegmentEnd,
     SettingChange,
@@ -227,6 +228,8 @@ class Recorder:
                 final["evaluation"] = dict(keys)
             case Loop(name):
                 final["loop"] = name
+            case Performance():
+                final["performance"] = msg
             case Optimization() if self.prior is None or T.OPTIMIZER not in self.prior.facts:
                 # A resumed run keeps the set-up its run recorded at the first step (its own first step is later).
                 final["optimization"] = msg
@@ -352,6 +355,7 @@ class Recorder:
             resume_step = self.resume_step
             logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
             record_results(patient, run_id, self.fingerprints, self.final, self.work, logs)
+            record_performance(patient, run_id, self.final.get("performance"), self.work)
             if writer is not None:
                 self._note_direct_metrics(patient, set(writer.series))
             if status == T.FINISHED:
@@ -529,6 +533,48 @@ def record_results(
     outputs = work / "outputs"
     if outputs.is_dir() and any(outputs.iterdir()):
         tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+def record_performance(tracker: Tracker | Patient, run_id: str, performance: Performance | None, work: Path) -> None:
+    """The step times as metrics (tags.PERF_PREFIX: the MLflow UI draws their curves; never judged, see
+    records.wall_clock), their statistics and the profiled steps' summary as tags, the profile files as artifacts."""
+    import time
+
+    from harness.runtime.perf import summary
+
+    profile_dir = work / T.ARTIFACT_PROFILE_DIR
+    if profile_dir.is_dir():
+        for stray in profile_dir.glob("*.tmp"):  # a file a rank was writing when it stopped: never half a file
+            stray.unlink()
+        if any(profile_dir.iterdir()):
+            tracker.log_dir(run_id, profile_dir, T.ARTIFACT_PROFILE_DIR)
+    if performance is None:
+        return
+    p = performance
+    now = int(time.time() * 1000)
+    entries = [(T.METRIC_STEP_S, s, now, k) for k, s in zip(p.steps, p.seconds)]
+    entries += [(T.METRIC_STEP_S_MAX, s, now, k) for k, s in zip(p.steps, p.slowest)]
+    entries += [(T.METRIC_LOADER_WAIT, w / s if s > 0 else 0.0, now, k) for k, s, w in zip(p.steps, p.seconds, p.waits)]
+    entries += [(T.METRIC_SAMPLES_PER_S, n / s, now, k) for k, s, n in zip(p.steps, p.slowest, p.samples) if n and s > 0]
+    if entries:
+        tracker.log_metric_entries(run_id, entries)
+    stats = summary(list(p.steps), list(p.seconds), list(p.slowest), list(p.waits), list(p.samples))
+    names = {"step_median_s": T.PERF_STEP_MEDIAN_S, "step_max_median_s": T.PERF_STEP_MAX_MEDIAN_S,
+             "loader_wait_share": T.PERF_LOADER_WAIT, "samples_per_s_median": T.PERF_SAMPLES_PER_S,
+             "samples_per_step": T.PERF_SAMPLES_PER_STEP, "steps": T.PERF_STEPS}
+    tags = {names[k]: f"{v:.6g}" for k, v in stats.items()}
+    if p.profiled:
+        first = p.profiled[0]
+        tags.update({
+            T.PROFILE_STEPS: ",".join(str(s) for s in sorted({q["step"] for q in p.profiled})),
+            T.PROFILE_RANKS: ",".join(str(r) for r in sorted({q["rank"] for q in p.profiled})),
+            T.PROFILE_STEP_S: f"{first['step_s']:.6g}",
+            T.PROFILE_COMM_SHARE: f"{first['comm_share']:.4f}",
+            T.PROFILE_PEAK_MEMORY_MB: f"{first['peak_memory_mb']:.1f}",
+            T.PROFILE_PEAK_MEMORY_OF: first["peak_memory_of"],
+        })
+    if tags:
+        tracker.set_tags(run_id, tags)
 
 
 _TAG_CHARS = 4900  # MLflow keeps 5,000 characters of a tag value on older stores; the artifact holds the rest

@@ -30,12 +30,13 @@ from harness.messages import (
     Loop,
     Message,
     Notice,
+    Performance,
     SegmentEnd,
     SegmentStart,
     Total,
 )
 from harness.optrace import hooks, tracer as optrace
-from harness.runtime import boundaries, checkpoint as ckpt, determinism, optimization
+from harness.runtime import boundaries, checkpoint as ckpt, determinism, optimization, perf
 from harness.runtime.cfgview import redacted_view
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import (
@@ -47,7 +48,7 @@ from harness.runtime.invariant import (
     broadcast_parameters,
 )
 from harness.runtime.outbox import Outbox
-from harness.runtime.plan import CheckpointPlan
+from harness.runtime.plan import CheckpointPlan, ProfilePlan
 from harness.runtime.steps import StepClock, optimizer_parameters
 from harness.tags import EVAL_AT_STEP, OWN_METRIC_PREFIX
 
@@ -162,6 +163,7 @@ class Context:
         data: dict[str, str] | None = None,
         run_id: str = "",
         code_dir: str = "",
+        profile: ProfilePlan | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -213,6 +215,8 @@ class Context:
         self._initial_fingerprint: str | None = None  # rank 0: the registered model's, when it was registered
         self._tracer: optrace.OpTracer | None = None  # of plan.trace_step while it runs
         self._trace_written = False
+        # Every step's wall time and loader wait; torch.profiler over the planned steps (profile: in experiment.yaml).
+        self._timer = perf.StepTimer(rank, device, profile)
         self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
         # Rank 0 of a recorded job: what trains the model (optimizer, LR schedulers, GradScaler, autocast), the
         # learning rate of every step and the GradScaler's scale.
@@ -647,6 +651,7 @@ class Context:
             ))
         self._send(determinism.observe(self.clock.done, determinism.END))  # determinism read-back: training ends
         self._send_data_order()
+        self._send_performance()
         if self._optimization is not None:
             self._send(self._optimization.message())
         return target
@@ -673,10 +678,36 @@ class Context:
             joined = (hashlib.sha256(joined_at(s).encode()).hexdigest()[:16] for s in steps)
             self._send(DataOrder(tuple(steps), tuple(joined)))
 
+    def _send_performance(self) -> None:
+        """Every rank's step times, gathered once (no per-step collective), to rank 0's launcher: rank 0's own, the
+        slowest rank's at each step, rank 0's loader wait and samples, and the profiled steps' summaries."""
+        timer = self._timer
+        times, mine = timer.times, dict(zip(timer.times.steps, timer.times.seconds))
+        every: list[Any] = [(mine, timer.profiled)]
+        if self.world_size > 1 and dist.is_initialized():
+            every = [None] * self.world_size
+            dist.all_gather_object(every, (mine, timer.profiled))
+        if not self.is_main:
+            return
+        ranks: list[tuple[dict[int, float], list[dict[str, Any]]]] = [e or ({}, []) for e in every]
+        slowest = [max(r[0].get(step, seconds) for r in ranks) for step, seconds in zip(times.steps, times.seconds)]
+        profiled = sorted((p for r in ranks for p in r[1]), key=lambda p: (p["step"], p["rank"]))
+        missed = sorted(set(timer.plan.steps) - {p["step"] for p in profiled})
+        if missed:
+            self._notice("profile-missed", (
+                f"profile.steps {', '.join(map(str, missed))}: no such step ran to its end (the run did {self.clock.done} "
+                f"steps), so {'it was' if len(missed) == 1 else 'they were'} not profiled. Profile steps below "
+                f"{self.clock.done}, e.g. profile.steps=[{min(3, max(self.clock.done - 1, 0))}]."))
+        if not times.steps and not profiled:
+            return
+        self._send(Performance(tuple(times.steps), tuple(times.seconds), tuple(slowest), tuple(times.waits),
+                               tuple(times.samples), tuple(profiled)))
+
     def close(self) -> None:
         """Send every value still buffered and stop the sender thread; also after a failure. Called by the
         launcher once train(ctx) has returned or raised, not by the training code."""
         self.clock.close()
+        self._timer.close()
         if self._optimization is not None:
             self._optimization.stop()
         if self._forward_hook is not None:
@@ -764,11 +795,16 @@ class Context:
             self._note_unsaved(step)
         if self._traced(step) and (clean or self._tracer is None):
             self._start_trace(step)
+        self._timer.begin(step)
 
     def _on_end(self, step: int) -> None:
         """The counted optimizer finished step `step`. A loop of the user's own shows no other boundary: its
         step K is traced from the end of step K-1 to the end of step K."""
+        self._timer.end(step)
         if self._driver is None:
+            # A loop of the user's own shows its next step only at the model's forward or the optimizer's step: the
+            # next step is timed (and profiled) from here, its own batch drawing included.
+            self._timer.starting(step + 1)
             self._end_trace(before=step + 1)
             if self._traced(step + 1):
                 self._start_trace(step + 1)
@@ -780,6 +816,7 @@ class Context:
         self._end_trace(before=step)
         self._maybe_checkpoint(position)
         self._check_stop(step)
+        self._timer.starting(step)
 
     def _check_stop(self, step: int) -> None:
         plan = self._plan
@@ -849,10 +886,13 @@ class Context:
                 # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
                 step = clock.done if clock.pending else clock.index
                 self._before_step(step, ckpt.TrainingPosition(step, epoch, i, self._epoch_start_generator))
+            fetch = time.perf_counter()
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
+            self._timer.fetched(time.perf_counter() - fetch,
+                                len(order[i]) * (1 if self._shards else self.world_size) if order is not None and i < len(order) else 0)
             step = clock.begin(clean=True)  # a micro-batch of a step already begun only beats
             if order is not None and i < len(order):
                 self._data_order.setdefault(step, hashlib.sha256()).update(order[i].tobytes())

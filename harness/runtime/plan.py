@@ -22,3 +22,14 @@ class CheckpointPlan:
     trace_step: int | None = None
     trace_ranks: tuple[int, ...] = ()
     trace_dir: str = ""
+
+
+@dataclass
+class ProfilePlan:
+    """What a launch tells its ranks about timing (experiment.yaml's `profile:`): torch.profiler over `steps` on
+    `ranks`, each step's files written into `directory` (the recorder uploads them under profile/)."""
+
+    directory: str = ""
+    steps: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = (0,)
+    samples_per_step: int = 0  # 0: counted from the training ctx.loader's batches

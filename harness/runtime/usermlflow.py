@@ -24,6 +24,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from harness.records import wall_clock
 from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL
 
 TRACKING_URI = "MLFLOW_TRACKING_URI"
@@ -147,4 +148,4 @@ def _wrap_end_run(mlflow: Any, run_id: str) -> None:
 def direct_keys(run_metric_keys: list[str], ctx_keys: set[str]) -> list[str]:
     """The metric keys in the run that were not logged through ctx.log: the user's own MLflow calls (judged by a
     replay like ctx.log's, read back from MLflow's history: Tracker.load_record)."""
-    return sorted(set(run_metric_keys) - set(ctx_keys))
+    return sorted(k for k in set(run_metric_keys) - set(ctx_keys) if not wall_clock(k))  # harness's step times

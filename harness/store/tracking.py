@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from harness import scratch, tags as T
 from harness.errors import HarnessError
 from harness.record import seal
-from harness.records import RunRecord, RunSummary, same_value, series
+from harness.records import RunRecord, RunSummary, same_value, series, wall_clock
 from harness.secrets import scrub
 from harness.store.reach import (
     DB_NAME,
@@ -1083,6 +1083,11 @@ class Tracker:
         for key in from_history:
             steps, values = self.metric_history(run_id, key)
             metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
+        # Step times and the like are wall clock: held apart, where no verdict reads (records.wall_clock).
+        performance = {key: metrics.pop(key) for key in [k for k in metrics if wall_clock(k)]}
+        for key in sorted(k for k in run.metric_keys if wall_clock(k) and k not in performance):
+            steps, values = self.metric_history(run_id, key)
+            performance[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
         fp = json.loads(self.read_text(run_id, T.ARTIFACT_FINGERPRINTS) or "{}")
         config_text = self.read_text(run_id, T.ARTIFACT_CONFIG) or "{}"
         data_text = self.read_text(run_id, T.ARTIFACT_DATA_MANIFEST)
@@ -1105,6 +1110,7 @@ class Tracker:
             checkpoint_tensors=(None if tensors_text is None else
                                 {int(k): v for k, v in json.loads(tensors_text).get("steps", {}).items()}),
             data_order=dict(zip((int(s) for s in order.get("steps", [])), order.get("digests", []))),
+            performance=performance,
             config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
         )
 

@@ -61,6 +61,10 @@ COLUMNS = [
     _tag(T.EXECUTOR),
     _tag(T.REPLAY_OF),
     _tag(T.STUDY),
+    # Speed beside the verdict (docs/performance.md): the slowest rank's median step, throughput, the profiled share.
+    _tag(T.PERF_STEP_MAX_MEDIAN_S),
+    _tag(T.PERF_SAMPLES_PER_S),
+    _tag(T.PROFILE_COMM_SHARE),
 ]
 
 VIEW = {

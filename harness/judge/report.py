@@ -460,7 +460,7 @@ def plot_step_times(original: RunRecord, replay: RunRecord, cmp: Comparison, out
     fig.subplots_adjust(left=0.07, right=0.98, top=0.88, bottom=0.13, wspace=0.06)
     try:
         for ax, (steps, seconds), label, run_id, color in zip(
-                axes, series, ("original", "replay"), (cmp.original_id, cmp.replay_id), ("tab:blue", "tab:red")):
+                axes, series, ("original", "replay"), (cmp.run_a, cmp.run_b), ("tab:blue", "tab:red")):
             if steps:
                 s, v = _envelope(np.asarray(steps), np.asarray(seconds))
                 ax.plot(s, v, color=color, linewidth=1.0)

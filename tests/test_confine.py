@@ -214,7 +214,10 @@ def store_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     return uri
 
 
-def test_references_to_runs_outside_the_bundle_are_dropped(tmp_path: Path, store_uri: str) -> None:
+def test_references_to_runs_outside_the_bundle_never_land(tmp_path: Path, store_uri: str) -> None:
+    """A crafted record that points at a run of this store (its parent, its original, its study) carries no seal
+    harness made: refused whole, so nothing is attached to the victim (a sealed record's references to runs outside
+    its bundle are dropped on import: bundle.RUN_REFERENCES)."""
     from harness.store.tracking import Tracker
 
     uri = store_uri
@@ -222,11 +225,11 @@ def test_references_to_runs_outside_the_bundle_are_dropped(tmp_path: Path, store
     victim = tracker.create_run("exp", {T.KIND: T.KIND_RUN})
     forged = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: victim, T.MLFLOW_PARENT_RUN_ID: victim, T.STUDY: victim,
               T.AUDIT_OF: victim, T.TRACE_OF: victim, "harness.verdict": "BITWISE"}
-    result = bundle.import_bundle(_bundle(tmp_path / "forged.tar.gz", _record(tags=forged)), tracking_uri=uri)
-    tags = tracker.get_run(result.run_id).tags
-    assert not set(bundle.RUN_REFERENCES) & set(tags), tags
-    assert tags[T.IMPORTED_FROM] == "r"
+    with pytest.raises(HarnessError, match="carries no seal") as refused:
+        bundle.import_bundle(_bundle(tmp_path / "forged.tar.gz", _record(tags=forged)), tracking_uri=uri)
+    assert refused.value.exit_code == EXIT_USAGE
     assert tracker.children(victim) == []
+    assert [r.run_id for r in tracker.search(None, max_results=10)] == [victim]
 
 
 # -- secrets -------------------------------------------------------------------------------------------

@@ -582,3 +582,36 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     with os.fdopen(fd, "w") as fh:
         fh.write(worker)
+
+
+@contextlib.contextmanager
+def mlflow_server(folder: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A real `mlflow server` on a free loopback port (SQLite in `folder`, artifacts served), stopped on the way out
+    (a test may stop it earlier: an outage)."""
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+         "--serve-artifacts", "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(1)
+        yield proc, port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -3,24 +3,20 @@ and variables never reaches the store or the terminal; the placeholder is a dige
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import os
 import pickle
 import signal
-import socket
 import stat
 import subprocess
-import sys
 import tarfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import EXPERIMENTS, Project, git, make_project
+from conftest import EXPERIMENTS, Project, git, make_project, mlflow_server
 from omegaconf import DictConfig, OmegaConf
 
 from harness import secrets, tags as T
@@ -323,37 +319,11 @@ SLOW_TRAIN = "import os\n" + (EXPERIMENTS / "linear_ddp" / "train.py").read_text
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int]]:
     """A real `mlflow server` on loopback (SQLite behind it, artifacts served) that the test may stop."""
-    port, folder = _free_port(), tmp_path / "server"
-    folder.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-         "--serve-artifacts", "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
-                time.sleep(1)
-        yield proc, port
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+    with mlflow_server(tmp_path / "server") as running:
+        yield running
 
 
 def test_outage_past_the_limit_never_prints_the_password(tmp_path: Path, server: tuple[subprocess.Popen, int]) -> None:

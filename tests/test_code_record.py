@@ -165,7 +165,7 @@ def test_altered_patch_is_refused_at_replay(fresh_project: Project) -> None:
     result = p.cli("replay", run.last_line)
     assert result.stderr.strip().splitlines()[0].startswith(f"Warning: run {run.last_line} has no seal")
     result.stderr = result.stderr.strip().split("\n", 1)[1]
-    refused(result, f"the recorded patch of run {run.last_line} was altered (git/uncommitted.patch: sha256 "
+    refused(result, f"the recorded patch was altered in run {run.last_line} (git/uncommitted.patch: sha256 "
                     f"expected {expected}, got {hashlib.sha256(altered).hexdigest()}); the replay would run code "
                     "that never ran. Restore the artifact from a backup of the store, or replay another run.")
     assert run_ids(p) == [run.last_line]  # no replay run was started

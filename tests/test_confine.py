@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import EXPERIMENTS, Project, git, make_project
+from conftest import EXPERIMENTS, Project, git, make_project, mlflow_server
 from harness.commands import bundle
 from harness.record import confine
 from harness.systems import docker
@@ -290,37 +290,9 @@ def _store_text(project: Project) -> bytes:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     """A real `mlflow server` on loopback (SQLite behind it, artifacts served): (its folder, its http URI)."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     folder = tmp_path / "server"
-    folder.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-         "--serve-artifacts", "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
-                time.sleep(1)
+    with mlflow_server(folder) as (_, port):
         yield folder, f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
 
 
 def test_secrets_are_redacted_in_the_record_and_asked_for_again_by_replay(

@@ -185,19 +185,25 @@ def _checkout_from(
 ) -> Iterator[tuple[Path, Path]]:
     patch = None
     if run.tags.get(T.GIT_DIRTY) == "true":
-        patch = tracker.read_bytes(run.run_id, T.ARTIFACT_PATCH)
-        if patch is None:
-            raise HarnessError(f"run {run.run_id} was dirty but its {T.ARTIFACT_PATCH} artifact is missing.")
-        expected = run.tags.get(T.GIT_PATCH_SHA256, "(no tag)")
-        got = hashlib.sha256(patch).hexdigest()
-        if got != expected:
-            raise HarnessError(
-                f"the recorded patch of run {run.run_id} was altered ({T.ARTIFACT_PATCH}: sha256 expected "
-                f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a "
-                "backup of the store, or replay another run."
-            )
+        patch = _code_artifact(tracker, run, T.ARTIFACT_PATCH, T.GIT_PATCH_SHA256, "patch was", "was dirty")
     with gitsource.worktree(root, commit, patch, base, recorded_submodules(tracker, run)) as tree:
         yield tree, tree / confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)
+
+
+def _code_artifact(tracker: Tracker, run: RunSummary, artifact: str, digest_tag: str, what: str, had: str) -> bytes:
+    """An artifact of the run's code record, held to the sha256 its tag recorded: an edited one would replay code
+    that never ran."""
+    raw = tracker.read_bytes(run.run_id, artifact)
+    if raw is None:
+        raise HarnessError(f"run {run.run_id} {had} but its {artifact} artifact is missing. Restore it from a backup "
+                           "of the store, or replay another run.")
+    expected, got = run.tags.get(digest_tag, "(no tag)"), hashlib.sha256(raw).hexdigest()
+    if got != expected:
+        raise HarnessError(
+            f"the recorded {what} altered in run {run.run_id} ({artifact}: sha256 expected {expected}, got {got}); the "
+            "replay would run code that never ran. Restore the artifact from a backup of the store, or replay another run."
+        )
+    return raw
 
 
 def recorded_submodules(tracker: Tracker, run: RunSummary) -> tuple[gitsource.Submodule, ...]:
@@ -205,17 +211,8 @@ def recorded_submodules(tracker: Tracker, run: RunSummary) -> tuple[gitsource.Su
     expected = run.tags.get(T.GIT_SUBMODULES_SHA256)
     if expected is None:
         return ()
-    raw = tracker.read_bytes(run.run_id, T.ARTIFACT_SUBMODULES)
-    if raw is None:
-        raise HarnessError(f"run {run.run_id} recorded submodules but its {T.ARTIFACT_SUBMODULES} artifact is missing. "
-                           "Restore it from a backup of the store, or replay another run.")
-    got = hashlib.sha256(raw).hexdigest()
-    if got != expected:
-        raise HarnessError(
-            f"the recorded submodules of run {run.run_id} were altered ({T.ARTIFACT_SUBMODULES}: sha256 expected "
-            f"{expected}, got {got}); the replay would run code that never ran. Restore the artifact from a backup of "
-            "the store, or replay another run."
-        )
+    raw = _code_artifact(tracker, run, T.ARTIFACT_SUBMODULES, T.GIT_SUBMODULES_SHA256, "submodules were",
+                         "recorded submodules")
     try:
         return gitsource.submodules_from_json(raw)
     except ValueError as err:

@@ -342,7 +342,8 @@ def _device_facts(device: torch.device) -> dict[str, Any]:
         facts["compute_capability"] = _read(lambda: ".".join(map(str, torch.cuda.get_device_capability(index))))
     facts["cuda_version"] = torch.version.cuda  # the toolkit torch was built with: None on a CPU build
     facts["cudnn_version"] = _read(torch.backends.cudnn.version)  # None without cuDNN
-    facts["cublas_version"] = _cublas_version()
+    # A CPU build uses no cuBLAS, whatever nvidia-cublas package an earlier CUDA install left in site-packages.
+    facts["cublas_version"] = _cublas_version() if torch.version.cuda is not None else None
     facts["nccl_version"] = _read(lambda: ".".join(map(str, torch.cuda.nccl.version())))  # no NCCL: None
     return facts
 

@@ -272,21 +272,27 @@ def fresh_project(tmp_path: Path) -> Project:
     return make_project(tmp_path)
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 12 MB filesystem (tmpfs) at tmp_path/"small disk": writes past it fail with ENOSPC mid-write; unmounted
-    afterwards."""
+@contextlib.contextmanager
+def tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs of `options` (size=..., nr_inodes=...) mounted at `where`: writes past it fail with ENOSPC
+    mid-write; unmounted afterwards. Needs root: in CI (which runs as root) its absence is a failure."""
     if os.geteuid() != 0:
-        if os.environ.get("CI") == "true":  # CI runs as root: a missing full-disk test there is a failure
+        if os.environ.get("CI") == "true":
             pytest.fail("the full-disk tests need root to mount a tmpfs in CI")
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    disk = tmp_path / "small disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True)
+    where.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
     try:
-        yield disk
+        yield where
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 12 MB filesystem at tmp_path/"small disk"."""
+    with tmpfs(tmp_path / "small disk", "size=12m") as disk:
+        yield disk
 
 
 def pid_alive(pid: int) -> bool:

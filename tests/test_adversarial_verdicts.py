@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KEPT_RANK_SERVER, Project, git, make_project
+from conftest import KEPT_RANK_SERVER, Project, git, make_project, tmpfs
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_USAGE
 from harness.store.tracking import Tracker
@@ -291,21 +291,6 @@ def test_an_experiment_folder_named_with_a_newline_is_refused_at_run(tmp_path: P
 
 
 # -- a full disk ---------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def small_disk(where: Path, options: str) -> Iterator[Path]:
-    """A real tmpfs of `options` (size=..., nr_inodes=...): writes past it fail with ENOSPC. Needs root (CI is)."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the full-disk tests need root to mount a tmpfs in CI")
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    where.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def _fill(disk: Path) -> None:
     """Take every byte left on `disk` (a tmpfs), as another program would."""
     with open(disk / "filler", "wb") as fh, contextlib.suppress(OSError):
@@ -318,7 +303,7 @@ def test_a_full_disk_before_a_replay_is_harness_one_line_not_sqlalchemy(tmp_path
     """The store's disk (a 12 MB tmpfs) filled after the run: the replay says the store is full in one line, exit 2,
     not SQLAlchemy's "raised as a result of Query-invoked autoflush", and leaves no run and no worktree."""
     project = make_project(tmp_path)
-    with small_disk(tmp_path / "disk", "size=12m") as disk:
+    with tmpfs(tmp_path / "disk", "size=12m") as disk:
         store = Project(project.root, disk)
         run = store.harness("run", "experiments/linear_ddp", "train.epochs=1", env={"XDG_CACHE_HOME": str(tmp_path)})
         assert run.returncode == 0, run.stderr
@@ -343,7 +328,7 @@ def test_a_checkpoint_refused_for_want_of_an_inode_is_named(tmp_path: Path) -> N
     from harness.errors import ExperimentError
     from harness.runtime import checkpoint
 
-    with small_disk(tmp_path / "disk", "size=8m,nr_inodes=16") as disk:
+    with tmpfs(tmp_path / "disk", "size=8m,nr_inodes=16") as disk:
         with contextlib.suppress(OSError):  # every inode taken: the root's own and what these files use
             for i in range(100):
                 (disk / f"f{i}").touch()

@@ -43,7 +43,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.judge import noise, rounding
-from harness.runtime.perturb import nudge
+from harness.runtime.perturb import kernels_of, nudge, other_threads
 
 Curves = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -357,38 +357,68 @@ def _replays_in_child(model: Model, trials: int, capability: str) -> list[Curves
         return pickle.loads(out.read_bytes())
 
 
+def member(seed: int) -> Change:
+    """Calibration member `seed` as `harness calibrate` runs it: nudged by one ulp, on its share of the machine's
+    other kernels (harness/runtime/perturb.py's KERNELS; the original runs one thread, oneDNN on)."""
+    kernels = kernels_of(seed)
+    return Change(f"member {seed}", True, perturb=seed, onednn=not kernels.onednn_off,
+                  threads=other_threads(1) if kernels.other_threads else 1)
+
+
+# Which member kernels an honest change shares with the calibration: its "held out" row judges it against the
+# members that do not run those kernels (half of them), as a replay on kernels no member ran would be judged.
+_FAMILY = {"oneDNN path off": lambda c: not c.onednn, "threads 1 -> 2": lambda c: c.threads != 1,
+           "threads 1 -> 4": lambda c: c.threads != 1}
+
+
+def held_out(name: str) -> str:
+    return f"{name} (held out of the members)"
+
+
 def rounding_trials(model: Model, trials: int, members: int, changes: list[Change]) -> dict[str, Tally]:
-    """Per change: of `trials` calibrated runs (seeds 0..trials-1, each with `members` nudged members over all its
-    steps), how many replays under the change left the envelope (rounding.judge, as `harness replay` judges)."""
+    """Per change: of `trials` calibrated runs (seeds 0..trials-1, each with `members` members over all its steps,
+    built as `harness calibrate` builds them), how many replays under the change left the envelope (rounding.judge,
+    as `harness replay` judges). A change whose kernels some members run gets a second row, judged against the
+    other members only."""
     data = model.data()
     table = {c.name: Tally() for c in changes}
+    table.update({held_out(c.name): Tally() for c in changes if c.name in _FAMILY})
     kernels = {cap: _replays_in_child(model, trials, cap) for cap in KERNELS}
     for cap in KERNELS:
         table[f"ATEN_CPU_CAPABILITY={cap}"] = Tally()
     for seed in range(trials):
         original = train(model, seed, ORIGINAL, data)
-        calibration = [train(model, seed, Change("member", True, perturb=i), data) for i in range(1, members + 1)]
+        specs = [member(i) for i in range(1, members + 1)]
+        calibration = [train(model, seed, spec, data) for spec in specs]
         envelope = rounding.measure("run", "cal", original, calibration, model.steps, members)
-        replays = [(change.name, train(model, seed, change, data)) for change in changes]
-        replays += [(f"ATEN_CPU_CAPABILITY={cap}", kernels[cap][seed]) for cap in KERNELS]
-        for name, replay in replays:
+        replays = [(change.name, change, train(model, seed, change, data)) for change in changes]
+        replays += [(f"ATEN_CPU_CAPABILITY={cap}", None, kernels[cap][seed]) for cap in KERNELS]
+        for name, change, replay in replays:
+            judged_by = [(name, envelope)]
+            if change is not None and name in _FAMILY:
+                kept = [c for spec, c in zip(specs, calibration) if not _FAMILY[name](spec)]
+                judged_by.append((held_out(name), rounding.measure("run", "cal", original, kept, model.steps,
+                                                                   len(kept))))
             bitwise = all(np.array_equal(replay[k][1], original[k][1]) for k in original)
-            judged = rounding.judge(envelope, original, replay)
-            table[name].trials += 1
-            table[name].alarms += not (bitwise or judged.within)
-            if not (bitwise or judged.within):  # what an alarm saw, so a rare one can be explained
-                print(f"  alarm: {model.name} seed {seed} {name}: {judged.headline()}", file=sys.stderr, flush=True)
+            for row, env in judged_by:
+                judged = rounding.judge(env, original, replay)
+                table[row].trials += 1
+                table[row].alarms += not (bitwise or judged.within)
+                if not (bitwise or judged.within):  # what an alarm saw, so a rare one can be explained
+                    print(f"  alarm: {model.name} seed {seed} {row}: {judged.headline()}", file=sys.stderr, flush=True)
     return table
 
 
 def rounding_report(trials: int, members: int, models: list[str], honest_only: bool = False) -> list[str]:
     torch.set_num_threads(1)
     changes = ROUNDING_HONEST + ([] if honest_only else ROUNDING_PLANTED)
-    out = [f"### rounding envelope: {members} members over all steps, {trials} calibrated runs per model "
-           f"(SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS})", "",
+    out = [f"### rounding envelope: {members} members (one-ulp nudges on the machine's kernels) over all steps, "
+           f"{trials} calibrated runs per model (SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS})", "",
            f"| change | kind | {' | '.join(models)} |", "| --- | --- |" + " --- |" * len(models)]
     tables = {name: rounding_trials(MODELS[name], trials, members, changes) for name in models}
-    rows = [(f"ATEN_CPU_CAPABILITY={cap}", True) for cap in KERNELS] + [(c.name, c.honest) for c in changes]
+    rows = [(f"ATEN_CPU_CAPABILITY={cap}", True) for cap in KERNELS]
+    for c in changes:
+        rows += [(c.name, c.honest)] + ([(held_out(c.name), c.honest)] if c.name in _FAMILY else [])
     # --honest-only: the false-alarm rows alone, for the hundreds of trials a 1% bound needs.
     for name, honest in rows:
         kind = "honest: false alarm" if honest else "planted: power"

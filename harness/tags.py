@@ -210,6 +210,8 @@ CALIBRATION_OF = "harness.calibration_of"
 CALIBRATION_MEMBERS = "harness.calibration.members"
 CALIBRATION_STEPS = "harness.calibration.steps"
 CALIBRATION = "harness.calibration"
+# A member's CPU kernels besides its nudge (harness/runtime/perturb.py: oneDNN off, another thread count).
+CALIBRATION_KERNELS = "harness.calibration.kernels"
 PERTURB_SEED = "harness.calibration.perturb_seed"
 
 # Seed ensembles (harness/commands/study.py). A member run carries STUDY (the study's run id) and is nested under it.

@@ -249,6 +249,12 @@ def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(pr
     assert sorted(r.data.tags[tags.PERTURB_SEED] for r in members) == [str(i) for i in range(1, 9)]
     assert all(r.data.tags[tags.MLFLOW_PARENT_RUN_ID] == calibrated["calibration"] and tags.VERDICT not in r.data.tags
                for r in members)
+    # Each member also ran on its share of this machine's other kernels, and its record says which ran (rank 0's
+    # read-back of the settings in force): the thread count doubled, oneDNN off, both, or the run's own.
+    ran = {(r.data.tags[tags.CALIBRATION_KERNELS], r.data.tags[tags.DETERMINISM_PREFIX + "intra_op_threads"],
+            r.data.tags[tags.DETERMINISM_PREFIX + "onednn_enabled"]) for r in members}
+    assert ran == {("the run's own kernels", "1", "True"), ("oneDNN off", "1", "False"),
+                   ("other thread count", "2", "True"), ("oneDNN off + other thread count", "2", "False")}, ran
     doc = json.loads(open(client.download_artifacts(cal.info.run_id, tags.ARTIFACT_ENVELOPE, str(tmp_path))).read())
     assert doc["members"] == 8 and doc["steps"] == 5 and doc["weights_differed"] == 8
     # Every member started one ulp off: they differ from the run from step 0, and by rounding only (a step where

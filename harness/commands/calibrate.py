@@ -1,7 +1,10 @@
 """`harness calibrate RUN_ID`: measure how far rounding alone carries a run's first steps (harness/judge/rounding.py).
 
 K members replay the run's first M steps as recorded - its commit, config, seed, data, image and executor - each with
-its weights nudged by one ulp (harness/runtime/perturb.py, the seed i of member i). They are ordinary replay runs,
+its weights nudged by one ulp (harness/runtime/perturb.py, the seed i of member i) and on its share of the machine's
+other CPU kernels (oneDNN off, another thread count, both, or the run's own: perturb.KERNELS, tagged
+harness.calibration.kernels), so that the envelope holds what another convolution library or reduction split does
+to the run, not only a one-ulp start (docs/verdicts.md measures why). They are ordinary replay runs,
 nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
 by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
 sealed when it closes; a replay of the run finds it here (`envelope_of`) and is judged against it.
@@ -18,6 +21,7 @@ from harness.fmt import json_safe
 from harness.judge import rounding
 from harness.judge.compare import original_steps
 from harness.record import derived, loading, seal
+from harness.runtime.perturb import KERNELS, kernels_of
 from harness.store.tracking import RunSummary, Tracker
 
 DEFAULT_MEMBERS = 8
@@ -68,8 +72,10 @@ def calibrate(run_id: str, *, members: int | None = None, steps: int | None = No
     if steps is not None and steps > total:
         raise HarnessError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
     m = steps or min(DEFAULT_STEPS, total)
+    kernels = ", ".join(kind.describe() for kind in KERNELS[:k])
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
-                              f"(the run took {total}), each member one replay of its first {m} steps"))
+                              f"(the run took {total}), each member one replay of its first {m} steps, nudged by one "
+                              f"ulp, in turn on {kernels}"))
     run_tags = derived.tags(T.KIND_CALIBRATION, original, version=original.tags.get(T.VERSION),
                             extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m)})
     with derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}") as cal_id:
@@ -78,7 +84,8 @@ def calibrate(run_id: str, *, members: int | None = None, steps: int | None = No
         for i in range(1, k + 1):
             events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}", i, k))
             result = replay(original.run_id, follow=False, tracker=tracker, steps=m, perturb_seed=i, localize=False,
-                            extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id})
+                            extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
+                                        T.CALIBRATION_KERNELS: kernels_of(i).describe()})
             ids.append(result.outcome.run_id)
             if result.outcome.status != T.FINISHED:
                 raise HarnessError(f"calibration member {i} (run {result.outcome.run_id}) {result.outcome.status}: "

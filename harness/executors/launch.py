@@ -28,7 +28,7 @@ from harness.errors import ExperimentError, HarnessError, Interrupted, RunFailed
 from harness.executors import procs
 from harness.messages import Determinism, Message, RankFacts
 from harness.record.provenance import device_facts, env_vars, nccl_conf
-from harness.runtime import usermlflow, userseed
+from harness.runtime import perturb, usermlflow, userseed
 from harness.runtime.refusals import refusal_line, refused_op
 
 if TYPE_CHECKING:  # torch loads only in the processes that run ranks
@@ -405,6 +405,9 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         torch.set_num_threads(spec.threads_per_rank)
         with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
             torch.set_num_interop_threads(1)
+        if spec.checkpoints is not None and spec.checkpoints.perturb_seed is not None:
+            # A calibration member: on its share of the machine's other kernels, before the settings are read.
+            perturb.use_kernels(spec.checkpoints.perturb_seed)
         settings = set_determinism(Level(spec.determinism))
         start_watch(Level(spec.determinism), settings)  # read back again during training; setters name the user's line
         settings["world_size_invariant"] = str(spec.invariant_shards > 0)

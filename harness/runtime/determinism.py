@@ -116,6 +116,8 @@ def read_determinism(level: Level) -> dict[str, str]:
         **tf32,  # the new API's values, where it exists
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "unset"),
         "intra_op_threads": str(torch.get_num_threads()),
+        # oneDNN's kernels (convolutions, some matmuls on CPU) or ATen's own: the same math, other rounding.
+        "onednn_enabled": str(torch.backends.mkldnn.enabled),
     }
 
 

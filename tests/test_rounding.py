@@ -189,13 +189,14 @@ def test_a_seed_verdict_that_could_not_have_caught_a_doubled_learning_rate_is_in
 def test_seeds_needed_is_the_fewest_that_would_exclude_the_doubled_rate() -> None:
     spread = noise.spread([1.0, 1.2, 0.8])
     c = noise.NoiseCheck("loss", 1.0, 1.0, spread, True, 1, level=0.99, interval=(0.0, 2.0), steps=(0, 2))
-    distance = 0.6
+    distance = 0.9
     n = noise._seeds_needed(c, distance)
     assert n is not None and n > 3
+    # Caught means MARGIN half-widths from the centre, not just outside (the proxy is rough: see noise.Power).
     half = lambda k: noise._t(k - 1, 0.5 + 0.99 / 2) * 0.2 * math.sqrt(1 + 1 / k)  # noqa: E731
-    assert half(n) < distance <= half(n - 1)
+    assert noise.MARGIN * half(n) <= distance < noise.MARGIN * half(n - 1)
     # A prediction interval never narrows below z x sd, however many seeds: then no number is advice.
-    assert noise._seeds_needed(c, 0.5) is None
+    assert noise._seeds_needed(c, 0.75) is None
 
 
 def test_claims_share_one_false_alarm_bound() -> None:

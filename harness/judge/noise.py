@@ -249,8 +249,12 @@ class Power:
     The test: early in training, k steps at twice the learning rate go about as far as 2k steps at the recorded one
     (gradient descent's path, taken in steps twice as long). So the doubled run's segment mean over steps a..b is
     about the seeds' mean over steps 2a..2b, and a check whose interval excludes that value would have caught it.
-    Only segments whose doubled steps the seeds logged are asked. benchmarks/verdict_bench.py --power measures how often a
-    judgement that passes this test catches a real doubled learning rate."""
+    Only segments whose doubled steps the seeds logged are asked. The proxy is rough where the curve has flattened (near
+    an optimum a doubled rate oscillates about the same minimum rather than going further), so "caught" asks for a
+    margin: the doubled rate's value at least MARGIN half-widths from the interval's centre, not just outside it.
+    benchmarks/verdict_bench.py --power measures how often a judgement that passes this test catches a real doubled
+    learning rate (docs/verdicts.md: without the margin a 5-seed study of a linear model accepted one 23% of the time,
+    each of those at 1.01-1.23 half-widths)."""
 
     caught: bool
     check: str  # the label of the check nearest to catching it
@@ -262,16 +266,21 @@ class Power:
     def describe(self) -> str:
         if self.caught:
             return (f"a doubled learning rate would have been caught: {self.check} would be about "
-                    f"{self.counterfactual:.6g}, outside [{self.interval[0]:.6g}, {self.interval[1]:.6g}]")
+                    f"{self.counterfactual:.6g}, well outside [{self.interval[0]:.6g}, {self.interval[1]:.6g}]")
         more = (f"about {self.seeds_needed} seeds would narrow it enough" if self.seeds_needed is not None
                 else "no number of seeds would (the metric barely moves early in training)")
+        where = "inside" if self.interval[0] <= self.counterfactual <= self.interval[1] else "just outside"
         return (f"its intervals could not have caught a doubled learning rate: {self.check} would be about "
-                f"{self.counterfactual:.6g}, inside [{self.interval[0]:.6g}, {self.interval[1]:.6g}] of "
+                f"{self.counterfactual:.6g}, {where} [{self.interval[0]:.6g}, {self.interval[1]:.6g}] of "
                 f"{self.seeds} seeds; {more}, or calibrate the run (harness calibrate RUN_ID) and judge it against "
                 "its rounding envelope")
 
 
 _MAX_SEEDS = 200  # beyond this "run more seeds" is no advice
+# How far from an interval's centre the doubled rate's proxy must land to count as caught, in the interval's
+# half-widths (see Power): 1 would be "just outside". Chosen by benchmarks/verdict_bench.py --power: every real doubled
+# rate that a 5-seed study of the linear model accepted without a margin had its proxy within 1.01-1.23 half-widths.
+MARGIN = 1.5
 
 
 def doubled_rate_power(checks: Sequence[NoiseCheck], members: Sequence[Curves]) -> Power | None:
@@ -289,12 +298,13 @@ def doubled_rate_power(checks: Sequence[NoiseCheck], members: Sequence[Curves]) 
             continue
         cf = float(np.mean(at))
         lo, hi = c.interval
-        caught = not lo <= cf <= hi
         # How far from the interval's centre the doubled rate lands, in half-widths (on the check's scale): 1 or more
-        # is outside. A metric that did not move (a constant accuracy) is at 0, however narrow its interval.
+        # is outside, MARGIN or more is caught. A metric that did not move (a constant accuracy) is at 0, however
+        # narrow its interval.
         centre, half, x = _on_scale(c, cf)
         distance = abs(x - centre)
         ratio = distance / half if half > 0 else (math.inf if distance > 0 else 0.0)
+        caught = ratio >= MARGIN
         if best is None or ratio > best[0]:
             best = (ratio, Power(caught, c.label, cf, (lo, hi), c.spread.n, None), c, distance)
     if best is None:
@@ -321,7 +331,7 @@ def _seeds_needed(c: NoiseCheck, distance: float) -> int | None:
     if not (math.isfinite(sd) and sd > 0 and distance > 0):
         return None
     for n in range(c.spread.n + 1, _MAX_SEEDS + 1):
-        if _t(n - 1, 0.5 + c.level / 2) * sd * math.sqrt(1 + 1 / n) < distance:
+        if MARGIN * _t(n - 1, 0.5 + c.level / 2) * sd * math.sqrt(1 + 1 / n) <= distance:
             return n
     return None
 

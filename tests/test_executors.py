@@ -19,7 +19,8 @@ from harness import config, executors, tags as T
 from harness.errors import ConfigError, HarnessError
 from harness.executors import Backend, CliOption, Topology
 from harness.executors.base import Executor
-from harness.executors.multinode import check_topology, differing, topology_from_env
+from harness.executors import topology_from_env
+from harness.executors.multinode import check_topology, differing
 
 # harness.cli exposes the function `main`, which shadows the module of that name.
 cli = importlib.import_module("harness.cli.main")

@@ -829,7 +829,7 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_js
 def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
     """Run an already recorded run where this command runs (inside a container, or a Slurm job's task)."""
     from harness.commands import run as runner
-    from harness.executors.multinode import topology_from_env
+    from harness.executors import topology_from_env
 
     outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
     if outcome.message:

@@ -16,7 +16,8 @@ or, in-process, through `register(backend)`. run, replay, resume, audit and trac
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -47,7 +48,7 @@ ENTRY_POINTS = "harness.executors"  # the entry-point group of outside backends
 __all__ = [
     "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "Event", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
     "Outcome", "Output", "Submitted", "Topology", "backend", "backends", "get", "options_for", "register", "run",
-    "check_segments", "run_job", "run_segments",
+    "check_segments", "executing", "run_job", "run_segments", "topology_from_env",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
@@ -112,6 +113,25 @@ def options_for(name: str, **given: Any) -> JobOptions:
     kind = backend(name).options
     fields = set(getattr(kind, "__dataclass_fields__", {}))
     return kind(**{k: v for k, v in given.items() if k in fields})
+
+
+def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology | None:
+    """This process's place in a job when a scheduler started it (one task per node), else None: what a backend's
+    `place` reads from its own variables (Slurm's), else the plain variables any scheduler can set (multinode)."""
+    from harness.executors.multinode import topology_from_env as plain
+
+    env = os.environ if environ is None else environ
+    for declared in backends().values():
+        found = declared.place(env) if declared.place is not None else None
+        if found is not None:
+            return found
+    return plain(env)
+
+
+def executing(name: str) -> Executor:
+    """What `harness _execute` runs a recorded job of backend `name` with, where that backend sent it (a container,
+    a batch job's task): the backend it declares (`Backend.executes`), else itself."""
+    return get(backend(name).executes or name)
 
 
 def run(job: Job, on_event: Callable[[Event], None] | None = None) -> Outcome:

@@ -244,6 +244,19 @@ class Backend:
     options: type[JobOptions] = JobOptions
     cli: tuple[CliOption, ...] = ()
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)
+    # What the commands need to know of the backend's jobs, declared here so that none of them tests a backend's
+    # name (tests/test_architecture.py: harness.commands imports no backend module).
+    ranks_here: bool = False  # the ranks run on this machine, under this process: the device is checked here, the
+    # entry script must guard its __main__, and torchrun may start this process as one of them
+    early_ranks: bool = False  # a single node's ranks start (and import torch) before the run is recorded (warm ranks)
+    parallel_members: bool = False  # a study may run several members at once (--parallel)
+    runs_checkout: bool = False  # the ranks run a checkout of the recorded code, not the working tree
+    places_nodes: bool = False  # it chooses the job's nodes itself (a scheduler): --nnodes & co do not apply, and
+    # the submitting process is none of them
+    # How a process this backend started learns its place in the job, from its environment (Slurm: SLURM_NODEID
+    # & co); None where this backend did not start it.
+    place: Callable[[Mapping[str, str]], Topology | None] | None = None
+    executes: str = ""  # whose ranks run elsewhere: the backend that `harness _execute` runs them with there
 
 
 def run_job(

@@ -10,6 +10,7 @@ import importlib
 import os
 from pathlib import Path
 
+import click
 import pytest
 from omegaconf import OmegaConf
 
@@ -27,7 +28,7 @@ cli = importlib.import_module("harness.cli.main")
 
 
 def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_follow_the_registry() -> None:
-    assert list(executors.backends()) == list(executors.BUILTIN) == list(config.backends())
+    assert list(executors.backends()) == list(executors.BUILTIN) == executors.schema().names()
     for name in executors.BUILTIN:
         declared = executors.backend(name)
         assert importlib.import_module(f"harness.executors.{name}").BACKEND is declared
@@ -58,21 +59,27 @@ def test_a_backend_registered_in_process_brings_its_section_into_the_schema(monk
             raise ConfigError("queue.slots must be >= 1.")
 
     monkeypatch.setattr(executors, "_REGISTRY", dict(executors._REGISTRY))
-    monkeypatch.setattr(config, "_BACKENDS", dict(config._BACKENDS))
-    monkeypatch.setattr(config, "_schema_cache", {})
+    monkeypatch.setattr(executors, "_schema", None)
     executors.register(Backend("queue", executors.get("local").__class__, section=QueueConfig, check=check,
+                               help="slots on a queue of its own",
                                cli=(CliOption("--queue", "queue_name", "queue: its name.", key="name"),)))
+    # --executor's help is the registry's: every backend's own line, the new one's included.
+    for command in (cli.run, cli.replay):
+        option = next(p for p in command.params if p.name == "executor")
+        shown = option.get_help_record(click.Context(command))[1]
+        assert "docker: inside the pinned image, by digest" in shown and "queue: slots on a queue of its own" in shown
     base = {"image": "none", "entry": "train.py:train"}
-    cfg = config.compose([("experiment.yaml", OmegaConf.create({**base, "executor": "queue", "queue": {"slots": 2}}))])
+    cfg = config.compose([("experiment.yaml", OmegaConf.create({**base, "executor": "queue", "queue": {"slots": 2}}))], executors.schema())
     assert (cfg.executor, cfg.queue.name, cfg.queue.slots, cfg.slurm.nodes) == ("queue", "default", 2, 1)
     assert list(cfg.keys()).index("queue") == list(cfg.keys()).index("executor") + 2  # after slurm, its sections
     with pytest.raises(ConfigError, match=r"^experiment.yaml: invalid value 'x' for 'queue.slots'; expected an integer"):
-        config.compose([("experiment.yaml", OmegaConf.create({**base, "queue": {"slots": "x"}}))])
+        config.compose([("experiment.yaml", OmegaConf.create({**base, "queue": {"slots": "x"}}))], executors.schema())
     with pytest.raises(ConfigError, match="^queue.slots must be >= 1"):
-        config.validate(config.compose([("x", OmegaConf.create({**base, "queue": {"slots": 0}}))]), None)
+        schema = executors.schema()
+        config.validate(config.compose([("x", OmegaConf.create({**base, "queue": {"slots": 0}}))], schema), None, schema)
     with pytest.raises(ConfigError, match=r"^x: invalid value 'k8s' for 'executor'; expected one of local, docker, "
                                           r"slurm, queue\.$"):
-        config.compose([("x", OmegaConf.create({**base, "executor": "k8s"}))])
+        config.compose([("x", OmegaConf.create({**base, "executor": "k8s"}))], executors.schema())
 
 
 def test_topology_from_slurm_variables() -> None:

@@ -236,7 +236,7 @@ def preflight(
             f"the experiment folder's name '{printable(name)}' is no plain name (it holds a newline, a tab or another "
             "control character, or a backslash, or is over 256 characters); it names the MLflow experiment, and a "
             "bundle of its runs could not be imported. Rename the folder.")
-    cfg = load_experiment(Path(exp_dir), overrides)
+    cfg = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
     declared = executors.backend(str(cfg.executor))
     if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
@@ -434,7 +434,7 @@ def execute_recorded(
             container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id,
             redaction.store_key(tracker.uri),
         )
-        cfg = compose([("recorded config", OmegaConf.create(restored))])
+        cfg = compose([("recorded config", OmegaConf.create(restored))], executors.schema())
     code_dir = Path(code_dir)
     rel = confine.recorded_path(run.tags.get(T.EXPERIMENT_PATH, ""), "experiment folder", run_id)
     root = code_dir.resolve()

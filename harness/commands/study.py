@@ -294,7 +294,7 @@ def run_study(
     if checked.data_stats is not None:
         _say(checked.data_stats.summary())
 
-    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))])
+    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))], executors.schema())
     tracker = Tracker(tracking_uri)
     name = Path(exp_dir).resolve().name
     given = named.name if named is not None else None
@@ -323,7 +323,8 @@ def run_study(
         with checkout(tracker, tracker.get_run(study_id), git.root) as (tree, tree_exp):
 
             def make_job(seed: int) -> Any:
-                member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))])
+                member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))],
+                                     executors.schema())
                 extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
 
                 def record(tags: dict[str, str]) -> str:

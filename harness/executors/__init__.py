@@ -48,11 +48,12 @@ ENTRY_POINTS = "harness.executors"  # the entry-point group of outside backends
 __all__ = [
     "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "Event", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
     "Outcome", "Output", "Submitted", "Topology", "backend", "backends", "get", "options_for", "register", "run",
-    "check_segments", "executing", "run_job", "run_segments", "topology_from_env",
+    "check_segments", "executing", "run_job", "run_segments", "schema", "topology_from_env",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
 _loaded = False
+_schema: config.Schema | None = None  # built from the registry at first use, again after each register()
 
 
 def _ensure_loaded() -> None:
@@ -68,8 +69,19 @@ def _ensure_loaded() -> None:
 def register(declared: Backend) -> None:
     """Make a backend known (in this process): `executor: NAME`, its section and its options."""
     _ensure_loaded()  # the built-in ones first, whoever registers first
+    global _schema
     _REGISTRY[declared.name] = declared
-    config.register_backend(config.BackendSchema(declared.name, declared.section, declared.check))
+    _schema = None
+
+
+def schema() -> config.Schema:
+    """The experiment schema the known backends make (each one's section after `executor`): what every function of
+    harness.config that reads a config takes."""
+    global _schema
+    _ensure_loaded()
+    if _schema is None:
+        _schema = config.Schema(tuple(config.BackendSchema(b.name, b.section, b.check) for b in _REGISTRY.values()))
+    return _schema
 
 
 def _load() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -18,9 +19,8 @@ from conftest import CPU, TESTS_DIR, Project
 
 from harness import config, executors, tags as T
 from harness.errors import ConfigError, HarnessError
-from harness.executors import Backend, CliOption, Topology
+from harness.executors import Backend, CliOption, Topology, topology_from_env
 from harness.executors.base import Executor
-from harness.executors import topology_from_env
 from harness.executors.multinode import check_topology, differing
 
 # harness.cli exposes the function `main`, which shadows the module of that name.
@@ -58,6 +58,7 @@ def test_a_backend_registered_in_process_brings_its_section_into_the_schema(monk
         if cfg.queue.slots < 1:  # type: ignore[attr-defined]
             raise ConfigError("queue.slots must be >= 1.")
 
+    executors.backends()  # the built-in ones loaded into the registry the test copies (and restores)
     monkeypatch.setattr(executors, "_REGISTRY", dict(executors._REGISTRY))
     monkeypatch.setattr(executors, "_schema", None)
     executors.register(Backend("queue", executors.get("local").__class__, section=QueueConfig, check=check,
@@ -122,15 +123,42 @@ def test_nodes_that_differ_are_named_and_per_node_facts_are_not() -> None:
     assert differing({0: base, 1: same, 2: other}) == {2: ["torch", "NCCL_ALGO"]}
 
 
+# -- the generated sbatch script, byte for byte ---------------------------------------------------------------
+SBATCH_GOLDEN = TESTS_DIR / "golden" / "sbatch.txt"
+# HARNESS_REGEN_GOLDEN=1 rewrites tests/golden/sbatch.txt from the script generated now (then review its diff);
+# without it the test compares.
+REGEN_GOLDEN = os.environ.get("HARNESS_REGEN_GOLDEN") == "1"
+
+
+def test_the_sbatch_script_is_the_golden_file(tmp_path: Path) -> None:
+    """Every option the slurm section and a resume put in the script; the paths that vary (this test's folder, the
+    interpreter) are written as <tmp> and <python>."""
+    from harness.executors.slurm import batch_script
+
+    exp = tmp_path / "repo" / "experiments" / "golden run"
+    cfg = config.compose([("golden", OmegaConf.create({
+        "image": "none", "entry": "train.py:train", "executor": "slurm", "world_size": 4, "threads_per_rank": 2,
+        "slurm": {"nodes": 2, "partition": "debug", "time": "01:00:00", "gpus_per_node": 1},
+    }))], executors.schema())
+    job = executors.Job(None, cfg, executors.JobInputs(tmp_path / "repo", exp), run_id="0123456789abcdef0123456789abcdef",
+                        resume_step=40)  # type: ignore[arg-type]  (the script needs no store)
+    script = batch_script(job, exp, tmp_path / "jobs" / job.run_id, f"sqlite:///{tmp_path}/store dir/mlflow.db")
+    normal = script.replace(sys.executable, "<python>").replace(str(tmp_path), "<tmp>")
+    if REGEN_GOLDEN:
+        SBATCH_GOLDEN.write_text(normal)
+    assert normal == SBATCH_GOLDEN.read_text(), "the sbatch script changed; HARNESS_REGEN_GOLDEN=1 rewrites the golden file"
+
+
 # -- a backend from outside harness, through a real entry point -----------------------------------------------
 
 
 def _toy_env(tmp_path: Path) -> dict[str, str]:
-    """PYTHONPATH holding a distribution that declares tests/toy_backend as the `inline` executor."""
+    """PYTHONPATH holding a distribution that declares tests/toy_backend as the `inline` executor and
+    tests/toy_backend/child.py as the `child` one."""
     dist = tmp_path / "dist" / "toy_backend-0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text("[harness.executors]\ninline = toy_backend:BACKEND\n")
+    (dist / "entry_points.txt").write_text("[harness.executors]\ninline = toy_backend:BACKEND\nchild = toy_backend.child:BACKEND\n")
     path = [str(tmp_path / "dist"), str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {"PYTHONPATH": os.pathsep.join(path)}
 
@@ -138,7 +166,7 @@ def _toy_env(tmp_path: Path) -> dict[str, str]:
 def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_project: Project, tmp_path: Path) -> None:
     env = _toy_env(tmp_path)
     helped = fresh_project.harness("run", "--help", env=env)
-    assert helped.returncode == 0 and "--inline-label" in helped.stdout and "slurm|inline]" in helped.stdout
+    assert helped.returncode == 0 and "--inline-label" in helped.stdout and "slurm|inline|child]" in helped.stdout
 
     run = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "inline", "--inline-label", "lab-7",
                                 "train.epochs=1", "checkpoint_every=5", env=env)
@@ -163,13 +191,30 @@ def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_p
     assert len(fresh_project.all_runs()) == before
 
 
+def test_a_backend_written_from_the_seam_alone_runs_and_replays_bitwise(fresh_project: Project, tmp_path: Path) -> None:
+    """tests/toy_backend/child.py imports only harness/executors/base.py (and harness.errors): it records the run,
+    runs it as `harness _execute` in a child process, and its runs replay through it."""
+    source = (TESTS_DIR / "toy_backend" / "child.py").read_text()
+    assert {line.split()[1] for line in source.splitlines() if line.startswith("from harness")} == \
+        {"harness.errors", "harness.executors.base"}
+    env = _toy_env(tmp_path)
+    run = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "child", "train.epochs=1", env=env)
+    assert run.returncode == 0, run.stderr
+    assert fresh_project.client().get_run(run.last_line).data.tags[T.EXECUTOR] == "child"
+    replay = fresh_project.harness("replay", run.last_line, env=env)
+    assert replay.returncode == 0, replay.stderr
+    assert "verdict: BITWISE" in replay.stdout
+    replayed = fresh_project.client().get_run(replay.last_line)
+    assert (replayed.data.tags[T.EXECUTOR], replayed.info.status) == ("child", "FINISHED")
+
+
 def test_an_unknown_executor_is_one_line_naming_the_known_ones(fresh_project: Project, tmp_path: Path) -> None:
     env = _toy_env(tmp_path)
     for args in (["--executor", "k8s"], ["executor=k8s"]):
         result = fresh_project.harness("run", "experiments/linear_ddp", *args, env=env)
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert "'k8s'" in result.stderr and "local, docker, slurm, inline" in result.stderr, result.stderr
+        assert "'k8s'" in result.stderr and "local, docker, slurm, inline, child" in result.stderr, result.stderr
     assert fresh_project.all_runs() == []
 
 

@@ -277,3 +277,85 @@ def test_docker_forwards_the_hosts_numerics_variables_and_gives_only_the_visible
     single = docker.run_args("img", workdir_host=tmp_path, workdir_container="/w", mounts=[], env={},
                              gpus=True, command=["true"], name="n")
     assert single[single.index("--gpus") + 1] == "all"
+
+
+# -- the remote base (harness/executors/remote.py): what docker and slurm share ---------------------------------
+
+
+class _Gone(Exception):
+    pass
+
+
+def _remote_backend(ended: object = None, closes: str | None = None, fail_launch: bool = False) -> type:
+    """A remote backend whose job 'ran' elsewhere: its handle closes the run `closes` (None: leaves it RUNNING, as
+    a job killed from outside does) and reports `ended`; with `fail_launch` the launch raises."""
+    from harness.executors.remote import RemoteExecutor, RemoteHandle
+
+    class Handle(RemoteHandle):
+        def poll(self) -> str:
+            return "RUNNING"
+
+        def stop(self) -> None:
+            pass
+
+        def follow(self):  # type: ignore[no-untyped-def]
+            if closes is not None:
+                self.job.tracker.end_run(self.job.run_id, closes)
+            return ended
+
+    class Remote(RemoteExecutor):
+        name = "remote"
+
+        def launch(self, job, on_event, code):  # type: ignore[no-untyped-def]
+            if fail_launch:
+                raise _Gone("the cluster refused the job")
+            return Handle(job, code)
+
+    return Remote
+
+
+def test_the_remote_base_records_closes_what_vanished_and_says_the_outcome(tmp_path: Path) -> None:
+    from harness.executors.remote import Ended
+    from harness.store.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = config.compose([("x", OmegaConf.create({"image": "none", "entry": "train.py:train"}))], executors.schema())
+
+    created: list[str] = []
+
+    def record(tags: dict[str, str]) -> str:
+        created.append(tracker.create_run("remote", {T.KIND: T.KIND_RUN, **tags}))
+        return created[-1]
+
+    def job() -> executors.Job:
+        return executors.Job(tracker, cfg, executors.JobInputs(tmp_path, tmp_path), record=record)
+
+    def close(remote: type, signum: int | None = None) -> tuple[executors.Outcome, dict[str, str]]:
+        handle = remote().start(job(), lambda event: None)
+        if signum is not None:
+            handle.cancel(signum)
+        outcome = handle.wait()
+        assert handle.status() == outcome.status == tracker.get_run(outcome.run_id).status  # closed, and says so
+        return outcome, tracker.get_run(outcome.run_id).tags
+
+    # The job closed its run: the outcome is the run's, the exit code the job's.
+    outcome, _ = close(_remote_backend(Ended(0, "unused"), closes="FINISHED"))
+    assert (outcome.status, outcome.exit_code, outcome.message) == ("FINISHED", 0, "")
+    outcome, _ = close(_remote_backend(Ended(3, "the job exited with code 3"), closes="FAILED"))
+    assert (outcome.status, outcome.exit_code, outcome.message) == ("FAILED", 3, "the job exited with code 3")
+    # It vanished with its run open: closed here, FAILED with the reason, or KILLED when stopped from outside.
+    outcome, tags = close(_remote_backend(Ended(137, "x", vanished="the job died before the run ended")))
+    assert (outcome.status, outcome.exit_code, outcome.message) == ("FAILED", 1, "the job died before the run ended")
+    assert tags[T.STATUS_REASON] == "the job died before the run ended"
+    outcome, _ = close(_remote_backend(Ended(0, "x", vanished="the scheduler cancelled it", killed=True)))
+    assert (outcome.status, outcome.exit_code) == ("KILLED", 1)
+    # Cancelled here (Ctrl-C): KILLED, 128 + the signal.
+    outcome, _ = close(_remote_backend(Ended(143, "x")), signum=2)
+    assert (outcome.status, outcome.exit_code) == ("KILLED", 130)
+    # A launch that fails closes the recorded run FAILED with its reason, and raises.
+    with pytest.raises(_Gone):
+        _remote_backend(fail_launch=True)().start(job(), lambda event: None)
+    failed = tracker.get_run(created[-1])
+    assert (failed.status, failed.tags[T.STATUS_REASON]) == ("FAILED", "the cluster refused the job")
+    assert len(created) == 6  # one run per job, none left RUNNING
+    assert all(tracker.get_run(run_id).status != "RUNNING" for run_id in created)

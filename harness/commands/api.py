@@ -135,7 +135,7 @@ def topology(executor: str | None, placement: Placement, torchrun: bool = False)
         return None
     p = placement
     if p.nnodes is None and p.node_rank is None and p.master_addr is None and p.master_port is None:
-        # What a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node.
+        # What a scheduler set in the environment (a backend's own variables, else NODE_RANK & co), else one node.
         return topology_from_env() or Topology()
     if p.nnodes is None:
         raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")

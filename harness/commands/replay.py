@@ -153,7 +153,7 @@ def replay(
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
         cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))], executors.schema())
         changes.append(f"executor={executor}")
-    if placement:  # --nodes, --partition, ...: where a Slurm replay runs, likewise
+    if placement:  # the backends' options (--nodes, --partition, ...): where the replay runs, likewise
         cfg = compose([("recorded config", cfg), ("backend options", parse_overrides(placement))], executors.schema())
         validate(cfg, None, executors.schema())
         changes.extend(placement)

@@ -88,7 +88,7 @@ def test_topology_from_slurm_variables() -> None:
            "MASTER_ADDR": "198.51.100.1", "MASTER_PORT": "20042"}
     topo = topology_from_env(env)
     assert topo == Topology(nnodes=2, node_rank=1, master_addr="198.51.100.1", master_port=20042, launcher="slurm",
-                            scheduler={"job_id": "42", "nodelist": "node[1-2]"})
+                            scheduler={T.SLURM_JOB_ID: "42", T.SLURM_NODELIST: "node[1-2]"})
 
 
 def test_topology_from_plain_variables_and_none_without_them() -> None:

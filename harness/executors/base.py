@@ -58,7 +58,8 @@ class Topology:
     master_addr: str | None = None  # where node 0's rendezvous store listens; None on a single node
     master_port: int = 0
     launcher: str = "spawn"  # spawn | slurm | torchrun: who started this process
-    scheduler: dict[str, str] = field(default_factory=dict)  # e.g. the Slurm job id and node list
+    # The tags the backend that placed this process gives the run (Backend.place: Slurm's job id and node list).
+    scheduler: dict[str, str] = field(default_factory=dict)
 
     @property
     def multi_node(self) -> bool:

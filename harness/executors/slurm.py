@@ -144,7 +144,7 @@ def place(env: Mapping[str, str]) -> Topology | None:
     MASTER_PORT the batch script exported; None outside a Slurm job."""
     if "SLURM_NODEID" not in env or "SLURM_NNODES" not in env or not env.get("SLURM_JOB_ID"):
         return None
-    scheduler = {"job_id": env["SLURM_JOB_ID"], "nodelist": env.get("SLURM_JOB_NODELIST", "")}
+    scheduler = {T.SLURM_JOB_ID: env["SLURM_JOB_ID"], T.SLURM_NODELIST: env.get("SLURM_JOB_NODELIST", "")}
     return node_topology(env, env["SLURM_NODEID"], env["SLURM_NNODES"], "slurm", scheduler)
 
 

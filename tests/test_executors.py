@@ -46,6 +46,14 @@ def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_fol
     assert executors.options_for("docker", allow_unpinned=True, quiet=True) == \
         executors.backend("docker").options(quiet=True, allow_unpinned=True)  # type: ignore[call-arg]
     assert executors.options_for("local", allow_unpinned=True) == executors.JobOptions()
+    # What the commands ask of a backend, declared by each (none of them tests a name).
+    asked = ("ranks_here", "early_ranks", "parallel_members", "runs_working_tree", "places_nodes", "executes")
+    assert {n: tuple(getattr(b, a) for a in asked) for n, b in executors.backends().items()} == {
+        "local": (True, True, True, True, False, ""),
+        "docker": (False, False, False, True, False, "local"),
+        "slurm": (False, False, False, False, True, "local"),
+    }
+    assert executors.backend("slurm").place is not None and executors.backend("local").place is None
 
 
 def test_a_backend_registered_in_process_brings_its_section_into_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -254,7 +254,7 @@ def preflight(
         raise HarnessError(redaction.patch_refusal(in_diff))
     if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
         where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
-        if declared.runs_checkout:  # it runs a checkout of the record: code without them
+        if not declared.runs_working_tree:  # it runs a checkout of the record: code without them
             raise HarnessError(
                 f"--allow-secret-in-diff cuts the secrets at {', '.join(where)} from the recorded code, and the "
                 f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "

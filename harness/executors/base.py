@@ -251,7 +251,8 @@ class Backend:
     # entry script must guard its __main__, and torchrun may start this process as one of them
     early_ranks: bool = False  # a single node's ranks start (and import torch) before the run is recorded (warm ranks)
     parallel_members: bool = False  # a study may run several members at once (--parallel)
-    runs_checkout: bool = False  # the ranks run a checkout of the recorded code, not the working tree
+    runs_working_tree: bool = False  # the ranks run the working tree as it is, not a checkout of the recorded code
+    # (--allow-secret-in-diff cuts secrets from the record only: a checkout would run code without them)
     places_nodes: bool = False  # it chooses the job's nodes itself (a scheduler): --nnodes & co do not apply, and
     # the submitting process is none of them
     # How a process this backend started learns its place in the job, from its environment (Slurm: SLURM_NODEID

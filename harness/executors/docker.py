@@ -219,7 +219,8 @@ def check(cfg: DictConfig) -> None:
 
 
 BACKEND = Backend(
-    name="docker", executor=DockerExecutor, check=check, options=DockerOptions, runs_segments=True, executes="local",
+    name="docker", executor=DockerExecutor, check=check, options=DockerOptions, runs_segments=True,
+    runs_working_tree=True, executes="local",
     help="inside the pinned image, by digest",
     cli=(CliOption("--allow-unpinned", "allow_unpinned", "Accept an image pinned by the moving 'latest' tag.", bool,
                    commands=("run",)),),

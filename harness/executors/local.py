@@ -84,7 +84,7 @@ class LocalExecutor(Executor):
 EXECUTOR = LocalExecutor
 BACKEND = Backend(
     name="local", executor=LocalExecutor, runs_segments=True,
-    ranks_here=True, early_ranks=True, parallel_members=True,
+    ranks_here=True, early_ranks=True, parallel_members=True, runs_working_tree=True,
     help="ranks run on this machine (or on several, one `harness run --nnodes` each)",
 )
 

@@ -192,7 +192,7 @@ class SlurmExecutor(RemoteExecutor):
 EXECUTOR = SlurmExecutor
 BACKEND = Backend(
     name="slurm", executor=SlurmExecutor, section=SlurmConfig, check=check, runs_segments=True,
-    runs_checkout=True, places_nodes=True, place=place, executes="local",
+    places_nodes=True, place=place, executes="local",
     help="submitted as a batch job, one task per node",
     cli=(
         CliOption("--nodes", "slurm_nodes", "slurm: nodes to run on (one task per node).", int, min=1, key="nodes"),

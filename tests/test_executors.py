@@ -223,6 +223,12 @@ def test_an_unknown_executor_is_one_line_naming_the_known_ones(fresh_project: Pr
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "'k8s'" in result.stderr and "local, docker, slurm, inline, child" in result.stderr, result.stderr
+    # What a command asks of a backend is its declaration: only one with parallel_members runs a study's members at once.
+    parallel = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "child", "--seeds", "2",
+                                     "--parallel", "2", env=env)
+    assert parallel.returncode == 2
+    assert parallel.stderr.strip().splitlines()[-1] == \
+        "Error: --parallel 2 needs the local executor (this study runs on child); drop --parallel.", parallel.stderr
     assert fresh_project.all_runs() == []
 
 

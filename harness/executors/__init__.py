@@ -2,7 +2,9 @@
 
 A backend is one module that declares `BACKEND`, a `Backend`: its name, its `Executor`, its config section
 (a dataclass, merged into the experiment schema under its name), its command-line options (`CliOption`,
-which harness/cli turns into click options) and whether it can re-execute segments (audit, trace).
+which harness/cli turns into click options), whether it can re-execute segments (audit, trace) and what the
+commands need to know of its jobs (where its ranks run, how its processes learn their place: base.Backend). The
+registry builds the experiment schema from the sections (`schema()`), which harness.config takes as an argument.
 
 The built-in backends are modules of this package (`BUILTIN`; torchrun is a launcher mode of local, not a
 backend). A backend from another package registers through the `harness.executors` entry-point group:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import importlib.util
 import json
 import re
@@ -163,8 +164,8 @@ class ExperimentConfig:
 # -- the backends' sections ---------------------------------------------------------------------------------
 # Which executors exist, and the config section each brings, is declared by the backends themselves
 # (harness/executors: one module per backend, and outside packages through the `harness.executors` entry
-# points). That registry tells this module; the schema is ExperimentConfig with every backend's section
-# after `executor`, in the order the backends registered.
+# points). That registry builds the `Schema` (executors.schema()) and every function here that reads a config
+# takes it: this module is a leaf and knows no backend.
 
 
 @dataclass(frozen=True)
@@ -174,40 +175,33 @@ class BackendSchema:
     check: Callable[[DictConfig], None] | None = None  # run by validate() on every config
 
 
-_BACKENDS: dict[str, BackendSchema] = {}
-_schema_cache: dict[tuple[str, ...], type] = {}
+@dataclass(frozen=True)
+class Schema:
+    """The experiment schema: ExperimentConfig with every backend's section after `executor`, in the order given."""
 
+    backends: tuple[BackendSchema, ...] = ()
 
-def register_backend(schema: BackendSchema) -> None:
-    """Add (or replace) a backend's name and section in the experiment schema (called by harness.executors)."""
-    _BACKENDS[schema.name] = schema
-    _schema_cache.clear()
+    def names(self) -> list[str]:
+        return [b.name for b in self.backends]
 
-
-def backends() -> dict[str, BackendSchema]:
-    """The known backends by name. Loading the registry is what registers them: this module is a leaf and
-    imports no backend, so a caller that never imported harness.executors gets it loaded here, by name."""
-    if not _BACKENDS:
-        importlib.import_module("harness.executors").backends()
-    return dict(_BACKENDS)
-
-
-def schema_class() -> type:
-    """ExperimentConfig with each backend's section inserted after `executor` (a dataclass made once per registry)."""
-    known = backends()
-    key = tuple(f"{n}:{id(b.section)}" for n, b in known.items())
-    if key not in _schema_cache:
+    @functools.cached_property
+    def cls(self) -> type:
+        """ExperimentConfig with each backend's section inserted after `executor` (a dataclass made once)."""
         fields: list[Any] = []
         for f in dataclasses.fields(ExperimentConfig):
             fields.append((f.name, f.type, f))
             if f.name == "executor":
-                fields += [(n, b.section, field(default_factory=b.section)) for n, b in known.items() if b.section]
-        _schema_cache[key] = dataclasses.make_dataclass("ExperimentConfig", fields, namespace={"__module__": __name__})
-    return _schema_cache[key]
+                fields += [(b.name, b.section, field(default_factory=b.section)) for b in self.backends if b.section]
+        return dataclasses.make_dataclass("ExperimentConfig", fields, namespace={"__module__": __name__})
+
+    @functools.cached_property
+    def defaults(self) -> Any:
+        """An instance of `cls` with every default: what a key's type is, for the error lines."""
+        return self.cls()
 
 
-def _check_executor(cfg: DictConfig, source: str) -> None:
-    names = list(backends())
+def _check_executor(cfg: DictConfig, source: str, schema: Schema) -> None:
+    names = schema.names()
     if str(cfg.executor) not in names:
         raise ConfigError(f"{source}: invalid value {cfg.executor!r} for 'executor'; expected one of {', '.join(names)}.")
 
@@ -230,7 +224,9 @@ def _valid_keys(node: Any) -> str:
         return "?"
 
 
-def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictConfig, base: DictConfig) -> ConfigError:
+def _explain(
+    err: oc_errors.OmegaConfBaseException, source: str, schema: DictConfig, base: DictConfig, defaults: Any,
+) -> ConfigError:
     """Turn an OmegaConf error into one line naming the key and the valid choices."""
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
     if isinstance(err, oc_errors.ConfigKeyError):
@@ -248,7 +244,7 @@ def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictCon
         )
     if isinstance(err, oc_errors.ValidationError):
         listed = re.sub(r"\[\d+\]$", "", str(key))  # an item of a list (profile.steps[0]): the list's key
-        default = _default_of(listed)
+        default = _default_of(defaults, listed)
         if isinstance(default, enum.Enum):
             expected = "one of " + ", ".join(m.value for m in type(default))
         elif isinstance(default, list):
@@ -263,8 +259,8 @@ def _explain(err: oc_errors.OmegaConfBaseException, source: str, schema: DictCon
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
-def _default_of(key: str) -> Any:
-    obj: Any = schema_class()()
+def _default_of(defaults: Any, key: str) -> Any:
+    obj: Any = defaults
     for part in key.split("."):
         if hasattr(obj, part):
             obj = getattr(obj, part)
@@ -273,26 +269,26 @@ def _default_of(key: str) -> Any:
     return obj
 
 
-def _yaml_words(node: Any, prefix: str = "") -> Any:
+def _yaml_words(node: Any, defaults: Any, prefix: str = "") -> Any:
     """YAML 1.1 reads a bare `off` (also `no`, `on`, `yes`) as a boolean: for a field whose values are an Enum
     with a member `off` / `on` (determinism.level), the word the user wrote is meant, not the boolean."""
     if isinstance(node, dict):
-        return {k: _yaml_words(v, f"{prefix}{k}.") for k, v in node.items()}
+        return {k: _yaml_words(v, defaults, f"{prefix}{k}.") for k, v in node.items()}
     if isinstance(node, bool):
-        default = _default_of(prefix.rstrip("."))
+        default = _default_of(defaults, prefix.rstrip("."))
         word = "on" if node else "off"
         if isinstance(default, enum.Enum) and word in type(default).__members__:
             return word
     return node
 
 
-def _merge(base: DictConfig, other: Any, source: str, schema: DictConfig) -> DictConfig:
+def _merge(base: DictConfig, other: Any, source: str, schema: DictConfig, defaults: Any) -> DictConfig:
     if isinstance(other, DictConfig):
-        other = OmegaConf.create(_yaml_words(OmegaConf.to_container(other)))
+        other = OmegaConf.create(_yaml_words(OmegaConf.to_container(other), defaults))
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except oc_errors.OmegaConfBaseException as err:
-        raise _explain(err, source, schema, base) from None
+        raise _explain(err, source, schema, base, defaults) from None
     except (ValueError, TypeError) as err:  # e.g. a YAML value OmegaConf cannot hold
         raise ConfigError(f"{source}: {str(err).splitlines()[0] if str(err) else type(err).__name__}.") from None
 
@@ -383,15 +379,15 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
 
 
-def compose(sources: list[tuple[str, Any]]) -> DictConfig:
-    """Merge config fragments (name, content) onto the schema and validate the result."""
-    schema = OmegaConf.structured(schema_class())
-    cfg = schema
+def compose(sources: list[tuple[str, Any]], schema: Schema) -> DictConfig:
+    """Merge config fragments (name, content) onto the schema (harness.executors.schema()) and validate the result."""
+    structured = OmegaConf.structured(schema.cls)
+    cfg = structured
     for name, content in sources:
-        _check_sections(content, schema, name)
-        cfg = _merge(cfg, content, name, schema)
+        _check_sections(content, structured, name)
+        cfg = _merge(cfg, content, name, structured, schema.defaults)
         if isinstance(content, DictConfig) and "executor" in content:
-            _check_executor(cfg, name)
+            _check_executor(cfg, name, schema)
     return cfg
 
 
@@ -416,7 +412,7 @@ def _check_sections(content: Any, schema: DictConfig, source: str, prefix: str =
 
 
 def load_experiment(
-    exp_dir: Path, overrides: list[str] | None = None, check_entry: bool = True
+    exp_dir: Path, overrides: list[str] | None = None, check_entry: bool = True, *, schema: Schema,
 ) -> DictConfig:
     """Read EXP_DIR/experiment.yaml, apply overrides, validate; nothing runs before this passes."""
     exp_dir = Path(exp_dir)
@@ -440,9 +436,9 @@ def load_experiment(
     sources: list[tuple[str, Any]] = [(str(path), content)]
     if overrides:
         sources.append(("overrides", parse_overrides(overrides)))
-    cfg = compose(sources)
+    cfg = compose(sources, schema)
     check_resolvable(cfg)
-    validate(cfg, exp_dir if check_entry else None)
+    validate(cfg, exp_dir if check_entry else None, schema)
     return cfg
 
 
@@ -522,7 +518,7 @@ def check_profile(profile: Any, world_size: int) -> None:
                           f"got {profile.samples_per_step}.")
 
 
-def validate(cfg: DictConfig, exp_dir: Path | None) -> None:
+def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
     """Checks the schema cannot express: required keys, ranges, the entry function exists."""
     if OmegaConf.is_missing(cfg, "image"):
         raise ConfigError(
@@ -560,7 +556,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None) -> None:
             "image is empty; pin a container image as name:tag or name@sha256:<digest>, or write `image: none` "
             "for an experiment that only runs locally."
         )
-    for backend in backends().values():  # each backend's own checks (its section, what it needs)
+    for backend in schema.backends:  # each backend's own checks (its section, what it needs)
         if backend.check is not None:
             backend.check(cfg)
     for name in ("default", *cfg.replay.tolerance.metrics.keys()):
@@ -622,10 +618,10 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
-def from_yaml(text: str, source: str = "recorded config") -> DictConfig:
+def from_yaml(text: str, schema: Schema, source: str = "recorded config") -> DictConfig:
     """A stored resolved config back into a validated DictConfig (replay never reads the folder's YAML)."""
-    cfg = compose([(source, OmegaConf.create(text))])
-    validate(cfg, None)
+    cfg = compose([(source, OmegaConf.create(text))], schema)
+    validate(cfg, None, schema)
     return cfg
 
 

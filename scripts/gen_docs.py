@@ -138,7 +138,7 @@ def render_schema() -> str:
     """Every section of the experiment schema (harness/config.py): key, type, default and doc."""
     config = importlib.import_module("harness.config")
     executors = importlib.import_module("harness.executors")
-    root = config.schema_class()  # ExperimentConfig with every registered backend's section after `executor`
+    root = executors.schema().cls  # ExperimentConfig with every registered backend's section after `executor`
     # The schema's own fields are documented in ExperimentConfig; a backend's section by the backend.
     backend_docs = {name: f"The {name} backend's settings ({b.help}); declared in `{b.executor.__module__}`."
                     for name, b in executors.backends().items() if b.section is not None}

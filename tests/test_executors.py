@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from pathlib import Path
 
+import click
 import pytest
 from omegaconf import OmegaConf
 
@@ -17,16 +19,16 @@ from conftest import CPU, TESTS_DIR, Project
 
 from harness import config, executors, tags as T
 from harness.errors import ConfigError, HarnessError
-from harness.executors import Backend, CliOption, Topology
+from harness.executors import Backend, CliOption, Topology, topology_from_env
 from harness.executors.base import Executor
-from harness.executors.multinode import check_topology, differing, topology_from_env
+from harness.executors.multinode import check_topology, differing
 
 # harness.cli exposes the function `main`, which shadows the module of that name.
 cli = importlib.import_module("harness.cli.main")
 
 
 def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_follow_the_registry() -> None:
-    assert list(executors.backends()) == list(executors.BUILTIN) == list(config.backends())
+    assert list(executors.backends()) == list(executors.BUILTIN) == executors.schema().names()
     for name in executors.BUILTIN:
         declared = executors.backend(name)
         assert importlib.import_module(f"harness.executors.{name}").BACKEND is declared
@@ -44,6 +46,14 @@ def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_fol
     assert executors.options_for("docker", allow_unpinned=True, quiet=True) == \
         executors.backend("docker").options(quiet=True, allow_unpinned=True)  # type: ignore[call-arg]
     assert executors.options_for("local", allow_unpinned=True) == executors.JobOptions()
+    # What the commands ask of a backend, declared by each (none of them tests a name).
+    asked = ("ranks_here", "early_ranks", "parallel_members", "runs_working_tree", "places_nodes", "executes")
+    assert {n: tuple(getattr(b, a) for a in asked) for n, b in executors.backends().items()} == {
+        "local": (True, True, True, True, False, ""),
+        "docker": (False, False, False, True, False, "local"),
+        "slurm": (False, False, False, False, True, "local"),
+    }
+    assert executors.backend("slurm").place is not None and executors.backend("local").place is None
 
 
 def test_a_backend_registered_in_process_brings_its_section_into_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,22 +66,29 @@ def test_a_backend_registered_in_process_brings_its_section_into_the_schema(monk
         if cfg.queue.slots < 1:  # type: ignore[attr-defined]
             raise ConfigError("queue.slots must be >= 1.")
 
+    executors.backends()  # the built-in ones loaded into the registry the test copies (and restores)
     monkeypatch.setattr(executors, "_REGISTRY", dict(executors._REGISTRY))
-    monkeypatch.setattr(config, "_BACKENDS", dict(config._BACKENDS))
-    monkeypatch.setattr(config, "_schema_cache", {})
+    monkeypatch.setattr(executors, "_schema", None)
     executors.register(Backend("queue", executors.get("local").__class__, section=QueueConfig, check=check,
+                               help="slots on a queue of its own",
                                cli=(CliOption("--queue", "queue_name", "queue: its name.", key="name"),)))
+    # --executor's help is the registry's: every backend's own line, the new one's included.
+    for command in (cli.run, cli.replay):
+        option = next(p for p in command.params if p.name == "executor")
+        shown = option.get_help_record(click.Context(command))[1]
+        assert "docker: inside the pinned image, by digest" in shown and "queue: slots on a queue of its own" in shown
     base = {"image": "none", "entry": "train.py:train"}
-    cfg = config.compose([("experiment.yaml", OmegaConf.create({**base, "executor": "queue", "queue": {"slots": 2}}))])
+    cfg = config.compose([("experiment.yaml", OmegaConf.create({**base, "executor": "queue", "queue": {"slots": 2}}))], executors.schema())
     assert (cfg.executor, cfg.queue.name, cfg.queue.slots, cfg.slurm.nodes) == ("queue", "default", 2, 1)
     assert list(cfg.keys()).index("queue") == list(cfg.keys()).index("executor") + 2  # after slurm, its sections
     with pytest.raises(ConfigError, match=r"^experiment.yaml: invalid value 'x' for 'queue.slots'; expected an integer"):
-        config.compose([("experiment.yaml", OmegaConf.create({**base, "queue": {"slots": "x"}}))])
+        config.compose([("experiment.yaml", OmegaConf.create({**base, "queue": {"slots": "x"}}))], executors.schema())
     with pytest.raises(ConfigError, match="^queue.slots must be >= 1"):
-        config.validate(config.compose([("x", OmegaConf.create({**base, "queue": {"slots": 0}}))]), None)
+        schema = executors.schema()
+        config.validate(config.compose([("x", OmegaConf.create({**base, "queue": {"slots": 0}}))], schema), None, schema)
     with pytest.raises(ConfigError, match=r"^x: invalid value 'k8s' for 'executor'; expected one of local, docker, "
                                           r"slurm, queue\.$"):
-        config.compose([("x", OmegaConf.create({**base, "executor": "k8s"}))])
+        config.compose([("x", OmegaConf.create({**base, "executor": "k8s"}))], executors.schema())
 
 
 def test_topology_from_slurm_variables() -> None:
@@ -79,7 +96,7 @@ def test_topology_from_slurm_variables() -> None:
            "MASTER_ADDR": "198.51.100.1", "MASTER_PORT": "20042"}
     topo = topology_from_env(env)
     assert topo == Topology(nnodes=2, node_rank=1, master_addr="198.51.100.1", master_port=20042, launcher="slurm",
-                            scheduler={"job_id": "42", "nodelist": "node[1-2]"})
+                            scheduler={T.SLURM_JOB_ID: "42", T.SLURM_NODELIST: "node[1-2]"})
 
 
 def test_topology_from_plain_variables_and_none_without_them() -> None:
@@ -114,15 +131,42 @@ def test_nodes_that_differ_are_named_and_per_node_facts_are_not() -> None:
     assert differing({0: base, 1: same, 2: other}) == {2: ["torch", "NCCL_ALGO"]}
 
 
+# -- the generated sbatch script, byte for byte ---------------------------------------------------------------
+SBATCH_GOLDEN = TESTS_DIR / "golden" / "sbatch.txt"
+# HARNESS_REGEN_GOLDEN=1 rewrites tests/golden/sbatch.txt from the script generated now (then review its diff);
+# without it the test compares.
+REGEN_GOLDEN = os.environ.get("HARNESS_REGEN_GOLDEN") == "1"
+
+
+def test_the_sbatch_script_is_the_golden_file(tmp_path: Path) -> None:
+    """Every option the slurm section and a resume put in the script; the paths that vary (this test's folder, the
+    interpreter) are written as <tmp> and <python>."""
+    from harness.executors.slurm import batch_script
+
+    exp = tmp_path / "repo" / "experiments" / "golden run"
+    cfg = config.compose([("golden", OmegaConf.create({
+        "image": "none", "entry": "train.py:train", "executor": "slurm", "world_size": 4, "threads_per_rank": 2,
+        "slurm": {"nodes": 2, "partition": "debug", "time": "01:00:00", "gpus_per_node": 1},
+    }))], executors.schema())
+    job = executors.Job(None, cfg, executors.JobInputs(tmp_path / "repo", exp), run_id="0123456789abcdef0123456789abcdef",
+                        resume_step=40)  # type: ignore[arg-type]  (the script needs no store)
+    script = batch_script(job, exp, tmp_path / "jobs" / job.run_id, f"sqlite:///{tmp_path}/store dir/mlflow.db")
+    normal = script.replace(sys.executable, "<python>").replace(str(tmp_path), "<tmp>")
+    if REGEN_GOLDEN:
+        SBATCH_GOLDEN.write_text(normal)
+    assert normal == SBATCH_GOLDEN.read_text(), "the sbatch script changed; HARNESS_REGEN_GOLDEN=1 rewrites the golden file"
+
+
 # -- a backend from outside harness, through a real entry point -----------------------------------------------
 
 
 def _toy_env(tmp_path: Path) -> dict[str, str]:
-    """PYTHONPATH holding a distribution that declares tests/toy_backend as the `inline` executor."""
+    """PYTHONPATH holding a distribution that declares tests/toy_backend as the `inline` executor and
+    tests/toy_backend/child.py as the `child` one."""
     dist = tmp_path / "dist" / "toy_backend-0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text("[harness.executors]\ninline = toy_backend:BACKEND\n")
+    (dist / "entry_points.txt").write_text("[harness.executors]\ninline = toy_backend:BACKEND\nchild = toy_backend.child:BACKEND\n")
     path = [str(tmp_path / "dist"), str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {"PYTHONPATH": os.pathsep.join(path)}
 
@@ -130,7 +174,7 @@ def _toy_env(tmp_path: Path) -> dict[str, str]:
 def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_project: Project, tmp_path: Path) -> None:
     env = _toy_env(tmp_path)
     helped = fresh_project.harness("run", "--help", env=env)
-    assert helped.returncode == 0 and "--inline-label" in helped.stdout and "slurm|inline]" in helped.stdout
+    assert helped.returncode == 0 and "--inline-label" in helped.stdout and "slurm|inline|child]" in helped.stdout
 
     run = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "inline", "--inline-label", "lab-7",
                                 "train.epochs=1", "checkpoint_every=5", env=env)
@@ -155,13 +199,36 @@ def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_p
     assert len(fresh_project.all_runs()) == before
 
 
+def test_a_backend_written_from_the_seam_alone_runs_and_replays_bitwise(fresh_project: Project, tmp_path: Path) -> None:
+    """tests/toy_backend/child.py imports only harness/executors/base.py (and harness.errors): it records the run,
+    runs it as `harness _execute` in a child process, and its runs replay through it."""
+    source = (TESTS_DIR / "toy_backend" / "child.py").read_text()
+    assert {line.split()[1] for line in source.splitlines() if line.startswith("from harness")} == \
+        {"harness.errors", "harness.executors.base"}
+    env = _toy_env(tmp_path)
+    run = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "child", "train.epochs=1", env=env)
+    assert run.returncode == 0, run.stderr
+    assert fresh_project.client().get_run(run.last_line).data.tags[T.EXECUTOR] == "child"
+    replay = fresh_project.harness("replay", run.last_line, env=env)
+    assert replay.returncode == 0, replay.stderr
+    assert "verdict: BITWISE" in replay.stdout
+    replayed = fresh_project.client().get_run(replay.last_line)
+    assert (replayed.data.tags[T.EXECUTOR], replayed.info.status) == ("child", "FINISHED")
+
+
 def test_an_unknown_executor_is_one_line_naming_the_known_ones(fresh_project: Project, tmp_path: Path) -> None:
     env = _toy_env(tmp_path)
     for args in (["--executor", "k8s"], ["executor=k8s"]):
         result = fresh_project.harness("run", "experiments/linear_ddp", *args, env=env)
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert "'k8s'" in result.stderr and "local, docker, slurm, inline" in result.stderr, result.stderr
+        assert "'k8s'" in result.stderr and "local, docker, slurm, inline, child" in result.stderr, result.stderr
+    # What a command asks of a backend is its declaration: only one with parallel_members runs a study's members at once.
+    parallel = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "child", "--seeds", "2",
+                                     "--parallel", "2", env=env)
+    assert parallel.returncode == 2
+    assert parallel.stderr.strip().splitlines()[-1] == \
+        "Error: --parallel 2 needs the local executor (this study runs on child); drop --parallel.", parallel.stderr
     assert fresh_project.all_runs() == []
 
 
@@ -224,3 +291,85 @@ def test_docker_forwards_the_hosts_numerics_variables_and_gives_only_the_visible
     single = docker.run_args("img", workdir_host=tmp_path, workdir_container="/w", mounts=[], env={},
                              gpus=True, command=["true"], name="n")
     assert single[single.index("--gpus") + 1] == "all"
+
+
+# -- the remote base (harness/executors/remote.py): what docker and slurm share ---------------------------------
+
+
+class _Gone(Exception):
+    pass
+
+
+def _remote_backend(ended: object = None, closes: str | None = None, fail_launch: bool = False) -> type:
+    """A remote backend whose job 'ran' elsewhere: its handle closes the run `closes` (None: leaves it RUNNING, as
+    a job killed from outside does) and reports `ended`; with `fail_launch` the launch raises."""
+    from harness.executors.remote import RemoteExecutor, RemoteHandle
+
+    class Handle(RemoteHandle):
+        def poll(self) -> str:
+            return "RUNNING"
+
+        def stop(self) -> None:
+            pass
+
+        def follow(self):  # type: ignore[no-untyped-def]
+            if closes is not None:
+                self.job.tracker.end_run(self.job.run_id, closes)
+            return ended
+
+    class Remote(RemoteExecutor):
+        name = "remote"
+
+        def launch(self, job, on_event, code):  # type: ignore[no-untyped-def]
+            if fail_launch:
+                raise _Gone("the cluster refused the job")
+            return Handle(job, code)
+
+    return Remote
+
+
+def test_the_remote_base_records_closes_what_vanished_and_says_the_outcome(tmp_path: Path) -> None:
+    from harness.executors.remote import Ended
+    from harness.store.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = config.compose([("x", OmegaConf.create({"image": "none", "entry": "train.py:train"}))], executors.schema())
+
+    created: list[str] = []
+
+    def record(tags: dict[str, str]) -> str:
+        created.append(tracker.create_run("remote", {T.KIND: T.KIND_RUN, **tags}))
+        return created[-1]
+
+    def job() -> executors.Job:
+        return executors.Job(tracker, cfg, executors.JobInputs(tmp_path, tmp_path), record=record)
+
+    def close(remote: type, signum: int | None = None) -> tuple[executors.Outcome, dict[str, str]]:
+        handle = remote().start(job(), lambda event: None)
+        if signum is not None:
+            handle.cancel(signum)
+        outcome = handle.wait()
+        assert handle.status() == outcome.status == tracker.get_run(outcome.run_id).status  # closed, and says so
+        return outcome, tracker.get_run(outcome.run_id).tags
+
+    # The job closed its run: the outcome is the run's, the exit code the job's.
+    outcome, _ = close(_remote_backend(Ended(0, "unused"), closes="FINISHED"))
+    assert (outcome.status, outcome.exit_code, outcome.message) == ("FINISHED", 0, "")
+    outcome, _ = close(_remote_backend(Ended(3, "the job exited with code 3"), closes="FAILED"))
+    assert (outcome.status, outcome.exit_code, outcome.message) == ("FAILED", 3, "the job exited with code 3")
+    # It vanished with its run open: closed here, FAILED with the reason, or KILLED when stopped from outside.
+    outcome, tags = close(_remote_backend(Ended(137, "x", vanished="the job died before the run ended")))
+    assert (outcome.status, outcome.exit_code, outcome.message) == ("FAILED", 1, "the job died before the run ended")
+    assert tags[T.STATUS_REASON] == "the job died before the run ended"
+    outcome, _ = close(_remote_backend(Ended(0, "x", vanished="the scheduler cancelled it", killed=True)))
+    assert (outcome.status, outcome.exit_code) == ("KILLED", 1)
+    # Cancelled here (Ctrl-C): KILLED, 128 + the signal.
+    outcome, _ = close(_remote_backend(Ended(143, "x")), signum=2)
+    assert (outcome.status, outcome.exit_code) == ("KILLED", 130)
+    # A launch that fails closes the recorded run FAILED with its reason, and raises.
+    with pytest.raises(_Gone):
+        _remote_backend(fail_launch=True)().start(job(), lambda event: None)
+    failed = tracker.get_run(created[-1])
+    assert (failed.status, failed.tags[T.STATUS_REASON]) == ("FAILED", "the cluster refused the job")
+    assert len(created) == 6  # one run per job, none left RUNNING
+    assert all(tracker.get_run(run_id).status != "RUNNING" for run_id in created)

@@ -551,11 +551,13 @@ def test_overrides_harness_writes_itself_read_back_as_their_values() -> None:
 def test_a_comma_inside_quotes_brackets_or_an_interpolation_is_a_value(project: Project, value: str, read) -> None:
     from omegaconf import OmegaConf
 
+    from harness import executors
     from harness.config import load_experiment
 
     result = project.cli("check", "experiments/linear_ddp", f"train.note={value}", "--json")
     assert result.returncode == 0, result.stderr
-    cfg = load_experiment(project.root / "experiments" / "linear_ddp", [f"train.note={value}"])
+    cfg = load_experiment(project.root / "experiments" / "linear_ddp", [f"train.note={value}"],
+                          schema=executors.schema())
     assert OmegaConf.to_container(cfg.train, resolve=True)["note"] == read
 
 
@@ -617,8 +619,9 @@ def test_validating_an_invariant_config_does_not_import_torch(tmp_path: Path) ->
         "from pathlib import Path\n"
         "from harness.config import load_experiment\n"
         "from harness.errors import ConfigError\n"
-        "load_experiment(Path(sys.argv[1]))\n"
-        "try:\n    load_experiment(Path(sys.argv[1]), ['determinism.shards=3'])\n"
+        "from harness.executors import schema\n"
+        "load_experiment(Path(sys.argv[1]), schema=schema())\n"
+        "try:\n    load_experiment(Path(sys.argv[1]), ['determinism.shards=3'], schema=schema())\n"
         "except ConfigError as err:\n    print(err)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )

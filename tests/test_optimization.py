@@ -18,6 +18,7 @@ from torch import nn
 import harness
 from harness import tags as T
 from harness.config import compose
+from harness.executors import schema
 from harness.errors import ExperimentError
 from harness.judge.compare import BITWISE, DIVERGED, compare_runs
 from harness.messages import Metrics, MetricsBatch, Optimization
@@ -138,7 +139,7 @@ def test_the_recorder_writes_the_set_up_as_tags_and_an_artifact(tmp_path: Path, 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = tracker.create_run("optimization", {T.VERSION: harness.__version__, T.EXECUTOR: "local"})
     (tmp_path / "work" / "logs").mkdir(parents=True)
-    recorder = Recorder(tracker, run_id, compose([("test", {})]), tmp_path / "work", lambda shown: None)
+    recorder = Recorder(tracker, run_id, compose([("test", {})], schema()), tmp_path / "work", lambda shown: None)
     recorder.start("cpu", "gloo")
     for msg in mixed:
         recorder.feed(msg)

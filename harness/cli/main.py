@@ -153,6 +153,21 @@ class _ExecutorName(click.ParamType):
 _EXECUTOR = _ExecutorName()
 
 
+class _ExecutorOption(click.Option):
+    """--executor: its help ends with every registered backend's own line (Backend.help), read from the registry
+    only when the help is shown (so that a command that runs no job never loads the backends)."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        from harness.executors import backends
+
+        own = self.help or ""
+        self.help = own + " " + "; ".join(f"{name}: {b.help}" for name, b in backends().items() if b.help) + "."
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.help = own
+
+
 class _BackendCommand(click.Command):
     """A command that takes the backends' own options (harness/executors: each backend declares its CliOptions).
 
@@ -205,9 +220,8 @@ def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1)
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
-@click.option("--executor", type=_EXECUTOR, default=None,
-              help="Where the ranks run (default: `executor` in experiment.yaml). docker: inside the pinned image; "
-                   "slurm: a batch job.")
+@click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
+              help="Where the ranks run (default: `executor` in experiment.yaml).")
 @_placement_options
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
@@ -352,8 +366,8 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",
               help="Read declared data NAME from PATH on this machine (e.g. where `harness import` put it). Repeatable.")
-@click.option("--executor", type=_EXECUTOR, default=None,
-              help="Where the replay runs (default: as recorded). docker runs the recorded image digest.")
+@click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
+              help="Where the replay runs (default: as recorded).")
 @_placement_options
 @click.option("--allow-incomplete", is_flag=True,
               help="Replay a FAILED or KILLED run and compare only the steps it reached.")
@@ -485,7 +499,8 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
 @click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
-@click.option("--executor", type=_EXECUTOR, default=None, help="--replay: where the replays run (default: as recorded).")
+@click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
+              help="--replay: where the replays run (default: as recorded).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors
@@ -829,7 +844,7 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_js
 def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
     """Run an already recorded run where this command runs (inside a container, or a Slurm job's task)."""
     from harness.commands import run as runner
-    from harness.executors.multinode import topology_from_env
+    from harness.executors import topology_from_env
 
     outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
     if outcome.message:

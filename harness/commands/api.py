@@ -36,8 +36,7 @@ from harness.commands.verify import VerifyResult
 from harness.config import as_override
 from harness.errors import HarnessError
 from harness.events import Listener
-from harness.executors import Outcome, Topology, backend, backends
-from harness.executors.multinode import topology_from_env
+from harness.executors import Outcome, Topology, backend, backends, topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 from harness.judge.compare import Comparison
 from harness.store.tracking import Tracker, full_ids
@@ -125,18 +124,18 @@ def known_executor(name: str | None) -> None:
 
 
 def topology(executor: str | None, placement: Placement, torchrun: bool = False) -> Topology | None:
-    """This process's place in the job; under torchrun (when `torchrun`), torchrun's layout. None: a Slurm
-    job's tasks learn their place from Slurm."""
+    """This process's place in the job; under torchrun (when `torchrun`), torchrun's layout. None: the backend
+    chooses the job's nodes (Backend.places_nodes: a scheduler's tasks learn their place from it)."""
     known_executor(executor)
     if torchrun:
         layout = _torchrun_layout(executor, placement.given())
         if layout is not None:
             return layout
-    if executor == "slurm":
+    if executor is not None and backend(executor).places_nodes:
         return None
     p = placement
     if p.nnodes is None and p.node_rank is None and p.master_addr is None and p.master_port is None:
-        # What a scheduler set in the environment (SLURM_NODEID, NODE_RANK, ...), else one node.
+        # What a scheduler set in the environment (a backend's own variables, else NODE_RANK & co), else one node.
         return topology_from_env() or Topology()
     if p.nnodes is None:
         raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
@@ -151,7 +150,7 @@ def _torchrun_layout(executor: str | None, given: list[str]) -> Topology | None:
     if given:
         raise HarnessError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
                            "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
-    if executor not in (None, "local"):
+    if executor is not None and not backend(executor).ranks_here:
         raise HarnessError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
                            f"apply. Run `harness run --executor {executor} ...` without torchrun.")
     return torchrun_topology(env)

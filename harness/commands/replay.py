@@ -74,8 +74,8 @@ def apply_changes(
         changes.append(f"world_size={world_size}")
     if len(fragments) == 1:
         return cfg, []
-    new = compose(fragments)
-    validate(new, None)
+    new = compose(fragments, executors.schema())
+    validate(new, None, executors.schema())
     return new, changes
 
 
@@ -151,11 +151,11 @@ def replay(
     changes = [redaction.redact_override(c, redaction.store_key(tracker.uri)) for c in changes]  # recorded and printed: no secret in them
     if executor is not None and executor != str(cfg.executor):
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
-        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))])
+        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))], executors.schema())
         changes.append(f"executor={executor}")
-    if placement:  # --nodes, --partition, ...: where a Slurm replay runs, likewise
-        cfg = compose([("recorded config", cfg), ("Slurm options", parse_overrides(placement))])
-        validate(cfg, None)
+    if placement:  # the backends' options (--nodes, --partition, ...): where the replay runs, likewise
+        cfg = compose([("recorded config", cfg), ("backend options", parse_overrides(placement))], executors.schema())
+        validate(cfg, None, executors.schema())
         changes.extend(placement)
     recorded.cfg = cfg
     # Before anything is recorded or launched: a calibration edited since its seal is refused here, not after the run.

@@ -236,8 +236,9 @@ def preflight(
             f"the experiment folder's name '{printable(name)}' is no plain name (it holds a newline, a tab or another "
             "control character, or a backslash, or is over 256 characters); it names the MLflow experiment, and a "
             "bundle of its runs could not be imported. Rename the folder.")
-    cfg = load_experiment(Path(exp_dir), overrides)
-    if warm_ranks and cfg.executor == "local" and nnodes == 1 and cfg.launcher is Launcher.forkserver:
+    cfg = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
+    declared = executors.backend(str(cfg.executor))
+    if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = gitsource.inspect(
         Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
@@ -253,7 +254,7 @@ def preflight(
         raise HarnessError(redaction.patch_refusal(in_diff))
     if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
         where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
-        if cfg.executor not in ("local", "docker"):  # the others run a checkout of the record: code without them
+        if not declared.runs_working_tree:  # it runs a checkout of the record: code without them
             raise HarnessError(
                 f"--allow-secret-in-diff cuts the secrets at {', '.join(where)} from the recorded code, and the "
                 f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "
@@ -296,7 +297,7 @@ def preflight(
             + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
             + gitsource.framework_hint(gitsource.framework_outputs(list(git.untracked)))
         )
-    if cfg.executor == "local":
+    if declared.ranks_here:
         here = max(cfg.world_size // nnodes, 1)
         device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
         warning = capacity_warning(device, here, cfg.threads_per_rank)
@@ -365,7 +366,7 @@ def run(
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
         # refuses before torchrun stops the others.
         check_config(torchrun, cfg.world_size)
-    elif cfg.executor == "local" and not topology.multi_node:
+    elif executors.backend(str(cfg.executor)).ranks_here and not topology.multi_node:
         procs.check_main_guarded()  # a script that would run again in every rank: said before "recording"
         # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
         # and the store, which take seconds.
@@ -400,8 +401,9 @@ def run(
 
 
 def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
-    """launch.Ranks for a local single-node job, started now (in a fresh work folder); None for any other."""
-    if cfg.executor != "local" or topology.multi_node or topology.launcher != "spawn":
+    """launch.Ranks for a single-node job of a backend that starts them early (Backend.early_ranks), started now
+    (in a fresh work folder); None for any other."""
+    if not executors.backend(str(cfg.executor)).early_ranks or topology.multi_node or topology.launcher != "spawn":
         return None
 
     from harness.executors import launch
@@ -432,7 +434,7 @@ def execute_recorded(
             container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id,
             redaction.store_key(tracker.uri),
         )
-        cfg = compose([("recorded config", OmegaConf.create(restored))])
+        cfg = compose([("recorded config", OmegaConf.create(restored))], executors.schema())
     code_dir = Path(code_dir)
     rel = confine.recorded_path(run.tags.get(T.EXPERIMENT_PATH, ""), "experiment folder", run_id)
     root = code_dir.resolve()
@@ -452,7 +454,7 @@ def execute_recorded(
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),
     )
-    return executors.run_job(executors.get("local"), job)
+    return executors.run_job(executors.executing(str(cfg.executor)), job)
 
 
 def _add_tags(tracker: Tracker, run_id: str, tags: dict[str, str]) -> str:

@@ -277,12 +277,14 @@ def run_study(
     seeds = resolve_seeds(None if cfg.seeds is None else list(cfg.seeds), int(cfg.seed), seeds_n)
     jobs_at_once = min(parallel or 1, len(seeds))
     backend = str(cfg.executor)
-    if jobs_at_once > 1 and backend != "local":
-        raise HarnessError(f"--parallel {parallel} needs the local executor (this study runs on {backend}); drop --parallel.")
+    declared = executors.backend(backend)
+    if jobs_at_once > 1 and not declared.parallel_members:
+        able = " or ".join(n for n, b in executors.backends().items() if b.parallel_members)  # Backend.parallel_members
+        raise HarnessError(f"--parallel {parallel} needs the {able} executor (this study runs on {backend}); drop --parallel.")
     warnings = list(checked.warnings)
     if len(seeds) < MIN_SEEDS:
         warnings.append(f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}: {FEW_SEEDS_WARNING}.")
-    if backend == "local":
+    if declared.ranks_here:
         device, _ = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
         warning = parallel_warning(jobs_at_once, cfg.world_size, cfg.threads_per_rank, device)
         if warning:
@@ -292,7 +294,7 @@ def run_study(
     if checked.data_stats is not None:
         _say(checked.data_stats.summary())
 
-    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))])
+    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))], executors.schema())
     tracker = Tracker(tracking_uri)
     name = Path(exp_dir).resolve().name
     given = named.name if named is not None else None
@@ -321,7 +323,8 @@ def run_study(
         with checkout(tracker, tracker.get_run(study_id), git.root) as (tree, tree_exp):
 
             def make_job(seed: int) -> Any:
-                member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))])
+                member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))],
+                                     executors.schema())
                 extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
 
                 def record(tags: dict[str, str]) -> str:

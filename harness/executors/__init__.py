@@ -2,7 +2,9 @@
 
 A backend is one module that declares `BACKEND`, a `Backend`: its name, its `Executor`, its config section
 (a dataclass, merged into the experiment schema under its name), its command-line options (`CliOption`,
-which harness/cli turns into click options) and whether it can re-execute segments (audit, trace).
+which harness/cli turns into click options), whether it can re-execute segments (audit, trace) and what the
+commands need to know of its jobs (where its ranks run, how its processes learn their place: base.Backend). The
+registry builds the experiment schema from the sections (`schema()`), which harness.config takes as an argument.
 
 The built-in backends are modules of this package (`BUILTIN`; torchrun is a launcher mode of local, not a
 backend). A backend from another package registers through the `harness.executors` entry-point group:
@@ -16,7 +18,8 @@ or, in-process, through `register(backend)`. run, replay, resume, audit and trac
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -47,11 +50,12 @@ ENTRY_POINTS = "harness.executors"  # the entry-point group of outside backends
 __all__ = [
     "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "Event", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
     "Outcome", "Output", "Submitted", "Topology", "backend", "backends", "get", "options_for", "register", "run",
-    "check_segments", "run_job", "run_segments",
+    "check_segments", "executing", "run_job", "run_segments", "schema", "topology_from_env",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
 _loaded = False
+_schema: config.Schema | None = None  # built from the registry at first use, again after each register()
 
 
 def _ensure_loaded() -> None:
@@ -67,8 +71,19 @@ def _ensure_loaded() -> None:
 def register(declared: Backend) -> None:
     """Make a backend known (in this process): `executor: NAME`, its section and its options."""
     _ensure_loaded()  # the built-in ones first, whoever registers first
+    global _schema
     _REGISTRY[declared.name] = declared
-    config.register_backend(config.BackendSchema(declared.name, declared.section, declared.check))
+    _schema = None
+
+
+def schema() -> config.Schema:
+    """The experiment schema the known backends make (each one's section after `executor`): what every function of
+    harness.config that reads a config takes."""
+    global _schema
+    _ensure_loaded()
+    if _schema is None:
+        _schema = config.Schema(tuple(config.BackendSchema(b.name, b.section, b.check) for b in _REGISTRY.values()))
+    return _schema
 
 
 def _load() -> None:
@@ -112,6 +127,25 @@ def options_for(name: str, **given: Any) -> JobOptions:
     kind = backend(name).options
     fields = set(getattr(kind, "__dataclass_fields__", {}))
     return kind(**{k: v for k, v in given.items() if k in fields})
+
+
+def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology | None:
+    """This process's place in a job when a scheduler started it (one task per node), else None: what a backend's
+    `place` reads from its own variables (Slurm's), else the plain variables any scheduler can set (multinode)."""
+    from harness.executors.multinode import topology_from_env as plain
+
+    env = os.environ if environ is None else environ
+    for declared in backends().values():
+        found = declared.place(env) if declared.place is not None else None
+        if found is not None:
+            return found
+    return plain(env)
+
+
+def executing(name: str) -> Executor:
+    """What `harness _execute` runs a recorded job of backend `name` with, where that backend sent it (a container,
+    a batch job's task): the backend it declares (`Backend.executes`), else itself."""
+    return get(backend(name).executes or name)
 
 
 def run(job: Job, on_event: Callable[[Event], None] | None = None) -> Outcome:

@@ -58,7 +58,8 @@ class Topology:
     master_addr: str | None = None  # where node 0's rendezvous store listens; None on a single node
     master_port: int = 0
     launcher: str = "spawn"  # spawn | slurm | torchrun: who started this process
-    scheduler: dict[str, str] = field(default_factory=dict)  # e.g. the Slurm job id and node list
+    # The tags the backend that placed this process gives the run (Backend.place: Slurm's job id and node list).
+    scheduler: dict[str, str] = field(default_factory=dict)
 
     @property
     def multi_node(self) -> bool:
@@ -244,6 +245,20 @@ class Backend:
     options: type[JobOptions] = JobOptions
     cli: tuple[CliOption, ...] = ()
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)
+    # What the commands need to know of the backend's jobs, declared here so that none of them tests a backend's
+    # name (tests/test_architecture.py: harness.commands imports no backend module).
+    ranks_here: bool = False  # the ranks run on this machine, under this process: the device is checked here, the
+    # entry script must guard its __main__, and torchrun may start this process as one of them
+    early_ranks: bool = False  # a single node's ranks start (and import torch) before the run is recorded (warm ranks)
+    parallel_members: bool = False  # a study may run several members at once (--parallel)
+    runs_working_tree: bool = False  # the ranks run the working tree as it is, not a checkout of the recorded code
+    # (--allow-secret-in-diff cuts secrets from the record only: a checkout would run code without them)
+    places_nodes: bool = False  # it chooses the job's nodes itself (a scheduler): --nnodes & co do not apply, and
+    # the submitting process is none of them
+    # How a process this backend started learns its place in the job, from its environment (Slurm: SLURM_NODEID
+    # & co); None where this backend did not start it.
+    place: Callable[[Mapping[str, str]], Topology | None] | None = None
+    executes: str = ""  # whose ranks run elsewhere: the backend that `harness _execute` runs them with there
 
 
 def run_job(

@@ -9,17 +9,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
 from harness import events, tags as T
 from harness.config import is_no_image, to_container
-from harness.errors import EXIT_FAILED, EXIT_OK, ConfigError, HarnessError, Interrupted
+from harness.errors import ConfigError, HarnessError
 from harness.executors.base import (
     FAILED,
     KILLED,
@@ -27,14 +25,10 @@ from harness.executors.base import (
     Backend,
     CliOption,
     Event,
-    Executor,
-    Handle,
     Job,
     JobOptions,
-    Outcome,
 )
-from harness.executors.local import LocalExecutor
-from harness.messages import Message
+from harness.executors.remote import Ended, RemoteExecutor, RemoteHandle, execute_command
 from harness.record.recorder import ENV_DIGEST
 from harness.record.redaction import redact
 from harness.secrets import env_name_is_secret
@@ -174,7 +168,7 @@ def _mounts(tracker: Tracker, run_id: str, data: dict[str, str]) -> list[tuple[P
     return [(p, str(p)) for p in unique]
 
 
-class DockerExecutor(Executor):
+class DockerExecutor(RemoteExecutor):
     name = "docker"
 
     def prepare(self, job: Job) -> dict[str, str]:
@@ -206,19 +200,9 @@ class DockerExecutor(Executor):
                                           f"recorded digest {digest} runs."))
         return image_tags(self.pinned)
 
-    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
-        if job.record is not None:
-            job.run_id = job.record(job.placement)
-        extra = [] if job.resume_step is None else ["--resume-step", str(job.resume_step)]
-        return ContainerHandle(job, self.pinned, extra)
-
-    # A docker run's segments (audit, trace) re-execute on this machine's ranks, outside the image, as the local
-    # backend runs them: what audit and trace have always done with one.
-    def check_segments(self, cfg: DictConfig) -> None:
-        LocalExecutor().check_segments(cfg)
-
-    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
-        LocalExecutor().run_segments(job, plans, on_message)
+    def launch(self, job: Job, on_event: Callable[[Event], None], code: contextlib.ExitStack) -> RemoteHandle:
+        # The code is mounted as it is (the repository root, or the replay's worktree): it needs no checkout.
+        return ContainerHandle(job, self.pinned)
 
 
 EXECUTOR = DockerExecutor
@@ -236,17 +220,18 @@ def check(cfg: DictConfig) -> None:
 
 BACKEND = Backend(
     name="docker", executor=DockerExecutor, check=check, options=DockerOptions, runs_segments=True,
+    runs_working_tree=True, executes="local",
     help="inside the pinned image, by digest",
     cli=(CliOption("--allow-unpinned", "allow_unpinned", "Accept an image pinned by the moving 'latest' tag.", bool,
                    commands=("run",)),),
 )
 
 
-class ContainerHandle(Handle):
+class ContainerHandle(RemoteHandle):
     """`docker run` of `harness _execute` for the job's run; its output streams to our stderr."""
 
-    def __init__(self, job: Job, image: PinnedImage, extra_args: list[str]) -> None:
-        self.job = job
+    def __init__(self, job: Job, image: PinnedImage) -> None:
+        super().__init__(job)
         self.name = f"harness-{job.run_id[:12]}"
         tracker = job.tracker
         host = host_environment(job.cfg.device.value, os.environ, _nvidia_smi_here())
@@ -259,30 +244,19 @@ class ContainerHandle(Handle):
             # by name: the tracking URI's value may hold the server's password, and so may a credential-named variable
             passed=("MLFLOW_TRACKING_URI", *sorted(host.by_name)),
             gpus=host.gpus or False,
-            command=["harness", "_execute", job.run_id, "--code-dir", f"{WORKSPACE}/{job.exp_rel}", *extra_args],
+            command=execute_command(job, f"{WORKSPACE}/{job.exp_rel}"),
             name=self.name,
         )
-        self.interrupted: list[int] = []
-        self.ended: str | None = None
         self.proc = docker.start_container(args, {**host.by_name, "MLFLOW_TRACKING_URI": tracker.uri})
 
-    def status(self) -> str:
-        if self.ended is not None:
-            return self.ended
+    def poll(self) -> str:
         return RUNNING if self.proc.poll() is None else (KILLED if self.interrupted else FAILED)
 
-    def cancel(self, signum: int) -> None:
-        self.interrupted.append(signum)
+    def stop(self) -> None:
         # Stopping the container sends SIGTERM to the harness inside, which marks the run KILLED.
-        threading.Thread(target=docker.stop_container, args=(self.name,), daemon=True).start()
+        docker.stop_container(self.name)
 
-    def wait(self) -> Outcome:
-        outcome = self._wait()
-        self.ended = outcome.status
-        return outcome
-
-    def _wait(self) -> Outcome:
-        tracker, run_id = self.job.tracker, self.job.run_id
+    def follow(self) -> Ended:
         try:
             code = self.proc.wait()
         finally:
@@ -291,22 +265,9 @@ class ContainerHandle(Handle):
             with contextlib.suppress(docker.DockerError):
                 if docker.container_exists(self.name):
                     docker.stop_container(self.name)
-        status = tracker.get_run(run_id).status
-        if self.interrupted:
-            signum = self.interrupted[0]
-            if status == T.RUNNING:
-                tracker.end_run(run_id, T.KILLED)
-                status = T.KILLED
-            return Outcome(run_id, status, 128 + signum, str(Interrupted(signum)))
-        if status == T.RUNNING:  # the container died without ending the run (OOM kill, engine error)
-            reason = f"container exited with code {code} before the run ended"
-            tracker.set_tags(run_id, {T.STATUS_REASON: reason})
-            tracker.end_run(run_id, T.FAILED)
-            return Outcome(run_id, T.FAILED, EXIT_FAILED, reason)
-        if status == T.FINISHED and code == EXIT_OK:
-            return Outcome(run_id, status, EXIT_OK, "")
-        reason = tracker.get_run(run_id).tags.get(T.STATUS_REASON, f"container exited with code {code}")
-        return Outcome(run_id, status, code if code else EXIT_FAILED, reason)
+        # A container that died without ending the run (OOM kill, engine error); a stopped one's run ends KILLED.
+        vanished = None if self.interrupted else f"container exited with code {code} before the run ended"
+        return Ended(code, f"container exited with code {code}", vanished)
 
 
 def _nvidia_smi_here() -> bool:

@@ -84,6 +84,7 @@ class LocalExecutor(Executor):
 EXECUTOR = LocalExecutor
 BACKEND = Backend(
     name="local", executor=LocalExecutor, runs_segments=True,
+    ranks_here=True, early_ranks=True, parallel_members=True, runs_working_tree=True,
     help="ranks run on this machine (or on several, one `harness run --nnodes` each)",
 )
 
@@ -107,9 +108,7 @@ class LocalHandle(RanksHandle):
         job, topo = self.job, self.job.topology
         tags = {**self.placement, T.NNODES: str(topo.nnodes), T.NPROC_PER_NODE: str(job.cfg.world_size // topo.nnodes),
                 T.LAUNCHER: topo.launcher, T.RANK_START: job.cfg.launcher.value}
-        if topo.scheduler.get("job_id"):
-            tags[T.SLURM_JOB_ID] = topo.scheduler["job_id"]
-            tags[T.SLURM_NODELIST] = topo.scheduler.get("nodelist", "")
+        tags.update(topo.scheduler)  # what the backend that placed this process tags the run with (Backend.place)
         try:
             if not topo.multi_node:
                 job.run_id = job.record(tags) if job.record else job.run_id

@@ -16,7 +16,7 @@ import json
 import os
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,24 +43,24 @@ def _last_line(err: BaseException) -> str:
     return text.splitlines()[-1] if text else type(err).__name__
 
 
-def topology_from_env(environ: dict[str, str] | None = None) -> Topology | None:
-    """The job's layout when a scheduler started this process (one task per node), else None.
-
-    Slurm: SLURM_NODEID / SLURM_NNODES, with MASTER_ADDR and MASTER_PORT set by the batch script.
-    Plain variables (NODE_RANK, NNODES, MASTER_ADDR, MASTER_PORT) work for any other scheduler.
-    """
+def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology | None:
+    """The job's layout from the plain variables any scheduler can set (NODE_RANK, NNODES, MASTER_ADDR,
+    MASTER_PORT), else None. A backend whose scheduler has variables of its own reads them itself (its
+    `Backend.place`; harness.executors.topology_from_env asks those first)."""
     env = os.environ if environ is None else environ
-    if "SLURM_NODEID" in env and "SLURM_NNODES" in env and env.get("SLURM_JOB_ID"):
-        node_rank, nnodes, launcher = env["SLURM_NODEID"], env["SLURM_NNODES"], "slurm"
-        scheduler = {"job_id": env["SLURM_JOB_ID"], "nodelist": env.get("SLURM_JOB_NODELIST", "")}
-    elif "NODE_RANK" in env and "NNODES" in env:
-        node_rank, nnodes, launcher, scheduler = env["NODE_RANK"], env["NNODES"], "spawn", {}
-    else:
+    if "NODE_RANK" not in env or "NNODES" not in env:
         return None
+    return node_topology(env, env["NODE_RANK"], env["NNODES"])
+
+
+def node_topology(
+    env: Mapping[str, str], node_rank: str, nnodes: str, launcher: str = "spawn", scheduler: dict[str, str] | None = None,
+) -> Topology:
+    """This node's Topology from a scheduler's node variables and the MASTER_ADDR/MASTER_PORT the job script set."""
     try:
         topo = Topology(
             nnodes=int(nnodes), node_rank=int(node_rank), master_addr=env.get("MASTER_ADDR") or None,
-            master_port=int(env.get("MASTER_PORT") or 0), launcher=launcher, scheduler=scheduler,
+            master_port=int(env.get("MASTER_PORT") or 0), launcher=launcher, scheduler=scheduler or {},
         )
     except ValueError as err:
         raise HarnessError(f"the scheduler's node variables are not numbers ({err}).") from err

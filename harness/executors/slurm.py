@@ -19,19 +19,16 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
 from harness import events, tags as T
 from harness.config import check_nodes
-from harness.errors import EXIT_FAILED, EXIT_OK, ConfigError, HarnessError, Interrupted
+from harness.errors import EXIT_FAILED, EXIT_OK, ConfigError, HarnessError
 from harness.executors.base import (
     FAILED,
     FINISHED,
@@ -41,16 +38,14 @@ from harness.executors.base import (
     Backend,
     CliOption,
     Event,
-    Executor,
-    Handle,
     Job,
-    Outcome,
     Output,
     Submitted,
+    Topology,
 )
 from harness.executors.common import local_image_tags
-from harness.executors.local import LocalExecutor
-from harness.messages import Message
+from harness.executors.multinode import node_topology
+from harness.executors.remote import Ended, RemoteExecutor, RemoteHandle, execute_command, this_python
 from harness.record.recorded import checkout
 from harness.store.reach import database_file
 
@@ -128,9 +123,7 @@ def batch_script(job: Job, exp_dir: Path, out: Path, tracking_uri: str) -> str:
         lines.append(f"#SBATCH --time={cfg.slurm.time}")
     if cfg.slurm.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={cfg.slurm.gpus_per_node}")
-    command = [sys.executable, "-m", "harness", "_execute", job.run_id, "--code-dir", str(Path(exp_dir).resolve())]
-    if job.resume_step is not None:
-        command += ["--resume-step", str(job.resume_step)]
+    command = execute_command(job, str(Path(exp_dir).resolve()), this_python())
     lines += [
         "set -euo pipefail",
         "# Node 0 (the first node of the allocation) hosts the job's rendezvous; its address, not its name,",
@@ -146,7 +139,16 @@ def batch_script(job: Job, exp_dir: Path, out: Path, tracking_uri: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-class SlurmExecutor(Executor):
+def place(env: Mapping[str, str]) -> Topology | None:
+    """A task of a Slurm job: its node from SLURM_NODEID / SLURM_NNODES, the rendezvous from the MASTER_ADDR and
+    MASTER_PORT the batch script exported; None outside a Slurm job."""
+    if "SLURM_NODEID" not in env or "SLURM_NNODES" not in env or not env.get("SLURM_JOB_ID"):
+        return None
+    scheduler = {T.SLURM_JOB_ID: env["SLURM_JOB_ID"], T.SLURM_NODELIST: env.get("SLURM_JOB_NODELIST", "")}
+    return node_topology(env, env["SLURM_NODEID"], env["SLURM_NNODES"], "slurm", scheduler)
+
+
+class SlurmExecutor(RemoteExecutor):
     name = "slurm"
 
     def prepare(self, job: Job) -> dict[str, str]:
@@ -169,48 +171,28 @@ class SlurmExecutor(Executor):
         tags[T.IMAGE_NOTE] = "ran on the Slurm nodes' own environment, outside the pinned image"
         return tags
 
-    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
-        if job.record is not None:
-            job.run_id = job.record(job.placement)
+    def launch(self, job: Job, on_event: Callable[[Event], None], code: contextlib.ExitStack) -> RemoteHandle:
         folder = job_dir(job.run_id)
         # The nodes run the recorded code from a worktree in the job's folder (which they all see),
         # never the live working tree, which may change while the job waits in the queue.
-        code = contextlib.ExitStack()
-        try:
-            tree, exp_dir = code.enter_context(
-                checkout(job.tracker, job.tracker.harness_run(job.run_id), job.code_root, base=folder))
-            script = folder / "job.sbatch"
-            script.write_text(batch_script(job, exp_dir, folder, job.tracker.uri))
-            submitted = _slurm(["sbatch", "--parsable", str(script)])
-        except BaseException as err:
-            code.close()
-            job.tracker.set_tags(job.run_id, {T.STATUS_REASON: str(err)[:500]})
-            job.tracker.end_run(job.run_id, T.FAILED)
-            raise
+        tree, exp_dir = code.enter_context(
+            checkout(job.tracker, job.tracker.harness_run(job.run_id), job.code_root, base=folder))
+        script = folder / "job.sbatch"
+        script.write_text(batch_script(job, exp_dir, folder, job.tracker.uri))
+        submitted = _slurm(["sbatch", "--parsable", str(script)])
         job_id = submitted.stdout.strip().split(";")[0]
         if submitted.returncode != 0 or not job_id.isdigit():
             reason = (submitted.stderr or submitted.stdout).strip().splitlines()
-            line = f"sbatch refused the job: {reason[-1] if reason else submitted.returncode}"
-            code.close()
-            job.tracker.set_tags(job.run_id, {T.STATUS_REASON: line})
-            job.tracker.end_run(job.run_id, T.FAILED)
-            raise HarnessError(line, EXIT_FAILED)
+            raise HarnessError(f"sbatch refused the job: {reason[-1] if reason else submitted.returncode}", EXIT_FAILED)
         job.tracker.set_tags(job.run_id, {T.SLURM_JOB_ID: job_id})
         on_event(Submitted(job_id, f"script {script}, output {folder / f'slurm-{job_id}.out'}"))
         return SlurmHandle(job, job_id, folder / f"slurm-{job_id}.out", on_event, code)
-
-    # A Slurm run's segments (audit, trace) re-execute on this machine's ranks, not submitted, as the local backend
-    # runs them: what audit and trace have always done with one.
-    def check_segments(self, cfg: DictConfig) -> None:
-        LocalExecutor().check_segments(cfg)
-
-    def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
-        LocalExecutor().run_segments(job, plans, on_message)
 
 
 EXECUTOR = SlurmExecutor
 BACKEND = Backend(
     name="slurm", executor=SlurmExecutor, section=SlurmConfig, check=check, runs_segments=True,
+    places_nodes=True, place=place, executes="local",
     help="submitted as a batch job, one task per node",
     cli=(
         CliOption("--nodes", "slurm_nodes", "slurm: nodes to run on (one task per node).", int, min=1, key="nodes"),
@@ -233,20 +215,17 @@ def job_state(job_id: str) -> tuple[str, str]:
     return (state[1] if state else "UNKNOWN"), (reason[1] if reason else "")
 
 
-class SlurmHandle(Handle):
+class SlurmHandle(RemoteHandle):
     def __init__(
         self, job: Job, job_id: str, output: Path, on_event: Callable[[Event], None], code: contextlib.ExitStack
     ) -> None:
-        self.job, self.job_id, self.output, self.on_event, self.code = job, job_id, output, on_event, code
-        self.interrupted: list[int] = []
-        self.ended: str | None = None
+        super().__init__(job, code)
+        self.job_id, self.output, self.on_event = job_id, output, on_event
         self._offset = 0
         self._partial = ""
 
-    def status(self) -> str:
+    def poll(self) -> str:
         """The scheduler's state of the job, asked once (scontrol answers at once, or within _CALL_S)."""
-        if self.ended is not None:
-            return self.ended
         state, _ = job_state(self.job_id)
         if state in ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"):
             return PENDING
@@ -256,10 +235,9 @@ class SlurmHandle(Handle):
             return FINISHED
         return KILLED if state in ("CANCELLED", "PREEMPTED", "DEADLINE", "TIMEOUT") else FAILED
 
-    def cancel(self, signum: int) -> None:
-        self.interrupted.append(signum)
+    def stop(self) -> None:
         # scancel sends SIGTERM to every task; each harness inside stops its ranks, node 0 marks the run KILLED.
-        threading.Thread(target=_slurm, args=(["scancel", self.job_id],), daemon=True).start()
+        _slurm(["scancel", self.job_id])
 
     def _stream(self, final: bool = False) -> None:
         try:
@@ -275,13 +253,7 @@ class SlurmHandle(Handle):
         for line in lines:
             self.on_event(Output(line))
 
-    def wait(self) -> Outcome:
-        with self.code:  # the code's worktree is removed once the job has ended
-            outcome = self._follow()
-        self.ended = outcome.status
-        return outcome
-
-    def _follow(self) -> Outcome:
+    def follow(self) -> Ended:
         tracker, run_id = self.job.tracker, self.job.run_id
         poll = float(self.job.cfg.slurm.poll_s)
         state, reason = "PENDING", ""
@@ -298,16 +270,7 @@ class SlurmHandle(Handle):
             time.sleep(0.5)
             status = tracker.get_run(run_id).status
         self._stream(final=True)
-        if status == T.RUNNING:  # the job ended without closing the run: the scheduler killed it
-            ended = T.KILLED if (self.interrupted or state in ("CANCELLED", "PREEMPTED", "DEADLINE", "TIMEOUT")) else T.FAILED
-            line = f"Slurm job {self.job_id} ended {state} ({reason}) before the run ended"
-            tracker.set_tags(run_id, {T.STATUS_REASON: line})
-            tracker.end_run(run_id, ended)
-            status = ended
-        if self.interrupted:
-            signum = self.interrupted[0]
-            return Outcome(run_id, status, 128 + signum, str(Interrupted(signum)))
-        if status == T.FINISHED:
-            return Outcome(run_id, status, EXIT_OK, "")
-        message = tracker.get_run(run_id).tags.get(T.STATUS_REASON, f"Slurm job {self.job_id} ended {state}")
-        return Outcome(run_id, status, EXIT_FAILED, message)
+        # A job that ended without closing its run: the scheduler killed it (or it ran out of time).
+        return Ended(EXIT_OK, f"Slurm job {self.job_id} ended {state}",
+                     vanished=f"Slurm job {self.job_id} ended {state} ({reason}) before the run ended",
+                     killed=state in ("CANCELLED", "PREEMPTED", "DEADLINE", "TIMEOUT"))

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from harness import scratch, tags as T
 from harness.config import compose, split_entry, to_container, validate
 from harness.errors import HarnessError
-from harness.executors import Job, JobInputs, Topology
+from harness.executors import Job, JobInputs, Topology, schema
 from harness.record import confine, redaction
 from harness.store.tracking import RunSummary, Tracker
 from harness.systems import git as gitsource
@@ -29,7 +29,7 @@ def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
     if text is None:
         raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
     pinned = {key: run.tags[tag] for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)) if tag in run.tags}
-    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))])
+    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))], schema())
 
 
 def code_id(commit: str, patch_sha256: str | None, submodules_sha256: str | None = None) -> str:
@@ -76,7 +76,7 @@ class RecordedRun:
         sources = redaction.parse_sources(self.run.tags.get(T.CONFIG_REDACTED))
         restored, rest = redaction.restore(container, list(overrides), sources, os.environ, self.run.run_id,
                                            redaction.store_key(self.tracker.uri))
-        self.cfg = compose([("recorded config", OmegaConf.create(restored))])
+        self.cfg = compose([("recorded config", OmegaConf.create(restored))], schema())
         return rest
 
     def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
@@ -124,7 +124,7 @@ class RecordedRun:
         """Check out the recorded code and validate `cfg` against it; yields (worktree, experiment folder).
         `commit`: another commit of the same repository instead (harness bisect's probes), without the patch."""
         with checkout(self.tracker, self.run, repo, commit=commit) as (tree, exp_dir):
-            validate(self.cfg, exp_dir)  # the entry must exist in the recorded code
+            validate(self.cfg, exp_dir, schema())  # the entry must exist in the recorded code
             confine.check_code(
                 tree, exp_dir, split_entry(str(self.cfg.entry))[0], gitsource.recorded_symlinks(tree, exp_dir)
             )  # ...and lie in it

@@ -35,9 +35,11 @@ from harness.executors.common import (
     node_tags,
     record_and_publish,
 )
-from harness.executors.launch import LaunchSpec, Ranks, failure_details, is_peer_failure, launch
+from harness.executors.failures import failure_details, is_peer_failure
+from harness.executors.launch import Ranks, launch
 from harness.executors.multinode import check_topology
 from harness.messages import Message
+from harness.runtime.rank.spec import LaunchSpec
 
 
 def run_segments(

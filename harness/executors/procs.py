@@ -278,7 +278,7 @@ def _as_if_spawned(env: dict[str, str]) -> None:
 
 
 def _watch_launcher() -> None:
-    """Die with the launcher. A rank's death signal (PR_SET_PDEATHSIG, launch.py) follows its parent, the rank
+    """Die with the launcher. A rank's death signal (PR_SET_PDEATHSIG, runtime/rank/process.py) follows its parent, the rank
     server; a server of the launcher's own dies with it, a kept one does not. The launcher holds the write end of the
     pipe multiprocessing gives the rank as its parent's sentinel: its end of file is the launcher's death."""
     parent = multiprocessing.parent_process()

@@ -243,6 +243,9 @@ def _child(fn: Callable[..., None], index: int, args: tuple[Any, ...], error_fil
     except Exception:
         with contextlib.suppress(OSError):
             Path(error_file).write_text(traceback.format_exc())
+        # multiprocessing ends a forked rank with os._exit too: what the failed code left in its files' buffers (a log
+        # of its own, often the lines that say why) is written as a spawned rank's teardown would.
+        shutdown.flush_open_files()
         sys.exit(1)
     _leave()
 

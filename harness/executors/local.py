@@ -158,7 +158,7 @@ class LocalHandle(RanksHandle):
             cause = node.blame(err, is_peer_failure(err))
             if not isinstance(cause, Interrupted):
                 node.fail(str(cause), failure_details(cause)[0])
-            raise cause  # noqa: B904 - its __cause__ is the rank's _RankError (multinode.blame); `from` would replace it
+            raise cause  # noqa: B904 - its __cause__ is the rank's RankError (multinode.blame); `from` would replace it
         except Interrupted as err:
             if self.cancelled:  # interrupted here, not told by another node
                 node.fail(f"node {self.job.topology.node_rank} was interrupted", signum=err.signum)

@@ -88,8 +88,8 @@ class Determinism:
 
 @dataclass(frozen=True)
 class RankFacts:
-    """What rank 0 measured where it runs: its device (provenance.device_facts) and NCCL's configuration files
-    (provenance.nccl_conf)."""
+    """What rank 0 measured where it runs: its device (runtime/rank/facts.py: device_facts) and NCCL's configuration files
+    (nccl_conf)."""
 
     device: dict[str, str]
     nccl_conf: dict[str, str]

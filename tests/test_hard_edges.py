@@ -183,7 +183,7 @@ OWN = {
 def test_nccl_errors_that_say_a_peer_failed_are_consequences(name: str) -> None:
     import torch.distributed as dist
 
-    from harness.executors.launch import is_peer_error
+    from harness.runtime.rank.failure import is_peer_error
 
     assert is_peer_error(dist.DistBackendError(PEER_CAUSED[name]), rank=0)
 
@@ -192,7 +192,7 @@ def test_nccl_errors_that_say_a_peer_failed_are_consequences(name: str) -> None:
 def test_a_ranks_own_nccl_error_is_a_cause_not_a_consequence(name: str) -> None:
     import torch.distributed as dist
 
-    from harness.executors.launch import is_peer_error
+    from harness.runtime.rank.failure import is_peer_error
 
     assert not is_peer_error(dist.DistBackendError(OWN[name]), rank=0)
     # The same words raised on another rank than the one whose communicator aborted: there, a consequence.

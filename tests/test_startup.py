@@ -17,7 +17,8 @@ import pytest
 from conftest import KEPT_RANK_SERVER, ROOT, Project, pid_alive
 from harness.executors.console import progress_note, rate_and_eta
 from harness.errors import RunFailed
-from harness.executors.launch import LaunchSpec, launch, start_ranks
+from harness.executors.launch import launch, start_ranks
+from harness.runtime.rank.spec import LaunchSpec
 
 
 def test_rate_and_eta_count_from_the_first_step_not_from_start_up() -> None:
@@ -79,7 +80,7 @@ def test_ranks_on_a_gpu_give_init_process_group_their_device(monkeypatch: pytest
     import torch
     import torch.distributed as dist
 
-    from harness.executors.launch import device_id
+    from harness.runtime.rank.body import device_id
 
     assert device_id(torch.device("cpu")) == {}
     assert device_id(torch.device("cuda", 3)) == {"device_id": torch.device("cuda", 3)}

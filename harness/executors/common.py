@@ -23,10 +23,12 @@ from harness import events, tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
 from harness.executors.base import FAILED, FINISHED, KILLED, PENDING, RUNNING, Event, Handle, Job, Outcome
-from harness.executors.launch import LaunchSpec, failure_details, killed_by, resolve_device
+from harness.executors.failures import failure_details, killed_by
+from harness.executors.launch import resolve_device
 from harness.executors.multinode import Node, differing
 from harness.messages import Message
 from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, open_checkpoints
+from harness.runtime.rank.spec import LaunchSpec
 from harness.systems import docker
 
 if TYPE_CHECKING:
@@ -65,7 +67,7 @@ def launch_spec(
     cfg: DictConfig, code_dir: Path, device: str, backend: str, log_dir: Path, checkpoints: Any = None,
     data: dict[str, str] | None = None,
 ) -> LaunchSpec:
-    """The plain-values description of the ranks for this config (see launch.LaunchSpec)."""
+    """The plain-values description of the ranks for this config (see runtime/rank/spec.py: LaunchSpec)."""
     from harness.runtime.plan import ProfilePlan
     from harness.seeds import derive_rank_seeds
 

@@ -35,9 +35,11 @@ from harness.executors.common import (
     node_tags,
     record_and_publish,
 )
-from harness.executors.launch import LaunchSpec, Ranks, failure_details, is_peer_failure, launch
+from harness.executors.failures import failure_details, is_peer_failure
+from harness.executors.launch import Ranks, launch
 from harness.executors.multinode import check_topology
 from harness.messages import Message
+from harness.runtime.rank.spec import LaunchSpec
 
 
 def run_segments(
@@ -155,7 +157,7 @@ class LocalHandle(RanksHandle):
             cause = node.blame(err, is_peer_failure(err))
             if not isinstance(cause, Interrupted):
                 node.fail(str(cause), failure_details(cause)[0])
-            raise cause  # noqa: B904 - its __cause__ is the rank's _RankError (multinode.blame); `from` would replace it
+            raise cause  # noqa: B904 - its __cause__ is the rank's RankError (multinode.blame); `from` would replace it
         except Interrupted as err:
             if self.cancelled:  # interrupted here, not told by another node
                 node.fail(f"node {self.job.topology.node_rank} was interrupted", signum=err.signum)

@@ -23,7 +23,8 @@ from typing import Any
 
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors.base import Topology
-from harness.executors.launch import failed, host_store
+from harness.executors.failures import failed
+from harness.executors.launch import host_store
 from harness.record.provenance import env_vars, runtime_facts
 
 _KEYS = "launchers/"  # beside the ranks' own prefix in the same store

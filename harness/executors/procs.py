@@ -243,6 +243,9 @@ def _child(fn: Callable[..., None], index: int, args: tuple[Any, ...], error_fil
     except Exception:
         with contextlib.suppress(OSError):
             Path(error_file).write_text(traceback.format_exc())
+        # multiprocessing ends a forked rank with os._exit too: what the failed code left in its files' buffers (a log
+        # of its own, often the lines that say why) is written as a spawned rank's teardown would.
+        shutdown.flush_open_files()
         sys.exit(1)
     _leave()
 
@@ -278,7 +281,7 @@ def _as_if_spawned(env: dict[str, str]) -> None:
 
 
 def _watch_launcher() -> None:
-    """Die with the launcher. A rank's death signal (PR_SET_PDEATHSIG, launch.py) follows its parent, the rank
+    """Die with the launcher. A rank's death signal (PR_SET_PDEATHSIG, runtime/rank/process.py) follows its parent, the rank
     server; a server of the launcher's own dies with it, a kept one does not. The launcher holds the write end of the
     pipe multiprocessing gives the rank as its parent's sentinel: its end of file is the launcher's death."""
     parent = multiprocessing.parent_process()

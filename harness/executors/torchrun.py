@@ -6,7 +6,7 @@ TCPStore (the agent's when TORCHELASTIC_USE_AGENT_STORE=True, else one that glob
 MASTER_ADDR:MASTER_PORT) with the multi-node protocol of executors/multinode.py, each rank a "node" of
 one rank: rank 0 records the run once every rank has joined with the same code and config and
 publishes its id; the others attach to it. Then each process runs its rank's body in place
-(launch.run_rank), and rank 0 feeds the job's recorder as the local backend does (common.record_ranks).
+(runtime/rank/body.py: run_rank), and rank 0 feeds the job's recorder as the local backend does (common.record_ranks).
 """
 
 from __future__ import annotations
@@ -38,18 +38,13 @@ from harness.executors.common import (
     node_tags,
     record_and_publish,
 )
-from harness.executors.launch import (
-    failed,
-    failure_details,
-    failure_record,
-    host_store,
-    is_peer_failure,
-    rank_failed,
-    run_rank,
-)
+from harness.executors.failures import failed, failure_details, is_peer_failure, rank_failed
+from harness.executors.launch import host_store
 from harness.executors.multinode import LAST_WORD_S, POLL_S, Node, node_facts
 from harness.messages import Message
 from harness.runtime import usermlflow
+from harness.runtime.rank.body import run_rank
+from harness.runtime.rank.failure import failure_record
 
 LAUNCHER = "torchrun"
 
@@ -253,7 +248,7 @@ class TorchrunHandle(RanksHandle):
                 while time.monotonic() < deadline and (posted := node.posted()) is None:
                     time.sleep(POLL_S)
                 if posted is not None:
-                    raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's _RankError (launch.failed); `from` would replace it
+                    raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's RankError (failures.failed); `from` would replace it
             failing, tb, expected = failure_details(err)
             node.fail(str(err), failing, traceback=None if expected else tb)
             raise
@@ -261,7 +256,7 @@ class TorchrunHandle(RanksHandle):
             # torchrun stops the other ranks when one fails: that rank's failure, not the signal, ended the job.
             posted = node.posted()
             if posted is not None and not posted.get("signum"):
-                raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's _RankError (launch.failed); `from` would replace it
+                raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's RankError (failures.failed); `from` would replace it
             node.fail(f"rank {rank} was interrupted", rank, signum=err.signum)
             raise
         node.done()
@@ -271,7 +266,7 @@ class TorchrunHandle(RanksHandle):
                 raise RunFailed(f"rank {', '.join(map(str, late))} did not finish (rank 0 finished)")
 
     def _run_here(self, spec: Any, on_message: Callable[[Message], None]) -> None:
-        """The rank's body in this process (launch.run_rank); its failure as RunFailed naming the rank and line."""
+        """The rank's body in this process (runtime/rank/body.py: run_rank); its failure as RunFailed naming the rank and line."""
         import signal
 
         if self.cancelled:
@@ -289,7 +284,7 @@ class TorchrunHandle(RanksHandle):
         except KeyboardInterrupt:
             raise Interrupted(signal.SIGINT) from None
         except BaseException as err:
-            raise rank_failed(failure_record(spec, self.env.rank, err))  # noqa: B904 - its __cause__ is the rank's _RankError (launch.rank_failed); `from` would replace it
+            raise rank_failed(failure_record(spec, self.env.rank, err))  # noqa: B904 - its __cause__ is the rank's RankError (failures.rank_failed); `from` would replace it
         finally:
             self.training = False
             os.chdir(cwd)

@@ -20,8 +20,8 @@ if str(ROOT) not in sys.path:
 
 # warm.py's imports, in its order (the last one is the module itself, in case it gains one).
 STEPS = ("torch", "torch._dynamo.utils", "torch.distributed", "torch.nn.parallel", "torch.utils.data", "omegaconf",
-         "harness.executors.launch", "harness.record.provenance", "harness.runtime.checkpoint",
-         "harness.runtime.context", "harness.runtime.determinism", "harness.runtime.groupkeep",
+         "harness.executors.procs", "harness.runtime.checkpoint", "harness.runtime.context",
+         "harness.runtime.determinism", "harness.runtime.groupkeep", "harness.runtime.rank.process",
          "harness.executors.warm")
 CUDA_ERROR_NOT_INITIALIZED = 3
 

@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness import events, executors, tags as T
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
+from harness.errors import HarnessError, RunFailed
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
 from harness.judge.compare import BITWISE, DIVERGED
+from harness.judge.verdicts import exit_code
 from harness.record import checkpoints as checkpoint_store, derived, loading
 from harness.runtime import boundaries, checkpoint
 from harness.runtime.plan import CheckpointPlan
@@ -50,7 +51,7 @@ class AuditResult:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.verdict == BITWISE else EXIT_FAILED
+        return exit_code(self.verdict)  # BITWISE or DIVERGED: every segment bit for bit
 
     @property
     def step_fraction(self) -> float:

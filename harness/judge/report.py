@@ -14,7 +14,6 @@ from harness.fmt import fmt_short, fmt_value
 from harness.judge.compare import (
     BITWISE,
     KIND_REPLAY_FAILED,
-    NOTHING_TO_COMPARE,
     Comparison,
     FirstSteps,
     MetricStats,
@@ -24,17 +23,10 @@ from harness.judge.delta import summarized
 from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.perf import step_series
 from harness.judge.text import given_tolerances, weights_line
+from harness.judge.verdicts import Verdict
 from harness.records import RunRecord
 
-_VERDICT_WORDS = {
-    BITWISE: "bit-identical to the original",
-    "WITHIN_ROUNDING": "not bit-identical, but inside the rounding envelope of the original's calibration",
-    "WITHIN_TOLERANCE": "within tolerance of the original",
-    "WITHIN_NOISE": "outside the tolerance, but where a new seed of the study could have landed",
-    "INCONCLUSIVE": "inside the seeds' noise, but by intervals too wide to have caught a doubled learning rate",
-    "DIVERGED": "diverged from the original",
-    NOTHING_TO_COMPARE: "could not be judged: neither run logged a metric or a fingerprint",
-}
+_VERDICT_WORDS = {v.value: v.row.words for v in Verdict}
 
 
 def _cell(value: object) -> str:

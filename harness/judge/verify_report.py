@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 from harness.judge.claims import environment, fmt
 from harness.judge.noise import percent, spread
 from harness.judge.report import _cell, _code, _table
+from harness.judge.verdicts import Verdict as ReplayVerdict
 
 if TYPE_CHECKING:
     from harness.judge.claims import Source, Verdict
 
-# Verdict colours of the HTML page (background of the verdict cell).
+# Verdict colours of the HTML page (background of the verdict cell): a claim's outcome, a replay's verdict.
 _COLOURS = {"HOLDS": "#c8f0c8", "MISPRINTED": "#ffd9a8", "NOT_REPRODUCED": "#f7b8b8",
-            "BITWISE": "#c8f0c8", "WITHIN_ROUNDING": "#d2f2c8", "WITHIN_TOLERANCE": "#dff5c8", "WITHIN_NOISE": "#eef5c0",
-            "DIVERGED": "#f7b8b8", "NOTHING_TO_COMPARE": "#f7b8b8"}
+            **{v.value: v.row.colour for v in ReplayVerdict}}
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222;line-height:1.4}
 table{border-collapse:collapse;margin:.6em 0}th,td{border:1px solid #bbb;padding:.25em .6em;text-align:left}

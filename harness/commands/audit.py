@@ -19,6 +19,7 @@ from harness import events, executors, tags as T
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
+from harness.fmt import markdown_table
 from harness.judge import reproduced
 from harness.judge.compare import BITWISE, DIVERGED
 from harness.judge.verdicts import exit_code
@@ -233,9 +234,8 @@ def render(result: AuditResult) -> str:
         f"- Probability that one bad segment is among them: {result.catch_probability:.2f}",
         f"- Compute: {result.step_fraction:.1%} of the run's {result.steps_total} steps",
         "",
-        "| segment | steps | result | seconds | detail |",
-        "| --- | --- | --- | --- | --- |",
+        *markdown_table(["segment", "steps", "result", "seconds", "detail"],
+                        [[str(s.index), f"{s.start}-{s.end}", "ok" if s.ok else "FAILED", f"{s.seconds:.1f}", s.detail or "-"]
+                         for s in result.drawn]),
     ]
-    for s in result.drawn:
-        lines.append(f"| {s.index} | {s.start}-{s.end} | {'ok' if s.ok else 'FAILED'} | {s.seconds:.1f} | {s.detail or '-'} |")
     return "\n".join(lines) + "\n"

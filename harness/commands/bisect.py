@@ -22,6 +22,7 @@ from harness import __version__, events, tags as T
 from harness.commands import replay as rp
 from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.fmt import markdown_table
 from harness.judge.compare import DIVERGED, NOTHING_TO_COMPARE, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
 from harness.judge.verdicts import Policy, verdicts
@@ -100,9 +101,9 @@ class BisectResult:
         return out
 
     def markdown(self) -> str:
-        out = [f"# Bisect of {self.good} (good) against {self.bad} (bad)", "", "| # | probe | verdict | replay |",
-               "| --- | --- | --- | --- |"]
-        out += [f"| {i} | {p.what} | {p.verdict} | `{p.run_id}` |" for i, p in enumerate(self.probes, 1)]
+        out = [f"# Bisect of {self.good} (good) against {self.bad} (bad)", ""]
+        out += markdown_table(["#", "probe", "verdict", "replay"],
+                              [[str(i), p.what, p.verdict, f"`{p.run_id}`"] for i, p in enumerate(self.probes, 1)])
         return "\n".join(out + ["", *[f"- {line}" for line in self.lines()[len(self.probes):]], ""])
 
 

@@ -45,7 +45,7 @@ def test_the_policies_are_what_the_commands_decided_before_the_table() -> None:
 
 def test_a_verdict_reads_as_its_name_wherever_it_is_written() -> None:
     v = Verdict.WITHIN_ROUNDING
-    assert str(v) == f"{v}" == "%s" % v == "WITHIN_ROUNDING" and v == "WITHIN_ROUNDING"
+    assert str(v) == f"{v}" == f"{v:>15}" == "WITHIN_ROUNDING" and v == "WITHIN_ROUNDING"
     assert json.dumps({"verdict": v}) == '{"verdict": "WITHIN_ROUNDING"}'
     assert {"WITHIN_ROUNDING": 1}[v] == 1 and Verdict("DIVERGED") is Verdict.DIVERGED
     # Every table that shows a verdict has it: the replay report's words, the claims page's colours, runs' order.

@@ -13,12 +13,22 @@ from typing import Any
 from harness import events
 from harness.commands import bundle as bundle_command
 from harness.commands.bundle import ExportResult, ImportResult
+from harness.errors import HarnessError
 from harness.events import Listener
 from harness.record import attest as attest_record
 from harness.store.tracking import Tracker, full_ids
 
 __all__ = ["AttestOptions", "Attested", "ExportOptions", "ImportOptions", "RecordVerified", "VerifyRecordOptions",
            "attest", "export", "import_", "verify_record"]
+
+
+def _write(path: Path, data: bytes) -> None:
+    """An attestation written, or a one-line refusal (a missing folder, a read-only one, a folder's name)."""
+    try:
+        path.write_bytes(data)
+    except OSError as err:
+        raise HarnessError(f"cannot write {path}: {err.strerror or err}. Pass a file in a folder that exists and "
+                           "that you may write to.") from None
 
 
 def _full_id(run_id: str, tracking_uri: str | None) -> str:
@@ -53,7 +63,11 @@ def export(options: ExportOptions) -> ExportResult:
                                        repo=o.repo)
         if envelope is not None:
             result.signed = o.output.with_name(o.output.name + ".intoto.json")
-            result.signed.write_bytes(envelope)
+            try:
+                _write(result.signed, envelope)
+            except HarnessError:
+                o.output.unlink(missing_ok=True)  # no bundle without the attestation asked for
+                raise
         return result
 
 
@@ -96,7 +110,7 @@ def attest(options: AttestOptions) -> Attested:
     with events.listening(options.on_event):
         o = options
         run_id = _full_id(o.run_id, o.tracking_uri)
-        o.output.write_bytes(attest_record.sign(Tracker(o.tracking_uri, writable=False), run_id, o.key))
+        _write(o.output, attest_record.sign(Tracker(o.tracking_uri, writable=False), run_id, o.key))
         return Attested(run_id, o.output)
 
 

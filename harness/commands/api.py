@@ -1,7 +1,8 @@
 """The public Python API: one typed options object in, one typed result out, per verb.
 
-`harness.run`, `harness.replay`, `harness.compare`, `harness.resume`, `harness.audit`, `harness.trace` and
-`harness.verify` are these functions; the command line calls them too, so the two cannot disagree. This
+`harness.run`, `harness.replay`, `harness.compare`, ... are these functions, one per verb of the command line
+(export, import, attest and verify-record in api_bundles.py, re-exported here); the command line calls them
+too, so the two cannot disagree. This
 module is the one place that decides what a command means for the run it is given: a study or a single
 run (replay, run --seeds), two traces or two runs (compare), and where the job's ranks sit (the
 placement options and torchrun's environment -> a Topology).

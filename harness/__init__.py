@@ -1,8 +1,10 @@
 """harness: run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
 
 The Python API (harness/commands/api.py) is here by name: `harness.run(harness.RunOptions(...))`,
-`harness.replay`, `harness.compare`, `harness.resume`, `harness.audit`, `harness.trace`, `harness.verify`
-and their options. It loads on first use, so that `import harness` (and `harness --help`) stays instant.
+`harness.replay`, `harness.compare`, ... one function per command line verb, and their options. It loads on
+first use, so that `import harness` (and `harness --help`) stays instant; type checkers read the real
+signatures from __init__.pyi (an import here, even under TYPE_CHECKING, would put the whole API in the import
+graph of every module that reads `harness.__version__`, the rank's code among them).
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 
+# Every verb of the command line, by its name (`import` is Python's word: `harness.import_`), and its options; the
+# typed names type checkers see are in __init__.pyi (tests/test_api.py holds the two to the same list).
 __all__ = [
-    "AuditOptions", "CalibrateOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
-    "VerifyOptions", "__version__", "audit", "calibrate", "compare", "replay", "resume", "run", "trace", "verify",
+    "AttestOptions", "Attested", "AuditOptions", "BisectOptions", "CalibrateOptions", "CheckOptions", "CompareOptions",
+    "ExportOptions", "ImportOptions", "MarkOptions", "Marked", "Placement", "RecordVerified", "ReplayOptions",
+    "ResumeOptions", "RunOptions", "RunsOptions", "TraceOptions", "VerifyOptions", "VerifyRecordOptions",
+    "__version__", "attest", "audit", "bisect", "calibrate", "check", "compare", "export", "import_", "mark",
+    "replay", "resume", "run", "runs", "trace", "verify", "verify_record",
 ]
 
 

@@ -3,6 +3,10 @@ routing and the same refusals as the command line, and nothing on stderr unless 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import keyword
 import os
 import subprocess
 import sys
@@ -156,3 +160,57 @@ def test_the_docs_snippet_runs_as_a_script_and_without_its_guard_is_refused_befo
     *_, ran_line, verdict, speed = ran.stdout.splitlines()
     assert ran_line.endswith(" FINISHED") and verdict == BITWISE, ran.stdout
     assert speed.startswith("performance: replay ") and speed.endswith("(wall clock: not part of the verdict)"), speed
+
+
+# The verbs of the command line that have no function in the API, and why.
+NOT_IN_THE_API = {
+    "ui": "a server that runs until Ctrl-C in the caller's terminal; the API's callers open MLflow's UI themselves",
+    "_execute": "internal: how a container or a Slurm task runs an already recorded run (`harness run` starts it)",
+}
+
+
+def _api_name(verb: str) -> str:
+    name = verb.replace("-", "_")
+    return name + "_" if keyword.iskeyword(name) else name  # `import` -> harness.import_
+
+
+@pytest.mark.unit
+def test_every_cli_verb_has_a_typed_api_function_that_the_cli_calls() -> None:
+    """Each verb of `harness` is `harness.<verb>(harness.<Verb>Options(...))`, and the CLI's verb calls it, so that
+    the command line and the API cannot disagree; a new verb without one fails here."""
+    from harness.cli.main import main as cli
+
+    verbs = sorted(cli.commands)
+    assert set(NOT_IN_THE_API) <= set(verbs), verbs
+    missing, uncalled = [], []
+    for verb in verbs:
+        if verb in NOT_IN_THE_API:
+            continue
+        name = _api_name(verb)
+        fn = getattr(harness, name, None) if name in harness.__all__ else None
+        if not callable(fn):
+            missing.append(verb)
+            continue
+        signature = inspect.signature(fn)
+        (param,) = signature.parameters.values()  # one options object, a public frozen dataclass
+        options = getattr(harness, str(param.annotation))
+        assert str(param.annotation).endswith("Options") and dataclasses.is_dataclass(options), verb
+        assert options.__dataclass_params__.frozen, verb  # type: ignore[attr-defined]
+        assert signature.return_annotation not in (inspect.Signature.empty, "None"), verb  # a typed result
+        body = inspect.getsource(inspect.unwrap(cli.commands[verb].callback))
+        if f"api.{name}(" not in body:
+            uncalled.append(verb)
+    assert not missing, f"CLI verbs without an API function (add one to harness/commands/api.py): {missing}"
+    assert not uncalled, f"CLI verbs that do not call their API function: {uncalled}"
+
+
+@pytest.mark.unit
+def test_every_public_name_resolves_and_type_checkers_see_the_same_names() -> None:
+    for name in harness.__all__:
+        assert getattr(harness, name) is not None, name
+    # __init__.pyi is what mypy and IDEs read (the package is lazy at run time): the same names, from the API.
+    stub = ast.parse((ROOT / "harness" / "__init__.pyi").read_text())
+    (imported,) = [node for node in stub.body if isinstance(node, ast.ImportFrom)]
+    assert imported.module == "harness.commands.api"
+    assert sorted(a.asname or a.name for a in imported.names) == sorted(set(harness.__all__) - {"__version__"})
+    assert (ROOT / "harness" / "py.typed").is_file()

@@ -68,6 +68,9 @@ def test_wheel_metadata_shows_the_licence_the_urls_and_the_authors(dist: Path) -
         assert licence and "Apache License" in zf.read(licence[0]).decode()
         # Only the package: no tests, experiments or scripts installed into site-packages.
         assert {n.split("/")[0] for n in zf.namelist()} == {"harness", wheel.name.split("-")[0] + "-0.1.0.dist-info"}
+        # PEP 561: without the marker (and the stub that names the lazily loaded API) a type checker treats
+        # `harness.run` & co. as untyped (Any).
+        assert {"harness/py.typed", "harness/__init__.pyi"} <= set(zf.namelist())
 
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")

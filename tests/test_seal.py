@@ -24,6 +24,7 @@ import pytest
 from conftest import Project, make_project
 from harness.commands import bundle
 from harness.record import seal
+import harness
 from harness import tags as T
 from harness.errors import EXIT_USAGE
 from harness.store.tracking import Tracker
@@ -357,6 +358,16 @@ def test_export_signs_an_in_toto_attestation_that_verify_record_checks(sealed: S
     ok = check()
     assert ok.returncode == 0, ok.stderr
     assert ok.last_line.startswith(f"Run {sealed.run_id} is the attested run {sealed.run_id}, unchanged")
+    # Through the API (the CLI's verbs are these functions): the same answer, typed; an attestation that cannot be
+    # written is one line, not a traceback.
+    held = harness.verify_record(harness.VerifyRecordOptions(sealed.run_id[:8], signed, keys["signer.pub"],
+                                                             tracking_uri=sealed.project.uri))
+    assert held.run_id == sealed.run_id and held.statement["subject"] == statement["subject"]
+    nowhere = signed.parent / "no-such-folder" / "a.json"
+    refused = sealed.project.cli("attest", sealed.run_id, "--key", str(keys["signer"]), "-o", str(nowhere))
+    assert refused.returncode == EXIT_USAGE and not nowhere.parent.exists()
+    assert refused.stderr == (f"Error: cannot write {nowhere}: No such file or directory. Pass a file in a folder "
+                              "that exists and that you may write to.\n"), refused.stderr
     wrong = check("other.pub")
     assert wrong.returncode == EXIT_USAGE
     assert wrong.stderr.strip().splitlines() == [

@@ -327,12 +327,12 @@ def check(
     machine, and says when the config would run a study (`seeds:`). Exit 0 when `harness run` would start,
     2 with the reason when it would refuse.
     """
-    from harness.commands import documents, run as runner
+    from harness.commands import api, documents
 
-    checked = runner.preflight(
-        experiment_dir, list(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets,
-        allow_secret_in_diff=allow_secret_in_diff, tracking_uri=tracking_uri,
-    )
+    checked = api.check(api.CheckOptions(
+        experiment_dir, tuple(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets,
+        allow_secret_in_diff=allow_secret_in_diff, tracking_uri=tracking_uri, on_event=_draw,
+    ))
     for warning in checked.warnings:
         click.echo(f"Warning: {scrub(warning)}", err=True)
     if checked.data_stats is not None:
@@ -509,12 +509,13 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     """Check a paper's claims (CLAIMS_FILE) against the recorded studies and runs, optionally replaying them.
 
     Each claim's printed number must be what its runs produced, rounded as printed (HOLDS), or a mean
-    within the seeds' noise (WITHIN_NOISE), else MISPRINTED; with --replay its replay must be BITWISE,
-    WITHIN_TOLERANCE or WITHIN_NOISE. Prints the claims table,
+    within the seeds' noise (WITHIN_NOISE), else MISPRINTED; with --replay its replay must reproduce
+    it (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE or WITHIN_NOISE). Prints the claims table,
     `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
     Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
     """
     from harness.commands import api
+    from harness.fmt import text_table
     from harness.judge.verify_report import HEADER, rows
 
     result = api.verify(api.VerifyOptions(
@@ -526,10 +527,7 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
         from harness.commands import documents
 
         _emit(documents.verify(result))
-    table = [HEADER] + rows(result.verdicts, result.replayed)
-    widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
-    for row in table:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    click.echo(text_table([HEADER, *rows(result.verdicts, result.replayed)]))
     for verdict in result.verdicts:
         if verdict.typo:
             click.echo(f"Note: claim {verdict.claim.id}: {verdict.typo}")
@@ -714,39 +712,19 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
     sha256 of every member. Run it inside a clone that has the recorded commit. Exit 0 written, 2 bad input
     (nothing written).
     """
-    from harness.commands import documents
-    from harness.commands.bundle import export
+    from harness.commands import api, documents
 
-    envelope = None
-    if sign_key is not None:  # signed first: a bad key writes no bundle
-        envelope = _attestation(run_id, sign_key, tracking_uri)
-    result = export(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image, with_data=with_data,
-                    tracking_uri=tracking_uri)
+    result = api.export(api.ExportOptions(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image,
+                                          with_data=with_data, sign_key=sign_key, tracking_uri=tracking_uri,
+                                          on_event=_draw))
     image = f", image {result.image}" if result.image else ""
     _say(f"Exported run {result.run_id} ({len(result.replays)} replays{image}): {result.members} files, "
          f"{result.size} bytes.")
-    signed = None
-    if envelope is not None:
-        signed = output.with_name(output.name + ".intoto.json")
-        signed.write_bytes(envelope)
-        _say(f"Signed attestation: {signed}")
+    if result.signed is not None:
+        _say(f"Signed attestation: {result.signed}")
     if as_json:
-        _emit(documents.export(result, None if signed is None else str(signed)))
+        _emit(documents.export(result, None if result.signed is None else str(result.signed)))
     click.echo(str(result.path))
-
-
-def _full_id(run_id: str, tracking_uri: str | None) -> str:
-    """The run's whole id where a prefix of it was given (the store's one rule: Tracker.resolve_id)."""
-    from harness.store.tracking import full_ids
-
-    return full_ids(tracking_uri, run_id)[0] or run_id
-
-
-def _attestation(run_id: str, key: Path, tracking_uri: str | None) -> bytes:
-    from harness.record.attest import sign
-    from harness.store.tracking import Tracker
-
-    return sign(Tracker(tracking_uri, writable=False), run_id, key)
 
 
 @main.command()
@@ -764,13 +742,12 @@ def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_js
     `harness verify-record RUN_ID --attestation FILE --key PUBLIC.pem`. Exit 0 written, 2 bad input (an edited
     or unsealed run, no final weights, a key that is not ed25519).
     """
-    from harness.commands import documents
+    from harness.commands import api, documents
 
-    run_id = _full_id(run_id, tracking_uri)
-    output.write_bytes(_attestation(run_id, key, tracking_uri))
+    done = api.attest(api.AttestOptions(run_id, key, output, tracking_uri=tracking_uri, on_event=_draw))
     if as_json:
-        _emit(documents.attest(run_id, str(output)))
-    click.echo(str(output))
+        _emit(documents.attest(done.run_id, str(done.path)))
+    click.echo(str(done.path))
 
 
 @main.command(name="verify-record")
@@ -787,12 +764,11 @@ def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str |
     the attested run: its seal must hold), and its final weights' digest must be the attested subject. Exit 0
     holds, 2 refused (one line saying which check failed).
     """
-    from harness.commands import documents
-    from harness.record.attest import verify_record as check
-    from harness.store.tracking import Tracker
+    from harness.commands import api, documents
 
-    run_id = _full_id(run_id, tracking_uri)
-    doc = check(Tracker(tracking_uri, writable=False), run_id, attestation, key)
+    held = api.verify_record(api.VerifyRecordOptions(run_id, attestation, key, tracking_uri=tracking_uri,
+                                                     on_event=_draw))
+    run_id, doc = held.run_id, held.statement
     if as_json:
         _emit(documents.verify_record(run_id, doc))
     click.echo(f"Run {run_id} is the attested run {doc['predicate']['run_id']}, unchanged: final weights sha256 "
@@ -816,10 +792,9 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_js
     An image in the bundle is loaded into the local engine. Importing the same run again writes nothing.
     Prints the run id in this store as the last line. Exit 0 imported or already there, 2 refused.
     """
-    from harness.commands import documents
-    from harness.commands.bundle import import_bundle
+    from harness.commands import api, documents
 
-    result = import_bundle(bundle, tracking_uri=tracking_uri, data_dir=data_dir)
+    result = api.import_(api.ImportOptions(bundle, data_dir=data_dir, tracking_uri=tracking_uri, on_event=_draw))
     if result.already:
         _say(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.")
     else:
@@ -919,12 +894,12 @@ def runs(experiment: str | None, limit: int, tracking_uri: str | None, as_json: 
     (with changes)`, replays made with --allow-changes or --world-size counted apart.
     Exit 0 listed (also an empty store), 2 bad input (an unknown experiment, an unreadable store).
     """
-    from harness.commands import documents
-    from harness.commands.runs import listing, render_runs
+    from harness.commands import api, documents
 
+    listed = api.runs(api.RunsOptions(experiment, limit, tracking_uri=tracking_uri, on_event=_draw))
     if as_json:
-        _emit(documents.runs(listing(tracking_uri, experiment, limit)))
-    click.echo(render_runs(tracking_uri, experiment, limit))
+        _emit(documents.runs(listed.runs))
+    click.echo(listed.table())
 
 
 @main.command()
@@ -942,14 +917,12 @@ def mark(run_id: str, status: str, force: bool, tracking_uri: str | None, as_jso
     stop that with Ctrl-C or SIGTERM), or that has no heartbeat tags unless --force.
     Exit 0 closed, 2 refused.
     """
-    from harness.commands import documents
-    from harness.commands.mark import mark as do_mark
+    from harness.commands import api, documents
 
-    run_id = _full_id(run_id, tracking_uri)
-    reason = do_mark(run_id, status, force=force, tracking_uri=tracking_uri)
+    done = api.mark(api.MarkOptions(run_id, status, force=force, tracking_uri=tracking_uri, on_event=_draw))
     if as_json:
-        _emit(documents.mark(run_id, status, reason))
-    click.echo(f"Run {run_id} is now {status}: {reason}.")
+        _emit(documents.mark(done.run_id, done.status, done.reason))
+    click.echo(f"Run {done.run_id} is now {done.status}: {done.reason}.")
 
 
 teach(main)

@@ -1,7 +1,8 @@
 """The public Python API: one typed options object in, one typed result out, per verb.
 
-`harness.run`, `harness.replay`, `harness.compare`, `harness.resume`, `harness.audit`, `harness.trace` and
-`harness.verify` are these functions; the command line calls them too, so the two cannot disagree. This
+`harness.run`, `harness.replay`, `harness.compare`, ... are these functions, one per verb of the command line
+(export, import, attest and verify-record in api_bundles.py, re-exported here); the command line calls them
+too, so the two cannot disagree. This
 module is the one place that decides what a command means for the run it is given: a study or a single
 run (replay, run --seeds), two traces or two runs (compare), and where the job's ranks sit (the
 placement options and torchrun's environment -> a Topology).
@@ -21,15 +22,31 @@ from harness import events, tags as T
 from harness.commands import (
     bisect as bisect_command,
     calibrate as calibrate_command,
+    mark as mark_command,
     replay as replay_command,
     run as run_command,
+    runs as runs_command,
     study,
     trace as trace_command,
     verify as verify_command,
 )
+from harness.commands.api_bundles import (
+    Attested,
+    AttestOptions,
+    ExportOptions,
+    ImportOptions,
+    RecordVerified,
+    VerifyRecordOptions,
+    attest,
+    export,
+    import_,
+    verify_record,
+)
 from harness.commands.bisect import BisectResult
 from harness.commands.calibrate import Calibration
 from harness.commands.replay import ReplayResult, StudyReplayResult
+from harness.commands.run import Preflight
+from harness.commands.runs import Listing
 from harness.commands.study import StudyOutcome
 from harness.commands.trace import TraceDiff, TraceResult
 from harness.commands.verify import VerifyResult
@@ -45,9 +62,14 @@ if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: import
     # compare and replay stay as light as they are (tests/test_cli_fast.py: compare imports no torch)
     from harness.commands.audit import AuditResult
 
+# Every verb of the command line but `ui` (a server that runs until Ctrl-C) and the internal `_execute`
+# (tests/test_api.py walks the click group).
 __all__ = [
-    "AuditOptions", "CalibrateOptions", "CompareOptions", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "TraceOptions",
-    "VerifyOptions", "audit", "calibrate", "compare", "replay", "resume", "run", "trace", "verify",
+    "AttestOptions", "Attested", "AuditOptions", "BisectOptions", "CalibrateOptions", "CheckOptions", "CompareOptions",
+    "ExportOptions", "ImportOptions", "MarkOptions", "Marked", "Placement", "RecordVerified", "ReplayOptions",
+    "ResumeOptions", "RunOptions", "RunsOptions", "TraceOptions", "VerifyOptions", "VerifyRecordOptions", "attest",
+    "audit", "bisect", "calibrate", "check", "compare", "export", "import_", "mark", "replay", "resume", "run", "runs",
+    "trace", "verify", "verify_record",
 ]
 
 
@@ -452,3 +474,68 @@ def bisect(options: BisectOptions) -> BisectResult:
         o = _with_full_ids(options, "good", "bad", "resume")
         return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo,
                                      localize=o.localize, resume=o.resume)
+
+
+# -- check, runs, mark ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckOptions:
+    """`harness check EXPERIMENT_DIR [KEY=VALUE ...]`: what `harness run` checks, without running or recording."""
+
+    experiment_dir: Path
+    overrides: tuple[str, ...] = ()
+    require_clean: bool = False
+    allow_untracked_secrets: bool = False
+    allow_secret_in_diff: bool = False
+    tracking_uri: str | None = None
+    on_event: Listener | None = None
+
+
+def check(options: CheckOptions) -> Preflight:
+    """The validated config, the code state and the warnings `harness run` would start with; HarnessError where it
+    would refuse. Nothing is recorded."""
+    o = options
+    with events.listening(o.on_event):
+        return run_command.preflight(o.experiment_dir, list(o.overrides), require_clean=o.require_clean,
+                                     allow_untracked_secrets=o.allow_untracked_secrets,
+                                     allow_secret_in_diff=o.allow_secret_in_diff, tracking_uri=o.tracking_uri)
+
+
+@dataclass(frozen=True)
+class RunsOptions:
+    """`harness runs [EXPERIMENT]`: the newest runs, with their replays' verdicts."""
+
+    experiment: str | None = None  # default: every experiment
+    limit: int = 20
+    tracking_uri: str | None = None
+    on_event: Listener | None = None
+
+
+def runs(options: RunsOptions) -> Listing:
+    with events.listening(options.on_event):
+        return runs_command.listing(options.tracking_uri, options.experiment, options.limit)
+
+
+@dataclass(frozen=True)
+class MarkOptions:
+    """`harness mark RUN_ID --status FAILED|KILLED`: close a RUNNING run whose launcher is gone."""
+
+    run_id: str
+    status: str  # FAILED | KILLED (tags.INCOMPLETE)
+    force: bool = False  # close a run that has no heartbeat tags
+    tracking_uri: str | None = None
+    on_event: Listener | None = None
+
+
+@dataclass(frozen=True)
+class Marked:
+    run_id: str
+    status: str
+    reason: str  # recorded as the run's harness.status_reason
+
+
+def mark(options: MarkOptions) -> Marked:
+    with events.listening(options.on_event):
+        o = _with_full_ids(options, "run_id")
+        return Marked(o.run_id, o.status, mark_command.mark(o.run_id, o.status, force=o.force,
+                                                            tracking_uri=o.tracking_uri))
+

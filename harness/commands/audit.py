@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness import events, executors, tags as T
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
+from harness.errors import HarnessError, RunFailed
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
+from harness.fmt import markdown_table
 from harness.judge import reproduced
 from harness.judge.compare import BITWISE, DIVERGED
+from harness.judge.verdicts import exit_code
 from harness.record import checkpoints as checkpoint_store, derived, loading
 from harness.runtime import boundaries, checkpoint
 from harness.runtime.plan import CheckpointPlan
@@ -50,7 +52,7 @@ class AuditResult:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.verdict == BITWISE else EXIT_FAILED
+        return exit_code(self.verdict)  # BITWISE or DIVERGED: every segment bit for bit
 
     @property
     def step_fraction(self) -> float:
@@ -232,9 +234,8 @@ def render(result: AuditResult) -> str:
         f"- Probability that one bad segment is among them: {result.catch_probability:.2f}",
         f"- Compute: {result.step_fraction:.1%} of the run's {result.steps_total} steps",
         "",
-        "| segment | steps | result | seconds | detail |",
-        "| --- | --- | --- | --- | --- |",
+        *markdown_table(["segment", "steps", "result", "seconds", "detail"],
+                        [[str(s.index), f"{s.start}-{s.end}", "ok" if s.ok else "FAILED", f"{s.seconds:.1f}", s.detail or "-"]
+                         for s in result.drawn]),
     ]
-    for s in result.drawn:
-        lines.append(f"| {s.index} | {s.start}-{s.end} | {'ok' if s.ok else 'FAILED'} | {s.seconds:.1f} | {s.detail or '-'} |")
     return "\n".join(lines) + "\n"

@@ -22,14 +22,18 @@ from harness import __version__, events, tags as T
 from harness.commands import replay as rp
 from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
-from harness.judge.compare import BITWISE, DIVERGED, NOTHING_TO_COMPARE, WITHIN_ROUNDING, WITHIN_TOLERANCE, compare_runs
+from harness.fmt import markdown_table
+from harness.judge.compare import DIVERGED, NOTHING_TO_COMPARE, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
+from harness.judge.verdicts import Policy, verdicts
 from harness.record import derived, loading
 from harness.records import RunRecord
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
 
-REPRODUCED = (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE)  # a probe judged like GOOD: the change it carries is innocent
+# A probe judged like GOOD by GOOD's tolerance: the change it carries is innocent. Not the exit code's REPRODUCED: a
+# probe within the seeds' noise changed the result, which is what bisect looks for.
+INNOCENT = verdicts(Policy.WITHIN_TOLERANCE)
 DEFAULT_MAX_PROBES = 24
 
 
@@ -46,7 +50,7 @@ class Probe:
 
     @property
     def flipped(self) -> bool:
-        return self.verdict not in REPRODUCED
+        return self.verdict not in INNOCENT
 
 
 @dataclass
@@ -97,9 +101,9 @@ class BisectResult:
         return out
 
     def markdown(self) -> str:
-        out = [f"# Bisect of {self.good} (good) against {self.bad} (bad)", "", "| # | probe | verdict | replay |",
-               "| --- | --- | --- | --- |"]
-        out += [f"| {i} | {p.what} | {p.verdict} | `{p.run_id}` |" for i, p in enumerate(self.probes, 1)]
+        out = [f"# Bisect of {self.good} (good) against {self.bad} (bad)", ""]
+        out += markdown_table(["#", "probe", "verdict", "replay"],
+                              [[str(i), p.what, p.verdict, f"`{p.run_id}`"] for i, p in enumerate(self.probes, 1)])
         return "\n".join(out + ["", *[f"- {line}" for line in self.lines()[len(self.probes):]], ""])
 
 
@@ -141,7 +145,7 @@ def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, t
     bad = loading.load(tracker, tracker.harness_run(bad_id), loading.COMPARE).summary
     a, b = tracker.load_record(good.run_id), tracker.load_record(bad.run_id)
     judged = compare_runs(a, b)
-    if judged.verdict in (*REPRODUCED, NOTHING_TO_COMPARE):
+    if judged.verdict in (*INNOCENT, NOTHING_TO_COMPARE):
         raise HarnessError(f"runs {good.run_id} and {bad.run_id} do not differ in their results ({judged.summary()}): "
                            "there is nothing to bisect. Give a run and one whose result differs from it.")
     if good.tags.get(T.EXPERIMENT_PATH) != bad.tags.get(T.EXPERIMENT_PATH):

@@ -76,6 +76,7 @@ class ExportResult:
     members: int
     size: int
     image: str | None
+    signed: Path | None = None  # export --sign: the attestation written beside the bundle
 
 
 @dataclass

@@ -26,6 +26,7 @@ from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT
 from harness.executors import Outcome
 from harness.fmt import json_safe
 from harness.judge.compare import Comparison
+from harness.judge.verdicts import Policy, listed
 from harness.records import RunSummary
 
 if TYPE_CHECKING:  # audit loads torch at import; its result is only read here (compare stays light)
@@ -43,7 +44,7 @@ EXIT_MEANINGS: dict[str, dict[int, str]] = {
             EXIT_USAGE: _BAD_INPUT},
     "resume": {EXIT_OK: "the resumed run finished", EXIT_FAILED: "the training failed again", EXIT_USAGE: _BAD_INPUT},
     "check": {EXIT_OK: "`harness run` would start", EXIT_USAGE: "`harness run` would refuse (the error says why)"},
-    "replay": {EXIT_OK: "reproduced (BITWISE, WITHIN_TOLERANCE, WITHIN_ROUNDING or WITHIN_NOISE)",
+    "replay": {EXIT_OK: f"reproduced ({listed(Policy.REPRODUCED)})",
                EXIT_FAILED: "diverged, inconclusive, nothing to compare, or the replay failed", EXIT_USAGE: _BAD_INPUT},
     "compare": {EXIT_OK: "reproduced", EXIT_FAILED: "diverged or nothing to compare",
                 EXIT_USAGE: "bad input (compare records nothing)"},

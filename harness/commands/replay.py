@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import events, executors, scratch, tags as T
 from harness.commands import run as runner
 from harness.config import compose, parse_overrides, validate
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunFailed
+from harness.errors import HarnessError, RunFailed
 from harness.executors import Outcome, Topology
 from harness.fmt import json_safe
 from harness.judge import noise
@@ -22,7 +22,6 @@ from harness.judge.compare import (
     DIVERGED,
     INCONCLUSIVE,
     NOTHING_TO_COMPARE,
-    REPRODUCED,
     WITHIN_NOISE,
     WITHIN_ROUNDING,
     WITHIN_TOLERANCE,
@@ -35,6 +34,7 @@ from harness.judge.compare import (
     original_steps,
     parse_tolerances,
 )
+from harness.judge.verdicts import Policy, exit_code, meets
 from harness.record import derived, loading, redaction, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 from harness.systems import git as gitsource
@@ -291,7 +291,7 @@ def calibration_envelope(tracker: Tracker, run_id: str) -> Any:
 def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord, envelope: Any = False) -> Comparison:
     """A replay of a calibrated run that is not bit-identical, held to the calibration's rounding envelope (`envelope`:
     the one read before the replay ran; False: read it now)."""
-    if cmp.verdict in (BITWISE, NOTHING_TO_COMPARE) or not cmp.of_replay:
+    if meets(cmp.verdict, Policy.SETTLED) or not cmp.of_replay:
         return cmp
     if envelope is False:
         envelope = calibration_envelope(tracker, a.run_id)
@@ -364,7 +364,7 @@ class StudyReplayResult:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.verdict in REPRODUCED else EXIT_FAILED
+        return exit_code(self.verdict)
 
     def summary(self) -> str:
         k, n = len(self.members), len(self.study.members)
@@ -388,9 +388,9 @@ def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], s
     verdicts = [r.judged.verdict for r in results]
     if all(v == BITWISE for v in verdicts):
         return BITWISE, [], "every member bit-identical"
-    if all(v in (BITWISE, WITHIN_ROUNDING) for v in verdicts):
+    if all(meets(v, Policy.SAME_TRAINING) for v in verdicts):
         return WITHIN_ROUNDING, [], "every member bit-identical or within its rounding envelope"
-    if all(v in (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE) for v in verdicts):
+    if all(meets(v, Policy.WITHIN_TOLERANCE) for v in verdicts):
         return WITHIN_TOLERANCE, [], "every member within tolerance"
     if NOTHING_TO_COMPARE in verdicts:
         return NOTHING_TO_COMPARE, [], "a member had nothing to compare"
@@ -398,7 +398,7 @@ def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], s
         first = next(r for r in results if r.judged.verdict == INCONCLUSIVE)
         return INCONCLUSIVE, [], f"seed {first.original.tags.get(T.SEED)}: {first.judged.summary()}"
     # Only differences in values that were judged against the seeds can be noise.
-    unjudged = [r for r in results if r.judged.verdict not in (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE)
+    unjudged = [r for r in results if not meets(r.judged.verdict, Policy.WITHIN_TOLERANCE)
                 and (r.judged.noise is None or r.judged.noise.reason)]
     if unjudged:
         first = unjudged[0]

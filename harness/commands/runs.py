@@ -6,10 +6,11 @@ import datetime as dt
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from harness import tags as T
-from harness.fmt import printable
+from harness.fmt import printable, text_table
 from harness.judge.compare import VERDICTS
 from harness.record import seal
 from harness.record.liveness import is_stale
@@ -20,14 +21,15 @@ STALE = "STALE"
 UNVERIFIED = "UNVERIFIED"
 
 
-def _when(ms: int | None) -> str:
-    if not ms:
+def _when(start: str | None) -> str:
+    """A row's start (ISO, local time) to the minute."""
+    if not start:
         return "-"
-    return dt.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M")
+    return dt.datetime.fromisoformat(start).strftime("%Y-%m-%d %H:%M")
 
 
-def _digest(tags: dict[str, str]) -> str:
-    digest = tags.get(T.IMAGE_DIGEST, "unknown")
+def _digest(digest: str | None) -> str:
+    digest = "unknown" if digest is None else digest
     return digest.split(":", 1)[1][:12] if digest.startswith("sha256:") else digest
 
 
@@ -95,37 +97,42 @@ def row(r: RunSummary, verdicts: dict[str, str], now: float,
     }
 
 
-def rows(runs: list[RunSummary], verdicts: dict[str, str], now: float | None = None,
-         trusted: Callable[[RunSummary], bool] | None = None) -> list[list[str]]:
-    now = time.time() if now is None else now
-    out = []
-    for r in runs:
-        one = row(r, verdicts, now, trusted)
-        commit = (one["commit"] or "-")[:10] + ("+dirty" if one["dirty"] else "")
-        kind = one["kind"] or "-"
-        if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
-            kind = f"{kind} ({one['study_size'] or '?'})"
-        out.append([r.run_id, printable(r.experiment), _when(r.start_time), str(one["status"]), kind,
-                    one["world_size"] or "-", commit, _digest(r.tags), one["verdicts"] or "-"])
-    return out
+HEADER = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "VERDICTS"]
 
 
-def listing(tracking_uri: str | None, experiment: str | None, limit: int) -> list[dict[str, Any]]:
+def cells(one: dict[str, Any]) -> list[str]:
+    """A `row` as the table's cells, in HEADER's order."""
+    commit = (one["commit"] or "-")[:10] + ("+dirty" if one["dirty"] else "")
+    kind = one["kind"] or "-"
+    if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
+        kind = f"{kind} ({one['study_size'] or '?'})"
+    return [one["run_id"], printable(one["experiment"]), _when(one["start"]), str(one["status"]), kind,
+            one["world_size"] or "-", commit, _digest(one["image_digest"]), one["verdicts"] or "-"]
+
+
+@dataclass
+class Listing:
+    """What `harness runs` lists: the newest runs of a store (or experiment), newest first."""
+
+    store: str  # the tracking URI, as the tracker shows it
+    experiment: str | None
+    runs: list[dict[str, Any]]  # as `row` describes each: `runs --json`'s entries
+
+    def table(self) -> str:
+        if not self.runs:
+            return f"No runs in {self.store}" + (f" for experiment '{self.experiment}'." if self.experiment else ".")
+        return text_table([HEADER, *map(cells, self.runs)])
+
+
+def listing(tracking_uri: str | None, experiment: str | None, limit: int) -> Listing:
     """The `limit` newest runs (of `experiment`), newest first, as `row` describes each."""
     tracker = Tracker(tracking_uri, writable=False)  # listing only reads: a read-only store will do
     runs = tracker.search(experiment, max_results=limit)
-    verdicts = replay_verdicts(tracker, experiment) if runs else {}
+    verdicts = replay_verdicts(tracker, experiment, {r.run_id for r in runs}) if runs else {}
     now = time.time()
-    return [row(r, verdicts, now, trusted=lambda run: seal.verdict_sealed(tracker, run)) for r in runs]
+    return Listing(tracker.uri, experiment,
+                   [row(r, verdicts, now, trusted=lambda run: seal.verdict_sealed(tracker, run)) for r in runs])
 
 
 def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) -> str:
-    tracker = Tracker(tracking_uri, writable=False)  # listing only reads: a read-only store will do
-    runs = tracker.search(experiment, max_results=limit)
-    if not runs:
-        return f"No runs in {tracker.uri}" + (f" for experiment '{experiment}'." if experiment else ".")
-    header = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "VERDICTS"]
-    verdicts = replay_verdicts(tracker, experiment, {r.run_id for r in runs})
-    table = [header, *rows(runs, verdicts, trusted=lambda r: seal.verdict_sealed(tracker, r))]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+    return listing(tracking_uri, experiment, limit).table()

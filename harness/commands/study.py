@@ -23,6 +23,7 @@ from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.executors import Job, JobInputs
 from harness.executors.base import Outcome, signals_to
 from harness.executors.launch import resolve_device
+from harness.fmt import text_table
 from harness.judge.compare import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
 from harness.judge.report import plot_file_name
@@ -475,8 +476,7 @@ def render_table(summary: dict[str, Any]) -> str:
                      g(s["max"]), pi])
     if len(rows) == 1:
         return "no member logged a metric"
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return text_table(rows)
 
 
 def record_summary(tracker: Tracker, study_id: str, seeds: list[int], members: list[Member]) -> str:

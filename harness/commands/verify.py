@@ -30,8 +30,8 @@ from harness.judge.claims import (
     possible_typo,
     prints_as,
 )
-from harness.judge.compare import REPRODUCED
 from harness.judge.noise import MIN_SEEDS, another_mean, claims_level, spread
+from harness.judge.verdicts import Policy, meets
 from harness.judge.verify_report import render_html, render_markdown
 from harness.record import derived, loading, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
@@ -222,7 +222,7 @@ def judge_replay(verdict: Verdict) -> None:
     if s.is_study and drawn and len(drawn) < len(s.records):
         same = [v for r, v in zip(s.records, verdict.values) if r.run_id in drawn]
         verdict.recorded_replayed_members = statistic(same, c.statistic) if same else None
-    if verdict.holds and s.replay_verdict not in REPRODUCED:
+    if verdict.holds and not meets(s.replay_verdict, Policy.REPRODUCED):
         verdict.outcome = NOT_REPRODUCED
 
 

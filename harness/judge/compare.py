@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from harness import tags
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.errors import HarnessError
 from harness.fmt import fmt_pair, fmt_short, json_safe, step_list, the
 from harness.judge import noise, rounding
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
@@ -24,23 +24,19 @@ from harness.judge.noise import NoiseJudgement
 from harness.judge.perf import SpeedDelta, speed_delta
 from harness.judge.rounding import Envelope, RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
+from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
 from harness.records import RunRecord, own_metric
 
-BITWISE = "BITWISE"
-# Not bit-identical, but inside the rounding envelope a calibration measured (rounding.py): the same training,
-# its last bits differing as another machine's rounding makes them differ.
-WITHIN_ROUNDING = "WITHIN_ROUNDING"
-WITHIN_TOLERANCE = "WITHIN_TOLERANCE"
-# Outside the tolerance, but where a new seed could have landed: judged against a study's spread (noise.py).
-WITHIN_NOISE = "WITHIN_NOISE"
-DIVERGED = "DIVERGED"
-# Inside the seeds' noise, but by intervals so wide that a doubled learning rate would have passed too (noise.Power):
-# no evidence either way, so no pass (exit 1).
-INCONCLUSIVE = "INCONCLUSIVE"
-# Neither run logged a metric or a fingerprint: agreement would be vacuous, so it is not a pass.
-NOTHING_TO_COMPARE = "NOTHING_TO_COMPARE"
-VERDICTS = (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE, WITHIN_NOISE, INCONCLUSIVE, DIVERGED, NOTHING_TO_COMPARE)
-REPRODUCED = (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE, WITHIN_NOISE)  # exit 0
+# The verdicts, by their names here too (harness/judge/verdicts.py holds them, their exit codes and policies).
+BITWISE = Verdict.BITWISE
+WITHIN_ROUNDING = Verdict.WITHIN_ROUNDING
+WITHIN_TOLERANCE = Verdict.WITHIN_TOLERANCE
+WITHIN_NOISE = Verdict.WITHIN_NOISE
+DIVERGED = Verdict.DIVERGED
+INCONCLUSIVE = Verdict.INCONCLUSIVE
+NOTHING_TO_COMPARE = Verdict.NOTHING_TO_COMPARE
+VERDICTS = tuple(Verdict)
+REPRODUCED = verdicts(Policy.REPRODUCED)  # exit 0
 
 # Divergence kinds.
 KIND_VALUE = "value"  # a metric left its tolerance at a step both runs logged
@@ -201,7 +197,7 @@ class Comparison:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.verdict in REPRODUCED else EXIT_FAILED
+        return exit_code(self.verdict)
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -221,7 +217,7 @@ class Comparison:
             alike = "; the replay failed the same way" if self.failed_alike else ""
             line += f" (compared the {self.reached.steps} steps the {self.reached.status} original reached{alike})"
         code = [m for m in self.metrics if not own_metric(m.name)]
-        if self.verdict in REPRODUCED and code and all(m.evaluation for m in code):
+        if meets(self.verdict, Policy.REPRODUCED) and code and all(m.evaluation for m in code):
             line += f"; {_evaluation_only(code, [m.name for m in self.metrics if own_metric(m.name)])}"
         if len(self.weights_unchanged_in) == 2:
             line += " - but the model's weights never changed: nothing was trained"
@@ -608,7 +604,7 @@ def follows(judged: str, recorded: str, calibrated: bool, studied: bool) -> bool
     DIVERGED into WITHIN_NOISE or INCONCLUSIVE: those are read from runs a bundle need not carry."""
     if judged == recorded:
         return True
-    if judged in (BITWISE, NOTHING_TO_COMPARE) or recorded in (BITWISE, NOTHING_TO_COMPARE):
+    if meets(judged, Policy.SETTLED) or meets(recorded, Policy.SETTLED):
         return False
     if calibrated:
         return True
@@ -796,7 +792,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
 
     A failed replay, or one that logged other steps or metrics, stays as it is: rounding explains none of that.
     """
-    if cmp.verdict in (BITWISE, NOTHING_TO_COMPARE):
+    if meets(cmp.verdict, Policy.SETTLED):
         return cmp
     if cmp.divergence is not None and cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
         return cmp

@@ -10,11 +10,10 @@ from typing import Any
 import numpy as np
 
 from harness import tags
-from harness.fmt import fmt_short, fmt_value
+from harness.fmt import fmt_short, fmt_value, markdown_table
 from harness.judge.compare import (
     BITWISE,
     KIND_REPLAY_FAILED,
-    NOTHING_TO_COMPARE,
     Comparison,
     FirstSteps,
     MetricStats,
@@ -24,17 +23,10 @@ from harness.judge.delta import summarized
 from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.perf import step_series
 from harness.judge.text import given_tolerances, weights_line
+from harness.judge.verdicts import Verdict
 from harness.records import RunRecord
 
-_VERDICT_WORDS = {
-    BITWISE: "bit-identical to the original",
-    "WITHIN_ROUNDING": "not bit-identical, but inside the rounding envelope of the original's calibration",
-    "WITHIN_TOLERANCE": "within tolerance of the original",
-    "WITHIN_NOISE": "outside the tolerance, but where a new seed of the study could have landed",
-    "INCONCLUSIVE": "inside the seeds' noise, but by intervals too wide to have caught a doubled learning rate",
-    "DIVERGED": "diverged from the original",
-    NOTHING_TO_COMPARE: "could not be judged: neither run logged a metric or a fingerprint",
-}
+_VERDICT_WORDS = {v.value: v.row.words for v in Verdict}
 
 
 def _cell(value: object) -> str:
@@ -51,12 +43,6 @@ def _code(value: object) -> str:
     ticks = "`" * (max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
     pad = " " if text.startswith("`") or text.endswith("`") else ""
     return f"{ticks}{pad}{text}{pad}{ticks}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
 
 
 def _stat(m: MetricStats, value: float) -> str:
@@ -121,7 +107,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     if cmp.config_delta:
         rows = [[_code(c.key), _code(c.a), _code(c.b), "yes" if c.affects_result else "no (how it is run or judged)"]
                 for c in cmp.config_delta]
-        out += _table(["Key", a_label, b_label, "Affects the result"], rows)
+        out += markdown_table(["Key", a_label, b_label, "Affects the result"], rows)
     else:
         out.append("No differences in the recorded config.")
     out.append("")
@@ -132,7 +118,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         for fact in summarized(cmp.delta, cmp.labels):
             name = f"**{_cell(fact.name)}** (breaks bitwise)" if fact.breaks_bitwise else _cell(fact.name)
             rows.append([name, _code(fact.a), _code(fact.b), _cell(fact.note)])
-        out += _table(["Fact", a_label, b_label, "Note"], rows)
+        out += markdown_table(["Fact", a_label, b_label, "Note"], rows)
     else:
         out.append("No differences in recorded facts or locked packages.")
     out.append("")
@@ -160,7 +146,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
                 "yes" if m.bitwise_equal else "no",
                 f"{fmt_short(m.rtol)} / {fmt_short(m.atol)}",
             ])
-        out += _table(
+        out += markdown_table(
             ["Metric", "Steps compared", "Max abs diff", "Max rel diff", "First divergence", "Bit-identical",
              "rtol / atol"],
             rows,
@@ -206,7 +192,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
             ]
         if d.detail and d.kind != KIND_REPLAY_FAILED:
             rows.append(["Detail", _cell(d.detail)])
-        out += _table(["", ""], rows)
+        out += markdown_table(["", ""], rows)
     out.append("")
     return "\n".join(out)
 
@@ -233,7 +219,7 @@ def _speed_section(cmp: Comparison) -> list[str]:
         ["Steps counted (after warm-up, unprofiled)", str(a.steps or "-"), str(b.steps or "-")],
     ]
     out = ["## Performance (wall clock: not part of the verdict)", "", _cell(speed.line() or ""), ""]
-    out += _table(["", "Original", "Replay"], rows)
+    out += markdown_table(["", "Original", "Replay"], rows)
     out += ["", f"Per-step times: `{tags.ARTIFACT_PLOTS_DIR}/{STEP_TIMES_PLOT}`.", ""]
     return out
 
@@ -255,7 +241,7 @@ def _checkpoint_section(cmp: Comparison) -> list[str]:
         a, b = cmp.labels
         rows = [[_code(n), "differs"] for n in ck.differing]
         rows += [[_code(n), f"only in {a}"] for n in ck.only_in_a] + [[_code(n), f"only in {b}"] for n in ck.only_in_b]
-        out += _table(["Tensor", f"at step {ck.first_diff_step}"], rows)
+        out += markdown_table(["Tensor", f"at step {ck.first_diff_step}"], rows)
     for label, steps in ck.desynced_ranks.items():
         shown = "; ".join(f"step {s}: ranks {', '.join(map(str, r))}" for s, r in steps.items())
         out.append(f"- In {label}, ranks that held other tensors than rank 0: {shown}")
@@ -282,7 +268,7 @@ def render_study_markdown(result: Any) -> str:
     out += ["", "## Members", ""]
     rows = [[_cell(r.original.tags.get("harness.seed", "")), _code(r.original.run_id), _code(r.outcome.run_id),
              _cell(r.comparison.summary())] for r in result.members]
-    out += _table(["Seed", "Member", "Replay", "Verdict"], rows) + [""]
+    out += markdown_table(["Seed", "Member", "Replay", "Verdict"], rows) + [""]
     if result.equivalence:
         out += ["## Equivalence within the seeds' noise", "",
                 "Two one-sided tests on the paired differences replay - original of the replayed members: the "
@@ -291,7 +277,7 @@ def render_study_markdown(result: Any) -> str:
         rows = [[_cell(t.metric), str(t.k), f"{t.mean_diff:.3g}", f"[{t.ci90[0]:.3g}, {t.ci90[1]:.3g}]",
                  f"+-{t.margin:.3g}", _cell(t.reason) if t.reason else ("**yes**" if t.equivalent else "**NO**")]
                 for t in result.equivalence]
-        out += _table(["Metric", "Members", "Mean difference", "90% CI", "Margin (seed sd)", "Equivalent"], rows)
+        out += markdown_table(["Metric", "Members", "Mean difference", "90% CI", "Margin (seed sd)", "Equivalent"], rows)
         out.append("")
     return "\n".join(out)
 
@@ -318,7 +304,7 @@ def _noise_section(cmp: Comparison) -> list[str]:
             f"{c.below} of {s.n}",
             _cell(c.reason) if c.reason else ("**inside**" if c.inside else "**OUTSIDE**"),
         ])
-    out += _table(["Metric", "Replay", "Original", "Seeds' mean", "Seeds' sd", "Prediction interval",
+    out += markdown_table(["Metric", "Replay", "Original", "Seeds' mean", "Seeds' sd", "Prediction interval",
                    "Seeds below the replay", "Verdict"], rows)
     return out + [""]
 

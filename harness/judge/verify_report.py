@@ -8,17 +8,18 @@ import io
 import math
 from typing import TYPE_CHECKING
 
+from harness.fmt import markdown_table
 from harness.judge.claims import environment, fmt
 from harness.judge.noise import percent, spread
-from harness.judge.report import _cell, _code, _table
+from harness.judge.report import _cell, _code
+from harness.judge.verdicts import Verdict as ReplayVerdict
 
 if TYPE_CHECKING:
     from harness.judge.claims import Source, Verdict
 
-# Verdict colours of the HTML page (background of the verdict cell).
+# Verdict colours of the HTML page (background of the verdict cell): a claim's outcome, a replay's verdict.
 _COLOURS = {"HOLDS": "#c8f0c8", "MISPRINTED": "#ffd9a8", "NOT_REPRODUCED": "#f7b8b8",
-            "BITWISE": "#c8f0c8", "WITHIN_ROUNDING": "#d2f2c8", "WITHIN_TOLERANCE": "#dff5c8", "WITHIN_NOISE": "#eef5c0",
-            "DIVERGED": "#f7b8b8", "NOTHING_TO_COMPARE": "#f7b8b8"}
+            **{v.value: v.row.colour for v in ReplayVerdict}}
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:70em;color:#222;line-height:1.4}
 table{border-collapse:collapse;margin:.6em 0}th,td{border:1px solid #bbb;padding:.25em .6em;text-align:left}
@@ -125,7 +126,7 @@ def render_markdown(verdicts: list[Verdict], replayed: bool, changes: list[str],
            f"- Replayed: {'yes' if replayed else 'no (checked against the record only)'}"]
     if changes:
         out.append("- Changes allowed for the replays: " + ", ".join(_code(c) for c in changes))
-    out += [""] + _table(HEADER, [[_cell(x) for x in row] for row in rows(verdicts, replayed)]) + [""]
+    out += [""] + markdown_table(HEADER, [[_cell(x) for x in row] for row in rows(verdicts, replayed)]) + [""]
     for v in verdicts:
         out += [f"## {_cell(v.claim.id)}: {v.outcome}", ""]
         if v.claim.text:
@@ -143,11 +144,11 @@ def render_markdown(verdicts: list[Verdict], replayed: bool, changes: list[str],
         if s.replays:
             replays = dict(environment(s.replays))
             facts = [[_cell(k), _code(o), _code(replays[k])] for k, o in environment(s.records)]
-            out += _table(["fact", "original runs", "replays"], facts)
+            out += markdown_table(["fact", "original runs", "replays"], facts)
             out += ["", "What differed (why the replays could not be bitwise):", ""]
             out += [f"- {_cell(b)}" for b in s.blockers] or ["- nothing: bitwise was possible"]
         else:
-            out += _table(["fact", "original runs"], facts)
+            out += markdown_table(["fact", "original runs"], facts)
         out.append("")
     return "\n".join(out)
 

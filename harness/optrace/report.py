@@ -5,6 +5,8 @@ from __future__ import annotations
 import html as _html
 from typing import TYPE_CHECKING
 
+from harness.fmt import markdown_table
+
 if TYPE_CHECKING:
     from harness.optrace.tracer import Localization, OpRecord, Trace
 
@@ -53,15 +55,14 @@ def markdown(loc: Localization, a: Trace, b: Trace) -> str:
         out += [f"Likely cause: {loc.likely_cause}", ""]
     rows = _rows(loc)
     if rows:
-        out += ["| | trace A | trace B |", "| --- | --- | --- |"]
-        out += [f"| {w} | `{_md_cell(x)}` | `{_md_cell(y)}` |" for w, x, y in rows]
+        out += markdown_table(["", "trace A", "trace B"], [[w, f"`{_md_cell(x)}`", f"`{_md_cell(y)}`"] for w, x, y in rows])
         out.append("")
     out += [f"- {line}" for line in loc.detail]
     meta = _meta_rows(a, b)
     out += ["", f"Traces: A {len(a.ops)} ops, B {len(b.ops)} ops."]
     if meta:
-        out += ["", "| setting that differs | trace A | trace B |", "| --- | --- | --- |"]
-        out += [f"| {k} | {_md_cell(x)} | {_md_cell(y)} |" for k, x, y in meta]
+        out += ["", *markdown_table(["setting that differs", "trace A", "trace B"],
+                                    [[k, _md_cell(x), _md_cell(y)] for k, x, y in meta])]
     return "\n".join(out) + "\n"
 
 

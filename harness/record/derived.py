@@ -18,7 +18,7 @@ from harness.records import RunSummary
 from harness.store.tracking import Tracker
 
 # kind -> the tag naming the run it was made from
-OF_TAG = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF, T.KIND_TRACE: T.TRACE_OF,
+OF_TAG: dict[str, str] = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF, T.KIND_TRACE: T.TRACE_OF,
           T.KIND_CALIBRATION: T.CALIBRATION_OF}
 REASON_LIMIT = 500  # characters of the error kept as the status reason
 

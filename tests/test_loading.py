@@ -18,7 +18,7 @@ import pytest
 from harness import tags as T
 from harness.errors import EXIT_USAGE, HarnessError
 from harness.judge import reproduced
-from harness.record import derived, loading
+from harness.record import closing, derived, loading
 from harness.records import RunSummary, same_value
 from harness.store.tracking import Tracker
 
@@ -151,7 +151,7 @@ def _run(tracker: Tracker, status: str, kind: str = T.KIND_RUN) -> str:
     run_id = tracker.create_run("loading", {T.VERSION: "0.1.0", T.KIND: kind}, run_name="r")
     tracker.log_metric_entries(run_id, [("loss", 0.5, 0, 0)])
     if status != T.RUNNING:
-        tracker.end_run(run_id, status)  # sealed as it closes
+        closing.close(tracker, run_id, status)  # sealed as it closes
     return run_id
 
 
@@ -221,7 +221,7 @@ def test_a_derived_run_ends_finished_or_failed_with_the_error_or_killed(tracker:
         raise OSError("disk full")
     failed = tracker.get_run(bad)
     assert (failed.status, failed.tags[T.STATUS_REASON], failed.tags[T.KIND]) == (T.FAILED, "disk full", T.KIND_AUDIT)
-    assert T.SEAL in failed.tags  # closed through end_run: sealed like every close
+    assert T.SEAL in failed.tags  # closed through record/closing.py: sealed like every close
 
     with pytest.raises(KeyboardInterrupt), derived.opened(tracker, "loading", tags, "audit-of-z") as stopped:
         raise KeyboardInterrupt
@@ -233,7 +233,7 @@ def test_a_run_its_launcher_closes_stays_open_unless_its_creation_fails(tracker:
     with derived.opened(tracker, "loading", tags, None, close=False) as open_run:
         pass
     assert tracker.get_run(open_run).status == T.RUNNING
-    tracker.end_run(open_run, T.FINISHED)
+    closing.close(tracker, open_run, T.FINISHED)
     with pytest.raises(ValueError), derived.opened(tracker, "loading", tags, None, close=False) as broken:
         raise ValueError("bad param")
     assert tracker.get_run(broken).status == T.FAILED

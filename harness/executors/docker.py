@@ -35,6 +35,7 @@ from harness.executors.base import (
 )
 from harness.executors.local import LocalExecutor
 from harness.messages import Message
+from harness.record import closing
 from harness.record.recorder import ENV_DIGEST
 from harness.record.redaction import redact
 from harness.secrets import env_name_is_secret
@@ -295,13 +296,12 @@ class ContainerHandle(Handle):
         if self.interrupted:
             signum = self.interrupted[0]
             if status == T.RUNNING:
-                tracker.end_run(run_id, T.KILLED)
+                closing.close(tracker, run_id, T.KILLED)
                 status = T.KILLED
             return Outcome(run_id, status, 128 + signum, str(Interrupted(signum)))
         if status == T.RUNNING:  # the container died without ending the run (OOM kill, engine error)
             reason = f"container exited with code {code} before the run ended"
-            tracker.set_tags(run_id, {T.STATUS_REASON: reason})
-            tracker.end_run(run_id, T.FAILED)
+            closing.close(tracker, run_id, T.FAILED, reason)
             return Outcome(run_id, T.FAILED, EXIT_FAILED, reason)
         if status == T.FINISHED and code == EXIT_OK:
             return Outcome(run_id, status, EXIT_OK, "")

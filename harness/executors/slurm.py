@@ -51,6 +51,7 @@ from harness.executors.base import (
 from harness.executors.common import local_image_tags
 from harness.executors.local import LocalExecutor
 from harness.messages import Message
+from harness.record import closing
 from harness.record.recorded import checkout
 from harness.store.reach import database_file
 
@@ -184,16 +185,14 @@ class SlurmExecutor(Executor):
             submitted = _slurm(["sbatch", "--parsable", str(script)])
         except BaseException as err:
             code.close()
-            job.tracker.set_tags(job.run_id, {T.STATUS_REASON: str(err)[:500]})
-            job.tracker.end_run(job.run_id, T.FAILED)
+            closing.close(job.tracker, job.run_id, T.FAILED, str(err))
             raise
         job_id = submitted.stdout.strip().split(";")[0]
         if submitted.returncode != 0 or not job_id.isdigit():
             reason = (submitted.stderr or submitted.stdout).strip().splitlines()
             line = f"sbatch refused the job: {reason[-1] if reason else submitted.returncode}"
             code.close()
-            job.tracker.set_tags(job.run_id, {T.STATUS_REASON: line})
-            job.tracker.end_run(job.run_id, T.FAILED)
+            closing.close(job.tracker, job.run_id, T.FAILED, line)
             raise HarnessError(line, EXIT_FAILED)
         job.tracker.set_tags(job.run_id, {T.SLURM_JOB_ID: job_id})
         on_event(Submitted(job_id, f"script {script}, output {folder / f'slurm-{job_id}.out'}"))
@@ -301,8 +300,7 @@ class SlurmHandle(Handle):
         if status == T.RUNNING:  # the job ended without closing the run: the scheduler killed it
             ended = T.KILLED if (self.interrupted or state in ("CANCELLED", "PREEMPTED", "DEADLINE", "TIMEOUT")) else T.FAILED
             line = f"Slurm job {self.job_id} ended {state} ({reason}) before the run ended"
-            tracker.set_tags(run_id, {T.STATUS_REASON: line})
-            tracker.end_run(run_id, ended)
+            closing.close(tracker, run_id, ended, line)
             status = ended
         if self.interrupted:
             signum = self.interrupted[0]

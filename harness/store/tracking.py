@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 
 from harness import scratch, tags as T
 from harness.errors import HarnessError
-from harness.record import seal
 from harness.records import RunRecord, RunSummary, same_value, series, wall_clock
 from harness.secrets import scrub
 from harness.store.reach import (
@@ -772,9 +771,9 @@ class Tracker:
         return [(d.dataset.name, d.dataset.digest, d.dataset.source) for d in run.inputs.dataset_inputs]
 
     @_store_call
-    def reopen(self, run_id: str) -> None:
-        """Mark an ended run RUNNING again (a resume continues it): the failure it ended with is no longer its state."""
-        seal.open_for_resume(self, run_id)  # first: a launcher killed from here on leaves a run `harness mark` closes
+    def reopen_run(self, run_id: str) -> None:
+        """Mark an ended run RUNNING again: the failure it ended with is no longer its state. The store's primitive:
+        a resume reopens a run through record/closing.py, which says so in its seal first."""
         self.client.update_run(run_id, status=T.RUNNING)
         tags = self.client.get_run(run_id).data.tags
         for stale in (T.FAILED_RANK, T.STATUS_REASON, T.FAILED_SIGNAL):
@@ -782,10 +781,11 @@ class Tracker:
                 self.client.delete_tag(run_id, stale)
 
     @_store_call
-    def end_run(self, run_id: str, status: str) -> None:
-        """Close the run and seal its record: every run harness closes goes through here (or end_run_at)."""
-        seal.seal(self, run_id, status)  # sealed first: a kill in between leaves it RUNNING, never closed unsealed
-        self.client.set_terminated(run_id, status)
+    def terminate_run(self, run_id: str, status: str, end_time: int | None = None) -> None:
+        """End the run as `status` (at `end_time`, ms since the epoch; now when None). The store's plain primitive:
+        every run harness closes is closed through record/closing.py, which seals it first, and nothing else calls
+        this (tests/test_architecture.py)."""
+        self.client.set_terminated(run_id, status, end_time)
 
     # -- copying a run whole (harness export / import) ------------------------------------------
     @_store_call
@@ -833,13 +833,6 @@ class Tracker:
         items = list(values.items())
         for start in range(0, len(items), 100):
             self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in items[start:start + 100]])
-
-    @_store_call
-    def end_run_at(self, run_id: str, status: str, end_time: int | None) -> None:
-        """End a run with another run's status and end time (ms); a RUNNING one stays open."""
-        if status != T.RUNNING:
-            seal.seal(self, run_id, status)
-            self.client.set_terminated(run_id, status, end_time)
 
     @_store_call
     def delete_run(self, run_id: str) -> None:

@@ -336,6 +336,14 @@ _MIGRATIONS = ("store", "db_migrations", "versions")
 _REVISION = re.compile(r"^(down_)?revision\s*(?::[^=]*)?=\s*(.+)$", re.MULTILINE)
 # The filters harness's own queries use: one tag equal to a value, or present at all (LIKE '%').
 _TAG_FILTER = re.compile(r"tags\.`([^`]+)` (=|LIKE) '([^'%]*|%)'")
+# The schema revisions (MLflow's alembic heads) this raw SQL was checked against by its differential tests
+# (tests/test_cli_fast.py, tests/test_metric_sink.py, tests/test_store.py: the same answers and rows as MLflow's
+# own client), with the MLflow versions tested. "Equals the installed head" alone would trust a schema no test has
+# seen: an MLflow whose head is not listed is read and written through MLflow itself (slower, never wrong), and
+# tests/test_cli_fast.py::test_installed_mlflow_schema_was_tested fails until its head is checked and added here.
+TESTED_SCHEMA_REVISIONS = {
+    "dc11669786a5": "mlflow 3.17.2",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -366,14 +374,14 @@ def mlflow_schema_head() -> str | None:
 def _local_store(uri: str) -> tuple[Path, str] | None:
     """(database file, the schema revision MLflow expects) of a local SQLite store harness may read and write without
     MLflow; None for any other store, an empty file, workspaces (MLflow scopes every query by them), or an MLflow whose
-    migrations cannot be read."""
+    migrations cannot be read or whose schema is not among TESTED_SCHEMA_REVISIONS."""
     path = database_file(uri)
     if path is None or not path.is_file() or path.stat().st_size == 0:
         return None
     if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("true", "1"):
         return None
     head = mlflow_schema_head()
-    return None if head is None else (path, head)
+    return None if head not in TESTED_SCHEMA_REVISIONS else (path, head)
 
 
 class SqliteReader:

@@ -1,5 +1,5 @@
 """The fast read path: `harness runs`, `compare` and `ui` read a current local SQLite store without
-MLflow (tracking.SqliteReader), and every answer equals MLflow's own for the same store.
+MLflow (fastpath.SqliteReader), and every answer equals MLflow's own for the same store.
 
 Speed itself is measured in benchmarks/cli_bench.py, not here; these tests prove the fast path is
 taken and gives MLflow's answers. Two runs (the session's reference run and one replay of it).
@@ -18,8 +18,9 @@ from conftest import ROOT, Project
 
 from harness import tags as T
 from harness.errors import HarnessError
-from harness.store import tracking
-from harness.store.tracking import TESTED_SCHEMA_REVISIONS, SqliteMetricSink, SqliteReader, Tracker, mlflow_schema_head
+from harness.store import fastpath
+from harness.store.fastpath import TESTED_SCHEMA_REVISIONS, SqliteMetricSink, SqliteReader, mlflow_schema_head
+from harness.store.tracking import Tracker
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_installed_mlflow_schema_was_tested() -> None:
         f"({', '.join(f'{r}: {v}' for r, v in TESTED_SCHEMA_REVISIONS.items())}), so harness reads and writes local "
         "stores through MLflow itself (correct, slower). Run the fast path's differential tests against this MLflow "
         "(pytest tests/test_cli_fast.py tests/test_metric_sink.py tests/test_store.py with the revision added), and "
-        "once they pass add it with the MLflow version to TESTED_SCHEMA_REVISIONS in harness/store/tracking.py.")
+        "once they pass add it with the MLflow version to TESTED_SCHEMA_REVISIONS in harness/store/fastpath.py.")
 
 
 def test_an_untested_schema_goes_through_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,9 +64,9 @@ def test_an_untested_schema_goes_through_mlflow(tmp_path: Path, monkeypatch: pyt
     db = tmp_path / "mlflow.db"
     db.write_bytes(b"not opened")  # never read: the revision decides before the file is opened
     uri = f"sqlite:///{db}"
-    assert tracking._local_store(uri) == (db, mlflow_schema_head())
-    monkeypatch.setattr(tracking, "TESTED_SCHEMA_REVISIONS", {"0123456789ab": "an older mlflow"})
-    assert tracking._local_store(uri) is None
+    assert fastpath._local_store(uri) == (db, mlflow_schema_head())
+    monkeypatch.setattr(fastpath, "TESTED_SCHEMA_REVISIONS", {"0123456789ab": "an older mlflow"})
+    assert fastpath._local_store(uri) is None
     assert SqliteReader.open(uri) is None
     assert SqliteMetricSink.open(uri) is None
 

@@ -285,7 +285,7 @@ def test_the_record_series_reads_as_the_check_reads_it() -> None:
 
 def test_the_store_holds_a_resume_to_the_same_bit_rule(tmp_path: Path) -> None:
     # MetricWriter.prime: a value logged again with the same bits is not rewritten; -0.0 for 0.0 is the conflict.
-    from harness.store.tracking import MetricWriter
+    from harness.store.writers import MetricWriter
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = tracker.create_run("loading", {T.VERSION: "0.1.0"}, run_name="w")

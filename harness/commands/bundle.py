@@ -23,8 +23,9 @@ from harness.judge.compare import follows
 from harness.record import closing, data, loading, seal
 from harness.record.data import sha256_file
 from harness.record.recorded import recorded_submodules
+from harness.store.failures import unwritable
 from harness.store.reach import exclusive
-from harness.store.tracking import Tracker, import_complete, unwritable
+from harness.store.tracking import Tracker, import_complete
 from harness.systems import docker, git as gitsource
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.

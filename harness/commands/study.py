@@ -28,8 +28,8 @@ from harness.judge.noise import MIN_SEEDS, final_values, spread
 from harness.judge.report import plot_file_name
 from harness.record import closing
 from harness.record.recorded import checkout
-from harness.store.reach import probe_store, store_timeout
-from harness.store.tracking import RunRecord, RunSummary, Tracker, resolve_uri
+from harness.store.reach import probe_store, resolve_uri, store_timeout
+from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 
 @dataclass

@@ -16,7 +16,10 @@ from pathlib import Path
 from harness import tags as T
 from harness.errors import EXIT_FAILED, HarnessError
 from harness.record import seal
-from harness.store.tracking import Outages, Patient, Tracker, reason_of, transient, unwritable
+from harness.store.failures import transient, unwritable
+from harness.store.outages import Outages, Patient
+from harness.store.reach import reason_of
+from harness.store.tracking import Tracker
 
 REASON_LIMIT = 500  # characters of a reason kept as harness.status_reason
 

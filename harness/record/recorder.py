@@ -52,13 +52,15 @@ from harness.record.provenance import package_lock, runtime_facts
 from harness.records import own_metric
 from harness.runtime import usermlflow, userseed
 from harness.secrets import scrub
+from harness.store.outages import Outages, Patient
 from harness.store.reach import absolute_uri
-from harness.store.tracking import Outages, Patient, Tracker, save_series
+from harness.store.seriesfile import save_series
+from harness.store.tracking import Tracker
 
 if TYPE_CHECKING:
     from harness.records import RunRecord
     from harness.runtime.plan import CheckpointPlan
-    from harness.store.tracking import Heartbeat, MetricWriter
+    from harness.store.writers import Heartbeat, MetricWriter
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
 

@@ -347,7 +347,7 @@ def _last_by_step(writes: list[tuple[float, int, int]]) -> dict[int, float]:
 
 
 def _series(record: Record) -> dict[str, dict[int, float]] | None:
-    """metrics/series.npz (tracking.save_series) as key -> step -> value; None if absent or unreadable."""
+    """metrics/series.npz (store/seriesfile.py save_series) as key -> step -> value; None if absent or unreadable."""
     import numpy as np
 
     data = record.read(T.ARTIFACT_SERIES)

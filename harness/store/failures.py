@@ -13,12 +13,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from harness.errors import HarnessError
-from harness.store.reach import (
-    OTHER_STORE,
-    display_uri,
-    reason_of,
-    schema_error,
-)
+from harness.store.reach import OTHER_STORE, display_uri, reason_of, schema_error
 
 
 def open_error(shown: str, err: BaseException) -> HarnessError:

@@ -16,12 +16,7 @@ from typing import Any
 
 from harness import scratch
 from harness.records import RunSummary
-from harness.store.reach import (
-    database_file,
-    display_uri,
-    schema_error,
-    sqlite_path,
-)
+from harness.store.reach import database_file, display_uri, schema_error, sqlite_path
 
 _READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other
 

@@ -14,18 +14,12 @@ from harness.records import same_value, series
 from harness.store.failures import transient, unwritable
 from harness.store.fastpath import SINK_CHUNK, SqliteMetricSink
 from harness.store.outages import Outages
-from harness.store.reach import (
-    display_uri,
-    reason_of,
-)
+from harness.store.reach import display_uri, reason_of
 
 if TYPE_CHECKING:
     from harness.store.tracking import Tracker
 
-
 MLFLOW_BATCH = 1000  # MLflow's per-request limit for metrics in log_batch
-
-
 _SINK_WAKE = 20_000  # points pending that a bulk store takes at once instead of at the next flush interval
 
 

@@ -18,7 +18,7 @@ import pytest
 from harness import tags as T
 from harness.errors import EXIT_USAGE, HarnessError
 from harness.judge import reproduced
-from harness.record import closing, derived, loading
+from harness.record import closing, derived, loading, seal
 from harness.records import RunSummary, same_value
 from harness.store.tracking import Tracker
 
@@ -300,3 +300,28 @@ def test_the_store_holds_a_resume_to_the_same_bit_rule(tmp_path: Path) -> None:
         assert [p[3] for p in writer._pending] == [1, 2]
     finally:
         writer.close()
+
+
+def test_a_close_cuts_its_reason_once_seals_and_keeps_a_copied_end_time(tracker: Tracker) -> None:
+    """record/closing.py, the one door every close goes through: the reason cut to REASON_LIMIT, the tags written with
+    it, the record sealed as it closes (and intact by the seal's own check); a copied run keeps its original's end
+    time, a RUNNING one stays open; a reopened run is RUNNING with its seal saying so and the old reason gone."""
+    run_id = _run(tracker, T.RUNNING)
+    closing.close(tracker, run_id, T.FAILED, "x" * (closing.REASON_LIMIT + 200), tags={T.FAILED_RANK: "1"})
+    closed = tracker.get_run(run_id)
+    assert (closed.status, closed.tags[T.STATUS_REASON], closed.tags[T.FAILED_RANK]) == (
+        T.FAILED, "x" * closing.REASON_LIMIT, "1")
+    seal.check(tracker, run_id)
+
+    closing.reopen(tracker, run_id)
+    reopened = tracker.get_run(run_id)
+    assert reopened.status == T.RUNNING and reopened.tags[T.SEAL].endswith(seal.REOPENED)
+    assert T.STATUS_REASON not in reopened.tags and T.FAILED_RANK not in reopened.tags
+
+    copy = _run(tracker, T.RUNNING)
+    closing.close_copy(tracker, copy, T.RUNNING, 1_700_000_000_000)
+    assert tracker.get_run(copy).status == T.RUNNING and T.SEAL not in tracker.get_run(copy).tags
+    closing.close_copy(tracker, copy, T.KILLED, 1_700_000_000_000)
+    ended = tracker.get_run(copy)
+    assert (ended.status, ended.end_time) == (T.KILLED, 1_700_000_000_000)
+    seal.check(tracker, copy)

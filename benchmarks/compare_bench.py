@@ -127,7 +127,8 @@ def through_store(original: RunRecord, replay: RunRecord) -> None:
     from mlflow.entities import Metric
 
     from harness import tags as T
-    from harness.store.tracking import Tracker, save_series
+    from harness.store.seriesfile import save_series
+    from harness.store.tracking import Tracker
 
     with tempfile.TemporaryDirectory() as tmp:
         tracker = Tracker(f"sqlite:///{Path(tmp) / 'mlflow.db'}")

@@ -345,14 +345,15 @@ ROUNDING_PLANTED = [
 KERNELS = ("default", "avx2")
 
 
-def _replays_in_child(model: Model, trials: int, capability: str) -> list[Curves]:
+def _replays_in_child(model: Model, seeds: range, capability: str) -> list[Curves]:
     import pickle
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "curves.pkl"
-        subprocess.run([sys.executable, __file__, "--dump-originals", model.name, str(trials), str(out)], check=True,
+        subprocess.run([sys.executable, __file__, "--dump-originals", model.name, f"{seeds.start}:{seeds.stop}", str(out)],
+                       check=True,
                        env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": capability}, timeout=3600)
         return pickle.loads(out.read_bytes())
 
@@ -375,7 +376,7 @@ def held_out(name: str) -> str:
     return f"{name} (held out of the members)"
 
 
-def rounding_trials(model: Model, trials: int, members: int, changes: list[Change]) -> dict[str, Tally]:
+def rounding_trials(model: Model, seeds: range, members: int, changes: list[Change]) -> dict[str, Tally]:
     """Per change: of `trials` calibrated runs (seeds 0..trials-1, each with `members` members over all its steps,
     built as `harness calibrate` builds them), how many replays under the change left the envelope (rounding.judge,
     as `harness replay` judges). A change whose kernels some members run gets a second row, judged against the
@@ -383,10 +384,10 @@ def rounding_trials(model: Model, trials: int, members: int, changes: list[Chang
     data = model.data()
     table = {c.name: Tally() for c in changes}
     table.update({held_out(c.name): Tally() for c in changes if c.name in _FAMILY})
-    kernels = {cap: _replays_in_child(model, trials, cap) for cap in KERNELS}
+    kernels = {cap: dict(zip(seeds, _replays_in_child(model, seeds, cap))) for cap in KERNELS}
     for cap in KERNELS:
         table[f"ATEN_CPU_CAPABILITY={cap}"] = Tally()
-    for seed in range(trials):
+    for seed in seeds:
         original = train(model, seed, ORIGINAL, data)
         specs = [member(i) for i in range(1, members + 1)]
         calibration = [train(model, seed, spec, data) for spec in specs]
@@ -406,16 +407,19 @@ def rounding_trials(model: Model, trials: int, members: int, changes: list[Chang
                 table[row].alarms += not (bitwise or judged.within)
                 if not (bitwise or judged.within):  # what an alarm saw, so a rare one can be explained
                     print(f"  alarm: {model.name} seed {seed} {row}: {judged.headline()}", file=sys.stderr, flush=True)
+        print(f"  done: {model.name} seed {seed}", file=sys.stderr, flush=True)  # a long run's progress, to pool
     return table
 
 
-def rounding_report(trials: int, members: int, models: list[str], honest_only: bool = False) -> list[str]:
+def rounding_report(trials: int, members: int, models: list[str], honest_only: bool = False,
+                    first_seed: int = 0) -> list[str]:
     torch.set_num_threads(1)
     changes = ROUNDING_HONEST + ([] if honest_only else ROUNDING_PLANTED)
     out = [f"### rounding envelope: {members} members (one-ulp nudges on the machine's kernels) over all steps, "
            f"{trials} calibrated runs per model (SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS})", "",
            f"| change | kind | {' | '.join(models)} |", "| --- | --- |" + " --- |" * len(models)]
-    tables = {name: rounding_trials(MODELS[name], trials, members, changes) for name in models}
+    seeds = range(first_seed, first_seed + trials)
+    tables = {name: rounding_trials(MODELS[name], seeds, members, changes) for name in models}
     rows = [(f"ATEN_CPU_CAPABILITY={cap}", True) for cap in KERNELS]
     for c in changes:
         rows += [(c.name, c.honest)] + ([(held_out(c.name), c.honest)] if c.name in _FAMILY else [])
@@ -482,17 +486,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--honest-only", action="store_true",
                         help="--rounding: only the honest changes (false alarms), for many trials")
     parser.add_argument("--members", type=int, default=8, help="--rounding: calibration members (default 8)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="--rounding: the first calibrated run's seed (runs of disjoint seeds pool into one table)")
     parser.add_argument("--power", action="store_true",
                         help="the INCONCLUSIVE rule's table instead: small studies against real lr x2 and x10")
-    parser.add_argument("--dump-originals", nargs=3, metavar=("MODEL", "TRIALS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--dump-originals", nargs=3, metavar=("MODEL", "FIRST:STOP", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dump_originals:  # the child of _replays_in_child: the originals under this process's kernels
         import pickle
 
-        name, n, out = args.dump_originals
+        name, span, out = args.dump_originals
         torch.set_num_threads(1)
         data = MODELS[name].data()
-        Path(out).write_bytes(pickle.dumps([train(MODELS[name], s, ORIGINAL, data) for s in range(int(n))]))
+        first, stop = (int(x) for x in span.split(":"))
+        Path(out).write_bytes(pickle.dumps([train(MODELS[name], s, ORIGINAL, data) for s in range(first, stop)]))
         return 0
     if args.power:
         start = time.monotonic()
@@ -502,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounding:
         start = time.monotonic()
         print("\n".join(rounding_report(args.trials or 50, args.members, args.models or list(MODELS),
-                                         args.honest_only)))
+                                         args.honest_only, args.first_seed)))
         print(f"({time.monotonic() - start:.0f} s)")
         return 0
     sizes = args.seeds or (SMALL["sizes"] if args.small else [5, 10])

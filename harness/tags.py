@@ -129,7 +129,7 @@ STALE_FACTOR = 3
 # "false" when the registered model ended with the weights it started with: nothing was trained.
 WEIGHTS_CHANGED = "harness.weights_changed"
 INITIAL_FINGERPRINT = "harness.fingerprint.initial"
-# Set only when the tracking store was away during the run and its writes were retried (tracking.Outages):
+# Set only when the tracking store was away during the run and its writes were retried (store/outages.py):
 # failed write attempts, the most metrics held in memory at once, the longest outage in seconds.
 STORE_WRITE_FAILURES = "harness.store.write_failures"
 STORE_METRICS_SPOOLED = "harness.store.metrics_spooled"

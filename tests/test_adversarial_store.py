@@ -15,7 +15,7 @@ from conftest import Project, make_project
 
 from harness import tags as T
 from harness.errors import EXIT_USAGE
-from harness.store.tracking import ROLLBACK_ROOM
+from harness.store.failures import ROLLBACK_ROOM
 
 # Eight processes that each open (and so create, or wait for) one SQLite store that does not exist yet: the opening
 # path of every `harness run` (Tracker(...).client: probe, the opening lock, the schema built whole), without eight

@@ -1,5 +1,5 @@
 """The fast read path: `harness runs`, `compare` and `ui` read a current local SQLite store without
-MLflow (tracking.SqliteReader), and every answer equals MLflow's own for the same store.
+MLflow (fastpath.SqliteReader), and every answer equals MLflow's own for the same store.
 
 Speed itself is measured in benchmarks/cli_bench.py, not here; these tests prove the fast path is
 taken and gives MLflow's answers. Two runs (the session's reference run and one replay of it).
@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, Project
 
 from harness import tags as T
 from harness.errors import HarnessError
-from harness.store.tracking import SqliteReader, Tracker, mlflow_schema_head
+from harness.store import fastpath
+from harness.store.fastpath import TESTED_SCHEMA_REVISIONS, SqliteMetricSink, SqliteReader, mlflow_schema_head
+from harness.store.tracking import Tracker
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,30 @@ def test_schema_head_is_mlflows(tmp_path: Path) -> None:
     from mlflow.store.db.utils import _get_alembic_config
 
     assert mlflow_schema_head() == ScriptDirectory.from_config(_get_alembic_config("")).get_current_head()
+
+
+def test_installed_mlflow_schema_was_tested() -> None:
+    """The fast path's raw SQL runs only on a schema its differential tests have checked; a new MLflow whose schema
+    differs must be checked before it is trusted (until then MLflow reads and writes every store itself)."""
+    head = mlflow_schema_head()
+    assert head in TESTED_SCHEMA_REVISIONS, (
+        f"the installed MLflow's schema revision {head} is not among the ones the raw-SQL fast path was tested on "
+        f"({', '.join(f'{r}: {v}' for r, v in TESTED_SCHEMA_REVISIONS.items())}), so harness reads and writes local "
+        "stores through MLflow itself (correct, slower). Run the fast path's differential tests against this MLflow "
+        "(pytest tests/test_cli_fast.py tests/test_metric_sink.py tests/test_store.py with the revision added), and "
+        "once they pass add it with the MLflow version to TESTED_SCHEMA_REVISIONS in harness/store/fastpath.py.")
+
+
+def test_an_untested_schema_goes_through_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the reader nor the metric sink touches a store whose schema revision no test has seen."""
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"not opened")  # never read: the revision decides before the file is opened
+    uri = f"sqlite:///{db}"
+    assert fastpath._local_store(uri) == (db, mlflow_schema_head())
+    monkeypatch.setattr(fastpath, "TESTED_SCHEMA_REVISIONS", {"0123456789ab": "an older mlflow"})
+    assert fastpath._local_store(uri) is None
+    assert SqliteReader.open(uri) is None
+    assert SqliteMetricSink.open(uri) is None
 
 
 @pytest.mark.parametrize("filter_string", [

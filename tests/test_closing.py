@@ -111,7 +111,7 @@ def _no_dumps(stderr: str) -> None:
 
 # --- a store whose disk fills, or turns read-only, during a run ------------------------------------
 def test_unwritable_errors_are_not_outages() -> None:
-    from harness.store.tracking import transient, unwritable
+    from harness.store.failures import transient, unwritable
 
     full = OSError(errno.ENOSPC, "No space left on device")
     assert unwritable(full) == "is full" and not transient(full)

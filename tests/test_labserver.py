@@ -230,7 +230,8 @@ def test_outages_retry_transient_failures_until_the_limit() -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST
 
-    from harness.store.tracking import Outages, transient
+    from harness.store.failures import transient
+    from harness.store.outages import Outages
 
     refused = requests.ConnectionError("connection refused")
     assert transient(refused) and transient(MlflowException("API request failed", error_code=INTERNAL_ERROR))
@@ -255,7 +256,7 @@ def test_outages_retry_transient_failures_until_the_limit() -> None:
 
 def test_outage_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from harness.errors import HarnessError
-    from harness.store.tracking import DEFAULT_OUTAGE_S, outage_limit
+    from harness.store.outages import DEFAULT_OUTAGE_S, outage_limit
 
     monkeypatch.delenv("HARNESS_STORE_OUTAGE_S", raising=False)
     assert outage_limit() == DEFAULT_OUTAGE_S

@@ -18,7 +18,7 @@ import pytest
 from harness import tags as T
 from harness.errors import EXIT_USAGE, HarnessError
 from harness.judge import reproduced
-from harness.record import derived, loading
+from harness.record import closing, derived, loading, seal
 from harness.records import RunSummary, same_value
 from harness.store.tracking import Tracker
 
@@ -151,7 +151,7 @@ def _run(tracker: Tracker, status: str, kind: str = T.KIND_RUN) -> str:
     run_id = tracker.create_run("loading", {T.VERSION: "0.1.0", T.KIND: kind}, run_name="r")
     tracker.log_metric_entries(run_id, [("loss", 0.5, 0, 0)])
     if status != T.RUNNING:
-        tracker.end_run(run_id, status)  # sealed as it closes
+        closing.close(tracker, run_id, status)  # sealed as it closes
     return run_id
 
 
@@ -221,7 +221,7 @@ def test_a_derived_run_ends_finished_or_failed_with_the_error_or_killed(tracker:
         raise OSError("disk full")
     failed = tracker.get_run(bad)
     assert (failed.status, failed.tags[T.STATUS_REASON], failed.tags[T.KIND]) == (T.FAILED, "disk full", T.KIND_AUDIT)
-    assert T.SEAL in failed.tags  # closed through end_run: sealed like every close
+    assert T.SEAL in failed.tags  # closed through record/closing.py: sealed like every close
 
     with pytest.raises(KeyboardInterrupt), derived.opened(tracker, "loading", tags, "audit-of-z") as stopped:
         raise KeyboardInterrupt
@@ -233,7 +233,7 @@ def test_a_run_its_launcher_closes_stays_open_unless_its_creation_fails(tracker:
     with derived.opened(tracker, "loading", tags, None, close=False) as open_run:
         pass
     assert tracker.get_run(open_run).status == T.RUNNING
-    tracker.end_run(open_run, T.FINISHED)
+    closing.close(tracker, open_run, T.FINISHED)
     with pytest.raises(ValueError), derived.opened(tracker, "loading", tags, None, close=False) as broken:
         raise ValueError("bad param")
     assert tracker.get_run(broken).status == T.FAILED
@@ -285,7 +285,7 @@ def test_the_record_series_reads_as_the_check_reads_it() -> None:
 
 def test_the_store_holds_a_resume_to_the_same_bit_rule(tmp_path: Path) -> None:
     # MetricWriter.prime: a value logged again with the same bits is not rewritten; -0.0 for 0.0 is the conflict.
-    from harness.store.tracking import MetricWriter
+    from harness.store.writers import MetricWriter
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = tracker.create_run("loading", {T.VERSION: "0.1.0"}, run_name="w")
@@ -300,3 +300,28 @@ def test_the_store_holds_a_resume_to_the_same_bit_rule(tmp_path: Path) -> None:
         assert [p[3] for p in writer._pending] == [1, 2]
     finally:
         writer.close()
+
+
+def test_a_close_cuts_its_reason_once_seals_and_keeps_a_copied_end_time(tracker: Tracker) -> None:
+    """record/closing.py, the one door every close goes through: the reason cut to REASON_LIMIT, the tags written with
+    it, the record sealed as it closes (and intact by the seal's own check); a copied run keeps its original's end
+    time, a RUNNING one stays open; a reopened run is RUNNING with its seal saying so and the old reason gone."""
+    run_id = _run(tracker, T.RUNNING)
+    closing.close(tracker, run_id, T.FAILED, "x" * (closing.REASON_LIMIT + 200), tags={T.FAILED_RANK: "1"})
+    closed = tracker.get_run(run_id)
+    assert (closed.status, closed.tags[T.STATUS_REASON], closed.tags[T.FAILED_RANK]) == (
+        T.FAILED, "x" * closing.REASON_LIMIT, "1")
+    seal.check(tracker, run_id)
+
+    closing.reopen(tracker, run_id)
+    reopened = tracker.get_run(run_id)
+    assert reopened.status == T.RUNNING and reopened.tags[T.SEAL].endswith(seal.REOPENED)
+    assert T.STATUS_REASON not in reopened.tags and T.FAILED_RANK not in reopened.tags
+
+    copy = _run(tracker, T.RUNNING)
+    closing.close_copy(tracker, copy, T.RUNNING, 1_700_000_000_000)
+    assert tracker.get_run(copy).status == T.RUNNING and T.SEAL not in tracker.get_run(copy).tags
+    closing.close_copy(tracker, copy, T.KILLED, 1_700_000_000_000)
+    ended = tracker.get_run(copy)
+    assert (ended.status, ended.end_time) == (T.KILLED, 1_700_000_000_000)
+    seal.check(tracker, copy)

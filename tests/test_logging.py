@@ -139,7 +139,7 @@ def crashed_logger(project: Project) -> str:
 def test_every_point_of_a_crashing_rank_reaches_mlflow_and_series_exactly(
     project: Project, crashed_logger: str, tmp_path: Path
 ) -> None:
-    from harness.store.tracking import load_series
+    from harness.store.seriesfile import load_series
 
     rng = np.random.default_rng(7)
     a, b = rng.standard_normal(STEPS), rng.standard_normal(STEPS) * 1e-310

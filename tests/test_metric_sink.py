@@ -1,4 +1,4 @@
-"""The bulk metric path into a local SQLite store (tracking.SqliteMetricSink) against MLflow's own log_batch.
+"""The bulk metric path into a local SQLite store (fastpath.SqliteMetricSink) against MLflow's own log_batch.
 
 The same points go into two runs of one real store, one through MLflow's client and one through the sink; MLflow's
 client then reads both back (metric history, the run's latest values, a search on them) and must answer the same.
@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from harness import tags as T
-from harness.store.tracking import MetricWriter, SqliteMetricSink, Tracker
+from harness.store.fastpath import SqliteMetricSink
+from harness.store.tracking import Tracker
+from harness.store.writers import MetricWriter
 
 pytestmark = pytest.mark.unit
 

@@ -223,11 +223,11 @@ def test_a_new_store_starts_from_the_cached_empty_schema_and_has_its_own_default
     """The first new store MLflow migrates is cached without its default experiment; the next new store is a copy
     that MLflow opens and completes itself (the default experiment's artifacts under where that command ran). A cached
     template of another schema revision is not used."""
-    from harness.store import tracking
+    from harness.store import fastpath
     from harness.store.tracking import Tracker
 
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
-    template = tracking._schema_template()
+    template = fastpath._schema_template()
     assert template is not None and template.parent == tmp_path / "cache"
 
     def new_store(name: str) -> sqlite3.Connection:

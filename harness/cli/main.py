@@ -96,7 +96,8 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except HarnessError as err:
             _refused(str(err), err.exit_code, as_json)
         except Exception as err:
-            from harness.store.tracking import is_store_error, resolve_uri, store_failure
+            from harness.store.failures import is_store_error, store_failure
+            from harness.store.reach import resolve_uri
 
             if not is_store_error(err):
                 raise
@@ -847,7 +848,9 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     import subprocess
 
     from harness.store import ui as mlflow_ui
-    from harness.store.tracking import Tracker, display_uri, resolve_uri, server_url, ui_command
+    from harness.store.reach import display_uri, resolve_uri
+    from harness.store.tracking import Tracker
+    from harness.store.ui import server_url, ui_command
 
     uri = resolve_uri(tracking_uri)
     served = server_url(uri)

@@ -20,11 +20,12 @@ from harness.commands.replay import judged_again
 from harness.errors import HarnessError
 from harness.fmt import plain_name
 from harness.judge.compare import follows
-from harness.record import data, loading, seal
+from harness.record import closing, data, loading, seal
 from harness.record.data import sha256_file
 from harness.record.recorded import recorded_submodules
+from harness.store.failures import unwritable
 from harness.store.reach import exclusive
-from harness.store.tracking import Tracker, import_complete, unwritable
+from harness.store.tracking import Tracker, import_complete
 from harness.systems import docker, git as gitsource
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
@@ -522,7 +523,7 @@ def _judge_again(unpacked: Path, record: dict[str, Any], replays: list[dict[str,
         ids: dict[str, str] = {}
         for rec, folder in [(record, unpacked / RUN_DIR), *((r, unpacked / REPLAYS_DIR / r["run_id"]) for r in replays)]:
             _import_run(judge, rec, folder, ids)
-            judge.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+            closing.close_copy(judge, ids[rec["run_id"]], rec["status"], rec.get("end_time"))
         _hold_verdicts(judge, record, replays, ids)
 
 
@@ -591,7 +592,7 @@ def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir:
             for rec in replays:
                 _import_run(tracker, rec, unpacked / REPLAYS_DIR / rec["run_id"], ids)
             for rec in [record, *replays]:  # ended last: a run listed before it is complete would look live
-                tracker.end_run_at(ids[rec["run_id"]], rec["status"], rec.get("end_time"))
+                closing.close_copy(tracker, ids[rec["run_id"]], rec["status"], rec.get("end_time"))
             # The commit: until the run says complete, the next import takes it for a half one and redoes it.
             for rec in [*replays, record]:
                 tracker.set_tags_exact(ids[rec["run_id"]], {T.IMPORT_STATE: T.IMPORT_COMPLETE})

@@ -6,7 +6,7 @@ import time
 
 from harness import tags as T
 from harness.errors import HarnessError
-from harness.record import loading
+from harness.record import closing, loading
 
 # The heartbeat rule lives with the record (the loader refuses a live RUNNING run by it); still importable from here.
 from harness.record.liveness import heartbeat_age, heartbeat_interval, is_stale
@@ -39,6 +39,5 @@ def mark(run_id: str, status: str, *, force: bool = False, tracking_uri: str | N
         )
     else:
         reason = f"marked {status} by harness mark: no heartbeat for {age:.0f} s (launcher gone)"
-    tracker.set_tags(run_id, {T.STATUS_REASON: reason})
-    tracker.end_run(run_id, status)
+    closing.close(tracker, run_id, status, reason)
     return reason

@@ -17,7 +17,7 @@ from harness.errors import HarnessError, RunFailed
 from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
-from harness.record import checkpoints as checkpoint_store, loading
+from harness.record import checkpoints as checkpoint_store, closing, loading
 from harness.runtime import boundaries
 from harness.runtime.plan import CheckpointPlan
 from harness.store.tracking import RunRecord, Tracker
@@ -53,7 +53,7 @@ def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = 
 
     def reopen(tags: dict[str, str]) -> str:
         previous = run.tags.get(T.RESUMES)
-        tracker.reopen(run_id)
+        closing.reopen(tracker, run_id)
         tracker.set_tags(run_id, {T.RESUMES: f"{previous},{step}" if previous else str(step)})
         events.emit(events.Notice(f"Resuming run {run_id} from the checkpoint of step {step}."))
         return run_id

@@ -23,8 +23,8 @@ from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import plain_name, printable
 from harness.record import confine, derived, loading, redaction
 from harness.record.recorded import git_code_id, recorded_config, tags_code_id
-from harness.store.reach import local_paths, probe_store, store_timeout
-from harness.store.tracking import Tracker, resolve_uri
+from harness.store.reach import local_paths, probe_store, resolve_uri, store_timeout
+from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
 from harness.systems.git import GitState
 

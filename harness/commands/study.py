@@ -27,9 +27,10 @@ from harness.fmt import text_table
 from harness.judge.compare import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
 from harness.judge.report import plot_file_name
+from harness.record import closing
 from harness.record.recorded import checkout
-from harness.store.reach import probe_store, store_timeout
-from harness.store.tracking import RunRecord, RunSummary, Tracker, resolve_uri
+from harness.store.reach import probe_store, resolve_uri, store_timeout
+from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 
 @dataclass
@@ -354,10 +355,10 @@ def run_study(
         if study.late and code == EXIT_OK:
             _say(f"{signal.Signals(study.late).name} arrived while the study was being recorded; it was recorded in full first.")
             code = 128 + study.late
-        tracker.set_tags(study_id, {T.STATUS_REASON: message[:500]} if message else {})
+        tracker.set_tags(study_id, {T.STATUS_REASON: closing.cut(message)} if message else {})
     except BaseException as err:
         with contextlib.suppress(Exception):
-            tracker.set_tags(study_id, {T.STATUS_REASON: (str(err) or type(err).__name__)[:500]})
+            tracker.set_tags(study_id, {T.STATUS_REASON: closing.error_reason(err)})
         raise
     finally:
         with stack:  # the signal handlers are restored last, once the study is closed
@@ -367,8 +368,8 @@ def run_study(
                 if m.run_id and m.outcome is None:
                     with contextlib.suppress(Exception):
                         if tracker.get_run(m.run_id).status == T.RUNNING:
-                            tracker.end_run(m.run_id, T.FAILED)
-            tracker.end_run(study_id, status)
+                            closing.close(tracker, m.run_id, T.FAILED)
+            closing.close(tracker, study_id, status)
     return StudyOutcome(study_id, status, code, members, message, table)
 
 

@@ -24,6 +24,7 @@ from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.executors.local import LocalExecutor
 from harness.messages import Message
+from harness.record import closing
 
 
 def execute_command(job: Job, code_dir: str, python: list[str] | None = None) -> list[str]:
@@ -61,8 +62,7 @@ class RemoteExecutor(Executor):
             return self.launch(job, on_event, code)
         except BaseException as err:
             code.close()
-            job.tracker.set_tags(job.run_id, {T.STATUS_REASON: str(err)[:500]})
-            job.tracker.end_run(job.run_id, T.FAILED)
+            closing.close(job.tracker, job.run_id, T.FAILED, str(err), reason_may_fail=True)
             raise
 
     @abstractmethod
@@ -118,9 +118,7 @@ class RemoteHandle(Handle):
         status = tracker.get_run(run_id).status
         if status == T.RUNNING:  # the job ended without closing the run: closed here
             status = T.KILLED if (self.interrupted or ended.killed) else T.FAILED
-            if ended.vanished is not None:
-                tracker.set_tags(run_id, {T.STATUS_REASON: ended.vanished})
-            tracker.end_run(run_id, status)
+            closing.close(tracker, run_id, status, ended.vanished)
             if not self.interrupted:
                 return Outcome(run_id, status, EXIT_FAILED, ended.vanished or ended.message)
         if self.interrupted:

@@ -25,7 +25,8 @@ from harness.errors import HarnessError
 from harness.runtime import checkpoint
 
 if TYPE_CHECKING:
-    from harness.store.tracking import Outages, Tracker
+    from harness.store.outages import Outages
+    from harness.store.tracking import Tracker
 
 
 class CheckpointStore:

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 from harness import tags as T
+from harness.record import closing
 from harness.record.provenance import runtime_facts
 from harness.records import RunSummary
 from harness.store.tracking import Tracker
@@ -20,7 +21,6 @@ from harness.store.tracking import Tracker
 # kind -> the tag naming the run it was made from
 OF_TAG: dict[str, str] = {T.KIND_REPLAY: T.REPLAY_OF, T.KIND_STUDY_REPLAY: T.REPLAY_OF, T.KIND_AUDIT: T.AUDIT_OF, T.KIND_TRACE: T.TRACE_OF,
           T.KIND_CALIBRATION: T.CALIBRATION_OF}
-REASON_LIMIT = 500  # characters of the error kept as the status reason
 
 
 def tags(
@@ -63,9 +63,8 @@ def opened(tracker: Tracker, experiment: str, run_tags: Mapping[str, str], run_n
         yield run_id
     except BaseException as err:
         status = T.KILLED if isinstance(err, KeyboardInterrupt) else T.FAILED
-        with contextlib.suppress(Exception):  # the store that failed may refuse this too; the close must still come
-            tracker.set_tags(run_id, {T.STATUS_REASON: (str(err) or type(err).__name__)[:REASON_LIMIT]})
-        tracker.end_run(run_id, status)
+        # The store that failed may refuse the reason too; the close must still come.
+        closing.close(tracker, run_id, status, closing.error_reason(err), reason_may_fail=True)
         raise
     if close:
-        tracker.end_run(run_id, T.FINISHED)
+        closing.close(tracker, run_id, T.FINISHED)

@@ -11,7 +11,6 @@ progress bar's length) and `Line` (a warning) events, and the caller decides whe
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -48,17 +47,20 @@ from harness.messages import (
     Total,
     UserSeeds,
 )
+from harness.record import closing
 from harness.record.provenance import package_lock, runtime_facts
 from harness.records import own_metric
 from harness.runtime import usermlflow, userseed
 from harness.secrets import scrub
-from harness.store.reach import absolute_uri, reason_of
-from harness.store.tracking import Outages, Patient, Tracker, save_series, transient, unwritable
+from harness.store.outages import Outages, Patient
+from harness.store.reach import absolute_uri
+from harness.store.seriesfile import save_series
+from harness.store.tracking import Tracker
 
 if TYPE_CHECKING:
     from harness.records import RunRecord
     from harness.runtime.plan import CheckpointPlan
-    from harness.store.tracking import Heartbeat, MetricWriter
+    from harness.store.writers import Heartbeat, MetricWriter
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
 
@@ -315,7 +317,7 @@ class Recorder:
                     raise ended
         except BaseException as err:
             message = str(err)
-            tracker.set_tags(run_id, {T.STATUS_REASON: message[:500]})
+            tracker.set_tags(run_id, {T.STATUS_REASON: closing.cut(message)})
             raise
         finally:
             if self.lock is not None:  # the lock's write ends before the run is closed, whatever happened
@@ -365,7 +367,7 @@ class Recorder:
                 ckpts.cleanup()
         except Exception as err:  # the record is incomplete: whatever ran, the run cannot be FINISHED
             failed_write = err
-        self._close_run(patient, status, message, failed_write)
+        closing.close_or_keep(patient, self.run_id, status, message, failed_write, outages=outages, keep=self._keep_outcome)
 
     def _record_unannounced_checkpoints(self) -> None:
         """Steps complete on disk whose Checkpoint message never came (rank 0 was killed after writing the marker,
@@ -373,53 +375,6 @@ class Recorder:
         for step, digests in sorted(self.ckpts.saved(int(self.cfg.world_size)).items()):
             if step not in self.final["checkpoints"]:
                 self.feed(Checkpoint(step, digests["sha256"], digests["tensors"], tuple(digests["ranks"])))
-
-    def _close_run(self, patient: Patient, status: str, message: str, failed_write: Exception | None) -> None:
-        """End the run in the store as `status` when every closing write went through. When one failed the record
-        is incomplete: the run is FAILED with the reason (if the store still takes that), else it stays RUNNING;
-        either way its outcome is kept on disk and one line says which, as the store has it."""
-        run_id, shown, outages = self.run_id, self.tracker.display_uri, self.outages
-        if failed_write is None:
-            try:
-                patient.end_run(run_id, status)
-                return
-            except Exception as end_err:
-                failed_write = end_err
-        err = failed_write
-        root: BaseException = err
-        while root.__cause__ is not None:  # the store's own words, not a wrapper's
-            root = root.__cause__
-        full = unwritable(err)
-        if full:
-            cause = f"the tracking store {shown} {full} ({reason_of(root)})"
-            fix = ("Free space on its disk" if full == "is full" else "Make it writable") + \
-                " (or use another store with --tracking-uri), then rerun"
-        elif transient(err):
-            cause = (f"the tracking store {shown} stayed unreachable for over {outages.limit_s:g} s "
-                     f"(HARNESS_STORE_OUTAGE_S): {reason_of(err)}")
-            fix = "Check the store, then rerun"
-        else:
-            cause = f"recording run {run_id} failed: {reason_of(err)}"
-            fix = "Check the store and the message above, then rerun"
-        # What ended the training (a checkpoint the same full disk refused) is said first: the close only failed after.
-        ended_by = f"{message}; then " if status != T.FINISHED and message and shown not in message else ""
-        reason = f"{ended_by}{cause} while the run was being closed ({status}): its record is incomplete"
-        with contextlib.suppress(Exception):
-            patient.set_tags(run_id, {T.STATUS_REASON: reason[:500]})
-        try:  # tried even when the reason did not fit: a full disk may take an update when it takes no new rows
-            patient.end_run(run_id, T.FAILED)
-            ended = True
-        except Exception:
-            ended = False
-        try:
-            kept: str = f"kept in {self._keep_outcome(status, message)}"
-        except OSError as keep_err:
-            kept = f"not kept either ({keep_err.strerror})"
-        state = (f"so it is {T.FAILED} in the store" + ("" if status == T.FAILED else f", not {status}") if ended else
-                 f"and the store took no status either: run {run_id} stays {T.RUNNING} in the store until "
-                 f"`harness mark {run_id} --status {T.FAILED}` (once its heartbeat is stale)")
-        raise HarnessError(f"{ended_by}{cause} while run {run_id} was being closed, {state}. Its outcome, metrics and logs are "
-                           f"{kept}. {fix}.", exit_code=EXIT_FAILED) from err
 
     def _keep_outcome(self, status: str, message: str) -> Path:
         """What the store could not take, moved out of the work folder (which is removed) to a lasting one."""

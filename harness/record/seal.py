@@ -1,7 +1,7 @@
 """The seal: a digest over a closed run's canonical record, so that an edit of the store after closing is caught.
 
-When any run harness makes is closed (tracking.Tracker.end_run / end_run_at, the one door every close goes
-through), `seal` writes the run's canonical manifest as the artifact seal/manifest.json and its sha256 as the
+When any run harness makes is closed (record/closing.py, the one door every close goes through), `seal`
+writes the run's canonical manifest as the artifact seal/manifest.json and its sha256 as the
 tag harness.seal = "v1:<sha256>". The manifest holds:
 
 - the run's status and every param;
@@ -347,7 +347,7 @@ def _last_by_step(writes: list[tuple[float, int, int]]) -> dict[int, float]:
 
 
 def _series(record: Record) -> dict[str, dict[int, float]] | None:
-    """metrics/series.npz (tracking.save_series) as key -> step -> value; None if absent or unreadable."""
+    """metrics/series.npz (store/seriesfile.py save_series) as key -> step -> value; None if absent or unreadable."""
     import numpy as np
 
     data = record.read(T.ARTIFACT_SERIES)

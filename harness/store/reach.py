@@ -490,3 +490,21 @@ def schema_error(shown: str, found: str, known: bool | None = None) -> HarnessEr
     )
 
 
+STORE_DIR = "mlruns"
+
+
+def default_uri(cwd: Path | None = None) -> str:
+    """A SQLite store under ./mlruns (MLflow 3 no longer accepts a plain folder as a store)."""
+    root = (cwd or Path.cwd()).resolve() / STORE_DIR
+    return f"sqlite:///{root / DB_NAME}"
+
+
+def resolve_uri(uri: str | None) -> str:
+    chosen = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    try:
+        _ = urlsplit(chosen).port  # parsed once here: a malformed one is a line, not a traceback
+    except ValueError as err:
+        # Not printed: it may hold a password.
+        raise HarnessError(f"the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI ({err}). "
+                           "Correct it, e.g. http://[::1]:5000 or sqlite:////abs/path/mlflow.db.") from None
+    return absolute_uri(chosen)

@@ -26,6 +26,8 @@ from urllib.parse import quote, urlsplit
 
 from harness import events, scratch, tags as T
 from harness.errors import HarnessError
+from harness.store.fastpath import mlflow_file
+from harness.store.reach import artifact_root, default_uri, display_uri
 
 if TYPE_CHECKING:
     from harness.store.tracking import Tracker
@@ -106,8 +108,6 @@ def run_link(base_url: str, experiment_id: str, run_id: str) -> str:
 def hint(uri: str, experiment_id: str, run_id: str) -> str:
     """Where to look at a run: on the store's server, on the `harness ui` serving this store now, else the command
     that starts one and the link it will answer at (its default port)."""
-    from harness.store.tracking import default_uri, display_uri, server_url
-
     base = server_url(uri) or served_at(uri)
     if base:
         return f"Open it in the MLflow UI: {run_link(base, experiment_id, run_id)}"
@@ -230,3 +230,58 @@ def stop(server: subprocess.Popen) -> None:
         server.wait(timeout=10)
     except ProcessLookupError:
         pass
+
+
+def server_url(uri: str) -> str | None:
+    """The web address of an http(s) tracking store, without credentials; None for a local or database store."""
+    shown = display_uri(uri)
+    return shown.rstrip("/") if shown.split("://", 1)[0].lower() in ("http", "https") else None
+
+
+_QUIET_WARNINGS = ("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning", "ignore::FutureWarning",
+                   "ignore:starlette:UserWarning")
+
+
+def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """MLflow's UI server on this store, as an argument list and its environment.
+
+    What `mlflow server --workers 1` runs, started directly: that command imports MLflow (~3 s here)
+    only to start uvicorn, which imports it again; by default it also runs 4 workers and a job runner
+    with 7 consumers. The UI is for one reader: one uvicorn process, no job runner, started with the
+    environment `mlflow server` gives it (MLflow 3's server reads its settings from these variables).
+    """
+    import sys
+
+    root = artifact_root(uri)
+    # Its own warnings only: no line per request or per start-up stage, no access log.
+    cmd = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", "1",
+           "--log-level", "warning", "--no-access-log"]
+    log_config = mlflow_file("server", "uvicorn_log_config.yaml")
+    if log_config is not None:
+        cmd += ["--log-config", str(log_config)]
+    cmd.append("mlflow.server.fastapi_app:app")
+    env = {
+        **os.environ,
+        # A reader of the UI has no use for MLflow's INFO lines or its dependencies' deprecation warnings (Starlette's
+        # WSGI middleware on every start: a UserWarning whose text starts with "starlette"); errors and other
+        # warnings still show.
+        "MLFLOW_LOGGING_LEVEL": "WARNING",
+        "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *_QUIET_WARNINGS])),
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_SERVER_X_FRAME_OPTIONS": "SAMEORIGIN",
+        "MLFLOW_ENABLE_WORKSPACES": "false",
+        "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_REGISTRY_URI": uri,
+        "MLFLOW_SERVER_SECRETS_CACHE_TTL": "60",
+        "MLFLOW_SERVER_SECRETS_CACHE_MAX_SIZE": "1000",
+        "_MLFLOW_SERVER_FILE_STORE": uri,
+        "_MLFLOW_SERVER_REGISTRY_STORE": uri,
+        "_MLFLOW_SERVER_SERVE_ARTIFACTS": "true",
+        "_MLFLOW_SERVER_ARTIFACT_DESTINATION": "./mlartifacts",
+        "_MLFLOW_SERVER_BOOT_ID": os.urandom(16).hex(),
+        "_MLFLOW_IN_JOB_EXECUTOR": "false",
+        "_MLFLOW_SGI_NAME": "uvicorn",
+    }
+    if root:
+        env["_MLFLOW_SERVER_ARTIFACT_ROOT"] = Path(root).as_uri()
+    return cmd, env

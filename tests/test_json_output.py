@@ -260,9 +260,14 @@ def test_a_unique_prefix_names_its_run_and_an_unknown_one_no_run(look_alike: Pro
     doc = json.loads(look_alike.cli("compare", SHARED + "F", IDS[0], "--json").stdout)
     assert (doc["run_a"], doc["run_b"], doc["relation"]) == (IDS[1], IDS[0], "independent")
     assert json.loads(look_alike.cli("compare", "999999", "ABCDEF12F", "--json").stdout)["run_b"] == IDS[1]
-    for unknown in ("abcdef13", "12345", SHARED[:5]):  # no run starts so; under 6 digits is no prefix
+    for unknown in ("abcdef13", "123456"):  # no run starts so
         result = look_alike.cli("replay", unknown)
         assert result.returncode == 2 and result.stderr.startswith(f"Error: no run '{unknown}' in the tracking store")
+    for short in ("12345", SHARED[:5], "a"):  # under 6 digits is no prefix: said so, not "no run"
+        result = look_alike.cli("replay", short)
+        assert result.returncode == 2 and result.stderr.strip() == (
+            f"Error: run id '{short}' is too short: a prefix needs 6 hex digits or more. Pass more of the id "
+            "(`harness runs` lists them)."), result.stderr
 
 
 def test_verbose_adds_the_traceback_and_quiet_with_verbose_is_refused(look_alike: Project) -> None:

@@ -454,13 +454,15 @@ class Tracker:
     # -- reading ---------------------------------------------------------------------------------
     @store_call
     def resolve_id(self, ref: str) -> str:
-        """The full id of the run `ref` names: its id, or a unique start of it (MIN_PREFIX hex digits or more).
-
-        The one place a run id given by a user is read: every command that takes one resolves it here first.
-        An ambiguous prefix is refused in one line listing its runs; a ref that names no run is returned as
-        given, so that the command's own lookup says so (with the store's name)."""
+        """The full id of the run `ref` names: its id, or a unique start of it (MIN_PREFIX hex digits or more). The
+        one place a run id given by a user is read: every command that takes one resolves it here first. An ambiguous
+        or too short prefix is refused in one line; a ref that names no run is returned as given, so that the
+        command's own lookup says so (with the store's name)."""
         ref = ref.strip()
         if not is_prefix(ref):
+            if re.fullmatch(rf"[0-9a-f]{{1,{MIN_PREFIX - 1}}}", ref.lower()):  # no run's id, too short to stand for one
+                raise HarnessError(f"run id '{ref}' is too short: a prefix needs {MIN_PREFIX} hex digits or more. "
+                                   "Pass more of the id (`harness runs` lists them).")
             return ref
         prefix = ref.lower()
         limit = _SHOWN_MATCHES + 1

@@ -35,7 +35,7 @@ from harness.messages import (
     SegmentStart,
     Total,
 )
-from harness.optrace import hooks, tracer as optrace
+from harness.optrace import hooks, tracefile, tracer as optrace
 from harness.runtime import boundaries, checkpoint as ckpt, determinism, optimization, perf
 from harness.runtime.cfgview import redacted_view
 from harness.runtime.fingerprint import fingerprint
@@ -926,7 +926,7 @@ class Context:
 
         path = Path(plan.trace_dir) / f"rank{self.rank}.jsonl.gz"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(optrace.dumps(tracer.result()))
+        tmp.write_bytes(tracefile.dumps(tracer.result()))
         tmp.replace(path)
         self._trace_written = True
 

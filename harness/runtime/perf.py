@@ -2,9 +2,9 @@
 
 The clock costs two `time.perf_counter()` reads and a few list appends per step (benchmarks/perf_bench.py): no
 collective and no device sync per step. The slowest rank's times are gathered once, at the end of training, with the
-end-of-run checks (Context._wrap_up). A profiled step (experiment.yaml's `profile.steps`) runs under
-torch.profiler on `profile.ranks`; it computes what it would have computed (the profiler only observes), and its
-wall time, inflated by the profiler, is left out of the step times.
+end-of-run checks (Context._wrap_up calls StepTimer.gathered). A profiled step (experiment.yaml's `profile.steps`)
+runs under torch.profiler on `profile.ranks`; it computes what it would have computed (the profiler only observes),
+and its wall time, inflated by the profiler, is left out of the step times.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ UNREGISTERED_MODEL = ("harness was given no model (neither ctx.ddp nor ctx.regis
                       "torch.compile), call ctx.register(model) with the module inside the wrapper")
 
 
-
 def _where(r: OpRecord, model_unknown: bool = False) -> str:
     where = f"in {r.module}" if r.module else ("in a module harness does not know" if model_unknown
                                                else "outside the model")

@@ -121,7 +121,6 @@ def order_free_digest(base: str, args: tuple, kwargs: dict) -> str:
     return ""
 
 
-
 _WRITES: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
 
 

@@ -68,6 +68,8 @@ def op_base(op: str) -> str:
     return parts[1] if len(parts) >= 2 else op
 
 
+# Accumulation ops: OpRecord.order_free holds the digest of their contributions (signatures.order_free_digest), so
+# that the same contributions in another order are told from other contributions.
 ACCUMULATION_OPS = frozenset({
     "index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
     "index_put", "index_put_", "_index_put_impl_", "embedding_dense_backward",
@@ -76,6 +78,7 @@ ACCUMULATION_OPS = frozenset({
 })
 
 
+# What the diff of two traces found (harness.optrace.diff.localize).
 IDENTICAL = "IDENTICAL"
 CULPRIT = "CULPRIT"
 INPUTS_DIFFER_FROM_START = "INPUTS_DIFFER_FROM_START"
@@ -98,7 +101,6 @@ class Localization:
     # True at INPUTS_DIFFER_FROM_START when the op's tensor inputs are equal and only its non-tensor arguments
     # differ (a hyper-parameter such as the learning rate): the difference is pinned on this op already
     arguments_only: bool = False
-
 
 
 def describe_sig(s: TensorSig | None) -> str:

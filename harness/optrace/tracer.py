@@ -54,7 +54,6 @@ _OVERWRITES_SELF = frozenset({
 })
 
 
-
 # code_dir -> {co_filename: its absolute path when it lies under code_dir, else ""}, shared by tracers of the
 # same code.
 _USER_FILES: dict[str, dict[str, str]] = {}

@@ -64,7 +64,7 @@ def _measure(name: str, make: Any, rounds: int) -> list[str]:
         state = ckpt.build(model=model, optimizer=opt, position=position)
         ckpt.save_atomic(state, tmp / "rank0.pt")
         saves.append(time.perf_counter() - start)
-        # What _maybe_checkpoint adds on top of the save: a digest per tensor and one over the set.
+        # What CheckpointSteps.save adds on top of the save: a digest per tensor and one over the set.
         start = time.perf_counter()
         tensors = ckpt.tensor_fingerprints(state, model, opt)
         ckpt.replica_sha256(tensors, model)

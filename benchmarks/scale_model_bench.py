@@ -4,7 +4,7 @@ Two rows per size, each against its baseline, interleaved rounds, medians (bench
 - fingerprint: `harness.runtime.fingerprint.fingerprint(model)` (what ctx.ddp logs every `fingerprint_every` steps)
   against one `hashlib.sha256` over the same bytes in one buffer - the least any exact digest of the weights costs
   on one core. Throughput in GB/s is printed beside it.
-- checkpoint: what a rank does at a checkpoint (runtime/context.py `_maybe_checkpoint` without the collective: the
+- checkpoint: what a rank does at a checkpoint (runtime/checkpoint_steps.py `CheckpointSteps.save` without the collective: the
   state built, saved atomically with fsync, its per-tensor digests) against a plain `torch.save(model.state_dict())`
   to the same folder, without fsync (what a training script usually does).
 

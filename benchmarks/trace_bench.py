@@ -4,7 +4,7 @@
 
 One process, one thread, interleaved rounds (untraced step, step under a dispatch mode that does
 nothing, traced step, ...), medians; the table
-reports the ratio and the size of one step's trace file (harness.optrace.tracer.dumps).
+reports the ratio and the size of one step's trace file (harness.optrace.tracefile.dumps).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.optrace.tracer import OpTracer, dumps, localize
+from harness.optrace.diff import localize
+from harness.optrace.tracefile import dumps
+from harness.optrace.tracer import OpTracer
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments/digits_cnn"

@@ -22,7 +22,7 @@ from harness.commands.resume import _hold_to_checkpoint, _provable_step
 from harness.executors.base import SegmentReport
 from harness.record.checkpoints import CheckpointStore
 from harness.records import RunRecord
-from harness.runtime import checkpoint as ck
+from harness.runtime import checkpoint as ck, loaders
 from harness.errors import HarnessError
 from harness.runtime.fingerprint import fingerprint
 
@@ -462,7 +462,7 @@ def test_resumed_epoch_has_same_order_and_worker_seed() -> None:
 
     resumed = make_loader(SeedEcho(), seed=99, num_workers=1)
     position = ck.TrainingPosition(step=8, epoch=1, batch_in_epoch=2, epoch_start_generator=start1)
-    rest = as_pairs(list(ck.resume_iterator(resumed, position)))
+    rest = as_pairs(list(loaders.resume_iterator(resumed, position)))
     assert rest == epoch1[2:]
     assert torch.equal(ck.generator_state(resumed.generator), end_state)
 
@@ -486,7 +486,7 @@ def test_rng_restored_after_fast_forward_reproduces_main_process_augmentation() 
         fresh = make_loader(Augmented(), seed=11)
         if rng_first:
             ck.set_rng_state(rng)
-        rest = ck.resume_iterator(fresh, position)  # loading the skipped batches draws from the RNG
+        rest = loaders.resume_iterator(fresh, position)  # loading the skipped batches draws from the RNG
         if not rng_first:
             ck.set_rng_state(rng)
         return list(rest)
@@ -499,9 +499,9 @@ def test_resume_iterator_refuses_persistent_workers_and_overlong_positions() -> 
     start = ck.generator_state(torch.Generator())
     persistent = make_loader(SeedEcho(), seed=1, num_workers=1, persistent_workers=True)
     with pytest.raises(HarnessError, match="persistent_workers"):
-        ck.resume_iterator(persistent, ck.TrainingPosition(0, 0, 0, start))
+        loaders.resume_iterator(persistent, ck.TrainingPosition(0, 0, 0, start))
     with pytest.raises(HarnessError, match="only 6 batches"):
-        ck.resume_iterator(make_loader(SeedEcho(), seed=1), ck.TrainingPosition(9, 0, 9, start))
+        loaders.resume_iterator(make_loader(SeedEcho(), seed=1), ck.TrainingPosition(9, 0, 9, start))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none exists on CPU-only CI machines)")

@@ -360,7 +360,7 @@ def test_logger_keeps_one_value_per_key_and_step_and_refuses_a_second_one(contex
     logger = harness.lightning.Logger(ctx)
     logger.log_metrics({"loss": 0.5, "epoch": 0.0}, step=3)
     logger.log_metrics({"val_loss": 0.7, "epoch": 0.0}, step=3)  # the epoch's end, at the same step: one `epoch`
-    assert {k: sorted(v) for k, v in ctx._logged.items()} == {"loss": [3], "epoch": [3], "val_loss": [3]}
+    assert {k: sorted(v) for k, v in ctx._logged.steps.items()} == {"loss": [3], "epoch": [3], "val_loss": [3]}
     with pytest.raises(ExperimentError, match=r"Lightning logged 'loss' twice at step 3 \(0.5, then 0.25\)"):
         logger.log_metrics({"loss": 0.25}, step=3)
 
@@ -380,7 +380,7 @@ def test_logger_keeps_evaluation_batches_apart_from_training_steps(contexts) -> 
     with pytest.raises(ExperimentError, match=r"Lightning logged 'val_loss' twice at validation batch 0"):
         logger.log_metrics({"val_loss": 0.8}, step=0)
     logger.log_metrics({"val_acc": 0.9}, step=0)  # the epoch's end, at the trainer's step 0
-    assert ctx._evaluation_keys() == {"val_acc": "step", "val_loss": "validation batch"}
+    assert ctx._logged.evaluation_keys() == {"val_acc": "step", "val_loss": "validation batch"}
     logger._evaluation = None
     with pytest.raises(ExperimentError, match=r"'val_loss' was logged at validation batch indexes, and now at "
                                               r"training steps: one series cannot hold both"):
@@ -428,4 +428,4 @@ def test_what_trainer_kwargs_returns_deep_copies_and_pickles_as_lightning_cli_ne
         assert isinstance(logger, harness.lightning.Logger) and logger is not kwargs["logger"][-1]
         assert logger._ctx is callback._ctx is environment._ctx is ctx
     copy.deepcopy(kwargs)["logger"][-1].log_metrics({"loss": 0.5}, step=0)
-    assert ctx._logged == {"loss": {0}}
+    assert ctx._logged.steps == {"loss": {0}}

@@ -513,7 +513,7 @@ def test_an_update_by_hand_outside_ctx_steps_is_named_as_the_cause(rank_context)
     net2 = ctx2.register(nn.Linear(3, 1))
     for _ in ctx2.steps(3):
         ctx2.log({"train_loss": _update_by_hand(net2)}, ctx2.step)
-    assert ctx2._logged["train_loss"] == {0, 1, 2}
+    assert ctx2._logged.steps["train_loss"] == {0, 1, 2}
 
 
 def test_track_takes_the_scheduler_and_scaler_by_position_and_refuses_one_in_the_others_place(rank_context) -> None:

@@ -1,4 +1,4 @@
-"""The in-process op tracer and the trace diff (harness/optrace/tracer.py): planted causes, each localised
+"""The in-process op tracer and the trace diff (harness/optrace/): planted causes, each localised
 to the right op, module and user line, in user code written to a folder and imported for real.
 
 No harness runs: every trace here is one step of a tiny model in this process.
@@ -15,10 +15,21 @@ import pytest
 import torch
 
 from harness.errors import HarnessError
-from harness.optrace.tracer import (CULPRIT, IDENTICAL, INPUTS_DIFFER_FROM_START, NOT_ALIGNED,
-                             Localization, OpRecord, OpTracer, Trace, TensorSig, dumps, loads,
-                             localize, render_html, render_markdown, tensor_sig)
-from harness.optrace import rules as optrace_rules, tracer as tracer_module
+from harness.optrace import diff as diff_module, environment, rules as optrace_rules
+from harness.optrace.diff import localize, render_html, render_markdown
+from harness.optrace.signatures import order_free_digest, tensor_sig
+from harness.optrace.trace import (
+    CULPRIT,
+    IDENTICAL,
+    INPUTS_DIFFER_FROM_START,
+    NOT_ALIGNED,
+    Localization,
+    OpRecord,
+    TensorSig,
+    Trace,
+)
+from harness.optrace.tracefile import dumps, loads
+from harness.optrace.tracer import OpTracer
 
 USER_CODE = '''\
 import torch
@@ -201,7 +212,7 @@ def test_an_op_of_a_model_never_registered_is_not_called_outside_the_model(user:
     assert loc.status == INPUTS_DIFFER_FROM_START and loc.a is not None and loc.a.module == ""
     assert loc.model_unknown and loc.a.op == "aten.addmm.default" and loc.a.user_line == line_of("fc1")
     assert loc.detail[0] == f"op {loc.index}: aten.addmm.default in a module harness does not know (forward) at {line_of('fc1')}"
-    assert loc.detail[-1] == tracer_module.UNREGISTERED_MODEL and "ctx.register(model)" in loc.detail[-1]
+    assert loc.detail[-1] == diff_module.UNREGISTERED_MODEL and "ctx.register(model)" in loc.detail[-1]
     assert "outside the model" not in "\n".join(loc.detail)
     assert "  op: aten.addmm.default  module: unknown (no model registered: ctx.register(model))  phase: forward" in describe(loc)
 
@@ -426,25 +437,24 @@ def test_reports_name_the_op_module_and_line(user: tuple[ModuleType, Path], tmp_
 
 
 def test_order_free_digest_ignores_only_the_order_of_contributions() -> None:
-    from harness.optrace.tracer import _order_free
 
     acc = torch.zeros(3, 2)
     index = torch.tensor([[0, 1], [2, 0], [1, 1]])
     src = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     perm = torch.tensor([2, 0, 1])
-    base = _order_free("scatter_add_", (acc, 0, index, src), {})
+    base = order_free_digest("scatter_add_", (acc, 0, index, src), {})
     assert len(base) == 64
-    assert _order_free("scatter_add_", (acc, 0, index[perm], src[perm]), {}) == base
-    assert _order_free("scatter_add_", (acc, 0, index, src + 1), {}) != base
+    assert order_free_digest("scatter_add_", (acc, 0, index[perm], src[perm]), {}) == base
+    assert order_free_digest("scatter_add_", (acc, 0, index, src + 1), {}) != base
     rows = torch.tensor([2, 0, 2])
-    put = _order_free("index_put_", (acc, [rows], src, True), {})
-    assert put and _order_free("index_put_", (acc, [rows[perm]], src[perm], True), {}) == put
-    assert _order_free("index_put_", (acc, [rows], src, False), {}) == ""  # a write, not a sum
+    put = order_free_digest("index_put_", (acc, [rows], src, True), {})
+    assert put and order_free_digest("index_put_", (acc, [rows[perm]], src[perm], True), {}) == put
+    assert order_free_digest("index_put_", (acc, [rows], src, False), {}) == ""  # a write, not a sum
     grad = torch.arange(8.0).reshape(4, 2)
     tokens = torch.tensor([1, 0, 1, 3])
-    emb = _order_free("embedding_dense_backward", (grad, tokens, 4, -1, False), {})
+    emb = order_free_digest("embedding_dense_backward", (grad, tokens, 4, -1, False), {})
     swapped = torch.tensor([3, 1, 0, 2])
-    assert _order_free("embedding_dense_backward", (grad[swapped], tokens[swapped], 4, -1, False), {}) == emb
+    assert order_free_digest("embedding_dense_backward", (grad[swapped], tokens[swapped], 4, -1, False), {}) == emb
 
 
 def test_a_generator_state_that_differed_before_the_step_is_named(tmp_path: Path) -> None:
@@ -453,13 +463,13 @@ def test_a_generator_state_that_differed_before_the_step_is_named(tmp_path: Path
     import random
 
     torch.manual_seed(5)
-    before = tracer_module._generator_states()
-    assert set(before) == set(tracer_module.GENERATOR_KEYS) and before["rng_cuda"] is None  # no CUDA in use here
+    before = environment.generator_states()
+    assert set(before) == set(environment.GENERATOR_KEYS) and before["rng_cuda"] is None  # no CUDA in use here
     torch.manual_seed(5)
-    assert tracer_module._generator_states() == before  # a digest of the state, not of the time it was read
+    assert environment.generator_states() == before  # a digest of the state, not of the time it was read
     torch.rand(1)
     random.random()
-    after = tracer_module._generator_states()
+    after = environment.generator_states()
     assert after["rng_torch"] != before["rng_torch"] and after["rng_python"] != before["rng_python"]
     assert after["rng_numpy"] == before["rng_numpy"]
     dropout = Localization(CULPRIT, 0, _record(0, "aten.bernoulli_.float"), None, None, [])
@@ -471,4 +481,4 @@ def test_a_generator_state_that_differed_before_the_step_is_named(tmp_path: Path
     assert optrace_rules.generator_state(dropout, a, Trace([], {"step": 5}), None) is None  # an older trace: unsaid
     with OpTracer(str(tmp_path)) as traced:
         torch.ones(2).sum()
-    assert traced.meta["rng_torch"] == tracer_module._generator_states()["rng_torch"]  # read at the step's start
+    assert traced.meta["rng_torch"] == environment.generator_states()["rng_torch"]  # read at the step's start

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import Project, Result
 
 # One experiment, every planted cause behind a train: key, so one honest run serves several tests.
@@ -87,7 +86,7 @@ def traced(project: Project, honest: str) -> str:
 
 
 def test_trace_is_a_nested_run_and_keeps_the_training_bits(project: Project, honest: str, traced: str) -> None:
-    from harness.optrace import tracer as optrace
+    from harness.optrace import tracefile as optrace
 
     client = project.client()
     tags = client.get_run(traced).data.tags
@@ -137,8 +136,8 @@ def test_traces_travel_in_a_bundle_and_compare_there(project: Project, honest: s
 
 
 def test_bad_input_is_one_line_and_records_nothing(project: Project, honest: str, traced: str) -> None:
-    from harness.errors import HarnessError
     from harness.commands.trace import parse_ranks, trace
+    from harness.errors import HarnessError
 
     before = len(project.all_runs())
     # The command line once (one line, exit 2), the library for the other refusals (no start-up each).

@@ -169,7 +169,7 @@ def train(ctx):
 
 
 def test_trace_names_user_lines_after_chdir(project: Project) -> None:
-    from harness.optrace import tracer as optrace
+    from harness.optrace import tracefile as optrace
 
     project.add_experiment("chdir", train_py=CHDIR)
     run = project.harness("run", "experiments/chdir")
@@ -237,8 +237,8 @@ def test_seed_watch_still_seeds_and_notes_only_the_experiments_calls(tmp_path: P
     import numpy
     import torch
 
-    from harness.runtime import userseed
     from harness.config import load_module_function
+    from harness.runtime import userseed
 
     code = tmp_path / "my exp"
     code.mkdir()

@@ -13,7 +13,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness import events, executors, scratch, tags as T
 from harness.errors import HarnessError
@@ -21,14 +21,11 @@ from harness.executors import Job
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
 from harness.judge.delta import config_delta, environment_delta
+from harness.optrace import tracefile
+from harness.optrace.diff import localize, render_html, render_markdown
+from harness.optrace.trace import IDENTICAL, INPUTS_DIFFER_FROM_START, Localization, Trace
 from harness.record import derived, loading
 from harness.store.tracking import RunRecord, RunSummary, Tracker
-
-if TYPE_CHECKING:  # torch loads only when a trace is made or read
-    from harness.optrace.tracer import Localization, Trace
-
-IDENTICAL = "IDENTICAL"  # optrace.IDENTICAL, without importing torch to read a status
-INPUTS_DIFFER_FROM_START = "INPUTS_DIFFER_FROM_START"  # optrace's, likewise
 
 
 @dataclass
@@ -66,14 +63,10 @@ class TraceDiff:
         return describe(self.localization, self.rank)
 
     def markdown(self) -> str:
-        from harness.optrace import tracer as optrace
-
-        return optrace.render_markdown(self.localization, self.a, self.b)
+        return render_markdown(self.localization, self.a, self.b)
 
     def html(self) -> str:
-        from harness.optrace import tracer as optrace
-
-        return optrace.render_html(self.localization, self.a, self.b)
+        return render_html(self.localization, self.a, self.b)
 
 
 def describe(loc: Any, rank: int | None = None) -> list[str]:
@@ -254,9 +247,7 @@ def is_trace(run: RunSummary) -> bool:
 
 
 def load_traces(tracker: Tracker, trace_id: str) -> dict[int, Any]:
-    """rank -> optrace.Trace of a trace run (its artifacts, read as bytes)."""
-    from harness.optrace import tracer as optrace
-
+    """rank -> optrace Trace of a trace run (its artifacts, read as bytes)."""
     run = tracker.harness_run(trace_id)
     if not is_trace(run):
         raise HarnessError(f"run {trace_id} is not a trace (harness.kind={run.tags.get(T.KIND, 'none')}); "
@@ -267,7 +258,7 @@ def load_traces(tracker: Tracker, trace_id: str) -> dict[int, Any]:
         if data is None:
             raise HarnessError(f"trace run {trace_id} lacks its artifact {T.ARTIFACT_TRACE_DIR}/rank{rank}.jsonl.gz; "
                                "trace the step again.")
-        out[rank] = optrace.loads(data)
+        out[rank] = tracefile.loads(data)
     return out
 
 
@@ -282,8 +273,6 @@ def hints(a: RunRecord, b: RunRecord) -> dict[str, Any]:
 def diff(tracker: Tracker, a_id: str, b_id: str) -> TraceDiff:
     """Localize two trace runs against each other: the first of their common ranks whose traces differ
     (else the lowest), with hints from the traced runs' deltas."""
-    from harness.optrace import tracer as optrace
-
     loading.load(tracker, a_id, loading.COMPARE)
     loading.load(tracker, b_id, loading.COMPARE)
     ta, tb = load_traces(tracker, a_id), load_traces(tracker, b_id)
@@ -299,7 +288,7 @@ def diff(tracker: Tracker, a_id: str, b_id: str) -> TraceDiff:
         h = {}
     first = None
     for rank in common:
-        d = TraceDiff(rank, optrace.localize(ta[rank], tb[rank], h), ta[rank], tb[rank], a_id, b_id)
+        d = TraceDiff(rank, localize(ta[rank], tb[rank], h), ta[rank], tb[rank], a_id, b_id)
         first = first or d
         if d.differs:
             return d

@@ -1,7 +1,7 @@
 """What the data did: whether two runs' ctx.loader steps drew the same samples, step by step.
 
 Reads `RunRecord.data_order` (per step, a digest of the sample indices every rank's batches held: recorded by
-the ranks, harness/runtime/context.py). Identical digests with other numbers point at the arithmetic; a first
+the ranks, harness/runtime/dataorder.py). Identical digests with other numbers point at the arithmetic; a first
 differing step points at the data pipeline (the sampler, its seed, the dataset's length), not the arithmetic.
 """
 

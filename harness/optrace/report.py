@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import html as _html
-from typing import TYPE_CHECKING
 
 from harness.fmt import markdown_table
-
-if TYPE_CHECKING:
-    from harness.optrace.tracer import Localization, OpRecord, Trace
+from harness.optrace.trace import Localization, OpRecord, Trace, describe_sig
 
 _HEADLINES = {
     "IDENTICAL": "No difference found",
@@ -19,8 +16,6 @@ _HEADLINES = {
 
 
 def _rows(loc: Localization) -> list[tuple[str, str, str]]:
-    from harness.optrace.tracer import describe_sig
-
     def field(r: OpRecord | None, what: str) -> str:
         if r is None:
             return "(trace ended)"

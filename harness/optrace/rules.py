@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from harness.optrace.tracer import Localization, Trace
+from harness.optrace.trace import ACCUMULATION_OPS, Localization, Trace
 
 RANDOM_OPS = frozenset({
     "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "rand", "rand_like",
@@ -30,7 +29,7 @@ MATMUL_OPS = frozenset({
 # _scaled_dot_product_cudnn_attention, _flash_attention_forward, _efficient_attention_backward, ...): matmuls
 # inside, under the same precision settings, plus the choice of kernel.
 _ATTENTION_OP = re.compile(r"_?scaled_dot_product_\w*attention\w*|_(flash|efficient|cudnn)_attention_(forward|backward)")
-# Meta keys (harness.optrace.tracer._settings) that change a matmul's or convolution's arithmetic.
+# Meta keys (harness.optrace.environment.settings) that change a matmul's or convolution's arithmetic.
 PRECISION_KEYS = (
     "float32_matmul_precision", "cuda_matmul_allow_tf32", "cudnn_allow_tf32",
     "cuda_matmul_allow_fp16_reduced_precision_reduction",
@@ -46,7 +45,7 @@ DETERMINISM_KEYS = (
     "deterministic_algorithms", "deterministic_warn_only", "fill_uninitialized_memory", "cudnn_deterministic",
     "cudnn_benchmark", "num_threads",
 )
-# Meta keys (harness.optrace.tracer._device_facts) naming the hardware: another GPU, or another generation of
+# Meta keys (harness.optrace.environment.device_facts) naming the hardware: another GPU, or another generation of
 # one, or a CPU whose vector units torch uses differently, runs other kernels on the same settings.
 DEVICE_KEYS = ("device", "device_name", "compute_capability", "cpu_capability")
 # Meta keys naming the numerical libraries, with the name a sentence gives them.
@@ -100,8 +99,6 @@ def random_generator(loc: Localization, a: Trace, b: Trace, hints: dict | None) 
 
 
 def accumulation_order(loc: Localization, a: Trace, b: Trace, hints: dict | None) -> str | None:
-    from harness.optrace.tracer import ACCUMULATION_OPS
-
     if loc.status != "CULPRIT" or loc.a is None or _base(loc.a.op) not in ACCUMULATION_OPS:
         return None
     if loc.order_only:

@@ -12,7 +12,7 @@ import pickle
 import random
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +20,6 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from harness.errors import ExperimentError, HarnessError
 from harness.runtime.fingerprint import fingerprint, tensor_sha256
@@ -385,34 +384,6 @@ def restore(
         batch_in_epoch=int(pos["batch_in_epoch"]),
         epoch_start_generator=pos["epoch_start_generator"],
     )
-
-
-def resume_iterator(loader: DataLoader, position: TrainingPosition) -> Iterator[Any]:
-    """`loader`'s iterator for `position.epoch` with `position.batch_in_epoch` batches already drawn.
-
-    Same sample order and same worker seeds as the original epoch. The sampler's set_epoch must already
-    have been called. The skipped batches are really loaded, so that workers' RNGs advance as they did.
-    """
-    if loader.generator is None:
-        raise HarnessError("the DataLoader has no generator, so its epoch cannot be replayed. Give it one.")
-    if loader.persistent_workers:
-        raise HarnessError(
-            "persistent_workers=True seeds workers once per run, not per epoch, so a resumed epoch cannot "
-            "reproduce them. Use persistent_workers=False."
-        )
-    if position.epoch_start_generator is None:
-        raise HarnessError("the checkpoint has no epoch-start generator state. Resume from another one.")
-    set_generator_state(loader.generator, position.epoch_start_generator)
-    iterator = iter(loader)
-    for consumed in range(position.batch_in_epoch):
-        try:
-            next(iterator)
-        except StopIteration:
-            raise HarnessError(
-                f"epoch {position.epoch} has only {consumed} batches but the checkpoint consumed "
-                f"{position.batch_in_epoch}. Resume with the data and batch size of the checkpointed run."
-            ) from None
-    return iterator
 
 
 # -- files -------------------------------------------------------------------------------------------

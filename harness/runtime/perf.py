@@ -2,9 +2,9 @@
 
 The clock costs two `time.perf_counter()` reads and a few list appends per step (benchmarks/perf_bench.py): no
 collective and no device sync per step. The slowest rank's times are gathered once, at the end of training, with the
-end-of-run checks (Context._wrap_up). A profiled step (experiment.yaml's `profile.steps`) runs under
-torch.profiler on `profile.ranks`; it computes what it would have computed (the profiler only observes), and its
-wall time, inflated by the profiler, is left out of the step times.
+end-of-run checks (Context._wrap_up calls StepTimer.gathered). A profiled step (experiment.yaml's `profile.steps`)
+runs under torch.profiler on `profile.ranks`; it computes what it would have computed (the profiler only observes),
+and its wall time, inflated by the profiler, is left out of the step times.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from harness.messages import Performance
 from harness.runtime.plan import ProfilePlan
 
 # The first steps a process times pay for warm-up (allocator growth, DDP's bucket rebuild, lazy kernels): their times
@@ -131,6 +132,32 @@ class StepTimer:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.stop()
+
+    def gathered(self, world_size: int, done: int) -> tuple[str | None, Performance | None]:
+        """Every rank's step times, gathered once (no per-step collective; a collective itself): for rank 0, a notice
+        naming planned profile steps that never ran to their end, and the Performance message - its own times, the
+        slowest rank's at each step, its loader wait and samples, and the profiled steps' summaries."""
+        times, mine = self.times, dict(zip(self.times.steps, self.times.seconds))
+        every: list[Any] = [(mine, self.profiled)]
+        if world_size > 1 and torch.distributed.is_initialized():
+            every = [None] * world_size
+            torch.distributed.all_gather_object(every, (mine, self.profiled))
+        if self.rank != 0:
+            return None, None
+        ranks: list[tuple[dict[int, float], list[dict[str, Any]]]] = [e or ({}, []) for e in every]
+        slowest = [max(r[0].get(step, seconds) for r in ranks) for step, seconds in zip(times.steps, times.seconds)]
+        profiled = sorted((p for r in ranks for p in r[1]), key=lambda p: (p["step"], p["rank"]))
+        missed = sorted(set(self.plan.steps) - {p["step"] for p in profiled})
+        notice = None
+        if missed:
+            notice = (
+                f"profile.steps {', '.join(map(str, missed))}: no such step ran to its end (the run did {done} "
+                f"steps), so {'it was' if len(missed) == 1 else 'they were'} not profiled. Profile steps below "
+                f"{done}, e.g. profile.steps=[{min(3, max(done - 1, 0))}].")
+        if not times.steps and not profiled:
+            return notice, None
+        return notice, Performance(tuple(times.steps), tuple(times.seconds), tuple(slowest), tuple(times.waits),
+                                   tuple(times.samples), tuple(profiled))
 
     # -- the profiler ----------------------------------------------------------------------------
     def _start_profile(self, step: int) -> None:

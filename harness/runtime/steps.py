@@ -14,11 +14,14 @@ logged a second time at the step that has ended.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from harness.optrace import hooks
 
 
 class StepClock:
@@ -132,3 +135,18 @@ def optimizer_parameters(optimizer: Any) -> torch.nn.Module:
             holder.register_parameter(f"g{g}_{i}", param if isinstance(param, torch.nn.Parameter)
                                       else torch.nn.Parameter(param, requires_grad=param.requires_grad))
     return holder
+
+
+class StepHook(hooks.ModuleHook):
+    """The registered model's forward pre-hook: a training-mode forward with gradients is the next step's work
+    beginning. Copies of the model are made without it (hooks.add); the clock (and through it the rank's context) is
+    held weakly and the module checked to be the registered one all the same, since another model's forwards (an EMA
+    copy's) are not this one's steps."""
+
+    def __init__(self, model: torch.nn.Module, clock: StepClock) -> None:
+        self._model, self._clock = weakref.ref(model), weakref.ref(clock)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        clock = self._clock()
+        if clock is not None and module is self._model() and module.training and torch.is_grad_enabled():
+            clock.begin()

@@ -1,0 +1,81 @@
+"""A rank's checkpoint steps: when one is due (every plan.every steps, at a clean step boundary), saving it with its
+digests and marking it complete once every rank's file is on disk, and loading plan.resume_step's back once.
+
+The files themselves (what a checkpoint holds, written atomically, read back) are harness/runtime/checkpoint.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from harness.messages import Checkpoint
+from harness.runtime import checkpoint as ckpt, replicas
+from harness.runtime.plan import CheckpointPlan
+
+
+class CheckpointSteps:
+    """The checkpoints of one rank's plan (None: a run that saves and resumes none)."""
+
+    def __init__(self, plan: CheckpointPlan | None, rank: int, world_size: int, device: torch.device) -> None:
+        self._plan = plan
+        self._rank, self._world_size, self._device = rank, world_size, device
+        self._saved: set[int] = set()  # steps checkpointed by this rank
+        self._resumed = False  # the checkpoint of plan.resume_step is loaded (by ctx.epochs or ctx.steps)
+
+    def due(self, step: int) -> bool:
+        """A checkpoint is to be saved at `step` (not the one resumed from, not one saved already)."""
+        plan = self._plan
+        return not (plan is None or plan.every <= 0 or step % plan.every or step == plan.resume_step
+                    or step in self._saved)
+
+    def save(self, position: ckpt.TrainingPosition, model: torch.nn.Module, loaders: Sequence[DataLoader],
+             train_loader: DataLoader | None, extra: dict[str, Any], tracked: dict[str, Any],
+             flush: Callable[[], None] | None) -> Checkpoint | None:
+        """Save this rank's checkpoint at `position` (a collective); rank 0 marks it complete and returns the message
+        that announces it, after `flush` (what was logged before the step goes first)."""
+        plan, step = self._plan, position.step
+        assert plan is not None
+        generators = {str(i): dl.generator for i, dl in enumerate(loaders) if dl is not train_loader}
+        state = ckpt.build(
+            model=model, position=position, loader_generators=generators, extra=extra, device=self._device, copy=False,
+            **tracked,
+        )
+        directory = Path(plan.directory)
+        # Saved and digested before the loop goes on: the live CPU tensors (copy=False) are what the file holds.
+        tensors = ckpt.save_with_digests(state, ckpt.path_for(directory, step, self._rank), model,
+                                         tracked.get("optimizer"))
+        # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
+        ranks = replicas.gather(ckpt.replica_sha256(tensors, model), self._world_size)
+        self._saved.add(step)
+        if self._rank != 0:
+            return None
+        if flush is not None:
+            # What was logged before the step is in the pipe before the step is complete: a kill from here on
+            # costs the record nothing that the resume from this step will not log again.
+            flush()
+        # The marker carries the digests the message announces: a kill between the two leaves them on disk.
+        ckpt.mark_complete(directory, step, self._world_size,
+                           {"sha256": state["fingerprint"], "tensors": tensors, "ranks": ranks})
+        return Checkpoint(step, state["fingerprint"], tensors, tuple(ranks))
+
+    def load_resume(self, model: Callable[[], torch.nn.Module], loaders: Sequence[DataLoader],
+                    train_loader: DataLoader | None, tracked: dict[str, Any]
+                    ) -> tuple[dict[str, Any], ckpt.TrainingPosition] | None:
+        """Load plan.resume_step's checkpoint into `model()`, `tracked` and the other loaders' generators, once; its
+        state and position, or None when there is nothing (more) to resume."""
+        plan = self._plan
+        if plan is None or plan.resume_step is None or self._resumed:
+            return None
+        self._resumed = True
+        state = ckpt.load(ckpt.path_for(Path(plan.directory), plan.resume_step, self._rank))
+        position = ckpt.restore(state, model=model(), **tracked)
+        for i, dl in enumerate(loaders):
+            key = str(i)
+            if dl is not train_loader and key in state["loader_generators"]:
+                ckpt.set_generator_state(dl.generator, state["loader_generators"][key])
+        return state, position

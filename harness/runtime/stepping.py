@@ -1,0 +1,273 @@
+"""What a rank's context does between the training code's calls: at its step boundaries (a step begins, ends, or is
+about to fetch its first batch: checkpoints saved and loaded back, audit stops, the traced step, the step timer,
+determinism read back), over the training loader's batches, and on its link to the launcher (messages, notices,
+signs of life).
+
+Context (harness/runtime/context.py), the training API, is a Stepping: the calls the training code makes are there,
+this is what they and the step clock set going.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from harness.errors import ExperimentError
+from harness.messages import Initial, Loop, Message, Notice, SegmentEnd
+from harness.runtime import boundaries, checkpoint as ckpt, determinism, loaders, optimization, perf
+from harness.runtime.checkpoint_steps import CheckpointSteps
+from harness.runtime.dataorder import SampleOrder
+from harness.runtime.fingerprint import fingerprint
+from harness.runtime.outbox import Outbox
+from harness.runtime.plan import CheckpointPlan
+from harness.runtime.steps import StepClock, optimizer_parameters
+from harness.runtime.tracing import StepTrace
+
+
+class StopSegment(BaseException):
+    """Raised out of the training loop when an audit segment reaches its end (not an error)."""
+
+
+class Stepping:
+    """The step-boundary half of a rank's context; Context.__init__ sets the state below."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    clock: StepClock
+    _plan: CheckpointPlan | None
+    _checkpoints: CheckpointSteps
+    _trace: StepTrace
+    _timer: perf.StepTimer
+    _outbox: Outbox | None  # only rank 0 holds one
+    _progress: Callable[[int], None] | None  # tells the launcher this rank is alive, and at which step
+    _noted: set[str]  # notices already sent
+    _optimization: optimization.Watch | None
+    _model: torch.nn.Module | None
+    _stepped_params: torch.nn.Module | None  # the optimizer's parameters, when no model is registered
+    _tracked: dict[str, Any]
+    _loaders: list[DataLoader]
+    _train_loader: DataLoader | None
+    _shards: int  # > 0: world-size-invariant mode
+    _data_order: SampleOrder
+    _next_fingerprint: int
+    _resume: tuple[ckpt.TrainingPosition, dict] | None  # until the first batch after it
+    _epoch: int
+    _epoch_start_generator: torch.Tensor | None
+    _driver: str | None  # what drives the loop: "loader", "steps" or None (a loop of the user's own)
+    _framework: str | None  # the framework whose loop runs the steps or feeds their batches
+    _loop_sent: bool
+
+    def _send(self, message: Message | None) -> None:
+        if self._outbox is not None and message is not None:
+            self._outbox.send(message)
+
+    def _notice(self, key: str, text: str) -> None:
+        """A one-line warning for the launcher to print and record, once per context."""
+        if key not in self._noted:
+            self._noted.add(key)
+            self._send(Notice(key, text) if self.rank == 0 else None)
+
+    def _beat(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress(step)
+
+    def _beat_now(self) -> None:
+        self._beat(self.clock.index)
+
+    def _beating(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Another loader's batches (validation): each one is progress too."""
+        for batch in batches:
+            self._beat(self.clock.index)
+            yield batch
+
+    def _fingerprinted(self) -> torch.nn.Module | None:
+        """What the fingerprints hash: the registered model, else the parameters the counted optimizer steps."""
+        if self._model is not None:
+            return self._model
+        if self._stepped_params is None and self.clock.counted is not None:
+            self._stepped_params = optimizer_parameters(self.clock.counted)
+        return self._stepped_params
+
+    def _checkpointed(self) -> torch.nn.Module:
+        """What a checkpoint holds as its model: the registered one, else the tracked optimizer's parameters."""
+        if self._model is not None:
+            return self._model
+        optimizer = self._tracked.get("optimizer")
+        if optimizer is None:
+            raise ExperimentError(
+                "checkpoint_every is set but no model is registered: call ctx.ddp(model) (ctx.register(model) where "
+                "the script wraps DDP itself), or ctx.track(optimizer), whose parameters are then checkpointed, or set "
+                "checkpoint_every: 0."
+            )
+        if self._stepped_params is None:
+            self._stepped_params = optimizer_parameters(optimizer)
+        return self._stepped_params
+
+    def _on_first_step(self, optimizer: Any) -> None:
+        if self._model is None and self.rank == 0:
+            # No ctx.ddp: the weights before the first update are the parameters this optimizer steps.
+            self._send(Initial(fingerprint(optimizer_parameters(optimizer))))
+
+    def _on_optimizer(self, phase: str, optimizer: Any) -> None:
+        self._trace.optimizer_event(phase, optimizer)
+        if phase == "pre" and self._optimization is not None and self._outbox is not None:
+            values, first = self._optimization.on_step(optimizer)
+            if first:  # the set-up as the first step found it: a run killed later still has it on record
+                self._send(self._optimization.message())
+            if values:
+                self._outbox.add(self.clock.index, values, int(time.time() * 1000))
+
+    def _coming_step(self) -> int:
+        """The step whose work is under way, or comes next once the previous one has ended."""
+        clock = self.clock
+        return clock.done if clock.pending else clock.index
+
+    def _on_begin(self, step: int, clean: bool) -> None:
+        """Step `step`'s work has begun (`clean`: at a fetch or ctx.steps() iteration, nothing of it ran yet)."""
+        self._send(determinism.observe(step, determinism.FIRST_STEP))  # determinism read-back: the first step
+        self._send_loop()
+        self._trace.end(before=step)
+        self._check_stop(step)
+        if not clean:
+            self._note_unsaved(step)
+        if self._trace.wanted(step) and (clean or self._trace.tracer is None):
+            self._trace.start(step, self._model)
+        self._timer.begin(step)
+
+    def _on_end(self, step: int) -> None:
+        """The counted optimizer finished step `step`. A loop of the user's own shows no other boundary: its
+        step K is traced from the end of step K-1 to the end of step K."""
+        self._timer.end(step)
+        if self._driver is None:
+            # A loop of the user's own shows its next step only at the model's forward or the optimizer's step: the
+            # next step is timed (and profiled) from here, its own batch drawing included.
+            self._timer.starting(step + 1)
+            self._trace.end(before=step + 1)
+            if self._trace.wanted(step + 1):
+                self._trace.start(step + 1, self._model)
+
+    def _before_step(self, step: int, position: ckpt.TrainingPosition) -> None:
+        """A clean boundary: nothing of `step` has run yet (checkpoints are saved here, audits stop here)."""
+        self._send(determinism.observe(step, determinism.FIRST_STEP))  # read back before a checkpoint takes it
+        self._send_loop()
+        self._trace.end(before=step)
+        self._maybe_checkpoint(position)
+        self._check_stop(step)
+        self._timer.starting(step)
+
+    def _check_stop(self, step: int) -> None:
+        plan = self._plan
+        if plan is not None and plan.stop_at is not None and step >= plan.stop_at:
+            self._trace.end()
+            self._send(self._segment_end(step))
+            raise StopSegment()
+
+    def _note_unsaved(self, step: int) -> None:
+        """A checkpoint is due but this step began where harness cannot restart a loop."""
+        plan = self._plan
+        if plan is None or not self._checkpoints.due(step):
+            return
+        loop = self._loop()
+        if not boundaries.has_boundaries(loop):
+            cause, fix = boundaries.why(loop)
+            what = f"no checkpoint at step {step} or after: {cause}"
+        else:
+            what, fix = f"no checkpoint at step {step}: {boundaries.PREFETCH[0]}", boundaries.PREFETCH[1]
+        self._notice(
+            "no-checkpoint",
+            f"checkpoint_every={plan.every}: {what}, so harness has no step boundary to save at or resume from there. "
+            f"{fix}",
+        )
+
+    def _loop(self) -> str:
+        """What drives the steps (boundaries.LOADER, ...). Lightning's Trainer runs its loop whatever it iterates."""
+        if self._framework == boundaries.LIGHTNING:
+            return self._framework
+        if self._driver is not None:
+            return boundaries.LOADER if self._driver == "loader" else boundaries.STEPS
+        return self._framework or boundaries.OWN
+
+    def _send_loop(self) -> None:
+        if not self._loop_sent:
+            self._loop_sent = True
+            self._send(Loop(self._loop()))
+
+    def _loop_of(self, framework: str) -> None:
+        """The framework (boundaries.LIGHTNING, .ACCELERATE) runs the loop or feeds its batches. For the framework
+        integrations."""
+        self._framework = framework
+
+    def _train_iter(self, loader: loaders.Loader) -> Iterator[Any]:
+        """Hand out the training batches of one epoch; checkpoint before fetching a step's first batch."""
+        epoch, first = self._epoch, 0
+        if self._driver is None:
+            self._driver = "loader"
+        loader._harness_raw = True  # iter(loader) inside here must be DataLoader's own
+        try:
+            if self._resume is not None and self._resume[0].epoch == epoch:
+                position, rng = self._resume
+                iterator = loaders.resume_iterator(loader, position)  # replays this epoch's first batches
+                self._epoch_start_generator = position.epoch_start_generator
+                ckpt.set_rng_state(rng, self.device)  # after the replay: it drew from the RNGs as the original did
+                self._resume, first = None, position.batch_in_epoch
+            else:
+                self._epoch_start_generator = ckpt.generator_state(loader.generator)
+                iterator = iter(loader)
+        finally:
+            loader._harness_raw = False
+        n = len(loader)
+        clock = self.clock
+        order = loaders.batch_order(loader)
+        for i in range(first, n):
+            if clock.would_begin():
+                # Before the batch is fetched: fetching draws from the RNGs (workers, augmentation).
+                step = clock.done if clock.pending else clock.index
+                self._before_step(step, ckpt.TrainingPosition(step, epoch, i, self._epoch_start_generator))
+            fetch = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._timer.fetched(time.perf_counter() - fetch,
+                                len(order[i]) * (1 if self._shards else self.world_size) if order is not None and i < len(order) else 0)
+            step = clock.begin(clean=True)  # a micro-batch of a step already begun only beats
+            if order is not None and i < len(order):
+                self._data_order.add(step, order[i])
+            yield batch
+
+    def _maybe_checkpoint(self, position: ckpt.TrainingPosition) -> None:
+        if not self._checkpoints.due(position.step):
+            return
+        # The data order so far rides along: a run resumed from here records every step's, not only those after it.
+        extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own())}
+        flush = self._outbox.flush if self._outbox is not None else None
+        self._send(self._checkpoints.save(position, self._checkpointed(), self._loaders, self._train_loader, extra,
+                                          self._tracked, flush))
+        self._send(determinism.observe(position.step, determinism.CHECKPOINT))  # determinism read-back: checkpoint saved
+
+    def _segment_end(self, step: int) -> SegmentEnd:
+        target = self._model if self._model is not None else self._stepped_params
+        if target is None:
+            return SegmentEnd(step, None)
+        # Per tensor too: a segment that ends elsewhere than the run's checkpoint names the tensors that differ.
+        tensors = ckpt.live_tensor_fingerprints(target, self._tracked.get("optimizer"))
+        return SegmentEnd(step, fingerprint(target), tensors)
+
+    def _load_resume_checkpoint(self) -> int:
+        """Load plan.resume_step's checkpoint once (ctx.epochs or ctx.steps, whichever comes first); returns the
+        epoch (ctx.epochs) or step (ctx.steps) to start at, 0 when there is nothing to resume."""
+        loaded = self._checkpoints.load_resume(self._checkpointed, self._loaders, self._train_loader, self._tracked)
+        if loaded is None:
+            return 0
+        state, position = loaded
+        self.clock.set(position.step)
+        self._next_fingerprint = int(state["extra"]["next_fingerprint"])
+        # Written before data orders rode along: only the steps from the resume on are recorded.
+        self._data_order.resumed(ckpt.unpack_digests(state["extra"].get("data_order")), position.step)
+        self._resume = (position, state["rng"])
+        return position.step if self._driver == "steps" else position.epoch

@@ -1,0 +1,72 @@
+"""`harness trace` inside a rank: the op trace of plan.trace_step, begun and ended at the step's boundaries and written
+once, whole (a trace file that exists is a whole trace)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.optrace import tracefile
+from harness.optrace.tracer import OpTracer
+from harness.runtime.plan import CheckpointPlan
+
+
+class StepTrace:
+    """This rank's trace of plan.trace_step, when the plan asks for one."""
+
+    def __init__(self, plan: CheckpointPlan | None, rank: int, world_size: int, shards: int, code_dir: str,
+                 device: torch.device) -> None:
+        self._plan = plan
+        self._rank, self._world_size, self._shards = rank, world_size, shards
+        self._code_dir = code_dir  # the experiment folder, fixed at start: the training code may os.chdir() away
+        self._device = device
+        self.tracer: OpTracer | None = None  # of plan.trace_step while it runs
+        self._written = False
+
+    def wanted(self, step: int) -> bool:
+        plan = self._plan
+        return plan is not None and plan.trace_step == step and self._rank in plan.trace_ranks
+
+    def start(self, step: int, model: torch.nn.Module | None) -> None:
+        """Trace step `step` from now on (a trace begun earlier for it, e.g. at train()'s start, starts over)."""
+        assert self._plan is not None
+        if self._written:
+            return
+        if self.tracer is not None:
+            self.tracer.__exit__(None, None, None)
+        meta = {"step": step, "rank": self._rank, "world_size": self._world_size, "invariant_shards": self._shards}
+        # The model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
+        self.tracer = OpTracer(self._code_dir, model=model, meta=meta, optimizer_hooks=False, device=self._device)
+        self.tracer.__enter__()
+
+    def end(self, before: int | None = None) -> None:
+        """Stop tracing and write the trace (a file that exists is a whole trace); `before`: only once that step
+        is past the traced one."""
+        tracer, plan = self.tracer, self._plan
+        if tracer is None or plan is None or (before is not None and before <= (plan.trace_step or 0)):
+            return
+        self.tracer = None
+        tracer.__exit__(None, None, None)
+
+        path = Path(plan.trace_dir) / f"rank{self._rank}.jsonl.gz"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(tracefile.dumps(tracer.result()))
+        tmp.replace(path)
+        self._written = True
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """The model registered while a trace runs: its modules from now on."""
+        if self.tracer is not None:
+            self.tracer.attach(model)
+
+    def optimizer_event(self, phase: str, optimizer: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.optimizer_event(phase, optimizer)
+
+    def close(self) -> None:
+        """An audit stop or a failure inside the traced step: no trace is written."""
+        if self.tracer is not None:
+            self.tracer.__exit__(None, None, None)
+            self.tracer = None

@@ -21,10 +21,11 @@ from harness.executors import Job
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
 from harness.judge.delta import config_delta, environment_delta
-from harness.record import derived, loading
+from harness.record import derived, loading, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 if TYPE_CHECKING:  # torch loads only when a trace is made or read
+    from harness.judge.compare import Comparison
     from harness.optrace.tracer import Localization, Trace
 
 IDENTICAL = "IDENTICAL"  # optrace.IDENTICAL, without importing torch to read a status
@@ -401,3 +402,32 @@ def localize_after_replay(tracker: Tracker, comparison: Any, a: RunRecord, b: Ru
         return localize_replay(tracker, a.run_id, b.run_id, step, repo)
     except HarnessError as err:
         return Localized(step, None, note=f"could not trace it: {err}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Localisation after a replay: replay --localize and bisect --localize both come here (through the API, which hands
+# after_replay to them: neither imports this verb).
+
+
+def after_replay(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str], a: RunRecord, b: RunRecord,
+                 repo: Path | None) -> Localized:
+    """Where the DIVERGED replay `replay_id` (`b`) of `a` first differed, traced and recorded on the replay."""
+    localized = localize_after_replay(tracker, comparison, a, b, repo)
+    record_localization(tracker, replay_id, comparison, changes, localized)
+    return localized
+
+
+def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str],
+                        localized: Localized) -> None:
+    """The report ends with where the replay diverged: the first differing op, its module, the user's line."""
+    from harness.judge.report import render_markdown
+
+    seal.open_for_verdict(tracker, replay_id)
+    markdown = render_markdown(comparison, changes) + localized.markdown()
+    status = localized.diff.localization.status if localized.diff is not None else "NONE"
+    tracker.set_tags(replay_id, {T.MLFLOW_RUN_NOTE: markdown, T.LOCALIZED: status})
+    tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
+    tracker.log_text(replay_id, localized.markdown(), T.ARTIFACT_LOCALIZATION)
+    if localized.diff is not None:
+        tracker.log_text(replay_id, localized.diff.html(), T.ARTIFACT_LOCALIZATION_HTML)
+    seal.seal(tracker, replay_id)  # the replay closed before its localization was written: sealed again with it

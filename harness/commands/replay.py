@@ -85,7 +85,7 @@ def apply_changes(
 
 # What traces a DIVERGED replay and records where it first differed, on the replay: (tracker, replay_id, comparison,
 # changes, original's record, replay's record, repo) -> trace.Localized. The trace verb's after_replay is one.
-Localizer = Callable[[Tracker, str, Comparison, list[str], RunRecord, RunRecord, "Path | None"], Any]
+Localizer = Callable[[Tracker, str, Comparison, list[str], RunRecord, RunRecord, Path | None], Any]
 
 
 # The kinds a replay follows to the run they were made from (a trace is not followed: it is refused, by the loader).

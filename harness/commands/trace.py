@@ -1,4 +1,5 @@
-"""`harness trace`: an op-level trace of one step of a recorded run, and the diff of two such traces.
+"""`harness trace`: an op-level trace of one step of a recorded run, and the diff of two such traces; where a
+DIVERGED replay first differed (`replay --localize`, `bisect --localize`: after_replay, the one place that does it).
 
 A trace restarts from the run's checkpoint at or before step K (the audit machinery), re-executes up to
 step K in real ranks with the recorded code and config, and wraps step K alone in an optrace.OpTracer

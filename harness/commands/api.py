@@ -4,8 +4,10 @@
 (export, import, attest and verify-record in api_bundles.py, re-exported here); the command line calls them
 too, so the two cannot disagree. This
 module is the one place that decides what a command means for the run it is given: a study or a single
-run (replay, run --seeds), two traces or two runs (compare), and where the job's ranks sit (the
-placement options and torchrun's environment -> a Topology).
+run (replay; run --seeds or `seeds:` in the config), two traces or two runs (compare), and where the job's ranks
+sit (the placement options and torchrun's environment -> a Topology). It is also the layer that composes verbs: no
+verb module imports another (pyproject.toml's independence contract), so a verb that runs another (calibrate,
+bisect and verify run replays; replay and bisect localize through trace) is handed that verb here.
 
 While a command works it says what happens as `harness.events` (notices, warnings, progress) to
 `on_event`; without one nothing is said. Expected failures raise HarnessError with the line the CLI prints.

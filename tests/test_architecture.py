@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,3 +58,15 @@ def test_only_the_closing_module_ends_or_reopens_a_run() -> None:
     assert not stray, ("close a run through harness/record/closing.py (close, close_copy, reopen, close_or_keep), "
                        "never the store's primitive:\n" + "\n".join(stray))
     assert ("harness/record/closing.py", "terminate_run") in {(path, name) for path, _, name in calls}
+
+
+def test_the_independence_contract_names_every_verb_module() -> None:
+    """A verb module added to harness/commands/ is one the contract must hold apart from the others: the composing
+    layer (api, api_bundles, documents) alone may import the verbs."""
+    text = (ROOT / "pyproject.toml").read_text()
+    contract = text[text.index('type = "independence"'):]
+    contract = contract[:contract.index("]") + 1]
+    named = set(re.findall(r'"harness\.commands\.(\w+)"', contract))
+    composing = {"__init__", "api", "api_bundles", "documents"}
+    verbs = {p.stem for p in (ROOT / "harness" / "commands").glob("*.py")} - composing
+    assert named == verbs, (sorted(verbs - named), sorted(named - verbs))

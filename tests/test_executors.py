@@ -236,6 +236,7 @@ def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) ->
     """The local backend's handle through run_job: PENDING once the run is recorded (its ranks not yet running),
     FINISHED once wait() has closed the run."""
     from harness.commands import run as runner
+    from harness.record.newrun import create_record
     from harness.store.tracking import Tracker
 
     exp = project.root / "experiments" / "linear_ddp"
@@ -243,7 +244,7 @@ def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) ->
     tracker = Tracker(project.uri)
     job = executors.Job(
         tracker, checked.cfg, executors.JobInputs(checked.git.root, exp, code_id=checked.git.commit),
-        record=lambda tags: runner.create_record(tracker, checked.cfg, exp, checked.git, image=tags),
+        record=lambda tags: create_record(tracker, checked.cfg, exp, checked.git, image=tags),
     )
     handles: list[executors.Handle] = []
     seen: list[str] = []

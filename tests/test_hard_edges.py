@@ -723,7 +723,7 @@ def test_malformed_uri_long_values_and_escapes_are_said_plainly(project: Project
     """A malformed IPv6 store URI is one line (without the URI, which may hold a password); a config value longer
     than MLflow's params is recorded as length and sha256, never cut silently; names are printed escaped."""
     from harness.fmt import printable
-    from harness.commands.run import PARAM_LIMIT, fit_params
+    from harness.record.newrun import PARAM_LIMIT, fit_params
 
     bad = project.cli("runs", "--tracking-uri", "http://user:pw@[::1")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "pw" not in bad.stderr

@@ -311,7 +311,7 @@ def test_calibrate_refuses_bad_input_before_recording(project, calibrated) -> No
 
 
 def test_a_bundle_carries_the_calibration_and_the_imported_run_is_judged_by_it(project, calibrated, tmp_path) -> None:
-    from harness.commands.calibrate import envelope_of
+    from harness.record.calibration import envelope_of
     from harness.store.tracking import Tracker
 
     archive = tmp_path / "run.tar.gz"

@@ -158,6 +158,9 @@ def test_parallel_members_equal_sequential_ones(project: Project, sequential, pa
     (["--seeds", "0"], "--seeds must be >= 1, got 0."),
     (["--seeds", "2", "seeds=[5,6]"], "--seeds 2 and `seeds: [5, 6]` in the config both choose the seeds"),
     (["seeds=[4,7,4]"], "seeds lists 4 more than once"),
+    # `seeds:` in the config: the API routes it to a study once the config is loaded, which refuses other nodes.
+    (["seeds=[1,2]", "--nnodes", "2"], "a study runs its members one job after another on this machine: --nnodes "
+                                       "cannot apply. Drop it, or set seeds=null for a single run."),
 ])
 def test_bad_input_records_nothing(study_project: Project, args: list[str], message: str) -> None:
     before = len(study_project.all_runs())
@@ -165,6 +168,20 @@ def test_bad_input_records_nothing(study_project: Project, args: list[str], mess
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("Error: ") and message in result.stderr and result.stderr.count("\n") == 1
     assert result.stdout == ""
+    assert len(study_project.all_runs()) == before
+
+
+def test_a_study_config_is_no_single_run(study_project: Project) -> None:
+    """Only the API decides that a config is a study: the run verb, called with one, refuses it in one line (it does
+    not start a study of its own) and records nothing."""
+    from harness.commands import run as run_command
+
+    before = len(study_project.all_runs())
+    with pytest.raises(HarnessError) as err:
+        run_command.run(study_project.root / "experiments" / "linear_ddp", ["seeds=[1,2]", "device=cpu"],
+                        tracking_uri=study_project.uri)
+    assert str(err.value) == ("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
+                              "one of them, or set seeds=null for a single run.")
     assert len(study_project.all_runs()) == before
 
 

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from harness.commands import bisect, documents
-from harness.commands.runs import tally
 from harness.errors import EXIT_FAILED, EXIT_OK
 from harness.judge import compare, report, verify_report
 from harness.judge.verdicts import ROWS, Policy, Verdict, exit_code, listed, meets, verdicts
+from harness.record.replays import tally
 
 pytestmark = pytest.mark.unit
 

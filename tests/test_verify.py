@@ -194,7 +194,7 @@ def test_a_bad_claims_file_exits_2_through_the_cli(fresh_project: Project) -> No
 
 class Study:
     def __init__(self, project: Project, study_id: str) -> None:
-        from harness.commands.study import load_study
+        from harness.record.study import load_study
         from harness.store.tracking import Tracker
 
         self.project, self.id = project, study_id

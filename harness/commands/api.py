@@ -4,8 +4,10 @@
 (export, import, attest and verify-record in api_bundles.py, re-exported here); the command line calls them
 too, so the two cannot disagree. This
 module is the one place that decides what a command means for the run it is given: a study or a single
-run (replay, run --seeds), two traces or two runs (compare), and where the job's ranks sit (the
-placement options and torchrun's environment -> a Topology).
+run (replay; run --seeds or `seeds:` in the config), two traces or two runs (compare), and where the job's ranks
+sit (the placement options and torchrun's environment -> a Topology). It is also the layer that composes verbs: no
+verb module imports another (pyproject.toml's independence contract), so a verb that runs another (calibrate,
+bisect and verify run replays; replay and bisect localize through trace) is handed that verb here.
 
 While a command works it says what happens as `harness.events` (notices, warnings, progress) to
 `on_event`; without one nothing is said. Expected failures raise HarnessError with the line the CLI prints.
@@ -56,6 +58,8 @@ from harness.events import Listener
 from harness.executors import Outcome, Topology, backend, backends, topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 from harness.judge.compare import Comparison
+from harness.record.newrun import Labels, labels
+from harness.record.study import is_study
 from harness.store.tracking import Tracker, full_ids
 
 if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: imported where they run, so that
@@ -211,39 +215,57 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
     """Record and launch the experiment: its Outcome, or a StudyOutcome when it is a study (--seeds or `seeds:`)."""
     o = options
     with events.listening(o.on_event):
-        named = run_command.labels(o.name, o.tags)  # refused before anything is checked or recorded
+        named = labels(o.name, o.tags)  # refused before anything is checked or recorded
         if o.calibrate and (o.seeds is not None or o.parallel is not None or o.placement.multi_node()
                             or torchrun_env() is not None):
             raise HarnessError("--calibrate calibrates one run on this machine, not a study or a multi-node job. Drop "
                                "it, and calibrate a run afterwards with `harness calibrate RUN_ID`.")
+        overrides = [*o.overrides, *o.placement.backend_overrides()]
         if o.seeds is not None or o.parallel is not None:
             multi = o.placement.multi_node()
             if multi or torchrun_env() is not None:
                 raise HarnessError(f"a study runs its members one job after another on this machine: "
                                    f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
             known_executor(o.executor)
-            return study.run_study(
-                o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], seeds_n=o.seeds,
-                parallel=o.parallel, require_clean=o.require_clean, tracking_uri=o.tracking_uri, executor=o.executor,
-                allow_unpinned=o.allow_unpinned, allow_untracked_secrets=o.allow_untracked_secrets,
-                allow_secret_in_diff=o.allow_secret_in_diff,
-                job_options=o.placement.job_options(), named=named,
+            study.check_counts(o.seeds, o.parallel)
+            checked = _checked(o, overrides, Topology(), warm_ranks=False)
+            return _run_study(o, checked, named)
+        layout, torchrun = run_command.placed(topology(o.executor, o.placement, torchrun=True))
+        checked = _checked(o, overrides, layout)
+        if checked.cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config checked here (one load)
+            if torchrun is not None or layout.multi_node:
+                raise HarnessError("a study runs its members one job after another on this machine: "
+                                   f"{'torchrun' if torchrun is not None else '--nnodes'} cannot apply. Drop it, or "
+                                   "set seeds=null for a single run.")
+            outcome: Outcome | StudyOutcome = _run_study(o, checked, named)
+        else:
+            outcome = run_command.run(
+                o.experiment_dir, overrides, require_clean=o.require_clean, tracking_uri=o.tracking_uri,
+                executor=o.executor, allow_unpinned=o.allow_unpinned, allow_untracked_secrets=o.allow_untracked_secrets,
+                allow_secret_in_diff=o.allow_secret_in_diff, topology=layout, job_options=o.placement.job_options(),
+                named=named, checked=checked,
             )
-        layout = topology(o.executor, o.placement, torchrun=True)
-        # `seeds: [...]` in the config makes it a study: run_command.run hands it over once the config is loaded.
-        outcome: Outcome | StudyOutcome = run_command.run(
-            o.experiment_dir, [*o.overrides, *o.placement.backend_overrides()], require_clean=o.require_clean,
-            tracking_uri=o.tracking_uri, executor=o.executor, allow_unpinned=o.allow_unpinned,
-            allow_untracked_secrets=o.allow_untracked_secrets, allow_secret_in_diff=o.allow_secret_in_diff,
-            topology=layout, job_options=o.placement.job_options(), named=named,
-        )
         if o.calibrate and isinstance(outcome, StudyOutcome):
             raise HarnessError(f"--calibrate: the config made study {outcome.run_id} (`seeds:`); calibrate a member "
                                "with `harness calibrate MEMBER_ID`.")
         if o.calibrate and outcome.status == T.FINISHED:
             # Right after the run, on the same machine and image: the reference its replays are judged against.
-            calibrate_command.calibrate(outcome.run_id, tracking_uri=o.tracking_uri)
+            calibrate_command.calibrate(outcome.run_id, replay=replay_command.replay, tracking_uri=o.tracking_uri)
         return outcome
+
+
+def _checked(o: RunOptions, overrides: list[str], layout: Topology, warm_ranks: bool = True) -> Preflight:
+    """What `harness run` checks before recording (the store reached, the config loaded once): a study or a run."""
+    return run_command.check(o.experiment_dir, overrides, topology=layout, require_clean=o.require_clean,
+                             tracking_uri=o.tracking_uri, executor=o.executor,
+                             allow_untracked_secrets=o.allow_untracked_secrets,
+                             allow_secret_in_diff=o.allow_secret_in_diff, warm_ranks=warm_ranks)
+
+
+def _run_study(o: RunOptions, checked: Preflight, named: Labels) -> StudyOutcome:
+    return study.run_study(o.experiment_dir, checked=checked, seeds_n=o.seeds, parallel=o.parallel,
+                           tracking_uri=o.tracking_uri, allow_unpinned=o.allow_unpinned,
+                           job_options=o.placement.job_options(), named=named)
 
 
 # -- calibrate ------------------------------------------------------------------------------------------
@@ -263,7 +285,8 @@ def calibrate(options: CalibrateOptions) -> Calibration:
     judged against (WITHIN_ROUNDING)."""
     with events.listening(options.on_event):
         options = _with_full_ids(options, "run_id")
-        return calibrate_command.calibrate(options.run_id, members=options.members, steps=options.steps,
+        # A calibration's members are replays: the replay verb is handed to it (no verb imports another).
+        return calibrate_command.calibrate(options.run_id, replay=replay_command.replay, members=options.members, steps=options.steps,
                                            tracking_uri=options.tracking_uri)
 
 
@@ -324,7 +347,7 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
             allow_data_changes=o.allow_data_changes, data_paths=dict(o.data_paths), tracker=tracker, repo=o.repo,
             executor=o.executor, allow_incomplete=o.allow_incomplete, follow=o.follow,
             placement=o.placement.backend_overrides(), topology=layout, localize=o.localize,
-            tolerances=list(o.tolerances), steps=o.steps,
+            tolerances=list(o.tolerances), steps=o.steps, localizer=trace_command.after_replay,
         )
 
 
@@ -334,7 +357,7 @@ def _study_to_replay(tracker: Tracker, run_id: str, follow: bool) -> str | None:
     if follow and run.tags.get(T.KIND) == T.KIND_STUDY_REPLAY and run.tags.get(T.REPLAY_OF):
         events.emit(events.Notice(f"run {run_id} is a replay of study {run.tags[T.REPLAY_OF]}; replaying the study"))
         return run.tags[T.REPLAY_OF]
-    return run_id if study.is_study(run) else None
+    return run_id if is_study(run) else None
 
 
 # -- compare --------------------------------------------------------------------------------------------
@@ -452,7 +475,8 @@ def verify(options: VerifyOptions) -> VerifyResult:
         known_executor(o.executor)
         return verify_command.verify(o.claims_file, replay=o.replay, members=o.members, world_size=o.world_size,
                                      overrides=list(o.overrides), allow_changes=o.allow_changes, executor=o.executor,
-                                     tracking_uri=o.tracking_uri)
+                                     tracking_uri=o.tracking_uri,
+                                     replays=verify_command.Replays(replay_command.replay, replay_command.replay_study))
 
 
 @dataclass(frozen=True)
@@ -472,8 +496,10 @@ class BisectOptions:
 def bisect(options: BisectOptions) -> BisectResult:
     with events.listening(options.on_event):
         o = _with_full_ids(options, "good", "bad", "resume")
-        return bisect_command.bisect(o.good, o.bad, max_probes=o.max_probes, tracking_uri=o.tracking_uri, repo=o.repo,
-                                     localize=o.localize, resume=o.resume)
+        # A bisect's probes are replays, judged and localized as replay's: those verbs are handed to it.
+        return bisect_command.bisect(o.good, o.bad, replay=replay_command.replay, compare=replay_command.compare,
+                                     localizer=trace_command.after_replay, max_probes=o.max_probes,
+                                     tracking_uri=o.tracking_uri, repo=o.repo, localize=o.localize, resume=o.resume)
 
 
 # -- check, runs, mark ----------------------------------------------------------------------------------

@@ -19,11 +19,10 @@ from typing import Any
 import yaml
 
 from harness import __version__, events, tags as T
-from harness.commands import replay as rp
 from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import markdown_table
-from harness.judge.compare import DIVERGED, NOTHING_TO_COMPARE, compare_runs
+from harness.judge.compare import DIVERGED, NOTHING_TO_COMPARE, Comparison, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
 from harness.judge.verdicts import Policy, verdicts
 from harness.record import derived, loading
@@ -132,12 +131,19 @@ def _split(keys: list[ConfigChange], flips: Callable[[list[ConfigChange]], bool]
     return keys, False
 
 
-def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, tracking_uri: str | None = None,
-           repo: Path | None = None, localize: bool = False, resume: str | None = None) -> BisectResult:
+def bisect(good_id: str, bad_id: str, *, replay: Callable[..., Any], compare: Callable[..., Comparison],
+           localizer: Callable[..., Any], max_probes: int = DEFAULT_MAX_PROBES,
+           tracking_uri: str | None = None, repo: Path | None = None, localize: bool = False,
+           resume: str | None = None) -> BisectResult:
     """Find what flips GOOD's result into BAD's; bad input raises HarnessError before anything is recorded.
     `localize`: then trace the culprit's probe against GOOD and name the first op that differs (replay --localize's
     machinery, on the probe that carried the culprit alone). `resume`: an earlier bisect of the same two runs (cut
-    short by --max-probes or a kill): its probes are taken up, not run again; --max-probes counts new ones."""
+    short by --max-probes or a kill): its probes are taken up, not run again; --max-probes counts new ones.
+
+    `replay`, `compare`, `localizer`: commands/replay.py's replay and compare and commands/trace.py's after_replay,
+    handed in by the API. A bisect's probes are replays, judged and localized as `harness replay` judges and localizes
+    one, so this verb composes those; it is given them rather than importing them, so that no verb imports another
+    (pyproject.toml's independence contract)."""
     if max_probes < 1:
         raise HarnessError(f"--max-probes must be >= 1, got {max_probes}.")
     tracker = Tracker(tracking_uri)
@@ -172,7 +178,7 @@ def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, t
                 return earlier[what]
             if sum(1 for p in result.probes if p.reused_from is None) >= max_probes:
                 raise _Budget
-            replayed = rp.replay(
+            replayed = replay(
                 good.run_id, overrides=[_override(c.key, b.config) for c in changed], allow_changes=bool(changed),
                 commit=commit, tracker=tracker, repo=repo, follow=False, localize=False,
                 extra_tags={T.MLFLOW_PARENT_RUN_ID: bisect_id, T.BISECT_OF: bisect_id},
@@ -190,15 +196,14 @@ def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, t
                                  + (f"; {result.unresolved}" if result.unresolved else "")
                                  + ". Raise --max-probes and run it again.")
         if localize and result.culprit_probe is not None:
-            _localize(tracker, result, result.culprit_probe, repo)
+            _localize(tracker, result, result.culprit_probe, repo, compare, localizer)
         _record(tracker, result)
     return result
 
 
-def _localize(tracker: Tracker, result: BisectResult, probe: Probe, repo: Path | None) -> None:
+def _localize(tracker: Tracker, result: BisectResult, probe: Probe, repo: Path | None,
+              compare: Callable[..., Comparison], localizer: Callable[..., Any]) -> None:
     """Where the culprit's probe first differs from GOOD, recorded on that probe as replay --localize records it."""
-    from harness.commands.trace import localize_after_replay
-
     if probe.verdict != DIVERGED:
         return
     events.emit(events.Notice(f"bisect: localizing the culprit's probe {probe.run_id}"))
@@ -207,10 +212,9 @@ def _localize(tracker: Tracker, result: BisectResult, probe: Probe, repo: Path |
         (good, replay), judged, changes = replayed.records, replayed.judged, replayed.changes
     else:  # a probe taken up from an earlier bisect: judged again from its record, as it was
         good, replay = tracker.load_record(result.good), tracker.load_record(probe.run_id)
-        judged = rp.compare(result.good, probe.run_id, tracker.uri)
+        judged = compare(result.good, probe.run_id, tracker.uri)
         changes = tracker.harness_run(probe.run_id).tags.get(T.CHANGES, "").split()
-    result.localized = localize_after_replay(tracker, judged, good, replay, repo)
-    rp.record_localization(tracker, probe.run_id, judged, changes, result.localized)
+    result.localized = localizer(tracker, probe.run_id, judged, changes, good, replay, repo)
 
 
 def _earlier_probes(tracker: Tracker, bisect_id: str, good: str, bad: str) -> dict[str, Probe]:

@@ -16,10 +16,9 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from harness import scratch, tags as T
-from harness.commands.replay import judged_again
 from harness.errors import HarnessError
 from harness.fmt import plain_name
-from harness.judge.compare import follows
+from harness.judge.compare import follows, judged_again
 from harness.record import closing, data, loading, seal
 from harness.record.data import sha256_file
 from harness.record.recorded import recorded_submodules
@@ -506,7 +505,7 @@ def _hold_verdicts(tracker: Any, record: dict[str, Any], replays: list[dict[str,
                 or rec["tags"].get(T.REPLAY_OF) != record["run_id"]):
             continue
         original = original or tracker.load_record(ids[record["run_id"]])
-        judged = judged_again(tracker, original, tracker.load_record(ids[rec["run_id"]])).verdict
+        judged = judged_again(original, tracker.load_record(ids[rec["run_id"]])).verdict
         if not follows(judged, verdict, calibrated, studied=T.STUDY in record["tags"]):
             raise BundleError(
                 f"replay {rec['run_id']} (in the bundle) records the verdict {verdict}, but its metrics and weights "

@@ -7,22 +7,24 @@ harness.calibration.kernels), so that the envelope holds what another convolutio
 to the run, not only a one-ulp start (docs/verdicts.md measures why). They are ordinary replay runs,
 nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
 by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
-sealed when it closes; a replay of the run finds it here (`envelope_of`) and is judged against it.
+sealed when it closes; a replay of the run finds it (record/calibration.py `envelope_of`) and is judged against it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from harness import events, tags as T
 from harness.errors import EXIT_FAILED, HarnessError
 from harness.fmt import json_safe
 from harness.judge import rounding
 from harness.judge.compare import original_steps
-from harness.record import derived, loading, seal
+from harness.record import derived, loading
 from harness.runtime.perturb import KERNELS, kernels_of
-from harness.store.tracking import RunSummary, Tracker
+from harness.store.tracking import Tracker
 
 DEFAULT_MEMBERS = 8
 DEFAULT_STEPS = 20
@@ -55,11 +57,13 @@ def check_options(members: int | None, steps: int | None) -> None:
         raise HarnessError(f"--steps {steps}: a calibration re-executes at least 1 step. Pass --steps 1 or more.")
 
 
-def calibrate(run_id: str, *, members: int | None = None, steps: int | None = None, tracking_uri: str | None = None,
-              tracker: Tracker | None = None) -> Calibration:
-    """Re-execute the first `steps` steps of `run_id` `members` times with one-ulp nudges; record the envelope."""
-    from harness.commands.replay import replay
+def calibrate(run_id: str, *, replay: Callable[..., Any], members: int | None = None, steps: int | None = None,
+              tracking_uri: str | None = None, tracker: Tracker | None = None) -> Calibration:
+    """Re-execute the first `steps` steps of `run_id` `members` times with one-ulp nudges; record the envelope.
 
+    `replay`: commands/replay.py's replay, handed in by the API. A calibration's members are replays, so this verb
+    composes that one; it is given it rather than importing it, so that no verb imports another (pyproject.toml's
+    independence contract) and a member is exactly what `harness replay --steps M` runs."""
     check_options(members, steps)
     tracker = tracker or Tracker(tracking_uri)
     loaded = loading.load(tracker, run_id, loading.CALIBRATE)
@@ -99,29 +103,3 @@ def calibrate(run_id: str, *, members: int | None = None, steps: int | None = No
         done = Calibration(original.run_id, cal_id, envelope, ids, total)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
-
-
-def calibration_of(tracker: Tracker, run_id: str) -> RunSummary | None:
-    """The run's latest FINISHED calibration, if it has one."""
-    found = [r for r in tracker.children(run_id)
-             if r.tags.get(T.KIND) == T.KIND_CALIBRATION and r.tags.get(T.CALIBRATION_OF) == run_id
-             and r.status == T.FINISHED]
-    return max(found, key=lambda r: r.start_time or 0) if found else None
-
-
-def envelope_of(tracker: Tracker, run_id: str) -> rounding.Envelope | None:
-    """The envelope of the run's latest calibration, checked against its seal (an edited envelope would pass any
-    replay: it is refused, in one line naming what changed)."""
-    found = calibration_of(tracker, run_id)
-    if found is None:
-        return None
-    seal.check(tracker, found.run_id)
-    text = tracker.read_text(found.run_id, T.ARTIFACT_ENVELOPE)
-    try:
-        envelope = rounding.Envelope.from_dict(json.loads(text or ""))
-    except (ValueError, KeyError, TypeError) as err:
-        raise HarnessError(f"calibration {found.run_id} of run {run_id} has no readable {T.ARTIFACT_ENVELOPE} "
-                           f"({err}). Calibrate the run again: harness calibrate {run_id}.") from None
-    # The ids as this store has them (an imported calibration's file names the ids of the store it came from).
-    envelope.run_id, envelope.calibration_id = run_id, found.run_id
-    return envelope

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness import events, executors, scratch, tags as T
-from harness.commands import run as runner
 from harness.config import compose, parse_overrides, validate
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Outcome, Topology
@@ -36,6 +36,10 @@ from harness.judge.compare import (
 )
 from harness.judge.verdicts import Policy, exit_code, meets
 from harness.record import derived, loading, redaction, seal
+from harness.record.calibration import envelope_of
+from harness.record.newrun import create_record
+from harness.record.replays import record_replay_verdicts
+from harness.record.study import StudyRecord, load_study, member_records
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 from harness.systems import git as gitsource
 
@@ -79,6 +83,11 @@ def apply_changes(
     return new, changes
 
 
+# What traces a DIVERGED replay and records where it first differed, on the replay: (tracker, replay_id, comparison,
+# changes, original's record, replay's record, repo) -> trace.Localized. The trace verb's after_replay is one.
+Localizer = Callable[[Tracker, str, Comparison, list[str], RunRecord, RunRecord, Path | None], Any]
+
+
 # The kinds a replay follows to the run they were made from (a trace is not followed: it is refused, by the loader).
 _FOLLOWED = {kind: derived.OF_TAG[kind] for kind in (T.KIND_REPLAY, T.KIND_STUDY_REPLAY, T.KIND_AUDIT)}
 
@@ -116,6 +125,7 @@ def replay(
     extra_tags: dict[str, str] | None = None,
     study_members: list[RunRecord] | None = None,
     localize: bool | None = None,
+    localizer: Localizer | None = None,
     tolerances: list[str] | None = None,
     commit: str | None = None,
     steps: int | None = None,
@@ -127,7 +137,9 @@ def replay(
     run the code of that commit of the repository instead of the recorded one (harness bisect's probes; the replay
     records the commit it ran). `steps` K: a first check - train only the first K steps, stop every rank there,
     and judge those steps (harness.replay.steps). `perturb_seed`: a calibration member (harness calibrate) - the
-    weights start one ulp off; it is the reference, so it is not judged (its comparison is None)."""
+    weights start one ulp off; it is the reference, so it is not judged (its comparison is None). `localizer`: what
+    traces a DIVERGED replay where `localize` asks for it (commands/trace.py's after_replay, which the API hands in:
+    the trace verb is not imported here); None: no replay is localized."""
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
     check_steps(steps, allow_incomplete)
     # First: an unreachable store is said before torch is even loaded.
@@ -194,7 +206,7 @@ def replay(
         git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
 
         def record(tags: dict[str, str]) -> str:
-            return runner.create_record(
+            return create_record(
                 tracker, cfg, exp_dir, git, image=tags, extra_tags=extra,
                 run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
             )
@@ -223,29 +235,10 @@ def replay(
     record_verdict(tracker, replay_id, a, b, comparison, changes)
     # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
     localized = None
-    if comparison.verdict == DIVERGED and (localize or (localize is None and a.checkpoints)):
-        from harness.commands.trace import localize_after_replay
-
-        localized = localize_after_replay(tracker, comparison, a, b, repo)
-        record_localization(tracker, replay_id, comparison, changes, localized)
+    if comparison.verdict == DIVERGED and localizer is not None and (localize or (localize is None and a.checkpoints)):
+        localized = localizer(tracker, replay_id, comparison, changes, a, b, repo)
     record_replay_verdicts(tracker, original)
     return ReplayResult(original, outcome, comparison, changes, (a, b), localized)
-
-
-def record_replay_verdicts(tracker: Tracker, original: RunSummary) -> None:
-    """The original's harness.replays tag: every replay's verdict so far, counted as `harness runs` counts them."""
-    from harness.commands.runs import tally
-
-    replays = tracker.search(original.experiment, max_results=5000,
-                             filter_string=f"tags.`{T.REPLAY_OF}` = '{original.run_id}'")
-    counted = tally([r for r in replays if r.tags.get(T.KIND) == T.KIND_REPLAY]).get(original.run_id)
-    if not counted:
-        return
-    try:
-        tracker.set_tags(original.run_id, {T.REPLAYS: counted})
-    except HarnessError as err:  # the replay and its verdict are recorded; only the original's summary is behind
-        events.emit(events.Warning(f"the verdicts of run {original.run_id}'s replays could not be written on it "
-                                   f"({err}); `harness runs` counts them from the replays."))
 
 
 def check_steps(steps: int | None, allow_incomplete: bool = False) -> None:
@@ -266,25 +259,8 @@ def check_steps_of(steps: int, original: RunRecord) -> None:
         raise HarnessError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
 
 
-def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str], localized: Any) -> None:
-    """The report ends with where the replay diverged: the first differing op, its module, the user's line."""
-    from harness.judge.report import render_markdown
-
-    seal.open_for_verdict(tracker, replay_id)
-    markdown = render_markdown(comparison, changes) + localized.markdown()
-    status = localized.diff.localization.status if localized.diff is not None else "NONE"
-    tracker.set_tags(replay_id, {T.MLFLOW_RUN_NOTE: markdown, T.LOCALIZED: status})
-    tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
-    tracker.log_text(replay_id, localized.markdown(), T.ARTIFACT_LOCALIZATION)
-    if localized.diff is not None:
-        tracker.log_text(replay_id, localized.diff.html(), T.ARTIFACT_LOCALIZATION_HTML)
-    seal.seal(tracker, replay_id)  # the replay closed before its localization was written: sealed again with it
-
-
 def calibration_envelope(tracker: Tracker, run_id: str) -> Any:
     """The rounding envelope of the run's latest calibration (checked against its seal), or None."""
-    from harness.commands.calibrate import envelope_of
-
     return envelope_of(tracker, run_id)
 
 
@@ -301,13 +277,11 @@ def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
 def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
                members: list[RunRecord] | None = None) -> Comparison:
     """A difference from a study member that bitwise could not hold to, judged against the study's seeds."""
-    from harness.commands import study
-
     study_id = a.facts.get(T.STUDY)
     if study_id is None or cmp.verdict != DIVERGED:
         return cmp
     if members is None:
-        members = study.member_records(tracker, study.load_study(tracker, study_id))
+        members = member_records(tracker, load_study(tracker, study_id))
     return judge_noise(cmp, a, b, study_id, members)
 
 
@@ -328,14 +302,6 @@ def record_verdict(
     seal.seal(tracker, replay_id)  # the replay closed before its verdict was written: sealed again with it
 
 
-def judged_again(tracker: Tracker, a: RunRecord, b: RunRecord) -> Comparison:
-    """Replay `b` of run `a`, judged again from the two records alone, as replay judged it: its tolerance, its --steps,
-    the original's completeness (not the calibration or the study it was held to: see compare.follows)."""
-    steps = b.facts.get(T.REPLAY_STEPS)
-    return compare_runs(a, b, tolerance=judged_tolerance(a, b), incomplete_original=a.status != T.FINISHED,
-                        first_steps=int(steps) if steps and steps.isdigit() else None)
-
-
 def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances: list[str] | None = None) -> Comparison:
     """Delta and verdict between two existing runs, judged by run A's tolerance (a replay of A: the replay's, as
     judged_tolerance says) with `tolerances` (METRIC=ATOL[,RTOL]) on top; nothing is rerun or recorded."""
@@ -354,7 +320,7 @@ def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances:
 
 @dataclass
 class StudyReplayResult:
-    study: Any  # study.StudyRecord
+    study: StudyRecord
     run_id: str  # the study replay run (kind study_replay), nested under the study
     verdict: str
     members: list[ReplayResult]  # in seed order
@@ -429,12 +395,11 @@ def replay_study(
 
     `options` are replay()'s (world_size, overrides, allow_changes, executor, ...), the same for every member.
     """
-    from harness.commands import study
     from harness.judge.report import render_study_markdown
 
     given = parse_tolerances(options.get("tolerances"))  # bad input: said before the study replay is recorded
     tracker = tracker or Tracker(tracking_uri)
-    recorded = study.load_study(tracker, study_id)
+    recorded = load_study(tracker, study_id)
     loading.refuse(loading.STUDY_REPLAY, recorded.run)
     finished = [m for m in recorded.members if m.status == T.FINISHED]
     if members is not None and members < 1:
@@ -442,7 +407,7 @@ def replay_study(
     chosen, seed = _draw(finished, members, draw_seed)
     for member in chosen:  # every member before the study replay is recorded
         seal.check(tracker, member.run_id)
-    member_records = study.member_records(tracker, recorded)
+    members_judged = member_records(tracker, recorded)
     tags = derived.tags(T.KIND_STUDY_REPLAY, recorded.run, version=recorded.run.tags[T.VERSION],
                         extra={T.STUDY_SIZE: str(len(chosen))})
     if seed is not None:
@@ -454,9 +419,9 @@ def replay_study(
                                         f"(seed {member.tags.get(T.SEED)}, run {member.run_id})", i, len(chosen)))
             # A member's difference is judged against the seeds' noise; tracing every member is not asked for.
             result = replay(member.run_id, follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id},
-                            study_members=member_records, **{"localize": False, **options})
+                            study_members=members_judged, **{"localize": False, **options})
             results.append(result)
-        verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in member_records], study_id)
+        verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in members_judged], study_id)
         out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)
         markdown = render_study_markdown(out)
         tracker.set_tags(run_id, {T.VERDICT: verdict, T.MLFLOW_RUN_NOTE: markdown,

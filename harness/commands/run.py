@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import posixpath
-import re
 import shutil
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from harness import __version__, events, executors, scratch, tags as T
-from harness.config import Launcher, compose, flatten, load_experiment, split_entry, to_container, to_yaml
+from harness import events, executors, scratch, tags as T
+from harness.config import Launcher, compose, flatten, load_experiment, split_entry, to_container
 from harness.errors import HarnessError
 from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import plain_name, printable
-from harness.record import confine, derived, loading, redaction
+from harness.record import confine, loading, redaction
+from harness.record.newrun import PARAM_LIMIT, Labels, create_record, data_paths, experiment_name, fit_params
 from harness.record.recorded import git_code_id, recorded_config, tags_code_id
 from harness.store.reach import local_paths, probe_store, resolve_uri, store_timeout
 from harness.store.tracking import Tracker
@@ -29,172 +26,10 @@ from harness.systems import git as gitsource
 from harness.systems.git import GitState
 
 if TYPE_CHECKING:  # imported where a run hashes its data, as the functions below do
+    from harness.executors.torchrun import TorchrunEnv
     from harness.record.data import HashStats
 
-__all__ = ["Labels", "Outcome", "Preflight", "create_record", "labels", "preflight", "recorded_config", "run",
-           "execute_recorded"]
-
-_NAME_LIMIT = 250  # MLflow's run name and tag key columns
-_TAG_VALUE_LIMIT = 8000  # MLflow's tag value column: longer would be cut, so it is refused
-_TAG_KEY = re.compile(r"[\w./\- :]+")  # what MLflow accepts in a tag key
-
-
-@dataclass(frozen=True)
-class Labels:
-    """What the user calls a run: `--name` (MLflow's run name, shown in the UI) and `--tag KEY=VALUE` tags of their own.
-
-    Without a name a run is named after its experiment and the start of its id (`digits_cnn-1a2b3c4d`), not
-    MLflow's random `hilarious-horse-989`."""
-
-    name: str | None = None
-    tags: Mapping[str, str] = field(default_factory=dict)
-
-
-def labels(name: str | None, tags: Sequence[str] | Mapping[str, str] = ()) -> Labels:
-    """--name and --tag KEY=VALUE checked: refused in one line (exit 2) before anything is recorded."""
-    if name is not None:
-        if not name.strip() or len(name) > _NAME_LIMIT or any(ord(c) < 32 or ord(c) == 127 for c in name):
-            raise HarnessError(f"--name {name!r}: a run name is 1 to {_NAME_LIMIT} printable characters. "
-                               "Pass another, e.g. --name lr-0.1-baseline.")
-        name = name.strip()
-    pairs = list(tags.items()) if isinstance(tags, Mapping) else [_tag_pair(t) for t in tags]
-    out: dict[str, str] = {}
-    for key, value in pairs:
-        if key.lower().startswith((T.PREFIX, T.MLFLOW_PREFIX)):
-            raise HarnessError(f"--tag {key}: the {key.split('.')[0]}. tags are {key.split('.')[0]}'s own (what "
-                               "the record says); pick another key, e.g. --tag team.owner=ada.")
-        if len(key) > _NAME_LIMIT or not _TAG_KEY.fullmatch(key):
-            raise HarnessError(f"--tag {key!r}: a tag key is up to {_NAME_LIMIT} letters, digits, '_', '-', '.', '/', "
-                               "':' and spaces. Rename it.")
-        norm = posixpath.normpath(key)
-        if norm != key or norm == "." or norm.startswith(("..", "/")):  # MLflow stores tags as paths on some stores
-            raise HarnessError(f"--tag {key!r}: a tag key is a relative path with no '.', '..' or empty parts "
-                               f"({norm!r} once normalized). Rename it.")
-        if len(value) > _TAG_VALUE_LIMIT:
-            raise HarnessError(f"--tag {key}: its value has {len(value)} characters; MLflow holds {_TAG_VALUE_LIMIT}. "
-                               "Shorten it.")
-        if key in out:
-            raise HarnessError(f"--tag {key} is given twice; give it once.")
-        out[key] = value
-    return Labels(name, out)
-
-
-def _tag_pair(pair: str) -> tuple[str, str]:
-    key, sep, value = pair.partition("=")
-    if not sep or not key.strip():
-        raise HarnessError(f"--tag {pair!r} is not KEY=VALUE; e.g. --tag dataset=mnist.")
-    return key.strip(), value
-
-
-def experiment_name(exp_dir: Path) -> str:
-    return Path(exp_dir).resolve().name
-
-
-def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
-    """Tags known before anything runs: code, image, seeds, topology as configured."""
-    from harness.seeds import derive_rank_seeds
-
-    rel = Path(exp_dir).resolve().relative_to(git.root.resolve()).as_posix()
-    source = f"{rel}/{split_entry(cfg.entry)[0]}"
-    tags: dict[str, str] = {
-        T.VERSION: __version__,
-        T.KIND: T.KIND_RUN,
-        T.EXPERIMENT_PATH: rel,
-        T.ENTRY: str(cfg.entry),
-        T.GIT_COMMIT: git.commit,
-        T.GIT_BRANCH: git.branch or "(detached)",
-        T.GIT_DIRTY: str(git.dirty).lower(),
-        T.MLFLOW_GIT_COMMIT: git.commit,
-        T.MLFLOW_SOURCE_NAME: source,
-        T.MLFLOW_SOURCE_TYPE: "PROJECT",
-        T.SEED: str(cfg.seed),
-        T.RANK_SEEDS: ",".join(map(str, derive_rank_seeds(cfg.seed, cfg.world_size))),
-        T.WORLD_SIZE: str(cfg.world_size),
-        T.THREADS_PER_RANK: str(cfg.threads_per_rank),
-    }
-    if git.branch:
-        tags[T.MLFLOW_GIT_BRANCH] = git.branch
-    if git.repo_url:
-        tags[T.GIT_REPO_URL] = git.repo_url
-        tags[T.MLFLOW_GIT_REPO_URL] = git.repo_url
-    if git.dirty:
-        tags[T.GIT_PATCH_SHA256] = hashlib.sha256(git.patch).hexdigest()
-    if git.submodules:
-        tags[T.GIT_SUBMODULES_SHA256] = hashlib.sha256(gitsource.submodules_json(git.submodules)).hexdigest()
-    if git.redacted:
-        tags[T.GIT_PATCH_REDACTED] = ", ".join(git.redacted)
-    tags.update(image)
-    return tags
-
-
-def create_record(
-    tracker: Tracker,
-    cfg: DictConfig,
-    exp_dir: Path,
-    git: GitState,
-    *,
-    image: dict[str, str],
-    extra_tags: dict[str, str] | None = None,
-    run_name: str | None = None,
-    experiment: str | None = None,
-    data: dict | None = None,
-) -> str:
-    """One MLflow run holding the resolved config, the code state and the declared data's manifest."""
-    from harness.record import data as D
-
-    tags = record_tags(cfg, exp_dir, git, image)
-    tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
-    params, text, redacted = recordable_config(cfg, tracker.uri)
-    if redacted:
-        tags[T.CONFIG_REDACTED] = redacted
-    tags.update(extra_tags or {})
-    experiment = experiment or experiment_name(exp_dir)
-    # The launcher ends the run when its ranks end; until then an error ends it FAILED (record/derived.py).
-    with derived.opened(tracker, experiment, tags, run_name, close=False) as run_id:
-        if run_name is None:  # named after what it is, not MLflow's random words: its experiment and its id's start
-            tracker.rename_run(run_id, f"{experiment}-{run_id[:8]}")
-        tracker.log_params(run_id, params)
-        tracker.log_text(run_id, text, T.ARTIFACT_CONFIG)
-        if git.dirty:
-            tracker.log_bytes(run_id, git.patch, T.ARTIFACT_PATCH)
-        if git.submodules:
-            tracker.log_bytes(run_id, gitsource.submodules_json(git.submodules), T.ARTIFACT_SUBMODULES)
-        if data is not None:
-            tracker.log_text(run_id, D.dumps(data), T.ARTIFACT_DATA_MANIFEST)
-            tracker.log_data_inputs(run_id, [(n, e["sha256"], e["path"]) for n, e in sorted(data["entries"].items())])
-    return run_id
-
-
-PARAM_LIMIT = 6000  # MLflow's longest param value (characters)
-
-
-def fit_params(params: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Params as MLflow can hold them: a value longer than PARAM_LIMIT becomes its length and sha256 (never a silent
-    cut; config.yaml holds it whole), with the keys so shortened."""
-    out, long = {}, []
-    for key, value in params.items():
-        text = str(value)
-        if len(text) > PARAM_LIMIT:
-            long.append(key)
-            value = f"<{len(text)} characters, sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}: whole in config.yaml>"
-        out[key] = value
-    return out, long
-
-
-def recordable_config(cfg: DictConfig, store_uri: str) -> tuple[dict[str, str], str, str]:
-    """(params, config.yaml, the harness.config.redacted tag) with every secret replaced by its placeholder.
-
-    The ranks get `cfg` itself: only what the store holds is redacted."""
-    from omegaconf import OmegaConf
-
-    if not redaction.redact(to_container(cfg), None)[1]:  # no secret: the store's key is not even made
-        return fit_params(flatten(cfg))[0], to_yaml(cfg), ""
-    clean, keys = redaction.redact(to_container(cfg), redaction.store_key(store_uri))
-    unresolved = OmegaConf.to_container(cfg, resolve=False)
-    assert isinstance(unresolved, dict)  # cfg is a DictConfig
-    sources = redaction.env_sources(unresolved, keys)
-    return (fit_params(flatten(clean))[0], OmegaConf.to_yaml(OmegaConf.create(clean)),
-            redaction.format_sources(keys, sources))
+__all__ = ["Outcome", "Preflight", "check", "placed", "preflight", "run", "execute_recorded"]
 
 
 @dataclasses.dataclass
@@ -309,10 +144,39 @@ def preflight(
     return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None)
 
 
-def data_paths(manifest: dict | None) -> dict[str, str]:
-    from harness.record import data
+def placed(topology: Topology | None) -> tuple[Topology, TorchrunEnv | None]:
+    """The job's topology (None: torchrun's, when torchrun started this process, else one node) and torchrun's
+    environment when torchrun started it."""
+    from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 
-    return data.paths(manifest)
+    torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
+    if topology is None:
+        topology = torchrun_topology(torchrun) if torchrun else Topology()
+    return topology, torchrun
+
+
+def check(
+    exp_dir: Path,
+    overrides: list[str],
+    *,
+    topology: Topology | None = None,
+    require_clean: bool = False,
+    tracking_uri: str | None = None,
+    executor: str | None = None,
+    allow_untracked_secrets: bool = False,
+    allow_secret_in_diff: bool = False,
+    warm_ranks: bool = True,
+) -> Preflight:
+    """What `harness run` checks before it records: the store reached, then preflight. `warm_ranks`: this process may
+    start the job's ranks (not under torchrun), so the rank server may start its imports at once."""
+    topology, torchrun = placed(topology)
+    # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
+    probe_store(resolve_uri(tracking_uri), True, store_timeout())
+    return preflight(
+        exp_dir, overrides, require_clean=require_clean, executor=executor,
+        allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
+        tracking_uri=tracking_uri, nnodes=topology.nnodes, warm_ranks=warm_ranks and torchrun is None,
+    )
 
 
 def run(
@@ -328,40 +192,26 @@ def run(
     topology: Topology | None = None,
     job_options: Mapping[str, Any] | None = None,
     named: Labels | None = None,
-) -> Any:
-    """Validate, record, launch: the Outcome (a study.StudyOutcome when the config sets `seeds`). Bad input
-    raises HarnessError before any run is created.
+    checked: Preflight | None = None,
+) -> Outcome:
+    """Validate, record, launch: the Outcome. Bad input raises HarnessError before any run is created. `checked`:
+    what check() found, when the caller checked already (the API, which routes a config with `seeds` to a study).
 
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
-    from harness.executors.torchrun import check_config, topology as torchrun_topology, torchrun_env
+    from harness.executors.torchrun import check_config
 
-    torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
-    if topology is None:
-        topology = torchrun_topology(torchrun) if torchrun else Topology()
-
-    # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
-    probe_store(resolve_uri(tracking_uri), True, store_timeout())
-    checked = preflight(
-        exp_dir, overrides, require_clean=require_clean, executor=executor,
-        allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
-        tracking_uri=tracking_uri, nnodes=topology.nnodes,
-        warm_ranks=torchrun is None,
-    )
-    cfg, git = checked.cfg, checked.git
-    if cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config validated here (one load)
-        if torchrun is not None or topology.multi_node:
-            raise HarnessError("a study runs its members one job after another on this machine: "
-                               f"{'torchrun' if torchrun is not None else '--nnodes'} cannot apply. Drop it, or "
-                               "set seeds=null for a single run.")
-        from harness.commands import study
-
-        return study.run_study(
-            exp_dir, overrides, require_clean=require_clean, tracking_uri=tracking_uri, executor=executor,
-            allow_unpinned=allow_unpinned, allow_untracked_secrets=allow_untracked_secrets,
-            allow_secret_in_diff=allow_secret_in_diff, checked=checked,
-            job_options=job_options, named=named,
+    topology, torchrun = placed(topology)
+    if checked is None:
+        checked = check(
+            exp_dir, overrides, topology=topology, require_clean=require_clean, tracking_uri=tracking_uri,
+            executor=executor, allow_untracked_secrets=allow_untracked_secrets,
+            allow_secret_in_diff=allow_secret_in_diff,
         )
+    cfg, git = checked.cfg, checked.git
+    if cfg.seeds is not None:  # the API routes a study (harness/commands/api.py): one run is not one
+        raise HarnessError("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
+                           "one of them, or set seeds=null for a single run.")
     if torchrun is not None:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
         # refuses before torchrun stops the others.

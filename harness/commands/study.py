@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from harness import events, executors, scratch, tags as T
-from harness.commands import run as runner
 from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.executors import Job, JobInputs
@@ -28,54 +27,23 @@ from harness.judge.compare import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
 from harness.judge.report import plot_file_name
 from harness.record import closing
-from harness.record.recorded import checkout
-from harness.store.reach import probe_store, resolve_uri, store_timeout
-from harness.store.tracking import RunRecord, RunSummary, Tracker
-
-
-@dataclass
-class StudyRecord:
-    """A recorded study: its run, its seeds, and its member runs in seed order."""
-
-    run: RunSummary
-    seeds: list[int]
-    members: list[RunSummary]
-
-    @property
-    def run_id(self) -> str:
-        return self.run.run_id
-
-
-def is_study(run: RunSummary) -> bool:
-    return run.tags.get(T.KIND) == T.KIND_STUDY
-
-
-def members_of(tracker: Tracker, study_id: str) -> list[RunSummary]:
-    """The member runs of a study (any status), in no particular order."""
-    return tracker.search(filter_string=f"tags.`{T.STUDY}` = '{study_id}'", max_results=10_000)
-
-
-def load_study(tracker: Tracker, study_id: str) -> StudyRecord:
-    run = tracker.harness_run(study_id)
-    if not is_study(run):
-        raise HarnessError(f"run {study_id} is a {run.tags.get(T.KIND, 'run')}, not a study (harness run --seeds N).")
-    seeds = [int(s) for s in run.tags.get(T.STUDY_SEEDS, "").split(",") if s]
-    members = members_of(tracker, study_id)
-    order = {s: i for i, s in enumerate(seeds)}
-    members.sort(key=lambda m: order.get(int(m.tags.get(T.SEED, "-1")), len(order)))
-    return StudyRecord(run, seeds, members)
-
-
-def member_records(tracker: Tracker, study: StudyRecord) -> list[RunRecord]:
-    """The FINISHED members' records (what the study's spread is computed from)."""
-    return [tracker.load_record(m.run_id) for m in study.members if m.status == T.FINISHED]
-
+from harness.record.newrun import Labels, create_record, data_paths as paths_of
+from harness.record.recorded import checkout, git_code_id
+from harness.store.tracking import RunRecord, Tracker
 
 # -- running a study ---------------------------------------------------------------------------------
 
 SUMMARY_FORMAT = 1
 NOT_STARTED = "NOT_STARTED"  # a member's status in the summary when the study stopped before its seed
 FEW_SEEDS_WARNING = f"too few seeds to judge a replay against the noise (need >= {MIN_SEEDS})"
+
+
+def check_counts(seeds_n: int | None, parallel: int | None) -> None:
+    """--seeds N and --parallel J: refused before the store or the config is read."""
+    if parallel is not None and parallel < 1:
+        raise HarnessError(f"--parallel must be >= 1, got {parallel}.")
+    if seeds_n is not None and seeds_n < 1:
+        raise HarnessError(f"--seeds must be >= 1, got {seeds_n}.")
 
 
 def resolve_seeds(cfg_seeds: Sequence[int] | None, base: int, n: int | None) -> list[int]:
@@ -237,38 +205,24 @@ class _Study:
 
 def run_study(
     exp_dir: Path,
-    overrides: list[str],
     *,
+    checked: Any,  # commands/run.py's Preflight (a verb's type: not imported here)
     seeds_n: int | None = None,
     parallel: int | None = None,
-    require_clean: bool = False,
     tracking_uri: str | None = None,
-    executor: str | None = None,
     allow_unpinned: bool = False,
-    allow_untracked_secrets: bool = False,
-    allow_secret_in_diff: bool = False,
-    checked: Any = None,
     job_options: Mapping[str, Any] | None = None,
-    named: runner.Labels | None = None,
+    named: Labels | None = None,
 ) -> StudyOutcome:
-    """Validate once, record the study, run one ordinary run per seed from one checkout of the recorded code.
+    """Record the study, run one ordinary run per seed from one checkout of the recorded code.
 
-    Bad input raises HarnessError before anything is recorded. `checked`: runner.run's Preflight when it
-    found `seeds` in the config (the store was probed and the config loaded and validated there).
+    Bad input raises HarnessError before anything is recorded. `checked`: the experiment as `harness run` checked it
+    (commands/run.py `check`: the store probed, the config loaded and validated once), by the API, which decides that
+    this is a study (--seeds, or `seeds:` in the config).
     """
     from omegaconf import OmegaConf
 
-    if parallel is not None and parallel < 1:
-        raise HarnessError(f"--parallel must be >= 1, got {parallel}.")
-    if seeds_n is not None and seeds_n < 1:
-        raise HarnessError(f"--seeds must be >= 1, got {seeds_n}.")
-    if checked is None:
-        probe_store(resolve_uri(tracking_uri), True, store_timeout())
-        checked = runner.preflight(
-            exp_dir, overrides, require_clean=require_clean, executor=executor,
-            allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
-            tracking_uri=tracking_uri,
-        )
+    check_counts(seeds_n, parallel)
     cfg, git = checked.cfg, checked.git
     if git.redacted:
         raise HarnessError(
@@ -301,14 +255,14 @@ def run_study(
     name = Path(exp_dir).resolve().name
     given = named.name if named is not None else None
     user_tags = dict(named.tags) if named is not None else {}
-    data_paths = runner.data_paths(checked.data)
+    data_paths = paths_of(checked.data)
     # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
     placement = executors.get(backend).prepare(Job(tracker, study_cfg, JobInputs(git.root, Path(exp_dir), data=data_paths)))
     study_tags = {
         **user_tags, T.KIND: T.KIND_STUDY, T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)),
         T.STUDY_PARALLEL: str(jobs_at_once),
     }
-    study_id = runner.create_record(tracker, study_cfg, Path(exp_dir), git, image=placement, extra_tags=study_tags,
+    study_id = create_record(tracker, study_cfg, Path(exp_dir), git, image=placement, extra_tags=study_tags,
                                     run_name=given or f"{name}-study{len(seeds)}", data=checked.data)
     _say(f"study {study_id}: {len(seeds)} seeds ({_seed_list(seeds)}), {jobs_at_once} at once")
     heartbeat = None
@@ -330,10 +284,10 @@ def run_study(
                 extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
 
                 def record(tags: dict[str, str]) -> str:
-                    return runner.create_record(tracker, member_cfg, Path(exp_dir), git, image=tags, extra_tags=extra,
-                                                run_name=f"{given or name}-seed{seed}", data=checked.data)
+                    return create_record(tracker, member_cfg, Path(exp_dir), git, image=tags, extra_tags=extra,
+                                         run_name=f"{given or name}-seed{seed}", data=checked.data)
 
-                inputs = JobInputs(tree, tree_exp, code_id=runner.git_code_id(git), data=data_paths)
+                inputs = JobInputs(tree, tree_exp, code_id=git_code_id(git), data=data_paths)
                 options = executors.options_for(
                     backend, **{"allow_unpinned": allow_unpinned, **(job_options or {}), "quiet": jobs_at_once > 1})
                 return Job(tracker, member_cfg, inputs, record=record, options=options)

@@ -1,4 +1,5 @@
-"""`harness trace`: an op-level trace of one step of a recorded run, and the diff of two such traces.
+"""`harness trace`: an op-level trace of one step of a recorded run, and the diff of two such traces; where a
+DIVERGED replay first differed (`replay --localize`, `bisect --localize`: after_replay, the one place that does it).
 
 A trace restarts from the run's checkpoint at or before step K (the audit machinery), re-executes up to
 step K in real ranks with the recorded code and config, and wraps step K alone in an optrace.OpTracer
@@ -13,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness import events, executors, scratch, tags as T
 from harness.errors import HarnessError
@@ -24,8 +25,11 @@ from harness.judge.delta import config_delta, environment_delta
 from harness.optrace import tracefile
 from harness.optrace.diff import localize, render_html, render_markdown
 from harness.optrace.trace import IDENTICAL, INPUTS_DIFFER_FROM_START, Localization, Trace
-from harness.record import derived, loading
+from harness.record import derived, loading, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
+
+if TYPE_CHECKING:
+    from harness.judge.compare import Comparison
 
 
 @dataclass
@@ -390,3 +394,32 @@ def localize_after_replay(tracker: Tracker, comparison: Any, a: RunRecord, b: Ru
         return localize_replay(tracker, a.run_id, b.run_id, step, repo)
     except HarnessError as err:
         return Localized(step, None, note=f"could not trace it: {err}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Localisation after a replay: replay --localize and bisect --localize both come here (through the API, which hands
+# after_replay to them: neither imports this verb).
+
+
+def after_replay(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str], a: RunRecord, b: RunRecord,
+                 repo: Path | None) -> Localized:
+    """Where the DIVERGED replay `replay_id` (`b`) of `a` first differed, traced and recorded on the replay."""
+    localized = localize_after_replay(tracker, comparison, a, b, repo)
+    record_localization(tracker, replay_id, comparison, changes, localized)
+    return localized
+
+
+def record_localization(tracker: Tracker, replay_id: str, comparison: Comparison, changes: list[str],
+                        localized: Localized) -> None:
+    """The report ends with where the replay diverged: the first differing op, its module, the user's line."""
+    from harness.judge.report import render_markdown
+
+    seal.open_for_verdict(tracker, replay_id)
+    markdown = render_markdown(comparison, changes) + localized.markdown()
+    status = localized.diff.localization.status if localized.diff is not None else "NONE"
+    tracker.set_tags(replay_id, {T.MLFLOW_RUN_NOTE: markdown, T.LOCALIZED: status})
+    tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
+    tracker.log_text(replay_id, localized.markdown(), T.ARTIFACT_LOCALIZATION)
+    if localized.diff is not None:
+        tracker.log_text(replay_id, localized.diff.html(), T.ARTIFACT_LOCALIZATION_HTML)
+    seal.seal(tracker, replay_id)  # the replay closed before its localization was written: sealed again with it

@@ -9,12 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from harness import __version__, events, tags as T
-from harness.commands import replay as rp
-from harness.commands.study import is_study, load_study, member_records
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge import perf
 from harness.judge.claims import (
@@ -34,6 +33,7 @@ from harness.judge.noise import MIN_SEEDS, another_mean, claims_level, spread
 from harness.judge.verdicts import Policy, meets
 from harness.judge.verify_report import render_html, render_markdown
 from harness.record import derived, loading, seal
+from harness.record.study import is_study, load_study, member_records
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 # The verify run's verdict (harness.verdict): every claim holds, or not.
@@ -181,18 +181,28 @@ def judge(claim: Claim, source: Source, where: str, level: float = claims_level(
                    noise_interval=interval, noise_level=level if interval is not None else None, typo=typo)
 
 
-def replay_source(source: Source, *, members: int | None, world_size: int | None, overrides: list[str],
-                  allow_changes: bool, executor: str | None, tracker: Tracker) -> None:
+@dataclass(frozen=True)
+class Replays:
+    """What replays a claim's source: commands/replay.py's replay and replay_study, handed in by the API. verify
+    --replay composes the replay verb; it is given it rather than importing it, so that no verb imports another
+    (pyproject.toml's independence contract)."""
+
+    run: Callable[..., Any]
+    study: Callable[..., Any]
+
+
+def replay_source(source: Source, *, replays: Replays, members: int | None, world_size: int | None,
+                  overrides: list[str], allow_changes: bool, executor: str | None, tracker: Tracker) -> None:
     """Replay a study (replay_study) or a single run (replay) once; keep the verdict and the replays' records."""
     if source.is_study:
-        result = rp.replay_study(source.run_id, members=members, world_size=world_size, overrides=overrides,
-                                 allow_changes=allow_changes, tracker=tracker, executor=executor)
+        result = replays.study(source.run_id, members=members, world_size=world_size, overrides=overrides,
+                               allow_changes=allow_changes, tracker=tracker, executor=executor)
         source.replay_id, source.replay_verdict, source.replay_summary = result.run_id, result.verdict, result.summary()
         outcomes = [(m.outcome.run_id, m.comparison) for m in result.members]
         source.replayed_originals = [m.original.run_id for m in result.members]
     else:
-        one = rp.replay(source.run_id, world_size=world_size, overrides=overrides, allow_changes=allow_changes,
-                        tracker=tracker, executor=executor)
+        one = replays.run(source.run_id, world_size=world_size, overrides=overrides, allow_changes=allow_changes,
+                          tracker=tracker, executor=executor)
         assert one.comparison is not None  # a single-node replay judges itself
         source.replay_id, source.replay_verdict = one.outcome.run_id, one.comparison.verdict
         source.replay_summary = one.comparison.summary()
@@ -228,7 +238,9 @@ def judge_replay(verdict: Verdict) -> None:
 
 def verify(claims_file: Path, *, replay: bool = False, members: int | None = None, world_size: int | None = None,
            overrides: list[str] | None = None, allow_changes: bool = False, executor: str | None = None,
-           tracking_uri: str | None = None) -> VerifyResult:
+           tracking_uri: str | None = None, replays: Replays | None = None) -> VerifyResult:
+    """The claims of `claims_file` judged against the record; with `replay`, against replays too (`replays`: how,
+    handed in by the API)."""
     claims = load_claims(claims_file)
     tracker = Tracker(tracking_uri)
     sources: dict[str, Source] = {}
@@ -249,9 +261,10 @@ def verify(claims_file: Path, *, replay: bool = False, members: int | None = Non
     if (overrides or members or world_size or executor) and not replay:
         raise HarnessError("--members, --world-size, --executor and KEY=VALUE changes apply to replays; add --replay.")
     if replay:
+        assert replays is not None, "verify(replay=True) replays through the replays it is given (harness.verify's)"
         for source in sources.values():  # each study or run once, however many claims rest on it
             events.emit(events.Progress(f"replaying {'study' if source.is_study else 'run'} {source.run_id} ..."))
-            replay_source(source, members=members, world_size=world_size, overrides=list(overrides or []),
+            replay_source(source, replays=replays, members=members, world_size=world_size, overrides=list(overrides or []),
                           allow_changes=allow_changes, executor=executor, tracker=tracker)
         for verdict in verdicts:
             judge_replay(verdict)

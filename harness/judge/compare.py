@@ -596,6 +596,14 @@ def original_steps(original: RunRecord) -> int:
     return max((int(np.max(s)) + 1 for s, _ in original.metrics.values() if np.size(s)), default=0)
 
 
+def judged_again(a: RunRecord, b: RunRecord) -> Comparison:
+    """Replay `b` of run `a`, judged again from the two records alone, as replay judged it: its tolerance, its --steps,
+    the original's completeness (not the calibration or the study it was held to: see follows)."""
+    steps = b.facts.get(tags.REPLAY_STEPS)
+    return compare_runs(a, b, tolerance=judged_tolerance(a, b), incomplete_original=a.status != tags.FINISHED,
+                        first_steps=int(steps) if steps and steps.isdigit() else None)
+
+
 def follows(judged: str, recorded: str, calibrated: bool, studied: bool) -> bool:
     """Can a replay recorded with verdict `recorded` be the one whose two records compare_runs judges `judged` now?
 

@@ -18,7 +18,8 @@ SAFETY covers what K members cannot see (the K+1-th member can land outside the 
 between a nudge of the weights and other kernels; both constants were chosen by benchmarks/verdict_bench.py
 (`--rounding`), which measures the false alarms of real other-machine changes and the power on planted ones.
 
-Pure: records in, an envelope or a judgement out. The calibration's storage is harness/commands/calibrate.py.
+Pure: records in, an envelope or a judgement out. The calibration's storage is harness/commands/calibrate.py (read
+back: harness/record/calibration.py).
 """
 
 from __future__ import annotations

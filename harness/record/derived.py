@@ -4,7 +4,7 @@ One place says how such a run is recorded: its kind, the tag naming the run it w
 parent it is nested under, the facts it carries from its source and the machine it ran on; and how it
 closes: FINISHED when its body completes, KILLED on Ctrl-C, FAILED with the error as its status reason on
 any other error (never left RUNNING). A training replay's run is opened by `harness run`'s recorder
-(commands/run.py create_record), which closes it when the ranks end: `opened(..., close=False)`.
+(record/newrun.py create_record), which closes it when the ranks end: `opened(..., close=False)`.
 """
 
 from __future__ import annotations

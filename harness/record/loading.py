@@ -143,7 +143,7 @@ RULES: dict[str, Rule] = {
     STUDY_REPLAY: Rule(
         _finished_only("study {rid} is {status}: only a study whose every member finished can be replayed as a whole. "
                        "Replay its finished members one by one with `harness replay MEMBER`."),
-        # load_study (commands/study.py) refuses a run that is not a study before this table is read.
+        # load_study (record/study.py) refuses a run that is not a study before this table is read.
         sealed=False,
     ),
 }

@@ -78,7 +78,7 @@ def drift(run_id: str, replay_ids: list[str]) -> int:
     and each replay's relative distance from the run (train_loss). Exit 1 when the run has no envelope."""
     import numpy as np
 
-    from harness.commands.calibrate import envelope_of
+    from harness.record.calibration import envelope_of
 
     tracker = Tracker(writable=False)
     envelope = envelope_of(tracker, run_id)

@@ -1,0 +1,40 @@
+"""A run's calibration as recorded: its latest FINISHED calibration run (`harness calibrate`, commands/calibrate.py)
+and the rounding envelope it holds, checked against its seal. A replay of the run is judged against that envelope
+(commands/replay.py), so the replay reads it here rather than from the calibrate verb.
+"""
+
+from __future__ import annotations
+
+import json
+
+from harness import tags as T
+from harness.errors import HarnessError
+from harness.judge import rounding
+from harness.record import seal
+from harness.store.tracking import RunSummary, Tracker
+
+
+def calibration_of(tracker: Tracker, run_id: str) -> RunSummary | None:
+    """The run's latest FINISHED calibration, if it has one."""
+    found = [r for r in tracker.children(run_id)
+             if r.tags.get(T.KIND) == T.KIND_CALIBRATION and r.tags.get(T.CALIBRATION_OF) == run_id
+             and r.status == T.FINISHED]
+    return max(found, key=lambda r: r.start_time or 0) if found else None
+
+
+def envelope_of(tracker: Tracker, run_id: str) -> rounding.Envelope | None:
+    """The envelope of the run's latest calibration, checked against its seal (an edited envelope would pass any
+    replay: it is refused, in one line naming what changed)."""
+    found = calibration_of(tracker, run_id)
+    if found is None:
+        return None
+    seal.check(tracker, found.run_id)
+    text = tracker.read_text(found.run_id, T.ARTIFACT_ENVELOPE)
+    try:
+        envelope = rounding.Envelope.from_dict(json.loads(text or ""))
+    except (ValueError, KeyError, TypeError) as err:
+        raise HarnessError(f"calibration {found.run_id} of run {run_id} has no readable {T.ARTIFACT_ENVELOPE} "
+                           f"({err}). Calibrate the run again: harness calibrate {run_id}.") from None
+    # The ids as this store has them (an imported calibration's file names the ids of the store it came from).
+    envelope.run_id, envelope.calibration_id = run_id, found.run_id
+    return envelope

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import KEPT_RANK_SERVER, ROOT, Project, pid_alive
-from harness.executors.console import progress_note, rate_and_eta
+from harness.cli.progress import progress_note, rate_and_eta
 from harness.errors import RunFailed
 from harness.executors.launch import launch, start_ranks
 from harness.runtime.rank.spec import LaunchSpec

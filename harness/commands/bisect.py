@@ -20,6 +20,7 @@ import yaml
 
 from harness import __version__, events, tags as T
 from harness.commands import replay as rp
+from harness.commands.options import BisectOptions
 from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import markdown_table
@@ -34,7 +35,6 @@ from harness.systems import git as gitsource
 # A probe judged like GOOD by GOOD's tolerance: the change it carries is innocent. Not the exit code's REPRODUCED: a
 # probe within the seeds' noise changed the result, which is what bisect looks for.
 INNOCENT = verdicts(Policy.WITHIN_TOLERANCE)
-DEFAULT_MAX_PROBES = 24
 
 
 @dataclass
@@ -132,12 +132,13 @@ def _split(keys: list[ConfigChange], flips: Callable[[list[ConfigChange]], bool]
     return keys, False
 
 
-def bisect(good_id: str, bad_id: str, *, max_probes: int = DEFAULT_MAX_PROBES, tracking_uri: str | None = None,
-           repo: Path | None = None, localize: bool = False, resume: str | None = None) -> BisectResult:
+def bisect(options: BisectOptions) -> BisectResult:
     """Find what flips GOOD's result into BAD's; bad input raises HarnessError before anything is recorded.
     `localize`: then trace the culprit's probe against GOOD and name the first op that differs (replay --localize's
     machinery, on the probe that carried the culprit alone). `resume`: an earlier bisect of the same two runs (cut
     short by --max-probes or a kill): its probes are taken up, not run again; --max-probes counts new ones."""
+    good_id, bad_id, max_probes, repo = options.good, options.bad, options.max_probes, options.repo
+    tracking_uri, localize, resume = options.tracking_uri, options.localize, options.resume
     if max_probes < 1:
         raise HarnessError(f"--max-probes must be >= 1, got {max_probes}.")
     tracker = Tracker(tracking_uri)

@@ -14,6 +14,7 @@ import numpy as np
 
 from harness import __version__, events, tags as T
 from harness.commands import replay as rp
+from harness.commands.options import VerifyOptions
 from harness.commands.study import is_study, load_study, member_records
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge import perf
@@ -226,9 +227,10 @@ def judge_replay(verdict: Verdict) -> None:
         verdict.outcome = NOT_REPRODUCED
 
 
-def verify(claims_file: Path, *, replay: bool = False, members: int | None = None, world_size: int | None = None,
-           overrides: list[str] | None = None, allow_changes: bool = False, executor: str | None = None,
-           tracking_uri: str | None = None) -> VerifyResult:
+def verify(options: VerifyOptions) -> VerifyResult:
+    claims_file, replay, members, world_size = options.claims_file, options.replay, options.members, options.world_size
+    overrides, allow_changes, executor = list(options.overrides), options.allow_changes, options.executor
+    tracking_uri = options.tracking_uri
     claims = load_claims(claims_file)
     tracker = Tracker(tracking_uri)
     sources: dict[str, Source] = {}

@@ -45,11 +45,11 @@ def test_a_run_and_its_replay_through_the_api_are_bitwise_and_say_nothing_unaske
     assert isinstance(result, ReplayResult)
     assert result.judged.verdict == BITWISE, result.judged.summary()
     assert result.original.run_id == outcome.run_id
-    # Without on_event the launcher says nothing: the CLI would have said "harness: recording linear_ddp, ...".
-    # What rank 0 printed (ctx.print) is the run's own output, which the launcher still echoes as it runs.
-    _, err = capfd.readouterr()
-    assert "harness: recording" not in err and "Warning" not in err, err
-    assert all(line.startswith("epoch 1/1 loss ") for line in err.splitlines()), err
+    # Without on_event nothing reaches stderr: neither the launcher's words (the CLI would have said "harness:
+    # recording linear_ddp, ...") nor rank 0's output or a progress bar; rank 0's log holds its output all the same.
+    assert capfd.readouterr().err == ""
+    log = p.client().download_artifacts(outcome.run_id, "logs/rank0.log")
+    assert "epoch 1/1 loss " in open(log).read()
 
     # With a listener, what the CLI prints arrives as events: replaying a replay replays its original.
     said: list[events.Event] = []
@@ -58,7 +58,12 @@ def test_a_run_and_its_replay_through_the_api_are_bitwise_and_say_nothing_unaske
     assert isinstance(again, ReplayResult) and again.original.run_id == outcome.run_id
     assert events.Notice(f"run {result.outcome.run_id} is a replay of {outcome.run_id}; "
                          f"replaying {outcome.run_id}") in said
-    assert "harness: recording" not in capfd.readouterr().err
+    # ... and so do rank 0's output and its steps, which the CLI draws as lines above a bar: nothing on stderr.
+    assert any(isinstance(e, events.RankOutput) and e.text.startswith("epoch 1/1 loss ") for e in said), said
+    steps = [e for e in said if isinstance(e, events.Steps)]
+    assert steps[0] == events.Steps("linear_ddp x2") and steps[-1].ended, steps
+    assert steps[-1].total == 5 and 0 <= steps[-1].done <= 5, steps  # counted as polled: a short run may end first
+    assert capfd.readouterr().err == ""
 
 
 def test_a_study_is_run_and_replayed_through_the_api_as_the_cli_does(fresh_project: Project) -> None:
@@ -68,6 +73,9 @@ def test_a_study_is_run_and_replayed_through_the_api_as_the_cli_does(fresh_proje
                                            tracking_uri=p.uri, on_event=said.append))
     assert isinstance(study, StudyOutcome) and study.status == "FINISHED" and len(study.members) == 2, study
     assert any(isinstance(e, events.Notice) and e.text.startswith("study ") for e in said), said
+    # The members run in threads of their own and speak through the command's listener: each one's steps end.
+    assert sum(isinstance(e, events.Steps) and e.ended for e in said) == 2, said
+    assert any(isinstance(e, events.RankOutput) for e in said), said
     # harness.replay(STUDY) replays the study (the CLI's `harness replay STUDY`), not a refusal of it.
     said.clear()
     result = harness.replay(harness.ReplayOptions(study.run_id, tracking_uri=p.uri, repo=p.root, on_event=said.append))
@@ -81,6 +89,38 @@ def test_a_study_is_run_and_replayed_through_the_api_as_the_cli_does(fresh_proje
     assert answer.stderr.splitlines() == [f"run {result.run_id} is a replay of study {study.run_id}; replaying the study",
                                           f"Error: {err.value}"], answer.stderr
     assert str(err.value) == "--members-seed draws --members K of the study's members; pass --members too."
+
+
+def test_two_calls_in_two_threads_each_hear_only_their_own_events() -> None:
+    import threading
+
+    both = threading.Barrier(2)
+    heard: dict[str, list[events.Event]] = {"a": [], "b": []}
+
+    def call(name: str) -> None:
+        with events.listening(heard[name].append):
+            both.wait(timeout=10)  # both listen at once
+            events.emit(events.Notice(name))
+
+            # A thread harness starts for the call (a study's member, the reader of rank 0's messages) speaks through
+            # the call's listener; a bare thread does not.
+            carried = threading.Thread(target=events.carry(events.emit), args=(events.Notice(f"{name} carried"),))
+            bare = threading.Thread(target=events.emit, args=(events.Notice(f"{name} bare"),))
+            for thread in (carried, bare):
+                thread.start()
+                thread.join()
+            both.wait(timeout=10)
+            events.emit(events.Steps(name, 1, 2))
+        events.emit(events.Notice(f"{name} after"))  # no one listens any more
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in heard]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for name, said in heard.items():
+        assert said == [events.Notice(name), events.Notice(f"{name} carried"), events.Steps(name, 1, 2)], said
+    assert not events.heard()
 
 
 def test_bad_input_raises_the_error_the_cli_prints(fresh_project: Project) -> None:

@@ -70,6 +70,10 @@ def test_run_prints_run_id_last_and_finishes(project: Project, linear_run) -> No
     assert "harness ui" in linear_run.stderr and run_id in linear_run.stderr
     # Feedback first: a line before torch, MLflow and the store load, long before the run id is known.
     assert linear_run.stderr.splitlines()[0] == "harness: recording linear_ddp, starting 2 ranks"
+    # Rank 0's output, drawn by the CLI from the library's events as it printed it (no bar: stderr is no terminal).
+    printed = [line for line in linear_run.stderr.splitlines() if line.startswith("epoch ")]
+    assert printed == [f"epoch {n}/{len(printed)} loss {line.rsplit(' ', 1)[1]}" for n, line in enumerate(printed, 1)]
+    assert len(printed) > 1 and "step/s" not in linear_run.stderr
     assert project.client().get_experiment(run.info.experiment_id).name == "linear_ddp"
 
 
@@ -178,8 +182,10 @@ def cpu_signature() -> str:
 
 
 def test_two_runs_of_one_config_are_identical(project: Project, linear_run) -> None:
-    again = project.harness("run", "experiments/linear_ddp")
+    again = project.harness("--quiet", "run", "experiments/linear_ddp")
     assert again.returncode == 0, again.stderr
+    # --quiet: warnings and errors only; neither the launcher's notices nor rank 0's output.
+    assert "harness: recording" not in again.stderr and "epoch " not in again.stderr, again.stderr
     client = project.client()
     a, b = linear_run.last_line, again.last_line
     assert [v.hex() for v in losses(client, a)] == [v.hex() for v in losses(client, b)]

@@ -7,15 +7,18 @@ are a pure function, tested without a clock.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import KEPT_RANK_SERVER, ROOT, Project, pid_alive
-from harness.executors.console import progress_note, rate_and_eta
+from harness import events
+from harness.cli.progress import Bar, progress_note, rate_and_eta
 from harness.errors import RunFailed
 from harness.executors.launch import launch, start_ranks
 from harness.runtime.rank.spec import LaunchSpec
@@ -32,6 +35,34 @@ def test_rate_and_eta_count_from_the_first_step_not_from_start_up() -> None:
     # No total yet (before the training loader is known): a rate, no ETA; done past total: 0 s left.
     assert rate_and_eta(first, last, total=None) == (5.0, None)
     assert rate_and_eta(first, (120, 140.0), total=101)[1] == 0.0
+
+
+def test_the_cli_draws_the_steps_as_a_bar_on_a_terminal_and_lines_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    class File(io.StringIO):
+        def isatty(self) -> bool:
+            return False
+
+    def draw(stderr: io.StringIO) -> str:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        bar = Bar()
+        bar.steps(events.Steps("linear_ddp x2"))
+        bar.steps(events.Steps("linear_ddp x2", 0, 5))
+        bar.write("epoch 1/1 loss 0.1")
+        for done in (1, 2, 3):
+            bar.steps(events.Steps("linear_ddp x2", done, 5))
+        bar.steps(events.Steps("linear_ddp x2", 3, 5, ended=True))
+        bar.write("after the ranks")
+        return stderr.getvalue()
+
+    shown = draw(Terminal())
+    assert "linear_ddp x2:  60%|" in shown and "| 3/5 [" in shown, shown
+    assert "epoch 1/1 loss 0.1\n" in shown and shown.endswith("\nafter the ranks\n"), shown
+    # Not a terminal (a log file, a pipe): the lines only, no bar redrawn with carriage returns.
+    assert draw(File()) == "epoch 1/1 loss 0.1\nafter the ranks\n"
 
 
 def _spec(log_dir: Path) -> LaunchSpec:

@@ -305,13 +305,14 @@ def test_html_report_renders_offline_in_a_real_browser(study: Study, checked, tm
 
 
 def test_missing_run_is_one_line_and_records_nothing(study: Study, paper: Path) -> None:
+    from harness.commands.options import VerifyOptions
     from harness.commands.verify import verify
 
     claims = paper / "missing.yaml"
     claims.write_text("claims:\n  - id: ghost\n    run: 0123456789abcdef0123456789abcdef\n    metric: loss\n    paper: 1\n")
     before = len(study.project.all_runs())
     with pytest.raises(HarnessError) as err:
-        verify(claims, tracking_uri=study.project.uri)
+        verify(VerifyOptions(claims, tracking_uri=study.project.uri))
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"{claims}: claim 'ghost': no run "), line
     assert err.value.exit_code == 2 and len(study.project.all_runs()) == before
@@ -362,19 +363,21 @@ def test_replay_passes_the_changes_on_and_judges_the_claims_on_the_replays(study
 
 
 def test_changes_without_replay_are_refused(study: Study, paper: Path) -> None:
+    from harness.commands.options import VerifyOptions
     from harness.commands.verify import verify
 
     claims = paper / "one.yaml"
     claims.write_text(f"claims:\n  - id: x\n    run: {study.members[1]}\n    metric: loss\n    paper: 1\n")
     with pytest.raises(HarnessError, match=r"add --replay\.$"):
-        verify(claims, overrides=["threads_per_rank=2"], allow_changes=True, tracking_uri=study.project.uri)
+        verify(VerifyOptions(claims, ("threads_per_rank=2",), allow_changes=True, tracking_uri=study.project.uri))
     with pytest.raises(HarnessError, match=r"Pass --allow-changes"):
-        verify(claims, replay=True, overrides=["threads_per_rank=2"], tracking_uri=study.project.uri)
+        verify(VerifyOptions(claims, ("threads_per_rank=2",), replay=True, tracking_uri=study.project.uri))
 
 
 def test_a_claim_finds_its_run_in_a_store_it_was_imported_into(study: Study, tmp_path: Path) -> None:
     """The paper names the run id of the authors' store; an evaluator's import gives it a new id here."""
     from harness.commands.bundle import export, import_bundle
+    from harness.commands.options import VerifyOptions
     from harness.commands.verify import verify
 
     member = study.members[2]
@@ -385,6 +388,6 @@ def test_a_claim_finds_its_run_in_a_store_it_was_imported_into(study: Study, tmp
     assert imported.run_id != member
     claims = tmp_path / "claims.yaml"
     claims.write_text(f"claims:\n  - id: c\n    run: {member}\n    metric: loss\n    paper: {study.final[2]:.4f}\n")
-    result = verify(claims, tracking_uri=other)
+    result = verify(VerifyOptions(claims, tracking_uri=other))
     assert result.held == 1 and result.exit_code == 0
     assert result.verdicts[0].source.run_id == imported.run_id and result.verdicts[0].values == [study.final[2]]

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import click
 
 from harness import events, tags as T
+from harness.cli import progress
 from harness.cli.help import OrderedGroup, teach
 from harness.errors import EXIT_SIGINT, HarnessError
 from harness.secrets import scrub
@@ -30,17 +31,22 @@ class _Voice:
 
 
 class _Drawer:
-    """The listener the commands get: an event from the library, drawn as the line it says, on stderr. `quiet`
-    is read by the library's progress view (events.quiet): with --quiet it draws neither the bar nor rank 0's output."""
+    """The listener the commands get: an event from the library drawn on stderr: the ranks' steps as a bar, rank 0's
+    output as it printed it, any other event as the line it says (above the bar while there is one). With --quiet
+    only the warnings."""
 
-    @property
-    def quiet(self) -> bool:
-        return _Voice.quiet
+    def __init__(self) -> None:
+        self._bar = progress.Bar()
 
     def __call__(self, event: events.Event) -> None:
         if _Voice.quiet and not isinstance(event, events.Warning):
             return
-        click.echo(scrub(event.line()), err=True)
+        if isinstance(event, events.Steps):
+            self._bar.steps(event)
+        elif isinstance(event, events.RankOutput):
+            self._bar.write(event.text)  # the user's own output, as rank 0's log has it
+        else:
+            self._bar.write(scrub(event.line()))
 
 
 _draw = _Drawer()
@@ -96,8 +102,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except HarnessError as err:
             _refused(str(err), err.exit_code, as_json)
         except Exception as err:
-            from harness.store.failures import is_store_error, store_failure
-            from harness.store.reach import resolve_uri
+            from harness.commands.terminal import is_store_error, resolve_uri, store_failure
 
             if not is_store_error(err):
                 raise
@@ -143,7 +148,7 @@ class _ExecutorName(click.ParamType):
     name = "executor"
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
-        from harness.executors import backends
+        from harness.commands.placement import backends
 
         return "[" + "|".join(backends()) + "]"
 
@@ -159,7 +164,7 @@ class _ExecutorOption(click.Option):
     only when the help is shown (so that a command that runs no job never loads the backends)."""
 
     def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
-        from harness.executors import backends
+        from harness.commands.placement import backends
 
         own = self.help or ""
         self.help = own + " " + "; ".join(f"{name}: {b.help}" for name, b in backends().items() if b.help) + "."
@@ -185,7 +190,7 @@ class _BackendCommand(click.Command):
 
 
 def _backend_click_options(command: str) -> list[click.Parameter]:
-    from harness.executors import backends
+    from harness.commands.placement import backends
 
     made: list[click.Parameter] = []
     for declared in backends().values():
@@ -286,7 +291,7 @@ def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool,
     --json its document instead)."""
     from harness.commands import documents
     from harness.commands.study import StudyOutcome
-    from harness.store.tracking import Tracker
+    from harness.commands.terminal import Tracker
 
     study = isinstance(outcome, StudyOutcome)
     if study and not _Voice.quiet:
@@ -422,8 +427,7 @@ def replay(
     """
     from harness.commands import api, documents
     from harness.commands.replay import StudyReplayResult
-    from harness.judge.text import comparison_lines, study_replay_lines, verdict_line
-    from harness.store.tracking import Tracker
+    from harness.commands.terminal import Tracker, comparison_lines, study_replay_lines, verdict_line
 
     result = api.replay(api.ReplayOptions(
         run_id, tuple(overrides), world_size=world_size, allow_changes=allow_changes,
@@ -516,8 +520,8 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
     """
     from harness.commands import api
+    from harness.commands.terminal import CLAIMS_HEADER, claims_rows
     from harness.fmt import text_table
-    from harness.judge.verify_report import HEADER, rows
 
     result = api.verify(api.VerifyOptions(
         claims_file, tuple(overrides), replay=do_replay, members=members, world_size=world_size,
@@ -528,7 +532,7 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
         from harness.commands import documents
 
         _emit(documents.verify(result))
-    click.echo(text_table([HEADER, *rows(result.verdicts, result.replayed)]))
+    click.echo(text_table([CLAIMS_HEADER, *claims_rows(result.verdicts, result.replayed)]))
     for verdict in result.verdicts:
         if verdict.typo:
             click.echo(f"Note: claim {verdict.claim.id}: {verdict.typo}")
@@ -559,8 +563,8 @@ def compare(run_a: str, run_b: str, report: Path | None, tolerances: tuple[str, 
     Exit 0 identical, 1 they differ.
     """
     from harness.commands import api, documents
+    from harness.commands.terminal import comparison_lines, verdict_line
     from harness.commands.trace import TraceDiff
-    from harness.judge.text import comparison_lines, verdict_line
 
     found = api.compare(api.CompareOptions(run_a, run_b, tuple(tolerances), report=report, tracking_uri=tracking_uri,
                                            on_event=_draw))
@@ -820,7 +824,7 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_js
 def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
     """Run an already recorded run where this command runs (inside a container, or a Slurm job's task)."""
     from harness.commands import run as runner
-    from harness.executors import topology_from_env
+    from harness.commands.placement import topology_from_env
 
     outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
     if outcome.message:
@@ -847,10 +851,7 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     import signal
     import subprocess
 
-    from harness.store import ui as mlflow_ui
-    from harness.store.reach import display_uri, resolve_uri
-    from harness.store.tracking import Tracker
-    from harness.store.ui import server_url, ui_command
+    from harness.commands.terminal import Tracker, display_uri, mlflow_ui, resolve_uri, server_url, ui_command
 
     uri = resolve_uri(tracking_uri)
     served = server_url(uri)

@@ -46,6 +46,15 @@ from harness.commands.api_bundles import (
 )
 from harness.commands.bisect import BisectResult
 from harness.commands.calibrate import Calibration
+from harness.commands.options import (
+    AuditOptions as AuditOptions,
+    BisectOptions as BisectOptions,
+    CalibrateOptions as CalibrateOptions,
+    MarkOptions as MarkOptions,
+    ResumeOptions as ResumeOptions,
+    RunsOptions as RunsOptions,
+    VerifyOptions as VerifyOptions,
+)
 from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.run import Preflight
 from harness.commands.runs import Listing
@@ -250,7 +259,8 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
                                "with `harness calibrate MEMBER_ID`.")
         if o.calibrate and outcome.status == T.FINISHED:
             # Right after the run, on the same machine and image: the reference its replays are judged against.
-            calibrate_command.calibrate(outcome.run_id, replay=replay_command.replay, tracking_uri=o.tracking_uri)
+            calibrate_command.calibrate(CalibrateOptions(outcome.run_id, tracking_uri=o.tracking_uri),
+                                        replay=replay_command.replay)
         return outcome
 
 
@@ -269,25 +279,12 @@ def _run_study(o: RunOptions, checked: Preflight, named: Labels) -> StudyOutcome
 
 
 # -- calibrate ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CalibrateOptions:
-    """`harness calibrate RUN_ID [--members K] [--steps M]`: the rounding envelope of a run's first M steps."""
-
-    run_id: str
-    members: int | None = None  # default calibrate.DEFAULT_MEMBERS
-    steps: int | None = None  # default: calibrate.DEFAULT_STEPS, or the run's steps when fewer
-    tracking_uri: str | None = None
-    on_event: Listener | None = None
-
-
 def calibrate(options: CalibrateOptions) -> Calibration:
     """Re-execute the run's first steps with one-ulp nudges of its weights; record the envelope its replays are
     judged against (WITHIN_ROUNDING)."""
     with events.listening(options.on_event):
-        options = _with_full_ids(options, "run_id")
         # A calibration's members are replays: the replay verb is handed to it (no verb imports another).
-        return calibrate_command.calibrate(options.run_id, replay=replay_command.replay, members=options.members, steps=options.steps,
-                                           tracking_uri=options.tracking_uri)
+        return calibrate_command.calibrate(_with_full_ids(options, "run_id"), replay=replay_command.replay)
 
 
 # -- replay ---------------------------------------------------------------------------------------------
@@ -395,44 +392,19 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
 
 
 # -- resume, audit, trace, verify -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class ResumeOptions:
-    """`harness resume RUN_ID`: continue a FAILED or KILLED run from its last complete checkpoint."""
-
-    run_id: str
-    tracking_uri: str | None = None
-    repo: Path | None = None
-    on_event: Listener | None = None
-
-
 def resume(options: ResumeOptions) -> Outcome:
     """Prove the resume against the record, then continue the run in the same MLflow run: its Outcome."""
     from harness.commands import resume as resume_command  # loads torch (see the imports above)
 
     with events.listening(options.on_event):
-        options = _with_full_ids(options, "run_id")
-        return resume_command.resume(options.run_id, tracking_uri=options.tracking_uri, repo=options.repo)
-
-
-@dataclass(frozen=True)
-class AuditOptions:
-    """`harness audit RUN_ID --segments K`: replay K random checkpoint-to-checkpoint segments of a FINISHED run."""
-
-    run_id: str
-    segments: int
-    seed: int | None = None  # the draw's seed (default: random, recorded)
-    tracking_uri: str | None = None
-    repo: Path | None = None
-    on_event: Listener | None = None
+        return resume_command.resume(_with_full_ids(options, "run_id"))
 
 
 def audit(options: AuditOptions) -> AuditResult:
     from harness.commands import audit as audit_command  # loads torch (see the imports above)
 
     with events.listening(options.on_event):
-        options = _with_full_ids(options, "run_id")
-        return audit_command.audit(options.run_id, segments=options.segments, seed=options.seed,
-                                   tracking_uri=options.tracking_uri, repo=options.repo)
+        return audit_command.audit(_with_full_ids(options, "run_id"))
 
 
 @dataclass(frozen=True)
@@ -454,52 +426,19 @@ def trace(options: TraceOptions) -> TraceResult:
                                    tracking_uri=options.tracking_uri, repo=options.repo)[0]
 
 
-@dataclass(frozen=True)
-class VerifyOptions:
-    """`harness verify CLAIMS_FILE`: a paper's claims against the recorded studies and runs, optionally replayed."""
-
-    claims_file: Path
-    overrides: tuple[str, ...] = ()  # with replay and allow_changes: KEY=VALUE changes of the replays' config
-    replay: bool = False  # replay each study or run the claims rest on (once) and judge the claims on the replays
-    members: int | None = None  # replay: K members of each study (default: all)
-    world_size: int | None = None
-    allow_changes: bool = False
-    executor: str | None = None
-    tracking_uri: str | None = None
-    on_event: Listener | None = None
-
-
 def verify(options: VerifyOptions) -> VerifyResult:
     o = options
     with events.listening(o.on_event):
         known_executor(o.executor)
-        return verify_command.verify(o.claims_file, replay=o.replay, members=o.members, world_size=o.world_size,
-                                     overrides=list(o.overrides), allow_changes=o.allow_changes, executor=o.executor,
-                                     tracking_uri=o.tracking_uri,
-                                     replays=verify_command.Replays(replay_command.replay, replay_command.replay_study))
-
-
-@dataclass(frozen=True)
-class BisectOptions:
-    """`harness bisect GOOD BAD`: the commit or config key whose change flips GOOD's result into BAD's."""
-
-    good: str
-    bad: str
-    max_probes: int = bisect_command.DEFAULT_MAX_PROBES  # replays it may run before it stops and says how far it got
-    tracking_uri: str | None = None
-    repo: Path | None = None  # the clone holding both runs' commits (default: the one holding the current folder)
-    localize: bool = False  # trace the culprit's probe and name the first op that differs from GOOD
-    resume: str | None = None  # an earlier bisect of GOOD and BAD, cut short: its probes are taken up
-    on_event: Listener | None = None
+        return verify_command.verify(
+            o, replays=verify_command.Replays(replay_command.replay, replay_command.replay_study))
 
 
 def bisect(options: BisectOptions) -> BisectResult:
     with events.listening(options.on_event):
-        o = _with_full_ids(options, "good", "bad", "resume")
         # A bisect's probes are replays, judged and localized as replay's: those verbs are handed to it.
-        return bisect_command.bisect(o.good, o.bad, replay=replay_command.replay, compare=replay_command.compare,
-                                     localizer=trace_command.after_replay, max_probes=o.max_probes,
-                                     tracking_uri=o.tracking_uri, repo=o.repo, localize=o.localize, resume=o.resume)
+        return bisect_command.bisect(_with_full_ids(options, "good", "bad", "resume"), replay=replay_command.replay,
+                                     compare=replay_command.compare, localizer=trace_command.after_replay)
 
 
 # -- check, runs, mark ----------------------------------------------------------------------------------
@@ -526,30 +465,9 @@ def check(options: CheckOptions) -> Preflight:
                                      allow_secret_in_diff=o.allow_secret_in_diff, tracking_uri=o.tracking_uri)
 
 
-@dataclass(frozen=True)
-class RunsOptions:
-    """`harness runs [EXPERIMENT]`: the newest runs, with their replays' verdicts."""
-
-    experiment: str | None = None  # default: every experiment
-    limit: int = 20
-    tracking_uri: str | None = None
-    on_event: Listener | None = None
-
-
 def runs(options: RunsOptions) -> Listing:
     with events.listening(options.on_event):
-        return runs_command.listing(options.tracking_uri, options.experiment, options.limit)
-
-
-@dataclass(frozen=True)
-class MarkOptions:
-    """`harness mark RUN_ID --status FAILED|KILLED`: close a RUNNING run whose launcher is gone."""
-
-    run_id: str
-    status: str  # FAILED | KILLED (tags.INCOMPLETE)
-    force: bool = False  # close a run that has no heartbeat tags
-    tracking_uri: str | None = None
-    on_event: Listener | None = None
+        return runs_command.listing(options)
 
 
 @dataclass(frozen=True)
@@ -562,6 +480,5 @@ class Marked:
 def mark(options: MarkOptions) -> Marked:
     with events.listening(options.on_event):
         o = _with_full_ids(options, "run_id")
-        return Marked(o.run_id, o.status, mark_command.mark(o.run_id, o.status, force=o.force,
-                                                            tracking_uri=o.tracking_uri))
+        return Marked(o.run_id, o.status, mark_command.mark(o))
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness import events, executors, tags as T
+from harness.commands.options import AuditOptions
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
@@ -82,9 +83,9 @@ def segments_of(checkpoints: dict[int, str], final: str | None, steps_total: int
     return out
 
 
-def audit(
-    run_id: str, *, segments: int, seed: int | None = None, tracking_uri: str | None = None, repo: Path | None = None
-) -> AuditResult:
+def audit(options: AuditOptions) -> AuditResult:
+    run_id, segments, seed, repo = options.run_id, options.segments, options.seed, options.repo
+    tracking_uri = options.tracking_uri
     tracker = Tracker(tracking_uri)
     loaded = loading.load(tracker, run_id, loading.AUDIT)
     run, record = loaded.summary, loaded.record

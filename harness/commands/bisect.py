@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from harness import __version__, events, tags as T
+from harness.commands.options import BisectOptions
 from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.fmt import markdown_table
@@ -33,7 +34,6 @@ from harness.systems import git as gitsource
 # A probe judged like GOOD by GOOD's tolerance: the change it carries is innocent. Not the exit code's REPRODUCED: a
 # probe within the seeds' noise changed the result, which is what bisect looks for.
 INNOCENT = verdicts(Policy.WITHIN_TOLERANCE)
-DEFAULT_MAX_PROBES = 24
 
 
 @dataclass
@@ -131,10 +131,8 @@ def _split(keys: list[ConfigChange], flips: Callable[[list[ConfigChange]], bool]
     return keys, False
 
 
-def bisect(good_id: str, bad_id: str, *, replay: Callable[..., Any], compare: Callable[..., Comparison],
-           localizer: Callable[..., Any], max_probes: int = DEFAULT_MAX_PROBES,
-           tracking_uri: str | None = None, repo: Path | None = None, localize: bool = False,
-           resume: str | None = None) -> BisectResult:
+def bisect(options: BisectOptions, *, replay: Callable[..., Any], compare: Callable[..., Comparison],
+           localizer: Callable[..., Any]) -> BisectResult:
     """Find what flips GOOD's result into BAD's; bad input raises HarnessError before anything is recorded.
     `localize`: then trace the culprit's probe against GOOD and name the first op that differs (replay --localize's
     machinery, on the probe that carried the culprit alone). `resume`: an earlier bisect of the same two runs (cut
@@ -144,6 +142,8 @@ def bisect(good_id: str, bad_id: str, *, replay: Callable[..., Any], compare: Ca
     handed in by the API. A bisect's probes are replays, judged and localized as `harness replay` judges and localizes
     one, so this verb composes those; it is given them rather than importing them, so that no verb imports another
     (pyproject.toml's independence contract)."""
+    good_id, bad_id, max_probes, repo = options.good, options.bad, options.max_probes, options.repo
+    tracking_uri, localize, resume = options.tracking_uri, options.localize, options.resume
     if max_probes < 1:
         raise HarnessError(f"--max-probes must be >= 1, got {max_probes}.")
     tracker = Tracker(tracking_uri)

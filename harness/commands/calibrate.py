@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness import events, tags as T
+from harness.commands.options import CalibrateOptions
 from harness.errors import EXIT_FAILED, HarnessError
 from harness.fmt import json_safe
 from harness.judge import rounding
@@ -57,13 +58,13 @@ def check_options(members: int | None, steps: int | None) -> None:
         raise HarnessError(f"--steps {steps}: a calibration re-executes at least 1 step. Pass --steps 1 or more.")
 
 
-def calibrate(run_id: str, *, replay: Callable[..., Any], members: int | None = None, steps: int | None = None,
-              tracking_uri: str | None = None, tracker: Tracker | None = None) -> Calibration:
+def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker: Tracker | None = None) -> Calibration:
     """Re-execute the first `steps` steps of `run_id` `members` times with one-ulp nudges; record the envelope.
 
     `replay`: commands/replay.py's replay, handed in by the API. A calibration's members are replays, so this verb
     composes that one; it is given it rather than importing it, so that no verb imports another (pyproject.toml's
     independence contract) and a member is exactly what `harness replay --steps M` runs."""
+    run_id, members, steps, tracking_uri = options.run_id, options.members, options.steps, options.tracking_uri
     check_options(members, steps)
     tracker = tracker or Tracker(tracking_uri)
     loaded = loading.load(tracker, run_id, loading.CALIBRATE)

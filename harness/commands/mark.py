@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from harness import tags as T
+from harness.commands.options import MarkOptions
 from harness.errors import HarnessError
 from harness.record import closing, loading
 
@@ -15,8 +16,9 @@ from harness.store.tracking import Tracker
 __all__ = ["heartbeat_age", "heartbeat_interval", "is_stale", "mark"]
 
 
-def mark(run_id: str, status: str, *, force: bool = False, tracking_uri: str | None = None) -> str:
+def mark(options: MarkOptions) -> str:
     """Close a RUNNING run whose launcher is gone as FAILED or KILLED; returns the reason recorded."""
+    run_id, status, force, tracking_uri = options.run_id, options.status, options.force, options.tracking_uri
     if status not in T.INCOMPLETE:
         raise HarnessError(f"--status must be one of {', '.join(T.INCOMPLETE)}, not '{status}'.")
     tracker = Tracker(tracking_uri)

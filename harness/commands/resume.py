@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import events, executors, tags as T
+from harness.commands.options import ResumeOptions
 from harness.errors import HarnessError, RunFailed
 from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
@@ -29,7 +30,8 @@ LIKELY_CAUSES = (
 )
 
 
-def resume(run_id: str, *, tracking_uri: str | None = None, repo: Path | None = None) -> Outcome:
+def resume(options: ResumeOptions) -> Outcome:
+    run_id, tracking_uri, repo = options.run_id, options.tracking_uri, options.repo
     tracker = Tracker(tracking_uri)
     # A FAILED or KILLED run was sealed when it closed; the resumed run is sealed again when it closes.
     loaded = loading.load(tracker, run_id, loading.RESUME)

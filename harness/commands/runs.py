@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness import tags as T
+from harness.commands.options import RunsOptions
 from harness.fmt import printable, text_table
 from harness.record import seal
 from harness.record.liveness import is_stale
@@ -82,8 +83,9 @@ class Listing:
         return text_table([HEADER, *map(cells, self.runs)])
 
 
-def listing(tracking_uri: str | None, experiment: str | None, limit: int) -> Listing:
+def listing(options: RunsOptions) -> Listing:
     """The `limit` newest runs (of `experiment`), newest first, as `row` describes each."""
+    tracking_uri, experiment, limit = options.tracking_uri, options.experiment, options.limit
     tracker = Tracker(tracking_uri, writable=False)  # listing only reads: a read-only store will do
     runs = tracker.search(experiment, max_results=limit)
     verdicts = replay_verdicts(tracker, experiment, {r.run_id for r in runs}) if runs else {}
@@ -93,4 +95,4 @@ def listing(tracking_uri: str | None, experiment: str | None, limit: int) -> Lis
 
 
 def render_runs(tracking_uri: str | None, experiment: str | None, limit: int) -> str:
-    return listing(tracking_uri, experiment, limit).table()
+    return listing(RunsOptions(experiment, limit, tracking_uri)).table()

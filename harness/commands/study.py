@@ -177,8 +177,9 @@ class _Study:
                         member = waiting.pop(0)
                         member.started = time.monotonic()
                         self.running[member.seed] = member
-                        threading.Thread(target=self._member, args=(member,), name=f"harness-seed-{member.seed}",
-                                         daemon=True).start()
+                        # In the command's context: the member speaks through its listener.
+                        threading.Thread(target=events.carry(self._member), args=(member,),
+                                         name=f"harness-seed-{member.seed}", daemon=True).start()
                     if not self.running:
                         break
                 try:

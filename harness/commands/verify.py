@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from harness import __version__, events, tags as T
+from harness.commands.options import VerifyOptions
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge import perf
 from harness.judge.claims import (
@@ -236,11 +237,12 @@ def judge_replay(verdict: Verdict) -> None:
         verdict.outcome = NOT_REPRODUCED
 
 
-def verify(claims_file: Path, *, replay: bool = False, members: int | None = None, world_size: int | None = None,
-           overrides: list[str] | None = None, allow_changes: bool = False, executor: str | None = None,
-           tracking_uri: str | None = None, replays: Replays | None = None) -> VerifyResult:
-    """The claims of `claims_file` judged against the record; with `replay`, against replays too (`replays`: how,
-    handed in by the API)."""
+def verify(options: VerifyOptions, *, replays: Replays | None = None) -> VerifyResult:
+    """The claims of `options.claims_file` judged against the record; with `options.replay`, against replays too
+    (`replays`: how, handed in by the API)."""
+    claims_file, replay, members, world_size = options.claims_file, options.replay, options.members, options.world_size
+    overrides, allow_changes, executor = list(options.overrides), options.allow_changes, options.executor
+    tracking_uri = options.tracking_uri
     claims = load_claims(claims_file)
     tracker = Tracker(tracking_uri)
     sources: dict[str, Source] = {}

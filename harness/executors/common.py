@@ -24,6 +24,7 @@ from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
 from harness.executors.base import FAILED, FINISHED, KILLED, PENDING, RUNNING, Event, Handle, Job, Outcome
 from harness.executors.failures import failure_details, killed_by
+from harness.executors.follow import Follower
 from harness.executors.launch import resolve_device
 from harness.executors.multinode import Node, differing
 from harness.messages import Message
@@ -142,15 +143,13 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
     """The side that runs rank 0: the ranks run by `run`, rank 0's messages fed to the job's recorder (and passed
     on to `on_event`), the run closed. `closing()` is called once the ranks have ended, before the record is
     closed; `node`: the job's rendezvous when it spans several nodes (or torchrun's ranks)."""
-    from harness.executors.console import Console
-
     cfg = job.cfg
     log_dir = work / "logs"
     log_dir.mkdir(exist_ok=True)
-    recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: console.show(shown), job.resume_step,
+    recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: follower.show(shown), job.resume_step,
                         job.stop_at, job.perturb_seed)
-    console = Console(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
-                      show=not job.options.quiet)
+    follower = Follower(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
+                        show=not job.options.quiet)
     ended: Failed | Killed | BaseException | None = None
     try:
         device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
@@ -165,7 +164,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
             on_event(msg)
 
         # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
-        run(spec, on_message, lambda ranks: console.follow_steps(ranks.progress))
+        run(spec, on_message, lambda ranks: follower.follow_steps(ranks.progress))
         ended = recorder.ranks_done()
     except RunFailed as err:
         rank, tb, expected = failure_details(err)
@@ -178,7 +177,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
             node.fail(f"node 0: {err}")
     finally:
         closing()
-        console.close()
+        follower.close()
 
     def collect_logs() -> None:  # the other nodes' rank logs, before the record is closed and sealed
         assert node is not None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import events
 from harness.errors import HarnessError, Interrupted, RunFailed
 from harness.executors import procs
 from harness.executors.failures import FROM_OUTSIDE, RankError, diagnose, failed, phase, stack_location
@@ -239,7 +240,7 @@ def launch(
         # The ranks' time without progress counts from now: waiting for the record was not theirs.
         for rank in range(spec.local_ranks):
             beat(progress, rank, -1)
-        drain = threading.Thread(target=_read_channel, args=(ranks.reader, on_message), name="harness-channel",
+        drain = threading.Thread(target=events.carry(_read_channel), args=(ranks.reader, on_message), name="harness-channel",
                                  daemon=True)
         drain.start()
         ranks.send(spec)

@@ -404,7 +404,7 @@ def start(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, method: M
         os.unlink(error_file)  # its existence is the news: a process that raised creates it
         error_files.append(error_file)
     processes = Processes(Method(method), error_files)
-    threading.Thread(target=processes._start, args=(fn, args, after), name="harness-rank-start", daemon=True).start()
+    threading.Thread(target=events.carry(processes._start), args=(fn, args, after), name="harness-rank-start", daemon=True).start()
     return processes
 
 

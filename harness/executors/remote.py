@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted
 from harness.executors.base import Event, Executor, Handle, Job, Outcome
 from harness.executors.local import LocalExecutor
@@ -105,7 +105,7 @@ class RemoteHandle(Handle):
 
     def cancel(self, signum: int) -> None:
         self.interrupted.append(signum)
-        threading.Thread(target=self.stop, daemon=True).start()
+        threading.Thread(target=events.carry(self.stop), daemon=True).start()
 
     def wait(self) -> Outcome:
         with self.code:  # e.g. the code's worktree, removed once the job has ended

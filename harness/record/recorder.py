@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.delta import setting_risk
 from harness.messages import (
@@ -427,7 +427,7 @@ def _in_thread(fn: Callable[[], Any]) -> Future[Any]:
     """A future of fn(), run in a thread of its own (a store write that need not hold up the ranks)."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="harness-lock")
     try:
-        return pool.submit(fn)
+        return pool.submit(events.carry(fn))
     finally:
         pool.shutdown(wait=False)
 

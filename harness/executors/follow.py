@@ -1,0 +1,97 @@
+"""What the person watching a run here is told while its ranks run, as events (harness/events.py): rank 0's
+output, read from its log as it grows, and its step count. The CLI draws them (harness/cli/progress.py); with no
+one listening nothing is followed, and rank 0's log is written by the rank all the same."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from harness import events
+from harness.messages import Total
+from harness.record.recorder import Line
+
+
+def said(text: str) -> events.Notice | events.Warning:
+    """A line of the launcher's own (the recorder's `Line`) as the event it is."""
+    if text.startswith("Warning: "):
+        return events.Warning(text.removeprefix("Warning: "))
+    return events.Notice(text)
+
+
+class Follower:
+    """Follows rank 0's log file and step clock while the ranks run, and tells them as RankOutput and Steps."""
+
+    def __init__(self, log_path: Path, label: str, show: bool = True) -> None:
+        """`show=False`: rank 0's output, its steps and the launcher's lines are not told while the ranks run (runs
+        at once would interleave; rank 0's log is still kept)."""
+        self._log_path = log_path
+        self._label = label
+        self._show = show and events.heard()
+        self._total: int | None = None
+        self._done = 0
+        self._progress: object = None  # the ranks' progress array: rank 0's step is at index 0
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=events.carry(self._follow), name="harness-follow", daemon=True)
+        if self._show:
+            events.emit(events.Steps(label))
+            self._thread.start()
+
+    def total(self, steps: int) -> None:
+        self._total = steps
+        if self._show and not self._closed:
+            events.emit(events.Steps(self._label, self._done, steps))
+
+    def follow_steps(self, progress: object) -> None:
+        """Count the steps from rank 0's step clock (launch's progress array), read as the log is followed."""
+        self._progress = progress
+
+    def _poll_steps(self) -> None:
+        progress = self._progress
+        if progress is None:
+            return
+        # Steps may start at 0 (or at a resumed step) and repeat (several log() calls per step): the furthest counts.
+        step = int(progress[0])  # type: ignore[index]
+        if step >= 0 and step + 1 > self._done:
+            done = step + 1
+            self._done = done
+            events.emit(events.Steps(self._label, done, self._total))
+
+    def show(self, shown: Total | Line) -> None:
+        """The recorder's view (record/recorder.py): the number of steps, or a line; a line is told while the ranks
+        run where their output is, and once they ended even with show=False (the run is over, nothing interleaves)."""
+        if isinstance(shown, Total):
+            self.total(shown.steps)
+        elif self._show or self._closed:
+            events.emit(said(shown.text))
+
+    def _follow(self) -> None:
+        offset = 0
+        pending = ""
+        while True:
+            stopping = self._stop.wait(0.2)
+            self._poll_steps()
+            try:
+                with open(self._log_path, errors="replace") as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+                    offset = fh.tell()
+            except FileNotFoundError:
+                chunk = ""
+            pending += chunk
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                events.emit(events.RankOutput(line))
+            if stopping:
+                if pending:
+                    events.emit(events.RankOutput(pending))
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self._show:
+            events.emit(events.Steps(self._label, self._done, self._total, ended=True))

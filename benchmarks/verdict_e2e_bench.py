@@ -1,7 +1,7 @@
 """The rounding envelope end to end: false alarms and power of `WITHIN_ROUNDING` through the real CLI.
 
     python benchmarks/verdict_e2e_bench.py [--trials 3] [--experiments linear_ddp digits_cnn] [--members 8]
-        [--docker IMAGE | --no-docker]
+        [--docker IMAGE | --no-docker] [--only TEXT...]
 
 benchmarks/verdict_bench.py --rounding measures the envelope (harness/judge/rounding.py) on models trained in its own
 process. This is the same question asked as a user asks it, of the bundled experiments: each trial, in a throwaway
@@ -31,7 +31,8 @@ seen and how close to the envelope's edge the honest replays came. The commands 
 (HARNESS_RANK_SERVER_IDLE_S=120: one torch import per environment, not per launch), stopped at the end. The replays
 of one change follow each other across experiments, so a change's environment starts one server, not two.
 `--jsonl FILE` appends every verdict to FILE; `--table FILE...` prints the table of such files (runs with
-different `--first-seed` pool into one table).
+different `--first-seed` pool into one table); `--only TEXT...` runs only the changes whose name holds one of them
+(`--only Docker`: the originals and their calibrations, then the Docker row alone).
 """
 
 from __future__ import annotations
@@ -279,10 +280,20 @@ SOURCE_DIGEST = (
 )
 
 
-def engine_answers() -> bool:
+def not_in_image(store: Path, run_id: str) -> str:
+    """Why run `run_id` cannot be replayed in its image now ("" when it can): the engine is down, or it was as the
+    run was recorded, which then recorded no image digest (harness refuses such a replay, exit 2)."""
+    from harness import tags as T
+    from harness.store.tracking import Tracker
     from harness.systems import docker
 
-    return docker.engine_available()[0]
+    up, why = docker.engine_available()
+    if not up:
+        return f"the Docker engine stopped answering ({why})"
+    tags = Tracker(f"sqlite:///{store / 'mlflow.db'}").get_run(run_id).tags
+    if not tags.get(T.IMAGE_DIGEST, "").startswith("sha256:"):
+        return f"the run recorded no image digest ({tags.get(T.IMAGE_DIGEST_REASON, 'unknown')})"
+    return ""
 
 
 def docker_image(image: str) -> tuple[str | None, str]:
@@ -324,10 +335,11 @@ def trial(seed: int, experiments: list[str], members: int, todo: list[Change], j
             for experiment in experiments:
                 if experiment not in change.only:
                     continue
-                if change.docker and not engine_answers():
-                    # The engine went away (stopped by whoever started it): no verdict of harness's to count.
-                    print(f"  seed {seed} {experiment} {change.name}: NOT MEASURED, the Docker engine stopped "
-                          "answering", file=sys.stderr, flush=True)
+                why = change.docker and not_in_image(store, runs[experiment, change.invariant])
+                if why:
+                    # Not a verdict of harness's to count: the engine went away (stopped by whoever started it).
+                    print(f"  seed {seed} {experiment} {change.name}: NOT MEASURED, {why}", file=sys.stderr,
+                          flush=True)
                     continue
                 row = replay(repo, store, runs[experiment, change.invariant], change, experiment)
                 row["seed"] = seed
@@ -351,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docker", metavar="IMAGE", default=IMAGE,
                         help=f"the image of the Docker row: the runs pin it, one replay runs in it (default {IMAGE})")
     parser.add_argument("--no-docker", action="store_true", help="leave the Docker row out")
+    parser.add_argument("--only", nargs="+", metavar="TEXT", help="only the changes whose name holds one of these")
     args = parser.parse_args(argv)
     if args.table:
         rows = [json.loads(line) for path in args.table for line in path.read_text().splitlines() if line.strip()]
@@ -362,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     docker_note = (f"Docker row: {args.docker} ({digest}), the runs pin it" if digest else
                    f"Docker row NOT MEASURED: {why}")
     print(docker_note, file=sys.stderr, flush=True)
-    todo = changes(cap, docker=digest is not None)
+    todo = [c for c in changes(cap, docker=digest is not None) if not args.only or any(t in c.name for t in args.only)]
+    if not todo:
+        parser.error(f"--only {' '.join(args.only)}: no change's name holds any of these")
     pin = [f"image={args.docker}"] if digest else []
     start, rows = time.perf_counter(), []
     try:

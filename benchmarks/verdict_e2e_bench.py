@@ -1,6 +1,7 @@
 """The rounding envelope end to end: false alarms and power of `WITHIN_ROUNDING` through the real CLI.
 
     python benchmarks/verdict_e2e_bench.py [--trials 3] [--experiments linear_ddp digits_cnn] [--members 8]
+        [--docker IMAGE | --no-docker] [--only TEXT...]
 
 benchmarks/verdict_bench.py --rounding measures the envelope (harness/judge/rounding.py) on models trained in its own
 process. This is the same question asked as a user asks it, of the bundled experiments: each trial, in a throwaway
@@ -12,8 +13,13 @@ Honest changes alter the arithmetic, not the training - what another machine doe
 `WITHIN_ROUNDING` (anything else is a false alarm): another CPU's ATen kernels (`ATEN_CPU_CAPABILITY=default`, and
 `avx2` where this CPU has AVX-512), its BLAS (`MKL_ENABLE_INSTRUCTIONS=AVX2`) and oneDNN (`DNNL_MAX_CPU_ISA=AVX2`: torch
 has no variable that turns oneDNN off, so its kernels are limited to an AVX2 CPU's instead), 2 threads per rank
-instead of 1 (`--allow-changes threads_per_rank=2`), and for linear_ddp a run in world-size-invariant mode
-(`determinism.world_size_invariant=true determinism.shards=2`, run and calibrated on its own) replayed on 1 rank.
+instead of 1 (`--allow-changes threads_per_rank=2`), for linear_ddp a run in world-size-invariant mode
+(`determinism.world_size_invariant=true determinism.shards=2`, run and calibrated on its own) replayed on 1 rank, and
+the Docker CPU image against the host: the run, recorded and calibrated on this machine (local executor) with the
+experiment pinned to IMAGE, replayed in that image (`harness replay RUN --executor docker`: the recorded digest, its
+own Python and packages, the same torch). That row needs a Docker engine that has IMAGE with a registry digest
+(scripts/docker-up.sh, then docker/build-cpu-image.sh --push IMAGE from this checkout) and an image holding this
+checkout's harness; otherwise the bench says why it is not measured and leaves it out (`--no-docker`: never).
 Planted changes alter the training and must be `DIVERGED` (anything else is a miss): the learning rate x1.02 and x1.1,
 one sample more (linear_ddp), and for digits_cnn dropout p +0.01, momentum +0.01, the augmentation's pixel noise x1.1
 or its shift 1 -> 2, 1% of the training images moved to validation (`val_fraction` +0.01), and another draw of the
@@ -25,7 +31,8 @@ seen and how close to the envelope's edge the honest replays came. The commands 
 (HARNESS_RANK_SERVER_IDLE_S=120: one torch import per environment, not per launch), stopped at the end. The replays
 of one change follow each other across experiments, so a change's environment starts one server, not two.
 `--jsonl FILE` appends every verdict to FILE; `--table FILE...` prints the table of such files (runs with
-different `--first-seed` pool into one table).
+different `--first-seed` pool into one table); `--only TEXT...` runs only the changes whose name holds one of them
+(`--only Docker`: the originals and their calibrations, then the Docker row alone).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ EXPERIMENTS = ("linear_ddp", "digits_cnn")
 # / (2 ranks x 32) = 23 steps an epoch.
 EPOCHS = {"linear_ddp": 5, "digits_cnn": 1}
 INVARIANT = ["determinism.world_size_invariant=true", "determinism.shards=2"]
+IMAGE = "localhost:5000/harness-cpu:0.1"  # what the experiments pin, and the tests build (docker/README.md)
 RUN_TIMEOUT_S = 1200
 REPLAY_TIMEOUT_S = 1200
 IDLE_S = "120"
@@ -67,9 +75,10 @@ class Change:
     overrides: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
     only: tuple[str, ...] = EXPERIMENTS
     invariant: bool = False  # replays the trial's world-size-invariant run instead of the plain one
+    docker: bool = False  # replays in the pinned image: needs the engine
 
 
-def changes(capability: str) -> list[Change]:
+def changes(capability: str, docker: bool = False) -> list[Change]:
     found = [Change("ATEN_CPU_CAPABILITY=default", True, env={"ATEN_CPU_CAPABILITY": "default"})]
     if capability.startswith("AVX512"):
         found.append(Change("ATEN_CPU_CAPABILITY=avx2", True, env={"ATEN_CPU_CAPABILITY": "avx2"}))
@@ -79,6 +88,8 @@ def changes(capability: str) -> list[Change]:
         Change("threads per rank 1 -> 2", True, overrides={"threads_per_rank": lambda v: 2}),
         Change("world size 2 -> 1 (invariant mode, shards=2)", True, args=("--world-size", "1"), only=("linear_ddp",),
                invariant=True),
+        *([Change("Docker CPU image vs the host (replay --executor docker)", True, args=("--executor", "docker"),
+                  docker=True)] if docker else []),
         Change("lr x1.02", False, overrides={"train.lr": lambda v: v * 1.02}),
         Change("lr x1.1", False, overrides={"train.lr": lambda v: v * 1.1}),
         Change("one sample more (100 -> 101)", False, overrides={"train.samples": lambda v: v + 1},
@@ -165,9 +176,26 @@ def original(repo: Path, store: Path, experiment: str, seed: int, members: int, 
                                         f"train.epochs={EPOCHS[experiment]}", *extra], timeout=RUN_TIMEOUT_S),
                   f"harness run {experiment} seed={seed}")
     steps = steps_of(store, run_id)
-    must(harness(repo, store, ["calibrate", run_id, "--members", str(members), "--steps", str(steps)],
-                 timeout=RUN_TIMEOUT_S + members * REPLAY_TIMEOUT_S), f"harness calibrate {run_id}")
+    cal_id = must(harness(repo, store, ["calibrate", run_id, "--members", str(members), "--steps", str(steps)],
+                          timeout=RUN_TIMEOUT_S + members * REPLAY_TIMEOUT_S), f"harness calibrate {run_id}")
+    print(f"  seed {seed} {experiment} {' '.join(extra)} calibrated, members' kernels as their records read them "
+          f"back: {kernels_ran(store, cal_id)}", file=sys.stderr, flush=True)
     return run_id
+
+
+def kernels_ran(store: Path, cal_id: str) -> str:
+    """How many of calibration `cal_id`'s members ran on which kernels, as each member's record read them back in its
+    ranks (torch.backends.mkldnn.enabled, torch.get_num_threads()), not as they were asked for."""
+    from collections import Counter
+
+    from harness import tags as T
+    from harness.store.tracking import Tracker
+
+    members = Tracker(f"sqlite:///{store / 'mlflow.db'}").children(cal_id)
+    seen = Counter((m.tags.get(T.CALIBRATION_KERNELS, "?"), m.tags.get(f"{T.DETERMINISM_PREFIX}onednn_enabled", "?"),
+                    m.tags.get(f"{T.DETERMINISM_PREFIX}intra_op_threads", "?")) for m in members)
+    return "; ".join(f"{n} x {kind} (read back: oneDNN enabled {on}, threads {threads})"
+                     for (kind, on, threads), n in sorted(seen.items()))
 
 
 VERDICT = re.compile(r"verdict: ([A-Z_]+)")
@@ -184,10 +212,12 @@ def replay(repo: Path, store: Path, run_id: str, change: Change, experiment: str
     line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("verdict:")), "")
     found = VERDICT.match(line)
     verdict = found.group(1) if found else f"ERROR(rc {done.rc})"
+    error = "" if found else (done.stderr.strip().splitlines() or [""])[-1]
     if not found:
         print(f"  {experiment} {change.name}: no verdict (rc {done.rc}): {done.stderr[-1500:]}", file=sys.stderr)
     width, step = HALF_WIDTH.search(line), AT_STEP.search(line)
     return {"experiment": experiment, "change": change.name, "honest": change.honest, "verdict": verdict,
+            "error": error,
             "half_width": float(width.group(1)) if width else None, "step": int(step.group(1)) if step else None,
             "seconds": round(done.seconds, 1), "line": line, "overrides": sets, "env": change.env}
 
@@ -241,19 +271,75 @@ def capability() -> str:
                           capture_output=True, text=True, timeout=300, check=True).stdout.strip()
 
 
-def trial(seed: int, experiments: list[str], members: int, todo: list[Change], jsonl: Path | None) -> list[dict]:
+# The digest of the harness package's Python source where it is installed, run here and inside the image.
+SOURCE_DIGEST = (
+    "import hashlib, importlib.util, pathlib; "
+    "root = pathlib.Path(importlib.util.find_spec('harness').submodule_search_locations[0]); h = hashlib.sha256(); "
+    "[h.update(str(p.relative_to(root)).encode() + b'\\0' + p.read_bytes()) for p in sorted(root.rglob('*.py'))]; "
+    "print(h.hexdigest())"
+)
+
+
+def not_in_image(store: Path, run_id: str) -> str:
+    """Why run `run_id` cannot be replayed in its image now ("" when it can): the engine is down, or it was as the
+    run was recorded, which then recorded no image digest (harness refuses such a replay, exit 2)."""
+    from harness import tags as T
+    from harness.store.tracking import Tracker
+    from harness.systems import docker
+
+    up, why = docker.engine_available()
+    if not up:
+        return f"the Docker engine stopped answering ({why})"
+    tags = Tracker(f"sqlite:///{store / 'mlflow.db'}").get_run(run_id).tags
+    if not tags.get(T.IMAGE_DIGEST, "").startswith("sha256:"):
+        return f"the run recorded no image digest ({tags.get(T.IMAGE_DIGEST_REASON, 'unknown')})"
+    return ""
+
+
+def docker_image(image: str) -> tuple[str | None, str]:
+    """(digest, "") when the Docker row can be measured with `image`; else (None, why not)."""
+    sys.path.insert(0, str(ROOT))
+    from harness.systems import docker
+
+    up, why = docker.engine_available()
+    if not up:
+        return None, f"no Docker engine answers ({why}); start one with scripts/docker-up.sh STATE_DIR"
+    digest, _, reason = docker.local_digest_or_reason(image)
+    if digest is None:
+        return None, (f"{image}: {reason}; build and push it from this checkout: docker/build-cpu-image.sh --push "
+                      f"{image}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    here = subprocess.run([sys.executable, "-c", SOURCE_DIGEST], capture_output=True, text=True, env=env,
+                          timeout=120, check=True).stdout.strip()
+    inside = subprocess.run(["docker", "run", "--rm", image, "python", "-c", SOURCE_DIGEST],
+                            capture_output=True, text=True, timeout=600, check=False)
+    if inside.returncode != 0 or inside.stdout.strip() != here:
+        found = inside.stderr.strip()[-200:] or "its source differs"
+        return None, f"{image} holds another harness than this checkout ({found}); rebuild it: " \
+                     f"docker/build-cpu-image.sh --push {image}"
+    return digest, ""
+
+
+def trial(seed: int, experiments: list[str], members: int, todo: list[Change], jsonl: Path | None,
+          pin: list[str]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="verdict-e2e-") as tmp:
         store = Path(tmp) / "store"
         store.mkdir()
         repo = project(Path(tmp), tuple(experiments))
-        runs = {(e, False): original(repo, store, e, seed, members, []) for e in experiments}
+        runs = {(e, False): original(repo, store, e, seed, members, pin) for e in experiments}
         if any(c.invariant for c in todo):
-            runs.update({(e, True): original(repo, store, e, seed, members, INVARIANT) for e in experiments
+            runs.update({(e, True): original(repo, store, e, seed, members, [*pin, *INVARIANT]) for e in experiments
                          if any(c.invariant and e in c.only for c in todo)})
         for change in todo:
             for experiment in experiments:
                 if experiment not in change.only:
+                    continue
+                why = change.docker and not_in_image(store, runs[experiment, change.invariant])
+                if why:
+                    # Not a verdict of harness's to count: the engine went away (stopped by whoever started it).
+                    print(f"  seed {seed} {experiment} {change.name}: NOT MEASURED, {why}", file=sys.stderr,
+                          flush=True)
                     continue
                 row = replay(repo, store, runs[experiment, change.invariant], change, experiment)
                 row["seed"] = seed
@@ -274,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=1000, help="trial t runs seed first-seed + t")
     parser.add_argument("--jsonl", type=Path, help="append every replay's verdict to this file")
     parser.add_argument("--table", type=Path, nargs="+", help="only print the table of these --jsonl files")
+    parser.add_argument("--docker", metavar="IMAGE", default=IMAGE,
+                        help=f"the image of the Docker row: the runs pin it, one replay runs in it (default {IMAGE})")
+    parser.add_argument("--no-docker", action="store_true", help="leave the Docker row out")
+    parser.add_argument("--only", nargs="+", metavar="TEXT", help="only the changes whose name holds one of these")
     args = parser.parse_args(argv)
     if args.table:
         rows = [json.loads(line) for path in args.table for line in path.read_text().splitlines() if line.strip()]
@@ -281,12 +371,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(seeds)} trials (seeds {seeds[0]}-{seeds[-1]})\n\n" + table(rows, args.experiments))
         return 0
     cap = capability()
-    todo = changes(cap)
+    digest, why = (None, "--no-docker") if args.no_docker else docker_image(args.docker)
+    docker_note = (f"Docker row: {args.docker} ({digest}), the runs pin it" if digest else
+                   f"Docker row NOT MEASURED: {why}")
+    print(docker_note, file=sys.stderr, flush=True)
+    todo = [c for c in changes(cap, docker=digest is not None) if not args.only or any(t in c.name for t in args.only)]
+    if not todo:
+        parser.error(f"--only {' '.join(args.only)}: no change's name holds any of these")
+    pin = [f"image={args.docker}"] if digest else []
     start, rows = time.perf_counter(), []
     try:
         for t in range(args.trials):
             seed = args.first_seed + t
-            rows += trial(seed, args.experiments, args.members, todo, args.jsonl)
+            rows += trial(seed, args.experiments, args.members, todo, args.jsonl, pin)
             print(f"trial {t + 1}/{args.trials} (seed {seed}) done at {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
     finally:
@@ -294,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     print(f"\n{args.trials} trials (seeds {args.first_seed}-{args.first_seed + args.trials - 1}), {args.members} "
           f"members calibrated over every step of each run, through `harness run/calibrate/replay`; CPU {cap}, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end; wall time {wall / 60:.1f} min\n")
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end; wall time {wall / 60:.1f} min\n"
+          f"{docker_note}\n")
     print(table(rows, args.experiments))
     return 0
 

@@ -15,6 +15,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 
+# What a call raises, by what went wrong (harness/errors.py, a leaf): each a HarnessError with its exit code.
+_ERRORS = (
+    "BackendError", "ConfigError", "DataChanged", "HarnessError", "Interrupted", "RepositoryError", "RunFailed",
+    "RunNotFound", "RunRefused", "SecretRefused", "StoreUnavailable", "UsageError",
+)
+
 # Every verb of the command line, by its name (`import` is Python's word: `harness.import_`), and its options; the
 # typed names type checkers see are in __init__.pyi (tests/test_api.py holds the two to the same list).
 __all__ = [
@@ -23,6 +29,7 @@ __all__ = [
     "ResumeOptions", "RunOptions", "RunsOptions", "TraceOptions", "VerifyOptions", "VerifyRecordOptions",
     "__version__", "attest", "audit", "bisect", "calibrate", "check", "compare", "export", "import_", "mark",
     "replay", "resume", "run", "runs", "trace", "verify", "verify_record",
+    *_ERRORS,
 ]
 
 
@@ -30,5 +37,5 @@ def __getattr__(name: str) -> Any:
     if name in __all__ and name != "__version__":
         # On first use: the API loads the config schema (omegaconf), the store and the executors. By importlib:
         # harness's own code inside a rank imports this package (its version), and must not reach the store.
-        return getattr(importlib.import_module("harness.commands.api"), name)
+        return getattr(importlib.import_module("harness.errors" if name in _ERRORS else "harness.commands.api"), name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

@@ -39,6 +39,20 @@ from harness.commands.api import (
     verify as verify,
     verify_record as verify_record,
 )
+from harness.errors import (
+    BackendError as BackendError,
+    ConfigError as ConfigError,
+    DataChanged as DataChanged,
+    HarnessError as HarnessError,
+    Interrupted as Interrupted,
+    RepositoryError as RepositoryError,
+    RunFailed as RunFailed,
+    RunNotFound as RunNotFound,
+    RunRefused as RunRefused,
+    SecretRefused as SecretRefused,
+    StoreUnavailable as StoreUnavailable,
+    UsageError as UsageError,
+)
 
 __version__: str
 __all__: list[str]

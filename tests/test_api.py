@@ -8,9 +8,12 @@ import dataclasses
 import inspect
 import keyword
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import CPU, ROOT, Project
@@ -127,22 +130,74 @@ def test_bad_input_raises_the_error_the_cli_prints(fresh_project: Project) -> No
     p = fresh_project
     cases = [
         (harness.replay, harness.ReplayOptions("0123456789abcdef0123456789abcdef", tracking_uri=p.uri),
-         ["replay", "0123456789abcdef0123456789abcdef"]),
+         ["replay", "0123456789abcdef0123456789abcdef"], harness.RunNotFound),
         (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", ("seed=-1", CPU), tracking_uri=p.uri),
-         ["run", "experiments/linear_ddp", "seed=-1"]),
+         ["run", "experiments/linear_ddp", "seed=-1"], harness.ConfigError),
         (harness.run, harness.RunOptions(p.root / "experiments" / "linear_ddp", (CPU,), seeds=2,
                                          placement=harness.Placement(nnodes=2), tracking_uri=p.uri),
-         ["run", "experiments/linear_ddp", "--seeds", "2", "--nnodes", "2"]),
+         ["run", "experiments/linear_ddp", "--seeds", "2", "--nnodes", "2"], harness.UsageError),
         (harness.compare, harness.CompareOptions("0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210",
                                                  tracking_uri=p.uri),
-         ["compare", "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"]),
+         ["compare", "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"], harness.RunNotFound),
     ]
-    for call, options, argv in cases:
-        with pytest.raises(HarnessError) as err:
+    for call, options, argv, kind in cases:
+        with pytest.raises(kind) as err:  # the case by its class, not by its text
             call(options)
         answer = p.cli(*argv)
         assert answer.returncode == err.value.exit_code == 2, answer
         assert answer.stderr == f"Error: {err.value}\n", (argv, answer.stderr)
+
+
+def test_a_refused_run_and_a_store_that_cannot_be_used_raise_their_own_classes(tmp_path: Path) -> None:
+    """RunRefused: the run is there but the command may not use it; StoreUnavailable: no store to ask at all."""
+    from harness import tags as T
+    from harness.record import closing
+    from harness.store.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri)
+    running = tracker.create_run("api", {T.VERSION: "0.1.0", T.KIND: T.KIND_RUN})
+    finished = tracker.create_run("api", {T.VERSION: "0.1.0", T.KIND: T.KIND_RUN})
+    closing.close(tracker, finished, T.FINISHED)
+    for call, refused, said in (
+        (harness.replay, harness.ReplayOptions(running, tracking_uri=uri), f"run {running} is still RUNNING"),
+        (harness.mark, harness.MarkOptions(finished[:8], "FAILED", tracking_uri=uri),
+         f"run {finished} is FINISHED, not RUNNING; only a RUNNING run can be marked"),
+    ):
+        with pytest.raises(harness.RunRefused, match=f"^{said}") as err:
+            call(refused)
+        assert err.value.exit_code == 2
+    assert tracker.get_run(running).status == T.RUNNING and tracker.get_run(finished).status == T.FINISHED
+
+    with socket.socket() as sock:  # a loopback port that nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    away = f"http://127.0.0.1:{port}"
+    for reach in (lambda: harness.runs(harness.RunsOptions(tracking_uri=away)),
+                  lambda: harness.replay(harness.ReplayOptions(running, tracking_uri=away))):
+        with pytest.raises(harness.StoreUnavailable, match=f"^cannot reach the tracking store {away}: connection refused"):
+            reach()
+    with pytest.raises(harness.StoreUnavailable, match="names a folder, not a database file") as err:
+        harness.runs(harness.RunsOptions(tracking_uri=f"sqlite:///{tmp_path}"))
+    assert err.value.exit_code == 2
+
+
+def test_the_code_record_refusals_raise_repository_and_secret_errors(fresh_project: Project, tmp_path: Path) -> None:
+    p = fresh_project
+    exp = p.root / "experiments" / "linear_ddp"
+    (exp / ".env").write_text("TOKEN=x\n")  # untracked, named as a secret
+    with pytest.raises(harness.SecretRefused, match=r"is an untracked file whose name marks it as a secret \(\.env\)"):
+        harness.check(harness.CheckOptions(exp, (CPU,), tracking_uri=p.uri))
+    (exp / ".env").unlink()
+    with (exp / "train.py").open("a") as f:
+        f.write("# an uncommitted change\n")
+    with pytest.raises(harness.RepositoryError, match="has uncommitted changes and --require-clean was given") as err:
+        harness.check(harness.CheckOptions(exp, (CPU,), require_clean=True, tracking_uri=p.uri))
+    assert err.value.exit_code == 2
+    outside = tmp_path / "outside"
+    shutil.copytree(exp, outside)
+    with pytest.raises(harness.RepositoryError, match="is not inside a git repository"):
+        harness.check(harness.CheckOptions(outside, (CPU,), tracking_uri=p.uri))
 
 
 def test_placement_splits_the_backends_options_into_recorded_overrides_and_job_choices() -> None:
@@ -250,7 +305,15 @@ def test_every_public_name_resolves_and_type_checkers_see_the_same_names() -> No
         assert getattr(harness, name) is not None, name
     # __init__.pyi is what mypy and IDEs read (the package is lazy at run time): the same names, from the API.
     stub = ast.parse((ROOT / "harness" / "__init__.pyi").read_text())
-    (imported,) = [node for node in stub.body if isinstance(node, ast.ImportFrom)]
-    assert imported.module == "harness.commands.api"
-    assert sorted(a.asname or a.name for a in imported.names) == sorted(set(harness.__all__) - {"__version__"})
+    imports = [node for node in stub.body if isinstance(node, ast.ImportFrom)]
+    assert sorted(str(node.module) for node in imports) == ["harness.commands.api", "harness.errors"]
+    stubbed = [a.asname or a.name for node in imports for a in node.names]
+    assert sorted(stubbed) == sorted(set(harness.__all__) - {"__version__"})
+    # The errors a call raises: every HarnessError subclass of harness/errors.py, each with its exit code.
+    from harness import errors
+
+    typed = {name for name, value in vars(errors).items()
+             if isinstance(value, type) and issubclass(value, HarnessError) and name != "ExperimentError"}
+    assert typed <= set(harness.__all__), typed - set(harness.__all__)
+    assert all(isinstance(getattr(harness, name).exit_code, int) for name in typed)
     assert (ROOT / "harness" / "py.typed").is_file()

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import Project
 from harness.record import data as D
-from harness.errors import ExperimentError, HarnessError
+from harness.errors import ConfigError, DataChanged, ExperimentError, HarnessError
 
 # --------------------------------------------------------------------------------------------------
 # Pure: no harness run
@@ -146,11 +146,11 @@ def test_resolve_relative_env_and_bad_declarations(tmp_path: Path) -> None:
                     environ={"ROOT_X": str(tmp_path)})
     assert [(e.name, e.path, e.in_repository) for e in got] == [
         ("in", tmp_path / "exp" / "d.txt", True), ("out", tmp_path / "elsewhere", False)]
-    with pytest.raises(HarnessError, match=r"^data 'out': '\$NOPE/x' uses \$NOPE, which is not set\. Set NOPE"):
+    with pytest.raises(ConfigError, match=r"^data 'out': '\$NOPE/x' uses \$NOPE, which is not set\. Set NOPE"):
         D.resolve({"out": "$NOPE/x"}, tmp_path, environ={})
-    with pytest.raises(HarnessError, match=rf"^data 'gone': {tmp_path}/nothing does not exist \(declared as 'nothing'\)"):
+    with pytest.raises(ConfigError, match=rf"^data 'gone': {tmp_path}/nothing does not exist \(declared as 'nothing'\)"):
         D.resolve({"gone": "nothing"}, tmp_path)
-    with pytest.raises(HarnessError, match="data name 'a b' is not valid"):
+    with pytest.raises(ConfigError, match="data name 'a b' is not valid"):
         D.resolve({"a b": "x"}, tmp_path)
 
 
@@ -170,7 +170,7 @@ def test_verify_refuses_or_reports(tmp_path: Path) -> None:
     recorded = D.build_manifest(D.resolve({"s": str(folder)}, tmp_path), D.HashCache(None))
     assert D.verify({"s": str(folder)}, recorded, tmp_path, None, run_id="R", allow_changes=False).changes == []
     shutil.rmtree(folder)
-    with pytest.raises(HarnessError) as err:
+    with pytest.raises(DataChanged) as err:
         D.verify({"s": str(folder)}, recorded, tmp_path, None, run_id="R", allow_changes=False)
     assert str(err.value) == (
         f"data 's': the whole entry ({folder}, declared as '{folder}') does not exist since run R was recorded. "
@@ -338,9 +338,10 @@ def test_replay_refuses_changed_data_before_launch(
                 part.rename(outside / "shards" / "part-9.bin")
             for key, value in env.items():
                 monkeypatch.setenv(key, value)
-            with pytest.raises(HarnessError) as err:
+            with pytest.raises(DataChanged) as err:
                 replay(data_run, tracking_uri=project.uri, repo=project.root)
             assert str(err.value).startswith(expected) and str(err.value).endswith(way)
+            assert err.value.exit_code == 2
     finally:
         (outside / "shards" / "part-9.bin").unlink(missing_ok=True)
         part.write_bytes(original)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import Project, Result, make_project
 
+import harness
+
 # The keys docs/json.md documents, per command (every document starts with HEAD).
 HEAD = {"command", "schema", "exit_code", "exit_meaning"}
 KEYS = {
@@ -268,6 +270,19 @@ def test_a_unique_prefix_names_its_run_and_an_unknown_one_no_run(look_alike: Pro
         assert result.returncode == 2 and result.stderr.strip() == (
             f"Error: run id '{short}' is too short: a prefix needs 6 hex digits or more. Pass more of the id "
             "(`harness runs` lists them)."), result.stderr
+
+
+def test_an_api_call_on_an_id_that_names_no_one_run_raises_run_not_found(look_alike: Project) -> None:
+    """What the CLI says as a line, the API raises as a class: ambiguous, too short and unknown ids alike."""
+    for ref, said in ((SHARED, f"run id prefix '{SHARED}' is ambiguous"), ("12345", "run id '12345' is too short"),
+                      ("abcdef13", "no run 'abcdef13' in the tracking store")):
+        with pytest.raises(harness.RunNotFound) as err:
+            harness.replay(harness.ReplayOptions(ref, tracking_uri=look_alike.uri))
+        assert str(err.value).startswith(said) and err.value.exit_code == 2, err.value
+        with pytest.raises(harness.RunNotFound):
+            harness.compare(harness.CompareOptions(IDS[2], ref, tracking_uri=look_alike.uri))
+    with pytest.raises(harness.RunNotFound, match="^no MLflow experiment 'nope' in "):
+        harness.runs(harness.RunsOptions("nope", tracking_uri=look_alike.uri))
 
 
 def test_verbose_adds_the_traceback_and_quiet_with_verbose_is_refused(look_alike: Project) -> None:

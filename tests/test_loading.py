@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from harness import tags as T
-from harness.errors import EXIT_USAGE, HarnessError
+from harness.errors import EXIT_USAGE, HarnessError, RunNotFound, RunRefused
 from harness.judge import reproduced
 from harness.record import closing, derived, loading, seal
 from harness.records import RunSummary, same_value
@@ -157,7 +157,7 @@ def _run(tracker: Tracker, status: str, kind: str = T.KIND_RUN) -> str:
 
 def test_load_refuses_a_run_harness_did_not_make_except_to_compare(tracker: Tracker) -> None:
     foreign = tracker.create_run("loading", {}, run_name="foreign")
-    with pytest.raises(HarnessError, match=f"^run '{foreign}' was not made by harness") as err:
+    with pytest.raises(RunRefused, match=f"^run '{foreign}' was not made by harness") as err:
         loading.load(tracker, foreign, loading.REPLAY)
     assert err.value.exit_code == EXIT_USAGE
     assert loading.load(tracker, foreign, loading.COMPARE).summary.run_id == foreign
@@ -170,26 +170,36 @@ def test_load_checks_the_seal_before_the_status_and_reads_the_record_when_asked(
     assert loaded.record.metrics["loss"][1].tolist() == [0.5]
     tracker.set_tags(run_id, {T.SEED: "7"})  # an edit after the seal
     for command in (loading.REPLAY, loading.RESUME, loading.AUDIT, loading.TRACE, loading.COMPARE, loading.EXPORT):
-        with pytest.raises(HarnessError, match=f"^run {run_id} was changed after it was sealed: "):
+        with pytest.raises(RunRefused, match=f"^run {run_id} was changed after it was sealed: "):
             loading.load(tracker, run_id, command)  # the resume's status refusal would come after it
-    with pytest.raises(HarnessError, match=f"^run {run_id} is FINISHED, not RUNNING; only a RUNNING run can be marked"):
+    with pytest.raises(RunRefused, match=f"^run {run_id} is FINISHED, not RUNNING; only a RUNNING run can be marked"):
         loading.load(tracker, run_id, loading.MARK)  # mark reads no closed record: no seal check
 
 
 def test_load_refuses_by_kind_before_the_seal(tracker: Tracker) -> None:
     study = _run(tracker, T.FINISHED, T.KIND_STUDY)
     tracker.set_tags(study, {T.SEED: "7"})  # edited too: the kind is said first
-    with pytest.raises(HarnessError, match=f"^run {study} is a study .*`harness resume` applies to a training run.$"):
+    with pytest.raises(RunRefused, match=f"^run {study} is a study .*`harness resume` applies to a training run.$"):
         loading.load(tracker, study, loading.RESUME)
 
 
 def test_load_says_the_status_refusal_with_its_exit_code(tracker: Tracker) -> None:
     run_id = _run(tracker, T.FAILED)
-    with pytest.raises(HarnessError) as err:
+    with pytest.raises(RunRefused) as err:
         loading.load(tracker, run_id, loading.AUDIT)
     assert str(err.value) == f"run {run_id} is FAILED; only a FINISHED run has an end to verify. Resume it first."
     assert err.value.exit_code == EXIT_USAGE
     assert loading.load(tracker, run_id, loading.REPLAY, allow_incomplete=True).incomplete
+
+
+def test_load_of_an_id_no_run_has_raises_run_not_found_not_a_refusal(tracker: Tracker) -> None:
+    for command in (loading.REPLAY, loading.COMPARE, loading.MARK):
+        with pytest.raises(RunNotFound, match=f"^no run '{'0' * 32}' in the tracking store ") as err:
+            loading.load(tracker, "0" * 32, command)
+        assert err.value.exit_code == EXIT_USAGE and not isinstance(err.value, RunRefused)
+    with pytest.raises(RunNotFound, match="^run id 'abc' is too short"):
+        loading.load(tracker, "abc", loading.REPLAY)
+    assert issubclass(RunNotFound, HarnessError) and issubclass(RunRefused, HarnessError)  # the one catch-all holds
 
 
 # --- the derived-run creator ------------------------------------------------------------------------------

@@ -180,16 +180,16 @@ def test_file_that_is_not_a_database(fresh_project: Project) -> None:
 
 def test_store_failing_mid_command_is_not_no_run(tmp_path: Path) -> None:
     """Only MLflow's "not found" means no run; a store that breaks after opening is named as failing."""
-    from harness.errors import HarnessError
+    from harness.errors import RunNotFound, StoreUnavailable
     from harness.store.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = tracker.create_run("e", {})
-    with pytest.raises(HarnessError, match="^no run '0{32}' in the tracking store"):
+    with pytest.raises(RunNotFound, match="^no run '0{32}' in the tracking store"):
         tracker.get_run("0" * 32)
     (tmp_path / "mlflow.db").write_bytes(b"x" * 4096)  # the database is lost under the running command
     for read in (lambda: tracker.get_run(run_id), lambda: tracker.read_text(run_id, "a.txt"), tracker.search):
-        with pytest.raises(HarnessError, match=r"^the tracking store sqlite:///.* failed: .*file is not a database"):
+        with pytest.raises(StoreUnavailable, match=r"^the tracking store sqlite:///.* failed: .*file is not a database"):
             read()
 
 

@@ -15,7 +15,7 @@ import click
 from harness import events, tags as T
 from harness.cli import progress
 from harness.cli.help import OrderedGroup, teach
-from harness.errors import EXIT_SIGINT, HarnessError
+from harness.errors import EXIT_SIGINT, HarnessError, UsageError
 from harness.secrets import scrub
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
@@ -358,7 +358,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
     for pair in pairs:
         name, sep, path = pair.partition("=")
         if not sep or not name or not path:
-            raise HarnessError(f"--data {pair!r} is not NAME=PATH; e.g. --data train=/data/mnist.")
+            raise UsageError(f"--data {pair!r} is not NAME=PATH; e.g. --data train=/data/mnist.")
         out[name] = path
     return out
 

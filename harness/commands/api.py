@@ -62,7 +62,7 @@ from harness.commands.study import StudyOutcome
 from harness.commands.trace import TraceDiff, TraceResult
 from harness.commands.verify import VerifyResult
 from harness.config import as_override
-from harness.errors import HarnessError
+from harness.errors import UsageError
 from harness.events import Listener
 from harness.executors import Outcome, Topology, backend, backends, topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
@@ -143,7 +143,7 @@ class Placement:
         declared = [(name, opt) for name, b in backends().items() for opt in b.cli]
         unknown = sorted(set(self.backend) - {opt.dest for _, opt in declared})
         if unknown:
-            raise HarnessError(f"no backend takes the option(s) {', '.join(unknown)}; known: "
+            raise UsageError(f"no backend takes the option(s) {', '.join(unknown)}; known: "
                                f"{', '.join(sorted({opt.dest for _, opt in declared}))}.")
         return declared
 
@@ -173,7 +173,7 @@ def topology(executor: str | None, placement: Placement, torchrun: bool = False)
         # What a scheduler set in the environment (a backend's own variables, else NODE_RANK & co), else one node.
         return topology_from_env() or Topology()
     if p.nnodes is None:
-        raise HarnessError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
+        raise UsageError("--node-rank, --master-addr and --master-port need --nnodes (the number of nodes).")
     return Topology(nnodes=p.nnodes, node_rank=p.node_rank or 0, master_addr=p.master_addr, master_port=p.master_port or 0)
 
 
@@ -183,10 +183,10 @@ def _torchrun_layout(executor: str | None, given: list[str]) -> Topology | None:
     if env is None:
         return None
     if given:
-        raise HarnessError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
+        raise UsageError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
                            "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
     if executor is not None and not backend(executor).ranks_here:
-        raise HarnessError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
+        raise UsageError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
                            f"apply. Run `harness run --executor {executor} ...` without torchrun.")
     return torchrun_topology(env)
 
@@ -227,13 +227,13 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
         named = labels(o.name, o.tags)  # refused before anything is checked or recorded
         if o.calibrate and (o.seeds is not None or o.parallel is not None or o.placement.multi_node()
                             or torchrun_env() is not None):
-            raise HarnessError("--calibrate calibrates one run on this machine, not a study or a multi-node job. Drop "
+            raise UsageError("--calibrate calibrates one run on this machine, not a study or a multi-node job. Drop "
                                "it, and calibrate a run afterwards with `harness calibrate RUN_ID`.")
         overrides = [*o.overrides, *o.placement.backend_overrides()]
         if o.seeds is not None or o.parallel is not None:
             multi = o.placement.multi_node()
             if multi or torchrun_env() is not None:
-                raise HarnessError(f"a study runs its members one job after another on this machine: "
+                raise UsageError(f"a study runs its members one job after another on this machine: "
                                    f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
             known_executor(o.executor)
             study.check_counts(o.seeds, o.parallel)
@@ -243,7 +243,7 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
         checked = _checked(o, overrides, layout)
         if checked.cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config checked here (one load)
             if torchrun is not None or layout.multi_node:
-                raise HarnessError("a study runs its members one job after another on this machine: "
+                raise UsageError("a study runs its members one job after another on this machine: "
                                    f"{'torchrun' if torchrun is not None else '--nnodes'} cannot apply. Drop it, or "
                                    "set seeds=null for a single run.")
             outcome: Outcome | StudyOutcome = _run_study(o, checked, named)
@@ -255,7 +255,7 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
                 named=named, checked=checked,
             )
         if o.calibrate and isinstance(outcome, StudyOutcome):
-            raise HarnessError(f"--calibrate: the config made study {outcome.run_id} (`seeds:`); calibrate a member "
+            raise UsageError(f"--calibrate: the config made study {outcome.run_id} (`seeds:`); calibrate a member "
                                "with `harness calibrate MEMBER_ID`.")
         if o.calibrate and outcome.status == T.FINISHED:
             # Right after the run, on the same machine and image: the reference its replays are judged against.
@@ -322,15 +322,15 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
         tracker = Tracker(o.tracking_uri)
         study_id = _study_to_replay(tracker, o.run_id, o.follow)
         if study_id is not None and o.steps is not None:
-            raise HarnessError(f"--steps: run {o.run_id} is a study. A first check replays one run: pass a member's id "
+            raise UsageError(f"--steps: run {o.run_id} is a study. A first check replays one run: pass a member's id "
                                "(its values at the last step are judged against the study's seeds).")
         if study_id is not None:
             refused = [*o.placement.backend_overrides(), *o.placement.multi_node()]
             if refused:
-                raise HarnessError(f"a study is replayed member by member on this machine: {', '.join(refused)} cannot "
+                raise UsageError(f"a study is replayed member by member on this machine: {', '.join(refused)} cannot "
                                    "apply. Replay one member on several nodes with `harness replay MEMBER_ID ...`.")
             if o.members_seed is not None and o.members is None:
-                raise HarnessError("--members-seed draws --members K of the study's members; pass --members too.")
+                raise UsageError("--members-seed draws --members K of the study's members; pass --members too.")
             return replay_command.replay_study(
                 study_id, members=o.members, draw_seed=o.members_seed, world_size=o.world_size,
                 overrides=list(o.overrides), allow_changes=o.allow_changes, allow_data_changes=o.allow_data_changes,
@@ -338,7 +338,7 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
                 repo=o.repo,
             )
         if o.members is not None or o.members_seed is not None:
-            raise HarnessError(f"--members and --members-seed apply to a study; run {o.run_id} is not one.")
+            raise UsageError(f"--members and --members-seed apply to a study; run {o.run_id} is not one.")
         return replay_command.replay(
             o.run_id, world_size=o.world_size, overrides=list(o.overrides), allow_changes=o.allow_changes,
             allow_data_changes=o.allow_data_changes, data_paths=dict(o.data_paths), tracker=tracker, repo=o.repo,
@@ -379,7 +379,7 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
         traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]
         if any(traces) and not all(traces):
             which, other = (o.run_a, o.run_b) if traces[0] else (o.run_b, o.run_a)
-            raise HarnessError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
+            raise UsageError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
                                f"{other} --step K makes one) or two runs.")
         if all(traces):
             found = trace_command.diff(tracker, o.run_a, o.run_b)
@@ -387,7 +387,7 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
                 trace_command.write_report(found, o.report)
             return found
         if o.report is not None:
-            raise HarnessError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
+            raise UsageError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
         return replay_command.compare(o.run_a, o.run_b, o.tracking_uri, tolerances=list(o.tolerances))
 
 

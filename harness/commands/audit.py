@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness import events, executors, tags as T
 from harness.commands.options import AuditOptions
-from harness.errors import HarnessError, RunFailed
+from harness.errors import HarnessError, RunFailed, RunRefused, UsageError
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
 from harness.fmt import markdown_table
@@ -93,12 +93,12 @@ def audit(options: AuditOptions) -> AuditResult:
     if not chain:
         cause, fix = boundaries.no_checkpoint(int(loaded.recorded.cfg.checkpoint_every), run.tags.get(T.LOOP),
                                               run.tags.get(T.NOTICES, ""))
-        raise HarnessError(
+        raise RunRefused(
             f"run {run_id} has no checkpoint chain to audit ({cause}). Replay it in full instead: "
             f"`harness replay {run_id}`. {fix}"
         )
     if not 1 <= segments <= len(chain):
-        raise HarnessError(f"--segments must be between 1 and {len(chain)} (the run has {len(chain)} segments).")
+        raise UsageError(f"--segments must be between 1 and {len(chain)} (the run has {len(chain)} segments).")
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     drawn = sorted(random.Random(seed).sample(chain, segments), key=lambda s: s.index)
     recorded = loaded.recorded

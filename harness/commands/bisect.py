@@ -21,7 +21,7 @@ import yaml
 from harness import __version__, events, tags as T
 from harness.commands.options import BisectOptions
 from harness.config import as_override
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.errors import EXIT_FAILED, EXIT_OK, RepositoryError, RunRefused, UsageError
 from harness.fmt import markdown_table
 from harness.judge.compare import DIVERGED, NOTHING_TO_COMPARE, Comparison, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
@@ -145,17 +145,17 @@ def bisect(options: BisectOptions, *, replay: Callable[..., Any], compare: Calla
     good_id, bad_id, max_probes, repo = options.good, options.bad, options.max_probes, options.repo
     tracking_uri, localize, resume = options.tracking_uri, options.localize, options.resume
     if max_probes < 1:
-        raise HarnessError(f"--max-probes must be >= 1, got {max_probes}.")
+        raise UsageError(f"--max-probes must be >= 1, got {max_probes}.")
     tracker = Tracker(tracking_uri)
     good = loading.load(tracker, tracker.harness_run(good_id), loading.REPLAY).summary
     bad = loading.load(tracker, tracker.harness_run(bad_id), loading.COMPARE).summary
     a, b = tracker.load_record(good.run_id), tracker.load_record(bad.run_id)
     judged = compare_runs(a, b)
     if judged.verdict in (*INNOCENT, NOTHING_TO_COMPARE):
-        raise HarnessError(f"runs {good.run_id} and {bad.run_id} do not differ in their results ({judged.summary()}): "
+        raise UsageError(f"runs {good.run_id} and {bad.run_id} do not differ in their results ({judged.summary()}): "
                            "there is nothing to bisect. Give a run and one whose result differs from it.")
     if good.tags.get(T.EXPERIMENT_PATH) != bad.tags.get(T.EXPERIMENT_PATH):
-        raise HarnessError(f"runs {good.run_id} and {bad.run_id} are of different experiments "
+        raise UsageError(f"runs {good.run_id} and {bad.run_id} are of different experiments "
                            f"({good.tags.get(T.EXPERIMENT_PATH)}, {bad.tags.get(T.EXPERIMENT_PATH)}): bisect compares "
                            "two runs of one experiment.")
     earlier = _earlier_probes(tracker, resume, good.run_id, bad.run_id) if resume else {}
@@ -222,20 +222,20 @@ def _earlier_probes(tracker: Tracker, bisect_id: str, good: str, bad: str) -> di
     comparison checks a run (made by harness, sealed and unedited) and must carry the verdict that bisect saw."""
     run = tracker.harness_run(bisect_id)
     if run.tags.get(T.KIND) != T.KIND_BISECT:
-        raise HarnessError(f"--resume {bisect_id}: run {bisect_id} is no bisect (harness.kind "
+        raise RunRefused(f"--resume {bisect_id}: run {bisect_id} is no bisect (harness.kind "
                            f"{run.tags.get(T.KIND)}). Give the id `harness bisect` printed last.")
     if (run.tags.get(T.BISECT_GOOD), run.tags.get(T.BISECT_BAD)) != (good, bad):
-        raise HarnessError(f"--resume {bisect_id}: that bisect was of {run.tags.get(T.BISECT_GOOD)} and "
+        raise UsageError(f"--resume {bisect_id}: that bisect was of {run.tags.get(T.BISECT_GOOD)} and "
                            f"{run.tags.get(T.BISECT_BAD)}, not {good} and {bad}. Resume it with its own two runs.")
     text = tracker.read_text(bisect_id, "bisect/bisect.json")
     if text is None:  # cut before it wrote its report: its probes are nested under it, each tagged with what it carried
-        raise HarnessError(f"--resume {bisect_id}: that bisect wrote no bisect/bisect.json (it was stopped before its "
+        raise RunRefused(f"--resume {bisect_id}: that bisect wrote no bisect/bisect.json (it was stopped before its "
                            "end). Run harness bisect again without --resume.")
     probes: dict[str, Probe] = {}
     for entry in json.loads(text).get("probes", []):
         replay = loading.load(tracker, tracker.harness_run(entry["run_id"]), loading.COMPARE).summary
         if replay.tags.get(T.VERDICT) != entry["verdict"]:
-            raise HarnessError(f"--resume {bisect_id}: probe replay {entry['run_id']} carries the verdict "
+            raise RunRefused(f"--resume {bisect_id}: probe replay {entry['run_id']} carries the verdict "
                                f"{replay.tags.get(T.VERDICT)}, not the {entry['verdict']} that bisect recorded. "
                                "Run harness bisect again without --resume.")
         origin = entry.get("reused_from") or bisect_id
@@ -316,7 +316,7 @@ def _commits(a: RunRecord, b: RunRecord, repo: Path | None) -> tuple[list[tuple[
         return [], notes
     root = gitsource.find_repo(repo or Path.cwd())
     if root is None or not (gitsource.has_commit(root, ga) and gitsource.has_commit(root, gb)):
-        raise HarnessError(f"commits {ga[:12]} and {gb[:12]} of the two runs must both be in the repository at "
+        raise RepositoryError(f"commits {ga[:12]} and {gb[:12]} of the two runs must both be in the repository at "
                            f"{repo or Path.cwd()}. Run harness bisect inside a clone that has them (git fetch).")
     commits = gitsource.commits_between(root, ga, gb)
     if not commits:

@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from harness import scratch, tags as T
-from harness.errors import HarnessError
+from harness.errors import DataChanged, HarnessError, RepositoryError, RunRefused, UsageError
 from harness.fmt import plain_name
 from harness.judge.compare import follows, judged_again
 from harness.record import closing, data, loading, seal
@@ -298,7 +298,7 @@ def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
     """Copy the declared data as recorded into the bundle: every file must still hash as the run read it."""
     manifest = data.recorded_data(tracker, run_id)
     if not manifest or not manifest.get("entries"):
-        raise HarnessError(f"run {run_id} declared no data (no data: in its experiment.yaml). Export without --with-data.")
+        raise RunRefused(f"run {run_id} declared no data (no data: in its experiment.yaml). Export without --with-data.")
     for name, entry in sorted(manifest["entries"].items()):
         check_name(f"{DATA_DIR}/{name}")
         root = Path(entry["path"])
@@ -314,7 +314,7 @@ def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
                     "the run read it. Restore it there, or export without --with-data."
                 ) from None
             if sha256_file(target) != f["sha256"]:
-                raise HarnessError(
+                raise DataChanged(
                     f"data '{name}': {source} changed since run {run_id} was recorded; a bundle carries the bytes "
                     "the run read. Restore it, or export without --with-data."
                 )
@@ -330,7 +330,7 @@ def export(
     run = tracker.harness_run(run_id)
     loading.refuse(loading.EXPORT, run)
     if out.is_dir():
-        raise HarnessError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
+        raise UsageError(f"'{out}' is a folder; pass the bundle's file name, e.g. -o {out / (run_id + '.tar.gz')}.")
     # Its replays, audits and traces, and its calibrations (the rounding envelope its replays elsewhere are judged by).
     # One still RUNNING is not complete, nor sealed: a bundle carries closed runs only (import refuses any other).
     replays = [r for r in tracker.children(run_id) if r.status != T.RUNNING
@@ -355,7 +355,7 @@ def export(
             carried.rename(code)
         else:
             where = f"the repository at {live}" if live else "no repository here"
-            raise HarnessError(
+            raise RepositoryError(
                 f"commit {commit[:12]} of run {run_id} is not in {where}. Run the export inside a clone that has it "
                 f"(git fetch {run.tags.get(T.GIT_REPO_URL) or '<remote>'} {commit})."
             )
@@ -376,7 +376,7 @@ def _stage_image(run: Any, dest: Path) -> dict[str, str]:
     image_id = run.tags.get(T.IMAGE_ID)
     ref = run.tags.get(T.IMAGE, "none")
     if ref == "none" or not image_id:
-        raise HarnessError(
+        raise RunRefused(
             f"run {run.run_id} recorded no image id (image: {ref}); --with-image needs a run whose image the engine "
             "knew when it ran. Export without --with-image."
         )

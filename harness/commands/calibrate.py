@@ -19,7 +19,7 @@ from typing import Any
 
 from harness import events, tags as T
 from harness.commands.options import CalibrateOptions
-from harness.errors import EXIT_FAILED, HarnessError
+from harness.errors import EXIT_FAILED, HarnessError, RunRefused, UsageError
 from harness.fmt import json_safe
 from harness.judge import rounding
 from harness.judge.compare import original_steps
@@ -52,10 +52,10 @@ class Calibration:
 def check_options(members: int | None, steps: int | None) -> None:
     """What can be refused before the store is read (nothing is recorded)."""
     if members is not None and not 2 <= members <= MAX_MEMBERS:
-        raise HarnessError(f"--members {members}: a calibration takes 2 to {MAX_MEMBERS} members. Pass e.g. --members "
+        raise UsageError(f"--members {members}: a calibration takes 2 to {MAX_MEMBERS} members. Pass e.g. --members "
                            f"{DEFAULT_MEMBERS}.")
     if steps is not None and steps < 1:
-        raise HarnessError(f"--steps {steps}: a calibration re-executes at least 1 step. Pass --steps 1 or more.")
+        raise UsageError(f"--steps {steps}: a calibration re-executes at least 1 step. Pass --steps 1 or more.")
 
 
 def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker: Tracker | None = None) -> Calibration:
@@ -72,10 +72,10 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     record = tracker.load_record(original.run_id)
     total = original_steps(record)
     if total < 1:
-        raise HarnessError(f"run {original.run_id} logged no step: there is nothing to calibrate.")
+        raise RunRefused(f"run {original.run_id} logged no step: there is nothing to calibrate.")
     k = members or DEFAULT_MEMBERS
     if steps is not None and steps > total:
-        raise HarnessError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
+        raise UsageError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
     m = steps or min(DEFAULT_STEPS, total)
     kernels = ", ".join(kind.describe() for kind in KERNELS[:k])
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "

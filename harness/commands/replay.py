@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import events, executors, scratch, tags as T
 from harness.config import compose, parse_overrides, validate
-from harness.errors import HarnessError, RunFailed
+from harness.errors import RunFailed, UsageError
 from harness.executors import Outcome, Topology
 from harness.fmt import json_safe
 from harness.judge import noise
@@ -65,7 +65,7 @@ def apply_changes(
 ) -> tuple[DictConfig, list[str]]:
     """--world-size and KEY=VALUE changes; the latter only with --allow-changes. Returns what changed."""
     if overrides and not allow_changes:
-        raise HarnessError(
+        raise UsageError(
             f"replay uses the recorded config; overrides {' '.join(overrides)} would change it. "
             "Pass --allow-changes to replay with them (they are recorded and reported)."
         )
@@ -246,9 +246,9 @@ def check_steps(steps: int | None, allow_incomplete: bool = False) -> None:
     if steps is None:
         return
     if steps < 1:
-        raise HarnessError(f"--steps {steps}: a first check trains at least 1 step. Pass --steps 1 or more.")
+        raise UsageError(f"--steps {steps}: a first check trains at least 1 step. Pass --steps 1 or more.")
     if allow_incomplete:
-        raise HarnessError("--steps judges the first K steps of a finished run; --allow-incomplete judges the steps a "
+        raise UsageError("--steps judges the first K steps of a finished run; --allow-incomplete judges the steps a "
                            "FAILED or KILLED one reached. Pass one of them.")
 
 
@@ -256,7 +256,7 @@ def check_steps_of(steps: int, original: RunRecord) -> None:
     """K must lie within the original's steps (K equal to them is a full replay that says so)."""
     total = original_steps(original)
     if steps > total:
-        raise HarnessError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
+        raise UsageError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
 
 
 def calibration_envelope(tracker: Tracker, run_id: str) -> Any:
@@ -341,7 +341,7 @@ def _draw(members: list[Any], k: int | None, seed: int | None) -> tuple[list[Any
     """All members, or k of them drawn with a seed that is recorded (so the draw can be repeated)."""
     if k is None or k >= len(members):
         if k is not None and k > len(members):
-            raise HarnessError(f"--members {k}: the study has {len(members)} finished members. Pass at most {len(members)}.")
+            raise UsageError(f"--members {k}: the study has {len(members)} finished members. Pass at most {len(members)}.")
         return members, None
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
@@ -403,7 +403,7 @@ def replay_study(
     loading.refuse(loading.STUDY_REPLAY, recorded.run)
     finished = [m for m in recorded.members if m.status == T.FINISHED]
     if members is not None and members < 1:
-        raise HarnessError(f"--members {members}: pass at least 1.")
+        raise UsageError(f"--members {members}: pass at least 1.")
     chosen, seed = _draw(finished, members, draw_seed)
     for member in chosen:  # every member before the study replay is recorded
         seal.check(tracker, member.run_id)

@@ -14,7 +14,7 @@ from typing import Any
 
 from harness import events, executors, tags as T
 from harness.commands.options import ResumeOptions
-from harness.errors import HarnessError, RunFailed
+from harness.errors import HarnessError, RunFailed, RunRefused
 from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
@@ -43,7 +43,7 @@ def resume(options: ResumeOptions) -> Outcome:
     if step is None:
         cause, fix = boundaries.no_checkpoint(int(cfg.checkpoint_every), run.tags.get(T.LOOP),
                                               run.tags.get(T.NOTICES, ""))
-        raise HarnessError(
+        raise RunRefused(
             f"run {run_id} has no complete checkpoint in its artifacts ({cause}), so it cannot be resumed. Rerun it "
             f"from the start, judged on the steps it reached: `harness replay {run_id} --allow-incomplete`. {fix}"
         )

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from harness import events, executors, scratch, tags as T
 from harness.config import Launcher, compose, flatten, load_experiment, split_entry, to_container
-from harness.errors import HarnessError
+from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import plain_name, printable
@@ -67,7 +67,7 @@ def preflight(
         overrides = [*overrides, f"executor={executor}"]
     name = experiment_name(Path(exp_dir))
     if not plain_name(name):  # before anything else: every run it records would be named so
-        raise HarnessError(
+        raise UsageError(
             f"the experiment folder's name '{printable(name)}' is no plain name (it holds a newline, a tab or another "
             "control character, or a backslash, or is over 256 characters); it names the MLflow experiment, and a "
             "bundle of its runs could not be imported. Rename the folder.")
@@ -86,11 +86,11 @@ def preflight(
     for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules
         in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch)]
     if in_diff and not allow_secret_in_diff:
-        raise HarnessError(redaction.patch_refusal(in_diff))
+        raise SecretRefused(redaction.patch_refusal(in_diff))
     if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
         where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
         if not declared.runs_working_tree:  # it runs a checkout of the record: code without them
-            raise HarnessError(
+            raise SecretRefused(
                 f"--allow-secret-in-diff cuts the secrets at {', '.join(where)} from the recorded code, and the "
                 f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "
                 "environment variables, or use --executor local."
@@ -120,7 +120,7 @@ def preflight(
         )
     if git.dirty:
         if require_clean:
-            raise HarnessError(
+            raise RepositoryError(
                 f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
                 "Commit or stash them."
             )
@@ -210,7 +210,7 @@ def run(
         )
     cfg, git = checked.cfg, checked.git
     if cfg.seeds is not None:  # the API routes a study (harness/commands/api.py): one run is not one
-        raise HarnessError("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
+        raise UsageError("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
                            "one of them, or set seeds=null for a single run.")
     if torchrun is not None:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it

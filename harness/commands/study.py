@@ -18,7 +18,7 @@ from typing import Any
 
 from harness import events, executors, scratch, tags as T
 from harness.config import MAX_SEED, check_seeds, compose
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.errors import EXIT_FAILED, EXIT_OK, SecretRefused, UsageError
 from harness.executors import Job, JobInputs
 from harness.executors.base import Outcome, signals_to
 from harness.executors.launch import resolve_device
@@ -41,27 +41,27 @@ FEW_SEEDS_WARNING = f"too few seeds to judge a replay against the noise (need >=
 def check_counts(seeds_n: int | None, parallel: int | None) -> None:
     """--seeds N and --parallel J: refused before the store or the config is read."""
     if parallel is not None and parallel < 1:
-        raise HarnessError(f"--parallel must be >= 1, got {parallel}.")
+        raise UsageError(f"--parallel must be >= 1, got {parallel}.")
     if seeds_n is not None and seeds_n < 1:
-        raise HarnessError(f"--seeds must be >= 1, got {seeds_n}.")
+        raise UsageError(f"--seeds must be >= 1, got {seeds_n}.")
 
 
 def resolve_seeds(cfg_seeds: Sequence[int] | None, base: int, n: int | None) -> list[int]:
     """The study's seeds: `--seeds N` (base, base+1, ..., base+N-1) or the config's `seeds`, never both."""
     if n is not None and cfg_seeds is not None:
-        raise HarnessError(
+        raise UsageError(
             f"--seeds {n} and `seeds: {list(cfg_seeds)}` in the config both choose the seeds. Give one: drop --seeds, "
             "or set seeds=null."
         )
     if n is None:
         if cfg_seeds is None:
-            raise HarnessError("--parallel runs a study's members at once: give --seeds N or `seeds: [...]` in the config.")
+            raise UsageError("--parallel runs a study's members at once: give --seeds N or `seeds: [...]` in the config.")
         seeds = [int(s) for s in cfg_seeds]
     else:
         if n < 1:
-            raise HarnessError(f"--seeds must be >= 1, got {n}.")
+            raise UsageError(f"--seeds must be >= 1, got {n}.")
         if base + n - 1 > MAX_SEED:
-            raise HarnessError(
+            raise UsageError(
                 f"--seeds {n} from seed {base} goes past the largest seed 2**63-1 ({MAX_SEED}). Lower seed or N."
             )
         seeds = list(range(base, base + n))
@@ -226,7 +226,7 @@ def run_study(
     check_counts(seeds_n, parallel)
     cfg, git = checked.cfg, checked.git
     if git.redacted:
-        raise HarnessError(
+        raise SecretRefused(
             "a study runs its members from a checkout of the recorded code, and --allow-secret-in-diff cut "
             f"secrets from that record ({', '.join(git.redacted)}): the members would not run your code. Move the "
             "secrets to environment variables, or run single runs."
@@ -237,7 +237,7 @@ def run_study(
     declared = executors.backend(backend)
     if jobs_at_once > 1 and not declared.parallel_members:
         able = " or ".join(n for n, b in executors.backends().items() if b.parallel_members)  # Backend.parallel_members
-        raise HarnessError(f"--parallel {parallel} needs the {able} executor (this study runs on {backend}); drop --parallel.")
+        raise UsageError(f"--parallel {parallel} needs the {able} executor (this study runs on {backend}); drop --parallel.")
     warnings = list(checked.warnings)
     if len(seeds) < MIN_SEEDS:
         warnings.append(f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}: {FEW_SEEDS_WARNING}.")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness import events, executors, scratch, tags as T
-from harness.errors import HarnessError
+from harness.errors import HarnessError, RunRefused, UsageError
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
@@ -108,9 +108,9 @@ def parse_ranks(text: str | None) -> tuple[int, ...]:
     try:
         ranks = tuple(sorted({int(r) for r in text.split(",") if r.strip()}))
     except ValueError:
-        raise HarnessError(f"--ranks {text}: give rank numbers separated by commas, e.g. --ranks 0,1.") from None
+        raise UsageError(f"--ranks {text}: give rank numbers separated by commas, e.g. --ranks 0,1.") from None
     if not ranks or min(ranks) < 0:
-        raise HarnessError(f"--ranks {text}: give rank numbers >= 0 separated by commas, e.g. --ranks 0,1.")
+        raise UsageError(f"--ranks {text}: give rank numbers >= 0 separated by commas, e.g. --ranks 0,1.")
     return ranks
 
 
@@ -139,20 +139,20 @@ def trace(
     run, record = loaded.summary, loaded.record
     total = record.steps_total
     if total is None:
-        raise HarnessError(f"run {run_id} is {run.status} and recorded no step count; only steps a run completed can be "
+        raise RunRefused(f"run {run_id} is {run.status} and recorded no step count; only steps a run completed can be "
                            "traced. Resume it first (harness resume) if it has checkpoints.")
     if total == 0:
-        raise HarnessError(f"run {run_id} completed no training step (no optimizer step was counted), so there is no step "
+        raise RunRefused(f"run {run_id} completed no training step (no optimizer step was counted), so there is no step "
                            "to trace. Check that train() calls optimizer.step(), or replay it instead: harness replay "
                            f"{run_id}")
     if not 0 <= step < total:
         shown = "step 0" if total == 1 else f"steps 0-{total - 1}"
-        raise HarnessError(f"--step {step}: run {run_id} has {shown}. Pass a step in that range.")
+        raise UsageError(f"--step {step}: run {run_id} has {shown}. Pass a step in that range.")
     recorded = loaded.recorded
     recorded.restore_secrets([])  # from the environment variables they were read from
     cfg = recorded.cfg
     if max(ranks) >= cfg.world_size:
-        raise HarnessError(f"--ranks {','.join(map(str, ranks))}: run {run_id} ran {cfg.world_size} rank"
+        raise UsageError(f"--ranks {','.join(map(str, ranks))}: run {run_id} ran {cfg.world_size} rank"
                            f"{'s' if cfg.world_size != 1 else ''} (0-{cfg.world_size - 1}).")
     executors.check_segments(cfg, "trace")
     start = max((s for s in record.checkpoints if s <= step), default=None)
@@ -254,13 +254,13 @@ def load_traces(tracker: Tracker, trace_id: str) -> dict[int, Any]:
     """rank -> optrace Trace of a trace run (its artifacts, read as bytes)."""
     run = tracker.harness_run(trace_id)
     if not is_trace(run):
-        raise HarnessError(f"run {trace_id} is not a trace (harness.kind={run.tags.get(T.KIND, 'none')}); "
+        raise RunRefused(f"run {trace_id} is not a trace (harness.kind={run.tags.get(T.KIND, 'none')}); "
                            "make one with `harness trace RUN_ID --step K`.")
     out = {}
     for rank in parse_ranks(run.tags.get(T.TRACE_RANKS, "")):
         data = tracker.read_bytes(trace_id, f"{T.ARTIFACT_TRACE_DIR}/rank{rank}.jsonl.gz")
         if data is None:
-            raise HarnessError(f"trace run {trace_id} lacks its artifact {T.ARTIFACT_TRACE_DIR}/rank{rank}.jsonl.gz; "
+            raise RunRefused(f"trace run {trace_id} lacks its artifact {T.ARTIFACT_TRACE_DIR}/rank{rank}.jsonl.gz; "
                                "trace the step again.")
         out[rank] = tracefile.loads(data)
     return out
@@ -282,7 +282,7 @@ def diff(tracker: Tracker, a_id: str, b_id: str) -> TraceDiff:
     ta, tb = load_traces(tracker, a_id), load_traces(tracker, b_id)
     common = sorted(ta.keys() & tb.keys())
     if not common:
-        raise HarnessError(f"traces {a_id} (ranks {','.join(map(str, ta))}) and {b_id} (ranks "
+        raise UsageError(f"traces {a_id} (ranks {','.join(map(str, ta))}) and {b_id} (ranks "
                            f"{','.join(map(str, tb))}) share no rank. Trace the same rank in both (--ranks).")
     ra, rb = tracker.harness_run(a_id), tracker.harness_run(b_id)
     runs = (ra.tags.get(T.TRACE_OF, ""), rb.tags.get(T.TRACE_OF, ""))

@@ -15,7 +15,7 @@ import numpy as np
 
 from harness import __version__, events, tags as T
 from harness.commands.options import VerifyOptions
-from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunRefused, UsageError
 from harness.judge import perf
 from harness.judge.claims import (
     CLAIM_WITHIN_NOISE,
@@ -103,7 +103,7 @@ def _resolve(tracker: Tracker, claim: Claim, where: str) -> RunSummary:
     except HarnessError as err:
         found = tracker.imported(claim.source)
         if found is None:
-            raise HarnessError(f"{where}: {err}") from None
+            raise type(err)(f"{where}: {err}", err.exit_code) from None  # the same case, said for the claim
         return found
 
 
@@ -112,20 +112,20 @@ def load_source(tracker: Tracker, claim: Claim, where: str) -> Source:
     seal.check(tracker, run.run_id)
     if claim.study is not None:
         if not is_study(run):
-            raise HarnessError(f"{where}: study: {claim.study} is a {run.tags.get(T.KIND, 'run')}, not a study "
+            raise RunRefused(f"{where}: study: {claim.study} is a {run.tags.get(T.KIND, 'run')}, not a study "
                                f"(harness run --seeds N); write run: {claim.study} for a single run.")
         study = load_study(tracker, run.run_id)
         records = member_records(tracker, study)
         for record in records:
             seal.check(tracker, record.run_id)
         if not records:
-            raise HarnessError(f"{where}: study {claim.study} has no FINISHED member run to check the claim against.")
+            raise RunRefused(f"{where}: study {claim.study} has no FINISHED member run to check the claim against.")
         return Source(claim.source, run, records, True)
     if is_study(run):
-        raise HarnessError(f"{where}: run: {claim.run} is a study; write study: {claim.run}.")
+        raise RunRefused(f"{where}: run: {claim.run} is a study; write study: {claim.run}.")
     why = loading.refusal(loading.VERIFY, run, name=claim.run)  # said for the claim that rests on the run
     if why is not None:
-        raise HarnessError(f"{where}: {why}")
+        raise RunRefused(f"{where}: {why}")
     return Source(claim.source, run, [tracker.load_record(run.run_id)], False)
 
 
@@ -258,10 +258,10 @@ def verify(options: VerifyOptions, *, replays: Replays | None = None) -> VerifyR
         key = ("study:" if claim.study else "run:") + claim.source
         verdicts.append(judge(claim, sources[key], f"{claims_file}: claim {claim.id!r}", claims_level(noisy)))
     if overrides and not allow_changes:
-        raise HarnessError(f"overrides {' '.join(overrides)} would change the replays' config. Pass --allow-changes "
+        raise UsageError(f"overrides {' '.join(overrides)} would change the replays' config. Pass --allow-changes "
                            "with --replay to replay with them (they are recorded and reported).")
     if (overrides or members or world_size or executor) and not replay:
-        raise HarnessError("--members, --world-size, --executor and KEY=VALUE changes apply to replays; add --replay.")
+        raise UsageError("--members, --world-size, --executor and KEY=VALUE changes apply to replays; add --replay.")
     if replay:
         assert replays is not None, "verify(replay=True) replays through the replays it is given (harness.verify's)"
         for source in sources.values():  # each study or run once, however many claims rest on it

@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from harness import config, events
-from harness.errors import HarnessError
+from harness.errors import BackendError, UsageError
 from harness.executors.base import (
     Backend,
     CliOption,
@@ -113,7 +113,7 @@ def backend(name: str) -> Backend:
     """The named backend, or one line naming the known ones (exit 2)."""
     _ensure_loaded()
     if name not in _REGISTRY:
-        raise HarnessError(f"unknown executor {name!r}; known: {', '.join(_REGISTRY)}.")
+        raise UsageError(f"unknown executor {name!r}; known: {', '.join(_REGISTRY)}.")
     return _REGISTRY[name]
 
 
@@ -172,7 +172,7 @@ def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
     declared = backend(str(cfg.executor))
     if not declared.runs_segments:
         able = ", ".join(n for n, b in backends().items() if b.runs_segments) or "none"
-        raise HarnessError(f"{what} re-executes segments of the run on its backend, and the {declared.name} backend "
+        raise BackendError(f"{what} re-executes segments of the run on its backend, and the {declared.name} backend "
                            f"runs no segments (those that do: {able}).")
     check = getattr(declared.executor(), "check_segments", None)
     if here and check is not None:

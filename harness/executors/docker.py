@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from harness import events, tags as T
 from harness.config import is_no_image, to_container
-from harness.errors import ConfigError, HarnessError
+from harness.errors import BackendError, ConfigError, SecretRefused
 from harness.executors.base import (
     FAILED,
     KILLED,
@@ -96,7 +96,7 @@ def pin(reference: str, *, allow_unpinned: bool = False, digest: str | None = No
     `digest` (replay) forces that digest whatever the tag points to now.
     """
     if docker.is_unpinned(reference) and not allow_unpinned and digest is None:
-        raise HarnessError(
+        raise BackendError(
             f"image {reference!r} uses the 'latest' tag, which moves; pin a version or a digest "
             "(name@sha256:...) in experiment.yaml, or pass --allow-unpinned."
         )
@@ -109,7 +109,7 @@ def pin(reference: str, *, allow_unpinned: bool = False, digest: str | None = No
         tag_digest = info.digest if info is not None else None
     want = digest or pinned_digest or tag_digest
     if want is None:
-        raise HarnessError(
+        raise BackendError(
             f"image {reference!r} has no registry digest (built here, never pushed). Push it to a registry "
             "(docker push) so that the run can be replayed by digest."
         )
@@ -174,11 +174,11 @@ class DockerExecutor(RemoteExecutor):
     def prepare(self, job: Job) -> dict[str, str]:
         """Pin the image: the config's reference on a first run, the recorded digest on a replay or resume."""
         if job.topology.multi_node:
-            raise HarnessError("the docker executor runs one node; for several, use --executor slurm or local --nnodes.")
+            raise BackendError("the docker executor runs one node; for several, use --executor slurm or local --nnodes.")
 
         secret = redact(to_container(job.cfg), None)[1]
         if secret:  # the container reads the recorded config, which holds placeholders, not the values
-            raise HarnessError(
+            raise SecretRefused(
                 f"{', '.join(secret)} look{'s' if len(secret) == 1 else ''} like a secret, which the record does not "
                 "hold and the container reads its config from the record. Use --executor local."
             )
@@ -189,7 +189,7 @@ class DockerExecutor(RemoteExecutor):
             tags = job.recorded.tags
             digest = tags.get(T.IMAGE_DIGEST, "unknown")
             if not digest.startswith("sha256:"):
-                raise HarnessError(
+                raise BackendError(
                     f"run {job.recorded.run_id} recorded no image digest "
                     f"({tags.get(T.IMAGE_DIGEST_REASON, 'unknown')}), so there is no exact image to run it in. "
                     "Use --executor local."

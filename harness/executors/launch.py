@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import events
-from harness.errors import HarnessError, Interrupted, RunFailed
+from harness.errors import BackendError, ConfigError, Interrupted, RunFailed
 from harness.executors import procs
 from harness.executors.failures import FROM_OUTSIDE, RankError, diagnose, failed, phase, stack_location
 from harness.messages import Message
@@ -53,15 +53,15 @@ def resolve_device(device: str, backend: str, world_size: int) -> tuple[str, str
         device = "cuda" if cuda else "cpu"
     if device == "cuda":
         if not cuda:
-            raise HarnessError("device cuda requested but no GPU is visible here. Set device=cpu (or auto).")
+            raise ConfigError("device cuda requested but no GPU is visible here. Set device=cpu (or auto).")
         if count < world_size:
-            raise HarnessError(
+            raise ConfigError(
                 f"world_size {world_size} needs {world_size} GPUs, {count} visible. Lower world_size or set device=cpu."
             )
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
-        raise HarnessError("backend nccl needs device cuda. Use backend gloo on cpu.")
+        raise ConfigError("backend nccl needs device cuda. Use backend gloo on cpu.")
     return device, backend
 
 
@@ -192,7 +192,7 @@ def host_store(addr: str, port: int, timeout_s: float) -> Any:
             addr, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
         )
     except Exception as err:  # torch raises DistNetworkError / RuntimeError with a C++ message
-        raise HarnessError(f"cannot listen on {addr}:{port} for the job's rendezvous ({last_line(str(err))}). "
+        raise BackendError(f"cannot listen on {addr}:{port} for the job's rendezvous ({last_line(str(err))}). "
                            "Choose another --master-port, or check --master-addr is this host's.") from err
 
 

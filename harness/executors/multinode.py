@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError, Interrupted, RunFailed
+from harness.errors import BackendError, HarnessError, Interrupted, RunFailed, UsageError
 from harness.executors.base import Topology
 from harness.executors.failures import failed
 from harness.executors.launch import host_store
@@ -64,9 +64,9 @@ def node_topology(
             master_port=int(env.get("MASTER_PORT") or 0), launcher=launcher, scheduler=scheduler or {},
         )
     except ValueError as err:
-        raise HarnessError(f"the scheduler's node variables are not numbers ({err}).") from err
+        raise BackendError(f"the scheduler's node variables are not numbers ({err}).") from err
     if topo.nnodes > 1 and (topo.master_addr is None or not topo.master_port):
-        raise HarnessError(
+        raise BackendError(
             f"this is node {topo.node_rank} of {topo.nnodes} but MASTER_ADDR/MASTER_PORT are not set: export the "
             "first node's address and a free port in the job script."
         )
@@ -75,9 +75,9 @@ def node_topology(
 
 def check_topology(topo: Topology) -> None:
     if topo.nnodes < 1 or not 0 <= topo.node_rank < topo.nnodes:
-        raise HarnessError(f"--node-rank must be within 0..{topo.nnodes - 1} for --nnodes {topo.nnodes}, got {topo.node_rank}.")
+        raise UsageError(f"--node-rank must be within 0..{topo.nnodes - 1} for --nnodes {topo.nnodes}, got {topo.node_rank}.")
     if topo.multi_node and (not topo.master_addr or not 0 < topo.master_port < 65536):
-        raise HarnessError(
+        raise UsageError(
             "a multi-node job needs --master-addr (node 0's address, reachable from every node) and "
             "--master-port (a free TCP port there)."
         )
@@ -109,7 +109,7 @@ class Node:
             try:  # the client retries until node 0 listens, up to the deadline
                 self.raw = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
             except Exception as err:
-                raise HarnessError(
+                raise BackendError(
                     f"node {topo.node_rank}: node 0 did not answer at {addr}:{port} within {timeout_s:g} s "
                     "(rendezvous_timeout_s). Start node 0 with the same --master-addr/--master-port, and check "
                     "that this host can reach it."
@@ -129,7 +129,7 @@ class Node:
             self.store.set(f"node/{self.topo.node_rank}", json.dumps(facts))
             self.beat()
         except Exception as err:
-            raise HarnessError(f"node {self.topo.node_rank}: the rendezvous at {self.topo.master_addr}:"
+            raise BackendError(f"node {self.topo.node_rank}: the rendezvous at {self.topo.master_addr}:"
                                f"{self.topo.master_port} failed ({_last_line(err)}).") from None
         if not self.is_master:
             return None
@@ -147,7 +147,7 @@ class Node:
             )
             self.fail(line)
             self._linger(missing)
-            raise HarnessError(line)
+            raise BackendError(line)
         nodes = {n: json.loads(self.store.get(f"node/{n}")) for n in range(self.topo.nnodes)}
         for n in range(1, self.topo.nnodes):
             for key, what in (("code", "code"), ("config", "resolved config")):
@@ -159,7 +159,7 @@ class Node:
                     )
                     self.fail(line)
                     self._linger()
-                    raise HarnessError(line)
+                    raise BackendError(line)
         return Joined(nodes)
 
     def _linger(self, absent: Sequence[int] = ()) -> None:
@@ -181,18 +181,18 @@ class Node:
                 if self.store.check(["failed"]):
                     line = self._failure()["line"]
                     self.store.set(f"ack/{self.topo.node_rank}", "1")
-                    raise HarnessError(line)
+                    raise BackendError(line)
                 if self.store.check(["run"]):
                     return self.store.get("run").decode()
                 time.sleep(POLL_S)
         except HarnessError:
             raise
         except Exception as err:  # node 0's launcher went away before it recorded the run
-            raise HarnessError(
+            raise BackendError(
                 f"node {self.topo.node_rank}: node 0 ({self.topo.master_addr}:{self.topo.master_port}) went away before "
                 f"it recorded the run ({_last_line(err)}); see node 0's output."
             ) from None
-        raise HarnessError(f"node 0 recorded no run within {self.timeout_s:g} s (rendezvous_timeout_s).")
+        raise BackendError(f"node 0 recorded no run within {self.timeout_s:g} s (rendezvous_timeout_s).")
 
     # -- while the ranks run -----------------------------------------------------------------------
     def beat(self) -> None:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from harness import events, tags as T
 from harness.config import check_nodes
-from harness.errors import EXIT_FAILED, EXIT_OK, ConfigError, HarnessError
+from harness.errors import EXIT_FAILED, EXIT_OK, BackendError, ConfigError, UsageError
 from harness.executors.base import (
     FAILED,
     FINISHED,
@@ -87,11 +87,11 @@ def _slurm(args: list[str], timeout_s: float = _CALL_S) -> subprocess.CompletedP
     try:
         return subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
-        raise HarnessError(f"{args[0]} not found: this machine is not a Slurm client. Install Slurm's client "
+        raise BackendError(f"{args[0]} not found: this machine is not a Slurm client. Install Slurm's client "
                            "commands (and point SLURM_CONF at the cluster), or use --executor local.") from None
     except subprocess.TimeoutExpired:
         conf = os.environ.get("SLURM_CONF", "the default slurm.conf")
-        raise HarnessError(f"`{' '.join(args[:2])}` did not answer within {timeout_s:g} s: the Slurm controller "
+        raise BackendError(f"`{' '.join(args[:2])}` did not answer within {timeout_s:g} s: the Slurm controller "
                            f"({conf}) is unreachable or overloaded.") from None
 
 
@@ -153,14 +153,14 @@ class SlurmExecutor(RemoteExecutor):
 
     def prepare(self, job: Job) -> dict[str, str]:
         if job.topology.multi_node:
-            raise HarnessError("--nnodes is for jobs started by hand on each node; with --executor slurm use --nodes N.")
+            raise UsageError("--nnodes is for jobs started by hand on each node; with --executor slurm use --nodes N.")
         check_nodes(int(job.cfg.slurm.nodes), job.cfg.world_size, "slurm.nodes (--nodes)")
         if shutil.which("sbatch") is None:
-            raise HarnessError("sbatch not found: this machine is not a Slurm client. Install Slurm's client commands "
+            raise BackendError("sbatch not found: this machine is not a Slurm client. Install Slurm's client commands "
                                "(and point SLURM_CONF at the cluster), or use --executor local.")
         ping = _slurm(["scontrol", "ping"], timeout_s=10)
         if ping.returncode != 0 or "UP" not in ping.stdout:
-            raise HarnessError(f"the Slurm controller does not answer (scontrol ping: "
+            raise BackendError(f"the Slurm controller does not answer (scontrol ping: "
                                f"{(ping.stdout or ping.stderr).strip() or ping.returncode}). Check SLURM_CONF and slurmctld.")
         if database_file(job.tracker.uri) is not None:
             events.emit(events.Notice(
@@ -183,7 +183,7 @@ class SlurmExecutor(RemoteExecutor):
         job_id = submitted.stdout.strip().split(";")[0]
         if submitted.returncode != 0 or not job_id.isdigit():
             reason = (submitted.stderr or submitted.stdout).strip().splitlines()
-            raise HarnessError(f"sbatch refused the job: {reason[-1] if reason else submitted.returncode}", EXIT_FAILED)
+            raise BackendError(f"sbatch refused the job: {reason[-1] if reason else submitted.returncode}", EXIT_FAILED)
         job.tracker.set_tags(job.run_id, {T.SLURM_JOB_ID: job_id})
         on_event(Submitted(job_id, f"script {script}, output {folder / f'slurm-{job_id}.out'}"))
         return SlurmHandle(job, job_id, folder / f"slurm-{job_id}.out", on_event, code)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import scratch, tags as T
-from harness.errors import HarnessError, Interrupted, RunFailed
+from harness.errors import BackendError, HarnessError, Interrupted, RunFailed
 from harness.executors.base import (
     Event,
     Executor,
@@ -81,21 +81,21 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
     missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if not env.get(k)]
     if missing:
-        raise HarnessError(f"torchrun started this process but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+        raise BackendError(f"torchrun started this process but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                            "not set. Start it with torchrun (`torchrun --nproc-per-node N --no-python harness run ...`).")
     try:
         rank, world, local_rank, local_world = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
         group = int(env.get("GROUP_RANK") or env.get("NODE_RANK") or rank // max(local_world, 1))
         port, restart = int(env["MASTER_PORT"]), int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
     except ValueError as err:
-        raise HarnessError(f"torchrun's rank variables are not numbers ({err}).") from None
+        raise BackendError(f"torchrun's rank variables are not numbers ({err}).") from None
     if local_world < 1 or world % local_world:
-        raise HarnessError(
+        raise BackendError(
             f"torchrun started {world} ranks with {local_world} on this node: harness needs the same number of "
             "ranks on every node. Pass the same --nproc-per-node to torchrun on every node."
         )
     if rank != group * local_world + local_rank:
-        raise HarnessError(
+        raise BackendError(
             f"torchrun made this process rank {rank}, but node {group} with {local_world} ranks per node holds ranks "
             f"{group * local_world}..{(group + 1) * local_world - 1}. Pass the same --nproc-per-node to torchrun on "
             "every node."
@@ -114,7 +114,7 @@ def topology(env: TorchrunEnv) -> Topology:
 def check_config(env: TorchrunEnv, world_size: int) -> None:
     """The config must ask for the ranks torchrun started: a job has one world size."""
     if world_size != env.world_size:
-        raise HarnessError(
+        raise BackendError(
             f"torchrun started {env.world_size} ranks but world_size is {world_size}: pass world_size={env.world_size} "
             f"as an override, or start {world_size} ranks with torchrun (--nnodes x --nproc-per-node)."
         )
@@ -126,10 +126,10 @@ class TorchrunExecutor(Executor):
     def prepare(self, job: Job) -> dict[str, str]:
         env = torchrun_env()
         if env is None:
-            raise HarnessError("the torchrun launch style needs a process started by torchrun (RANK, WORLD_SIZE, "
+            raise BackendError("the torchrun launch style needs a process started by torchrun (RANK, WORLD_SIZE, "
                                "LOCAL_WORLD_SIZE are not set).")
         if job.executor != "local":
-            raise HarnessError(
+            raise BackendError(
                 f"torchrun started this process, so its rank runs here: executor {job.executor} does not apply. Set "
                 f"executor=local, or run `harness run --executor {job.executor} ...` without torchrun."
             )
@@ -221,7 +221,7 @@ class TorchrunHandle(RanksHandle):
                                     timeout=datetime.timedelta(seconds=timeout_s))
             except Exception as err:
                 whose = "torchrun's agent" if env.agent_store else "rank 0"
-                raise HarnessError(f"rank {env.rank}: {whose} did not answer at {env.master_addr}:{env.master_port} "
+                raise BackendError(f"rank {env.rank}: {whose} did not answer at {env.master_addr}:{env.master_port} "
                                    f"within {timeout_s:g} s (rendezvous_timeout_s).") from err
         # The agent's store outlives one attempt: each attempt's keys are its own.
         return dist.PrefixStore(f"harness/{env.run_id}/{env.restart}/", raw)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import tags as T
-from harness.errors import HarnessError
+from harness.errors import HarnessError, UsageError
 from harness.fmt import json_float
 from harness.judge.compare import WITHIN_NOISE
 from harness.judge.perf import MEDIAN_OF
@@ -132,7 +132,7 @@ class Claim:
 
 
 def _fail(path: Path, where: str, what: str) -> HarnessError:
-    return HarnessError(f"{path}: {where}: {what}")
+    return UsageError(f"{path}: {where}: {what}")
 
 
 def load_claims(path: Path) -> list[Claim]:
@@ -142,16 +142,16 @@ def load_claims(path: Path) -> list[Claim]:
     try:
         raw = path.read_bytes()
     except OSError as err:
-        raise HarnessError(f"cannot read the claims file {path}: {err.strerror or err}. Check the path.") from None
+        raise UsageError(f"cannot read the claims file {path}: {err.strerror or err}. Check the path.") from None
     try:
         root = yaml.compose(raw.decode("utf-8"), Loader=yaml.SafeLoader)
     except UnicodeDecodeError:
-        raise HarnessError(f"{path}: not UTF-8 text. Save the claims file as UTF-8.") from None
+        raise UsageError(f"{path}: not UTF-8 text. Save the claims file as UTF-8.") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise HarnessError(f"{path}: not valid YAML{where}: {problem}.") from None
+        raise UsageError(f"{path}: not valid YAML{where}: {problem}.") from None
     top = _mapping(path, "the file", root, "a mapping with a `claims:` list")
     if set(top) != {"claims"}:
         extra = sorted(set(top) - {"claims"})

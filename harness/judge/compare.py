@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from harness import tags
-from harness.errors import HarnessError
+from harness.errors import UsageError
 from harness.fmt import fmt_pair, fmt_short, json_safe, step_list, the
 from harness.judge import noise, rounding
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
@@ -343,7 +343,7 @@ def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, Any
         metric = metric.strip()
         if metric == WEIGHTS:
             if value.strip() not in (WEIGHTS_ANY, WEIGHTS_EXACT) or WEIGHTS in out:
-                raise HarnessError(f"--tolerance {spec!r}: weights take 'any' (the metrics decide, the parameters may "
+                raise UsageError(f"--tolerance {spec!r}: weights take 'any' (the metrics decide, the parameters may "
                                    "differ) or 'exact', once. Pass --tolerance weights=any.")
             out[WEIGHTS] = value.strip()
             continue
@@ -353,10 +353,10 @@ def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, Any
         except ValueError:
             numbers = []
         if not metric or not 1 <= len(numbers) <= 2 or not all(math.isfinite(x) and x >= 0 for x in numbers):
-            raise HarnessError(f"--tolerance {spec!r} is not METRIC=ATOL[,RTOL] with finite numbers >= 0. "
+            raise UsageError(f"--tolerance {spec!r} is not METRIC=ATOL[,RTOL] with finite numbers >= 0. "
                                "Pass e.g. --tolerance loss=1e-6 or --tolerance loss=1e-6,1e-4.")
         if metric in out:
-            raise HarnessError(f"--tolerance gives metric '{metric}' twice. Pass it once.")
+            raise UsageError(f"--tolerance gives metric '{metric}' twice. Pass it once.")
         out[metric] = {"atol": numbers[0], "rtol": numbers[1] if len(numbers) == 2 else 0.0}
     return out
 

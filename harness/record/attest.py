@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import tags as T
-from harness.errors import HarnessError
+from harness.errors import HarnessError, RunRefused, UsageError
 from harness.record import seal
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -49,11 +49,11 @@ def _key(path: Path, private: bool) -> Any:
         key = (serialization.load_pem_private_key(data, password=None) if private
                else serialization.load_pem_public_key(data))
     except (OSError, ValueError, TypeError) as err:
-        raise HarnessError(f"cannot read the {kind} key {path}: {err}. Pass an unencrypted ed25519 PEM key "
+        raise UsageError(f"cannot read the {kind} key {path}: {err}. Pass an unencrypted ed25519 PEM key "
                            "(openssl genpkey -algorithm ed25519 -out key.pem; openssl pkey -in key.pem -pubout).") from None
     wanted = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
     if not isinstance(key, wanted):
-        raise HarnessError(f"the {kind} key {path} is not an ed25519 key. Make one: openssl genpkey -algorithm ed25519.")
+        raise UsageError(f"the {kind} key {path} is not an ed25519 key. Make one: openssl genpkey -algorithm ed25519.")
     return key
 
 
@@ -67,10 +67,10 @@ def statement(run: Any) -> dict[str, Any]:
     """The in-toto Statement of a sealed run (a tracking.RunSummary)."""
     weights = run.tags.get(T.FINGERPRINT)
     if not weights:
-        raise HarnessError(f"run {run.run_id} recorded no final weights' digest ({T.FINGERPRINT}): there is no "
+        raise RunRefused(f"run {run.run_id} recorded no final weights' digest ({T.FINGERPRINT}): there is no "
                            "subject to attest. Attest a run that trained (ctx.ddp or ctx.watch_optimizer).")
     if not run.tags.get(T.SEAL):
-        raise HarnessError(f"run {run.run_id} has no seal (recorded before harness sealed its runs); only a sealed "
+        raise RunRefused(f"run {run.run_id} has no seal (recorded before harness sealed its runs); only a sealed "
                            "run can be attested. Record it again with `harness run`.")
     return {
         "_type": STATEMENT_TYPE,
@@ -111,7 +111,7 @@ def verify_record(tracker: Any, run_id: str, attestation: Path, key_path: Path) 
         signatures = [base64.b64decode(s["sig"], validate=True) for s in envelope["signatures"]]
         payload_type = envelope["payloadType"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise HarnessError(f"{attestation} is not a DSSE envelope ({err}). Pass the file `harness attest` or "
+        raise UsageError(f"{attestation} is not a DSSE envelope ({err}). Pass the file `harness attest` or "
                            "`harness export --sign` wrote.") from None
     valid = False
     for sig in signatures:
@@ -126,19 +126,19 @@ def verify_record(tracker: Any, run_id: str, attestation: Path, key_path: Path) 
                            "Check it with the public key of whoever signed it.")
     doc = json.loads(payload)
     if doc.get("_type") != STATEMENT_TYPE or doc.get("predicateType") != PREDICATE_TYPE or payload_type != PAYLOAD_TYPE:
-        raise HarnessError(f"{attestation} is not a harness attestation (predicateType {doc.get('predicateType')}).")
+        raise UsageError(f"{attestation} is not a harness attestation (predicateType {doc.get('predicateType')}).")
     run = tracker.harness_run(run_id)
     attested = doc["predicate"]["run_id"]
     copy = run.tags.get(T.IMPORTED_FROM) == attested
     if attested != run_id and not copy:
-        raise HarnessError(f"{attestation} attests run {attested}, not {run_id}. Pass the run it names.")
+        raise UsageError(f"{attestation} attests run {attested}, not {run_id}. Pass the run it names.")
     seal.check(tracker, run_id)
     # An imported copy is sealed again in its store (its own tags); its weights are still the subject.
     if not copy and run.tags.get(T.SEAL) != doc["predicate"]["seal"]:
-        raise HarnessError(f"run {run_id} was resealed since it was attested (seal {run.tags.get(T.SEAL)}, attested "
+        raise RunRefused(f"run {run_id} was resealed since it was attested (seal {run.tags.get(T.SEAL)}, attested "
                            f"{doc['predicate']['seal']}): its record is not the one signed. Use an intact copy of the run.")
     weights = doc["subject"][0]["digest"]["sha256"]
     if run.tags.get(T.FINGERPRINT) != weights:
-        raise HarnessError(f"run {run_id}'s final weights ({T.FINGERPRINT} {run.tags.get(T.FINGERPRINT)}) are not the "
+        raise RunRefused(f"run {run_id}'s final weights ({T.FINGERPRINT} {run.tags.get(T.FINGERPRINT)}) are not the "
                            f"attested ones ({weights}). Use an intact copy of the run.")
     return doc

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness import tags as T
-from harness.errors import HarnessError
+from harness.errors import HarnessError, RunRefused, StoreUnavailable
 from harness.runtime import checkpoint
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class CheckpointStore:
                  f"with `harness export {imported_from} -o FILE.tar.gz --with-checkpoints` where it was recorded and "
                  "import that" if imported_from else
                  f"they were removed. Put them back under {T.ARTIFACT_CHECKPOINTS}/ in the run's artifacts")
-        raise HarnessError(
+        raise RunRefused(
             f"run {self.run_id} recorded a checkpoint at step{'s' if len(missing) > 1 else ''} {shown}, which "
             f"{needed_by} needs, but its files are not in the run's artifacts: {where}, or replay the run in full "
             f"(`harness replay {self.run_id}`)."
@@ -150,7 +150,7 @@ class CheckpointStore:
             self._thread.join()
             self._thread = None
         if self.error is not None:
-            raise HarnessError(
+            raise StoreUnavailable(
                 f"could not upload the checkpoints of run {self.run_id} to the tracking store: {self.error}. "
                 f"They are kept in {self.directory}."
             )

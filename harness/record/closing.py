@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import tags as T
-from harness.errors import EXIT_FAILED, HarnessError
+from harness.errors import EXIT_FAILED, StoreUnavailable
 from harness.record import seal
 from harness.store.failures import transient, unwritable
 from harness.store.outages import Outages, Patient
@@ -111,5 +111,5 @@ def close_or_keep(patient: Patient, run_id: str, status: str, message: str, fail
     state = (f"so it is {T.FAILED} in the store" + ("" if status == T.FAILED else f", not {status}") if ended else
              f"and the store took no status either: run {run_id} stays {T.RUNNING} in the store until "
              f"`harness mark {run_id} --status {T.FAILED}` (once its heartbeat is stale)")
-    raise HarnessError(f"{ended_by}{cause} while run {run_id} was being closed, {state}. Its outcome, metrics and logs are "
+    raise StoreUnavailable(f"{ended_by}{cause} while run {run_id} was being closed, {state}. Its outcome, metrics and logs are "
                        f"{kept}. {fix}.", exit_code=EXIT_FAILED) from err

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from harness.errors import HarnessError
+from harness.errors import RepositoryError, RunRefused
 
 
 def inside(root: Path, path: Path) -> bool:
@@ -22,20 +22,20 @@ def check_code(root: Path, exp_dir: Path, entry_file: str, symlinks: Sequence[Pa
     `symlinks`: the links of the experiment folder the code record holds (gitsource.recorded_symlinks)."""
     exp_dir = Path(exp_dir)
     if not inside(root, exp_dir):
-        raise HarnessError(
+        raise RepositoryError(
             f"the experiment folder '{exp_dir}' lies outside the git repository {root} (it resolves to "
             f"{os.path.realpath(exp_dir)}); the record would not hold its code. Move or copy it into the "
             "repository and commit it."
         )
     entry = exp_dir / entry_file
     if not inside(root, entry):
-        raise HarnessError(
+        raise RepositoryError(
             f"entry file '{entry_file}' resolves to {os.path.realpath(entry)}, outside the git repository {root}; "
             "the record would not hold it. Copy it into the repository, commit it and point 'entry' at it."
         )
     for path in symlinks:
         if not inside(root, path):
-            raise HarnessError(
+            raise RepositoryError(
                 f"'{path.relative_to(root)}' is a symbolic link to {os.path.realpath(path)}, outside the git "
                 f"repository {root}; the record would hold the link, not what it points at. Replace it with the "
                 "file itself, committed (or add it to .gitignore and declare it as data)."
@@ -46,7 +46,7 @@ def recorded_path(rel: str, what: str, run_id: str) -> str:
     """A path the record holds (relative to the checkout) that must stay in the checkout: no absolute, no '..'."""
     pure = PurePosixPath(rel)
     if pure.is_absolute() or ".." in pure.parts or "\\" in rel or (len(rel) > 1 and rel[1] == ":"):
-        raise HarnessError(
+        raise RunRefused(
             f"run {run_id} records {what} '{rel}', which leaves the checkout (absolute or '..'); the record was "
             "altered or made by a broken tool. Replay another run."
         )

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import scratch, tags as T
-from harness.errors import HarnessError
+from harness.errors import ConfigError, DataChanged, HarnessError
 
 MANIFEST_FORMAT = 1
 KIND_FILE = "file"
@@ -58,7 +58,7 @@ def _expand(name: str, declared: str, environ: Mapping[str, str]) -> str:
     def var(match: re.Match[str]) -> str:
         key = match.group(1)
         if key not in environ:
-            raise HarnessError(
+            raise ConfigError(
                 f"data '{name}': '{declared}' uses ${key}, which is not set. Set {key} in the environment, "
                 "or write the path out in experiment.yaml."
             )
@@ -81,16 +81,16 @@ def resolve(
     for name in sorted(declarations):
         declared = declarations[name]
         if not _NAME_RE.match(str(name)):
-            raise HarnessError(
+            raise ConfigError(
                 f"data name '{name}' is not valid; use letters, digits, '_', '-' and '.' (it becomes a tag name)."
             )
         if not isinstance(declared, str) or not declared.strip():
-            raise HarnessError(f"data '{name}' must be a path (a string), got {declared!r}.")
+            raise ConfigError(f"data '{name}' must be a path (a string), got {declared!r}.")
         expanded = Path(_expand(name, declared, env))
         # abspath, not resolve(): a symlinked data folder stays under the name the user gave it.
         path = Path(os.path.abspath(Path(exp_dir, expanded) if not expanded.is_absolute() else expanded))
         if must_exist and not path.exists():
-            raise HarnessError(
+            raise ConfigError(
                 f"data '{name}': {path} does not exist (declared as '{declared}'). Create it, or fix data.{name} "
                 "in experiment.yaml (relative paths are relative to the experiment folder)."
             )
@@ -488,7 +488,7 @@ def verify(
         way = (f", or pass {flag} to go on with the data as it is now (the verdict cannot be BITWISE)" if flag
                else "; the run must go on reading the bytes it read")
         fix = changes[0].fix or f"Restore the data as recorded{way}"
-        raise HarnessError(f"{changes[0].line()} since run {run_id} was recorded{more}. {fix}.")
+        raise DataChanged(f"{changes[0].line()} since run {run_id} was recorded{more}. {fix}.")
     return DataCheck(manifest, changes, {e.name: str(e.path) for e in entries}, stats)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from harness import tags as T
-from harness.errors import HarnessError
+from harness.errors import RunRefused
 from harness.record import liveness, seal
 from harness.record.recorded import RecordedRun
 from harness.records import RunRecord, RunSummary
@@ -173,10 +173,10 @@ def refusal(command: str, run: RunSummary, *, allow_incomplete: bool = False, na
 
 def refuse(command: str, run: RunSummary, *, allow_incomplete: bool = False, name: str | None = None,
            tracker: Tracker | None = None) -> None:
-    """HarnessError (exit 2) with `refusal`'s line, if there is one."""
+    """RunRefused (exit 2) with `refusal`'s line, if there is one."""
     why = refusal(command, run, allow_incomplete=allow_incomplete, name=name, tracker=tracker)
     if why is not None:
-        raise HarnessError(why)
+        raise RunRefused(why)
 
 
 @dataclass
@@ -209,7 +209,7 @@ class Loaded:
 
 def load(tracker: Tracker, run: str | RunSummary, command: str, *, allow_incomplete: bool = False,
          name: str | None = None) -> Loaded:
-    """`run` (an id, or a summary the caller has) as `command` may use it; HarnessError with the refusal if not.
+    """`run` (an id, or a summary the caller has) as `command` may use it; RunRefused with the refusal if not.
 
     Refused in this order: not made by harness (where the rule says so); a kind the command does not apply to; a record edited since its
     seal (where the command reads a closed record); a status the command does not accept.
@@ -221,7 +221,7 @@ def load(tracker: Tracker, run: str | RunSummary, command: str, *, allow_incompl
         summary = run
     kind = rule.kinds.get(summary.tags.get(T.KIND, ""))
     if kind is not None:
-        raise HarnessError(_say(kind, summary, command, name))
+        raise RunRefused(_say(kind, summary, command, name))
     if rule.sealed:  # before anything is read or recorded: an edited record is not used
         seal.check(tracker, summary.run_id)
     refuse(command, summary, allow_incomplete=allow_incomplete, name=name, tracker=tracker)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from harness import __version__, tags as T
 from harness.config import flatten, split_entry, to_container, to_yaml
-from harness.errors import HarnessError
+from harness.errors import UsageError
 from harness.record import derived, redaction
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
@@ -45,27 +45,27 @@ def labels(name: str | None, tags: Sequence[str] | Mapping[str, str] = ()) -> La
     """--name and --tag KEY=VALUE checked: refused in one line (exit 2) before anything is recorded."""
     if name is not None:
         if not name.strip() or len(name) > _NAME_LIMIT or any(ord(c) < 32 or ord(c) == 127 for c in name):
-            raise HarnessError(f"--name {name!r}: a run name is 1 to {_NAME_LIMIT} printable characters. "
+            raise UsageError(f"--name {name!r}: a run name is 1 to {_NAME_LIMIT} printable characters. "
                                "Pass another, e.g. --name lr-0.1-baseline.")
         name = name.strip()
     pairs = list(tags.items()) if isinstance(tags, Mapping) else [_tag_pair(t) for t in tags]
     out: dict[str, str] = {}
     for key, value in pairs:
         if key.lower().startswith((T.PREFIX, T.MLFLOW_PREFIX)):
-            raise HarnessError(f"--tag {key}: the {key.split('.')[0]}. tags are {key.split('.')[0]}'s own (what "
+            raise UsageError(f"--tag {key}: the {key.split('.')[0]}. tags are {key.split('.')[0]}'s own (what "
                                "the record says); pick another key, e.g. --tag team.owner=ada.")
         if len(key) > _NAME_LIMIT or not _TAG_KEY.fullmatch(key):
-            raise HarnessError(f"--tag {key!r}: a tag key is up to {_NAME_LIMIT} letters, digits, '_', '-', '.', '/', "
+            raise UsageError(f"--tag {key!r}: a tag key is up to {_NAME_LIMIT} letters, digits, '_', '-', '.', '/', "
                                "':' and spaces. Rename it.")
         norm = posixpath.normpath(key)
         if norm != key or norm == "." or norm.startswith(("..", "/")):  # MLflow stores tags as paths on some stores
-            raise HarnessError(f"--tag {key!r}: a tag key is a relative path with no '.', '..' or empty parts "
+            raise UsageError(f"--tag {key!r}: a tag key is a relative path with no '.', '..' or empty parts "
                                f"({norm!r} once normalized). Rename it.")
         if len(value) > _TAG_VALUE_LIMIT:
-            raise HarnessError(f"--tag {key}: its value has {len(value)} characters; MLflow holds {_TAG_VALUE_LIMIT}. "
+            raise UsageError(f"--tag {key}: its value has {len(value)} characters; MLflow holds {_TAG_VALUE_LIMIT}. "
                                "Shorten it.")
         if key in out:
-            raise HarnessError(f"--tag {key} is given twice; give it once.")
+            raise UsageError(f"--tag {key} is given twice; give it once.")
         out[key] = value
     return Labels(name, out)
 
@@ -73,7 +73,7 @@ def labels(name: str | None, tags: Sequence[str] | Mapping[str, str] = ()) -> La
 def _tag_pair(pair: str) -> tuple[str, str]:
     key, sep, value = pair.partition("=")
     if not sep or not key.strip():
-        raise HarnessError(f"--tag {pair!r} is not KEY=VALUE; e.g. --tag dataset=mnist.")
+        raise UsageError(f"--tag {pair!r} is not KEY=VALUE; e.g. --tag dataset=mnist.")
     return key.strip(), value
 
 

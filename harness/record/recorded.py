@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from harness import scratch, tags as T
 from harness.config import compose, split_entry, to_container, validate
-from harness.errors import HarnessError
+from harness.errors import RepositoryError, RunRefused, UsageError
 from harness.executors import Job, JobInputs, Topology, schema
 from harness.record import confine, redaction
 from harness.store.tracking import RunSummary, Tracker
@@ -27,7 +27,7 @@ def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
 
     text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
     if text is None:
-        raise HarnessError(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
+        raise RunRefused(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
     pinned = {key: run.tags[tag] for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)) if tag in run.tags}
     return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))], schema())
 
@@ -103,14 +103,14 @@ class RecordedRun:
         recorded = data.recorded_data(self.tracker, self.run.run_id)
         if recorded is None and not self.cfg.data:
             if paths:
-                raise HarnessError(f"run {self.run.run_id} declared no data; drop --data.")
+                raise UsageError(f"run {self.run.run_id} declared no data; drop --data.")
             return data.DataCheck(None, [], {})
         root = gitsource.find_repo(repo or Path.cwd()) or (repo or Path.cwd())
         exp_dir = root / confine.recorded_path(self.run.tags[T.EXPERIMENT_PATH], "experiment folder", self.run.run_id)
         declarations = dict(self.cfg.data or {})
         for name, path in (paths or {}).items():
             if name not in declarations:
-                raise HarnessError(
+                raise UsageError(
                     f"--data {name}=...: run {self.run.run_id} declared no data named '{name}' "
                     f"(it declared: {', '.join(sorted(declarations)) or 'none'})."
                 )
@@ -144,7 +144,7 @@ def checkout(
         if commit is not None and commit != run.tags[T.GIT_COMMIT]:
             root = gitsource.find_repo(repo or Path.cwd())
             if root is None or not gitsource.has_commit(root, commit):
-                raise HarnessError(f"commit {commit[:12]} is not in the repository at {repo or Path.cwd()}. "
+                raise RepositoryError(f"commit {commit[:12]} is not in the repository at {repo or Path.cwd()}. "
                                    "Run this inside a clone that has it (git fetch).")
             path = confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)
             with gitsource.worktree(root, commit, None, base) as tree:
@@ -173,7 +173,7 @@ def _code_source(stack: contextlib.ExitStack, tracker: Tracker, run: RunSummary,
         gitsource.open_repo(repo or Path.cwd())  # raises its one line: not inside a git repository
     url = run.tags.get(T.GIT_REPO_URL)
     source = f"git fetch {url} {commit}" if url else f"git fetch <remote> {commit}"
-    raise HarnessError(
+    raise RepositoryError(
         f"commit {commit[:12]} of run {run.run_id} is not in the repository at {live}. "
         f"Fetch it ({source}) or run this inside a clone that has it."
     )
@@ -195,11 +195,11 @@ def _code_artifact(tracker: Tracker, run: RunSummary, artifact: str, digest_tag:
     that never ran."""
     raw = tracker.read_bytes(run.run_id, artifact)
     if raw is None:
-        raise HarnessError(f"run {run.run_id} {had} but its {artifact} artifact is missing. Restore it from a backup "
+        raise RunRefused(f"run {run.run_id} {had} but its {artifact} artifact is missing. Restore it from a backup "
                            "of the store, or replay another run.")
     expected, got = run.tags.get(digest_tag, "(no tag)"), hashlib.sha256(raw).hexdigest()
     if got != expected:
-        raise HarnessError(
+        raise RunRefused(
             f"the recorded {what} altered in run {run.run_id} ({artifact}: sha256 expected {expected}, got {got}); the "
             "replay would run code that never ran. Restore the artifact from a backup of the store, or replay another run."
         )
@@ -216,4 +216,4 @@ def recorded_submodules(tracker: Tracker, run: RunSummary) -> tuple[gitsource.Su
     try:
         return gitsource.submodules_from_json(raw)
     except ValueError as err:
-        raise HarnessError(f"run {run.run_id}'s {T.ARTIFACT_SUBMODULES} is malformed ({err}). Replay another run.") from None
+        raise RunRefused(f"run {run.run_id}'s {T.ARTIFACT_SUBMODULES} is malformed ({err}). Replay another run.") from None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, SecretRefused
 from harness.secrets import in_line, is_secret, secret_copies
 from harness.store.reach import KEY_DIR_ENV, key_file
 
@@ -207,14 +207,14 @@ def _given_value(
         value, origin = environ[var], f"${var}"
     elif required:
         where = f"set ${var} as when it ran, or pass" if var else "pass it again:"
-        raise HarnessError(
+        raise SecretRefused(
             f"{name} of run {run_id} is a secret the record does not hold ({recorded}); {where} "
             f"harness replay {run_id} {name}=VALUE."
         )
     else:
         return None
     if _matches(value, recorded, key) is False:
-        raise HarnessError(
+        raise SecretRefused(
             f"{origin} is not the value run {run_id} recorded for {name} (its digest differs from {recorded}). "
             f"Pass the value the run used: {name}=VALUE."
         )

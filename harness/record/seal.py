@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import events, tags as T
-from harness.errors import HarnessError
+from harness.errors import HarnessError, RunRefused
 
 VERSION = "v1"
 # Tags that legitimately change after a run has closed, and so are not sealed: the seal itself, the
@@ -226,11 +226,11 @@ def check_record(record: Record, who: str) -> None:
             return
         raise changed(who, f"tag {T.SEAL} (a reopened run closed without a new seal)")
     if value.endswith(PENDING):
-        raise HarnessError(
+        raise RunRefused(
             f"{who}'s verdict was being written when the process writing it stopped: its report is incomplete. "
             "Replay the original again (`harness replay ORIGINAL`) for a verdict on record.")
     if not value.startswith(VERSION + ":"):
-        raise HarnessError(f"{who} has a seal of another version ({value[:20]}); this harness reads {VERSION}. "
+        raise RunRefused(f"{who} has a seal of another version ({value[:20]}); this harness reads {VERSION}. "
                            "Check it with the harness that recorded it, or upgrade harness.")
     now = manifest(record)
     if digest(now) == value:
@@ -244,7 +244,7 @@ def check_record(record: Record, who: str) -> None:
     if (stored is not None and record.status == T.RUNNING and stored.get("status") not in (None, T.RUNNING)
             and digest(stored) == value and dict(now, status=stored["status"]) == stored):
         run_id = who.split()[-1] if who.startswith("run ") else "RUN_ID"
-        raise HarnessError(
+        raise RunRefused(
             f"{who} was being closed as {stored['status']} when the process closing it stopped: its record may be "
             f"incomplete. Close it as failed with `harness mark {run_id} --status {T.FAILED}`, or record it again "
             "with `harness run`.")
@@ -256,7 +256,7 @@ def check_record(record: Record, who: str) -> None:
 
 
 def changed(who: str, what: str) -> HarnessError:
-    return HarnessError(f"{who} was changed after it was sealed: {what}. {_FIX}")
+    return RunRefused(f"{who} was changed after it was sealed: {what}. {_FIX}")
 
 
 def _shown(value: Any) -> str:
@@ -423,7 +423,7 @@ def check_bundled(record: dict[str, Any], artifacts_dir: Path, who: str) -> None
     value = rec.tags.get(T.SEAL)
     if value is None or rec.read(T.ARTIFACT_SEAL) is None or rec.status == T.RUNNING or value.endswith(REOPENED):
         state = "is still RUNNING" if rec.status == T.RUNNING else "carries no seal"
-        raise HarnessError(
+        raise RunRefused(
             f"{who} {state}: nothing shows its record is the one its harness closed, and an import would seal it as "
             "genuine; refused. Export it again with a harness that seals its runs, from the store that holds it.")
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness import tags as T
-from harness.errors import HarnessError
+from harness.errors import RunRefused
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
 
@@ -38,7 +38,7 @@ def members_of(tracker: Tracker, study_id: str) -> list[RunSummary]:
 def load_study(tracker: Tracker, study_id: str) -> StudyRecord:
     run = tracker.harness_run(study_id)
     if not is_study(run):
-        raise HarnessError(f"run {study_id} is a {run.tags.get(T.KIND, 'run')}, not a study (harness run --seeds N).")
+        raise RunRefused(f"run {study_id} is a {run.tags.get(T.KIND, 'run')}, not a study (harness run --seeds N).")
     seeds = [int(s) for s in run.tags.get(T.STUDY_SEEDS, "").split(",") if s]
     members = members_of(tracker, study_id)
     order = {s: i for i, s in enumerate(seeds)}

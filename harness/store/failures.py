@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, StoreUnavailable
 from harness.store.reach import OTHER_STORE, display_uri, reason_of, schema_error
 
 
@@ -22,10 +22,10 @@ def open_error(shown: str, err: BaseException) -> HarnessError:
     if found:
         return schema_error(shown, found.group(1))
     if "readonly database" in text or "read-only" in text:
-        return HarnessError(
+        return StoreUnavailable(
             f"the tracking store {shown} is read-only: {reason_of(err)}. Make it writable for this user, {OTHER_STORE}."
         )
-    return HarnessError(f"cannot open the tracking store {shown}: {reason_of(err)}. Check it, {OTHER_STORE}.")
+    return StoreUnavailable(f"cannot open the tracking store {shown}: {reason_of(err)}. Check it, {OTHER_STORE}.")
 
 
 def is_store_error(err: BaseException) -> bool:
@@ -52,9 +52,9 @@ def store_failure(err: BaseException, uri: str) -> HarnessError:
     full = unwritable(err)
     if full:  # the words that say so, not a wrapper's (SQLAlchemy's "raised as a result of Query-invoked autoflush")
         fix = "Free space on its disk" if full == "is full" else "Make it writable for this user"
-        return HarnessError(f"the tracking store {display_uri(uri)} {full} ({_unwritable_words(err)}). {fix} (or use "
+        return StoreUnavailable(f"the tracking store {display_uri(uri)} {full} ({_unwritable_words(err)}). {fix} (or use "
                             "another store with --tracking-uri), then rerun.")
-    return HarnessError(
+    return StoreUnavailable(
         f"the tracking store {display_uri(uri)} failed: {reason_of(err)}. Check that it is reachable (and writable for "
         "commands that record), then rerun."
     )

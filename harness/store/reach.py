@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, StoreUnavailable, UsageError
 from harness.secrets import scrub
 from harness.tags import MLFLOW_SUPPRESS_URL_ENV
 from harness.urls import strip_credentials
@@ -134,7 +134,7 @@ def env_seconds(name: str, default: float, *, allow_zero: bool = False) -> float
         value = float("nan")
     if not (value >= 0 if allow_zero else value > 0):
         what = "a number >= 0" if allow_zero else "a positive number"
-        raise HarnessError(f"{name}={raw!r} is not a number of seconds. Set it to {what}, e.g. {default:g}.")
+        raise UsageError(f"{name}={raw!r} is not a number of seconds. Set it to {what}, e.g. {default:g}.")
     return value
 
 
@@ -189,11 +189,11 @@ def probe_store(uri: str, writable: bool, timeout_s: float, must_exist: bool = T
         _probe_database(uri, display_uri(uri.split("?", 1)[0]))
         return uri
     if scheme == "":
-        raise HarnessError(
+        raise StoreUnavailable(
             f"'{uri}' is a plain path, which MLflow 3 does not accept as a tracking store. "
             f"{_FORMS}; for a local folder: sqlite:///{Path(uri).resolve() / DB_NAME}."
         )
-    raise HarnessError(f"unsupported tracking store URI '{display_uri(uri)}' (scheme {scheme}://). {_FORMS}.")
+    raise StoreUnavailable(f"unsupported tracking store URI '{display_uri(uri)}' (scheme {scheme}://). {_FORMS}.")
 
 
 @contextlib.contextmanager
@@ -230,7 +230,7 @@ def opening(uri: str) -> Iterator[None]:
                 if who != holder or progress != seen:
                     holder, since, seen = who, now, progress
                 elif now - since > limit:
-                    raise HarnessError(_held_message(holder, path.parent, limit)) from None
+                    raise StoreUnavailable(_held_message(holder, path.parent, limit)) from None
                 time.sleep(0.05)
         yield
     finally:
@@ -338,31 +338,31 @@ def _probe_http(uri: str, timeout_s: float) -> None:
             body = r.read(1 << 20)
     except urllib.error.HTTPError as err:
         if err.code in (401, 403):
-            raise HarnessError(
+            raise StoreUnavailable(
                 f"the tracking store {shown} refused the credentials (HTTP {err.code}). Set MLFLOW_TRACKING_USERNAME "
                 "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for it."
             ) from None
         if err.code >= 500:
-            raise HarnessError(
+            raise StoreUnavailable(
                 f"the tracking store {shown} is failing: GET {_PROBE_PATH} answered HTTP {err.code}. "
                 f"Check the MLflow server's log, {OTHER_STORE}."
             ) from None
-        raise HarnessError(
+        raise StoreUnavailable(
             f"{shown} is not an MLflow tracking server: GET {_PROBE_PATH} answered HTTP {err.code}. "
             f"Check the host, port and path in --tracking-uri or MLFLOW_TRACKING_URI."
         ) from None
     except TimeoutError:
-        raise HarnessError(f"the tracking store {shown} did not answer within {timeout_s:g} s. {check}") from None
+        raise StoreUnavailable(f"the tracking store {shown} did not answer within {timeout_s:g} s. {check}") from None
     except urllib.error.URLError as err:
-        raise HarnessError(f"cannot reach the tracking store {shown}: {_url_reason(err.reason, timeout_s)}. {check}") from None
+        raise StoreUnavailable(f"cannot reach the tracking store {shown}: {_url_reason(err.reason, timeout_s)}. {check}") from None
     except OSError as err:  # a connection reset or closed mid-answer
-        raise HarnessError(f"cannot reach the tracking store {shown}: {_url_reason(err, timeout_s)}. {check}") from None
+        raise StoreUnavailable(f"cannot reach the tracking store {shown}: {_url_reason(err, timeout_s)}. {check}") from None
     try:
         answer = json.loads(body)
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
-        raise HarnessError(
+        raise StoreUnavailable(
             f"{shown} is not an MLflow tracking server: GET {_PROBE_PATH} did not answer with MLflow's JSON. "
             "Check the host, port and path in --tracking-uri or MLFLOW_TRACKING_URI."
         )
@@ -391,17 +391,17 @@ def _probe_sqlite(uri: str, writable: bool, must_exist: bool = True) -> None:
     folder = path.parent
     if not writable and not path.exists() and must_exist:
         # A command that only reads creates nothing: a mistyped path is said, not made into an empty store.
-        raise HarnessError(f"no store at {path}: there is no such database. Check the path in --tracking-uri or "
+        raise StoreUnavailable(f"no store at {path}: there is no such database. Check the path in --tracking-uri or "
                            "MLFLOW_TRACKING_URI (a store is made by the first `harness run`).")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise HarnessError(
+        raise StoreUnavailable(
             f"cannot create the folder {folder} of the tracking store {shown}: {err.strerror}. "
             f"Check the path, {OTHER_STORE}."
         ) from None
     if path.is_dir():
-        raise HarnessError(
+        raise StoreUnavailable(
             f"the tracking store {shown} names a folder, not a database file. Use sqlite:///{path / DB_NAME}."
         )
     exists = path.exists()
@@ -416,7 +416,7 @@ def _probe_sqlite(uri: str, writable: bool, must_exist: bool = True) -> None:
         except OSError as err:
             what = "this command records runs" if writable else "the database does not exist yet"
             where = path if exists and err.filename == str(path) else folder
-            raise HarnessError(
+            raise StoreUnavailable(
                 f"the tracking store {shown} is read-only: {where} is not writable ({err.strerror}) and {what}. "
                 f"Make {folder} and {path.name} writable for this user, {OTHER_STORE}."
             ) from None
@@ -425,11 +425,11 @@ def _probe_sqlite(uri: str, writable: bool, must_exist: bool = True) -> None:
             with open(path, "rb") as fh:
                 head = fh.read(len(_SQLITE_MAGIC))
         except OSError as err:
-            raise HarnessError(
+            raise StoreUnavailable(
                 f"cannot read the tracking store {shown}: {err.strerror}. Check the permissions of {path}."
             ) from None
         if head and head != _SQLITE_MAGIC:  # sqlite treats an empty file as an empty database
-            raise HarnessError(
+            raise StoreUnavailable(
                 f"{path} is not an SQLite database, so it cannot be the tracking store {shown}. "
                 f"Move the file away, {OTHER_STORE}."
             )
@@ -443,18 +443,18 @@ def _probe_database(uri: str, shown: str) -> None:
     try:
         engine = sqlalchemy.create_engine(uri)
     except ImportError as err:
-        raise HarnessError(
+        raise StoreUnavailable(
             f"the tracking store {shown} needs the database driver {err.name or err}, which is not installed. "
             "Install it (postgresql: pip install psycopg2-binary; mysql: pip install pymysql) and name it in the URI, "
             "e.g. postgresql+psycopg2://..."
         ) from None
     except sqlalchemy.exc.ArgumentError as err:
-        raise HarnessError(f"the tracking store URI {shown} is malformed: {reason_of(err)}. {_FORMS}.") from None
+        raise StoreUnavailable(f"the tracking store URI {shown} is malformed: {reason_of(err)}. {_FORMS}.") from None
     try:
         with engine.connect():
             pass
     except sqlalchemy.exc.SQLAlchemyError as err:
-        raise HarnessError(
+        raise StoreUnavailable(
             f"cannot reach the tracking store {shown}: {reason_of(getattr(err, 'orig', None) or err)}. "
             f"Check that the database server runs and accepts these credentials, {OTHER_STORE}."
         ) from None
@@ -479,12 +479,12 @@ def schema_error(shown: str, found: str, known: bool | None = None) -> HarnessEr
             known = False
     mlflow_version = version("mlflow")  # without importing MLflow
     if known:
-        return HarnessError(
+        return StoreUnavailable(
             f"the tracking store {shown} has the older database schema revision {found}, and this MLflow "
             f"({mlflow_version}) needs a newer one. Back it up, then run `mlflow db upgrade {shown}`, or use the "
             "MLflow version that made it."
         )
-    return HarnessError(
+    return StoreUnavailable(
         f"the tracking store {shown} has database schema revision {found}, which this MLflow ({mlflow_version}) "
         f"does not know: another MLflow version made it. Use the MLflow version that made it, {OTHER_STORE}."
     )
@@ -505,6 +505,6 @@ def resolve_uri(uri: str | None) -> str:
         _ = urlsplit(chosen).port  # parsed once here: a malformed one is a line, not a traceback
     except ValueError as err:
         # Not printed: it may hold a password.
-        raise HarnessError(f"the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI ({err}). "
+        raise StoreUnavailable(f"the tracking URI (--tracking-uri or MLFLOW_TRACKING_URI) is not a valid URI ({err}). "
                            "Correct it, e.g. http://[::1]:5000 or sqlite:////abs/path/mlflow.db.") from None
     return absolute_uri(chosen)

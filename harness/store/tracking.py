@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import scratch, tags as T
-from harness.errors import HarnessError
+from harness.errors import HarnessError, RunNotFound, RunRefused
 from harness.records import RunRecord, RunSummary
 from harness.secrets import scrub
 from harness.store import seriesfile
@@ -461,7 +461,7 @@ class Tracker:
         ref = ref.strip()
         if not is_prefix(ref):
             if re.fullmatch(rf"[0-9a-f]{{1,{MIN_PREFIX - 1}}}", ref.lower()):  # no run's id, too short to stand for one
-                raise HarnessError(f"run id '{ref}' is too short: a prefix needs {MIN_PREFIX} hex digits or more. "
+                raise RunNotFound(f"run id '{ref}' is too short: a prefix needs {MIN_PREFIX} hex digits or more. "
                                    "Pass more of the id (`harness runs` lists them).")
             return ref
         prefix = ref.lower()
@@ -477,7 +477,7 @@ class Tracker:
         if not found:
             return ref
         shown = ", ".join(found[:_SHOWN_MATCHES]) + (", ..." if len(found) > _SHOWN_MATCHES else "")
-        raise HarnessError(f"run id prefix '{ref}' is ambiguous: it starts {'more than ' if len(found) > _SHOWN_MATCHES else ''}"
+        raise RunNotFound(f"run id prefix '{ref}' is ambiguous: it starts {'more than ' if len(found) > _SHOWN_MATCHES else ''}"
                            f"{min(len(found), _SHOWN_MATCHES)} runs ({shown}). Pass more of the id.")
 
     @store_call
@@ -500,7 +500,7 @@ class Tracker:
         return _summary(run, self.client.get_experiment(run.info.experiment_id).name)
 
     def _no_run(self, run_id: str) -> HarnessError:
-        return HarnessError(
+        return RunNotFound(
             f"no run '{run_id}' in the tracking store {self.display_uri}. "
             "List runs with `harness runs`, or pass --tracking-uri for another store."
         )
@@ -509,7 +509,7 @@ class Tracker:
         """get_run, refusing runs that harness did not make (they lack what a replay needs)."""
         run = self.get_run(run_id)
         if T.VERSION not in run.tags:
-            raise HarnessError(
+            raise RunRefused(
                 f"run '{run_id}' was not made by harness (no {T.VERSION} tag); only `harness run` records "
                 "what a replay needs."
             )
@@ -563,7 +563,7 @@ class Tracker:
             exp = self.client.get_experiment_by_name(name)
             found = None if exp is None else (exp.experiment_id, exp.name)
         if found is None:
-            raise HarnessError(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
+            raise RunNotFound(f"no MLflow experiment '{name}' in {self.display_uri}. Run `harness runs` to list all.")
         return found
 
     @store_call

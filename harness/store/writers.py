@@ -9,7 +9,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from harness import tags as T
-from harness.errors import HarnessError
+from harness.errors import StoreUnavailable
 from harness.records import same_value, series
 from harness.store.failures import transient, unwritable
 from harness.store.fastpath import SINK_CHUNK, SqliteMetricSink
@@ -164,7 +164,7 @@ class MetricWriter:
         if self._sink is not None:
             self._sink.close()
         if self._pending and self.error is not None:
-            raise HarnessError(
+            raise StoreUnavailable(
                 f"could not write {len(self._pending)} metrics to the tracking store "
                 f"{display_uri(self._tracker.uri)}: {reason_of(self.error)}. Check that it is reachable and writable."
             ) from self.error

@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.errors import BackendError
 
 # Calls that only ask the engine something must fail fast when no engine runs: `harness run`
 # with the local executor asks for the digest on every run, engine or not.
@@ -30,7 +30,7 @@ _REFERENCE = re.compile(
 )
 
 
-class DockerError(HarnessError):
+class DockerError(BackendError):
     """Docker is missing, unreachable, or does not know an image; the message says how to fix it."""
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import scratch
-from harness.errors import HarnessError
+from harness.errors import RepositoryError, SecretRefused
 from harness.urls import strip_credentials
 
 # A whole-repository `add -A` or `diff` on a big tree takes seconds; minutes mean git is stuck.
@@ -104,7 +104,7 @@ class Mismatch:
     found: str
 
 
-class GitFailed(HarnessError):
+class GitFailed(RepositoryError):
     """A git command exited non-zero; `detail` is the last line git wrote to stderr."""
 
     def __init__(self, message: str, detail: str) -> None:
@@ -131,7 +131,7 @@ def _run(
             cwd=cwd, env=env, capture_output=True, timeout=GIT_TIMEOUT_S, check=False, input=stdin,
         )
     except subprocess.TimeoutExpired:
-        raise HarnessError(
+        raise RepositoryError(
             f"`git {args[0]}` in '{cwd}' did not finish within {GIT_TIMEOUT_S} s. "
             "Check the repository with `git status` (a lock file, a huge untracked folder)."
         ) from None
@@ -186,7 +186,7 @@ def open_repo(path: Path):
     try:
         return git.Repo(path, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        raise HarnessError(
+        raise RepositoryError(
             f"'{path}' is not inside a git repository; harness records the commit of every run. "
             "Run `git init` and commit the experiment first."
         ) from None
@@ -205,7 +205,7 @@ def inspect(
     """
     repo = open_repo(path)
     if not repo.head.is_valid():
-        raise HarnessError(f"git repository '{repo.working_tree_dir}' has no commits yet. Commit the experiment first.")
+        raise RepositoryError(f"git repository '{repo.working_tree_dir}' has no commits yet. Commit the experiment first.")
     root = Path(repo.working_tree_dir)
     commit = repo.head.commit.hexsha
     branch = None if repo.head.is_detached else repo.active_branch.name
@@ -247,7 +247,7 @@ def _submodules(root: Path, commit: str, prefix: str, max_mib: float | None, all
         path = prefix + os.fsdecode(rel)
         head = _run(sub_root, ["rev-parse", "--verify", "-q", "HEAD"]).strip().decode("ascii")
         if head != recorded:  # the superproject's own check (_refuse_gitlinks) sees this first; a nested one's is here
-            raise HarnessError(
+            raise RepositoryError(
                 f"submodule '{_show(os.fsencode(path))}' is checked out at {head[:12]}, not at the commit recorded in {commit[:12]}; the "
                 f"code record cannot hold a submodule change. Commit the submodule update, or check it out at the "
                 "recorded commit."
@@ -297,7 +297,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
     for rel in filter(None, out.split(b"\0")):
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
-            raise HarnessError(
+            raise RepositoryError(
                 f"'{shown}{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
                 "cannot hold it. Add it to .gitignore, or add it as a submodule and commit the submodule."
             )
@@ -310,7 +310,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
         with contextlib.suppress(FileNotFoundError):  # deleted meanwhile: `add -A` will not see it either
             size = os.lstat(os.path.join(os.fsencode(root), rel)).st_size
             if size > max_mib * MIB:
-                raise HarnessError(
+                raise RepositoryError(
                     f"'{shown}{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
                     f"record's limit of {max_mib:g} MiB (record.max_untracked_mib). Commit it, add it to "
                     "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
@@ -320,7 +320,7 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
     total = sum(size for size, _ in sizes)
     if max_mib is not None and total > max_mib * MIB:
         largest = ", ".join(f"'{_show(rel)}' ({size / MIB:.2f} MiB)" for size, rel in sorted(sizes, reverse=True)[:3])
-        raise HarnessError(
+        raise RepositoryError(
             f"the {len(sizes)} untracked files hold {total / MIB:.2f} MiB ({total} bytes) together, over the code "
             f"record's limit of {max_mib:g} MiB (record.max_untracked_mib), which bounds their total as well as each "
             f"one; the largest: {largest}. Commit them, add them to a .gitignore, or keep data outside "
@@ -329,13 +329,13 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
         )
     if len(secrets) == 1:
         (rel, pattern), = secrets
-        raise HarnessError(
+        raise SecretRefused(
             f"'{shown}{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
             "stored with the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
             "--allow-untracked-secrets knowingly."
         )
     if secrets:  # every one at once: fixing them one run at a time would be tedious
-        raise HarnessError(
+        raise SecretRefused(
             f"{first_few([shown + _show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
             "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, "
             "or pass --allow-untracked-secrets knowingly."
@@ -360,11 +360,11 @@ def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:
         if mismatch is None:
             return patch
         if mismatch.path is None:
-            raise HarnessError(
+            raise RepositoryError(
                 f"the patch of the uncommitted changes in {root} does not rebuild them (tree {mismatch.found} "
                 f"instead of {mismatch.expected}). Commit the changes and run again."
             )
-        raise HarnessError(
+        raise RepositoryError(
             f"'{mismatch.path}' cannot be recorded exactly: git stores it differently from its bytes on disk "
             "(a .gitattributes filter or eol setting, or core.autocrlf). Commit it, or remove the attribute for it."
         )
@@ -387,7 +387,7 @@ def _refuse_gitlinks(root: Path, commit: str, index: Path) -> None:
     for old_mode, new_mode, new_id, path in _raw_changes(root, commit, index):
         if MODE_GITLINK in (old_mode, new_mode):
             # Untracked nested repositories are refused earlier; this is a submodule whose checkout moved.
-            raise HarnessError(
+            raise RepositoryError(
                 f"submodule '{_show(path)}' is checked out at {new_id[:12]}, not at the commit recorded in "
                 f"{commit[:12]}; the code record cannot hold a submodule change. Commit the submodule update "
                 f"(git add '{_show(path)}' && git commit), or check it out at the recorded commit."
@@ -519,7 +519,7 @@ def _apply(path: Path, commit: str, patch: bytes, patch_file: Path, what: str) -
     try:
         _run(path, ["apply", "--binary", "--whitespace=nowarn", str(patch_file)])
     except GitFailed as err:
-        raise HarnessError(
+        raise RepositoryError(
             f"the recorded patch{what} does not apply to {commit[:12]}: {err.detail}. "
             "The commit in this repository differs from the recorded one."
         ) from None
@@ -527,7 +527,7 @@ def _apply(path: Path, commit: str, patch: bytes, patch_file: Path, what: str) -
     # would read may differ from the ones recorded.
     mismatch = verify_patch(path, commit, patch, path)
     if mismatch is not None:
-        raise HarnessError(
+        raise RepositoryError(
             f"'{mismatch.path}'{what} in the replay worktree is not what was recorded ({mismatch.found} instead of "
             f"{mismatch.expected}): git converted it on checkout (a .gitattributes filter or eol setting, or "
             "core.autocrlf of this repository). Remove that setting for it, or replay in a clone without it."
@@ -543,7 +543,7 @@ def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Pa
     shown = _show(os.fsencode(sub.path))
     dest = tree / sub.path
     if not dest.resolve().is_relative_to(tree.resolve()):  # a symbolic link of the commit on the way
-        raise HarnessError(f"submodule '{shown}' lies outside the worktree of the recorded commit (a symbolic link "
+        raise RepositoryError(f"submodule '{shown}' lies outside the worktree of the recorded commit (a symbolic link "
                            "on its path). Replay another run.")
     source = None
     for candidate in (root / sub.path, root):
@@ -551,7 +551,7 @@ def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Pa
             source = candidate
             break
     if source is None:
-        raise HarnessError(
+        raise RepositoryError(
             f"commit {sub.commit[:12]} of submodule '{shown}' is not in the repository at {root / sub.path}. "
             f"Fetch it there (git -C '{shown}' fetch), or run this inside a clone that has it."
         )
@@ -585,7 +585,7 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
         lines = [line.strip() for line in str(err.stderr or "").splitlines() if line.strip()]
         said = [line[line.index("error:"):] for line in lines if "error:" in line] or [lines[-1].strip("'")] if lines else []
         detail = _show(os.fsencode(said[0])) if said else f"exit {err.status}"
-        raise HarnessError(
+        raise RepositoryError(
             f"commit {commit[:12]} cannot be checked out ({detail}); git refuses its tree (a '.git' path, or a "
             "name this filesystem cannot hold). Replay a run whose commit git can check out."
         ) from None
@@ -621,14 +621,14 @@ def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Subm
     (git alternates), so the user's refs stay as they are.
     """
     if not has_commit(root, commit):
-        raise HarnessError(
+        raise RepositoryError(
             f"commit {commit[:12]} is not in the repository at {root}. Run the export inside a clone that has it."
         )
     alternates = [_objects(root)]
     for sub in submodules:
         sub_root = root / sub.path
         if not ((sub_root / ".git").exists() and has_commit(sub_root, sub.commit)):
-            raise HarnessError(
+            raise RepositoryError(
                 f"commit {sub.commit[:12]} of submodule '{sub.path}' is not in its checkout at {sub_root}. Run the "
                 f"export inside a clone whose submodules have it (git submodule update --init)."
             )
@@ -658,7 +658,7 @@ def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
         if any(h.startswith(SUBMODULE_REFS.encode()) for h in heads):  # the submodules' commits, when it carries them
             _run(repo, ["fetch", "-q", str(bundle), f"{SUBMODULE_REFS}*:{SUBMODULE_REFS}*"])
         if not has_commit(repo, commit):
-            raise HarnessError(
+            raise RepositoryError(
                 f"the code bundle {bundle.name} does not hold the recorded commit {commit[:12]}. "
                 "Export the run again from a repository that has it."
             )

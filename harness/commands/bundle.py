@@ -26,7 +26,7 @@ from harness.record.recorded import recorded_submodules
 from harness.store.failures import unwritable
 from harness.store.reach import exclusive
 from harness.store.tracking import Tracker, import_complete
-from harness.systems import docker, git as gitsource
+from harness.systems import docker, git as gitsource, gitbundle
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
 FORMAT = 1
@@ -350,7 +350,7 @@ def export(
         carried = stage / RUN_DIR / ARTIFACTS / T.ARTIFACT_CODE_BUNDLE  # an imported run carries its code
         live = gitsource.find_repo(repo or Path.cwd())
         if live is not None and gitsource.has_commit(live, commit):
-            gitsource.bundle_commit(live, commit, code, recorded_submodules(tracker, run))
+            gitbundle.bundle_commit(live, commit, code, recorded_submodules(tracker, run))
             carried.unlink(missing_ok=True)
         elif carried.is_file():
             carried.rename(code)

@@ -156,8 +156,8 @@ class ExperimentConfig:
 # -- the backends' sections ---------------------------------------------------------------------------------
 # Which executors exist, and the config section each brings, is declared by the backends themselves
 # (harness/executors: one module per backend, and outside packages through the `harness.executors` entry
-# points). That registry builds the `Schema` (executors.schema()) and every function here that reads a config
-# takes it: this module is a leaf and knows no backend.
+# points). That registry builds the `Schema` (executors.schema()) and every function of harness/config.py that reads
+# a config takes it: both modules are leaves and know no backend.
 
 
 @dataclass(frozen=True)

@@ -135,14 +135,14 @@ def _cell(text: str) -> str:
 
 
 def render_schema() -> str:
-    """Every section of the experiment schema (harness/config.py): key, type, default and doc."""
-    config = importlib.import_module("harness.config")
+    """Every section of the experiment schema (harness/configschema.py): key, type, default and doc."""
+    config = importlib.import_module("harness.configschema")
     executors = importlib.import_module("harness.executors")
     root = executors.schema().cls  # ExperimentConfig with every registered backend's section after `executor`
     # The schema's own fields are documented in ExperimentConfig; a backend's section by the backend.
     backend_docs = {name: f"The {name} backend's settings ({b.help}); declared in `{b.executor.__module__}`."
                     for name, b in executors.backends().items() if b.section is not None}
-    out = [_banner("the dataclasses of `harness/config.py` and the backends' sections (`harness/executors`)"),
+    out = [_banner("the dataclasses of `harness/configschema.py` and the backends' sections (`harness/executors`)"),
            "# experiment.yaml reference\n\n",
            "Every key of `experiment.yaml`, with its type and default. Any key can also be set on the command\n"
            "line as `KEY=VALUE` (`train.lr=0.05`). The guide is [The experiment format](../experiment-format.md).\n\n"]

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: harness is this checkout's
     sys.path.insert(0, str(ROOT))
 
-from harness.config import Level  # noqa: E402  (after the path above)
+from harness.configschema import Level  # noqa: E402  (after the path above)
 from harness.runtime import checkpoint, determinism  # noqa: E402
 from harness.runtime.fingerprint import fingerprint, tensor_sha256  # noqa: E402
 

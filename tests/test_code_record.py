@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from conftest import Project, Result, git
 from harness.errors import EXIT_USAGE
-from harness.systems import git as gitsource
+from harness.systems import git as gitsource, gitworktree
 
 EXP = "experiments/linear_ddp"
 
@@ -341,7 +341,7 @@ def test_user_diff_config_does_not_change_the_patch(tmp_path: Path) -> None:
         git(root, "config", key, value)
     hostile = gitsource.inspect(root, max_untracked_mib=None)
     assert hostile.patch == plain.patch
-    with gitsource.worktree(root, hostile.commit, hostile.patch) as tree:
+    with gitworktree.worktree(root, hostile.commit, hostile.patch) as tree:
         assert _snapshot(tree) == _snapshot(root)
 
 
@@ -360,7 +360,7 @@ def test_file_converted_on_checkout_is_refused_at_replay(tmp_path: Path) -> None
     state = gitsource.inspect(root, max_untracked_mib=None)
     recorded, converted = gitsource.blob_id(b"1\n2\n"), gitsource.blob_id(b"1\r\n2\r\n")
     with pytest.raises(HarnessError) as err:
-        with gitsource.worktree(root, state.commit, state.patch):
+        with gitworktree.worktree(root, state.commit, state.patch):
             pass
     assert str(err.value) == (
         f"'x.dat' in the replay worktree is not what was recorded (mode 100644 blob {converted} instead of mode "
@@ -439,5 +439,5 @@ def test_patch_round_trips_any_tree(committed: dict, changes: list, added: dict)
 
         state = gitsource.inspect(root, max_untracked_mib=None, allow_secrets=True)
         assert git_bytes(root, "status", "--porcelain", "-z") == status  # the user's index is untouched
-        with gitsource.worktree(root, state.commit, state.patch) as tree:
+        with gitworktree.worktree(root, state.commit, state.patch) as tree:
             assert _snapshot(tree) == _snapshot(root)

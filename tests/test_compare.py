@@ -11,18 +11,8 @@ import pytest
 
 from harness import tags
 from harness.errors import HarnessError
-from harness.judge.compare import (
-    BITWISE,
-    DIVERGED,
-    NOTHING_TO_COMPARE,
-    VERDICTS,
-    WITHIN_TOLERANCE,
-    Comparison,
-    compare_runs,
-    format_tolerances,
-    judged_tolerance,
-    parse_tolerances,
-)
+from harness.judge.compare import BITWISE, DIVERGED, NOTHING_TO_COMPARE, VERDICTS, WITHIN_TOLERANCE, Comparison, compare_runs
+from harness.judge.tolerance import format_tolerances, judged_tolerance, parse_tolerances
 from harness.judge.delta import environment_delta
 from harness.judge.report import plot_metrics, render_markdown
 from harness.judge.text import comparison_lines

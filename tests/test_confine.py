@@ -18,7 +18,7 @@ from conftest import EXPERIMENTS, Project, git, make_project, mlflow_server
 from harness.commands import bundle
 from harness.record import confine
 from harness.systems import docker
-from harness.systems import git as gitsource
+from harness.systems import git as gitsource, gitworktree
 from harness.record import provenance
 from harness.record import redaction
 from harness.runtime import usermlflow
@@ -141,7 +141,7 @@ def test_a_commit_holding_a_git_path_is_one_line(tmp_path: Path) -> None:
     top = gitsource._run(repo, ["mktree"], stdin=f"040000 tree {sub}\t.git\n100644 blob {blob}\tok\n".encode())
     commit = git(repo, "commit-tree", top.decode().strip(), "-m", "x")
     with pytest.raises(HarnessError, match=r"cannot be checked out \(error: invalid path '\.git/config'\)") as err:
-        with gitsource.worktree(repo, commit, None, base=tmp_path):
+        with gitworktree.worktree(repo, commit, None, base=tmp_path):
             pass
     assert "\n" not in str(err.value)
     assert [p.name for p in tmp_path.iterdir()] == ["repo"]  # nothing left behind

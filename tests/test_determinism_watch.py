@@ -151,7 +151,7 @@ def test_watched_setters_behave_as_torch_s_own() -> None:
     # In a fresh interpreter: wrapping torch's setters must not leak into this test process's torch.
     code = '''
 import torch
-from harness.config import Level
+from harness.configschema import Level
 from harness.runtime import determinism as d
 w = d.start_watch(Level.off, d.set_determinism(Level.off))
 d.start_watch(Level.off, d.read_determinism(Level.off))  # twice: wrapped once
@@ -271,7 +271,7 @@ def test_settings_read_back_without_torch_s_legacy_getters() -> None:
     code = '''
 import warnings
 import torch
-from harness.config import Level
+from harness.configschema import Level
 from harness.runtime import determinism as d
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
@@ -303,7 +303,7 @@ def test_strict_pins_nvls_off_unless_the_user_set_it(users: str | None) -> None:
     # NVLink SHARP is not deterministic between calls (NVIDIA/nccl#1497); the user's own choice stays.
     code = '''
 import os
-from harness.config import Level
+from harness.configschema import Level
 from harness.runtime import determinism as d
 d.set_determinism(Level.off)
 print(os.environ.get("NCCL_NVLS_ENABLE"))

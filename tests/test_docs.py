@@ -52,7 +52,7 @@ def test_cli_reference_covers_every_visible_command() -> None:
 def test_schema_reference_has_every_key() -> None:
     import dataclasses
 
-    from harness.config import ExperimentConfig
+    from harness.configschema import ExperimentConfig
 
     text = GEN.SCHEMA_PAGE.read_text(encoding="utf-8")
     for f in dataclasses.fields(ExperimentConfig):

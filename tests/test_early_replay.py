@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from harness import tags
-from harness.judge.compare import BITWISE, DIVERGED, WITHIN_NOISE, compare_runs, judge_noise
+from harness.judge.compare import BITWISE, DIVERGED, WITHIN_NOISE, compare_runs
+from harness.judge.handoff import judge_noise
 from conftest import Project, pid_alive
 from records import clone, make_record
 

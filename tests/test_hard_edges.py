@@ -760,17 +760,17 @@ def test_a_worktree_left_by_a_killed_process_is_pruned_by_the_next(fresh_project
     """A replay SIGKILLed inside its worktree leaves it registered in the user's repository; the next command
     that checks out code removes it (and its folder), and leaves live ones alone."""
     project = fresh_project  # its own repository: a failure here must not leave a worktree in the shared one
-    from harness.systems import git as gitsource
+    from harness.systems import gitworktree
 
     commit = git(project.root, "rev-parse", "HEAD")
-    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom harness.systems import git as gitsource\n"
-            f"with gitsource.worktree(Path({str(project.root)!r}), {commit!r}, None) as tree:\n"
+    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom harness.systems import gitworktree\n"
+            f"with gitworktree.worktree(Path({str(project.root)!r}), {commit!r}, None) as tree:\n"
             "    print(tree, flush=True)\n    os.kill(os.getpid(), signal.SIGKILL)\n")
     killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     left = Path(killed.stdout.strip())
     assert killed.returncode == -signal.SIGKILL and left.is_dir()
     assert str(left) in git(project.root, "worktree", "list")
-    with gitsource.worktree(project.root, commit, None) as mine:
+    with gitworktree.worktree(project.root, commit, None) as mine:
         listed = git(project.root, "worktree", "list")
         assert str(left) not in listed and str(mine) in listed
     assert not left.exists() and not left.parent.exists()

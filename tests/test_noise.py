@@ -16,7 +16,8 @@ from scipy import stats
 
 from harness import tags
 from harness.judge import noise
-from harness.judge.compare import DIVERGED, INCONCLUSIVE, WITHIN_NOISE, compare_runs, judge_noise
+from harness.judge.compare import DIVERGED, INCONCLUSIVE, WITHIN_NOISE, compare_runs
+from harness.judge.handoff import judge_noise
 from harness.judge.report import render_markdown
 from conftest import OTHER_HARDWARE
 from records import clone, make_record

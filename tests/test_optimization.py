@@ -201,7 +201,7 @@ def test_a_run_without_optimizer_records_none_and_ctx_log_refuses_harness_names(
     messages = run_in_process(tmp_path, own_update)
     assert [m for m in messages if isinstance(m, Optimization)] == [Optimization(None)]
     assert not logged(messages, T.METRIC_LR)
-    from harness.record.recorder import optimization_tags
+    from harness.record.results import optimization_tags
 
     assert optimization_tags(Optimization(None)) == {T.OPTIMIZER: "none", T.LR_SCHEDULER: "none",
                                                     T.GRAD_SCALER: "none", T.AUTOCAST: "none"}

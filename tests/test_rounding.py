@@ -17,18 +17,10 @@ from records import clone, make_record, tol
 
 from harness import tags
 from harness.judge import noise, rounding
-from harness.judge.compare import (
-    DIVERGED,
-    INCONCLUSIVE,
-    KIND_ROUNDING,
-    WITHIN_NOISE,
-    WITHIN_ROUNDING,
-    WITHIN_TOLERANCE,
-    compare_runs,
-    judge_noise,
-    judge_rounding,
-)
+from harness.judge.compare import DIVERGED, INCONCLUSIVE, WITHIN_NOISE, WITHIN_ROUNDING, WITHIN_TOLERANCE, compare_runs
 from harness.judge.delta import environment_delta
+from harness.judge.handoff import judge_noise, judge_rounding
+from harness.judge.metricdiff import KIND_ROUNDING
 from harness.judge.report import render_markdown
 
 STEPS = np.arange(12, dtype=np.int64)

@@ -27,13 +27,10 @@ from harness.judge.compare import (
     WITHIN_TOLERANCE,
     Comparison,
     compare_runs,
-    format_tolerances,
-    judge_noise,
-    judge_rounding,
-    judged_tolerance,
     original_steps,
-    parse_tolerances,
 )
+from harness.judge.handoff import judge_noise, judge_rounding
+from harness.judge.tolerance import format_tolerances, judged_tolerance, parse_tolerances
 from harness.judge.verdicts import Policy, exit_code, meets
 from harness.record import derived, loading, redaction, seal
 from harness.record.calibration import envelope_of

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import events, executors, scratch, tags as T
-from harness.config import Launcher, compose, flatten, load_experiment, split_entry, to_container
+from harness.config import compose, flatten, load_experiment, split_entry, to_container
+from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology

@@ -23,7 +23,7 @@ from harness.executors import Job, JobInputs
 from harness.executors.base import Outcome, signals_to
 from harness.executors.launch import resolve_device
 from harness.fmt import text_table
-from harness.judge.compare import as_series
+from harness.judge.metricdiff import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
 from harness.judge.report import plot_file_name
 from harness.record import closing

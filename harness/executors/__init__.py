@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import config, events
+from harness import configschema, events
 from harness.errors import BackendError, UsageError
 from harness.executors.base import (
     Backend,
@@ -55,7 +55,7 @@ __all__ = [
 
 _REGISTRY: dict[str, Backend] = {}
 _loaded = False
-_schema: config.Schema | None = None  # built from the registry at first use, again after each register()
+_schema: configschema.Schema | None = None  # built from the registry at first use, again after each register()
 
 
 def _ensure_loaded() -> None:
@@ -76,13 +76,13 @@ def register(declared: Backend) -> None:
     _schema = None
 
 
-def schema() -> config.Schema:
+def schema() -> configschema.Schema:
     """The experiment schema the known backends make (each one's section after `executor`): what every function of
     harness.config that reads a config takes."""
     global _schema
     _ensure_loaded()
     if _schema is None:
-        _schema = config.Schema(tuple(config.BackendSchema(b.name, b.section, b.check) for b in _REGISTRY.values()))
+        _schema = configschema.Schema(tuple(configschema.BackendSchema(b.name, b.section, b.check) for b in _REGISTRY.values()))
     return _schema
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import events, shutdown
-from harness.config import Launcher as Method
+from harness.configschema import Launcher as Method
 from harness.errors import HarnessError
 from harness.executors import rankserver
 

@@ -1,7 +1,8 @@
-"""Judge a replay against its original run: per-metric comparison, fingerprints, the verdict.
+"""Judge a replay against its original run: the verdict over every metric and the fingerprints, and its evidence.
 
-What differs between the runs (and whether it rules out bitwise) is harness/judge/delta.py; the run-to-run
-noise a cross-hardware replay is judged against is harness/judge/noise.py.
+One metric held to its original's is harness/judge/metricdiff.py, the fingerprints harness/judge/fingerprints.py,
+the tolerance harness/judge/tolerance.py; what differs between the runs (and whether it rules out bitwise) is
+harness/judge/delta.py; a verdict handed on to a rounding envelope or a study's noise is harness/judge/handoff.py.
 """
 
 from __future__ import annotations
@@ -15,15 +16,26 @@ from typing import Any
 import numpy as np
 
 from harness import tags
-from harness.errors import UsageError
-from harness.fmt import fmt_pair, fmt_short, json_safe, step_list, the
-from harness.judge import noise, rounding
+from harness.fmt import fmt_short, json_safe, the
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
+from harness.judge.fingerprints import FingerprintStats, _compare_fingerprints
+from harness.judge.metricdiff import (
+    KIND_FINGERPRINT,
+    KIND_REPLAY_FAILED,
+    MLFLOW_STEP,
+    Divergence,
+    MetricStats,
+    _compare_metric,
+    _metric_only_in_one,
+    _upto,
+    as_series,
+)
 from harness.judge.noise import NoiseJudgement
 from harness.judge.perf import SpeedDelta, speed_delta
-from harness.judge.rounding import Envelope, RoundingJudgement
+from harness.judge.rounding import RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
+from harness.judge.tolerance import _tolerance_for, judged_tolerance, weights_may_differ
 from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
 from harness.records import RunRecord, own_metric
 
@@ -37,111 +49,6 @@ INCONCLUSIVE = Verdict.INCONCLUSIVE
 NOTHING_TO_COMPARE = Verdict.NOTHING_TO_COMPARE
 VERDICTS = tuple(Verdict)
 REPRODUCED = verdicts(Policy.REPRODUCED)  # exit 0
-
-# Divergence kinds.
-KIND_VALUE = "value"  # a metric left its tolerance at a step both runs logged
-KIND_MISSING_STEP = "missing_step"  # the original logged the step, the replay did not
-KIND_EXTRA_STEP = "extra_step"  # the replay logged a step the original did not
-KIND_MISSING_METRIC = "missing_metric"  # the metric exists in the original only
-KIND_EXTRA_METRIC = "extra_metric"  # the metric exists in the replay only
-KIND_FINGERPRINT = "fingerprint"
-KIND_REPLAY_FAILED = "replay_failed"
-KIND_ROUNDING = "rounding"  # a metric left a calibrated run's rounding envelope (rounding.py)
-
-
-# MLflow's SQL store writes +-inf as +-DBL_MAX; a record read back from its history cannot tell them apart.
-_CLAMPED = np.finfo(np.float64).max
-
-
-# Divergence.counts of a metric the script logged through MLflow itself: its steps are the script's own.
-MLFLOW_STEP = "MLflow step"
-
-
-@dataclass
-class Divergence:
-    """Where the replay first left the original."""
-
-    kind: str
-    step: int | None
-    metric: str | None = None
-    original: float | None = None
-    replay: float | None = None
-    abs_diff: float | None = None
-    rel_diff: float | None = None
-    detail: str = ""
-    counts: str | None = None  # what `step` counts when it is no training step: an evaluation's own index, or
-    # MLFLOW_STEP (the script logged the metric through MLflow itself: an epoch, MLflow's default 0)
-
-    def describe(self, labels: tuple[str, str] = ("original", "replay")) -> str:
-        """One human line, without the verdict; `labels` name the two runs (run A / run B for a plain compare)."""
-        a, b = labels
-        where = "the end" if self.step is None else f"{self.counts or 'step'} {self.step}"
-        if self.kind == KIND_VALUE:
-            return (
-                f"at {where}: {self.metric} {fmt_pair(self.original, self.replay)} "
-                f"(abs {fmt_short(self.abs_diff)}, rel {fmt_short(self.rel_diff)})"
-            )
-        if self.kind == KIND_MISSING_STEP:
-            return f"at {where}: {self.metric} logged by {the(a)} but not by {the(b)}"
-        if self.kind == KIND_EXTRA_STEP:
-            return f"at {where}: {self.metric} logged by {the(b)} but not by {the(a)}"
-        if self.kind == KIND_MISSING_METRIC:
-            return f"at {where}: metric {self.metric} missing from {the(b)}"
-        if self.kind == KIND_EXTRA_METRIC:
-            return f"at {where}: metric {self.metric} appears only in {the(b)}"
-        if self.kind == KIND_FINGERPRINT:
-            return f"at {where}: parameter fingerprints differ ({self.detail})"
-        if self.kind in (KIND_REPLAY_FAILED, KIND_ROUNDING):
-            return self.detail
-        return f"at {where}: {self.detail}"
-
-
-
-@dataclass
-class MetricStats:
-    """How one metric compares across the two runs."""
-
-    name: str
-    steps_compared: int  # steps logged by both runs
-    max_abs_diff: float  # nan when no step is shared, or some step has NaN on one side only
-    max_rel_diff: float
-    first_divergence: int | None
-    first_divergence_kind: str | None
-    bitwise_equal: bool
-    rtol: float
-    atol: float
-    missing_steps: int = 0  # in the original only
-    extra_steps: int = 0  # in the replay only
-    in_original: bool = True
-    in_replay: bool = True
-    # No step logged by both: each run's steps (fmt.step_list, "none" for a run that never logged it), so a reader is
-    # told where each logged it rather than "0 steps" and NaN diffs.
-    steps_apart: tuple[str, str] | None = None
-    evaluation: bool = False  # logged by an evaluation (validation, test), not by training
-    counts: str | None = None  # what its steps count when they are no training steps ("validation batch")
-
-    @property
-    def unit(self) -> str:
-        """What one of its compared steps is, plural: "steps", or "validation batches"."""
-        if self.counts is None:
-            return "steps"
-        return f"{self.counts}es" if self.counts.endswith(("s", "h")) else f"{self.counts}s"
-
-
-
-@dataclass
-class FingerprintStats:
-    """Parameter fingerprints over the union of fingerprinted steps, plus the final one."""
-
-    compared: int = 0
-    equal: int = 0
-    first_mismatch_step: int | None = None
-    final_equal: bool | None = None  # None when neither run has a final fingerprint
-
-    @property
-    def all_equal(self) -> bool:
-        return self.compared == self.equal
-
 
 
 @dataclass
@@ -308,247 +215,6 @@ class Comparison:
         `relation` says what `run_b` is to it: "replay" (a replay of it) or "independent" (two runs compared)."""
         return json_safe({"verdict": self.verdict, "summary": self.summary(), "exit_code": self.exit_code,
                           "relation": RELATION_REPLAY if self.of_replay else RELATION_INDEPENDENT, **asdict(self)})
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics
-
-
-# `--tolerance weights=any` (or replay.tolerance.weights: any): the parameters may differ where every metric stays
-# within its tolerance. A fingerprint is a digest, so weights are either held exact or left to the metrics.
-WEIGHTS = "weights"
-WEIGHTS_EXACT, WEIGHTS_ANY = "exact", "any"
-
-
-def default_tolerance(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """config["replay"]["tolerance"], or zero tolerance when the config has none."""
-    tol = ((config or {}).get("replay") or {}).get("tolerance")
-    if not tol:
-        return {"default": {"rtol": 0.0, "atol": 0.0}, "metrics": {}, WEIGHTS: WEIGHTS_EXACT}
-    return {"default": dict(tol.get("default") or {}), "metrics": {k: dict(v) for k, v in (tol.get("metrics") or {}).items()},
-            WEIGHTS: str(tol.get(WEIGHTS) or WEIGHTS_EXACT)}
-
-
-def weights_may_differ(tolerance: Mapping[str, Any]) -> bool:
-    """Whether the tolerance explicitly lets the parameters differ (else differing fingerprints are DIVERGED)."""
-    return tolerance.get(WEIGHTS) == WEIGHTS_ANY
-
-
-def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, Any]:
-    """--tolerance METRIC=ATOL[,RTOL] (repeatable) as {metric: {"atol": ..., "rtol": ...}}; RTOL defaults to 0.
-    `weights=any` / `weights=exact` sets how the parameters are held (entry WEIGHTS: "any" or "exact")."""
-    out: dict[str, Any] = {}
-    for spec in specs or ():
-        metric, sep, value = spec.partition("=")
-        metric = metric.strip()
-        if metric == WEIGHTS:
-            if value.strip() not in (WEIGHTS_ANY, WEIGHTS_EXACT) or WEIGHTS in out:
-                raise UsageError(f"--tolerance {spec!r}: weights take 'any' (the metrics decide, the parameters may "
-                                   "differ) or 'exact', once. Pass --tolerance weights=any.")
-            out[WEIGHTS] = value.strip()
-            continue
-        parts = value.split(",") if sep else []
-        try:
-            numbers = [float(x) for x in parts]
-        except ValueError:
-            numbers = []
-        if not metric or not 1 <= len(numbers) <= 2 or not all(math.isfinite(x) and x >= 0 for x in numbers):
-            raise UsageError(f"--tolerance {spec!r} is not METRIC=ATOL[,RTOL] with finite numbers >= 0. "
-                               "Pass e.g. --tolerance loss=1e-6 or --tolerance loss=1e-6,1e-4.")
-        if metric in out:
-            raise UsageError(f"--tolerance gives metric '{metric}' twice. Pass it once.")
-        out[metric] = {"atol": numbers[0], "rtol": numbers[1] if len(numbers) == 2 else 0.0}
-    return out
-
-
-def format_tolerances(given: Mapping[str, Any]) -> str:
-    """The inverse of parse_tolerances, as recorded in the tag harness.replay.tolerance: `loss=0.01,0.0 acc=...`."""
-    return " ".join(f"{m}={t}" if m == WEIGHTS else f"{m}={float(t['atol'])!r},{float(t['rtol'])!r}"
-                    for m, t in sorted(given.items()))
-
-
-def judged_tolerance(
-    original: RunRecord, replay: RunRecord, given: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """The tolerance a judgement uses - the one rule for `harness replay` and `harness compare`.
-
-    Run A's recorded replay.tolerance. When run B is a replay of A, B's own config instead (an
-    `--allow-changes replay.tolerance...` override is what the replay asked to be judged by) and the
-    --tolerance it was given (its tag), so comparing the two later gives the replay's verdict again.
-    Then `given` (this judgement's --tolerance) per metric on top. The per-metric overrides taken from
-    --tolerance are kept under "given", for the report.
-    """
-    of_replay = replay.facts.get(tags.REPLAY_OF) == original.run_id
-    tol = default_tolerance(replay.config if of_replay and replay.config else original.config)
-    recorded = replay.facts.get(tags.TOLERANCE) if of_replay else None
-    layered = {**parse_tolerances(recorded.split() if recorded else []), **(given or {})}
-    if WEIGHTS in layered:
-        tol[WEIGHTS] = layered[WEIGHTS]
-    tol["metrics"].update({m: dict(t) for m, t in layered.items() if m != WEIGHTS})
-    if layered:
-        tol["given"] = {m: t if m == WEIGHTS else dict(t) for m, t in layered.items()}
-    return tol
-
-
-def _tol_pair(entry: Mapping[str, Any] | None, where: str) -> tuple[float, float]:
-    entry = entry or {}
-    rtol, atol = float(entry.get("rtol", 0.0)), float(entry.get("atol", 0.0))
-    if not (rtol >= 0 and atol >= 0):  # also rejects NaN
-        raise ValueError(f"tolerance {where}: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
-    return rtol, atol
-
-
-def _tolerance_for(tolerance: Mapping[str, Any], metric: str) -> tuple[float, float]:
-    per_metric = tolerance.get("metrics") or {}
-    if metric in per_metric:
-        return _tol_pair(per_metric[metric], f"'{metric}'")
-    return _tol_pair(tolerance.get("default"), "default")
-
-
-def as_series(steps: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Steps int64 strictly ascending with float64 values; a step logged twice keeps its last value."""
-    s = np.asarray(steps, dtype=np.int64).ravel()
-    v = np.ascontiguousarray(values, dtype=np.float64).ravel()
-    if s.shape != v.shape:
-        raise ValueError(f"steps and values differ in length ({s.size} vs {v.size})")
-    if s.size > 1 and not bool(np.all(s[1:] > s[:-1])):
-        order = np.argsort(s, kind="stable")
-        s, v = s[order], v[order]
-        last = np.append(s[1:] != s[:-1], True)
-        s, v = s[last], v[last]
-    return s, v
-
-
-def _metric_only_in_one(name: str, steps: np.ndarray, values: np.ndarray, in_original: bool,
-                        rtol: float, atol: float) -> tuple[MetricStats, Divergence]:
-    kind = KIND_MISSING_METRIC if in_original else KIND_EXTRA_METRIC
-    step = int(steps[0])
-    value = float(values[0])
-    div = Divergence(kind, step, name, value if in_original else None, None if in_original else value)
-    stats = MetricStats(
-        name=name, steps_compared=0, max_abs_diff=math.nan, max_rel_diff=math.nan,
-        first_divergence=step, first_divergence_kind=kind, bitwise_equal=False, rtol=rtol, atol=atol,
-        missing_steps=int(steps.size) if in_original else 0, extra_steps=0 if in_original else int(steps.size),
-        in_original=in_original, in_replay=not in_original,
-        steps_apart=(step_list(steps.tolist()), "none") if in_original else ("none", step_list(steps.tolist())),
-    )
-    return stats, div
-
-
-def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, vb: np.ndarray,
-                    rtol: float, atol: float, clamped: tuple[bool, bool] = (False, False)) -> tuple[MetricStats, Divergence | None]:
-    if sa.size == sb.size and np.array_equal(sa, sb):
-        # The usual case: both runs logged the same steps, so no set operations are needed.
-        common, a, b = sa, va, vb
-        only_a = only_b = np.empty(0, dtype=np.int64)
-    else:
-        common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
-        a, b = va[ia], vb[ib]
-        only_a = np.setdiff1d(sa, sb, assume_unique=True)
-        only_b = np.setdiff1d(sb, sa, assume_unique=True)
-
-    # NaN on both sides is equal whatever its payload bits: the payload says nothing about the
-    # arithmetic. x86 returns a negative "default NaN" for an invalid operation, ARM a positive one,
-    # and which operand's payload survives NaN + NaN depends on an operand order that compilers
-    # may swap for a commutative op without changing any other result.
-    bit_equal = (a.view(np.int64) == b.view(np.int64)) | (np.isnan(a) & np.isnan(b))
-    for values, read_back_clamped in ((a, clamped[0]), (b, clamped[1])):
-        if read_back_clamped:
-            # +-DBL_MAX read from MLflow's history may have been +-inf: equal, but not provably bit-identical.
-            bit_equal &= np.abs(values) != _CLAMPED
-    # Equal values (including inf == inf and -0.0 == 0.0) and NaN on both sides are always
-    # within tolerance; the subtraction below would turn them into NaN.
-    same = (a == b) | (np.isnan(a) & np.isnan(b))
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        diff = np.abs(b - a)
-        diff[same] = 0.0
-        abs_a = np.abs(a)
-        # isfinite: an infinite difference must never pass, even where rtol * |inf| is inf.
-        ok = same | (np.isfinite(diff) & (diff <= atol + rtol * abs_a))
-        rel = diff / abs_a
-        rel[diff == 0.0] = 0.0
-
-    n = int(common.size)
-    max_abs = float(np.max(diff)) if n else math.nan
-    max_rel = float(np.max(rel)) if n else math.nan
-
-    candidates: list[tuple[int, Divergence]] = []
-    bad = ~ok
-    if n and bool(bad.any()):
-        i = int(np.argmax(bad))
-        candidates.append((int(common[i]), Divergence(
-            KIND_VALUE, int(common[i]), name, float(a[i]), float(b[i]), float(diff[i]), float(rel[i]))))
-    if only_a.size:
-        step = int(only_a[0])
-        value = float(va[np.searchsorted(sa, step)])
-        candidates.append((step, Divergence(KIND_MISSING_STEP, step, name, value, None)))
-    if only_b.size:
-        step = int(only_b[0])
-        value = float(vb[np.searchsorted(sb, step)])
-        candidates.append((step, Divergence(KIND_EXTRA_STEP, step, name, None, value)))
-    first = min(candidates, key=lambda c: c[0])[1] if candidates else None
-
-    stats = MetricStats(
-        name=name,
-        steps_compared=n,
-        max_abs_diff=max_abs,
-        max_rel_diff=max_rel,
-        first_divergence=first.step if first else None,
-        first_divergence_kind=first.kind if first else None,
-        bitwise_equal=bool(only_a.size == 0 and only_b.size == 0 and bit_equal.all()),
-        rtol=rtol,
-        atol=atol,
-        missing_steps=int(only_a.size),
-        extra_steps=int(only_b.size),
-        steps_apart=None if n else (step_list(sa.tolist()), step_list(sb.tolist())),
-    )
-    return stats, first
-
-
-def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bool = False,
-                          first: int | None = None) -> FingerprintStats:
-    """`first` (replay --steps K): only the fingerprints of steps < K, and the replay's last weights (after K steps)
-    held to the original's checkpoint of step K where one is recorded - the original's final weights are not K's."""
-    fa, fb = original.fingerprints, replay.fingerprints
-    if incomplete:
-        # Only the steps the original reached; it has no final fingerprint to hold the replay to.
-        last = max(fa, default=-1)
-        fb = {k: v for k, v in fb.items() if k <= last}
-    elif first is not None:
-        fa, fb = _upto(fa, first - 1), _upto(fb, first - 1)
-    stats = FingerprintStats()
-    for step in sorted(fa.keys() | fb.keys()):
-        stats.compared += 1
-        # A step fingerprinted by one run only is a mismatch: it cannot be shown equal.
-        if fa.get(step) is not None and fa.get(step) == fb.get(step):
-            stats.equal += 1
-        elif stats.first_mismatch_step is None:
-            stats.first_mismatch_step = int(step)
-    if first is not None:
-        held = original.checkpoints.get(first)
-        if held is not None:
-            stats.compared += 1
-            stats.final_equal = held == replay.final_fingerprint
-            stats.equal += int(stats.final_equal)
-    elif not incomplete and (original.final_fingerprint is not None or replay.final_fingerprint is not None):
-        stats.compared += 1
-        stats.final_equal = original.final_fingerprint == replay.final_fingerprint
-        stats.equal += int(stats.final_equal)
-    return stats
-
-
-def _upto(series: dict[Any, Any], last: int) -> dict[Any, Any]:
-    """Only what was logged at steps <= `last`: metric series (steps, values), or step -> fingerprint; a metric with
-    nothing left is dropped (it carries no evidence, as a key with no values does)."""
-    out: dict[Any, Any] = {}
-    for key, value in series.items():
-        if isinstance(value, tuple):
-            s, v = value
-            if s.size and s[0] <= last:
-                out[key] = (s[s <= last], v[s <= last])
-        elif key <= last:
-            out[key] = value
-    return out
 
 
 def evaluation_keys(*records: RunRecord) -> dict[str, str]:
@@ -790,120 +456,6 @@ def compare_runs(
         failed_alike=failed_alike,
         speed=speed_delta(original, replay, labels),
     )
-
-
-def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope) -> Comparison:
-    """A replay of a calibrated run that is not bit-identical, held step by step to the rounding envelope over the
-    envelope's first M steps. Inside at every judged value: WITHIN_ROUNDING where the envelope covered every step
-    compared, else the steps from M on are judged as without a calibration (the tolerance here, the seeds' noise by
-    the caller) and the line says so. Outside: DIVERGED at the first step outside, naming the metric and the envelope.
-
-    A failed replay, or one that logged other steps or metrics, stays as it is: rounding explains none of that.
-    """
-    if meets(cmp.verdict, Policy.SETTLED):
-        return cmp
-    if cmp.divergence is not None and cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
-        return cmp
-    if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
-        return cmp
-    first_steps = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
-    orig = {k: as_series(*v) for k, v in original.metrics.items()}
-    rep = {k: as_series(*v) for k, v in replay.metrics.items()}
-    if first_steps is not None:
-        orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
-    judged = rounding.judge(envelope, orig, rep)
-    m = envelope.steps
-    last = max((int(s[-1]) for s, _ in orig.values() if s.size), default=-1)
-    judged.covers_run = last < m and (first_steps is None or first_steps <= m)
-    if judged.judged_steps == 0:
-        cmp.notes.append(f"calibration {envelope.calibration_id} holds none of the metrics both runs logged in its "
-                         f"first {m} steps: not judged against its envelope")
-        return cmp
-    if envelope.weights_differed == 0 and not cmp.fingerprints.all_equal:
-        cmp.notes.append(f"the weights of calibration {envelope.calibration_id}'s members ended equal to the "
-                         "original's, so weights that differ here are not rounding's: not judged against its envelope")
-        return cmp
-    cmp.rounding = judged
-    outside = judged.first()
-    if outside is not None:
-        rel = outside.distance / abs(outside.original) if outside.original else math.inf
-        detail = (f"at step {outside.step}: {outside.describe()}, outside {judged.describe_envelope()} "
-                  f"(calibration {envelope.calibration_id})")
-        cmp.verdict = DIVERGED
-        cmp.divergence = Divergence(KIND_ROUNDING, outside.step, outside.metric, outside.original, outside.replay,
-                                    outside.distance, rel, detail)
-        return cmp
-    if judged.covers_run:
-        cmp.verdict, cmp.divergence = WITHIN_ROUNDING, None
-        return cmp
-    # The steps from M on, as without a calibration: metrics by the tolerance, weights by their fingerprints.
-    rest = [d for d in (_first_outside(name, orig[name], rep[name], cmp.tolerance, m) for name in sorted(orig) if name in rep)
-            if d is not None]
-    fps = cmp.fingerprints
-    late_fp = fps.first_mismatch_step is not None and fps.first_mismatch_step >= m or fps.final_equal is False
-    if rest:
-        cmp.verdict, cmp.divergence = DIVERGED, min(rest, key=lambda d: (d.step, d.metric or ""))
-    elif late_fp and not weights_may_differ(cmp.tolerance):
-        cmp.verdict = DIVERGED
-        cmp.divergence = Divergence(KIND_FINGERPRINT, None, detail=(
-            f"the weights after the first {m} steps differ (final {(original.final_fingerprint or 'none')[:12]} vs "
-            f"{(replay.final_fingerprint or 'none')[:12]}); --tolerance weights=any would let the metrics decide"))
-    else:
-        exact = all(_bitwise_from(orig[n], rep[n], m) for n in orig if n in rep) and not late_fp
-        cmp.verdict, cmp.divergence = (WITHIN_ROUNDING if exact else WITHIN_TOLERANCE), None
-    return cmp
-
-
-def _from(series: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray, np.ndarray]:
-    s, v = series
-    return s[s >= first], v[s >= first]
-
-
-def _first_outside(name: str, a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
-                   tol: Mapping[str, Any], first: int) -> Divergence | None:
-    """The first value at a step >= `first` outside the tolerance (the steps after a rounding envelope)."""
-    rtol, atol = _tolerance_for(tol, name)
-    _, div = _compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
-    return div
-
-
-def _bitwise_from(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], first: int) -> bool:
-    sa, va = _from(a, first)
-    sb, vb = _from(b, first)
-    return bool(np.array_equal(sa, sb) and np.array_equal(va.view(np.int64), vb.view(np.int64)))
-
-
-def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_id: str,
-                members: list[RunRecord]) -> Comparison:
-    """A DIVERGED replay of a study member, where bitwise was never possible, judged against the seeds' spread.
-
-    Only a difference in values can be noise: a replay that failed, or logged other steps or metrics,
-    stays DIVERGED. Neither can a difference where nothing changed (same environment, same config): that
-    is nondeterminism or a code change, which a new seed would not explain.
-    """
-    if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
-        return cmp  # (a replay outside a calibration's rounding envelope is KIND_ROUNDING: no seed explains it)
-    if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
-        return cmp
-    if cmp.bitwise_possible and not any(c.affects_result for c in cmp.config_delta):
-        cmp.notes.append(f"{the(cmp.labels[1])} ran in the same environment with the same config, so its "
-                         f"difference is not judged against the noise of study {study_id}: a new seed does not "
-                         "explain it (nondeterminism or a code change does)")
-        return cmp
-    # The curves by CURVE_POINTS segment means and their last value, not the final values alone: a change that shows
-    # early (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
-    # replay --steps K: every run's curve (the members' too) before step K only, the last point step K-1's value.
-    before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
-    skip = user_mlflow_metrics(original, replay) if before is not None else set()  # not at training steps (above)
-
-    def curves(rec: RunRecord) -> dict[str, Any]:
-        return {k: v for k, v in rec.metrics.items() if k not in skip}
-
-    cmp.noise = noise.judge_curves(study_id, curves(replay), curves(original), [curves(m) for m in members],
-                                   before=before)
-    if cmp.noise.within:
-        cmp.verdict = INCONCLUSIVE if cmp.noise.vacuous else WITHIN_NOISE
-    return cmp
 
 
 def _evaluation_only(metrics: list[MetricStats], own: list[str]) -> str:

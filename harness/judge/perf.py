@@ -1,7 +1,7 @@
 """Two runs' speed side by side: the step-time ratio, throughput and communication share, never part of a verdict.
 
 A verdict says whether the numbers reproduced; this says how fast they were computed. It reads only the
-`harness.perf.*` and `harness.profile.*` tags a run recorded (harness/record/recorder.py record_performance) and
+`harness.perf.*` and `harness.profile.*` tags a run recorded (harness/record/results.py record_performance) and
 its wall-clock series (RunRecord.performance), which the verdict never sees (records.wall_clock).
 """
 

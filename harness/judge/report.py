@@ -11,15 +11,9 @@ import numpy as np
 
 from harness import tags
 from harness.fmt import fmt_short, fmt_value, markdown_table
-from harness.judge.compare import (
-    BITWISE,
-    KIND_REPLAY_FAILED,
-    Comparison,
-    FirstSteps,
-    MetricStats,
-    as_series,
-)
+from harness.judge.compare import BITWISE, Comparison, FirstSteps
 from harness.judge.delta import summarized
+from harness.judge.metricdiff import KIND_REPLAY_FAILED, MetricStats, as_series
 from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.perf import step_series
 from harness.judge.text import given_tolerances, weights_line

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from harness.fmt import the
-from harness.judge.compare import BITWISE, WEIGHTS, Comparison, weights_may_differ
+from harness.judge.compare import BITWISE, Comparison
 from harness.judge.delta import summarized
+from harness.judge.tolerance import WEIGHTS, weights_may_differ
 
 
 def given_tolerances(cmp: Comparison) -> list[tuple[str, float, float]]:

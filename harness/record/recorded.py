@@ -18,7 +18,7 @@ from harness.errors import RepositoryError, RunRefused, UsageError
 from harness.executors import Job, JobInputs, Topology, schema
 from harness.record import confine, redaction
 from harness.store.tracking import RunSummary, Tracker
-from harness.systems import git as gitsource
+from harness.systems import git as gitsource, gitbundle, gitworktree
 
 
 def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
@@ -147,7 +147,7 @@ def checkout(
                 raise RepositoryError(f"commit {commit[:12]} is not in the repository at {repo or Path.cwd()}. "
                                    "Run this inside a clone that has it (git fetch).")
             path = confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)
-            with gitsource.worktree(root, commit, None, base) as tree:
+            with gitworktree.worktree(root, commit, None, base) as tree:
                 yield tree, tree / path
             return
         root = _code_source(stack, tracker, run, repo)
@@ -168,7 +168,7 @@ def _code_source(stack: contextlib.ExitStack, tracker: Tracker, run: RunSummary,
     tmp = stack.enter_context(scratch.folder("code-bundle"))
     bundle = tracker.download(run.run_id, T.ARTIFACT_CODE_BUNDLE, tmp)
     if bundle is not None:
-        return stack.enter_context(gitsource.repository_from_bundle(bundle, commit))
+        return stack.enter_context(gitbundle.repository_from_bundle(bundle, commit))
     if live is None:
         gitsource.open_repo(repo or Path.cwd())  # raises its one line: not inside a git repository
     url = run.tags.get(T.GIT_REPO_URL)
@@ -186,7 +186,7 @@ def _checkout_from(
     patch = None
     if run.tags.get(T.GIT_DIRTY) == "true":
         patch = _code_artifact(tracker, run, T.ARTIFACT_PATCH, T.GIT_PATCH_SHA256, "patch was", "was dirty")
-    with gitsource.worktree(root, commit, patch, base, recorded_submodules(tracker, run)) as tree:
+    with gitworktree.worktree(root, commit, patch, base, recorded_submodules(tracker, run)) as tree:
         yield tree, tree / confine.recorded_path(run.tags[T.EXPERIMENT_PATH], "experiment folder", run.run_id)
 
 

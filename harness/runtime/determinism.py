@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.backends import ContextProp
 
-from harness.config import Level
+from harness.configschema import Level
 from harness.messages import DeterminismChanged, SettingChange
 from harness.runtime.callsite import Sites
 

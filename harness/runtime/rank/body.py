@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.config import Level, load_module_function
+from harness.config import load_module_function
+from harness.configschema import Level
 from harness.errors import ExperimentError, HarnessError
 from harness.messages import Determinism, RankFacts
 from harness.runtime import perturb, usermlflow, userseed

@@ -1,0 +1,150 @@
+"""A comparison that is not bit-identical, handed on: to a calibrated run's rounding envelope (harness/judge/rounding.py)
+or to a study's run-to-run noise (harness/judge/noise.py), which may turn its verdict into another."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from harness.fmt import the
+from harness.judge import noise, rounding
+from harness.judge.compare import (
+    DIVERGED,
+    INCONCLUSIVE,
+    WITHIN_NOISE,
+    WITHIN_ROUNDING,
+    WITHIN_TOLERANCE,
+    Comparison,
+    FirstSteps,
+    user_mlflow_metrics,
+)
+from harness.judge.metricdiff import (
+    KIND_FINGERPRINT,
+    KIND_ROUNDING,
+    KIND_VALUE,
+    Divergence,
+    _compare_metric,
+    _upto,
+    as_series,
+)
+from harness.judge.rounding import Envelope
+from harness.judge.tolerance import _tolerance_for, weights_may_differ
+from harness.judge.verdicts import Policy, meets
+from harness.records import RunRecord
+
+
+def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope) -> Comparison:
+    """A replay of a calibrated run that is not bit-identical, held step by step to the rounding envelope over the
+    envelope's first M steps. Inside at every judged value: WITHIN_ROUNDING where the envelope covered every step
+    compared, else the steps from M on are judged as without a calibration (the tolerance here, the seeds' noise by
+    the caller) and the line says so. Outside: DIVERGED at the first step outside, naming the metric and the envelope.
+
+    A failed replay, or one that logged other steps or metrics, stays as it is: rounding explains none of that.
+    """
+    if meets(cmp.verdict, Policy.SETTLED):
+        return cmp
+    if cmp.divergence is not None and cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
+        return cmp
+    if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
+        return cmp
+    first_steps = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
+    orig = {k: as_series(*v) for k, v in original.metrics.items()}
+    rep = {k: as_series(*v) for k, v in replay.metrics.items()}
+    if first_steps is not None:
+        orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
+    judged = rounding.judge(envelope, orig, rep)
+    m = envelope.steps
+    last = max((int(s[-1]) for s, _ in orig.values() if s.size), default=-1)
+    judged.covers_run = last < m and (first_steps is None or first_steps <= m)
+    if judged.judged_steps == 0:
+        cmp.notes.append(f"calibration {envelope.calibration_id} holds none of the metrics both runs logged in its "
+                         f"first {m} steps: not judged against its envelope")
+        return cmp
+    if envelope.weights_differed == 0 and not cmp.fingerprints.all_equal:
+        cmp.notes.append(f"the weights of calibration {envelope.calibration_id}'s members ended equal to the "
+                         "original's, so weights that differ here are not rounding's: not judged against its envelope")
+        return cmp
+    cmp.rounding = judged
+    outside = judged.first()
+    if outside is not None:
+        rel = outside.distance / abs(outside.original) if outside.original else math.inf
+        detail = (f"at step {outside.step}: {outside.describe()}, outside {judged.describe_envelope()} "
+                  f"(calibration {envelope.calibration_id})")
+        cmp.verdict = DIVERGED
+        cmp.divergence = Divergence(KIND_ROUNDING, outside.step, outside.metric, outside.original, outside.replay,
+                                    outside.distance, rel, detail)
+        return cmp
+    if judged.covers_run:
+        cmp.verdict, cmp.divergence = WITHIN_ROUNDING, None
+        return cmp
+    # The steps from M on, as without a calibration: metrics by the tolerance, weights by their fingerprints.
+    rest = [d for d in (_first_outside(name, orig[name], rep[name], cmp.tolerance, m) for name in sorted(orig) if name in rep)
+            if d is not None]
+    fps = cmp.fingerprints
+    late_fp = fps.first_mismatch_step is not None and fps.first_mismatch_step >= m or fps.final_equal is False
+    if rest:
+        cmp.verdict, cmp.divergence = DIVERGED, min(rest, key=lambda d: (d.step, d.metric or ""))
+    elif late_fp and not weights_may_differ(cmp.tolerance):
+        cmp.verdict = DIVERGED
+        cmp.divergence = Divergence(KIND_FINGERPRINT, None, detail=(
+            f"the weights after the first {m} steps differ (final {(original.final_fingerprint or 'none')[:12]} vs "
+            f"{(replay.final_fingerprint or 'none')[:12]}); --tolerance weights=any would let the metrics decide"))
+    else:
+        exact = all(_bitwise_from(orig[n], rep[n], m) for n in orig if n in rep) and not late_fp
+        cmp.verdict, cmp.divergence = (WITHIN_ROUNDING if exact else WITHIN_TOLERANCE), None
+    return cmp
+
+
+def _from(series: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray, np.ndarray]:
+    s, v = series
+    return s[s >= first], v[s >= first]
+
+
+def _first_outside(name: str, a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
+                   tol: Mapping[str, Any], first: int) -> Divergence | None:
+    """The first value at a step >= `first` outside the tolerance (the steps after a rounding envelope)."""
+    rtol, atol = _tolerance_for(tol, name)
+    _, div = _compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
+    return div
+
+
+def _bitwise_from(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], first: int) -> bool:
+    sa, va = _from(a, first)
+    sb, vb = _from(b, first)
+    return bool(np.array_equal(sa, sb) and np.array_equal(va.view(np.int64), vb.view(np.int64)))
+
+
+def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_id: str,
+                members: list[RunRecord]) -> Comparison:
+    """A DIVERGED replay of a study member, where bitwise was never possible, judged against the seeds' spread.
+
+    Only a difference in values can be noise: a replay that failed, or logged other steps or metrics,
+    stays DIVERGED. Neither can a difference where nothing changed (same environment, same config): that
+    is nondeterminism or a code change, which a new seed would not explain.
+    """
+    if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
+        return cmp  # (a replay outside a calibration's rounding envelope is KIND_ROUNDING: no seed explains it)
+    if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
+        return cmp
+    if cmp.bitwise_possible and not any(c.affects_result for c in cmp.config_delta):
+        cmp.notes.append(f"{the(cmp.labels[1])} ran in the same environment with the same config, so its "
+                         f"difference is not judged against the noise of study {study_id}: a new seed does not "
+                         "explain it (nondeterminism or a code change does)")
+        return cmp
+    # The curves by CURVE_POINTS segment means and their last value, not the final values alone: a change that shows
+    # early (a learning rate) stands out before the seeds' spread grows (benchmarks/verdict_bench.py measures both).
+    # replay --steps K: every run's curve (the members' too) before step K only, the last point step K-1's value.
+    before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
+    skip = user_mlflow_metrics(original, replay) if before is not None else set()  # not at training steps (above)
+
+    def curves(rec: RunRecord) -> dict[str, Any]:
+        return {k: v for k, v in rec.metrics.items() if k not in skip}
+
+    cmp.noise = noise.judge_curves(study_id, curves(replay), curves(original), [curves(m) for m in members],
+                                   before=before)
+    if cmp.noise.within:
+        cmp.verdict = INCONCLUSIVE if cmp.noise.vacuous else WITHIN_NOISE
+    return cmp

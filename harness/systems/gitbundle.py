@@ -1,0 +1,76 @@
+"""A run's code as a `git bundle` (a bundle's one ref names the recorded commit, one more ref each submodule's) and
+the repository made back from one. Part of the one door to git, with harness/systems/git.py."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from harness import scratch
+from harness.errors import RepositoryError
+from harness.systems.git import Submodule, _object_format, _run, has_commit
+
+BUNDLE_REF = "refs/harness/recorded"  # the one ref of a run's code bundle, naming the recorded commit
+
+
+SUBMODULE_REFS = "refs/harness/submodules/"  # a code bundle's refs naming its submodules' commits, one each
+
+
+def _objects(root: Path) -> str:
+    return _run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
+
+
+def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Submodule] = ()) -> None:
+    """Write a git bundle holding `commit` and its history to `dest`: the code travels without the remote. With
+    `submodules`, each one's commit too (from its checkout under `root`), under SUBMODULE_REFS.
+
+    A bundle must name a ref; it is made in a scratch repository that borrows the objects of `root`
+    (git alternates), so the user's refs stay as they are.
+    """
+    if not has_commit(root, commit):
+        raise RepositoryError(
+            f"commit {commit[:12]} is not in the repository at {root}. Run the export inside a clone that has it."
+        )
+    alternates = [_objects(root)]
+    for sub in submodules:
+        sub_root = root / sub.path
+        if not ((sub_root / ".git").exists() and has_commit(sub_root, sub.commit)):
+            raise RepositoryError(
+                f"commit {sub.commit[:12]} of submodule '{sub.path}' is not in its checkout at {sub_root}. Run the "
+                f"export inside a clone whose submodules have it (git submodule update --init)."
+            )
+        alternates.append(_objects(sub_root))
+    with scratch.folder("bundle") as tmp:
+        bare = Path(tmp, "scratch.git")
+        _run(Path(tmp), ["init", "-q", "--bare", f"--object-format={_object_format(root)}", str(bare)])
+        (bare / "objects" / "info" / "alternates").write_text("".join(f"{a}\n" for a in alternates))
+        _run(bare, ["update-ref", BUNDLE_REF, commit])
+        refs = [BUNDLE_REF]
+        for index, sub in enumerate(submodules):
+            refs.append(f"{SUBMODULE_REFS}{index}")
+            _run(bare, ["update-ref", refs[-1], sub.commit])
+        _run(bare, ["bundle", "create", "-q", str(dest), *refs])
+
+
+@contextlib.contextmanager
+def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
+    """A temporary repository holding only what `bundle` holds; refused unless it contains `commit`."""
+    heads = _run(bundle.parent, ["bundle", "list-heads", str(bundle)]).split()
+    object_format = "sha256" if heads and len(heads[0]) == 64 else "sha1"
+    tmp = scratch.make("bundled")
+    try:
+        repo = tmp / "repo"
+        _run(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])
+        _run(repo, ["fetch", "-q", str(bundle), f"{BUNDLE_REF}:{BUNDLE_REF}"])
+        if any(h.startswith(SUBMODULE_REFS.encode()) for h in heads):  # the submodules' commits, when it carries them
+            _run(repo, ["fetch", "-q", str(bundle), f"{SUBMODULE_REFS}*:{SUBMODULE_REFS}*"])
+        if not has_commit(repo, commit):
+            raise RepositoryError(
+                f"the code bundle {bundle.name} does not hold the recorded commit {commit[:12]}. "
+                "Export the run again from a repository that has it."
+            )
+        yield repo
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

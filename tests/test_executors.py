@@ -18,13 +18,12 @@ from omegaconf import OmegaConf
 from conftest import CPU, TESTS_DIR, Project
 
 from harness import config, executors, tags as T
+from harness.cli import options as cli_options, running as cli_running
 from harness.errors import ConfigError, HarnessError
 from harness.executors import Backend, CliOption, Topology, topology_from_env
 from harness.executors.base import Executor
 from harness.executors.multinode import check_topology, differing
 
-# harness.cli exposes the function `main`, which shadows the module of that name.
-cli = importlib.import_module("harness.cli.main")
 
 
 def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_follow_the_registry() -> None:
@@ -41,8 +40,8 @@ def test_every_builtin_backend_is_one_module_declaring_it_and_config_and_cli_fol
     assert [n for n, b in executors.backends().items() if b.runs_segments] == list(executors.BUILTIN)
     flags = {o.flag for b in executors.backends().values() for o in b.cli}
     assert flags == {"--allow-unpinned", "--nodes", "--partition", "--time", "--gpus-per-node"}
-    assert {p.opts[0] for p in cli._backend_click_options("run")} == flags
-    assert "--allow-unpinned" not in {p.opts[0] for p in cli._backend_click_options("replay")}
+    assert {p.opts[0] for p in cli_options._backend_click_options("run")} == flags
+    assert "--allow-unpinned" not in {p.opts[0] for p in cli_options._backend_click_options("replay")}
     assert executors.options_for("docker", allow_unpinned=True, quiet=True) == \
         executors.backend("docker").options(quiet=True, allow_unpinned=True)  # type: ignore[call-arg]
     assert executors.options_for("local", allow_unpinned=True) == executors.JobOptions()
@@ -73,7 +72,7 @@ def test_a_backend_registered_in_process_brings_its_section_into_the_schema(monk
                                help="slots on a queue of its own",
                                cli=(CliOption("--queue", "queue_name", "queue: its name.", key="name"),)))
     # --executor's help is the registry's: every backend's own line, the new one's included.
-    for command in (cli.run, cli.replay):
+    for command in (cli_running.run, cli_running.replay):
         option = next(p for p in command.params if p.name == "executor")
         shown = option.get_help_record(click.Context(command))[1]
         assert "docker: inside the pinned image, by digest" in shown and "queue: slots on a queue of its own" in shown

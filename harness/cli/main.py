@@ -1,0 +1,44 @@
+"""The `harness` command group: its global options (--quiet, --verbose), and every command in it. The commands live
+by the order a user meets them (running.py, inspecting.py, moving.py); what they share in console.py and options.py.
+torch and mlflow load only when a command needs them.
+"""
+
+from __future__ import annotations
+
+import click
+
+from harness.cli import inspecting, moving, running
+from harness.cli.console import _Voice
+from harness.cli.help import OrderedGroup, teach
+
+
+@click.group(cls=OrderedGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ddp-harness")
+@click.option("-q", "--quiet", is_flag=True,
+              help="Say only warnings and errors on stderr: no progress, rank output, notices or links.")
+@click.option("-v", "--verbose", is_flag=True, help="With an error, also print its traceback (for a bug report).")
+def main(quiet: bool, verbose: bool) -> None:
+    """Run PyTorch DDP experiments so that they can be replayed and judged bit for bit.
+
+    A run id may be given as a unique prefix of at least 6 of its hex digits (`harness replay 1a2b3c4d`).
+    Every command that prints a result takes --json: one JSON document on stdout (docs/json.md).
+
+    Exit codes: 0 success / reproduced, 1 training failed / diverged / nothing to compare, 2 bad input,
+    130 interrupted (SIGINT), 143 terminated (SIGTERM).
+    """
+    if quiet and verbose:
+        raise click.UsageError("--quiet and --verbose contradict each other; pass one.")
+    _Voice.quiet, _Voice.verbose = quiet, verbose
+
+
+# Every click command the command modules define, in their order (`harness --help` lists them in help.ORDER): a
+# command added to one of them is in the group without a second list to keep.
+for _commands in (running, inspecting, moving):
+    for _command in vars(_commands).values():
+        if isinstance(_command, click.Command):
+            main.add_command(_command)
+
+teach(main)
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,131 @@
+"""The commands that move and sign records: export a run to a bundle, import one, attest a run, verify an
+attestation."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+
+from harness.cli.console import _draw, _emit, _expected_errors, _say
+from harness.cli.options import _TRACKING_HELP, _json_option
+
+
+@click.command(name="export")
+@click.argument("run_id")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The bundle to write (.tar.gz).")
+@click.option("--with-checkpoints", is_flag=True, help="Include the run's checkpoints (left out by default: big).")
+@click.option("--with-image", is_flag=True, help="Include the pinned image (docker save); import loads it.")
+@click.option("--with-data", is_flag=True,
+              help="Include the declared data's files, checked against their recorded sha256 (left out by default).")
+@click.option("--sign", "sign_key", type=click.Path(path_type=Path), default=None,
+              help="An ed25519 private key (PEM): also write OUTPUT.intoto.json, a signed attestation of the run.")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
+@_expected_errors
+def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool,
+            sign_key: Path | None, tracking_uri: str | None, as_json: bool) -> None:
+    """Write RUN_ID, its code and its replays to one portable bundle.
+
+    The bundle holds the run's record (params, tags, every metric write with its step and timestamp,
+    artifacts), a git bundle of the recorded commit, the replays of the run, and a manifest with the
+    sha256 of every member. Run it inside a clone that has the recorded commit. Exit 0 written, 2 bad input
+    (nothing written).
+    """
+    from harness.commands import api, documents
+
+    result = api.export(api.ExportOptions(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image,
+                                          with_data=with_data, sign_key=sign_key, tracking_uri=tracking_uri,
+                                          on_event=_draw))
+    image = f", image {result.image}" if result.image else ""
+    _say(f"Exported run {result.run_id} ({len(result.replays)} replays{image}): {result.members} files, "
+         f"{result.size} bytes.")
+    if result.signed is not None:
+        _say(f"Signed attestation: {result.signed}")
+    if as_json:
+        _emit(documents.export(result, None if result.signed is None else str(result.signed)))
+    click.echo(str(result.path))
+
+
+@click.command(name="import")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the bundle's declared data goes (default ./harness-data/ORIGINAL_RUN_ID).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
+@_expected_errors
+def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_json: bool) -> None:
+    """Verify BUNDLE (from `harness export`) and import its run and replays into this store.
+
+    Every member is checked against the manifest before anything is written: a bundle with an altered
+    or unlisted member, an absolute or `..` name, a link, device or fifo, a member larger than listed,
+    or a newer format is refused whole. The run keeps its original id as the tag harness.imported_from,
+    its metrics, steps and timestamps; `harness replay` then takes its code from the bundled commit.
+    An image in the bundle is loaded into the local engine. Importing the same run again writes nothing.
+    Prints the run id in this store as the last line. Exit 0 imported or already there, 2 refused.
+    """
+    from harness.commands import api, documents
+
+    result = api.import_(api.ImportOptions(bundle, data_dir=data_dir, tracking_uri=tracking_uri, on_event=_draw))
+    if result.already:
+        _say(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.")
+    else:
+        image = f"; image {result.image} loaded" if result.image else ""
+        _say(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.")
+    if result.data:
+        # Quoted for a shell: the command is meant to be pasted, and data folders often hold spaces.
+        where = shlex.join(["replay", result.run_id, *(w for name, path in sorted(result.data.items())
+                                                       for w in ("--data", f"{name}={path}"))])
+        _say(f"Its declared data is in {', '.join(result.data.values())}: harness {where}")
+    if as_json:
+        _emit(documents.import_(result))
+    click.echo(result.run_id)
+
+
+@click.command()
+@click.argument("run_id")
+@click.option("--key", type=click.Path(path_type=Path), required=True, help="The ed25519 private key (PEM) to sign with.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The attestation to write (.json).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
+@_expected_errors
+def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_json: bool) -> None:
+    """Sign an attestation of sealed run RUN_ID with a key the store does not hold.
+
+    The attestation is an in-toto Statement (subject: the final weights' digest, harness.fingerprint;
+    predicate: the run's id, status, seal and commit) in a DSSE envelope signed with ed25519. Check it with
+    `harness verify-record RUN_ID --attestation FILE --key PUBLIC.pem`. Exit 0 written, 2 bad input (an edited
+    or unsealed run, no final weights, a key that is not ed25519).
+    """
+    from harness.commands import api, documents
+
+    done = api.attest(api.AttestOptions(run_id, key, output, tracking_uri=tracking_uri, on_event=_draw))
+    if as_json:
+        _emit(documents.attest(done.run_id, str(done.path)))
+    click.echo(str(done.path))
+
+
+@click.command(name="verify-record")
+@click.argument("run_id")
+@click.option("--attestation", type=click.Path(path_type=Path), required=True, help="From `harness attest` or `export --sign`.")
+@click.option("--key", type=click.Path(path_type=Path), required=True, help="The signer's ed25519 public key (PEM).")
+@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@_json_option
+@_expected_errors
+def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str | None, as_json: bool) -> None:
+    """Check that RUN_ID is the run an attestation signed by KEY attests, and unchanged since.
+
+    The signature must verify with KEY, the run's seal must hold and be the attested one (an imported copy of
+    the attested run: its seal must hold), and its final weights' digest must be the attested subject. Exit 0
+    holds, 2 refused (one line saying which check failed).
+    """
+    from harness.commands import api, documents
+
+    held = api.verify_record(api.VerifyRecordOptions(run_id, attestation, key, tracking_uri=tracking_uri,
+                                                     on_event=_draw))
+    run_id, doc = held.run_id, held.statement
+    if as_json:
+        _emit(documents.verify_record(run_id, doc))
+    click.echo(f"Run {run_id} is the attested run {doc['predicate']['run_id']}, unchanged: final weights sha256 "
+               f"{doc['subject'][0]['digest']['sha256']}.")

@@ -7,7 +7,8 @@ four orders of magnitude below any real change for the first steps (docs/verdict
 
 `harness calibrate` measures that reference directly, as the climate models' ensemble consistency tests do: K
 members re-execute the first M steps with the same seed, config and data, each with every weight nudged by one ulp
-(harness/runtime/perturb.py). Per metric and step, the envelope is how far the members landed from the original.
+and on its share of the machine's other CPU kernels (harness/runtime/perturb.py). Per metric and step, the envelope is
+how far the members landed from the original.
 A replay is inside when, at every judged step, its distance from the original is within
 
     SAFETY x (the widest member's relative distance at this step or any earlier one) x |original value|

@@ -153,7 +153,7 @@ OWN_METRIC_PREFIX = "harness."
 METRIC_LR = "harness.lr"  # param group 0's learning rate as the step used it; harness.lr.group<i> for group i > 0
 METRIC_GRAD_SCALE = "harness.amp.scale"  # the GradScaler's scale the step's loss was multiplied by
 # Wall-clock measurements (harness/runtime/perf.py): logged as metrics under this prefix so that the MLflow UI draws
-# the step-time curve, and never judged: harness/records.py `wall_clock` keeps them out of every verdict (a run's
+# the step-time curve, and never judged: harness/rundata.py `wall_clock` keeps them out of every verdict (a run's
 # record holds them apart, RunRecord.performance). Steps after warm-up, profiled steps left out.
 PERF_PREFIX = "harness.perf."
 METRIC_STEP_S = "harness.perf.step_s"  # rank 0's wall time of each step, in seconds

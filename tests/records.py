@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness import tags
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 
 FACTS = {
     tags.VERSION: "0.1.0",

@@ -21,7 +21,7 @@ from harness import events
 from harness.commands.resume import _hold_to_checkpoint, _provable_step
 from harness.executors.base import SegmentReport
 from harness.record.checkpoints import CheckpointStore
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 from harness.runtime import checkpoint as ck, loaders
 from harness.errors import HarnessError
 from harness.runtime.fingerprint import fingerprint

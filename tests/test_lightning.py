@@ -14,7 +14,7 @@ import pytest
 from conftest import Project, make_project
 
 from harness import tags as T
-from harness.records import wall_clock
+from harness.rundata import wall_clock
 
 try:
     import lightning  # noqa: F401  (only whether it is there)

@@ -19,7 +19,7 @@ from harness import tags as T
 from harness.errors import EXIT_USAGE, HarnessError, RunNotFound, RunRefused
 from harness.judge import reproduced
 from harness.record import closing, derived, loading, seal
-from harness.records import RunSummary, same_value
+from harness.rundata import RunSummary, same_value
 from harness.store.tracking import Tracker
 
 RID = "abc123"

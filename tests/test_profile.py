@@ -22,7 +22,7 @@ from harness.commands.verify import judge, judge_replay
 from harness.errors import HarnessError
 from harness.judge.claims import Claim, Printed, Source
 from harness.judge.compare import BITWISE, compare_runs
-from harness.records import RunSummary
+from harness.rundata import RunSummary
 from harness.runtime.perf import StepTimer, covered, is_communication, summary
 from harness.runtime.plan import ProfilePlan
 from harness.store.tracking import Tracker

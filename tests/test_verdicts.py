@@ -57,7 +57,7 @@ def test_a_verdict_reads_as_its_name_wherever_it_is_written() -> None:
 
 
 def _replay(verdict: str) -> object:
-    from harness.records import RunSummary
+    from harness.rundata import RunSummary
     from harness.tags import KIND, KIND_REPLAY, REPLAY_OF, VERDICT
 
     return RunSummary(run_id=verdict, experiment="e", experiment_id="1", run_name="r", status="FINISHED", start_time=0,

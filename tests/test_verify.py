@@ -15,7 +15,7 @@ from conftest import OTHER_HARDWARE, Project
 from harness.commands.verify import judge, judge_replay
 from harness.judge.claims import Claim, Source, load_claims, parse_printed, possible_typo, prints_as
 from harness.judge.verify_report import rows, why
-from harness.records import RunSummary
+from harness.rundata import RunSummary
 from records import make_record
 from harness.errors import HarnessError
 

@@ -27,7 +27,7 @@ from harness.judge.compare import DIVERGED, NOTHING_TO_COMPARE, Comparison, comp
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
 from harness.judge.verdicts import Policy, verdicts
 from harness.record import derived, loading
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
 

@@ -37,7 +37,7 @@ from harness.errors import DataChanged, HarnessError, RepositoryError, RunRefuse
 from harness.judge.compare import follows, judged_again
 from harness.record import closing, data, loading, seal
 from harness.record.data import sha256_file
-from harness.record.recorded import recorded_submodules
+from harness.record.rerun import recorded_submodules
 from harness.store.failures import unwritable
 from harness.store.reach import exclusive
 from harness.store.tracking import Tracker, import_complete

@@ -27,7 +27,7 @@ from harness.executors import Outcome
 from harness.fmt import json_safe
 from harness.judge.compare import Comparison
 from harness.judge.verdicts import Policy, listed
-from harness.records import RunSummary
+from harness.rundata import RunSummary
 
 if TYPE_CHECKING:  # audit loads torch at import; its result is only read here (compare stays light)
     from harness.commands.audit import AuditResult

@@ -20,7 +20,7 @@ from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import plain_name, printable
 from harness.record import confine, loading, redaction
 from harness.record.newrun import PARAM_LIMIT, Labels, create_record, data_paths, experiment_name, fit_params
-from harness.record.recorded import git_code_id, recorded_config, tags_code_id
+from harness.record.rerun import git_code_id, recorded_config, tags_code_id
 from harness.store.reach import local_paths, probe_store, resolve_uri, store_timeout
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource

@@ -30,10 +30,10 @@ from harness.errors import BackendError, UsageError
 from harness.executors.base import (
     Backend,
     CliOption,
-    Event,
     Executor,
     Handle,
     Job,
+    JobEvent,
     JobInputs,
     JobOptions,
     Outcome,
@@ -48,7 +48,7 @@ BUILTIN = ("local", "docker", "slurm")  # each is a module of this package decla
 ENTRY_POINTS = "harness.executors"  # the entry-point group of outside backends
 
 __all__ = [
-    "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "Event", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
+    "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "JobEvent", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
     "Outcome", "Output", "Submitted", "Topology", "backend", "backends", "get", "options_for", "register", "run",
     "check_segments", "executing", "run_job", "run_segments", "schema", "topology_from_env",
 ]
@@ -148,7 +148,7 @@ def executing(name: str) -> Executor:
     return get(backend(name).executes or name)
 
 
-def run(job: Job, on_event: Callable[[Event], None] | None = None) -> Outcome:
+def run(job: Job, on_event: Callable[[JobEvent], None] | None = None) -> Outcome:
     """Run `job` on the backend its config names; when torchrun started this process, as its rank."""
     if job.topology.launcher == "torchrun":
         from harness.executors.torchrun import TorchrunExecutor

@@ -46,7 +46,9 @@ class Outcome:
     fingerprints: dict[int, str] = field(default_factory=dict)
 
 
-Event = Message | Output | Submitted
+# What a job reports while it runs (rank 0's messages, output a backend relays, a submission): not harness.events.Event,
+# which is what the library says to whoever listens.
+JobEvent = Message | Output | Submitted
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,7 @@ class Executor(ABC):
         return {}
 
     @abstractmethod
-    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+    def start(self, job: Job, on_event: Callable[[JobEvent], None]) -> Handle:
         """Record the run if `job.record` says so, start the ranks, return without waiting."""
 
     def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:
@@ -262,7 +264,7 @@ class Backend:
 
 
 def run_job(
-    executor: Executor, job: Job, on_event: Callable[[Event], None] | None = None,
+    executor: Executor, job: Job, on_event: Callable[[JobEvent], None] | None = None,
     on_start: Callable[[Handle], None] | None = None,
 ) -> Outcome:
     """Prepare, start, stream, wait; SIGINT and SIGTERM cancel the job instead of killing this process.
@@ -290,7 +292,7 @@ def run_job(
         return handle[0].wait()
 
 
-def _emit_output(event: Event) -> None:
+def _emit_output(event: JobEvent) -> None:
     # What a backend says of its job (a container's output, a batch job's id) goes to whoever listens.
     if isinstance(event, Output | Submitted):
         events.emit(event)

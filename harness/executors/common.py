@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from harness import events, tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
-from harness.executors.base import FAILED, FINISHED, KILLED, PENDING, RUNNING, Event, Handle, Job, Outcome
+from harness.executors.base import FAILED, FINISHED, KILLED, PENDING, RUNNING, Handle, Job, JobEvent, Outcome
 from harness.executors.failures import failure_details, killed_by
 from harness.executors.follow import Follower
 from harness.executors.launch import resolve_device
@@ -139,7 +139,7 @@ def record_and_publish(job: Job, node: Node, tags: dict[str, str], nodes: dict[i
 
 
 def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run: RunRanks,
-                 on_event: Callable[[Event], None], closing: Callable[[], None]) -> Outcome:
+                 on_event: Callable[[JobEvent], None], closing: Callable[[], None]) -> Outcome:
     """The side that runs rank 0: the ranks run by `run`, rank 0's messages fed to the job's recorder (and passed
     on to `on_event`), the run closed. `closing()` is called once the ranks have ended, before the record is
     closed; `node`: the job's rendezvous when it spans several nodes (or torchrun's ranks)."""
@@ -191,7 +191,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
 
 
 def ranks_only(job: Job, work: Path, node: Node, spec_for: SpecFor, run: RunRanks,
-               on_event: Callable[[Event], None], closing: Callable[[], None]) -> Outcome:
+               on_event: Callable[[JobEvent], None], closing: Callable[[], None]) -> Outcome:
     """Any other node (or torchrun rank): its ranks run by `run` against the run node 0 records; their logs
     go to node 0, which writes the one record."""
     cfg = job.cfg
@@ -232,7 +232,7 @@ class RanksHandle(Handle):
     (record_ranks), any other only runs its ranks (ranks_only). A backend says which node this is and how its
     ranks start (`_spec`, `_launch`)."""
 
-    def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str], work: Path) -> None:
+    def __init__(self, job: Job, on_event: Callable[[JobEvent], None], placement: dict[str, str], work: Path) -> None:
         self.job = job
         self.on_event = on_event
         self.placement = placement

@@ -24,8 +24,8 @@ from harness.executors.base import (
     RUNNING,
     Backend,
     CliOption,
-    Event,
     Job,
+    JobEvent,
     JobOptions,
 )
 from harness.executors.remote import Ended, RemoteExecutor, RemoteHandle, execute_command
@@ -200,7 +200,7 @@ class DockerExecutor(RemoteExecutor):
                                           f"recorded digest {digest} runs."))
         return image_tags(self.pinned)
 
-    def launch(self, job: Job, on_event: Callable[[Event], None], code: contextlib.ExitStack) -> RemoteHandle:
+    def launch(self, job: Job, on_event: Callable[[JobEvent], None], code: contextlib.ExitStack) -> RemoteHandle:
         # The code is mounted as it is (the repository root, or the replay's worktree): it needs no checkout.
         return ContainerHandle(job, self.pinned)
 

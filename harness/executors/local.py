@@ -21,10 +21,10 @@ from harness.errors import Interrupted, RunFailed
 from harness.executors import procs
 from harness.executors.base import (
     Backend,
-    Event,
     Executor,
     Handle,
     Job,
+    JobEvent,
 )
 from harness.executors.common import (
     RanksHandle,
@@ -70,7 +70,7 @@ class LocalExecutor(Executor):
         procs.check_main_guarded()  # the ranks start in this process: before the run is recorded
         return local_image_tags(str(job.cfg.image))
 
-    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+    def start(self, job: Job, on_event: Callable[[JobEvent], None]) -> Handle:
         handle = LocalHandle(job, on_event, job.placement)
         handle.start()
         return handle
@@ -94,7 +94,7 @@ BACKEND = Backend(
 class LocalHandle(RanksHandle):
     """This node's ranks; on the node that runs rank 0, their messages go to the job's recorder."""
 
-    def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str]) -> None:
+    def __init__(self, job: Job, on_event: Callable[[JobEvent], None], placement: dict[str, str]) -> None:
         # Ranks started before the record already write their logs into <work>/logs.
         work = Path(job.ranks.log_dir).parent if job.ranks is not None else scratch.make("run")
         super().__init__(job, on_event, placement, work)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from harness import events, tags as T
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted
-from harness.executors.base import Event, Executor, Handle, Job, Outcome
+from harness.executors.base import Executor, Handle, Job, JobEvent, Outcome
 from harness.executors.local import LocalExecutor
 from harness.messages import Message
 from harness.record import closing
@@ -54,7 +54,7 @@ class Ended:
 class RemoteExecutor(Executor):
     """Records the run, launches the job elsewhere; a launch that fails closes the run FAILED with its reason."""
 
-    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+    def start(self, job: Job, on_event: Callable[[JobEvent], None]) -> Handle:
         if job.record is not None:
             job.run_id = job.record(job.placement)
         code = contextlib.ExitStack()  # what the job needs until it ends (a checkout of its code); closed by wait()
@@ -66,7 +66,7 @@ class RemoteExecutor(Executor):
             raise
 
     @abstractmethod
-    def launch(self, job: Job, on_event: Callable[[Event], None], code: contextlib.ExitStack) -> RemoteHandle:
+    def launch(self, job: Job, on_event: Callable[[JobEvent], None], code: contextlib.ExitStack) -> RemoteHandle:
         """Start the recorded job `job.run_id` elsewhere, running `execute_command`; `code` holds what it needs
         until it ends."""
 

@@ -37,8 +37,8 @@ from harness.executors.base import (
     RUNNING,
     Backend,
     CliOption,
-    Event,
     Job,
+    JobEvent,
     Output,
     Submitted,
     Topology,
@@ -46,7 +46,7 @@ from harness.executors.base import (
 from harness.executors.common import local_image_tags
 from harness.executors.multinode import node_topology
 from harness.executors.remote import Ended, RemoteExecutor, RemoteHandle, execute_command, this_python
-from harness.record.recorded import checkout
+from harness.record.rerun import checkout
 from harness.store.reach import database_file
 
 
@@ -171,7 +171,7 @@ class SlurmExecutor(RemoteExecutor):
         tags[T.IMAGE_NOTE] = "ran on the Slurm nodes' own environment, outside the pinned image"
         return tags
 
-    def launch(self, job: Job, on_event: Callable[[Event], None], code: contextlib.ExitStack) -> RemoteHandle:
+    def launch(self, job: Job, on_event: Callable[[JobEvent], None], code: contextlib.ExitStack) -> RemoteHandle:
         folder = job_dir(job.run_id)
         # The nodes run the recorded code from a worktree in the job's folder (which they all see),
         # never the live working tree, which may change while the job waits in the queue.
@@ -217,7 +217,7 @@ def job_state(job_id: str) -> tuple[str, str]:
 
 class SlurmHandle(RemoteHandle):
     def __init__(
-        self, job: Job, job_id: str, output: Path, on_event: Callable[[Event], None], code: contextlib.ExitStack
+        self, job: Job, job_id: str, output: Path, on_event: Callable[[JobEvent], None], code: contextlib.ExitStack
     ) -> None:
         super().__init__(job, code)
         self.job_id, self.output, self.on_event = job_id, output, on_event

@@ -23,10 +23,10 @@ from typing import Any
 from harness import scratch, tags as T
 from harness.errors import BackendError, HarnessError, Interrupted, RunFailed
 from harness.executors.base import (
-    Event,
     Executor,
     Handle,
     Job,
+    JobEvent,
     Topology,
 )
 from harness.executors.common import (
@@ -138,7 +138,7 @@ class TorchrunExecutor(Executor):
         self.env = env
         return local_image_tags(str(job.cfg.image))
 
-    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+    def start(self, job: Job, on_event: Callable[[JobEvent], None]) -> Handle:
         handle = TorchrunHandle(job, on_event, job.placement, self.env)
         handle.start()
         return handle
@@ -168,7 +168,7 @@ class _Channel:
 class TorchrunHandle(RanksHandle):
     """This process's one rank; on global rank 0, its messages go to the job's recorder."""
 
-    def __init__(self, job: Job, on_event: Callable[[Event], None], placement: dict[str, str], env: TorchrunEnv) -> None:
+    def __init__(self, job: Job, on_event: Callable[[JobEvent], None], placement: dict[str, str], env: TorchrunEnv) -> None:
         super().__init__(job, on_event, placement, scratch.make("run"))
         self.env = env
         self.training = False  # the rank's body runs in this thread: a signal now interrupts it

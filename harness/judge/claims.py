@@ -15,7 +15,7 @@ from harness.errors import HarnessError, UsageError
 from harness.fmt import json_float
 from harness.judge.compare import WITHIN_NOISE
 from harness.judge.perf import MEDIAN_OF
-from harness.records import RunRecord, RunSummary, wall_clock
+from harness.rundata import RunRecord, RunSummary, wall_clock
 
 VALUES = ("final", "max", "min")  # per run: the value at the last step, or the best over all steps
 STATISTICS = ("mean", "median", "min", "max")  # over a study's seeds

@@ -37,7 +37,7 @@ from harness.judge.rounding import RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
 from harness.judge.tolerance import _tolerance_for, judged_tolerance, weights_may_differ
 from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
-from harness.records import RunRecord, own_metric
+from harness.rundata import RunRecord, own_metric
 
 # The verdicts, by their names here too (harness/judge/verdicts.py holds them, their exit codes and policies).
 BITWISE = Verdict.BITWISE
@@ -251,7 +251,7 @@ def _as_far(series: dict[str, Any], other: dict[str, Any], keys: Mapping[str, st
 
 
 def user_mlflow_metrics(*records: RunRecord) -> set[str]:
-    """The keys the training code logged through MLflow itself, in any of `records`."""
+    """The keys the training code logged through MLflow itself, in any of `rundata`."""
     return {k for rec in records for k in rec.facts.get(tags.USER_MLFLOW_METRICS, "").split(",") if k}
 
 

@@ -14,7 +14,7 @@ from harness import tags
 from harness.config import flatten
 from harness.fmt import the
 from harness.messages import SettingChange
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 
 # Keys that decide how a run is recorded, watched or judged, not what it computes.
 _NO_EFFECT_KEYS: frozenset[str] = frozenset(

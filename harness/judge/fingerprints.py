@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.judge.metricdiff import _upto
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 
 
 @dataclass

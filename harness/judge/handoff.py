@@ -33,7 +33,7 @@ from harness.judge.metricdiff import (
 from harness.judge.rounding import Envelope
 from harness.judge.tolerance import _tolerance_for, weights_may_differ
 from harness.judge.verdicts import Policy, meets
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 
 
 def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope) -> Comparison:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from harness.records import own_metric
+from harness.rundata import own_metric
 
 MIN_SEEDS = 3  # below this a spread is no estimate: t(1, .975) = 12.7 makes any interval meaningless
 _LEVEL = 0.95  # the study summary's descriptive intervals (ci95, pi95)

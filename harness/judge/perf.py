@@ -2,7 +2,7 @@
 
 A verdict says whether the numbers reproduced; this says how fast they were computed. It reads only the
 `harness.perf.*` and `harness.profile.*` tags a run recorded (harness/record/results.py record_performance) and
-its wall-clock series (RunRecord.performance), which the verdict never sees (records.wall_clock).
+its wall-clock series (RunRecord.performance), which the verdict never sees (rundata.wall_clock).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from harness import tags as T
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.perf import step_series
 from harness.judge.text import given_tolerances, weights_line
 from harness.judge.verdicts import Verdict
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 
 _VERDICT_WORDS = {v.value: v.row.words for v in Verdict}
 

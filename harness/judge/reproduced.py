@@ -1,7 +1,7 @@
 """Did a re-execution reproduce the record: values it logged again, held to the values the run recorded.
 
 One rule for every re-execution (an audit's segments, a trace's steps, a resume's proof): a value is the
-same when its bits are (records.same_value: a NaN of the same bits is the same, -0.0 is not 0.0). A value
+same when its bits are (rundata.same_value: a NaN of the same bits is the same, -0.0 is not 0.0). A value
 the record lacks counts against the re-execution only where the record is complete - a FINISHED run
 recorded every value it logged - and is otherwise no evidence either way (a run that died may not have
 written its last values); so is a metric of harness's own that the record lacks altogether (a run recorded before
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from harness.records import own_metric, same_value, series
+from harness.rundata import own_metric, same_value, series
 
 __all__ = ["Reproduction", "same_value", "series", "values"]
 

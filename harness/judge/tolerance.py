@@ -8,7 +8,7 @@ from typing import Any
 
 from harness import tags
 from harness.errors import UsageError
-from harness.records import RunRecord
+from harness.rundata import RunRecord
 
 # `--tolerance weights=any` (or replay.tolerance.weights: any): the parameters may differ where every metric stays
 # within its tolerance. A fingerprint is a digest, so weights are either held exact or left to the metrics.

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from harness import tags as T
 from harness.record import closing
 from harness.record.provenance import runtime_facts
-from harness.records import RunSummary
+from harness.rundata import RunSummary
 from harness.store.tracking import Tracker
 
 # kind -> the tag naming the run it was made from

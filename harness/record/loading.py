@@ -21,8 +21,8 @@ from functools import cached_property
 from harness import tags as T
 from harness.errors import RunRefused
 from harness.record import liveness, seal
-from harness.record.recorded import RecordedRun
-from harness.records import RunRecord, RunSummary
+from harness.record.rerun import RecordedRun
+from harness.rundata import RunRecord, RunSummary
 from harness.store.tracking import Tracker
 
 # The commands, as the table names them.
@@ -203,7 +203,7 @@ class Loaded:
 
     @cached_property
     def recorded(self) -> RecordedRun:
-        """Its stored config, ready to be checked out and run again (harness/record/recorded.py)."""
+        """Its stored config, ready to be checked out and run again (harness/record/rerun.py)."""
         return RecordedRun.load(self.tracker, self.summary)
 
 

@@ -50,7 +50,7 @@ from harness.messages import (
 from harness.record import closing
 from harness.record.provenance import package_lock, runtime_facts
 from harness.record.results import record_performance, record_results
-from harness.records import own_metric
+from harness.rundata import own_metric
 from harness.runtime import usermlflow, userseed
 from harness.secrets import scrub
 from harness.store.outages import Outages, Patient
@@ -59,7 +59,7 @@ from harness.store.seriesfile import save_series
 from harness.store.tracking import Tracker
 
 if TYPE_CHECKING:
-    from harness.records import RunRecord
+    from harness.rundata import RunRecord
     from harness.runtime.plan import CheckpointPlan
     from harness.store.writers import Heartbeat, MetricWriter
 

@@ -79,7 +79,7 @@ def record_results(
 
 def record_performance(tracker: Tracker | Patient, run_id: str, performance: Performance | None, work: Path) -> None:
     """The step times as metrics (tags.PERF_PREFIX: the MLflow UI draws their curves; never judged, see
-    records.wall_clock), their statistics and the profiled steps' summary as tags, the profile files as artifacts."""
+    rundata.wall_clock), their statistics and the profiled steps' summary as tags, the profile files as artifacts."""
     import time
 
     from harness.runtime.perf import summary

@@ -24,7 +24,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from harness.records import wall_clock
+from harness.rundata import wall_clock
 from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL
 
 TRACKING_URI = "MLFLOW_TRACKING_URI"

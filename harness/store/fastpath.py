@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import scratch
-from harness.records import RunSummary
+from harness.rundata import RunSummary
 from harness.store.reach import database_file, display_uri, schema_error, sqlite_path
 
 _READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness import tags as T
-from harness.records import RunRecord, wall_clock
+from harness.rundata import RunRecord, wall_clock
 from harness.store.failures import is_store_error, missing
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def load_record(tracker: Tracker, run_id: str) -> RunRecord:
     for key in from_history:
         steps, values = tracker.metric_history(run_id, key)
         metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
-    # Step times and the like are wall clock: held apart, where no verdict reads (records.wall_clock).
+    # Step times and the like are wall clock: held apart, where no verdict reads (rundata.wall_clock).
     performance = {key: metrics.pop(key) for key in [k for k in metrics if wall_clock(k)]}
     for key in sorted(k for k in run.metric_keys if wall_clock(k) and k not in performance):
         steps, values = tracker.metric_history(run_id, key)

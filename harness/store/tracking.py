@@ -15,7 +15,7 @@ from typing import Any
 
 from harness import scratch, tags as T
 from harness.errors import HarnessError, RunNotFound, RunRefused
-from harness.records import RunRecord, RunSummary
+from harness.rundata import RunRecord, RunSummary
 from harness.secrets import scrub
 from harness.store import seriesfile
 from harness.store.failures import (

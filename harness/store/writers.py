@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness import tags as T
 from harness.errors import StoreUnavailable
-from harness.records import same_value, series
+from harness.rundata import same_value, series
 from harness.store.failures import transient, unwritable
 from harness.store.fastpath import SINK_CHUNK, SqliteMetricSink
 from harness.store.outages import Outages
@@ -55,7 +55,7 @@ class MetricWriter:
         self._thread.start()
 
     def prime(self, metrics: dict[str, tuple[Any, Any]]) -> None:
-        """Values already in the run (a resume): logged again with the same bits (records.same_value, the rule
+        """Values already in the run (a resume): logged again with the same bits (rundata.same_value, the rule
         harness/judge/reproduced.py holds re-executions to) they are not rewritten; with other bits they are the
         conflict; a value the run lacks is the continuation's own, and is written."""
         self._known = series(metrics)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from harness.errors import HarnessError
-from harness.executors.base import FAILED, FINISHED, KILLED, RUNNING, Backend, Event, Executor, Handle, Job, Outcome
+from harness.executors.base import FAILED, FINISHED, KILLED, RUNNING, Backend, Executor, Handle, Job, JobEvent, Outcome
 
 EXECUTOR_TAG = "harness.executor"  # the tag that says where the run ran (harness.tags.EXECUTOR)
 
@@ -26,7 +26,7 @@ class ChildExecutor(Executor):
             raise HarnessError("the child backend runs one node; drop --nnodes.")
         return {EXECUTOR_TAG: self.name}
 
-    def start(self, job: Job, on_event: Callable[[Event], None]) -> Handle:
+    def start(self, job: Job, on_event: Callable[[JobEvent], None]) -> Handle:
         if job.record is not None:
             job.run_id = job.record(job.placement)
         command = [sys.executable, "-m", "harness", "_execute", job.run_id, "--code-dir", str(job.exp_dir)]

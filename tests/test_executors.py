@@ -313,8 +313,10 @@ def _remote_backend(ended: object = None, closes: str | None = None, fail_launch
             pass
 
         def follow(self):  # type: ignore[no-untyped-def]
-            if closes is not None:
-                self.job.tracker.end_run(self.job.run_id, closes)
+            if closes is not None:  # as the harness inside the job closes it
+                from harness.record import closing
+
+                closing.close(self.job.tracker, self.job.run_id, closes)
             return ended
 
     class Remote(RemoteExecutor):

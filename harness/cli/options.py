@@ -10,6 +10,9 @@ from typing import Any
 import click
 
 _TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
+_SECRET_IN_DIFF_HELP = ("Record uncommitted changes that hold a secret (a token, a password assigned a literal, a URL's "
+                        "password) with each such secret cut from the stored patch; the run is tagged "
+                        "harness.git.patch_redacted and a replay warns that its code is not exact there.")
 _JSON_HELP = ("Print the result as one JSON document on stdout, and nothing else there (a refusal too: its `error`); "
               "the keys are in docs/json.md.")
 

@@ -12,6 +12,7 @@ import click
 from harness.cli.console import _draw, _emit, _exit, _expected_errors, _say, _Voice
 from harness.cli.options import (
     _EXECUTOR,
+    _SECRET_IN_DIFF_HELP,
     _TRACKING_HELP,
     _BackendCommand,
     _ExecutorOption,
@@ -31,10 +32,7 @@ from harness.secrets import scrub
 @_placement_options
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
-@click.option("--allow-secret-in-diff", is_flag=True,
-              help="Record uncommitted changes that hold a secret (a token, a password assigned a literal, a URL's "
-                   "password) with each such secret cut from the stored patch; the run is tagged "
-                   "harness.git.patch_redacted and a replay warns that its code is not exact there.")
+@click.option("--allow-secret-in-diff", is_flag=True, help=_SECRET_IN_DIFF_HELP)
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @click.option("--seeds", "seeds_n", type=int, default=None,
               help="Run a study: N runs with seeds seed, seed+1, ..., seed+N-1, nested under one study run.")
@@ -116,10 +114,7 @@ def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool,
 @click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Accept untracked files whose names mark them as secrets (they would be recorded).")
-@click.option("--allow-secret-in-diff", is_flag=True,
-              help="Record uncommitted changes that hold a secret (a token, a password assigned a literal, a URL's "
-                   "password) with each such secret cut from the stored patch; the run is tagged "
-                   "harness.git.patch_redacted and a replay warns that its code is not exact there.")
+@click.option("--allow-secret-in-diff", is_flag=True, help=_SECRET_IN_DIFF_HELP)
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors

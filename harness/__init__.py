@@ -12,8 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
-
+from harness.version import __version__
 
 # What a call raises, by what went wrong (harness/errors.py, a leaf): each a HarnessError with its exit code.
 _ERRORS = (

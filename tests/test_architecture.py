@@ -91,3 +91,62 @@ def test_no_module_passes_600_lines() -> None:
                       "whole functions with `git mv` for the biggest piece:\n" + "\n".join(over))
     stale = sorted(path for path in _OVER_600_FOR_NOW if sizes.get(path, 0) <= MAX_MODULE_LINES)
     assert not stale, f"within {MAX_MODULE_LINES} lines now: take them off _OVER_600_FOR_NOW: {stale}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """harness's modules and what each imports when it runs: import statements (at the top or inside functions) and
+    module names written as strings (importlib, a forkserver's preload), but not imports under `if TYPE_CHECKING:`,
+    which only a type checker reads. The registry's f-string import of its built-in backends is added by hand."""
+    root = ROOT / "harness"
+    mods = {"harness." + ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for n in ast.walk(node)}
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+                found.add(node.value)
+        graph[name] = {m for m in found if m in mods and m != name}
+    from harness.executors import BUILTIN
+
+    graph["harness.executors"] |= {f"harness.executors.{backend}" for backend in BUILTIN}
+    for name, targets in graph.items():  # importing a.b.c imports its packages a.b first
+        for target in list(targets):
+            parts = target.split(".")
+            graph[name] |= {".".join(parts[:i]) for i in range(2, len(parts))
+                            if not name.startswith(".".join(parts[:i]) + ".") and ".".join(parts[:i]) != name}
+    return graph
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    """A circle is two modules that each need the other loaded first: neither can be read, tested or replaced alone.
+    Import-linter's layers see only the imports between layers; this sees every module, importlib strings included."""
+    graph = _import_graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (circle := visit(module)):
+            raise AssertionError("an import circle: " + " -> ".join(circle) + ". Move what both need to a module "
+                                 "below them, or hand it in as an argument.")

@@ -174,7 +174,7 @@ def test_a_forked_rank_sees_what_a_spawned_rank_sees_and_starts_warm(kept: str, 
     for f, s in zip(forked, spawned):
         assert (f["cwd"], f["sys_path"], f["handlers"], f["tmp"]) == (s["cwd"], s["sys_path"], s["handlers"], s["tmp"])
         assert f["tmp"] == str(tmp_path / "t")
-        assert f["threads"] <= s["threads"] + 1  # the one that watches the launcher (procs._watch_launcher)
+        assert f["threads"] <= s["threads"] + 1  # the one that watches the launcher (runtime/rank/child.py)
     # Warm: torch, DDP's dynamo import and harness's rank body were loaded before the rank's code ran, in one
     # server whose child each forked rank is; a spawned rank loads them itself.
     assert all(r["preloaded"]["torch"] and r["preloaded"]["torch._dynamo"] for r in forked)
@@ -230,11 +230,11 @@ def test_a_rank_forked_after_cuda_was_initialised_refuses_in_one_line(monkeypatc
     import torch
 
     from harness.errors import HarnessError
-    from harness.executors import procs
+    from harness.runtime.rank import child
 
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     with pytest.raises(HarnessError, match="^the rank server initialised CUDA before forking this rank.*launcher: spawn"):
-        procs._as_if_spawned(dict(os.environ))
+        child._as_if_spawned(dict(os.environ))
 
 
 # --- a rank server kept warm between commands (harness/executors/rankserver.py) -----------------------------------

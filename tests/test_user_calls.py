@@ -266,7 +266,7 @@ def test_seed_watch_still_seeds_and_notes_only_the_experiments_calls(tmp_path: P
                                              "seeding.py:10 random.seed(7)")
 
 
-# A rank leaves without Python's teardown once train() returns (procs._leave) - unless a thread of the user's is
+# A rank leaves without Python's teardown once train() returns (runtime/rank/child.py) - unless a thread of the user's is
 # still working: an asynchronous saver that outlives train() must finish its file before the rank is gone.
 LATE_SAVER = '''"""linear_ddp whose rank 0 hands its last file to a plain (non-daemon) thread that is still writing when train()
 returns, as an asynchronous checkpoint saver does."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from harness import __version__, events, tags as T
+from harness import events, tags as T
 from harness.commands.options import BisectOptions
 from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, RepositoryError, RunRefused, UsageError
@@ -30,6 +30,7 @@ from harness.record import derived, loading
 from harness.rundata import RunRecord
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
+from harness.version import __version__
 
 # A probe judged like GOOD by GOOD's tolerance: the change it carries is innocent. Not the exit code's REPRODUCED: a
 # probe within the seeds' noise changed the result, which is what bisect looks for.

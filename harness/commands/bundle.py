@@ -36,8 +36,8 @@ from harness.commands.bundleformat import (
 from harness.errors import DataChanged, HarnessError, RepositoryError, RunRefused, UsageError
 from harness.judge.compare import follows, judged_again
 from harness.record import closing, data, loading, seal
+from harness.record.checkout import recorded_submodules
 from harness.record.data import sha256_file
-from harness.record.rerun import recorded_submodules
 from harness.store.failures import unwritable
 from harness.store.reach import exclusive
 from harness.store.tracking import Tracker, import_complete

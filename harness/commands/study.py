@@ -27,8 +27,9 @@ from harness.judge.metricdiff import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
 from harness.judge.report import plot_file_name
 from harness.record import closing
+from harness.record.checkout import checkout
 from harness.record.newrun import Labels, create_record, data_paths as paths_of
-from harness.record.rerun import checkout, git_code_id
+from harness.record.rerun import git_code_id
 from harness.store.tracking import RunRecord, Tracker
 
 # -- running a study ---------------------------------------------------------------------------------

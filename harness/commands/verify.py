@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from harness import __version__, events, tags as T
+from harness import events, tags as T
 from harness.commands.options import VerifyOptions
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunRefused, UsageError
 from harness.judge import perf
@@ -36,6 +36,7 @@ from harness.judge.verify_report import render_html, render_markdown
 from harness.record import derived, loading, seal
 from harness.record.study import is_study, load_study, member_records
 from harness.store.tracking import RunRecord, RunSummary, Tracker
+from harness.version import __version__
 
 # The verify run's verdict (harness.verdict): every claim holds, or not.
 ALL_HOLD, SOME_FAIL = "HOLDS", "FAILS"

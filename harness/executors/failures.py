@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import harness
+from harness import version  # its file is in the package's folder
 from harness.errors import RunFailed
 from harness.executors import procs
 from harness.runtime.rank.failure import last_line
@@ -101,7 +101,7 @@ def stack_location(path: Path, code_dir: str) -> StackLocation:
 
 def _short(path: str) -> str:
     """A path under site-packages or harness's own folder from the package's name on (harness/executors/launch.py)."""
-    own = os.path.dirname(os.path.dirname(os.path.abspath(harness.__file__))) + os.sep
+    own = os.path.dirname(os.path.dirname(os.path.abspath(version.__file__))) + os.sep
     if path.startswith(own):
         return path[len(own):]
     marker = os.sep + "site-packages" + os.sep

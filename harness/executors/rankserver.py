@@ -6,7 +6,7 @@ cores that is about 5 s of a core per `harness run`, half of what a small run co
 server per launch, gone with the command.
 
 Who may share a server, and why that is enough: a forked rank takes the command's environment, working folder and
-sys.path at the fork (procs._as_if_spawned), so what a server decides for good is only what was fixed when it loaded
+sys.path at the fork (runtime/rank/child.py), so what a server decides for good is only what was fixed when it loaded
 its modules and what a process inherits from its parent. Both are in the server's key, and a command whose key
 differs starts a server of its own (the old one idles out):
 - the interpreter and the files of the preloaded packages (harness's own sources, torch, numpy, omegaconf): an
@@ -20,7 +20,7 @@ short), kept by a small process (the keeper) that started it and holds the one p
 using it holds a shared lock on its `lease` file while it runs; the keeper stops the server only once nobody holds
 the lease, the lease has not been touched for N seconds (SIGTERM: as soon as nobody holds it) and no rank is left. A command that was
 killed loses its lease with its process. Ranks forked by a kept server are not the launcher's descendants: each
-watches its launcher (procs._watch_launcher) and dies with it, as a per-launch server's ranks do with their server.
+watches its launcher (runtime/rank/child.py) and dies with it, as a per-launch server's ranks do with their server.
 
 Everything here is best effort: when a server cannot be kept (no /tmp, a Python whose forkserver differs), the
 launch says so in one line and starts a server of its own, as by default.

@@ -23,6 +23,5 @@ with contextlib.suppress(Exception):
     import torch.utils.data  # noqa: F401
     from omegaconf import OmegaConf  # noqa: F401
 
-    from harness.executors import procs  # noqa: F401  (each rank's process entry, procs._child)
     from harness.runtime import checkpoint, context, determinism, groupkeep  # noqa: F401
-    from harness.runtime.rank import process  # noqa: F401  (the rank's body, unpickled by every fork)
+    from harness.runtime.rank import child, process  # noqa: F401  (each rank's process entry; its body)

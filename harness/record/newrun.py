@@ -17,13 +17,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import __version__, tags as T
+from harness import tags as T
 from harness.config import flatten, split_entry, to_container, to_yaml
 from harness.errors import UsageError
 from harness.record import derived, redaction
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
 from harness.systems.git import GitState
+from harness.version import __version__
 
 _NAME_LIMIT = 250  # MLflow's run name and tag key columns
 _TAG_VALUE_LIMIT = 8000  # MLflow's tag value column: longer would be cut, so it is refused

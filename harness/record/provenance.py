@@ -13,13 +13,13 @@ import subprocess
 from collections.abc import Mapping
 from importlib import metadata
 
-from harness import __version__
 from harness.runtime.rank.facts import (
     REDACTED as REDACTED,
     env_vars as env_vars,
     nccl_conf as nccl_conf,
     torch_facts,
 )
+from harness.version import __version__
 
 
 def _cpu_model() -> str:

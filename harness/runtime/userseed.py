@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import harness
+from harness import version  # its file is in the package's folder
 from harness.messages import UserSeed, UserSeeds
 from harness.runtime.callsite import Sites
 
 # harness's whole package, every layer (not this module's folder): its calls are its own.
-_OWN = os.path.dirname(os.path.abspath(harness.__file__)) + os.sep
+_OWN = os.path.dirname(os.path.abspath(version.__file__)) + os.sep
 _MAX_CALLS = 20  # distinct (line, function, value) kept: a seed per step in a loop is one line, said once
 
 

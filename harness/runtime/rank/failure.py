@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import harness
+from harness import version  # its file is in the package's folder
 from harness.errors import HarnessError
 from harness.runtime.rank.spec import LaunchSpec
 from harness.runtime.refusals import refusal_line, refused_op
@@ -44,7 +44,7 @@ def user_frame(err: BaseException, code_dir: str) -> str | None:
 
 def _from_user_code(tb: Any) -> Any:
     """The traceback without harness's own outer frames (the rank's set-up): it starts where the user's code does."""
-    own = os.path.dirname(os.path.abspath(harness.__file__)) + os.sep  # the whole package, not this layer's folder
+    own = os.path.dirname(os.path.abspath(version.__file__)) + os.sep  # the whole package, not this layer's folder
     start = tb
     while start is not None and start.tb_frame.f_code.co_filename.startswith(own):
         start = start.tb_next

@@ -394,12 +394,13 @@ def test_a_claim_finds_its_run_in_a_store_it_was_imported_into(study: Study, tmp
 
 
 def test_a_claim_on_a_run_no_store_holds_raises_run_not_found_for_that_claim(tmp_path: Path) -> None:
+    from harness.commands.options import VerifyOptions
     from harness.commands.verify import verify
     from harness.errors import RunNotFound
 
     claims = tmp_path / "claims.yaml"
     claims.write_text(f"claims:\n  - id: c\n    run: {'0' * 32}\n    metric: loss\n    paper: 0.5\n")
     with pytest.raises(RunNotFound) as err:
-        verify(claims, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        verify(VerifyOptions(claims, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"))
     assert str(err.value).startswith(f"{claims}: claim 'c': no run '{'0' * 32}' in the tracking store ") and \
         err.value.exit_code == 2, err.value

@@ -50,9 +50,9 @@ def kernels_of(seed: int) -> Kernels:
 
 
 def other_threads(threads: int) -> int:
-    """Another intra-op thread count for a run that used `threads`: twice as many, so the member splits every
-    parallel reduction differently (one thread -> two)."""
-    return 2 * max(1, threads)
+    """Another intra-op thread count for a run that used `threads`: half as many (a run on one thread: two), so the
+    member splits every parallel reduction differently without oversubscribing the cores a many-thread run used."""
+    return threads // 2 if threads > 1 else 2
 
 
 def use_kernels(seed: int) -> Kernels:

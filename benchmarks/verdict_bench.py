@@ -376,17 +376,24 @@ def held_out(name: str) -> str:
     return f"{name} (held out of the members)"
 
 
-def rounding_trials(model: Model, seeds: range, members: int, changes: list[Change]) -> dict[str, Tally]:
+# The envelope's factor (rounding.SAFETY) is a choice between false alarms and power: every replay is also judged at
+# these factors, so one run of trials shows both sides of each choice (--sweep prints the table).
+SWEEP = (8.0, 16.0, 32.0, 64.0, 128.0)
+
+
+def rounding_trials(model: Model, seeds: range, members: int, changes: list[Change]
+                    ) -> tuple[dict[str, Tally], dict[str, dict[float, Tally]]]:
     """Per change: of `trials` calibrated runs (seeds 0..trials-1, each with `members` members over all its steps,
     built as `harness calibrate` builds them), how many replays under the change left the envelope (rounding.judge,
-    as `harness replay` judges). A change whose kernels some members run gets a second row, judged against the
-    other members only."""
+    as `harness replay` judges), at rounding.SAFETY and at each factor of SWEEP. A change whose kernels some members
+    run gets a second row, judged against the other members only."""
     data = model.data()
     table = {c.name: Tally() for c in changes}
     table.update({held_out(c.name): Tally() for c in changes if c.name in _FAMILY})
     kernels = {cap: dict(zip(seeds, _replays_in_child(model, seeds, cap))) for cap in KERNELS}
     for cap in KERNELS:
         table[f"ATEN_CPU_CAPABILITY={cap}"] = Tally()
+    sweep = {row: {factor: Tally() for factor in SWEEP} for row in table}
     for seed in seeds:
         original = train(model, seed, ORIGINAL, data)
         specs = [member(i) for i in range(1, members + 1)]
@@ -405,10 +412,14 @@ def rounding_trials(model: Model, seeds: range, members: int, changes: list[Chan
                 judged = rounding.judge(env, original, replay)
                 table[row].trials += 1
                 table[row].alarms += not (bitwise or judged.within)
+                for factor in SWEEP:
+                    sweep[row][factor].trials += 1
+                    sweep[row][factor].alarms += not (bitwise or rounding.judge(env, original, replay,
+                                                                                safety=factor).within)
                 if not (bitwise or judged.within):  # what an alarm saw, so a rare one can be explained
                     print(f"  alarm: {model.name} seed {seed} {row}: {judged.headline()}", file=sys.stderr, flush=True)
         print(f"  done: {model.name} seed {seed}", file=sys.stderr, flush=True)  # a long run's progress, to pool
-    return table
+    return table, sweep
 
 
 def rounding_report(trials: int, members: int, models: list[str], honest_only: bool = False,
@@ -419,14 +430,20 @@ def rounding_report(trials: int, members: int, models: list[str], honest_only: b
            f"{trials} calibrated runs per model (SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS})", "",
            f"| change | kind | {' | '.join(models)} |", "| --- | --- |" + " --- |" * len(models)]
     seeds = range(first_seed, first_seed + trials)
-    tables = {name: rounding_trials(MODELS[name], seeds, members, changes) for name in models}
+    measured = {name: rounding_trials(MODELS[name], seeds, members, changes) for name in models}
     rows = [(f"ATEN_CPU_CAPABILITY={cap}", True) for cap in KERNELS]
     for c in changes:
         rows += [(c.name, c.honest)] + ([(held_out(c.name), c.honest)] if c.name in _FAMILY else [])
     # --honest-only: the false-alarm rows alone, for the hundreds of trials a 1% bound needs.
     for name, honest in rows:
         kind = "honest: false alarm" if honest else "planted: power"
-        out.append(f"| {name} | {kind} | " + " | ".join(tables[n][name].rate() for n in models) + " |")
+        out.append(f"| {name} | {kind} | " + " | ".join(measured[n][0][name].rate() for n in models) + " |")
+    for model in models:  # the same trials at other factors: what each choice of SAFETY costs and buys
+        out += ["", f"#### {model}: alarms at each factor (SAFETY) of the envelope, the same {trials} runs", "",
+                "| change | kind | " + " | ".join(f"x{f:g}" for f in SWEEP) + " |", "| --- | --- |" + " --- |" * len(SWEEP)]
+        for name, honest in rows:
+            kind = "honest: false alarm" if honest else "planted: power"
+            out.append(f"| {name} | {kind} | " + " | ".join(measured[model][1][name][f].rate() for f in SWEEP) + " |")
     return out + [""]
 
 

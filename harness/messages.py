@@ -174,6 +174,20 @@ class SegmentEnd:
 
 
 @dataclass(frozen=True)
+class WeightsSketch:
+    """Rank 0's weights after `step` steps, folded small (harness/runtime/sketch.py): per floating-point tensor of
+    the state dict, by name, its element count, its norm and its float64 sketch of `widths` sums (`values`: the
+    sketches one after another, as raw float64 bytes). Sent where the launch's plan asks for it (harness calibrate)."""
+
+    step: int
+    names: tuple[str, ...]
+    counts: tuple[int, ...]
+    norms: tuple[float, ...]
+    widths: tuple[int, ...]
+    values: bytes
+
+
+@dataclass(frozen=True)
 class UserSeed:
     """One seeding call of the training code's own: where ("train.py:12"), which function, the value (its repr)."""
 
@@ -245,6 +259,6 @@ class Performance:
 
 Message = (
     Metrics | MetricsBatch | Fingerprint | Final | Initial | Determinism | RankFacts | DeterminismChanged | Total
-    | Checkpoint | SegmentStart | SegmentEnd | Notice | UserSeeds | DataOrder | Evaluation | Loop | Optimization
+    | Checkpoint | SegmentStart | SegmentEnd | WeightsSketch | Notice | UserSeeds | DataOrder | Evaluation | Loop | Optimization
     | Performance
 )

@@ -212,7 +212,10 @@ CALIBRATION_STEPS = "harness.calibration.steps"
 CALIBRATION = "harness.calibration"
 # A member's CPU kernels besides its nudge (harness/runtime/perturb.py: oneDNN off, another thread count).
 CALIBRATION_KERNELS = "harness.calibration.kernels"
-PERTURB_SEED = "harness.calibration.perturb_seed"
+PERTURB_SEED = "harness.calibration.perturb_seed"  # 0: the calibration's reference, the run itself re-executed
+# On a member, and on a replay of a calibrated run: rank 0 sketched the weights after this many steps (the sketch:
+# ARTIFACT_WEIGHTS_SKETCH), from its creation (its ranks read it from the record).
+SKETCH_AT = "harness.weights.sketch_at"
 
 # Seed ensembles (harness/commands/study.py). A member run carries STUDY (the study's run id) and is nested under it.
 STUDY = "harness.study"
@@ -298,5 +301,8 @@ ARTIFACT_TRACE_META = "trace/meta.json"
 ARTIFACT_LOCALIZATION = "replay/localization.md"
 ARTIFACT_LOCALIZATION_HTML = "replay/localization.html"
 ARTIFACT_ENVELOPE = "calibration/envelope.json"  # the rounding envelope (harness/judge/rounding.py Envelope)
+# The weights after SKETCH_AT steps, folded small (harness/runtime/sketch.py; read by harness/judge/weightdistance.py):
+# on a member or a replay; on the calibration run, its reference's (the run's own weights after the M steps).
+ARTIFACT_WEIGHTS_SKETCH = "weights/sketch.npz"
 ARTIFACT_PROFILE_DIR = "profile"  # rank<R>-step<K>.trace.json (Chrome trace), .table.txt, .summary.json
 ARTIFACT_SEAL = "seal/manifest.json"  # the canonical record harness.seal is the sha256 of

@@ -151,6 +151,59 @@ def test_an_envelope_whose_members_kept_the_weights_explains_no_other_weights() 
     assert any("members ended equal to the original's" in n for n in cmp.notes)
 
 
+def test_a_sketch_measures_the_weights_distance_exactly_for_small_tensors_and_closely_for_large() -> None:
+    import copy
+
+    import torch
+    from torch import nn
+
+    from harness.judge.weightdistance import Sketch, distance
+    from harness.runtime.perturb import nudge
+    from harness.runtime.sketch import WIDTH, sketch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 500), nn.Linear(500, 10), nn.BatchNorm1d(10))
+    reference = Sketch.load(Sketch.of(sketch(model, 7)).dump())  # as recorded: through the .npz and back
+    assert reference.step == 7 and distance(reference, reference).relative == 0.0
+
+    def exact(other: nn.Module) -> float:
+        a, b = other.state_dict(), model.state_dict()
+        num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in b if b[k].is_floating_point())
+        return math.sqrt(num / sum(float((b[k].double() ** 2).sum()) for k in b if b[k].is_floating_point()))
+
+    nudged = copy.deepcopy(model)
+    nudge(nudged, 3)  # one ulp per element: the size a calibration measures, far above the float64 sums' rounding
+    got = distance(Sketch.of(sketch(nudged, 7)), reference)
+    assert got.relative == pytest.approx(exact(nudged), rel=0.15), (got, exact(nudged))
+    small = copy.deepcopy(model)
+    with torch.no_grad():
+        small[1].bias[3] += 1e-3  # 10 elements <= WIDTH: kept whole, so exact
+    got = distance(Sketch.of(sketch(small, 7)), reference)
+    assert got.widest == "1.bias" and got.relative == pytest.approx(exact(small), rel=1e-9) and 10 <= WIDTH
+    other = Sketch.of(sketch(nn.Sequential(nn.Linear(300, 400)), 7))
+    assert math.isinf(distance(other, reference).relative)  # another model: no distance means anything
+
+
+def test_weights_that_left_the_members_distance_diverge_though_every_metric_is_inside() -> None:
+    from harness.judge.weightdistance import Distance
+
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=12)
+    env.weights = rounding.WeightsEnvelope(12, "ref00000", [1e-7, 3e-7, 2e-7, 1.5e-7], "fc.weight")
+    replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
+    inside = judge_rounding(compare_runs(original, replay), original, replay, env, Distance(2e-6, "fc.weight", 3e-6))
+    assert inside.verdict == WITHIN_ROUNDING
+    assert "; the weights after step 12: relative distance 2e-06 from the run's, 0.83x the envelope's half-width " \
+           "(members up to 3e-07)" in inside.summary(), inside.summary()
+    outside = judge_rounding(compare_runs(original, replay), original, replay, env, Distance(5e-5, "fc.bias", 1e-4))
+    assert outside.verdict == DIVERGED and outside.divergence.kind == KIND_ROUNDING and outside.divergence.step == 12
+    assert outside.summary().startswith("DIVERGED at step 12: the weights after step 12: relative distance 5e-05 from "
+                                        "the run's (farthest: fc.bias), outside the envelope ±2.4e-06 (members up to "
+                                        "3e-07), outside the rounding envelope of 4 members"), outside.summary()
+    doc = env.to_dict()
+    assert rounding.Envelope.from_dict(json.loads(json.dumps(doc))).weights == env.weights
+
+
 def test_a_seed_verdict_that_could_not_have_caught_a_doubled_learning_rate_is_inconclusive() -> None:
     """3 seeds: the 99.97% intervals are so wide that the seeds' own curve at twice the steps - where a doubled
     learning rate lands early in training - lies inside them. That is no evidence, so no pass."""
@@ -239,7 +292,9 @@ def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(pr
     assert cal.data.tags[tags.MLFLOW_PARENT_RUN_ID] == calibrated["run"] and cal.data.tags[tags.SEAL].startswith("v1:")
     assert (cal.data.tags[tags.CALIBRATION_MEMBERS], cal.data.tags[tags.CALIBRATION_STEPS]) == ("8", "5")
     members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == calibrated["calibration"]]
-    assert sorted(r.data.tags[tags.PERTURB_SEED] for r in members) == [str(i) for i in range(1, 9)]
+    # Member 0 is the reference: the run itself, re-executed, not nudged; 1-8 are the nudged members.
+    assert sorted(r.data.tags[tags.PERTURB_SEED] for r in members) == [str(i) for i in range(9)]
+    assert all(r.data.tags[tags.SKETCH_AT] == "5" for r in members)
     assert all(r.data.tags[tags.MLFLOW_PARENT_RUN_ID] == calibrated["calibration"] and tags.VERDICT not in r.data.tags
                for r in members)
     # Each member also ran on its share of this machine's other kernels, and its record says which ran (rank 0's
@@ -250,6 +305,19 @@ def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(pr
                    ("other thread count", "2", "True"), ("oneDNN off + other thread count", "2", "False")}, ran
     doc = json.loads(open(client.download_artifacts(cal.info.run_id, tags.ARTIFACT_ENVELOPE, str(tmp_path))).read())
     assert doc["members"] == 8 and doc["steps"] == 5 and doc["weights_differed"] == 8
+    # The reference re-executed the run bit for bit (same machine), and the weights' distance after the 5 steps is
+    # each member's from the reference's, measured on their sketches: rounding-sized, and never zero (every member
+    # started one ulp off).
+    reference = next(r for r in members if r.data.tags[tags.PERTURB_SEED] == "0")
+    assert doc["reference_bitwise"] is True and doc["weights"]["reference"] == reference.info.run_id
+    assert doc["weights"]["step"] == 5 and len(doc["weights"]["distances"]) == 8
+    assert all(0 < d < 1e-5 for d in doc["weights"]["distances"]), doc["weights"]
+    assert doc["weights"]["widest_tensor"] in ("module.bias", "module.weight", "bias", "weight")
+    from harness.store.tracking import Tracker
+
+    store = Tracker(project.uri)
+    assert store.read_bytes(cal.info.run_id, tags.ARTIFACT_WEIGHTS_SKETCH) == \
+        store.read_bytes(reference.info.run_id, tags.ARTIFACT_WEIGHTS_SKETCH)  # kept with the calibration, sealed
     # Every member started one ulp off: they differ from the run from step 0, and by rounding only (a step where
     # all of them happened to round to the run's value is possible: the envelope keeps its earlier width there).
     deviation, original = doc["metrics"]["loss"]["deviation"], doc["metrics"]["loss"]["original"]
@@ -262,7 +330,12 @@ def test_other_cpu_kernels_are_within_rounding_and_a_2_percent_learning_rate_is_
     line = _verdict(other)
     assert line.startswith(("verdict: WITHIN_ROUNDING: 1 metric x 5 steps not bit-identical, inside the rounding "
                             "envelope of 8 members over the first 5 steps", "verdict: BITWISE")), line
-    assert project.client().get_run(other.last_line).data.tags[tags.VERDICT] in (WITHIN_ROUNDING, "BITWISE")
+    replayed = project.client().get_run(other.last_line)
+    assert replayed.data.tags[tags.VERDICT] in (WITHIN_ROUNDING, "BITWISE")
+    # The replay sketched its weights after the calibration's 5 steps and was held to the members' distances.
+    assert replayed.data.tags[tags.SKETCH_AT] == "5"
+    if line.startswith("verdict: WITHIN_ROUNDING"):
+        assert "; the weights after step 5: relative distance " in line and "x the envelope's half-width" in line, line
     assert "harness.env.cpu_capability" in other.stdout  # the delta names the kernels that changed
     changed = project.harness("replay", calibrated["run"], "--allow-changes", "train.lr=0.01122")
     assert changed.returncode == 1, changed.stdout + changed.stderr
@@ -314,4 +387,6 @@ def test_a_bundle_carries_the_calibration_and_the_imported_run_is_judged_by_it(p
     assert imported.returncode == 0, imported.stderr
     envelope = envelope_of(Tracker(other), imported.last_line)
     assert envelope is not None and envelope.run_id == imported.last_line and envelope.members == 8
+    assert envelope.weights is not None and Tracker(other).read_bytes(envelope.calibration_id,
+                                                                      tags.ARTIFACT_WEIGHTS_SKETCH) is not None
     assert envelope.calibration_id != calibrated["calibration"]  # the copy in this store, as its id here

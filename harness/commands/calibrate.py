@@ -17,14 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from harness import events, tags as T
 from harness.commands.options import CalibrateOptions
 from harness.errors import EXIT_FAILED, HarnessError, RunRefused, UsageError
 from harness.fmt import json_safe
 from harness.judge import rounding
 from harness.judge.compare import original_steps
+from harness.judge.weightdistance import Sketch, distance
 from harness.record import derived, loading
-from harness.runtime.perturb import KERNELS, kernels_of
+from harness.rundata import RunRecord
+from harness.runtime.perturb import KERNELS, REFERENCE, kernels_of
 from harness.store.tracking import Tracker
 
 DEFAULT_MEMBERS = 8
@@ -39,14 +43,21 @@ class Calibration:
     envelope: rounding.Envelope
     member_ids: list[str]
     steps_of_run: int
+    reference_id: str = ""  # the run re-executed once, not nudged (perturb.REFERENCE)
 
     def summary(self) -> str:
         env = self.envelope
         widest = {name: max(m.deviation, default=0.0) for name, m in env.metrics.items()}
         spread = ", ".join(f"{name} up to {value:.3g}" for name, value in widest.items()) or "no metric logged"
-        return (f"calibrated run {self.run_id}: {env.describe()} ({env.members} x {env.steps} = "
-                f"{env.members * env.steps} training steps); the members' largest distance from the run: {spread}; "
-                f"{env.weights_differed} of {env.members} members' weights differed after step {env.steps}")
+        weights = "" if env.weights is None else (
+            f" (relative distance up to {max(env.weights.distances, default=0.0):.3g}, farthest tensor "
+            f"{env.weights.widest_tensor or 'none'})")
+        again = {True: "re-executed bit for bit", False: "did NOT re-execute bit for bit (in the envelope)",
+                 None: "not re-executed"}[env.reference_bitwise]
+        return (f"calibrated run {self.run_id}: {env.describe()} ({env.members + 1} x {env.steps} = "
+                f"{(env.members + 1) * env.steps} training steps, the run itself once as the reference); the members' "
+                f"largest distance from the run: {spread}; {env.weights_differed} of {env.members} members' weights "
+                f"differed after step {env.steps}{weights}; the run's first {env.steps} steps {again} here")
 
 
 def check_options(members: int | None, steps: int | None) -> None:
@@ -80,27 +91,74 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     kernels = ", ".join(kind.describe() for kind in KERNELS[:k])
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
                               f"(the run took {total}), each member one replay of its first {m} steps, nudged by one "
-                              f"ulp, in turn on {kernels}"))
+                              f"ulp, in turn on {kernels}; and the run itself once more ({m} steps), the reference "
+                              "the members' weights are measured from"))
     run_tags = derived.tags(T.KIND_CALIBRATION, original, version=original.tags.get(T.VERSION),
                             extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m)})
     with derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}") as cal_id:
         ids: list[str] = []
         records = []
-        for i in range(1, k + 1):
-            events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}", i, k))
+        for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
+            events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
+                                        f"calibration {cal_id}: the run itself (the reference)", i, k))
             result = replay(original.run_id, follow=False, tracker=tracker, steps=m, perturb_seed=i, localize=False,
-                            extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
-                                        T.CALIBRATION_KERNELS: kernels_of(i).describe()})
+                            sketch_at=m, extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
+                                                     T.CALIBRATION_KERNELS: kernels_of(i).describe()})
             ids.append(result.outcome.run_id)
             if result.outcome.status != T.FINISHED:
-                raise HarnessError(f"calibration member {i} (run {result.outcome.run_id}) {result.outcome.status}: "
+                which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
+                raise HarnessError(f"calibration {which} (run {result.outcome.run_id}) {result.outcome.status}: "
                                    f"{result.outcome.message or 'see its logs'}. The run's first {m} steps do not "
                                    "re-execute here; replay it to see why.", EXIT_FAILED)
             records.append(tracker.load_record(result.outcome.run_id))
+        reference, members_ = records[0], records[1:]
         held = record.checkpoints.get(m) if m < total else record.final_fingerprint
-        differed = sum(1 for r in records if held is None or r.final_fingerprint != held)
-        envelope = rounding.measure(original.run_id, cal_id, record.metrics, [r.metrics for r in records], m, differed)
+        bitwise = same_first_steps(record, reference, m) and (held is None or reference.final_fingerprint == held)
+        if not bitwise:
+            events.emit(events.Warning(
+                f"the run's first {m} steps did not re-execute bit for bit here (its reference, run {reference.run_id}, "
+                "differs): the envelope holds this machine's run-to-run variation too, or another machine's kernels"))
+        held = held or reference.final_fingerprint  # the run's own weights after M steps
+        differed = sum(1 for r in members_ if held is None or r.final_fingerprint != held)
+        weights = weights_spread(tracker, cal_id, reference.run_id, [r.run_id for r in members_], m)
+        envelope = rounding.measure(original.run_id, cal_id, record.metrics,
+                                    [r.metrics for r in members_] + ([] if bitwise else [reference.metrics]), m,
+                                    differed, weights)
+        envelope.members, envelope.reference_bitwise = k, bitwise
         tracker.log_text(cal_id, json.dumps(json_safe(envelope.to_dict()), indent=2), T.ARTIFACT_ENVELOPE)
-        done = Calibration(original.run_id, cal_id, envelope, ids, total)
+        done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
+
+
+def same_first_steps(a: RunRecord, b: RunRecord, steps: int) -> bool:
+    """Every metric of `a` at steps < `steps` bit-identical in `b` (the reference re-executed the run)."""
+    for name, (s, v) in a.metrics.items():
+        if name not in b.metrics:
+            return False
+        sb, vb = b.metrics[name]
+        keep_a, keep_b = np.asarray(s) < steps, np.asarray(sb) < steps
+        if not (np.array_equal(np.asarray(s)[keep_a], np.asarray(sb)[keep_b])
+                and np.array_equal(np.asarray(v, dtype=np.float64)[keep_a].view(np.int64),
+                                   np.asarray(vb, dtype=np.float64)[keep_b].view(np.int64))):
+            return False
+    return True
+
+
+def weights_spread(tracker: Tracker, calibration_id: str, reference_id: str, member_ids: list[str], steps: int
+                   ) -> rounding.WeightsEnvelope | None:
+    """Each member's weights after `steps` steps, their distance from the reference's (their sketches); the
+    reference's sketch is kept with the calibration (sealed with it), for replays to be measured from. None where a
+    run sketched nothing (no model: the fingerprints hash no weights either)."""
+    ref_bytes = tracker.read_bytes(reference_id, T.ARTIFACT_WEIGHTS_SKETCH)
+    if ref_bytes is None:
+        return None
+    reference = Sketch.load(ref_bytes)
+    found = [tracker.read_bytes(i, T.ARTIFACT_WEIGHTS_SKETCH) for i in member_ids]
+    if any(b is None for b in found):
+        return None
+    distances = [distance(Sketch.load(b), reference) for b in found if b is not None]
+    tracker.log_bytes(calibration_id, ref_bytes, T.ARTIFACT_WEIGHTS_SKETCH)
+    farthest = max(distances, key=lambda d: d.relative, default=None)
+    return rounding.WeightsEnvelope(steps, reference_id, [d.relative for d in distances],
+                                    farthest.widest if farthest is not None else "")

@@ -33,7 +33,7 @@ from harness.judge.handoff import judge_noise, judge_rounding
 from harness.judge.tolerance import format_tolerances, judged_tolerance, parse_tolerances
 from harness.judge.verdicts import Policy, exit_code, meets
 from harness.record import derived, loading, redaction, seal
-from harness.record.calibration import envelope_of
+from harness.record.calibration import envelope_of, weights_distance
 from harness.record.newrun import create_record
 from harness.record.replays import record_replay_verdicts
 from harness.record.study import StudyRecord, load_study, member_records
@@ -127,6 +127,7 @@ def replay(
     commit: str | None = None,
     steps: int | None = None,
     perturb_seed: int | None = None,
+    sketch_at: int | None = None,
 ) -> ReplayResult:
     """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
     the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
@@ -134,7 +135,9 @@ def replay(
     run the code of that commit of the repository instead of the recorded one (harness bisect's probes; the replay
     records the commit it ran). `steps` K: a first check - train only the first K steps, stop every rank there,
     and judge those steps (harness.replay.steps). `perturb_seed`: a calibration member (harness calibrate) - the
-    weights start one ulp off; it is the reference, so it is not judged (its comparison is None). `localizer`: what
+    weights start one ulp off; it is the reference, so it is not judged (its comparison is None); `sketch_at`: its
+    rank 0 sketches the weights after that many steps (a replay of a calibrated run sketches them at the calibration's
+    M by itself, to hold them to the members'). `localizer`: what
     traces a DIVERGED replay where `localize` asks for it (commands/trace.py's after_replay, which the API hands in:
     the trace verb is not imported here); None: no replay is localized."""
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
@@ -169,6 +172,8 @@ def replay(
     recorded.cfg = cfg
     # Before anything is recorded or launched: a calibration edited since its seal is refused here, not after the run.
     envelope = None if perturb_seed is not None else calibration_envelope(tracker, run_id)
+    if envelope is not None and envelope.weights is not None and (steps is None or steps >= envelope.weights.step):
+        sketch_at = envelope.weights.step  # its weights after the calibration's M steps, held to the members'
     # Before anything is recorded or launched: the data must hash as recorded (or the change be allowed).
     data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
     if data.stats is not None:
@@ -189,6 +194,8 @@ def replay(
         extra[T.REPLAY_STEPS] = str(steps)
     if perturb_seed is not None:  # likewise
         extra[T.PERTURB_SEED] = str(perturb_seed)
+    if sketch_at is not None:  # likewise
+        extra[T.SKETCH_AT] = str(sketch_at)
     if data.changes:
         extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
         for change in data.changes:
@@ -209,7 +216,7 @@ def replay(
             )
 
         job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths, stop_at=steps,
-                           perturb_seed=perturb_seed)
+                           perturb_seed=perturb_seed, sketch_at=sketch_at)
         outcome = executors.run(job)
         replay_id = outcome.run_id
 
@@ -268,7 +275,9 @@ def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
         return cmp
     if envelope is False:
         envelope = calibration_envelope(tracker, a.run_id)
-    return cmp if envelope is None else judge_rounding(cmp, a, b, envelope)
+    if envelope is None:
+        return cmp
+    return judge_rounding(cmp, a, b, envelope, weights_distance(tracker, envelope, b.run_id))
 
 
 def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,

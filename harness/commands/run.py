@@ -299,8 +299,10 @@ def execute_recorded(
     # replay --steps K: the record says where its ranks stop (the submitting side tagged the run when it created it).
     stop_at = int(run.tags[T.REPLAY_STEPS]) if run.tags.get(T.REPLAY_STEPS) else None
     perturb_seed = int(run.tags[T.PERTURB_SEED]) if run.tags.get(T.PERTURB_SEED) else None  # a calibration member
+    sketch_at = int(run.tags[T.SKETCH_AT]) if run.tags.get(T.SKETCH_AT) else None  # ... or a replay held to one
     job = Job(
         tracker, cfg, inputs, run_id=run_id, resume_step=resume_step, stop_at=stop_at, perturb_seed=perturb_seed,
+        sketch_at=sketch_at,
         topology=topology or Topology(),
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),

@@ -113,6 +113,7 @@ class Job:
     resume_step: int | None = None
     stop_at: int | None = None  # replay --steps K: every rank stops when step K would begin (harness.replay.steps)
     perturb_seed: int | None = None  # a calibration member: the weights start one ulp off (harness.calibration.perturb_seed)
+    sketch_at: int | None = None  # rank 0 sketches the weights after this many steps (harness.weights.sketch_at)
     topology: Topology = field(default_factory=Topology)
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()
     options: JobOptions = field(default_factory=JobOptions)  # the backend's own options type (Backend.options)

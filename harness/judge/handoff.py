@@ -33,14 +33,18 @@ from harness.judge.metricdiff import (
 from harness.judge.rounding import Envelope
 from harness.judge.tolerance import _tolerance_for, weights_may_differ
 from harness.judge.verdicts import Policy, meets
+from harness.judge.weightdistance import Distance
 from harness.rundata import RunRecord
 
 
-def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope) -> Comparison:
+def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope,
+                   weights: Distance | None = None) -> Comparison:
     """A replay of a calibrated run that is not bit-identical, held step by step to the rounding envelope over the
     envelope's first M steps. Inside at every judged value: WITHIN_ROUNDING where the envelope covered every step
     compared, else the steps from M on are judged as without a calibration (the tolerance here, the seeds' noise by
     the caller) and the line says so. Outside: DIVERGED at the first step outside, naming the metric and the envelope.
+    `weights`: the replay's weights after the M steps, their distance from the run's (both sketched); held to the
+    members' distances, so weights that moved where no metric showed it are outside too.
 
     A failed replay, or one that logged other steps or metrics, stays as it is: rounding explains none of that.
     """
@@ -67,8 +71,16 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
         cmp.notes.append(f"the weights of calibration {envelope.calibration_id}'s members ended equal to the "
                          "original's, so weights that differ here are not rounding's: not judged against its envelope")
         return cmp
+    if weights is not None:
+        judged.weights = rounding.judge_weights(envelope, weights.relative, weights.widest)
     cmp.rounding = judged
     outside = judged.first()
+    if outside is None and judged.weights is not None and not judged.weights.inside:
+        cmp.verdict = DIVERGED
+        cmp.divergence = Divergence(KIND_ROUNDING, judged.weights.step, detail=(
+            f"at step {judged.weights.step}: {judged.weights.describe()}, outside {judged.describe_envelope()} "
+            f"(calibration {envelope.calibration_id})"))
+        return cmp
     if outside is not None:
         rel = outside.distance / abs(outside.original) if outside.original else math.inf
         detail = (f"at step {outside.step}: {outside.describe()}, outside {judged.describe_envelope()} "

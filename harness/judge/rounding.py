@@ -39,6 +39,9 @@ SAFETY = 8.0
 FLOOR_ULPS = 4
 # How close to zero an original value may be before relative distances mean nothing: below it, absolute.
 _TINY = 1e-30
+# The weights' envelope is never narrower than this relative distance: what the sketches' float64 sums round off
+# (harness/runtime/sketch.py), not a difference of the weights.
+WEIGHTS_FLOOR = 1e-12
 
 Series = tuple[np.ndarray, np.ndarray]  # steps, values
 
@@ -51,18 +54,35 @@ class MetricEnvelope:
     original: list[float]
     deviation: list[float]  # max over members of |member - original|; inf where a member logged NaN or inf alone
 
-    def half_widths(self) -> np.ndarray:
-        """The envelope's half-width at each of `steps` (see the module's docstring)."""
+    def half_widths(self, safety: float | None = None) -> np.ndarray:
+        """The envelope's half-width at each of `steps` (see the module's docstring); `safety`: another factor than
+        SAFETY (benchmarks/verdict_bench.py measures the choice)."""
         original = np.abs(np.asarray(self.original, dtype=np.float64))
         dev = np.asarray(self.deviation, dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             rel = np.where(original > _TINY, dev / np.maximum(original, _TINY), dev)
         rel = np.maximum.accumulate(rel) if rel.size else rel
         with np.errstate(invalid="ignore"):
-            width = SAFETY * np.where(original > _TINY, rel * original, rel)
+            width = (SAFETY if safety is None else safety) * np.where(original > _TINY, rel * original, rel)
         width = np.nan_to_num(width, nan=np.inf)  # inf x 0: a member that went to NaN or inf there
         floor = FLOOR_ULPS * np.spacing(original.astype(np.float32)).astype(np.float64)
         return np.maximum(width, floor)
+
+
+@dataclass
+class WeightsEnvelope:
+    """The weights after the M steps: each member's relative distance from the run's own, which the calibration's
+    reference member (the run re-executed, not nudged) ended with; read from their sketches
+    (harness/judge/weightdistance.py). A replay's weights after M steps are held to SAFETY x the widest."""
+
+    step: int
+    reference: str  # the reference member's run id (its sketch is the calibration run's weights/sketch.npz)
+    distances: list[float]  # per member, in member order
+    widest_tensor: str  # the tensor farthest from the run's, relatively, in the member farthest away
+
+    def half_width(self, safety: float | None = None) -> float:
+        widest = max(self.distances, default=0.0)
+        return max((SAFETY if safety is None else safety) * widest, WEIGHTS_FLOOR)
 
 
 @dataclass
@@ -78,6 +98,12 @@ class Envelope:
     # would leave the members bitwise, and then no difference is rounding's).
     weights_differed: int = 0
     format: int = FORMAT
+    # The weights' distances after the M steps (None: a calibration made before they were sketched, or a run with no
+    # model to sketch); whether the reference member re-executed the run's first M steps bit for bit here (None: a
+    # calibration without a reference). When it did not, its values are among the members' (the machine's own
+    # run-to-run variation belongs in the envelope).
+    weights: WeightsEnvelope | None = None
+    reference_bitwise: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,15 +114,20 @@ class Envelope:
             raise ValueError(f"envelope format {doc.get('format')!r}, this harness reads {FORMAT}")
         metrics = {name: MetricEnvelope([int(s) for s in m["steps"]], [float(v) for v in m["original"]],
                                         [float(v) for v in m["deviation"]]) for name, m in doc["metrics"].items()}
+        w = doc.get("weights")
+        weights = None if w is None else WeightsEnvelope(int(w["step"]), str(w["reference"]),
+                                                         [float(d) for d in w["distances"]], str(w["widest_tensor"]))
+        bitwise = doc.get("reference_bitwise")
         return cls(str(doc["run_id"]), str(doc["calibration_id"]), int(doc["members"]), int(doc["steps"]), metrics,
-                   int(doc.get("weights_differed", 0)))
+                   int(doc.get("weights_differed", 0)), weights=weights,
+                   reference_bitwise=None if bitwise is None else bool(bitwise))
 
     def describe(self) -> str:
         return f"the rounding envelope of {self.members} members over the first {self.steps} steps"
 
 
 def measure(run_id: str, calibration_id: str, original: Mapping[str, Series], members: list[Mapping[str, Series]],
-            steps: int, weights_differed: int = 0) -> Envelope:
+            steps: int, weights_differed: int = 0, weights: WeightsEnvelope | None = None) -> Envelope:
     """The envelope of `members` (each a run's metrics: name -> (steps, values)) around `original`, steps < `steps`.
     A metric or step a member did not log is no evidence: the envelope there is the other members'."""
     metrics: dict[str, MetricEnvelope] = {}
@@ -112,7 +143,7 @@ def measure(run_id: str, calibration_id: str, original: Mapping[str, Series], me
                 found, other = _at(member[name], s)
                 dev = np.maximum(dev, np.where(found, _distance(v, other), 0.0))
         metrics[name] = MetricEnvelope([int(x) for x in s], [float(x) for x in v], [float(x) for x in dev])
-    return Envelope(run_id, calibration_id, len(members), steps, metrics, weights_differed)
+    return Envelope(run_id, calibration_id, len(members), steps, metrics, weights_differed, weights=weights)
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -154,29 +185,62 @@ class RoundingJudgement:
     outside: list[Outside] = field(default_factory=list)
     widest: float = 0.0  # the replay's largest distance as a fraction of the envelope's half-width there
     covers_run: bool = False  # every step both runs logged lies inside the envelope's steps
+    weights: WeightsJudgement | None = None  # the weights after the M steps, where both were sketched
 
     @property
     def within(self) -> bool:
-        return not self.outside and self.judged_steps > 0
+        return not self.outside and self.judged_steps > 0 and (self.weights is None or self.weights.inside)
 
     def first(self) -> Outside | None:
         return min(self.outside, key=lambda o: (o.step, o.metric)) if self.outside else None
 
     def headline(self) -> str:
         where = f"{self.describe_envelope()} (calibration {self.calibration_id})"
+        weights = "" if self.weights is None else f"; {self.weights.describe()}"
         if self.within:
             return (f"inside {where} at all {self.judged_steps} judged values, at most "
-                    f"{self.widest:.2g}x its half-width")
+                    f"{self.widest:.2g}x its half-width{weights}")
         first = self.first()
-        assert first is not None
-        return f"outside {where}: {first.describe()}"
+        return f"outside {where}: {first.describe() if first is not None else weights[2:]}"
 
     def describe_envelope(self) -> str:
         return f"the rounding envelope of {self.members} members over the first {self.steps} steps"
 
 
+@dataclass
+class WeightsJudgement:
+    """A replay's weights after the M steps against the members': its relative distance from the run's, and the
+    envelope's half-width (SAFETY x the members' widest)."""
+
+    step: int
+    distance: float
+    half_width: float
+    widest_member: float
+    tensor: str  # the replay's tensor farthest from the run's, relatively
+
+    @property
+    def inside(self) -> bool:
+        return self.distance <= self.half_width
+
+    def describe(self) -> str:
+        where = f"the weights after step {self.step}: relative distance {fmt_short(self.distance)} from the run's"
+        if self.inside:
+            return (f"{where}, {self.distance / self.half_width:.2g}x the envelope's half-width (members up to "
+                    f"{fmt_short(self.widest_member)})")
+        return (f"{where} (farthest: {self.tensor}), outside the envelope ±{fmt_short(self.half_width)} (members up to "
+                f"{fmt_short(self.widest_member)})")
+
+
+def judge_weights(envelope: Envelope, distance: float, tensor: str) -> WeightsJudgement | None:
+    """The replay's weights after the M steps (`distance` from the reference's, relative) held to the members'."""
+    w = envelope.weights
+    if w is None:
+        return None
+    return WeightsJudgement(w.step, distance, w.half_width(), max(w.distances, default=0.0), tensor)
+
+
 def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[str, Series],
-          before: int | None = None) -> RoundingJudgement:
+          before: int | None = None, safety: float | None = None) -> RoundingJudgement:
     """Every metric of the envelope, at every step < M (and < `before`, replay --steps) that both runs logged: the
     replay's distance from the original within the half-width there."""
     last = envelope.steps if before is None else min(envelope.steps, before)
@@ -185,7 +249,7 @@ def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[st
         if name not in original or name not in replay:
             continue  # a metric missing from one run is a divergence of its own (compare.py)
         es = np.asarray(env.steps)
-        widths = env.half_widths()
+        widths = env.half_widths(safety)
         ov, rv = _at(original[name], es), _at(replay[name], es)
         judged = (es < last) & ov[0] & rv[0]
         dist = _distance(ov[1], rv[1])

@@ -10,6 +10,7 @@ import json
 from harness import tags as T
 from harness.errors import HarnessError
 from harness.judge import rounding
+from harness.judge.weightdistance import Distance, Sketch, distance
 from harness.record import seal
 from harness.store.tracking import RunSummary, Tracker
 
@@ -38,3 +39,16 @@ def envelope_of(tracker: Tracker, run_id: str) -> rounding.Envelope | None:
     # The ids as this store has them (an imported calibration's file names the ids of the store it came from).
     envelope.run_id, envelope.calibration_id = run_id, found.run_id
     return envelope
+
+
+def weights_distance(tracker: Tracker, envelope: rounding.Envelope, run_id: str) -> Distance | None:
+    """How far run `run_id`'s weights after the calibration's M steps lie from the run's own (the calibration's
+    reference sketch, under its seal): None when either was not sketched (a calibration made before sketches, a
+    replay that stopped before step M) or at another step."""
+    if envelope.weights is None:
+        return None
+    reference, replay = (tracker.read_bytes(i, T.ARTIFACT_WEIGHTS_SKETCH) for i in (envelope.calibration_id, run_id))
+    if reference is None or replay is None:
+        return None
+    ref, rep = Sketch.load(reference), Sketch.load(replay)
+    return distance(rep, ref) if ref.step == rep.step == envelope.weights.step else None

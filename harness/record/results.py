@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import tags as T
+from harness.judge.weightdistance import Sketch
 from harness.messages import (
     Optimization,
     Performance,
@@ -52,6 +53,8 @@ def record_results(
         tags.update(optimization_tags(final["optimization"]))
         tracker.log_text(run_id, json.dumps(asdict(final["optimization"]), indent=1), T.ARTIFACT_OPTIMIZATION)
     tracker.set_tags(run_id, tags)
+    if final.get("sketch") is not None:
+        tracker.log_bytes(run_id, Sketch.of(final["sketch"]).dump(), T.ARTIFACT_WEIGHTS_SKETCH)
     if fingerprints or final.get("fingerprint") or final["checkpoints"]:
         doc = {
             "steps": {str(k): v for k, v in sorted(fingerprints.items())},

@@ -127,6 +127,7 @@ class Context(Stepping):
         # its integration: a step boundary missing there has another way out than a loop of the user's own.
         self._framework: str | None = None
         self._loop_sent = False
+        self._sketched = False
         self._logged = Logged()  # rank 0: what was logged, at which steps, by training or an evaluation
         self._noted: set[str] = set()  # notices already sent
         self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
@@ -243,10 +244,12 @@ class Context(Stepping):
         """`model` is the one fingerprinted, checkpointed and traced (ctx.ddp and ctx.register)."""
         self._model = model
         if self._plan is not None and self._plan.perturb_seed is not None:
-            # A calibration member (harness calibrate): the weights start one ulp off, before the first fingerprint.
-            from harness.runtime.perturb import nudge
+            # A calibration member (harness calibrate): the weights start one ulp off, before the first fingerprint
+            # (its reference, member 0, is the run itself).
+            from harness.runtime.perturb import REFERENCE, nudge
 
-            nudge(model, self._plan.perturb_seed)
+            if self._plan.perturb_seed != REFERENCE:
+                nudge(model, self._plan.perturb_seed)
         # A training forward of the registered model is the next step's work beginning (a loop of its own).
         self._forward_hook = hooks.add(model, StepHook(model, self.clock))
         self._trace.attach(model)
@@ -450,6 +453,7 @@ class Context(Stepping):
         Called by the launcher after train(ctx) returns, not by the training code.
         """
         target = self._wrap_up()
+        self._maybe_sketch(self.clock.done)  # a run of exactly plan.sketch_at steps reached no boundary after them
         if self.is_main:
             of = "model" if self._model is not None else "optimizer" if target is not None else None
             self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))

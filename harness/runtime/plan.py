@@ -17,6 +17,9 @@ class CheckpointPlan:
     # harness calibrate: every floating-point parameter of the registered model is nudged by one ulp, up or down as
     # a generator of this seed draws it, before training starts (harness/runtime/perturb.py).
     perturb_seed: int | None = None
+    # harness calibrate: rank 0 sends a sketch of the weights (harness/runtime/sketch.py) after this many steps - the
+    # calibration's members, and a replay of a calibrated run, which is held to the members' distance.
+    sketch_at: int | None = None
     # harness trace: an op-level trace (optrace.OpTracer) around this step, on these ranks, written to
     # trace_dir/rank<R>.jsonl.gz when the step ends.
     trace_step: int | None = None

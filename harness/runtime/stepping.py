@@ -61,6 +61,7 @@ class Stepping:
     _driver: str | None  # what drives the loop: "loader", "steps" or None (a loop of the user's own)
     _framework: str | None  # the framework whose loop runs the steps or feeds their batches
     _loop_sent: bool
+    _sketched: bool  # plan.sketch_at's sketch was sent
 
     def _send(self, message: Message | None) -> None:
         if self._outbox is not None and message is not None:
@@ -157,8 +158,22 @@ class Stepping:
         self._send_loop()
         self._trace.end(before=step)
         self._maybe_checkpoint(position)
+        self._maybe_sketch(step)
         self._check_stop(step)
         self._timer.starting(step)
+
+    def _maybe_sketch(self, step: int) -> None:
+        """Rank 0, where the plan asks for it (harness calibrate): the weights after `step` steps, folded small
+        (harness/runtime/sketch.py), once - at this boundary, or at the end of a run that took exactly that many."""
+        plan = self._plan
+        if plan is None or plan.sketch_at != step or self._sketched or self.rank != 0:
+            return
+        self._sketched = True
+        target = self._fingerprinted()
+        if target is not None:
+            from harness.runtime.sketch import sketch
+
+            self._send(sketch(target, step))
 
     def _check_stop(self, step: int) -> None:
         plan = self._plan

@@ -43,7 +43,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.judge import noise, rounding
+from harness.judge.weightdistance import Sketch, distance
 from harness.runtime.perturb import kernels_of, nudge, other_threads
+from harness.runtime.sketch import sketch
 
 Curves = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -157,6 +159,12 @@ def _settings(change: Change) -> Iterator[None]:
 
 def train(model: Model, seed: int, change: Change, data: Any) -> Curves:
     """One run: every metric's curve (steps, values). Seeded like a harness run: one seed for weights and order."""
+    return train_sketched(model, seed, change, data)[0]
+
+
+def train_sketched(model: Model, seed: int, change: Change, data: Any) -> tuple[Curves, Sketch]:
+    """train(), and the sketch of the model's weights after its last step (harness/runtime/sketch.py), as a
+    calibration member or a replay of a calibrated run records it."""
     xs, ys, xv, yv = data
     if change.label_noise:
         g = torch.Generator().manual_seed(99)  # the same corrupted labels for every seed: a data bug, not noise
@@ -167,6 +175,7 @@ def train(model: Model, seed: int, change: Change, data: Any) -> Curves:
         xs, ys = xs[: 3 * len(xs) // 4], ys[: 3 * len(ys) // 4]
     torch.manual_seed(seed)
     net = model.build()
+    inner = net  # what is sketched: the model's own weights, with or without a dropout in front
     if change.dropout:
         net = nn.Sequential(nn.Dropout(change.dropout), net)
     if change.perturb is not None:
@@ -216,7 +225,8 @@ def train(model: Model, seed: int, change: Change, data: Any) -> Curves:
                     if model.classify:
                         log("val_acc", step, float((out.argmax(1) == yv).float().mean()))
                     log("weight_norm", step, math.sqrt(sum(float((p ** 2).sum()) for p in net.parameters())))
-    return {k: (np.asarray(steps[k]), np.asarray(curves[k])) for k in names}
+    return ({k: (np.asarray(steps[k]), np.asarray(curves[k])) for k in names},
+            Sketch.of(sketch(inner, model.steps)))
 
 
 # --- the rules under test ----------------------------------------------------------------------------------------
@@ -345,7 +355,7 @@ ROUNDING_PLANTED = [
 KERNELS = ("default", "avx2")
 
 
-def _replays_in_child(model: Model, seeds: range, capability: str) -> list[Curves]:
+def _replays_in_child(model: Model, seeds: range, capability: str) -> list[tuple[Curves, Sketch]]:
     import pickle
     import subprocess
     import tempfile
@@ -395,31 +405,46 @@ def rounding_trials(model: Model, seeds: range, members: int, changes: list[Chan
         table[f"ATEN_CPU_CAPABILITY={cap}"] = Tally()
     sweep = {row: {factor: Tally() for factor in SWEEP} for row in table}
     for seed in seeds:
-        original = train(model, seed, ORIGINAL, data)
+        original, reference = train_sketched(model, seed, ORIGINAL, data)
         specs = [member(i) for i in range(1, members + 1)]
-        calibration = [train(model, seed, spec, data) for spec in specs]
-        envelope = rounding.measure("run", "cal", original, calibration, model.steps, members)
-        replays = [(change.name, change, train(model, seed, change, data)) for change in changes]
-        replays += [(f"ATEN_CPU_CAPABILITY={cap}", None, kernels[cap][seed]) for cap in KERNELS]
-        for name, change, replay in replays:
+        runs = [train_sketched(model, seed, spec, data) for spec in specs]
+        calibration = [curves for curves, _ in runs]
+        # The weights after all the steps: each member's distance from the run's (in process, the run re-executes
+        # bit for bit: the original's own sketch is the reference member's).
+        spread = [distance(s, reference) for _, s in runs]
+        weights = rounding.WeightsEnvelope(model.steps, "ref", [d.relative for d in spread], "")
+        envelope = rounding.measure("run", "cal", original, calibration, model.steps, members, weights)
+        replays = [(change.name, change, *train_sketched(model, seed, change, data)) for change in changes]
+        replays += [(f"ATEN_CPU_CAPABILITY={cap}", None, *kernels[cap][seed]) for cap in KERNELS]
+        for name, change, replay, replay_sketch in replays:
             judged_by = [(name, envelope)]
             if change is not None and name in _FAMILY:
-                kept = [c for spec, c in zip(specs, calibration) if not _FAMILY[name](spec)]
-                judged_by.append((held_out(name), rounding.measure("run", "cal", original, kept, model.steps,
-                                                                   len(kept))))
+                kept = [i for i, spec in enumerate(specs) if not _FAMILY[name](spec)]
+                held = rounding.WeightsEnvelope(model.steps, "ref", [spread[i].relative for i in kept], "")
+                judged_by.append((held_out(name), rounding.measure("run", "cal", original, [calibration[i] for i in kept],
+                                                                   model.steps, len(kept), held)))
             bitwise = all(np.array_equal(replay[k][1], original[k][1]) for k in original)
+            moved = distance(replay_sketch, reference)
             for row, env in judged_by:
-                judged = rounding.judge(env, original, replay)
+                judged = _judged(env, original, replay, moved)
                 table[row].trials += 1
                 table[row].alarms += not (bitwise or judged.within)
                 for factor in SWEEP:
                     sweep[row][factor].trials += 1
-                    sweep[row][factor].alarms += not (bitwise or rounding.judge(env, original, replay,
-                                                                                safety=factor).within)
+                    sweep[row][factor].alarms += not (bitwise or _judged(env, original, replay, moved, factor).within)
                 if not (bitwise or judged.within):  # what an alarm saw, so a rare one can be explained
                     print(f"  alarm: {model.name} seed {seed} {row}: {judged.headline()}", file=sys.stderr, flush=True)
         print(f"  done: {model.name} seed {seed}", file=sys.stderr, flush=True)  # a long run's progress, to pool
     return table, sweep
+
+
+def _judged(envelope: rounding.Envelope, original: Curves, replay: Curves, moved: Any,
+            factor: float | None = None) -> rounding.RoundingJudgement:
+    """As `harness replay` judges a calibrated run's replay: its values over the M steps, then its weights after
+    them (`moved`: their distance from the run's), both at the envelope's factor `factor` (None: rounding.SAFETY)."""
+    judged = rounding.judge(envelope, original, replay, safety=factor)
+    judged.weights = rounding.judge_weights(envelope, moved.relative, moved.widest, safety=factor)
+    return judged
 
 
 def rounding_report(trials: int, members: int, models: list[str], honest_only: bool = False,
@@ -516,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         data = MODELS[name].data()
         first, stop = (int(x) for x in span.split(":"))
-        Path(out).write_bytes(pickle.dumps([train(MODELS[name], s, ORIGINAL, data) for s in range(first, stop)]))
+        Path(out).write_bytes(pickle.dumps([train_sketched(MODELS[name], s, ORIGINAL, data)
+                                            for s in range(first, stop)]))
         return 0
     if args.power:
         start = time.monotonic()

@@ -231,12 +231,13 @@ class WeightsJudgement:
                 f"{fmt_short(self.widest_member)})")
 
 
-def judge_weights(envelope: Envelope, distance: float, tensor: str) -> WeightsJudgement | None:
+def judge_weights(envelope: Envelope, distance: float, tensor: str, safety: float | None = None
+                  ) -> WeightsJudgement | None:
     """The replay's weights after the M steps (`distance` from the reference's, relative) held to the members'."""
     w = envelope.weights
     if w is None:
         return None
-    return WeightsJudgement(w.step, distance, w.half_width(), max(w.distances, default=0.0), tensor)
+    return WeightsJudgement(w.step, distance, w.half_width(safety), max(w.distances, default=0.0), tensor)
 
 
 def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[str, Series],

@@ -6,8 +6,8 @@ the model's size per member. So each floating-point tensor of the state dict is 
 i goes, with a sign drawn from its index, into bucket i mod WIDTH. The difference of two sketches is the sketch of the
 difference, and random signs make its squared norm an unbiased estimate of the squared distance (relative error about
 sqrt(2 / WIDTH), 9%, for a difference spread over the tensor); a tensor of WIDTH elements or fewer is kept whole, so
-its distance is exact. The signs come from integer arithmetic on the element's index (no generator): the same on
-every device, so a sketch taken on a GPU compares with one taken on a CPU. Sums are in float64, so a difference of one
+its distance is exact. The signs come from an integer mixer of the element's position (no random generator), computed
+on the CPU: the same on every device, so a sketch taken on a GPU compares with one taken on a CPU. Sums are in float64, so a difference of one
 float32 ulp per element stays far above the sums' own rounding.
 """
 
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 from harness.messages import WeightsSketch
 
-WIDTH = 256
+# A prime: a weight matrix's strides (powers of two, mostly) then spread over all the sums instead of piling into one.
+WIDTH = 257
 _CHUNK = WIDTH * 4096  # elements folded at once: 8 MB of float64, whatever the tensor's size
 _M32 = 0xFFFFFFFF
 
@@ -44,26 +46,45 @@ def sketch(module: torch.nn.Module, step: int) -> WeightsSketch:
 
 
 def _fold(flat: torch.Tensor, salt: int) -> torch.Tensor:
-    """WIDTH signed float64 sums of `flat` (the elements themselves when there are WIDTH or fewer)."""
+    """WIDTH signed float64 sums of `flat` (the elements themselves when there are WIDTH or fewer).
+
+    Element i of chunk c takes the sign of a fixed random pattern at position i shifted by a random offset of (tensor,
+    c), times a random sign of (tensor, c): elements in one chunk take different pattern positions, elements of
+    different chunks independent offsets, so no two elements' signs are correlated and the estimate stays unbiased -
+    for one multiplication per element (an integer mixer per element would cost ten)."""
     if flat.numel() <= WIDTH:
         return flat.to(torch.float64)
     out = torch.zeros(WIDTH, dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start:start + _CHUNK].to(torch.float64)
-        index = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device)
-        part = part * _signs(index, salt)
-        pad = (-part.numel()) % WIDTH  # the last chunk: zeros fold into nothing
+    pattern = _pattern(flat.device)
+    for chunk, start in enumerate(range(0, flat.numel(), _CHUNK)):
+        n = min(_CHUNK, flat.numel() - start)
+        mixed = int(_splitmix64(np.array([(salt << 32) | (chunk & _M32)], dtype=np.uint64))[0])
+        offset, sign = mixed % _CHUNK, 1.0 - 2.0 * (mixed >> 63)
+        part = flat[start:start + n].to(torch.float64) * pattern[offset:offset + n]
+        pad = (-n) % WIDTH  # the last chunk: zeros fold into nothing
         if pad:
             part = torch.cat([part, part.new_zeros(pad)])
-        out += part.reshape(-1, WIDTH).sum(0)
+        out += sign * part.reshape(-1, WIDTH).sum(0)
     return out
 
 
-def _signs(index: torch.Tensor, salt: int) -> torch.Tensor:
-    """+1 or -1 per index: a 32-bit integer mix of the index and the tensor's salt (exact on every device; every
-    product stays below 2**59, so int64 never overflows)."""
-    x = ((index ^ (index >> 32)) ^ salt) & _M32
-    for _ in range(2):
-        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
-    x = x ^ (x >> 16)
-    return 1.0 - 2.0 * (x & 1).to(torch.float64)
+_PATTERNS: dict[torch.device, torch.Tensor] = {}
+
+
+def _pattern(device: torch.device) -> torch.Tensor:
+    """+1 or -1 per position of two chunks (an offset into it is a view): the top bit of splitmix64 of the position,
+    computed once on the CPU in numpy's wrapping uint64 arithmetic (so the same on every machine), copied once to
+    `device`."""
+    if device not in _PATTERNS:
+        bits = _splitmix64(np.arange(2 * _CHUNK, dtype=np.uint64)) >> np.uint64(63)
+        _PATTERNS[device] = torch.from_numpy(1.0 - 2.0 * bits.astype(np.float64)).to(device)
+    return _PATTERNS[device]
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser (uint64 in, uint64 out; the products wrap modulo 2**64, as the mixer intends)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))

@@ -3,12 +3,13 @@ two runs' weights lie apart (harness/judge/weightdistance.py reads it).
 
 A fingerprint says whether weights are equal, not how far apart they are; keeping every member's weights would cost
 the model's size per member. So each floating-point tensor of the state dict is folded into WIDTH float64 sums: element
-i goes, with a sign drawn from its index, into bucket i mod WIDTH. The difference of two sketches is the sketch of the
+i goes, with a sign drawn for it, into sum i mod WIDTH. The difference of two sketches is the sketch of the
 difference, and random signs make its squared norm an unbiased estimate of the squared distance (relative error about
-sqrt(2 / WIDTH), 9%, for a difference spread over the tensor); a tensor of WIDTH elements or fewer is kept whole, so
-its distance is exact. The signs come from an integer mixer of the element's position (no random generator), computed
-on the CPU: the same on every device, so a sketch taken on a GPU compares with one taken on a CPU. Sums are in float64, so a difference of one
-float32 ulp per element stays far above the sums' own rounding.
+sqrt(2 / WIDTH), 9%; measured within 8% for one-ulp nudges and for constant, strided and sparse changes); a tensor of
+WIDTH elements or fewer is kept whole, so its distance is exact. The signs come from an integer mixer of the element's
+position (no random generator), computed on the CPU: the same on every device, so a sketch taken on a GPU compares
+with one taken on a CPU. Sums are in float64, so a difference of one float32 ulp per element stays far above the
+sums' own rounding. Cost: about one multiply-add per element (16M float32 parameters: under a second on one CPU core).
 """
 
 from __future__ import annotations

@@ -277,7 +277,13 @@ def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
         envelope = calibration_envelope(tracker, a.run_id)
     if envelope is None:
         return cmp
-    return judge_rounding(cmp, a, b, envelope, weights_distance(tracker, envelope, b.run_id))
+    moved = weights_distance(tracker, envelope, b.run_id)
+    cmp = judge_rounding(cmp, a, b, envelope, moved)
+    w = envelope.weights
+    if moved is None and w is not None and cmp.rounding is not None and (b.steps_total or 0) >= w.step:
+        cmp.notes.append(f"{b.run_id} recorded no sketch of its weights after step {w.step} (a harness before "
+                         "sketches, or another model): its weights were not held to the calibration's members'")
+    return cmp
 
 
 def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,

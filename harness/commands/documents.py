@@ -148,7 +148,7 @@ def compare(found: Comparison | TraceDiff) -> dict[str, Any]:
 def calibrate(done: Calibration) -> dict[str, Any]:
     return document("calibrate", EXIT_OK, {
         "run_id": done.calibration_id, "calibrated": done.run_id, "members": list(done.member_ids),
-        "steps_of_run": done.steps_of_run, "summary": done.summary(), "envelope": done.envelope.to_dict(),
+        "reference": done.reference_id, "steps_of_run": done.steps_of_run, "summary": done.summary(), "envelope": done.envelope.to_dict(),
     })
 
 

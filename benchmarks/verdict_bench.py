@@ -391,12 +391,13 @@ def held_out(name: str) -> str:
 SWEEP = (8.0, 16.0, 32.0, 64.0, 128.0)
 
 
-def rounding_trials(model: Model, seeds: range, members: int, changes: list[Change]
+def rounding_trials(model: Model, seeds: range, members: int, changes: list[Change], dump: list | None = None
                     ) -> tuple[dict[str, Tally], dict[str, dict[float, Tally]]]:
     """Per change: of `trials` calibrated runs (seeds 0..trials-1, each with `members` members over all its steps,
     built as `harness calibrate` builds them), how many replays under the change left the envelope (rounding.judge,
     as `harness replay` judges), at rounding.SAFETY and at each factor of SWEEP. A change whose kernels some members
-    run gets a second row, judged against the other members only."""
+    run gets a second row, judged against the other members only. `dump`: every trial's curves and weights' distances
+    are appended to it, for other rules to be judged on the same trials (--grid)."""
     data = model.data()
     table = {c.name: Tally() for c in changes}
     table.update({held_out(c.name): Tally() for c in changes if c.name in _FAMILY})
@@ -425,6 +426,12 @@ def rounding_trials(model: Model, seeds: range, members: int, changes: list[Chan
                                                                    model.steps, len(kept), held)))
             bitwise = all(np.array_equal(replay[k][1], original[k][1]) for k in original)
             moved = distance(replay_sketch, reference)
+            if dump is not None:
+                dump.append({"model": model.name, "seed": seed, "row": name, "original": original,
+                             "members": calibration, "spread": [d.relative for d in spread], "replay": replay,
+                             "moved": (moved.relative, moved.widest), "bitwise": bitwise,
+                             "family": [i for i, spec in enumerate(specs) if change is not None and name in _FAMILY
+                                        and _FAMILY[name](spec)]})
             for row, env in judged_by:
                 judged = _judged(env, original, replay, moved)
                 table[row].trials += 1
@@ -448,14 +455,19 @@ def _judged(envelope: rounding.Envelope, original: Curves, replay: Curves, moved
 
 
 def rounding_report(trials: int, members: int, models: list[str], honest_only: bool = False,
-                    first_seed: int = 0) -> list[str]:
+                    first_seed: int = 0, dump: Path | None = None) -> list[str]:
     torch.set_num_threads(1)
     changes = ROUNDING_HONEST + ([] if honest_only else ROUNDING_PLANTED)
     out = [f"### rounding envelope: {members} members (one-ulp nudges on the machine's kernels) over all steps, "
            f"{trials} calibrated runs per model (SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS})", "",
            f"| change | kind | {' | '.join(models)} |", "| --- | --- |" + " --- |" * len(models)]
     seeds = range(first_seed, first_seed + trials)
-    measured = {name: rounding_trials(MODELS[name], seeds, members, changes) for name in models}
+    raw: list | None = [] if dump is not None else None
+    measured = {name: rounding_trials(MODELS[name], seeds, members, changes, raw) for name in models}
+    if dump is not None:
+        import pickle
+
+        dump.write_bytes(pickle.dumps(raw))
     rows = [(f"ATEN_CPU_CAPABILITY={cap}", True) for cap in KERNELS]
     for c in changes:
         rows += [(c.name, c.honest)] + ([(held_out(c.name), c.honest)] if c.name in _FAMILY else [])
@@ -470,6 +482,44 @@ def rounding_report(trials: int, members: int, models: list[str], honest_only: b
             kind = "honest: false alarm" if honest else "planted: power"
             out.append(f"| {name} | {kind} | " + " | ".join(measured[model][1][name][f].rate() for f in SWEEP) + " |")
     return out + [""]
+
+
+GRID_SAFETY = (8.0, 16.0, 32.0, 64.0)
+GRID_FLOOR = (4.0, 16.0, 64.0, 256.0)
+
+
+def grid_report(files: list[Path], steps: int | None) -> list[str]:
+    """Every trial of `--dump` files judged again under each (SAFETY, FLOOR_ULPS) of the grid, over the first `steps`
+    steps (None: all; `harness calibrate`'s default is 20) and the weights after the last: alarms per row, for the
+    honest rows, catches for the planted ones. Pure arithmetic on recorded curves: seconds."""
+    import pickle
+
+    trials = [t for f in files for t in pickle.loads(f.read_bytes())]
+    combos = [(s, f) for s in GRID_SAFETY for f in GRID_FLOOR]
+    counts: dict[tuple[str, str], dict[tuple[float, float], Tally]] = {}
+    for t in trials:
+        last = max(int(s[-1]) for s, _ in t["original"].values()) + 1
+        m = last if steps is None else min(steps, last)
+        rows = [(t["row"], list(range(len(t["members"]))))]
+        if t["family"]:
+            rows.append((held_out(t["row"]), [i for i in range(len(t["members"])) if i not in t["family"]]))
+        for row, kept in rows:
+            weights = (rounding.WeightsEnvelope(last, "ref", [t["spread"][i] for i in kept], "")
+                       if m == last else None)  # the weights are sketched after step M: only where M is the last
+            env = rounding.measure("run", "cal", t["original"], [t["members"][i] for i in kept], m, len(kept), weights)
+            for s, f in combos:
+                judged = rounding.judge(env, t["original"], t["replay"], safety=s, floor_ulps=f)
+                judged.weights = rounding.judge_weights(env, t["moved"][0], t["moved"][1], safety=s)
+                tally = counts.setdefault((t["model"], row), {}).setdefault((s, f), Tally())
+                tally.trials += 1
+                tally.alarms += not (t["bitwise"] or judged.within)
+    out = [f"### the rule's constants on {len({(t['model'], t['seed']) for t in trials})} calibrated runs, judged "
+           f"over {'all steps' if steps is None else f'the first {steps} steps'}: alarms (honest) or catches (planted) "
+           "per (SAFETY, FLOOR_ULPS)", "", "| model | change | " + " | ".join(f"x{s:g}, {f:g} ulps" for s, f in combos)
+           + " |", "| --- | --- |" + " --- |" * len(combos)]
+    for (model, row), by in sorted(counts.items()):
+        out.append(f"| {model} | {row} | " + " | ".join(f"{by[c].alarms}/{by[c].trials}" for c in combos) + " |")
+    return out
 
 
 # --- the INCONCLUSIVE rule (noise.Power): what a small study says of a real doubled learning rate ------------------
@@ -530,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--members", type=int, default=8, help="--rounding: calibration members (default 8)")
     parser.add_argument("--first-seed", type=int, default=0,
                         help="--rounding: the first calibrated run's seed (runs of disjoint seeds pool into one table)")
+    parser.add_argument("--dump", type=Path, help="--rounding: keep every trial's curves in this file (for --grid)")
+    parser.add_argument("--grid", type=Path, nargs="+", help="judge the trials of these --dump files under each "
+                        "(SAFETY, FLOOR_ULPS) of the grid instead of training anything")
+    parser.add_argument("--grid-steps", type=int, default=None, help="--grid: judge only the first K steps")
     parser.add_argument("--power", action="store_true",
                         help="the INCONCLUSIVE rule's table instead: small studies against real lr x2 and x10")
     parser.add_argument("--dump-originals", nargs=3, metavar=("MODEL", "FIRST:STOP", "OUT"), help=argparse.SUPPRESS)
@@ -544,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(out).write_bytes(pickle.dumps([train_sketched(MODELS[name], s, ORIGINAL, data)
                                             for s in range(first, stop)]))
         return 0
+    if args.grid:
+        print("\n".join(grid_report(args.grid, args.grid_steps)))
+        return 0
     if args.power:
         start = time.monotonic()
         print("\n".join(power_report(args.trials or 30, args.seeds or [3, 5], args.models or ["linear", "mlp"])))
@@ -552,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounding:
         start = time.monotonic()
         print("\n".join(rounding_report(args.trials or 50, args.members, args.models or list(MODELS),
-                                         args.honest_only, args.first_seed)))
+                                         args.honest_only, args.first_seed, args.dump)))
         print(f"({time.monotonic() - start:.0f} s)")
         return 0
     sizes = args.seeds or (SMALL["sizes"] if args.small else [5, 10])

@@ -54,9 +54,9 @@ class MetricEnvelope:
     original: list[float]
     deviation: list[float]  # max over members of |member - original|; inf where a member logged NaN or inf alone
 
-    def half_widths(self, safety: float | None = None) -> np.ndarray:
-        """The envelope's half-width at each of `steps` (see the module's docstring); `safety`: another factor than
-        SAFETY (benchmarks/verdict_bench.py measures the choice)."""
+    def half_widths(self, safety: float | None = None, floor_ulps: float | None = None) -> np.ndarray:
+        """The envelope's half-width at each of `steps` (see the module's docstring); `safety`, `floor_ulps`: other
+        constants than SAFETY and FLOOR_ULPS (benchmarks/verdict_bench.py measures the choice)."""
         original = np.abs(np.asarray(self.original, dtype=np.float64))
         dev = np.asarray(self.deviation, dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -65,7 +65,7 @@ class MetricEnvelope:
         with np.errstate(invalid="ignore"):
             width = (SAFETY if safety is None else safety) * np.where(original > _TINY, rel * original, rel)
         width = np.nan_to_num(width, nan=np.inf)  # inf x 0: a member that went to NaN or inf there
-        floor = FLOOR_ULPS * np.spacing(original.astype(np.float32)).astype(np.float64)
+        floor = (FLOOR_ULPS if floor_ulps is None else floor_ulps) * np.spacing(original.astype(np.float32)).astype(np.float64)
         return np.maximum(width, floor)
 
 
@@ -241,7 +241,8 @@ def judge_weights(envelope: Envelope, distance: float, tensor: str, safety: floa
 
 
 def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[str, Series],
-          before: int | None = None, safety: float | None = None) -> RoundingJudgement:
+          before: int | None = None, safety: float | None = None, floor_ulps: float | None = None
+          ) -> RoundingJudgement:
     """Every metric of the envelope, at every step < M (and < `before`, replay --steps) that both runs logged: the
     replay's distance from the original within the half-width there."""
     last = envelope.steps if before is None else min(envelope.steps, before)
@@ -250,7 +251,7 @@ def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[st
         if name not in original or name not in replay:
             continue  # a metric missing from one run is a divergence of its own (compare.py)
         es = np.asarray(env.steps)
-        widths = env.half_widths(safety)
+        widths = env.half_widths(safety, floor_ulps)
         ov, rv = _at(original[name], es), _at(replay[name], es)
         judged = (es < last) & ov[0] & rv[0]
         dist = _distance(ov[1], rv[1])

@@ -126,6 +126,23 @@ def test_a_real_change_leaves_the_envelope_at_its_first_step_and_no_seed_rescues
     assert judge_noise(cmp, original, replay, "study0", members).verdict == DIVERGED
 
 
+def test_a_sudden_parting_after_steps_well_inside_is_diverged_with_a_note_on_what_else_does_that() -> None:
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=12)
+    jumped = LOSS * (1 + 1e-7 * np.exp(STEPS / 6.0))
+    jumped[6:] *= 1 + 5e-5  # a max-pool tie flipped at step 6, say: inside before, far outside after
+    replay = _replay(original, jumped)
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == DIVERGED and cmp.divergence.step == 6
+    note = next(n for n in cmp.notes if "sudden parting" in n)
+    assert note.startswith("loss stayed inside the envelope for its 6 judged steps before step 6 (at most ") and \
+        "harness calibrate RUN_ID --members 32" in note
+    changed = LOSS.copy()
+    changed[1:] *= 1 + 1.7e-4  # a change from the first update on: no such note
+    replay = _replay(original, changed)
+    assert not any("sudden" in n for n in judge_rounding(compare_runs(original, replay), original, replay, env).notes)
+
+
 def test_after_the_envelope_the_tolerance_decides_and_the_line_says_which_judgement_did() -> None:
     original = _run("orig0000", LOSS)
     env = _envelope(original, steps=4)

@@ -88,6 +88,9 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
         cmp.verdict = DIVERGED
         cmp.divergence = Divergence(KIND_ROUNDING, outside.step, outside.metric, outside.original, outside.replay,
                                     outside.distance, rel, detail)
+        sudden = judged.sudden()
+        if sudden is not None:
+            cmp.notes.append(sudden)
         return cmp
     if judged.covers_run:
         cmp.verdict, cmp.divergence = WITHIN_ROUNDING, None

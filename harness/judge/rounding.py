@@ -39,6 +39,8 @@ SAFETY = 8.0
 FLOOR_ULPS = 4
 # How close to zero an original value may be before relative distances mean nothing: below it, absolute.
 _TINY = 1e-30
+# A replay that stayed well inside this many judged steps of a metric before leaving it parted suddenly (a note).
+SUDDEN_AFTER = 3
 # The weights' envelope is never narrower than this relative distance: what the sketches' float64 sums round off
 # (harness/runtime/sketch.py), not a difference of the weights.
 WEIGHTS_FLOOR = 1e-12
@@ -167,6 +169,8 @@ class Outside:
     half_width: float
     count: int  # judged steps outside
     judged: int  # judged steps of this metric
+    inside_before: int = 0  # judged steps of this metric before `step`, all inside
+    widest_before: float = 0.0  # their largest distance as a fraction of the half-width
 
     def describe(self) -> str:
         return (f"{self.metric} at step {self.step}: {fmt_pair(self.original, self.replay)} "
@@ -193,6 +197,18 @@ class RoundingJudgement:
 
     def first(self) -> Outside | None:
         return min(self.outside, key=lambda o: (o.step, o.metric)) if self.outside else None
+
+    def sudden(self) -> str | None:
+        """When the replay left the envelope abruptly - well inside for SUDDEN_AFTER judged steps or more, then
+        outside - what else than a change can do that, and how to tell (a note beside the verdict, not a verdict)."""
+        first = self.first()
+        if first is None or first.inside_before < SUDDEN_AFTER or first.widest_before > 0.5:
+            return None
+        return (f"{first.metric} stayed inside the envelope for its {first.inside_before} judged steps before step "
+                f"{first.step} (at most {first.widest_before:.2g}x its half-width), then left it: a sudden parting, as "
+                "a change acting from that step makes - or as rounding makes where it flips a discrete choice (a "
+                "max-pool's or argmax's near-tie) that no member's rounding flipped; a calibration with more members "
+                "(harness calibrate RUN_ID --members 32) shows whether this run's rounding does that")
 
     def headline(self) -> str:
         where = f"{self.describe_envelope()} (calibration {self.calibration_id})"
@@ -265,8 +281,13 @@ def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[st
             out.widest = max(out.widest, float(np.max(ratios)))
         if bad.any():
             i = int(np.argmax(bad))
+            earlier = judged.copy()
+            earlier[i:] = False
+            with np.errstate(invalid="ignore", divide="ignore"):
+                fractions = np.where(dist[earlier] == 0, 0.0, dist[earlier] / widths[earlier])
             out.outside.append(Outside(name, int(es[i]), float(ov[1][i]), float(rv[1][i]), float(dist[i]),
-                                       float(widths[i]), int(bad.sum()), n))
+                                       float(widths[i]), int(bad.sum()), n, int(earlier.sum()),
+                                       float(fractions.max()) if fractions.size else 0.0))
     return out
 
 

@@ -17,17 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from harness import events, tags as T
 from harness.commands.options import CalibrateOptions
 from harness.errors import EXIT_FAILED, HarnessError, RunRefused, UsageError
 from harness.fmt import json_safe
-from harness.judge import rounding
+from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
 from harness.judge.weightdistance import Sketch, distance
 from harness.record import derived, loading
-from harness.rundata import RunRecord
 from harness.runtime.perturb import KERNELS, REFERENCE, kernels_of
 from harness.store.tracking import Tracker
 
@@ -113,11 +110,16 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
             records.append(tracker.load_record(result.outcome.run_id))
         reference, members_ = records[0], records[1:]
         held = record.checkpoints.get(m) if m < total else record.final_fingerprint
-        bitwise = same_first_steps(record, reference, m) and (held is None or reference.final_fingerprint == held)
+        logged = {(key, step): value for key, by_step in reproduced.series(reference.metrics).items()
+                  for step, value in by_step.items()}
+        again = reproduced.values(reproduced.series(record.metrics), logged, complete=True, end=m)
+        weights_again = held is None or reference.final_fingerprint == held
+        bitwise = again.reproduced is not False and weights_again
         if not bitwise:
+            what = again.mismatch or f"its weights after step {m}"
             events.emit(events.Warning(
-                f"the run's first {m} steps did not re-execute bit for bit here (its reference, run {reference.run_id}, "
-                "differs): the envelope holds this machine's run-to-run variation too, or another machine's kernels"))
+                f"the run's first {m} steps did not re-execute bit for bit here (its reference, run {reference.run_id}: "
+                f"{what}): the envelope holds this machine's run-to-run variation too, or another machine's kernels"))
         held = held or reference.final_fingerprint  # the run's own weights after M steps
         differed = sum(1 for r in members_ if held is None or r.final_fingerprint != held)
         weights = weights_spread(tracker, cal_id, reference.run_id, [r.run_id for r in members_], m)
@@ -129,20 +131,6 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
-
-
-def same_first_steps(a: RunRecord, b: RunRecord, steps: int) -> bool:
-    """Every metric of `a` at steps < `steps` bit-identical in `b` (the reference re-executed the run)."""
-    for name, (s, v) in a.metrics.items():
-        if name not in b.metrics:
-            return False
-        sb, vb = b.metrics[name]
-        keep_a, keep_b = np.asarray(s) < steps, np.asarray(sb) < steps
-        if not (np.array_equal(np.asarray(s)[keep_a], np.asarray(sb)[keep_b])
-                and np.array_equal(np.asarray(v, dtype=np.float64)[keep_a].view(np.int64),
-                                   np.asarray(vb, dtype=np.float64)[keep_b].view(np.int64))):
-            return False
-    return True
 
 
 def weights_spread(tracker: Tracker, calibration_id: str, reference_id: str, member_ids: list[str], steps: int

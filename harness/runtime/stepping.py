@@ -170,10 +170,15 @@ class Stepping:
             return
         self._sketched = True
         target = self._fingerprinted()
-        if target is not None:
-            from harness.runtime.sketch import sketch
+        if target is None:
+            return
+        from harness.runtime.sketch import sketch
 
+        try:
             self._send(sketch(target, step))
+        except Exception as err:  # a measurement, never a reason for the training to fail (a sharded tensor, say)
+            self._notice("sketch", f"the weights after step {step} were not sketched ({type(err).__name__}: "
+                                   f"{err}): the calibration's weights' distance is not recorded or judged for them")
 
     def _check_stop(self, step: int) -> None:
         plan = self._plan

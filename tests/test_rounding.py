@@ -197,6 +197,16 @@ def test_a_sketch_measures_the_weights_distance_exactly_for_small_tensors_and_cl
         small[1].bias[3] += 1e-3  # 10 elements <= WIDTH: kept whole, so exact
     got = distance(Sketch.of(sketch(small, 7)), reference)
     assert got.widest == "1.bias" and got.relative == pytest.approx(exact(small), rel=1e-9) and 10 <= WIDTH
+    # Structured changes of a large tensor - every element shifted alike, every 256th column - are estimated as well as
+    # random ones (a sign drawn from a weak bit, or a width that divides the row, would cancel them or pile them up).
+    wide = nn.Linear(3000, 1000).requires_grad_(False)
+    base = Sketch.of(sketch(wide, 0))
+    norm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in wide.state_dict().values()))
+    for change in (lambda w: w.add_(1e-6), lambda w: w[:, ::256].add_(1e-6), lambda w: w.view(-1)[::1024].add_(1e-6)):
+        moved = copy.deepcopy(wide)
+        change(moved.weight)
+        true = float((moved.weight.double() - wide.weight.double()).norm()) / norm
+        assert distance(Sketch.of(sketch(moved, 0)), base).relative == pytest.approx(true, rel=0.2)
     other = Sketch.of(sketch(nn.Sequential(nn.Linear(300, 400)), 7))
     assert math.isinf(distance(other, reference).relative)  # another model: no distance means anything
 

@@ -135,6 +135,24 @@ def test_the_wrapped_classes_are_put_back_when_the_context_closes(mixed: list[An
     assert "__new__" not in torch.optim.lr_scheduler.LRScheduler.__dict__
 
 
+def test_two_watches_stopped_first_to_last_put_torch_back_and_both_saw_the_region() -> None:
+    """Two contexts in one process, closed in the order they were made (a fixture's list): the first one's wrapper
+    must not stay installed behind the second's."""
+    from harness.runtime import optimization
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    first, second = optimization.Watch(lambda: 0).start(), optimization.Watch(lambda: 1).start()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pass
+    first.stop()
+    assert not torch.amp.autocast_mode.autocast.__enter__.__code__.co_filename.startswith(torch_dir)  # one still lives
+    second.stop()
+    assert torch.amp.autocast_mode.autocast.__enter__.__code__.co_filename.startswith(torch_dir)
+    assert torch.amp.GradScaler.step.__code__.co_filename.startswith(torch_dir)
+    assert "__new__" not in torch.optim.lr_scheduler.LRScheduler.__dict__
+    assert first._autocast == {("cpu", "bfloat16"): 0} and second._autocast == {("cpu", "bfloat16"): 1}
+
+
 def test_the_recorder_writes_the_set_up_as_tags_and_an_artifact(tmp_path: Path, mixed: list[Any]) -> None:
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = tracker.create_run("optimization", {T.VERSION: harness.__version__, T.EXECUTOR: "local"})

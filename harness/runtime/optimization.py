@@ -3,8 +3,8 @@ it, the GradScaler that steps it and the autocast regions the training code ente
 step used and the GradScaler's scale.
 
 Read, never changed. An LR scheduler and an autocast region leave no trace on the optimizer, so the constructors of
-LR schedulers, autocast's `__enter__` and `GradScaler.step` are wrapped for as long as the context lives (`stop()`
-puts them back): each wrapper notes what it saw and calls the original with the same arguments.
+LR schedulers, autocast's `__enter__` and `GradScaler.step` are wrapped for as long as a context lives (the last
+`stop()` puts them back): each wrapper notes what it saw and calls the original with the same arguments.
 """
 
 from __future__ import annotations
@@ -104,6 +104,65 @@ def _bound_to(scheduler: Any, optimizer: Any) -> bool:
     return bound is optimizer or getattr(bound, "optimizer", None) is optimizer
 
 
+_LIVE: list[Watch] = []  # the watches started and not stopped, in start order
+_RESTORE: list[tuple[Any, str, Any]] = []  # (owner, name, what it held) for every wrapper installed
+
+
+def _install() -> None:
+    def made(cls: type, *args: Any, **kwargs: Any) -> Any:
+        # Every scheduler is made through here, whether or not its __init__ calls its base's (SequentialLR's does
+        # not); object.__new__ takes no arguments when __init__ is defined.
+        scheduler: Any = object.__new__(cls)
+        for watch in _LIVE:
+            watch._made(scheduler)
+        return scheduler
+
+    autocast = torch.amp.autocast_mode.autocast
+    original_enter = autocast.__enter__
+
+    @functools.wraps(original_enter)
+    def enter(region: Any) -> Any:
+        entered = original_enter(region)
+        if getattr(region, "_enabled", False):
+            for watch in _LIVE:
+                watch._entered(region)
+        return entered
+
+    scaler_class = torch.amp.GradScaler
+    original_step = scaler_class.step
+
+    @functools.wraps(original_step)
+    def scaler_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = [(watch, watch._scaler) for watch in _LIVE]
+        for watch, _ in outer:
+            watch._scaler = scaler
+        try:
+            return original_step(scaler, optimizer, *args, **kwargs)
+        finally:
+            for watch, was in outer:
+                watch._scaler = was
+
+    for owner in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
+        if "__new__" not in owner.__dict__ and not any("__new__" in c.__dict__ for c in owner.__mro__[1:-1]):
+            _patch(owner, "__new__", staticmethod(made))  # ReduceLROnPlateau is LRScheduler's subclass since torch 2.2
+    _patch(autocast, "__enter__", enter)
+    _patch(scaler_class, "step", scaler_step)
+
+
+def _patch(owner: Any, name: str, replacement: Any) -> None:
+    _RESTORE.append((owner, name, owner.__dict__.get(name)))
+    setattr(owner, name, replacement)
+
+
+def _uninstall() -> None:
+    for owner, name, original in reversed(_RESTORE):
+        if original is None:
+            delattr(owner, name)  # inherited again (object.__new__)
+        else:
+            setattr(owner, name, original)
+    _RESTORE.clear()
+
+
 class Watch:
     """Rank 0's view of the optimization, from start() to stop(). `step()` is the step whose work is under way."""
 
@@ -116,60 +175,31 @@ class Watch:
         self._scaler: Any = None  # the GradScaler whose step() is under way
         self._scaler_settings: dict[str, Any] | None = None
         self._autocast: dict[tuple[str, str], int] = {}  # (device type, dtype) -> the step it was first entered in
-        self._restore: list[tuple[Any, str, Any]] = []
 
     # -- what the training code does -------------------------------------------------------------------
     def start(self) -> Watch:
-        watch = self
-
-        def made(cls: type, *args: Any, **kwargs: Any) -> Any:
-            # Every scheduler is made through here, whether or not its __init__ calls its base's (SequentialLR's
-            # does not); object.__new__ takes no arguments when __init__ is defined.
-            scheduler: Any = object.__new__(cls)
-            watch._schedulers.append(weakref.ref(scheduler))
-            return scheduler
-
-        autocast = torch.amp.autocast_mode.autocast
-        original_enter = autocast.__enter__
-
-        @functools.wraps(original_enter)
-        def enter(region: Any) -> Any:
-            entered = original_enter(region)
-            if getattr(region, "_enabled", False):
-                key = (str(region.device), str(region.fast_dtype).removeprefix("torch."))
-                if key not in watch._autocast:
-                    watch._autocast[key] = watch._step()
-            return entered
-
-        scaler_class = torch.amp.GradScaler
-        original_step = scaler_class.step
-
-        @functools.wraps(original_step)
-        def scaler_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            outer, watch._scaler = watch._scaler, scaler
-            try:
-                return original_step(scaler, optimizer, *args, **kwargs)
-            finally:
-                watch._scaler = outer
-
-        for owner in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
-            if "__new__" not in owner.__dict__ and not any("__new__" in c.__dict__ for c in owner.__mro__[1:-1]):
-                self._patch(owner, "__new__", staticmethod(made))  # ReduceLROnPlateau is LRScheduler's subclass since torch 2.2
-        self._patch(autocast, "__enter__", enter)
-        self._patch(scaler_class, "step", scaler_step)
+        """Watch from now on. The wrappers are installed once for every watch alive in the process and put back when
+        the last one stops, whatever the order the watches stop in (two contexts of one process, closed first to
+        last, would otherwise leave the first one's wrapper installed for good)."""
+        if not _LIVE:
+            _install()
+        _LIVE.append(self)
         return self
 
-    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
-        self._restore.append((owner, name, owner.__dict__.get(name)))
-        setattr(owner, name, replacement)
-
     def stop(self) -> None:
-        for owner, name, original in reversed(self._restore):
-            if original is None:
-                delattr(owner, name)  # inherited again (object.__new__)
-            else:
-                setattr(owner, name, original)
-        self._restore.clear()
+        if self in _LIVE:
+            _LIVE.remove(self)
+            if not _LIVE:
+                _uninstall()
+
+    # -- what the wrappers tell every live watch --------------------------------------------------------
+    def _made(self, scheduler: Any) -> None:
+        self._schedulers.append(weakref.ref(scheduler))
+
+    def _entered(self, region: Any) -> None:
+        key = (str(region.device), str(region.fast_dtype).removeprefix("torch."))
+        if key not in self._autocast:
+            self._autocast[key] = self._step()
 
     def on_step(self, optimizer: Any) -> tuple[dict[str, float], bool]:
         """The counted optimizer is about to take a step: the values to log at it (its learning rates, the

@@ -39,7 +39,7 @@ KIND_VERIFY = "verify"  # `harness verify`: a claims file checked against the re
 KIND_TRACE = "trace"  # `harness trace`: an op-level trace of one step of a run, nested under it
 KIND_BISECT = "bisect"  # `harness bisect GOOD BAD`: the search for the change that flips a result; its probes nest under it
 # `harness calibrate RUN_ID`: the rounding envelope of a run's first steps, nested under it; its members (replays
-# whose weights were nudged by one ulp) nest under the run too, tagged CALIBRATION.
+# whose weights were nudged) nest under the run too, tagged CALIBRATION.
 KIND_CALIBRATION = "calibration"
 STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
@@ -205,10 +205,12 @@ REPLAY_STEPS = "harness.replay.steps"
 
 # harness calibrate (harness/commands/calibrate.py, harness/judge/rounding.py). On the calibration run: the run it
 # calibrates, how many members, how many first steps. On each member (a replay of the run): the calibration it
-# belongs to and the seed of its one-ulp nudge, from its creation (its ranks read it from the record).
+# belongs to and the seed of its nudge, from its creation (its ranks read it from the record).
 CALIBRATION_OF = "harness.calibration_of"
 CALIBRATION_MEMBERS = "harness.calibration.members"
 CALIBRATION_STEPS = "harness.calibration.steps"
+# On the calibration run: the members' nudge, relative to each weight (harness/runtime/perturb.py NUDGE).
+CALIBRATION_NUDGE = "harness.calibration.nudge"
 CALIBRATION = "harness.calibration"
 # A member's CPU kernels besides its nudge (harness/runtime/perturb.py: oneDNN off, another thread count).
 CALIBRATION_KERNELS = "harness.calibration.kernels"

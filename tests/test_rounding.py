@@ -22,6 +22,7 @@ from harness.judge.delta import environment_delta
 from harness.judge.handoff import judge_noise, judge_rounding
 from harness.judge.metricdiff import KIND_ROUNDING
 from harness.judge.report import render_markdown
+from harness.runtime.perturb import NUDGE, NUDGE_ULPS, nudge, nudge_ulps
 
 STEPS = np.arange(12, dtype=np.int64)
 LOSS = 2.0 / (STEPS + 1.0)
@@ -175,7 +176,6 @@ def test_a_sketch_measures_the_weights_distance_exactly_for_small_tensors_and_cl
     from torch import nn
 
     from harness.judge.weightdistance import Sketch, distance
-    from harness.runtime.perturb import nudge
     from harness.runtime.sketch import WIDTH, sketch
 
     torch.manual_seed(0)
@@ -189,7 +189,7 @@ def test_a_sketch_measures_the_weights_distance_exactly_for_small_tensors_and_cl
         return math.sqrt(num / sum(float((b[k].double() ** 2).sum()) for k in b if b[k].is_floating_point()))
 
     nudged = copy.deepcopy(model)
-    nudge(nudged, 3)  # one ulp per element: the size a calibration measures, far above the float64 sums' rounding
+    nudge(nudged, 3)  # the size a calibration measures (perturb.NUDGE), far above the float64 sums' rounding
     got = distance(Sketch.of(sketch(nudged, 7)), reference)
     assert got.relative == pytest.approx(exact(nudged), rel=0.15), (got, exact(nudged))
     small = copy.deepcopy(model)
@@ -209,6 +209,39 @@ def test_a_sketch_measures_the_weights_distance_exactly_for_small_tensors_and_cl
         assert distance(Sketch.of(sketch(moved, 0)), base).relative == pytest.approx(true, rel=0.2)
     other = Sketch.of(sketch(nn.Sequential(nn.Linear(300, 400)), 7))
     assert math.isinf(distance(other, reference).relative)  # another model: no distance means anything
+
+
+def test_a_nudge_moves_each_weight_by_whole_ulps_up_to_the_nudge_and_a_16_bit_one_by_one() -> None:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8, dtype=torch.bfloat16), nn.Linear(8, 8, dtype=torch.float64))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    moved = nudge(model, 5)
+    after = dict(model.named_parameters())
+    assert nudge_ulps(torch.float32) == NUDGE_ULPS == 256 and nudge_ulps(torch.bfloat16) == nudge_ulps(torch.float16) == 1
+    # float32: each element a whole number of its own ulps away, up to 256 (in its binade), both ways, most of them far.
+    ulp = torch.nextafter(before["0.weight"], torch.tensor(float("inf"))) - before["0.weight"]
+    steps = (after["0.weight"].detach() - before["0.weight"]) / ulp
+    assert torch.equal(steps, steps.round()) and int(steps.abs().max()) <= 256
+    assert int((steps > 0).sum()) > 1000 and int((steps < 0).sum()) > 1000 and float(steps.abs().median()) > 64
+    # bfloat16: one of its own ulps at most (256 of them would move a weight by twice its size).
+    rel = ((after["1.weight"].detach() - before["1.weight"]).float() / before["1.weight"].float()).abs()
+    assert 0 < float(rel.max()) <= 2.0**-7
+    # float64: the same relative size as float32, not 256 float64 ulps (rounding-invisible there).
+    rel64 = ((after["2.weight"].detach() - before["2.weight"]) / before["2.weight"]).abs()
+    assert 1e-6 < float(rel64.max()) <= 2 * NUDGE
+    assert moved == sum(int((after[k].detach() != before[k]).sum()) for k in before)
+    # The same seed draws the same nudge (every rank of a member agrees); another seed another one.
+    again = {k: v.clone() for k, v in before.items()}
+    twin = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8, dtype=torch.bfloat16), nn.Linear(8, 8, dtype=torch.float64))
+    twin.load_state_dict(again)
+    nudge(twin, 5)
+    assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), model.parameters()))
+    twin.load_state_dict(again)
+    nudge(twin, 6)
+    assert not torch.equal(twin[0].weight, model[0].weight)
 
 
 def test_weights_that_left_the_members_distance_diverge_though_every_metric_is_inside() -> None:
@@ -318,6 +351,7 @@ def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(pr
     assert cal.info.status == "FINISHED" and cal.data.tags[tags.KIND] == tags.KIND_CALIBRATION
     assert cal.data.tags[tags.MLFLOW_PARENT_RUN_ID] == calibrated["run"] and cal.data.tags[tags.SEAL].startswith("v1:")
     assert (cal.data.tags[tags.CALIBRATION_MEMBERS], cal.data.tags[tags.CALIBRATION_STEPS]) == ("8", "5")
+    assert float(cal.data.tags[tags.CALIBRATION_NUDGE]) == NUDGE == 256 * 2.0**-23
     members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == calibrated["calibration"]]
     # Member 0 is the reference: the run itself, re-executed, not nudged; 1-8 are the nudged members.
     assert sorted(r.data.tags[tags.PERTURB_SEED] for r in members) == [str(i) for i in range(9)]
@@ -331,24 +365,24 @@ def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(pr
     assert ran == {("the run's own kernels", "1", "True"), ("oneDNN off", "1", "False"),
                    ("other thread count", "2", "True"), ("oneDNN off + other thread count", "2", "False")}, ran
     doc = json.loads(open(client.download_artifacts(cal.info.run_id, tags.ARTIFACT_ENVELOPE, str(tmp_path))).read())
-    assert doc["members"] == 8 and doc["steps"] == 5 and doc["weights_differed"] == 8
+    assert doc["members"] == 8 and doc["steps"] == 5 and doc["weights_differed"] == 8 and doc["nudge"] == NUDGE
     # The reference re-executed the run bit for bit (same machine), and the weights' distance after the 5 steps is
-    # each member's from the reference's, measured on their sketches: rounding-sized, and never zero (every member
-    # started one ulp off).
+    # each member's from the reference's, measured on their sketches: the nudge's size, and never zero (every member
+    # started nudged).
     reference = next(r for r in members if r.data.tags[tags.PERTURB_SEED] == "0")
     assert doc["reference_bitwise"] is True and doc["weights"]["reference"] == reference.info.run_id
     assert doc["weights"]["step"] == 5 and len(doc["weights"]["distances"]) == 8
-    assert all(0 < d < 1e-5 for d in doc["weights"]["distances"]), doc["weights"]
+    assert all(0 < d < 4 * NUDGE for d in doc["weights"]["distances"]), doc["weights"]
     assert doc["weights"]["widest_tensor"] in ("module.bias", "module.weight", "bias", "weight")
     from harness.store.tracking import Tracker
 
     store = Tracker(project.uri)
     assert store.read_bytes(cal.info.run_id, tags.ARTIFACT_WEIGHTS_SKETCH) == \
         store.read_bytes(reference.info.run_id, tags.ARTIFACT_WEIGHTS_SKETCH)  # kept with the calibration, sealed
-    # Every member started one ulp off: they differ from the run from step 0, and by rounding only (a step where
+    # Every member started nudged: they differ from the run from step 0, and by the nudge's size only (a step where
     # all of them happened to round to the run's value is possible: the envelope keeps its earlier width there).
     deviation, original = doc["metrics"]["loss"]["deviation"], doc["metrics"]["loss"]["original"]
-    assert deviation[0] > 0 and all(d < 1e-5 * abs(o) for d, o in zip(deviation, original)), deviation
+    assert deviation[0] > 0 and all(d < 4 * NUDGE * abs(o) for d, o in zip(deviation, original)), deviation
 
 
 def test_other_cpu_kernels_are_within_rounding_and_a_2_percent_learning_rate_is_not(project, calibrated) -> None:

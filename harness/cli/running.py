@@ -288,8 +288,8 @@ def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri:
     """Measure the rounding envelope of a FINISHED run's first steps, for WITHIN_ROUNDING verdicts.
 
     K members replay the run's first M steps as recorded (commit, config, seed, data, image), each with every
-    weight nudged by one ulp and on its share of this machine's other CPU kernels: how far they land from the run,
-    in every logged value and in their weights after step M, is how far rounding alone carries it. The run itself
+    weight nudged by up to 256 float32 ulps and on its share of this machine's other CPU kernels: how far they land
+    from the run, in every logged value and in their weights after step M, is how far rounding alone carries it. The run itself
     is re-executed once more, unnudged, as the reference. A later replay that is not bit-identical (another CPU's or
     GPU's kernels) is judged against that envelope step by step and on its weights after step M: WITHIN_ROUNDING,
     or DIVERGED at the first step outside it. Costs (K + 1) x M training steps (said first). The last line of stdout

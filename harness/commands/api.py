@@ -280,7 +280,7 @@ def _run_study(o: RunOptions, checked: Preflight, named: Labels) -> StudyOutcome
 
 # -- calibrate ------------------------------------------------------------------------------------------
 def calibrate(options: CalibrateOptions) -> Calibration:
-    """Re-execute the run's first steps with one-ulp nudges of its weights; record the envelope its replays are
+    """Re-execute the run's first steps with nudges of its weights; record the envelope its replays are
     judged against (WITHIN_ROUNDING)."""
     with events.listening(options.on_event):
         # A calibration's members are replays: the replay verb is handed to it (no verb imports another).

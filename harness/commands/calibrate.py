@@ -1,10 +1,10 @@
 """`harness calibrate RUN_ID`: measure how far rounding alone carries a run's first steps (harness/judge/rounding.py).
 
 K members replay the run's first M steps as recorded - its commit, config, seed, data, image and executor - each with
-its weights nudged by one ulp (harness/runtime/perturb.py, the seed i of member i) and on its share of the machine's
-other CPU kernels (oneDNN off, another thread count, both, or the run's own: perturb.KERNELS, tagged
-harness.calibration.kernels), so that the envelope holds what another convolution library or reduction split does
-to the run, not only a one-ulp start (docs/verdicts.md measures why). They are ordinary replay runs,
+its weights nudged (harness/runtime/perturb.py: each element by up to 256 float32 ulps, the seed i of member i) and
+on its share of the machine's other CPU kernels (oneDNN off, another thread count, both, or the run's own:
+perturb.KERNELS, tagged harness.calibration.kernels), so that the envelope holds what another convolution library or
+reduction split does to the run, not only a nudged start (docs/verdicts.md measures why). They are ordinary replay runs,
 nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
 by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
 sealed when it closes; a replay of the run finds it (record/calibration.py `envelope_of`) and is judged against it.
@@ -25,7 +25,7 @@ from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
 from harness.judge.weightdistance import Sketch, distance
 from harness.record import derived, loading
-from harness.runtime.perturb import KERNELS, REFERENCE, kernels_of
+from harness.runtime.perturb import KERNELS, NUDGE, NUDGE_ULPS, REFERENCE, kernels_of
 from harness.store.tracking import Tracker
 
 DEFAULT_MEMBERS = 8
@@ -67,7 +67,7 @@ def check_options(members: int | None, steps: int | None) -> None:
 
 
 def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker: Tracker | None = None) -> Calibration:
-    """Re-execute the first `steps` steps of `run_id` `members` times with one-ulp nudges; record the envelope.
+    """Re-execute the first `steps` steps of `run_id` `members` times with nudged weights; record the envelope.
 
     `replay`: commands/replay.py's replay, handed in by the API. A calibration's members are replays, so this verb
     composes that one; it is given it rather than importing it, so that no verb imports another (pyproject.toml's
@@ -87,11 +87,12 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     m = steps or min(DEFAULT_STEPS, total)
     kernels = ", ".join(kind.describe() for kind in KERNELS[:k])
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
-                              f"(the run took {total}), each member one replay of its first {m} steps, nudged by one "
-                              f"ulp, in turn on {kernels}; and the run itself once more ({m} steps), the reference "
+                              f"(the run took {total}), each member one replay of its first {m} steps, nudged by up to "
+                              f"{NUDGE_ULPS} float32 ulps, in turn on {kernels}; and the run itself once more ({m} steps), the reference "
                               "the members' weights are measured from"))
     run_tags = derived.tags(T.KIND_CALIBRATION, original, version=original.tags.get(T.VERSION),
-                            extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m)})
+                            extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m),
+                                   T.CALIBRATION_NUDGE: repr(NUDGE)})
     with derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}") as cal_id:
         ids: list[str] = []
         records = []
@@ -126,7 +127,7 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         envelope = rounding.measure(original.run_id, cal_id, record.metrics,
                                     [r.metrics for r in members_] + ([] if bitwise else [reference.metrics]), m,
                                     differed, weights)
-        envelope.members, envelope.reference_bitwise = k, bitwise
+        envelope.members, envelope.reference_bitwise, envelope.nudge = k, bitwise, NUDGE
         tracker.log_text(cal_id, json.dumps(json_safe(envelope.to_dict()), indent=2), T.ARTIFACT_ENVELOPE)
         done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})

@@ -135,7 +135,7 @@ def replay(
     run the code of that commit of the repository instead of the recorded one (harness bisect's probes; the replay
     records the commit it ran). `steps` K: a first check - train only the first K steps, stop every rank there,
     and judge those steps (harness.replay.steps). `perturb_seed`: a calibration member (harness calibrate) - the
-    weights start one ulp off; it is the reference, so it is not judged (its comparison is None); `sketch_at`: its
+    weights start nudged; it is the reference, so it is not judged (its comparison is None); `sketch_at`: its
     rank 0 sketches the weights after that many steps (a replay of a calibrated run sketches them at the calibration's
     M by itself, to hold them to the members'). `localizer`: what
     traces a DIVERGED replay where `localize` asks for it (commands/trace.py's after_replay, which the API hands in:

@@ -112,7 +112,7 @@ class Job:
     recorded: RunSummary | None = None  # replay/resume: the run whose image digest is reused
     resume_step: int | None = None
     stop_at: int | None = None  # replay --steps K: every rank stops when step K would begin (harness.replay.steps)
-    perturb_seed: int | None = None  # a calibration member: the weights start one ulp off (harness.calibration.perturb_seed)
+    perturb_seed: int | None = None  # a calibration member: the weights start nudged (harness.calibration.perturb_seed)
     sketch_at: int | None = None  # rank 0 sketches the weights after this many steps (harness.weights.sketch_at)
     topology: Topology = field(default_factory=Topology)
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()

@@ -6,8 +6,9 @@ worst case; a same-seed replay on other hardware differs by rounding only, and r
 four orders of magnitude below any real change for the first steps (docs/verdicts.md has the measurements).
 
 `harness calibrate` measures that reference directly, as the climate models' ensemble consistency tests do: K
-members re-execute the first M steps with the same seed, config and data, each with every weight nudged by one ulp
-and on its share of the machine's other CPU kernels (harness/runtime/perturb.py). Per metric and step, the envelope is
+members re-execute the first M steps with the same seed, config and data, each with every weight nudged by up to 256
+float32 ulps (the size by which another convolution library moves an activation) and on its share of the machine's
+other CPU kernels (harness/runtime/perturb.py). Per metric and step, the envelope is
 how far the members landed from the original.
 A replay is inside when, at every judged step, its distance from the original is within
 
@@ -106,6 +107,9 @@ class Envelope:
     # run-to-run variation belongs in the envelope).
     weights: WeightsEnvelope | None = None
     reference_bitwise: bool | None = None
+    # The members' nudge, relative to each weight (perturb.NUDGE when calibrated; None: a calibration before it was
+    # recorded, whose members moved by one ulp).
+    nudge: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,7 +126,8 @@ class Envelope:
         bitwise = doc.get("reference_bitwise")
         return cls(str(doc["run_id"]), str(doc["calibration_id"]), int(doc["members"]), int(doc["steps"]), metrics,
                    int(doc.get("weights_differed", 0)), weights=weights,
-                   reference_bitwise=None if bitwise is None else bool(bitwise))
+                   reference_bitwise=None if bitwise is None else bool(bitwise),
+                   nudge=None if doc.get("nudge") is None else float(doc["nudge"]))
 
     def describe(self) -> str:
         return f"the rounding envelope of {self.members} members over the first {self.steps} steps"

@@ -36,7 +36,7 @@ EXPORT = "export"
 MARK = "mark"
 EXECUTE = "execute"  # the recorded run a container or batch job executes (harness run's inner side)
 STUDY_REPLAY = "study_replay"  # a study replayed as a whole
-CALIBRATE = "calibrate"  # a run whose first steps are re-executed with one-ulp nudges (harness calibrate)
+CALIBRATE = "calibrate"  # a run whose first steps are re-executed with nudged weights (harness calibrate)
 
 STATUSES = (T.RUNNING, T.FINISHED, T.FAILED, T.KILLED)
 KINDS = (T.KIND_RUN, T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY, T.KIND_STUDY_REPLAY, T.KIND_VERIFY, T.KIND_TRACE,

@@ -122,7 +122,7 @@ def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None, stop_a
     """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
     lists them with the run. `stop_at` (replay --steps K): the ranks stop where step K would begin, at the same
     boundary an audit segment ends at, whether or not the run checkpoints. `perturb_seed`: a calibration member's
-    one-ulp nudge of the weights; `sketch_at`: rank 0 sketches the weights after that many steps."""
+    nudge of the weights; `sketch_at`: rank 0 sketches the weights after that many steps."""
     from harness.runtime.plan import CheckpointPlan
 
     if store is None:

@@ -244,7 +244,7 @@ class Context(Stepping):
         """`model` is the one fingerprinted, checkpointed and traced (ctx.ddp and ctx.register)."""
         self._model = model
         if self._plan is not None and self._plan.perturb_seed is not None:
-            # A calibration member (harness calibrate): the weights start one ulp off, before the first fingerprint
+            # A calibration member (harness calibrate): the weights start nudged, before the first fingerprint
             # (its reference, member 0, is the run itself).
             from harness.runtime.perturb import REFERENCE, nudge
 

@@ -1,19 +1,31 @@
-"""A calibration member's start: every floating-point parameter one ulp away from where the run started, and the
-member's share of the machine's other CPU kernels.
+"""A calibration member's start: every floating-point parameter a few hundred float32 ulps (NUDGE, relative) away
+from where the run started, and the member's share of the machine's other CPU kernels.
 
 `harness calibrate` measures how far rounding alone carries a run: another machine's kernels round the same
-arithmetic differently by about one unit in the last place, and training carries that on. A member replays the run
-with the same seed, config and data, its weights nudged before the first step by exactly that much, up or down per
-element as a generator of the member's seed draws it. Everything else is the run's own: the nudge draws from its own
-generator, never the global RNG that the data order, dropout and initialisation draw from.
+arithmetic differently, and training carries that on. A member replays the run with the same seed, config and data,
+its weights nudged before the first step, each element up or down by a whole number of its own ulps as a generator
+of the member's seed draws it. Everything else is the run's own: the nudge draws from its own generator, never the
+global RNG that the data order, dropout and initialisation draw from.
 
-A one-ulp nudge at the start is not all another machine does: its kernels round differently at every step, and a
-convolution library reduces in another order throughout. Measured (benchmarks/verdict_bench.py, a CNN, 300 seeds),
-replays with oneDNN off left an envelope of nudged members 13% of the time: they stay within 1e-7 for tens of
-steps, then part abruptly (one seed: 1e-7 at step 22, 3.5e-6 at 24, 2.6e-4 by 38) while every nudged member stayed
-at 1e-7. So members also run on the machine's other kernels (`KERNELS`, member i takes KERNELS[(i - 1) % 4]): the
-convolution library off, the intra-op thread count changed (another reduction split), both. The envelope then holds
-what the kernels this machine can run do to the run; docs/verdicts.md measures both that and kernels held out.
+How large a nudge. One rounding is half an ulp, but another machine's kernels round every sum of every step in
+another order, and by the end of the first forward pass the activations differ by far more than one ulp of the
+weights makes them differ. Measured (benchmarks/verdict_bench.py's CNN): after one forward pass, oneDNN off moved
+the max-pool's inputs by 2e-5 (99th percentile, relative), a one-ulp nudge by 2e-6. What that misses is a discrete
+choice: a max-pool window or an argmax whose two largest inputs lie closer than the other kernels' difference flips
+in the replay and not in one-ulp members, and the replay leaves their envelope though it computed the same training.
+Over 300 calibrated CNN runs judged over 20 steps, a replay with oneDNN off left the envelope of 8 members nudged by
+up to U ulps: U = 1: 4 (13 when no member ran oneDNN off), 32: 2 (7), 64: 3 (3), 256: 1 (1), 1024: 0 (0); the
+cost is later detection (weight decay off caught by step 2, 3, 6 for U = 64, 256, 1024; lr x1.02 by step 1-2), and
+at 4096 the first planted change was missed. NUDGE is 256 float32 ulps (2^-15, 3e-5 relative): a weight moved by as
+much as another convolution library moves an activation, with power left at every planted change.
+
+A 16-bit parameter's own ulp is already larger than NUDGE (bfloat16's is 2^-7): it moves by one of its ulps, as its
+rounding does; a float64 one by NUDGE relative, as a float32 one.
+
+A nudge at the start is not all another machine does: its kernels round differently at every step. So members also
+run on the machine's other kernels (`KERNELS`, member i takes KERNELS[(i - 1) % 4]): the convolution library off,
+the intra-op thread count changed (another reduction split), both. The envelope then holds what the kernels this
+machine can run do to the run; docs/verdicts.md measures both that and kernels held out.
 
 Every rank draws the same nudges (same seed, same parameter order), so the replicas stay equal whether the nudge
 comes before DDP's broadcast (ctx.ddp) or after a framework's wrap (ctx.register).
@@ -71,9 +83,21 @@ def use_kernels(seed: int) -> Kernels:
     return chosen
 
 
+# The nudge's size: up to 256 float32 ulps, relative to each element (the docstring measures the choice).
+NUDGE_ULPS = 256
+NUDGE = NUDGE_ULPS * 2.0**-23
+
+
+def nudge_ulps(dtype: torch.dtype) -> int:
+    """How many of its own ulps an element of `dtype` may move: NUDGE's worth, one at the least (16-bit types)."""
+    import torch
+
+    return max(1, round(NUDGE / torch.finfo(dtype).eps))
+
+
 def nudge(model: torch.nn.Module, seed: int) -> int:
-    """Move every floating-point parameter of `model` by one ulp towards +inf or -inf, drawn per element. Returns how
-    many elements moved."""
+    """Move every floating-point parameter of `model` by a whole number of its own ulps, drawn per element from
+    -nudge_ulps to +nudge_ulps. Returns how many elements moved."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -82,8 +106,11 @@ def nudge(model: torch.nn.Module, seed: int) -> int:
         for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
             if not param.is_floating_point() or param.numel() == 0:
                 continue
-            up = torch.rand(param.shape, generator=generator) < 0.5  # drawn on the CPU: the same on every device
-            towards = torch.where(up, torch.tensor(float("inf")), torch.tensor(float("-inf"))).to(param.device, param.dtype)
-            param.copy_(torch.nextafter(param, towards))
-            moved += param.numel()
+            most = nudge_ulps(param.dtype)
+            # Drawn on the CPU: the same on every device. The ulp is the element's own (towards +inf), so the move
+            # is exact in its dtype wherever it stays within its binade.
+            steps = torch.randint(-most, most + 1, param.shape, generator=generator)
+            ulp = torch.nextafter(param, torch.full_like(param, float("inf"))) - param
+            param.add_(steps.to(param.device, param.dtype) * ulp)
+            moved += int(steps.count_nonzero())
     return moved

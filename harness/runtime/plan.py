@@ -14,8 +14,8 @@ class CheckpointPlan:
     every: int  # 0: never save (a resume or audit may still load)
     resume_step: int | None = None  # load the checkpoint of this step before the first epoch
     stop_at: int | None = None  # an audit segment ends when this many steps are done
-    # harness calibrate: every floating-point parameter of the registered model is nudged by one ulp, up or down as
-    # a generator of this seed draws it, before training starts (harness/runtime/perturb.py).
+    # harness calibrate: every floating-point parameter of the registered model is nudged by a few hundred ulps, up
+    # or down as a generator of this seed draws it, before training starts (harness/runtime/perturb.py).
     perturb_seed: int | None = None
     # harness calibrate: rank 0 sends a sketch of the weights (harness/runtime/sketch.py) after this many steps - the
     # calibration's members, and a replay of a calibrated run, which is held to the members' distance.

@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.judge import noise, rounding
 from harness.judge.weightdistance import Sketch, distance
-from harness.runtime.perturb import kernels_of, nudge, other_threads
+from harness.runtime.perturb import NUDGE, NUDGE_ULPS, kernels_of, nudge, other_threads
 from harness.runtime.sketch import sketch
 
 Curves = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -68,7 +68,8 @@ class Change:
     shards: int = 1  # the gradient accumulated over this many equal shards (invariant mode's world size)
     onednn: bool = True
     new_seed: bool = False
-    perturb: int | None = None  # a calibration member: the weights start one ulp off (harness/runtime/perturb.py)
+    perturb: int | None = None  # a calibration member: the weights start nudged (harness/runtime/perturb.py)
+    nudge: float = NUDGE  # the member's nudge, relative (--nudge-sweep tries others)
     dropout: float = 0.0  # dropout before the last layer (the rounding table's models use 0.1)
 
 
@@ -179,7 +180,7 @@ def train_sketched(model: Model, seed: int, change: Change, data: Any) -> tuple[
     if change.dropout:
         net = nn.Sequential(nn.Dropout(change.dropout), net)
     if change.perturb is not None:
-        nudge(net, change.perturb)
+        nudge(net, change.perturb, change.nudge)
     opt = torch.optim.SGD(net.parameters(), lr=model.lr * change.lr_scale, momentum=model.momentum,
                           weight_decay=model.weight_decay if change.weight_decay else 0.0)
     order = torch.Generator().manual_seed(seed)
@@ -369,7 +370,7 @@ def _replays_in_child(model: Model, seeds: range, capability: str) -> list[tuple
 
 
 def member(seed: int) -> Change:
-    """Calibration member `seed` as `harness calibrate` runs it: nudged by one ulp, on its share of the machine's
+    """Calibration member `seed` as `harness calibrate` runs it: nudged (perturb.NUDGE), on its share of the machine's
     other kernels (harness/runtime/perturb.py's KERNELS; the original runs one thread, oneDNN on)."""
     kernels = kernels_of(seed)
     return Change(f"member {seed}", True, perturb=seed, onednn=not kernels.onednn_off,
@@ -458,7 +459,7 @@ def rounding_report(trials: int, members: int, models: list[str], honest_only: b
                     first_seed: int = 0, dump: Path | None = None) -> list[str]:
     torch.set_num_threads(1)
     changes = ROUNDING_HONEST + ([] if honest_only else ROUNDING_PLANTED)
-    out = [f"### rounding envelope: {members} members (one-ulp nudges on the machine's kernels) over all steps, "
+    out = [f"### rounding envelope: {members} members (nudged by up to {NUDGE_ULPS} ulps, on the machine's kernels) over all steps, "
            f"{trials} calibrated runs per model (SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS})", "",
            f"| change | kind | {' | '.join(models)} |", "| --- | --- |" + " --- |" * len(models)]
     seeds = range(first_seed, first_seed + trials)
@@ -520,6 +521,51 @@ def grid_report(files: list[Path], steps: int | None) -> list[str]:
     for (model, row), by in sorted(counts.items()):
         out.append(f"| {model} | {row} | " + " | ".join(f"{by[c].alarms}/{by[c].trials}" for c in combos) + " |")
     return out
+
+
+# --- the nudge's size (perturb.NUDGE): members nudged by up to U float32 ulps, judged over the first steps ----------
+def nudge_sweep(models: list[str], seeds: range, ulps: list[int], steps: int, members: int) -> list[str]:
+    """Per model and change: of the calibrated runs `seeds`, how many replays left an envelope of `members` members
+    nudged by up to U ulps, for each U of `ulps`, judged over the first `steps` steps (only those are trained); for a
+    planted change, also the step by which 95% of the caught ones were caught (wider nudges catch later). A change
+    some members run is also judged against the others only (held out)."""
+    torch.set_num_threads(1)
+    changes = ROUNDING_HONEST + ROUNDING_PLANTED
+    out = [f"### the nudge's size: {members} members nudged by up to U float32 ulps, {len(seeds)} calibrated runs "
+           f"per model, the first {steps} steps judged (SAFETY {rounding.SAFETY:g}, FLOOR_ULPS {rounding.FLOOR_ULPS}); "
+           "planted: caught, (95% by step k)", "", "| model | change | kind | " + " | ".join(f"U = {u}" for u in ulps)
+           + " |", "| --- | --- | --- |" + " --- |" * len(ulps)]
+    for name in models:
+        model = replace(MODELS[name], steps=steps)
+        data = model.data()
+        caught: dict[str, dict[int, list[int | None]]] = {}
+        for seed in seeds:
+            original = train(model, seed, ORIGINAL, data)
+            replays = [(c, train(model, seed, c, data)) for c in changes]
+            for u in ulps:
+                specs = [replace(member(i), nudge=u * 2.0**-23) for i in range(1, members + 1)]
+                runs = [train(model, seed, spec, data) for spec in specs]
+                for change, replay in replays:
+                    rows = [(change.name, runs)]
+                    if change.name in _FAMILY:
+                        rows.append((held_out(change.name), [r for r, sp in zip(runs, specs) if not _FAMILY[change.name](sp)]))
+                    for row, kept in rows:
+                        judged = rounding.judge(rounding.measure("run", "cal", original, kept, steps, len(kept)), original, replay)
+                        bitwise = all(np.array_equal(replay[k][1], original[k][1]) for k in original)
+                        first = judged.first()
+                        caught.setdefault(row, {}).setdefault(u, []).append(
+                            None if bitwise or judged.within else (first.step if first else steps))
+            print(f"  done: {name} seed {seed}", file=sys.stderr, flush=True)
+        for change in changes:
+            for row in [change.name] + ([held_out(change.name)] if change.name in _FAMILY else []):
+                cells = []
+                for u in ulps:
+                    hits = [s for s in caught[row][u] if s is not None]
+                    by = f" (by step {int(np.percentile(hits, 95))})" if hits and not change.honest else ""
+                    cells.append(f"{len(hits)}/{len(caught[row][u])}{by}")
+                kind = "honest: false alarm" if change.honest else "planted: power"
+                out.append(f"| {name} | {row} | {kind} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 # --- the INCONCLUSIVE rule (noise.Power): what a small study says of a real doubled learning rate ------------------
@@ -584,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", type=Path, nargs="+", help="judge the trials of these --dump files under each "
                         "(SAFETY, FLOOR_ULPS) of the grid instead of training anything")
     parser.add_argument("--grid-steps", type=int, default=None, help="--grid: judge only the first K steps")
+    parser.add_argument("--nudge-sweep", type=int, nargs="+", metavar="U", help="members nudged by up to U float32 "
+                        "ulps, for each U: false alarms and power over the first --grid-steps steps (default 20)")
     parser.add_argument("--power", action="store_true",
                         help="the INCONCLUSIVE rule's table instead: small studies against real lr x2 and x10")
     parser.add_argument("--dump-originals", nargs=3, metavar=("MODEL", "FIRST:STOP", "OUT"), help=argparse.SUPPRESS)
@@ -600,6 +648,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.grid:
         print("\n".join(grid_report(args.grid, args.grid_steps)))
+        return 0
+    if args.nudge_sweep:
+        start = time.monotonic()
+        seeds = range(args.first_seed, args.first_seed + (args.trials or 100))
+        print("\n".join(nudge_sweep(args.models or list(MODELS), seeds, args.nudge_sweep, args.grid_steps or 20,
+                                     args.members)))
+        print(f"({time.monotonic() - start:.0f} s)")
         return 0
     if args.power:
         start = time.monotonic()

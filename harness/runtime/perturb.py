@@ -88,16 +88,18 @@ NUDGE_ULPS = 256
 NUDGE = NUDGE_ULPS * 2.0**-23
 
 
-def nudge_ulps(dtype: torch.dtype) -> int:
-    """How many of its own ulps an element of `dtype` may move: NUDGE's worth, one at the least (16-bit types)."""
+def nudge_ulps(dtype: torch.dtype, size: float = NUDGE) -> int:
+    """How many of its own ulps an element of `dtype` may move: `size` (relative) worth, one at the least (a 16-bit
+    type's ulp is larger than NUDGE)."""
     import torch
 
-    return max(1, round(NUDGE / torch.finfo(dtype).eps))
+    return max(1, round(size / torch.finfo(dtype).eps))
 
 
-def nudge(model: torch.nn.Module, seed: int) -> int:
+def nudge(model: torch.nn.Module, seed: int, size: float = NUDGE) -> int:
     """Move every floating-point parameter of `model` by a whole number of its own ulps, drawn per element from
-    -nudge_ulps to +nudge_ulps. Returns how many elements moved."""
+    -nudge_ulps to +nudge_ulps (`size`: another relative size than NUDGE, benchmarks/verdict_bench.py's sweep).
+    Returns how many elements moved."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -106,7 +108,7 @@ def nudge(model: torch.nn.Module, seed: int) -> int:
         for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
             if not param.is_floating_point() or param.numel() == 0:
                 continue
-            most = nudge_ulps(param.dtype)
+            most = nudge_ulps(param.dtype, size)
             # Drawn on the CPU: the same on every device. The ulp is the element's own (towards +inf), so the move
             # is exact in its dtype wherever it stays within its binade.
             steps = torch.randint(-most, most + 1, param.shape, generator=generator)

@@ -13,11 +13,11 @@ weights makes them differ. Measured (benchmarks/verdict_bench.py's CNN): after o
 the max-pool's inputs by 2e-5 (99th percentile, relative), a one-ulp nudge by 2e-6. What that misses is a discrete
 choice: a max-pool window or an argmax whose two largest inputs lie closer than the other kernels' difference flips
 in the replay and not in one-ulp members, and the replay leaves their envelope though it computed the same training.
-Over 300 calibrated CNN runs judged over 20 steps, a replay with oneDNN off left the envelope of 8 members nudged by
-up to U ulps: U = 1: 4 (13 when no member ran oneDNN off), 32: 2 (7), 64: 3 (3), 256: 1 (1), 1024: 0 (0); the
-cost is later detection (weight decay off caught by step 2, 3, 6 for U = 64, 256, 1024; lr x1.02 by step 1-2), and
-at 4096 the first planted change was missed. NUDGE is 256 float32 ulps (2^-15, 3e-5 relative): a weight moved by as
-much as another convolution library moves an activation, with power left at every planted change.
+Over 300 calibrated CNN runs judged over 20 steps (`verdict_bench.py --nudge-sweep`), a replay with oneDNN off left
+the envelope of 8 members nudged by up to U ulps: U = 1: 2 times (13 when no member ran oneDNN off), 64: 3 (3),
+256: 1 (1), 1024: 0 (0); the cost is later detection (weight decay off caught by step 2, 3, 6 for U = 64, 256,
+1024), and at 4096 a planted change was missed. NUDGE is 256 float32 ulps (2^-15, 3e-5 relative): a weight moved by
+as much as another convolution library moves an activation, with power left at every planted change.
 
 A 16-bit parameter's own ulp is already larger than NUDGE (bfloat16's is 2^-7): it moves by one of its ulps, as its
 rounding does; a float64 one by NUDGE relative, as a float32 one.

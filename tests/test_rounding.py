@@ -244,6 +244,46 @@ def test_a_nudge_moves_each_weight_by_whole_ulps_up_to_the_nudge_and_a_16_bit_on
     assert not torch.equal(twin[0].weight, model[0].weight)
 
 
+def _sharded_member(rank: int, world: int, store: str, out: str) -> None:
+    """One rank of a model whose parameters are DTensors sharded over 2 ranks (as FSDP2 or tensor parallelism leave
+    them): nudged as a calibration member is, then gathered; rank 0 writes the whole weights and an unsharded
+    twin's, nudged alike."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 6)
+        twin = torch.nn.Linear(16, 6)
+        twin.load_state_dict(model.state_dict())
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+        model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
+        nudge(model, 3)
+        nudge(twin, 3)
+        whole = {k: v.full_tensor() for k, v in model.state_dict().items()}  # collective: every rank calls it
+        if rank == 0:
+            torch.save({"sharded": whole, "unsharded": twin.state_dict()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_model_is_nudged_shard_by_shard_exactly_as_an_unsharded_one(tmp_path) -> None:
+    import torch
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "weights.pt"
+    mp.spawn(_sharded_member, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    for name, value in got["unsharded"].items():
+        assert torch.equal(got["sharded"][name], value), name
+    # ... and nudged at all (the twin moved from where both started).
+    torch.manual_seed(0)
+    assert not torch.equal(torch.nn.Linear(16, 6).weight, got["unsharded"]["weight"])
+
+
 def test_weights_that_left_the_members_distance_diverge_though_every_metric_is_inside() -> None:
     from harness.judge.weightdistance import Distance
 

@@ -109,10 +109,26 @@ def nudge(model: torch.nn.Module, seed: int, size: float = NUDGE) -> int:
             if not param.is_floating_point() or param.numel() == 0:
                 continue
             most = nudge_ulps(param.dtype, size)
-            # Drawn on the CPU: the same on every device. The ulp is the element's own (towards +inf), so the move
-            # is exact in its dtype wherever it stays within its binade.
+            # Drawn on the CPU for the whole tensor: the same on every device and every rank. The ulp is the
+            # element's own (towards +inf), so the move is exact in its dtype wherever it stays within its binade.
             steps = torch.randint(-most, most + 1, param.shape, generator=generator)
-            ulp = torch.nextafter(param, torch.full_like(param, float("inf"))) - param
-            param.add_(steps.to(param.device, param.dtype) * ulp)
             moved += int(steps.count_nonzero())
+            local, local_steps = _shard_of(param, steps)
+            ulp = torch.nextafter(local, torch.full_like(local, float("inf"))) - local
+            local.add_(local_steps.to(local.device, local.dtype) * ulp)
     return moved
+
+
+def _shard_of(param: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensor to nudge in place and its steps: a sharded parameter (a DTensor: FSDP2's fully_shard, tensor
+    parallelism) is nudged in this rank's shard, by that shard of the steps drawn for the whole tensor, so a sharded
+    member starts exactly where an unsharded one would (no communication: every rank drew the whole)."""
+    import torch.distributed
+
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(steps, param.device_mesh, param.placements, src_data_rank=None)
+            return param.to_local(), shard.to_local()
+    return param, steps

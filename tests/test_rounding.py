@@ -265,7 +265,15 @@ def _sharded_member(rank: int, world: int, store: str, out: str) -> None:
         nudge(twin, 3)
         whole = {k: v.full_tensor() for k, v in model.state_dict().items()}  # collective: every rank calls it
         if rank == 0:
-            torch.save({"sharded": whole, "unsharded": twin.state_dict()}, out)
+            # The sketch runs in rank 0 alone: it must refuse a sharded tensor before any collective (one in rank
+            # 0 alone would hang the job); the rank turns that into a notice.
+            from harness.runtime.sketch import sketch
+
+            try:
+                refused = f"sketched: {sketch(model, 5)}"
+            except ValueError as err:
+                refused = str(err)
+            torch.save({"sharded": whole, "unsharded": twin.state_dict(), "sketch": refused}, out)
     finally:
         dist.destroy_process_group()
 
@@ -277,6 +285,8 @@ def test_a_sharded_model_is_nudged_shard_by_shard_exactly_as_an_unsharded_one(tm
     out = tmp_path / "weights.pt"
     mp.spawn(_sharded_member, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
     got = torch.load(out)
+    assert got["sketch"].startswith("weight is sharded across the ranks (a DTensor, (Shard(dim=0),)): rank 0 holds "
+                                    "only its shard"), got["sketch"]  # the replicated bias was sketched whole
     for name, value in got["unsharded"].items():
         assert torch.equal(got["sharded"][name], value), name
     # ... and nudged at all (the twin moved from where both started).

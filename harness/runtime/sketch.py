@@ -36,6 +36,7 @@ def sketch(module: torch.nn.Module, step: int) -> WeightsSketch:
             tensor = state[name].detach()
             if not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
+            tensor = _whole(name, tensor)
             flat = tensor.reshape(-1)
             names.append(name)
             counts.append(flat.numel())
@@ -45,6 +46,22 @@ def sketch(module: torch.nn.Module, step: int) -> WeightsSketch:
     return WeightsSketch(step, tuple(names), tuple(counts), tuple(norms), tuple(v.numel() for v in values),
                          flat_values.numpy().tobytes())
 
+
+def _whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as rank 0 holds it whole: a replicated DTensor's local copy; a sharded one is refused, since its
+    whole lives on every rank and gathering it in rank 0 alone (the sketch runs there only) would hang the job."""
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        return tensor
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if all(isinstance(p, Replicate) for p in tensor.placements):
+        return tensor.to_local()
+    raise ValueError(f"{name} is sharded across the ranks (a DTensor, {tuple(tensor.placements)}): rank 0 holds only "
+                     "its shard")
 
 def _fold(flat: torch.Tensor, salt: int) -> torch.Tensor:
     """WIDTH signed float64 sums of `flat` (the elements themselves when there are WIDTH or fewer).

@@ -242,6 +242,14 @@ def test_a_nudge_moves_each_weight_by_whole_ulps_up_to_the_nudge_and_a_16_bit_on
     twin.load_state_dict(again)
     nudge(twin, 6)
     assert not torch.equal(twin[0].weight, model[0].weight)
+    # Elements that are not finite (a mask kept as a parameter) stay as they are; none is pushed to inf.
+    big = float(torch.finfo(torch.float32).max)
+    odd = nn.Linear(4, 1)
+    with torch.no_grad():
+        odd.weight.copy_(torch.tensor([[float("-inf"), float("nan"), big, -big]]))
+    nudge(odd, 1)
+    w = odd.weight.detach()
+    assert w[0, 0] == float("-inf") and torch.isnan(w[0, 1]) and bool(torch.isfinite(w[0, 2:]).all())
 
 
 def _sharded_member(rank: int, world: int, store: str, out: str) -> None:

@@ -115,7 +115,10 @@ def nudge(model: torch.nn.Module, seed: int, size: float = NUDGE) -> int:
             moved += int(steps.count_nonzero())
             local, local_steps = _shard_of(param, steps)
             ulp = torch.nextafter(local, torch.full_like(local, float("inf"))) - local
-            local.add_(local_steps.to(local.device, local.dtype) * ulp)
+            moved_to = local + local_steps.to(local.device, local.dtype) * ulp
+            # An infinite or NaN element (a mask kept as a parameter) stays as it is, and none is pushed past the
+            # largest finite value: a nudge is rounding, never a new inf or NaN.
+            local.copy_(torch.where(torch.isfinite(moved_to), moved_to, local))
     return moved
 
 

@@ -13,6 +13,7 @@ import json
 import shutil
 import sqlite3
 import tarfile
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,6 +257,28 @@ def test_an_edited_replay_is_refused_by_compare(sealed: Sealed) -> None:
                        what=f"tag {T.VERDICT} (BITWISE -> DIVERGED)")
     finally:
         client.set_tag(sealed.replay_id, T.VERDICT, "BITWISE")
+
+
+def test_an_export_leaves_out_a_replay_killed_while_its_verdict_was_written_and_says_so(sealed: Sealed) -> None:
+    # As a replay killed between closing its run and sealing its verdict leaves it (tests/test_kills.py reaches this
+    # only when a kill lands in that window): the seal still PENDING.
+    client = sealed.project.client()
+    value = client.get_run(sealed.replay_id).data.tags[T.SEAL]
+    client.set_tag(sealed.replay_id, T.SEAL, value + "+pending")
+    try:
+        out = sealed.bundle.with_name("without-the-killed-replay.tar.gz")
+        result = sealed.project.harness("export", sealed.run_id, "-o", str(out))
+        assert result.returncode == 0, result.stderr
+        assert (f"replay {sealed.replay_id} is left out of the bundle: its verdict was being written when the process "
+                "writing it stopped") in result.stderr
+        with tarfile.open(out) as bundle:
+            names = bundle.getnames()
+        assert not any(sealed.replay_id in name for name in names), names
+        # Read on its own, the replay is still refused, with the way out.
+        alone = sealed.project.harness("compare", sealed.run_id, sealed.replay_id)
+        assert alone.returncode == 2 and "its report is incomplete" in alone.stderr, alone.stderr
+    finally:
+        client.set_tag(sealed.replay_id, T.SEAL, value)
 
 
 def test_a_removed_seal_tag_is_refused_and_an_unsealed_run_is_accepted_with_a_warning(sealed: Sealed) -> None:

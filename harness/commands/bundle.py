@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from harness import scratch, tags as T
+from harness import events, scratch, tags as T
 from harness.commands.bundleformat import (
     _FIX,
     ARTIFACTS,
@@ -131,6 +131,12 @@ def export(
     # One still RUNNING is not complete, nor sealed: a bundle carries closed runs only (import refuses any other).
     replays = [r for r in tracker.children(run_id) if r.status != T.RUNNING
                and r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE, T.KIND_CALIBRATION)]
+    # A replay killed while its verdict was being written has no complete report: the bundle goes without it, and
+    # says so (it blocked every export of the run, and replaying the run again left it there).
+    for left in [r for r in replays if seal.interrupted(r)]:
+        events.emit(events.Warning(f"replay {left.run_id} is left out of the bundle: its verdict was being written "
+                                   "when the process writing it stopped, so its report is incomplete"))
+    replays = [r for r in replays if not seal.interrupted(r)]
     for one in [run, *replays]:  # a bundle carries only a record as it was sealed
         seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]

@@ -208,6 +208,13 @@ def verdict_sealed(tracker: Any, run: Any) -> bool:
             and isinstance(stored.get("tags"), dict) and stored["tags"].get(T.VERDICT) == run.tags.get(T.VERDICT))
 
 
+def interrupted(run: Any) -> bool:
+    """Was a verdict being written onto `run` (a RunSummary) when the process writing it stopped? Its seal still
+    carries PENDING: not an edit, a report left incomplete (a replay killed while judging)."""
+    value = run.tags.get(T.SEAL) or ""
+    return run.status != T.RUNNING and value.startswith(VERSION + ":") and value.endswith(PENDING)
+
+
 # -- checking ----------------------------------------------------------------------------------------
 def check_record(record: Record, who: str) -> None:
     """Refuse a record that changed since its seal; warn once about one that was never sealed."""

@@ -133,10 +133,11 @@ def export(
                and r.tags.get(T.KIND) in (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_TRACE, T.KIND_CALIBRATION)]
     # A replay killed while its verdict was being written has no complete report: the bundle goes without it, and
     # says so (it blocked every export of the run, and replaying the run again left it there).
-    for left in [r for r in replays if seal.interrupted(r)]:
-        events.emit(events.Warning(f"replay {left.run_id} is left out of the bundle: its verdict was being written "
+    left_out = {r.run_id for r in replays if seal.interrupted(r)}
+    for run_left in sorted(left_out):
+        events.emit(events.Warning(f"replay {run_left} is left out of the bundle: its verdict was being written "
                                    "when the process writing it stopped, so its report is incomplete"))
-    replays = [r for r in replays if not seal.interrupted(r)]
+    replays = [r for r in replays if r.run_id not in left_out]
     for one in [run, *replays]:  # a bundle carries only a record as it was sealed
         seal.check(tracker, one.run_id)
     commit = run.tags[T.GIT_COMMIT]

@@ -20,8 +20,6 @@ PG_BIN=/usr/lib/postgresql/15/bin
 DB=harness
 ROLE=harness
 
-last_lines() { tail -n "${2:-5}" "$1" 2>/dev/null | tr '\n' ' '; }
-alive() { [[ -f $1 ]] && kill -0 "$(<"$1")" 2>/dev/null; } # PIDFILE
 
 ((EUID == 0)) || die "must run as root (initdb and postgres run as user postgres)"
 ((PORT != 5000)) || die "port 5000 is the local Docker registry's; choose another LABSERVER_PORT"

@@ -4,6 +4,16 @@
 step() { echo "$TAG: $*"; }
 die() { echo "$TAG: error: $*" >&2; exit 1; }
 
+# last_lines FILE [N]: its last N (5) lines on one line, for an error message.
+last_lines() { tail -n "${2:-5}" "$1" 2>/dev/null | tr '\n' ' '; }
+
+# alive PIDFILE: the process it names runs. A pidfile only these scripts write: a daemon that
+# writes its own truncates it first, and a reader in that instant would see an empty file.
+alive() {
+  local pid
+  pid=$(cat "$1" 2>/dev/null) && [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null
+}
+
 # state_dir ARGS...: the script's one argument, STATE_DIR, created; printed as an absolute path.
 state_dir() {
   if [[ $# -ne 1 ]]; then

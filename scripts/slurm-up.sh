@@ -19,8 +19,6 @@ declare -A ADDR=([node1]=198.51.100.1 [node2]=198.51.100.2)
 CTLD_ADDR=198.51.100.254 # the root namespace's end of the bridge (hosts-up.sh)
 export SLURM_CONF=$STATE_DIR/slurm.conf
 
-last_lines() { tail -n "${2:-5}" "$1" 2>/dev/null | tr '\n' ' '; }
-alive() { [[ -f $1 ]] && kill -0 "$(<"$1")" 2>/dev/null; } # PIDFILE
 
 ((EUID == 0)) || die "must run as root (network namespaces, slurmd and munged need it)"
 command -v nsenter >/dev/null && command -v unshare >/dev/null || die "nsenter/unshare (util-linux) are not installed"
@@ -58,8 +56,8 @@ AuthType=auth/munge
 CryptoType=crypto/munge
 StateSaveLocation=$STATE_DIR/ctld
 SlurmdSpoolDir=$STATE_DIR/spool-%n
-SlurmctldPidFile=$STATE_DIR/slurmctld.pid
-SlurmdPidFile=$STATE_DIR/slurmd-%n.pid
+SlurmctldPidFile=$STATE_DIR/ctld/slurmctld.pid
+SlurmdPidFile=$STATE_DIR/spool-%n/slurmd.pid
 SlurmctldLogFile=$STATE_DIR/slurmctld.log
 SlurmdLogFile=$STATE_DIR/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
@@ -133,7 +131,7 @@ else
     ((SECONDS < deadline)) || die "slurmctld did not answer scontrol ping within ${TIMEOUT_S}s; last log lines: $(last_lines "$STATE_DIR/slurmctld.log")"
     sleep 0.2
   done
-  echo $pid >"$STATE_DIR/slurmctld.pid" # slurmctld writes it too; ours is certain to exist now
+  echo $pid >"$STATE_DIR/slurmctld.pid" # ours; slurmctld's own is in ctld/ (see alive in lib.sh)
   step "slurmctld up (pid $pid)"
 fi
 

@@ -64,17 +64,23 @@ def _check_tools(what: str) -> None:
             _unavailable(what, f"`{tool}` is not on PATH")
 
 
+def _up(script: str, state_dir: Path) -> subprocess.CompletedProcess:
+    """Run scripts/SCRIPT STATE_DIR; stdout and stderr in one stream, in the order written, so that
+    the last line of a failed bring-up is its error."""
+    return subprocess.run(
+        ["bash", str(SCRIPTS / script), str(state_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=UP_TIMEOUT_S, check=False,
+    )
+
+
 def _run_script(what: str, script: str, state_dir: Path) -> None:
     """Run scripts/SCRIPT STATE_DIR for a bring-up; fail or skip (see _unavailable) if it fails."""
     try:
-        proc = subprocess.run(
-            ["bash", str(SCRIPTS / script), str(state_dir)],
-            capture_output=True, text=True, timeout=UP_TIMEOUT_S, check=False,
-        )
+        proc = _up(script, state_dir)
     except (OSError, subprocess.TimeoutExpired) as err:
         _unavailable(what, f"scripts/{script} could not run: {err}")
     if proc.returncode != 0:
-        _unavailable(what, f"scripts/{script} {state_dir} failed: {_tail(proc.stderr + proc.stdout)}")
+        _unavailable(what, f"scripts/{script} {state_dir} failed: {_tail(proc.stdout)}")
 
 
 def _teardown(script: str, state_dir: Path) -> None:
@@ -256,10 +262,9 @@ class LabServer:
 
     def start_server(self) -> None:
         """Start the mlflow server again (labserver-up.sh keeps the running database); waits for /health."""
-        proc = subprocess.run(["bash", str(SCRIPTS / "labserver-up.sh"), str(self.state_dir)],
-                              capture_output=True, text=True, timeout=UP_TIMEOUT_S, check=False)
+        proc = _up("labserver-up.sh", self.state_dir)
         if proc.returncode != 0:
-            raise RuntimeError(f"labserver-up.sh failed: {_tail(proc.stderr + proc.stdout)}")
+            raise RuntimeError(f"labserver-up.sh failed: {_tail(proc.stdout)}")
 
 
 def _labserver_running(state_dir: Path) -> bool:

@@ -37,6 +37,7 @@ from harness.record.calibration import envelope_of, weights_distance
 from harness.record.newrun import create_record
 from harness.record.replays import record_replay_verdicts
 from harness.record.study import StudyRecord, load_study, member_records
+from harness.runtime.plan import Steering
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 from harness.systems import git as gitsource
 
@@ -190,12 +191,8 @@ def replay(
         extra[T.CHANGES] = " ".join(changes)
     if given:
         extra[T.TOLERANCE] = format_tolerances(given)
-    if steps is not None:  # on the run from its creation: a container's or batch job's ranks read it from there
-        extra[T.REPLAY_STEPS] = str(steps)
-    if perturb_seed is not None:  # likewise
-        extra[T.PERTURB_SEED] = str(perturb_seed)
-    if sketch_at is not None:  # likewise
-        extra[T.SKETCH_AT] = str(sketch_at)
+    steering = Steering(stop_at=steps, perturb_seed=perturb_seed, sketch_at=sketch_at)
+    extra.update(steering.tags())  # on the run from its creation: a container's or batch job's ranks read it there
     if data.changes:
         extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
         for change in data.changes:
@@ -215,8 +212,7 @@ def replay(
                 run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
             )
 
-        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths, stop_at=steps,
-                           perturb_seed=perturb_seed, sketch_at=sketch_at)
+        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths, steering=steering)
         outcome = executors.run(job)
         replay_id = outcome.run_id
 

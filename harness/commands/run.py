@@ -21,6 +21,7 @@ from harness.fmt import plain_name, printable
 from harness.record import confine, loading, redaction
 from harness.record.newrun import PARAM_LIMIT, Labels, create_record, data_paths, experiment_name, fit_params
 from harness.record.rerun import git_code_id, recorded_config, tags_code_id
+from harness.runtime.plan import Steering
 from harness.store.reach import local_paths, probe_store, resolve_uri, store_timeout
 from harness.store.tracking import Tracker
 from harness.systems import git as gitsource
@@ -296,13 +297,10 @@ def execute_recorded(
         # Where the submitting side found the data (a Slurm job shares its filesystem).
         data=data_paths(recorded_data(tracker, run_id)),
     )
-    # replay --steps K: the record says where its ranks stop (the submitting side tagged the run when it created it).
-    stop_at = int(run.tags[T.REPLAY_STEPS]) if run.tags.get(T.REPLAY_STEPS) else None
-    perturb_seed = int(run.tags[T.PERTURB_SEED]) if run.tags.get(T.PERTURB_SEED) else None  # a calibration member
-    sketch_at = int(run.tags[T.SKETCH_AT]) if run.tags.get(T.SKETCH_AT) else None  # ... or a replay held to one
     job = Job(
-        tracker, cfg, inputs, run_id=run_id, resume_step=resume_step, stop_at=stop_at, perturb_seed=perturb_seed,
-        sketch_at=sketch_at,
+        tracker, cfg, inputs, run_id=run_id, resume_step=resume_step,
+        # replay --steps K, a calibration member: the submitting side tagged the run with it when it created it.
+        steering=Steering.from_tags(run.tags),
         topology=topology or Topology(),
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),

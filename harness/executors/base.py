@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from harness import events
 from harness.events import Output, Submitted
 from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
+from harness.runtime.plan import UNSTEERED, Steering
 from harness.store.tracking import RunSummary, Tracker
 
 
@@ -111,9 +112,7 @@ class Job:
     record: Callable[[dict[str, str]], str] | None = None
     recorded: RunSummary | None = None  # replay/resume: the run whose image digest is reused
     resume_step: int | None = None
-    stop_at: int | None = None  # replay --steps K: every rank stops when step K would begin (harness.replay.steps)
-    perturb_seed: int | None = None  # a calibration member: the weights start nudged (harness.calibration.perturb_seed)
-    sketch_at: int | None = None  # rank 0 sketches the weights after this many steps (harness.weights.sketch_at)
+    steering: Steering = UNSTEERED  # replay --steps K, a calibration member's nudge, the weights' sketch
     topology: Topology = field(default_factory=Topology)
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()
     options: JobOptions = field(default_factory=JobOptions)  # the backend's own options type (Backend.options)

@@ -147,7 +147,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
     log_dir = work / "logs"
     log_dir.mkdir(exist_ok=True)
     recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: follower.show(shown), job.resume_step,
-                        job.stop_at, job.perturb_seed, job.sketch_at)
+                        job.steering)
     follower = Follower(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
                         show=not job.options.quiet)
     ended: Failed | Killed | BaseException | None = None
@@ -200,7 +200,7 @@ def ranks_only(job: Job, work: Path, node: Node, spec_for: SpecFor, run: RunRank
     device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
     # Node 0's launcher uploads the steps: it reads this node's rank files from the shared staging folder.
     plan = checkpoint_plan(open_checkpoints(job.tracker, job.run_id, cfg, job.resume_step), cfg, job.resume_step,
-                           job.stop_at, job.perturb_seed, job.sketch_at)
+                           job.steering)
     spec = spec_for(device, backend, log_dir, plan)
     spec.run_id = job.run_id
     status, code, message = T.FINISHED, EXIT_OK, ""

@@ -53,6 +53,7 @@ from harness.record.provenance import package_lock, runtime_facts
 from harness.record.results import record_performance, record_results
 from harness.rundata import own_metric
 from harness.runtime import usermlflow, userseed
+from harness.runtime.plan import UNSTEERED, Steering
 from harness.secrets import scrub
 from harness.store.outages import Outages, Patient
 from harness.store.reach import absolute_uri
@@ -117,20 +118,20 @@ def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step
     return checkpoint_store.open_for(tracker, run_id)
 
 
-def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None, stop_at: int | None = None,
-                    perturb_seed: int | None = None, sketch_at: int | None = None) -> CheckpointPlan | None:
+def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None,
+                    steering: Steering = UNSTEERED) -> CheckpointPlan | None:
     """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
-    lists them with the run. `stop_at` (replay --steps K): the ranks stop where step K would begin, at the same
-    boundary an audit segment ends at, whether or not the run checkpoints. `perturb_seed`: a calibration member's
-    nudge of the weights; `sketch_at`: rank 0 sketches the weights after that many steps."""
+    lists them with the run. The launch's `steering` travels with the plan: its `stop_at` (replay --steps K) stops
+    the ranks where step K would begin, at the same boundary an audit segment ends at, whether or not the run
+    checkpoints."""
     from harness.runtime.plan import CheckpointPlan
 
-    if store is None:
-        if stop_at is None and perturb_seed is None and sketch_at is None:
-            return None
-        return CheckpointPlan("", 0, stop_at=stop_at, perturb_seed=perturb_seed, sketch_at=sketch_at)
-    return CheckpointPlan(str(store.directory), cfg.checkpoint_every, resume_step=resume_step, stop_at=stop_at,
-                          perturb_seed=perturb_seed, sketch_at=sketch_at)
+    if store is None and not steering:
+        return None
+    plan = CheckpointPlan("", 0) if store is None else CheckpointPlan(str(store.directory), cfg.checkpoint_every,
+                                                                      resume_step=resume_step)
+    plan.stop_at, plan.perturb_seed, plan.sketch_at = steering.stop_at, steering.perturb_seed, steering.sketch_at
+    return plan
 
 
 class Recorder:
@@ -141,14 +142,12 @@ class Recorder:
     """
 
     def __init__(self, tracker: Tracker, run_id: str, cfg: DictConfig, work: Path,
-                 view: Callable[[Shown], None], resume_step: int | None = None, stop_at: int | None = None,
-                 perturb_seed: int | None = None, sketch_at: int | None = None) -> None:
+                 view: Callable[[Shown], None], resume_step: int | None = None,
+                 steering: Steering = UNSTEERED) -> None:
         self.tracker, self.run_id, self.cfg, self.work = tracker, run_id, cfg, work
         self.view = view
         self.resume_step = resume_step
-        self.stop_at = stop_at
-        self.perturb_seed = perturb_seed
-        self.sketch_at = sketch_at
+        self.steering = steering
         self.outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         self.writer: MetricWriter | None = None
         self.heartbeat: Heartbeat | None = None
@@ -197,7 +196,7 @@ class Recorder:
             if resume_step is not None and not self.ckpts.fetch(resume_step, cfg.world_size):
                 raise HarnessError(f"run {run_id} has no complete checkpoint of step {resume_step} in its artifacts.")
             self.ckpts.start_uploads(self.outages)
-        self.plan = checkpoint_plan(self.ckpts, cfg, resume_step, self.stop_at, self.perturb_seed, self.sketch_at)
+        self.plan = checkpoint_plan(self.ckpts, cfg, resume_step, self.steering)
         self.writer = tracker.metric_writer(run_id, cfg.flush_interval_s, self.outages)
         if self.prior is not None:
             # Not the values the training code logged through MLflow itself: they are MLflow's history, not the writer's.
@@ -223,7 +222,7 @@ class Recorder:
                 self.fingerprints[step] = sha256
             case Final(sha256, steps, of):
                 final["fingerprint"], final["steps_total"], final["of"] = sha256, steps, of
-            case SegmentEnd(step, sha256, _) if self.stop_at is not None:
+            case SegmentEnd(step, sha256, _) if self.steering.stop_at is not None:
                 # replay --steps K stopped every rank where step K would begin: its weights there are the ones it
                 # ends with, which the judge holds to the original's checkpoint of step K where there is one.
                 final["fingerprint"], final["steps_total"] = sha256, step

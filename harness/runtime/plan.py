@@ -3,7 +3,37 @@ and pickled into every rank's LaunchSpec."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from harness import tags as T
+
+
+@dataclass(frozen=True)
+class Steering:
+    """What a launch does besides training as recorded - the same on every backend, so every rank must learn it.
+
+    The submitting side puts it on the run when it creates it (`tags()`); a container's or batch job's launcher,
+    which has only the record, reads it back from there (`from_tags`); checkpoint_plan hands it to the ranks."""
+
+    stop_at: int | None = None  # replay --steps K: every rank stops when step K would begin (harness.replay.steps)
+    perturb_seed: int | None = None  # a calibration member: the weights start nudged (harness.calibration.perturb_seed)
+    sketch_at: int | None = None  # rank 0 sketches the weights after this many steps (harness.weights.sketch_at)
+
+    _TAGS = (("stop_at", T.REPLAY_STEPS), ("perturb_seed", T.PERTURB_SEED), ("sketch_at", T.SKETCH_AT))
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, name) is not None for name, _ in self._TAGS)
+
+    def tags(self) -> dict[str, str]:
+        return {tag: str(getattr(self, name)) for name, tag in self._TAGS if getattr(self, name) is not None}
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, str]) -> Steering:
+        return cls(**{name: int(tags[tag]) for name, tag in cls._TAGS if tags.get(tag)})
+
+
+UNSTEERED = Steering()  # a launch that only trains (run, resume)
 
 
 @dataclass

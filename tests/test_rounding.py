@@ -150,10 +150,14 @@ def test_after_the_envelope_the_tolerance_decides_and_the_line_says_which_judgem
     replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
     assert cmp.verdict == DIVERGED and cmp.divergence.step == 4 and cmp.rounding.within
+    # ... and says how to hold them to rounding too.
     assert cmp.summary().endswith("; the first 4 steps inside the rounding envelope of 4 members over the first 4 steps, "
-                                  "the steps after them judged by the tolerance")
-    loose = compare_runs(original, replay, tolerance={**tol(rtol=1e-3), "weights": "any"})
-    assert judge_rounding(loose, original, replay, env).verdict == WITHIN_TOLERANCE
+                                  "the steps after them judged by the tolerance (to hold them to rounding too: harness "
+                                  "calibrate orig0000 --steps N, up to the run's steps; or replay --tolerance "
+                                  "METRIC=ATOL,RTOL)"), cmp.summary()
+    loose = judge_rounding(compare_runs(original, replay, tolerance={**tol(rtol=1e-3), "weights": "any"}), original,
+                           replay, env)
+    assert loose.verdict == WITHIN_TOLERANCE and loose.summary().endswith("judged by the tolerance")
     # replay --steps 4: the envelope covers all it judged.
     early = judge_rounding(compare_runs(original, replay, first_steps=4), original, replay, env)
     assert early.verdict == WITHIN_ROUNDING and early.summary().startswith("WITHIN_ROUNDING over the first 4 of 12 steps")

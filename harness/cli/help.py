@@ -58,8 +58,8 @@ EXAMPLES: dict[str, list[str]] = {
         "harness mark <run-id> --status KILLED      # close it",
     ],
     "calibrate": [
-        "harness calibrate <run-id>                 # 8 nudged re-executions of its first 20 steps",
-        "harness calibrate <run-id> -k 16 -m 50     # a wider envelope: 16 members, 50 steps",
+        "harness calibrate <run-id>                 # 8 nudged re-executions of its first 50 steps",
+        "harness calibrate <run-id> -k 16 -m 200    # a wider envelope: 16 members, 200 steps",
     ],
     "audit": [
         "harness audit <run-id> -k 3               # replay 3 random checkpoint-to-checkpoint segments",

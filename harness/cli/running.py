@@ -280,7 +280,7 @@ def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
 @click.option("--members", "-k", type=int, default=None,
               help="How many nudged re-executions (default 8, at most 32).")
 @click.option("--steps", "-m", type=int, default=None,
-              help="How many first steps each re-executes (default: 20, or the run's steps when fewer).")
+              help="How many first steps each re-executes (default: 50, or the run's steps when fewer).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors

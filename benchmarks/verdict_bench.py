@@ -491,7 +491,7 @@ GRID_FLOOR = (4.0, 16.0, 64.0, 256.0)
 
 def grid_report(files: list[Path], steps: int | None) -> list[str]:
     """Every trial of `--dump` files judged again under each (SAFETY, FLOOR_ULPS) of the grid, over the first `steps`
-    steps (None: all; `harness calibrate`'s default is 20) and the weights after the last: alarms per row, for the
+    steps (None: all, as `harness calibrate`'s default 50 judges a run of 48) and the weights after the last: alarms per row, for the
     honest rows, catches for the planted ones. Pure arithmetic on recorded curves: seconds."""
     import pickle
 

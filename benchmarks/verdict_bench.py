@@ -491,8 +491,8 @@ GRID_FLOOR = (4.0, 16.0, 64.0, 256.0)
 
 def grid_report(files: list[Path], steps: int | None) -> list[str]:
     """Every trial of `--dump` files judged again under each (SAFETY, FLOOR_ULPS) of the grid, over the first `steps`
-    steps (None: all, as `harness calibrate`'s default 50 judges a run of 48) and the weights after the last: alarms per row, for the
-    honest rows, catches for the planted ones. Pure arithmetic on recorded curves: seconds."""
+    steps (None: all, as `harness calibrate`'s default 50 judges a run of 48) and the weights after the last: alarms
+    per row, for the honest rows, catches for the planted ones. Pure arithmetic on recorded curves: seconds."""
     import pickle
 
     trials = [t for f in files for t in pickle.loads(f.read_bytes())]

@@ -163,6 +163,30 @@ def test_after_the_envelope_the_tolerance_decides_and_the_line_says_which_judgem
     assert early.verdict == WITHIN_ROUNDING and early.summary().startswith("WITHIN_ROUNDING over the first 4 of 12 steps")
 
 
+def test_a_member_that_blew_up_holds_the_replay_only_to_the_steps_before_it() -> None:
+    original = _run("orig0000", LOSS)
+    recs = [{"loss": (STEPS.copy(), LOSS * (1 + (-1) ** k * _rounding_growth(k)))} for k in range(4)]
+    recs[2]["loss"][1][3:] = np.nan  # rounding alone broke this member's training at step 3
+    env = rounding.measure(original.run_id, "cal00000", original.metrics, recs, 12, weights_differed=4)
+    assert env.blown_up() == ("loss", 3)
+    changed = LOSS.copy()
+    changed[4:] *= 1.5  # a real change from step 4: its envelope of inf there held it (WITHIN_ROUNDING, exit 0)
+    replay = _replay(original, changed)
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == DIVERGED and cmp.divergence.step == 4, cmp.summary()
+    assert cmp.rounding.steps == 3 and cmp.rounding.blown_up
+    assert "the first 3 steps inside the rounding envelope of 4 members over the first 3 steps, the steps after them " \
+           "judged by the tolerance" in cmp.summary() and "--steps N" not in cmp.summary()  # more steps would not help
+    assert "went to NaN or inf in loss at step 3 where the run did not" in " ".join(cmp.notes)
+    # A member whose weights ended NaN: the weights are not held to an envelope of NaN width.
+    env = _envelope(original, steps=12)
+    env.weights = rounding.WeightsEnvelope(12, "ref00000", [1e-7, math.nan, 2e-7], "w")
+    moved = type("Distance", (), {"relative": 0.5, "widest": "w"})()
+    near = _replay(original, LOSS * (1 + 1e-7))
+    cmp = judge_rounding(compare_runs(original, near), original, near, env, moved)
+    assert cmp.rounding.weights is None and any("NaN or infinite distance" in n for n in cmp.notes), cmp.notes
+
+
 def test_an_envelope_whose_members_kept_the_weights_explains_no_other_weights() -> None:
     original = _run("orig0000", LOSS)
     env = _envelope(original, steps=12)

@@ -131,6 +131,12 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
                                     [r.metrics for r in members_] + ([] if bitwise else [reference.metrics]), m,
                                     differed, weights)
         envelope.members, envelope.reference_bitwise, envelope.nudge = k, bitwise, NUDGE
+        blown = envelope.blown_up()
+        if blown is not None:
+            events.emit(events.Warning(
+                f"a member went to NaN or inf in {blown[0]} at step {blown[1]} where the run did not: rounding alone "
+                f"breaks this run there, so its replays are held to the envelope over the first {blown[1]} steps only "
+                "(a smaller learning rate, or gradient clipping, keeps a run off that edge)"))
         tracker.log_text(cal_id, json.dumps(json_safe(envelope.to_dict()), indent=2), T.ARTIFACT_ENVELOPE)
         done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})

@@ -118,7 +118,7 @@ class Comparison:
             by = "the seeds' noise" if self.noise is not None else "the tolerance"
             line += (f"; the first {self.rounding.steps} steps inside {self.rounding.describe_envelope()}, "
                      f"the steps after them judged by {by}")
-            if self.verdict == DIVERGED and self.noise is None:
+            if self.verdict == DIVERGED and self.noise is None and not self.rounding.blown_up:
                 # Most often one ulp after the calibrated steps, judged bit for bit: the fix is a longer envelope.
                 line += (f" (to hold them to rounding too: harness calibrate {self.run_a} --steps N, up to the run's "
                          "steps; or replay --tolerance METRIC=ATOL,RTOL)")

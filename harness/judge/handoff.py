@@ -59,8 +59,17 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     rep = {k: as_series(*v) for k, v in replay.metrics.items()}
     if first_steps is not None:
         orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
-    judged = rounding.judge(envelope, orig, rep)
     m = envelope.steps
+    blown = envelope.blown_up()
+    if blown is not None:  # an envelope of inf from there would hold any replay: it holds the steps before only
+        metric, m = blown
+        cmp.notes.append(f"a member of calibration {envelope.calibration_id} went to NaN or inf in {metric} at step {m} "
+                         f"where the run did not: rounding alone breaks this run there, so its envelope holds its first "
+                         f"{m} steps only, and not the weights after step {envelope.steps}")
+        if m == 0:
+            return cmp
+    judged = rounding.judge(envelope, orig, rep, before=m)
+    judged.steps, judged.blown_up = m, blown is not None
     last = max((int(s[-1]) for s, _ in orig.values() if s.size), default=-1)
     judged.covers_run = last < m and (first_steps is None or first_steps <= m)
     if judged.judged_steps == 0:
@@ -71,7 +80,10 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
         cmp.notes.append(f"the weights of calibration {envelope.calibration_id}'s members ended equal to the "
                          "original's, so weights that differ here are not rounding's: not judged against its envelope")
         return cmp
-    if weights is not None:
+    if weights is not None and blown is None and envelope.weights is not None and not envelope.weights.finite:
+        cmp.notes.append(f"a member of calibration {envelope.calibration_id} ended step {envelope.steps} with weights "
+                         "at a NaN or infinite distance from the run's: the weights are not held to its envelope")
+    elif weights is not None and blown is None:
         judged.weights = rounding.judge_weights(envelope, weights.relative, weights.widest)
     cmp.rounding = judged
     outside = judged.first()

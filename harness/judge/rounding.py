@@ -71,6 +71,12 @@ class MetricEnvelope:
         floor = (FLOOR_ULPS if floor_ulps is None else floor_ulps) * np.spacing(original.astype(np.float32)).astype(np.float64)
         return np.maximum(width, floor)
 
+    def first_blown_up(self) -> int | None:
+        """The first step where a member went to NaN or inf while the run's value did not (or the other way round):
+        from there the members measure a run that rounding broke, not rounding, and a width of inf holds anything."""
+        bad = ~np.isfinite(np.asarray(self.deviation, dtype=np.float64))
+        return int(self.steps[int(np.argmax(bad))]) if bad.any() else None
+
 
 @dataclass
 class WeightsEnvelope:
@@ -86,6 +92,11 @@ class WeightsEnvelope:
     def half_width(self, safety: float | None = None) -> float:
         widest = max(self.distances, default=0.0)
         return max((SAFETY if safety is None else safety) * widest, WEIGHTS_FLOOR)
+
+    @property
+    def finite(self) -> bool:
+        """Every member's weights ended at a finite distance (none went to NaN or inf)."""
+        return all(math.isfinite(d) for d in self.distances)
 
 
 @dataclass
@@ -113,6 +124,16 @@ class Envelope:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def blown_up(self) -> tuple[str, int] | None:
+        """(metric, step): the first step < M where a member's metric went to NaN or inf while the run's did not.
+        The envelope holds only the steps before it: a member whose training rounding broke measures nothing after."""
+        found = [(step, name) for name, m in sorted(self.metrics.items())
+                 if (step := m.first_blown_up()) is not None and step < self.steps]
+        if not found:
+            return None
+        step, name = min(found)
+        return name, step
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Envelope:
@@ -189,12 +210,13 @@ class RoundingJudgement:
 
     calibration_id: str
     members: int
-    steps: int  # M: the envelope covers steps 0..M-1
+    steps: int  # M: the envelope covers steps 0..M-1 (fewer where a member blew up: Envelope.blown_up)
     judged_steps: int  # steps judged, over all metrics (values)
     outside: list[Outside] = field(default_factory=list)
     widest: float = 0.0  # the replay's largest distance as a fraction of the envelope's half-width there
     covers_run: bool = False  # every step both runs logged lies inside the envelope's steps
     weights: WeightsJudgement | None = None  # the weights after the M steps, where both were sketched
+    blown_up: bool = False  # cut short where a member went to NaN or inf: more steps would not hold the rest
 
     @property
     def within(self) -> bool:

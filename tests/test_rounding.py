@@ -314,6 +314,51 @@ def _sharded_member(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def test_a_member_whose_script_wraps_its_own_ddp_is_nudged_at_its_first_update(tmp_path) -> None:
+    """No ctx.ddp or ctx.register (a script's own DDP): the member's nudge lands on the parameters its optimizer steps,
+    before the first update - without it no member differed and the calibration judged nothing."""
+    import multiprocessing as mp
+
+    import torch
+    from torch import nn
+
+    from harness.runtime.context import Context
+    from harness.runtime.plan import CheckpointPlan
+
+    def first_update(perturb_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(16, 4)
+        start = model.weight.detach().clone()
+        _, there = mp.Pipe()
+        plan = None if perturb_seed is None else CheckpointPlan("", 0, perturb_seed=perturb_seed)
+        ctx = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0, rank_seed=0,
+                      fingerprint_every=100, channel=there, output_dir=str(tmp_path / f"out{perturb_seed}"),
+                      checkpoints=plan)
+        try:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the update itself moves nothing
+            model(torch.ones(2, 16)).sum().backward()
+            assert torch.equal(model.weight, start)  # the first forward ran on the weights as initialised
+            optimizer.step()
+        finally:
+            ctx.close()
+        return start, model.weight.detach().clone()
+
+    start, after = first_update(None)
+    assert torch.equal(after, start)  # not a member: untouched
+    start, after = first_update(3)
+    expected = nn.Linear(16, 4)
+    with torch.no_grad():
+        expected.weight.copy_(start)
+        expected.bias.zero_()
+    optimizer_view = nn.Module()  # the optimizer's parameters, named as the context names them
+    optimizer_view.register_parameter("g0_0", expected.weight)
+    optimizer_view.register_parameter("g0_1", expected.bias)
+    nudge(optimizer_view, 3)
+    assert not torch.equal(after, start) and torch.equal(after, expected.weight.detach())
+    _, again = first_update(0)  # the reference member: the run itself, not nudged
+    assert torch.equal(again, start)
+
+
 def test_a_sharded_model_is_nudged_shard_by_shard_exactly_as_an_unsharded_one(tmp_path) -> None:
     import torch
     import torch.multiprocessing as mp

@@ -131,6 +131,11 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
                                     [r.metrics for r in members_] + ([] if bitwise else [reference.metrics]), m,
                                     differed, weights)
         envelope.members, envelope.reference_bitwise, envelope.nudge = k, bitwise, NUDGE
+        if differed == 0:
+            events.emit(events.Warning(
+                f"no member's weights differed from the run's after step {m}: nothing the members' nudge moved reached "
+                "the weights (the run trains no floating-point parameter, or training washed the nudge out), so this "
+                "calibration judges no replay whose weights differ"))
         blown = envelope.blown_up()
         if blown is not None:
             events.emit(events.Warning(

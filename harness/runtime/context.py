@@ -243,13 +243,7 @@ class Context(Stepping):
     def _adopt(self, model: torch.nn.Module) -> None:
         """`model` is the one fingerprinted, checkpointed and traced (ctx.ddp and ctx.register)."""
         self._model = model
-        if self._plan is not None and self._plan.perturb_seed is not None:
-            # A calibration member (harness calibrate): the weights start nudged, before the first fingerprint
-            # (its reference, member 0, is the run itself).
-            from harness.runtime.perturb import REFERENCE, nudge
-
-            if self._plan.perturb_seed != REFERENCE:
-                nudge(model, self._plan.perturb_seed)
+        self._start_member(model)
         # A training forward of the registered model is the next step's work beginning (a loop of its own).
         self._forward_hook = hooks.add(model, StepHook(model, self.clock))
         self._trace.attach(model)

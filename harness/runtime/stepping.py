@@ -109,10 +109,24 @@ class Stepping:
             self._stepped_params = optimizer_parameters(optimizer)
         return self._stepped_params
 
+    def _start_member(self, model: torch.nn.Module) -> None:
+        """A calibration member (harness calibrate): `model`'s weights start nudged, before the first fingerprint;
+        its reference, member 0, is the run itself."""
+        if self._plan is not None and self._plan.perturb_seed is not None:
+            from harness.runtime.perturb import REFERENCE, nudge
+
+            if self._plan.perturb_seed != REFERENCE:
+                nudge(model, self._plan.perturb_seed)
+
     def _on_first_step(self, optimizer: Any) -> None:
-        if self._model is None and self.rank == 0:
-            # No ctx.ddp: the weights before the first update are the parameters this optimizer steps.
-            self._send(Initial(fingerprint(optimizer_parameters(optimizer))))
+        if self._model is None:
+            # No ctx.ddp (a script's own DDP): the weights are the parameters this optimizer steps. A member's nudge
+            # lands on them here, before the first update (the first step's gradients are the un-nudged weights'):
+            # every rank nudges the same, so its own DDP's replicas stay equal. Without it no member would differ.
+            params = optimizer_parameters(optimizer)
+            self._start_member(params)
+            if self.rank == 0:
+                self._send(Initial(fingerprint(params)))
 
     def _on_optimizer(self, phase: str, optimizer: Any) -> None:
         self._trace.optimizer_event(phase, optimizer)

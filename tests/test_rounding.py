@@ -314,9 +314,10 @@ def _sharded_member(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_member_whose_script_wraps_its_own_ddp_is_nudged_at_its_first_update(tmp_path) -> None:
-    """No ctx.ddp or ctx.register (a script's own DDP): the member's nudge lands on the parameters its optimizer steps,
-    before the first update - without it no member differed and the calibration judged nothing."""
+def test_a_member_whose_script_wraps_its_own_ddp_is_nudged_when_it_makes_its_optimizer(tmp_path) -> None:
+    """No ctx.ddp or ctx.register (a script's own DDP): the member's nudge lands on the parameters of its optimizer as
+    the optimizer is made, before the first forward - before, no member differed and the calibration judged nothing.
+    A model registered after it is not nudged twice; the constructor is torch's own again once the context closes."""
     import multiprocessing as mp
 
     import torch
@@ -325,7 +326,7 @@ def test_a_member_whose_script_wraps_its_own_ddp_is_nudged_at_its_first_update(t
     from harness.runtime.context import Context
     from harness.runtime.plan import CheckpointPlan
 
-    def first_update(perturb_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def member(perturb_seed: int | None, register_after: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(0)
         model = nn.Linear(16, 4)
         start = model.weight.detach().clone()
@@ -335,28 +336,32 @@ def test_a_member_whose_script_wraps_its_own_ddp_is_nudged_at_its_first_update(t
                       fingerprint_every=100, channel=there, output_dir=str(tmp_path / f"out{perturb_seed}"),
                       checkpoints=plan)
         try:
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the update itself moves nothing
-            model(torch.ones(2, 16)).sum().backward()
-            assert torch.equal(model.weight, start)  # the first forward ran on the weights as initialised
-            optimizer.step()
+            assert torch.equal(model.weight, start)
+            torch.optim.SGD(model.parameters(), lr=0.1)
+            if register_after:
+                ctx.register(model)
+            made = model.weight.detach().clone()
         finally:
             ctx.close()
-        return start, model.weight.detach().clone()
+        torch.optim.SGD(model.parameters(), lr=0.1)  # after the context: torch's own constructor, no nudge
+        assert torch.equal(model.weight, made)
+        return start, made
 
-    start, after = first_update(None)
-    assert torch.equal(after, start)  # not a member: untouched
-    start, after = first_update(3)
+    start, made = member(None)
+    assert torch.equal(made, start)  # not a member: untouched
     expected = nn.Linear(16, 4)
     with torch.no_grad():
         expected.weight.copy_(start)
-        expected.bias.zero_()
     optimizer_view = nn.Module()  # the optimizer's parameters, named as the context names them
     optimizer_view.register_parameter("g0_0", expected.weight)
     optimizer_view.register_parameter("g0_1", expected.bias)
     nudge(optimizer_view, 3)
-    assert not torch.equal(after, start) and torch.equal(after, expected.weight.detach())
-    _, again = first_update(0)  # the reference member: the run itself, not nudged
-    assert torch.equal(again, start)
+    start, made = member(3)
+    assert not torch.equal(made, start) and torch.equal(made, expected.weight.detach())
+    _, twice = member(3, register_after=True)
+    assert torch.equal(twice, made)  # registering the model afterwards nudged nothing again
+    _, reference = member(0)  # the reference member: the run itself, not nudged
+    assert torch.equal(reference, start)
 
 
 def test_a_sharded_model_is_nudged_shard_by_shard_exactly_as_an_unsharded_one(tmp_path) -> None:

@@ -24,7 +24,7 @@ from harness.messages import (
     Total,
 )
 from harness.optrace import hooks
-from harness.runtime import checkpoint as ckpt, determinism, loaders, optimization, perf, replicas
+from harness.runtime import checkpoint as ckpt, determinism, loaders, optimization, perf, perturb, replicas
 from harness.runtime.cfgview import redacted_view
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
@@ -138,6 +138,12 @@ class Context(Stepping):
         # Every step's wall time and loader wait; torch.profiler over the planned steps (profile: in experiment.yaml).
         self._timer = perf.StepTimer(rank, device, profile)
         self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
+        # A calibration member (harness calibrate): its trained weights start nudged (its reference, member 0, is
+        # the run itself). Every optimizer made from here on has its parameters nudged as it is made.
+        nudged = checkpoints.perturb_seed if checkpoints is not None else None
+        self._member = perturb.MemberNudge(nudged) if nudged not in (None, perturb.REFERENCE) else None
+        if self._member is not None:
+            self._member.install()
         # Rank 0 of a recorded job: what trains the model (optimizer, LR schedulers, GradScaler, autocast), the
         # learning rate of every step and the GradScaler's scale.
         self._optimization = optimization.Watch(self._coming_step).start() if self._outbox is not None else None
@@ -243,7 +249,8 @@ class Context(Stepping):
     def _adopt(self, model: torch.nn.Module) -> None:
         """`model` is the one fingerprinted, checkpointed and traced (ctx.ddp and ctx.register)."""
         self._model = model
-        self._start_member(model)
+        if self._member is not None:
+            self._member.apply(model)  # before the first fingerprint
         # A training forward of the registered model is the next step's work beginning (a loop of its own).
         self._forward_hook = hooks.add(model, StepHook(model, self.clock))
         self._trace.attach(model)
@@ -485,6 +492,8 @@ class Context(Stepping):
         """Send every value still buffered and stop the sender thread; also after a failure. Called by the
         launcher once train(ctx) has returned or raised, not by the training code."""
         self.clock.close()
+        if self._member is not None:
+            self._member.uninstall()
         self._timer.close()
         if self._optimization is not None:
             self._optimization.stop()

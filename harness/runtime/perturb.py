@@ -29,12 +29,18 @@ machine can run do to the run; docs/verdicts.md measures both that and kernels h
 
 Every rank draws the same nudges (same seed, same parameter order), so the replicas stay equal whether the nudge
 comes before DDP's broadcast (ctx.ddp) or after a framework's wrap (ctx.register).
+
+Which parameters: the trained ones, as soon as harness sees them (`MemberNudge`) - the model given to ctx.ddp or
+ctx.register, and the parameters of every optimizer as it is made: a script that wraps its own DDP and registers
+nothing is nudged there, before its first forward, as a registered model is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -96,17 +102,19 @@ def nudge_ulps(dtype: torch.dtype, size: float = NUDGE) -> int:
     return max(1, round(size / torch.finfo(dtype).eps))
 
 
-def nudge(model: torch.nn.Module, seed: int, size: float = NUDGE) -> int:
+def nudge(model: torch.nn.Module, seed: int, size: float = NUDGE, *, skip: Container[int] = (),
+          generator: torch.Generator | None = None) -> int:
     """Move every floating-point parameter of `model` by a whole number of its own ulps, drawn per element from
     -nudge_ulps to +nudge_ulps (`size`: another relative size than NUDGE, benchmarks/verdict_bench.py's sweep).
-    Returns how many elements moved."""
+    `skip`: ids of parameters left as they are (nudged already); `generator`: draw from it instead of a new one of
+    `seed` (one member's successive nudges). Returns how many elements moved."""
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = generator or torch.Generator().manual_seed(seed)
     moved = 0
     with torch.no_grad():
         for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            if not param.is_floating_point() or param.numel() == 0:
+            if not param.is_floating_point() or param.numel() == 0 or id(param) in skip:
                 continue
             most = nudge_ulps(param.dtype, size)
             # Drawn on the CPU for the whole tensor: the same on every device and every rank. The ulp is the
@@ -120,6 +128,67 @@ def nudge(model: torch.nn.Module, seed: int, size: float = NUDGE) -> int:
             # largest finite value: a nudge is rounding, never a new inf or NaN.
             local.copy_(torch.where(torch.isfinite(moved_to), moved_to, local))
     return moved
+
+
+@dataclass
+class MemberNudge:
+    """One calibration member's nudge of its trained parameters, each once, wherever harness first sees them: the
+    registered model (`apply`) and every optimizer's parameters as it is made (`install` wraps torch's Optimizer
+    constructor until `uninstall`). The draws continue one generator of the member's seed, in the order the training
+    code makes its model and optimizers - the same on every rank."""
+
+    seed: int
+    _done: set[int] = field(default_factory=set)  # ids of the parameters nudged
+    _generator: Any = None
+
+    def apply(self, module: torch.nn.Module) -> int:
+        import torch
+
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed)
+        moved = nudge(module, self.seed, skip=self._done, generator=self._generator)
+        self._done.update(id(p) for p in module.parameters())
+        return moved
+
+    def install(self) -> None:
+        """From now on every optimizer made has its parameters nudged. The constructor's wrapper is installed once
+        for every member alive in the process and put back when the last one is uninstalled, in whatever order."""
+        if not _MEMBERS:
+            _wrap_optimizer_init()
+        _MEMBERS.append(self)
+
+    def uninstall(self) -> None:
+        if self in _MEMBERS:
+            _MEMBERS.remove(self)
+            if not _MEMBERS:
+                _unwrap_optimizer_init()
+
+
+_MEMBERS: list[MemberNudge] = []  # installed and not uninstalled
+_ORIGINAL_INIT: list[Callable[..., None]] = []  # torch's Optimizer.__init__ while it is wrapped
+
+
+def _wrap_optimizer_init() -> None:
+    import torch
+
+    from harness.runtime.steps import optimizer_parameters
+
+    original = torch.optim.Optimizer.__init__
+
+    @functools.wraps(original)
+    def made(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        original(optimizer, *args, **kwargs)
+        for member in _MEMBERS:
+            member.apply(optimizer_parameters(optimizer))
+
+    _ORIGINAL_INIT.append(original)
+    torch.optim.Optimizer.__init__ = made  # type: ignore[assignment, method-assign]
+
+
+def _unwrap_optimizer_init() -> None:
+    import torch
+
+    torch.optim.Optimizer.__init__ = _ORIGINAL_INIT.pop()  # type: ignore[method-assign]
 
 
 def _shard_of(param: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

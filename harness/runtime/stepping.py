@@ -23,6 +23,7 @@ from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.outbox import Outbox
+from harness.runtime.perturb import MemberNudge
 from harness.runtime.plan import CheckpointPlan
 from harness.runtime.steps import StepClock, optimizer_parameters
 from harness.runtime.tracing import StepTrace
@@ -62,6 +63,7 @@ class Stepping:
     _framework: str | None  # the framework whose loop runs the steps or feeds their batches
     _loop_sent: bool
     _sketched: bool  # plan.sketch_at's sketch was sent
+    _member: MemberNudge | None  # a calibration member's nudge (harness calibrate); None: not a nudged member
 
     def _send(self, message: Message | None) -> None:
         if self._outbox is not None and message is not None:
@@ -109,22 +111,14 @@ class Stepping:
             self._stepped_params = optimizer_parameters(optimizer)
         return self._stepped_params
 
-    def _start_member(self, model: torch.nn.Module) -> None:
-        """A calibration member (harness calibrate): `model`'s weights start nudged, before the first fingerprint;
-        its reference, member 0, is the run itself."""
-        if self._plan is not None and self._plan.perturb_seed is not None:
-            from harness.runtime.perturb import REFERENCE, nudge
-
-            if self._plan.perturb_seed != REFERENCE:
-                nudge(model, self._plan.perturb_seed)
-
     def _on_first_step(self, optimizer: Any) -> None:
         if self._model is None:
-            # No ctx.ddp (a script's own DDP): the weights are the parameters this optimizer steps. A member's nudge
-            # lands on them here, before the first update (the first step's gradients are the un-nudged weights'):
-            # every rank nudges the same, so its own DDP's replicas stay equal. Without it no member would differ.
+            # No ctx.ddp (a script's own DDP): the weights are the parameters this optimizer steps. A calibration
+            # member nudged them when the optimizer was made (perturb.MemberNudge); one made some other way is
+            # nudged here, before its first update.
             params = optimizer_parameters(optimizer)
-            self._start_member(params)
+            if self._member is not None:
+                self._member.apply(params)
             if self.rank == 0:
                 self._send(Initial(fingerprint(params)))
 

@@ -88,9 +88,9 @@ class RunFailed(HarnessError):
 class Interrupted(HarnessError):
     """The launcher got SIGINT or SIGTERM; the run is recorded as KILLED."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, message: str | None = None) -> None:
         import signal
 
         name = signal.Signals(signum).name
-        super().__init__(f"interrupted by {name}; the run is marked KILLED", 128 + signum)
+        super().__init__(message or f"interrupted by {name}; the run is marked KILLED", 128 + signum)
         self.signum = signum

@@ -587,3 +587,30 @@ def test_a_bundle_carries_the_calibration_and_the_imported_run_is_judged_by_it(p
     assert envelope.weights is not None and Tracker(other).read_bytes(envelope.calibration_id,
                                                                       tags.ARTIFACT_WEIGHTS_SKETCH) is not None
     assert envelope.calibration_id != calibrated["calibration"]  # the copy in this store, as its id here
+
+
+def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, calibrated) -> None:
+    # Last in the module: it leaves a KILLED calibration of the shared run behind (replays skip it: no envelope).
+    import os
+    import signal
+    import time
+
+    client = project.client()
+    proc = project.popen("calibrate", calibrated["run"], "--members", "2")
+    deadline = time.monotonic() + 120
+    while not any(r.data.tags.get(tags.PERTURB_SEED) == "1" and r.info.status == "RUNNING" and
+                  r.data.tags.get(tags.CALIBRATION) != calibrated["calibration"] for r in project.all_runs()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "member 1 never started"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted by SIGINT while member 1 ran: it is marked KILLED and records no envelope. Run harness " \
+           f"calibrate {calibrated['run']} again." in err, err
+    killed = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == calibrated["run"]
+              and r.info.run_id != calibrated["calibration"]]
+    assert [r.info.status for r in killed] == ["KILLED"]
+    its_members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == killed[0].info.run_id]
+    assert sorted(r.info.status for r in its_members) == ["FINISHED", "KILLED"]  # the reference ran, 1 killed, 2 never
+    assert client.get_run(calibrated["calibration"]).info.status == "FINISHED"  # the earlier one still judges

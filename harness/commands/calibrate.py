@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from signal import SIGINT, SIGTERM, Signals
 from typing import Any
 
 from harness import events, tags as T
 from harness.commands.options import CalibrateOptions
-from harness.errors import EXIT_FAILED, HarnessError, RunRefused, UsageError
+from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, UsageError
 from harness.fmt import json_safe
 from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
@@ -106,8 +107,13 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
                             sketch_at=m, extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
                                                      T.CALIBRATION_KERNELS: kernels_of(i).describe()})
             ids.append(result.outcome.run_id)
+            which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
+            if result.outcome.status == T.KILLED and result.outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
+                signum = result.outcome.exit_code - 128
+                raise Interrupted(signum, f"calibration {cal_id} interrupted by {Signals(signum).name} while "
+                                          f"{which} ran: it is marked KILLED and records no envelope. Run harness "
+                                          f"calibrate {original.run_id} again.")
             if result.outcome.status != T.FINISHED:
-                which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
                 raise HarnessError(f"calibration {which} (run {result.outcome.run_id}) {result.outcome.status}: "
                                    f"{result.outcome.message or 'see its logs'}. The run's first {m} steps do not "
                                    "re-execute here; replay it to see why.", EXIT_FAILED)

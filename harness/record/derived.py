@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 from harness import tags as T
+from harness.errors import Interrupted
 from harness.record import closing
 from harness.record.provenance import runtime_facts
 from harness.rundata import RunSummary
@@ -62,7 +63,7 @@ def opened(tracker: Tracker, experiment: str, run_tags: Mapping[str, str], run_n
     try:
         yield run_id
     except BaseException as err:
-        status = T.KILLED if isinstance(err, KeyboardInterrupt) else T.FAILED
+        status = T.KILLED if isinstance(err, (KeyboardInterrupt, Interrupted)) else T.FAILED
         # The store that failed may refuse the reason too; the close must still come.
         closing.close(tracker, run_id, status, closing.error_reason(err), reason_may_fail=True)
         raise

@@ -596,7 +596,7 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, cali
     import time
 
     client = project.client()
-    proc = project.popen("calibrate", calibrated["run"], "--members", "2")
+    proc = project.popen("calibrate", calibrated["run"], "--members", "2", "--steps", "4")
     deadline = time.monotonic() + 120
     while not any(r.data.tags.get(tags.PERTURB_SEED) == "1" and r.info.status == "RUNNING" and
                   r.data.tags.get(tags.CALIBRATION) != calibrated["calibration"] for r in project.all_runs()):
@@ -606,6 +606,8 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, cali
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
+    # Said before the cost is paid: the step the envelope will not cover.
+    assert "; a replay's step 4 stays judged by the tolerance (--steps 5 holds the whole run to rounding)" in err, err
     assert "interrupted by SIGINT while member 1 ran: it is marked KILLED and records no envelope. Run harness " \
            f"calibrate {calibrated['run']} again." in err, err
     killed = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == calibrated["run"]

@@ -93,7 +93,8 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
                               f"(the run took {total}), each member one replay of its first {m} steps, nudged by up to "
                               f"{NUDGE_ULPS} float32 ulps, in turn on {kernels}; and the run itself once more ({m} steps), the reference "
-                              "the members' weights are measured from"))
+                              "the members' weights are measured from"
+                              + _tail_said(m, total)))
     run_tags = derived.tags(T.KIND_CALIBRATION, original, version=original.tags.get(T.VERSION),
                             extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m),
                                    T.CALIBRATION_NUDGE: repr(NUDGE)})
@@ -152,6 +153,14 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
+
+
+def _tail_said(m: int, total: int) -> str:
+    """The steps a replay is still judged on by the tolerance (after the envelope's M), said before the cost is paid."""
+    if m >= total:
+        return ""
+    tail = f"step {m} stays" if m == total - 1 else f"steps {m}-{total - 1} stay"
+    return f"; a replay's {tail} judged by the tolerance (--steps {total} holds the whole run to rounding)"
 
 
 def weights_spread(tracker: Tracker, calibration_id: str, reference_id: str, member_ids: list[str], steps: int

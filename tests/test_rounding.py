@@ -589,17 +589,23 @@ def test_a_bundle_carries_the_calibration_and_the_imported_run_is_judged_by_it(p
     assert envelope.calibration_id != calibrated["calibration"]  # the copy in this store, as its id here
 
 
-def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, calibrated) -> None:
-    # Last in the module: it leaves a KILLED calibration of the shared run behind (replays skip it: no envelope).
+def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_path) -> None:
     import os
     import signal
     import time
 
-    client = project.client()
-    proc = project.popen("calibrate", calibrated["run"], "--members", "2", "--steps", "4")
+    from snippets import crash_experiment
+
+    # 30 steps of 0.1 s: each member trains for 3 s, a window the signal cannot miss.
+    exp, train = crash_experiment(project, "crashing", steps=30, fail_rank=-1, fail_step=-1, sleep=0.1)
+    env = {"PID_DIR": str(tmp_path)}
+    run = project.harness("run", exp, train, env=env)
+    assert run.returncode == 0, run.stderr
+    proc = project.popen("calibrate", run.last_line, "--members", "2", "--steps", "29", env=env)
     deadline = time.monotonic() + 120
     while not any(r.data.tags.get(tags.PERTURB_SEED) == "1" and r.info.status == "RUNNING" and
-                  r.data.tags.get(tags.CALIBRATION) != calibrated["calibration"] for r in project.all_runs()):
+                  r.data.tags.get(tags.CALIBRATION_OF) is None and r.data.tags.get(tags.REPLAY_OF) == run.last_line
+                  for r in project.all_runs()):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "member 1 never started"
         time.sleep(0.2)
@@ -607,12 +613,10 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, cali
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     # Said before the cost is paid: the step the envelope will not cover.
-    assert "; a replay's step 4 stays judged by the tolerance (--steps 5 holds the whole run to rounding)" in err, err
+    assert "; a replay's step 29 stays judged by the tolerance (--steps 30 holds the whole run to rounding)" in err, err
     assert "interrupted by SIGINT while member 1 ran: it is marked KILLED and records no envelope. Run harness " \
-           f"calibrate {calibrated['run']} again." in err, err
-    killed = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == calibrated["run"]
-              and r.info.run_id != calibrated["calibration"]]
+           f"calibrate {run.last_line} again." in err, err
+    killed = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == run.last_line]
     assert [r.info.status for r in killed] == ["KILLED"]
     its_members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == killed[0].info.run_id]
     assert sorted(r.info.status for r in its_members) == ["FINISHED", "KILLED"]  # the reference ran, 1 killed, 2 never
-    assert client.get_run(calibrated["calibration"]).info.status == "FINISHED"  # the earlier one still judges

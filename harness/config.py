@@ -356,6 +356,8 @@ def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
     for name in ("heartbeat_s", "timeout_s", "rendezvous_timeout_s"):
         if not cfg[name] > 0:
             raise ConfigError(f"{name} must be > 0 seconds, got {cfg[name]}.")
+    if not cfg.stall_s >= 0:
+        raise ConfigError(f"stall_s must be >= 0 seconds (0: off), got {cfg.stall_s}.")
     if not cfg.record.max_untracked_mib >= 0:
         raise ConfigError(f"record.max_untracked_mib must be >= 0, got {cfg.record.max_untracked_mib}.")
     if cfg.threads_per_rank < 1:

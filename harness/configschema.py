@@ -141,6 +141,10 @@ class ExperimentConfig:
     """How often the launcher marks the run alive in MLflow; `harness runs` calls a silent RUNNING run STALE."""
     timeout_s: float = 1800.0
     """A rank or collective that makes no progress for this long ends the job (also the process-group timeout)."""
+    stall_s: float = 60.0
+    """A job whose ranks make no progress while none of its processes (ranks, DataLoader workers, subprocesses) uses a
+    CPU or reads or writes is stopped after this long, or 20x its slowest step so far if that is longer, naming the
+    stuck rank and what it waits for. Work never counts as a stall; 0 turns this off (timeout_s still applies)."""
     record: RecordConfig = field(default_factory=RecordConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """Step times are recorded in every run; `profile:` adds torch.profiler over chosen steps (docs/performance.md)."""

@@ -90,6 +90,7 @@ def launch_spec(
         checkpoints=checkpoints,
         invariant_shards=cfg.determinism.shards if cfg.determinism.world_size_invariant else 0,
         timeout_s=float(cfg.timeout_s),
+        stall_s=float(cfg.stall_s),
         launcher=cfg.launcher.value,
         output_dir=str(Path(log_dir).parent / "outputs"),
         data=dict(data or {}),

@@ -46,9 +46,14 @@ class StackLocation:
     frame: str | None  # "train.py:21 (train)": the experiment's innermost frame, else the innermost one
     kind: str  # own: the stack ends in the experiment's code; call: inside a library it called; other
     collective: str | None  # the torch.distributed call (all_reduce, barrier, ...) the thread waits in, if any
+    waits: str | None = None  # DATALOADER, SUBPROCESS or CHILD: the thread waits for a process the rank started
+    on: str = ""  # that process, once the launcher has looked: "DataLoader worker pid 4242"
 
     def describe(self) -> str:
         """' waiting in all_reduce called at train.py:21 (train)', or what of it is known."""
+        if self.waits and not self.collective:
+            what = self.on or _WAITED[self.waits]
+            return f" waiting for {what}" + (f" at {self.frame}" if self.frame else "")
         if self.frame is None:
             return f" waiting in {self.collective}" if self.collective else ""
         if self.kind == "own":
@@ -56,6 +61,12 @@ class StackLocation:
         if self.collective:
             return f" waiting in {self.collective} called at {self.frame}"
         return f" waiting in a call made at {self.frame}" if self.kind == "call" else f" in {self.frame}"
+
+
+DATALOADER, SUBPROCESS, CHILD = "dataloader", "subprocess", "child"
+_WAITED = {DATALOADER: "its DataLoader workers", SUBPROCESS: "a subprocess", CHILD: "a child process"}
+_DATALOADER = os.sep + os.path.join("torch", "utils", "data") + os.sep
+_STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
 def _collective(frames: list[re.Match[str]]) -> str | None:
@@ -73,6 +84,20 @@ def _collective(frames: list[re.Match[str]]) -> str | None:
     return None
 
 
+def _waits(frames: list[re.Match[str]]) -> str | None:
+    """The kind of process a stack (innermost frame first) waits for: a DataLoader's worker, a subprocess, another
+    child (multiprocessing's join)."""
+    paths = [f["file"] for f in frames]
+    if any(_DATALOADER in p for p in paths):
+        return DATALOADER
+    if _STDLIB + "subprocess.py" in paths:
+        return SUBPROCESS
+    if any(p.startswith(_STDLIB + "multiprocessing" + os.sep) and f["func"] in ("join", "wait", "poll")
+           for p, f in zip(paths, frames)):
+        return CHILD
+    return None
+
+
 def stack_location(path: Path, code_dir: str) -> StackLocation:
     """Where the main thread's dumped stack is, and in which collective it waits (see StackLocation)."""
     try:
@@ -86,16 +111,16 @@ def stack_location(path: Path, code_dir: str) -> StackLocation:
         frames = list(_FRAME.finditer(block))
         if not any(f["func"] == "rank_main" for f in frames):
             continue
-        collective = _collective(frames)
+        collective, waits = _collective(frames), _waits(frames)
         for i, f in enumerate(frames):
             if os.path.realpath(f["file"]).startswith(root):
                 where = f"{os.path.relpath(f['file'], code_dir)}:{f['line']} ({f['func']})"
-                return StackLocation(where, "own" if i == 0 else "call", collective)
+                return StackLocation(where, "own" if i == 0 else "call", collective, waits)
         if frames:
             # Outside the experiment (harness's own teardown, a framework): the innermost frame that is not torch's.
             torch_dir = os.sep + "torch" + os.sep
             f = next((f for f in frames if torch_dir not in f["file"]), frames[0])
-            return StackLocation(f"{_short(f['file'])}:{f['line']} ({f['func']})", "other", collective)
+            return StackLocation(f"{_short(f['file'])}:{f['line']} ({f['func']})", "other", collective, waits)
     return StackLocation(None, "other", None)
 
 

@@ -7,6 +7,7 @@ failed job is read - which rank caused it, where a silent rank stands - is execu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -21,7 +22,7 @@ from typing import Any
 
 from harness import events
 from harness.errors import BackendError, ConfigError, Interrupted, RunFailed
-from harness.executors import procs
+from harness.executors import procs, stall, stuck
 from harness.executors.failures import FROM_OUTSIDE, RankError, diagnose, failed, phase, stack_location
 from harness.messages import Message
 from harness.runtime.rank.failure import last_line
@@ -244,6 +245,7 @@ def launch(
                                  daemon=True)
         drain.start()
         ranks.send(spec)
+        watch = stall.StallWatch(spec.local_ranks, spec.stall_s)
         try:
             while not context.join(timeout=0.5, grace_period=_GRACE_S):
                 signum = cancelled() if cancelled is not None else None
@@ -256,6 +258,10 @@ def launch(
                 silent = _silent_ranks(progress, context.processes, spec.timeout_s)
                 if silent:
                     raise _stalled(spec, context.processes, progress, silent)
+                verdict = watch.check(progress, [p.pid for p in context.processes if p.is_alive()])
+                if verdict is not None:
+                    quiet = _silent_ranks(progress, context.processes, verdict.threshold_s / 2)
+                    raise _stalled(spec, context.processes, progress, quiet, verdict)
             left = _left(context.processes, progress)
             if left:
                 context.stop(_GRACE_S)
@@ -333,26 +339,35 @@ def _silent_ranks(progress: Any, processes: list[Any], timeout_s: float) -> list
     return [r for r, p in enumerate(processes) if p.is_alive() and now - progress[2 * r + 1] > timeout_s]
 
 
-def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list[int]) -> RunFailed:
-    """Ask the silent ranks for their stacks, then say which ranks stopped where, and in which collective."""
+def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list[int],
+             verdict: stall.Verdict | None = None) -> RunFailed:
+    """Ask the silent ranks for their stacks, look at what they started, then say which ranks stopped where, in which
+    collective or waiting for which of their processes. `verdict`: the job went idle (executors/stall.py); None: it
+    passed timeout_s."""
     for rank in silent:
         with contextlib.suppress(OSError, AttributeError):
             os.kill(processes[rank].pid, signal.SIGUSR1)
     time.sleep(_STACK_WAIT_S)
-    found = {
-        r: stack_location(Path(spec.log_dir) / f"rank{spec.global_rank(r)}.stacks.txt", spec.code_dir) for r in silent
-    }
-    # A rank stuck in the experiment's own code (a sleep, a loop) is the likely culprit; ranks stuck
-    # inside torch are usually waiting for it in a collective. Culprits first.
-    order = sorted(silent, key=lambda r: (found[r].kind != "own", progress[2 * r], r))
-    parts = []
-    for rank in order:
-        parts.append(f"rank {spec.global_rank(rank)} {phase(int(progress[2 * rank]))}{found[rank].describe()}")
-    line = (
-        f"no progress for {spec.timeout_s:g} s (timeout_s): " + ", ".join(parts)
-        + ". Their stacks are in logs/rank<N>.stacks.txt; raise timeout_s if a step can take longer."
-    )
+    found = {}
+    for r in silent:
+        stacks = Path(spec.log_dir) / f"rank{spec.global_rank(r)}.stacks.txt"
+        where = stack_location(stacks, spec.code_dir)
+        found[r] = dataclasses.replace(where, on=stuck.look(processes[r].pid, stacks, where.waits))
+    # A rank stuck in the experiment's own code (a sleep, a loop) or waiting for a process it started is the likely
+    # culprit; ranks stuck inside torch are usually waiting for it in a collective. Culprits first.
+    order = sorted(silent, key=lambda r: (found[r].kind != "own" and not found[r].on, progress[2 * r], r))
+    parts = [f"rank {spec.global_rank(r)} {phase(int(progress[2 * r]))}{found[r].describe()}" for r in order]
+    if verdict is None:
+        line = (f"no progress for {spec.timeout_s:g} s (timeout_s): " + ", ".join(parts)
+                + ". Their stacks are in logs/rank<N>.stacks.txt; raise timeout_s if a step can take longer.")
+    else:
+        slowest = (f"; {stall.STEP_FACTOR:g}x the slowest step ({verdict.slowest_step_s:.2g} s) is less"
+                   if verdict.slowest_step_s and verdict.threshold_s == spec.stall_s else
+                   f", {stall.STEP_FACTOR:g}x the slowest step" if verdict.slowest_step_s else "")
+        line = (f"stalled: no progress for {verdict.silent_s:.0f} s and no process of the job working "
+                f"(stall_s {spec.stall_s:g}{slowest}): " + ", ".join(parts)
+                + ". Every rank's stacks are in logs/rank<N>.stacks.txt; raise stall_s (0: off) if the job can wait "
+                "idle that long.")
     failure = RunFailed(line)
     failure.__cause__ = RankError(spec.global_rank(order[0]), line, True)
     return failure
-

@@ -43,7 +43,7 @@ from typing import Any
 from harness import events
 from harness.configschema import Launcher as Method
 from harness.errors import HarnessError
-from harness.executors import rankserver
+from harness.executors import leftovers, rankserver
 from harness.runtime.rank.child import child
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -244,6 +244,10 @@ class Processes:
         self._processes: list[Any] = []
         self._done = threading.Event()
         self._error: BaseException | None = None
+        # Each rank leads a process group of its own (runtime/rank/family.py): ended with the ranks, by the guardian if
+        # this process dies first.
+        self._guardian = leftovers.Guardian()
+        self.left: list[int] = []  # the processes of the ranks' groups that outlived them, ended by stop()
 
     @property
     def processes(self) -> list[Any]:
@@ -283,7 +287,11 @@ class Processes:
         raise RankExited(f"process {failed} terminated with {how}", failed, process.pid, code)
 
     def stop(self, grace_period: float) -> None:
-        stop(self.started(), grace_period)
+        """End the ranks, then whatever is left of their process groups (idempotent)."""
+        processes = self.started()
+        stop(processes, grace_period)
+        self.left += leftovers.end_groups(p.pid for p in processes if p.pid)
+        self._guardian.close()
 
     def remove_error_files(self) -> None:
         for path in self.error_files:
@@ -301,6 +309,7 @@ class Processes:
                 process = context.Process(target=child, args=(fn, index, args, error_file, env), daemon=False)
                 process.start()
                 self._processes.append(process)
+                self._guardian.watch(process.pid)
         except BaseException as err:  # noqa: B036 - handed to whoever reads `processes`
             self._error = err
             stop(self._processes, 0.0)

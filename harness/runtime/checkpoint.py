@@ -13,7 +13,6 @@ import random
 import re
 import tempfile
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from harness.errors import ExperimentError, HarnessError
+from harness.runtime import forkgate
 from harness.runtime.fingerprint import fingerprint, tensor_sha256
 
 # The key that marks a file as a harness checkpoint, and the layout version stored under it.
@@ -466,12 +466,11 @@ def save_with_digests(state: Mapping[str, Any], path: Path, model: torch.nn.Modu
                       optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
     """save_atomic(state, path) and its tensor_fingerprints, the digests hashed on a second core while the file is
     written and synced (hashlib and the file writes release the GIL): the checkpoint costs about the save alone."""
-    with ThreadPoolExecutor(1, thread_name_prefix="harness-digests") as pool:
-        digests = pool.submit(tensor_fingerprints, state, model, optimizer)
-        try:
-            save_atomic(state, path)
-        finally:
-            tensors = digests.result()
+    digests = forkgate.beside(tensor_fingerprints, state, model, optimizer)
+    try:
+        save_atomic(state, path)
+    finally:
+        tensors = digests.result()
     return tensors
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from harness.errors import HarnessError
 from harness.messages import Message, MetricsBatch
+from harness.runtime import forkgate
 
 # Rank 0's logged points leave in batches: the sender thread takes whatever was logged once it has been
 # idle for SEND_EVERY_S (so a slow loop's points go out within milliseconds, and a rank that is killed
@@ -43,15 +44,16 @@ class Outbox:
         self._steps: list[int] = []
         self._values: list[float] = []
         self._unix_ms: list[int] = []
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name="harness-outbox", daemon=True)
         self._closed = False
         self.error: BaseException | None = None  # the pipe broke (the launcher is gone): later sends are dropped
+        # Started now, before the training code runs, and ended by close(): never created or torn down at a moment the
+        # code may fork (runtime/forkgate.py).
+        self._start()
 
     def add(self, step: int, values: Mapping[str, float], unix_ms: int) -> None:
         with self._lock:
             if not self._steps:
-                if self._thread is None:
-                    self._start()
                 self._wake.set()
             for key, value in values.items():
                 k = self._key_ids.get(key)
@@ -80,8 +82,8 @@ class Outbox:
         reaches the launcher even if this process dies the next instant."""
         done = threading.Event()
         with self._lock:
-            if self._closed or self._thread is None and not self._steps:
-                return  # closed: sends go straight to the pipe; no thread yet: nothing was ever queued
+            if self._closed:
+                return  # closed: sends go straight to the pipe
             if self._steps:
                 self._put(self._take())
             self._put(done)
@@ -95,8 +97,6 @@ class Outbox:
             self._closed = True
             if self._steps:
                 self._put(self._take())
-            if self._thread is None:
-                return
             self._queue.put(_STOP)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -111,8 +111,6 @@ class Outbox:
 
     def _put(self, item: Any) -> None:
         # Called with the lock held: what enters the queue enters in program order.
-        if self._thread is None:
-            self._start()
         try:
             self._queue.put(item, timeout=_CLOSE_TIMEOUT_S)
         except queue.Full:
@@ -123,7 +121,7 @@ class Outbox:
         self._wake.set()
 
     def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="harness-outbox", daemon=True)
+        forkgate.install()
         self._thread.start()
 
     def _run(self) -> None:
@@ -132,30 +130,36 @@ class Outbox:
                 item = self._queue.get(timeout=SEND_EVERY_S)
             except queue.Empty:
                 if self._wake.is_set():
-                    self._take_buffered()
+                    with forkgate.working():
+                        self._take_buffered()
                 else:
                     self._wake.wait(_IDLE_S)  # nothing logged or queued: sleep until something is
                 continue
             if item is _STOP:
                 return
-            if isinstance(item, threading.Event):  # a flush: everything queued before it is in the pipe
-                item.set()
-                continue
-            if self.error is not None:
-                continue  # keep draining so the loop never blocks on a full queue
-            if isinstance(item, tuple):
-                keys, key_index, steps, values, unix_ms = item
-                item = MetricsBatch(
-                    keys,
-                    np.array(key_index, dtype=np.int32),
-                    np.array(steps, dtype=np.int64),
-                    np.array(values, dtype=np.float64),  # Python floats are float64: exact
-                    np.array(unix_ms, dtype=np.int64),
-                )
-            try:
-                self._channel.send(item)
-            except (OSError, ValueError) as err:  # the launcher closed its end or died
-                self.error = err
+            with forkgate.working():  # a fork the training code makes waits for this batch to be in the pipe
+                self._hand_on(item)
+
+    def _hand_on(self, item: Any) -> None:
+        """One queued item to the pipe (a flush's event set once everything before it is there)."""
+        if isinstance(item, threading.Event):  # a flush: everything queued before it is in the pipe
+            item.set()
+            return
+        if self.error is not None:
+            return  # keep draining so the loop never blocks on a full queue
+        if isinstance(item, tuple):
+            keys, key_index, steps, values, unix_ms = item
+            item = MetricsBatch(
+                keys,
+                np.array(key_index, dtype=np.int32),
+                np.array(steps, dtype=np.int64),
+                np.array(values, dtype=np.float64),  # Python floats are float64: exact
+                np.array(unix_ms, dtype=np.int64),
+            )
+        try:
+            self._channel.send(item)
+        except (OSError, ValueError) as err:  # the launcher closed its end or died
+            self.error = err
 
     def _take_buffered(self) -> None:
         """The queue is empty: move what the loop logged since into it."""

@@ -19,7 +19,8 @@ from harness.config import load_module_function
 from harness.configschema import Level
 from harness.errors import ExperimentError, HarnessError
 from harness.messages import Determinism, RankFacts
-from harness.runtime import perturb, usermlflow, userseed
+from harness.runtime import forkgate, perturb, usermlflow, userseed
+from harness.runtime.rank import family
 from harness.runtime.rank.facts import device_facts, env_vars, nccl_conf
 from harness.runtime.rank.failure import last_line, user_frame, write_failure
 from harness.runtime.rank.progress import DONE, TEARDOWN, beat
@@ -39,6 +40,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     of them hosts it (local_store).
     """
     import torch
+    started = time.time()
     rank = spec.global_rank(local_rank)
     hosts = store is None and not spec.port and progress is not None
     if hosts:
@@ -61,6 +63,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     from harness.runtime.groupkeep import keep_default_group
 
     try:
+        forkgate.start_worker()  # harness's threads exist before the training code can fork (runtime/forkgate.py)
+        family.hold_children()  # what the rank forks dies with it
         torch.set_num_threads(spec.threads_per_rank)
         with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
             torch.set_num_interop_threads(1)
@@ -148,6 +152,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         write_failure(spec, rank, err)
         raise
     finally:
+        # What the rank started (DataLoader workers, subprocesses and theirs) ends with it, however it ended.
+        family.end_descendants(since=started)
         if kept is not None:
             kept.stop()
         if seeds_seen is not None:

@@ -14,17 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import scratch
+from harness.runtime.rank import family
 from harness.runtime.rank.body import run_rank
 from harness.runtime.rank.facts import torch_facts
 from harness.runtime.rank.progress import beat
-
-
-def _die_with_parent() -> None:
-    # If the launcher is SIGKILLed it cannot clean up; the kernel then ends the ranks for it.
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _redirect_output(path: Path) -> None:
@@ -43,14 +36,17 @@ def rank_main(local_rank: int, start: Start, inboxes: list[Any], channel: Any, p
     """One spawned rank: tied to its launcher, output to its log file, stacks on demand; its heavy imports
     while the launcher records the run; then, once its spec arrives, the rank's body."""
     parent = os.getppid()  # the launcher, or the rank server this rank was forked from (which dies with it)
-    _die_with_parent()
+    # If the launcher is SIGKILLed it cannot clean up; the kernel then ends the ranks for it.
+    family.die_with_parent()
     if os.getppid() != parent or (start.launcher_pid and not scratch.alive(start.launcher_pid)):
         # The launcher (or the server) died while this process was still starting, before the death signal was
         # armed: the kernel will not send it now, so nothing would end this rank.
         os._exit(1)
     rank = start.node_rank * start.nproc + local_rank
-    # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops.
+    # Ctrl-C reaches every process in the terminal's group; the launcher alone decides what stops. The rank's own
+    # group (its DataLoader workers, its subprocesses) is ended by the launcher once the rank is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    family.lead_group()
     _redirect_output(Path(start.log_dir) / f"rank{rank}.log")
     beat(progress, local_rank, -1)
     import faulthandler
@@ -58,7 +54,8 @@ def rank_main(local_rank: int, start: Start, inboxes: list[Any], channel: Any, p
     # The launcher asks a silent rank where it is stuck: every thread's stack, into a file of its own
     # (not the log, which the terminal shows). The file object must live as long as the process.
     global _STACKS
-    _STACKS = open(Path(start.log_dir) / f"rank{rank}.stacks.txt", "w")
+    # Appended to: the launcher adds its stuck children's stacks after the rank's own (executors/stall.py).
+    _STACKS = open(Path(start.log_dir) / f"rank{rank}.stacks.txt", "a")
     faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
     inbox = inboxes[local_rank]
     for other in inboxes:

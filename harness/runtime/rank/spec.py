@@ -41,6 +41,7 @@ class LaunchSpec:
     checkpoints: CheckpointPlan | None = None
     invariant_shards: int = 0  # > 0: world-size-invariant mode with this many shards
     timeout_s: float = 1800.0  # no progress from a rank for this long ends the job (its teardown included)
+    stall_s: float = 60.0  # no progress and no work by any process of the job for this long (at least) ends it
     launcher: str = "forkserver"  # how this node's ranks start: procs.Method
     output_dir: str = ""  # ctx.output_dir: files there become the run's artifacts
     data: dict[str, str] = field(default_factory=dict)  # ctx.data: declared name -> absolute path

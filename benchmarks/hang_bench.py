@@ -1,0 +1,164 @@
+"""The README's main job, many times in a row on a loaded machine: how many runs hung, how many left a process behind;
+and how long a planted stall takes to be named with the default settings.
+
+    python benchmarks/hang_bench.py --runs 50 --load 2 --stalls 3
+
+`--load N` keeps N processes spinning on a CPU for the whole benchmark (the machine's cores busy, as on a shared
+box). A run that has not ended after --deadline seconds counts as a hang: its process group is killed. After every
+run the processes that were not there before it (the load and this script excepted) are leftovers. The planted
+stall is a DataLoader worker of rank 1 that never gets to its first batch (its init sleeps); the time counted is from
+the moment it starts sleeping (the worker writes it) to harness's FAILED line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchrepo import git, project  # noqa: E402
+
+STALL_YAML = """image: none
+entry: train.py:train
+world_size: 2
+seed: 0
+train:
+  mark: ''
+"""
+STALL_PY = '''
+import time
+import torch
+from torch.utils.data import TensorDataset
+
+
+class Stuck:
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __call__(self, worker_id):
+        with open(self.mark, "w") as fh:
+            fh.write(repr(time.time()))
+        time.sleep(100000)
+
+
+def train(ctx):
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    stuck = Stuck(ctx.cfg.mark) if ctx.rank == 1 else None
+    loader = ctx.loader(data, 4, num_workers=1, worker_init_fn=stuck)
+    model = ctx.ddp(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for epoch in ctx.epochs(2):
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+'''
+
+
+def _others(exclude: set[int]) -> dict[int, str]:
+    found = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        if p.info["pid"] in exclude:
+            continue
+        found[p.info["pid"]] = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])[:90]
+    return found
+
+
+def _run(cmd: list[str], cwd: Path, deadline_s: float, watch: str | None = None) -> tuple[str, float, float | None]:
+    """(how it ended, seconds, when a line containing `watch` appeared: time.time())."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = None
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    buffer = ""
+    while proc.poll() is None:
+        if time.monotonic() - start > deadline_s:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "HUNG", time.monotonic() - start, None
+        chunk = proc.stdout.read() or ""
+        buffer += chunk
+        if watch and seen is None and watch in buffer:
+            seen = time.time()
+        time.sleep(0.05)
+    buffer += proc.stdout.read() or ""
+    if watch and seen is None and watch in buffer:
+        seen = time.time()
+    status = "FINISHED" if proc.returncode == 0 else f"exit {proc.returncode}: " + buffer.strip().splitlines()[-3][:120]
+    return status, time.monotonic() - start, seen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--load", type=int, default=2, help="processes spinning on a CPU throughout")
+    parser.add_argument("--stalls", type=int, default=3, help="planted stalls timed with the default settings")
+    parser.add_argument("--deadline", type=float, default=900.0, help="a run still going after this is a hang")
+    args = parser.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="harness-hang-bench-"))
+    repo = project(base, ("digits_cnn",))
+    (repo / "experiments" / "stall").mkdir()
+    (repo / "experiments" / "stall" / "experiment.yaml").write_text(STALL_YAML)
+    (repo / "experiments" / "stall" / "train.py").write_text(STALL_PY)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "stall")
+    harness = ["harness"]
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    mine = {os.getpid(), *(p.pid for p in load)}
+    results: list[tuple[str, float, list[str]]] = []
+    try:
+        for i in range(args.runs):
+            before = _others(mine)
+            status, took, _ = _run([*harness, "run", "experiments/digits_cnn"], repo, args.deadline)
+            time.sleep(1.0)
+            left = [f"{pid} {cmd}" for pid, cmd in _others(mine).items() if pid not in before]
+            results.append((status, took, left))
+            print(f"run {i + 1:2d}/{args.runs}: {status:<10} {took:6.1f} s  leftovers {len(left)} {left[:3]}",
+                  flush=True)
+        stalls: list[tuple[str, float | None, list[str]]] = []
+        for i in range(args.stalls):
+            mark = base / f"stall-{i}.mark"
+            before = _others(mine)
+            status, took, seen = _run([*harness, "run", "experiments/stall", f"train.mark={mark}"], repo,
+                                      args.deadline, watch="stalled: ")
+            time.sleep(1.0)
+            left = [f"{pid} {cmd}" for pid, cmd in _others(mine).items() if pid not in before]
+            named = seen - float(mark.read_text()) if seen and mark.exists() else None
+            stalls.append((status, named, left))
+            print(f"stall {i + 1}: {status[:100]}  named after {named if named is None else round(named, 1)} s  "
+                  f"leftovers {len(left)}", flush=True)
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    hung = sum(1 for s, _, _ in results if s == "HUNG")
+    failed = sum(1 for s, _, _ in results if s not in ("HUNG", "FINISHED"))
+    leftover_runs = sum(1 for _, _, left in results if left)
+    times = sorted(t for _, t, _ in results)
+    print()
+    print("| runs | load | hung | failed | runs that left a process | wall per run (median, max) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| {len(results)} | {args.load} spinning processes | {hung} | {failed} | {leftover_runs} | "
+          f"{times[len(times) // 2]:.1f} s, {times[-1]:.1f} s |" if times else "| 0 |")
+    if stalls:
+        named = [n for _, n, _ in stalls if n is not None]
+        print()
+        print("| planted stalls | named (FAILED, `stalled:`) | from the stall to its line (each) | left a process |")
+        print("| --- | --- | --- | --- |")
+        print(f"| {len(stalls)} | {len(named)} | {', '.join(f'{n:.1f} s' for n in named)} | "
+              f"{sum(1 for _, _, left in stalls if left)} |")
+
+
+if __name__ == "__main__":
+    main()

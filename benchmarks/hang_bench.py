@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,24 +78,25 @@ def _run(cmd: list[str], cwd: Path, deadline_s: float, watch: str | None = None)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    seen = None
-    assert proc.stdout is not None
-    os.set_blocking(proc.stdout.fileno(), False)
-    buffer = ""
-    while proc.poll() is None:
-        if time.monotonic() - start > deadline_s:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return "HUNG", time.monotonic() - start, None
-        chunk = proc.stdout.read() or ""
-        buffer += chunk
-        if watch and seen is None and watch in buffer:
-            seen = time.time()
-        time.sleep(0.05)
-    buffer += proc.stdout.read() or ""
-    if watch and seen is None and watch in buffer:
-        seen = time.time()
-    status = "FINISHED" if proc.returncode == 0 else f"exit {proc.returncode}: " + buffer.strip().splitlines()[-3][:120]
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.time(), line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "HUNG", time.monotonic() - start, None
+    reader.join(10)
+    seen = next((at for at, line in lines if watch and watch in line), None)
+    tail = [line.strip() for _, line in lines if line.strip()]
+    status = "FINISHED" if proc.returncode == 0 else f"exit {proc.returncode}: " + (tail[-3] if len(tail) >= 3 else "")[:120]
     return status, time.monotonic() - start, seen
 
 

@@ -65,9 +65,11 @@ def train(ctx):
 
 
 def _others(exclude: set[int]) -> dict[int, str]:
+    """Living processes but ours. A zombie is gone already, only not yet reaped (a process that outlived its parent
+    by a moment waits there for init, which on some machines reaps it seconds later)."""
     found = {}
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
-        if p.info["pid"] in exclude:
+    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+        if p.info["pid"] in exclude or p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
         found[p.info["pid"]] = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])[:90]
     return found

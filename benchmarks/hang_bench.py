@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchrepo import git, project  # noqa: E402
+from benchrepo import git, project
 
 STALL_YAML = """image: none
 entry: train.py:train
@@ -64,19 +64,33 @@ def train(ctx):
 '''
 
 
-def _others(exclude: set[int]) -> dict[int, str]:
-    """Living processes but ours. A zombie is gone already, only not yet reaped (a process that outlived its parent
-    by a moment waits there for init, which on some machines reaps it seconds later)."""
-    found = {}
-    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
-        if p.info["pid"] in exclude or p.info["status"] == psutil.STATUS_ZOMBIE:
+def _left_by(session: int, before: set[int]) -> list[str]:
+    """Living processes of the run's session (it was started in a session of its own: the launcher, its rank server,
+    ranks, their workers and subprocesses all stay in it unless they make their own), and harness's guardians that
+    were not there before. A zombie is gone already, only not yet reaped (a process that outlived its parent by a moment
+    waits there for init, which on some machines reaps it seconds later)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        if p.info["pid"] in before or p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        found[p.info["pid"]] = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])[:90]
+        cmd = " ".join(p.info["cmdline"] or [])
+        try:
+            sid = os.getsid(p.info["pid"])
+        except OSError:
+            continue
+        if sid == session or "groups=" in cmd:
+            found.append(f"{p.info['pid']} {cmd[:90]}")
     return found
 
 
-def _run(cmd: list[str], cwd: Path, deadline_s: float, watch: str | None = None) -> tuple[str, float, float | None]:
-    """(how it ended, seconds, when a line containing `watch` appeared: time.time())."""
+def _pids() -> set[int]:
+    return set(psutil.pids())
+
+
+def _run(cmd: list[str], cwd: Path, deadline_s: float,
+         watch: str | None = None) -> tuple[str, float, float | None, list[str]]:
+    """(how it ended, seconds, when a line containing `watch` appeared: time.time(), the processes it left)."""
+    before = _pids()
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -92,14 +106,16 @@ def _run(cmd: list[str], cwd: Path, deadline_s: float, watch: str | None = None)
     try:
         proc.wait(timeout=deadline_s)
     except subprocess.TimeoutExpired:
+        left = _left_by(proc.pid, before)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        return "HUNG", time.monotonic() - start, None
+        return "HUNG", time.monotonic() - start, None, left
     reader.join(10)
+    time.sleep(1.0)
     seen = next((at for at, line in lines if watch and watch in line), None)
     tail = [line.strip() for _, line in lines if line.strip()]
     status = "FINISHED" if proc.returncode == 0 else f"exit {proc.returncode}: " + (tail[-3] if len(tail) >= 3 else "")[:120]
-    return status, time.monotonic() - start, seen
+    return status, time.monotonic() - start, seen, _left_by(proc.pid, before)
 
 
 def main() -> None:
@@ -119,25 +135,18 @@ def main() -> None:
     git(repo, "commit", "-qm", "stall")
     harness = ["harness"]
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
-    mine = {os.getpid(), *(p.pid for p in load)}
     results: list[tuple[str, float, list[str]]] = []
     try:
         for i in range(args.runs):
-            before = _others(mine)
-            status, took, _ = _run([*harness, "run", "experiments/digits_cnn"], repo, args.deadline)
-            time.sleep(1.0)
-            left = [f"{pid} {cmd}" for pid, cmd in _others(mine).items() if pid not in before]
+            status, took, _, left = _run([*harness, "run", "experiments/digits_cnn"], repo, args.deadline)
             results.append((status, took, left))
             print(f"run {i + 1:2d}/{args.runs}: {status:<10} {took:6.1f} s  leftovers {len(left)} {left[:3]}",
                   flush=True)
         stalls: list[tuple[str, float | None, list[str]]] = []
         for i in range(args.stalls):
             mark = base / f"stall-{i}.mark"
-            before = _others(mine)
-            status, took, seen = _run([*harness, "run", "experiments/stall", f"train.mark={mark}"], repo,
-                                      args.deadline, watch="stalled: ")
-            time.sleep(1.0)
-            left = [f"{pid} {cmd}" for pid, cmd in _others(mine).items() if pid not in before]
+            status, took, seen, left = _run([*harness, "run", "experiments/stall", f"train.mark={mark}"], repo,
+                                            args.deadline, watch="stalled: ")
             named = seen - float(mark.read_text()) if seen and mark.exists() else None
             stalls.append((status, named, left))
             print(f"stall {i + 1}: {status[:100]}  named after {named if named is None else round(named, 1)} s  "

@@ -181,10 +181,12 @@ class RankError(Exception):
         self.peer = peer  # the failing rank only lost a peer: the cause is elsewhere (another node)
 
 
-def failed(line: str, rank: int | None, cls: type[RunFailed] = RunFailed, traceback_text: str | None = None) -> RunFailed:
-    """A failure blamed on `rank` when known; without `traceback_text` its one line says it all."""
+def failed(line: str, rank: int | None, cls: type[RunFailed] = RunFailed, traceback_text: str | None = None,
+           signal_name: str | None = None) -> RunFailed:
+    """A failure blamed on `rank` when known; without `traceback_text` its one line says it all; `signal_name`: what
+    killed that rank, from outside."""
     err = cls(line)
-    err.__cause__ = RankError(rank, traceback_text or line, traceback_text is None)
+    err.__cause__ = RankError(rank, traceback_text or line, traceback_text is None, signal_name=signal_name)
     return err
 
 

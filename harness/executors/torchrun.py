@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -172,6 +173,7 @@ class TorchrunHandle(RanksHandle):
         super().__init__(job, on_event, placement, scratch.make("run"))
         self.env = env
         self.training = False  # the rank's body runs in this thread: a signal now interrupts it
+        self.peers: dict[int, tuple[str, int]] = {}  # rank 0: each rank's machine (boot id) and pid
 
     def _records_here(self) -> bool:
         return self.env.rank == 0
@@ -193,11 +195,13 @@ class TorchrunHandle(RanksHandle):
                              master_port=env.master_port, launcher=LAUNCHER)
             self.node = Node(ranks, float(job.cfg.rendezvous_timeout_s), store=self._store())
             facts = {**node_facts(job.code_id, config_id(job.cfg)), "group_rank": env.group_rank,
-                     "local_rank": env.local_rank}
+                     "local_rank": env.local_rank, "pid": os.getpid(), "boot": _boot_id()}
             joined = self.node.join(facts)
             if joined is None:
                 job.run_id = self.node.attach()
                 return
+            # Where each rank's process is: rank 0 names the one that died without a word (killed_peer).
+            self.peers = {r: (f.get("boot", ""), int(f.get("pid", 0))) for r, f in joined.nodes.items()}
             nodes = {r["group_rank"]: r for r in joined.nodes.values() if r["local_rank"] == 0}
             tags = {**self.placement, T.NNODES: str(env.nnodes), T.NPROC_PER_NODE: str(env.local_world_size),
                     T.LAUNCHER: LAUNCHER, T.RANK_START: LAUNCHER, T.MASTER: f"{env.master_addr}:{env.master_port}", **node_tags(nodes)}
@@ -257,6 +261,14 @@ class TorchrunHandle(RanksHandle):
             posted = node.posted()
             if posted is not None and not posted.get("signum"):
                 raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's RankError (failures.failed); `from` would replace it
+            killed = killed_peer(self.peers, rank) if posted is None and err.signum == signal.SIGTERM else None
+            if killed is not None and node.posted() is None:
+                # A rank SIGKILLed (the OOM killer, kill -9) says nothing, and torchrun answers by stopping the others;
+                # a rank that ended of a signal it could catch has posted it before its process ended.
+                line = (f"rank {killed} was killed by SIGKILL (its process ended without a word; torchrun then "
+                        "stopped the other ranks)")
+                node.fail(line, killed)
+                raise failed(line, killed, signal_name="SIGKILL")  # noqa: B904 - its __cause__ is the rank's RankError
             node.fail(f"rank {rank} was interrupted", rank, signum=err.signum)
             raise
         node.done()
@@ -296,3 +308,31 @@ class TorchrunHandle(RanksHandle):
         if posted.get("signum"):
             return Interrupted(int(posted["signum"]))
         return failed(posted["line"], posted.get("rank"), traceback_text=posted.get("traceback"))
+
+
+def _boot_id() -> str:
+    """This machine's boot id: ranks on one machine share it, so a peer's pid means something here."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def killed_peer(peers: dict[int, tuple[str, int]], me: int) -> int | None:
+    """The first rank on this machine whose process is gone already: torchrun stops the other ranks (SIGTERM) once one
+    has ended, so a rank gone before them is the one that ended first. Ranks on other machines cannot be looked at."""
+    import psutil
+
+    here = _boot_id()
+    for rank, (boot, pid) in sorted(peers.items()):
+        if rank == me or not pid or not here or boot != here:
+            continue
+        try:
+            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            gone = True
+        except psutil.Error:
+            gone = False
+        if gone:
+            return rank
+    return None

@@ -66,9 +66,9 @@ def train(ctx):
 
 def _left_by(session: int, before: set[int]) -> list[str]:
     """Living processes of the run's session (it was started in a session of its own: the launcher, its rank server,
-    ranks, their workers and subprocesses all stay in it unless they make their own), and harness's guardians that
-    were not there before. A zombie is gone already, only not yet reaped (a process that outlived its parent by a moment
-    waits there for init, which on some machines reaps it seconds later)."""
+    ranks, their workers and subprocesses all stay in it unless they make their own), and the run's guardian (in a
+    session of its own, named with the launcher's pid). A zombie is gone already, only not yet reaped (a process
+    that outlived its parent by a moment waits there for init, which on some machines reaps it seconds later)."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         if p.info["pid"] in before or p.info["status"] == psutil.STATUS_ZOMBIE:
@@ -78,7 +78,7 @@ def _left_by(session: int, before: set[int]) -> list[str]:
             sid = os.getsid(p.info["pid"])
         except OSError:
             continue
-        if sid == session or "groups=" in cmd:
+        if sid == session or cmd.endswith(f"harness-guardian {session}"):
             found.append(f"{p.info['pid']} {cmd[:90]}")
     return found
 

@@ -32,9 +32,9 @@ while read -r word; do
   esac
 done
 [ -n "$groups" ] || exit 0
-for g in $groups; do kill -TERM -- "-$g" 2>/dev/null; done
+for g in $groups; do kill -TERM "-$g" 2>/dev/null; done
 sleep 2
-for g in $groups; do kill -KILL -- "-$g" 2>/dev/null; done
+for g in $groups; do kill -KILL "-$g" 2>/dev/null; done
 exit 0
 """
 
@@ -46,7 +46,9 @@ class Guardian:
         self._proc: subprocess.Popen[bytes] | None = None
         with contextlib.suppress(OSError):  # no sh: the launcher's own ending is all there is
             self._proc = subprocess.Popen(
-                ["sh", "-c", _GUARD], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                # Named, with the launcher's pid, for whoever reads the process list.
+                ["sh", "-c", _GUARD, "harness-guardian", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, cwd="/",  # no terminal's signals; no folder held open
             )
 

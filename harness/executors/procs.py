@@ -309,7 +309,8 @@ class Processes:
                 process = context.Process(target=child, args=(fn, index, args, error_file, env), daemon=False)
                 process.start()
                 self._processes.append(process)
-                self._guardian.watch(process.pid)
+                if process.pid:
+                    self._guardian.watch(process.pid)
         except BaseException as err:  # noqa: B036 - handed to whoever reads `processes`
             self._error = err
             stop(self._processes, 0.0)

@@ -9,6 +9,10 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
 
 from harness.executors.failures import CHILD, DATALOADER, SUBPROCESS
 
@@ -60,22 +64,37 @@ def look(rank_pid: int, stacks: Path, waits: str | None) -> str:
     except (psutil.Error, OSError):
         return ""
     own_cmd = _cmdline(rank_pid)
-    forks, others = [], []
+    forks: list[psutil.Process] = []
+    others: list[psutil.Process] = []
     for child in children:
         (forks if _cmdline(child.pid) == own_cmd else others).append(child)
     for child in children:
         _append(stacks, child.pid, forked=child in forks)
     direct = {c.pid for c in rank.children()} if children else set()
+    # The rank's main thread waits for one process; the stack does not say which, so the newest of the kind it waits
+    # for is named (the call it is in started it last): the others are in the stacks file all the same.
     if waits == DATALOADER and forks:
         pids = ", ".join(str(c.pid) for c in forks if c.pid in direct) or str(forks[0].pid)
         return f"its DataLoader worker{'s' if ',' in pids else ''} pid {pids}"
     if waits == SUBPROCESS and others:
-        first = next((c for c in others if c.pid in direct), others[0])
-        return f"its subprocess pid {first.pid} ({_shown(_cmdline(first.pid))})"
+        newest = _newest([c for c in others if c.pid in direct] or others)
+        return f"its subprocess pid {newest.pid} ({_shown(_cmdline(newest.pid))})"
     if waits in (CHILD, SUBPROCESS, DATALOADER) and children:
-        first = next((c for c in children if c.pid in direct), children[0])
-        return f"its child process pid {first.pid} ({_shown(_cmdline(first.pid))})"
+        newest = _newest([c for c in children if c.pid in direct] or children)
+        return f"its child process pid {newest.pid} ({_shown(_cmdline(newest.pid))})"
     return ""
+
+
+def _newest(processes: list[psutil.Process]) -> psutil.Process:
+    import psutil
+
+    def started(p: psutil.Process) -> float:
+        try:
+            return float(p.create_time())
+        except (psutil.Error, OSError):
+            return 0.0
+
+    return max(processes, key=started)
 
 
 def _append(stacks: Path, pid: int, forked: bool) -> None:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -125,27 +126,38 @@ def _after_in_child() -> None:
             hook()
 
 
-_worker: ThreadPoolExecutor | None = None
+_work: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] | None = None
 
 
 def start_worker() -> None:
     """Start the process's one worker thread for harness's work beside the training (a checkpoint's digests) now,
     before the training code runs: a thread made and joined at every checkpoint would be created and torn down at
-    moments the code may fork."""
-    global _worker
-    if _worker is None:
+    moments the code may fork. A daemon: it never holds up the rank's exit (harness/shutdown.py)."""
+    global _work
+    if _work is None:
         install()
-        _worker = ThreadPoolExecutor(1, thread_name_prefix="harness-beside")
-        _worker.submit(int).result()  # its thread exists from now on
+        _work = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(_work,), name="harness-beside", daemon=True).start()
+
+
+def _serve(work: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]) -> None:
+    while True:
+        future, fn, args = work.get()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            with working():
+                result = fn(*args)
+        except BaseException as err:  # noqa: B036 - handed to whoever waits for the future
+            future.set_exception(err)
+        else:
+            future.set_result(result)
 
 
 def beside(fn: Callable[..., T], *args: Any) -> Future[T]:
     """`fn(*args)` on the worker thread, inside working()."""
     start_worker()
-    assert _worker is not None
-
-    def work() -> T:
-        with working():
-            return fn(*args)
-
-    return _worker.submit(work)
+    assert _work is not None
+    future: Future[T] = Future()
+    _work.put((future, fn, args))
+    return future

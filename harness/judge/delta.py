@@ -18,7 +18,7 @@ from harness.rundata import RunRecord
 
 # Keys that decide how a run is recorded, watched or judged, not what it computes.
 _NO_EFFECT_KEYS: frozenset[str] = frozenset(
-    {"flush_interval_s", "heartbeat_s", "timeout_s", "executor", "fingerprint_every", "checkpoint_every",
+    {"flush_interval_s", "heartbeat_s", "timeout_s", "stall_s", "executor", "fingerprint_every", "checkpoint_every",
      "rendezvous_timeout_s", "launcher"}
 )
 # slurm.*: which nodes and resources; the ranks' arithmetic is the same (world_size and backend decide it).

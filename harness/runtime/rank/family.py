@@ -18,9 +18,14 @@ import contextlib
 import ctypes
 import os
 import signal
+import threading
 import time
+from typing import TYPE_CHECKING
 
 from harness.runtime import forkgate
+
+if TYPE_CHECKING:
+    import psutil
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -64,16 +69,6 @@ def _child_started() -> None:
             os._exit(1)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every living process under `pid` (children first), as /proc says now."""
-    import psutil
-
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except (psutil.Error, OSError):
-        return []
-
-
 def end_descendants(since: float = 0.0, grace_s: float = _GRACE_S) -> list[int]:
     """End every process under this one started at or after `since` (time.time(); 0: all): SIGTERM, up to `grace_s`
     for them to go, then SIGKILL. Returns the pids it had to end."""
@@ -84,6 +79,23 @@ def end_descendants(since: float = 0.0, grace_s: float = _GRACE_S) -> list[int]:
         found = [p for p in me.children(recursive=True) if not since or p.create_time() >= since - 1.0]
     except (psutil.Error, OSError):
         return []
+    if not found:
+        return []
+    # torch's DataLoader answers a worker's death with an error raised in the main thread (its SIGCHLD handler):
+    # these deaths are harness's doing, at the rank's end, and must not fail a rank that succeeded.
+    quiet = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if quiet else None
+    try:
+        _end(found, grace_s)
+    finally:
+        if quiet:
+            signal.signal(signal.SIGCHLD, previous)
+    return [p.pid for p in found]
+
+
+def _end(found: list[psutil.Process], grace_s: float) -> None:
+    import psutil
+
     for p in found:
         with contextlib.suppress(psutil.Error, OSError):
             p.send_signal(signal.SIGTERM)
@@ -93,10 +105,9 @@ def end_descendants(since: float = 0.0, grace_s: float = _GRACE_S) -> list[int]:
             p.kill()
     psutil.wait_procs(alive, timeout=grace_s)
     _reap(found)
-    return [p.pid for p in found]
 
 
-def _reap(processes: list) -> None:
+def _reap(processes: list[psutil.Process]) -> None:
     """Collect the exit status of those that were this process's children (re-parented orphans among them)."""
     deadline = time.monotonic() + 1.0
     for p in processes:

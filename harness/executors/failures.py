@@ -31,7 +31,7 @@ def phase(step: int) -> str:
     return "before its first step" if step < 0 else f"at step {step}"
 
 
-_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
+FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
 # torch.distributed's own wrappers (the c10d logger's, a decorator's) around the call that names the collective.
 _WRAPPERS = frozenset({"wrapper", "inner", "_wrapper", "decorate_context"})
 _DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -108,7 +108,7 @@ def stack_location(path: Path, code_dir: str) -> StackLocation:
     # faulthandler prints one block per thread, innermost frame first; the main thread runs rank_main
     # (harness/runtime/rank/process.py).
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
-        frames = list(_FRAME.finditer(block))
+        frames = list(FRAME.finditer(block))
         if not any(f["func"] == "rank_main" for f in frames):
             continue
         collective, waits = _collective(frames), _waits(frames)

@@ -352,7 +352,7 @@ def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list
     for r in silent:
         stacks = Path(spec.log_dir) / f"rank{spec.global_rank(r)}.stacks.txt"
         where = stack_location(stacks, spec.code_dir)
-        found[r] = dataclasses.replace(where, on=stuck.look(processes[r].pid, stacks, where.waits))
+        found[r] = dataclasses.replace(where, on=stuck.look(processes[r].pid, stacks, where.waits, spec.code_dir))
     # A rank stuck in the experiment's own code (a sleep, a loop) or waiting for a process it started is the likely
     # culprit; ranks stuck inside torch are usually waiting for it in a collective. Culprits first.
     order = sorted(silent, key=lambda r: (found[r].kind != "own" and not found[r].on, progress[2 * r], r))

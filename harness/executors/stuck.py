@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import psutil
 
-from harness.executors.failures import CHILD, DATALOADER, SUBPROCESS
+from harness.executors.failures import CHILD, DATALOADER, FRAME, SUBPROCESS
 
 _DUMP_WAIT_S = 1.0  # how long a child gets to write its stacks
 _CMD_CHARS = 60
@@ -53,9 +53,10 @@ def _shown(cmd: list[str]) -> str:
     return text if len(text) <= _CMD_CHARS else text[:_CMD_CHARS - 3] + "..."
 
 
-def look(rank_pid: int, stacks: Path, waits: str | None) -> str:
+def look(rank_pid: int, stacks: Path, waits: str | None, code_dir: str) -> str:
     """Append what every process under the rank is doing to its stacks file; return the process the rank waits for
-    ("DataLoader worker pid 4242", "subprocess pid 4243 (sleep 600)"), or "" when it waits for none of them."""
+    ("its DataLoader worker pid 4242, which never started (...)", "its subprocess pid 4243 (sleep 600)"), or "" when
+    it waits for none of them."""
     import psutil
 
     try:
@@ -68,14 +69,19 @@ def look(rank_pid: int, stacks: Path, waits: str | None) -> str:
     others: list[psutil.Process] = []
     for child in children:
         (forks if _cmdline(child.pid) == own_cmd else others).append(child)
-    for child in children:
-        _append(stacks, child.pid, forked=child in forks)
+    where = {child.pid: _append(stacks, child.pid, child in forks, code_dir) for child in children}
     direct = {c.pid for c in rank.children()} if children else set()
+    if waits == DATALOADER and forks:
+        workers = [c.pid for c in forks if c.pid in direct] or [forks[0].pid]
+        # The one it waits for: a worker stuck in the fork itself, else one stuck in the experiment's code.
+        stuck = [pid for pid in workers if where[pid] == _IN_FORK] or [pid for pid in workers if where[pid]]
+        if stuck:
+            return f"its DataLoader worker pid {stuck[0]} " + (
+                "(it never got back from the fork: another thread held an interpreter lock as the rank forked, "
+                "CPython gh-112275)" if where[stuck[0]] == _IN_FORK else f"(in {where[stuck[0]]})")
+        return f"its DataLoader worker{'s' if len(workers) > 1 else ''} pid {', '.join(map(str, workers))}"
     # The rank's main thread waits for one process; the stack does not say which, so the newest of the kind it waits
     # for is named (the call it is in started it last): the others are in the stacks file all the same.
-    if waits == DATALOADER and forks:
-        pids = ", ".join(str(c.pid) for c in forks if c.pid in direct) or str(forks[0].pid)
-        return f"its DataLoader worker{'s' if ',' in pids else ''} pid {pids}"
     if waits == SUBPROCESS and others:
         newest = _newest([c for c in others if c.pid in direct] or others)
         return f"its subprocess pid {newest.pid} ({_shown(_cmdline(newest.pid))})"
@@ -97,26 +103,63 @@ def _newest(processes: list[psutil.Process]) -> psutil.Process:
     return max(processes, key=started)
 
 
-def _append(stacks: Path, pid: int, forked: bool) -> None:
-    status = _status(pid)
+_IN_FORK = "in the fork"  # a fork of the rank whose Python never resumed: its innermost frame is the os.fork() call
+
+
+def _append(stacks: Path, pid: int, forked: bool, code_dir: str) -> str:
+    """Append what process `pid` is doing to the stacks file. For a fork of the rank that dumps its stacks: _IN_FORK,
+    or its frame in the experiment's code ("train.py:8 (init)"); otherwise ""."""
+    status, wchan = _status(pid), _read(f"/proc/{pid}/wchan")
     header = (f"\n--- process {pid} under the rank ({'a fork of the rank' if forked else _shown(_cmdline(pid))}): "
-              f"{status.get('State', '?')}, waiting in {_read(f'/proc/{pid}/wchan') or '?'} ---\n")
+              f"{status.get('State', '?')}, waiting in {wchan or '?'} ---\n")
     kernel = _read(f"/proc/{pid}/stack")  # root only; where it sleeps in the kernel
     with contextlib.suppress(OSError):
         with open(stacks, "a") as fh:
             fh.write(header + (f"kernel stack:\n{kernel}" if kernel else ""))
     if not (forked and _dumps_stacks(status)):
-        return
+        return ""
     before = _size(stacks)
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + _DUMP_WAIT_S
+    # Written once the file has grown and then stayed the same size for a moment (the next process's dump must not
+    # start while this one's is still coming).
+    deadline, last = time.monotonic() + _DUMP_WAIT_S, before
     while time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.1)
         size = _size(stacks)
-        if size > before:  # written; give the rest of the dump a moment
-            time.sleep(0.1)
-            return
+        if size > before and size == last:
+            break
+        last = size
+    try:
+        with open(stacks, "rb") as fh:
+            fh.seek(before)
+            dump = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    if "Current thread" not in dump and "futex" in wchan:
+        # Its dump stops before the thread that forked (it walks thread states a fork left half-copied), and it
+        # waits on a lock: the child of a fork made while another thread held the interpreter's lock.
+        return _IN_FORK
+    return _current_frame(dump, code_dir)
+
+
+def _current_frame(dump: str, code_dir: str) -> str:
+    """_IN_FORK when the dumping thread's innermost frame is multiprocessing's os.fork() call (the child never got
+    back to Python: it hangs in the interpreter's after-fork code); else its innermost frame in the experiment's code."""
+    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else ""
+    frames = list(FRAME.finditer(block.split("\n\n", 1)[0]))
+    if not frames:
+        return ""
+    # A forked child keeps its parent's stack below the fork: only the frames above os.fork() are the child's own.
+    fork = next((i for i, f in enumerate(frames)
+                 if f["file"].endswith(os.path.join("multiprocessing", "popen_fork.py")) and f["func"] == "_launch"), None)
+    if fork == 0:
+        return _IN_FORK
+    root = os.path.realpath(code_dir) + os.sep
+    for f in frames[:fork]:
+        if os.path.realpath(f["file"]).startswith(root):
+            return f"{os.path.relpath(f['file'], code_dir)}:{f['line']} ({f['func']})"
+    return ""
 
 
 def _size(path: Path) -> int:

@@ -219,7 +219,8 @@ def test_each_planted_hang_is_named_within_two_minutes_by_default_and_leaves_not
     # What it waited for, by pid: the worker that never started, the subprocess that never returned.
     worker = _pids(tmp_path / "worker")["worker"]
     reason = client.get_run(outputs["worker"][1].strip().splitlines()[-1]).data.tags["harness.status_reason"]
-    assert any(f"DataLoader worker pid {pid} at train.py:" in reason for pid in worker), (reason, worker)
+    stuck_at = f"(in train.py:{_line('WORKER_LINE')} (__call__)) at train.py:"
+    assert any(f"DataLoader worker pid {pid} {stuck_at}" in reason for pid in worker), (reason, worker)
     reason = client.get_run(outputs["subprocess"][1].strip().splitlines()[-1]).data.tags["harness.status_reason"]
     assert "(sleep 100000) at train.py:" in reason, reason
     # Every rank's stacks, and the stuck worker's own Python stack, are in the record.

@@ -5,7 +5,8 @@ neither the ranks nor anything they started used a CPU or moved data meanwhile.
 deadlocked DataLoader worker, a sleep, a subprocess that never returns, a collective only one rank entered all leave
 every process of the job idle, and are named after `stall_s` (60 s by default) instead of 30 minutes. Anything that
 works - a long evaluation outside the step loop, data being prepared or downloaded, a compile - keeps a CPU busy or
-reads and writes, and is never cut: the window restarts whenever the job did work in it.
+reads and writes, and is never cut: the window restarts whenever the job did work in it, or had a process running or
+waiting for a core (a job starved by others on a loaded machine is not idle).
 
 The threshold grows with what the run has shown: STEP_FACTOR times its slowest interval between two steps so far,
 never less than `stall_s`. Before the first step only `stall_s` applies (start-up does its work on a CPU).
@@ -25,18 +26,20 @@ IDLE_IO = 64 * 1024  # ... and below this many bytes read or written a second (a
 
 @dataclass
 class Activity:
-    """CPU seconds and bytes read and written, summed over processes, at `at` (time.monotonic())."""
+    """CPU seconds and bytes read and written, summed over processes, at `at` (time.monotonic()); how many of them
+    were running or waiting for a core or a disk then (a job starved of CPU by others is not idle)."""
 
     at: float
     cpu_s: float
     io_bytes: int
+    running: int = 0
 
 
 def activity(pids: list[int]) -> Activity:
     """The work done so far by these processes and every process under them, living or already reaped."""
     import psutil
 
-    cpu, io = 0.0, 0
+    cpu, io, running = 0.0, 0, 0
     seen: set[int] = set()
     for pid in pids:
         with contextlib.suppress(psutil.Error, OSError):
@@ -51,7 +54,8 @@ def activity(pids: list[int]) -> Activity:
                     cpu += t.user + t.system + t.children_user + t.children_system
                     c = p.io_counters()
                     io += int(getattr(c, "read_chars", c.read_bytes)) + int(getattr(c, "write_chars", c.write_bytes))
-    return Activity(time.monotonic(), cpu, io)
+                    running += p.status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP)
+    return Activity(time.monotonic(), cpu, io, running)
 
 
 @dataclass
@@ -112,7 +116,7 @@ class StallWatch:
         later = activity(pids)
         span = max(later.at - self._window.at, 1e-6)
         cores, io = (later.cpu_s - self._window.cpu_s) / span, (later.io_bytes - self._window.io_bytes) / span
-        if cores < IDLE_CPU and io < IDLE_IO:
+        if cores < IDLE_CPU and io < IDLE_IO and not later.running:
             return Verdict(silent, limit, self.slowest, cores, io)
         self._window = later  # it works: judge the next half-threshold of silence afresh
         return None

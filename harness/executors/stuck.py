@@ -72,9 +72,9 @@ def look(rank_pid: int, stacks: Path, waits: str | None, code_dir: str) -> str:
     where = {child.pid: _append(stacks, child.pid, child in forks, code_dir) for child in children}
     direct = {c.pid for c in rank.children()} if children else set()
     if waits == DATALOADER and forks:
-        workers = [c.pid for c in forks if c.pid in direct] or [forks[0].pid]
-        # The one it waits for: a worker stuck in the fork itself, else one stuck in the experiment's code.
-        stuck = [pid for pid in workers if where[pid] == _IN_FORK] or [pid for pid in workers if where[pid]]
+        workers = [c.pid for c in forks if c.pid in direct] or [c.pid for c in forks]
+        # The one it waits for: a fork stuck in the fork itself, else one stuck in the experiment's code.
+        stuck = [c.pid for c in forks if where[c.pid] == _IN_FORK] or [c.pid for c in forks if where[c.pid]]
         if stuck:
             return f"its DataLoader worker pid {stuck[0]} " + (
                 "(it never got back from the fork: another thread held an interpreter lock as the rank forked, "
@@ -110,7 +110,8 @@ def _append(stacks: Path, pid: int, forked: bool, code_dir: str) -> str:
     """Append what process `pid` is doing to the stacks file. For a fork of the rank that dumps its stacks: _IN_FORK,
     or its frame in the experiment's code ("train.py:8 (init)"); otherwise ""."""
     status, wchan = _status(pid), _read(f"/proc/{pid}/wchan")
-    header = (f"\n--- process {pid} under the rank ({'a fork of the rank' if forked else _shown(_cmdline(pid))}): "
+    header = (f"\n--- process {pid} under the rank, child of {status.get('PPid', '?')} "
+              f"({'a fork of the rank' if forked else _shown(_cmdline(pid))}): "
               f"{status.get('State', '?')}, waiting in {wchan or '?'} ---\n")
     kernel = _read(f"/proc/{pid}/stack")  # root only; where it sleeps in the kernel
     with contextlib.suppress(OSError):

@@ -12,6 +12,11 @@ code runs, and never exit while it does: no thread is created or torn down at a 
 The wait before a fork is bounded (BEFORE_FORK_WAIT_S): a harness thread stuck in a write (a launcher that stopped
 reading) must never stop the training code from forking. None of these threads takes an interpreter lock inside its
 unit of work beyond the GIL, so a fork that had to go on without them is no worse than one without the gate.
+
+What no hook can hold still: threads that are not Python's. A C++ thread that enters Python makes a thread state
+without the GIL, under the very lock the child then waits for (seen with gdb in a CPU rank: gloo's worker thread
+freeing a Python object as a collective's work ends). On 3.10 and 3.11 that can leave a DataLoader worker hung in its
+fork; the stall watch (executors/stall.py) names it, and the job ends with nothing left behind.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 # How long a fork waits for harness's threads to finish the unit of work they are in (a metric batch pickled into
-# the pipe: microseconds; a checkpoint's digests: one tensor's hash).
+# the pipe: microseconds; a checkpoint's digests: as long as hashing the model takes, so the wait is cut here).
 BEFORE_FORK_WAIT_S = 1.0
 
 

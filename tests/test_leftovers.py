@@ -54,6 +54,11 @@ def test_however_a_job_ends_every_process_its_ranks_started_ends_with_it(planted
         assert {"rank0", "rank1", "worker", "grandchild"} <= set(found), (ending, found)
         assert len(found["grandchild"]) == 2 and len(found["worker"]) >= 2, (ending, found)
         assert hangs.all_gone(tmp_path / ending) == [], ending
+        # ... and nothing else of the command: its rank server and multiprocessing's resource tracker end too.
+        deadline = time.monotonic() + 20
+        while (left := hangs.session_left(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, (ending, left)
         if ending == "rank-sigkill":
             run = planted.client().get_run(out.strip().splitlines()[-1])
             assert run.data.tags["harness.status_reason"].startswith("rank 1 was killed by SIGKILL"), run.data.tags

@@ -113,3 +113,20 @@ def test_a_rank_that_raises_fails_the_one_run_naming_rank_and_line(project: Proj
     for rank in (0, 1):
         assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"
     assert not [r for r in runs_of(project, "torchrun_raising") if r.info.status == "RUNNING"]
+
+
+def test_a_rank_sigkilled_under_torchrun_is_named_killed_by_sigkill(project: Project, tmp_path: Path) -> None:
+    # torchrun answers a worker's death by SIGTERMing the others: rank 0, which records, must name the rank that died
+    # without a word, not call the run interrupted.
+    project.add_experiment("torchrun_sigkill", train_py=RAISING.replace(
+        'raise RuntimeError("boom at step %d" % step)', "os.kill(os.getpid(), 9)"))
+    result = torchrun(project, "experiments/torchrun_sigkill", env={"PID_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    (run,) = runs_of(project, "torchrun_sigkill")
+    assert run.info.status == "FAILED", run.data.tags
+    assert run.data.tags["harness.status_reason"] == (
+        "rank 1 was killed by SIGKILL (its process ended without a word; torchrun then stopped the other ranks)")
+    assert run.data.tags["harness.failed_rank"] == "1" and run.data.tags["harness.failed_signal"] == "SIGKILL"
+    assert rank_exit_codes(result.stderr).get(1) == -9, result.stderr
+    for rank in (0, 1):
+        assert not pid_alive(int((tmp_path / f"rank{rank}").read_text())), f"rank {rank} left behind"

@@ -56,6 +56,10 @@ def train(ctx):
                     subprocess.run(["sleep", "100000"])  # SUBPROCESS_LINE
                 if mode == "raise":
                     raise RuntimeError("planted failure")
+                if mode == "busy":  # an evaluation outside the step loop: no progress, but a CPU at work
+                    end = time.monotonic() + 8
+                    while time.monotonic() < end:
+                        sum(i * i for i in range(1000))
                 if mode == "self-kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if mode == "wait":  # the test ends the job from outside

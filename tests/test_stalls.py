@@ -78,6 +78,15 @@ def test_each_planted_hang_is_named_within_two_minutes_by_default_and_leaves_not
     assert "a fork of the rank" in text and f"line {hangs.line('WORKER_LINE')} in __call__" in text, text[-3000:]
 
 
+def test_a_rank_that_works_without_progress_is_never_cut(planted: Project, tmp_path: Path) -> None:
+    # Rank 1 computes for 8 s at step 2 without a step (an evaluation of its own), rank 0 waits for it, idle; the
+    # stall watch, at 3 s, must see the job working and let it finish.
+    proc = hangs.start(planted, "busy", tmp_path / "busy", "stall_s=3")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert planted.client().get_run(out.strip().splitlines()[-1]).info.status == "FINISHED"
+
+
 def test_the_watch_waits_while_any_process_of_the_job_works_and_scales_with_the_slowest_step() -> None:
     """executors/stall.py on real processes: a busy one is never a stall, an idle one is, after the threshold."""
     from harness.executors.stall import STEP_FACTOR, StallWatch

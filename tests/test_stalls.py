@@ -49,7 +49,7 @@ def test_each_planted_hang_is_named_within_two_minutes_by_default_and_leaves_not
     }
     client = planted.client()
     for mode, (code, out, err, took) in outputs.items():
-        assert code == 1, (mode, err[-2000:])
+        assert code == 1 and out.strip(), (mode, code, err[-3000:])
         run = client.get_run(out.strip().splitlines()[-1])
         assert run.info.status == "FAILED"
         reason = run.data.tags["harness.status_reason"]

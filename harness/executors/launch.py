@@ -258,7 +258,10 @@ def launch(
                 silent = _silent_ranks(progress, context.processes, spec.timeout_s)
                 if silent:
                     raise _stalled(spec, context.processes, progress, silent)
-                verdict = watch.check(progress, [p.pid for p in context.processes if p.is_alive()])
+                try:
+                    verdict = watch.check(progress, [p.pid for p in context.processes if p.is_alive()])
+                except Exception:  # reading /proc must never end a job: the next poll looks again
+                    verdict = None
                 if verdict is not None:
                     quiet = _silent_ranks(progress, context.processes, verdict.threshold_s / 2)
                     raise _stalled(spec, context.processes, progress, quiet, verdict)
@@ -352,7 +355,11 @@ def _stalled(spec: LaunchSpec, processes: list[Any], progress: Any, silent: list
     for r in silent:
         stacks = Path(spec.log_dir) / f"rank{spec.global_rank(r)}.stacks.txt"
         where = stack_location(stacks, spec.code_dir)
-        found[r] = dataclasses.replace(where, on=stuck.look(processes[r].pid, stacks, where.waits, spec.code_dir))
+        try:
+            on = stuck.look(processes[r].pid, stacks, where.waits, spec.code_dir)
+        except Exception:  # a look at processes that may be ending must never cost the failure its line
+            on = ""
+        found[r] = dataclasses.replace(where, on=on)
     # A rank stuck in the experiment's own code (a sleep, a loop) or waiting for a process it started is the likely
     # culprit; ranks stuck inside torch are usually waiting for it in a collective. Culprits first.
     order = sorted(silent, key=lambda r: (found[r].kind != "own" and not found[r].on, progress[2 * r], r))

@@ -70,7 +70,10 @@ def look(rank_pid: int, stacks: Path, waits: str | None, code_dir: str) -> str:
     for child in children:
         (forks if _cmdline(child.pid) == own_cmd else others).append(child)
     where = {child.pid: _append(stacks, child.pid, child in forks, code_dir) for child in children}
-    direct = {c.pid for c in rank.children()} if children else set()
+    try:
+        direct = {c.pid for c in rank.children()} if children else set()
+    except (psutil.Error, OSError):  # the rank ended meanwhile
+        direct = set()
     if waits == DATALOADER and forks:
         workers = [c.pid for c in forks if c.pid in direct] or [c.pid for c in forks]
         # The one it waits for: a fork stuck in the fork itself, else one stuck in the experiment's code.

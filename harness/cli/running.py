@@ -98,7 +98,16 @@ def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool,
         click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     if print_id or study:
         tracker = Tracker(tracking_uri)
-        summary = tracker.get_run(outcome.run_id)
+        try:
+            summary = tracker.get_run(outcome.run_id)
+        except Exception:
+            # The run is closed already; a store busy with other commands' closes (SQLite locked) must not keep its
+            # id off stdout. Without --json the id is all a script needs; with it, the document needs the summary.
+            if as_json:
+                raise
+            _say(f"{'Study' if study else 'Run'} {outcome.run_id} {outcome.status}.")
+            click.echo(outcome.run_id)
+            _exit(outcome.exit_code)
         what = f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds)." if study else \
             f"Run {outcome.run_id} ({summary.run_name}) {outcome.status}."
         _say(f"{what} {tracker.ui_hint(summary)}")

@@ -247,7 +247,6 @@ class Processes:
         # Each rank leads a process group of its own (runtime/rank/family.py): ended with the ranks, by the guardian if
         # this process dies first.
         self._guardian = leftovers.Guardian()
-        self.left: list[int] = []  # the processes of the ranks' groups that outlived them, ended by stop()
 
     @property
     def processes(self) -> list[Any]:
@@ -290,7 +289,7 @@ class Processes:
         """End the ranks, then whatever is left of their process groups (idempotent)."""
         processes = self.started()
         stop(processes, grace_period)
-        self.left += leftovers.end_groups(p.pid for p in processes if p.pid)
+        leftovers.end_groups(p.pid for p in processes if p.pid)
         self._guardian.close()
 
     def remove_error_files(self) -> None:

@@ -18,7 +18,7 @@ from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology
 from harness.fmt import plain_name, printable
-from harness.record import confine, loading, redaction
+from harness.record import confine, loading, redaction, unchanged
 from harness.record.newrun import PARAM_LIMIT, Labels, create_record, data_paths, experiment_name, fit_params
 from harness.record.rerun import git_code_id, recorded_config, tags_code_id
 from harness.runtime.plan import Steering
@@ -243,6 +243,9 @@ def run(
                                               extra_tags=dict(named.tags) if named else None,
                                               run_name=named.name if named else None),
             topology=topology, ranks=ranks,
+            # The ranks that run the working tree itself could import an edit made while they run: looked at again.
+            verify=lambda: unchanged.changes(git if executors.backend(str(cfg.executor)).runs_working_tree else None,
+                                             checked.data),
             options=executors.options_for(cfg.executor, **{"allow_unpinned": allow_unpinned, **(job_options or {})}),
         )
         return executors.run(job)

@@ -119,6 +119,9 @@ class Job:
     # This node's ranks, started before the run is recorded (local, one node); the local backend adopts
     # them (and their log folder), any other leaves them to whoever started them to stop.
     ranks: Ranks | None = None
+    # Called once this node's ranks have ended well, before the run is closed: a line naming what of the code or data
+    # they read the record no longer holds (the run closes FAILED with it), or None.
+    verify: Callable[[], str | None] | None = None
 
     @property
     def code_root(self) -> Path:

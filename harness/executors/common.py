@@ -167,6 +167,9 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
         # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
         run(spec, on_message, lambda ranks: follower.follow_steps(ranks.progress))
         ended = recorder.ranks_done()
+        changed = job.verify() if ended is None and job.verify is not None else None
+        if changed is not None:  # no rank failed: the record would not hold what they read
+            ended = Failed(changed, None, changed)
     except RunFailed as err:
         rank, tb, expected = failure_details(err)
         ended = Failed(str(err), rank, tb, expected, killed_by(err))

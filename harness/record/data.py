@@ -492,6 +492,19 @@ def verify(
     return DataCheck(manifest, changes, {e.name: str(e.path) for e in entries}, stats)
 
 
+def changed_since(recorded: Mapping[str, Any] | None) -> list[DataChange]:
+    """The data of a manifest hashed again where it was found (the cache keeps an unchanged file at a stat), and
+    what differs now from `recorded`: [] when every file holds the recorded bytes."""
+    held = dict((recorded or {}).get("entries") or {})
+    entries = [Declared(name, str(e["declared"]), Path(e["path"]), bool(e["in_repository"]))
+               for name, e in sorted(held.items())]
+    present = [e for e in entries if e.path.exists()]
+    changes = [DataChange(e.name, "missing", "", f"({e.path}) is gone") for e in entries if e not in present]
+    if present:
+        changes += diff({"entries": {e.name: held[e.name] for e in present}}, build_manifest(present))
+    return changes
+
+
 def recorded_data(tracker: Any, run_id: str) -> dict[str, Any] | None:
     """A run's data manifest (declarations, resolved paths, per-file sha256), or None if it declared none.
 

@@ -312,7 +312,8 @@ class Recorder:
                     failure_text = "" if expected else tb
                     message = line
                     tracker.log_text(run_id, f"rank: {rank}\n\n{tb}", T.ARTIFACT_FAILURE)
-                    tracker.set_tags(run_id, {T.FAILED_RANK: str(rank), T.STATUS_REASON: message,
+                    tracker.set_tags(run_id, {**({T.FAILED_RANK: str(rank)} if rank is not None else {}),
+                                              T.STATUS_REASON: message,
                                               **({T.FAILED_SIGNAL: killed} if killed else {})})
                 case Killed(line, exit_code):
                     status, code, message = T.KILLED, exit_code, line

@@ -53,6 +53,7 @@ class Submodule:
     commit: str
     patch: bytes
     untracked: tuple[str, ...] = ()  # relative to the submodule's folder
+    tree: str = ""  # the git tree its working tree made when recorded (not in the record: a close compares to it)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class GitState:
     untracked: tuple[str, ...] = ()  # untracked, not ignored files the patch records, relative to `root`
     submodules: tuple[Submodule, ...] = ()  # the checked-out ones, parents before their own submodules
     redacted: tuple[str, ...] = ()  # `path:line` whose secrets were cut from `patch`: it no longer rebuilds the tree
+    # The git tree the working tree made when it was read (`commit` + the unredacted patch), written to the object
+    # store: what changed_files() compares the working tree with when the run closes.
+    tree: str = ""
 
 
 def submodules_json(submodules: Sequence[Submodule]) -> bytes:
@@ -209,14 +213,14 @@ def inspect(
     pathspec, excluded = _exclusions(root, exclude)
     # Before `add -A`: a secret or a huge file must not even be hashed into the object store.
     untracked = _check_untracked(root, max_untracked_mib, allow_secrets, pathspec)
-    patch = _working_tree_patch(root, commit, pathspec)
+    patch, tree = _working_tree_patch(root, commit, pathspec)
     submodules = tuple(_submodules(root, commit, "", max_untracked_mib, allow_secrets))
     url = None
     with contextlib.suppress(Exception):
         remote = repo.remotes.origin if "origin" in repo.remotes else (repo.remotes[0] if repo.remotes else None)
         url = strip_credentials(next(remote.urls)) if remote is not None else None
     dirty = bool(patch) or any(s.patch for s in submodules)
-    return GitState(root, commit, branch, dirty, patch, url, excluded, untracked, submodules)
+    return GitState(root, commit, branch, dirty, patch, url, excluded, untracked, submodules, tree=tree)
 
 
 def _gitlinks(root: Path, commit: str) -> list[tuple[bytes, str]]:
@@ -250,8 +254,8 @@ def _submodules(root: Path, commit: str, prefix: str, max_mib: float | None, all
                 "recorded commit."
             )
         untracked = _check_untracked(sub_root, max_mib, allow_secrets, [], _show(os.fsencode(path)) + "/")
-        patch = _working_tree_patch(sub_root, recorded, [])
-        yield Submodule(path, recorded, patch, untracked)
+        patch, tree = _working_tree_patch(sub_root, recorded, [])
+        yield Submodule(path, recorded, patch, untracked, tree)
         yield from _submodules(sub_root, recorded, path + "/", max_mib, allow_secrets)
 
 
@@ -340,7 +344,8 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
     return names
 
 
-def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:
+def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> tuple[bytes, str]:
+    """(the exact patch from `commit` to the working tree, untracked files included; the tree they make)."""
     with scratch.folder("index") as tmp:
         # A throwaway index seeded from HEAD: `add -A` then sees untracked files too, and the
         # user's real index (staged work) stays exactly as it was.
@@ -350,12 +355,12 @@ def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:
         _run(root, ["add", "-A", "--", *pathspec], index, ("core.safecrlf=false",))
         _refuse_gitlinks(root, commit, index)
         patch = _run(root, ["diff", "--cached", *_DIFF_ARGS, commit], index, _DIFF_CONFIG)
-        if not patch:
-            return b""
         tree = _run(root, ["write-tree"], index).strip().decode("ascii")
+        if not patch:
+            return b"", tree
         mismatch = verify_patch(root, commit, patch, root, expected_tree=tree)
         if mismatch is None:
-            return patch
+            return patch, tree
         if mismatch.path is None:
             raise RepositoryError(
                 f"the patch of the uncommitted changes in {root} does not rebuild them (tree {mismatch.found} "
@@ -365,6 +370,42 @@ def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> bytes:
             f"'{mismatch.path}' cannot be recorded exactly: git stores it differently from its bytes on disk "
             "(a .gitattributes filter or eol setting, or core.autocrlf). Commit it, or remove the attribute for it."
         )
+
+
+def changed_files(state: GitState) -> list[str]:
+    """The files of `state`'s code record that the working tree no longer holds as recorded - edited, deleted, or
+    a Python source added since (the ranks may import it) - '/'-separated from the repository's root; [] when none.
+
+    Other files added since are left alone: what a training writes into its folder (logs, checkpoints) is no code.
+    Nothing of the user's index or tree is touched; a file changed and changed back between two looks is not seen.
+    """
+    spec = [".", *(f":(exclude,literal){rel}" for rel in state.excluded)] if state.excluded else []
+    found = _changed_since(state.root, state.tree, spec, "")
+    for sub in state.submodules:
+        sub_root = Path(os.fsdecode(os.path.join(os.fsencode(state.root), os.fsencode(sub.path))))
+        if not (sub_root / ".git").exists():
+            found.append(f"{sub.path}/")
+            continue
+        found += _changed_since(sub_root, sub.tree, [], f"{sub.path}/")
+    return found
+
+
+def _changed_since(root: Path, tree: str, pathspec: list[str], shown: str) -> list[str]:
+    if not tree:
+        return []
+    with scratch.folder("index") as tmp:
+        # A throwaway index seeded from the recorded tree: `add -u` takes the working tree's bytes for the files it
+        # holds, and adds none it does not (a huge output is never hashed into the object store).
+        index = Path(tmp, "index")
+        _run(root, ["read-tree", tree], index)
+        _run(root, ["add", "-u", "--", *pathspec], index, ("core.safecrlf=false",))
+        now = _run(root, ["write-tree"], index).strip().decode("ascii")
+        changed = [] if now == tree else [
+            p for p in _run(root, ["diff-tree", "-r", "-z", "--name-only", "--no-renames", tree, now]).split(b"\0") if p]
+        # Untracked as this index sees them: not in the recorded tree, and not ignored.
+        added = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec], index)
+        changed += [p for p in added.split(b"\0") if p.endswith(b".py")]
+    return [shown + _show(p) for p in changed]
 
 
 def _raw_changes(cwd: Path, commit: str, index: Path) -> list[tuple[str, str, str, bytes]]:

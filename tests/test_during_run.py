@@ -1,0 +1,100 @@
+"""What changes while a run's ranks run: code edited in the working tree, declared data rewritten. The record was
+made before; such a run must not close FINISHED with exit 0 as if the record held what ran.
+
+One run serves every case: its training waits at a known point (a file the test creates) after it has started,
+the test edits a module it imports only later and grows its declared data, then lets it go on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Project, git, make_project
+
+TRAIN = '''
+import importlib, pathlib, time
+
+
+def train(ctx):
+    gate = pathlib.Path(ctx.cfg.gate)
+    pathlib.Path("written_by_training.txt").write_text("an output in its own folder, no code")
+    (gate / "ready").write_text("")
+    deadline = time.monotonic() + 300
+    while not (gate / "go").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the test never said go")
+        time.sleep(0.02)
+    late = importlib.import_module("late")  # imported only now, after the test edited it
+    table = pathlib.Path(ctx.data["table"]).read_bytes()  # read only now, after the test grew it
+    ctx.log({"late": float(late.VALUE), "table_bytes": float(len(table))}, 0)
+'''
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended before its training reached the gate (exit {proc.returncode}): {err}{out}")
+        assert time.monotonic() < deadline, "the training never reached the gate"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def edited(tmp_path_factory: pytest.TempPathFactory) -> tuple[Project, int, str, str]:
+    """(project, exit code, stderr, run id) of a run whose module and data changed while it waited."""
+    base = tmp_path_factory.mktemp("during")
+    project = make_project(base)
+    exp = project.add_experiment("during", train_py=TRAIN, commit=False)
+    table = base / "outside" / "table.csv"
+    table.parent.mkdir()
+    table.write_bytes(b"a,b\n1,2\n")
+    with open(exp / "experiment.yaml", "a") as fh:
+        fh.write(f"data:\n  table: {table}\n")
+    (exp / "late.py").write_text("VALUE = 1\n")
+    git(project.root, "add", "-A")
+    git(project.root, "commit", "-qm", "during")
+    gate = base / "gate"
+    gate.mkdir()
+    proc = project.popen("run", "experiments/during", "world_size=1", f"train.gate={gate}")
+    try:
+        _wait_for(gate / "ready", proc)
+        (exp / "late.py").write_text("VALUE = 2\n")
+        with open(table, "ab") as fh:
+            fh.write(b"3,4\n")
+        (gate / "go").write_text("")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    runs = project.all_runs()
+    assert len(runs) == 1, (out, err)
+    return project, proc.returncode, err, runs[0].info.run_id
+
+
+def test_code_edited_while_the_ranks_run_fails_the_run(edited: tuple[Project, int, str, str]) -> None:
+    project, code, err, run_id = edited
+    run = project.client().get_run(run_id)
+    assert run.data.tags["harness.git.dirty"] == "false"  # the record holds the commit: not what ran
+    assert run.data.metrics["late"] == 2.0  # the edited module ran
+    assert code == 1, err
+    assert run.info.status == "FAILED" and "harness.failed_rank" not in run.data.tags  # no rank failed
+    reason = run.data.tags["harness.status_reason"]
+    assert "'experiments/during/late.py' changed in the working tree while the ranks ran" in reason
+    assert "written_by_training.txt" not in reason  # what a training writes into its folder is no code
+    assert "late.py' changed in the working tree" in err
+
+
+def test_data_grown_while_the_ranks_run_fails_the_run(edited: tuple[Project, int, str, str]) -> None:
+    project, code, err, run_id = edited
+    run = project.client().get_run(run_id)
+    assert run.data.metrics["table_bytes"] == 12.0  # the new bytes were read
+    assert code == 1, err
+    assert run.info.status == "FAILED"
+    reason = run.data.tags["harness.status_reason"]
+    assert "data 'table': 'table.csv' changed (sha256 " in reason and "8 bytes recorded; now " in reason
+    assert "while the ranks ran" in reason

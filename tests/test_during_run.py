@@ -2,7 +2,8 @@
 made before; such a run must not close FINISHED with exit 0 as if the record held what ran.
 
 One run serves every case: its training waits at a known point (a file the test creates) after it has started,
-the test edits a module it imports only later and grows its declared data, then lets it go on.
+the test edits a module it imports only later, writes another with its recorded bytes (a change undone) and grows
+its declared data, then lets it go on.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def edited(tmp_path_factory: pytest.TempPathFactory) -> tuple[Project, int, str,
     with open(exp / "experiment.yaml", "a") as fh:
         fh.write(f"data:\n  table: {table}\n")
     (exp / "late.py").write_text("VALUE = 1\n")
+    (exp / "again.py").write_text("VALUE = 1\n")
     git(project.root, "add", "-A")
     git(project.root, "commit", "-qm", "during")
     gate = base / "gate"
@@ -63,6 +65,7 @@ def edited(tmp_path_factory: pytest.TempPathFactory) -> tuple[Project, int, str,
     try:
         _wait_for(gate / "ready", proc)
         (exp / "late.py").write_text("VALUE = 2\n")
+        (exp / "again.py").write_text("VALUE = 1\n")  # written with the recorded bytes: changed and changed back
         with open(table, "ab") as fh:
             fh.write(b"3,4\n")
         (gate / "go").write_text("")
@@ -86,6 +89,7 @@ def test_code_edited_while_the_ranks_run_fails_the_run(edited: tuple[Project, in
     reason = run.data.tags["harness.status_reason"]
     assert "'experiments/during/late.py' changed in the working tree while the ranks ran" in reason
     assert "written_by_training.txt" not in reason  # what a training writes into its folder is no code
+    assert "'experiments/during/again.py' was written while the ranks ran" in reason
     assert "late.py' changed in the working tree" in err
 
 

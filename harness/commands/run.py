@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ class Preflight:
     warnings: list[str]
     data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
     data_stats: HashStats | None = None  # what hashing it read
+    read_ns: int = 0  # time.time_ns() before the code and the data were read: what is written after is a change
 
 
 def preflight(
@@ -65,6 +67,7 @@ def preflight(
     from harness.executors.launch import capacity_warning, resolve_device
     from harness.record import data
 
+    read_ns = time.time_ns()
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     name = experiment_name(Path(exp_dir))
@@ -143,7 +146,7 @@ def preflight(
     # Last: the other checks are instant, and hashing (cached) may read gigabytes.
     stats = data.HashStats()
     manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
-    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None)
+    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None, read_ns)
 
 
 def placed(topology: Topology | None) -> tuple[Topology, TorchrunEnv | None]:
@@ -245,7 +248,7 @@ def run(
             topology=topology, ranks=ranks,
             # The ranks that run the working tree itself could import an edit made while they run: looked at again.
             verify=lambda: unchanged.changes(git if executors.backend(str(cfg.executor)).runs_working_tree else None,
-                                             checked.data),
+                                             checked.data, checked.read_ns),
             options=executors.options_for(cfg.executor, **{"allow_unpinned": allow_unpinned, **(job_options or {})}),
         )
         return executors.run(job)

@@ -505,6 +505,21 @@ def changed_since(recorded: Mapping[str, Any] | None) -> list[DataChange]:
     return changes
 
 
+def written_since(recorded: Mapping[str, Any] | None, since_ns: int) -> list[str]:
+    """The files of a manifest written (or moved into place) since `since_ns` (time.time_ns()), as absolute paths."""
+    out = []
+    for entry in ((recorded or {}).get("entries") or {}).values():
+        files = [entry["path"]] if entry["kind"] == KIND_FILE else [os.path.join(entry["path"], f["path"]) for f in entry["files"]]
+        for path in files:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # gone: changed_since names it
+            if max(st.st_mtime_ns, st.st_ctime_ns) >= since_ns:
+                out.append(path)
+    return out
+
+
 def recorded_data(tracker: Any, run_id: str) -> dict[str, Any] | None:
     """A run's data manifest (declarations, resolved paths, per-file sha256), or None if it declared none.
 

@@ -15,16 +15,18 @@ from harness.systems import git as gitsource
 from harness.systems.git import GitState
 
 
-def changes(git: GitState | None, data: Mapping[str, Any] | None) -> str | None:
+def changes(git: GitState | None, data: Mapping[str, Any] | None, since_ns: int | None = None) -> str | None:
     """One line naming what changed since the record was made, the reason its run is FAILED; None when the code
     and the data are as recorded.
 
     `git`: the code record of ranks that ran the working tree (None: they ran a checkout of it, which no one edits).
     `data`: the declared data's recorded manifest (None: none declared). Both are read again in full (git's hash of
-    every recorded file; the data through the hash cache, so an unchanged file costs a stat).
+    every recorded file; the data through the hash cache, so an unchanged file costs a stat). `since_ns`:
+    time.time_ns() before either was read; a file written since then that holds its recorded bytes again is named
+    too - changed and changed back, the ranks may have read the change in between.
     """
     said = []
-    code = gitsource.changed_files(git) if git is not None else []
+    code, again = gitsource.changed_files(git, since_ns) if git is not None else ([], [])
     if git is not None and code:
         said.append(f"{gitsource.first_few(code)} changed in the working tree while the ranks ran, so the code they "
                     f"imported may not be the code recorded ({git.commit[:12]}{' + patch' if git.dirty else ''})")
@@ -33,6 +35,10 @@ def changes(git: GitState | None, data: Mapping[str, Any] | None) -> str | None:
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
         said.append(f"{differ[0].line()}{more} while the ranks ran, so they may have read bytes other than the "
                     "recorded ones")
+    again += D.written_since(data, since_ns) if since_ns is not None and not differ else []
+    if again:
+        said.append(f"{gitsource.first_few(again)} {'was' if len(again) == 1 else 'were'} written while the ranks "
+                    "ran (the recorded bytes are back, but the ranks may have read a change in between)")
     if not said:
         return None
     return ("; ".join(said) + ". The run is FAILED, not FINISHED with a record of what did not run. Rerun it and "

@@ -372,27 +372,32 @@ def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> tuple[b
         )
 
 
-def changed_files(state: GitState) -> list[str]:
-    """The files of `state`'s code record that the working tree no longer holds as recorded - edited, deleted, or
-    a Python source added since (the ranks may import it) - '/'-separated from the repository's root; [] when none.
+def changed_files(state: GitState, since_ns: int | None = None) -> tuple[list[str], list[str]]:
+    """The files of `state`'s code record the working tree no longer holds as recorded - edited, deleted, or a Python
+    source added since (the ranks may import it) - and, with `since_ns` (time.time_ns() before `state` was read),
+    those written since that hold the recorded bytes again (changed and changed back: the ranks may have imported
+    the change in between). '/'-separated from the repository's root; ([], []) when none.
 
-    Other files added since are left alone: what a training writes into its folder (logs, checkpoints) is no code.
-    Nothing of the user's index or tree is touched; a file changed and changed back between two looks is not seen.
+    Other files added since are left alone: what a training writes into its folder (logs, checkpoints) is no code;
+    so are Python's bytecode caches (__pycache__/*.pyc), which an import rewrites. Nothing of the user's index or tree is touched.
     """
     spec = [".", *(f":(exclude,literal){rel}" for rel in state.excluded)] if state.excluded else []
-    found = _changed_since(state.root, state.tree, spec, "")
+    changed, written = _changed_since(state.root, state.tree, spec, "", since_ns)
     for sub in state.submodules:
         sub_root = Path(os.fsdecode(os.path.join(os.fsencode(state.root), os.fsencode(sub.path))))
         if not (sub_root / ".git").exists():
-            found.append(f"{sub.path}/")
+            changed.append(f"{sub.path}/")
             continue
-        found += _changed_since(sub_root, sub.tree, [], f"{sub.path}/")
-    return found
+        more, again = _changed_since(sub_root, sub.tree, [], f"{sub.path}/", since_ns)
+        changed += more
+        written += again
+    return changed, written
 
 
-def _changed_since(root: Path, tree: str, pathspec: list[str], shown: str) -> list[str]:
+def _changed_since(root: Path, tree: str, pathspec: list[str], shown: str,
+                   since_ns: int | None) -> tuple[list[str], list[str]]:
     if not tree:
-        return []
+        return [], []
     with scratch.folder("index") as tmp:
         # A throwaway index seeded from the recorded tree: `add -u` takes the working tree's bytes for the files it
         # holds, and adds none it does not (a huge output is never hashed into the object store).
@@ -405,7 +410,25 @@ def _changed_since(root: Path, tree: str, pathspec: list[str], shown: str) -> li
         # Untracked as this index sees them: not in the recorded tree, and not ignored.
         added = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec], index)
         changed += [p for p in added.split(b"\0") if p.endswith(b".py")]
-    return [shown + _show(p) for p in changed]
+        # Python's caches of its sources, rewritten by any import of a source newer than its cache: the sources
+        # are what is held to the record.
+        changed = [p for p in changed if not _bytecode(p)]
+        written = []
+        if since_ns is not None:
+            seen = set(changed)
+            for p in _run(root, ["ls-files", "-z", "--cached", "--", *pathspec], index).split(b"\0"):
+                if not p or p in seen or _bytecode(p):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(os.fsencode(root), p))
+                    # ctime too: a file moved into place (an editor's save) keeps the mtime it was written with.
+                    if not stat.S_ISDIR(st.st_mode) and max(st.st_mtime_ns, st.st_ctime_ns) >= since_ns:
+                        written.append(p)
+    return [shown + _show(p) for p in changed], [shown + _show(p) for p in written]
+
+
+def _bytecode(path: bytes) -> bool:
+    return path.endswith(b".pyc") and b"__pycache__/" in path
 
 
 def _raw_changes(cwd: Path, commit: str, index: Path) -> list[tuple[str, str, str, bytes]]:

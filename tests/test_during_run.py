@@ -102,3 +102,41 @@ def test_data_grown_while_the_ranks_run_fails_the_run(edited: tuple[Project, int
     reason = run.data.tags["harness.status_reason"]
     assert "data 'table': 'table.csv' changed (sha256 " in reason and "8 bytes recorded; now " in reason
     assert "while the ranks ran" in reason
+
+
+def test_what_is_named_and_what_is_left_alone(tmp_path: Path) -> None:
+    """In process, no run: which changes to a working tree and its data the close names."""
+    from harness.record import data, unchanged
+    from harness.systems import git as gitsource
+
+    root = tmp_path / "repo"
+    (root / "exp" / "__pycache__").mkdir(parents=True)
+    for name in ("train.py", "model.py", "steady.py"):
+        (root / "exp" / name).write_text(f"# {name}\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "code")
+    (root / "exp" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"stale")  # untracked, so recorded
+    table = tmp_path / "table.csv"
+    table.write_bytes(b"a\n")
+    since = time.time_ns()
+    state = gitsource.inspect(root / "exp", max_untracked_mib=10)
+    manifest = data.resolve_and_hash({"table": str(table)}, root / "exp", root)
+    assert unchanged.changes(state, manifest, since) is None
+
+    (root / "exp" / "out.txt").write_text("an output")  # what a training writes: no code
+    (root / "exp" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"fresh")  # an import's cache: no code
+    (root / "exp" / "model.py").unlink()
+    (root / "exp" / "new_module.py").write_text("X = 1\n")
+    (root / "exp" / "train.py").write_text("# train.py\n")  # the recorded bytes again
+    assert gitsource.changed_files(state, since) == (["exp/model.py", "exp/new_module.py"], ["exp/train.py"])
+    assert gitsource.changed_files(state) == (["exp/model.py", "exp/new_module.py"], [])
+
+    assert data.changed_since(manifest) == [] and data.written_since(manifest, since) == []
+    table.write_bytes(b"a\n")
+    assert data.written_since(manifest, since) == [str(table)]
+    table.write_bytes(b"b\n")
+    assert [c.line() for c in data.changed_since(manifest)] == [
+        "data 'table': 'table.csv' changed (sha256 87428fc52280, 2 bytes recorded; now 0263829989b6, 2 bytes)"]
+    table.unlink()
+    assert [c.line() for c in data.changed_since(manifest)] == [f"data 'table': the whole entry ({table}) is gone"]

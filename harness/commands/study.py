@@ -26,7 +26,7 @@ from harness.fmt import text_table
 from harness.judge.metricdiff import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
 from harness.judge.report import plot_file_name
-from harness.record import closing
+from harness.record import closing, unchanged
 from harness.record.checkout import checkout
 from harness.record.newrun import Labels, create_record, data_paths as paths_of
 from harness.record.rerun import git_code_id
@@ -292,7 +292,9 @@ def run_study(
                 inputs = JobInputs(tree, tree_exp, code_id=git_code_id(git), data=data_paths)
                 options = executors.options_for(
                     backend, **{"allow_unpinned": allow_unpinned, **(job_options or {}), "quiet": jobs_at_once > 1})
-                return Job(tracker, member_cfg, inputs, record=record, options=options)
+                # The members run the checkout, which nobody edits; the data they read is the live one.
+                return Job(tracker, member_cfg, inputs, record=record, options=options,
+                           verify=lambda: unchanged.changes(None, checked.data, checked.read_ns))
 
             study.make_job = make_job
 

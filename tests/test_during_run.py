@@ -111,7 +111,7 @@ def test_what_is_named_and_what_is_left_alone(tmp_path: Path) -> None:
 
     root = tmp_path / "repo"
     (root / "exp" / "__pycache__").mkdir(parents=True)
-    for name in ("train.py", "model.py", "steady.py"):
+    for name in ("train.py", "model.py", "steady.py", "results.csv"):
         (root / "exp" / name).write_text(f"# {name}\n")
     git(root, "init", "-q", "-b", "main")
     git(root, "add", "-A")
@@ -131,6 +131,13 @@ def test_what_is_named_and_what_is_left_alone(tmp_path: Path) -> None:
     (root / "exp" / "train.py").write_text("# train.py\n")  # the recorded bytes again
     assert gitsource.changed_files(state, since) == (["exp/model.py", "exp/new_module.py"], ["exp/train.py"])
     assert gitsource.changed_files(state) == (["exp/model.py", "exp/new_module.py"], [])
+    assert "belongs in .gitignore" not in (unchanged.changes(state, manifest, since) or "")
+    (root / "exp" / "results.csv").write_text("a result the training wrote\n")  # committed, so named
+    said = unchanged.changes(state, manifest, since)
+    assert said is not None and said.startswith(
+        "'exp/model.py', 'exp/results.csv', 'exp/new_module.py' changed in the working tree while the ranks ran")
+    assert "'exp/train.py' was written while the ranks ran (the recorded bytes are back" in said
+    assert "a file the training writes itself belongs in .gitignore" in said
 
     assert data.changed_since(manifest) == [] and data.written_since(manifest, since) == []
     table.write_bytes(b"a\n")

@@ -26,7 +26,7 @@ def changes(git: GitState | None, data: Mapping[str, Any] | None, since_ns: int 
     too - changed and changed back, the ranks may have read the change in between.
     """
     said = []
-    code, again = gitsource.changed_files(git, since_ns) if git is not None else ([], [])
+    code, code_again = gitsource.changed_files(git, since_ns) if git is not None else ([], [])
     if git is not None and code:
         said.append(f"{gitsource.first_few(code)} changed in the working tree while the ranks ran, so the code they "
                     f"imported may not be the code recorded ({git.commit[:12]}{' + patch' if git.dirty else ''})")
@@ -35,11 +35,16 @@ def changes(git: GitState | None, data: Mapping[str, Any] | None, since_ns: int 
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
         said.append(f"{differ[0].line()}{more} while the ranks ran, so they may have read bytes other than the "
                     "recorded ones")
-    again += D.written_since(data, since_ns) if since_ns is not None and not differ else []
+    again = code_again + (D.written_since(data, since_ns) if since_ns is not None and not differ else [])
     if again:
         said.append(f"{gitsource.first_few(again)} {'was' if len(again) == 1 else 'were'} written while the ranks "
                     "ran (the recorded bytes are back, but the ranks may have read a change in between)")
     if not said:
         return None
+    # A tracked file the training itself rewrites (its results, committed) is named too: its own writes and an edit
+    # from outside look alike.
+    written_by_it = any(not path.endswith(".py") for path in code + code_again)
     return ("; ".join(said) + ". The run is FAILED, not FINISHED with a record of what did not run. Rerun it and "
-            "leave the code and the data as they are until it ends.")
+            "leave the code and the data as they are until it ends" + (
+                " (a file the training writes itself belongs in .gitignore, out of the code record; if it is "
+                "committed, git rm --cached it)" if written_by_it else "") + ".")

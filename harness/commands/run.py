@@ -44,7 +44,7 @@ class Preflight:
     warnings: list[str]
     data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
     data_stats: HashStats | None = None  # what hashing it read
-    read_ns: int = 0  # time.time_ns() before the code and the data were read: what is written after is a change
+    read_ns: int | None = None  # time.time_ns() before the code and the data were read: a file written after changed
 
 
 def preflight(

@@ -8,6 +8,7 @@ its declared data, then lets it go on.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -147,3 +148,8 @@ def test_what_is_named_and_what_is_left_alone(tmp_path: Path) -> None:
         "data 'table': 'table.csv' changed (sha256 87428fc52280, 2 bytes recorded; now 0263829989b6, 2 bytes)"]
     table.unlink()
     assert [c.line() for c in data.changed_since(manifest)] == [f"data 'table': the whole entry ({table}) is gone"]
+    os.mkfifo(table)  # what cannot be hashed again is named as well, never an error of another kind
+    assert unchanged.changes(None, manifest, since) == (
+        f"data 'table': {table} is neither a file nor a folder (hashed again once the ranks ended). The run is FAILED, "
+        "not FINISHED with a record of what did not run. Rerun it and leave the code and the data as they are until "
+        "it ends.")

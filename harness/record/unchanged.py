@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from harness.errors import HarnessError
 from harness.record import data as D
 from harness.systems import git as gitsource
 from harness.systems.git import GitState
@@ -30,12 +31,16 @@ def changes(git: GitState | None, data: Mapping[str, Any] | None, since_ns: int 
     if git is not None and code:
         said.append(f"{gitsource.first_few(code)} changed in the working tree while the ranks ran, so the code they "
                     f"imported may not be the code recorded ({git.commit[:12]}{' + patch' if git.dirty else ''})")
-    differ = D.changed_since(data)
+    try:
+        differ = D.changed_since(data)
+    except HarnessError as err:  # unreadable now, or written while it was hashed again: not the recorded bytes either
+        said.append(f"{str(err).split('. ')[0].rstrip('.')} (hashed again once the ranks ended)")
+        differ = None
     if differ:
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
         said.append(f"{differ[0].line()}{more} while the ranks ran, so they may have read bytes other than the "
                     "recorded ones")
-    again = code_again + (D.written_since(data, since_ns) if since_ns is not None and not differ else [])
+    again = code_again + (D.written_since(data, since_ns) if since_ns is not None and differ == [] else [])
     if again:
         said.append(f"{gitsource.first_few(again)} {'was' if len(again) == 1 else 'were'} written while the ranks "
                     "ran (the recorded bytes are back, but the ranks may have read a change in between)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,3 +249,24 @@ def in_file(data: bytes, path: str, known: dict[str, str] | None = None) -> list
 def known_in(text: str, known: dict[str, str] | None) -> list[Finding]:
     """The `known` secret values (kind -> value) that `text` holds."""
     return [Finding(kind, value, text.index(value)) for kind, value in (known or {}).items() if value and value in text]
+
+
+# --- the secret values harness knows of a run, scrubbed from what it stores of the ranks' output --------------
+def known_values(config: Any, environ: Mapping[str, str]) -> set[str]:
+    """Every secret value harness knows of a run: the config's secrets and their copies (secret_copies), and the
+    values of the variables whose names mark a credential. A value that names an existing file is where a secret
+    lies (GOOGLE_APPLICATION_CREDENTIALS), not one; a short word or a number is too common to cut from text."""
+    values = secret_copies(config)
+    for name, value in environ.items():
+        if env_name_is_secret(name) and len(value) >= 6 and not value.isdigit() and value.lower() not in _NON_SECRET_WORDS \
+                and not (os.path.isabs(value) and os.path.exists(value)):
+            values.add(value)
+    return values
+
+
+def scrub_known(text: str, values: set[str]) -> str:
+    """`text` with each of `values` (longest first: a secret may hold a shorter one) and everything scrub() finds
+    replaced by <redacted>."""
+    for value in sorted(values, key=len, reverse=True):
+        text = text.replace(value, SCRUBBED)
+    return scrub(text)

@@ -11,7 +11,7 @@ import os
 import re
 import secrets as random
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -421,6 +421,21 @@ def _unquote(name: bytes) -> str:
         name = re.sub(rb"\\([0-7]{3}|.)", lambda m: bytes([int(m[1], 8)]) if len(m[1]) == 3
                       else _ESCAPES.get(m[1], m[1]), name[1:-1])
     return name.decode(errors="replace")
+
+
+def shipped_secrets(changes: Iterable[tuple[str, str, bytes]], known: dict[str, str] | None = None) -> list[str]:
+    """Where the commits a code bundle ships (commit, message, patch: systems/gitbundle.shipped_changes) hold
+    secrets, one `commit 1a2b3c4d5e6f 'path' line 3 (kind)` each: in what a commit adds, in its file names, in
+    its message."""
+    found = []
+    for commit, message, patch in changes:
+        for hit in patch_secrets(patch, known):
+            found.append(f"commit {commit[:12]} {hit.where()}")
+        for number, line in enumerate(message.splitlines(), 1):
+            in_message = in_line(line, "") or next(iter(known_in(line, known)), None)
+            if in_message is not None:
+                found.append(f"commit {commit[:12]} message line {number} ({in_message.kind})")
+    return list(dict.fromkeys(found))
 
 
 def uncuttable_refusal(found: list[PatchSecret]) -> str:

@@ -79,44 +79,49 @@ def test_a_token_added_to_a_tracked_binary_is_refused(project: Project) -> None:
         git(project.root, "commit", "-qm", "no weights")
 
 
-def test_the_stores_key_is_never_stored_whatever_its_name(project: Project) -> None:
-    key = redaction.store_key(project.uri)
-    folder = project.root / "experiments" / "places"
-    for name, text in (("mlflow.db.harness-key", key.secret.hex() + "\n"),
-                       ("notes.txt", f"backup of the key: {key.secret.hex()}\n"),
-                       ("key.txt", key.secret.hex())):
-        (folder / name).write_text(text)
-        try:
-            code, out = _check(project, "--allow-secret-in-diff", "--allow-untracked-secrets") if name == "notes.txt" \
-                else _check(project)
-            assert code == EXIT_USAGE, out
-            assert key.secret.hex() not in out
-            if name.endswith("harness-key"):
-                assert "whose name marks it as a secret (*.harness-key)" in out, out
-            else:
-                assert f"'experiments/places/{name}' line 1 (a copy of a store's redaction key" in out, out
-        finally:
-            (folder / name).unlink()
-
-
-def test_documented_example_keys_and_marked_lines_pass(project: Project) -> None:
-    fixture = project.root / "experiments" / "places" / "test_fixture.py"
-    fixture.write_text(f'AWS_ID = "{AWS_EXAMPLE[0]}"\naws_secret_access_key = "{AWS_EXAMPLE[1]}"\n'
-                       f'FAKE = "{GHP}"  # harness: not-a-secret\n')
-    (project.root / "experiments" / "places" / "fake.env").write_text(
-        f"HF_TOKEN={HF}  # harness: not-a-secret\n")
+@pytest.mark.parametrize(("name", "text", "args", "said"), [
+    ("mlflow.db.harness-key", "{key}\n", (), "whose name marks it as a secret (*.harness-key)"),
+    ("key.txt", "{key}", (), "'experiments/places/key.txt' line 1 (a copy of a store's redaction key"),
+    ("notes.md", "backup: {key}\n", ("--allow-secret-in-diff",),
+     "'experiments/places/notes.md' line 1 (a copy of a store's redaction key"),
+], ids=["its-name", "renamed", "inside-a-file"])
+def test_the_stores_key_is_never_stored_whatever_its_name(project: Project, name: str, text: str,
+                                                          args: tuple[str, ...], said: str) -> None:
+    key = redaction.store_key(project.uri).secret.hex()
+    path = project.root / "experiments" / "places" / name
+    path.write_text(text.format(key=key))
     try:
-        code, out = _check(project, "--allow-untracked-secrets")
+        code, out = _check(project, *args)
+        assert code == EXIT_USAGE and said in out and key not in out, out
+    finally:
+        path.unlink()
+
+
+def test_documented_example_keys_pass(project: Project) -> None:
+    fixture = project.root / "experiments" / "places" / "test_fixture.py"
+    fixture.write_text(f'AWS_ID = "{AWS_EXAMPLE[0]}"\naws_secret_access_key = "{AWS_EXAMPLE[1]}"\n')
+    try:
+        code, out = _check(project)
+        assert code == 0, out
+    finally:
+        fixture.unlink()
+    assert secrets.in_line(f"id = {'AKIA' + 'Z7Q2W3E4R5T6Y7U8'}", "x.env") is not None  # any other key is one
+
+
+def test_a_line_marked_not_a_secret_passes(project: Project) -> None:
+    fixture = project.root / "experiments" / "places" / "test_fixture.py"
+    fixture.write_text(f'FAKE = "{GHP}"  # harness: not-a-secret\n')
+    (project.root / "experiments" / "places" / "fake.yaml").write_text(f"hf_token: {HF}  # harness: not-a-secret\n")
+    try:
+        code, out = _check(project)
         assert code == 0, out
         with open(fixture, "a") as fh:  # the mark covers its own line only
             fh.write(f'REAL = "{GHP}"\n')
-        code, out = _check(project, "--allow-untracked-secrets")
-        assert code == EXIT_USAGE and "test_fixture.py' line 4 (GitHub token)" in out, out
+        code, out = _check(project)
+        assert code == EXIT_USAGE and "test_fixture.py' line 2 (GitHub token)" in out and "fake.yaml" not in out, out
     finally:
         fixture.unlink()
-        (project.root / "experiments" / "places" / "fake.env").unlink()
-    assert secrets.in_line(f"id = {AWS_EXAMPLE[0]}", "x.env") is None
-    assert secrets.in_line(f"id = {'AKIA' + 'Z7Q2W3E4R5T6Y7U8'}", "x.env") is not None
+        (project.root / "experiments" / "places" / "fake.yaml").unlink()
 
 
 # --- the training code prints its config and a variable: the stored logs hold neither -----------------------
@@ -130,40 +135,45 @@ TRAIN = (EXPERIMENTS / "linear_ddp" / "train.py").read_text().replace(
 
 
 @pytest.fixture(scope="module")
-def run_id(project: Project) -> str:
+def ran(project: Project) -> tuple[str, str]:
+    """The run whose rank 0 prints its config and a secret variable: (its id, what the terminal showed)."""
     result = project.harness("run", "experiments/places", "train.epochs=1", f"train.api_key={OVERRIDE}",
                              env={"PLACES_TOKEN": FROM_ENV})
     assert result.returncode == 0, result.stderr
-    return result.last_line
+    return result.last_line, result.stdout + result.stderr
 
 
-def test_rank_logs_are_stored_without_the_secrets_harness_knows(project: Project, run_id: str) -> None:
+def test_rank_logs_are_stored_without_the_secrets_harness_knows(project: Project, ran: tuple[str, str]) -> None:
+    _, shown = ran
     logs = b"".join(p.read_bytes() for p in project.store.rglob("*") if "logs" in p.parts and p.is_file())
     assert b"'lr': 0.01" in logs and b"variable <redacted>" in logs, logs[-2000:]
     store = b"".join(p.read_bytes() for p in project.store.rglob("*") if p.is_file() and "harness-key" not in p.name)
     assert OVERRIDE.encode() not in store and FROM_ENV.encode() not in store
+    assert "variable <redacted>" in shown and OVERRIDE not in shown and FROM_ENV not in shown, shown
 
 
 # --- export: the history it ships -------------------------------------------------------------------------
-def test_export_warns_of_secrets_in_the_history_it_ships(project: Project, run_id: str, tmp_path: Path) -> None:
-    full = project.harness("export", run_id, "-o", str(tmp_path / "full.tar.gz"))
+def test_export_warns_of_secrets_in_the_history_it_ships(project: Project, ran: tuple[str, str],
+                                                         tmp_path: Path) -> None:
+    full = project.harness("export", ran[0], "-o", str(tmp_path / "full.tar.gz"))
     assert full.returncode == 0, full.stderr
     warned = [line for line in full.stderr.splitlines() if "the code bundle carries secrets in its git history" in line]
     assert len(warned) == 1, full.stderr
     assert "'deploy.env' line 1 (Hugging Face token)" in warned[0] and "message line 3 (GitHub token)" in warned[0]
     assert "--tree-only" in warned[0] and HF not in full.stderr and GHP not in full.stderr
-    commit = project.client().get_run(run_id).data.tags["harness.git.commit"]
 
-    only = project.harness("export", run_id, "-o", str(tmp_path / "tree.tar.gz"), "--tree-only")
+
+def test_export_can_ship_the_recorded_tree_alone(project: Project, ran: tuple[str, str], tmp_path: Path) -> None:
+    commit = project.client().get_run(ran[0]).data.tags["harness.git.commit"]
+    only = project.harness("export", ran[0], "-o", str(tmp_path / "tree.tar.gz"), "--tree-only")
     assert only.returncode == 0, only.stderr
     assert "carries secrets" not in only.stderr, only.stderr
     with tarfile.open(tmp_path / "tree.tar.gz") as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith(".bundle"))
         (tmp_path / "code.bundle").write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
     with gitbundle.repository_from_bundle(tmp_path / "code.bundle", commit) as repo:
-        history = git(repo, "rev-list", "--all").split()
-        assert history == [commit]  # the same commit id, nothing before it
-        blobs = subprocess.run(["git", "cat-file", "--batch-all-objects", "--batch"], cwd=repo, capture_output=True,
-                               check=True).stdout
-        assert HF.encode() not in blobs and GHP.encode() not in blobs
-        assert "train.py" in git(repo, "ls-tree", "-r", "--name-only", commit)
+        assert git(repo, "rev-list", "--all").split() == [commit]  # the same commit id, nothing before it
+        objects = subprocess.run(["git", "cat-file", "--batch-all-objects", "--batch"], cwd=repo, capture_output=True,
+                                 check=True).stdout
+        assert HF.encode() not in objects and b"deploy.env" not in objects
+        assert "experiments/places/train.py" in git(repo, "ls-tree", "-r", "--name-only", commit)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness import events, tags as T
+from harness.config import to_container
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.delta import setting_risk
 from harness.messages import (
@@ -360,7 +361,7 @@ class Recorder:
                 collect()
             resume_step = self.resume_step
             logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
-            hidden = known_values(OmegaConf.to_container(self.cfg, resolve=True), os.environ)
+            hidden = known_values(to_container(self.cfg), os.environ)
             record_results(patient, run_id, self.fingerprints, self.final, self.work, logs, hidden)
             record_performance(patient, run_id, self.final.get("performance"), self.work)
             if writer is not None:

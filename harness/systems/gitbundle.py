@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from harness import scratch
 from harness.errors import RepositoryError
-from harness.systems.git import _DIFF_ARGS, _DIFF_CONFIG, GitFailed, Submodule, _object_format, _run, has_commit
+from harness.systems.git import (
+    _DIFF_ARGS,
+    _DIFF_CONFIG,
+    GIT_TIMEOUT_S,
+    GitFailed,
+    Submodule,
+    _object_format,
+    _run,
+    has_commit,
+)
 
 BUNDLE_REF = "refs/harness/recorded"  # the one ref of a run's code bundle, naming the recorded commit
 
@@ -68,12 +79,35 @@ def shipped_changes(root: Path, commit: str, tree_only: bool = False) -> Iterato
         message = _run(root, ["log", "-1", "--format=%B", commit]).decode(errors="replace")
         yield commit, message, _run(root, ["diff", *_DIFF_ARGS, empty, commit], config=_DIFF_CONFIG)
         return
-    # One `git log -p` for the whole history: a marker no commit message holds opens each commit.
-    out = _run(root, ["log", "-p", "--format=%x01%x02%H%n%B%x01%x03", *_DIFF_ARGS, commit], config=_DIFF_CONFIG)
-    for chunk in out.split(b"\x01\x02")[1:]:
-        head, _, patch = chunk.partition(b"\x01\x03")
-        sha, _, text = head.partition(b"\n")
-        yield sha.decode("ascii"), text.decode(errors="replace"), patch.lstrip(b"\n")
+    # One `git log -p` for the whole history, read as it comes (a long history with binaries runs to gigabytes):
+    # a marker no commit message holds opens each commit.
+    args = ["git", *(a for item in _DIFF_CONFIG for a in ("-c", item)), "log", "-p",
+            "--format=%x01%x02%H%n%B%x01%x03", *_DIFF_ARGS, commit]
+    deadline = time.monotonic() + GIT_TIMEOUT_S
+    with subprocess.Popen(args, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+        assert proc.stdout is not None  # stdout=PIPE
+        pending = b""
+        try:
+            for block in iter(lambda: proc.stdout.read(1 << 20), b""):  # type: ignore[union-attr]
+                if time.monotonic() > deadline:
+                    raise RepositoryError(
+                        f"reading the git history of {commit[:12]} in '{root}' for secrets took over {GIT_TIMEOUT_S} s. "
+                        "Export with --tree-only (the recorded commit without its history).")
+                *done, pending = (pending + block).split(b"\x01\x02")
+                yield from (_commit_of(chunk) for chunk in done if chunk)
+            if pending:
+                yield _commit_of(pending)
+        finally:
+            proc.kill()
+    if proc.returncode not in (0, -9):
+        raise RepositoryError(f"`git log` of {commit[:12]} failed in '{root}'. Check the repository with `git status`.")
+
+
+def _commit_of(chunk: bytes) -> tuple[str, str, bytes]:
+    """(commit, message, patch) of one commit of shipped_changes' `git log -p`."""
+    head, _, patch = chunk.partition(b"\x01\x03")
+    sha, _, text = head.partition(b"\n")
+    return sha.decode("ascii"), text.decode(errors="replace"), patch.lstrip(b"\n")
 
 
 @contextlib.contextmanager

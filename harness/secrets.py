@@ -225,7 +225,7 @@ def in_file(data: bytes, path: str, known: dict[str, str] | None = None) -> list
     text = file_text(data)
     found: list[tuple[int, Finding]] = []
     if text is not None:
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(text.split("\n"), 1):  # lines as git counts them
             hit = in_line(line, path)
             if hit is not None:
                 found.append((number, hit))
@@ -234,12 +234,12 @@ def in_file(data: bytes, path: str, known: dict[str, str] | None = None) -> list
     bom = any(data.startswith(mark) for mark, _ in _BOMS)
     views = [data.decode("latin-1"), stripped] if text is None else [stripped] if b"\0" in data and not bom else []
     for view in views:
+        found += [(0, hit) for hit in known_in(view, known)]  # a key's copy is one, marked or not
         for line in view.split("\n"):
             if _MARKED.search(line):
                 continue
             for name, rx in _SHAPES:
                 found += [(0, Finding(name, m[0], m.start())) for m in rx.finditer(line) if m[0] not in DOCUMENTED_EXAMPLES]
-            found += [(0, hit) for hit in known_in(line, known)]
     seen: dict[tuple[str, str], tuple[int, Finding]] = {}
     for number, hit in found:  # one finding per secret: the first line it is on
         seen.setdefault((hit.kind, hit.value), (number, hit))

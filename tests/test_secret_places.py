@@ -84,7 +84,9 @@ def test_a_token_added_to_a_tracked_binary_is_refused(project: Project) -> None:
     ("key.txt", "{key}", (), "'experiments/places/key.txt' line 1 (a copy of a store's redaction key"),
     ("notes.md", "backup: {key}\n", ("--allow-secret-in-diff",),
      "'experiments/places/notes.md' line 1 (a copy of a store's redaction key"),
-], ids=["its-name", "renamed", "inside-a-file"])
+    ("marked.py", "K = '{key}'  # harness: not-a-secret\n", (),
+     "'experiments/places/marked.py' line 1 (a copy of a store's redaction key"),
+], ids=["its-name", "renamed", "inside-a-file", "marked"])
 def test_the_stores_key_is_never_stored_whatever_its_name(project: Project, name: str, text: str,
                                                           args: tuple[str, ...], said: str) -> None:
     key = redaction.store_key(project.uri).secret.hex()

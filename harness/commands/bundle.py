@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import shutil
@@ -181,9 +182,8 @@ def export(
 def _warn_shipped_secrets(live: Path, commit: str, submodules: Any, tree_only: bool, uri: str) -> None:
     """A warning naming the secrets the code bundle would carry: a token committed once and deleted since, or
     written in a commit message, leaves with the history (the record's own patch scan never saw committed code)."""
-    changes = [*gitbundle.shipped_changes(live, commit, tree_only)]
-    for sub in submodules:
-        changes += [(c, m, p) for c, m, p in gitbundle.shipped_changes(live / sub.path, sub.commit, tree_only)]
+    changes = itertools.chain(gitbundle.shipped_changes(live, commit, tree_only),  # read as they stream
+                              *(gitbundle.shipped_changes(live / s.path, s.commit, tree_only) for s in submodules))
     found = redaction.shipped_secrets(changes, redaction.known_keys(uri))
     if found:
         shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")

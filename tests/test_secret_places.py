@@ -14,7 +14,7 @@ from conftest import EXPERIMENTS, Project, git, make_project
 from harness import secrets
 from harness.errors import EXIT_USAGE
 from harness.record import redaction
-from harness.systems import gitbundle
+from harness.systems import git as gitsource, gitbundle, gitworktree
 
 # Put together here, so that this file holds no token whole.
 GHP = "ghp_" + "Q7w8E9r0" * 5
@@ -179,3 +179,34 @@ def test_export_can_ship_the_recorded_tree_alone(project: Project, ran: tuple[st
                                  check=True).stdout
         assert HF.encode() not in objects and b"deploy.env" not in objects
         assert "experiments/places/train.py" in git(repo, "ls-tree", "-r", "--name-only", commit)
+
+
+def test_a_tree_only_bundle_with_submodules_checks_out(tmp_path: Path) -> None:
+    """A history-free code bundle holds the submodules' commits without theirs too; a replay's checkout from it
+    (no live repository has the commits) finds every file."""
+    lib, root = tmp_path / "lib", tmp_path / "repo"
+    for repo in (lib, root):
+        repo.mkdir()
+        git(repo, "init", "-q", "-b", "main")
+    (lib / "old.txt").write_text(f"HF_TOKEN={HF}\n")
+    git(lib, "add", "-A")
+    git(lib, "commit", "-qm", "old")
+    git(lib, "rm", "-q", "old.txt")
+    (lib / "util.py").write_text("X = 1\n")
+    git(lib, "add", "-A")
+    git(lib, "commit", "-qm", "util")
+    (root / "train.py").write_text("print(1)\n")
+    git(root, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "lib")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "with lib")
+    commit, sub_commit = git(root, "rev-parse", "HEAD"), git(lib, "rev-parse", "HEAD")
+    subs = (gitsource.Submodule("lib", sub_commit, b""),)
+    changes = list(gitbundle.shipped_changes(root / "lib", sub_commit))
+    assert redaction.shipped_secrets(changes) == [f"commit {changes[1][0][:12]} 'old.txt' line 1 (Hugging Face token)"]
+    assert redaction.shipped_secrets(gitbundle.shipped_changes(root / "lib", sub_commit, tree_only=True)) == []
+    gitbundle.bundle_commit(root, commit, tmp_path / "code.bundle", subs, tree_only=True)
+    with gitbundle.repository_from_bundle(tmp_path / "code.bundle", commit) as repo:
+        assert set(git(repo, "rev-list", "--all").split()) == {commit, sub_commit}  # nothing before either
+        with gitworktree.worktree(repo, commit, None, submodules=subs) as tree:
+            assert (tree / "train.py").read_text() == "print(1)\n" and (tree / "lib" / "util.py").is_file()
+            assert not (tree / "lib" / "old.txt").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,15 @@ TOKEN_SHAPES: tuple[tuple[str, str], ...] = (
     ("private key", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"),
 )
 _SHAPES = tuple((name, re.compile(rf"(?<![A-Za-z0-9_]){pattern}")) for name, pattern in TOKEN_SHAPES)
+# The keys providers print in their own documentation, which test fixtures copy: they open no account anywhere.
+DOCUMENTED_EXAMPLES = frozenset({
+    "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",  # AWS's IAM and CLI guides
+    "AKIAI44QH8DHBEXAMPLE", "je7MtGbClwBF/2Zp9Utk/h3yCo8nvbEXAMPLEKEY",  # AWS's second example pair
+})
+# A line that says of itself it holds no secret (a fixture, a test's fake token): `# harness: not-a-secret` as a
+# trailing comment, in any comment syntax (#, //, --, ;, /*).
+NOT_A_SECRET = "harness: not-a-secret"
+_MARKED = re.compile(r"(?:#|//|--|;|/\*)\s*harness:\s*not-a-secret\b")
 # scheme://user:password@host: the password is what must go (a user alone, git@host, is no secret). A password
 # that is a variable reference (${DB_PASS}, $PASS, %(pw)s, <password>) is not a literal one.
 URL_PASSWORD = re.compile(r"(?P<head>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<pw>[^\s/@]+)(?P<at>@)")
@@ -163,11 +173,14 @@ class Finding:
 
 
 def in_line(line: str, path: str) -> Finding | None:
-    """The first secret in one line of the file at `path` (its suffix says whether bare words are literals)."""
+    """The first secret in one line of the file at `path` (its suffix says whether bare words are literals); a
+    documented example key is none, and a line marked `# harness: not-a-secret` holds none."""
+    if _MARKED.search(line):
+        return None
     for name, rx in _SHAPES:
-        match = rx.search(line)
-        if match:
-            return Finding(name, match[0], match.start())
+        for match in rx.finditer(line):
+            if match[0] not in DOCUMENTED_EXAMPLES:
+                return Finding(name, match[0], match.start())
     for match in URL_PASSWORD.finditer(line):
         if not _NOT_LITERAL.match(match["pw"]):
             return Finding("password in a URL", match["pw"], match.start("pw"))
@@ -175,8 +188,85 @@ def in_line(line: str, path: str) -> Finding | None:
     for match in _ASSIGN.finditer(line):
         if not _name_is_secret(match["name"]):
             continue
-        if match["q"] is not None and _literal(match["quoted"]):
+        if match["q"] is not None and _literal(match["quoted"]) and match["quoted"] not in DOCUMENTED_EXAMPLES:
             return Finding(f"literal {match['name']}", match["quoted"], match.start("quoted"))
-        if match["bare"] is not None and not code and match["op"] != ":=" and _literal(match["bare"]):
+        if match["bare"] is not None and not code and match["op"] != ":=" and _literal(match["bare"]) \
+                and match["bare"] not in DOCUMENTED_EXAMPLES:
             return Finding(f"literal {match['name']}", match["bare"], match.start("bare"))
     return None
+
+
+# --- secrets in a whole file, in whatever encoding it is in ------------------------------------------------
+# git calls a file binary when it holds a NUL: UTF-16 and UTF-32 text (what PowerShell and Windows editors write),
+# UTF-8 with NULs, and real binaries. Each is read as what it is: text decoded by its byte-order mark, UTF-8 as
+# UTF-8, anything else for token shapes alone (a binary has no lines, and no `name = value`).
+_BOMS = ((b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"), (b"\xef\xbb\xbf", "utf-8-sig"),
+         (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))
+
+
+def file_text(data: bytes) -> str | None:
+    """`data` as text when it is text (a byte-order mark's encoding, else UTF-8; NULs read as spaces), else None."""
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data[len(bom):].decode(encoding.replace("-sig", "")).replace("\0", " ")
+            except UnicodeDecodeError:
+                return None
+    try:
+        return data.decode("utf-8").replace("\0", " ")
+    except UnicodeDecodeError:
+        return None
+
+
+def in_file(data: bytes, path: str, known: dict[str, str] | None = None) -> list[tuple[int, Finding]]:
+    """(line number, finding) of the secrets in a file's bytes: a text file line by line as in_line reads it, a
+    binary (line 0) for token shapes and the `known` values (kind -> value: what harness itself holds secret) in
+    its bytes as they are and with NULs left out (the ASCII inside UTF-16 or UTF-32 without a byte-order mark)."""
+    text = file_text(data)
+    found: list[tuple[int, Finding]] = []
+    if text is not None:
+        for number, line in enumerate(text.split("\n"), 1):  # lines as git counts them
+            hit = in_line(line, path)
+            if hit is not None:
+                found.append((number, hit))
+        found += [(text.count("\n", 0, hit.start) + 1, hit) for hit in known_in(text, known)]
+    stripped = data.replace(b"\0", b"").decode("latin-1")
+    bom = any(data.startswith(mark) for mark, _ in _BOMS)
+    views = [data.decode("latin-1"), stripped] if text is None else [stripped] if b"\0" in data and not bom else []
+    for view in views:
+        found += [(0, hit) for hit in known_in(view, known)]  # a key's copy is one, marked or not
+        for line in view.split("\n"):
+            if _MARKED.search(line):
+                continue
+            for name, rx in _SHAPES:
+                found += [(0, Finding(name, m[0], m.start())) for m in rx.finditer(line) if m[0] not in DOCUMENTED_EXAMPLES]
+    seen: dict[tuple[str, str], tuple[int, Finding]] = {}
+    for number, hit in found:  # one finding per secret: the first line it is on
+        seen.setdefault((hit.kind, hit.value), (number, hit))
+    return list(seen.values())
+
+
+def known_in(text: str, known: dict[str, str] | None) -> list[Finding]:
+    """The `known` secret values (kind -> value) that `text` holds."""
+    return [Finding(kind, value, text.index(value)) for kind, value in (known or {}).items() if value and value in text]
+
+
+# --- the secret values harness knows of a run, scrubbed from what it stores of the ranks' output --------------
+def known_values(config: Any, environ: Mapping[str, str]) -> set[str]:
+    """Every secret value harness knows of a run: the config's secrets and their copies (secret_copies), and the
+    values of the variables whose names mark a credential. A value that names an existing file is where a secret
+    lies (GOOGLE_APPLICATION_CREDENTIALS), not one; a short word or a number is too common to cut from text."""
+    values = secret_copies(config)
+    for name, value in environ.items():
+        if env_name_is_secret(name) and len(value) >= 6 and not value.isdigit() and value.lower() not in _NON_SECRET_WORDS \
+                and not (os.path.isabs(value) and os.path.exists(value)):
+            values.add(value)
+    return values
+
+
+def scrub_known(text: str, values: set[str]) -> str:
+    """`text` with each of `values` (longest first: a secret may hold a shorter one) and everything scrub() finds
+    replaced by <redacted>."""
+    for value in sorted(values, key=len, reverse=True):
+        text = text.replace(value, SCRUBBED)
+    return scrub(text)

@@ -39,7 +39,7 @@ PROVIDERS = [
     ("Hugging Face token", HF),
     ("OpenAI/Anthropic key", "sk-" + "proj-" + "Ab1" * 15),
     ("OpenAI/Anthropic key", "sk-" + "ant-api03-" + "Zz9_" * 10),
-    ("AWS access key id", "AKIA" + "IOSFODNN7EXAMPLE"),
+    ("AWS access key id", "AKIA" + "Z7Q2W3E4R5T6Y7U8"),
     ("Slack token", "xox" + "b-1234567890-abcdefghijkl"),
     ("GitLab token", "glpat-" + "Ab3_" * 6),
     ("Google API key", "AIza" + "SyD" + "x1Y2z3" * 5 + "abcdefgh"[:2]),

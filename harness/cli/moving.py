@@ -19,12 +19,15 @@ from harness.cli.options import _TRACKING_HELP, _json_option
 @click.option("--with-image", is_flag=True, help="Include the pinned image (docker save); import loads it.")
 @click.option("--with-data", is_flag=True,
               help="Include the declared data's files, checked against their recorded sha256 (left out by default).")
+@click.option("--tree-only", is_flag=True,
+              help="Ship the recorded commit's files without the git history before it (a secret committed once "
+                   "and deleted since leaves with the history).")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), default=None,
               help="An ed25519 private key (PEM): also write OUTPUT.intoto.json, a signed attestation of the run.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors
-def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool,
+def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool, tree_only: bool,
             sign_key: Path | None, tracking_uri: str | None, as_json: bool) -> None:
     """Write RUN_ID, its code and its replays to one portable bundle.
 
@@ -37,7 +40,7 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
 
     result = api.export(api.ExportOptions(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image,
                                           with_data=with_data, sign_key=sign_key, tracking_uri=tracking_uri,
-                                          on_event=_draw))
+                                          tree_only=tree_only, on_event=_draw))
     image = f", image {result.image}" if result.image else ""
     _say(f"Exported run {result.run_id} ({len(result.replays)} replays{image}): {result.members} files, "
          f"{result.size} bytes.")

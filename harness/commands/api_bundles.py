@@ -49,6 +49,7 @@ class ExportOptions:
     sign_key: Path | None = None  # an ed25519 private key (PEM): also write OUTPUT.intoto.json
     tracking_uri: str | None = None
     repo: Path | None = None  # the clone holding the recorded commit (default: found from the cwd)
+    tree_only: bool = False  # the code bundle without the git history before the recorded commit
     on_event: Listener | None = None
 
 
@@ -60,7 +61,7 @@ def export(options: ExportOptions) -> ExportResult:
                                                                       o.run_id, o.sign_key)
         result = bundle_command.export(o.run_id, o.output, with_checkpoints=o.with_checkpoints,
                                        with_image=o.with_image, with_data=o.with_data, tracking_uri=o.tracking_uri,
-                                       repo=o.repo)
+                                       repo=o.repo, tree_only=o.tree_only)
         if envelope is not None:
             result.signed = o.output.with_name(o.output.name + ".intoto.json")
             try:

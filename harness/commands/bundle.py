@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ from harness.commands.bundleformat import (
 )
 from harness.errors import DataChanged, HarnessError, RepositoryError, RunRefused, UsageError
 from harness.judge.compare import follows, judged_again
-from harness.record import closing, data, loading, seal
+from harness.record import closing, data, loading, redaction, seal
 from harness.record.checkout import recorded_submodules
 from harness.record.data import sha256_file
 from harness.store.failures import unwritable
@@ -118,9 +119,10 @@ def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
 
 def export(
     run_id: str, out: Path, *, with_checkpoints: bool = False, with_image: bool = False, with_data: bool = False,
-    tracking_uri: str | None = None, repo: Path | None = None,
+    tracking_uri: str | None = None, repo: Path | None = None, tree_only: bool = False,
 ) -> ExportResult:
-    """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s."""
+    """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s.
+    `tree_only`: the code bundle holds the recorded commits without the history before them."""
     tracker = Tracker(tracking_uri, writable=False)
     run_id = tracker.resolve_id(run_id)
     run = tracker.harness_run(run_id)
@@ -152,7 +154,9 @@ def export(
         carried = stage / RUN_DIR / ARTIFACTS / T.ARTIFACT_CODE_BUNDLE  # an imported run carries its code
         live = gitsource.find_repo(repo or Path.cwd())
         if live is not None and gitsource.has_commit(live, commit):
-            gitbundle.bundle_commit(live, commit, code, recorded_submodules(tracker, run))
+            submodules = recorded_submodules(tracker, run)
+            _warn_shipped_secrets(live, commit, submodules, tree_only, tracker.uri)
+            gitbundle.bundle_commit(live, commit, code, submodules, tree_only)
             carried.unlink(missing_ok=True)
         elif carried.is_file():
             carried.rename(code)
@@ -173,6 +177,21 @@ def export(
         _write_archive(stage, manifest, out)
     return ExportResult(out, run_id, manifest.replays, len(members), out.stat().st_size,
                         image["ref"] if image else None)
+
+
+def _warn_shipped_secrets(live: Path, commit: str, submodules: Any, tree_only: bool, uri: str) -> None:
+    """A warning naming the secrets the code bundle would carry: a token committed once and deleted since, or
+    written in a commit message, leaves with the history (the record's own patch scan never saw committed code)."""
+    changes = itertools.chain(gitbundle.shipped_changes(live, commit, tree_only),  # read as they stream
+                              *(gitbundle.shipped_changes(live / s.path, s.commit, tree_only) for s in submodules))
+    found = redaction.shipped_secrets(changes, redaction.known_keys(uri))
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        cure = (" They are in the recorded code itself: move them out of the code and record the run again."
+                if tree_only else " Pass --tree-only to ship the recorded commits' files without the history before "
+                "them, or rewrite the history (git filter-repo).")
+        events.emit(events.Warning(f"the code bundle carries secrets{'' if tree_only else ' in its git history'}: "
+                                   f"{shown}; they leave with the bundle.{cure}"))
 
 
 def _stage_image(run: Any, dest: Path) -> dict[str, str]:

@@ -87,9 +87,12 @@ def preflight(
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
     warnings: list[str] = []
-    in_diff = redaction.patch_secrets(git.patch) if git.dirty else []
+    keys = redaction.known_keys(resolve_uri(tracking_uri)) if git.dirty else {}
+    in_diff = redaction.patch_secrets(git.patch, keys) if git.dirty else []
     for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules
-        in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch)]
+        in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch, keys)]
+    if any(not f.cuttable for f in in_diff):
+        raise SecretRefused(redaction.uncuttable_refusal([f for f in in_diff if not f.cuttable]))
     if in_diff and not allow_secret_in_diff:
         raise SecretRefused(redaction.patch_refusal(in_diff))
     if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 from abc import abstractmethod
@@ -30,6 +31,7 @@ from harness.executors.multinode import Node, differing
 from harness.messages import Message
 from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, open_checkpoints
 from harness.runtime.rank.spec import LaunchSpec
+from harness.secrets import known_values
 from harness.systems import docker
 
 if TYPE_CHECKING:
@@ -150,7 +152,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
     recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: follower.show(shown), job.resume_step,
                         job.steering)
     follower = Follower(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
-                        show=not job.options.quiet)
+                        show=not job.options.quiet, hidden=known_values(to_container(cfg), os.environ))
     ended: Failed | Killed | BaseException | None = None
     try:
         device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)

@@ -5,11 +5,13 @@ one listening nothing is followed, and rank 0's log is written by the rank all t
 from __future__ import annotations
 
 import threading
+from collections.abc import Set
 from pathlib import Path
 
 from harness import events
 from harness.messages import Total
 from harness.record.recorder import Line
+from harness.secrets import scrub_known
 
 
 def said(text: str) -> events.Notice | events.Warning:
@@ -22,10 +24,12 @@ def said(text: str) -> events.Notice | events.Warning:
 class Follower:
     """Follows rank 0's log file and step clock while the ranks run, and tells them as RankOutput and Steps."""
 
-    def __init__(self, log_path: Path, label: str, show: bool = True) -> None:
+    def __init__(self, log_path: Path, label: str, show: bool = True, hidden: Set[str] = frozenset()) -> None:
         """`show=False`: rank 0's output, its steps and the launcher's lines are not told while the ranks run (runs
-        at once would interleave; rank 0's log is still kept)."""
+        at once would interleave; rank 0's log is still kept). `hidden`: the secret values harness knows of the
+        run (secrets.known_values), cut from rank 0's lines as they are from its stored log."""
         self._log_path = log_path
+        self._hidden = set(hidden)
         self._label = label
         self._show = show and events.heard()
         self._total: int | None = None
@@ -82,10 +86,10 @@ class Follower:
             pending += chunk
             *lines, pending = pending.split("\n")
             for line in lines:
-                events.emit(events.RankOutput(line))
+                events.emit(events.RankOutput(scrub_known(line, self._hidden)))
             if stopping:
                 if pending:
-                    events.emit(events.RankOutput(pending))
+                    events.emit(events.RankOutput(scrub_known(pending, self._hidden)))
                 return
 
     def close(self) -> None:

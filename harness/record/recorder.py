@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import events, tags as T
+from harness.config import to_container
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.delta import setting_risk
 from harness.messages import (
@@ -54,7 +55,7 @@ from harness.record.results import record_performance, record_results
 from harness.rundata import own_metric
 from harness.runtime import usermlflow, userseed
 from harness.runtime.plan import UNSTEERED, Steering
-from harness.secrets import scrub
+from harness.secrets import known_values, scrub
 from harness.store.outages import Outages, Patient
 from harness.store.reach import absolute_uri
 from harness.store.seriesfile import save_series
@@ -361,7 +362,8 @@ class Recorder:
                 collect()
             resume_step = self.resume_step
             logs = T.ARTIFACT_LOGS_DIR if resume_step is None else f"{T.ARTIFACT_LOGS_DIR}/resume-from-{resume_step}"
-            record_results(patient, run_id, self.fingerprints, self.final, self.work, logs)
+            hidden = known_values(to_container(self.cfg), os.environ)
+            record_results(patient, run_id, self.fingerprints, self.final, self.work, logs, hidden)
             record_performance(patient, run_id, self.final.get("performance"), self.work)
             if writer is not None:
                 self._note_direct_metrics(patient, set(writer.series))

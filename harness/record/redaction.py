@@ -3,20 +3,22 @@ the values put back for a replay. What looks like a credential is decided in har
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import hmac
 import os
 import re
 import secrets as random
-from collections.abc import Iterator, Mapping
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError, SecretRefused
-from harness.secrets import in_line, is_secret, secret_copies
-from harness.store.reach import KEY_DIR_ENV, key_file
+from harness.secrets import in_file, in_line, is_secret, known_in, scrub, secret_copies, token_shape
+from harness.store.reach import KEY_DIR_ENV, key_dir, key_file
 
 # What the record holds instead of a secret: a keyed digest (HMAC-SHA256 under the store's own random key,
 # key_file) so that two runs of one store with the same secret compare equal, but a guess ("hunter2") cannot
@@ -73,6 +75,20 @@ def _read_key(path: Path) -> Key:
             "(the runs recorded with it can then no longer check a secret given to their replay)."
         )
     return Key(bytes.fromhex(text))
+
+
+KEY_COPY = "a copy of a store's redaction key"
+
+
+def known_keys(uri: str) -> dict[str, str]:
+    """The redaction keys a code record must never hold, as kind -> hex: the key of the store at `uri` (never made
+    here) and each key under the key folder ($HARNESS_KEY_DIR), recognised by their content whatever a copy's name."""
+    found: dict[str, str] = {}
+    folder = key_dir()
+    for path in [key_file(uri), *sorted(folder.glob("*.key") if folder.is_dir() else ())]:
+        with contextlib.suppress(OSError, HarnessError):
+            found[f"{KEY_COPY} ({path.name})"] = _read_key(path).secret.hex()
+    return found
 
 
 def placeholder(value: Any, key: Key) -> str:
@@ -265,20 +281,23 @@ def parse_sources(tag: str | None) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class PatchSecret:
-    """A secret on an added line of the code patch: the file, its line number in the new file, what it is."""
+    """A secret in the code patch: the file, its line number in the new file (0: in a binary file's bytes, or in
+    the file's name), what it is; `cuttable` False when --allow-secret-in-diff cannot cut it out (a file name, a
+    binary file, a copy of a key harness itself keeps)."""
 
     path: str
     line: int
     kind: str
     value: str
+    cuttable: bool = True
 
     def where(self) -> str:
-        return f"'{self.path}' line {self.line} ({self.kind})"
+        return f"'{self.path}'{f' line {self.line}' if self.line else ''} ({self.kind})"
 
 
 def _added_lines(lines: list[bytes]) -> Iterator[tuple[int, str, int]]:
     """(index in `lines`, file path, line number in the new file) of each line a patch adds; binary hunks hold no
-    lines to read."""
+    lines to read (binary_files reads them)."""
     path, line_no, header, binary = "", 0, False, False
     for index, raw in enumerate(lines):
         if raw.startswith(b"diff --git "):
@@ -303,15 +322,93 @@ def _added_lines(lines: list[bytes]) -> Iterator[tuple[int, str, int]]:
             line_no += 1
 
 
-def patch_secrets(patch: bytes) -> list[PatchSecret]:
-    """The secrets on the lines the patch adds (tracked edits and untracked files alike), by the rules config
-    values get (harness/secrets.py)."""
+def _header_path(raw: bytes) -> str:
+    """The new path of a `diff --git a/P b/P` line (a patch without renames names each file twice; a binary hunk
+    has no ---/+++ lines to name it)."""
+    rest = raw[len(b"diff --git "):]
+    if rest.startswith(b'"'):  # C-quoted: the second name follows the first's closing quote
+        match = re.match(rb'"(?:[^"\\]|\\.)*" (.*)', rest)
+        return _unquote(match[1])[2:] if match else ""
+    return _unquote(rest[(len(rest) + 1) // 2:])[2:]
+
+
+def _paths(lines: list[bytes]) -> Iterator[str]:
+    """Every path a patch names (the old and new name of each file)."""
+    for raw in lines:
+        if raw.startswith(b"diff --git "):
+            yield _header_path(raw)
+        elif raw.startswith((b"--- ", b"+++ ")) and _unquote(raw[4:]) != "/dev/null":
+            yield _unquote(raw[4:])[2:]
+
+
+def _binary_files(lines: list[bytes]) -> Iterator[tuple[str, bytes, bool]]:
+    """(path, bytes, whole) of each binary hunk's new side: the whole file for a `literal` hunk, the bytes a `delta`
+    hunk inserts into the old file (whole False: what it adds, without what it keeps)."""
+    path = ""
+    index = 0
+    while index < len(lines):
+        raw = lines[index]
+        index += 1
+        if raw.startswith(b"diff --git "):
+            path = _header_path(raw)
+        elif raw == b"GIT binary patch" and index < len(lines):
+            kind, _, _ = lines[index].partition(b" ")
+            index += 1
+            data = bytearray()
+            while index < len(lines) and lines[index]:
+                data += _base85_line(lines[index])
+                index += 1
+            with contextlib.suppress(zlib.error, ValueError):
+                raw_data = zlib.decompress(bytes(data))
+                yield (path or "?", raw_data, True) if kind == b"literal" else (path or "?", _delta_inserts(raw_data), False)
+
+
+def _base85_line(line: bytes) -> bytes:
+    """One line of a git binary hunk: its length (A-Z 1-26, a-z 27-52 bytes), then base85 in groups of five."""
+    first = chr(line[0])
+    size = ord(first) - ord("A") + 1 if first.isupper() else ord(first) - ord("a") + 27
+    return base64.b85decode(line[1:].rstrip(b"\r"))[:size]
+
+
+def _delta_inserts(delta: bytes) -> bytes:
+    """The literal bytes a git delta inserts (its copies come from the old file), one insert a line."""
+    pos = 0
+    for _ in range(2):  # the old and the new size, as varints
+        while pos < len(delta) and delta[pos] & 0x80:
+            pos += 1
+        pos += 1
+    out = []
+    while pos < len(delta):
+        op = delta[pos]
+        pos += 1
+        if op & 0x80:  # a copy: its offset and size bytes, one for each bit set
+            pos += bin(op & 0x7F).count("1")
+        elif op:
+            out.append(delta[pos:pos + op])
+            pos += op
+    return b"\n".join(out)
+
+
+def patch_secrets(patch: bytes, known: dict[str, str] | None = None) -> list[PatchSecret]:
+    """The secrets the patch adds (tracked edits and untracked files alike), by the rules config values get
+    (harness/secrets.py): on its added lines, in its binary hunks (UTF-16 text, binaries), in its file names; and
+    the `known` values (kind -> value: a store's redaction key) wherever they lie."""
     lines = patch.split(b"\n")
     found = []
+    for name in dict.fromkeys(_paths(lines)):
+        hit = in_line(name, "")
+        if hit is not None and (token_shape(hit.value) or hit.kind == "password in a URL"):
+            found.append(PatchSecret(scrub(name), 0, f"{hit.kind} in the file name", hit.value, cuttable=False))
     for index, path, line_no in _added_lines(lines):
-        hit = in_line(lines[index][1:].decode(errors="surrogateescape"), path)
+        text = lines[index][1:].decode(errors="surrogateescape")
+        hit = in_line(text, path)
         if hit is not None:
             found.append(PatchSecret(path, line_no, hit.kind, hit.value))
+        found += [PatchSecret(path, line_no, h.kind, h.value, cuttable=False) for h in known_in(text, known)]
+    for path, data, whole in _binary_files(lines):
+        what = "" if whole else ", in its binary change"
+        for line_no, hit in in_file(data, path, known):
+            found.append(PatchSecret(path, line_no if whole else 0, hit.kind + what, hit.value, cuttable=False))
     return found
 
 
@@ -324,6 +421,30 @@ def _unquote(name: bytes) -> str:
         name = re.sub(rb"\\([0-7]{3}|.)", lambda m: bytes([int(m[1], 8)]) if len(m[1]) == 3
                       else _ESCAPES.get(m[1], m[1]), name[1:-1])
     return name.decode(errors="replace")
+
+
+def shipped_secrets(changes: Iterable[tuple[str, str, bytes]], known: dict[str, str] | None = None) -> list[str]:
+    """Where the commits a code bundle ships (commit, message, patch: systems/gitbundle.shipped_changes) hold
+    secrets, one `commit 1a2b3c4d5e6f 'path' line 3 (kind)` each: in what a commit adds, in its file names, in
+    its message."""
+    found = []
+    for commit, message, patch in changes:
+        for hit in patch_secrets(patch, known):
+            found.append(f"commit {commit[:12]} {hit.where()}")
+        for number, line in enumerate(message.splitlines(), 1):
+            in_message = in_line(line, "") or next(iter(known_in(line, known)), None)
+            if in_message is not None:
+                found.append(f"commit {commit[:12]} message line {number} ({in_message.kind})")
+    return list(dict.fromkeys(found))
+
+
+def uncuttable_refusal(found: list[PatchSecret]) -> str:
+    """The one line a patch is refused with when a secret in it cannot be cut out, --allow-secret-in-diff or not."""
+    shown = ", ".join(f.where() for f in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return (f"{shown} {'is a secret' if len(found) == 1 else 'are secrets'} in the uncommitted changes that cannot "
+            "be cut from the stored patch (a file's name, a binary or UTF-16 file, a copy of a store's redaction "
+            "key), not even with --allow-secret-in-diff. Rename the file, delete the copy, add it to .gitignore, "
+            "or save a text file as UTF-8; a line that holds no secret can be marked `# harness: not-a-secret`.")
 
 
 def patch_refusal(found: list[PatchSecret]) -> str:

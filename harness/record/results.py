@@ -16,15 +16,18 @@ from harness.messages import (
     SettingChange,
 )
 from harness.runtime import userseed
+from harness.secrets import scrub_known
 from harness.store.outages import Patient
 from harness.store.tracking import Tracker
 
 
 def record_results(
-    tracker: Tracker | Patient, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path, logs: str
+    tracker: Tracker | Patient, run_id: str, fingerprints: dict[int, str], final: dict[str, Any], work: Path, logs: str,
+    hidden: set[str] | None = None,
 ) -> None:
     """The end-of-run tags and artifacts: determinism in force and its changes, fingerprints, notices, seeds,
-    checkpoint fingerprints, the metric series, the rank logs (under `logs`) and the ranks' outputs."""
+    checkpoint fingerprints, the metric series, the rank logs (under `logs`, the `hidden` secret values and every
+    token scrubbed out) and the ranks' outputs."""
     tags: dict[str, str] = {}
     if "determinism" in final:
         tags.update({T.DETERMINISM_PREFIX + k: v for k, v in final["determinism"].items()})
@@ -74,10 +77,22 @@ def record_results(
         tracker.log_file(run_id, work / "series.npz", str(Path(T.ARTIFACT_SERIES).parent))
     logs_dir = work / "logs"
     if logs_dir.is_dir() and any(logs_dir.iterdir()):
+        scrub_logs(logs_dir, hidden or set())
         tracker.log_dir(run_id, logs_dir, logs)
     outputs = work / "outputs"
     if outputs.is_dir() and any(outputs.iterdir()):
         tracker.log_dir(run_id, outputs, T.ARTIFACT_OUTPUTS_DIR)
+
+
+def scrub_logs(folder: Path, hidden: set[str]) -> None:
+    """The rank logs under `folder` rewritten in place without the `hidden` values and the tokens scrub() finds:
+    the training code may print them (print(dict(ctx.cfg)), os.environ), and the logs are stored and exported."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        raw = path.read_bytes()
+        text = raw.decode("utf-8", errors="surrogateescape")  # bytes that are no UTF-8 come back as they were
+        clean = scrub_known(text, hidden).encode("utf-8", errors="surrogateescape")
+        if clean != raw:
+            path.write_bytes(clean)
 
 
 def record_performance(tracker: Tracker | Patient, run_id: str, performance: Performance | None, work: Path) -> None:

@@ -92,8 +92,12 @@ def key_file(uri: str) -> Path:
     db = database_file(uri)
     if db is not None:
         return db.with_name(db.name + ".harness-key")
-    folder = Path(os.environ.get(KEY_DIR_ENV) or Path.home() / ".config" / "harness" / "keys")
-    return folder / f"{hashlib.sha256(strip_credentials(uri).encode()).hexdigest()[:16]}.key"
+    return key_dir() / f"{hashlib.sha256(strip_credentials(uri).encode()).hexdigest()[:16]}.key"
+
+
+def key_dir() -> Path:
+    """The folder of the redaction keys of stores that are not a local database."""
+    return Path(os.environ.get(KEY_DIR_ENV) or Path.home() / ".config" / "harness" / "keys")
 
 
 # --- deadlines ---------------------------------------------------------------------------------

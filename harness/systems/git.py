@@ -30,6 +30,7 @@ MIB = 1 << 20
 SECRET_PATTERNS = (
     ".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_dsa*", "id_ecdsa*",
     "id_ed25519*", "credentials*", ".netrc", "_netrc", ".pypirc", ".git-credentials", "*.kdbx", "secrets.*",
+    "*.harness-key",  # a store's redaction key (record/redaction.py); copies under other names are found by content
 )
 # Options that pin the patch's format: the user's diff config (noprefix, mnemonicPrefix, color,
 # external diff, textconv, renames, context lines, algorithm, order, relative, submodule log

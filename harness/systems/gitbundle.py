@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from harness import scratch
 from harness.errors import RepositoryError
-from harness.systems.git import Submodule, _object_format, _run, has_commit
+from harness.systems.git import (
+    _DIFF_ARGS,
+    _DIFF_CONFIG,
+    GIT_TIMEOUT_S,
+    GitFailed,
+    Submodule,
+    _object_format,
+    _run,
+    has_commit,
+)
 
 BUNDLE_REF = "refs/harness/recorded"  # the one ref of a run's code bundle, naming the recorded commit
 
@@ -22,12 +33,15 @@ def _objects(root: Path) -> str:
     return _run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
 
 
-def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Submodule] = ()) -> None:
+def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Submodule] = (),
+                  tree_only: bool = False) -> None:
     """Write a git bundle holding `commit` and its history to `dest`: the code travels without the remote. With
-    `submodules`, each one's commit too (from its checkout under `root`), under SUBMODULE_REFS.
+    `submodules`, each one's commit too (from its checkout under `root`), under SUBMODULE_REFS. With `tree_only`,
+    the commits without their history: the same commit ids, with their trees and nothing before them.
 
     A bundle must name a ref; it is made in a scratch repository that borrows the objects of `root`
-    (git alternates), so the user's refs stay as they are.
+    (git alternates), so the user's refs stay as they are. A history-free bundle is made from it marked shallow
+    at the commits (git's own cut: the commit objects keep their parents' ids, the parents stay behind).
     """
     if not has_commit(root, commit):
         raise RepositoryError(
@@ -51,7 +65,49 @@ def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Subm
         for index, sub in enumerate(submodules):
             refs.append(f"{SUBMODULE_REFS}{index}")
             _run(bare, ["update-ref", refs[-1], sub.commit])
+        if tree_only:
+            (bare / "shallow").write_text("".join(f"{c}\n" for c in sorted({commit, *(s.commit for s in submodules)})))
         _run(bare, ["bundle", "create", "-q", str(dest), *refs])
+
+
+def shipped_changes(root: Path, commit: str, tree_only: bool = False) -> Iterator[tuple[str, str, bytes]]:
+    """(commit, message, patch) of each commit a code bundle of `commit` ships, newest first: its whole history,
+    or with `tree_only` the commit alone as one patch creating its tree. The patches are exact bytes, binary
+    hunks included, in the record's own diff format (systems/git.py)."""
+    if tree_only:
+        empty = _run(root, ["hash-object", "-t", "tree", "--stdin"], stdin=b"").strip().decode("ascii")
+        message = _run(root, ["log", "-1", "--format=%B", commit]).decode(errors="replace")
+        yield commit, message, _run(root, ["diff", *_DIFF_ARGS, empty, commit], config=_DIFF_CONFIG)
+        return
+    # One `git log -p` for the whole history, read as it comes (a long history with binaries runs to gigabytes):
+    # a marker no commit message holds opens each commit.
+    args = ["git", *(a for item in _DIFF_CONFIG for a in ("-c", item)), "log", "-p",
+            "--format=%x01%x02%H%n%B%x01%x03", *_DIFF_ARGS, commit]
+    deadline = time.monotonic() + GIT_TIMEOUT_S
+    with subprocess.Popen(args, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+        assert proc.stdout is not None  # stdout=PIPE
+        pending = b""
+        try:
+            for block in iter(lambda: proc.stdout.read(1 << 20), b""):  # type: ignore[union-attr]
+                if time.monotonic() > deadline:
+                    raise RepositoryError(
+                        f"reading the git history of {commit[:12]} in '{root}' for secrets took over {GIT_TIMEOUT_S} s. "
+                        "Export with --tree-only (the recorded commit without its history).")
+                *done, pending = (pending + block).split(b"\x01\x02")
+                yield from (_commit_of(chunk) for chunk in done if chunk)
+            if pending:
+                yield _commit_of(pending)
+        finally:
+            proc.kill()
+    if proc.returncode not in (0, -9):
+        raise RepositoryError(f"`git log` of {commit[:12]} failed in '{root}'. Check the repository with `git status`.")
+
+
+def _commit_of(chunk: bytes) -> tuple[str, str, bytes]:
+    """(commit, message, patch) of one commit of shipped_changes' `git log -p`."""
+    head, _, patch = chunk.partition(b"\x01\x03")
+    sha, _, text = head.partition(b"\n")
+    return sha.decode("ascii"), text.decode(errors="replace"), patch.lstrip(b"\n")
 
 
 @contextlib.contextmanager
@@ -63,9 +119,15 @@ def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
     try:
         repo = tmp / "repo"
         _run(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])
-        _run(repo, ["fetch", "-q", str(bundle), f"{BUNDLE_REF}:{BUNDLE_REF}"])
+        specs = [f"{BUNDLE_REF}:{BUNDLE_REF}"]
         if any(h.startswith(SUBMODULE_REFS.encode()) for h in heads):  # the submodules' commits, when it carries them
-            _run(repo, ["fetch", "-q", str(bundle), f"{SUBMODULE_REFS}*:{SUBMODULE_REFS}*"])
+            specs.append(f"{SUBMODULE_REFS}*:{SUBMODULE_REFS}*")
+        try:
+            _run(repo, ["fetch", "-q", str(bundle), *specs])
+        except GitFailed:  # a bundle without history (export --tree-only): the repository is made shallow there
+            ids = [h.decode("ascii") for h in heads if len(h) in (40, 64) and not h.startswith(b"refs/")]
+            (repo / ".git" / "shallow").write_text("".join(f"{i}\n" for i in ids))
+            _run(repo, ["fetch", "-q", str(bundle), *specs])
         if not has_commit(repo, commit):
             raise RepositoryError(
                 f"the code bundle {bundle.name} does not hold the recorded commit {commit[:12]}. "

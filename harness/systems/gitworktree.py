@@ -14,7 +14,17 @@ from typing import Any
 
 from harness import scratch
 from harness.errors import RepositoryError
-from harness.systems.git import GitFailed, Submodule, _git, _run, _show, has_commit, open_repo, verify_patch
+from harness.systems.git import (
+    GitFailed,
+    Submodule,
+    _git,
+    _object_format,
+    _run,
+    _show,
+    has_commit,
+    open_repo,
+    verify_patch,
+)
 
 _WORKTREE_PREFIX = "harness-code-"
 _STALE = re.compile(rf"{_WORKTREE_PREFIX}(\d+)-[^/]*/tree$")
@@ -89,7 +99,14 @@ def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Pa
             f"Fetch it there (git -C '{shown}' fetch), or run this inside a clone that has it."
         )
     dest.mkdir(parents=True, exist_ok=True)
-    _run(dest, ["clone", "-q", "--no-checkout", "--shared", str(source), "."])
+    shallow = Path(_run(source, ["rev-parse", "--path-format=absolute", "--git-path", "shallow"]).strip().decode())
+    if shallow.is_file():  # a code bundle without history (export --tree-only): git's clone would not borrow from it
+        _run(dest, ["init", "-q", f"--object-format={_object_format(source)}", "."])
+        objects = _run(source, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
+        (dest / ".git" / "objects" / "info" / "alternates").write_text(objects + "\n")
+        shutil.copyfile(shallow, dest / ".git" / "shallow")
+    else:
+        _run(dest, ["clone", "-q", "--no-checkout", "--shared", str(source), "."])
     _run(dest, ["checkout", "-q", "--detach", sub.commit])
     if sub.patch:
         _apply(dest, sub.commit, sub.patch, scratch_dir / "submodule.patch", f" of submodule '{shown}'")

@@ -1,10 +1,13 @@
-"""Runs made from another run (a replay, an audit, a trace, a study replay) or from a claims file (a verify run).
+"""Runs made from another run (a replay, an audit, a trace, a study replay, a calibration) or from a claims file (a
+verify run).
 
 One place says how such a run is recorded: its kind, the tag naming the run it was made from, the MLflow
 parent it is nested under, the facts it carries from its source and the machine it ran on; and how it
 closes: FINISHED when its body completes, KILLED on Ctrl-C, FAILED with the error as its status reason on
-any other error (never left RUNNING). A training replay's run is opened by `harness run`'s recorder
-(record/newrun.py create_record), which closes it when the ranks end: `opened(..., close=False)`.
+any other error (never left RUNNING by its launcher; a launcher killed outright leaves it RUNNING, and its
+heartbeat, where `opened` keeps one, turns STALE for `harness mark`). A training replay's run is opened by
+`harness run`'s recorder (record/newrun.py create_record), which closes it when the ranks end:
+`opened(..., close=False)`. And which run a command on a derived run means: the one it was made from (`followed`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import Interrupted
 from harness.record import closing
 from harness.record.provenance import runtime_facts
@@ -54,18 +57,48 @@ def tags(
     return out
 
 
+# The kinds a command on a run follows to the run they were made from (a trace is not followed: the loader refuses it).
+FOLLOWED = {kind: OF_TAG[kind] for kind in (T.KIND_REPLAY, T.KIND_STUDY_REPLAY, T.KIND_AUDIT)}
+
+
+def followed(tracker: Tracker, run: RunSummary, doing: str) -> RunSummary:
+    """The run a replay or an audit was made from (and so on), which is what replaying or calibrating it means; one
+    line says each step, e.g. "run R is a replay of O; calibrating O" (`doing`: "calibrating")."""
+    seen = {run.run_id}
+    while (tag := FOLLOWED.get(run.tags.get(T.KIND, ""))) and run.tags.get(tag):
+        source = tracker.harness_run(run.tags[tag])
+        if source.run_id in seen:  # a hand-edited tag could close a loop
+            break
+        events.emit(events.Notice(f"run {run.run_id} is {'an audit' if tag == T.AUDIT_OF else 'a replay'} of "
+                                  f"{source.run_id}; {doing} {source.run_id}"))
+        seen.add(source.run_id)
+        run = source
+    return run
+
+
 @contextlib.contextmanager
 def opened(tracker: Tracker, experiment: str, run_tags: Mapping[str, str], run_name: str | None, *,
-           close: bool = True) -> Iterator[str]:
+           close: bool = True, heartbeat_s: float | None = None) -> Iterator[str]:
     """Create the run and yield its id; it ends FINISHED when the body completes (unless `close` is False: its
-    launcher ends it), KILLED on Ctrl-C, FAILED with the error as harness.status_reason on any other error."""
+    launcher ends it), KILLED on Ctrl-C, FAILED with the error as harness.status_reason on any other error.
+
+    `heartbeat_s`: the run is marked alive that often while the body runs (store/writers.py Heartbeat), so that a
+    launcher killed outright (SIGKILL, a lost machine) leaves a run `harness runs` shows STALE and `harness mark`
+    closes, as a training run's."""
     run_id = tracker.create_run(experiment, dict(run_tags), run_name=run_name)
+    heartbeat = None
     try:
+        if heartbeat_s is not None:
+            heartbeat = tracker.heartbeat(run_id, heartbeat_s)
         yield run_id
     except BaseException as err:
+        if heartbeat is not None:
+            heartbeat.close()
         status = T.KILLED if isinstance(err, (KeyboardInterrupt, Interrupted)) else T.FAILED
         # The store that failed may refuse the reason too; the close must still come.
         closing.close(tracker, run_id, status, closing.error_reason(err), reason_may_fail=True)
         raise
+    if heartbeat is not None:
+        heartbeat.close()
     if close:
         closing.close(tracker, run_id, T.FINISHED)

@@ -17,7 +17,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from conftest import Project, fill_disk, make_project, tmpfs
+from conftest import KEPT_RANK_SERVER, Project, fill_disk, make_project, pid_alive, tmpfs
 
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_USAGE, StoreUnavailable
@@ -44,7 +44,8 @@ def _runs(project: Project, **wanted: str) -> list:
 def killed(tiny: tuple[Project, str]) -> tuple[str, str]:
     """(calibration, its reference member) of a calibration whose launcher was SIGKILLed while the reference ran."""
     project, run = tiny
-    proc = project.popen("calibrate", run, "--members", "2", "--steps", "1", env=FROM_ENV)
+    # A rank server of this launch's own: its ranks are in the killed command's session, where _session looks.
+    proc = project.popen("calibrate", run, "--members", "2", "--steps", "1", env={**FROM_ENV, KEPT_RANK_SERVER: "0"})
     deadline = time.monotonic() + 120
     while True:
         cals = _runs(project, **{T.CALIBRATION_OF: run})
@@ -56,7 +57,23 @@ def killed(tiny: tuple[Project, str]) -> tuple[str, str]:
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks, as a lost machine would
     proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while left := _session(proc.pid):  # the member's ranks die with their launcher
+        assert time.monotonic() < deadline, f"the killed calibration left processes behind: {left}"
+        time.sleep(0.2)
     return cals[0].info.run_id, members[0].info.run_id
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of the session `sid` leads (the killed command started it: start_new_session)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == sid and pid_alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_a_killed_calibration_goes_stale_and_mark_closes_it_without_force(tiny, killed) -> None:
@@ -68,7 +85,7 @@ def test_a_killed_calibration_goes_stale_and_mark_closes_it_without_force(tiny, 
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith(calibration))
     assert row.split()[4] == "STALE", listed.stdout
-    marked = project.harness("mark", calibration, "--status", "KILLED")
+    marked = project.cli("mark", calibration, "--status", "KILLED")
     assert marked.returncode == 0, marked.stderr
     closed = project.client().get_run(calibration)
     assert closed.info.status == "KILLED"
@@ -146,7 +163,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
     assert len(members) == 1 and members[0][1] == "FINISHED", rows  # the reference; member 1 got no row
     err = raised.value
     assert err.exit_code == EXIT_FAILED, err
-    close = f" Once space is free and `harness runs` shows it STALE, close it: harness mark {cal[0]} --status FAILED." \
+    close = f" Once its disk takes writes again and `harness runs` shows it STALE, close it: harness mark {cal[0]} --status FAILED." \
         if cal[1] == "RUNNING" else ""
     assert str(err).startswith(f"the tracking store {store.uri} is full ("), err
     assert str(err).endswith(

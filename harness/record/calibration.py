@@ -64,15 +64,15 @@ def left_behind(tracker: Tracker, calibration_id: str, run_id: str) -> str:
                          key=lambda r: (r.start_time or 0, r.run_id))
     except Exception as err:  # the store that failed may not even answer a read
         return (f"The store could not be read back ({err}): calibration {calibration_id} of run {run_id} and its "
-                f"member replays (tag {T.CALIBRATION}) may be left {T.RUNNING}; once space is free, `harness runs` shows "
-                f"them and `harness mark ID --status {T.FAILED}` closes each one left RUNNING. Then calibrate again: "
-                f"harness calibrate {run_id}.")
+                f"member replays (tag {T.CALIBRATION}) may be left {T.RUNNING}; once its disk takes writes again, "
+                f"`harness runs` shows them and `harness mark ID --status {T.FAILED}` closes each one left RUNNING. "
+                f"Then calibrate again: harness calibrate {run_id}.")
 
     held = ", ".join(f"{r.run_id} {r.status}" for r in members) or "none"
     running = [r.run_id for r in [calibration, *members] if r.status == T.RUNNING]
+    one = len(running) == 1
     close = "" if not running else (
-        f" Once space is free and `harness runs` shows {'it' if len(running) == 1 else 'them'} STALE, close "
-        f"{'it' if len(running) == 1 else 'each'}: " + "; ".join(f"harness mark {i} --status {T.FAILED}" for i in running)
-        + ".")
+        f" Once its disk takes writes again and `harness runs` shows {'it' if one else 'them'} STALE, close "
+        f"{'it' if one else 'each'}: " + "; ".join(f"harness mark {i} --status {T.FAILED}" for i in running) + ".")
     return (f"It left calibration {calibration_id} {calibration.status}, with no envelope, and its member replays: "
             f"{held}.{close} Then calibrate again: harness calibrate {run_id}.")

@@ -122,7 +122,7 @@ def test_calibrate_asks_for_a_secret_as_replay_does(tiny) -> None:
 def test_calibrate_follows_a_replay_to_its_run_in_one_line(tiny, killed) -> None:
     project, run = tiny
     _, member = killed  # a replay of the run (the killed calibration's reference), itself never FINISHED
-    followed = project.cli("calibrate", member, SECRET, "--steps", "99")
+    followed = project.cli("calibrate", member, "--steps", "99")
     assert followed.returncode == EXIT_USAGE
     assert followed.stderr.strip().splitlines()[-2:] == [
         f"run {member} is a replay of {run}; calibrating {run}",

@@ -4,10 +4,9 @@ verify run).
 One place says how such a run is recorded: its kind, the tag naming the run it was made from, the MLflow
 parent it is nested under, the facts it carries from its source and the machine it ran on; and how it
 closes: FINISHED when its body completes, KILLED on Ctrl-C, FAILED with the error as its status reason on
-any other error (never left RUNNING by its launcher; a launcher killed outright leaves it RUNNING, and its
-heartbeat, where `opened` keeps one, turns STALE for `harness mark`). A training replay's run is opened by
-`harness run`'s recorder (record/newrun.py create_record), which closes it when the ranks end:
-`opened(..., close=False)`. And which run a command on a derived run means: the one it was made from (`followed`).
+any other error (never left RUNNING). A training replay's run is opened by `harness run`'s recorder
+(record/newrun.py create_record), which closes it when the ranks end: `opened(..., close=False)`. And which run a
+command given a derived run means: the one it was made from (`followed`).
 """
 
 from __future__ import annotations
@@ -78,27 +77,16 @@ def followed(tracker: Tracker, run: RunSummary, doing: str) -> RunSummary:
 
 @contextlib.contextmanager
 def opened(tracker: Tracker, experiment: str, run_tags: Mapping[str, str], run_name: str | None, *,
-           close: bool = True, heartbeat_s: float | None = None) -> Iterator[str]:
+           close: bool = True) -> Iterator[str]:
     """Create the run and yield its id; it ends FINISHED when the body completes (unless `close` is False: its
-    launcher ends it), KILLED on Ctrl-C, FAILED with the error as harness.status_reason on any other error.
-
-    `heartbeat_s`: the run is marked alive that often while the body runs (store/writers.py Heartbeat), so that a
-    launcher killed outright (SIGKILL, a lost machine) leaves a run `harness runs` shows STALE and `harness mark`
-    closes, as a training run's."""
+    launcher ends it), KILLED on Ctrl-C, FAILED with the error as harness.status_reason on any other error."""
     run_id = tracker.create_run(experiment, dict(run_tags), run_name=run_name)
-    heartbeat = None
     try:
-        if heartbeat_s is not None:
-            heartbeat = tracker.heartbeat(run_id, heartbeat_s)
         yield run_id
     except BaseException as err:
-        if heartbeat is not None:
-            heartbeat.close()
         status = T.KILLED if isinstance(err, (KeyboardInterrupt, Interrupted)) else T.FAILED
         # The store that failed may refuse the reason too; the close must still come.
         closing.close(tracker, run_id, status, closing.error_reason(err), reason_may_fail=True)
         raise
-    if heartbeat is not None:
-        heartbeat.close()
     if close:
         closing.close(tracker, run_id, T.FINISHED)

@@ -20,9 +20,9 @@ class CalibrateOptions:
     run_id: str  # a run, or a replay / audit of one (the run it was made from is calibrated)
     members: int | None = None  # default calibrate.DEFAULT_MEMBERS
     steps: int | None = None  # default: calibrate.DEFAULT_STEPS, or the run's steps when fewer
-    overrides: tuple[str, ...] = ()  # KEY=VALUE: only the secrets the record hides, given again as to replay
     tracking_uri: str | None = None
     on_event: Listener | None = None
+    overrides: tuple[str, ...] = ()  # KEY=VALUE: only the secrets the record hides, given again as to replay
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from conftest import KEPT_RANK_SERVER, Project, fill_disk, make_project, pid_alive, tmpfs
+from conftest import KEPT_RANK_SERVER, Project, fill_disk, git, make_project, pid_alive, tmpfs
 
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_USAGE, StoreUnavailable
@@ -163,9 +163,12 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
     assert len(members) == 1 and members[0][1] == "FINISHED", rows  # the reference; member 1 got no row
     err = raised.value
     assert err.exit_code == EXIT_FAILED, err
-    close = f" Once its disk takes writes again and `harness runs` shows it STALE, close it: harness mark {cal[0]} --status FAILED." \
-        if cal[1] == "RUNNING" else ""
+    close = "" if cal[1] != "RUNNING" else (
+        f" Once its disk takes writes again and `harness runs` shows it STALE, close it: harness mark {cal[0]} --status "
+        "FAILED.")
     assert str(err).startswith(f"the tracking store {store.uri} is full ("), err
     assert str(err).endswith(
         f"then rerun. It left calibration {cal[0]} {cal[1]}, with no envelope, and its member replays: {members[0][0]} "
         f"FINISHED.{close} Then calibrate again: harness calibrate {run.last_line}."), err
+    trees = git(project.root, "worktree", "list", "--porcelain")
+    assert trees.count("worktree ") == 1, trees  # the refused member's checkout is gone too

@@ -288,6 +288,14 @@ def tmpfs(where: Path, options: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def fill_disk(disk: Path) -> None:
+    """Take every byte left on `disk` (a tmpfs), as another program would."""
+    with open(disk / "filler", "wb") as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"\0" * 65536)
+            fh.flush()
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 12 MB filesystem at tmp_path/"small disk"."""

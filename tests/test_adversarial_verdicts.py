@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KEPT_RANK_SERVER, Project, git, make_project, tmpfs
+from conftest import KEPT_RANK_SERVER, Project, fill_disk, git, make_project, tmpfs
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_USAGE
 from harness.store.tracking import Tracker
@@ -291,14 +291,6 @@ def test_an_experiment_folder_named_with_a_newline_is_refused_at_run(tmp_path: P
 
 
 # -- a full disk ---------------------------------------------------------------------------------------
-def _fill(disk: Path) -> None:
-    """Take every byte left on `disk` (a tmpfs), as another program would."""
-    with open(disk / "filler", "wb") as fh, contextlib.suppress(OSError):
-        while True:
-            fh.write(b"\0" * 65536)
-            fh.flush()
-
-
 def test_a_full_disk_before_a_replay_is_harness_one_line_not_sqlalchemy(tmp_path: Path) -> None:
     """The store's disk (a 12 MB tmpfs) filled after the run: the replay says the store is full in one line, exit 2,
     not SQLAlchemy's "raised as a result of Query-invoked autoflush", and leaves no run and no worktree."""
@@ -307,7 +299,7 @@ def test_a_full_disk_before_a_replay_is_harness_one_line_not_sqlalchemy(tmp_path
         store = Project(project.root, disk)
         run = store.harness("run", "experiments/linear_ddp", "train.epochs=1", env={"XDG_CACHE_HOME": str(tmp_path)})
         assert run.returncode == 0, run.stderr
-        _fill(disk)
+        fill_disk(disk)
         result = store.harness("replay", run.last_line, env={"XDG_CACHE_HOME": str(tmp_path)})
         assert result.returncode == EXIT_USAGE, result.stderr
         assert _error(result.stderr) == (

@@ -60,6 +60,7 @@ EXAMPLES: dict[str, list[str]] = {
     "calibrate": [
         "harness calibrate <run-id>                 # 8 nudged re-executions of its first 50 steps",
         "harness calibrate <run-id> -k 16 -m 200    # a wider envelope: 16 members, 200 steps",
+        "harness calibrate <run-id> train.token=VALUE  # a secret its record hides, given again as to replay",
     ],
     "audit": [
         "harness audit <run-id> -k 3               # replay 3 random checkpoint-to-checkpoint segments",

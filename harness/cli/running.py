@@ -286,6 +286,7 @@ def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
 
 @click.command()
 @click.argument("run_id")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--members", "-k", type=int, default=None,
               help="How many nudged re-executions (default 8, at most 32).")
 @click.option("--steps", "-m", type=int, default=None,
@@ -293,7 +294,8 @@ def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors
-def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri: str | None, as_json: bool) -> None:
+def calibrate(run_id: str, overrides: tuple[str, ...], members: int | None, steps: int | None,
+              tracking_uri: str | None, as_json: bool) -> None:
     """Measure the rounding envelope of a FINISHED run's first steps, for WITHIN_ROUNDING verdicts.
 
     K members replay the run's first M steps as recorded (commit, config, seed, data, image), each with every
@@ -301,13 +303,16 @@ def calibrate(run_id: str, members: int | None, steps: int | None, tracking_uri:
     from the run, in every logged value and in their weights after step M, is how far rounding alone carries it. The run itself
     is re-executed once more, unnudged, as the reference. A later replay that is not bit-identical (another CPU's or
     GPU's kernels) is judged against that envelope step by step and on its weights after step M: WITHIN_ROUNDING,
-    or DIVERGED at the first step outside it. Costs (K + 1) x M training steps (said first). The last line of stdout
-    is the calibration run's id. Exit 0 calibrated, 1 a member failed, 2 bad input.
+    or DIVERGED at the first step outside it. Costs (K + 1) x M training steps (said first). RUN_ID may be a replay
+    or an audit: the run it was made from is calibrated. KEY=VALUE gives back a secret the record hides, as to
+    `harness replay` (no other change is taken). The last line of stdout is the calibration run's id. Exit 0
+    calibrated, 1 a member failed (or the store failed once the calibration was recorded: said what it left), 2 bad
+    input (nothing recorded).
     """
     from harness.commands import api
 
-    done = api.calibrate(api.CalibrateOptions(run_id, members=members, steps=steps, tracking_uri=tracking_uri,
-                                              on_event=_draw))
+    done = api.calibrate(api.CalibrateOptions(run_id, members=members, steps=steps, overrides=tuple(overrides),
+                                              tracking_uri=tracking_uri, on_event=_draw))
     if as_json:
         from harness.commands import documents
 

@@ -8,25 +8,34 @@ reduction split does to the run, not only a nudged start (docs/verdicts.md measu
 nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
 by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
 sealed when it closes; a replay of the run finds it (record/calibration.py `envelope_of`) and is judged against it.
+
+The id given may be a replay's (or an audit's): the run it was made from is calibrated, as replay follows it. Secrets
+the record hides are given again as replay takes them (KEY=VALUE, or the environment variable the run read); no other
+override is taken. The calibration run has a heartbeat while it runs, so a launcher killed outright leaves a run
+`harness runs` shows STALE and `harness mark` closes; a store that fails once it is recorded (a full disk) is said
+with what it left there (record/calibration.py `left_behind`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from signal import SIGINT, SIGTERM, Signals
 from typing import Any
 
 from harness import events, tags as T
 from harness.commands.options import CalibrateOptions
-from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, UsageError
+from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, StoreUnavailable, UsageError
 from harness.fmt import json_safe
 from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
 from harness.judge.weightdistance import Sketch, distance
-from harness.record import derived, loading
+from harness.record import derived, loading, redaction
+from harness.record.calibration import left_behind
 from harness.runtime.perturb import KERNELS, NUDGE, NUDGE_ULPS, REFERENCE, kernels_of
+from harness.store.failures import unwritable
 from harness.store.tracking import Tracker
 
 DEFAULT_MEMBERS = 8
@@ -79,7 +88,9 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     run_id, members, steps, tracking_uri = options.run_id, options.members, options.steps, options.tracking_uri
     check_options(members, steps)
     tracker = tracker or Tracker(tracking_uri)
-    loaded = loading.load(tracker, run_id, loading.CALIBRATE)
+    # A replay's (or audit's) id means the run it re-executed: its own first steps are no reference of their own.
+    loaded = loading.load(tracker, derived.followed(tracker, tracker.harness_run(run_id), "calibrating"),
+                          loading.CALIBRATE)
     original = loaded.summary
     record = tracker.load_record(original.run_id)
     total = original_steps(record)
@@ -89,6 +100,7 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     if steps is not None and steps > total:
         raise UsageError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
     m = steps or min(DEFAULT_STEPS, total)
+    secrets = secrets_given(loaded, list(options.overrides))
     kernels = ", ".join(kind.describe() for kind in KERNELS[:k])
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
                               f"(the run took {total}), each member one replay of its first {m} steps, nudged by up to "
@@ -98,15 +110,20 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     run_tags = derived.tags(T.KIND_CALIBRATION, original, version=original.tags.get(T.VERSION),
                             extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m),
                                    T.CALIBRATION_NUDGE: repr(NUDGE)})
-    with derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}") as cal_id:
+    calibrating = _Calibrating(tracker, original.run_id, float(loaded.recorded.cfg.heartbeat_s))
+    # Outermost, the store's failure said with what it left (a failing close of the calibration too); innermost, the
+    # heartbeat, which stops before the calibration is closed.
+    with calibrating, derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}") \
+            as cal_id, calibrating.alive(cal_id):
         ids: list[str] = []
         records = []
         for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
             events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
                                         f"calibration {cal_id}: the run itself (the reference)", i, k))
             result = replay(original.run_id, follow=False, tracker=tracker, steps=m, perturb_seed=i, localize=False,
-                            sketch_at=m, extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
-                                                     T.CALIBRATION_KERNELS: kernels_of(i).describe()})
+                            sketch_at=m, overrides=secrets,
+                            extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
+                                        T.CALIBRATION_KERNELS: kernels_of(i).describe()})
             ids.append(result.outcome.run_id)
             which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
             if result.outcome.status == T.KILLED and result.outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
@@ -153,6 +170,48 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
+
+
+def secrets_given(loaded: loading.Loaded, overrides: list[str]) -> list[str]:
+    """The KEY=VALUE overrides that give back secrets the run's record hides, checked as replay checks them (record/
+    rerun.py restore_secrets: a missing or wrong one refused here, before anything is recorded); any other override
+    is refused: a calibration re-executes the run as recorded."""
+    rest = loaded.recorded.restore_secrets(overrides, "calibrate")
+    if rest:
+        shown = " ".join(redaction.redact_override(item, redaction.store_key(loaded.tracker.uri)) for item in rest)
+        raise UsageError(f"calibrate re-executes run {loaded.run_id} as recorded and takes KEY=VALUE only for a secret "
+                         f"its record hides; {shown} would change it. Drop {'it' if len(rest) == 1 else 'them'} (to "
+                         "calibrate another config, run it and calibrate that run).")
+    return overrides
+
+
+class _Calibrating:
+    """The calibration run while it is recorded: marked alive every `heartbeat_s` (the calibrated run's; its tag
+    harness.heartbeat), so that a launcher killed outright leaves a run `harness runs` shows STALE and `harness mark`
+    closes, as a training run's; and a store that fails once it holds the run (a full disk) said with what it holds
+    now (record/calibration.py left_behind), exit 1 - never as a refusal that recorded nothing."""
+
+    def __init__(self, tracker: Tracker, run_id: str, heartbeat_s: float) -> None:
+        self.tracker, self.run_id, self.heartbeat_s = tracker, run_id, heartbeat_s
+        self.calibration_id: str | None = None
+
+    @contextlib.contextmanager
+    def alive(self, calibration_id: str) -> Iterator[None]:
+        self.calibration_id = calibration_id  # first: a store that refuses the first beat has the run already
+        heartbeat = self.tracker.heartbeat(calibration_id, self.heartbeat_s)
+        try:
+            yield
+        finally:
+            heartbeat.close()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
+        if self.calibration_id is None or not isinstance(err, Exception) or unwritable(err) is None:
+            return
+        raise StoreUnavailable(f"{err} {left_behind(self.tracker, self.calibration_id, self.run_id)}",
+                               exit_code=EXIT_FAILED) from err
 
 
 def _tail_said(m: int, total: int) -> str:

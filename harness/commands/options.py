@@ -14,13 +14,15 @@ DEFAULT_MAX_PROBES = 24  # bisect: the replays it may run before it stops and sa
 
 @dataclass(frozen=True)
 class CalibrateOptions:
-    """`harness calibrate RUN_ID [--members K] [--steps M]`: the rounding envelope of a run's first M steps."""
+    """`harness calibrate RUN_ID [KEY=VALUE ...] [--members K] [--steps M]`: the rounding envelope of a run's first M
+    steps."""
 
-    run_id: str
+    run_id: str  # a run, or a replay / audit of one (the run it was made from is calibrated)
     members: int | None = None  # default calibrate.DEFAULT_MEMBERS
     steps: int | None = None  # default: calibrate.DEFAULT_STEPS, or the run's steps when fewer
     tracking_uri: str | None = None
     on_event: Listener | None = None
+    overrides: tuple[str, ...] = ()  # KEY=VALUE: only the secrets the record hides, given again as to replay
 
 
 @dataclass(frozen=True)

@@ -86,22 +86,9 @@ def apply_changes(
 Localizer = Callable[[Tracker, str, Comparison, list[str], RunRecord, RunRecord, Path | None], Any]
 
 
-# The kinds a replay follows to the run they were made from (a trace is not followed: it is refused, by the loader).
-_FOLLOWED = {kind: derived.OF_TAG[kind] for kind in (T.KIND_REPLAY, T.KIND_STUDY_REPLAY, T.KIND_AUDIT)}
-
-
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
     """The run a replay or an audit was made from (and so on), which is what replaying it means."""
-    seen = {run.run_id}
-    while (tag := _FOLLOWED.get(run.tags.get(T.KIND, ""))) and run.tags.get(tag):
-        source = tracker.harness_run(run.tags[tag])
-        if source.run_id in seen:  # a hand-edited tag could close a loop
-            break
-        events.emit(events.Notice(f"run {run.run_id} is {'an audit' if tag == T.AUDIT_OF else 'a replay'} of "
-                                  f"{source.run_id}; replaying {source.run_id}"))
-        seen.add(source.run_id)
-        run = source
-    return run
+    return derived.followed(tracker, run, "replaying")
 
 
 def replay(

@@ -52,3 +52,27 @@ def weights_distance(tracker: Tracker, envelope: rounding.Envelope, run_id: str)
         return None
     ref, rep = Sketch.load(reference), Sketch.load(replay)
     return distance(rep, ref) if ref.step == rep.step == envelope.weights.step else None
+
+
+def left_behind(tracker: Tracker, calibration_id: str, run_id: str) -> str:
+    """What a calibration that a store failure ended left in the store, as the store has it now: the calibration
+    run and each member replay with its status, and the command that closes each one left RUNNING. Read back rather
+    than assumed: a full disk may take a status update when it takes no new row, or neither."""
+    try:
+        calibration = tracker.get_run(calibration_id)
+        members = sorted((r for r in tracker.children(calibration_id) if r.tags.get(T.CALIBRATION) == calibration_id),
+                         key=lambda r: (r.start_time or 0, r.run_id))
+    except Exception as err:  # the store that failed may not even answer a read
+        return (f"The store could not be read back ({err}): calibration {calibration_id} of run {run_id} and its "
+                f"member replays (tag {T.CALIBRATION}) may be left {T.RUNNING}; once its disk takes writes again, "
+                f"`harness runs` shows them and `harness mark ID --status {T.FAILED}` closes each one left RUNNING. "
+                f"Then calibrate again: harness calibrate {run_id}.")
+
+    held = ", ".join(f"{r.run_id} {r.status}" for r in members) or "none"
+    running = [r.run_id for r in [calibration, *members] if r.status == T.RUNNING]
+    one = len(running) == 1
+    close = "" if not running else (
+        f" Once its disk takes writes again and `harness runs` shows {'it' if one else 'them'} STALE, close "
+        f"{'it' if one else 'each'}: " + "; ".join(f"harness mark {i} --status {T.FAILED}" for i in running) + ".")
+    return (f"It left calibration {calibration_id} {calibration.status}, with no envelope, and its member replays: "
+            f"{held}.{close} Then calibrate again: harness calibrate {run_id}.")

@@ -1,10 +1,12 @@
-"""Runs made from another run (a replay, an audit, a trace, a study replay) or from a claims file (a verify run).
+"""Runs made from another run (a replay, an audit, a trace, a study replay, a calibration) or from a claims file (a
+verify run).
 
 One place says how such a run is recorded: its kind, the tag naming the run it was made from, the MLflow
 parent it is nested under, the facts it carries from its source and the machine it ran on; and how it
 closes: FINISHED when its body completes, KILLED on Ctrl-C, FAILED with the error as its status reason on
 any other error (never left RUNNING). A training replay's run is opened by `harness run`'s recorder
-(record/newrun.py create_record), which closes it when the ranks end: `opened(..., close=False)`.
+(record/newrun.py create_record), which closes it when the ranks end: `opened(..., close=False)`. And which run a
+command given a derived run means: the one it was made from (`followed`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 
-from harness import tags as T
+from harness import events, tags as T
 from harness.errors import Interrupted
 from harness.record import closing
 from harness.record.provenance import runtime_facts
@@ -52,6 +54,25 @@ def tags(
         out.update({T.ENV_PREFIX + k: v for k, v in runtime_facts().items()})
     out.update(extra or {})
     return out
+
+
+# The kinds a command on a run follows to the run they were made from (a trace is not followed: the loader refuses it).
+FOLLOWED = {kind: OF_TAG[kind] for kind in (T.KIND_REPLAY, T.KIND_STUDY_REPLAY, T.KIND_AUDIT)}
+
+
+def followed(tracker: Tracker, run: RunSummary, doing: str) -> RunSummary:
+    """The run a replay or an audit was made from (and so on), which is what replaying or calibrating it means; one
+    line says each step, e.g. "run R is a replay of O; calibrating O" (`doing`: "calibrating")."""
+    seen = {run.run_id}
+    while (tag := FOLLOWED.get(run.tags.get(T.KIND, ""))) and run.tags.get(tag):
+        source = tracker.harness_run(run.tags[tag])
+        if source.run_id in seen:  # a hand-edited tag could close a loop
+            break
+        events.emit(events.Notice(f"run {run.run_id} is {'an audit' if tag == T.AUDIT_OF else 'a replay'} of "
+                                  f"{source.run_id}; {doing} {source.run_id}"))
+        seen.add(source.run_id)
+        run = source
+    return run
 
 
 @contextlib.contextmanager

@@ -165,9 +165,10 @@ def warning(keys: list[str]) -> str:
 
 def restore(
     container: dict[str, Any], overrides: list[str], sources: Mapping[str, str], environ: Mapping[str, str],
-    run_id: str, key: Key,
+    run_id: str, key: Key, command: str = "replay",
 ) -> tuple[dict[str, Any], list[str]]:
     """Put the real values back into a recorded config; returns it and the overrides left (those not secrets).
+    `command`: the harness command that re-executes the run (replay, calibrate), named in the refusal.
 
     A redacted key's value comes from a `KEY=VALUE` override, else from the environment variable the
     run read it from (`sources`: key -> variable, the tag harness.config.redacted). It must digest as recorded
@@ -195,7 +196,7 @@ def restore(
         node, last = _at(container, name)
         recorded = node[last]
         if recorded not in found:  # neither given nor a copy of one given: the refusal, by name
-            _given_value(container, name, given, sources, environ, run_id, key, required=True)
+            _given_value(container, name, given, sources, environ, run_id, key, required=True, command=command)
         node[last] = found[recorded]
     return container, rest
 
@@ -210,7 +211,7 @@ def _at(container: Any, name: str) -> tuple[Any, Any]:
 
 def _given_value(
     container: Any, name: str, given: Mapping[str, str], sources: Mapping[str, str], environ: Mapping[str, str],
-    run_id: str, key: Key, required: bool = False,
+    run_id: str, key: Key, required: bool = False, command: str = "replay",
 ) -> tuple[Any] | None:
     """(the value given for the redacted key `name`,) from KEY=VALUE or its variable, checked against the record;
     None when none is given (with `required`, the refusal instead)."""
@@ -225,7 +226,7 @@ def _given_value(
         where = f"set ${var} as when it ran, or pass" if var else "pass it again:"
         raise SecretRefused(
             f"{name} of run {run_id} is a secret the record does not hold ({recorded}); {where} "
-            f"harness replay {run_id} {name}=VALUE."
+            f"harness {command} {run_id} {name}=VALUE."
         )
     else:
         return None

@@ -66,9 +66,10 @@ class RecordedRun:
     def load(cls, tracker: Tracker, run: RunSummary) -> RecordedRun:
         return cls(tracker, run, recorded_config(tracker, run))
 
-    def restore_secrets(self, overrides: list[str]) -> list[str]:
+    def restore_secrets(self, overrides: list[str], command: str = "replay") -> list[str]:
         """Put the values the record redacted (redaction.py) back into `cfg`, from `overrides` (KEY=VALUE) or the
-        environment variable they were read from; returns the other overrides. Raises when one is missing."""
+        environment variable they were read from; returns the other overrides. Raises when one is missing, naming
+        `command` (the one that re-executes the run: replay, calibrate) with the KEY=VALUE to pass it."""
         from omegaconf import OmegaConf
 
         container = to_container(self.cfg)
@@ -76,7 +77,7 @@ class RecordedRun:
             return list(overrides)
         sources = redaction.parse_sources(self.run.tags.get(T.CONFIG_REDACTED))
         restored, rest = redaction.restore(container, list(overrides), sources, os.environ, self.run.run_id,
-                                           redaction.store_key(self.tracker.uri))
+                                           redaction.store_key(self.tracker.uri), command)
         self.cfg = compose([("recorded config", OmegaConf.create(restored))], schema())
         return rest
 

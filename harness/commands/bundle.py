@@ -26,6 +26,7 @@ from harness.commands.bundleformat import (
     REPLAYS_DIR,
     RUN_DIR,
     BundleError,
+    Limits,
     Manifest,
     Member,
     _loads,
@@ -329,15 +330,16 @@ def _judge_again(unpacked: Path, record: dict[str, Any], replays: list[dict[str,
         _hold_verdicts(judge, record, replays, ids)
 
 
-def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None) -> ImportResult:
-    """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
+def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None,
+                  limits: Limits | None = None) -> ImportResult:
+    """Verify `archive` whole (within `limits`), then copy its run (keeping its id as a tag) and replays into this store.
 
     A second import of the same run finds the first and writes nothing.
     """
     with scratch.folder("import") as tmp:
         unpacked = Path(tmp, "bundle")
         unpacked.mkdir()
-        manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade
+        manifest = verify(archive, unpacked, limits)  # first: a refused bundle leaves even a new store's file unmade
         # Every record checked before the store is opened: a refused bundle leaves even a new store's file unmade.
         record = _load_record(unpacked / RUN_DIR, manifest.run_id)
         replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]

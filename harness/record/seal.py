@@ -43,6 +43,8 @@ SEALED_MLFLOW_TAGS = frozenset({T.MLFLOW_PARENT_RUN_ID})
 _FIX = ("Use an intact copy of the run (its original store, or a bundle exported before the edit), or record it "
         "again with `harness run`.")
 _SHOWN = 60  # characters of a changed value shown in the error
+# A bundled run's seal manifest is read whole: ~100 bytes an artifact, so a real one is far below this.
+MAX_MANIFEST_BYTES = 64 << 20
 _warned: set[str] = set()  # unsealed runs already warned about in this process: one line each
 
 
@@ -419,8 +421,12 @@ def check_bundled(record: dict[str, Any], artifacts_dir: Path, who: str) -> None
     files: dict[str, Callable[[], bytes]] = {}
     if artifacts_dir.is_dir():
         for path in artifacts_dir.rglob("*"):
-            if path.is_file():
-                files[path.relative_to(artifacts_dir).as_posix()] = path.read_bytes
+            if path.is_file():  # hashed in chunks: a member is never read whole to be hashed
+                files[path.relative_to(artifacts_dir).as_posix()] = _Local(path)
+    sealed = artifacts_dir / T.ARTIFACT_SEAL
+    if sealed.is_file() and sealed.stat().st_size > MAX_MANIFEST_BYTES:  # read whole below: bounded first
+        raise RunRefused(f"{who}'s seal manifest {T.ARTIFACT_SEAL} is {sealed.stat().st_size} bytes, over the "
+                         f"{MAX_MANIFEST_BYTES} a seal of any run takes; refused. {_FIX}")
     metrics: dict[str, list[tuple[float, int, int]]] = {}
     for key, value, ts, step in record["entries"]:
         metrics.setdefault(key, []).append((value, ts, step))

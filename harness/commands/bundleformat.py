@@ -36,7 +36,7 @@ MIB = 1 << 20
 DEFAULT_MAX_UNPACKED_MIB = 64 << 10  # 64 GiB: an image and a few checkpoints fit; more takes --max-unpacked-mib
 # What export writes (records, npz series, a git pack, checkpoints, a docker save) shrinks under 10 times at gzip
 # level 1; gzip shrinks nothing more than about 1032 times, which 1 GiB of zeros in 1 MB reaches.
-DEFAULT_MAX_RATIO = 100.0
+DEFAULT_MAX_RATIO = 100
 RATIO_FLOOR = 64 * MIB  # unpacked, a bundle may always reach this: a small bundle's ratio says nothing
 # After its last member a tar holds two zero blocks padded to a 10 KiB record; more is data no member header
 # accounted for (a header that understates its member's size, and the rest read as no header at all).

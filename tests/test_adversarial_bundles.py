@@ -10,18 +10,21 @@ import json
 import tarfile
 import tempfile
 import tracemalloc
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from conftest import Project, make_project
-from harness import tags as T
+from harness import npzfile, tags as T
 from harness.commands import bundle, bundleformat
 from harness.errors import EXIT_USAGE, HarnessError
 from harness.record import seal
+from harness.store import seriesfile
 
 FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
 
@@ -288,3 +291,43 @@ def test_a_bundled_artifact_is_hashed_in_chunks_never_read_whole(exported: Expor
     finally:
         tracemalloc.stop()
     assert peak < 16 << 20, f"{peak} bytes at the peak of the seal check"
+
+
+def _npz_bomb(path: Path, size: int) -> None:
+    """An .npz whose one array is `size` bytes of float64 zeros, deflated (about 1000 times smaller), streamed."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive, \
+            archive.open("values_0.npy", "w", force_zip64=True) as member:
+        np.lib.format.write_array_header_1_0(member, {"descr": "<f8", "fortran_order": False, "shape": (size // 8,)})
+        block = bytes(1 << 20)
+        for _ in range(size // len(block)):
+            member.write(block)
+
+
+def test_a_resealed_bundle_whose_series_is_a_zip_bomb_is_refused_before_numpy_reads_it(
+        exported: Exported, tmp_path: Path) -> None:
+    """An .npz is a zip: a forger who reseals the run passes the seal, and the judge inflated the series into memory
+    (then, finding no keys in it, judged from MLflow's rows and imported the run)."""
+    def swap(unpacked: Path, _: bundle.Manifest) -> None:
+        folder = unpacked / bundle.RUN_DIR
+        _npz_bomb(folder / bundle.ARTIFACTS / T.ARTIFACT_SERIES, 128 << 20)
+        _reseal(folder)
+
+    store = _store(tmp_path)
+    result = store.cli("import", str(forge(exported, tmp_path / "npz.tar.gz", swap)))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: bundle member '{bundle.RUN_DIR}/{bundle.ARTIFACTS}/{T.ARTIFACT_SERIES}' unpacks "
+                           f"to {(128 << 20) + 128} bytes, "), line
+    assert line.endswith("(a decompression bomb); refused before it was read. Use an intact copy of the run (its "
+                         "original store, or a bundle exported from it)."), line
+    assert not (store.store / "mlflow.db").exists()
+
+
+def test_a_zip_bomb_for_a_stored_series_is_refused_by_its_reader(tmp_path: Path) -> None:
+    """The same .npz in a store (an import of an earlier harness): the series reader refuses it, exit 2, where a
+    comparison would have inflated it."""
+    path = tmp_path / "series.npz"
+    _npz_bomb(path, 128 << 20)
+    with pytest.raises(npzfile.NpzRefused, match=r"^run R's metrics/series\.npz unpacks to \d+ bytes") as err:
+        seriesfile.load_series(path, f"run R's {T.ARTIFACT_SERIES}")
+    assert err.value.exit_code == EXIT_USAGE

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from harness import events, scratch, tags as T
+from harness import events, npzfile, scratch, tags as T
 from harness.commands.bundleformat import (
     _FIX,
     ARTIFACTS,
@@ -347,6 +347,10 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
         seal.check_bundled(record, unpacked / RUN_DIR / ARTIFACTS, f"run {record['run_id']} (in the bundle)")
         for rec in replays:
             seal.check_bundled(rec, unpacked / REPLAYS_DIR / rec["run_id"] / ARTIFACTS, f"run {rec['run_id']} (in the bundle)")
+        # The judge reads the series and sketches: a forger who reseals can make any of them a zip bomb.
+        for npz in sorted(unpacked.rglob("*.npz")):
+            with open(npz, "rb") as stream:
+                npzfile.check(stream, f"bundle member '{npz.relative_to(unpacked).as_posix()}'")
         _judge_again(unpacked, record, replays)  # in a scratch store: a forged verdict leaves this one untouched
         tracker = Tracker(tracking_uri)
         # One import into a store at a time: a second import of the bundle waits, then finds the first's run.

@@ -20,14 +20,13 @@ A run with neither the tag nor the manifest (recorded before seals existed) is a
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import events, tags as T
+from harness import events, npzfile, tags as T
 from harness.errors import HarnessError, RunRefused
 
 VERSION = "v1"
@@ -357,17 +356,16 @@ def _last_by_step(writes: list[tuple[float, int, int]]) -> dict[int, float]:
 
 def _series(record: Record) -> dict[str, dict[int, float]] | None:
     """metrics/series.npz (store/seriesfile.py save_series) as key -> step -> value; None if absent or unreadable."""
-    import numpy as np
 
     data = record.read(T.ARTIFACT_SERIES)
     if data is None:
         return None
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        with npzfile.opened(data, T.ARTIFACT_SERIES) as npz:
             keys = json.loads(str(npz["keys"]))
             return {k: {int(s): float(v) for s, v in zip(npz[f"steps_{i}"], npz[f"values_{i}"])}
                     for i, k in enumerate(keys)}
-    except Exception:  # a damaged file: the sha256 alone names the change
+    except Exception:  # a damaged file (or one npzfile refuses): the sha256 alone names the change
         return None
 
 

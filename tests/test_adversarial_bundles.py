@@ -331,3 +331,17 @@ def test_a_zip_bomb_for_a_stored_series_is_refused_by_its_reader(tmp_path: Path)
     with pytest.raises(npzfile.NpzRefused, match=r"^run R's metrics/series\.npz unpacks to \d+ bytes") as err:
         seriesfile.load_series(path, f"run R's {T.ARTIFACT_SERIES}")
     assert err.value.exit_code == EXIT_USAGE
+
+
+def test_a_seal_manifest_nested_past_the_stack_is_refused_in_one_line(exported: Exported, tmp_path: Path) -> None:
+    """200 KB of '[' for a replay's seal manifest: json's recursion ran out, and the import ended in a traceback."""
+    def deepen(unpacked: Path, _: bundle.Manifest) -> None:
+        (_replay_dir(unpacked, exported) / bundle.ARTIFACTS / T.ARTIFACT_SEAL).write_bytes(b"[" * 200_000)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(HarnessError) as err:
+        bundle.import_bundle(forge(exported, tmp_path / "deep.tar.gz", deepen), tracking_uri=uri)
+    assert str(err.value).startswith(f"run {exported.replay_id} (in the bundle) was changed after it was sealed: the "
+                                     f"seal's manifest {T.ARTIFACT_SEAL} or the tag {T.SEAL}. "), err.value
+    assert err.value.exit_code == EXIT_USAGE
+    assert not (tmp_path / "mlflow.db").exists()

@@ -368,6 +368,16 @@ def _header_lies(path: Path) -> Path:
     return _patched(path, data, data[:3], {124: b"%011o\0" % 3})
 
 
+def _nested(path: Path, member: str) -> Path:
+    """MEMBER (manifest.json or run/record.json) as 200 KB of '[': nested past Python's stack, not malformed JSON."""
+    deep = b"[" * 200_000
+    if member == bundle.MANIFEST:
+        with tarfile.open(path, "w:gz") as tar:
+            tar.addfile(_entry(member, deep)[0], io.BytesIO(deep))
+        return path
+    return _write(path, [_entry(member, deep)])
+
+
 MALFORMED = {
     "tampered member": (_tampered, "was altered"),
     "absolute path": (lambda p: _write(p, [_entry("/etc/harness-evil", b"x")]), "absolute name"),
@@ -378,6 +388,9 @@ MALFORMED = {
     "device": (lambda p: _write(p, [_entry("run/dev", kind=tarfile.CHRTYPE)]), "a device"),
     "fifo": (lambda p: _write(p, [_entry("run/fifo", kind=tarfile.FIFOTYPE)]), "a fifo"),
     "sparse file": (_sparse, "'run/record.json' is a sparse file"),
+    "manifest nested past the stack": (lambda p: _nested(p, bundle.MANIFEST), r"not valid JSON \(nested too deeply\)"),
+    "record nested past the stack": (lambda p: _nested(p, "run/record.json"),
+                                     r"run/record.json is missing or malformed \(nested too deeply\)"),
     "header that understates its size": (_header_lies, "holds data after its last member"),
     "larger than the manifest": (_larger, "larger than its manifest says"),
     "newer format": (_newer, rf"format {bundle.FORMAT + 1}, newer than this harness reads"),

@@ -128,7 +128,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _loads(data: bytes) -> Any:
-    return json.loads(data, object_pairs_hook=_unique_keys)
+    """A bundle's JSON document; ValueError for one that is malformed, duplicates a key or nests past the stack."""
+    try:
+        return json.loads(data, object_pairs_hook=_unique_keys)
+    except RecursionError:  # a few hundred KB of '[' (harness writes nothing nested past 5 levels)
+        raise ValueError("nested too deeply") from None
 
 
 def check_plain_name(value: Any, what: str) -> str:

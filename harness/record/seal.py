@@ -203,7 +203,7 @@ def verdict_sealed(tracker: Any, run: Any) -> bool:
         return False
     try:
         stored = json.loads(tracker.read_bytes(run.run_id, T.ARTIFACT_SEAL) or b"null")
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return (isinstance(stored, dict) and digest(stored) == value and stored.get("status") == run.status
             and isinstance(stored.get("tags"), dict) and stored["tags"].get(T.VERDICT) == run.tags.get(T.VERDICT))
@@ -247,7 +247,7 @@ def check_record(record: Record, who: str) -> None:
     if stored_bytes is not None:
         try:
             stored = json.loads(stored_bytes)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's stack (a crafted one)
             stored = None
     if (stored is not None and record.status == T.RUNNING and stored.get("status") not in (None, T.RUNNING)
             and digest(stored) == value and dict(now, status=stored["status"]) == stored):
@@ -439,7 +439,7 @@ def check_bundled(record: dict[str, Any], artifacts_dir: Path, who: str) -> None
             "genuine; refused. Export it again with a harness that seals its runs, from the store that holds it.")
     try:
         stored = json.loads(rec.read(T.ARTIFACT_SEAL) or b"null")
-    except ValueError:
+    except (ValueError, RecursionError):
         stored = None
     if isinstance(stored, dict) and isinstance(stored.get("artifacts"), dict):
         rec.known = {p: str(sha) for p, sha in stored["artifacts"].items() if _optional(p) and p not in files}

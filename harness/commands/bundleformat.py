@@ -3,6 +3,7 @@ used (harness/commands/bundle.py exports and imports with it)."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
@@ -224,11 +225,38 @@ def _copy_checked(src: IO[bytes], dest: Path, name: str, expected: Member) -> No
         )
 
 
-def _check_tail(tar: tarfile.TarFile, archive: Path) -> None:
+class _Stream:
+    """The bundle's unpacked bytes as tarfile reads them, keeping the last piece read: where the archive ends, the
+    block tarfile took for no header, which _check_tail sees without seeking back (gzip seeks back by unpacking the
+    bundle again from its start)."""
+
+    def __init__(self, raw: gzip.GzipFile) -> None:
+        self.raw, self.last = raw, b""
+
+    def read(self, size: int = -1) -> bytes:
+        self.last = self.raw.read(size)
+        return self.last
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:
+        raise OSError("a bundle is read, never written, on import")
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _check_tail(tar: tarfile.TarFile, stream: _Stream, archive: Path) -> None:
     """Refuse data after the last member: tarfile ends an archive silently at the first block that is no header."""
-    assert tar.fileobj is not None
-    tar.fileobj.seek(tar.offset)
-    tail = tar.fileobj.read(_MAX_TAIL + 1)
+    taken = stream.tell() - tar.offset  # the block tarfile read where a header should be, or none
+    tail = (stream.last[-taken:] if taken > 0 else b"") + stream.read(_MAX_TAIL + 1)
     if len(tail) > _MAX_TAIL or tail.count(0) != len(tail):
         raise BundleError(f"the bundle '{archive}' holds data after its last member (a member header that understates "
                           f"its size?); refused. {_FIX}")
@@ -242,14 +270,21 @@ def verify(archive: Path, dest: Path, limits: Limits | None = None) -> Manifest:
     listed twice or larger than it says, altered bytes, members the manifest lists but the archive lacks,
     data after the last member, and a format newer than FORMAT. Nothing is unpickled or executed.
     """
+    not_bundle = f"'{archive}' is not a harness bundle (a .tar.gz made by harness export)"
     try:
-        tar = tarfile.open(archive, "r:gz")
+        raw = gzip.open(archive, "rb")
     except FileNotFoundError:
         raise BundleError(f"no bundle at '{archive}'. Pass the file `harness export` wrote.") from None
-    except (OSError, tarfile.TarError, EOFError, zlib.error) as err:
-        raise BundleError(f"'{archive}' is not a harness bundle (a .tar.gz made by harness export): {err}.") from None
+    except OSError as err:
+        raise BundleError(f"{not_bundle}: {err}.") from None
+    stream = _Stream(raw)
     try:
-        with tar:
+        tar = tarfile.open(fileobj=stream, mode="r:")
+    except (OSError, tarfile.TarError, EOFError, zlib.error) as err:
+        raw.close()
+        raise BundleError(f"{not_bundle}: {err}.") from None
+    try:
+        with raw, tar:
             first = tar.next()
             if first is None or first.name != MANIFEST or not first.isreg():
                 raise BundleError(f"'{archive}' does not start with {MANIFEST}; it is not a harness bundle. {_FIX}")
@@ -290,7 +325,7 @@ def verify(archive: Path, dest: Path, limits: Limits | None = None) -> Manifest:
                 target = dest / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _copy_checked(tar.extractfile(member), target, name, expected)  # type: ignore[arg-type]
-            _check_tail(tar, archive)
+            _check_tail(tar, stream, archive)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
         raise BundleError(f"the bundle '{archive}' is damaged or cut short: {err}. {_FIX}") from None
     missing = sorted(set(manifest.members) - seen)

@@ -4,20 +4,27 @@ a record without its seal is refused, and a replay's verdict is derived again fr
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tarfile
+import tempfile
+import tracemalloc
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from conftest import Project, make_project
-from harness import tags as T
-from harness.commands import bundle
-from harness.errors import EXIT_USAGE
+from harness import npzfile, tags as T
+from harness.commands import bundle, bundleformat
+from harness.errors import EXIT_USAGE, HarnessError
 from harness.record import seal
+from harness.store import seriesfile
 
 FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
 
@@ -165,3 +172,176 @@ def test_an_intact_bundle_imports_with_its_verdict_derived_again_and_reexports_s
     third = Project(tmp_path / "third", tmp_path / "third" / "store")
     third.store.mkdir(parents=True)
     assert third.harness("import", str(again)).returncode == 0
+
+
+# -- decompression bombs: a member of zeros listed with its true size and sha256 -----------------------
+class _Zeros(io.RawIOBase):
+    """`size` zero bytes, made as they are read: a bomb is packed without ever being on disk or in memory whole."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.left)
+        buffer[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+def _zeros_sha256(size: int) -> str:
+    digest, block = hashlib.sha256(), bytes(1 << 20)
+    for start in range(0, size, len(block)):
+        digest.update(block[:min(len(block), size - start)])
+    return digest.hexdigest()
+
+
+def bomb(exported: Exported, dest: Path, size: int) -> Path:
+    """The real bundle with BOMB added: `size` zeros listed in the manifest with their true size and sha256, packed
+    at gzip's level 9 (about 1000 times smaller) by streaming, so the test writes the compressed bytes only."""
+    with tarfile.open(exported.path, "r:gz") as src:
+        members = [(m, src.extractfile(m).read()) for m in src if m.name != bundle.MANIFEST]  # type: ignore[union-attr]
+    listed = {m.name: bundle.Member(m.size, hashlib.sha256(data).hexdigest()) for m, data in members}
+    listed[BOMB] = bundle.Member(size, _zeros_sha256(size))
+    with tarfile.open(exported.path, "r:gz") as src:
+        head = bundleformat.parse_manifest(src.extractfile(bundle.MANIFEST).read())  # type: ignore[union-attr]
+    manifest = bundle.Manifest(head.format, head.run_id, head.replays, listed, head.image).to_json()
+    with tarfile.open(dest, "w:gz", compresslevel=9, format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(bundle.MANIFEST)
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
+        for member, data in members:
+            tar.addfile(member, io.BytesIO(data))
+        info = tarfile.TarInfo(BOMB)
+        info.size = size
+        tar.addfile(info, io.BufferedReader(_Zeros(size), 1 << 20))
+    return dest
+
+
+BOMB = f"{bundle.RUN_DIR}/{bundle.ARTIFACTS}/bomb.bin"
+
+
+@pytest.fixture
+def scratch_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The system's temporary folder, where an import unpacks: empty again after a refusal."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_a_bomb_over_the_size_limit_is_refused_in_one_line_before_a_byte_is_unpacked(
+        exported: Exported, tmp_path: Path, scratch_tmp: Path) -> None:
+    """16 MiB of zeros (16 KiB packed) against --max-unpacked-mib 4: the limit a legitimately huge bundle raises.
+    Before, a bomb listed with its true size and sha256 was unpacked whole and read whole before its seal refused it."""
+    path = bomb(exported, tmp_path / "bomb.tar.gz", 16 << 20)
+    with tarfile.open(path, "r:gz") as tar:
+        members = bundleformat.parse_manifest(tar.extractfile(bundle.MANIFEST).read()).members  # type: ignore[union-attr]
+    total = sum(m.size for m in members.values())
+    store = _store(tmp_path)
+    result = store.cli("import", str(path), "--max-unpacked-mib", "4")
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"Error: bundle member '{BOMB}' ({16 << 20} bytes) is the largest of {len(members)} that unpack to {total} bytes, "
+        "over the import's limit of 4 MiB; refused before anything was unpacked. If you trust where the bundle came "
+        f"from, import it with --max-unpacked-mib {-(-total // (1 << 20))}."]
+    assert not (store.store / "mlflow.db").exists()
+    assert list(scratch_tmp.iterdir()) == []  # no unpack folder left
+
+
+def test_a_bomb_over_the_ratio_limit_is_refused_with_the_default_limits(
+        exported: Exported, tmp_path: Path, scratch_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 MiB of zeros packed into about 200 KiB: over the default ratio, refused before any member is copied out."""
+    path = bomb(exported, tmp_path / "bomb.tar.gz", 200 << 20)
+    copied: list[str] = []
+    real_copy = bundleformat._copy_checked
+    monkeypatch.setattr(bundleformat, "_copy_checked", lambda src, dest, name, expected: (
+        copied.append(name), real_copy(src, dest, name, expected)))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(bundle.BundleError) as err:
+        bundle.import_bundle(path, tracking_uri=uri)
+    message = str(err.value)
+    assert message.startswith(f"bundle member '{BOMB}' ({200 << 20} bytes) is the largest of "), message
+    assert " times the bundle's " in message and "over the import's limit of 100 times" in message, message
+    assert message.endswith(f"refused before anything was unpacked. If you trust where the bundle came from, import "
+                            f"it with --max-ratio {message.rsplit(' ', 1)[1]}"), message
+    assert err.value.exit_code == EXIT_USAGE and "\n" not in message
+    assert copied == []  # not a byte of any member was unpacked
+    assert not (tmp_path / "mlflow.db").exists()
+    assert list(scratch_tmp.iterdir()) == []
+
+
+def test_a_bundled_artifact_is_hashed_in_chunks_never_read_whole(exported: Exported, tmp_path: Path) -> None:
+    """An unsealed 128 MiB artifact (a sparse file: nothing written) is refused by the run's seal with the memory
+    of one chunk: before, the seal check read every artifact whole into memory to hash it."""
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    bundle.verify(exported.path, unpacked)
+    folder = unpacked / bundle.RUN_DIR
+    with open(folder / bundle.ARTIFACTS / "big.bin", "wb") as fh:
+        fh.truncate(128 << 20)
+    record = bundle._load_record(folder, exported.run_id)
+    tracemalloc.start()
+    try:
+        with pytest.raises(HarnessError, match=r"was changed after it was sealed: artifact big\.bin \(added\)"):
+            seal.check_bundled(record, folder / bundle.ARTIFACTS, f"run {exported.run_id} (in the bundle)")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak} bytes at the peak of the seal check"
+
+
+def _npz_bomb(path: Path, size: int) -> None:
+    """An .npz whose one array is `size` bytes of float64 zeros, deflated (about 1000 times smaller), streamed."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive, \
+            archive.open("values_0.npy", "w", force_zip64=True) as member:
+        np.lib.format.write_array_header_1_0(member, {"descr": "<f8", "fortran_order": False, "shape": (size // 8,)})
+        block = bytes(1 << 20)
+        for _ in range(size // len(block)):
+            member.write(block)
+
+
+def test_a_resealed_bundle_whose_series_is_a_zip_bomb_is_refused_before_numpy_reads_it(
+        exported: Exported, tmp_path: Path) -> None:
+    """An .npz is a zip: a forger who reseals the run passes the seal, and the judge inflated the series into memory
+    (then, finding no keys in it, judged from MLflow's rows and imported the run)."""
+    def swap(unpacked: Path, _: bundle.Manifest) -> None:
+        folder = unpacked / bundle.RUN_DIR
+        _npz_bomb(folder / bundle.ARTIFACTS / T.ARTIFACT_SERIES, 128 << 20)
+        _reseal(folder)
+
+    store = _store(tmp_path)
+    result = store.cli("import", str(forge(exported, tmp_path / "npz.tar.gz", swap)))
+    assert result.returncode == EXIT_USAGE, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: bundle member '{bundle.RUN_DIR}/{bundle.ARTIFACTS}/{T.ARTIFACT_SERIES}' unpacks "
+                           f"to {(128 << 20) + 128} bytes, "), line
+    assert line.endswith("(a decompression bomb); refused before it was read. Use an intact copy of the run (its "
+                         "original store, or a bundle exported from it)."), line
+    assert not (store.store / "mlflow.db").exists()
+
+
+def test_a_zip_bomb_for_a_stored_series_is_refused_by_its_reader(tmp_path: Path) -> None:
+    """The same .npz in a store (an import of an earlier harness): the series reader refuses it, exit 2, where a
+    comparison would have inflated it."""
+    path = tmp_path / "series.npz"
+    _npz_bomb(path, 128 << 20)
+    with pytest.raises(npzfile.NpzRefused, match=r"^run R's metrics/series\.npz unpacks to \d+ bytes") as err:
+        seriesfile.load_series(path, f"run R's {T.ARTIFACT_SERIES}")
+    assert err.value.exit_code == EXIT_USAGE
+
+
+def test_a_seal_manifest_nested_past_the_stack_is_refused_in_one_line(exported: Exported, tmp_path: Path) -> None:
+    """200 KB of '[' for a replay's seal manifest: json's recursion ran out, and the import ended in a traceback."""
+    def deepen(unpacked: Path, _: bundle.Manifest) -> None:
+        (_replay_dir(unpacked, exported) / bundle.ARTIFACTS / T.ARTIFACT_SEAL).write_bytes(b"[" * 200_000)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(HarnessError) as err:
+        bundle.import_bundle(forge(exported, tmp_path / "deep.tar.gz", deepen), tracking_uri=uri)
+    assert str(err.value).startswith(f"run {exported.replay_id} (in the bundle) was changed after it was sealed: the "
+                                     f"seal's manifest {T.ARTIFACT_SEAL} or the tag {T.SEAL}. "), err.value
+    assert err.value.exit_code == EXIT_USAGE
+    assert not (tmp_path / "mlflow.db").exists()

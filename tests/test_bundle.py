@@ -4,6 +4,7 @@ every malformed bundle refused before anything is written."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import io
 import json
@@ -335,6 +336,48 @@ def _missing(path: Path) -> Path:
     return _write(path, [_entry("run/record.json", RECORD)], doc)
 
 
+def _patched(path: Path, data: bytes, listed: bytes, patch: dict[int, bytes]) -> Path:
+    """A bundle of manifest.json and run/record.json holding `data`, the record listed as `listed`, whose tar header
+    is rewritten at offsets with bytes tarfile cannot write (a sparse map, a size that lies); its checksum made again."""
+    doc = {"format": 1, "run_id": "r", "replays": [],
+           "members": {"run/record.json": {"size": len(listed), "sha256": hashlib.sha256(listed).hexdigest()}}}
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for info, content in [_entry(bundle.MANIFEST, json.dumps(doc).encode()), _entry("run/record.json", data)]:
+            tar.addfile(info, io.BytesIO(content))
+    archive = bytearray(raw.getvalue())
+    at = archive.index(b"run/record.json".ljust(100, b"\0"))  # the header's name field opens its block
+    for where, value in patch.items():
+        archive[at + where:at + where + len(value)] = value
+    archive[at + 148:at + 156] = b" " * 8  # the checksum is the header's byte sum with its own field as spaces
+    archive[at + 148:at + 156] = b"%06o\0 " % sum(archive[at:at + 512])
+    path.write_bytes(gzip.compress(bytes(archive)))
+    return path
+
+
+def _sparse(path: Path) -> Path:
+    """A GNU sparse member: 512 stored bytes that unpack to 4 MiB, the holes zeros the archive does not hold."""
+    size = 4 << 20
+    return _patched(path, RECORD.ljust(512), RECORD.ljust(512) + bytes(size - 512), {
+        156: tarfile.GNUTYPE_SPARSE, 386: b"%011o\0%011o\0" % (0, 512), 483: b"%011o\0" % size})
+
+
+def _header_lies(path: Path) -> Path:
+    """A header that says 3 bytes where 2 KiB follow: tarfile reads the rest as no header and ends the archive."""
+    data = RECORD.ljust(2048, b"y")
+    return _patched(path, data, data[:3], {124: b"%011o\0" % 3})
+
+
+def _nested(path: Path, member: str) -> Path:
+    """MEMBER (manifest.json or run/record.json) as 200 KB of '[': nested past Python's stack, not malformed JSON."""
+    deep = b"[" * 200_000
+    if member == bundle.MANIFEST:
+        with tarfile.open(path, "w:gz") as tar:
+            tar.addfile(_entry(member, deep)[0], io.BytesIO(deep))
+        return path
+    return _write(path, [_entry(member, deep)])
+
+
 MALFORMED = {
     "tampered member": (_tampered, "was altered"),
     "absolute path": (lambda p: _write(p, [_entry("/etc/harness-evil", b"x")]), "absolute name"),
@@ -344,6 +387,11 @@ MALFORMED = {
                                       _entry("run/hard", kind=tarfile.LNKTYPE, link="run/record.json")]), "a hard link"),
     "device": (lambda p: _write(p, [_entry("run/dev", kind=tarfile.CHRTYPE)]), "a device"),
     "fifo": (lambda p: _write(p, [_entry("run/fifo", kind=tarfile.FIFOTYPE)]), "a fifo"),
+    "sparse file": (_sparse, "'run/record.json' is a sparse file"),
+    "manifest nested past the stack": (lambda p: _nested(p, bundle.MANIFEST), r"not valid JSON \(nested too deeply\)"),
+    "record nested past the stack": (lambda p: _nested(p, "run/record.json"),
+                                     r"run/record.json is missing or malformed \(nested too deeply\)"),
+    "header that understates its size": (_header_lies, "holds data after its last member"),
     "larger than the manifest": (_larger, "larger than its manifest says"),
     "newer format": (_newer, rf"format {bundle.FORMAT + 1}, newer than this harness reads"),
     "member not in the manifest": (_unlisted, "'run/extra.txt' is not in the manifest"),

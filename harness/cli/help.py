@@ -86,6 +86,7 @@ EXAMPLES: dict[str, list[str]] = {
     "import": [
         "harness import run.tar.gz                  # verified whole, then imported; prints the id here",
         "harness import run.tar.gz --data-dir /data/imported",
+        "harness import big.tar.gz --max-unpacked-mib 200000   # a bundle over 64 GiB unpacked, from a source you trust",
     ],
     "attest": [
         "harness attest <run-id> --key private.pem -o run.intoto.json",

@@ -10,6 +10,7 @@ import click
 
 from harness.cli.console import _draw, _emit, _expected_errors, _say
 from harness.cli.options import _TRACKING_HELP, _json_option
+from harness.commands.bundleformat import DEFAULT_MAX_RATIO, DEFAULT_MAX_UNPACKED_MIB, MIB, RATIO_FLOOR
 
 
 @click.command(name="export")
@@ -55,14 +56,22 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None,
               help="Where the bundle's declared data goes (default ./harness-data/ORIGINAL_RUN_ID).")
+@click.option("--max-unpacked-mib", "max_unpacked_mib", metavar="MIB", type=click.FloatRange(min=0, min_open=True),
+              default=DEFAULT_MAX_UNPACKED_MIB, show_default=True,
+              help="Refuse a bundle whose members total more MiB unpacked; raise it for a huge bundle you trust.")
+@click.option("--max-ratio", metavar="N", type=click.FloatRange(min=1), default=DEFAULT_MAX_RATIO, show_default=True,
+              help=f"Refuse a bundle that unpacks to more than N times its size (past {RATIO_FLOOR // MIB} MiB "
+                   "unpacked): a decompression bomb.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors
-def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_json: bool) -> None:
+def import_(bundle: Path, data_dir: Path | None, max_unpacked_mib: float, max_ratio: float, tracking_uri: str | None,
+            as_json: bool) -> None:
     """Verify BUNDLE (from `harness export`) and import its run and replays into this store.
 
-    Every member is checked against the manifest before anything is written: a bundle with an altered
-    or unlisted member, an absolute or `..` name, a link, device or fifo, a member larger than listed,
+    The manifest's sizes are held to --max-unpacked-mib and --max-ratio before a byte is unpacked, then
+    every member to the manifest before anything is written: a bundle with an altered or unlisted
+    member, an absolute or `..` name, a link, device, fifo or sparse file, a member larger than listed,
     or a newer format is refused whole. The run keeps its original id as the tag harness.imported_from,
     its metrics, steps and timestamps; `harness replay` then takes its code from the bundled commit.
     An image in the bundle is loaded into the local engine. Importing the same run again writes nothing.
@@ -70,7 +79,8 @@ def import_(bundle: Path, data_dir: Path | None, tracking_uri: str | None, as_js
     """
     from harness.commands import api, documents
 
-    result = api.import_(api.ImportOptions(bundle, data_dir=data_dir, tracking_uri=tracking_uri, on_event=_draw))
+    result = api.import_(api.ImportOptions(bundle, data_dir=data_dir, tracking_uri=tracking_uri, on_event=_draw,
+                                           max_unpacked_mib=max_unpacked_mib, max_ratio=max_ratio))
     if result.already:
         _say(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.")
     else:

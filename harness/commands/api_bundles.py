@@ -13,6 +13,7 @@ from typing import Any
 from harness import events
 from harness.commands import bundle as bundle_command
 from harness.commands.bundle import ExportResult, ImportResult
+from harness.commands.bundleformat import DEFAULT_MAX_RATIO, DEFAULT_MAX_UNPACKED_MIB, Limits
 from harness.errors import HarnessError
 from harness.events import Listener
 from harness.record import attest as attest_record
@@ -80,13 +81,18 @@ class ImportOptions:
     data_dir: Path | None = None  # where the declared data goes (default ./harness-data/ORIGINAL_RUN_ID)
     tracking_uri: str | None = None
     on_event: Listener | None = None
+    # The bounds checked on the manifest before anything is unpacked: every member's listed size summed (MiB), and
+    # that sum over the bundle file's size. Raise them for a legitimately huge bundle from a source you trust.
+    max_unpacked_mib: float = DEFAULT_MAX_UNPACKED_MIB
+    max_ratio: float = DEFAULT_MAX_RATIO
 
 
 def import_(options: ImportOptions) -> ImportResult:
     """`import` is Python's word: the verb's function is `harness.import_`."""
-    with events.listening(options.on_event):
-        return bundle_command.import_bundle(options.bundle, tracking_uri=options.tracking_uri,
-                                            data_dir=options.data_dir)
+    o = options
+    with events.listening(o.on_event):
+        return bundle_command.import_bundle(o.bundle, tracking_uri=o.tracking_uri, data_dir=o.data_dir,
+                                            limits=Limits(o.max_unpacked_mib, o.max_ratio))
 
 
 # -- attest, verify-record -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from harness import events, scratch, tags as T
+from harness import events, npzfile, scratch, tags as T
 from harness.commands.bundleformat import (
     _FIX,
     ARTIFACTS,
@@ -27,6 +27,7 @@ from harness.commands.bundleformat import (
     REPLAYS_DIR,
     RUN_DIR,
     BundleError,
+    Limits,
     Manifest,
     Member,
     _loads,
@@ -348,15 +349,16 @@ def _judge_again(unpacked: Path, record: dict[str, Any], replays: list[dict[str,
         _hold_verdicts(judge, record, replays, ids)
 
 
-def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None) -> ImportResult:
-    """Verify `archive` whole, then copy its run (keeping its id as a tag) and replays into this store.
+def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None,
+                  limits: Limits | None = None) -> ImportResult:
+    """Verify `archive` whole (within `limits`), then copy its run (keeping its id as a tag) and replays into this store.
 
     A second import of the same run finds the first and writes nothing.
     """
     with scratch.folder("import") as tmp:
         unpacked = Path(tmp, "bundle")
         unpacked.mkdir()
-        manifest = verify(archive, unpacked)  # first: a refused bundle leaves even a new store's file unmade
+        manifest = verify(archive, unpacked, limits)  # first: a refused bundle leaves even a new store's file unmade
         # Every record checked before the store is opened: a refused bundle leaves even a new store's file unmade.
         record = _load_record(unpacked / RUN_DIR, manifest.run_id)
         replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
@@ -364,6 +366,10 @@ def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: P
         seal.check_bundled(record, unpacked / RUN_DIR / ARTIFACTS, f"run {record['run_id']} (in the bundle)")
         for rec in replays:
             seal.check_bundled(rec, unpacked / REPLAYS_DIR / rec["run_id"] / ARTIFACTS, f"run {rec['run_id']} (in the bundle)")
+        # The judge reads the series and sketches: a forger who reseals can make any of them a zip bomb.
+        for npz in sorted(unpacked.rglob("*.npz")):
+            with open(npz, "rb") as stream:
+                npzfile.check(stream, f"bundle member '{npz.relative_to(unpacked).as_posix()}'")
         _judge_again(unpacked, record, replays)  # in a scratch store: a forged verdict leaves this one untouched
         tracker = Tracker(tracking_uri)
         # One import into a store at a time: a second import of the bundle waits, then finds the first's run.

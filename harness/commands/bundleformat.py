@@ -3,8 +3,10 @@ used (harness/commands/bundle.py exports and imports with it)."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import math
 import shutil
 import tarfile
 import zlib
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, UsageError
 from harness.fmt import plain_name
 
 # The layout this code writes; a bundle with a higher number comes from a newer harness and is refused.
@@ -29,6 +31,17 @@ DATA_DIR = "data"  # data/<name>/<file>: the declared data's bytes (--with-data)
 MAX_MANIFEST_BYTES = 64 << 20
 _CHUNK = 1 << 20
 _FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
+MIB = 1 << 20
+# How far an import lets a bundle unpack, checked on the manifest's sizes before any member is unpacked: a manifest
+# that lists a member's true size and sha256 passes every other check, so only these bound a decompression bomb.
+DEFAULT_MAX_UNPACKED_MIB = 64 << 10  # 64 GiB: an image and a few checkpoints fit; more takes --max-unpacked-mib
+# What export writes (records, npz series, a git pack, checkpoints, a docker save) shrinks under 10 times at gzip
+# level 1; gzip shrinks nothing more than about 1032 times, which 1 GiB of zeros in 1 MB reaches.
+DEFAULT_MAX_RATIO = 100
+RATIO_FLOOR = 64 * MIB  # unpacked, a bundle may always reach this: a small bundle's ratio says nothing
+# After its last member a tar holds two zero blocks padded to a 10 KiB record; more is data no member header
+# accounted for (a header that understates its member's size, and the rest read as no header at all).
+_MAX_TAIL = 64 << 10
 
 
 class BundleError(HarnessError):
@@ -54,6 +67,38 @@ class Manifest:
             "format": self.format, "run_id": self.run_id, "replays": self.replays, "image": self.image,
             "members": {name: {"size": m.size, "sha256": m.sha256} for name, m in sorted(self.members.items())},
         }, indent=1).encode()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How large a bundle may unpack, checked on its manifest before any member is unpacked: the sum of every
+    member's listed size, and that sum over the bundle file's size (above RATIO_FLOOR)."""
+
+    max_unpacked_mib: float = DEFAULT_MAX_UNPACKED_MIB  # harness import --max-unpacked-mib
+    max_ratio: float = DEFAULT_MAX_RATIO  # harness import --max-ratio
+
+    def __post_init__(self) -> None:
+        if not (self.max_unpacked_mib > 0 and self.max_ratio >= 1):
+            raise UsageError(f"import limits must be positive, and a ratio at least 1 (got --max-unpacked-mib "
+                             f"{self.max_unpacked_mib:g}, --max-ratio {self.max_ratio:g}).")
+
+    def check(self, manifest: Manifest, packed: int) -> None:
+        """Refuse a manifest whose members total more than the limits allow for a bundle file of `packed` bytes."""
+        if not manifest.members:
+            return
+        total = sum(m.size for m in manifest.members.values())
+        name, largest = max(manifest.members.items(), key=lambda item: (item[1].size, item[0]))
+        what = (f"bundle member '{_shown(name)}' ({largest.size} bytes) is the largest of {len(manifest.members)} "
+                f"that unpack to {total} bytes")
+        trust = "refused before anything was unpacked. If you trust where the bundle came from, import it with"
+        if total > self.max_unpacked_mib * MIB:
+            raise BundleError(f"{what}, over the import's limit of {self.max_unpacked_mib:g} MiB; {trust} "
+                              f"--max-unpacked-mib {math.ceil(total / MIB)}.")
+        ratio = total / max(packed, 1)
+        if total > RATIO_FLOOR and ratio > self.max_ratio:
+            raise BundleError(f"{what}, {ratio:.0f} times the bundle's {packed} bytes, over the import's limit of "
+                              f"{self.max_ratio:g} times (a decompression bomb shrinks that much); {trust} "
+                              f"--max-ratio {math.ceil(ratio)}.")
 
 
 # -- names and the manifest ------------------------------------------------------------------------
@@ -84,7 +129,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _loads(data: bytes) -> Any:
-    return json.loads(data, object_pairs_hook=_unique_keys)
+    """A bundle's JSON document; ValueError for one that is malformed, duplicates a key or nests past the stack."""
+    try:
+        return json.loads(data, object_pairs_hook=_unique_keys)
+    except RecursionError:  # a few hundred KB of '[' (harness writes nothing nested past 5 levels)
+        raise ValueError("nested too deeply") from None
 
 
 def check_plain_name(value: Any, what: str) -> str:
@@ -149,6 +198,8 @@ def _kind(member: tarfile.TarInfo) -> str | None:
         return "a device"
     if member.isfifo():
         return "a fifo"
+    if member.issparse():  # export writes none; its holes unpack to zeros the archive does not hold
+        return "a sparse file"
     if not (member.isreg() or member.isdir()):
         return f"of tar type {member.type!r}"
     return None
@@ -174,27 +225,73 @@ def _copy_checked(src: IO[bytes], dest: Path, name: str, expected: Member) -> No
         )
 
 
-def verify(archive: Path, dest: Path) -> Manifest:
+class _Stream:
+    """The bundle's unpacked bytes as tarfile reads them, keeping the last piece read: where the archive ends, the
+    block tarfile took for no header, which _check_tail sees without seeking back (gzip seeks back by unpacking the
+    bundle again from its start)."""
+
+    def __init__(self, raw: gzip.GzipFile) -> None:
+        self.raw, self.last = raw, b""
+
+    def read(self, size: int = -1) -> bytes:
+        self.last = self.raw.read(size)
+        return self.last
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:
+        raise OSError("a bundle is read, never written, on import")
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _check_tail(tar: tarfile.TarFile, stream: _Stream, archive: Path) -> None:
+    """Refuse data after the last member: tarfile ends an archive silently at the first block that is no header."""
+    taken = stream.tell() - tar.offset  # the block tarfile read where a header should be, or none
+    tail = (stream.last[-taken:] if taken > 0 else b"") + stream.read(_MAX_TAIL + 1)
+    if len(tail) > _MAX_TAIL or tail.count(0) != len(tail):
+        raise BundleError(f"the bundle '{archive}' holds data after its last member (a member header that understates "
+                          f"its size?); refused. {_FIX}")
+
+
+def verify(archive: Path, dest: Path, limits: Limits | None = None) -> Manifest:
     """Check every member of `archive` against its manifest while copying it into the empty folder `dest`.
 
-    Refuses (BundleError, before anything else is written) links, devices and fifos, absolute names,
-    '..', members missing from the manifest or larger than it says, altered bytes, members the manifest
-    lists but the archive lacks, and a format newer than FORMAT. Nothing is unpickled or executed.
+    Refuses (BundleError, before anything else is written) a manifest whose sizes exceed `limits` or the free
+    disk, links, devices, fifos and sparse files, absolute names, '..', members missing from the manifest,
+    listed twice or larger than it says, altered bytes, members the manifest lists but the archive lacks,
+    data after the last member, and a format newer than FORMAT. Nothing is unpickled or executed.
     """
+    not_bundle = f"'{archive}' is not a harness bundle (a .tar.gz made by harness export)"
     try:
-        tar = tarfile.open(archive, "r:gz")
+        raw = gzip.open(archive, "rb")
     except FileNotFoundError:
         raise BundleError(f"no bundle at '{archive}'. Pass the file `harness export` wrote.") from None
-    except (OSError, tarfile.TarError, EOFError, zlib.error) as err:
-        raise BundleError(f"'{archive}' is not a harness bundle (a .tar.gz made by harness export): {err}.") from None
+    except OSError as err:
+        raise BundleError(f"{not_bundle}: {err}.") from None
+    stream = _Stream(raw)
     try:
-        with tar:
+        tar = tarfile.open(fileobj=stream, mode="r:")
+    except (OSError, tarfile.TarError, EOFError, zlib.error) as err:
+        raw.close()
+        raise BundleError(f"{not_bundle}: {err}.") from None
+    try:
+        with raw, tar:
             first = tar.next()
             if first is None or first.name != MANIFEST or not first.isreg():
                 raise BundleError(f"'{archive}' does not start with {MANIFEST}; it is not a harness bundle. {_FIX}")
             if first.size > MAX_MANIFEST_BYTES:
                 raise BundleError(f"the bundle's {MANIFEST} is {first.size} bytes, over {MAX_MANIFEST_BYTES}. {_FIX}")
             manifest = parse_manifest(tar.extractfile(first).read())  # type: ignore[union-attr]
+            (limits or Limits()).check(manifest, archive.stat().st_size)
             needed = sum(m.size for m in manifest.members.values())
             free = shutil.disk_usage(dest).free
             if needed > free:
@@ -228,6 +325,7 @@ def verify(archive: Path, dest: Path) -> Manifest:
                 target = dest / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _copy_checked(tar.extractfile(member), target, name, expected)  # type: ignore[arg-type]
+            _check_tail(tar, stream, archive)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
         raise BundleError(f"the bundle '{archive}' is damaged or cut short: {err}. {_FIX}") from None
     missing = sorted(set(manifest.members) - seen)

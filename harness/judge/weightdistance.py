@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harness import npzfile, tags as T
 from harness.messages import WeightsSketch
 
 
@@ -44,7 +45,7 @@ class Sketch:
 
     @classmethod
     def load(cls, data: bytes) -> Sketch:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        with npzfile.opened(data, T.ARTIFACT_WEIGHTS_SKETCH) as z:
             ends = np.cumsum(z["widths"])
             starts = ends - z["widths"]
             values = z["values"].astype(np.float64)

@@ -20,14 +20,13 @@ A run with neither the tag nor the manifest (recorded before seals existed) is a
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import events, tags as T
+from harness import events, npzfile, tags as T
 from harness.errors import HarnessError, RunRefused
 
 VERSION = "v1"
@@ -43,6 +42,8 @@ SEALED_MLFLOW_TAGS = frozenset({T.MLFLOW_PARENT_RUN_ID})
 _FIX = ("Use an intact copy of the run (its original store, or a bundle exported before the edit), or record it "
         "again with `harness run`.")
 _SHOWN = 60  # characters of a changed value shown in the error
+# A bundled run's seal manifest is read whole: ~100 bytes an artifact, so a real one is far below this.
+MAX_MANIFEST_BYTES = 64 << 20
 _warned: set[str] = set()  # unsealed runs already warned about in this process: one line each
 
 
@@ -202,7 +203,7 @@ def verdict_sealed(tracker: Any, run: Any) -> bool:
         return False
     try:
         stored = json.loads(tracker.read_bytes(run.run_id, T.ARTIFACT_SEAL) or b"null")
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return (isinstance(stored, dict) and digest(stored) == value and stored.get("status") == run.status
             and isinstance(stored.get("tags"), dict) and stored["tags"].get(T.VERDICT) == run.tags.get(T.VERDICT))
@@ -246,7 +247,7 @@ def check_record(record: Record, who: str) -> None:
     if stored_bytes is not None:
         try:
             stored = json.loads(stored_bytes)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's stack (a crafted one)
             stored = None
     if (stored is not None and record.status == T.RUNNING and stored.get("status") not in (None, T.RUNNING)
             and digest(stored) == value and dict(now, status=stored["status"]) == stored):
@@ -355,17 +356,16 @@ def _last_by_step(writes: list[tuple[float, int, int]]) -> dict[int, float]:
 
 def _series(record: Record) -> dict[str, dict[int, float]] | None:
     """metrics/series.npz (store/seriesfile.py save_series) as key -> step -> value; None if absent or unreadable."""
-    import numpy as np
 
     data = record.read(T.ARTIFACT_SERIES)
     if data is None:
         return None
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        with npzfile.opened(data, T.ARTIFACT_SERIES) as npz:
             keys = json.loads(str(npz["keys"]))
             return {k: {int(s): float(v) for s, v in zip(npz[f"steps_{i}"], npz[f"values_{i}"])}
                     for i, k in enumerate(keys)}
-    except Exception:  # a damaged file: the sha256 alone names the change
+    except Exception:  # a damaged file (or one npzfile refuses): the sha256 alone names the change
         return None
 
 
@@ -419,8 +419,12 @@ def check_bundled(record: dict[str, Any], artifacts_dir: Path, who: str) -> None
     files: dict[str, Callable[[], bytes]] = {}
     if artifacts_dir.is_dir():
         for path in artifacts_dir.rglob("*"):
-            if path.is_file():
-                files[path.relative_to(artifacts_dir).as_posix()] = path.read_bytes
+            if path.is_file():  # hashed in chunks: a member is never read whole to be hashed
+                files[path.relative_to(artifacts_dir).as_posix()] = _Local(path)
+    sealed = artifacts_dir / T.ARTIFACT_SEAL
+    if sealed.is_file() and sealed.stat().st_size > MAX_MANIFEST_BYTES:  # read whole below: bounded first
+        raise RunRefused(f"{who}'s seal manifest {T.ARTIFACT_SEAL} is {sealed.stat().st_size} bytes, over the "
+                         f"{MAX_MANIFEST_BYTES} a seal of any run takes; refused. {_FIX}")
     metrics: dict[str, list[tuple[float, int, int]]] = {}
     for key, value, ts, step in record["entries"]:
         metrics.setdefault(key, []).append((value, ts, step))
@@ -435,7 +439,7 @@ def check_bundled(record: dict[str, Any], artifacts_dir: Path, who: str) -> None
             "genuine; refused. Export it again with a harness that seals its runs, from the store that holds it.")
     try:
         stored = json.loads(rec.read(T.ARTIFACT_SEAL) or b"null")
-    except ValueError:
+    except (ValueError, RecursionError):
         stored = None
     if isinstance(stored, dict) and isinstance(stored.get("artifacts"), dict):
         rec.known = {p: str(sha) for p, sha in stored["artifacts"].items() if _optional(p) and p not in files}

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import tags as T
+from harness import npzfile, tags as T
 from harness.rundata import RunRecord, wall_clock
 from harness.store.failures import is_store_error, missing
 
@@ -28,10 +28,8 @@ def save_series(series: dict[str, dict[int, float]], path: Path) -> None:
     np.savez_compressed(path, **arrays)
 
 
-def load_series(path: Path) -> dict[str, tuple[Any, Any]]:
-    import numpy as np
-
-    with np.load(path) as data:
+def load_series(path: Path, what: str = T.ARTIFACT_SERIES) -> dict[str, tuple[Any, Any]]:
+    with npzfile.opened(path, what) as data:
         keys = json.loads(str(data["keys"]))
         return {k: (data[f"steps_{i}"], data[f"values_{i}"]) for i, k in enumerate(keys)}
 
@@ -48,14 +46,14 @@ def load_record(tracker: Tracker, run_id: str) -> RunRecord:
         try:
             local = tracker.local_artifact(run_id, T.ARTIFACT_SERIES) or Path(
                 tracker.client.download_artifacts(run_id, T.ARTIFACT_SERIES, tmp))
-            metrics = load_series(local)
+            metrics = load_series(local, f"run {run_id}'s {T.ARTIFACT_SERIES}")
             # The training code's own MLflow metrics never passed through harness, so the series lacks them:
             # MLflow's history holds them, exact (+-inf clamped as in every run that logs them so), at the steps
             # they were logged at (a step logged twice: its last value).
             direct = set(run.tags.get(T.USER_MLFLOW_METRICS, "").split(","))
             from_history = sorted((direct & set(run.metric_keys)) - metrics.keys())
         except Exception as err:  # a run cut off before its series was written: MLflow's history
-            if is_store_error(err) and not missing(err):
+            if isinstance(err, npzfile.NpzRefused) or (is_store_error(err) and not missing(err)):
                 raise
             # ...which holds +-inf clamped to +-DBL_MAX: the comparison must not call such values identical.
             exact = not run.metric_keys

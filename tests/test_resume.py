@@ -210,3 +210,64 @@ def test_no_checkpoint_is_explained_from_the_record(every: int, loop: str | None
 
     said, fix = boundaries.no_checkpoint(every, loop, notices)
     assert cause in said and way_out in fix, (said, fix)
+
+
+# The launcher stopped (SIGSTOP) once rank 0 logged step STOP_LAUNCHER_AT, its ranks running on, then SIGKILLed once
+# the checkpoint after it is complete: the record ends at step STOP_LAUNCHER_AT, the checkpoints run past it.
+LAUNCHER_HOOK = '''
+            signals = os.environ.get("LAUNCHER_SIGNALS")
+            if signals and ctx.rank == 0 and ctx.step in (int(os.environ["STOP_LAUNCHER_AT"]), int(os.environ["KILL_LAUNCHER_AT"])):
+                import pathlib
+                import time
+                here = pathlib.Path(signals)
+                time.sleep(1.5)  # everything logged so far reaches the store (flush_interval_s is short)
+                (here / f"at-{ctx.step}").touch()
+                while not (here / f"done-{ctx.step}").exists():
+                    time.sleep(0.05)
+'''
+
+
+def test_resume_after_a_sigkilled_launcher_records_every_step(project: Project, killable, uninterrupted,
+                                                               tmp_path: Path) -> None:
+    """The launcher killed while its ranks ran ahead of its record (steps 0-6 recorded, the checkpoint of step 10
+    complete): the resume continues from the last checkpoint at or before step 7, so steps 7-9 are re-executed and
+    recorded - the record is the uninterrupted run's, and replays BITWISE."""
+    import os
+    import signal
+    import time
+
+    exp = "experiments/linear_launcher_kill"
+    from conftest import EXPERIMENTS
+
+    project.add_experiment("linear_launcher_kill", train_py=(
+        "import os\n" + (EXPERIMENTS / "linear_ddp/train.py").read_text().replace(
+            '            ctx.log({"loss": loss}, ctx.step)\n',
+            '            ctx.log({"loss": loss}, ctx.step)\n' + LAUNCHER_HOOK, 1)))
+    env = {"LAUNCHER_SIGNALS": str(tmp_path), "STOP_LAUNCHER_AT": "6", "KILL_LAUNCHER_AT": "11"}
+    launcher = project.popen("run", exp, "checkpoint_every=5", "flush_interval_s=0.1", "heartbeat_s=1", env=env)
+
+    def reached(name: str) -> None:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / name).exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.05)
+
+    reached("at-6")
+    os.kill(launcher.pid, signal.SIGSTOP)  # the launcher records nothing more; its ranks run on
+    (tmp_path / "done-6").touch()
+    reached("at-11")  # the checkpoint of step 10 is complete
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.communicate(timeout=60)
+    client = project.client()
+    run_id = client.search_runs([client.get_experiment_by_name("linear_launcher_kill").experiment_id])[0].info.run_id
+    assert sorted(step for step, _ in history(project, run_id, "loss")) == list(range(7))
+    time.sleep(4)  # the heartbeat goes stale
+    marked = project.harness("mark", run_id, "--status", "FAILED")
+    assert marked.returncode == 0, marked.stderr
+    resumed = project.harness("resume", run_id)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 5, the last checkpoint at or before the first step the record lacks" in resumed.stderr
+    assert client.get_run(run_id).data.tags["harness.resumed_from"] == "5"
+    _assert_equal_runs(project, run_id, uninterrupted("experiments/linear_kill", "checkpoint_every=5"), ["loss"])
+    replayed = project.harness("replay", run_id)
+    assert replayed.returncode == 0 and "BITWISE" in replayed.stdout, replayed.stdout + replayed.stderr

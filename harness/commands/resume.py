@@ -18,7 +18,8 @@ from harness.errors import HarnessError, RunFailed, RunRefused
 from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
-from harness.record import checkpoints as checkpoint_store, closing, loading
+from harness.record import checkpoints as checkpoint_store, closing, loading, wholeness
+from harness.rundata import series
 from harness.runtime import boundaries
 from harness.runtime.plan import CheckpointPlan
 from harness.store.tracking import RunRecord, Tracker
@@ -49,6 +50,7 @@ def resume(options: ResumeOptions) -> Outcome:
         )
     record = loaded.record
     step = _provable_step(record, store, step, cfg.world_size)
+    step = _recorded_up_to(record, store, step, cfg.world_size)
     earlier = max((s for s in record.checkpoints if s < step), default=None)
     if earlier is not None and not store.fetch(earlier, cfg.world_size):
         earlier = None
@@ -91,6 +93,30 @@ def _provable_step(record: RunRecord, store: checkpoint_store.CheckpointStore, s
         f"by an older harness and never announced), so a resume from it cannot be proven: resuming from step "
         f"{recorded}, the last checkpoint the run recorded."))
     return recorded
+
+
+def _recorded_up_to(record: RunRecord, store: checkpoint_store.CheckpointStore, step: int, world_size: int) -> int:
+    """The step to resume from so that the record stays whole: `step` when the record holds every step before it,
+    else the last checkpoint at or before the first step it lacks (wholeness.first_missing), whose re-execution logs
+    the steps the record lost; refused (exit 2) when there is none.
+
+    The ranks save checkpoints on their own: a launcher killed while they ran on recorded less than the checkpoint
+    after its record's end holds, and continuing from that checkpoint would leave the steps between unrecorded."""
+    missing = wholeness.first_missing(series(record.metrics), wholeness.evaluation_keys(record.facts))
+    if step <= missing:
+        return step
+    lost = f"steps {missing}-{step - 1}" if step - 1 > missing else f"step {missing}"
+    earlier = max((s for s in record.checkpoints if s <= missing and store.fetch(s, world_size)), default=None)
+    if earlier is None:
+        raise RunRefused(
+            f"run {record.run_id}'s record ends before step {missing}, and its checkpoint of step {step} is past it "
+            f"(its launcher was killed before it recorded {lost}): no checkpoint at or before step {missing} is left to "
+            f"re-execute them from. Rerun it from the start: harness replay {record.run_id} --allow-incomplete.")
+    events.emit(events.Notice(
+        f"The record of run {record.run_id} ends before step {missing} and the checkpoint of step {step} is past it "
+        f"(its launcher was killed before it recorded {lost}): resuming from step {earlier}, the last checkpoint at or "
+        "before the first step the record lacks, so that those steps are re-executed and recorded."))
+    return earlier
 
 
 def prove(record: RunRecord, job: Job, directory: Path, earlier: int | None, step: int) -> None:

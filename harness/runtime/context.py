@@ -106,6 +106,7 @@ class Context(Stepping):
         self._data_order = SampleOrder(world_size, rank, invariant_shards)
         self._steps_per_epoch: int | None = None
         self._next_fingerprint = 0
+        self._fingerprints: dict[int, str] = {}  # rank 0: every Fingerprint sent, so that a checkpoint carries them
         self._last_step: int | None = None
         self._plan = checkpoints
         self._checkpoints = CheckpointSteps(checkpoints, rank, world_size, device)
@@ -433,7 +434,10 @@ class Context(Stepping):
         target = self._fingerprinted()
         if target is not None and step >= self._next_fingerprint:
             # Taken at the first log() of a step on or past each multiple of fingerprint_every.
-            self._send(Fingerprint(step, fingerprint(target)))
+            sha = fingerprint(target)
+            if self.is_main:
+                self._fingerprints[step] = sha
+            self._send(Fingerprint(step, sha))
             self._next_fingerprint = (step // self._every + 1) * self._every
         if self._outbox is not None:
             self._outbox.add(step, values, int(time.time() * 1000))

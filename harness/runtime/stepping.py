@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness.errors import ExperimentError
-from harness.messages import Initial, Loop, Message, Notice, SegmentEnd
+from harness.messages import Fingerprint, Initial, Loop, Message, Notice, SegmentEnd
 from harness.runtime import boundaries, checkpoint as ckpt, determinism, loaders, optimization, perf
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
@@ -56,6 +56,7 @@ class Stepping:
     _shards: int  # > 0: world-size-invariant mode
     _data_order: SampleOrder
     _next_fingerprint: int
+    _fingerprints: dict[int, str]  # rank 0: the fingerprints sent, by step
     _resume: tuple[ckpt.TrainingPosition, dict] | None  # until the first batch after it
     _epoch: int
     _epoch_start_generator: torch.Tensor | None
@@ -272,7 +273,9 @@ class Stepping:
         if not self._checkpoints.due(position.step):
             return
         # The data order so far rides along: a run resumed from here records every step's, not only those after it.
-        extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own())}
+        # So do the fingerprints sent so far: a launcher killed before it wrote them leaves them to the resume.
+        extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own()),
+                 "fingerprints": dict(self._fingerprints)}
         flush = self._outbox.flush if self._outbox is not None else None
         self._send(self._checkpoints.save(position, self._checkpointed(), self._loaders, self._train_loader, extra,
                                           self._tracked, flush))
@@ -295,6 +298,9 @@ class Stepping:
         state, position = loaded
         self.clock.set(position.step)
         self._next_fingerprint = int(state["extra"]["next_fingerprint"])
+        self._fingerprints = {int(k): str(v) for k, v in (state["extra"].get("fingerprints") or {}).items()}
+        for at, sha in sorted(self._fingerprints.items()):  # the record of a killed launcher lacks them
+            self._send(Fingerprint(at, sha))
         # Written before data orders rode along: only the steps from the resume on are recorded.
         self._data_order.resumed(ckpt.unpack_digests(state["extra"].get("data_order")), position.step)
         self._resume = (position, state["rng"])

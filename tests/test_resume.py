@@ -138,7 +138,8 @@ def test_rank_killed_right_after_the_checkpoint_marker_resumes_from_that_checkpo
     assert sorted(_recorded_checkpoints(project, run_id)) == ["0", "10", "5"]
     resumed = project.harness("resume", run_id)
     assert resumed.returncode == 0, resumed.stderr
-    assert "Proved: steps 5-10 from the checkpoint of step 5" in resumed.stderr, resumed.stderr
+    assert "Proved: steps 5-11 from the checkpoint of step 5 and step 10 from the checkpoint of step 10" in resumed.stderr, \
+        resumed.stderr
     assert project.client().get_run(run_id).data.tags["harness.resumed_from"] == "10"
     _assert_equal_runs(project, run_id, uninterrupted(killable[0], "checkpoint_every=5"), ["loss"])
 

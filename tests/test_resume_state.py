@@ -42,7 +42,7 @@ def train(ctx):
             optimizer.step()
             if ema is not None:
                 ema.update_parameters(net)
-            running = 0.5 * running + 0.5 * float(loss)
+            running = 0.5 * running + 0.5 * float(loss.detach())
             ctx.log({"loss": loss}, ctx.step)
             if ctx.rank == 1 and ctx.step == int(os.environ.get("KILL_AT", "-1")):
                 os.kill(os.getpid(), signal.SIGKILL)

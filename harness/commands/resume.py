@@ -140,17 +140,19 @@ def prove(record: RunRecord, job: Job, directory: Path, earlier: int | None, ste
     Two re-executions, in one set of fresh ranks: from the checkpoint before (`earlier`), which must land on every
     tensor digest recorded at `step` and log what the run logged; and from `step` (as the resume will run it: a fresh
     process, then the checkpoint), which must log again what the run logged after `step` before it died. Both run on
-    through the next value of every logged metric (`_next_values`): a value that depends on state the checkpoint
+    through the next value of every logged metric (`_next_unrecorded`): a value that depends on state the checkpoint
     does not hold (an EMA, a loader's position) differs there between the one that ran through `step` and the one
     that started at it, though the run died before logging it.
     """
     logged_after = [int(s) for steps, _ in record.metrics.values() for s in steps.tolist() if s >= step]
     until = max(logged_after) + 1 if logged_after else None
-    through = max(until or 0, _next_values(record, step)) or None
+    unrecorded = _next_unrecorded(record, step)
+    through = max(until or 0, unrecorded) or None
     plans, what = [], []
     if earlier is not None:
-        # On through `step` without stopping where a metric's next value lies past it: its tensors reported there.
-        stop = through if through is not None and through > step else step
+        # On through `step` without stopping where a metric's next value lies past the record: its tensors reported
+        # at `step`, its values after it the ones the re-execution from `step` must log.
+        stop = unrecorded if unrecorded > max(until or 0, step) else step
         plans.append(CheckpointPlan(str(directory), 0, resume_step=earlier, stop_at=stop,
                                     digest_at=step if stop > step else None))
         what.append(f"steps {earlier}-{stop} from the checkpoint of step {earlier}")
@@ -189,19 +191,17 @@ def prove(record: RunRecord, job: Job, directory: Path, earlier: int | None, ste
     events.emit(events.Notice(f"Proved: {' and '.join(what)} re-executed land on what the run recorded."))
 
 
-def _next_values(record: RunRecord, step: int) -> int:
-    """The step after the next value at or after `step` of every metric the run logged at training steps: the one it
-    recorded, or, past its record's end, the next its cadence (the gap between its last two values; one value at step
-    k: every k + 1 steps, an epoch's end) puts there. 0 when it logged nothing."""
+def _next_unrecorded(record: RunRecord, step: int) -> int:
+    """The step after the next value of every metric the run logged at training steps but never at or after `step`,
+    as its cadence puts it (the gap between its last two values; one value at step k: every k + 1 steps, an epoch's
+    end); 0 when every metric has a recorded value there (the record itself holds the re-executions to it)."""
     evaluation = wholeness.evaluation_keys(record.facts)
     nexts = []
     for key, (steps, _) in record.metrics.items():
         if evaluation.get(key, T.EVAL_AT_STEP) != T.EVAL_AT_STEP or not len(steps):
             continue
         known = sorted(int(s) for s in steps.tolist())
-        later = [s for s in known if s >= step]
-        if later:
-            nexts.append(later[0])
+        if known[-1] >= step:
             continue
         period = known[-1] - known[-2] if len(known) > 1 else known[-1] + 1
         if period > 0:

@@ -44,22 +44,23 @@ def first_missing(series: Series, evaluation: Mapping[str, str]) -> int:
         return 0
     if T.METRIC_LR not in series:
         return max(covered) + 1
-    step = 0
+    step = min(covered)  # a loop's first steps may step no optimizer and log nothing: a record loses no prefix
     while step in covered:
         step += 1
     return step
 
 
 def holes(series: Series, evaluation: Mapping[str, str]) -> list[tuple[int, int]]:
-    """The steps (first, last) between 0 and the last witnessed one at which no series holds a value, less those a
-    GradScaler explains (it skipped the optimizer step: its scale backed off across the hole). [] without a witness."""
+    """The steps (first, last) between the first logged and the last witnessed one at which no series holds a value,
+    less those a GradScaler explains (it skipped the optimizer step: its scale backed off across the hole). [] without
+    a witness."""
     witness = series.get(T.METRIC_LR)
     if not witness:
         return []
     covered = _covered(series, evaluation)
     scale = series.get(T.METRIC_GRAD_SCALE, {})
     found: list[tuple[int, int]] = []
-    step, last = 0, max(witness)
+    step, last = min(covered), max(witness)
     while step <= last:
         if step in covered:
             step += 1

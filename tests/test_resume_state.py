@@ -76,7 +76,7 @@ def test_untracked_ema_is_named_by_the_checkpoint_and_refused_by_the_resume(ema_
     assert run.returncode == 1, run.stderr
     assert ("the checkpoint of step 4 does not hold `ema` (an AveragedModel), a live copy of the registered Linear"
             in run.stderr), run.stderr
-    refused = ema_project.harness("resume", run.last_line)
+    refused = ema_project.cli("resume", run.last_line)  # refused before any rank starts
     assert refused.returncode == 2, refused.stderr
     assert "Add `ctx.track(ema=ema)` to train() after the line that makes it" in refused.stderr, refused.stderr
     assert ema_project.client().get_run(run.last_line).info.status == "FAILED"

@@ -98,3 +98,46 @@ def test_state_of_the_loops_own_is_caught_by_the_proof(ema_project: Project) -> 
     assert ("logged loss_mean=" in refused.stderr and "at step 7, where the re-execution that ran through step 4"
             in refused.stderr and "does not hold everything the steps after it depend on" in refused.stderr), \
         refused.stderr
+
+
+def test_a_tracked_state_round_trips_and_an_untracked_copy_is_found(tmp_path) -> None:
+    """In one process: a checkpoint holds what ctx.track took by name (digested as `ema:...`) and loads it back, refuses
+    a mismatch of names either way, and rank 0's scan finds a deepcopy the loop changed, named as the loop names it."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.optim.swa_utils import AveragedModel
+
+    from harness.errors import ExperimentError, HarnessError
+    from harness.runtime import checkpoint as ckpt, states
+    from harness.runtime.fingerprint import fingerprint
+
+    class Net(nn.Linear):  # a class of this test's own: no module elsewhere in the process is of it
+        pass
+
+    model = Net(3, 2)
+    initial = fingerprint(model)
+    ema = AveragedModel(model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update_parameters(model)
+    built = ckpt.build(model=model, position=ckpt.TrainingPosition(4, 1, 0), states={"ema": ema})
+    assert "ema:module.weight" in ckpt.tensor_fingerprints(built, model)
+    ckpt.save_atomic(built, tmp_path / "rank0.pt")
+    loaded = ckpt.load(tmp_path / "rank0.pt")
+    fresh = AveragedModel(model)
+    ckpt.restore(loaded, model=model, states={"ema": fresh})
+    assert fingerprint(fresh.module) == fingerprint(ema.module) and int(fresh.n_averaged) == 1
+    with pytest.raises(HarnessError, match=r"holds the state of 'ema' \(ctx.track\(ema=...\)\)"):
+        ckpt.restore(loaded, model=model)
+    with pytest.raises(HarnessError, match=r"ctx.track\(swa=...\) is tracked but the checkpoint holds no state"):
+        ckpt.restore(loaded, model=model, states={"ema": fresh, "swa": fresh})
+    with pytest.raises(ExperimentError, match="has no state_dict"):
+        states.check_trackable({"position": 3})
+
+    shadow = copy.deepcopy(model)  # found by the scan, and named through this frame's locals
+    copies = states.Copies()
+    assert copies.untracked(model, [ema, fresh], initial) == [{"name": "shadow", "type": "Net", "of": "Net"}]
+    assert copies.untracked(model, [ema, fresh], initial) == []  # unchanged since the last checkpoint: not updated
+    assert states.Copies().untracked(model, [ema, fresh, shadow], initial) == []

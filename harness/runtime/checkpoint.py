@@ -279,9 +279,10 @@ def build(
 
 
 def pack_digests(digests: Mapping[int, str]) -> dict[str, torch.Tensor]:
-    """Per-step digests of 16 hex digits (the data order) as a checkpoint holds them: the steps (int64) and the
-    digests' bytes end to end, 8 a step (uint8): 16 MB for a million steps, where a dict of strings took 31. Tensors,
-    not bytes: torch pickles empty bytes as a call that a weights_only load refuses."""
+    """Per-step digests of one length (16 hex digits: the data order; 64: the fingerprints) as a checkpoint holds
+    them: the steps (int64) and the digests' bytes end to end (uint8), 8 a step for the data order: 16 MB for a
+    million steps, where a dict of strings took 31. Tensors, not bytes: torch pickles empty bytes as a call that a
+    weights_only load refuses."""
     steps = sorted(digests)
     raw = b"".join(bytes.fromhex(digests[s]) for s in steps)
     return {"steps": torch.tensor(steps, dtype=torch.int64),
@@ -292,8 +293,10 @@ def unpack_digests(packed: Mapping[str, Any] | None) -> dict[int, str]:
     """What pack_digests packed; {} for a checkpoint without it."""
     if not packed:
         return {}
+    steps = packed["steps"].tolist()
     raw = packed["digests"].numpy().tobytes()
-    return {int(step): raw[8 * i: 8 * i + 8].hex() for i, step in enumerate(packed["steps"].tolist())}
+    width = len(raw) // len(steps) if steps else 0  # 8 bytes a data order's digest, 32 a fingerprint's
+    return {int(step): raw[width * i: width * i + width].hex() for i, step in enumerate(steps)}
 
 
 # -- per-tensor fingerprints -------------------------------------------------------------------------

@@ -281,7 +281,7 @@ class Stepping:
         # The data order so far rides along: a run resumed from here records every step's, not only those after it.
         # So do the fingerprints sent so far: a launcher killed before it wrote them leaves them to the resume.
         extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own()),
-                 "fingerprints": dict(self._fingerprints)}
+                 "fingerprints": ckpt.pack_digests(self._fingerprints)}
         flush = self._outbox.flush if self._outbox is not None else None
         untracked = self._untracked_copies(position.step)
         self._send(self._checkpoints.save(position, self._checkpointed(), self._loaders, self._train_loader, extra,
@@ -319,7 +319,7 @@ class Stepping:
         state, position = loaded
         self.clock.set(position.step)
         self._next_fingerprint = int(state["extra"]["next_fingerprint"])
-        self._fingerprints = {int(k): str(v) for k, v in (state["extra"].get("fingerprints") or {}).items()}
+        self._fingerprints = ckpt.unpack_digests(state["extra"].get("fingerprints"))
         for at, sha in sorted(self._fingerprints.items()):  # the record of a killed launcher lacks them
             self._send(Fingerprint(at, sha))
         # Written before data orders rode along: only the steps from the resume on are recorded.

@@ -166,3 +166,18 @@ def test_a_sequence_with_steps_no_series_holds_is_not_finished(tmp_path: Path) -
     assert wholeness.first_missing({T.METRIC_LR: {0: 0.1, 1: 0.1, 3: 0.1}}, {}) == 2
     assert wholeness.first_missing({"loss": {0: 1.0, 10: 1.0}}, {}) == 11
     assert wholeness.first_missing({}, {}) == 0
+
+
+def test_a_resumed_run_reads_the_values_its_killed_launcher_wrote_past_its_series(tmp_path: Path) -> None:
+    """A resume whose launcher was SIGKILLed wrote values to MLflow's history but no series.npz (the file is the one the
+    run's earlier close wrote): the record read back holds them, so that the next resume knows where it ends."""
+    job = Started(tmp_path)
+    job.feed(batch([(T.METRIC_LR, s, 0.1) for s in range(4)] + [("loss", s, s / 8) for s in range(4)]),
+             Final(DIGEST[6], 4, "model"))
+    job.recorder.end(job.recorder.ranks_done())
+    job.tracker.set_tags(job.run_id, {T.RESUMES: "2"})
+    job.tracker.log_metric_entries(job.run_id, [(key, value, 1_700_000_000_100 + s, s) for s in (4, 5)
+                                                for key, value in ((T.METRIC_LR, 0.1), ("loss", s / 8))])
+    record = job.tracker.load_record(job.run_id)
+    assert record.metrics["loss"][0].tolist() == list(range(6))
+    assert record.metrics["loss"][1].tolist() == [s / 8 for s in range(6)]

@@ -159,7 +159,7 @@ def test_a_sequence_with_steps_no_series_holds_is_not_finished(tmp_path: Path) -
     from harness.record import wholeness
 
     scaled = {T.METRIC_LR: {0: 0.1, 2: 0.1}, T.METRIC_GRAD_SCALE: {0: 65536.0, 2: 32768.0}}
-    assert wholeness.holes(scaled, {}) == []
+    assert wholeness.holes(scaled, {}) == [] and wholeness.first_missing(scaled, {}) == 3
     assert wholeness.holes({T.METRIC_LR: {0: 0.1, 1: 0.1, 2: 0.1}, "val": {2: 1.0}}, {}) == []
     assert wholeness.holes({T.METRIC_LR: {2: 0.1, 3: 0.1}}, {}) == []  # first steps that stepped no optimizer
     # Where the record of a killed launcher ends: its first hole, or the step after its last value without a witness.

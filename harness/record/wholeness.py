@@ -36,18 +36,14 @@ def _covered(series: Series, evaluation: Mapping[str, str]) -> set[int]:
 
 
 def first_missing(series: Series, evaluation: Mapping[str, str]) -> int:
-    """The first step the record does not hold: the first hole in the steps its series cover where harness.lr
-    witnesses every step, else (no witness: sparse logging cannot be told from a loss) the step after the last one
-    logged; 0 when nothing was logged (a launcher killed before its first write)."""
+    """The first step the record does not hold: the first hole in its steps (`holes`: where harness.lr witnesses every
+    step), else the step after the last one logged (without a witness, sparse logging cannot be told from a loss);
+    0 when nothing was logged (a launcher killed before its first write)."""
     covered = _covered(series, evaluation)
     if not covered:
         return 0
-    if T.METRIC_LR not in series:
-        return max(covered) + 1
-    step = min(covered)  # a loop's first steps may step no optimizer and log nothing: a record loses no prefix
-    while step in covered:
-        step += 1
-    return step
+    found = holes(series, evaluation)
+    return found[0][0] if found else max(covered) + 1
 
 
 def holes(series: Series, evaluation: Mapping[str, str]) -> list[tuple[int, int]]:

@@ -103,8 +103,12 @@ def _owner(copy: torch.nn.Module) -> tuple[str, str]:
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
         if module.split(".")[0] not in ("harness", "torch"):
-            for name, value in frame.f_locals.items():
-                if not name.startswith("_") and _holds(value, copy):
+            for name, value in list(frame.f_locals.items()):
+                try:
+                    held = not name.startswith("_") and _holds(value, copy)
+                except Exception:  # an object of the user's whose attributes cannot be read: not the holder
+                    held = False
+                if held:
                     return name, type(value).__name__
         frame = frame.f_back  # type: ignore[assignment]
     return "", type(copy).__name__

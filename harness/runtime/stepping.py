@@ -293,8 +293,14 @@ class Stepping:
         if self.rank != 0 or self._model is None:
             return []
         tracked = [obj for name, obj in self._tracked.items() if name != "states"]
-        found = self._copies.untracked(self._model, [*tracked, *self._tracked.get("states", {}).values()],
-                                       self._initial_fingerprint)
+        try:
+            found = self._copies.untracked(self._model, [*tracked, *self._tracked.get("states", {}).values()],
+                                           self._initial_fingerprint)
+        except Exception as err:  # a look at the process's objects, never a reason for the training to fail
+            self._notice("untracked-scan", f"the checkpoint of step {step} was not checked for untracked live copies "
+                                           f"of the model ({type(err).__name__}: {err}): give any EMA or averaged "
+                                           "copy to ctx.track(name=obj)")
+            return []
         if found:
             self._notice("untracked-copy", (
                 f"the checkpoint of step {step} does not hold {states.described(found[0])} that the steps update: a "

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 
 from harness import tags as T
+from harness.rundata import wall_clock
 
 Series = Mapping[str, Mapping[int, float]]  # key -> {step: value} (rundata.series)
 
@@ -30,7 +31,7 @@ def _covered(series: Series, evaluation: Mapping[str, str]) -> set[int]:
     """The training steps at which any series holds a value (a key counted in an index of its own is no step)."""
     steps: set[int] = set()
     for key, values in series.items():
-        if evaluation.get(key, T.EVAL_AT_STEP) == T.EVAL_AT_STEP and not key.startswith(T.PERF_PREFIX):
+        if evaluation.get(key, T.EVAL_AT_STEP) == T.EVAL_AT_STEP and not wall_clock(key):
             steps.update(values)
     return steps
 

@@ -142,3 +142,42 @@ def test_an_error_of_the_launcher_fails_the_run_and_is_raised_once_it_is_closed(
     seal.check(job.tracker, job.run_id)
     assert job.run().status == T.FAILED
     assert job.run().tags[T.STATUS_REASON] == "the rendezvous went away"
+
+
+def test_a_sequence_with_steps_no_series_holds_is_not_finished(tmp_path: Path) -> None:
+    """harness.lr is logged at every optimizer step: steps 2-3 that neither it nor any other series holds are a hole in
+    the record, and a run with one is FAILED with the steps named, not FINISHED; a hole a GradScaler explains (it
+    skipped the step, its scale backed off) and sparse logging of the code's own are no hole."""
+    job = Started(tmp_path)
+    job.feed(batch([(T.METRIC_LR, s, 0.1) for s in (0, 1, 4, 5)] + [("loss", 0, 0.5), ("loss", 4, 0.25)]),
+             Final(DIGEST[6], 6, "model"))
+    ended = job.recorder.ranks_done()
+    assert ended is not None and "holds no value at steps 2-3" in ended.message, ended
+    outcome = job.recorder.end(ended)
+    assert outcome.status == T.FAILED and job.run().status == T.FAILED
+
+    from harness.record import wholeness
+
+    scaled = {T.METRIC_LR: {0: 0.1, 2: 0.1}, T.METRIC_GRAD_SCALE: {0: 65536.0, 2: 32768.0}}
+    assert wholeness.holes(scaled, {}) == [] and wholeness.first_missing(scaled, {}) == 3
+    assert wholeness.holes({T.METRIC_LR: {0: 0.1, 1: 0.1, 2: 0.1}, "val": {2: 1.0}}, {}) == []
+    assert wholeness.holes({T.METRIC_LR: {2: 0.1, 3: 0.1}}, {}) == []  # first steps that stepped no optimizer
+    # Where the record of a killed launcher ends: its first hole, or the step after its last value without a witness.
+    assert wholeness.first_missing({T.METRIC_LR: {0: 0.1, 1: 0.1, 3: 0.1}}, {}) == 2
+    assert wholeness.first_missing({"loss": {0: 1.0, 10: 1.0}}, {}) == 11
+    assert wholeness.first_missing({}, {}) == 0
+
+
+def test_a_resumed_run_reads_the_values_its_killed_launcher_wrote_past_its_series(tmp_path: Path) -> None:
+    """A resume whose launcher was SIGKILLed wrote values to MLflow's history but no series.npz (the file is the one the
+    run's earlier close wrote): the record read back holds them, so that the next resume knows where it ends."""
+    job = Started(tmp_path)
+    job.feed(batch([(T.METRIC_LR, s, 0.1) for s in range(4)] + [("loss", s, s / 8) for s in range(4)]),
+             Final(DIGEST[6], 4, "model"))
+    job.recorder.end(job.recorder.ranks_done())
+    job.tracker.set_tags(job.run_id, {T.RESUMES: "2"})
+    job.tracker.log_metric_entries(job.run_id, [(key, value, 1_700_000_000_100 + s, s) for s in (4, 5)
+                                                for key, value in ((T.METRIC_LR, 0.1), ("loss", s / 8))])
+    record = job.tracker.load_record(job.run_id)
+    assert record.metrics["loss"][0].tolist() == list(range(6))
+    assert record.metrics["loss"][1].tolist() == [s / 8 for s in range(6)]

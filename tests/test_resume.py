@@ -138,7 +138,8 @@ def test_rank_killed_right_after_the_checkpoint_marker_resumes_from_that_checkpo
     assert sorted(_recorded_checkpoints(project, run_id)) == ["0", "10", "5"]
     resumed = project.harness("resume", run_id)
     assert resumed.returncode == 0, resumed.stderr
-    assert "Proved: steps 5-10 from the checkpoint of step 5" in resumed.stderr, resumed.stderr
+    assert "Proved: steps 5-11 from the checkpoint of step 5 and step 10 from the checkpoint of step 10" in resumed.stderr, \
+        resumed.stderr
     assert project.client().get_run(run_id).data.tags["harness.resumed_from"] == "10"
     _assert_equal_runs(project, run_id, uninterrupted(killable[0], "checkpoint_every=5"), ["loss"])
 
@@ -210,3 +211,84 @@ def test_no_checkpoint_is_explained_from_the_record(every: int, loop: str | None
 
     said, fix = boundaries.no_checkpoint(every, loop, notices)
     assert cause in said and way_out in fix, (said, fix)
+
+
+# Rank 0 waits at each step of LAUNCHER_AT once it logged it (its values in the store first): the test stops the
+# launcher (SIGSTOP) at the first, its ranks running on, and SIGKILLs it at the second, once the checkpoint after the
+# first is complete - the record ends at the first step, the checkpoints run past it.
+LAUNCHER_HOOK = '''
+            signals = os.environ.get("LAUNCHER_SIGNALS")
+            if signals and ctx.rank == 0 and str(ctx.step) in os.environ["LAUNCHER_AT"].split(","):
+                import pathlib
+                import time
+                here = pathlib.Path(signals)
+                time.sleep(0.5)  # everything logged so far reaches the store (flush_interval_s is short)
+                (here / f"at-{ctx.step}").touch()
+                while not (here / f"done-{ctx.step}").exists():
+                    time.sleep(0.05)
+'''
+
+
+def _launcher_killed(project: Project, signals: Path, stop: int, kill: int, *args: str) -> str:
+    """`harness ARGS` with its launcher stopped once step `stop` is recorded and SIGKILLed at step `kill`, its ranks
+    having run on; then closed FAILED with `harness mark`, as a user would once its heartbeat is stale. What the
+    launcher printed to stderr."""
+    import os
+    import signal
+    import time
+
+    launcher = project.popen(*args, env={"LAUNCHER_SIGNALS": str(signals), "LAUNCHER_AT": f"{stop},{kill}"})
+
+    def reached(step: int) -> None:
+        deadline = time.monotonic() + 120
+        while not (signals / f"at-{step}").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.05)
+
+    reached(stop)
+    os.kill(launcher.pid, signal.SIGSTOP)  # the launcher records nothing more; its ranks run on
+    (signals / f"done-{stop}").touch()
+    reached(kill)
+    os.kill(launcher.pid, signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=60)
+    client = project.client()
+    run_id = client.search_runs([client.get_experiment_by_name("linear_launcher_kill").experiment_id])[0].info.run_id
+    deadline = time.monotonic() + 30
+    while (marked := project.cli("mark", run_id, "--status", "FAILED")).returncode:  # once its heartbeat is stale
+        assert "heartbeat" in marked.stderr and time.monotonic() < deadline, marked.stderr
+        time.sleep(0.3)
+    return stderr
+
+
+def test_resume_after_a_sigkilled_launcher_records_every_step(project: Project, killable, uninterrupted,
+                                                               tmp_path: Path) -> None:
+    """A launcher killed while its ranks ran ahead of its record (steps 0-6 recorded, the checkpoint of step 10
+    complete): the resume continues from the last checkpoint at or before step 7, so steps 7-9 are re-executed and
+    recorded. The same for that resume's launcher killed (steps 0-12 recorded, the checkpoint of step 15 complete):
+    the next continues from step 10. The record is the uninterrupted run's: what a replay judges, the same."""
+    from conftest import EXPERIMENTS
+    from harness.store.tracking import Tracker
+
+    exp = "experiments/linear_launcher_kill"
+    project.add_experiment("linear_launcher_kill", train_py=(
+        "import os\n" + (EXPERIMENTS / "linear_ddp/train.py").read_text().replace(
+            '            ctx.log({"loss": loss}, ctx.step)\n',
+            '            ctx.log({"loss": loss}, ctx.step)\n' + LAUNCHER_HOOK, 1)))
+    _launcher_killed(project, tmp_path, 6, 11, "run", exp, "checkpoint_every=5", "flush_interval_s=0.1",
+                     "heartbeat_s=0.3")
+    client = project.client()
+    run_id = client.search_runs([client.get_experiment_by_name("linear_launcher_kill").experiment_id])[0].info.run_id
+    assert sorted(step for step, _ in history(project, run_id, "loss")) == list(range(7))
+    said = _launcher_killed(project, tmp_path, 12, 16, "resume", run_id)
+    assert "resuming from step 5, the last checkpoint at or before the first step the record lacks" in said
+    assert sorted(step for step, _ in history(project, run_id, "loss")) == list(range(13))
+    resumed = project.harness("resume", run_id)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 10, the last checkpoint at or before the first step the record lacks" in resumed.stderr
+    assert client.get_run(run_id).data.tags["harness.resumed_from"] == "5,10"
+    clean = uninterrupted("experiments/linear_kill", "checkpoint_every=5")
+    _assert_equal_runs(project, run_id, clean, ["loss"])
+    # What a replay judges besides the metrics: the fingerprints the killed launcher never wrote came with the checkpoint.
+    resumed_record, clean_record = (Tracker(project.uri).load_record(r) for r in (run_id, clean))
+    assert resumed_record.fingerprints == clean_record.fingerprints and resumed_record.fingerprints
+    assert resumed_record.checkpoints == clean_record.checkpoints

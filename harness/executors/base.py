@@ -155,6 +155,8 @@ class SegmentReport:
     logged: dict[tuple[str, int], float] = field(default_factory=dict)  # (key, step) -> value
     end: tuple[int, str | None] | None = None  # (step, fingerprint) where the segment stopped
     tensors: dict[str, str] = field(default_factory=dict)  # per-tensor digests at a segment's stop
+    # step -> (fingerprint, per-tensor digests) of every SegmentEnd: a plan's digest_at as well as its stop
+    marks: dict[int, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
     started: float | None = None  # time.monotonic() when it began
 
 
@@ -180,6 +182,7 @@ class SegmentMessages:
                 report.logged.update({(key, step): value for key, step, value, _ in msg.points()})
             case SegmentEnd(step, sha256, digests):
                 report.end, report.tensors = (step, sha256), digests
+                report.marks[step] = (sha256, digests)
             case Final(sha256, steps):
                 report.end = (steps, sha256)
 

@@ -49,7 +49,7 @@ from harness.messages import (
     UserSeeds,
     WeightsSketch,
 )
-from harness.record import closing
+from harness.record import closing, wholeness
 from harness.record.provenance import package_lock, runtime_facts
 from harness.record.results import record_performance, record_results
 from harness.rundata import own_metric
@@ -286,11 +286,28 @@ class Recorder:
         assert self.lock is not None and self.writer is not None, "Recorder.ranks_done before start"
         self.lock.result()
         if self.writer.conflict is None:
-            return None
+            return self._hole()
         key, at, was, now = self.writer.conflict
         line = (f"the resumed run logged {key}={now!r} at step {at}, where the run it continues had logged {was!r}: "
                 "it is not the uninterrupted run's continuation (both values are kept in MLflow's history). "
                 f"Replay the run from its start instead: harness replay {self.run_id} --allow-incomplete.")
+        return Failed(line, None, line)
+
+    def _hole(self) -> Failed | None:
+        """A step that ran but that no series of the record holds (wholeness.holes): the record is not what ran."""
+        found = wholeness.holes(self.writer.series if self.writer is not None else {}, self.final.get("evaluation") or {})
+        if not found:
+            return None
+        where = wholeness.shown(found[0])
+        if self.resume_step is not None and found[0][1] < self.resume_step:
+            line = (f"the record of run {self.run_id} holds no value at {where}, before step {self.resume_step} this "
+                    f"resume continued from (its launcher was killed before it recorded them): it is not the whole run. "
+                    f"Resume it again (harness resume {self.run_id} re-executes from the last checkpoint at or before "
+                    f"step {found[0][0]}).")
+        else:
+            line = (f"the record of run {self.run_id} holds no value at {where} ({T.METRIC_LR}, logged at every "
+                    f"optimizer step, included), though its ranks ran them: it is not the whole run. Rerun it: "
+                    f"harness replay {self.run_id} --allow-incomplete.")
         return Failed(line, None, line)
 
     # -- the end --------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from harness.errors import ExperimentError, HarnessError
-from harness.runtime import forkgate
+from harness.runtime import forkgate, states as states_mod
 from harness.runtime.fingerprint import fingerprint, tensor_sha256
 
 # The key that marks a file as a harness checkpoint, and the layout version stored under it.
@@ -241,6 +241,7 @@ def build(
     extra: Mapping[str, Any] | None = None,
     device: torch.device | None = None,
     copy: bool = True,
+    states: Mapping[str, Stateful] | None = None,
 ) -> dict[str, Any]:
     """This rank's checkpoint at a step boundary: states on the CPU, RNG (with `device`'s CUDA generator when the
     rank runs on a GPU), position and fingerprint. `copy=False`: CPU tensors are the live ones, not copies - for a
@@ -270,15 +271,18 @@ def build(
         "extra": snapshot(dict(extra or {})),
         "fingerprint": fingerprint(module),
     }
-    for part in ("optimizer", "scheduler", "scaler", "extra"):
+    if states:  # what ctx.track took by name (an EMA, a loader's position): absent from a checkpoint without them
+        ckpt["states"] = {str(name): snapshot(obj.state_dict()) for name, obj in states.items()}
+    for part in ("optimizer", "scheduler", "scaler", "extra", *(("states",) if states else ())):
         _check_plain(ckpt[part], part)
     return ckpt
 
 
 def pack_digests(digests: Mapping[int, str]) -> dict[str, torch.Tensor]:
-    """Per-step digests of 16 hex digits (the data order) as a checkpoint holds them: the steps (int64) and the
-    digests' bytes end to end, 8 a step (uint8): 16 MB for a million steps, where a dict of strings took 31. Tensors,
-    not bytes: torch pickles empty bytes as a call that a weights_only load refuses."""
+    """Per-step digests of one length (16 hex digits: the data order; 64: the fingerprints) as a checkpoint holds
+    them: the steps (int64) and the digests' bytes end to end (uint8), 8 a step for the data order: 16 MB for a
+    million steps, where a dict of strings took 31. Tensors, not bytes: torch pickles empty bytes as a call that a
+    weights_only load refuses."""
     steps = sorted(digests)
     raw = b"".join(bytes.fromhex(digests[s]) for s in steps)
     return {"steps": torch.tensor(steps, dtype=torch.int64),
@@ -289,8 +293,10 @@ def unpack_digests(packed: Mapping[str, Any] | None) -> dict[int, str]:
     """What pack_digests packed; {} for a checkpoint without it."""
     if not packed:
         return {}
+    steps = packed["steps"].tolist()
     raw = packed["digests"].numpy().tobytes()
-    return {int(step): raw[8 * i: 8 * i + 8].hex() for i, step in enumerate(packed["steps"].tolist())}
+    width = len(raw) // len(steps) if steps else 0  # 8 bytes a data order's digest, 32 a fingerprint's
+    return {int(step): raw[width * i: width * i + width].hex() for i, step in enumerate(steps)}
 
 
 # -- per-tensor fingerprints -------------------------------------------------------------------------
@@ -313,12 +319,18 @@ def tensor_fingerprints(ckpt: Mapping[str, Any], model: torch.nn.Module,
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     out[f"{owner}/{key}"] = tensor_sha256(value)
+    for name, state in (ckpt.get("states") or {}).items():
+        # `ema:module.weight`: a colon is in no module's or parameter's name, so no name of the model's can collide.
+        for path, value in states_mod.tensors_in(state):
+            out[f"{name}:{path}"] = tensor_sha256(value)
     return dict(sorted(out.items()))
 
 
-def live_tensor_fingerprints(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
-    """tensor_fingerprints of the model and optimizer as they are now, without building a checkpoint."""
-    state = {"model": _unwrap(model).state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict()}
+def live_tensor_fingerprints(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                             states: Mapping[str, Stateful] | None = None) -> dict[str, str]:
+    """tensor_fingerprints of the model, optimizer and tracked states as they are now, without building a checkpoint."""
+    state = {"model": _unwrap(model).state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict(),
+             "states": {name: obj.state_dict() for name, obj in (states or {}).items()}}
     return tensor_fingerprints(state, model, optimizer)
 
 
@@ -348,8 +360,10 @@ def restore(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Stateful | None = None,
     scaler: Stateful | None = None,
+    states: Mapping[str, Stateful] | None = None,
 ) -> TrainingPosition:
-    """Load the model, optimizer, scheduler and scaler states; RNG is left to set_rng_state()."""
+    """Load the model, optimizer, scheduler, scaler and tracked states; RNG is left to set_rng_state()."""
+    states_mod.check_names(ckpt.get("states") or {}, states or {})
     given = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     for part, target in given.items():
         # A missing optimizer state would restart momentum from zero: silently not the same run.
@@ -366,6 +380,8 @@ def restore(
         for part, target in given.items():
             if target is not None:
                 target.load_state_dict(ckpt[part])
+        for name, obj in (states or {}).items():
+            obj.load_state_dict(ckpt["states"][name])
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise HarnessError(
             f"the checkpoint does not fit this model or optimizer: {_one_line(exc)}. "

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness.messages import Checkpoint
-from harness.runtime import checkpoint as ckpt, replicas
+from harness.runtime import checkpoint as ckpt, replicas, states
 from harness.runtime.plan import CheckpointPlan
 
 
@@ -35,9 +35,10 @@ class CheckpointSteps:
 
     def save(self, position: ckpt.TrainingPosition, model: torch.nn.Module, loaders: Sequence[DataLoader],
              train_loader: DataLoader | None, extra: dict[str, Any], tracked: dict[str, Any],
-             flush: Callable[[], None] | None) -> Checkpoint | None:
+             flush: Callable[[], None] | None, untracked: list[dict[str, str]] | None = None) -> Checkpoint | None:
         """Save this rank's checkpoint at `position` (a collective); rank 0 marks it complete and returns the message
-        that announces it, after `flush` (what was logged before the step goes first)."""
+        that announces it, after `flush` (what was logged before the step goes first). The marker names the
+        `untracked` live copies of the model (states.Copies) that the checkpoint does not hold."""
         plan, step = self._plan, position.step
         assert plan is not None
         generators = {str(i): dl.generator for i, dl in enumerate(loaders) if dl is not train_loader}
@@ -60,7 +61,8 @@ class CheckpointSteps:
             flush()
         # The marker carries the digests the message announces: a kill between the two leaves them on disk.
         ckpt.mark_complete(directory, step, self._world_size,
-                           {"sha256": state["fingerprint"], "tensors": tensors, "ranks": ranks})
+                           {"sha256": state["fingerprint"], "tensors": tensors, "ranks": ranks,
+                            **({states.UNTRACKED: untracked} if untracked else {})})
         return Checkpoint(step, state["fingerprint"], tensors, tuple(ranks))
 
     def load_resume(self, model: Callable[[], torch.nn.Module], loaders: Sequence[DataLoader],

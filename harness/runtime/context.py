@@ -33,6 +33,7 @@ from harness.runtime.invariant import InvariantModule, InvariantStep, broadcast_
 from harness.runtime.metrics import Logged, logged_twice, metric_value, not_own
 from harness.runtime.outbox import Outbox
 from harness.runtime.plan import CheckpointPlan, ProfilePlan
+from harness.runtime.states import Copies, check_trackable
 from harness.runtime.stepping import Stepping, StopSegment as StopSegment  # StopSegment: the launcher's
 from harness.runtime.steps import StepClock, StepHook
 from harness.runtime.tracing import StepTrace
@@ -106,6 +107,7 @@ class Context(Stepping):
         self._data_order = SampleOrder(world_size, rank, invariant_shards)
         self._steps_per_epoch: int | None = None
         self._next_fingerprint = 0
+        self._fingerprints: dict[int, str] = {}  # rank 0: every Fingerprint sent, so that a checkpoint carries them
         self._last_step: int | None = None
         self._plan = checkpoints
         self._checkpoints = CheckpointSteps(checkpoints, rank, world_size, device)
@@ -128,11 +130,13 @@ class Context(Stepping):
         self._framework: str | None = None
         self._loop_sent = False
         self._sketched = False
+        self._digested = False
         self._logged = Logged()  # rank 0: what was logged, at which steps, by training or an evaluation
         self._noted: set[str] = set()  # notices already sent
         self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
         self._forward_hook: hooks.Handle | None = None
         self._initial_fingerprint: str | None = None  # rank 0: the registered model's, when it was registered
+        self._copies = Copies()
         # plan.trace_step's op trace; the experiment folder fixed at start: the training code may os.chdir() away.
         self._trace = StepTrace(checkpoints, rank, world_size, invariant_shards, code_dir or str(Path.cwd()), device)
         # Every step's wall time and loader wait; torch.profiler over the planned steps (profile: in experiment.yaml).
@@ -272,9 +276,11 @@ class Context(Stepping):
             if param.requires_grad:
                 param.register_hook(check)
 
-    def track(self, optimizer: Any = None, scheduler: Any = None, scaler: Any = None) -> None:
-        """Register what a checkpoint must hold besides the model (optimizer, LR scheduler, GradScaler), by position
-        or by name."""
+    def track(self, optimizer: Any = None, scheduler: Any = None, scaler: Any = None, **states: Any) -> None:
+        """Register what a checkpoint must hold besides the model: the optimizer, LR scheduler and GradScaler, by
+        position or by name, and, by a name of your choice, anything else the steps depend on that has
+        state_dict()/load_state_dict() (an EMA or AveragedModel, a data loader's position, a sampler):
+        `ctx.track(optimizer, ema=ema)`. Each is saved in every checkpoint and loaded back on a resume."""
         from torch.amp import GradScaler
         from torch.optim.lr_scheduler import LRScheduler
 
@@ -289,6 +295,9 @@ class Context(Stepping):
         for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 self._tracked[name] = obj
+        if states:
+            check_trackable(states)
+            self._tracked.setdefault("states", {}).update(states)
         if optimizer is not None:
             self.clock.track(optimizer)  # its steps are the run's steps
 
@@ -433,7 +442,10 @@ class Context(Stepping):
         target = self._fingerprinted()
         if target is not None and step >= self._next_fingerprint:
             # Taken at the first log() of a step on or past each multiple of fingerprint_every.
-            self._send(Fingerprint(step, fingerprint(target)))
+            sha = fingerprint(target)
+            if self.is_main:
+                self._fingerprints[step] = sha
+            self._send(Fingerprint(step, sha))
             self._next_fingerprint = (step // self._every + 1) * self._every
         if self._outbox is not None:
             self._outbox.add(step, values, int(time.time() * 1000))

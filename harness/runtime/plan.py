@@ -44,6 +44,8 @@ class CheckpointPlan:
     every: int  # 0: never save (a resume or audit may still load)
     resume_step: int | None = None  # load the checkpoint of this step before the first epoch
     stop_at: int | None = None  # an audit segment ends when this many steps are done
+    # resume's proof: the segment reports its tensors (a SegmentEnd) when this many steps are done, and goes on
+    digest_at: int | None = None
     # harness calibrate: every floating-point parameter of the registered model is nudged by a few hundred ulps, up
     # or down as a generator of this seed draws it, before training starts (harness/runtime/perturb.py).
     perturb_seed: int | None = None

@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from harness.errors import ExperimentError
-from harness.messages import Initial, Loop, Message, Notice, SegmentEnd
-from harness.runtime import boundaries, checkpoint as ckpt, determinism, loaders, optimization, perf
+from harness.messages import Fingerprint, Initial, Loop, Message, Notice, SegmentEnd
+from harness.runtime import boundaries, checkpoint as ckpt, determinism, loaders, optimization, perf, states
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
 from harness.runtime.fingerprint import fingerprint
@@ -56,6 +56,7 @@ class Stepping:
     _shards: int  # > 0: world-size-invariant mode
     _data_order: SampleOrder
     _next_fingerprint: int
+    _fingerprints: dict[int, str]  # rank 0: the fingerprints sent, by step
     _resume: tuple[ckpt.TrainingPosition, dict] | None  # until the first batch after it
     _epoch: int
     _epoch_start_generator: torch.Tensor | None
@@ -63,6 +64,9 @@ class Stepping:
     _framework: str | None  # the framework whose loop runs the steps or feeds their batches
     _loop_sent: bool
     _sketched: bool  # plan.sketch_at's sketch was sent
+    _digested: bool  # plan.digest_at's SegmentEnd was sent
+    _copies: states.Copies  # rank 0: the live copies of the registered model seen at checkpoints
+    _initial_fingerprint: str | None  # rank 0: the registered model's, when it was registered
     _member: MemberNudge | None  # a calibration member's nudge (harness calibrate); None: not a nudged member
 
     def _send(self, message: Message | None) -> None:
@@ -190,6 +194,9 @@ class Stepping:
 
     def _check_stop(self, step: int) -> None:
         plan = self._plan
+        if plan is not None and plan.digest_at == step and not self._digested:
+            self._digested = True
+            self._send(self._segment_end(step))
         if plan is not None and plan.stop_at is not None and step >= plan.stop_at:
             self._trace.end()
             self._send(self._segment_end(step))
@@ -272,18 +279,41 @@ class Stepping:
         if not self._checkpoints.due(position.step):
             return
         # The data order so far rides along: a run resumed from here records every step's, not only those after it.
-        extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own())}
+        # So do the fingerprints sent so far: a launcher killed before it wrote them leaves them to the resume.
+        extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own()),
+                 "fingerprints": ckpt.pack_digests(self._fingerprints)}
         flush = self._outbox.flush if self._outbox is not None else None
+        untracked = self._untracked_copies(position.step)
         self._send(self._checkpoints.save(position, self._checkpointed(), self._loaders, self._train_loader, extra,
-                                          self._tracked, flush))
+                                          self._tracked, flush, untracked))
         self._send(determinism.observe(position.step, determinism.CHECKPOINT))  # determinism read-back: checkpoint saved
+
+    def _untracked_copies(self, step: int) -> list[dict[str, str]]:
+        """Rank 0: the live copies of the registered model that ctx.track was not given (states.Copies), said once."""
+        if self.rank != 0 or self._model is None:
+            return []
+        tracked = [obj for name, obj in self._tracked.items() if name != "states"]
+        try:
+            found = self._copies.untracked(self._model, [*tracked, *self._tracked.get("states", {}).values()],
+                                           self._initial_fingerprint)
+        except Exception as err:  # a look at the process's objects, never a reason for the training to fail
+            self._notice("untracked-scan", f"the checkpoint of step {step} was not checked for untracked live copies "
+                                           f"of the model ({type(err).__name__}: {err}): give any EMA or averaged "
+                                           "copy to ctx.track(name=obj)")
+            return []
+        if found:
+            self._notice("untracked-copy", (
+                f"the checkpoint of step {step} does not hold {states.described(found[0])} that the steps update: a "
+                f"resume from it would start it anew, so `harness resume` refuses it. Add "
+                f"`{states.track_line(found[0])}` after the line that makes it."))
+        return found
 
     def _segment_end(self, step: int) -> SegmentEnd:
         target = self._model if self._model is not None else self._stepped_params
         if target is None:
             return SegmentEnd(step, None)
         # Per tensor too: a segment that ends elsewhere than the run's checkpoint names the tensors that differ.
-        tensors = ckpt.live_tensor_fingerprints(target, self._tracked.get("optimizer"))
+        tensors = ckpt.live_tensor_fingerprints(target, self._tracked.get("optimizer"), self._tracked.get("states"))
         return SegmentEnd(step, fingerprint(target), tensors)
 
     def _load_resume_checkpoint(self) -> int:
@@ -295,6 +325,9 @@ class Stepping:
         state, position = loaded
         self.clock.set(position.step)
         self._next_fingerprint = int(state["extra"]["next_fingerprint"])
+        self._fingerprints = ckpt.unpack_digests(state["extra"].get("fingerprints"))
+        for at, sha in sorted(self._fingerprints.items()):  # the record of a killed launcher lacks them
+            self._send(Fingerprint(at, sha))
         # Written before data orders rode along: only the steps from the resume on are recorded.
         self._data_order.resumed(ckpt.unpack_digests(state["extra"].get("data_order")), position.step)
         self._resume = (position, state["rng"])

@@ -61,6 +61,8 @@ def load_record(tracker: Tracker, run_id: str) -> RunRecord:
     for key in from_history:
         steps, values = tracker.metric_history(run_id, key)
         metrics[key] = (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
+    if run.tags.get(T.RESUMES) and T.METRIC_LR in metrics and T.METRIC_LR in run.metric_keys:
+        _add_history_past_series(tracker, run_id, run.metric_keys, metrics)
     # Step times and the like are wall clock: held apart, where no verdict reads (rundata.wall_clock).
     performance = {key: metrics.pop(key) for key in [k for k in metrics if wall_clock(k)]}
     for key in sorted(k for k in run.metric_keys if wall_clock(k) and k not in performance):
@@ -91,3 +93,22 @@ def load_record(tracker: Tracker, run_id: str) -> RunRecord:
         performance=performance,
         config=OmegaConf.to_container(OmegaConf.create(config_text), resolve=True),  # type: ignore[arg-type]
     )
+
+
+def _add_history_past_series(tracker: Tracker, run_id: str, keys: list[str], metrics: dict[str, Any]) -> None:
+    """A resume whose launcher was killed wrote values to MLflow's history but no series.npz: the file is the one the
+    run's earlier close wrote. When the history reaches past it (harness.lr, logged at every step, says so), the
+    history's later values join the series, so that a record read back holds every step its store holds."""
+    import numpy as np
+
+    lr_steps, _ = tracker.metric_history(run_id, T.METRIC_LR)
+    if not lr_steps or max(lr_steps) <= int(metrics[T.METRIC_LR][0].max(initial=-1)):
+        return
+    for key in keys:
+        if wall_clock(key):
+            continue
+        steps, values = tracker.metric_history(run_id, key)
+        known = dict(zip(*(a.tolist() for a in metrics[key]))) if key in metrics else {}
+        known.update({s: v for s, v in zip(steps, values) if s not in known})
+        ordered = sorted(known)
+        metrics[key] = (np.array(ordered, dtype=np.int64), np.array([known[s] for s in ordered], dtype=np.float64))

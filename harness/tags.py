@@ -79,6 +79,9 @@ SLURM_NODELIST = "harness.slurm.nodelist"
 
 SEED = "harness.seed"
 RANK_SEEDS = "harness.seed.ranks"  # comma-separated, rank order
+# The ranks' PYTHONHASHSEED (harness/seeds.py): the order of a set of strings; "random" where nothing pinned it.
+HASH_SEED = "harness.seed.hash"
+HASH_SEED_SOURCE = "harness.seed.hash.source"  # seed | PYTHONHASHSEED | record | torchrun
 WORLD_SIZE = "harness.world_size"
 BACKEND = "harness.backend"
 DEVICE = "harness.device"

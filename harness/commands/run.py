@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from harness import events, executors, scratch, tags as T
+from harness import events, executors, scratch, seeds, tags as T
 from harness.config import compose, flatten, load_experiment, split_entry, to_container
 from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
@@ -56,11 +56,13 @@ def preflight(
     tracking_uri: str | None = None,
     nnodes: int = 1,
     warm_ranks: bool = False,
+    torchrun: bool = False,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks. `warm_ranks`: this process will
     start the job's ranks, so the rank server starts its imports as soon as the config says it is wanted.
+    `torchrun`: torchrun started this process as a rank (its string-hash seed was fixed when it started).
     """
     from harness.executors.launch import capacity_warning, resolve_device
     from harness.record import data
@@ -75,6 +77,8 @@ def preflight(
             "bundle of its runs could not be imported. Rename the folder.")
     cfg = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
     declared = executors.backend(str(cfg.executor))
+    # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
+    seeds.pin_hash_seed(int(cfg.seed), starts_ranks=not torchrun)
     if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = gitsource.inspect(
@@ -178,6 +182,7 @@ def check(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
         allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
         tracking_uri=tracking_uri, nnodes=topology.nnodes, warm_ranks=warm_ranks and torchrun is None,
+        torchrun=torchrun is not None,
     )
 
 
@@ -280,6 +285,7 @@ def execute_recorded(
     tracker = Tracker(tracking_uri)
     run = loading.load(tracker, run_id, loading.EXECUTE).summary
     cfg = recorded_config(tracker, run)
+    seeds.apply_recorded_hash_seed(run.tags, run.run_id)  # the submitting side recorded it; these ranks start here
     container = to_container(cfg)
     if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
         restored, _ = redaction.restore(

@@ -143,8 +143,9 @@ def _sweep_values(value: str) -> list[str] | None:
 def as_override(key: str, text: str) -> str:
     """KEY=TEXT that parse_overrides reads back as TEXT's value, for overrides harness writes itself (a backend's
     option, a bisect probe's value): TEXT (plain YAML) that the sweep rule would refuse, `a,b`, is quoted as the
-    string it is."""
-    return f"{key}={json.dumps(text) if _sweep_values(text) is not None else text}"
+    string it is, and so is one holding a line break (YAML would fold it into a space; its \\n escape is exact)."""
+    quoted = _sweep_values(text) is not None or "\n" in text or "\r" in text
+    return f"{key}={json.dumps(text) if quoted else text}"
 
 
 def _refuse_sweep(item: str, key: str, values: list[str]) -> None:
@@ -175,6 +176,12 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         if any(ord(c) < 32 or ord(c) == 127 for c in key):
             raise ConfigError(f"override {item!r}: its key holds a control character. Type the key again (letters, "
                               "digits, '_' and '.').")
+        if "\n" in value or "\r" in value:
+            # YAML folds a line break in a scalar into a space: the run would record and run another string than
+            # the one typed. In double quotes, \n is YAML's escape for it, read back exactly.
+            raise ConfigError(f"override {item!r}: its value holds a line break, which YAML reads as a space, so the "
+                              f"run would not get the value typed. Write each line break as \\n inside double quotes "
+                              f"({key}=\"first\\nsecond\"), or set the value in {EXPERIMENT_FILE}.")
         if key in seen:
             raise ConfigError(f"override '{key}' is given twice ({seen[key]}, {item}); give it once.")
         seen[key] = item

@@ -128,6 +128,8 @@ FAILED_SIGNAL = "harness.failed_signal"
 # a RUNNING run whose heartbeat is older than STALE_FACTOR intervals has lost its launcher.
 HEARTBEAT = "harness.heartbeat"
 HEARTBEAT_S = "harness.heartbeat_s"
+# The process that writes the heartbeat (scratch.process_identity): on its machine, its end is known at once.
+HEARTBEAT_BY = "harness.heartbeat.by"
 STALE_FACTOR = 3
 # "false" when the registered model ended with the weights it started with: nothing was trained.
 WEIGHTS_CHANGED = "harness.weights_changed"

@@ -97,6 +97,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Liveness and training outcomes: they describe how the run went, not what it ran under.
         tags.HEARTBEAT,
         tags.HEARTBEAT_S,
+        tags.HEARTBEAT_BY,
         tags.STARTED,
         tags.WEIGHTS_CHANGED,
         tags.INITIAL_FINGERPRINT,

@@ -345,6 +345,28 @@ def check_profile(profile: Any, world_size: int) -> None:
                           f"got {profile.samples_per_step}.")
 
 
+# Above this many profiled steps (steps x ranks), the run is told what they cost before it starts.
+PROFILE_MANY = 10
+# What one profiled step writes (trace, table, summary) for the smallest model worth profiling: 25 profiled steps of
+# experiments/linear_ddp (one Linear(10, 5) under DDP on gloo) wrote 1.85 MB. Each op a step runs adds to it.
+PROFILE_STEP_KB = 70
+
+
+def profile_warning(profile: Any) -> str | None:
+    """The cost of many profiled steps, said before the run (None for PROFILE_MANY or fewer): the files they add to
+    the run's artifacts and the time the profiler adds to each."""
+    traces = len(profile.steps) * len(profile.ranks)
+    if traces <= PROFILE_MANY:
+        return None
+    mb = traces * PROFILE_STEP_KB / 1000
+    size = f"{mb:.0f} MB" if mb >= 1 else f"{traces * PROFILE_STEP_KB} KB"
+    ranks = f"{len(profile.ranks)} rank{'s' if len(profile.ranks) != 1 else ''}"
+    return (f"profile.steps asks for {len(profile.steps)} profiled steps on {ranks}: {traces} Chrome traces with their "
+            f"tables in the run's artifacts, about {size} or more ({PROFILE_STEP_KB} KB a step for one small layer "
+            f"under DDP, more with every op a step runs), and the profiler slows each of those steps. A few steps "
+            f"show what a step spends its time on (profile.steps=[10,11,12]).")
+
+
 def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
     """Checks the schema cannot express: required keys, ranges, the entry function exists."""
     if OmegaConf.is_missing(cfg, "image"):

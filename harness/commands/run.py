@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import events, executors, scratch, seeds, tags as T
-from harness.config import compose, flatten, load_experiment, split_entry, to_container
+from harness.config import compose, flatten, load_experiment, profile_warning, split_entry, to_container
 from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import procs
@@ -108,6 +108,9 @@ def preflight(
             f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "
             "the code that ran there (tagged harness.git.patch_redacted); a replay runs those lines with <redacted>."
         )
+    profiled = profile_warning(cfg.profile)
+    if profiled:
+        warnings.append(profiled)
     long = fit_params(flatten(cfg))[1]
     if long:
         warnings.append(

@@ -48,27 +48,20 @@ from harness.store.writers import MLFLOW_BATCH, Heartbeat, MetricWriter
 # Six digits at least: one in 16.7 million, so a prefix typed from `harness runs` rarely matches two runs.
 MIN_PREFIX = 6
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
-_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},31}}")
+_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},32}}")  # 32: a whole id in capitals, looked up as its own prefix
 _SHOWN_MATCHES = 5  # an ambiguous prefix lists this many of its runs
 
 
 def is_prefix(ref: str) -> bool:
     """Whether `ref` may be the start of a run id rather than a whole one (Tracker.resolve_id)."""
-    ref = ref.strip().lower()
-    return not _RUN_ID.fullmatch(ref) and _PREFIX.fullmatch(ref) is not None
-
-
-def as_typed(ref: str) -> str:
-    """A run id as a user typed it, as MLflow spells ids: hex digits in any case are its lowercase digits (MLflow
-    draws ids as lowercase hex), so `1A2B...` names the run `1a2b...` whole as a prefix of it does."""
     ref = ref.strip()
-    return ref.lower() if re.fullmatch(r"[0-9a-fA-F]+", ref) else ref
+    return not _RUN_ID.fullmatch(ref) and _PREFIX.fullmatch(ref.lower()) is not None
 
 
 def full_ids(tracking_uri: str | None, *refs: str | None) -> list[str | None]:
     """`refs` as full run ids (Tracker.resolve_id); the store is opened, read-only, only when one is a prefix."""
     if not any(r is not None and is_prefix(r) for r in refs):
-        return [None if r is None else as_typed(r) for r in refs]
+        return list(refs)
     tracker = Tracker(tracking_uri, writable=False)
     return [None if r is None else tracker.resolve_id(r) for r in refs]
 
@@ -465,26 +458,26 @@ class Tracker:
         one place a run id given by a user is read: every command that takes one resolves it here first. An ambiguous
         or too short prefix is refused in one line; a ref that names no run is returned as given, so that the
         command's own lookup says so (with the store's name)."""
-        typed = ref.strip()  # what the refusals quote
-        ref = as_typed(typed)
+        ref = ref.strip()
         if not is_prefix(ref):
-            if re.fullmatch(rf"[0-9a-f]{{1,{MIN_PREFIX - 1}}}", ref):  # no run's id, too short to stand for one
-                raise RunNotFound(f"run id '{typed}' is too short: a prefix needs {MIN_PREFIX} hex digits or more. "
+            if re.fullmatch(rf"[0-9a-f]{{1,{MIN_PREFIX - 1}}}", ref.lower()):  # no run's id, too short to stand for one
+                raise RunNotFound(f"run id '{ref}' is too short: a prefix needs {MIN_PREFIX} hex digits or more. "
                                    "Pass more of the id (`harness runs` lists them).")
             return ref
+        prefix = ref.lower()
         limit = _SHOWN_MATCHES + 1
         if self._reader is not None:
-            found = self._reader.ids_starting(ref, limit)
+            found = self._reader.ids_starting(prefix, limit)
         else:
             names = {e.experiment_id for e in self.client.search_experiments()}
             found = sorted(r.info.run_id for r in self.client.search_runs(
-                list(names), filter_string=f"attributes.run_id LIKE '{ref}%'", max_results=limit)) if names else []
+                list(names), filter_string=f"attributes.run_id LIKE '{prefix}%'", max_results=limit)) if names else []
         if len(found) == 1:
             return found[0]
         if not found:
             return ref
         shown = ", ".join(found[:_SHOWN_MATCHES]) + (", ..." if len(found) > _SHOWN_MATCHES else "")
-        raise RunNotFound(f"run id prefix '{typed}' is ambiguous: it starts {'more than ' if len(found) > _SHOWN_MATCHES else ''}"
+        raise RunNotFound(f"run id prefix '{ref}' is ambiguous: it starts {'more than ' if len(found) > _SHOWN_MATCHES else ''}"
                            f"{min(len(found), _SHOWN_MATCHES)} runs ({shown}). Pass more of the id.")
 
     @store_call

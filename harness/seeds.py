@@ -92,18 +92,13 @@ def pin_hash_seed(seed: int, *, starts_ranks: bool = True,
     """Decide a new run's hash seed, before any rank or rank server starts: the user's PYTHONHASHSEED, else one
     derived from `seed`, set in this process's environment for the ranks to start with. `starts_ranks` False: this
     process is a rank torchrun started, whose secret its own environment fixed - it is recorded as it is, and
-    without a PYTHONHASHSEED that is "random", said in a warning that names the value to give torchrun."""
+    without a PYTHONHASHSEED that is "random" (source FROM_TORCHRUN: the caller warns with unpinned_warning)."""
     global _current
     env = os.environ if environ is None else environ
     users = _users(env)
     if not starts_ranks:
         _current = HashSeed(_check(users, "torchrun's") if users is not None else RANDOM,
                             FROM_ENV if users is not None else FROM_TORCHRUN)
-        if users is None:
-            events.emit(events.Warning(
-                f"torchrun started the ranks without PYTHONHASHSEED: their string hashes (the order of a set of "
-                f"strings) are random and no replay can repeat them; start torchrun with "
-                f"PYTHONHASHSEED={derive_hash_seed(seed)} (harness's value for seed {seed}) to pin them"))
         return _current
     if users is not None:
         _current = HashSeed(_check(users, "the environment's"), FROM_ENV)
@@ -113,6 +108,13 @@ def pin_hash_seed(seed: int, *, starts_ranks: bool = True,
         _put(value, env)
         _current = HashSeed(value, FROM_SEED)
     return _current
+
+
+def unpinned_warning(seed: int) -> str:
+    """What a run whose ranks torchrun started without PYTHONHASHSEED is told before it is recorded."""
+    return (f"torchrun started the ranks without PYTHONHASHSEED: their string hashes (the order of a set of strings) "
+            f"are random and no replay can repeat them; start torchrun with PYTHONHASHSEED={derive_hash_seed(seed)} "
+            f"(harness's value for seed {seed}) to pin them")
 
 
 def recorded_hash_seed(tags: Mapping[str, str]) -> str | None:

@@ -102,11 +102,11 @@ def test_the_hash_seed_follows_the_run_seed_unless_the_user_set_one(environ: dic
 
 
 def test_under_torchrun_the_hash_seed_is_recorded_as_the_rank_started(environ: dict[str, str]) -> None:
-    heard: list[object] = []
-    with events.listening(heard.append):
-        assert seeds.pin_hash_seed(3, starts_ranks=False, environ=environ) == seeds.HashSeed("random", "torchrun")
+    assert seeds.pin_hash_seed(3, starts_ranks=False, environ=environ) == seeds.HashSeed("random", "torchrun")
     assert environ == {}  # too late for this process: nothing is set
-    assert f"start torchrun with PYTHONHASHSEED={seeds.derive_hash_seed(3)}" in str(heard[0])
+    assert f"start torchrun with PYTHONHASHSEED={seeds.derive_hash_seed(3)}" in seeds.unpinned_warning(3)
+    environ["PYTHONHASHSEED"] = "9"  # given to torchrun: recorded as the user's
+    assert seeds.pin_hash_seed(3, starts_ranks=False, environ=environ) == seeds.HashSeed("9", seeds.FROM_ENV)
 
 
 def test_a_record_without_a_hash_seed_reruns_unpinned_and_says_so(environ: dict[str, str]) -> None:

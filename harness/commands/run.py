@@ -78,7 +78,7 @@ def preflight(
     cfg = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
     declared = executors.backend(str(cfg.executor))
     # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
-    seeds.pin_hash_seed(int(cfg.seed), starts_ranks=not torchrun)
+    hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=not torchrun)
     if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = gitsource.inspect(
@@ -88,6 +88,8 @@ def preflight(
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
     warnings: list[str] = []
+    if hash_seed.source == seeds.FROM_TORCHRUN:
+        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
     in_diff = redaction.patch_secrets(git.patch) if git.dirty else []
     for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules
         in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch)]

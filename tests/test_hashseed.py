@@ -71,13 +71,16 @@ def test_a_run_records_its_hash_seed_and_its_ranks_run_with_it(project: Project,
 
 
 def test_a_replay_puts_the_recorded_hash_seed_back(project: Project, runs: dict[str, str]) -> None:
-    # This shell's own PYTHONHASHSEED is set aside for the record's.
-    replay = project.harness("replay", runs["users"], env={"PYTHONHASHSEED": "1"})
+    # Forked from a rank server started under the record's value; this shell's own PYTHONHASHSEED is set aside.
+    value = str(seeds.derive_hash_seed(7))
+    replay = project.harness("replay", runs["derived"], env={"PYTHONHASHSEED": USERS})
     assert replay.returncode == 0, replay.stderr
     assert "verdict: BITWISE" in replay.stdout, replay.stdout
-    assert f"PYTHONHASHSEED=1 in this shell is set aside: run {runs['users']}'s ranks ran with {USERS}" in replay.stderr
+    assert f"PYTHONHASHSEED={USERS} in this shell is set aside: run {runs['derived']}'s ranks ran with {value}" \
+        in replay.stderr
     tags, logged = _logged(project, replay.last_line)
-    assert (tags.get(T.HASH_SEED), tags.get(T.HASH_SEED_SOURCE)) == (USERS, seeds.FROM_RECORD)
+    assert (tags.get(T.HASH_SEED), tags.get(T.HASH_SEED_SOURCE)) == (value, seeds.FROM_RECORD)
+    assert logged == [order_under(value)] * 2
 
 
 @pytest.fixture

@@ -88,8 +88,6 @@ def preflight(
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
     warnings: list[str] = []
-    if hash_seed.source == seeds.FROM_TORCHRUN:
-        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
     in_diff = redaction.patch_secrets(git.patch) if git.dirty else []
     for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules
         in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch)]
@@ -110,9 +108,6 @@ def preflight(
             f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "
             "the code that ran there (tagged harness.git.patch_redacted); a replay runs those lines with <redacted>."
         )
-    profiled = profile_warning(cfg.profile)
-    if profiled:
-        warnings.append(profiled)
     long = fit_params(flatten(cfg))[1]
     if long:
         warnings.append(
@@ -149,6 +144,11 @@ def preflight(
         warning = capacity_warning(device, here, cfg.threads_per_rank)
         if warning:
             warnings.append(warning)
+    if hash_seed.source == seeds.FROM_TORCHRUN:
+        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
+    profiled = profile_warning(cfg.profile)
+    if profiled:
+        warnings.append(profiled)
     # Last: the other checks are instant, and hashing (cached) may read gigabytes.
     stats = data.HashStats()
     manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)

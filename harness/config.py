@@ -143,8 +143,9 @@ def _sweep_values(value: str) -> list[str] | None:
 def as_override(key: str, text: str) -> str:
     """KEY=TEXT that parse_overrides reads back as TEXT's value, for overrides harness writes itself (a backend's
     option, a bisect probe's value): TEXT (plain YAML) that the sweep rule would refuse, `a,b`, is quoted as the
-    string it is."""
-    return f"{key}={json.dumps(text) if _sweep_values(text) is not None else text}"
+    string it is, and so is one holding a line break (YAML would fold it into a space; its \\n escape is exact)."""
+    quoted = _sweep_values(text) is not None or "\n" in text or "\r" in text
+    return f"{key}={json.dumps(text) if quoted else text}"
 
 
 def _refuse_sweep(item: str, key: str, values: list[str]) -> None:
@@ -175,6 +176,12 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         if any(ord(c) < 32 or ord(c) == 127 for c in key):
             raise ConfigError(f"override {item!r}: its key holds a control character. Type the key again (letters, "
                               "digits, '_' and '.').")
+        if "\n" in value or "\r" in value:
+            # YAML folds a line break in a scalar into a space: the run would record and run another string than
+            # the one typed. In double quotes, \n is YAML's escape for it, read back exactly.
+            raise ConfigError(f"override {item!r}: its value holds a line break, which YAML reads as a space, so the "
+                              f"run would not get the value typed. Write each line break as \\n inside double quotes "
+                              f"({key}=\"first\\nsecond\"), or set the value in {EXPERIMENT_FILE}.")
         if key in seen:
             raise ConfigError(f"override '{key}' is given twice ({seen[key]}, {item}); give it once.")
         seen[key] = item
@@ -336,6 +343,28 @@ def check_profile(profile: Any, world_size: int) -> None:
     if profile.samples_per_step < 0:
         raise ConfigError(f"profile.samples_per_step must be >= 0 (0: counted from ctx.loader), "
                           f"got {profile.samples_per_step}.")
+
+
+# Above this many profiled steps (steps x ranks), the run is told what they cost before it starts.
+PROFILE_MANY = 10
+# What one profiled step writes (trace, table, summary) for the smallest model worth profiling: 25 profiled steps of
+# experiments/linear_ddp (one Linear(10, 5) under DDP on gloo) wrote 1.85 MB. Each op a step runs adds to it.
+PROFILE_STEP_KB = 70
+
+
+def profile_warning(profile: Any) -> str | None:
+    """The cost of many profiled steps, said before the run (None for PROFILE_MANY or fewer): the files they add to
+    the run's artifacts and the time the profiler adds to each."""
+    traces = len(profile.steps) * len(profile.ranks)
+    if traces <= PROFILE_MANY:
+        return None
+    mb = traces * PROFILE_STEP_KB / 1000
+    size = f"{mb:.0f} MB" if mb >= 1 else f"{traces * PROFILE_STEP_KB} KB"
+    ranks = f"{len(profile.ranks)} rank{'s' if len(profile.ranks) != 1 else ''}"
+    return (f"profile.steps asks for {len(profile.steps)} profiled steps on {ranks}: {traces} Chrome traces with their "
+            f"tables in the run's artifacts, about {size} or more ({PROFILE_STEP_KB} KB a step for one small layer "
+            f"under DDP, more with every op a step runs), and the profiler slows each of those steps. A few steps "
+            f"show what a step spends its time on (profile.steps=[10,11,12]).")
 
 
 def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:

@@ -79,6 +79,9 @@ SLURM_NODELIST = "harness.slurm.nodelist"
 
 SEED = "harness.seed"
 RANK_SEEDS = "harness.seed.ranks"  # comma-separated, rank order
+# The ranks' PYTHONHASHSEED (harness/seeds.py): the order of a set of strings; "random" where nothing pinned it.
+HASH_SEED = "harness.seed.hash"
+HASH_SEED_SOURCE = "harness.seed.hash.source"  # seed | PYTHONHASHSEED | record | torchrun
 WORLD_SIZE = "harness.world_size"
 BACKEND = "harness.backend"
 DEVICE = "harness.device"
@@ -125,6 +128,8 @@ FAILED_SIGNAL = "harness.failed_signal"
 # a RUNNING run whose heartbeat is older than STALE_FACTOR intervals has lost its launcher.
 HEARTBEAT = "harness.heartbeat"
 HEARTBEAT_S = "harness.heartbeat_s"
+# The process that writes the heartbeat (scratch.process_identity): on its machine, its end is known at once.
+HEARTBEAT_BY = "harness.heartbeat.by"
 STALE_FACTOR = 3
 # "false" when the registered model ended with the weights it started with: nothing was trained.
 WEIGHTS_CHANGED = "harness.weights_changed"

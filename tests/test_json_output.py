@@ -14,6 +14,7 @@ import pytest
 from conftest import Project, Result, make_project
 
 import harness
+from harness.store.tracking import full_ids
 
 # The keys docs/json.md documents, per command (every document starts with HEAD).
 HEAD = {"command", "schema", "exit_code", "exit_meaning"}
@@ -219,6 +220,22 @@ def test_a_refusal_with_json_is_its_error_document(project: Project, run_id: str
     assert document(calibrate, "calibrate", keys="error")["exit_code"] == 2
 
 
+@pytest.mark.parametrize(("args", "command", "said"), [
+    (("replay", "--json"), "replay", "Missing argument 'RUN_ID'."),
+    (("runs", "--json", "--limit", "x"), "runs", "Invalid value for '-n' / '--limit': 'x' is not a valid integer."),
+    (("compare", "abcdef", "--json", "--no-such"), "compare", "No such option '--no-such'."),
+    (("--quiet", "--verbose", "runs", "--json"), "runs", "--quiet and --verbose contradict each other; pass one."),
+], ids=["missing", "type", "option", "group"])
+def test_a_usage_error_with_json_is_its_error_document(project: Project, args: tuple[str, ...], command: str,
+                                                       said: str) -> None:
+    """What click refuses before the command runs is a refusal too: its document on stdout, its usage on stderr."""
+    result = project.cli(*args)
+    doc = document(result, command, keys="error")
+    assert (result.returncode, doc["error"]) == (2, said)
+    assert result.stderr.rstrip().endswith(f"Error: {said}")
+    assert project.cli("replay").stdout == ""  # without --json, stdout stays empty
+
+
 # -- run ids given as prefixes ---------------------------------------------------------------------------------
 SHARED = "abcdef12"
 IDS = [SHARED + "0" * 24, SHARED + "f" * 24, "9" * 32]
@@ -262,6 +279,10 @@ def test_a_unique_prefix_names_its_run_and_an_unknown_one_no_run(look_alike: Pro
     doc = json.loads(look_alike.cli("compare", SHARED + "F", IDS[0], "--json").stdout)
     assert (doc["run_a"], doc["run_b"], doc["relation"]) == (IDS[1], IDS[0], "independent")
     assert json.loads(look_alike.cli("compare", "999999", "ABCDEF12F", "--json").stdout)["run_b"] == IDS[1]
+    # A whole id in capitals names its run as its prefix does, where it is resolved without the store too.
+    doc = json.loads(look_alike.cli("compare", IDS[2].upper(), f" {IDS[0].upper()} ", "--json").stdout)
+    assert (doc["run_a"], doc["run_b"]) == (IDS[2], IDS[0])
+    assert full_ids(look_alike.uri, IDS[0].upper()) == [IDS[0]]
     for unknown in ("abcdef13", "123456"):  # no run starts so
         result = look_alike.cli("replay", unknown)
         assert result.returncode == 2 and result.stderr.startswith(f"Error: no run '{unknown}' in the tracking store")

@@ -182,6 +182,16 @@ def test_bad_profile_config_is_refused_in_one_line(project: Project, override: s
     assert len(lines) == 1 and lines[0].startswith("Error: ") and says in lines[0], result.stderr
 
 
+def test_many_profiled_steps_are_told_their_cost_before_the_run(project: Project) -> None:
+    many = project.cli("check", "experiments/digits_cnn", f"profile.steps=[{','.join(map(str, range(300)))}]",
+                       "profile.ranks=[0,1]")
+    assert many.returncode == 0, many.stderr
+    assert ("Warning: profile.steps asks for 300 profiled steps on 2 ranks: 600 Chrome traces with their tables in "
+            "the run's artifacts, about 42 MB or more") in many.stderr
+    few = project.cli("check", "experiments/digits_cnn", "profile.steps=[3,4]", "profile.ranks=[0,1]")
+    assert few.returncode == 0 and "profile.steps asks" not in few.stderr
+
+
 def test_communication_share_counts_overlapping_collectives_once() -> None:
     assert covered([(0, 10), (5, 15), (20, 25)]) == 20
     assert covered([(0, 10), (2, 3)]) == 10 and covered([]) == 0

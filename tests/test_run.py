@@ -237,6 +237,8 @@ BAD = [
     (["train.x=${train.x}"], "train.x: an interpolation cannot be resolved (Recursive interpolation"),
     (["train.y=${oc.env:HARNESS_TEST_UNSET_VAR}"], "Environment variable 'HARNESS_TEST_UNSET_VAR' not found"),
     (["train.k\x01ey=1"], "its key holds a control character"),
+    # YAML would fold it into a space: recorded and run as another string than the one typed.
+    (["train.note=line one\nline two"], "override 'train.note=line one\\nline two': its value holds a line break"),
 ]
 
 
@@ -249,6 +251,14 @@ def test_bad_config_is_one_line_exit_2_and_records_nothing(project: Project, ove
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
     assert result.stdout == ""
     assert len(project.all_runs()) == before
+
+
+def test_a_line_break_written_as_its_escape_is_kept_exactly() -> None:
+    from harness.config import as_override, parse_overrides
+
+    assert parse_overrides(['train.note="line one\\nline two"']).train.note == "line one\nline two"
+    text = 'a\nb "c"\r\n'  # as bisect and the backends write a value back: read back to the byte
+    assert parse_overrides([as_override("train.note", text)]).train.note == text
 
 
 def test_unknown_key_in_yaml_and_missing_folder(project: Project, tmp_path: Path) -> None:

@@ -279,10 +279,13 @@ def test_a_kept_servers_ranks_die_with_their_killed_launcher_and_the_server_serv
 
     import psutil
 
+    from harness import seeds
     from harness.executors import rankserver
 
     env = _kept_env(tmp_path, "30")
     command_env = {**os.environ, "MLFLOW_TRACKING_URI": project.uri, "PYTHONUNBUFFERED": "1", **env}  # Project's
+    # ...with the string-hash seed both runs (seed 0) start their ranks under: a server is kept per hash seed.
+    command_env["PYTHONHASHSEED"] = str(seeds.derive_hash_seed(0))
     folder = rankserver.root() / rankserver.key(command_env)
     # Ranks that say nothing to their launcher (no step, no log, no pipe written to, which would fail once it is gone):
     # only their watch on the launcher can end them.
@@ -327,7 +330,7 @@ def test_the_kept_servers_key_and_folder(tmp_path: Path, monkeypatch: pytest.Mon
     key = rankserver.key(base)
     # What a rank takes from the command at the fork does not matter; what the server loaded under does.
     assert rankserver.key({**base, "MLFLOW_TRACKING_URI": "sqlite:///x", "TMPDIR": "/elsewhere"}) == key
-    for name in ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "LD_PRELOAD", "PYTHONPATH", "MKL_CBWR"):
+    for name in ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "LD_PRELOAD", "PYTHONPATH", "MKL_CBWR", "PYTHONHASHSEED"):
         assert rankserver.key({**base, name: "x"}) != key, name
     assert rankserver.idle_s(base) == 60 and rankserver.idle_s({}) == 0
     for bad in ("soon", "-1", "inf", "nan"):

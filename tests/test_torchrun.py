@@ -47,6 +47,9 @@ def test_two_ranks_under_torchrun_are_one_run_bitwise_equal_to_harness_run(proje
     tags = run.data.tags
     assert tags["harness.launcher"] == "torchrun"
     assert (tags["harness.world_size"], tags["harness.nnodes"], tags["harness.nproc_per_node"]) == ("2", "1", "2")
+    # torchrun started the ranks, with no PYTHONHASHSEED: their string hashes were random, recorded so and said.
+    assert (tags["harness.seed.hash"], tags["harness.seed.hash.source"]) == ("random", "torchrun")
+    assert "Warning: torchrun started the ranks without PYTHONHASHSEED" in result.stderr
 
     plain = project.harness("run", "experiments/torchrun_linear", "train.epochs=1")
     assert plain.returncode == 0, plain.stderr

@@ -5,14 +5,56 @@ torch and mlflow load only when a command needs them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import click
 
 from harness.cli import inspecting, moving, running
 from harness.cli.console import _Voice
 from harness.cli.help import OrderedGroup, teach
+from harness.secrets import scrub
 
 
-@click.group(cls=OrderedGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def _asks_json(args: list[str]) -> bool:
+    """--json among the options (an argument after `--` is an argument, not the option)."""
+    return "--json" in (args[:args.index("--")] if "--" in args else args)
+
+
+class _Group(OrderedGroup):
+    """The group: a usage error click finds (a missing argument, an unknown option, a value of the wrong type) is its
+    usage block on stderr as always, and under --json its error document on stdout too (docs/json.md), as a refusal
+    of the command itself is: a script reading stdout gets the document whatever stopped the command."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["harness.args"] = list(args)
+        with self._usage_document(ctx):
+            return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with self._usage_document(ctx):
+            return super().invoke(ctx)
+
+    @contextlib.contextmanager
+    def _usage_document(self, ctx: click.Context) -> Iterator[None]:
+        try:
+            yield
+        except click.UsageError as err:
+            args = ctx.meta.get("harness.args", [])
+            where = err.ctx.command if err.ctx is not None else None
+            # The command whose document it is: where click stopped, or (an option of the group's own) the one named.
+            name = where.name if where is not None and where is not self else \
+                next((a for a in args if not a.startswith("-")), None)
+            # No command, or an unknown one: there is no command's document to give.
+            if name is not None and name in self.commands and _asks_json(args):
+                from harness.commands import documents
+
+                click.echo(scrub(documents.dumps(documents.error(name, err.exit_code, err.format_message()))))
+            raise
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ddp-harness")
 @click.option("-q", "--quiet", is_flag=True,
               help="Say only warnings and errors on stderr: no progress, rank output, notices or links.")

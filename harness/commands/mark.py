@@ -26,7 +26,10 @@ def mark(options: MarkOptions) -> str:
     run = loading.load(tracker, run_id, loading.MARK).summary
     now = time.time()
     age, interval = heartbeat_age(run.tags, now), heartbeat_interval(run.tags)
-    if age is None or interval is None:
+    gone = loading.launcher_gone(run.tags, now)
+    if gone is not None:
+        reason = f"marked {status} by harness mark: {gone} (launcher gone)"
+    elif age is None or interval is None:
         if not force:
             raise RunRefused(
                 f"run {run_id} has no heartbeat tags ({T.HEARTBEAT}, {T.HEARTBEAT_S}), so nothing shows whether its "
@@ -34,12 +37,10 @@ def mark(options: MarkOptions) -> str:
                 f"--status {status} --force"
             )
         reason = f"marked {status} by harness mark --force: no heartbeat recorded"
-    elif not is_stale(run.tags, now):
+    else:
         raise RunRefused(
             f"run {run_id} is live: its heartbeat is {age:.0f} s old (written every {interval:g} s), so its launcher "
             "is still running. Stop it with Ctrl-C or SIGTERM to its launcher; it closes the run itself."
         )
-    else:
-        reason = f"marked {status} by harness mark: no heartbeat for {age:.0f} s (launcher gone)"
     closing.close(tracker, run_id, status, reason)
     return reason

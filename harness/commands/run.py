@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from harness import events, executors, scratch, tags as T
-from harness.config import compose, flatten, load_experiment, split_entry, to_container
+from harness import events, executors, scratch, seeds, tags as T
+from harness.config import compose, flatten, load_experiment, profile_warning, split_entry, to_container
 from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import procs
@@ -58,11 +58,13 @@ def preflight(
     tracking_uri: str | None = None,
     nnodes: int = 1,
     warm_ranks: bool = False,
+    torchrun: bool = False,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks. `warm_ranks`: this process will
     start the job's ranks, so the rank server starts its imports as soon as the config says it is wanted.
+    `torchrun`: torchrun started this process as a rank (its string-hash seed was fixed when it started).
     """
     from harness.executors.launch import capacity_warning, resolve_device
     from harness.record import data
@@ -78,6 +80,8 @@ def preflight(
             "bundle of its runs could not be imported. Rename the folder.")
     cfg = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
     declared = executors.backend(str(cfg.executor))
+    # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
+    hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=not torchrun)
     if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = gitsource.inspect(
@@ -146,6 +150,11 @@ def preflight(
         warning = capacity_warning(device, here, cfg.threads_per_rank)
         if warning:
             warnings.append(warning)
+    if hash_seed.source == seeds.FROM_TORCHRUN:
+        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
+    profiled = profile_warning(cfg.profile)
+    if profiled:
+        warnings.append(profiled)
     # Last: the other checks are instant, and hashing (cached) may read gigabytes.
     stats = data.HashStats()
     manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
@@ -184,6 +193,7 @@ def check(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
         allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
         tracking_uri=tracking_uri, nnodes=topology.nnodes, warm_ranks=warm_ranks and torchrun is None,
+        torchrun=torchrun is not None,
     )
 
 
@@ -289,6 +299,7 @@ def execute_recorded(
     tracker = Tracker(tracking_uri)
     run = loading.load(tracker, run_id, loading.EXECUTE).summary
     cfg = recorded_config(tracker, run)
+    seeds.apply_recorded_hash_seed(run.tags, run.run_id)  # the submitting side recorded it; these ranks start here
     container = to_container(cfg)
     if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
         restored, _ = redaction.restore(

@@ -12,7 +12,7 @@ from harness import tags as T
 from harness.commands.options import RunsOptions
 from harness.fmt import printable, text_table
 from harness.record import seal
-from harness.record.liveness import is_stale
+from harness.record.loading import launcher_gone
 from harness.record.replays import replay_verdicts, verdict_of
 from harness.store.tracking import RunSummary, Tracker
 
@@ -36,7 +36,7 @@ _OWN_VERDICT = (T.KIND_REPLAY, T.KIND_AUDIT, T.KIND_STUDY_REPLAY, T.KIND_VERIFY)
 
 
 def status_of(run: RunSummary, now: float) -> str:
-    return STALE if run.status == T.RUNNING and is_stale(run.tags, now) else run.status
+    return STALE if run.status == T.RUNNING and launcher_gone(run.tags, now) is not None else run.status
 
 
 def row(r: RunSummary, verdicts: dict[str, str], now: float,

@@ -11,7 +11,8 @@ its modules and what a process inherits from its parent. Both are in the server'
 differs starts a server of its own (the old one idles out):
 - the interpreter and the files of the preloaded packages (harness's own sources, torch, numpy, omegaconf): an
   edited or upgraded package is loaded afresh;
-- the variables read while torch and its math libraries load (IMPORT_TIME_PREFIXES: OMP_*, MKL_*, ATEN_*, ...);
+- the variables read while torch and its math libraries load (IMPORT_TIME_PREFIXES: OMP_*, MKL_*, ATEN_*, ...),
+  and PYTHONHASHSEED among the PYTHON* ones: the string-hash secret every fork inherits (harness/seeds.py);
 - what the kernel gives a process from its parent: user, namespaces (a container, a network namespace standing
   for another host), cgroup (a Slurm job's), CPU affinity, resource limits, umask and nice value.
 

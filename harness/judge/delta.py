@@ -97,6 +97,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Liveness and training outcomes: they describe how the run went, not what it ran under.
         tags.HEARTBEAT,
         tags.HEARTBEAT_S,
+        tags.HEARTBEAT_BY,
         tags.STARTED,
         tags.WEIGHTS_CHANGED,
         tags.INITIAL_FINGERPRINT,
@@ -112,6 +113,8 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # What the run's loop and its evaluations were: the code's, whose changes the commit and metrics show.
         tags.LOOP,
         tags.EVALUATION_METRICS,
+        # Where the hash seed came from (the seed, PYTHONHASHSEED, the record a rerun reran): its value is compared.
+        tags.HASH_SEED_SOURCE,
         # How the tracking store behaved while the run wrote to it.
         tags.STORE_WRITE_FAILURES,
         tags.STORE_METRICS_SPOOLED,
@@ -155,6 +158,8 @@ _NOTES: dict[str, str] = {
     tags.VERSION: "harness version differs",
     tags.EXPERIMENT_PATH: "experiment folder differs",
     tags.ENTRY: "code differs",
+    # Only code whose result follows the order of a set of strings (or hash() itself) sees it.
+    tags.HASH_SEED: "string hash seed (PYTHONHASHSEED) differs: sets of strings iterate in another order",
     tags.GIT_COMMIT: "code differs",
     tags.GIT_DIRTY: "code differs",
     tags.GIT_PATCH_SHA256: "code differs",

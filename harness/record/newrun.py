@@ -84,7 +84,7 @@ def experiment_name(exp_dir: Path) -> str:
 
 def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
     """Tags known before anything runs: code, image, seeds, topology as configured."""
-    from harness.seeds import derive_rank_seeds
+    from harness.seeds import derive_rank_seeds, hash_seed_tags
 
     rel = Path(exp_dir).resolve().relative_to(git.root.resolve()).as_posix()
     source = f"{rel}/{split_entry(cfg.entry)[0]}"
@@ -115,6 +115,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
         tags[T.GIT_SUBMODULES_SHA256] = hashlib.sha256(gitsource.submodules_json(git.submodules)).hexdigest()
     if git.redacted:
         tags[T.GIT_PATCH_REDACTED] = ", ".join(git.redacted)
+    tags.update(hash_seed_tags())
     tags.update(image)
     return tags
 

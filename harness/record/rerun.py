@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import tags as T
+from harness import seeds, tags as T
 from harness.config import compose, split_entry, to_container, validate
 from harness.errors import RunRefused, UsageError
 from harness.executors import Job, JobInputs, Topology, schema
@@ -82,8 +82,10 @@ class RecordedRun:
         return rest
 
     def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
-        """The job that runs this recorded code (inside `code()`); its image digest is the recorded one."""
+        """The job that runs this recorded code (inside `code()`); its image digest is the recorded one, and its ranks
+        get the recorded string-hash seed (seeds.py)."""
         tags = self.run.tags
+        seeds.apply_recorded_hash_seed(tags, self.run.run_id)
         data = fields.pop("data", {})
         inputs = JobInputs(tree, exp_dir, code_id=tags_code_id(tags), data=data)
         return Job(self.tracker, self.cfg, inputs, record=record, recorded=self.run, topology=topology or Topology(),

@@ -48,7 +48,7 @@ from harness.store.writers import MLFLOW_BATCH, Heartbeat, MetricWriter
 # Six digits at least: one in 16.7 million, so a prefix typed from `harness runs` rarely matches two runs.
 MIN_PREFIX = 6
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
-_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},31}}")
+_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},32}}")  # 32: a whole id in capitals, looked up as its own prefix
 _SHOWN_MATCHES = 5  # an ambiguous prefix lists this many of its runs
 
 

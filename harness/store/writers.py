@@ -8,7 +8,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from harness import tags as T
+from harness import scratch, tags as T
 from harness.errors import StoreUnavailable
 from harness.rundata import same_value, series
 from harness.store.failures import transient, unwritable
@@ -183,7 +183,8 @@ class Heartbeat:
         self._interval = interval_s
         self._outages = outages
         self._stop = threading.Event()
-        tracker.set_tags(run_id, {T.HEARTBEAT_S: f"{interval_s:g}", T.HEARTBEAT: f"{time.time():.3f}"})
+        tracker.set_tags(run_id, {T.HEARTBEAT_S: f"{interval_s:g}", T.HEARTBEAT: f"{time.time():.3f}",
+                                  T.HEARTBEAT_BY: scratch.process_identity()})
         self._thread = threading.Thread(target=self._loop, name="harness-heartbeat", daemon=True)
         self._thread.start()
 

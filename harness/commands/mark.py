@@ -10,7 +10,7 @@ from harness.errors import RunRefused, UsageError
 from harness.record import closing, loading
 
 # The heartbeat rule lives with the record (the loader refuses a live RUNNING run by it); still importable from here.
-from harness.record.liveness import heartbeat_age, heartbeat_interval, is_stale
+from harness.record.liveness import heartbeat_age, heartbeat_interval, is_stale, launcher_gone
 from harness.store.tracking import Tracker
 
 __all__ = ["heartbeat_age", "heartbeat_interval", "is_stale", "mark"]
@@ -26,7 +26,7 @@ def mark(options: MarkOptions) -> str:
     run = loading.load(tracker, run_id, loading.MARK).summary
     now = time.time()
     age, interval = heartbeat_age(run.tags, now), heartbeat_interval(run.tags)
-    gone = loading.launcher_gone(run.tags, now)
+    gone = launcher_gone(run.tags, now)
     if gone is not None:
         reason = f"marked {status} by harness mark: {gone} (launcher gone)"
     elif age is None or interval is None:

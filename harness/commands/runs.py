@@ -12,7 +12,7 @@ from harness import tags as T
 from harness.commands.options import RunsOptions
 from harness.fmt import printable, text_table
 from harness.record import seal
-from harness.record.loading import launcher_gone
+from harness.record.liveness import launcher_gone
 from harness.record.replays import replay_verdicts, verdict_of
 from harness.store.tracking import RunSummary, Tracker
 

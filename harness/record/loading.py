@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from harness import scratch, tags as T
+from harness import tags as T
 from harness.errors import RunRefused
 from harness.record import liveness, seal
 from harness.record.rerun import RecordedRun
@@ -60,19 +60,9 @@ class Rule:
     harness_only: bool = True  # a run harness did not make is refused (it lacks what the command reads)
 
 
-def launcher_gone(tags: Mapping[str, str], now: float) -> str | None:
-    """Why a RUNNING run's launcher is known to be gone - its heartbeat is stale (liveness.py), or the process that
-    wrote it ran on this machine and has ended (a run or resume killed here: known at once, not after
-    STALE_FACTOR heartbeats) - or None. `harness runs` (STALE), `harness mark` and the loader all ask here."""
-    if liveness.is_stale(tags, now):
-        return f"no heartbeat for {liveness.heartbeat_age(tags, now):.0f} s"
-    pid = scratch.ended(tags.get(T.HEARTBEAT_BY))
-    return None if pid is None else f"its process {pid} on this machine has ended"
-
-
 def _replay_running(run: RunSummary, tracker: Tracker | None = None) -> str:
     rid, now = run.run_id, time.time()
-    gone = launcher_gone(run.tags, now)
+    gone = liveness.launcher_gone(run.tags, now)
     if gone is not None:
         return (f"run {rid} is RUNNING but its launcher is gone ({gone}). Close it with "
                 f"`harness mark {rid} --status FAILED`, then replay it with --allow-incomplete.")

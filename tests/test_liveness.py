@@ -60,6 +60,21 @@ def ended_launcher() -> str:
     return identity
 
 
+def killed_in_a_derived_run(project: Project) -> str:
+    """A run made from another (a trace, a bisect, a verify, a calibration: record/derived.py opened) whose command
+    was SIGKILLed while its body ran: a real process, which nothing closes."""
+    code = ("import os, signal, sys\n"
+            "from harness.record import derived\n"
+            "from harness.store.tracking import Tracker\n"
+            "with derived.opened(Tracker(sys.argv[1]), 'liveness', {'harness.version': '0.1.0', 'harness.kind': 'trace'},"
+            " 'trace-killed') as run_id:\n"
+            "    print(run_id, flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", code, project.uri], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    return killed.stdout.strip()
+
+
 @pytest.fixture(scope="module")
 def runs(project: Project) -> dict[str, str]:
     return {
@@ -71,6 +86,7 @@ def runs(project: Project) -> dict[str, str]:
         "killed": running_run(project, "killed", 0, every_s=3600, by=ended_launcher()),
         # Its process runs (this one): live, whatever the heartbeat's age.
         "here": running_run(project, "here", 0, every_s=3600, by=scratch.process_identity()),
+        "derived": killed_in_a_derived_run(project),
     }
 
 
@@ -87,6 +103,7 @@ def test_runs_shows_stale_only_for_a_silent_launcher(project: Project, runs: dic
     assert _status(project, runs["silent"]) == "RUNNING"  # no heartbeat tags: never STALE
     assert _status(project, runs["killed"]) == "STALE"  # its launcher ended on this machine: known at once
     assert _status(project, runs["here"]) == "RUNNING"
+    assert _status(project, runs["derived"]) == "STALE"  # a trace's (a calibration's ...) command killed outright
 
 
 def test_replay_refuses_running_runs(project: Project, runs: dict[str, str]) -> None:
@@ -135,6 +152,9 @@ def test_mark_closes_a_stale_run(project: Project, runs: dict[str, str]) -> None
     assert killed.returncode == 0, killed.stderr
     assert re.fullmatch(r"marked FAILED by harness mark: its process \d+ on this machine has ended \(launcher gone\)",
                         project.client().get_run(runs["killed"]).data.tags[tags.STATUS_REASON])
+    derived = project.cli("mark", runs["derived"], "--status", "KILLED")
+    assert derived.returncode == 0, derived.stderr
+    assert project.client().get_run(runs["derived"]).info.status == "KILLED"
     here = project.cli("mark", runs["here"], "--status", "FAILED")
     assert here.returncode == 2 and "is live" in here.stderr
     forced = project.harness("mark", runs["silent"], "--status", "KILLED", "--force")

@@ -18,9 +18,8 @@ with what it left there (record/calibration.py `left_behind`).
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from signal import SIGINT, SIGTERM, Signals
 from typing import Any
@@ -111,10 +110,10 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
                             extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m),
                                    T.CALIBRATION_NUDGE: repr(NUDGE)})
     calibrating = _Calibrating(tracker, original.run_id, float(loaded.recorded.cfg.heartbeat_s))
-    # Outermost, the store's failure said with what it left (a failing close of the calibration too); innermost, the
-    # heartbeat, which stops before the calibration is closed.
-    with calibrating, derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}") \
-            as cal_id, calibrating.alive(cal_id):
+    # Outside the calibration run, the store's failure said with what it left (a failing close of the calibration too).
+    with calibrating, derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}",
+                                     heartbeat_s=calibrating.heartbeat_s) as opened_id:
+        cal_id = calibrating.holds(opened_id)
         ids: list[str] = []
         records = []
         for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
@@ -186,23 +185,17 @@ def secrets_given(loaded: loading.Loaded, overrides: list[str]) -> list[str]:
 
 
 class _Calibrating:
-    """The calibration run while it is recorded: marked alive every `heartbeat_s` (the calibrated run's; its tag
-    harness.heartbeat), so that a launcher killed outright leaves a run `harness runs` shows STALE and `harness mark`
-    closes, as a training run's; and a store that fails once it holds the run (a full disk) said with what it holds
-    now (record/calibration.py left_behind), exit 1 - never as a refusal that recorded nothing."""
+    """The calibration run while it is recorded: its heartbeat every `heartbeat_s` is the calibrated run's (derived.py
+    opened writes it); a store that fails once it holds the run (a full disk) is said with what it holds now
+    (record/calibration.py left_behind), exit 1 - never as a refusal that recorded nothing."""
 
     def __init__(self, tracker: Tracker, run_id: str, heartbeat_s: float) -> None:
         self.tracker, self.run_id, self.heartbeat_s = tracker, run_id, heartbeat_s
         self.calibration_id: str | None = None
 
-    @contextlib.contextmanager
-    def alive(self, calibration_id: str) -> Iterator[None]:
-        self.calibration_id = calibration_id  # first: a store that refuses the first beat has the run already
-        heartbeat = self.tracker.heartbeat(calibration_id, self.heartbeat_s)
-        try:
-            yield
-        finally:
-            heartbeat.close()
+    def holds(self, calibration_id: str) -> str:
+        self.calibration_id = calibration_id
+        return calibration_id
 
     def __enter__(self) -> None:
         return None

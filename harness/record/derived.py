@@ -4,7 +4,8 @@ verify run).
 One place says how such a run is recorded: its kind, the tag naming the run it was made from, the MLflow
 parent it is nested under, the facts it carries from its source and the machine it ran on; and how it
 closes: FINISHED when its body completes, KILLED on Ctrl-C, FAILED with the error as its status reason on
-any other error (never left RUNNING). A training replay's run is opened by `harness run`'s recorder
+any other error (never left RUNNING), and marked alive meanwhile (its heartbeat: a command killed outright leaves a
+run `harness runs` shows STALE and `harness mark` closes). A training replay's run is opened by `harness run`'s recorder
 (record/newrun.py create_record), which closes it when the ranks end: `opened(..., close=False)`. And which run a
 command given a derived run means: the one it was made from (`followed`).
 """
@@ -15,6 +16,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 from harness import events, tags as T
+from harness.configschema import ExperimentConfig
 from harness.errors import Interrupted
 from harness.record import closing
 from harness.record.provenance import runtime_facts
@@ -77,16 +79,24 @@ def followed(tracker: Tracker, run: RunSummary, doing: str) -> RunSummary:
 
 @contextlib.contextmanager
 def opened(tracker: Tracker, experiment: str, run_tags: Mapping[str, str], run_name: str | None, *,
-           close: bool = True) -> Iterator[str]:
+           close: bool = True, heartbeat_s: float = ExperimentConfig.heartbeat_s) -> Iterator[str]:
     """Create the run and yield its id; it ends FINISHED when the body completes (unless `close` is False: its
-    launcher ends it), KILLED on Ctrl-C, FAILED with the error as harness.status_reason on any other error."""
+    launcher ends it, and marks it alive), KILLED on Ctrl-C, FAILED with the error as harness.status_reason on any
+    other error. While the body runs here, the run's heartbeat is written every `heartbeat_s`."""
     run_id = tracker.create_run(experiment, dict(run_tags), run_name=run_name)
+    heartbeat = None
     try:
+        if close:
+            heartbeat = tracker.heartbeat(run_id, heartbeat_s)
         yield run_id
     except BaseException as err:
         status = T.KILLED if isinstance(err, (KeyboardInterrupt, Interrupted)) else T.FAILED
+        if heartbeat is not None:
+            heartbeat.close()
         # The store that failed may refuse the reason too; the close must still come.
         closing.close(tracker, run_id, status, closing.error_reason(err), reason_may_fail=True)
         raise
+    if heartbeat is not None:
+        heartbeat.close()  # before the close: no beat lands on a closed run
     if close:
         closing.close(tracker, run_id, T.FINISHED)

@@ -12,9 +12,10 @@ holds it (harness.seed.hash) and a rerun puts the recorded value back the same w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from harness import events, tags as T
@@ -155,6 +156,23 @@ def apply_recorded_hash_seed(tags: Mapping[str, str], run_id: str,
     _put(value, env)
     _current = HashSeed(value, FROM_RECORD)
     return _current
+
+
+@contextlib.contextmanager
+def given_back() -> Iterator[None]:
+    """Around one command of the Python API: the value harness puts in os.environ is for the ranks of that command
+    only, so the caller's PYTHONHASHSEED (and this module's state) is as it was once the command ends - a later
+    subprocess of the caller's, a `harness run` say, never takes harness's value for its user's."""
+    global _current, _SET
+    before, saved = os.environ.get(HASH_SEED_VAR), (_current, _SET)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HASH_SEED_VAR, None)
+        else:
+            os.environ[HASH_SEED_VAR] = before
+        _current, _SET = saved
 
 
 def hash_seed_tags() -> dict[str, str]:

@@ -47,7 +47,9 @@ def order_under(hash_seed: str) -> float:
 def runs(project: Project) -> dict[str, str]:
     """A run with the derived hash seed (forked ranks) and one with the user's PYTHONHASHSEED (spawned ranks)."""
     project.add_experiment("hashseed", train_py=TRAIN)
-    derived = project.harness("run", "experiments/hashseed", "seed=7")
+    with pytest.MonkeyPatch.context() as mp:  # a developer's own PYTHONHASHSEED would be this run's user's
+        mp.delenv("PYTHONHASHSEED", raising=False)
+        derived = project.harness("run", "experiments/hashseed", "seed=7")
     assert derived.returncode == 0, derived.stderr
     users = project.harness("run", "experiments/hashseed", "seed=7", "launcher=spawn", env={"PYTHONHASHSEED": USERS})
     assert users.returncode == 0, users.stderr
@@ -123,3 +125,17 @@ def test_a_record_without_a_hash_seed_reruns_unpinned_and_says_so(environ: dict[
     # One whose user had set PYTHONHASHSEED recorded it among its ranks' variables: that is put back.
     assert seeds.apply_recorded_hash_seed({T.VAR_PREFIX + "PYTHONHASHSEED": "5"}, "old2", environ=environ).value == "5"
     assert environ == {"PYTHONHASHSEED": "5"}
+
+
+def test_an_api_command_gives_the_callers_environment_back(fresh_project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The value harness pins is for the ranks of that command: a later subprocess of the caller's must not inherit it
+    # (a `harness run` started from it would record harness's own value as its user's).
+    import harness
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    exp = fresh_project.root / "experiments" / "linear_ddp"
+    checked = harness.check(harness.CheckOptions(exp, ("seed=7",), tracking_uri=fresh_project.uri))
+    assert checked.cfg.seed == 7 and "PYTHONHASHSEED" not in os.environ and seeds.hash_seed_tags() == {}
+    monkeypatch.setenv("PYTHONHASHSEED", USERS)
+    harness.check(harness.CheckOptions(exp, ("seed=7",), tracking_uri=fresh_project.uri))
+    assert os.environ["PYTHONHASHSEED"] == USERS

@@ -15,12 +15,13 @@ While a command works it says what happens as `harness.events` (notices, warning
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import events, tags as T
+from harness import events, seeds, tags as T
 from harness.commands import (
     bisect as bisect_command,
     calibrate as calibrate_command,
@@ -84,6 +85,14 @@ __all__ = [
     "audit", "bisect", "calibrate", "check", "compare", "export", "import_", "mark", "replay", "resume", "run", "runs",
     "trace", "verify", "verify_record",
 ]
+
+
+@contextlib.contextmanager
+def _command(on_event: Listener | None) -> Iterator[None]:
+    """One verb of the API: what it says goes to `on_event`, and the hash seed it pins for its ranks is the caller's
+    again when it ends (seeds.given_back)."""
+    with events.listening(on_event), seeds.given_back():
+        yield
 
 
 def _with_full_ids(options: Any, *names: str) -> Any:
@@ -223,7 +232,7 @@ class RunOptions:
 def run(options: RunOptions) -> Outcome | StudyOutcome:
     """Record and launch the experiment: its Outcome, or a StudyOutcome when it is a study (--seeds or `seeds:`)."""
     o = options
-    with events.listening(o.on_event):
+    with _command(o.on_event):
         named = labels(o.name, o.tags)  # refused before anything is checked or recorded
         if o.calibrate and (o.seeds is not None or o.parallel is not None or o.placement.multi_node()
                             or torchrun_env() is not None):
@@ -282,7 +291,7 @@ def _run_study(o: RunOptions, checked: Preflight, named: Labels) -> StudyOutcome
 def calibrate(options: CalibrateOptions) -> Calibration:
     """Re-execute the run's first steps with nudges of its weights; record the envelope its replays are
     judged against (WITHIN_ROUNDING)."""
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         # A calibration's members are replays: the replay verb is handed to it (no verb imports another).
         return calibrate_command.calibrate(_with_full_ids(options, "run_id"), replay=replay_command.replay)
 
@@ -314,7 +323,7 @@ class ReplayOptions:
 
 def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
     """Rerun a recorded run, or a study's members, and judge it against the record."""
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         o = _with_full_ids(options, "run_id")
         layout = topology(o.executor, o.placement)
         replay_command.check_steps(o.steps, o.allow_incomplete)
@@ -373,7 +382,7 @@ class CompareOptions:
 def compare(options: CompareOptions) -> Comparison | TraceDiff:
     """Judge two existing runs against each other (a Comparison), or localize two traces (a TraceDiff); nothing
     is rerun or recorded."""
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         o = _with_full_ids(options, "run_a", "run_b")
         tracker = Tracker(o.tracking_uri, writable=False)  # comparing only reads
         traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]
@@ -396,14 +405,14 @@ def resume(options: ResumeOptions) -> Outcome:
     """Prove the resume against the record, then continue the run in the same MLflow run: its Outcome."""
     from harness.commands import resume as resume_command  # loads torch (see the imports above)
 
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         return resume_command.resume(_with_full_ids(options, "run_id"))
 
 
 def audit(options: AuditOptions) -> AuditResult:
     from harness.commands import audit as audit_command  # loads torch (see the imports above)
 
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         return audit_command.audit(_with_full_ids(options, "run_id"))
 
 
@@ -420,7 +429,7 @@ class TraceOptions:
 
 
 def trace(options: TraceOptions) -> TraceResult:
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         options = _with_full_ids(options, "run_id")
         return trace_command.trace(options.run_id, step=options.step, ranks=options.ranks,
                                    tracking_uri=options.tracking_uri, repo=options.repo)[0]
@@ -428,14 +437,14 @@ def trace(options: TraceOptions) -> TraceResult:
 
 def verify(options: VerifyOptions) -> VerifyResult:
     o = options
-    with events.listening(o.on_event):
+    with _command(o.on_event):
         known_executor(o.executor)
         return verify_command.verify(
             o, replays=verify_command.Replays(replay_command.replay, replay_command.replay_study))
 
 
 def bisect(options: BisectOptions) -> BisectResult:
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         # A bisect's probes are replays, judged and localized as replay's: those verbs are handed to it.
         return bisect_command.bisect(_with_full_ids(options, "good", "bad", "resume"), replay=replay_command.replay,
                                      compare=replay_command.compare, localizer=trace_command.after_replay)
@@ -459,14 +468,14 @@ def check(options: CheckOptions) -> Preflight:
     """The validated config, the code state and the warnings `harness run` would start with; HarnessError where it
     would refuse. Nothing is recorded."""
     o = options
-    with events.listening(o.on_event):
+    with _command(o.on_event):
         return run_command.preflight(o.experiment_dir, list(o.overrides), require_clean=o.require_clean,
                                      allow_untracked_secrets=o.allow_untracked_secrets,
                                      allow_secret_in_diff=o.allow_secret_in_diff, tracking_uri=o.tracking_uri)
 
 
 def runs(options: RunsOptions) -> Listing:
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         return runs_command.listing(options)
 
 
@@ -478,7 +487,7 @@ class Marked:
 
 
 def mark(options: MarkOptions) -> Marked:
-    with events.listening(options.on_event):
+    with _command(options.on_event):
         o = _with_full_ids(options, "run_id")
         return Marked(o.run_id, o.status, mark_command.mark(o))
 

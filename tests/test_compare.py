@@ -40,6 +40,7 @@ def test_one_ulp_at_step_7_with_zero_tolerance_diverges() -> None:
     b = clone(a)
     orig = a.metrics["loss"][1][7]
     b.metrics["loss"][1][7] = np.nextafter(orig, np.inf)
+    b.final_fingerprint = "e" * 64  # a loss that parted parts the weights
     cmp = compare_runs(a, b)
     assert cmp.verdict == DIVERGED and cmp.exit_code == 1
     d = cmp.divergence
@@ -72,8 +73,9 @@ def test_per_metric_tolerance_overrides_default() -> None:
     a = make_record()
     b = clone(a)
     b.metrics["acc"][1][:] += 1e-3
-    # Default would pass it, the stricter per-metric entry must not.
-    cmp = compare_runs(a, b, tolerance=tol(atol=1e-2, metrics={"acc": {"rtol": 0.0, "atol": 1e-6}}))
+    # Default would pass it, the stricter per-metric entry must not (where the weights parted too).
+    cmp = compare_runs(a, clone(b, final_fingerprint="e" * 64),
+                       tolerance=tol(atol=1e-2, metrics={"acc": {"rtol": 0.0, "atol": 1e-6}}))
     assert cmp.verdict == DIVERGED
     assert (cmp.divergence.metric, cmp.divergence.step) == ("acc", 0)
     # And the other way round: a loose per-metric entry beats a zero default.
@@ -261,6 +263,7 @@ def test_nan_matches_nan_but_not_a_number() -> None:
     cmp = compare_runs(a, b)
     assert cmp.verdict == BITWISE
     b.metrics["loss"][1][3] = 0.25
+    b.final_fingerprint = "e" * 64
     cmp = compare_runs(a, b, tolerance=tol(rtol=1.0, atol=1.0))
     assert cmp.verdict == DIVERGED
     assert (cmp.divergence.step, cmp.divergence.metric) == (3, "loss")
@@ -365,6 +368,7 @@ def test_render_markdown_has_verdict_and_delta_table() -> None:
     b.facts[tags.WORLD_SIZE] = "4"
     b.facts[tags.ENV_PREFIX + "hostname"] = "box|b"
     b.metrics["loss"][1][7] += 0.5
+    b.final_fingerprint = "e" * 64
     cmp = compare_runs(a, b)
     md = render_markdown(cmp, changes=["world_size=4"])
     assert md.startswith("# Replay verdict: DIVERGED")
@@ -582,6 +586,7 @@ def test_data_order_tells_a_data_change_from_an_arithmetic_one() -> None:
     b = clone(a)
     b.data_order = dict(a.data_order)
     b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
+    b.final_fingerprint = "e" * 64
     same = compare_runs(a, b)
     assert same.verdict == DIVERGED and same.data_order.first_diff_step is None
     assert "data order: identical at the 20 common steps" in comparison_lines(same, [])[-1]

@@ -35,7 +35,8 @@ from harness.judge.noise import NoiseJudgement
 from harness.judge.perf import SpeedDelta, speed_delta
 from harness.judge.rounding import RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
-from harness.judge.tolerance import _tolerance_for, judged_tolerance, weights_may_differ
+from harness.judge.tolerance import _tolerance_for, judged_tolerance, never_judged, weights_may_differ
+from harness.judge.undetermined import looks_like_clock, not_determined
 from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
 from harness.rundata import RunRecord, own_metric
 
@@ -101,6 +102,9 @@ class Comparison:
     rounding: RoundingJudgement | None = None  # the first steps held to a calibration's envelope (judge_rounding)
     # The two runs' speed, shown beside the verdict and never read by it (harness/judge/perf.py).
     speed: SpeedDelta | None = None
+    # Metrics that differ where every fingerprint and every other value is bit-identical: not determined by the
+    # training (harness/judge/undetermined.py), named beside a BITWISE verdict.
+    undetermined: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -197,10 +201,14 @@ class Comparison:
         shape = _shape(self.metrics)
         fps = self.fingerprints
         if self.verdict == BITWISE:
-            line = f"{BITWISE}: {shape} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
+            same = _shape([m for m in self.metrics if m.name not in self.undetermined])
+            line = f"{BITWISE}: {same} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
             if self.bitwise_blockers:
                 names = [d.name for d in self.delta if d.breaks_bitwise]
                 line += f"; bitwise despite {_changes(len(names))}: {', '.join(names)}"
+            if self.undetermined:
+                line += (f"; {', '.join(self.undetermined)} differ{'s' if len(self.undetermined) == 1 else ''}: not "
+                         "determined by the training (every fingerprint and every other value bit-identical)")
             return line
         if all(m.bitwise_equal for m in self.metrics):
             body = f"{shape} bit-identical"
@@ -322,6 +330,11 @@ def compare_runs(
     # A key with no logged values carries no evidence; treat it as absent.
     orig_metrics = {k: v for k, v in orig_metrics.items() if v[0].size}
     rep_metrics = {k: v for k, v in rep_metrics.items() if v[0].size}
+    unjudged = sorted(k for k in orig_metrics.keys() | rep_metrics.keys() if never_judged(tol, k))
+    if unjudged:
+        notes.append(f"{', '.join(unjudged)} not judged: {'its' if len(unjudged) == 1 else 'their'} tolerance is inf")
+        orig_metrics = {k: v for k, v in orig_metrics.items() if k not in unjudged}
+        rep_metrics = {k: v for k, v in rep_metrics.items() if k not in unjudged}
     evaluation = evaluation_keys(original, replay)
     own = {k: counts for k, counts in evaluation.items() if counts != tags.EVAL_AT_STEP}
     reached = None
@@ -371,12 +384,15 @@ def compare_runs(
 
     # Smallest step wins, ties by metric name (stats are already in name order). A value at an index of its own (an
     # evaluation batch's, or a metric the script logged through MLflow at steps of its own) decides only where no
-    # training step differs: its index cannot be set against training steps.
+    # training step differs: its index cannot be set against training steps. A metric named like a clock (mfu,
+    # train_runtime) decides only where no other metric differs: a clock differs whenever anything else does.
     own_steps = user_mlflow_metrics(original, replay)
     for d in firsts:
         if d.metric in own_steps:
             d.counts = MLFLOW_STEP
-    metric_div = min(firsts, key=lambda d: (d.counts is not None, d.step, d.metric or "")) if firsts else None
+    metric_div = (min(firsts, key=lambda d: (looks_like_clock(d.metric or ""), d.counts is not None, d.step,
+                                             d.metric or "")) if firsts else None)
+    clocks_only = bool(firsts) and all(looks_like_clock(d.metric or "") for d in firsts)
     fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)
 
     failure = replay_failed
@@ -393,6 +409,18 @@ def compare_runs(
         notes.append(f"{the(labels[1])} failed as {the(labels[0])} did: {replay.facts[tags.STATUS_REASON]}")
         failure = None
 
+    last_step = max((int(s[-1]) for s, _ in stepped.values()), default=None) if incomplete_original else None
+    if first_steps is not None:  # a checkpoint of step K holds the weights after the K steps both ran
+        checkpoints = diff_checkpoints(original, replay, labels, first_steps)
+        data_order = diff_data_order(original, replay, labels, first_steps - 1)
+    else:
+        checkpoints = diff_checkpoints(original, replay, labels, last_step)
+        data_order = diff_data_order(original, replay, labels, last_step)
+    unchanged = [label for label, rec in zip(labels, (original, replay)) if rec.facts.get(tags.WEIGHTS_CHANGED) == "false"]
+    undetermined = not_determined(stats, fps, failed=failure is not None, weights_unchanged=bool(unchanged),
+                                  checkpoints=checkpoints, data_order=data_order)
+    weights_differ = not fps.all_equal and not weights_may_differ(tol)
+
     divergence: Divergence | None
     if failure is not None:
         detail = f"{labels[1]} failed: {failure}"
@@ -406,9 +434,15 @@ def compare_runs(
         verdict = DIVERGED
     elif not stats and fps.compared == 0:
         divergence, verdict = None, NOTHING_TO_COMPARE
-    elif metric_div is not None:
+    elif undetermined and metric_div is not None:
+        # The weights and every other value bit-identical: what differs is no function of the training. (Values that
+        # differ within their tolerance stay WITHIN_TOLERANCE, a pass already.)
+        divergence, verdict = None, BITWISE
+    elif metric_div is not None and not (clocks_only and weights_differ):
         divergence, verdict = metric_div, DIVERGED
-    elif not fps.all_equal and not weights_may_differ(tol):
+        if clocks_only:
+            notes.append(_clock_hint(sorted({d.metric or "" for d in firsts})))
+    elif weights_differ:
         # Other weights are never within a tolerance set for the metrics: a fingerprint is a digest, so how far the
         # weights moved cannot be judged from it. Only an explicit weights=any leaves them to the metrics.
         if fps.first_mismatch_step is not None:
@@ -421,7 +455,9 @@ def compare_runs(
         else:
             step = None
             detail = f"final {(original.final_fingerprint or 'none')[:12]} vs {(replay.final_fingerprint or 'none')[:12]}"
-        if stats and not all(s.bitwise_equal for s in stats):
+        if clocks_only:
+            detail += f"; besides, {', '.join(sorted({d.metric or '' for d in firsts}))} (named like a clock) differ"
+        elif stats and not all(s.bitwise_equal for s in stats):
             detail += "; every metric within its tolerance: --tolerance weights=any would let the metrics decide"
         divergence, verdict = Divergence(KIND_FINGERPRINT, step, detail=detail), DIVERGED
     else:
@@ -431,13 +467,6 @@ def compare_runs(
         exact = all(s.bitwise_equal for s in stats) and fps.all_equal
         verdict = BITWISE if exact else WITHIN_TOLERANCE
 
-    last_step = max((int(s[-1]) for s, _ in stepped.values()), default=None) if incomplete_original else None
-    if first_steps is not None:  # a checkpoint of step K holds the weights after the K steps both ran
-        checkpoints = diff_checkpoints(original, replay, labels, first_steps)
-        data_order = diff_data_order(original, replay, labels, first_steps - 1)
-    else:
-        checkpoints = diff_checkpoints(original, replay, labels, last_step)
-        data_order = diff_data_order(original, replay, labels, last_step)
     return Comparison(
         checkpoints=checkpoints,
         data_order=data_order,
@@ -453,13 +482,22 @@ def compare_runs(
         tolerance=tol,
         config_delta=config_delta(original.config, replay.config, original.facts, replay.facts),
         of_replay=of_replay,
-        weights_unchanged_in=[label for label, rec in zip(labels, (original, replay))
-                           if rec.facts.get(tags.WEIGHTS_CHANGED) == "false"],
+        weights_unchanged_in=unchanged,
         reached=reached,
         notes=notes,
         failed_alike=failed_alike,
         speed=speed_delta(original, replay, labels),
+        undetermined=undetermined if verdict == BITWISE else [],
     )
+
+
+def _clock_hint(names: list[str]) -> str:
+    """Said where only metrics named like a clock differ, but nothing proves the training bit-identical."""
+    shown, one = ", ".join(names), len(names) == 1
+    return (f"only {shown} differ{'s' if one else ''}, named like a wall-clock value, but nothing shows the training "
+            "bit-identical (every fingerprint equal, the final one among them, and another value bit-identical): if "
+            f"{'it is one' if one else 'they are'}, --tolerance {names[0]}=inf leaves {'it' if one else 'that one'} "
+            "unjudged")
 
 
 def _evaluation_only(metrics: list[MetricStats], own: list[str]) -> str:

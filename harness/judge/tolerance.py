@@ -32,7 +32,8 @@ def weights_may_differ(tolerance: Mapping[str, Any]) -> bool:
 
 def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, Any]:
     """--tolerance METRIC=ATOL[,RTOL] (repeatable) as {metric: {"atol": ..., "rtol": ...}}; RTOL defaults to 0.
-    `weights=any` / `weights=exact` sets how the parameters are held (entry WEIGHTS: "any" or "exact")."""
+    `METRIC=inf` leaves the metric unjudged (never_judged); `weights=any` / `weights=exact` sets how the parameters
+    are held (entry WEIGHTS: "any" or "exact")."""
     out: dict[str, Any] = {}
     for spec in specs or ():
         metric, sep, value = spec.partition("=")
@@ -48,9 +49,13 @@ def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, Any
             numbers = [float(x) for x in parts]
         except ValueError:
             numbers = []
-        if not metric or not 1 <= len(numbers) <= 2 or not all(math.isfinite(x) and x >= 0 for x in numbers):
-            raise UsageError(f"--tolerance {spec!r} is not METRIC=ATOL[,RTOL] with finite numbers >= 0. "
-                               "Pass e.g. --tolerance loss=1e-6 or --tolerance loss=1e-6,1e-4.")
+        if any(math.isnan(x) for x in numbers):
+            # Every comparison with NaN is false: such a tolerance would hold nothing, or refuse everything.
+            raise UsageError(f"--tolerance {spec!r}: nan is no tolerance. Pass {metric or 'METRIC'}=inf to leave "
+                               "the metric unjudged, or finite numbers >= 0.")
+        if not metric or not 1 <= len(numbers) <= 2 or not all(x >= 0 for x in numbers):
+            raise UsageError(f"--tolerance {spec!r} is not METRIC=ATOL[,RTOL] with numbers >= 0 (or METRIC=inf). "
+                               "Pass e.g. --tolerance loss=1e-6, --tolerance loss=1e-6,1e-4 or --tolerance mfu=inf.")
         if metric in out:
             raise UsageError(f"--tolerance gives metric '{metric}' twice. Pass it once.")
         out[metric] = {"atol": numbers[0], "rtol": numbers[1] if len(numbers) == 2 else 0.0}
@@ -58,9 +63,25 @@ def parse_tolerances(specs: list[str] | tuple[str, ...] | None) -> dict[str, Any
 
 
 def format_tolerances(given: Mapping[str, Any]) -> str:
-    """The inverse of parse_tolerances, as recorded in the tag harness.replay.tolerance: `loss=0.01,0.0 acc=...`."""
-    return " ".join(f"{m}={t}" if m == WEIGHTS else f"{m}={float(t['atol'])!r},{float(t['rtol'])!r}"
-                    for m, t in sorted(given.items()))
+    """The inverse of parse_tolerances, as recorded in the tag harness.replay.tolerance: `loss=0.01,0.0 mfu=inf`."""
+    def one(m: str, t: Any) -> str:
+        if m == WEIGHTS:
+            return f"{m}={t}"
+        return f"{m}=inf" if _infinite(t) else f"{m}={float(t['atol'])!r},{float(t['rtol'])!r}"
+
+    return " ".join(one(m, t) for m, t in sorted(given.items()))
+
+
+def _infinite(entry: Mapping[str, Any]) -> bool:
+    return math.isinf(float(entry.get("atol", 0.0))) or math.isinf(float(entry.get("rtol", 0.0)))
+
+
+def never_judged(tolerance: Mapping[str, Any], metric: str) -> bool:
+    """A metric whose own tolerance is infinite (`--tolerance METRIC=inf`, or replay.tolerance.metrics.METRIC with an
+    atol or rtol of .inf): any value would pass, so it is left out of the judgement altogether - a difference in it
+    makes no verdict WITHIN_TOLERANCE. An infinite default tolerance judges every metric as before (within it)."""
+    entry = (tolerance.get("metrics") or {}).get(metric)
+    return entry is not None and _infinite(entry)
 
 
 def judged_tolerance(

@@ -196,6 +196,9 @@ ACCELERATE_ARTIFACTS = "accelerate"
 # Replay / compare.
 REPLAY_OF = "harness.replay_of"
 VERDICT = "harness.verdict"
+# On a BITWISE replay: the metrics that differed where every fingerprint and every other value was bit-identical, so
+# not determined by the training (harness/judge/undetermined.py), comma-separated: "mfu,train_runtime".
+UNDETERMINED = "harness.verdict.undetermined"
 # On an original run: its replays' verdicts counted as `harness runs` counts them ("BITWISE 2, DIVERGED 1 (with
 # changes)"), so that its row in the MLflow UI shows them. Rewritten whenever one of its replays is judged, long after
 # the run closed: a summary of the replays' own sealed verdicts, and so not sealed itself (record/seal.py).

@@ -150,9 +150,9 @@ def test_a_metric_with_no_common_step_says_so_with_both_step_lists() -> None:
     del b.metrics["acc"]
     cmp = compare_runs(a, b)
     lines = comparison_lines(cmp, [])
-    assert "  test_loss: no common step: logged by run A at steps 0-100, run B at step 101; first divergence 0" \
+    assert "  test_loss: no common step: logged by run A at steps 0-100, run B at step 101; step 0 logged only by run A" \
         in lines, lines
-    assert "  acc: no common step: logged by run A at steps 0-19, run B not at all; first divergence 0" in lines, lines
+    assert "  acc: no common step: logged by run A at steps 0-19, run B not at all; step 0 logged only by run A" in lines, lines
     assert not any("nan" in line for line in lines), lines
     b.metrics["test_loss"] = (np.arange(101, 1101, 2, dtype=np.int64), np.zeros(500))
     lines = comparison_lines(compare_runs(a, b), [])

@@ -88,6 +88,7 @@ def _replay_of(original, final_loss: float, threads: str = "2"):
     loss = loss.copy()
     loss[-1] = final_loss
     rep.metrics["loss"] = (steps, loss)
+    rep.final_fingerprint = "e" * 64  # the weights parted too, as they do on other hardware
     return rep
 
 

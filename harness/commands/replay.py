@@ -288,7 +288,10 @@ def record_verdict(
 
     seal.open_for_verdict(tracker, replay_id)
     markdown = render_markdown(comparison, changes)
-    tracker.set_tags(replay_id, {T.VERDICT: comparison.verdict, T.MLFLOW_RUN_NOTE: markdown})
+    verdict = {T.VERDICT: comparison.verdict, T.MLFLOW_RUN_NOTE: markdown}
+    if comparison.undetermined:
+        verdict[T.UNDETERMINED] = ",".join(comparison.undetermined)
+    tracker.set_tags(replay_id, verdict)
     tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
     tracker.log_text(replay_id, json.dumps(comparison.to_dict(), indent=2), T.ARTIFACT_COMPARISON)
     with scratch.folder("plots") as tmp:

@@ -78,6 +78,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         tags.KIND,
         tags.REPLAY_OF,
         tags.VERDICT,
+        tags.UNDETERMINED,
         tags.REPLAYS,  # the original's count of its replays' verdicts, not its environment
         tags.CHANGES,
         tags.TOLERANCE,

@@ -31,7 +31,7 @@ from harness.judge.metricdiff import (
     as_series,
 )
 from harness.judge.rounding import Envelope
-from harness.judge.tolerance import _tolerance_for, weights_may_differ
+from harness.judge.tolerance import _tolerance_for, never_judged, weights_may_differ
 from harness.judge.verdicts import Policy, meets
 from harness.judge.weightdistance import Distance
 from harness.rundata import RunRecord
@@ -55,8 +55,9 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
         return cmp
     first_steps = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
-    orig = {k: as_series(*v) for k, v in original.metrics.items()}
-    rep = {k: as_series(*v) for k, v in replay.metrics.items()}
+    # A metric whose tolerance is inf is judged by nothing, the envelope included.
+    orig = {k: as_series(*v) for k, v in original.metrics.items() if not never_judged(cmp.tolerance, k)}
+    rep = {k: as_series(*v) for k, v in replay.metrics.items() if not never_judged(cmp.tolerance, k)}
     if first_steps is not None:
         orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
     m = envelope.steps
@@ -167,8 +168,8 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     before = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
     skip = user_mlflow_metrics(original, replay) if before is not None else set()  # not at training steps (above)
 
-    def curves(rec: RunRecord) -> dict[str, Any]:
-        return {k: v for k, v in rec.metrics.items() if k not in skip}
+    def curves(rec: RunRecord) -> dict[str, Any]:  # a metric whose tolerance is inf: not judged by the seeds either
+        return {k: v for k, v in rec.metrics.items() if k not in skip and not never_judged(cmp.tolerance, k)}
 
     cmp.noise = noise.judge_curves(study_id, curves(replay), curves(original), [curves(m) for m in members],
                                    before=before)

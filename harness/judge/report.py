@@ -16,7 +16,7 @@ from harness.judge.delta import summarized
 from harness.judge.metricdiff import KIND_REPLAY_FAILED, MetricStats, as_series
 from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.perf import step_series
-from harness.judge.text import given_tolerances, weights_line
+from harness.judge.text import first_divergence, given_tolerances, one_run, weights_line
 from harness.judge.verdicts import Verdict
 from harness.rundata import RunRecord
 
@@ -89,7 +89,8 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     given = given_tolerances(cmp)
     if given:
         out += ["", "Tolerance given with `--tolerance` (over the recorded `replay.tolerance`):", ""]
-        out += [f"- {_code(m)}: atol {fmt_short(atol)}, rtol {fmt_short(rtol)}" for m, atol, rtol in given]
+        out += [f"- {_code(m)}: never judged (inf)" if math.isinf(atol) or math.isinf(rtol)
+                else f"- {_code(m)}: atol {fmt_short(atol)}, rtol {fmt_short(rtol)}" for m, atol, rtol in given]
     weights = weights_line(cmp)
     if weights:
         out += ["", f"Tolerance: {_cell(weights)}."]
@@ -124,6 +125,8 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
             where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
             if m.first_divergence is None:
                 first = "-"
+            elif one_run(m):
+                first = first_divergence(m, ("original", "replay"))
             else:
                 first = f"{m.counts + ' ' if m.counts else ''}{m.first_divergence} ({m.first_divergence_kind})"
             gaps = []
@@ -137,7 +140,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
                 _stat(m, m.max_abs_diff),
                 _stat(m, m.max_rel_diff),
                 first,
-                "yes" if m.bitwise_equal else "no",
+                "yes" if m.bitwise_equal else "no (not determined by the training)" if m.name in cmp.undetermined else "no",
                 f"{fmt_short(m.rtol)} / {fmt_short(m.atol)}",
             ])
         out += markdown_table(

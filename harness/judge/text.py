@@ -6,12 +6,37 @@ and shares its pieces (the tolerances given, the verdict's summary, where the we
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from harness.fmt import the
 from harness.judge.compare import BITWISE, Comparison
 from harness.judge.delta import summarized
+from harness.judge.metricdiff import (
+    KIND_EXTRA_METRIC,
+    KIND_EXTRA_STEP,
+    KIND_MISSING_METRIC,
+    KIND_MISSING_STEP,
+    MetricStats,
+)
 from harness.judge.tolerance import WEIGHTS, weights_may_differ
+
+
+def first_divergence(m: MetricStats, labels: tuple[str, str]) -> str:
+    """Where a metric first parts: "7", or "step 3 logged only by run B" where only one run logged that step."""
+    if m.first_divergence is None:
+        return "-"
+    where = f"{m.counts or 'step'} {m.first_divergence}"
+    if m.first_divergence_kind in (KIND_MISSING_STEP, KIND_MISSING_METRIC):
+        return f"{where} logged only by {the(labels[0])}"
+    if m.first_divergence_kind in (KIND_EXTRA_STEP, KIND_EXTRA_METRIC):
+        return f"{where} logged only by {the(labels[1])}"
+    return f"{m.counts} {m.first_divergence}" if m.counts else str(m.first_divergence)
+
+
+def one_run(m: MetricStats) -> bool:
+    """Whether the metric first parts at a step (or is a metric) that only one of the runs logged."""
+    return m.first_divergence_kind in (KIND_MISSING_STEP, KIND_MISSING_METRIC, KIND_EXTRA_STEP, KIND_EXTRA_METRIC)
 
 
 def given_tolerances(cmp: Comparison) -> list[tuple[str, float, float]]:
@@ -44,7 +69,8 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
     given = given_tolerances(cmp)
     if given:
         out.append("Tolerance given (--tolerance, over the recorded replay.tolerance): "
-                   + ", ".join(f"{m} atol {atol:g} rtol {rtol:g}" for m, atol, rtol in given))
+                   + ", ".join(f"{m} never judged (inf)" if math.isinf(atol) or math.isinf(rtol)
+                               else f"{m} atol {atol:g} rtol {rtol:g}" for m, atol, rtol in given))
     weights = weights_line(cmp)
     if weights:
         out.append("Tolerance: " + weights)
@@ -69,15 +95,18 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
     else:
         out.append("Environment delta: none")
     for m in cmp.metrics:
-        first = "-" if m.first_divergence is None else f"{m.counts} {m.first_divergence}" if m.counts else str(m.first_divergence)
+        first = first_divergence(m, cmp.labels)
         if m.steps_apart is not None:
             where = ", ".join(f"{the(label)} " + ("not at all" if steps == "none" else
                                                    f"at step{'' if steps.isdigit() else 's'} {steps}")
                               for label, steps in zip(cmp.labels, m.steps_apart, strict=True))
-            out.append(f"  {m.name}: no common step: logged by {where}; first divergence {first}")
+            out.append(f"  {m.name}: no common step: logged by {where}; {first}")
             continue
+        if not one_run(m):
+            first = f"first divergence {first}"
+        undetermined = " (not determined by the training)" if m.name in cmp.undetermined else ""
         out.append(f"  {m.name}: {m.steps_compared} {m.unit}, max abs diff {m.max_abs_diff:.3g}, "
-                   f"max rel diff {m.max_rel_diff:.3g}, first divergence {first}"
+                   f"max rel diff {m.max_rel_diff:.3g}, {first}{undetermined}"
                    + (f", tolerance atol {m.atol:g} rtol {m.rtol:g}" if m.atol or m.rtol else ""))
     if cmp.data_order is not None:
         out.append(cmp.data_order.describe(cmp.labels))  # a data-pipeline change, told from a numerical one

@@ -68,6 +68,7 @@ from harness.events import Listener
 from harness.executors import Outcome, Topology, backend, backends, topology_from_env
 from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
 from harness.judge.compare import Comparison
+from harness.judge.tolerance import parse_tolerances
 from harness.record.newrun import Labels, labels
 from harness.record.study import is_study
 from harness.store.tracking import Tracker, full_ids
@@ -383,6 +384,7 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
     """Judge two existing runs against each other (a Comparison), or localize two traces (a TraceDiff); nothing
     is rerun or recorded."""
     with _command(options.on_event):
+        parse_tolerances(list(options.tolerances))  # bad input is said before the store is opened, as replay says it
         o = _with_full_ids(options, "run_a", "run_b")
         tracker = Tracker(o.tracking_uri, writable=False)  # comparing only reads
         traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]

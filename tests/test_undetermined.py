@@ -12,7 +12,7 @@ from records import clone, make_record
 
 from harness import tags
 from harness.errors import UsageError
-from harness.judge.compare import BITWISE, DIVERGED, compare_runs, judged_again
+from harness.judge.compare import BITWISE, DIVERGED, compare_runs, follows, judged_again
 from harness.judge.metricdiff import KIND_FINGERPRINT
 from harness.judge.report import render_markdown
 from harness.judge.text import comparison_lines
@@ -51,6 +51,8 @@ def test_a_clock_that_differs_where_the_training_is_bit_identical_stays_bitwise(
         "by the training (every fingerprint and every other value bit-identical)")
     # Judged again from the two records (verify, bundles) it is the same verdict; the report and the lines name them.
     assert judged_again(a, b).verdict == BITWISE and cmp.to_dict()["undetermined"] == list(CLOCKS)
+    # A bundle's replay recorded DIVERGED on them (by a harness without this rule) still follows from its records.
+    assert follows(BITWISE, DIVERGED, False, False, undetermined=True) and not follows(BITWISE, DIVERGED, False, False)
     assert "| mfu | 10 |" in render_markdown(cmp) and "no (not determined by the training)" in render_markdown(cmp)
     assert any(line.startswith("  mfu: 10 steps") and line.endswith("(not determined by the training)")
                for line in comparison_lines(cmp, []))

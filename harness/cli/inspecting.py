@@ -96,6 +96,7 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
               help="Two traces: also write the localization report to PATH (HTML if it ends in .html, else markdown).")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
               help="Judge METRIC with this tolerance instead of the recorded replay.tolerance. Repeatable. "
+                   "METRIC=inf leaves METRIC unjudged (a wall clock: train_runtime=inf). "
                    "weights=any lets the metrics decide where the parameters' fingerprints differ.")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option

@@ -189,6 +189,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="A study with --members: the seed of the draw (to repeat an earlier one).")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
               help="Judge METRIC with this tolerance instead of the recorded replay.tolerance (recorded). Repeatable. "
+                   "METRIC=inf leaves METRIC unjudged (a wall clock: train_runtime=inf). "
                    "weights=any lets the metrics decide where the parameters' fingerprints differ.")
 @click.option("--localize/--no-localize", default=None,
               help="When the replay DIVERGES, trace its first divergent step and name the first differing op "

@@ -328,8 +328,10 @@ def _hold_verdicts(tracker: Any, record: dict[str, Any], replays: list[dict[str,
                 or rec["tags"].get(T.REPLAY_OF) != record["run_id"]):
             continue
         original = original or tracker.load_record(ids[record["run_id"]])
-        judged = judged_again(original, tracker.load_record(ids[rec["run_id"]])).verdict
-        if not follows(judged, verdict, calibrated, studied=T.STUDY in record["tags"]):
+        again = judged_again(original, tracker.load_record(ids[rec["run_id"]]))
+        judged = again.verdict
+        if not follows(judged, verdict, calibrated, studied=T.STUDY in record["tags"],
+                       undetermined=bool(again.undetermined)):
             raise BundleError(
                 f"replay {rec['run_id']} (in the bundle) records the verdict {verdict}, but its metrics and weights "
                 f"against the original's judge {judged}: the verdict does not follow from the record; refused. {_FIX}")

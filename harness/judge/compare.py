@@ -282,13 +282,15 @@ def judged_again(a: RunRecord, b: RunRecord) -> Comparison:
                         first_steps=int(steps) if steps and steps.isdigit() else None)
 
 
-def follows(judged: str, recorded: str, calibrated: bool, studied: bool) -> bool:
+def follows(judged: str, recorded: str, calibrated: bool, studied: bool, undetermined: bool = False) -> bool:
     """Can a replay recorded with verdict `recorded` be the one whose two records compare_runs judges `judged` now?
 
     Exactly equal where nothing else entered the judgement. A calibration's envelope (judge_rounding) may have
     turned any verdict but BITWISE and NOTHING_TO_COMPARE into another such, and a study's seeds (judge_noise) a
-    DIVERGED into WITHIN_NOISE or INCONCLUSIVE: those are read from runs a bundle need not carry."""
-    if judged == recorded:
+    DIVERGED into WITHIN_NOISE or INCONCLUSIVE: those are read from runs a bundle need not carry. `undetermined`: the
+    judgement is BITWISE naming values the training does not determine (Comparison.undetermined), which a harness
+    without that rule recorded as DIVERGED on those values - the stricter verdict on the same evidence."""
+    if judged == recorded or (undetermined and judged == BITWISE and recorded == DIVERGED):
         return True
     if meets(judged, Policy.SETTLED) or meets(recorded, Policy.SETTLED):
         return False

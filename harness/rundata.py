@@ -77,7 +77,10 @@ def own_metric(key: str) -> bool:
 def wall_clock(key: str) -> bool:
     """A metric of how long things took (tags.PERF_PREFIX), not of what was computed: it differs from run to run by
     nature, so it is never judged. The one rule: the store loads such keys into RunRecord.performance, never into
-    RunRecord.metrics, which every verdict (compare, noise, rounding, calibrate, bisect, trace, verify) reads."""
+    RunRecord.metrics, which every verdict (compare, noise, rounding, calibrate, bisect, trace, verify) reads.
+    Harness's own keys only: harness writes them, so their name is proof. A key of the training code's is judged
+    whatever its name (`mfu` may be anything); where the weights show the training bit-identical, one that differs
+    is named as not determined by it (harness/judge/undetermined.py)."""
     return key.startswith(PERF_PREFIX)
 
 

@@ -467,7 +467,7 @@ def test_allowed_tolerance_change_is_the_tolerance_judged(project: Project, wide
     assert "replay.tolerance.metrics.loss.atol=1e-2" in result.stdout  # the change requested, as recorded
 
 
-@pytest.mark.parametrize("spec", ["loss", "loss=", "loss=abc", "loss=-1", "=1e-3", "loss=1,2,3", "loss=inf"])
+@pytest.mark.parametrize("spec", ["loss", "loss=", "loss=abc", "loss=-1", "=1e-3", "loss=1,2,3", "loss=-inf"])
 def test_bad_tolerance_is_one_line_exit_2_and_records_nothing(project: Project, wide_run: str, spec: str) -> None:
     before = len(project.all_runs())
     for command in (["replay", wide_run], ["compare", wide_run, wide_run]):

@@ -4,7 +4,6 @@ train_runtime), a tolerance of inf, and compare lines for a step only one run lo
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from records import clone, make_record
 from harness import tags
 from harness.errors import UsageError
 from harness.judge.compare import BITWISE, DIVERGED, compare_runs, follows, judged_again
+from harness.judge.delta import IGNORED_TAGS
 from harness.judge.metricdiff import KIND_FINGERPRINT
 from harness.judge.report import render_markdown
 from harness.judge.text import comparison_lines
@@ -172,17 +172,19 @@ def test_compare_lines_say_which_run_logged_a_step_only_one_run_logged() -> None
                for line in comparison_lines(compare_runs(a, b), []))
 
 
-def test_the_replay_records_the_undetermined_metrics_and_counts_as_bitwise(tmp_path: Path) -> None:
-    from harness.commands.replay import record_verdict
+def test_the_replay_records_the_undetermined_metrics_and_counts_as_bitwise() -> None:
+    from harness.commands.replay import verdict_tags
     from harness.record.replays import tally
-    from harness.store.tracking import Tracker
+    from harness.rundata import RunSummary
 
-    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     a = _run()
-    replay_id = tracker.create_run("exp", {tags.KIND: tags.KIND_REPLAY, tags.REPLAY_OF: a.run_id})
-    b = _replay_of(a, run_id=replay_id)
-    record_verdict(tracker, replay_id, a, b, compare_runs(a, b), [])
-    run = tracker.get_run(replay_id)
-    assert run.tags[tags.VERDICT] == BITWISE and run.tags[tags.UNDETERMINED] == "mfu,train_runtime"
-    assert "not determined by the training" in run.tags[tags.MLFLOW_RUN_NOTE]  # the MLflow UI's description
-    assert tally([run]) == {a.run_id: "BITWISE 1"}
+    cmp = compare_runs(a, _replay_of(a))
+    recorded = verdict_tags(cmp, render_markdown(cmp))  # what record_verdict writes on the replay run
+    assert recorded[tags.VERDICT] == BITWISE and recorded[tags.UNDETERMINED] == "mfu,train_runtime"
+    assert "not determined by the training" in recorded[tags.MLFLOW_RUN_NOTE]  # the MLflow UI's description
+    replay = RunSummary(run_id="r1", experiment="exp", experiment_id="1", run_name="replay", status="FINISHED",
+                        start_time=0, end_time=0, tags={tags.KIND: tags.KIND_REPLAY, tags.REPLAY_OF: a.run_id,
+                                                        **recorded}, params={}, metric_keys=[], artifact_uri="")
+    assert tally([replay]) == {a.run_id: "BITWISE 1"}  # `harness runs` and the original's harness.replays
+    # Not a fact of the run: a replay of this replay shows no environment delta for it.
+    assert tags.UNDETERMINED in IGNORED_TAGS

@@ -280,6 +280,15 @@ def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
     return judge_noise(cmp, a, b, study_id, members)
 
 
+def verdict_tags(comparison: Comparison, markdown: str) -> dict[str, str]:
+    """The tags a judged replay carries: its verdict, its report (the MLflow UI's description of the run) and the
+    metrics the training did not determine, where the verdict names any."""
+    out = {T.VERDICT: str(comparison.verdict), T.MLFLOW_RUN_NOTE: markdown}
+    if comparison.undetermined:
+        out[T.UNDETERMINED] = ",".join(comparison.undetermined)
+    return out
+
+
 def record_verdict(
     tracker: Tracker, replay_id: str, a: RunRecord, b: RunRecord, comparison: Comparison, changes: list[str]
 ) -> None:
@@ -288,10 +297,7 @@ def record_verdict(
 
     seal.open_for_verdict(tracker, replay_id)
     markdown = render_markdown(comparison, changes)
-    verdict = {T.VERDICT: comparison.verdict, T.MLFLOW_RUN_NOTE: markdown}
-    if comparison.undetermined:
-        verdict[T.UNDETERMINED] = ",".join(comparison.undetermined)
-    tracker.set_tags(replay_id, verdict)
+    tracker.set_tags(replay_id, verdict_tags(comparison, markdown))
     tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
     tracker.log_text(replay_id, json.dumps(comparison.to_dict(), indent=2), T.ARTIFACT_COMPARISON)
     with scratch.folder("plots") as tmp:

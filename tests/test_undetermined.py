@@ -53,7 +53,9 @@ def test_a_clock_that_differs_where_the_training_is_bit_identical_stays_bitwise(
     assert judged_again(a, b).verdict == BITWISE and cmp.to_dict()["undetermined"] == list(CLOCKS)
     # A bundle's replay recorded DIVERGED on them (by a harness without this rule) still follows from its records.
     assert follows(BITWISE, DIVERGED, False, False, undetermined=True) and not follows(BITWISE, DIVERGED, False, False)
-    assert "| mfu | 10 |" in render_markdown(cmp) and "no (not determined by the training)" in render_markdown(cmp)
+    md = render_markdown(cmp)
+    assert "| mfu | 10 |" in md and "no (not determined by the training)" in md
+    assert "None: mfu, train_runtime differ, but not as a function of the training" in md
     assert any(line.startswith("  mfu: 10 steps") and line.endswith("(not determined by the training)")
                for line in comparison_lines(cmp, []))
 

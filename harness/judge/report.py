@@ -173,7 +173,10 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
 
     out += ["## First divergence", ""]
     d = cmp.divergence
-    if d is None:
+    if d is None and cmp.undetermined:
+        out.append(f"None: {_cell(', '.join(cmp.undetermined))} differ, but not as a function of the training: every "
+                   "fingerprint and every other value is bit-identical.")
+    elif d is None:
         out.append("None: every metric stayed within its tolerance at every step.")
     else:
         if d.kind == KIND_REPLAY_FAILED:

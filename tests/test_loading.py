@@ -287,6 +287,19 @@ def test_only_the_steps_asked_for_are_held_and_the_first_difference_is_the_earli
     assert reproduced.values(recorded, logged, complete=True, first=3).reproduced is True
 
 
+def test_a_clock_differing_is_not_held_and_named_apart_but_a_running_mean_is_held() -> None:
+    # Two executions of one step never time alike: a re-execution (a resume's proof) is not refused for nanoGPT's
+    # mfu or a Trainer's train_runtime; a value of the training's own (a running mean of the loss) still is.
+    recorded = {"loss": {0: 1.0}, "mfu": {0: 0.31}, "train_runtime": {0: 12.5}, "loss_mean": {0: 1.0}}
+    logged = {("loss", 0): 1.0, ("mfu", 0): 0.29, ("train_runtime", 0): 11.0}
+    got = reproduced.values(recorded, logged, complete=True)
+    assert (got.reproduced, got.checked, got.unheld) == (True, 1, ("mfu", "train_runtime"))
+    assert got.unheld_line.startswith("mfu, train_runtime differed as re-executed and are not held")
+    mean = reproduced.values(recorded, {**logged, ("loss_mean", 0): 0.9}, complete=True)
+    assert (mean.reproduced, mean.mismatch) == (False, "loss_mean at step 0: 0.9, the run recorded 1.0")
+    assert reproduced.values(recorded, {("mfu", 0): 0.31}, complete=True).unheld_line == ""
+
+
 def test_the_record_series_reads_as_the_check_reads_it() -> None:
     metrics = {"loss": (np.array([0, 5]), np.array([0.5, -0.0]))}
     lookup = reproduced.series(metrics)

@@ -14,6 +14,7 @@ EMA_TRAIN = '''"""Linear(10, 5) with an EMA of its weights, evaluated at each ep
 
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ def train(ctx):
         else:
             with torch.no_grad():
                 ctx.log({"ema_out": ema(probe).pow(2).mean()}, ctx.step)
+        ctx.log({"epoch_time": time.perf_counter()}, ctx.step)  # a clock: no two executions log it alike
 '''
 
 # 40 samples, batches of 5 on each of 2 ranks: 4 steps an epoch, a checkpoint at each epoch's start.
@@ -87,8 +89,11 @@ def test_tracked_ema_resumes_bit_for_bit(ema_project: Project) -> None:
     resumed = ema_project.harness("resume", run_id)
     assert resumed.returncode == 0, resumed.stderr
     assert "Proved: steps 0-8 from the checkpoint of step 0 and steps 4-7" in resumed.stderr, resumed.stderr
+    # The epoch's clock differs in every re-execution: said, never a refusal of the resume.
+    assert "epoch_time differed as re-executed and is not held" in resumed.stderr, resumed.stderr
     replayed = ema_project.harness("replay", run_id)
     assert replayed.returncode == 0 and "BITWISE" in replayed.stdout, replayed.stdout + replayed.stderr
+    assert "epoch_time differs: not determined by the training" in replayed.stdout, replayed.stdout
 
 
 def test_state_of_the_loops_own_is_caught_by_the_proof(ema_project: Project) -> None:

@@ -201,7 +201,10 @@ def _run_segments(segments: list[Segment], record, job: Job, directory: Path) ->
 
 def _first_metric_mismatch(logged: dict[tuple[str, int], float], record) -> str:
     # An audited run is FINISHED: it recorded every value it logged, so one it lacks differs.
-    return reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED).mismatch
+    held = reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED)
+    if held.unheld_line:
+        events.emit(events.Notice(f"audit: {held.unheld_line}."))
+    return held.mismatch
 
 
 def _record(tracker: Tracker, run, result: AuditResult) -> str:

@@ -18,6 +18,7 @@ from harness.errors import HarnessError, RunFailed, RunRefused
 from harness.executors import Job, Outcome
 from harness.executors.base import SegmentMessages
 from harness.judge import reproduced
+from harness.judge.undetermined import looks_like_clock
 from harness.record import checkpoints as checkpoint_store, closing, loading, wholeness
 from harness.rundata import same_value, series
 from harness.runtime import boundaries, states
@@ -211,14 +212,21 @@ def _next_unrecorded(record: RunRecord, step: int) -> int:
 
 def _hold_to_continuous(resumed: dict[tuple[str, int], float], through: dict[tuple[str, int], float], step: int,
                         refused: str, earlier: int | None, how: str) -> None:
-    """The re-execution that started at `step` logs what the one that ran through `step` logged after it."""
+    """The re-execution that started at `step` logs what the one that ran through `step` logged after it (a value
+    named like a clock excepted, as judge/reproduced.py excepts it: said, not held)."""
+    clocks: set[str] = set()
     for (key, at), value in sorted(resumed.items(), key=lambda item: (item[0][1], item[0][0])):
         again = through.get((key, at))
-        if again is not None and not same_value(again, value):
+        if again is not None and not same_value(again, value) and looks_like_clock(key):
+            clocks.add(key)
+        elif again is not None and not same_value(again, value):
             raise HarnessError(
                 f"{refused} logged {key}={value!r} at step {at}, where the re-execution that ran through step {step} "
                 f"from the checkpoint of step {earlier} logged {again!r}: the checkpoint of step {step} does not hold "
                 f"everything the steps after it depend on. {how}")
+    if clocks:
+        said = reproduced.Reproduction(0, unheld=tuple(sorted(clocks))).unheld_line
+        events.emit(events.Notice(f"resume proof after step {step}: {said}."))
 
 
 def _hold_to_checkpoint(report: Any, record: RunRecord, start: int, end: int, refused: str, how: str) -> None:
@@ -252,5 +260,8 @@ def _hold_to_checkpoint(report: Any, record: RunRecord, start: int, end: int, re
 
 def _first_logged_mismatch(logged: dict[tuple[str, int], float], record: RunRecord, start: int, end: int) -> str:
     # The run stopped before its end: a value it lacks may be one it never wrote, no evidence either way.
-    return reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED,
-                             first=start, end=end).mismatch
+    held = reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED,
+                             first=start, end=end)
+    if held.unheld_line:
+        events.emit(events.Notice(f"resume proof, steps {start}-{end}: {held.unheld_line}."))
+    return held.mismatch

@@ -208,6 +208,8 @@ def _reproduced(record: RunRecord, first: int, step: int, logged: dict[tuple[str
     """Did the re-execution log the run's values bit for bit, and end with the weights it recorded after the step?"""
     held = reproduced.values(reproduced.series(record.metrics), logged, complete=record.status == T.FINISHED,
                              first=first, end=step + 1)
+    if held.unheld_line:
+        events.emit(events.Notice(f"trace: {held.unheld_line}."))
     if held.mismatch:
         return False, held.mismatch
     checked = held.checked

@@ -1,6 +1,9 @@
 """The job's default process group belongs to harness: the training code's destroy_process_group() of it - a
 torchrun script's last line, accelerator.end_training(), a framework's teardown - is deferred to harness's own
-teardown, after the end-of-run checks (the replica check, the data-order digests) that need it.
+teardown, after the end-of-run checks (the replica check, the data-order digests) that need it; its
+init_process_group() - a torchrun script's first lines - gets harness's group when it asks for that group (the job's
+backend, world size and this rank, met through the environment's rendezvous), and is refused in one line naming the
+fix when it asks for another, which harness's group could not be without the script's noticing.
 
 Why not let it go and re-create one: torch 2.13 deadlocks there, now and then. DDP's Reducer holds the group; a
 user's destroy leaves the Reducer its last owner, so the group is destroyed when train() returns and its frame frees
@@ -18,6 +21,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from harness.errors import ExperimentError
+
+_HONOURED_INIT = (None, "", "env://")  # the rendezvous harness's ranks met through: MASTER_ADDR/PORT, RANK, ...
+
 
 class Kept:
     """The wrapped destroy_process_group of one rank; stop() puts torch's back (torchrun's launcher process lives on)."""
@@ -32,12 +39,13 @@ class Kept:
         self._restore.clear()
 
 
-def keep_default_group() -> Kept:
+def keep_default_group(backend: str, world_size: int, rank: int) -> Kept:
     """Defer the training code's destroy_process_group() of the default group (any other group is destroyed as
-    asked). Call after init_process_group, before the entry is imported (so `from torch.distributed import
-    destroy_process_group` binds the wrapper)."""
+    asked), and answer its init_process_group() while the group is up (check_init). Call after init_process_group,
+    before the entry is imported (so `from torch.distributed import destroy_process_group` binds the wrappers)."""
     kept = Kept()
     original = c10d.destroy_process_group
+    original_init = c10d.init_process_group
 
     @functools.wraps(original)
     def destroy_process_group(group: Any = None) -> None:
@@ -46,7 +54,45 @@ def keep_default_group() -> Kept:
             return
         original(group)
 
+    @functools.wraps(original_init)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if not dist.is_initialized():  # harness's was destroyed past the wrapper: a group of the code's own
+            original_init(*args, **kwargs)
+            return
+        check_init(backend, world_size, rank, *args, **kwargs)
+
     for owner in (dist, c10d):
         kept._restore.append((owner, owner.destroy_process_group))
+        kept._restore.append((owner, owner.init_process_group))
         owner.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+        owner.init_process_group = init_process_group  # type: ignore[attr-defined]
     return kept
+
+
+def check_init(job_backend: str, job_world_size: int, job_rank: int, backend: Any = None, init_method: Any = None,
+               timeout: Any = None, world_size: int = -1, rank: int = -1, store: Any = None, **_: Any) -> None:
+    """The training code's init_process_group() while harness's group is up: a call that asks for that group (no
+    backend or the job's, its world size and rank or -1, the environment's rendezvous) has it - it is already
+    initialised, which is what the call was for; its timeout is the job's (timeout_s). Any other call is refused
+    (ExperimentError): a group on another backend or of another size is not the one harness checks and records."""
+    asked = str(backend).lower() if backend is not None else job_backend
+    fix = ("delete the call (harness initialised the group before train(ctx)), or call it as "
+           f'dist.init_process_group("{job_backend}") ')
+    if asked != job_backend:
+        raise ExperimentError(
+            f"init_process_group(backend={str(backend)!r}): the job's process group, already initialised by harness, "
+            f"is {job_backend!r}. Fix: {fix}(or set backend: in experiment.yaml).")
+    if world_size not in (-1, job_world_size):
+        raise ExperimentError(
+            f"init_process_group(world_size={world_size}): the job has {job_world_size} ranks, in a process group "
+            f"harness already initialised. Fix: {fix}or pass world_size=ctx.world_size (set world_size: in "
+            "experiment.yaml, or world_size=N on the command line, for another size).")
+    if rank not in (-1, job_rank):
+        raise ExperimentError(
+            f"init_process_group(rank={rank}) in the job's rank {job_rank}: harness numbers the ranks. Fix: {fix}or "
+            "pass rank=ctx.rank (RANK in the environment).")
+    if init_method not in _HONOURED_INIT or store is not None:
+        how = f"init_method={init_method!r}" if init_method not in _HONOURED_INIT else "store=..."
+        raise ExperimentError(
+            f"init_process_group({how}): the job's ranks already met at harness's rendezvous (env://, MASTER_ADDR and "
+            f"MASTER_PORT are set), which is the group this call would make. Fix: {fix}without {how.split('=')[0]}.")

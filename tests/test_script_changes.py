@@ -1,0 +1,167 @@
+"""What a script converted to harness keeps as it was: its own init_process_group (answered with harness's group when it
+asks for that group, refused in one line when it asks for another), an optimizer it never gave to ctx.track (tracked
+when it is the one over the registered model; otherwise the checkpoint says so and resume refuses naming the line)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+from conftest import Project
+
+# A torchrun-shaped script (llm.c's train_gpt2.py, minGPT-ddp, pytorch/examples' FSDP2): its own rendezvous from the
+# environment at the top, its own destroy at the end, an optimizer it steps and never tracks.
+OWN_GROUP = '''
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import destroy_process_group, init_process_group
+
+
+def train(ctx):
+    init_process_group(backend="gloo", world_size=int(ctx.cfg.get("ranks", os.environ["WORLD_SIZE"])))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ctx.ddp(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    for step in ctx.steps(4):
+        opt.zero_grad()
+        x = data[(step * world + rank) * 2 % 64:][:2]
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        ctx.log({"loss": loss.item()}, ctx.step)
+    destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module")
+def own_group(project: Project) -> Path:
+    return project.add_experiment("own_group", train_py=OWN_GROUP)
+
+
+def test_a_scripts_own_init_process_group_gets_harnesss_group_and_its_optimizer_is_checkpointed(
+        project: Project, own_group: Path) -> None:
+    import torch
+
+    from harness.runtime import checkpoint as ckpt
+
+    result = project.harness("run", "experiments/own_group", "checkpoint_every=2")
+    assert result.returncode == 0, result.stderr
+    run = project.client().get_run(result.last_line)
+    assert run.info.status == "FINISHED"
+    assert "optimizer" not in run.data.tags.get("harness.notices", ""), run.data.tags.get("harness.notices")
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+    state = ckpt.load(ckpt.path_for(artifacts / "checkpoints", 2, 1))
+    # The untracked SGD is the one optimizer over the model: its momentum is in the checkpoint.
+    assert state["optimizer"] is not None and state["optimizer"]["state"], state.get("optimizer")
+    assert all(torch.is_tensor(s["momentum_buffer"]) for s in state["optimizer"]["state"].values())
+
+
+def test_a_scripts_own_init_process_group_of_another_world_size_is_refused_in_one_line(
+        project: Project, own_group: Path) -> None:
+    result = project.harness("run", "experiments/own_group", "train.ranks=3")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "FAILED: rank" in line]
+    assert len(errors) == 1 and errors[0].strip().startswith(
+        "FAILED: rank 0: init_process_group(world_size=3): the job has 2 ranks, in a process group harness already "
+        "initialised. Fix: delete the call (harness initialised the group before train(ctx)), or call it as "
+        'dist.init_process_group("gloo") or pass world_size=ctx.world_size'), result.stderr
+
+
+def test_init_process_group_asking_for_another_group_is_refused_naming_the_fix() -> None:
+    from harness.errors import ExperimentError
+    from harness.runtime.groupkeep import check_init
+
+    check_init("gloo", 2, 1)
+    check_init("gloo", 2, 1, "gloo", "env://", world_size=2, rank=1)
+    with pytest.raises(ExperimentError, match=r"^init_process_group\(backend='nccl'\): the job's process group, "
+                                              r"already initialised by harness, is 'gloo'\. Fix: delete the call"):
+        check_init("gloo", 2, 1, "nccl")
+    with pytest.raises(ExperimentError, match=r"^init_process_group\(rank=0\) in the job's rank 1"):
+        check_init("gloo", 2, 1, rank=0)
+    with pytest.raises(ExperimentError, match=r"^init_process_group\(init_method='tcp://h:1'\): the job's ranks "
+                                              r"already met at harness's rendezvous.*without init_method\.$"):
+        check_init("gloo", 2, 1, init_method="tcp://h:1")
+
+
+def _context(tmp_path: Path, resume_step: int | None = None):
+    import torch
+
+    from harness.runtime.context import Context
+    from harness.runtime.plan import CheckpointPlan
+
+    reader, writer = mp.Pipe(duplex=False)
+    plan = CheckpointPlan(str(tmp_path / "checkpoints"), every=2, resume_step=resume_step)
+    ctx = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0, rank_seed=0,
+                  fingerprint_every=5, channel=writer, checkpoints=plan, output_dir=str(tmp_path / "out"))
+    return ctx, reader
+
+
+def _train(ctx, split: bool):
+    """Four SGD steps with momentum, no ctx.track; `split`: two optimizers, one for the weight, one for the bias."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = ctx.register(nn.Linear(3, 1))
+    opt_w = torch.optim.SGD([net.weight] if split else net.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD([net.bias], lr=0.1, momentum=0.9) if split else None
+    for step in ctx.steps(4):
+        for opt in (opt_w, opt_b):
+            if opt is not None:
+                opt.zero_grad()
+        net(torch.full((2, 3), float(step + 1))).pow(2).mean().backward()
+        for opt in (opt_w, opt_b):
+            if opt is not None:
+                opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_an_untracked_optimizer_is_tracked_when_it_is_the_one_over_the_model_and_resumes_bit_for_bit(
+        tmp_path: Path) -> None:
+    import torch
+
+    from harness.runtime import checkpoint as ckpt
+
+    ctx, _ = _context(tmp_path)
+    try:
+        whole = _train(ctx, split=False)
+    finally:
+        ctx.close()
+    assert ckpt.load(ckpt.path_for(tmp_path / "checkpoints", 2, 0))["optimizer"]["state"]
+    resumed, _ = _context(tmp_path, resume_step=2)
+    try:
+        again = _train(resumed, split=False)  # a fresh optimizer, its momentum loaded from the checkpoint
+    finally:
+        resumed.close()
+    assert all(torch.equal(a, b) for a, b in zip(whole, again, strict=True))
+
+
+def test_an_untracked_optimizer_that_is_not_the_one_is_said_at_the_checkpoint_and_refused_by_resume(
+        tmp_path: Path) -> None:
+    from harness.commands.resume import _refuse_untracked
+    from harness.errors import RunRefused
+    from harness.messages import Notice
+    from harness.runtime import checkpoint as ckpt, states
+
+    ctx, launcher = _context(tmp_path)
+    try:
+        _train(ctx, split=True)
+    finally:
+        ctx.close()
+    said = []
+    while launcher.poll(1):
+        message = launcher.recv()
+        said += [message.text] if isinstance(message, Notice) and message.key == "untracked-optimizer" else []
+    assert said == [
+        "the checkpoint of step 2 does not hold the state of the SGD `opt_w` that steps the registered Linear, which "
+        "is not the one optimizer over all of the model's parameters: a resume from it would start its "
+        "state anew, so `harness resume` refuses it. Add `ctx.track(opt_w)` after the line that makes it."], said
+    untracked = ckpt.saved_digests(tmp_path / "checkpoints", 2)[states.UNTRACKED]
+    with pytest.raises(RunRefused, match=r"does not hold the state of the SGD `opt_w` that steps the registered "
+                                         r"Linear, which the steps update.*Add `ctx\.track\(opt_w\)` to train\(\)"):
+        _refuse_untracked("r1", untracked, 2)

@@ -165,3 +165,35 @@ def test_an_untracked_optimizer_that_is_not_the_one_is_said_at_the_checkpoint_an
     with pytest.raises(RunRefused, match=r"does not hold the state of the SGD `opt_w` that steps the registered "
                                          r"Linear, which the steps update.*Add `ctx\.track\(opt_w\)` to train\(\)"):
         _refuse_untracked("r1", untracked, 2)
+
+
+def test_an_override_yes_no_on_off_that_became_a_boolean_is_warned_with_the_quoting_that_keeps_the_word(
+        project: Project) -> None:
+    """Hugging Face's eval_strategy=no: YAML 1.1 makes it False. The word set through the shell as the warning says
+    ('"no"', the shell's quotes around YAML's) reaches the code as the string."""
+    import subprocess
+
+    from harness.commands import run as runner
+
+    exp = project.root / "experiments" / "linear_ddp"
+    typed = subprocess.run(["bash", "-c", """printf '%s\\n' train.eval_strategy='"no"' train.report="no" """],
+                           capture_output=True, text=True, check=True).stdout.split()
+    checked = runner.preflight(exp, ["train.eval_strategy=no", "train.push=On", "determinism.level=off", *typed[1:],
+                                     "device=cpu"], tracking_uri=project.uri)
+    assert checked.cfg.train.eval_strategy is False and checked.cfg.train.push is True
+    said = [w for w in checked.warnings if w.startswith("override ")]
+    assert said == [
+        "override train.eval_strategy=no gives train.eval_strategy the boolean False, not the string 'no': YAML reads "
+        "a bare yes/no/on/off as true/false. To pass the word, quote it for YAML inside the shell's quotes: "
+        "train.eval_strategy='\"no\"' (the shell alone drops the quotes of train.eval_strategy=\"no\"); in "
+        "experiment.yaml: eval_strategy: \"no\".",
+        "override train.push=On gives train.push the boolean True, not the string 'On': YAML reads a bare "
+        "yes/no/on/off as true/false. To pass the word, quote it for YAML inside the shell's quotes: "
+        "train.push='\"On\"' (the shell alone drops the quotes of train.push=\"On\"); in experiment.yaml: push: \"On\".",
+        "override train.report=no gives train.report the boolean False, not the string 'no': YAML reads a bare "
+        "yes/no/on/off as true/false. To pass the word, quote it for YAML inside the shell's quotes: "
+        "train.report='\"no\"' (the shell alone drops the quotes of train.report=\"no\"); in experiment.yaml: "
+        "report: \"no\".",
+    ], said
+    quoted = runner.preflight(exp, [typed[0], "device=cpu"], tracking_uri=project.uri)
+    assert quoted.cfg.train.eval_strategy == "no" and not [w for w in quoted.warnings if w.startswith("override ")]

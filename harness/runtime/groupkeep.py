@@ -2,7 +2,7 @@
 torchrun script's last line, accelerator.end_training(), a framework's teardown - is deferred to harness's own
 teardown, after the end-of-run checks (the replica check, the data-order digests) that need it; its
 init_process_group() - a torchrun script's first lines - gets harness's group when it asks for that group (the job's
-backend, world size and this rank, met through the environment's rendezvous), and is refused in one line naming the
+backend, world size and this rank, wherever its rendezvous), and is refused in one line naming the
 fix when it asks for another, which harness's group could not be without the script's noticing.
 
 Why not let it go and re-create one: torch 2.13 deadlocks there, now and then. DDP's Reducer holds the group; a
@@ -16,14 +16,13 @@ outlives the Reducer, and harness destroys it once no work is left to free.
 from __future__ import annotations
 
 import functools
+import urllib.parse
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from harness.errors import ExperimentError
-
-_HONOURED_INIT = (None, "", "env://")  # the rendezvous harness's ranks met through: MASTER_ADDR/PORT, RANK, ...
 
 
 class Kept:
@@ -70,11 +69,12 @@ def keep_default_group(backend: str, world_size: int, rank: int) -> Kept:
 
 
 def check_init(job_backend: str, job_world_size: int, job_rank: int, backend: Any = None, init_method: Any = None,
-               timeout: Any = None, world_size: int = -1, rank: int = -1, store: Any = None, **_: Any) -> None:
+               timeout: Any = None, world_size: int = -1, rank: int = -1, **_: Any) -> None:
     """The training code's init_process_group() while harness's group is up: a call that asks for that group (no
-    backend or the job's, its world size and rank or -1, the environment's rendezvous) has it - it is already
-    initialised, which is what the call was for; its timeout is the job's (timeout_s). Any other call is refused
-    (ExperimentError): a group on another backend or of another size is not the one harness checks and records."""
+    backend or the job's, its world size and rank or -1) has it - it is already initialised, which is what the call
+    was for. Its rendezvous (init_method's address, a store) is moot: the job's ranks have met already, each as the
+    rank the call names; its timeout is the job's (timeout_s). Any other call is refused (ExperimentError): a group on
+    another backend or of another size is not the one harness checks and records."""
     asked = str(backend).lower() if backend is not None else job_backend
     fix = ("delete the call (harness initialised the group before train(ctx)), or call it as "
            f'dist.init_process_group("{job_backend}") ')
@@ -82,17 +82,18 @@ def check_init(job_backend: str, job_world_size: int, job_rank: int, backend: An
         raise ExperimentError(
             f"init_process_group(backend={str(backend)!r}): the job's process group, already initialised by harness, "
             f"is {job_backend!r}. Fix: {fix}(or set backend: in experiment.yaml).")
-    if world_size not in (-1, job_world_size):
+    query = urllib.parse.parse_qs(urllib.parse.urlparse(str(init_method or "")).query)
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if value == -1 and query.get(name, [""])[0].lstrip("-").isdigit():
+            value = int(query[name][0])  # tcp://host:port?rank=R&world_size=N, torch's other way to give them
+        job = job_world_size if name == "world_size" else job_rank
+        if value in (-1, job):
+            continue
+        if name == "world_size":
+            raise ExperimentError(
+                f"init_process_group(world_size={value}): the job has {job_world_size} ranks, in a process group "
+                f"harness already initialised. Fix: {fix}or pass world_size=ctx.world_size (set world_size: in "
+                "experiment.yaml, or world_size=N on the command line, for another size).")
         raise ExperimentError(
-            f"init_process_group(world_size={world_size}): the job has {job_world_size} ranks, in a process group "
-            f"harness already initialised. Fix: {fix}or pass world_size=ctx.world_size (set world_size: in "
-            "experiment.yaml, or world_size=N on the command line, for another size).")
-    if rank not in (-1, job_rank):
-        raise ExperimentError(
-            f"init_process_group(rank={rank}) in the job's rank {job_rank}: harness numbers the ranks. Fix: {fix}or "
+            f"init_process_group(rank={value}) in the job's rank {job_rank}: harness numbers the ranks. Fix: {fix}or "
             "pass rank=ctx.rank (RANK in the environment).")
-    if init_method not in _HONOURED_INIT or store is not None:
-        how = f"init_method={init_method!r}" if init_method not in _HONOURED_INIT else "store=..."
-        raise ExperimentError(
-            f"init_process_group({how}): the job's ranks already met at harness's rendezvous (env://, MASTER_ADDR and "
-            f"MASTER_PORT are set), which is the group this call would make. Fix: {fix}without {how.split('=')[0]}.")

@@ -197,3 +197,29 @@ def test_an_override_yes_no_on_off_that_became_a_boolean_is_warned_with_the_quot
     ], said
     quoted = runner.preflight(exp, [typed[0], "device=cpu"], tracking_uri=project.uri)
     assert quoted.cfg.train.eval_strategy == "no" and not [w for w in quoted.warnings if w.startswith("override ")]
+
+
+def test_the_one_optimizer_over_the_model_is_found_through_a_wrapper_and_not_among_two() -> None:
+    import torch
+    from torch import nn
+
+    from harness.runtime import optimtrack
+
+    class Wrapped(torch.optim.Optimizer):  # Accelerate's AcceleratedOptimizer: its param_groups are the inner one's
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    net[0].bias.requires_grad_(False)
+    inner = torch.optim.AdamW(net.parameters())  # the frozen bias among its parameters is still the model's
+    wrapper = Wrapped(inner)
+    assert optimtrack.find(net) is inner
+    other = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert optimtrack.find(net) is None  # two: which one the checkpoint should hold is the code's to say
+    del other
+    part = torch.optim.SGD(net[1].parameters(), lr=0.1)  # over part of the model only: not a candidate
+    assert optimtrack.find(net) is inner and wrapper.optimizer is inner and part is not None

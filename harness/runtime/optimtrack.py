@@ -20,8 +20,8 @@ KIND = "optimizer"  # an untracked entry's "kind" (states.UNTRACKED) for an opti
 
 
 def find(model: torch.nn.Module) -> Any:
-    """The one live optimizer over `model`'s parameters (each of its trainable ones, no other tensor), or None when
-    there is none or more than one."""
+    """The one live optimizer over `model`'s parameters (each of its trainable ones, no other tensor; a wrapper of it
+    is it), or None when there is none or more than one."""
     every = {id(p) for p in model.parameters()}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     if not trainable:
@@ -33,7 +33,10 @@ def find(model: torch.nn.Module) -> Any:
         stepped = {id(p) for group in obj.param_groups for p in group["params"]}
         if trainable <= stepped <= every:
             found.append(obj)
-    return found[0] if len(found) == 1 else None
+    # A wrapper that holds the stepping optimizer as `.optimizer` (Accelerate's AcceleratedOptimizer) shares its
+    # param_groups: the one is the other, and the inner one is what steps and holds the state.
+    inner = [obj for obj in found if not any(getattr(obj, "optimizer", None) is other for other in found)]
+    return inner[0] if len(inner) == 1 else None
 
 
 def entry(optimizer: Any, model: torch.nn.Module) -> dict[str, str]:

@@ -158,12 +158,13 @@ def test_an_untracked_optimizer_that_is_not_the_one_is_said_at_the_checkpoint_an
         message = launcher.recv()
         said += [message.text] if isinstance(message, Notice) and message.key == "untracked-optimizer" else []
     assert said == [
-        "the checkpoint of step 2 does not hold the state of the SGD `opt_w` that steps the registered Linear, which "
-        "is not the one optimizer over all of the model's parameters: a resume from it would start its "
-        "state anew, so `harness resume` refuses it. Add `ctx.track(opt_w)` after the line that makes it."], said
+        "the checkpoint of step 2 does not hold the state of the SGD `opt_w`, the optimizer whose steps are the run's "
+        "(an optimizer left out of ctx.track is tracked by itself only when it is the one over all of the registered "
+        "model's parameters): a resume from it would start its state anew, so `harness resume` refuses it. Add "
+        "`ctx.track(opt_w)` after the line that makes it."], said
     untracked = ckpt.saved_digests(tmp_path / "checkpoints", 2)[states.UNTRACKED]
-    with pytest.raises(RunRefused, match=r"does not hold the state of the SGD `opt_w` that steps the registered "
-                                         r"Linear, which the steps update.*Add `ctx\.track\(opt_w\)` to train\(\)"):
+    with pytest.raises(RunRefused, match=r"does not hold the state of the SGD `opt_w`, the optimizer whose steps "
+                                         r"are the run's, which the steps update.*Add `ctx\.track\(opt_w\)` to train\(\)"):
         _refuse_untracked("r1", untracked, 2)
 
 

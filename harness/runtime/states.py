@@ -68,12 +68,12 @@ def track_line(entry: Mapping[str, str]) -> str:
 
 def described(entry: Mapping[str, str]) -> str:
     """An untracked copy, as a line names it: `ema` (an AveragedModel), a live copy of the registered Net; or an
-    untracked optimizer: the state of the AdamW `opt` that steps the registered Net."""
+    untracked optimizer: the state of the AdamW `opt`, the optimizer whose steps are the run's."""
     kind = entry["type"]
     a = "an" if kind[:1].lower() in "aeiou" else "a"
     named = f"`{entry['name']}` ({a} {kind})" if entry.get("name") else f"{a} {kind}"
     if entry.get("kind") == "optimizer":
-        return f"the state of the {kind} `{entry.get('name') or 'optimizer'}` that steps the registered {entry['of']}"
+        return f"the state of the {kind} `{entry.get('name') or 'optimizer'}`, the optimizer whose steps are the run's"
     return f"{named}, a live copy of the registered {entry['of']}"
 
 

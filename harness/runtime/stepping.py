@@ -325,9 +325,10 @@ class Stepping:
             return []
         entry = optimtrack.entry(counted, self._model)
         self._notice("untracked-optimizer", (
-            f"the checkpoint of step {step} does not hold {states.described(entry)}, which is not the one optimizer "
-            f"over all of the model's parameters: a resume from it would start its state anew, so `harness resume` "
-            f"refuses it. Add `{states.track_line(entry)}` after the line that makes it."))
+            f"the checkpoint of step {step} does not hold {states.described(entry)} (an optimizer left out of "
+            f"ctx.track is tracked by itself only when it is the one over all of the registered model's parameters): "
+            f"a resume from it would start its state anew, so `harness resume` refuses it. Add "
+            f"`{states.track_line(entry)}` after the line that makes it."))
         return [entry]
 
     def _segment_end(self, step: int) -> SegmentEnd:

@@ -88,11 +88,16 @@ def test_init_process_group_asking_for_another_group_is_refused_naming_the_fix()
         check_init("gloo", 2, 1, init_method="tcp://h:1?rank=1&world_size=3")
 
 
-def _context(tmp_path: Path, resume_step: int | None = None):
+def _context(tmp_path: Path, monkeypatch, resume_step: int | None = None):
     import torch
 
+    from harness.runtime import optimization
     from harness.runtime.context import Context
     from harness.runtime.plan import CheckpointPlan
+
+    # Rank 0's watch of schedulers and autocast is not what these tests look at: its wrappers of torch's classes stay
+    # out of this process (a class whose __new__ was patched and deleted again makes no LR scheduler afterwards).
+    monkeypatch.setattr(optimization.Watch, "start", lambda watch: watch)
 
     reader, writer = mp.Pipe(duplex=False)
     plan = CheckpointPlan(str(tmp_path / "checkpoints"), every=2, resume_step=resume_step)
@@ -122,18 +127,18 @@ def _train(ctx, split: bool):
 
 
 def test_an_untracked_optimizer_is_tracked_when_it_is_the_one_over_the_model_and_resumes_bit_for_bit(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch) -> None:
     import torch
 
     from harness.runtime import checkpoint as ckpt
 
-    ctx, _ = _context(tmp_path)
+    ctx, _ = _context(tmp_path, monkeypatch)
     try:
         whole = _train(ctx, split=False)
     finally:
         ctx.close()
     assert ckpt.load(ckpt.path_for(tmp_path / "checkpoints", 2, 0))["optimizer"]["state"]
-    resumed, _ = _context(tmp_path, resume_step=2)
+    resumed, _ = _context(tmp_path, monkeypatch, resume_step=2)
     try:
         again = _train(resumed, split=False)  # a fresh optimizer, its momentum loaded from the checkpoint
     finally:
@@ -142,13 +147,13 @@ def test_an_untracked_optimizer_is_tracked_when_it_is_the_one_over_the_model_and
 
 
 def test_an_untracked_optimizer_that_is_not_the_one_is_said_at_the_checkpoint_and_refused_by_resume(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch) -> None:
     from harness.commands.resume import _refuse_untracked
     from harness.errors import RunRefused
     from harness.messages import Notice
     from harness.runtime import checkpoint as ckpt, states
 
-    ctx, launcher = _context(tmp_path)
+    ctx, launcher = _context(tmp_path, monkeypatch)
     try:
         _train(ctx, split=True)
     finally:

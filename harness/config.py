@@ -206,6 +206,29 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
 
 
+_YAML11_WORDS = {"yes", "no", "on", "off"}  # what YAML 1.1 reads as booleans besides true/false
+
+
+def boolean_words(overrides: list[str], cfg: DictConfig) -> list[str]:
+    """A warning for each override whose bare yes/no/on/off became a boolean in `cfg` (YAML 1.1, which OmegaConf
+    reads): `eval_strategy=no` gives the code False, not the string "no". A field whose values are words
+    (determinism.level=off) keeps the word and is not warned about."""
+    said = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if value.strip().lower() not in _YAML11_WORDS:
+            continue
+        held = OmegaConf.select(cfg, key.strip(), default=None, throw_on_missing=False)
+        if isinstance(held, bool):
+            word, leaf = value.strip(), key.strip().rsplit(".", 1)[-1]
+            said.append(
+                f"override {item} gives {key.strip()} the boolean {held}, not the string {word!r}: YAML reads a bare "
+                f"yes/no/on/off as true/false. To pass the word, quote it for YAML inside the shell's quotes: "
+                f"{key.strip()}='\"{word}\"' (the shell alone drops the quotes of {key.strip()}=\"{word}\"); in "
+                f"{EXPERIMENT_FILE}: {leaf}: \"{word}\".")
+    return said
+
+
 def compose(sources: list[tuple[str, Any]], schema: Schema) -> DictConfig:
     """Merge config fragments (name, content) onto the schema (harness.executors.schema()) and validate the result."""
     structured = OmegaConf.structured(schema.cls)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import events, executors, scratch, seeds, tags as T
-from harness.config import compose, flatten, load_experiment, profile_warning, split_entry, to_container
+from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
 from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import procs
@@ -90,7 +90,7 @@ def preflight(
     )
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
-    warnings: list[str] = []
+    warnings: list[str] = boolean_words(list(overrides), cfg)
     keys = redaction.known_keys(resolve_uri(tracking_uri)) if git.dirty else {}
     in_diff = redaction.patch_secrets(git.patch, keys) if git.dirty else []
     for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules

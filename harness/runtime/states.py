@@ -59,16 +59,21 @@ def tensors_in(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
 
 
 def track_line(entry: Mapping[str, str]) -> str:
-    """The line that tracks an untracked copy, as the training code names it."""
+    """The line that tracks an untracked copy or optimizer, as the training code names it."""
+    if entry.get("kind") == "optimizer":
+        return f"ctx.track({entry.get('name') or 'optimizer'})"
     name = entry.get("name") or "ema"
     return f"ctx.track({name}={name})"
 
 
 def described(entry: Mapping[str, str]) -> str:
-    """An untracked copy, as a line names it: `ema` (an AveragedModel), a live copy of the registered Net."""
+    """An untracked copy, as a line names it: `ema` (an AveragedModel), a live copy of the registered Net; or an
+    untracked optimizer: the state of the AdamW `opt`, the optimizer whose steps are the run's."""
     kind = entry["type"]
     a = "an" if kind[:1].lower() in "aeiou" else "a"
     named = f"`{entry['name']}` ({a} {kind})" if entry.get("name") else f"{a} {kind}"
+    if entry.get("kind") == "optimizer":
+        return f"the state of the {kind} `{entry.get('name') or 'optimizer'}`, the optimizer whose steps are the run's"
     return f"{named}, a live copy of the registered {entry['of']}"
 
 

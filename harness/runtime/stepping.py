@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from harness.errors import ExperimentError
 from harness.messages import Fingerprint, Initial, Loop, Message, Notice, SegmentEnd
-from harness.runtime import boundaries, checkpoint as ckpt, determinism, loaders, optimization, perf, states
+from harness.runtime import boundaries, checkpoint as ckpt, determinism, loaders, optimization, optimtrack, perf, states
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
 from harness.runtime.fingerprint import fingerprint
@@ -283,7 +283,7 @@ class Stepping:
         extra = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own()),
                  "fingerprints": ckpt.pack_digests(self._fingerprints)}
         flush = self._outbox.flush if self._outbox is not None else None
-        untracked = self._untracked_copies(position.step)
+        untracked = self._untracked_copies(position.step) + self._settle_optimizer(position.step)
         self._send(self._checkpoints.save(position, self._checkpointed(), self._loaders, self._train_loader, extra,
                                           self._tracked, flush, untracked))
         self._send(determinism.observe(position.step, determinism.CHECKPOINT))  # determinism read-back: checkpoint saved
@@ -308,7 +308,31 @@ class Stepping:
                 f"`{states.track_line(found[0])}` after the line that makes it."))
         return found
 
+    def _settle_optimizer(self, step: int | None) -> list[dict[str, str]]:
+        """No optimizer tracked with a model registered: the one over its parameters (optimtrack.find) is tracked, as
+        ctx.track(optimizer) would, when it is the optimizer that counts the steps (or none stepped yet: a resume).
+        Otherwise rank 0 says at the checkpoint of `step` that it lacks the counted optimizer's state, and returns its
+        entry for the checkpoint's marker, by which `harness resume` refuses it naming the line to add."""
+        counted = self.clock.counted
+        if self._model is None or "optimizer" in self._tracked:
+            return []
+        found = optimtrack.find(self._model)
+        if found is not None and counted in (None, found):
+            self._tracked["optimizer"] = found
+            self.clock.track(found)
+            return []
+        if counted is None or self.rank != 0 or step is None:
+            return []
+        entry = optimtrack.entry(counted, self._model)
+        self._notice("untracked-optimizer", (
+            f"the checkpoint of step {step} does not hold {states.described(entry)} (an optimizer left out of "
+            f"ctx.track is tracked by itself only when it is the one over all of the registered model's parameters): "
+            f"a resume from it would start its state anew, so `harness resume` refuses it. Add "
+            f"`{states.track_line(entry)}` after the line that makes it."))
+        return [entry]
+
     def _segment_end(self, step: int) -> SegmentEnd:
+        self._settle_optimizer(None)  # the run's checkpoint at `step` holds the optimizer found there
         target = self._model if self._model is not None else self._stepped_params
         if target is None:
             return SegmentEnd(step, None)
@@ -319,6 +343,8 @@ class Stepping:
     def _load_resume_checkpoint(self) -> int:
         """Load plan.resume_step's checkpoint once (ctx.epochs or ctx.steps, whichever comes first); returns the
         epoch (ctx.epochs) or step (ctx.steps) to start at, 0 when there is nothing to resume."""
+        if self._plan is not None and self._plan.resume_step is not None:
+            self._settle_optimizer(None)  # the optimizer the checkpoint was saved with, found as it was then
         loaded = self._checkpoints.load_resume(self._checkpointed, self._loaders, self._train_loader, self._tracked)
         if loaded is None:
             return 0

@@ -88,7 +88,8 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             spec.backend, store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=spec.world_size,
             timeout=timeout, **device_id(device),
         )
-        kept = keep_default_group()  # the training code's destroy_process_group() waits for harness's end
+        # The training code's destroy_process_group() waits for harness's end; its init_process_group() gets this group.
+        kept = keep_default_group(spec.backend, spec.world_size, rank)
         beat(progress, local_rank, -1)
         os.chdir(spec.code_dir)
         sys.path.insert(0, spec.code_dir)  # the entry may import its sibling modules

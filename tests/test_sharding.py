@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.errors import ExperimentError
 from harness.runtime import replicas, sharding
 from harness.runtime.fingerprint import fingerprint
 
@@ -45,6 +46,8 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
 def test_sharded_model_is_fingerprinted_and_round_trips_through_dcp(group: None, tmp_path: Path) -> None:
     model, optimizer = _sharded(0)
     assert sharding.holds_sharded(model) and not sharding.holds_sharded(nn.Linear(2, 2))
+    with pytest.raises(ExperimentError, match="which DDP cannot wrap. Call ctx.register"):
+        sharding.refuse_ddp(model)
     before = fingerprint(model)  # a DTensor is hashed as this rank holds it, no .numpy() of the subclass
     assert replicas.check_equal(model, 1, registered=True) == sharding.combine([before])
     sharding.save(model, optimizer, tmp_path / "step0")

@@ -198,6 +198,7 @@ class Context(Stepping):
         model = model.to(self.device)
         if self._shards:
             sharding.refuse_invariant(model)
+        sharding.refuse_ddp(model)
         self._adopt(model)
         if self._shards:
             # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's

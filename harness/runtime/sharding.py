@@ -160,3 +160,12 @@ def refuse_invariant(model: torch.nn.Module) -> None:
     """World-size-invariant mode reduces gradients itself, over whole parameters: a sharded model is refused."""
     if holds_sharded(model):
         raise ExperimentError(INVARIANT_REFUSAL)
+
+
+def refuse_ddp(model: torch.nn.Module) -> None:
+    """ctx.ddp of a sharded model: DDP would all-reduce gradients FSDP already reduce-scatters."""
+    if holds_sharded(model):
+        raise ExperimentError(
+            "ctx.ddp: the model is sharded (FSDP2's fully_shard or DTensor parameters), which DDP cannot wrap. Call "
+            "ctx.register(model) after the last fully_shard instead of ctx.ddp."
+        )

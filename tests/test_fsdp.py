@@ -65,6 +65,13 @@ def test_fsdp_run_replays_bitwise(project: Project, fsdp_run: str) -> None:
     assert "verdict: BITWISE" in replay.stdout + replay.stderr
 
 
+def test_fsdp_replay_at_another_world_size_is_never_bitwise(project: Project, fsdp_run: str) -> None:
+    replay = project.harness("replay", fsdp_run, "--world-size", "1")
+    out = replay.stdout + replay.stderr
+    assert "verdict: BITWISE" not in out and "verdict: DIVERGED" in out, out
+    assert "world size changed: the batch split and the gradients' reduction differ (DDP all-reduce; FSDP shards)" in out
+
+
 def test_fsdp_sigkilled_rank_resumes_bit_identically(project: Project, fsdp_run: str) -> None:
     crashed = project.harness("run", EXP, *SETTINGS, env={"KILL_AT": "7"})
     assert crashed.returncode == 1 and "was killed by SIGKILL" in crashed.stderr, crashed.stderr

@@ -48,6 +48,8 @@ def test_sharded_model_is_fingerprinted_and_round_trips_through_dcp(group: None,
     assert sharding.holds_sharded(model) and not sharding.holds_sharded(nn.Linear(2, 2))
     with pytest.raises(ExperimentError, match="which DDP cannot wrap. Call ctx.register"):
         sharding.refuse_ddp(model)
+    with pytest.raises(ExperimentError, match="world-size-invariant mode cannot train a sharded"):
+        sharding.refuse_invariant(model)
     before = fingerprint(model)  # a DTensor is hashed as this rank holds it, no .numpy() of the subclass
     assert replicas.check_equal(model, 1, registered=True) == sharding.combine([before])
     sharding.save(model, optimizer, tmp_path / "step0")

@@ -11,7 +11,8 @@
 #            the uninterrupted run, a TF32 change localised to its matmul and the precision rule, and the
 #            strict-vs-off step time;
 #   stage 3  (two GPUs or more, else one line saying it was skipped) a 2-rank DDP replay, invariant mode 1 vs 2
-#            ranks with a 64 MiB gradient under a short timeout, repeated all-reduces with NVLS off and on.
+#            ranks with a 64 MiB gradient under a short timeout, FSDP2 run + replay BITWISE + a killed rank resumed,
+#            repeated all-reduces with NVLS off and on.
 # It writes OUT_DIR/summary.txt and OUT_DIR/gpu-check-logs.tar.gz (two files) and prints the table last.
 # Every stage runs under `timeout`; the whole check stays under 8 minutes.
 #
@@ -188,7 +189,7 @@ fi
 # -- stage 2: harness itself, in a throwaway repository and store ------------------------------------------------
 PROJECT="$WORK/project"
 mkdir -p "$PROJECT/experiments" "$WORK/store"
-cp -r "$ROOT/experiments/digits_cnn" "$ROOT/scripts/gpu_check/tf32_matmul" "$ROOT/scripts/gpu_check/big_grad" \
+cp -r "$ROOT/experiments/digits_cnn" "$ROOT/scripts/gpu_check/tf32_matmul" "$ROOT/scripts/gpu_check/big_grad" "$ROOT/scripts/gpu_check/fsdp_mlp" \
   "$PROJECT/experiments/"
 # A crash for the resume check: rank 0 kills itself at step KILL_AT (unset: no crash, the same code otherwise).
 "$PY" - "$PROJECT/experiments/digits_cnn/train.py" <<'EOF' || record "setup.kill_hook" FAIL "train.py changed shape"
@@ -398,6 +399,26 @@ else
       if [[ "$v" == "verdict: BITWISE"* ]]; then record "invariant.64MiB" ok "2 ranks replayed on 1: $v"; else record "invariant.64MiB" FAIL "${v:-$(failure replay-big-grad $rc)}"; fi
     else
       record "invariant.64MiB" FAIL "2 ranks: $(failure run-big-grad $?) (a hang ends at timeout_s=90)"
+    fi
+  fi
+  if in_time fsdp2.resume; then
+    # FSDP2 on nccl: the shards' digests, DCP checkpoints and the replica check over replicated parameters only.
+    if fsdp=$(harness run-fsdp run experiments/fsdp_mlp "${ON[@]}"); then
+      harness replay-fsdp replay "$fsdp" >/dev/null
+      v=$(verdict replay-fsdp)
+      if [[ "$v" == "verdict: BITWISE"* ]]; then record "fsdp2.replay" ok "$v"; else record "fsdp2.replay" FAIL "${v:-$(failure replay-fsdp $?)}"; fi
+      killed=$(KILL_AT=7 harness run-fsdp-kill run experiments/fsdp_mlp "${ON[@]}")
+      if [[ -z "$killed" ]]; then
+        record "fsdp2.resume" FAIL "the crash run left no run id: $(failure run-fsdp-kill 1)"
+      elif ! harness resume-fsdp resume "$killed" >/dev/null; then
+        record "fsdp2.resume" FAIL "resume: $(failure resume-fsdp $?)"
+      else
+        harness compare-fsdp compare "$killed" "$fsdp" >/dev/null
+        v=$(verdict compare-fsdp)
+        if [[ "$v" == "verdict: BITWISE"* ]]; then record "fsdp2.resume" ok "killed at step 7, resumed; vs uninterrupted: $v"; else record "fsdp2.resume" FAIL "${v:-$(failure compare-fsdp $?)}"; fi
+      fi
+    else
+      record "fsdp2.replay" FAIL "run: $(failure run-fsdp $?)"
     fi
   fi
   for nvls in 0 1; do

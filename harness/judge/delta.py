@@ -132,7 +132,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
 # identity (commit, patch) are reported but do not break bitwise on their own: identical code
 # can sit behind different commits, and a real code change shows up in the metrics anyway.
 _BREAKING_FACTS: dict[str, str] = {
-    tags.WORLD_SIZE: "world size changed: DDP batch split and all-reduce order differ",
+    tags.WORLD_SIZE: "world size changed: the batch split and the gradients' reduction differ (DDP all-reduce; FSDP shards)",
     tags.BACKEND: "backend changed: collectives reduce in a different order",
     tags.DEVICE: "device changed: different kernels run",
     tags.THREADS_PER_RANK: "threads per rank changed: intra-op reductions are split differently",

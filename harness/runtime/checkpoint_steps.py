@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from harness.errors import HarnessError
 from harness.messages import Checkpoint
-from harness.runtime import checkpoint as ckpt, replicas, states
+from harness.runtime import checkpoint as ckpt, replicas, sharding, states
+from harness.runtime.fingerprint import fingerprint
 from harness.runtime.plan import CheckpointPlan
 
 
@@ -42,16 +44,31 @@ class CheckpointSteps:
         plan, step = self._plan, position.step
         assert plan is not None
         generators = {str(i): dl.generator for i, dl in enumerate(loaders) if dl is not train_loader}
-        state = ckpt.build(
-            model=model, position=position, loader_generators=generators, extra=extra, device=self._device, copy=False,
-            **tracked,
-        )
         directory = Path(plan.directory)
+        sharded = sharding.holds_sharded(model)
+        # A sharded model and its optimizer go to DCP (sharding.save); the rank file holds the rest.
+        mine = _rank_part(model, tracked) if sharded else (model, tracked)
+        state = ckpt.build(
+            model=mine[0], position=position, loader_generators=generators, extra=extra, device=self._device,
+            copy=False, **mine[1],
+        )
+        if sharded:
+            state[sharding.SHARDED_KEY] = {"format": sharding.DCP_FORMAT, "fingerprint": fingerprint(model),
+                                           "param_groups": sharding.param_groups(tracked.get("optimizer"))}
         # Saved and digested before the loop goes on: the live CPU tensors (copy=False) are what the file holds.
-        tensors = ckpt.save_with_digests(state, ckpt.path_for(directory, step, self._rank), model,
-                                         tracked.get("optimizer"))
-        # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
-        ranks = replicas.gather(ckpt.replica_sha256(tensors, model), self._world_size)
+        tensors = ckpt.save_with_digests(state, ckpt.path_for(directory, step, self._rank), mine[0],
+                                         mine[1].get("optimizer"))
+        if sharded:
+            optimizer = tracked.get("optimizer")
+            tensors.update(sharding.save(model, optimizer, ckpt.step_dir(directory, step)))
+            # The gather is also the barrier: every rank's shards are on disk before the step is marked complete.
+            tensors, sha, ranks = sharding.whole(
+                tensors, state[sharding.SHARDED_KEY]["fingerprint"],
+                ckpt.replica_sha256(sharding.replicated(tensors, model), model), self._world_size)
+        else:
+            sha = state["fingerprint"]
+            # The gather is also the barrier: every rank's file is on disk before the step is marked complete.
+            ranks = replicas.gather(ckpt.replica_sha256(tensors, model), self._world_size)
         self._saved.add(step)
         if self._rank != 0:
             return None
@@ -61,9 +78,9 @@ class CheckpointSteps:
             flush()
         # The marker carries the digests the message announces: a kill between the two leaves them on disk.
         ckpt.mark_complete(directory, step, self._world_size,
-                           {"sha256": state["fingerprint"], "tensors": tensors, "ranks": ranks,
+                           {"sha256": sha, "tensors": tensors, "ranks": ranks,
                             **({states.UNTRACKED: untracked} if untracked else {})})
-        return Checkpoint(step, state["fingerprint"], tensors, tuple(ranks))
+        return Checkpoint(step, sha, tensors, tuple(ranks))
 
     def load_resume(self, model: Callable[[], torch.nn.Module], loaders: Sequence[DataLoader],
                     train_loader: DataLoader | None, tracked: dict[str, Any]
@@ -75,9 +92,26 @@ class CheckpointSteps:
             return None
         self._resumed = True
         state = ckpt.load(ckpt.path_for(Path(plan.directory), plan.resume_step, self._rank))
-        position = ckpt.restore(state, model=model(), **tracked)
+        target = model()
+        sharded = state.get(sharding.SHARDED_KEY)
+        if sharded is None:
+            position = ckpt.restore(state, model=target, **tracked)
+        else:
+            rest, others = _rank_part(target, tracked)
+            position = ckpt.restore(state, model=rest, **others)
+            sharding.load(target, tracked.get("optimizer"), ckpt.step_dir(Path(plan.directory), plan.resume_step),
+                          sharded["param_groups"])
+            if fingerprint(target) != sharded["fingerprint"]:
+                raise HarnessError(
+                    "the restored shards' fingerprint differs from the checkpoint's (a dtype, device or sharding "
+                    "change altered them). Resume with the model, dtypes and world size of the checkpointed run.")
         for i, dl in enumerate(loaders):
             key = str(i)
             if dl is not train_loader and key in state["loader_generators"]:
                 ckpt.set_generator_state(dl.generator, state["loader_generators"][key])
         return state, position
+
+
+def _rank_part(model: torch.nn.Module, tracked: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """What a sharded model's rank file holds: no model or optimizer (DCP holds them), the rest of `tracked`."""
+    return torch.nn.Module(), {name: obj for name, obj in tracked.items() if name != "optimizer"}

@@ -24,7 +24,7 @@ from harness.messages import (
     Total,
 )
 from harness.optrace import hooks
-from harness.runtime import checkpoint as ckpt, determinism, loaders, optimization, perf, perturb, replicas
+from harness.runtime import checkpoint as ckpt, determinism, loaders, optimization, perf, perturb, replicas, sharding
 from harness.runtime.cfgview import redacted_view
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
@@ -196,6 +196,9 @@ class Context(Stepping):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = model.to(self.device)
+        if self._shards:
+            sharding.refuse_invariant(model)
+        sharding.refuse_ddp(model)
         self._adopt(model)
         if self._shards:
             # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
@@ -236,6 +239,7 @@ class Context(Stepping):
                 "weights before the first update. Register the model before training starts."
             )
         if self._shards:
+            sharding.refuse_invariant(inner)
             raise ExperimentError(
                 "ctx.register: world-size-invariant mode reduces the gradients itself, which needs the model from "
                 "model = ctx.ddp(model); a framework's own DDP cannot run in it. Set determinism.world_size_invariant=false."
@@ -465,11 +469,12 @@ class Context(Stepping):
 
         Called by the launcher after train(ctx) returns, not by the training code.
         """
-        target = self._wrap_up()
+        target, whole = self._wrap_up()
         self._maybe_sketch(self.clock.done)  # a run of exactly plan.sketch_at steps reached no boundary after them
         if self.is_main:
             of = "model" if self._model is not None else "optimizer" if target is not None else None
-            self._send(Final(fingerprint(target) if target is not None else None, self.clock.done, of))
+            sha = whole or (fingerprint(target) if target is not None else None)  # whole: a sharded model's
+            self._send(Final(sha, self.clock.done, of))
 
     def finish_stopped(self) -> None:
         """replay --steps K stopped every rank where step K would begin (StopSegment, the same step on each): the run
@@ -477,11 +482,12 @@ class Context(Stepping):
         Called by the launcher, not by the training code."""
         self._wrap_up()
 
-    def _wrap_up(self) -> torch.nn.Module | None:
-        """What every end of training checks and sends: the ranks hold one model, determinism, the data order."""
+    def _wrap_up(self) -> tuple[torch.nn.Module | None, str | None]:
+        """What every end of training checks and sends: the ranks hold one model, determinism, the data order; the
+        model, and the fingerprint of the whole when it is sharded."""
         self._trace.end()
         target = self._fingerprinted()
-        replicas.check_equal(target, self.world_size, registered=self._model is not None)
+        whole = replicas.check_equal(target, self.world_size, registered=self._model is not None)
         if self._model is None and target is not None:
             self._notice("unregistered", (
                 "no model was given to ctx.ddp or ctx.register: the fingerprints hash the parameters the optimizer "
@@ -498,7 +504,7 @@ class Context(Stepping):
         self._send(performance)
         if self._optimization is not None:
             self._send(self._optimization.message())
-        return target
+        return target, whole
 
     def close(self) -> None:
         """Send every value still buffered and stop the sender thread; also after a failure. Called by the

@@ -18,7 +18,17 @@ from torch.utils.data import DataLoader
 
 from harness.errors import ExperimentError
 from harness.messages import Fingerprint, Initial, Loop, Message, Notice, SegmentEnd
-from harness.runtime import boundaries, checkpoint as ckpt, determinism, loaders, optimization, optimtrack, perf, states
+from harness.runtime import (
+    boundaries,
+    checkpoint as ckpt,
+    determinism,
+    loaders,
+    optimization,
+    optimtrack,
+    perf,
+    sharding,
+    states,
+)
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
 from harness.runtime.fingerprint import fingerprint
@@ -337,7 +347,13 @@ class Stepping:
         if target is None:
             return SegmentEnd(step, None)
         # Per tensor too: a segment that ends elsewhere than the run's checkpoint names the tensors that differ.
-        tensors = ckpt.live_tensor_fingerprints(target, self._tracked.get("optimizer"), self._tracked.get("states"))
+        optimizer, tracked_states = self._tracked.get("optimizer"), self._tracked.get("states")
+        if sharding.holds_sharded(target):  # every rank stops here: the whole's digests, as its checkpoints have them
+            mine = {**ckpt.live_tensor_fingerprints(torch.nn.Module(), None, tracked_states),
+                    **sharding.digests(target, optimizer)}
+            tensors, sha, _ = sharding.whole(mine, fingerprint(target), "", self.world_size)
+            return SegmentEnd(step, sha, tensors)
+        tensors = ckpt.live_tensor_fingerprints(target, optimizer, tracked_states)
         return SegmentEnd(step, fingerprint(target), tensors)
 
     def _load_resume_checkpoint(self) -> int:

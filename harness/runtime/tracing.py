@@ -36,6 +36,7 @@ class StepTrace:
             return
         if self.tracer is not None:
             self.tracer.__exit__(None, None, None)
+        _refuse_sharded(model)
         meta = {"step": step, "rank": self._rank, "world_size": self._world_size, "invariant_shards": self._shards}
         # The model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
         self.tracer = OpTracer(self._code_dir, model=model, meta=meta, optimizer_hooks=False, device=self._device)
@@ -59,6 +60,7 @@ class StepTrace:
     def attach(self, model: torch.nn.Module) -> None:
         """The model registered while a trace runs: its modules from now on."""
         if self.tracer is not None:
+            _refuse_sharded(model)
             self.tracer.attach(model)
 
     def optimizer_event(self, phase: str, optimizer: Any) -> None:
@@ -70,3 +72,17 @@ class StepTrace:
         if self.tracer is not None:
             self.tracer.__exit__(None, None, None)
             self.tracer = None
+
+
+def _refuse_sharded(model: torch.nn.Module | None) -> None:
+    """The op tracer (a dispatch mode) and FSDP2's resizing of its parameters' storages do not go together: torch
+    raises `Trying to resize storage that is not resizable` inside the traced step. Said in one line instead."""
+    from harness.errors import ExperimentError
+    from harness.runtime.sharding import holds_sharded
+
+    if holds_sharded(model):
+        raise ExperimentError(
+            "harness trace cannot trace a step of a sharded (FSDP2/DTensor) model: FSDP2 resizes its parameters' "
+            "storages, which the op tracer's dispatch mode refuses. Compare the runs' checkpoint digests instead "
+            "(harness compare), or trace the model trained with ctx.ddp."
+        )

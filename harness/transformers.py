@@ -97,7 +97,7 @@ class _MLflowInRun(MLflowCallback):
     def __init__(self, ctx: Context) -> None:
         super().__init__()
         self._harness_ctx = ctx
-        self._ml_flow = _Prefixed(self._ml_flow)
+        self._ml_flow = _Prefixed(self._ml_flow)  # type: ignore[assignment]
 
     def _in_run(self) -> bool:
         """Rank 0 of a recorded job logs into the harness run: the active run, or (after the Trainer's end_run
@@ -107,12 +107,12 @@ class _MLflowInRun(MLflowCallback):
         at = active.info.run_id if active is not None else os.environ.get("MLFLOW_RUN_ID")
         return bool(run_id) and at == run_id
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # type: ignore[override]
         if not self._initialized:
-            self.setup(args, state, model)
+            self.setup(args, state, kwargs.get("model"))
         if self._in_run():
             return  # in the run already, through ctx.log (Callback), at harness's steps
-        super().on_log(args, state, control, logs, model, **kwargs)  # a re-execution's scratch store (audit, trace)
+        super().on_log(args, state, control, **kwargs)  # a re-execution's scratch store (audit, trace)
 
 
 class _Prefixed:

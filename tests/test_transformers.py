@@ -115,6 +115,8 @@ def test_a_converted_trainer_keeps_every_value_in_one_run(project: Project, orig
     assert tags["harness.loop"] == "transformers" and tags["harness.optimizer"] == "torch.optim.adamw.AdamW"
     assert tags["harness.fingerprint.initial"] != tags["harness.fingerprint"]
     assert params["transformers.seed"] == "42" and params["seed"] == "0"
+    # The Trainer's set_seed(args.seed), made through harness.transformers, is the user's Trainer(...) line's.
+    assert "(transformers." in tags["harness.user.seeds"] and "torch.manual_seed(42)" in tags["harness.user.seeds"]
     assert params["transformers.max_steps"] == str(STEPS) and params["transformers.hidden_size"] == "16"
     assert params["user.seed"] == "42" and params["mine"] == "1"
     assert "'seed' is the run's param already ('0'); your value '42' is kept as 'user.seed'" in original.stderr

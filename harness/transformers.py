@@ -80,7 +80,8 @@ class Callback(transformers.TrainerCallback):
                     continue  # `epoch` comes with the step's logs, its evaluation's and the summary: one value
                 raise ExperimentError(
                     f"the Trainer logged '{key}' twice at step {at} ({self._values[key]!r}, then {number!r}); the "
-                    "second would overwrite the first. Log it once per step, or give the second value its own name."
+                    "second would overwrite the first. Log it once per step, or give the second value its own name "
+                    "(trainer.evaluate(..., metric_key_prefix='test') names a second evaluation's)."
                 )
             self._values[key] = number
             (evaluation if key.startswith(_EVAL_PREFIXES) else training)[key] = number

@@ -19,8 +19,9 @@ What the line adds, and why each piece is needed:
 
 The Trainer's `set_seed(args.seed)` is seen by harness's seed watch and recorded with the Trainer(...) line; a seed
 that is not harness's is warned about (pass `seed=ctx.seed` in TrainingArguments). The loop is the Trainer's own:
-harness has no step boundary in it, and a run is continued through the Trainer's checkpoints
-(`trainer.train(resume_from_checkpoint=...)`, boundaries.TRANSFORMERS). This module imports transformers; harness's
+harness has no step boundary in it, so `harness resume` refuses such a run with the Trainer's way out
+(boundaries.TRANSFORMERS): `trainer.train(resume_from_checkpoint=...)` continues from one of its checkpoints in a
+new run. This module imports transformers; harness's
 core never imports it (`pip install ddp-harness[transformers]`).
 """
 

@@ -144,6 +144,9 @@ STORE_LONGEST_OUTAGE_S = "harness.store.longest_outage_s"
 # Metric keys rank 0 logged through MLflow directly, comma-separated: read back from MLflow's history into the
 # run's record (Tracker.load_record), so a replay judges them as it judges ctx.log's values, at their own steps.
 USER_MLFLOW_METRICS = "harness.user.mlflow_metrics"
+# A param rank 0 logged through MLflow whose name is one of the run's params already (harness's `seed`, ...) with
+# another value: kept under this prefix (MLflow refuses to change a param), with a notice.
+USER_PARAM_PREFIX = "user."
 
 # What trains the model (harness/runtime/optimization.py), as rank 0 saw it at the counted optimizer's first step.
 OPTIMIZER = "harness.optimizer"  # the class ("torch.optim.sgd.SGD"); "none" when no optimizer stepped
@@ -192,6 +195,7 @@ USER_SEEDS = "harness.user.seeds"
 # change; its figures and artifacts under this folder of the run's artifacts.
 ACCELERATE_PARAM_PREFIX = "accelerate."
 ACCELERATE_ARTIFACTS = "accelerate"
+TRANSFORMERS_PARAM_PREFIX = "transformers."  # the Trainer's MLflow params (harness/transformers.py)
 
 # Replay / compare.
 REPLAY_OF = "harness.replay_of"

@@ -302,3 +302,40 @@ def test_a_thread_still_saving_when_train_returns_finishes_its_file(fresh_projec
     assert result.returncode == 0, result.stderr
     got = fresh_project.client().download_artifacts(result.last_line, "outputs/late.txt", str(tmp_path))
     assert Path(got).read_text() == "x" * 100_000
+
+
+# How a library looks mlflow up before the user's code imports it: transformers and Accelerate probe with find_spec
+# (which asks the import hooks for a spec it never executes), others import it by name.
+LOOKS_UP = '''import importlib, importlib.util, json, os, sys
+from harness.runtime import usermlflow
+usermlflow.keep_run_open(os.environ["MLFLOW_RUN_ID"])
+assert importlib.util.find_spec("mlflow") is not None
+mlflow = importlib.import_module("mlflow")
+mlflow.start_run()
+mlflow.log_params({"seed": 7, "lr": 0.1, "world_size": 2})
+mlflow.log_param("seed", 7)
+mlflow.end_run()
+print(json.dumps(mlflow.get_run(os.environ["MLFLOW_RUN_ID"]).info.status))
+'''
+
+
+def test_mlflow_looked_up_by_a_probe_first_is_still_the_harness_run(tmp_path: Path) -> None:
+    """After a find_spec probe, importlib.import_module("mlflow") still gets the wrapped mlflow: end_run leaves the
+    run open, and a param harness holds already (`seed`) with another value is kept as `user.seed`, the rest of its
+    batch logged (an equal value, `world_size`, is logged as it is)."""
+    import os
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("probe")).info.run_id
+    client.log_param(run_id, "seed", "0")
+    client.log_param(run_id, "world_size", "2")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id}
+    done = subprocess.run([sys.executable, "-c", LOOKS_UP], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == "RUNNING"  # end_run detached, the run left open
+    assert client.get_run(run_id).data.params == {"seed": "0", "user.seed": "7", "lr": "0.1", "world_size": "2"}
+    assert done.stderr.count("'seed' is the run's param already ('0'); your value '7' is kept as 'user.seed'") == 2

@@ -382,10 +382,9 @@ class Recorder:
             hidden = known_values(to_container(self.cfg), os.environ)
             record_results(patient, run_id, self.fingerprints, self.final, self.work, logs, hidden)
             record_performance(patient, run_id, self.final.get("performance"), self.work)
-            if writer is not None:
-                self._note_direct_metrics(patient, set(writer.series))
+            direct = self._note_direct_metrics(patient, set(writer.series)) if writer is not None else []
             if status == T.FINISHED:
-                self._warn_if_vacuous(patient)
+                self._warn_if_vacuous(patient, direct)
             patient.set_tags(run_id, outages.tags())
             if ckpts is not None:
                 ckpts.cleanup()
@@ -419,19 +418,21 @@ class Recorder:
         shutil.move(str(work), str(kept))
         return kept
 
-    def _note_direct_metrics(self, tracker: Tracker | Patient, ctx_keys: set[str]) -> None:
+    def _note_direct_metrics(self, tracker: Tracker | Patient, ctx_keys: set[str]) -> list[str]:
         """Metrics the training code logged through MLflow itself, named in a tag: series.npz holds ctx.log's values,
         and the record reads these back from MLflow's history by that tag (Tracker.load_record), so that a replay
-        judges them too."""
+        judges them too. Returns their keys."""
         keys = usermlflow.direct_keys(tracker.get_run(self.run_id).metric_keys, ctx_keys)
         if keys:
             tracker.set_tags(self.run_id, {T.USER_MLFLOW_METRICS: ",".join(keys)})
+        return keys
 
-    def _warn_if_vacuous(self, tracker: Tracker | Patient) -> None:
-        """A finished run that logged nothing, or whose model never changed, proves nothing: say so, and record it."""
+    def _warn_if_vacuous(self, tracker: Tracker | Patient, direct: list[str]) -> None:
+        """A finished run that logged nothing (through ctx.log or MLflow's own calls, `direct`), or whose model never
+        changed, proves nothing: say so, and record it."""
         writer, final = self.writer, self.final
         initial, last = final.get("initial"), final.get("fingerprint")
-        if writer is not None and all(own_metric(key) for key in writer.series):  # harness's own values prove nothing
+        if writer is not None and not direct and all(own_metric(key) for key in writer.series):  # harness's own values prove nothing
             if initial or last:
                 self.view(Line("Warning: the run logged no metrics (call ctx.log(...) in train); a replay can only "
                                "compare the model's fingerprints."))

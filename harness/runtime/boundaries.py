@@ -14,6 +14,7 @@ STEPS = "ctx.steps"
 OWN = "own"  # a loop of the user's own: only optimizer steps are seen
 LIGHTNING = "lightning"  # Lightning's Trainer runs the loop (harness.lightning)
 ACCELERATE = "accelerate"  # Accelerate's loop over a DataLoader of its own (harness.accelerate)
+TRANSFORMERS = "transformers"  # transformers' Trainer runs the loop (harness.transformers)
 
 # Why such a loop gives no step boundary, and what to do instead.
 _WHY: dict[str, tuple[str, str]] = {
@@ -27,6 +28,12 @@ _WHY: dict[str, tuple[str, str]] = {
         "Set checkpoint_every: 0 and checkpoint with Lightning itself: its ModelCheckpoint (on by default) saves under "
         "ctx.output_dir, kept as the run's artifacts but not proven by harness, and trainer.fit(..., ckpt_path=...) "
         "continues from one in a new run.",
+    ),
+    TRANSFORMERS: (
+        "transformers' Trainer runs the loop over a DataLoader of its own",
+        "Set checkpoint_every: 0 and checkpoint with the Trainer itself (save_strategy: its checkpoints are under "
+        "ctx.output_dir, kept as the run's artifacts but not proven by harness); trainer.train(resume_from_checkpoint="
+        "...) continues from one in a new run.",
     ),
     ACCELERATE: (
         "Accelerate's loop iterates a DataLoader of its own, not a ctx.loader",

@@ -20,12 +20,12 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from harness.rundata import wall_clock
-from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL
+from harness.tags import MLFLOW_SUPPRESS_URL_ENV as SUPPRESS_URL, USER_PARAM_PREFIX
 
 TRACKING_URI = "MLFLOW_TRACKING_URI"
 RUN_ID = "MLFLOW_RUN_ID"
@@ -84,17 +84,29 @@ def restore(environ: MutableMapping[str, str], saved: Mapping[str, str | None]) 
 
 def keep_run_open(run_id: str) -> None:
     """The user's mlflow.end_run() (or the end of `with mlflow.start_run():`) detaches from the job's run instead
-    of ending it: the launcher ends it when the job ends, with the job's status. Installed in rank 0."""
+    of ending it: the launcher ends it when the job ends, with the job's status. And a param the user logs under a
+    name the run already holds with another value (harness's `seed`) is kept as `user.<name>` (see _wrap_params).
+    Installed in rank 0."""
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None and hasattr(mlflow, "tracking"):
-        _wrap_end_run(mlflow, run_id)
+        _wrap(mlflow, run_id)
         return
     # Wrapped when the user's code imports mlflow: a job that never does pays nothing (mlflow takes seconds).
     sys.meta_path.insert(0, _OnImport(run_id))
 
 
+def notify_with(notice: Callable[[str, str], None]) -> None:
+    """Where the wraps' one-line notices go: the rank's context (ctx._notice), once it exists."""
+    _NOTICE[:] = [notice]
+
+
+_NOTICE: list[Callable[[str, str], None]] = []
+
+
 class _OnImport(importlib.abc.MetaPathFinder):
-    """Lets `import mlflow` happen as usual, then wraps its end_run."""
+    """Lets `import mlflow` happen as usual, then wraps it. It stays first in sys.meta_path until mlflow's module
+    has run: a library's availability probe (`importlib.util.find_spec("mlflow")`, as transformers and Accelerate
+    make) asks for a spec it never executes, and the import that follows must still find the wrapping loader."""
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
@@ -102,7 +114,6 @@ class _OnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != "mlflow":
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
@@ -110,11 +121,67 @@ class _OnImport(importlib.abc.MetaPathFinder):
         exec_module = loader.exec_module
 
         def exec_then_wrap(module: Any) -> None:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             exec_module(module)
-            _wrap_end_run(module, run_id)
+            _wrap(module, run_id)
 
         loader.exec_module = exec_then_wrap  # type: ignore[method-assign]
         return spec
+
+
+def _wrap(mlflow: Any, run_id: str) -> None:
+    _wrap_end_run(mlflow, run_id)
+    _wrap_params(mlflow, run_id)
+
+
+def _wrap_params(mlflow: Any, run_id: str) -> None:
+    """mlflow.log_param(s) into the job's run: a name the run holds already with another value (harness logged the
+    experiment's config and `seed` before the ranks started; a Trainer logs its own `seed`) would fail the whole
+    call with MLflow's "Changing param values is not allowed" - and a library that logs params in batches would
+    lose the batch. Such a value is kept as `user.<name>`, with one notice per name; an equal value is logged as
+    it is (MLflow takes it again)."""
+    fluent = mlflow.tracking.fluent
+    log_param, log_params = fluent.log_param, fluent.log_params
+    if getattr(log_params, "_harness_run_id", None) == run_id:
+        return
+    held: dict[str, str] = {}
+
+    def renamed(params: Mapping[str, Any]) -> dict[str, Any]:
+        active = fluent.active_run()
+        if (active.info.run_id if active is not None else os.environ.get(RUN_ID)) != run_id:
+            return dict(params)  # a run of the user's own
+        if not held:
+            held.update(mlflow.tracking.MlflowClient().get_run(run_id).data.params)
+        kept: dict[str, Any] = {}
+        for key, value in params.items():
+            if key in held and held[key] != str(value):
+                new = f"{USER_PARAM_PREFIX}{key}"
+                _notify(f"user-param-{key}", f"mlflow.log_param: '{key}' is the run's param already ({held[key]!r}); "
+                        f"your value {str(value)!r} is kept as '{new}' (MLflow cannot change a param).")
+                key = new
+            kept[key] = value
+        return kept
+
+    def log_param_kept(key: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        ((key, value),) = renamed({key: value}).items()
+        return log_param(key, value, *args, **kwargs)
+
+    def log_params_kept(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        return log_params(renamed(params), *args, **kwargs)
+
+    for wrapper, original in ((log_param_kept, log_param), (log_params_kept, log_params)):
+        wrapper._harness_run_id = run_id  # type: ignore[union-attr]
+        wrapper.__doc__ = original.__doc__
+    fluent.log_param, fluent.log_params = log_param_kept, log_params_kept
+    mlflow.log_param, mlflow.log_params = log_param_kept, log_params_kept
+
+
+def _notify(key: str, text: str) -> None:
+    if _NOTICE:
+        _NOTICE[0](key, text)
+    else:  # before the rank's context exists: its stderr, which the rank's log keeps
+        print(f"harness: {text}", file=sys.stderr)
 
 
 def _wrap_end_run(mlflow: Any, run_id: str) -> None:

@@ -20,6 +20,10 @@ from harness.runtime.callsite import Sites
 
 # harness's whole package, every layer (not this module's folder): its calls are its own.
 _OWN = os.path.dirname(os.path.abspath(version.__file__)) + os.sep
+# The framework integrations are the training code's side: a Trainer made through harness.transformers seeds from
+# the user's Trainer(...) line, as one made directly does (walked past, as another's code).
+_INTEGRATIONS = tuple(os.path.join(os.path.dirname(_OWN), name) for name in ("transformers.py", "lightning.py",
+                                                                              "accelerate.py"))
 _MAX_CALLS = 20  # distinct (line, function, value) kept: a seed per step in a loop is one line, said once
 
 
@@ -62,7 +66,7 @@ class Watch:
         ('train.py:12 (lightning.fabric.utilities.seed.seed_everything)'), unless harness made the call (its own
         seeding, a DataLoader worker's, or one wrapped function calling another: torch.manual_seed seeds CUDA too)."""
         if self._sites is None:
-            self._sites = Sites(self.code_dir, (_OWN,))
+            self._sites = Sites(self.code_dir, (_OWN,), passed=_INTEGRATIONS)
         return self._sites.user_line(frame)
 
     def _note(self, where: str, function: str, args: tuple, kwargs: dict) -> None:

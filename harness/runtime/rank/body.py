@@ -128,6 +128,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 # (nanoGPT's first batch) must come out as in the process that will resume from it.
                 seed_everything(spec.rank_seeds[rank])
             ctx = make_context(plan)
+            usermlflow.notify_with(ctx._notice)
             if spec.segments:
                 ctx.announce_segment(index)
             try:

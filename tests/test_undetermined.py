@@ -146,8 +146,9 @@ def test_a_tolerance_of_inf_leaves_the_metric_unjudged_and_nan_is_refused() -> N
     assert compare_runs(a, b).verdict == "WITHIN_TOLERANCE"
 
 
-def test_the_cli_takes_a_tolerance_of_inf_and_refuses_nan_in_one_line(project) -> None:
+def test_the_cli_takes_a_tolerance_of_inf_and_refuses_nan_in_one_line(fresh_project) -> None:
     # Said before the store is even opened (there is none yet here), as replay says it.
+    project = fresh_project
     refused = project.cli("compare", "aaaa", "bbbb", "--tolerance", "eval_runtime=nan")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "Error: --tolerance 'eval_runtime=nan': nan is no tolerance. Pass eval_runtime=inf to leave the metric "

@@ -118,7 +118,7 @@ def test_allreduce_probe_on_gloo_gives_identical_sums() -> None:
 
 # The framework integrations: imported only by training code that uses the framework, never by harness's core
 # (an import contract) or the GPU check, whose device needs no Lightning or Accelerate wheel.
-OPTIONAL = (ROOT / "harness" / "lightning.py", ROOT / "harness" / "accelerate.py")
+OPTIONAL = (ROOT / "harness" / "lightning.py", ROOT / "harness" / "accelerate.py", ROOT / "harness" / "transformers.py")
 
 
 def _third_party_imports(*roots: Path) -> set[str]:

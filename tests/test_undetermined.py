@@ -191,3 +191,25 @@ def test_the_replay_records_the_undetermined_metrics_and_counts_as_bitwise() -> 
     assert tally([replay]) == {a.run_id: "BITWISE 1"}  # `harness runs` and the original's harness.replays
     # Not a fact of the run: a replay of this replay shows no environment delta for it.
     assert tags.UNDETERMINED in IGNORED_TAGS
+
+
+def test_a_loss_or_an_evaluation_over_equal_weights_is_never_waved_through() -> None:
+    # Fingerprints are taken every fingerprint_every steps: weights equal there prove nothing of a loss between them
+    # (a precision change in the forward pass), and an evaluation that differs over equal weights does not reproduce.
+    a = _run()
+    for key in ("loss", "val_loss_epoch"):
+        b = _replay_of(a)
+        b.metrics = {k: v for k, v in b.metrics.items() if k not in CLOCKS}
+        base = clone(a, metrics={k: v for k, v in a.metrics.items() if k not in CLOCKS})
+        if key != "loss":
+            base.metrics[key] = (np.array([4, 9]), np.array([0.5, 0.25]))
+            b.metrics[key] = (np.array([4, 9]), np.array([0.75, 0.25]))
+        else:
+            b.metrics["loss"] = (b.metrics["loss"][0], b.metrics["loss"][1] * 1.5)
+        cmp = compare_runs(base, b)
+        assert (cmp.verdict, cmp.undetermined) == (DIVERGED, []), cmp.summary()
+    # harness's own learning rate, bit-identical, vouches for nothing: a clock beside it alone stays DIVERGED.
+    lr_only = {tags.METRIC_LR: (np.arange(10), np.full(10, 0.1)), "mfu": a.metrics["mfu"]}
+    c = clone(a, metrics=lr_only)
+    assert compare_runs(c, _replay_of(clone(c, metrics={**lr_only, "train_runtime": a.metrics["train_runtime"]}))
+                        ).verdict == DIVERGED

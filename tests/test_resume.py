@@ -193,8 +193,9 @@ def test_resume_refuses_finished_and_checkpointless_runs(project: Project, killa
          "`for it in ctx.steps(max_iters):`"),
         (10, "accelerate", "", "checkpoint_every was 10, but Accelerate's loop iterates a DataLoader of its own",
          "Pass a ctx.loader(...) to accelerator.prepare"),
-        (10, "transformers", "", "checkpoint_every was 10, but transformers' Trainer runs the loop",
-         "trainer.train(resume_from_checkpoint=...) continues from one"),
+        (10, "transformers", "", "checkpoint_every was 10, but it stopped before the Trainer saved its first "
+         "checkpoint", "with checkpoint_every=N"),
+        (0, "transformers", "", "it ran with checkpoint_every=0, so none was saved", "with checkpoint_every=N"),
         (10, "ctx.steps", "checkpoint_every=10: no checkpoint at step 20: a step's first batch was drawn before ...",
          "checkpoint_every was 10, but a step's first batch was drawn before the previous optimizer step",
          "Draw each step's batches at the top of the step"),
@@ -203,7 +204,8 @@ def test_resume_refuses_finished_and_checkpointless_runs(project: Project, killa
         (5, None, "", "checkpoint_every was 5, but its loop gave harness no step boundary to save at (see the run's "
          "harness.notices) or it stopped before the first was complete", "with checkpoint_every=N"),
     ],
-    ids=["every0", "every0-lightning", "own-loop", "accelerate", "transformers", "prefetch", "died-first", "unrecorded-loop"],
+    ids=["every0", "every0-lightning", "own-loop", "accelerate", "transformers", "every0-transformers", "prefetch",
+         "died-first", "unrecorded-loop"],
 )
 def test_no_checkpoint_is_explained_from_the_record(every: int, loop: str | None, notices: str, cause: str,
                                                     way_out: str) -> None:

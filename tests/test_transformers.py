@@ -6,7 +6,10 @@ subprocesses on gloo, a real store."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from conftest import Project, Result
 from infra import in_ci
 
@@ -21,10 +24,20 @@ except ImportError as err:  # the test extra installs it: CI must run these, a l
 TRAIN = '''"""A 2-layer BERT classifier fine-tuned by transformers' Trainer."""
 
 import importlib
+import os
+import signal
 
 import mlflow
 import torch
 import transformers
+
+
+class Crash(transformers.TrainerCallback):
+    """Rank 1 dies at the start of step KILL_AT, as a crash would: no cleanup."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if args.process_index == 1 and str(state.global_step) == os.environ.get("KILL_AT"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -47,11 +60,12 @@ def train(ctx):
     model = transformers.BertForSequenceClassification(config)
     args = transformers.TrainingArguments(
         output_dir="out", per_device_train_batch_size=4, per_device_eval_batch_size=8, max_steps=cfg.steps,
-        learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=2, eval_strategy="no",
+        learning_rate=1e-3, logging_steps=cfg.logging_steps, save_strategy="steps", save_steps=2, eval_strategy="no",
         report_to=["mlflow"], dataloader_num_workers=0, disable_tqdm=True, use_cpu=not cfg.converted)
     data = {"train_dataset": Tokens(32, 0), "eval_dataset": Tokens(16, 1)}
     if cfg.converted:
-        trainer = importlib.import_module("harness.transformers").Trainer(ctx, model=model, args=args, **data)
+        trainer = importlib.import_module("harness.transformers").Trainer(ctx, model=model, args=args,
+                                                                           callbacks=[Crash()], **data)
     else:  # output_dir is then the experiment folder's: under ctx.output_dir, as harness.transformers places it
         args.output_dir = str(ctx.output_dir / "out")
         trainer = transformers.Trainer(model=model, args=args, **data)
@@ -80,6 +94,7 @@ replay:
       eval_steps_per_second: {atol: .inf}
 train:
   steps: 4
+  logging_steps: 1
   converted: true
 """
 
@@ -168,3 +183,51 @@ def test_an_unconverted_trainer_logs_into_the_one_run(project: Project, experime
     assert "logged no metrics" not in result.stderr
     strays = [r for r in project.all_runs() if "eval_loss" in r.data.metrics and "harness.loop" not in r.data.tags]
     assert [r.info.run_id for r in strays] == []
+
+
+# The running loss is logged every 3 steps and checkpointed every 2: the loss logged after the resume averages steps
+# from before it, which the Trainer's own checkpoint does not hold (harness's does).
+RESUMABLE = ("checkpoint_every=2", "train.steps=7", "train.logging_steps=3")
+
+
+def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, experiment: str) -> None:
+    """Rank 1 is SIGKILLed at step 5, after the Trainer's checkpoint of step 4: `harness resume` proves that
+    checkpoint (a re-execution from the one of step 2 lands on its weights and optimizer state, and logs what the run
+    logged) and continues through the Trainer's resume_from_checkpoint. The record equals an uninterrupted run's:
+    every value the training determines, at the same steps, and the final weights.
+
+    First, with the optimizer state in the Trainer's checkpoint of step 2 changed (as a file left from another run
+    would be), the resume is refused naming the file - the Trainer's files are sealed with the run's record - and
+    the run stays as it was."""
+    crashed = project.harness("run", experiment, *RESUMABLE, env={"KILL_AT": "5"})
+    assert crashed.returncode == 1 and "was killed by SIGKILL" in crashed.stderr, crashed.stderr
+    run_id = crashed.last_line
+    client = project.client()
+    saved = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
+    assert {"checkpoints/step-00000002", "checkpoints/step-00000004"} <= saved, saved
+
+    folder = Path(client.get_run(run_id).info.artifact_uri.removeprefix("file://"))
+    optimizer = folder / "checkpoints/step-00000002/framework/optimizer.pt"
+    original = optimizer.read_bytes()
+    state = torch.load(optimizer, weights_only=True)
+    next(iter(state["state"].values()))["exp_avg"].add_(1.0)
+    optimizer.unlink()  # a hard link to the Trainer's own file: replaced, not written through
+    torch.save(state, optimizer)
+    refused = project.harness("resume", run_id)
+    assert refused.returncode == 2, refused.stderr
+    assert "changed after it was sealed: artifact checkpoints/step-00000002/framework/optimizer.pt" in refused.stderr
+    assert client.get_run(run_id).info.status == "FAILED"
+    optimizer.unlink()
+    optimizer.write_bytes(original)
+
+    resumed = project.harness("resume", run_id)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Proved: steps 2-" in resumed.stderr, resumed.stderr
+    clean = project.harness("run", experiment, *RESUMABLE)
+    assert clean.returncode == 0, clean.stderr
+    a, b = client.get_run(run_id), client.get_run(clean.last_line)
+    assert a.info.status == "FINISHED" and a.data.tags["harness.resumed_from"] == "4"
+    assert a.data.tags["harness.fingerprint"] == b.data.tags["harness.fingerprint"]
+    for key in ("loss", "grad_norm", "learning_rate", "train_loss", "eval_loss", "epoch", "harness.lr"):
+        assert history(project, run_id, key) == history(project, clean.last_line, key), key
+    assert [s for s, _ in history(project, run_id, "loss")] == [2, 5]

@@ -139,7 +139,10 @@ class CheckpointStore:
             files = sorted(p for p in local.iterdir() if p.name != checkpoint.COMPLETE_MARKER)
             try:
                 for path in [*files, local / checkpoint.COMPLETE_MARKER]:
-                    self._outages.retry(functools.partial(self.tracker.log_file, self.run_id, path, artifact_dir))
+                    # A folder is a framework's own checkpoint (harness.transformers: the Trainer's), whole.
+                    log = (functools.partial(self.tracker.log_dir, self.run_id, path, f"{artifact_dir}/{path.name}")
+                           if path.is_dir() else functools.partial(self.tracker.log_file, self.run_id, path, artifact_dir))
+                    self._outages.retry(log)
             except Exception as err:
                 self.error = err
 

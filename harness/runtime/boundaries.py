@@ -2,8 +2,9 @@
 where it had none: said by a rank's notice as it happens, and by resume's and audit's refusals from the record.
 
 A checkpoint is saved where nothing of the next step has run yet: before a training `ctx.loader` fetch or a
-`ctx.steps()` iteration. A loop of the user's own, Lightning's Trainer and Accelerate over a DataLoader of its own
-give harness no such boundary; each has its own way out. Plain text only (no torch): the CLI's refusals import it.
+`ctx.steps()` iteration. transformers' Trainer saves its own, which are the run's (harness.transformers). A loop of
+the user's own, Lightning's Trainer and Accelerate over a DataLoader of its own give harness no such boundary; each
+has its own way out. Plain text only (no torch): the CLI's refusals import it.
 """
 
 from __future__ import annotations
@@ -29,12 +30,6 @@ _WHY: dict[str, tuple[str, str]] = {
         "ctx.output_dir, kept as the run's artifacts but not proven by harness, and trainer.fit(..., ckpt_path=...) "
         "continues from one in a new run.",
     ),
-    TRANSFORMERS: (
-        "transformers' Trainer runs the loop over a DataLoader of its own",
-        "Set checkpoint_every: 0 and checkpoint with the Trainer itself (save_strategy: its checkpoints are under "
-        "ctx.output_dir, kept as the run's artifacts but not proven by harness); trainer.train(resume_from_checkpoint="
-        "...) continues from one in a new run.",
-    ),
     ACCELERATE: (
         "Accelerate's loop iterates a DataLoader of its own, not a ctx.loader",
         "Pass a ctx.loader(...) to accelerator.prepare and iterate it inside ctx.epochs(n): its batches are harness's "
@@ -49,7 +44,8 @@ PREFETCH = (
 
 
 def has_boundaries(loop: str | None) -> bool:
-    return loop in (LOADER, STEPS)
+    """The loop's steps have checkpoints a resume continues from: harness's own boundaries, or the Trainer's saves."""
+    return loop in (LOADER, STEPS, TRANSFORMERS)
 
 
 def why(loop: str) -> tuple[str, str]:
@@ -69,6 +65,9 @@ def no_checkpoint(every: int, loop: str | None, notices: str) -> tuple[str, str]
     if loop is not None and not has_boundaries(loop):
         cause, fix = why(loop)
         return f"checkpoint_every was {every}, but {cause}: harness had no step boundary to save at", fix
+    if loop == TRANSFORMERS:
+        return (f"checkpoint_every was {every}, but it stopped before the Trainer saved its first checkpoint, or the "
+                "Trainer saved only its model (see the run's harness.notices)"), again
     if f"checkpoint_every={every}:" in notices:  # the rank's notice: a step began where it could not save
         return f"checkpoint_every was {every}, but {PREFETCH[0]}", PREFETCH[1]
     if loop is None:

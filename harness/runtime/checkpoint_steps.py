@@ -1,11 +1,18 @@
 """A rank's checkpoint steps: when one is due (every plan.every steps, at a clean step boundary), saving it with its
 digests and marking it complete once every rank's file is on disk, and loading plan.resume_step's back once.
 
+A framework that runs the loop and checkpoints by itself (transformers' Trainer) saves where harness has no step
+boundary of its own: its checkpoint folder becomes the step's (`framework_folder`), beside a small rank file of
+harness's bookkeeping and the digests of the live tensors (save_framework), and a resume hands that folder back to
+the framework (load_framework), which restores the model, optimizer, scheduler and RNGs itself.
+
 The files themselves (what a checkpoint holds, written atomically, read back) are harness/runtime/checkpoint.py's.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -110,6 +117,73 @@ class CheckpointSteps:
             if dl is not train_loader and key in state["loader_generators"]:
                 ckpt.set_generator_state(dl.generator, state["loader_generators"][key])
         return state, position
+
+    def keeps(self, step: int) -> bool:
+        """A framework's checkpoint at `step` is kept as the run's (not by a re-execution, whose plan saves none, nor
+        at the step resumed from: the run has it)."""
+        plan = self._plan
+        return not (plan is None or plan.every <= 0 or step == plan.resume_step or step in self._saved)
+
+    def save_framework(self, step: int, model: torch.nn.Module, optimizer: Any, tracked_states: dict[str, Any],
+                       extra: dict[str, Any], flush: Callable[[], None] | None) -> Checkpoint | None:
+        """The checkpoint of `step` that a framework saved itself, its folder already in framework_folder (a
+        collective): this rank's file of harness's bookkeeping and the digests of the live tensors (what a segment
+        that stops at `step` reports, so a resume's proof holds it to them); rank 0 marks it complete."""
+        plan = self._plan
+        assert plan is not None
+        directory = Path(plan.directory)
+        state = ckpt.build(model=torch.nn.Module(), position=ckpt.TrainingPosition(step, 0, 0, None), extra=extra,
+                           device=self._device)
+        ckpt.save_atomic(state, ckpt.path_for(directory, step, self._rank))
+        tensors = ckpt.live_tensor_fingerprints(model, optimizer, tracked_states)
+        sha = fingerprint(model)
+        ranks = replicas.gather(ckpt.replica_sha256(tensors, model), self._world_size)  # also the barrier
+        self._saved.add(step)
+        if self._rank != 0:
+            return None
+        if flush is not None:
+            flush()
+        ckpt.mark_complete(directory, step, self._world_size, {"sha256": sha, "tensors": tensors, "ranks": ranks})
+        return Checkpoint(step, sha, tensors, tuple(ranks))
+
+    def load_framework(self) -> tuple[dict[str, Any], Path] | None:
+        """plan.resume_step's rank file and the framework's checkpoint folder to continue from, once; None when there
+        is nothing (more) to resume. A step saved by harness's own loop holds no such folder."""
+        plan = self._plan
+        if plan is None or plan.resume_step is None or self._resumed:
+            return None
+        self._resumed = True
+        folder = framework_folder(plan.directory, plan.resume_step)
+        if not folder.is_dir():
+            raise HarnessError(
+                f"the checkpoint of step {plan.resume_step} holds no framework checkpoint ({folder} is missing): it was "
+                "saved by harness's own loop, not by the framework that runs this one. Resume with the code that ran.")
+        return ckpt.load(ckpt.path_for(Path(plan.directory), plan.resume_step, self._rank)), folder
+
+
+FRAMEWORK_FOLDER = "framework"  # a framework's own checkpoint folder inside the step's
+
+
+def framework_folder(directory: str | Path, step: int) -> Path:
+    """Where the checkpoint of `step` keeps the framework's own checkpoint folder."""
+    return ckpt.step_dir(Path(directory), step) / FRAMEWORK_FOLDER
+
+
+def keep_files(source: Path, target: Path, names: Sequence[str]) -> None:
+    """`names` of folder `source` in `target`: hard links where the filesystem allows (no second copy of the weights,
+    and the framework's rotation of its own checkpoints deletes its name, not the step's), copies elsewhere."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        src, dst = source / name, target / name
+        if src.is_dir():
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+            continue
+        if dst.exists():
+            dst.unlink()  # a segment that saved this step before, or a rank that kept the same file
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
 
 
 def _rank_part(model: torch.nn.Module, tracked: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:

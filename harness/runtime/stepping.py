@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from harness.runtime import (
     sharding,
     states,
 )
-from harness.runtime.checkpoint_steps import CheckpointSteps
+from harness.runtime.checkpoint_steps import CheckpointSteps, framework_folder
 from harness.runtime.dataorder import SampleOrder
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.outbox import Outbox
@@ -215,10 +216,10 @@ class Stepping:
     def _note_unsaved(self, step: int) -> None:
         """A checkpoint is due but this step began where harness cannot restart a loop."""
         plan = self._plan
-        if plan is None or not self._checkpoints.due(step):
-            return
+        if plan is None or not self._checkpoints.due(step) or self._framework == boundaries.TRANSFORMERS:
+            return  # the Trainer's own checkpoints are the run's (harness.transformers)
         loop = self._loop()
-        if not boundaries.has_boundaries(loop):
+        if loop not in (boundaries.LOADER, boundaries.STEPS):
             cause, fix = boundaries.why(loop)
             what = f"no checkpoint at step {step} or after: {cause}"
         else:
@@ -365,12 +366,45 @@ class Stepping:
         if loaded is None:
             return 0
         state, position = loaded
-        self.clock.set(position.step)
-        self._next_fingerprint = int(state["extra"]["next_fingerprint"])
-        self._fingerprints = ckpt.unpack_digests(state["extra"].get("fingerprints"))
+        self._resumed_at(state["extra"], position.step)
+        self._resume = (position, state["rng"])
+        return position.step if self._driver == "steps" else position.epoch
+
+    def _resumed_at(self, extra: dict[str, Any], step: int) -> None:
+        """The bookkeeping a checkpoint carries, taken back as the resume starts at `step`."""
+        self.clock.set(step)
+        self._next_fingerprint = int(extra["next_fingerprint"])
+        self._fingerprints = ckpt.unpack_digests(extra.get("fingerprints"))
         for at, sha in sorted(self._fingerprints.items()):  # the record of a killed launcher lacks them
             self._send(Fingerprint(at, sha))
         # Written before data orders rode along: only the steps from the resume on are recorded.
-        self._data_order.resumed(ckpt.unpack_digests(state["extra"].get("data_order")), position.step)
-        self._resume = (position, state["rng"])
-        return position.step if self._driver == "steps" else position.epoch
+        self._data_order.resumed(ckpt.unpack_digests(extra.get("data_order")), step)
+
+    # -- a framework that checkpoints by itself (harness.transformers) ----------------------------------
+    def _framework_checkpoint(self, step: int, keep: Callable[[Path], None], extra: dict[str, Any]) -> bool:
+        """The framework saved its checkpoint after `step` steps (every rank calls this, as a collective): `keep`
+        puts its folder's files into the folder it is given, and the step is the run's checkpoint - with harness's
+        bookkeeping and `extra` (state of the framework's that its own checkpoint lacks) in the rank file. False
+        when the launch keeps none (checkpoint_every: 0, or a re-execution)."""
+        if not self._checkpoints.keeps(step):
+            return False
+        assert self._plan is not None
+        keep(framework_folder(self._plan.directory, step))
+        self._settle_optimizer(step)
+        bookkeeping = {"next_fingerprint": self._next_fingerprint, "data_order": ckpt.pack_digests(self._data_order.own()),
+                       "fingerprints": ckpt.pack_digests(self._fingerprints), **extra}
+        flush = self._outbox.flush if self._outbox is not None else None
+        self._send(self._checkpoints.save_framework(step, self._checkpointed(), self._tracked.get("optimizer"),
+                                                    self._tracked.get("states") or {}, bookkeeping, flush))
+        return True
+
+    def _framework_resume(self) -> tuple[int, dict[str, Any], Path] | None:
+        """A resume (or a resume's proof) of a framework's run: (the step, the `extra` saved with it, the framework's
+        checkpoint folder to continue from), once; None when the launch resumes nothing."""
+        loaded = self._checkpoints.load_framework()
+        if loaded is None:
+            return None
+        state, folder = loaded
+        step = int(state["position"]["step"])
+        self._resumed_at(state["extra"], step)
+        return step, state["extra"], folder

@@ -194,7 +194,8 @@ def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, exp
     """Rank 1 is SIGKILLed at step 5, after the Trainer's checkpoint of step 4: `harness resume` proves that
     checkpoint (a re-execution from the one of step 2 lands on its weights and optimizer state, and logs what the run
     logged) and continues through the Trainer's resume_from_checkpoint. The record equals an uninterrupted run's:
-    every value the training determines, at the same steps, and the final weights.
+    every value the training determines, at the same steps, and the final weights; and `harness audit` re-executes
+    a segment between its checkpoints.
 
     First, with the optimizer state in the Trainer's checkpoint of step 2 changed (as a file left from another run
     would be), the resume is refused naming the file - the Trainer's files are sealed with the run's record - and
@@ -231,3 +232,6 @@ def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, exp
     for key in ("loss", "grad_norm", "learning_rate", "train_loss", "eval_loss", "epoch", "harness.lr"):
         assert history(project, run_id, key) == history(project, clean.last_line, key), key
     assert [s for s, _ in history(project, run_id, "loss")] == [2, 5]
+    # The Trainer's checkpoints are audit's segment starts too: one segment re-executed lands on its end's digests.
+    audit = project.harness("audit", run_id, "--segments", "1", "--seed", "0")
+    assert audit.returncode == 0 and "verdict: BITWISE: 1 of 3 segments" in audit.stdout, audit.stdout + audit.stderr

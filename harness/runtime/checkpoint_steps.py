@@ -134,9 +134,10 @@ class CheckpointSteps:
         directory = Path(plan.directory)
         state = ckpt.build(model=torch.nn.Module(), position=ckpt.TrainingPosition(step, 0, 0, None), extra=extra,
                            device=self._device)
+        sha = fingerprint(model)
+        state["fingerprint"] = sha  # the weights the step stands for (in the framework's folder), as audit reads it
         ckpt.save_atomic(state, ckpt.path_for(directory, step, self._rank))
         tensors = ckpt.live_tensor_fingerprints(model, optimizer, tracked_states)
-        sha = fingerprint(model)
         ranks = replicas.gather(ckpt.replica_sha256(tensors, model), self._world_size)  # also the barrier
         self._saved.add(step)
         if self._rank != 0:

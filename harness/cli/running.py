@@ -232,7 +232,7 @@ def replay(
     """
     from harness.commands import api, documents
     from harness.commands.replay import StudyReplayResult
-    from harness.commands.terminal import Tracker, comparison_lines, study_replay_lines, verdict_line
+    from harness.commands.terminal import Tracker, comparison_lines, mlflow_ui, study_replay_lines, verdict_line
 
     result = api.replay(api.ReplayOptions(
         run_id, tuple(overrides), world_size=world_size, allow_changes=allow_changes,
@@ -259,7 +259,10 @@ def replay(
         click.echo(line)
     for line in result.localized.lines() if result.localized is not None else []:
         click.echo(line)
-    _say(Tracker(tracking_uri).ui_hint(result.outcome.run_id))
+    tracker = Tracker(tracking_uri)
+    _say(tracker.ui_hint(result.outcome.run_id))
+    for line in mlflow_ui.curves(tracker.uri, tracker.get_run(result.outcome.run_id)):
+        _say(line)
     click.echo(verdict_line(result.comparison))
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)

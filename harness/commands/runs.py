@@ -62,7 +62,7 @@ def row(r: RunSummary, verdicts: dict[str, str], now: float,
     }
 
 
-HEADER = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "VERDICTS", "NESTED"]
+HEADER = ["RUN ID", "EXPERIMENT", "START", "STATUS", "KIND", "WORLD", "COMMIT", "IMAGE DIGEST", "NESTED", "VERDICTS"]
 
 
 def cells(one: dict[str, Any]) -> list[str]:
@@ -72,8 +72,8 @@ def cells(one: dict[str, Any]) -> list[str]:
     if kind == T.KIND_STUDY:  # its member count: the members are listed as runs of their own
         kind = f"{kind} ({one['study_size'] or '?'})"
     return [one["run_id"], printable(one["experiment"]), _when(one["start"]), str(one["status"]), kind,
-            one["world_size"] or "-", commit, _digest(one["image_digest"]), one["verdicts"] or "-",
-            nesting.said(Counter(one["nested"])) or "-"]
+            one["world_size"] or "-", commit, _digest(one["image_digest"]),
+            nesting.said(Counter(one["nested"])) or "-", one["verdicts"] or "-"]
 
 
 @dataclass

@@ -138,18 +138,18 @@ def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerance
                                            on_event=_draw))
     if isinstance(found, TraceDiff) and report is not None:
         _say(f"Report: {report}")
+    if not isinstance(found, TraceDiff) and found.of_replay:
+        tracker = Tracker(tracking_uri, writable=False)
+        judged = tracker.get_run(found.run_b)
+        if judged.tags.get(T.VERDICT):  # a judged replay carries its curves (an unjudged one, a member: none)
+            for line in mlflow_ui.curves(tracker.uri, judged):
+                _say(line)
     if as_json:
         _emit(documents.compare(found))
     if isinstance(found, TraceDiff):
         for line in found.lines():
             click.echo(line)
         sys.exit(1 if found.differs else 0)
-    if found.of_replay:
-        tracker = Tracker(tracking_uri, writable=False)
-        judged = tracker.get_run(found.run_b)
-        if judged.tags.get(T.VERDICT):  # a judged replay carries its curves (an unjudged one, a member: none)
-            for line in mlflow_ui.curves(tracker.uri, judged):
-                _say(line)
     for line in comparison_lines(found, []):
         click.echo(line)
     click.echo(verdict_line(found))

@@ -226,7 +226,8 @@ def replay(
 
     The recorded commit (and patch) is checked out in a temporary git worktree; the recorded
     config, seed, world size and determinism settings are used. The replay is a new MLflow run
-    nested under the original, with a report and plots. The last two lines of stdout are
+    nested under the original, with a report and plots (original and replay overlaid: stderr says
+    where they are, and their page in the MLflow UI while one serves the store). The last two lines of stdout are
     `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged, inconclusive or nothing to compare,
     2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """

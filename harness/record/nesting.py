@@ -25,8 +25,11 @@ ORDER = (CALIBRATION, TRACE, AUDIT, SEED, PROBE, MEMBER_REPLAY)
 
 
 def folded_as(run: RunSummary) -> str | None:
-    """The name `run` is counted by on its parent's row; None for a run a listing shows by default."""
+    """The name `run` is counted by on its parent's row; None for a run a listing shows by default (also one that
+    names no run it was made from: there is no row to count it on)."""
     tags, kind = run.tags, run.tags.get(T.KIND)
+    if not _parent(run):
+        return None
     if kind == T.KIND_CALIBRATION or (kind == T.KIND_REPLAY and tags.get(T.CALIBRATION)):
         return CALIBRATION
     if kind == T.KIND_TRACE:

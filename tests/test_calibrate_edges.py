@@ -164,7 +164,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
     err = raised.value
     assert err.exit_code == EXIT_FAILED, err
     close = "" if cal[1] != "RUNNING" else (
-        f" Once its disk takes writes again and `harness runs` shows it STALE, close it: harness mark {cal[0]} --status "
+        f" Once its disk takes writes again and `harness runs --status STALE` shows it, close it: harness mark {cal[0]} --status "
         "FAILED.")
     assert str(err).startswith(f"the tracking store {store.uri} is full ("), err
     assert str(err).endswith(

@@ -128,6 +128,8 @@ def test_compare_one_run_takes_its_newest_replay_and_a_bare_compare_says_what_to
     assert lonely.stderr.strip().splitlines()[-1] == (
         f"Error: run {made['study']} has no replay to compare it with. Run `harness replay {made['study']}` first, "
         f"or pass the run to compare it with: harness compare {made['study']} RUN_B.")
+    unknown = project.cli("compare", "0123456789abcdef0123456789abcdef")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("Error: no run '0123456789abcdef0123456789abcdef' in")
 
 
 def test_the_ui_view_nests_what_was_made_from_a_run_under_it() -> None:

@@ -80,6 +80,7 @@ def record_replay_verdicts(tracker: Tracker, original: RunSummary) -> None:
 def newest_replay(tracker: Tracker, run_id: str) -> str:
     """The id of the newest replay a user made of `run_id` (not a calibration member, not a bisect probe): what
     `harness compare RUN` compares the run with."""
+    tracker.harness_run(run_id)  # an unknown run is said as such, not as one never replayed
     replays = [r for r in tracker.search(filter_string=f"tags.`{T.REPLAY_OF}` = '{run_id}'", max_results=5000)
                if r.tags.get(T.KIND) == T.KIND_REPLAY and nesting.made_by_user(r)]
     if not replays:

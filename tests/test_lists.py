@@ -100,7 +100,7 @@ def test_all_kind_and_status_list_the_nested_runs_too(store) -> None:
 
 def test_the_limit_counts_listed_rows_not_the_runs_folded_under_them(store) -> None:
     project, made = store
-    # The two newest listed rows are the study and the bisect: 12 runs are newer than the bisect's parent run.
+    # The two newest listed rows are the study and the bisect; the seeds and the probe between them are no rows.
     rows = listed(project, "-n", "2")
     assert [r["run_id"] for r in rows] == [made["study"], made["bisect"]]
     assert rows[0]["nested"] == {"seed": 2}

@@ -46,7 +46,8 @@ KIND_BISECT = "bisect"  # `harness bisect GOOD BAD`: the search for the change t
 KIND_CALIBRATION = "calibration"
 KINDS = (KIND_RUN, KIND_REPLAY, KIND_STUDY, KIND_STUDY_REPLAY, KIND_CALIBRATION, KIND_TRACE, KIND_AUDIT, KIND_BISECT,
          KIND_VERIFY)
-STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
+# UTC ISO 8601 start time: sorts like the start time, as text (sorted by it, the UI lists nested runs as rows too)
+STARTED = "harness.started"
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
 

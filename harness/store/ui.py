@@ -73,7 +73,7 @@ COLUMNS = [
 
 VIEW = {
     # The UI nests child runs (mlflow.parentRunId) under their parent, collapsed, only while the table is sorted by
-    # creation time (a filtered one too): what a run was made from - replays, calibrations, traces, audits, a study's
+    # creation time (a filtered one too): what was made from a run - replays, calibrations, traces, audits, a study's
     # seeds - folds under its row, which shows its replays' verdicts counted (harness.replays).
     "orderByKey": "attributes.start_time",
     "orderByAsc": False,

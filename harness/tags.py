@@ -25,6 +25,9 @@ FAILED = "FAILED"
 KILLED = "KILLED"
 # Ended before training did: replay needs --allow-incomplete, resume continues it, `harness mark` closes a stale run as one.
 INCOMPLETE = (FAILED, KILLED)
+# Not an MLflow status: `harness runs` calls a RUNNING run whose launcher is gone (record/liveness.py) STALE.
+STALE = "STALE"
+LISTED_STATUSES = (RUNNING, FINISHED, FAILED, KILLED, STALE)  # what `harness runs --status` chooses from
 
 PREFIX = "harness."
 # Marks a run as made by harness (replay refuses others); value = harness version.
@@ -41,7 +44,10 @@ KIND_BISECT = "bisect"  # `harness bisect GOOD BAD`: the search for the change t
 # `harness calibrate RUN_ID`: the rounding envelope of a run's first steps, nested under it; its members (replays
 # whose weights were nudged) nest under the run too, tagged CALIBRATION.
 KIND_CALIBRATION = "calibration"
-STARTED = "harness.started"  # UTC ISO 8601 start time: sorts like the start time, as text (the UI view)
+KINDS = (KIND_RUN, KIND_REPLAY, KIND_STUDY, KIND_STUDY_REPLAY, KIND_CALIBRATION, KIND_TRACE, KIND_AUDIT, KIND_BISECT,
+         KIND_VERIFY)
+# UTC ISO 8601 start time: sorts like the start time, as text (sorted by it, the UI lists nested runs as rows too)
+STARTED = "harness.started"
 EXPERIMENT_PATH = "harness.experiment.path"  # experiment folder relative to the repo root
 ENTRY = "harness.entry"
 

@@ -133,7 +133,7 @@ def test_another_revision_is_refused_as_mlflow_would(tmp_path: Path, revision: s
 def test_runs_and_compare_never_import_mlflow_or_torch(project: Project, replayed: tuple[str, str]) -> None:
     """The real CLI, each module it imports listed by python -X importtime."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": project.uri}
-    for args in (["runs"], ["compare", *replayed]):
+    for args in (["runs"], ["runs", "--all"], ["compare", *replayed], ["compare", replayed[0]]):
         proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "harness", *args], cwd=project.root,
                               env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -38,7 +38,7 @@ KEYS = {
     "error": {"error"},
 }
 RUN_ROW = {"run_id", "name", "experiment", "start", "status", "kind", "study_size", "world_size", "commit", "dirty",
-           "image_digest", "verdicts"}
+           "image_digest", "verdicts", "nested", "nested_under"}
 
 
 def document(result: Result, command: str, keys: str | None = None) -> dict:

@@ -91,7 +91,7 @@ def runs(project: Project) -> dict[str, str]:
 
 
 def _status(project: Project, run_id: str) -> str:
-    listed = project.cli("runs", "liveness")
+    listed = project.cli("runs", "liveness", "--all")  # a trace is nested under its run: listed so
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith(run_id))
     return row.split()[4]  # id, experiment, date, time, status

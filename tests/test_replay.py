@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,27 @@ def test_runs_lists_the_latest_verdict(project: Project, original: str, clean_re
     row = next(line for line in result.stdout.splitlines() if line.startswith(original))
     assert "BITWISE" in row and "FINISHED" in row and "run" in row
     assert "RUN ID" in result.stdout.splitlines()[0]
+
+
+def test_replay_and_compare_say_where_the_curves_are(project: Project, original: str, clean_replay) -> None:
+    """The pictures a judged replay records (replay/metric_<name>.png, original and replay overlaid) are named with
+    their path; `compare RUN` alone compares the run with its newest replay, and says the same."""
+    replay_id = clean_replay.last_line
+    from harness.store.reach import artifact_path
+
+    folder = Path(str(artifact_path(project.client().get_run(replay_id).info.artifact_uri))) / "replay"
+    said = (f"Curves (original and replay overlaid) in {folder}: metric_harness.lr.png, metric_loss.png; the report: "
+            f"{folder / 'report.md'}")
+    assert said in clean_replay.stderr.splitlines(), clean_replay.stderr
+    assert (folder / "metric_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    alone = project.harness("compare", original[:8], "--json")
+    newest = project.client().search_runs(
+        [project.client().get_run(original).info.experiment_id], order_by=["attributes.start_time DESC"],
+        filter_string=f"tags.`harness.replay_of` = '{original}' and tags.`harness.kind` = 'replay'")[0].info.run_id
+    doc = json.loads(alone.stdout)
+    assert (doc["run_a"], doc["run_b"], doc["relation"]) == (original, newest, "replay"), alone.stderr
+    assert f"comparing run {original} with its newest replay, {newest}" in alone.stderr
+    assert any(line.startswith("Curves (original and replay overlaid) in ") for line in alone.stderr.splitlines())
 
 
 def test_compare_two_runs_and_json(project: Project, original: str, clean_replay) -> None:
@@ -239,14 +261,15 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
                    "--virtual-time-budget=20000"]
         dom = subprocess.run([*browser, "--dump-dom", link], capture_output=True, text=True, timeout=120).stdout
         client = project.client()
-        # The training-runs table (not the GenAI overview), harness's columns, and both rows: the run
-        # and its replay, each a row of its own, the replay's verdict in it.
-        assert 'data-testid="sort-select-dropdown"' in dom and "Sort: harness.started" in dom
+        # The training-runs table (not the GenAI overview), sorted by creation time so that what was made from a run
+        # folds under it, harness's columns, and the run's row: its replays' verdicts counted in it, the replay
+        # itself folded under it (MLflow draws a nested row only once its parent is expanded).
+        assert 'data-testid="sort-select-dropdown"' in dom and "Sort: Created" in dom, re.findall(r"Sort: [^<]*", dom)
         for column in ("harness.verdict", "harness.replays", "harness.world_size", "harness.git.commit",
                        "harness.image.digest"):
             assert column in dom, column
-        for run_id in (original, replay_id):
-            assert client.get_run(run_id).info.run_name in dom
+        assert client.get_run(original).info.run_name in dom
+        assert client.get_run(replay_id).info.run_name not in dom
         assert "BITWISE" in dom
         assert client.get_run(original).data.tags["harness.git.commit"][:8] in dom
     finally:

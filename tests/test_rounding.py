@@ -481,6 +481,23 @@ def _verdict(result) -> str:
     return result.stdout.strip().splitlines()[-2]
 
 
+def test_runs_counts_a_calibration_on_its_run_and_no_member_as_a_verdict(project, calibrated) -> None:
+    """The calibration and its 9 members (the reference and 8 nudged) are one cell of the run's row, not 10 rows; the
+    members, never judged, are no verdict of the run's."""
+    import json
+
+    listed = project.cli("runs", "linear_ddp", "-n", "500", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["run_id"]: row for row in json.loads(listed.stdout)["runs"]}
+    assert rows[calibrated["run"]]["nested"].get("calibration") == 10, rows[calibrated["run"]]
+    assert calibrated["calibration"] not in rows
+    assert all(row["nested_under"] is None for row in rows.values())
+    assert "FINISHED" not in (rows[calibrated["run"]]["verdicts"] or "")
+    assert "FINISHED" not in project.client().get_run(calibrated["run"]).data.tags.get(tags.REPLAYS, "")
+    every = project.cli("runs", "linear_ddp", "-n", "500", "--json", "--kind", "calibration")
+    assert calibrated["calibration"] in {row["run_id"] for row in json.loads(every.stdout)["runs"]}
+
+
 def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(project, calibrated, tmp_path) -> None:
     client = project.client()
     cal = client.get_run(calibrated["calibration"])

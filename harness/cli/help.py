@@ -35,6 +35,8 @@ EXAMPLES: dict[str, list[str]] = {
     "runs": [
         "harness runs                    # the 20 newest runs of every experiment, with their replays' verdicts",
         "harness runs linear_ddp -n 50   # the 50 newest of one experiment",
+        "harness runs --all              # also what commands made: calibrations, traces, audits, seeds, probes",
+        "harness runs --kind trace --status FAILED   # only the traces that failed",
     ],
     "ui": [
         "harness ui                      # the MLflow UI on the newest run's experiment, http://127.0.0.1:5050",
@@ -46,6 +48,7 @@ EXAMPLES: dict[str, list[str]] = {
         "harness check experiments/linear_ddp world_size=8   # would these overrides run here?",
     ],
     "compare": [
+        "harness compare <run-id>                 # the run and its newest replay",
         "harness compare <run-a> <run-b>          # environment delta and verdict of two recorded runs",
         "harness compare <run-a> <run-b> --json   # the whole comparison, for a script",
         "harness compare <trace-a> <trace-b> --report diff.html   # two traces: the first op that differs",

@@ -18,20 +18,33 @@ from harness.errors import EXIT_SIGINT
 @click.command()
 @click.argument("experiment", required=False)
 @click.option("-n", "--limit", default=20, show_default=True, help="How many runs to list.")
+@click.option("--all", "show_all", is_flag=True,
+              help="Also list the runs counted under NESTED: calibrations and their members, traces, audits, a study's "
+                   "seeds, a bisect's probes, a study replay's member replays.")
+@click.option("--kind", type=click.Choice(T.KINDS), default=None,
+              help="Only runs of this kind (nested ones too).")
+@click.option("--status", type=click.Choice(T.LISTED_STATUSES, case_sensitive=False), default=None,
+              help="Only runs with this status (nested ones too).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors
-def runs(experiment: str | None, limit: int, tracking_uri: str | None, as_json: bool) -> None:
+def runs(experiment: str | None, limit: int, show_all: bool, kind: str | None, status: str | None,
+         tracking_uri: str | None, as_json: bool) -> None:
     """List recent runs: id, experiment, start, status, world size, commit, image digest, replay verdicts.
 
-    STATUS is STALE for a RUNNING run whose launcher stopped writing its heartbeat (close it with
-    `harness mark`). VERDICTS counts every replay of a run by verdict, e.g. `BITWISE 2, DIVERGED 1
-    (with changes)`, replays made with --allow-changes or --world-size counted apart.
+    Lists the runs, studies, replays, study replays, bisects and verify runs you made. What a command
+    made on its way - a calibration and its member replays, traces, audits, a study's seeds, a bisect's
+    probes - is counted on its run's row under NESTED, e.g. `calibration 10, trace 3`, and listed with
+    --all, --kind or --status. STATUS is STALE for a RUNNING run whose launcher stopped writing its
+    heartbeat (close it with `harness mark`). VERDICTS counts the verdicts of a run's replays, e.g.
+    `BITWISE 2, DIVERGED 1 (with changes)`, replays made with --allow-changes or --world-size counted
+    apart; a replay still running or that failed without a verdict by its status.
     Exit 0 listed (also an empty store), 2 bad input (an unknown experiment, an unreadable store).
     """
     from harness.commands import api, documents
 
-    listed = api.runs(api.RunsOptions(experiment, limit, tracking_uri=tracking_uri, on_event=_draw))
+    listed = api.runs(api.RunsOptions(experiment, limit, tracking_uri=tracking_uri, on_event=_draw, all=show_all,
+                                      kind=kind, status=status.upper() if status else None))
     if as_json:
         _emit(documents.runs(listed.runs))
     click.echo(listed.table())
@@ -90,8 +103,8 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
 
 
 @click.command()
-@click.argument("run_a")
-@click.argument("run_b")
+@click.argument("run_a", required=False)
+@click.argument("run_b", required=False)
 @click.option("--report", "report", type=click.Path(path_type=Path), default=None,
               help="Two traces: also write the localization report to PATH (HTML if it ends in .html, else markdown).")
 @click.option("--tolerance", "tolerances", multiple=True, metavar="METRIC=ATOL[,RTOL]",
@@ -101,24 +114,36 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
 @_json_option
 @_expected_errors
-def compare(run_a: str, run_b: str, report: Path | None, tolerances: tuple[str, ...], tracking_uri: str | None,
-            as_json: bool) -> None:
+def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerances: tuple[str, ...],
+            tracking_uri: str | None, as_json: bool) -> None:
     """Compare two existing runs (any experiments): environment delta and verdict, no rerun.
 
     RUN_A is the reference; its tolerance applies (RUN_B a replay of it: the replay's, with the
-    --tolerance it was given), then --tolerance. Exit 0 reproduced, 1 diverged, 2 bad input.
+    --tolerance it was given), then --tolerance. RUN_A alone: compared with its newest replay.
+    Where RUN_B is a replay of RUN_A, stderr says where its curves (original and replay overlaid)
+    and report are. Exit 0 reproduced, 1 diverged, 2 bad input.
     Two trace runs (harness trace): the first op whose output differs while its inputs were equal,
     with its module, shapes, dtypes, the user's line and a likely cause; nothing is recorded.
     Exit 0 identical, 1 they differ.
     """
     from harness.commands import api, documents
-    from harness.commands.terminal import comparison_lines, verdict_line
+    from harness.commands.terminal import Tracker, comparison_lines, mlflow_ui, verdict_line
     from harness.commands.trace import TraceDiff
+    from harness.errors import UsageError
 
+    if run_a is None:
+        raise UsageError("compare needs a run: pass RUN (compared with its newest replay) or RUN_A RUN_B (two runs, "
+                         "or two traces).")
     found = api.compare(api.CompareOptions(run_a, run_b, tuple(tolerances), report=report, tracking_uri=tracking_uri,
                                            on_event=_draw))
     if isinstance(found, TraceDiff) and report is not None:
         _say(f"Report: {report}")
+    if not isinstance(found, TraceDiff) and found.of_replay:
+        tracker = Tracker(tracking_uri, writable=False)
+        judged = tracker.get_run(found.run_b)
+        if judged.tags.get(T.VERDICT):  # a judged replay carries its curves (an unjudged one, a member: none)
+            for line in mlflow_ui.curves(tracker.uri, judged):
+                _say(line)
     if as_json:
         _emit(documents.compare(found))
     if isinstance(found, TraceDiff):

@@ -226,13 +226,14 @@ def replay(
 
     The recorded commit (and patch) is checked out in a temporary git worktree; the recorded
     config, seed, world size and determinism settings are used. The replay is a new MLflow run
-    nested under the original, with a report and plots. The last two lines of stdout are
+    nested under the original, with a report and plots (original and replay overlaid: stderr says
+    where they are, and their page in the MLflow UI while one serves the store). The last two lines of stdout are
     `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged, inconclusive or nothing to compare,
     2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """
     from harness.commands import api, documents
     from harness.commands.replay import StudyReplayResult
-    from harness.commands.terminal import Tracker, comparison_lines, study_replay_lines, verdict_line
+    from harness.commands.terminal import Tracker, comparison_lines, mlflow_ui, study_replay_lines, verdict_line
 
     result = api.replay(api.ReplayOptions(
         run_id, tuple(overrides), world_size=world_size, allow_changes=allow_changes,
@@ -259,7 +260,10 @@ def replay(
         click.echo(line)
     for line in result.localized.lines() if result.localized is not None else []:
         click.echo(line)
-    _say(Tracker(tracking_uri).ui_hint(result.outcome.run_id))
+    tracker = Tracker(tracking_uri)
+    _say(tracker.ui_hint(result.outcome.run_id))
+    for line in mlflow_ui.curves(tracker.uri, tracker.get_run(result.outcome.run_id)):
+        _say(line)
     click.echo(verdict_line(result.comparison))
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)

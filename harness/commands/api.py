@@ -70,6 +70,7 @@ from harness.executors.torchrun import topology as torchrun_topology, torchrun_e
 from harness.judge.compare import Comparison
 from harness.judge.tolerance import parse_tolerances
 from harness.record.newrun import Labels, labels
+from harness.record.replays import newest_replay
 from harness.record.study import is_study
 from harness.store.tracking import Tracker, full_ids
 
@@ -370,10 +371,11 @@ def _study_to_replay(tracker: Tracker, run_id: str, follow: bool) -> str | None:
 # -- compare --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CompareOptions:
-    """`harness compare RUN_A RUN_B`: two runs (delta and verdict), or two traces (the first differing op)."""
+    """`harness compare RUN_A [RUN_B]`: two runs (delta and verdict; RUN_A alone: with its newest replay), or two
+    traces (the first differing op)."""
 
     run_a: str  # the reference: its tolerance applies
-    run_b: str
+    run_b: str | None = None  # None: run A's newest replay
     tolerances: tuple[str, ...] = ()  # two runs: METRIC=ATOL[,RTOL] over the recorded replay.tolerance
     report: Path | None = None  # two traces: also write the localization report here (HTML if .html, else markdown)
     tracking_uri: str | None = None
@@ -385,8 +387,11 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
     is rerun or recorded."""
     with _command(options.on_event):
         parse_tolerances(list(options.tolerances))  # bad input is said before the store is opened, as replay says it
-        o = _with_full_ids(options, "run_a", "run_b")
+        o = _with_full_ids(options, "run_a", *(("run_b",) if options.run_b is not None else ()))
         tracker = Tracker(o.tracking_uri, writable=False)  # comparing only reads
+        if o.run_b is None:
+            o = replace(o, run_b=newest_replay(tracker, o.run_a))
+        assert o.run_b is not None
         traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]
         if any(traces) and not all(traces):
             which, other = (o.run_a, o.run_b) if traces[0] else (o.run_b, o.run_a)

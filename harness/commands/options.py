@@ -84,6 +84,9 @@ class RunsOptions:
     limit: int = 20
     tracking_uri: str | None = None
     on_event: Listener | None = None
+    all: bool = False  # also the runs folded under the run they were made from (record/nesting.py)
+    kind: str | None = None  # only runs of this harness.kind (folded ones too)
+    status: str | None = None  # only runs with this status (RUNNING, FINISHED, FAILED, KILLED or STALE; folded ones too)
 
 
 @dataclass(frozen=True)

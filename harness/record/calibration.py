@@ -72,7 +72,7 @@ def left_behind(tracker: Tracker, calibration_id: str, run_id: str) -> str:
     running = [r.run_id for r in [calibration, *members] if r.status == T.RUNNING]
     one = len(running) == 1
     close = "" if not running else (
-        f" Once its disk takes writes again and `harness runs` shows {'it' if one else 'them'} STALE, close "
+        f" Once its disk takes writes again and `harness runs --status STALE` shows {'it' if one else 'them'}, close "
         f"{'it' if one else 'each'}: " + "; ".join(f"harness mark {i} --status {T.FAILED}" for i in running) + ".")
     return (f"It left calibration {calibration_id} {calibration.status}, with no envelope, and its member replays: "
             f"{held}.{close} Then calibrate again: harness calibrate {run_id}.")

@@ -1,5 +1,5 @@
-"""What the MLflow UI shows first for a harness experiment: every run and replay, one row each, with
-the facts a reproducibility check is read from (verdict, world size, commit, image digest).
+"""What the MLflow UI shows first for a harness experiment: every run, one row each, with what was made from it
+folded under it, and the facts a reproducibility check is read from (verdict, world size, commit, image digest).
 
 MLflow keeps a user's column choice in the browser, so a new reader (a co-author, a reviewer) would
 see MLflow's default columns - none of these. What MLflow itself offers to carry a view to others
@@ -27,9 +27,10 @@ from urllib.parse import quote, urlsplit
 from harness import events, scratch, tags as T
 from harness.errors import HarnessError
 from harness.store.fastpath import mlflow_file
-from harness.store.reach import artifact_root, default_uri, display_uri
+from harness.store.reach import artifact_path, artifact_root, default_uri, display_uri
 
 if TYPE_CHECKING:
+    from harness.rundata import RunSummary
     from harness.store.tracking import Tracker
 
 VIEW_KEY = "harness"
@@ -41,6 +42,7 @@ EXPERIMENT_KIND = "custom_model_development"
 WORKFLOW = "workflowType=machine_learning"
 # Not MLflow's 5000: a local Docker registry (the docker executor's) usually listens there.
 UI_PORT = 5050
+CURVES_NAMED = 4  # the metric plots `curves` names; past them, how many more
 
 
 def _tag(name: str) -> str:
@@ -70,10 +72,10 @@ COLUMNS = [
 ]
 
 VIEW = {
-    # The UI nests child runs (replays, audits) under their parent, collapsed, whenever the table is
-    # sorted by creation time; sorted by harness's own start-time tag (UTC ISO 8601: the same order)
-    # it lists every run and replay as its own row, each with its verdict visible.
-    "orderByKey": _tag(T.STARTED),
+    # The UI nests child runs (mlflow.parentRunId) under their parent, collapsed, only while the table is sorted by
+    # creation time (a filtered one too): what was made from a run - replays, calibrations, traces, audits, a study's
+    # seeds - folds under its row, which shows its replays' verdicts counted (harness.replays).
+    "orderByKey": "attributes.start_time",
     "orderByAsc": False,
     "searchFilter": f"{_tag(T.VERSION)} LIKE '%'",  # runs made by harness
     "selectedColumns": COLUMNS,
@@ -113,6 +115,28 @@ def hint(uri: str, experiment_id: str, run_id: str) -> str:
         return f"Open it in the MLflow UI: {run_link(base, experiment_id, run_id)}"
     store = "" if uri == default_uri() else f" --tracking-uri {display_uri(uri)}"  # never a password on the terminal
     return f"Open it in the MLflow UI: harness ui{store}, then {run_link(f'http://127.0.0.1:{UI_PORT}', experiment_id, run_id)}"
+
+
+def curves(uri: str, run: RunSummary) -> list[str]:
+    """Where a judged replay's pictures are: its replay/ artifacts (metric_<name>.png, the original's and the replay's
+    curves overlaid; report.md), as a path on this machine when the artifacts are local, else as their URI; and their
+    page in the MLflow UI when one serves the store."""
+    folder = artifact_path(run.artifact_uri) if run.artifact_uri else None
+    if folder is not None:
+        plots = folder / T.ARTIFACT_PLOTS_DIR
+        names = sorted(p.name for p in plots.glob("metric_*.png")) if plots.is_dir() else []
+        shown = ", ".join(names[:CURVES_NAMED]) + (f" and {len(names) - CURVES_NAMED} more" if len(names) > CURVES_NAMED
+                                                   else "")
+        lines = [f"Curves (original and replay overlaid) in {plots}: {shown or 'metric_<name>.png'}; "
+                 f"the report: {folder / T.ARTIFACT_REPORT}"]
+    else:
+        where = f"{run.artifact_uri.rstrip('/')}/{T.ARTIFACT_PLOTS_DIR}"
+        lines = [f"Curves (original and replay overlaid) in {where}: metric_<name>.png; the report: {where}/report.md"]
+    base = server_url(uri) or served_at(uri)
+    if base:
+        lines.append(f"See them in the MLflow UI: {base.rstrip('/')}/#/experiments/{quote(run.experiment_id)}/runs/"
+                     f"{quote(run.run_id)}/artifacts/{T.ARTIFACT_PLOTS_DIR}?{WORKFLOW}")
+    return lines
 
 
 # --- which `harness ui` serves a store -----------------------------------------------------------

@@ -13,6 +13,8 @@ import re
 import shutil
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,3 +152,20 @@ def test_the_import_graph_has_no_circle() -> None:
         if module not in state and (circle := visit(module)):
             raise AssertionError("an import circle: " + " -> ".join(circle) + ". Move what both need to a module "
                                  "below them, or hand it in as an argument.")
+
+
+# What the repository tracks is source and documentation: a build product (a wheel, an archive) is in every clone and
+# every bundle's copy of the history, and says nothing a reader can review.
+MAX_TRACKED_KIB = 256
+_BUILD_PRODUCTS = (".whl", ".tar.gz", ".zip", ".egg", ".so", ".pyc")
+
+
+def test_the_repository_tracks_no_build_product_or_large_file() -> None:
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=False)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = [ROOT / name for name in listed.stdout.split("\0") if name]
+    products = [p.relative_to(ROOT).as_posix() for p in tracked if p.name.endswith(_BUILD_PRODUCTS)]
+    large = [f"{p.relative_to(ROOT).as_posix()} ({p.stat().st_size // 1024} KiB)" for p in tracked
+             if p.is_file() and p.stat().st_size > MAX_TRACKED_KIB * 1024]
+    assert not products and not large, f"untrack them (git rm --cached) and ignore them: {products + large}"

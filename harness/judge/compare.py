@@ -18,6 +18,7 @@ import numpy as np
 from harness import tags
 from harness.fmt import fmt_short, json_safe, the
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
+from harness.judge.decisive import first_decisive
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.judge.fingerprints import FingerprintStats, _compare_fingerprints
 from harness.judge.metricdiff import (
@@ -422,6 +423,7 @@ def compare_runs(
     undetermined = not_determined(stats, fps, failed=failure is not None, weights_unchanged=bool(unchanged),
                                   checkpoints=checkpoints, data_order=data_order)
     weights_differ = not fps.all_equal and not weights_may_differ(tol)
+    decisive = first_decisive(firsts, data_order)
 
     divergence: Divergence | None
     if failure is not None:
@@ -434,6 +436,10 @@ def compare_runs(
         else:
             divergence = Divergence(KIND_REPLAY_FAILED, None, detail=detail)
         verdict = DIVERGED
+    elif decisive is not None:
+        # A value neither rounding nor a seed moves (the learning rate, the data order) decides, at its step, what
+        # else differed and whatever an envelope or a study would say (harness/judge/decisive.py).
+        divergence, verdict = decisive, DIVERGED
     elif not stats and fps.compared == 0:
         divergence, verdict = None, NOTHING_TO_COMPARE
     elif undetermined and metric_div is not None:

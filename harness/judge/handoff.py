@@ -11,6 +11,7 @@ import numpy as np
 
 from harness.fmt import the
 from harness.judge import noise, rounding
+from harness.judge.decisive import named
 from harness.judge.compare import (
     DIVERGED,
     INCONCLUSIVE,
@@ -48,7 +49,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
 
     A failed replay, or one that logged other steps or metrics, stays as it is: rounding explains none of that.
     """
-    if meets(cmp.verdict, Policy.SETTLED):
+    if meets(cmp.verdict, Policy.SETTLED) or _decided(cmp, f"the rounding envelope of calibration {envelope.calibration_id}"):
         return cmp
     if cmp.divergence is not None and cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
         return cmp
@@ -126,6 +127,17 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     return cmp
 
 
+def _decided(cmp: Comparison, judge: str) -> bool:
+    """Whether a value neither rounding nor a seed moves already decided the verdict (compare_runs: decisive.py), so
+    `judge` (an envelope, a study's noise) is not consulted; the notes say so."""
+    d = cmp.divergence
+    if d is None or not d.decisive:
+        return False
+    cmp.notes.append(f"{named(d)} differs at step {d.step}: a value neither rounding nor a seed moves decides the "
+                     f"verdict; not judged against {judge}")
+    return True
+
+
 def _from(series: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray, np.ndarray]:
     s, v = series
     return s[s >= first], v[s >= first]
@@ -153,6 +165,8 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     stays DIVERGED. Neither can a difference where nothing changed (same environment, same config): that
     is nondeterminism or a code change, which a new seed would not explain.
     """
+    if _decided(cmp, f"the noise of study {study_id}"):
+        return cmp
     if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
         return cmp  # (a replay outside a calibration's rounding envelope is KIND_ROUNDING: no seed explains it)
     if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):

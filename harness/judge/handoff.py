@@ -11,7 +11,6 @@ import numpy as np
 
 from harness.fmt import the
 from harness.judge import noise, rounding
-from harness.judge.decisive import named
 from harness.judge.compare import (
     DIVERGED,
     INCONCLUSIVE,
@@ -22,6 +21,7 @@ from harness.judge.compare import (
     FirstSteps,
     user_mlflow_metrics,
 )
+from harness.judge.decisive import named
 from harness.judge.metricdiff import (
     KIND_FINGERPRINT,
     KIND_ROUNDING,

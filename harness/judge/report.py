@@ -123,9 +123,9 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         rows = []
         for m in cmp.metrics:
             where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
-            held = None if one_run(m) else envelope_first(m, cmp)
-            if held is not None:
-                first = _cell(held)
+            seen = None if one_run(m) else envelope_first(m, cmp)
+            if seen is not None:  # the envelope decided: what it saw, not the tolerance's first divergence
+                first = _cell(seen)
             elif m.first_divergence is None:
                 first = "-"
             elif one_run(m):

@@ -71,6 +71,8 @@ def test_a_learning_rate_x10_is_diverged_at_step_0_before_the_seeds_or_the_envel
     calibrated = judge_rounding(cmp, original, replay, _envelope(original))
     assert calibrated.verdict == DIVERGED and calibrated.rounding is None
     assert calibrated.summary() == "DIVERGED at step 0: harness.lr 0.01 vs 0.1 (abs 0.09, rel 9)"
+    assert any(line.startswith("A bitwise match is impossible (decided by harness.lr at step 0, a value neither "
+                               "rounding nor a seed moves): ") for line in comparison_lines(calibrated, []))
     assert any("not judged against the rounding envelope of calibration cal00000" in n for n in calibrated.notes)
     # Without the change the same replay passes both: the rate alone decided.
     same = _replay(original, LOSS * (1 + 1e-8))

@@ -78,7 +78,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     elif not cmp.bitwise_possible:
         out += ["> **Bitwise impossible** because the environment changed in ways that alter the arithmetic:", ">"]
         out += [f"> - {_cell(b)}" for b in cmp.bitwise_blockers]
-        out += [">", f"> The verdict is judged by {_cell(judged_by(cmp))} instead.", ""]
+        out += [">", f"> The verdict is {_cell(judged_by(cmp))} instead.", ""]
 
     out += ["## Changes requested", ""]
     if changes:

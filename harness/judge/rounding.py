@@ -315,7 +315,6 @@ def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[st
         out.judged_steps += n
         if n:
             out.judged[name] = n
-        if n:
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratios = np.where(dist[judged] == 0, 0.0, dist[judged] / widths[judged])
             out.widest = max(out.widest, float(np.max(ratios)))

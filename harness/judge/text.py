@@ -54,20 +54,21 @@ def weights_line(cmp: Comparison) -> str | None:
 
 
 def judged_by(cmp: Comparison) -> str:
-    """What judged a verdict that is not bit for bit: a value neither rounding nor a seed moves, a calibration's
-    envelope (over its steps, then what judged the rest), a study's noise, or the tolerance."""
+    """What judged a verdict that is not bit for bit, as "judged by ..." or "decided by ...": a value neither rounding
+    nor a seed moves, a calibration's envelope (over its steps, then what judged the rest), a study's noise, or the
+    tolerance."""
     d = cmp.divergence
     if d is not None and d.decisive:
-        return f"{named(d)} at step {d.step}, a value neither rounding nor a seed moves"
+        return f"decided by {named(d)} at step {d.step}, a value neither rounding nor a seed moves"
     noise = cmp.noise if cmp.noise is not None and not cmp.noise.reason else None
     seeds = None if noise is None else f"the noise of study {noise.study_id}'s {noise.seeds} seeds"
     r = cmp.rounding
     if r is None:
-        return seeds or "tolerance"
+        return f"judged by {seeds or 'tolerance'}"
     envelope = f"the rounding envelope of calibration {r.calibration_id}"
     if r.within and not r.covers_run:
-        return f"{envelope} over the first {r.steps} steps, then {seeds or 'the tolerance'}"
-    return envelope
+        return f"judged by {envelope} over the first {r.steps} steps, then {seeds or 'the tolerance'}"
+    return f"judged by {envelope}"
 
 
 def bitwise_line(cmp: Comparison) -> str | None:
@@ -76,7 +77,7 @@ def bitwise_line(cmp: Comparison) -> str | None:
         return None
     if cmp.verdict == BITWISE:
         return "Bitwise despite environment changes that usually alter the arithmetic: " + "; ".join(cmp.bitwise_blockers)
-    return f"A bitwise match is impossible (judged by {judged_by(cmp)}): " + "; ".join(cmp.bitwise_blockers)
+    return f"A bitwise match is impossible ({judged_by(cmp)}): " + "; ".join(cmp.bitwise_blockers)
 
 
 def envelope_first(m: MetricStats, cmp: Comparison) -> str | None:
@@ -96,8 +97,8 @@ def envelope_first(m: MetricStats, cmp: Comparison) -> str | None:
                      else f", first outside its tolerance at step {step}")
     if m.first_divergence is None:
         return seen
-    plain = "first differs" if not (m.atol or m.rtol) else "first outside its tolerance alone"
-    return f"{seen} ({plain} at step {m.first_divergence})"
+    plain = "first differs at" if not (m.atol or m.rtol) else "its tolerance alone: first outside at"
+    return f"{seen} ({plain} step {m.first_divergence})"
 
 
 def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:

@@ -100,6 +100,14 @@ def test_another_data_order_is_diverged_at_its_step_and_a_tolerance_given_for_th
         assert cmp.summary().startswith("DIVERGED at step 3: the data order differs: the ranks' batches held other "
                                         "samples"), cmp.summary()
         assert any(n.startswith("the data order differs at step 3: a value neither") for n in cmp.notes)
+        # Two runs of other seeds (harness compare of two members): the seed moves the data order, which decides
+        # nothing there; their learning rates are still held.
+        seeded = clone(replay, "m9")
+        seeded.facts[tags.SEED] = "9"
+        other = compare_runs(original, seeded)
+        assert other.divergence.kind == KIND_VALUE and other.divergence.metric == "loss" and not other.divergence.decisive
+        seeded.metrics[tags.METRIC_LR] = (STEPS.copy(), LR * 2)
+        assert compare_runs(original, seeded).divergence.decisive
     finally:
         original.data_order = {}
     # A tolerance given for the rate is the user's word: within it, the rate decides nothing.

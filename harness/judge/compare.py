@@ -436,7 +436,7 @@ def compare_runs(
     undetermined = not_determined(stats, fps, failed=failure is not None, weights_unchanged=bool(unchanged),
                                   checkpoints=checkpoints, data_order=data_order)
     weights_differ = not fps.all_equal and not weights_may_differ(tol)
-    decisive = first_decisive(firsts, data_order)
+    decisive = first_decisive(firsts, data_order, original.facts.get(tags.SEED) == replay.facts.get(tags.SEED))
 
     divergence: Divergence | None
     if failure is not None:

@@ -198,12 +198,18 @@ def test_a_first_check_of_a_member_is_judged_against_the_seeds_at_its_last_step(
     assert replay.data.tags[tags.VERDICT] == INCONCLUSIVE and replay.data.tags[tags.REPLAY_STEPS] == "4"
 
 
-def test_a_planted_learning_rate_change_is_diverged(project, wide_study) -> None:
+def test_a_planted_learning_rate_change_is_diverged_before_the_seeds_are_consulted(project, wide_study) -> None:
+    """A member replayed with its learning rate x10 over its first 4 steps: the seeds' intervals are too wide there to
+    catch anything (the check of the same replay without the change is INCONCLUSIVE), but harness.lr is a value no
+    seed moves, so it decides DIVERGED at the step it differs, naming it, and the seeds are not consulted."""
     _, members = wide_study
-    result = project.harness("replay", members[0], *OTHER_HARDWARE, "train.lr=5.0")
+    result = project.harness("replay", members[0], "--steps", "4", *OTHER_HARDWARE, "train.lr=5.0", "--no-localize")
     assert result.returncode == 1, result.stdout + result.stderr
     line = _verdict(result)
-    assert line.startswith("verdict: DIVERGED") and "outside the seeds' noise: loss mean over steps " in line and "OUTSIDE" in line
+    assert line == "verdict: DIVERGED at step 0: harness.lr 0.5 vs 5 (abs 4.5, rel 9) (over the first 4 of 12 steps)", line
+    assert "noise" not in line and "seeds" not in line, line
+    assert "harness.lr differs at step 0: a value neither rounding nor a seed moves decides the verdict; not judged " \
+           "against the noise of study " in result.stdout, result.stdout
     assert project.client().get_run(result.last_line).data.tags[tags.VERDICT] == DIVERGED
 
 

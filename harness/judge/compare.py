@@ -18,6 +18,7 @@ import numpy as np
 from harness import tags
 from harness.fmt import fmt_short, json_safe, the
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
+from harness.judge.decisive import first_decisive
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
 from harness.judge.fingerprints import FingerprintStats, _compare_fingerprints
 from harness.judge.metricdiff import (
@@ -148,6 +149,10 @@ class Comparison:
         if self.verdict == DIVERGED:
             return line
         if self.fingerprints.final_equal is None:
+            held = self.rounding.weights if self.rounding is not None else None
+            if held is not None:  # their sketch was held to the members' (in the line above): no fingerprint of K
+                return (f"{line}; the weights held to the calibration's members' after step {held.step} only: the "
+                        f"original has no checkpoint fingerprint of step {reached.steps}")
             return (f"{line}; weights after step {reached.steps} not compared: the original has no checkpoint "
                     f"fingerprint of step {reached.steps}")
         return f"{line}, including the weights after step {reached.steps} (the original's checkpoint of that step)"
@@ -163,6 +168,16 @@ class Comparison:
             lines.append(f"checkpoint tensors: in {the(label)}, rank{'s' if len(ranks) > 1 else ''} "
                          f"{', '.join(map(str, ranks))} held other tensors than rank 0 at step {step}")
         return lines
+
+    def _weights_as_members(self) -> str:
+        """WITHIN_ROUNDING: how the weights compared, only as far as they were (replay --steps K without the original's
+        checkpoint of step K compares none after step K: _early_line says so)."""
+        fps = self.fingerprints
+        if fps.final_equal is False:
+            return "; the weights differ as the calibration's members' did"
+        if fps.first_mismatch_step is not None:
+            return f"; the weights differ from step {fps.first_mismatch_step} on, as the calibration's members' did"
+        return ""
 
     def _verdict_line(self) -> str:
         if self.verdict == NOTHING_TO_COMPARE:
@@ -183,8 +198,7 @@ class Comparison:
                 what = f"{shape} bit-identical, the weights not"
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
-            return (f"{WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}; "
-                    f"the weights differ as the calibration's members' did")
+            return f"{WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}{self._weights_as_members()}"
         if self.verdict == INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
             return (f"{INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "
                     f"first outside the tolerance {self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
@@ -422,6 +436,7 @@ def compare_runs(
     undetermined = not_determined(stats, fps, failed=failure is not None, weights_unchanged=bool(unchanged),
                                   checkpoints=checkpoints, data_order=data_order)
     weights_differ = not fps.all_equal and not weights_may_differ(tol)
+    decisive = first_decisive(firsts, data_order, original.facts.get(tags.SEED) == replay.facts.get(tags.SEED))
 
     divergence: Divergence | None
     if failure is not None:
@@ -434,6 +449,10 @@ def compare_runs(
         else:
             divergence = Divergence(KIND_REPLAY_FAILED, None, detail=detail)
         verdict = DIVERGED
+    elif decisive is not None:
+        # A value neither rounding nor a seed moves (the learning rate, the data order) decides, at its step, what
+        # else differed and whatever an envelope or a study would say (harness/judge/decisive.py).
+        divergence, verdict = decisive, DIVERGED
     elif not stats and fps.compared == 0:
         divergence, verdict = None, NOTHING_TO_COMPARE
     elif undetermined and metric_div is not None:

@@ -21,6 +21,7 @@ from harness.judge.compare import (
     FirstSteps,
     user_mlflow_metrics,
 )
+from harness.judge.decisive import named
 from harness.judge.metricdiff import (
     KIND_FINGERPRINT,
     KIND_ROUNDING,
@@ -48,16 +49,18 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
 
     A failed replay, or one that logged other steps or metrics, stays as it is: rounding explains none of that.
     """
-    if meets(cmp.verdict, Policy.SETTLED):
+    if meets(cmp.verdict, Policy.SETTLED) or _decided(cmp, f"the rounding envelope of calibration {envelope.calibration_id}"):
         return cmp
     if cmp.divergence is not None and cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
         return cmp
     if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
         return cmp
     first_steps = cmp.reached.steps if isinstance(cmp.reached, FirstSteps) else None
-    # A metric whose tolerance is inf is judged by nothing, the envelope included.
-    orig = {k: as_series(*v) for k, v in original.metrics.items() if not never_judged(cmp.tolerance, k)}
-    rep = {k: as_series(*v) for k, v in replay.metrics.items() if not never_judged(cmp.tolerance, k)}
+    # Only what the comparison compared: a metric whose tolerance is inf is judged by nothing, and replay --steps K
+    # compares no metric the script logged through MLflow at steps of its own - the envelope neither.
+    compared = {m.name for m in cmp.metrics}
+    orig = {k: as_series(*v) for k, v in original.metrics.items() if k in compared}
+    rep = {k: as_series(*v) for k, v in replay.metrics.items() if k in compared}
     if first_steps is not None:
         orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
     m = envelope.steps
@@ -101,7 +104,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
         cmp.verdict = DIVERGED
         cmp.divergence = Divergence(KIND_ROUNDING, outside.step, outside.metric, outside.original, outside.replay,
                                     outside.distance, rel, detail)
-        sudden = judged.sudden()
+        sudden = judged.sudden(cmp.bitwise_possible and _identical_before(orig, rep, cmp, outside.step))
         if sudden is not None:
             cmp.notes.append(sudden)
         return cmp
@@ -109,8 +112,9 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
         cmp.verdict, cmp.divergence = WITHIN_ROUNDING, None
         return cmp
     # The steps from M on, as without a calibration: metrics by the tolerance, weights by their fingerprints.
-    rest = [d for d in (_first_outside(name, orig[name], rep[name], cmp.tolerance, m) for name in sorted(orig) if name in rep)
-            if d is not None]
+    after = {name: _first_outside(name, orig[name], rep[name], cmp.tolerance, m) for name in sorted(orig) if name in rep}
+    judged.after = {name: None if d is None else d.step for name, d in after.items() if name in judged.judged}
+    rest = [d for d in after.values() if d is not None]
     fps = cmp.fingerprints
     late_fp = fps.first_mismatch_step is not None and fps.first_mismatch_step >= m or fps.final_equal is False
     if rest:
@@ -126,6 +130,17 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     return cmp
 
 
+def _decided(cmp: Comparison, judge: str) -> bool:
+    """Whether a value neither rounding nor a seed moves already decided the verdict (compare_runs: decisive.py), so
+    `judge` (an envelope, a study's noise) is not consulted; the notes say so."""
+    d = cmp.divergence
+    if d is None or not d.decisive:
+        return False
+    cmp.notes.append(f"{named(d)} differs at step {d.step}: a value neither rounding nor a seed moves decides the "
+                     f"verdict; not judged against {judge}")
+    return True
+
+
 def _from(series: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray, np.ndarray]:
     s, v = series
     return s[s >= first], v[s >= first]
@@ -137,6 +152,22 @@ def _first_outside(name: str, a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndar
     rtol, atol = _tolerance_for(tol, name)
     _, div = _compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
     return div
+
+
+def _identical_before(orig: Mapping[str, tuple[np.ndarray, np.ndarray]], rep: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                      cmp: Comparison, step: int) -> bool:
+    """Every value both runs logged before `step`, and every fingerprint taken before it, bit-identical."""
+    fps = cmp.fingerprints
+    if fps.first_mismatch_step is not None and fps.first_mismatch_step < step:
+        return False
+    for name in orig:
+        if name not in rep:
+            return False
+        (sa, va), (sb, vb) = orig[name], rep[name]
+        a, b = (sa[sa < step], va[sa < step]), (sb[sb < step], vb[sb < step])
+        if not (np.array_equal(a[0], b[0]) and np.array_equal(a[1].view(np.int64), b[1].view(np.int64))):
+            return False
+    return True
 
 
 def _bitwise_from(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], first: int) -> bool:
@@ -153,6 +184,8 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     stays DIVERGED. Neither can a difference where nothing changed (same environment, same config): that
     is nondeterminism or a code change, which a new seed would not explain.
     """
+    if _decided(cmp, f"the noise of study {study_id}"):
+        return cmp
     if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
         return cmp  # (a replay outside a calibration's rounding envelope is KIND_ROUNDING: no seed explains it)
     if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):

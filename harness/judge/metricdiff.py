@@ -23,6 +23,7 @@ KIND_EXTRA_METRIC = "extra_metric"  # the metric exists in the replay only
 KIND_FINGERPRINT = "fingerprint"
 KIND_REPLAY_FAILED = "replay_failed"
 KIND_ROUNDING = "rounding"  # a metric left a calibrated run's rounding envelope (rounding.py)
+KIND_DATA_ORDER = "data_order"  # a step's samples differ (dataorder.py): decided before any envelope or study
 
 
 # MLflow's SQL store writes +-inf as +-DBL_MAX; a record read back from its history cannot tell them apart.
@@ -47,6 +48,8 @@ class Divergence:
     detail: str = ""
     counts: str | None = None  # what `step` counts when it is no training step: an evaluation's own index, or
     # MLFLOW_STEP (the script logged the metric through MLflow itself: an epoch, MLflow's default 0)
+    # A value neither rounding nor a seed moves (decisive.py): no envelope and no study's noise judges it again.
+    decisive: bool = False
 
     def describe(self, labels: tuple[str, str] = ("original", "replay")) -> str:
         """One human line, without the verdict; `labels` name the two runs (run A / run B for a plain compare)."""

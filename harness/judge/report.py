@@ -16,7 +16,7 @@ from harness.judge.delta import summarized
 from harness.judge.metricdiff import KIND_REPLAY_FAILED, MetricStats, as_series
 from harness.judge.noise import FALSE_ALARM, percent
 from harness.judge.perf import step_series
-from harness.judge.text import first_divergence, given_tolerances, one_run, weights_line
+from harness.judge.text import envelope_first, first_divergence, given_tolerances, judged_by, one_run, weights_line
 from harness.judge.verdicts import Verdict
 from harness.rundata import RunRecord
 
@@ -78,7 +78,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     elif not cmp.bitwise_possible:
         out += ["> **Bitwise impossible** because the environment changed in ways that alter the arithmetic:", ">"]
         out += [f"> - {_cell(b)}" for b in cmp.bitwise_blockers]
-        out += [">", "> The verdict is judged by tolerance instead.", ""]
+        out += [">", f"> The verdict is {_cell(judged_by(cmp))} instead.", ""]
 
     out += ["## Changes requested", ""]
     if changes:
@@ -123,7 +123,10 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         rows = []
         for m in cmp.metrics:
             where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
-            if m.first_divergence is None:
+            seen = None if one_run(m) else envelope_first(m, cmp)
+            if seen is not None:  # the envelope decided: what it saw, not the tolerance's first divergence
+                first = _cell(seen)
+            elif m.first_divergence is None:
                 first = "-"
             elif one_run(m):
                 first = first_divergence(m, ("original", "replay"))

@@ -217,6 +217,10 @@ class RoundingJudgement:
     covers_run: bool = False  # every step both runs logged lies inside the envelope's steps
     weights: WeightsJudgement | None = None  # the weights after the M steps, where both were sketched
     blown_up: bool = False  # cut short where a member went to NaN or inf: more steps would not hold the rest
+    judged: dict[str, int] = field(default_factory=dict)  # per metric, its values held to the envelope
+    # Per metric held to the envelope, the first step from M on outside its tolerance (None: none), where the steps
+    # after the envelope were judged by the tolerance (handoff.judge_rounding).
+    after: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def within(self) -> bool:
@@ -225,12 +229,19 @@ class RoundingJudgement:
     def first(self) -> Outside | None:
         return min(self.outside, key=lambda o: (o.step, o.metric)) if self.outside else None
 
-    def sudden(self) -> str | None:
+    def sudden(self, identical_before: bool = False) -> str | None:
         """When the replay left the envelope abruptly - well inside for SUDDEN_AFTER judged steps or more, then
-        outside - what else than a change can do that, and how to tell (a note beside the verdict, not a verdict)."""
+        outside - what else than a change can do that, and how to tell (a note beside the verdict, not a verdict).
+        `identical_before`: a replay in the run's own environment whose every value and fingerprint was bit-identical
+        before that step. Rounding there repeats itself bit for bit, so no near-tie of rounding's explains the jump."""
         first = self.first()
         if first is None or first.inside_before < SUDDEN_AFTER or first.widest_before > 0.5:
             return None
+        if identical_before:
+            return (f"every value was bit-identical before step {first.step}, in the run's own environment, then "
+                    f"{first.metric} left the envelope at {first.distance / first.half_width:.3g}x its half-width: "
+                    "rounding in the same environment repeats itself bit for bit, so this is a change that acts from "
+                    "that step (the code, the config, the data), not rounding")
         return (f"{first.metric} stayed inside the envelope for its {first.inside_before} judged steps before step "
                 f"{first.step} (at most {first.widest_before:.2g}x its half-width), then left it: a sudden parting, as "
                 "a change acting from that step makes - or as rounding makes where it flips a discrete choice (a "
@@ -303,6 +314,7 @@ def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[st
         n = int(judged.sum())
         out.judged_steps += n
         if n:
+            out.judged[name] = n
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratios = np.where(dist[judged] == 0, 0.0, dist[judged] / widths[judged])
             out.widest = max(out.widest, float(np.max(ratios)))

@@ -11,6 +11,7 @@ from typing import Any
 
 from harness.fmt import the
 from harness.judge.compare import BITWISE, Comparison
+from harness.judge.decisive import named
 from harness.judge.delta import summarized
 from harness.judge.metricdiff import (
     KIND_EXTRA_METRIC,
@@ -52,13 +53,52 @@ def weights_line(cmp: Comparison) -> str | None:
     return "weights=any: the parameters may differ where every metric stays within its tolerance"
 
 
+def judged_by(cmp: Comparison) -> str:
+    """What judged a verdict that is not bit for bit, as "judged by ..." or "decided by ...": a value neither rounding
+    nor a seed moves, a calibration's envelope (over its steps, then what judged the rest), a study's noise, or the
+    tolerance."""
+    d = cmp.divergence
+    if d is not None and d.decisive:
+        return f"decided by {named(d)} at step {d.step}, a value neither rounding nor a seed moves"
+    noise = cmp.noise if cmp.noise is not None and not cmp.noise.reason else None
+    seeds = None if noise is None else f"the noise of study {noise.study_id}'s {noise.seeds} seeds"
+    r = cmp.rounding
+    if r is None:
+        return f"judged by {seeds or 'tolerance'}"
+    envelope = f"the rounding envelope of calibration {r.calibration_id}"
+    if r.within and not r.covers_run:
+        return f"judged by {envelope} over the first {r.steps} steps, then {seeds or 'the tolerance'}"
+    return f"judged by {envelope}"
+
+
 def bitwise_line(cmp: Comparison) -> str | None:
-    """The environment changes that usually rule out bitwise: bitwise despite them, or judged by tolerance."""
+    """The environment changes that usually rule out bitwise: bitwise despite them, or what judged instead."""
     if cmp.bitwise_possible:
         return None
     if cmp.verdict == BITWISE:
         return "Bitwise despite environment changes that usually alter the arithmetic: " + "; ".join(cmp.bitwise_blockers)
-    return "A bitwise match is impossible (judged by tolerance): " + "; ".join(cmp.bitwise_blockers)
+    return f"A bitwise match is impossible ({judged_by(cmp)}): " + "; ".join(cmp.bitwise_blockers)
+
+
+def envelope_first(m: MetricStats, cmp: Comparison) -> str | None:
+    """Where a metric held to a calibration's envelope first parted, as the envelope saw it (and, after its steps, the
+    tolerance), with the first difference beside it; None for a metric the envelope did not judge."""
+    r = cmp.rounding
+    if r is None or m.name not in r.judged:
+        return None
+    outside = next((o for o in r.outside if o.metric == m.name), None)
+    if outside is not None:
+        seen = f"first outside the rounding envelope at step {outside.step}"
+    else:
+        seen = f"inside the rounding envelope at its {r.judged[m.name]} judged steps"
+        if m.name in r.after:
+            step = r.after[m.name]
+            seen += (f", within its tolerance from step {r.steps} on" if step is None
+                     else f", first outside its tolerance at step {step}")
+    if m.first_divergence is None:
+        return seen
+    plain = "first differs at" if not (m.atol or m.rtol) else "its tolerance alone: first outside at"
+    return f"{seen} ({plain} step {m.first_divergence})"
 
 
 def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
@@ -102,7 +142,10 @@ def comparison_lines(cmp: Comparison, changes: list[str]) -> list[str]:
                               for label, steps in zip(cmp.labels, m.steps_apart, strict=True))
             out.append(f"  {m.name}: no common step: logged by {where}; {first}")
             continue
-        if not one_run(m):
+        held = None if one_run(m) else envelope_first(m, cmp)
+        if held is not None:
+            first = held  # the envelope decided: what it saw, not the tolerance's first divergence
+        elif not one_run(m):
             first = f"first divergence {first}"
         undetermined = " (not determined by the training)" if m.name in cmp.undetermined else ""
         out.append(f"  {m.name}: {m.steps_compared} {m.unit}, max abs diff {m.max_abs_diff:.3g}, "

@@ -83,6 +83,7 @@ threads_per_rank: 1
 determinism:
   level: strict
 fingerprint_every: 2
+checkpoint_every: 2
 replay:
   tolerance:
     metrics:  # the Trainer's wall-clock values
@@ -93,12 +94,12 @@ replay:
       eval_samples_per_second: {atol: .inf}
       eval_steps_per_second: {atol: .inf}
 train:
-  steps: 4
-  logging_steps: 1
+  steps: 7
+  logging_steps: 3
   converted: true
 """
 
-STEPS = 4
+STEPS = 7
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +132,11 @@ def test_a_converted_trainer_keeps_every_value_in_one_run(project: Project, orig
     run = client.get_run(run_id)
     tags, params = run.data.tags, run.data.params
     assert run.info.status == "FINISHED"
-    assert history(project, run_id, "loss")[-1][0] == STEPS - 1 and len(history(project, run_id, "loss")) == STEPS
+    # Logged every 3 steps: after steps 3 and 6 of the Trainer (harness's 2 and 5).
+    assert [s for s, _ in history(project, run_id, "loss")] == [2, 5]
     assert [s for s, _ in history(project, run_id, "eval_loss")] == [STEPS - 1]  # once, not again at global_step
     assert [s for s, _ in history(project, run_id, "train_loss")] == [STEPS - 1]
-    assert [s for s, _ in history(project, run_id, "epoch")] == list(range(STEPS))
+    assert [s for s, _ in history(project, run_id, "epoch")] == [2, 5, STEPS - 1]
     assert "eval_loss" in tags["harness.metrics.evaluation"]
     assert tags["harness.loop"] == "transformers" and tags["harness.optimizer"] == "torch.optim.adamw.AdamW"
     assert tags["harness.fingerprint.initial"] != tags["harness.fingerprint"]
@@ -146,7 +148,7 @@ def test_a_converted_trainer_keeps_every_value_in_one_run(project: Project, orig
     assert "'seed' is the run's param already ('0'); your value '42' is kept as 'user.seed'" in original.stderr
     assert "logged no metrics" not in original.stderr
     saved = {a.path for a in client.list_artifacts(run_id, "outputs/out")}
-    assert {"outputs/out/checkpoint-2", "outputs/out/checkpoint-4"} <= saved
+    assert {"outputs/out/checkpoint-2", "outputs/out/checkpoint-4", "outputs/out/checkpoint-6"} <= saved
     # No run beside it: the Trainer's MLflow callback made none, and ended none (the record is FINISHED above).
     strays = [r for r in project.all_runs() if "eval_loss" in r.data.metrics and "harness.loop" not in r.data.tags]
     assert strays == []
@@ -172,7 +174,8 @@ def test_an_unconverted_trainer_logs_into_the_one_run(project: Project, experime
     its on_train_end calls mlflow.end_run(). Its final evaluate() still lands in the harness run, its params that
     collide with harness's (`seed`) are kept as `user.<name>` without losing the rest of their batch, and the run
     is not said to have logged no metrics."""
-    result = project.harness("run", experiment, "train.converted=false", "world_size=1", "train.steps=2")
+    result = project.harness("run", experiment, "train.converted=false", "world_size=1", "train.steps=2",
+                             "train.logging_steps=1", "checkpoint_every=0")
     assert result.returncode == 0, result.stderr
     run = project.client().get_run(result.last_line)
     assert run.info.status == "FINISHED"
@@ -185,12 +188,7 @@ def test_an_unconverted_trainer_logs_into_the_one_run(project: Project, experime
     assert [r.info.run_id for r in strays] == []
 
 
-# The running loss is logged every 3 steps and checkpointed every 2: the loss logged after the resume averages steps
-# from before it, which the Trainer's own checkpoint does not hold (harness's does).
-RESUMABLE = ("checkpoint_every=2", "train.steps=7", "train.logging_steps=3")
-
-
-def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, experiment: str) -> None:
+def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, experiment: str, original: Result) -> None:
     """Rank 1 is SIGKILLed at step 5, after the Trainer's checkpoint of step 4: `harness resume` proves that
     checkpoint (a re-execution from the one of step 2 lands on its weights and optimizer state, and logs what the run
     logged) and continues through the Trainer's resume_from_checkpoint. The record equals an uninterrupted run's:
@@ -200,7 +198,9 @@ def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, exp
     First, with the optimizer state in the Trainer's checkpoint of step 2 changed (as a file left from another run
     would be), the resume is refused naming the file - the Trainer's files are sealed with the run's record - and
     the run stays as it was."""
-    crashed = project.harness("run", experiment, *RESUMABLE, env={"KILL_AT": "5"})
+    # The running loss is logged every 3 steps and checkpointed every 2: the loss logged after the resume averages
+    # steps from before it, which the Trainer's own checkpoint does not hold (harness's does).
+    crashed = project.harness("run", experiment, env={"KILL_AT": "5"})
     assert crashed.returncode == 1 and "was killed by SIGKILL" in crashed.stderr, crashed.stderr
     run_id = crashed.last_line
     client = project.client()
@@ -209,7 +209,7 @@ def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, exp
 
     folder = Path(client.get_run(run_id).info.artifact_uri.removeprefix("file://"))
     optimizer = folder / "checkpoints/step-00000002/framework/optimizer.pt"
-    original = optimizer.read_bytes()
+    intact = optimizer.read_bytes()
     state = torch.load(optimizer, weights_only=True)
     next(iter(state["state"].values()))["exp_avg"].add_(1.0)
     optimizer.unlink()  # a hard link to the Trainer's own file: replaced, not written through
@@ -219,12 +219,12 @@ def test_a_trainer_run_resumes_through_its_own_checkpoints(project: Project, exp
     assert "changed after it was sealed: artifact checkpoints/step-00000002/framework/optimizer.pt" in refused.stderr
     assert client.get_run(run_id).info.status == "FAILED"
     optimizer.unlink()
-    optimizer.write_bytes(original)
+    optimizer.write_bytes(intact)
 
     resumed = project.harness("resume", run_id)
     assert resumed.returncode == 0, resumed.stderr
     assert "Proved: steps 2-" in resumed.stderr, resumed.stderr
-    clean = project.harness("run", experiment, *RESUMABLE)
+    clean = original  # the uninterrupted run
     assert clean.returncode == 0, clean.stderr
     a, b = client.get_run(run_id), client.get_run(clean.last_line)
     assert a.info.status == "FINISHED" and a.data.tags["harness.resumed_from"] == "4"

@@ -320,3 +320,20 @@ ARTIFACT_ENVELOPE = "calibration/envelope.json"  # the rounding envelope (harnes
 ARTIFACT_WEIGHTS_SKETCH = "weights/sketch.npz"
 ARTIFACT_PROFILE_DIR = "profile"  # rank<R>-step<K>.trace.json (Chrome trace), .table.txt, .summary.json
 ARTIFACT_SEAL = "seal/manifest.json"  # the canonical record harness.seal is the sha256 of
+
+# Harness's own bookkeeping: tags that say what harness did with a run - which run it replays, audits, traces or
+# calibrates, which study, calibration or bisect it belongs to, what it asked the ranks to do besides training (stop
+# after K steps, sketch the weights: runtime/plan.py Steering), how it was judged, sealed or imported - never the
+# conditions it ran under. A replay differs from its original in them by construction, so no environment delta
+# lists them (harness/judge/delta.py). CALIBRATION_KERNELS and PERTURB_SEED are not among them: a member's other
+# kernels and nudged weights change its arithmetic.
+BOOKKEEPING: frozenset[str] = frozenset({
+    KIND, REPLAY_OF, VERDICT, UNDETERMINED, REPLAYS, CHANGES, TOLERANCE, REPLAY_STEPS, DATA_CHANGES, LOCALIZED,
+    CALIBRATION_OF, CALIBRATION_MEMBERS, CALIBRATION_STEPS, CALIBRATION_NUDGE, CALIBRATION, SKETCH_AT,
+    STUDY, STUDY_SEEDS, STUDY_SIZE, STUDY_PARALLEL, STUDY_SEED_IGNORED, STUDY_REPLAY, STUDY_MEMBERS_SEED,
+    VERIFY_CLAIMS_FILE, VERIFY_HELD,
+    BISECT_GOOD, BISECT_BAD, BISECT_OF, BISECT_CULPRIT, BISECT_PROBES, BISECT_RESUMED_FROM,
+    AUDIT_OF, AUDIT_SEGMENTS, AUDIT_SEED,
+    TRACE_OF, TRACE_STEP, TRACE_RANKS, TRACE_FROM_CHECKPOINT, TRACE_REPRODUCED, TRACE_PURPOSE,
+    SEAL, IMPORTED_FROM, IMPORT_STATE,
+})

@@ -71,25 +71,15 @@ def config_delta(
 # ---------------------------------------------------------------------------------------------
 # Environment
 
-# Tags that describe the run's role or outcome rather than the conditions it ran under;
-# they differ between an original and its replay by construction.
-IGNORED_TAGS: frozenset[str] = frozenset(
+# Tags that are harness's own bookkeeping (tags.BOOKKEEPING), or describe the run's outcome rather than the
+# conditions it ran under; they differ between an original and its replay by construction.
+IGNORED_TAGS: frozenset[str] = tags.BOOKKEEPING | frozenset(
     {
-        tags.KIND,
-        tags.REPLAY_OF,
-        tags.VERDICT,
-        tags.UNDETERMINED,
-        tags.REPLAYS,  # the original's count of its replays' verdicts, not its environment
-        tags.CHANGES,
-        tags.TOLERANCE,
-        # replay --steps K: the request, and how many steps' data order it then recorded (the verdict says "over
-        # the first K of N steps"); how far a run got is its outcome, not what it ran under.
-        tags.REPLAY_STEPS,
+        # How many steps' data order a run recorded (a replay --steps K stops early): how far it got, its outcome.
         tags.DATA_ORDER_STEPS,
         # Which metrics the script logged through MLflow itself: what it logged (a replay stopped at step K may not
         # have reached them), which the metric comparison judges, not what the run ran under.
         tags.USER_MLFLOW_METRICS,
-        tags.DATA_CHANGES,
         # A replay runs in a detached worktree; the branch name decides nothing, the commit does.
         tags.GIT_BRANCH,
         tags.FINGERPRINT,
@@ -105,11 +95,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Which scheduler job and which rendezvous address: where it ran, never what decided it.
         tags.SLURM_JOB_ID,
         tags.MASTER,
-        # Which store the record was imported from (harness import): provenance of the record, not of the run.
-        tags.IMPORTED_FROM,
-        tags.IMPORT_STATE,
-        # The record's own digest, and the warnings it carries: about the record, never what decided the result.
-        tags.SEAL,
+        # The warnings the record carries: about the record, never what decided the result.
         tags.NOTICES,
         # What the run's loop and its evaluations were: the code's, whose changes the commit and metrics show.
         tags.LOOP,

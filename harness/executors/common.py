@@ -183,7 +183,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
             node.fail(f"node 0: {err}")
     finally:
         closing()
-        follower.close()
+        follower.close(finished=ended is None, steps=recorder.final.get("steps_total"))
 
     def collect_logs() -> None:  # the other nodes' rank logs, before the record is closed and sealed
         assert node is not None

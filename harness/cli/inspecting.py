@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from harness import tags as T
-from harness.cli.console import _draw, _emit, _expected_errors, _say
+from harness.cli.console import _draw, _emit, _expected_errors, _say, _verdict
 from harness.cli.options import _EXECUTOR, _TRACKING_HELP, _ExecutorOption, _json_option
 from harness.errors import EXIT_SIGINT
 
@@ -127,7 +127,7 @@ def compare(run_a: str, run_b: str, report: Path | None, tolerances: tuple[str, 
         sys.exit(1 if found.differs else 0)
     for line in comparison_lines(found, []):
         click.echo(line)
-    click.echo(verdict_line(found))
+    _verdict(verdict_line(found))
     sys.exit(found.exit_code)
 
 
@@ -182,7 +182,7 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
                    f"{'' if s.ok else ' - ' + s.detail} ({s.seconds:.1f}s)")
     click.echo(f"P(catching one bad segment) = {len(result.drawn)}/{result.segments_total} = "
                f"{result.catch_probability:.2f}; compute = {result.step_fraction:.1%} of a full replay's steps")
-    click.echo(f"verdict: {result.summary()}")
+    _verdict(f"verdict: {result.summary()}")
     click.echo(result.audit_id)
     sys.exit(result.exit_code)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from harness.cli.console import _draw, _emit, _exit, _expected_errors, _say, _Voice
+from harness.cli.console import _draw, _emit, _exit, _expected_errors, _say, _verdict, _Voice
 from harness.cli.options import (
     _EXECUTOR,
     _SECRET_IN_DIFF_HELP,
@@ -245,8 +245,10 @@ def replay(
         _say(Tracker(tracking_uri).ui_hint(result.run_id if isinstance(result, StudyReplayResult) else result.outcome.run_id))
         _emit(documents.replay(result))
     if isinstance(result, StudyReplayResult):
-        for line in study_replay_lines(result):
+        lines = study_replay_lines(result)
+        for line in lines[:-1]:
             click.echo(line)
+        _verdict(lines[-1])
         click.echo(result.run_id)
         sys.exit(result.exit_code)
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
@@ -260,7 +262,7 @@ def replay(
     for line in result.localized.lines() if result.localized is not None else []:
         click.echo(line)
     _say(Tracker(tracking_uri).ui_hint(result.outcome.run_id))
-    click.echo(verdict_line(result.comparison))
+    _verdict(verdict_line(result.comparison))
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)
 

@@ -256,12 +256,12 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
 
 @click.command()
 @click.argument("claims_file", type=click.Path(path_type=Path))
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--replay", "do_replay", is_flag=True,
               help="Replay each study or run the claims rest on (once) and judge the claims on the replays.")
 @click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
-@click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-changes", is_flag=True, help="--replay: replay with the KEY=VALUE overrides given after CLAIMS_FILE (a flag).")
 @click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
               help="--replay: where the replays run (default: as recorded).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)

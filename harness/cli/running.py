@@ -25,7 +25,7 @@ from harness.secrets import scrub
 
 @click.command(cls=_BackendCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
 @click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
               help="Where the ranks run (default: `executor` in experiment.yaml).")
@@ -119,7 +119,7 @@ def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool,
 
 @click.command()
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Accept untracked files whose names mark them as secrets (they would be recorded).")
@@ -169,9 +169,10 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
 
 @click.command(cls=_BackendCommand)
 @click.argument("run_id")
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
-@click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-changes", is_flag=True,
+              help="Replay with the KEY=VALUE overrides given after RUN_ID (a flag: `harness replay RUN_ID train.lr=0.1 --allow-changes`); recorded and reported as changes.")
 @click.option("--allow-data-changes", is_flag=True,
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",

@@ -86,6 +86,10 @@ WORLD_SIZE = "harness.world_size"
 BACKEND = "harness.backend"
 DEVICE = "harness.device"
 THREADS_PER_RANK = "harness.threads_per_rank"
+# Config keys whose "auto" is resolved at launch, and the tag that holds what the ranks ran on. Their params are the
+# resolved values, logged once resolved (record/recorder.py), so that MLflow's compare view sees a run and its replay
+# (pinned to them) agree; what the experiment asked for stays in config.yaml.
+RESOLVED_AT_LAUNCH: dict[str, str] = {"device": DEVICE, "backend": BACKEND}
 
 # Runtime environment, measured where the ranks run (harness.env.<name>).
 ENV_PREFIX = "harness.env."

@@ -28,7 +28,7 @@ _NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.", "slurm.", "data.",
 
 # "auto" in a config is resolved at launch and recorded as a tag; a replay pins it to that value,
 # so "auto" -> "cpu" is no change when the original did run on cpu.
-_RESOLVED_BY: dict[str, str] = {"device": tags.DEVICE, "backend": tags.BACKEND}
+_RESOLVED_BY: dict[str, str] = tags.RESOLVED_AT_LAUNCH
 
 
 @dataclass

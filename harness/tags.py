@@ -55,10 +55,14 @@ GIT_SUBMODULES_SHA256 = "harness.git.submodules_sha256"  # of ARTIFACT_SUBMODULE
 GIT_PATCH_REDACTED = "harness.git.patch_redacted"
 
 IMAGE = "harness.image"  # as pinned in experiment.yaml
-IMAGE_DIGEST = "harness.image.digest"  # registry digest, or "unknown"
-IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why unknown
+# The registry digest of the image the ranks ran in; HOST where they ran on the host, in no image (the local, slurm
+# and torchrun executors); "unknown" in records made before HOST was, whatever ran.
+IMAGE_DIGEST = "harness.image.digest"
+HOST = "host"
+IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why the pinned image's digest is not known here
 IMAGE_ID = "harness.image.id"  # local image id when the engine knows it
-IMAGE_TAG_DIGEST = "harness.image.tag_digest"  # what the pinned tag resolved to when this run started
+# What the pinned tag resolved to when this run started: a host run's pinned image, when this machine's engine knew it.
+IMAGE_TAG_DIGEST = "harness.image.tag_digest"
 # "id" when a replay ran the local image with the recorded id, the engine knowing no registry digest for it
 # (an image loaded from a bundle); the digest tag then repeats the recorded one.
 IMAGE_RESOLVED_BY = "harness.image.resolved_by"

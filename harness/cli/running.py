@@ -172,7 +172,8 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True,
-              help="Replay with the KEY=VALUE overrides given after RUN_ID (a flag: `harness replay RUN_ID train.lr=0.1 --allow-changes`); recorded and reported as changes.")
+              help="Replay with the KEY=VALUE overrides given after RUN_ID (a flag: `harness replay RUN_ID "
+                   "train.lr=0.1 --allow-changes`); recorded and reported as changes.")
 @click.option("--allow-data-changes", is_flag=True,
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",

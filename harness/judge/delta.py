@@ -155,6 +155,7 @@ _NOTES: dict[str, str] = {
     tags.GIT_REPO_URL: "repository URL differs",
     tags.IMAGE_ID: "local image id differs (compare digests)",
     tags.IMAGE_DIGEST_REASON: "digest lookup differs",
+    tags.IMAGE_TAG_DIGEST: "what the pinned tag resolved to differs (or the engine knew it in one run only)",
     tags.IMAGE_RESOLVED_BY: "image found by its recorded id (loaded from a bundle, no registry digest here)",
     tags.EXECUTOR: "executor differs (see image and library versions)",
     tags.IN_IMAGE: "ran inside the pinned image in one run only",
@@ -337,12 +338,17 @@ def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str
             return False, f"determinism setting '{setting}' recorded in one run only"
         return True, f"determinism setting '{setting}' changed: different kernels may be chosen"
     if name == tags.IMAGE_DIGEST:
+        if tags.HOST in (a, b):
+            # One ran in no image: what decides is the libraries it found, compared one by one (torch, CUDA, ...).
+            return False, "ran on the host in one run (no image): the library versions decide"
         # An unknown digest proves nothing either way; only two known, different digests do.
         if a in (None, _UNKNOWN_DIGEST) or b in (None, _UNKNOWN_DIGEST):
             return False, "image digest unknown in one run: cannot prove the same image"
         return True, "image digest changed: different libraries in the image"
     if name == tags.IMAGE:
         da, db = facts_a.get(tags.IMAGE_DIGEST), facts_b.get(tags.IMAGE_DIGEST)
+        if da == db == tags.HOST:
+            return False, "image reference differs (both ran on the host, in neither image)"
         if da in (None, _UNKNOWN_DIGEST) and db in (None, _UNKNOWN_DIGEST):
             # Without digests the reference is the only evidence of which image ran.
             return True, "image changed and no digest proves it is the same"

@@ -129,3 +129,38 @@ def test_command_synopses_write_flags_as_flags_and_name_real_options() -> None:
                 elif not option.is_flag and ends and "|" not in token:
                     wrong.append(f"{synopsis}: {name} takes a value, written without one")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_walkthrough_runs_commands_that_exist_with_options_they_take() -> None:
+    # docs/before-you-submit.md shows real output of real commands: each `$ harness ...` line parses as the CLI would.
+    import shlex
+
+    import click
+
+    page = DOCS / "before-you-submit.md"
+    main = importlib.import_module("harness.cli").main
+    ctx = click.Context(main, info_name="harness")
+    lines = [line[2:] for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("$ harness ")]
+    assert len(lines) >= 8, lines
+    for line in lines:
+        args = shlex.split(line)[1:]
+        cmd = main.get_command(ctx, args[0])
+        assert cmd is not None, line
+        cmd.make_context(args[0], args[1:], parent=ctx)  # a wrong option or a missing argument raises
+    assert "docs/before-you-submit.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_mixed_precision_guide_names_what_harness_records() -> None:
+    import torch
+
+    from harness import tags
+    from harness.runtime.metrics import logged_twice
+
+    text = (DOCS / "training-api.md").read_text(encoding="utf-8")
+    section = text[text.index("## Mixed precision"):text.index("## Frameworks")]
+    for name in (tags.AUTOCAST, tags.GRAD_SCALER, tags.METRIC_GRAD_SCALE, tags.METRIC_LR):
+        assert f"`{name}`" in section, name
+    # The failure a skipped step causes in a ctx.loader loop, as the guide quotes it.
+    said = logged_twice("loss", 0, "step 0", counted=True, model=torch.nn.Linear(1, 1), initial_fingerprint=None)
+    quoted = " ".join(section[section.index("`ctx.log: 'loss'"):].split("`")[1].split()).removesuffix(" ...")
+    assert said.startswith(quoted), (quoted, said)

@@ -82,7 +82,8 @@ class RankOutput:
 @dataclass(frozen=True)
 class Steps:
     """The training steps of the ranks running here: `done` of `total` (None until rank 0 says how many), under
-    `label` (the experiment and its world size). The first has done=0; the last has `ended` set: the ranks are done.
+    `label` (the experiment and its world size). The first has done=0; the last has `ended` set: the ranks are done (when
+    they ended well, `done` and `total` are the steps they ran: the bar ends full).
     Said when the count moves, at most five times a second."""
 
     label: str

@@ -61,10 +61,14 @@ GIT_SUBMODULES_SHA256 = "harness.git.submodules_sha256"  # of ARTIFACT_SUBMODULE
 GIT_PATCH_REDACTED = "harness.git.patch_redacted"
 
 IMAGE = "harness.image"  # as pinned in experiment.yaml
-IMAGE_DIGEST = "harness.image.digest"  # registry digest, or "unknown"
-IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why unknown
+# The registry digest of the image the ranks ran in; HOST where they ran on the host, in no image (the local, slurm
+# and torchrun executors); "unknown" in records made before HOST was, whatever ran.
+IMAGE_DIGEST = "harness.image.digest"
+HOST = "host"
+IMAGE_DIGEST_REASON = "harness.image.digest_reason"  # why the pinned image's digest is not known here
 IMAGE_ID = "harness.image.id"  # local image id when the engine knows it
-IMAGE_TAG_DIGEST = "harness.image.tag_digest"  # what the pinned tag resolved to when this run started
+# What the pinned tag resolved to when this run started: a host run's pinned image, when this machine's engine knew it.
+IMAGE_TAG_DIGEST = "harness.image.tag_digest"
 # "id" when a replay ran the local image with the recorded id, the engine knowing no registry digest for it
 # (an image loaded from a bundle); the digest tag then repeats the recorded one.
 IMAGE_RESOLVED_BY = "harness.image.resolved_by"
@@ -92,6 +96,10 @@ WORLD_SIZE = "harness.world_size"
 BACKEND = "harness.backend"
 DEVICE = "harness.device"
 THREADS_PER_RANK = "harness.threads_per_rank"
+# Config keys whose "auto" is resolved at launch, and the tag that holds what the ranks ran on. Their params are the
+# resolved values, logged once resolved (record/recorder.py), so that MLflow's compare view sees a run and its replay
+# (pinned to them) agree; what the experiment asked for stays in config.yaml.
+RESOLVED_AT_LAUNCH: dict[str, str] = {"device": DEVICE, "backend": BACKEND}
 
 # Runtime environment, measured where the ranks run (harness.env.<name>).
 ENV_PREFIX = "harness.env."
@@ -326,3 +334,20 @@ ARTIFACT_ENVELOPE = "calibration/envelope.json"  # the rounding envelope (harnes
 ARTIFACT_WEIGHTS_SKETCH = "weights/sketch.npz"
 ARTIFACT_PROFILE_DIR = "profile"  # rank<R>-step<K>.trace.json (Chrome trace), .table.txt, .summary.json
 ARTIFACT_SEAL = "seal/manifest.json"  # the canonical record harness.seal is the sha256 of
+
+# Harness's own bookkeeping: tags that say what harness did with a run - which run it replays, audits, traces or
+# calibrates, which study, calibration or bisect it belongs to, what it asked the ranks to do besides training (stop
+# after K steps, sketch the weights: runtime/plan.py Steering), how it was judged, sealed or imported - never the
+# conditions it ran under. A replay differs from its original in them by construction, so no environment delta
+# lists them (harness/judge/delta.py). CALIBRATION_KERNELS and PERTURB_SEED are not among them: a member's other
+# kernels and nudged weights change its arithmetic.
+BOOKKEEPING: frozenset[str] = frozenset({
+    KIND, REPLAY_OF, VERDICT, UNDETERMINED, REPLAYS, CHANGES, TOLERANCE, REPLAY_STEPS, DATA_CHANGES, LOCALIZED,
+    CALIBRATION_OF, CALIBRATION_MEMBERS, CALIBRATION_STEPS, CALIBRATION_NUDGE, CALIBRATION, SKETCH_AT,
+    STUDY, STUDY_SEEDS, STUDY_SIZE, STUDY_PARALLEL, STUDY_SEED_IGNORED, STUDY_REPLAY, STUDY_MEMBERS_SEED,
+    VERIFY_CLAIMS_FILE, VERIFY_HELD,
+    BISECT_GOOD, BISECT_BAD, BISECT_OF, BISECT_CULPRIT, BISECT_PROBES, BISECT_RESUMED_FROM,
+    AUDIT_OF, AUDIT_SEGMENTS, AUDIT_SEED,
+    TRACE_OF, TRACE_STEP, TRACE_RANKS, TRACE_FROM_CHECKPOINT, TRACE_REPRODUCED, TRACE_PURPOSE,
+    SEAL, IMPORTED_FROM, IMPORT_STATE,
+})

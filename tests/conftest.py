@@ -112,14 +112,16 @@ class Project:
         )
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
-    def cli(self, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> Result:
+    def cli(self, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            color: bool = False) -> Result:
         """`harness ARGS` run in this process by click's CliRunner: the same Result as harness(), without the
         2-4 s a subprocess spends importing. Only for refusals and validation that end before any rank starts:
         nothing here may depend on process exit, signals, a terminal, or environment read at import time.
 
         An exception the CLI does not turn into an exit code propagates (a crash is never an exit code here),
         and what a command changes in this process - os.environ, sys.path, the cwd, signal handlers, MLflow's active
-        run, its loggers' levels - is put back afterwards, so one call cannot leak into the next test.
+        run, its loggers' levels - is put back afterwards, so one call cannot leak into the next test. `color`: the
+        output keeps click's colours, as a terminal gets them (without it, as a pipe does).
         """
         from click.testing import CliRunner
 
@@ -132,7 +134,7 @@ class Project:
             with _chdir(cwd or self.root):
                 # catch_exceptions=False: click still maps SystemExit to exit_code; anything else is raised.
                 result = CliRunner().invoke(main, on_cpu(args), env=env, prog_name="python -m harness",
-                                            catch_exceptions=False)
+                                            catch_exceptions=False, color=color)
         finally:
             os.environ.clear()
             os.environ.update(saved_env)

@@ -239,6 +239,44 @@ def test_delta_rules_and_order() -> None:
     assert (var.a, var.b, var.breaks_bitwise) == (None, "INFO", False)
 
 
+def test_harness_own_bookkeeping_is_never_in_the_environment_delta() -> None:
+    # A replay of a calibrated run sketches its weights after the calibration's steps (harness.weights.sketch_at),
+    # and stops where asked: what harness did with the run, not what it ran under. It printed
+    # "Environment delta: harness.weights.sketch_at: None -> 50 (differs)" on a BITWISE replay.
+    from harness.runtime.plan import Steering
+
+    a = make_record()
+    a.facts[tags.CALIBRATION_MEMBERS] = "4"
+    b = clone(a)
+    b.facts.update(Steering(stop_at=50, sketch_at=50).tags())
+    b.facts.update({tags.REPLAY_OF: a.run_id, tags.KIND: tags.KIND_REPLAY, tags.STUDY_REPLAY: "s" * 32})
+    assert environment_delta(a, b) == []
+    lines = comparison_lines(compare_runs(a, b), [])
+    assert "Environment delta: none" in lines, lines
+    # The nudge of a calibration member changes its arithmetic: it is a condition, and stays in the delta.
+    b.facts.update(Steering(perturb_seed=3).tags())
+    assert [d.name for d in environment_delta(a, b)] == [tags.PERTURB_SEED]
+    assert set(Steering(stop_at=1, sketch_at=1).tags()) <= tags.BOOKKEEPING
+
+
+def test_a_run_on_the_host_proves_nothing_about_an_image_either_way() -> None:
+    host = make_record()
+    host.facts.update({tags.IMAGE: "localhost:5000/harness-cpu:0.1", tags.IMAGE_DIGEST: tags.HOST})
+    inside = clone(host)
+    inside.facts[tags.IMAGE_DIGEST] = "sha256:" + "d" * 64
+    [d] = environment_delta(host, inside)
+    assert (d.name, d.breaks_bitwise) == (tags.IMAGE_DIGEST, False) and "library versions decide" in d.note
+    # Both on the host: the image they name is in neither run, so another name changes nothing.
+    other = clone(host)
+    other.facts[tags.IMAGE] = "localhost:5000/harness-cpu:0.2"
+    [d] = environment_delta(host, other)
+    assert (d.name, d.breaks_bitwise) == (tags.IMAGE, False)
+    # Two images, both unknown (records made before "host"): the reference is the only evidence, as it was.
+    a, b = clone(host), clone(other)
+    a.facts[tags.IMAGE_DIGEST] = b.facts[tags.IMAGE_DIGEST] = "unknown"
+    assert [d.breaks_bitwise for d in environment_delta(a, b)] == [True]
+
+
 def test_replay_failed_diverges_but_keeps_metric_table() -> None:
     a = make_record()
     b = clone(a, status="FAILED")

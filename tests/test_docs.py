@@ -95,3 +95,72 @@ def test_every_docs_page_is_reachable_from_the_index() -> None:
 def test_readme_stays_the_front_door() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+_SYNOPSIS = re.compile(r"^\| `(harness [^`]*)`", re.M)
+
+
+def test_command_synopses_write_flags_as_flags_and_name_real_options() -> None:
+    # docs/commands.md wrote `[--allow-changes KEY=VALUE ...]` where --help shows a flag and positional overrides:
+    # each option a synopsis names must be the command's, a flag followed by no value, an option taking one by one.
+    import click
+
+    main = importlib.import_module("harness.cli").main
+    ctx = click.Context(main, info_name="harness")
+    wrong = []
+    for synopsis in _SYNOPSIS.findall((DOCS / "commands.md").read_text(encoding="utf-8")):
+        tokens = synopsis.replace("\\|", "|").split()
+        cmd = main.get_command(ctx, tokens[1])
+        assert cmd is not None, f"{synopsis}: no command {tokens[1]}"
+        params = cmd.get_params(click.Context(cmd, info_name=tokens[1], parent=ctx))  # the backends' options too
+        options = {name: p for p in params if isinstance(p, click.Option) for name in (*p.opts, *p.secondary_opts)}
+        for i, token in enumerate(tokens[2:], start=2):
+            for name in token.strip("[]").split("|"):
+                if not name.startswith("-"):
+                    continue
+                option = options.get(name)
+                if option is None:
+                    wrong.append(f"{synopsis}: {name} is no option of harness {tokens[1]}")
+                    continue
+                then = tokens[i + 1] if i + 1 < len(tokens) else "]"
+                ends = token.endswith("]") or then.startswith(("[", "-", "/"))
+                if option.is_flag and not ends:
+                    wrong.append(f"{synopsis}: {name} is a flag, written with a value ({then})")
+                elif not option.is_flag and ends and "|" not in token:
+                    wrong.append(f"{synopsis}: {name} takes a value, written without one")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_walkthrough_runs_commands_that_exist_with_options_they_take() -> None:
+    # docs/before-you-submit.md shows real output of real commands: each `$ harness ...` line parses as the CLI would.
+    import shlex
+
+    import click
+
+    page = DOCS / "before-you-submit.md"
+    main = importlib.import_module("harness.cli").main
+    ctx = click.Context(main, info_name="harness")
+    lines = [line[2:] for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("$ harness ")]
+    assert len(lines) >= 8, lines
+    for line in lines:
+        args = shlex.split(line)[1:]
+        cmd = main.get_command(ctx, args[0])
+        assert cmd is not None, line
+        cmd.make_context(args[0], args[1:], parent=ctx)  # a wrong option or a missing argument raises
+    assert "docs/before-you-submit.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_mixed_precision_guide_names_what_harness_records() -> None:
+    import torch
+
+    from harness import tags
+    from harness.runtime.metrics import logged_twice
+
+    text = (DOCS / "training-api.md").read_text(encoding="utf-8")
+    section = text[text.index("## Mixed precision"):text.index("## Frameworks")]
+    for name in (tags.AUTOCAST, tags.GRAD_SCALER, tags.METRIC_GRAD_SCALE, tags.METRIC_LR):
+        assert f"`{name}`" in section, name
+    # The failure a skipped step causes in a ctx.loader loop, as the guide quotes it.
+    said = logged_twice("loss", 0, "step 0", counted=True, model=torch.nn.Linear(1, 1), initial_fingerprint=None)
+    quoted = " ".join(section[section.index("`ctx.log: 'loss'"):].split("`")[1].split()).removesuffix(" ...")
+    assert said.startswith(quoted), (quoted, said)

@@ -57,6 +57,13 @@ def test_replay_of_clean_run_is_bitwise(project: Project, original: str, clean_r
     assert tags["harness.kind"] == "replay"
     assert run.info.experiment_id == client.get_run(original).info.experiment_id
     assert tags["harness.fingerprint"] == client.get_run(original).data.tags["harness.fingerprint"]
+    # The params are what the ranks ran on (backend "auto" resolved to gloo), the replay's too: MLflow's compare view
+    # highlighted `backend auto -> gloo` between a run and its plain replay. config.yaml keeps what was asked.
+    params, again = client.get_run(original).data.params, run.data.params
+    assert (params["device"], params["backend"]) == (recorded["harness.device"], recorded["harness.backend"]) == (
+        "cpu", "gloo")
+    assert {k: v for k, v in params.items() if again.get(k) != v} == {}, again
+    assert "backend: auto" in Path(client.download_artifacts(original, "config.yaml")).read_text()
     arts = {f.path for f in client.list_artifacts(replay_id, "replay")}
     assert {"replay/report.md", "replay/comparison.json", "replay/metric_loss.png"} <= arts
     png = Path(client.download_artifacts(replay_id, "replay/metric_loss.png"))

@@ -90,7 +90,12 @@ def test_run_records_provenance(project: Project, linear_run, tmp_path: Path) ->
     assert tags["mlflow.source.name"] == "experiments/linear_ddp/train.py"
     assert tags["harness.experiment.path"] == "experiments/linear_ddp"
     assert tags["harness.image"] == "localhost:5000/harness-cpu:0.1"
-    assert tags["harness.image.digest"].startswith("sha256:") or tags["harness.image.digest_reason"]
+    # The ranks ran on the host, in no image: the record says so, and `harness runs` with it (not "unknown"). The
+    # pinned image's digest, where this machine's engine knows it, is what its tag resolved to (else why not).
+    assert tags["harness.image.digest"] == "host" and tags["harness.in_image"] == "false"
+    assert tags.get("harness.image.tag_digest", "").startswith("sha256:") or tags["harness.image.digest_reason"]
+    [listed] = [r for r in json.loads(project.cli("runs", "--json").stdout)["runs"] if r["run_id"] == run_id]
+    assert listed["image_digest"] == "host"
     from harness.seeds import derive_rank_seeds
 
     assert tags["harness.seed"] == "0"
@@ -193,10 +198,17 @@ def test_two_runs_of_one_config_are_identical(project: Project, linear_run) -> N
 
 
 def test_override_is_recorded(project: Project) -> None:
-    result = project.harness("run", "experiments/linear_ddp", "train.lr=0.05", "train.epochs=1")
+    never_built = "localhost:5000/harness-never-built:1"
+    result = project.harness("run", "experiments/linear_ddp", "train.lr=0.05", "train.epochs=1", f"image={never_built}")
     assert result.returncode == 0, result.stderr
-    params = project.client().get_run(result.last_line).data.params
-    assert params["train.lr"] == "0.05" and params["train.epochs"] == "1"
+    run = project.client().get_run(result.last_line)
+    assert run.data.params["train.lr"] == "0.05" and run.data.params["train.epochs"] == "1"
+    # It ran on the host, and no engine here knows its pinned image: no image to replay it in, said before anything.
+    assert run.data.tags["harness.image.digest"] == "host" and "harness.image.tag_digest" not in run.data.tags
+    refused = project.cli("replay", result.last_line, "--executor", "docker")
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        f"Error: run {result.last_line} ran on the host and recorded no digest of its pinned image ("), refused.stderr
+    assert refused.stderr.rstrip().endswith("so there is no exact image to run it in. Use --executor local.")
 
 
 def test_dirty_tree_is_recorded_as_patch(fresh_project: Project, tmp_path: Path) -> None:

@@ -65,6 +65,45 @@ def test_the_cli_draws_the_steps_as_a_bar_on_a_terminal_and_lines_above_it(monke
     assert draw(File()) == "epoch 1/1 loss 0.1\nafter the ranks\n"
 
 
+def test_the_bar_ends_full_when_the_ranks_end_well(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Rank 0's step clock is read every 0.2 s: a fast run's last reading was step 172 of 184, and the bar stayed at
+    # 93% after FINISHED. Ranks that ended well ran every step: the last Steps says the record's count, of itself.
+    from harness.executors.follow import Follower
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def follow(finished: bool, steps: int | None) -> tuple[events.Steps, str]:
+        monkeypatch.setattr(sys, "stderr", Terminal())
+        bar, said = Bar(), []
+
+        def listen(event: events.Event) -> None:
+            if isinstance(event, events.Steps):
+                said.append(event)
+                bar.steps(event)
+
+        with events.listening(listen):
+            follower = Follower(tmp_path / "rank0.log", "digits_cnn x2")
+            follower.total(184)
+            follower.follow_steps([171])  # rank 0's clock: step index 171, 172 steps done
+            time.sleep(0.3)  # the follower's thread reads the clock every 0.2 s
+            follower.close(finished=finished, steps=steps)
+        return said[-1], sys.stderr.getvalue()
+
+    last, shown = follow(True, 184)
+    assert (last.done, last.total, last.ended) == (184, 184, True)
+    assert shown.rstrip().endswith("]") and "100%|" in shown.splitlines()[-1] and "| 184/184 [" in shown, shown
+    # replay --steps 8 ended well after its 8 steps: 8 of 8, not 8 of the run's 184.
+    last = follow(True, 8)[0]
+    assert last.done == last.total == 8
+    # No count came (no registered model): the total it was to run.
+    assert follow(True, None)[0].done == 184
+    # A failed run ends where its ranks were.
+    last, shown = follow(False, None)
+    assert (last.done, last.total) == (172, 184) and "| 172/184 [" in shown.splitlines()[-1]
+
+
 def _spec(log_dir: Path) -> LaunchSpec:
     return LaunchSpec(
         code_dir=str(ROOT / "experiments" / "linear_ddp"), entry_file="train.py", entry_func="train", world_size=2,

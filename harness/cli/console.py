@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -26,6 +27,7 @@ class _Voice:
 
     quiet = False  # only warnings and errors: no notices, progress or links (the job's own output neither)
     verbose = False  # an error's traceback too, after its one line
+    plain = False  # no colour: --json (a script reads stdout and stderr alike), set per command
 
 
 class _Drawer:
@@ -43,11 +45,37 @@ class _Drawer:
             self._bar.steps(event)
         elif isinstance(event, events.RankOutput):
             self._bar.write(event.text)  # the user's own output, as rank 0's log has it
+        elif isinstance(event, events.Warning):
+            self._bar.write(_coloured("Warning:", "unsure") + " " + scrub(event.text))
         else:
             self._bar.write(scrub(event.line()))
 
 
 _draw = _Drawer()
+
+
+# A verdict's (and an error's) colour on a terminal, by its tone (harness/judge/verdicts.py `tone`).
+_COLOURS = {"pass": "green", "fail": "red", "unsure": "yellow"}
+_VERDICT_AT = re.compile(r"(verdict: )([A-Z_]+)")
+
+
+def _coloured(text: str, tone: str | None) -> str:
+    """`text` in its tone's colour. click.echo drops the colour where the stream is no terminal (a pipe, a file);
+    never any with --json or with NO_COLOR set to anything (https://no-color.org)."""
+    if tone is None or _Voice.plain or os.environ.get("NO_COLOR"):
+        return text
+    return click.style(text, fg=_COLOURS[tone], bold=True)
+
+
+def _verdict(line: str) -> None:
+    """A `verdict: NAME ...` line on stdout, NAME in its colour: green a pass, red DIVERGED, yellow the others."""
+    from harness.commands.terminal import verdict_tone
+
+    found = _VERDICT_AT.search(line)
+    if found is not None:
+        name = found.group(2)
+        line = line[:found.start(2)] + _coloured(name, verdict_tone(name)) + line[found.end(2):]
+    click.echo(line)
 
 
 def _say(line: str) -> None:
@@ -72,7 +100,7 @@ def _refused(message: str, exit_code: int, as_json: bool) -> NoReturn:
 
         click.echo(traceback.format_exc().rstrip(), err=True)
     message = scrub(message)  # outside text (an MLflow exception, a URL) may carry a password
-    click.echo(f"Error: {message}", err=True)
+    click.echo(f"{_coloured('Error:', 'fail')} {message}", err=True)
     if as_json:
         from harness.commands import documents
 
@@ -90,6 +118,7 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         as_json = bool(kwargs.get("as_json"))
+        _Voice.plain = as_json
         try:
             with events.listening(_draw):  # what the library says on its way, on stderr
                 return fn(*args, **kwargs)

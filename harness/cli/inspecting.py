@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from harness import tags as T
-from harness.cli.console import _draw, _emit, _expected_errors, _say
+from harness.cli.console import _draw, _emit, _expected_errors, _say, _verdict
 from harness.cli.options import _EXECUTOR, _TRACKING_HELP, _ExecutorOption, _json_option
 from harness.errors import EXIT_SIGINT
 
@@ -152,7 +152,7 @@ def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerance
         sys.exit(1 if found.differs else 0)
     for line in comparison_lines(found, []):
         click.echo(line)
-    click.echo(verdict_line(found))
+    _verdict(verdict_line(found))
     sys.exit(found.exit_code)
 
 
@@ -207,7 +207,7 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
                    f"{'' if s.ok else ' - ' + s.detail} ({s.seconds:.1f}s)")
     click.echo(f"P(catching one bad segment) = {len(result.drawn)}/{result.segments_total} = "
                f"{result.catch_probability:.2f}; compute = {result.step_fraction:.1%} of a full replay's steps")
-    click.echo(f"verdict: {result.summary()}")
+    _verdict(f"verdict: {result.summary()}")
     click.echo(result.audit_id)
     sys.exit(result.exit_code)
 
@@ -281,12 +281,12 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
 
 @click.command()
 @click.argument("claims_file", type=click.Path(path_type=Path))
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--replay", "do_replay", is_flag=True,
               help="Replay each study or run the claims rest on (once) and judge the claims on the replays.")
 @click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
-@click.option("--allow-changes", is_flag=True, help="--replay: accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-changes", is_flag=True, help="--replay: replay with the KEY=VALUE overrides given after CLAIMS_FILE (a flag).")
 @click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
               help="--replay: where the replays run (default: as recorded).")
 @click.option("--tracking-uri", default=None, help=_TRACKING_HELP)

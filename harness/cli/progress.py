@@ -55,6 +55,7 @@ class Bar:
         with self._lock:
             if event.ended:
                 if self._bar is not None:
+                    self._advance(self._bar, event)  # ranks that ended well say where: the bar ends there, full
                     self._bar.close()
                 self._bar, self._done, self._first = None, 0, None
                 return
@@ -64,19 +65,21 @@ class Bar:
                 # Only a terminal gets a bar: redrawn with carriage returns, it would fill a log file with them.
                 self._bar = tqdm(total=None, unit="step", desc=event.label, file=sys.stderr, mininterval=0.5,
                                  leave=True, disable=not sys.stderr.isatty(), bar_format=_FORMAT_NO_TOTAL)
-            bar = self._bar
-            if event.total is not None and bar.total != event.total:
-                bar.total = event.total
-                bar.bar_format = _FORMAT
-                bar.refresh()
-            if event.done > self._done:
-                now = time.monotonic()
-                if self._first is None:
-                    self._first = (event.done, now)
-                rate, eta = rate_and_eta(self._first, (event.done, now), bar.total)
-                bar.set_postfix_str(progress_note(rate, eta), refresh=False)
-                bar.update(event.done - self._done)
-                self._done = event.done
+            self._advance(self._bar, event)
+
+    def _advance(self, bar: Any, event: events.Steps) -> None:
+        if event.total is not None and bar.total != event.total:
+            bar.total = event.total
+            bar.bar_format = _FORMAT
+            bar.refresh()
+        if event.done > self._done:
+            now = time.monotonic()
+            if self._first is None:
+                self._first = (event.done, now)
+            rate, eta = rate_and_eta(self._first, (event.done, now), bar.total)
+            bar.set_postfix_str(progress_note(rate, eta), refresh=False)
+            bar.update(event.done - self._done)
+            self._done = event.done
 
     def write(self, line: str) -> None:
         """A line on stderr: above the bar while there is one."""

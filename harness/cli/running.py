@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from harness.cli.console import _draw, _emit, _exit, _expected_errors, _say, _Voice
+from harness.cli.console import _draw, _emit, _exit, _expected_errors, _say, _verdict, _Voice
 from harness.cli.options import (
     _EXECUTOR,
     _SECRET_IN_DIFF_HELP,
@@ -25,7 +25,7 @@ from harness.secrets import scrub
 
 @click.command(cls=_BackendCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
 @click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
               help="Where the ranks run (default: `executor` in experiment.yaml).")
@@ -119,7 +119,7 @@ def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool,
 
 @click.command()
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Accept untracked files whose names mark them as secrets (they would be recorded).")
@@ -169,9 +169,11 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
 
 @click.command(cls=_BackendCommand)
 @click.argument("run_id")
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
-@click.option("--allow-changes", is_flag=True, help="Accept KEY=VALUE overrides of the recorded config.")
+@click.option("--allow-changes", is_flag=True,
+              help="Replay with the KEY=VALUE overrides given after RUN_ID (a flag: `harness replay RUN_ID "
+                   "train.lr=0.1 --allow-changes`); recorded and reported as changes.")
 @click.option("--allow-data-changes", is_flag=True,
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",
@@ -246,8 +248,10 @@ def replay(
         _say(Tracker(tracking_uri).ui_hint(result.run_id if isinstance(result, StudyReplayResult) else result.outcome.run_id))
         _emit(documents.replay(result))
     if isinstance(result, StudyReplayResult):
-        for line in study_replay_lines(result):
+        lines = study_replay_lines(result)
+        for line in lines[:-1]:
             click.echo(line)
+        _verdict(lines[-1])
         click.echo(result.run_id)
         sys.exit(result.exit_code)
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
@@ -264,7 +268,7 @@ def replay(
     _say(tracker.ui_hint(result.outcome.run_id))
     for line in mlflow_ui.curves(tracker.uri, tracker.get_run(result.outcome.run_id)):
         _say(line)
-    click.echo(verdict_line(result.comparison))
+    _verdict(verdict_line(result.comparison))
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)
 

@@ -10,6 +10,7 @@ from harness.judge.text import (
     study_replay_lines as study_replay_lines,
     verdict_line as verdict_line,
 )
+from harness.judge.verdicts import tone as verdict_tone
 from harness.judge.verify_report import HEADER as CLAIMS_HEADER, rows as claims_rows
 from harness.store import ui as mlflow_ui
 from harness.store.failures import is_store_error as is_store_error, store_failure as store_failure
@@ -20,4 +21,5 @@ from harness.store.ui import server_url as server_url, ui_command as ui_command
 __all__ = [
     "CLAIMS_HEADER", "Tracker", "claims_rows", "comparison_lines", "display_uri", "is_store_error", "mlflow_ui",
     "resolve_uri", "server_url", "store_failure", "study_replay_lines", "ui_command", "verdict_line",
+    "verdict_tone",
 ]

@@ -45,7 +45,9 @@ RunRanks = Callable[[LaunchSpec, Callable[[Message], None], "Callable[[Ranks], N
 
 
 def local_image_tags(image: str) -> dict[str, str]:
-    """The pinned image and, when a local engine knows it, its registry digest (else why not)."""
+    """A job whose ranks run on the host, in no image: its digest says so (T.HOST), and the pinned image's registry
+    digest, when a local engine knows it, is what the pinned tag resolved to (else why not) - the image a replay
+    with --executor docker runs it in."""
     digest: str | None
     image_id: str | None
     reason: str | None
@@ -55,10 +57,12 @@ def local_image_tags(image: str) -> dict[str, str]:
         digest, image_id, reason = docker.local_digest_or_reason(image)
     facts = {
         T.IMAGE: image,
-        T.IMAGE_DIGEST: digest or "unknown",
+        T.IMAGE_DIGEST: T.HOST,
         T.EXECUTOR: "local",
         T.IMAGE_NOTE: "ran outside the pinned image (local executor): the environment is this machine's",
     }
+    if digest:
+        facts[T.IMAGE_TAG_DIGEST] = digest
     if image_id:
         facts[T.IMAGE_ID] = image_id
     if reason:
@@ -183,7 +187,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
             node.fail(f"node 0: {err}")
     finally:
         closing()
-        follower.close()
+        follower.close(finished=ended is None, steps=recorder.final.get("steps_total"))
 
     def collect_logs() -> None:  # the other nodes' rank logs, before the record is closed and sealed
         assert node is not None

@@ -188,9 +188,13 @@ class DockerExecutor(RemoteExecutor):
         else:
             tags = job.recorded.tags
             digest = tags.get(T.IMAGE_DIGEST, "unknown")
+            on_host = digest == T.HOST
+            if on_host:  # in its pinned image as that resolved when the run started, where this engine knew it
+                digest = tags.get(T.IMAGE_TAG_DIGEST, "unknown")
             if not digest.startswith("sha256:"):
+                what = "ran on the host and recorded no digest of its pinned image" if on_host else "recorded no image digest"
                 raise BackendError(
-                    f"run {job.recorded.run_id} recorded no image digest "
+                    f"run {job.recorded.run_id} {what} "
                     f"({tags.get(T.IMAGE_DIGEST_REASON, 'unknown')}), so there is no exact image to run it in. "
                     "Use --executor local."
                 )

@@ -92,10 +92,19 @@ class Follower:
                     events.emit(events.RankOutput(scrub_known(pending, self._hidden)))
                 return
 
-    def close(self) -> None:
+    def close(self, finished: bool = False, steps: int | None = None) -> None:
+        """Stop following. `finished`: the ranks ended well, so they ran every step they were to run - `steps` as
+        the record counts them (None: no count came; then the total, or the furthest step seen): the last Steps
+        says that many of that many. Rank 0's step clock is read every 0.2 s, so the furthest step seen can lag
+        the last one by the steps of a fraction of a second."""
         self._closed = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        if self._show:
-            events.emit(events.Steps(self._label, self._done, self._total, ended=True))
+        if not self._show:
+            return
+        done, total = self._done, self._total
+        if finished:
+            done = steps if steps is not None else max(done, total or 0)
+            total = done
+        events.emit(events.Steps(self._label, done, total, ended=True))

@@ -28,7 +28,7 @@ _NO_EFFECT_PREFIXES: tuple[str, ...] = ("replay.", "record.", "slurm.", "data.",
 
 # "auto" in a config is resolved at launch and recorded as a tag; a replay pins it to that value,
 # so "auto" -> "cpu" is no change when the original did run on cpu.
-_RESOLVED_BY: dict[str, str] = {"device": tags.DEVICE, "backend": tags.BACKEND}
+_RESOLVED_BY: dict[str, str] = tags.RESOLVED_AT_LAUNCH
 
 
 @dataclass
@@ -71,25 +71,15 @@ def config_delta(
 # ---------------------------------------------------------------------------------------------
 # Environment
 
-# Tags that describe the run's role or outcome rather than the conditions it ran under;
-# they differ between an original and its replay by construction.
-IGNORED_TAGS: frozenset[str] = frozenset(
+# Tags that are harness's own bookkeeping (tags.BOOKKEEPING), or describe the run's outcome rather than the
+# conditions it ran under; they differ between an original and its replay by construction.
+IGNORED_TAGS: frozenset[str] = tags.BOOKKEEPING | frozenset(
     {
-        tags.KIND,
-        tags.REPLAY_OF,
-        tags.VERDICT,
-        tags.UNDETERMINED,
-        tags.REPLAYS,  # the original's count of its replays' verdicts, not its environment
-        tags.CHANGES,
-        tags.TOLERANCE,
-        # replay --steps K: the request, and how many steps' data order it then recorded (the verdict says "over
-        # the first K of N steps"); how far a run got is its outcome, not what it ran under.
-        tags.REPLAY_STEPS,
+        # How many steps' data order a run recorded (a replay --steps K stops early): how far it got, its outcome.
         tags.DATA_ORDER_STEPS,
         # Which metrics the script logged through MLflow itself: what it logged (a replay stopped at step K may not
         # have reached them), which the metric comparison judges, not what the run ran under.
         tags.USER_MLFLOW_METRICS,
-        tags.DATA_CHANGES,
         # A replay runs in a detached worktree; the branch name decides nothing, the commit does.
         tags.GIT_BRANCH,
         tags.FINGERPRINT,
@@ -105,11 +95,7 @@ IGNORED_TAGS: frozenset[str] = frozenset(
         # Which scheduler job and which rendezvous address: where it ran, never what decided it.
         tags.SLURM_JOB_ID,
         tags.MASTER,
-        # Which store the record was imported from (harness import): provenance of the record, not of the run.
-        tags.IMPORTED_FROM,
-        tags.IMPORT_STATE,
-        # The record's own digest, and the warnings it carries: about the record, never what decided the result.
-        tags.SEAL,
+        # The warnings the record carries: about the record, never what decided the result.
         tags.NOTICES,
         # What the run's loop and its evaluations were: the code's, whose changes the commit and metrics show.
         tags.LOOP,
@@ -169,6 +155,7 @@ _NOTES: dict[str, str] = {
     tags.GIT_REPO_URL: "repository URL differs",
     tags.IMAGE_ID: "local image id differs (compare digests)",
     tags.IMAGE_DIGEST_REASON: "digest lookup differs",
+    tags.IMAGE_TAG_DIGEST: "what the pinned tag resolved to differs (or the engine knew it in one run only)",
     tags.IMAGE_RESOLVED_BY: "image found by its recorded id (loaded from a bundle, no registry digest here)",
     tags.EXECUTOR: "executor differs (see image and library versions)",
     tags.IN_IMAGE: "ran inside the pinned image in one run only",
@@ -351,12 +338,17 @@ def _classify(name: str, a: str | None, b: str | None, facts_a: Mapping[str, str
             return False, f"determinism setting '{setting}' recorded in one run only"
         return True, f"determinism setting '{setting}' changed: different kernels may be chosen"
     if name == tags.IMAGE_DIGEST:
+        if tags.HOST in (a, b):
+            # One ran in no image: what decides is the libraries it found, compared one by one (torch, CUDA, ...).
+            return False, "ran on the host in one run (no image): the library versions decide"
         # An unknown digest proves nothing either way; only two known, different digests do.
         if a in (None, _UNKNOWN_DIGEST) or b in (None, _UNKNOWN_DIGEST):
             return False, "image digest unknown in one run: cannot prove the same image"
         return True, "image digest changed: different libraries in the image"
     if name == tags.IMAGE:
         da, db = facts_a.get(tags.IMAGE_DIGEST), facts_b.get(tags.IMAGE_DIGEST)
+        if da == db == tags.HOST:
+            return False, "image reference differs (both ran on the host, in neither image)"
         if da in (None, _UNKNOWN_DIGEST) and db in (None, _UNKNOWN_DIGEST):
             # Without digests the reference is the only evidence of which image ran.
             return True, "image changed and no digest proves it is the same"

@@ -120,3 +120,16 @@ def listed(policy: Policy) -> str:
 def exit_code(verdict: str) -> int:
     """The exit code of `verdict`; a name that is no verdict fails (EXIT_FAILED)."""
     return EXIT_OK if meets(verdict, Policy.REPRODUCED) else EXIT_FAILED
+
+
+def tone(verdict: str) -> str | None:
+    """How a terminal marks `verdict`: "pass" where it meets REPRODUCED, "fail" for DIVERGED (shown to differ),
+    "unsure" for the others (no pass, and no difference shown: INCONCLUSIVE, NOTHING_TO_COMPARE); None for a name
+    that is no verdict."""
+    try:
+        found = Verdict(verdict)
+    except ValueError:
+        return None
+    if found.meets(Policy.REPRODUCED):
+        return "pass"
+    return "fail" if found is Verdict.DIVERGED else "unsure"

@@ -138,6 +138,8 @@ def create_record(
     tags = record_tags(cfg, exp_dir, git, image)
     tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
     params, text, redacted = recordable_config(cfg, tracker.uri)
+    # "auto" is no device: the param is logged once the launcher resolves it (record/recorder.py Recorder.start).
+    params = {k: v for k, v in params.items() if not (k in T.RESOLVED_AT_LAUNCH and v == "auto")}
     if redacted:
         tags[T.CONFIG_REDACTED] = redacted
     tags.update(extra_tags or {})

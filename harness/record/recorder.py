@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from harness import events, tags as T
-from harness.config import to_container
+from harness.config import flatten, to_container
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.delta import setting_risk
 from harness.messages import (
@@ -188,6 +188,12 @@ class Recorder:
         if in_image:
             facts[T.IMAGE_NOTE] = f"ran inside the pinned image {os.environ[ENV_DIGEST]}"
         tracker.set_tags(run_id, facts)
+        # The params say what the ranks run on: an "auto" of the config (as asked, in config.yaml) is resolved only
+        # here, so its param was left for now (record/newrun.py). A replay, a resume, pins the recorded values.
+        asked = flatten(cfg)
+        resolved = {k: v for k, v in {"device": device, "backend": backend}.items() if asked.get(k) == "auto"}
+        if resolved:
+            tracker.log_params(run_id, resolved)
         # Where the ranks run: every installed distribution (seconds to read), written while they start.
         self.lock = _in_thread(lambda: tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK))
 

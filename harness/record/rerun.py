@@ -29,7 +29,7 @@ def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
     text = tracker.read_text(run.run_id, T.ARTIFACT_CONFIG)
     if text is None:
         raise RunRefused(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
-    pinned = {key: run.tags[tag] for key, tag in (("device", T.DEVICE), ("backend", T.BACKEND)) if tag in run.tags}
+    pinned = {key: run.tags[tag] for key, tag in T.RESOLVED_AT_LAUNCH.items() if tag in run.tags}
     return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))], schema())
 
 

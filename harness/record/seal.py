@@ -340,6 +340,8 @@ def _config_difference(record: Record, params: dict[str, str]) -> str | None:
 
     walk("", doc if isinstance(doc, dict) else {})
     for key in sorted(params):
+        if key in T.RESOLVED_AT_LAUNCH and now.get(key) == "auto":
+            continue  # the param is what "auto" resolved to (record/recorder.py)
         if key in now and now[key] != params[key]:
             return f": {key} ({_shown(params[key])} -> {_shown(now[key])})"
     return None

@@ -224,3 +224,32 @@ def test_a_run_without_optimizer_records_none_and_ctx_log_refuses_harness_names(
 
     assert optimization_tags(Optimization(None)) == {T.OPTIMIZER: "none", T.LR_SCHEDULER: "none",
                                                     T.GRAD_SCALER: "none", T.AUTOCAST: "none"}
+
+
+def test_a_step_the_grad_scaler_skipped_ends_in_a_loader_loop(tmp_path: Path) -> None:
+    """A scale so large that the first steps' scaled gradients overflow: GradScaler.step skips optimizer.step() and
+    update() backs the scale off, as fp16 training does at its start. Each skipped batch is still a step of a
+    ctx.loader loop - its loss is logged once at its own step, where the next batch once worked on the same step and
+    the second ctx.log of `loss` failed the run - and harness.lr and the scale are logged only at the steps taken."""
+
+    def loop(ctx: Context) -> None:
+        torch.manual_seed(0)
+        model = ctx.register(nn.Linear(4, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-40)
+        loader = ctx.loader(torch.randn(STEPS, 4) * 100, batch_size=1)
+        for _ in ctx.epochs(1):
+            for batch in loader:
+                optimizer.zero_grad()
+                loss = model(batch).pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                ctx.log({"loss": loss}, ctx.step)
+
+    messages = run_in_process(tmp_path, loop)
+    assert sorted(logged(messages, "loss")) == list(range(STEPS))
+    taken = sorted(logged(messages, T.METRIC_LR))
+    assert taken and 0 not in taken and set(taken) < set(range(STEPS))  # the first step, at least, was skipped
+    assert sorted(logged(messages, T.METRIC_GRAD_SCALE)) == taken
+    assert torch.amp.GradScaler.step.__code__.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep)

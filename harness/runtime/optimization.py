@@ -4,7 +4,9 @@ step used and the GradScaler's scale.
 
 Read, never changed. An LR scheduler and an autocast region leave no trace on the optimizer, so the constructors of
 LR schedulers, autocast's `__enter__` and `GradScaler.step` are wrapped for as long as a context lives (the last
-`stop()` puts them back): each wrapper notes what it saw and calls the original with the same arguments.
+`stop()` puts them back): each wrapper notes what it saw and calls the original with the same arguments. Every rank's
+step clock hears GradScaler.step too (ScalerSteps): a step whose gradients held an inf or a NaN is skipped there, and
+no optimizer hook tells it the step ended.
 """
 
 from __future__ import annotations
@@ -106,6 +108,25 @@ def _bound_to(scheduler: Any, optimizer: Any) -> bool:
 
 _LIVE: list[Watch] = []  # the watches started and not stopped, in start order
 _RESTORE: list[tuple[Any, str, Any]] = []  # (owner, name, what it held) for every wrapper installed
+# Called with ("before" | "after", optimizer) around every GradScaler.step: every rank's step clock, which must see a
+# step the GradScaler skipped (inf or NaN gradients: no optimizer.step(), so no optimizer hook fires).
+_SCALER_STEPS: list[Callable[[str, Any], None]] = []
+
+
+class ScalerSteps:
+    """`listener` hears every GradScaler.step until remove(); the wrappers stay while a watch or a listener lives."""
+
+    def __init__(self, listener: Callable[[str, Any], None]) -> None:
+        if not _LIVE and not _SCALER_STEPS:
+            _install()
+        _SCALER_STEPS.append(listener)
+        self._listener = listener
+
+    def remove(self) -> None:
+        if self._listener in _SCALER_STEPS:
+            _SCALER_STEPS.remove(self._listener)
+            if not _LIVE and not _SCALER_STEPS:
+                _uninstall()
 
 
 def _install() -> None:
@@ -136,11 +157,17 @@ def _install() -> None:
         outer = [(watch, watch._scaler) for watch in _LIVE]
         for watch, _ in outer:
             watch._scaler = scaler
+        listeners = list(_SCALER_STEPS)
+        for listener in listeners:
+            listener("before", optimizer)
         try:
-            return original_step(scaler, optimizer, *args, **kwargs)
+            retval = original_step(scaler, optimizer, *args, **kwargs)
         finally:
             for watch, was in outer:
                 watch._scaler = was
+        for listener in listeners:
+            listener("after", optimizer)
+        return retval
 
     for owner in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
         if "__new__" not in owner.__dict__ and not any("__new__" in c.__dict__ for c in owner.__mro__[1:-1]):
@@ -181,7 +208,7 @@ class Watch:
         """Watch from now on. The wrappers are installed once for every watch alive in the process and put back when
         the last one stops, whatever the order the watches stop in (two contexts of one process, closed first to
         last, would otherwise leave the first one's wrapper installed for good)."""
-        if not _LIVE:
+        if not _LIVE and not _SCALER_STEPS:
             _install()
         _LIVE.append(self)
         return self
@@ -189,7 +216,7 @@ class Watch:
     def stop(self) -> None:
         if self in _LIVE:
             _LIVE.remove(self)
-            if not _LIVE:
+            if not _LIVE and not _SCALER_STEPS:
                 _uninstall()
 
     # -- what the wrappers tell every live watch --------------------------------------------------------

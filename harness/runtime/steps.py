@@ -22,6 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from harness.optrace import hooks
+from harness.runtime.optimization import ScalerSteps
 
 
 class StepClock:
@@ -51,9 +52,11 @@ class StepClock:
         self._on_begin, self._on_end, self._beat = on_begin, on_end, beat
         self._on_optimizer = on_optimizer
         self._on_first_step = on_first_step
-        self._handles = [
+        self._steps_before_scaler = 0  # optimizer_steps when a GradScaler.step began
+        self._handles: list[Any] = [
             register_optimizer_step_pre_hook(self._pre),
             register_optimizer_step_post_hook(self._post),
+            ScalerSteps(self._scaler_step),
         ]
 
     # -- which optimizer counts ------------------------------------------------------------------
@@ -114,6 +117,20 @@ class StepClock:
         if self._on_optimizer is not None:
             self._on_optimizer("post", optimizer)
         self.optimizer_steps += 1
+        self.done = self.index + 1
+        self._beat()
+        self._on_end(self.index)
+
+    def _scaler_step(self, phase: str, optimizer: Any) -> None:
+        """A GradScaler that found an inf or a NaN in the gradients skips optimizer.step(): the step still ends there -
+        its batches were drawn and its values logged - as it would have, had the optimizer stepped. (Without this the
+        next batch of a ctx.loader loop worked on the same step, and a ctx.log of the same key failed the run.)"""
+        if phase == "before":
+            self._steps_before_scaler = self.optimizer_steps
+            return
+        if self.optimizer_steps != self._steps_before_scaler or not self._counts(optimizer):
+            return  # it stepped (and _post ended the step), or it is not the optimizer whose steps count
+        self.begin()
         self.done = self.index + 1
         self._beat()
         self._on_end(self.index)

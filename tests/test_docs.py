@@ -151,16 +151,12 @@ def test_the_walkthrough_runs_commands_that_exist_with_options_they_take() -> No
 
 
 def test_the_mixed_precision_guide_names_what_harness_records() -> None:
-    import torch
 
     from harness import tags
-    from harness.runtime.metrics import logged_twice
 
     text = (DOCS / "training-api.md").read_text(encoding="utf-8")
     section = text[text.index("## Mixed precision"):text.index("## Frameworks")]
     for name in (tags.AUTOCAST, tags.GRAD_SCALER, tags.METRIC_GRAD_SCALE, tags.METRIC_LR):
         assert f"`{name}`" in section, name
-    # The failure a skipped step causes in a ctx.loader loop, as the guide quotes it.
-    said = logged_twice("loss", 0, "step 0", counted=True, model=torch.nn.Linear(1, 1), initial_fingerprint=None)
-    quoted = " ".join(section[section.index("`ctx.log: 'loss'"):].split("`")[1].split()).removesuffix(" ...")
-    assert said.startswith(quoted), (quoted, said)
+    # A skipped step is a step in every loop (runtime/steps.py ends it at scaler.step), as the guide says.
+    assert "Such a step is still a step, in every loop" in section

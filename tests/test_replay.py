@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -241,6 +242,21 @@ def _read_line(proc, timeout_s: float) -> str:
     return proc.stdout.readline().strip()
 
 
+def _first_lines(pipe, n: int, timeout_s: float) -> list[str]:
+    """The first `n` lines of a pipe nothing has read yet, within a deadline: read from its descriptor, since a text
+    readline() would take every line already written into its buffer, where select() no longer sees them."""
+    import select
+    import time
+
+    data, deadline = b"", time.monotonic() + timeout_s
+    while data.count(b"\n") < n:
+        ready, _, _ = select.select([pipe.fileno()], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"fewer than {n} lines within {timeout_s} s: {data!r}")
+        data += os.read(pipe.fileno(), 65536)
+    return [line.strip() for line in data.decode().splitlines()[:n]]
+
+
 def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, original: str, clean_replay,
                                                          tmp_path: Path) -> None:
     """`harness ui` (a real MLflow server) and the page its printed link opens, in a real headless Chromium."""
@@ -279,6 +295,15 @@ def test_ui_opens_on_runs_and_replays_with_their_verdicts(project: Project, orig
         assert client.get_run(replay_id).info.run_name not in dom
         assert "BITWISE" in dom
         assert client.get_run(original).data.tags["harness.git.commit"][:8] in dom
+        # The run and its replays, every metric's curves overlaid: MLflow's compare page, linked on stderr.
+        starting, said = _first_lines(server.stderr, 2, 30)
+        assert starting.startswith("Starting the MLflow UI for "), starting
+        assert said.startswith(f"Run {original} and its replays, every metric overlaid: http://127.0.0.1:{port}/"
+                               "#/compare-runs?runs="), said
+        compared = subprocess.run([*browser, "--dump-dom", said.split(": ", 1)[1]], capture_output=True, text=True,
+                                  timeout=120).stdout
+        assert client.get_run(original).info.run_name in compared and client.get_run(replay_id).info.run_name in compared
+        assert "loss" in compared
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 130
@@ -306,7 +331,9 @@ def test_ui_is_quiet_and_runs_link_to_its_port(project: Project, original: str) 
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 130
     said = server.stderr.read()
-    assert said.startswith("Starting the MLflow UI for ") and len(said.splitlines()) == 1, said
+    # Its own line, and, where the experiment holds a replay, the link to its curves overlaid with its run's.
+    assert said.startswith("Starting the MLflow UI for ") and len(said.splitlines()) <= 2, said
+    assert all(" and its replays, every metric overlaid: " in line for line in said.splitlines()[1:]), said
     hint = Tracker(project.uri, writable=False).ui_hint(original)
     assert hint.startswith("Open it in the MLflow UI: harness ui --tracking-uri ") and hint.endswith(
         f", then http://127.0.0.1:5050/#/experiments/{exp_id}/runs/{original}?workflowType=machine_learning"), hint

@@ -74,7 +74,10 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     uri = resolve_uri(tracking_uri)
     served = server_url(uri)
     if served:  # a tracking server is its own UI
-        click.echo(mlflow_ui.page(served, mlflow_ui.prepare(Tracker(uri), experiment)))
+        tracker = Tracker(uri)
+        experiment_id = mlflow_ui.prepare(tracker, experiment)
+        click.echo(mlflow_ui.page(served, experiment_id))
+        _say_overlay(tracker, served, experiment_id)
         return
     base = mlflow_ui.link_base(host, port)  # what a browser here opens (bound to 0.0.0.0: the loopback)
     click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)
@@ -94,12 +97,26 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
         mlflow_ui.wait_ready(server, base)
         with mlflow_ui.announced(uri, base):  # `run` and `replay` link to this port while it serves
             click.echo(mlflow_ui.page(base, experiment_id))
+            _say_overlay(Tracker(uri, writable=False, must_exist=False), base, experiment_id)
             sys.exit(server.wait())
     except KeyboardInterrupt:
         mlflow_ui.stop(server)
         sys.exit(EXIT_SIGINT)
     finally:
         mlflow_ui.stop(server)
+
+
+def _say_overlay(tracker: Any, base: str, experiment_id: str | None) -> None:
+    """On stderr (stdout carries only the page's link): the newest replay's run and its replays, curves overlaid."""
+    from harness.commands.terminal import mlflow_ui
+
+    if experiment_id is None:
+        return
+    found = mlflow_ui.overlay(tracker, experiment_id)
+    if found is not None:
+        original, replays = found
+        click.echo(f"Run {original} and its replays, every metric overlaid: "
+                   f"{mlflow_ui.compare_link(base, [original, *replays], [experiment_id])}", err=True)
 
 
 @click.command()

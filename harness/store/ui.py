@@ -117,6 +117,27 @@ def hint(uri: str, experiment_id: str, run_id: str) -> str:
     return f"Open it in the MLflow UI: harness ui{store}, then {run_link(f'http://127.0.0.1:{UI_PORT}', experiment_id, run_id)}"
 
 
+def compare_link(base_url: str, run_ids: list[str], experiment_ids: list[str]) -> str:
+    """MLflow's compare page of `run_ids`: their params side by side and every metric's curves overlaid."""
+    runs, experiments = json.dumps(run_ids, separators=(",", ":")), json.dumps(sorted(set(experiment_ids)),
+                                                                              separators=(",", ":"))
+    return f"{base_url.rstrip('/')}/#/compare-runs?runs={quote(runs)}&experiments={quote(experiments)}&{WORKFLOW}"
+
+
+OVERLAID = 6  # replays shown beside their run on the compare page, the newest first
+
+
+def overlay(tracker: Tracker, experiment_id: str | None) -> tuple[str, list[str]] | None:
+    """The run of the experiment's newest replay and its newest replays (up to OVERLAID): what `harness ui` offers to
+    open overlaid. None when the experiment holds no replay."""
+    replays = [r for r in tracker.search(max_results=50, filter_string=f"tags.`{T.KIND}` = '{T.KIND_REPLAY}'")
+               if experiment_id is None or r.experiment_id == experiment_id]
+    original = next((r.tags.get(T.REPLAY_OF) for r in replays if r.tags.get(T.REPLAY_OF)), None)
+    if original is None:
+        return None
+    return original, [r.run_id for r in replays if r.tags.get(T.REPLAY_OF) == original][:OVERLAID]
+
+
 def curves(uri: str, run: RunSummary) -> list[str]:
     """Where a judged replay's pictures are: its replay/ artifacts (metric_<name>.png, the original's and the replay's
     curves overlaid; report.md), as a path on this machine when the artifacts are local, else as their URI; and their
@@ -136,6 +157,9 @@ def curves(uri: str, run: RunSummary) -> list[str]:
     if base:
         lines.append(f"See them in the MLflow UI: {base.rstrip('/')}/#/experiments/{quote(run.experiment_id)}/runs/"
                      f"{quote(run.run_id)}/artifacts/{T.ARTIFACT_PLOTS_DIR}?{WORKFLOW}")
+        original = run.tags.get(T.REPLAY_OF)
+        if original:
+            lines.append(f"Overlaid with its run, every metric: {compare_link(base, [original, run.run_id], [run.experiment_id])}")
     return lines
 
 

@@ -433,25 +433,44 @@ def _own_functions(fn, seen: set) -> Iterator[str]:
     if fn in seen or not inspect.isfunction(fn):
         return
     seen.add(fn)
+    source, named = _read_function(fn)
+    if source is None:
+        return
+    yield source
+    for target in named:
+        yield from _own_functions(target, seen)
+
+
+# Every worker sorts every test at collection, and most tests share their helpers and fixtures: each function's source
+# is read once (inspect.getsource tokenises the file again at each call), not once per test that reaches it.
+_READ: dict[object, tuple[str | None, tuple]] = {}
+
+
+def _read_function(fn) -> tuple[str | None, tuple]:  # type: ignore[no-untyped-def]
+    """(`fn`'s source, the functions it names), or (None, ()) for a function outside tests/ or without source."""
+    if fn in _READ:
+        return _READ[fn]
+    _READ[fn] = None, ()
     try:
         if not Path(inspect.getfile(fn)).resolve().is_relative_to(TESTS_DIR):
-            return
-        yield inspect.getsource(fn)
+            return _READ[fn]
+        source = inspect.getsource(fn)
     except (OSError, TypeError):
-        return
+        return _READ[fn]
     codes, names = [fn.__code__], set()
     while codes:
         code = codes.pop()
         names.update(code.co_names)
         codes.extend(c for c in code.co_consts if inspect.iscode(c))
-    for name in names:
+    named: list = []
+    for name in sorted(names):
         target = fn.__globals__.get(name)
         if inspect.isfunction(target):
-            yield from _own_functions(target, seen)
+            named.append(target)
         elif inspect.isclass(target):
-            for member in vars(target).values():
-                if inspect.isfunction(member):
-                    yield from _own_functions(member, seen)
+            named.extend(member for member in vars(target).values() if inspect.isfunction(member))
+    _READ[fn] = source, tuple(named)
+    return _READ[fn]
 
 
 def _tier(item: pytest.Item) -> str:

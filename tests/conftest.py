@@ -446,7 +446,7 @@ def _own_functions(fn, seen: set) -> Iterator[str]:
 _READ: dict[object, tuple[str | None, tuple]] = {}
 
 
-def _read_function(fn) -> tuple[str | None, tuple]:  # type: ignore[no-untyped-def]
+def _read_function(fn) -> tuple[str | None, tuple]:
     """(`fn`'s source, the functions it names), or (None, ()) for a function outside tests/ or without source."""
     if fn in _READ:
         return _READ[fn]
@@ -593,8 +593,12 @@ def _resource_groups(items: list[pytest.Item], outside: frozenset[str] = frozens
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, a group's tests run on one worker (its module- and session-scoped fixtures - a daemon, a server,
-    a shared run - are built and torn down there once): a group that reaches a second worker fails here, naming both,
-    instead of as a connection refused from a server the first worker already stopped."""
+    a shared run - are built and torn down there once): a group that reaches a second worker while the first one
+    lives fails here, naming both, instead of as a connection refused from a server the first worker already stopped.
+
+    A worker that died (a crash, a kill from outside) is another matter: xdist reports the test it died in and hands
+    the rest of its group to another worker, where the group's fixtures are built again. That worker takes the group
+    over; failing each of the group's remaining tests would bury the one report that says what happened."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     mark = item.get_closest_marker("xdist_group")
     if worker is None or mark is None or not mark.args:
@@ -604,17 +608,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     claims = item.config._tmp_path_factory.getbasetemp().parent / "xdist-groups"  # type: ignore[attr-defined]
     claims.mkdir(exist_ok=True)
     claim = claims / hashlib.sha256(str(mark.args[0]).encode()).hexdigest()[:32]
+    mine = f"{worker} {os.getpid()}"
     try:
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        owner = claim.read_text().strip()
-        if owner and owner != worker:
+        owner, _, pid = claim.read_text().strip().partition(" ")
+        if not owner or owner == worker:
+            return
+        if pid.isdigit() and pid_alive(int(pid)):
             pytest.fail(f"xdist group {mark.args[0]!r} ran on {owner} and now on {worker}: its tests share fixtures that "
-                        "must live on one worker (run with --dist loadgroup; a crashed worker's tests are rescheduled "
-                        "elsewhere)", pytrace=False)
-        return
+                        "must live on one worker (run with --dist loadgroup)", pytrace=False)
+        fd = os.open(claim, os.O_WRONLY | os.O_TRUNC)  # its worker is gone: the group is this worker's now
     with os.fdopen(fd, "w") as fh:
-        fh.write(worker)
+        fh.write(mine)
 
 
 @contextlib.contextmanager

@@ -435,25 +435,44 @@ def _own_functions(fn, seen: set) -> Iterator[str]:
     if fn in seen or not inspect.isfunction(fn):
         return
     seen.add(fn)
+    source, named = _read_function(fn)
+    if source is None:
+        return
+    yield source
+    for target in named:
+        yield from _own_functions(target, seen)
+
+
+# Every worker sorts every test at collection, and most tests share their helpers and fixtures: each function's source
+# is read once (inspect.getsource tokenises the file again at each call), not once per test that reaches it.
+_READ: dict[object, tuple[str | None, tuple]] = {}
+
+
+def _read_function(fn) -> tuple[str | None, tuple]:
+    """(`fn`'s source, the functions it names), or (None, ()) for a function outside tests/ or without source."""
+    if fn in _READ:
+        return _READ[fn]
+    _READ[fn] = None, ()
     try:
         if not Path(inspect.getfile(fn)).resolve().is_relative_to(TESTS_DIR):
-            return
-        yield inspect.getsource(fn)
+            return _READ[fn]
+        source = inspect.getsource(fn)
     except (OSError, TypeError):
-        return
+        return _READ[fn]
     codes, names = [fn.__code__], set()
     while codes:
         code = codes.pop()
         names.update(code.co_names)
         codes.extend(c for c in code.co_consts if inspect.iscode(c))
-    for name in names:
+    named: list = []
+    for name in sorted(names):
         target = fn.__globals__.get(name)
         if inspect.isfunction(target):
-            yield from _own_functions(target, seen)
+            named.append(target)
         elif inspect.isclass(target):
-            for member in vars(target).values():
-                if inspect.isfunction(member):
-                    yield from _own_functions(member, seen)
+            named.extend(member for member in vars(target).values() if inspect.isfunction(member))
+    _READ[fn] = source, tuple(named)
+    return _READ[fn]
 
 
 def _tier(item: pytest.Item) -> str:
@@ -576,8 +595,12 @@ def _resource_groups(items: list[pytest.Item], outside: frozenset[str] = frozens
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, a group's tests run on one worker (its module- and session-scoped fixtures - a daemon, a server,
-    a shared run - are built and torn down there once): a group that reaches a second worker fails here, naming both,
-    instead of as a connection refused from a server the first worker already stopped."""
+    a shared run - are built and torn down there once): a group that reaches a second worker while the first one
+    lives fails here, naming both, instead of as a connection refused from a server the first worker already stopped.
+
+    A worker that died (a crash, a kill from outside) is another matter: xdist reports the test it died in and hands
+    the rest of its group to another worker, where the group's fixtures are built again. That worker takes the group
+    over; failing each of the group's remaining tests would bury the one report that says what happened."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     mark = item.get_closest_marker("xdist_group")
     if worker is None or mark is None or not mark.args:
@@ -587,17 +610,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     claims = item.config._tmp_path_factory.getbasetemp().parent / "xdist-groups"  # type: ignore[attr-defined]
     claims.mkdir(exist_ok=True)
     claim = claims / hashlib.sha256(str(mark.args[0]).encode()).hexdigest()[:32]
+    mine = f"{worker} {os.getpid()}"
     try:
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        owner = claim.read_text().strip()
-        if owner and owner != worker:
+        owner, _, pid = claim.read_text().strip().partition(" ")
+        if not owner or owner == worker:
+            return
+        if pid.isdigit() and pid_alive(int(pid)):
             pytest.fail(f"xdist group {mark.args[0]!r} ran on {owner} and now on {worker}: its tests share fixtures that "
-                        "must live on one worker (run with --dist loadgroup; a crashed worker's tests are rescheduled "
-                        "elsewhere)", pytrace=False)
-        return
+                        "must live on one worker (run with --dist loadgroup)", pytrace=False)
+        fd = os.open(claim, os.O_WRONLY | os.O_TRUNC)  # its worker is gone: the group is this worker's now
     with os.fdopen(fd, "w") as fh:
-        fh.write(worker)
+        fh.write(mine)
 
 
 @contextlib.contextmanager

@@ -159,9 +159,12 @@ def test_the_sbatch_script_is_the_golden_file(tmp_path: Path) -> None:
 # -- a backend from outside harness, through a real entry point -----------------------------------------------
 
 
-def _toy_env(tmp_path: Path) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def toy_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """PYTHONPATH holding a distribution that declares tests/toy_backend as the `inline` executor and
-    tests/toy_backend/child.py as the `child` one."""
+    tests/toy_backend/child.py as the `child` one. One for the module: a PYTHONPATH is part of a kept rank server's
+    key, so the module's launches share one server instead of starting one (and importing torch) per test."""
+    tmp_path = tmp_path_factory.mktemp("toy backend")
     dist = tmp_path / "dist" / "toy_backend-0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 0\n")
@@ -170,8 +173,9 @@ def _toy_env(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(path)}
 
 
-def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_project: Project, tmp_path: Path) -> None:
-    env = _toy_env(tmp_path)
+def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_project: Project,
+                                                                        toy_env: dict[str, str]) -> None:
+    env = toy_env
     helped = fresh_project.harness("run", "--help", env=env)
     assert helped.returncode == 0 and "--inline-label" in helped.stdout and "slurm|inline|child]" in helped.stdout
 
@@ -198,13 +202,14 @@ def test_an_outside_backend_runs_records_its_options_and_replays_bitwise(fresh_p
     assert len(fresh_project.all_runs()) == before
 
 
-def test_a_backend_written_from_the_seam_alone_runs_and_replays_bitwise(fresh_project: Project, tmp_path: Path) -> None:
+def test_a_backend_written_from_the_seam_alone_runs_and_replays_bitwise(fresh_project: Project,
+                                                                       toy_env: dict[str, str]) -> None:
     """tests/toy_backend/child.py imports only harness/executors/base.py (and harness.errors): it records the run,
     runs it as `harness _execute` in a child process, and its runs replay through it."""
     source = (TESTS_DIR / "toy_backend" / "child.py").read_text()
     assert {line.split()[1] for line in source.splitlines() if line.startswith("from harness")} == \
         {"harness.errors", "harness.executors.base"}
-    env = _toy_env(tmp_path)
+    env = toy_env
     run = fresh_project.harness("run", "experiments/linear_ddp", "--executor", "child", "train.epochs=1", env=env)
     assert run.returncode == 0, run.stderr
     assert fresh_project.client().get_run(run.last_line).data.tags[T.EXECUTOR] == "child"
@@ -215,8 +220,8 @@ def test_a_backend_written_from_the_seam_alone_runs_and_replays_bitwise(fresh_pr
     assert (replayed.data.tags[T.EXECUTOR], replayed.info.status) == ("child", "FINISHED")
 
 
-def test_an_unknown_executor_is_one_line_naming_the_known_ones(fresh_project: Project, tmp_path: Path) -> None:
-    env = _toy_env(tmp_path)
+def test_an_unknown_executor_is_one_line_naming_the_known_ones(fresh_project: Project, toy_env: dict[str, str]) -> None:
+    env = toy_env
     for args in (["--executor", "k8s"], ["executor=k8s"]):
         result = fresh_project.harness("run", "experiments/linear_ddp", *args, env=env)
         assert result.returncode == 2

@@ -16,6 +16,8 @@ there already is kept.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import shutil
@@ -30,6 +32,7 @@ VENV = ROOT / ".venv"
 TORCH = "2.13.0"
 MIN_TORCH = (2, 13)
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+PYPI_PIP = "https://pypi.org/pypi/pip/json"  # pip's release files, with their sha256
 INDEX_DEADLINE_S = 5  # a wheel index that does not answer in this time is taken as unreachable
 
 
@@ -37,19 +40,65 @@ def say(line: str) -> None:
     print(f"setup: {line}", file=sys.stderr, flush=True)
 
 
-def make_venv(where: Path) -> Path | None:
-    """The environment's python, made when missing; None (said) when this Python cannot make one."""
+def make_venv(where: Path, pip_index: str = PYPI_PIP) -> Path | None:
+    """The environment's python, made when missing; None (said) when this Python cannot make one.
+
+    Debian's and Ubuntu's python3 come without ensurepip (it is their python3-venv package): the environment is then
+    made without pip, and pip put into it by the system's pip where there is one, else from its wheel on PyPI."""
     python = where / "bin" / "python"
-    if python.exists():
+    if (where / "bin" / "pip").exists():
         return python
     try:
         venv.EnvBuilder(system_site_packages=True, with_pip=True).create(where)
+        return python
     except (subprocess.CalledProcessError, OSError) as err:
         shutil.rmtree(where, ignore_errors=True)  # a half-made environment would be taken as made next time
-        say(f"could not make a virtual environment in {where} ({type(err).__name__}: {err}). On Debian or Ubuntu "
-            "install the python3-venv package (sudo apt install python3-venv), then run this again.")
-        return None
-    return python
+        why = f"{type(err).__name__}: {err}"
+    try:
+        venv.EnvBuilder(system_site_packages=True, with_pip=False).create(where)
+    except OSError as err:
+        why = f"{type(err).__name__}: {err}"
+    else:
+        say("this Python has no ensurepip (Debian's and Ubuntu's python3 without python3-venv): pip is put into the "
+            "environment another way.")
+        if pip_from_system(python) or pip_from_pypi(python, where, pip_index):
+            return python
+        why = "no pip to put into it"
+    shutil.rmtree(where, ignore_errors=True)
+    say(f"could not make a virtual environment with pip in {where} ({why}). On Debian or Ubuntu install the "
+        "python3-venv package (sudo apt install python3-venv), then run this again.")
+    return None
+
+
+def pip_from_system(python: Path) -> bool:
+    """pip into the environment by the system's own pip (pip 22.3 and later install into another interpreter)."""
+    has = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, check=False)
+    return has.returncode == 0 and subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "pip"], check=False).returncode == 0
+
+
+def pip_from_pypi(python: Path, where: Path, index: str) -> bool:
+    """pip into the environment from pip's own wheel on PyPI, its sha256 checked against what PyPI publishes: a wheel
+    runs itself (`python pip.whl/pip install pip.whl`)."""
+    try:
+        with urllib.request.urlopen(index, timeout=30) as answer:
+            files = json.load(answer)["urls"]
+        wheel = next(f for f in files if f["filename"].endswith("-py3-none-any.whl"))
+        with urllib.request.urlopen(wheel["url"], timeout=120) as answer:
+            data = answer.read()
+    except (OSError, ValueError, KeyError, StopIteration) as err:
+        say(f"pip's wheel could not be fetched from {index} ({type(err).__name__}: {err}).")
+        return False
+    if hashlib.sha256(data).hexdigest() != wheel["digests"]["sha256"]:
+        say(f"pip's wheel from {wheel['url']} does not have the sha256 {index} publishes: not installed.")
+        return False
+    path = where / wheel["filename"]
+    path.write_bytes(data)
+    try:
+        return subprocess.run([str(python), f"{path}/pip", "install", "--no-index", str(path)],
+                              check=False).returncode == 0
+    finally:
+        path.unlink()
 
 
 def torch_version(python: Path) -> tuple[int, ...] | None:
@@ -97,7 +146,7 @@ def pip(python: Path, *args: str) -> bool:
 
 
 def main() -> int:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - run by whatever python3 the machine has, before harness is
         say(f"harness needs Python 3.10 or later; this is {platform.python_version()}. Run it with a newer python3.")
         return 2
     python = make_venv(VENV)

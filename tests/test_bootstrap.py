@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.unit
 
 
 def _bootstrap():
@@ -41,22 +40,82 @@ def test_torch_comes_from_the_index_this_machine_needs(system: str, driver: bool
     assert got == args and said in what, (got, what)
 
 
-def test_a_python_without_venv_support_is_told_the_fix_and_leaves_nothing(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_python_that_cannot_make_an_environment_is_told_the_fix_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     bootstrap = _bootstrap()
 
-    def no_ensurepip(self, env_dir):  # what Debian's python3 without python3-venv does
+    def read_only(self, env_dir):  # a folder it may not write
         Path(env_dir, "bin").mkdir(parents=True)
-        raise subprocess.CalledProcessError(1, ["python3", "-m", "ensurepip"])
+        raise PermissionError(13, "Permission denied", str(env_dir))
 
-    monkeypatch.setattr(bootstrap.venv.EnvBuilder, "create", no_ensurepip)
+    monkeypatch.setattr(bootstrap.venv.EnvBuilder, "create", read_only)
     assert bootstrap.make_venv(tmp_path / ".venv") is None
     said = capsys.readouterr().err.strip()
-    assert len(said.splitlines()) == 1 and "sudo apt install python3-venv" in said, said
+    assert len(said.splitlines()) == 1 and "Permission denied" in said and "python3-venv" in said, said
     assert not (tmp_path / ".venv").exists()
 
 
+def _without_ensurepip(bootstrap, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian's and Ubuntu's python3 without python3-venv: an environment with pip fails in ensurepip."""
+    create = bootstrap.venv.EnvBuilder.create
+
+    def no_ensurepip(self, env_dir):
+        if self.with_pip:
+            Path(env_dir, "bin").mkdir(parents=True)
+            raise subprocess.CalledProcessError(1, ["python3", "-m", "ensurepip"])
+        return create(self, env_dir)
+
+    monkeypatch.setattr(bootstrap.venv.EnvBuilder, "create", no_ensurepip)
+
+
+@pytest.mark.cli
+def test_without_ensurepip_the_systems_pip_puts_pip_into_the_environment(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    bootstrap = _bootstrap()
+    _without_ensurepip(bootstrap, monkeypatch)
+    python = bootstrap.make_venv(tmp_path / ".venv", pip_index="http://127.0.0.1:9/unused")
+    assert python is not None
+    assert subprocess.run([str(python), "-m", "pip", "--version"], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.cli
+def test_without_any_pip_the_wheel_from_the_index_is_checked_and_installed(tmp_path: Path) -> None:
+    """pip's wheel served on the loopback as PyPI's JSON describes it: installed into an environment without pip;
+    the same wheel under another sha256 is refused, and nothing is installed."""
+    import ensurepip
+    import functools
+    import hashlib
+    import http.server
+    import json
+    import threading
+    import venv
+
+    bootstrap = _bootstrap()
+    [wheel] = (Path(ensurepip.__file__).parent / "_bundled").glob("pip-*.whl")
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / wheel.name).write_bytes(wheel.read_bytes())
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for name, sha in (("bad.json", "0" * 64), ("pip.json", hashlib.sha256(wheel.read_bytes()).hexdigest())):
+            (served / name).write_text(json.dumps({"urls": [{"filename": wheel.name, "url": f"{base}/{wheel.name}",
+                                                             "digests": {"sha256": sha}}]}))
+        where = tmp_path / "env"
+        venv.EnvBuilder(with_pip=False).create(where)
+        python = where / "bin" / "python"
+        assert not bootstrap.pip_from_pypi(python, where, f"{base}/bad.json")
+        assert subprocess.run([str(python), "-m", "pip", "--version"], capture_output=True).returncode != 0
+        assert bootstrap.pip_from_pypi(python, where, f"{base}/pip.json")
+        assert subprocess.run([str(python), "-m", "pip", "--version"], capture_output=True).returncode == 0
+        assert not list(where.glob("*.whl"))  # the downloaded wheel does not stay
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.cli  # it starts Pythons that import torch
 def test_an_existing_torch_is_read_from_the_environment(tmp_path: Path) -> None:
     assert _bootstrap().torch_version(Path(sys.executable))[:2] >= (2, 13)
     assert _bootstrap().torch_version(Path("/bin/false")) is None

@@ -123,7 +123,9 @@ def _after_envelope(cmp: Comparison, original: RunRecord, replay: RunRecord, env
     study's other members); the rest - a metric the members never moved, the steps the seeds judge - as without a
     calibration: metrics by the tolerance, weights by their fingerprints."""
     tolerance_from: dict[str, int] = {}
-    grown_by = {name: carried.growth(envelope.metrics[name], m) for name in sorted(judged.judged) if name in rep}
+    # A member that blew up: the run is on the edge of stability there, and no growth rate carries past it.
+    held_names = [] if judged.blown_up else sorted(judged.judged)
+    grown_by = {name: carried.growth(envelope.metrics[name], m) for name in held_names if name in rep}
     rates = [(g.rate, name) for name, g in grown_by.items() if g is not None]
     fastest = (max(rates)[1], max(rates)[0]) if rates else None
     for name in grown_by:

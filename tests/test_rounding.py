@@ -207,7 +207,8 @@ def test_a_carried_envelope_wider_than_its_ceiling_decides_nothing_and_a_study_t
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
     assert cmp.verdict == INCONCLUSIVE and cmp.exit_code == 1, cmp.summary()
     assert cmp.summary().startswith("INCONCLUSIVE: loss at step 8: "), cmp.summary()
-    assert "a study of the run's seeds (harness run ... --seeds N) judges those steps, or a calibration that measures "            "them (harness calibrate orig0000 --steps 9)" in cmp.summary()
+    assert "a study of the run's seeds (harness run ... --seeds N) judges those steps, or a calibration that measures " \
+           "them (harness calibrate orig0000 --steps 9)" in cmp.summary()
     # With a study: the carried envelope judges until it meets the seeds' spread, the seeds from there.
     seeds = [_run(f"seed{k:04d}", LOSS * (1 + 0.005 * (k + 1) * (-1) ** k)) for k in range(4)]
     spread = carried.seeds_spread(as_series(*original.metrics["loss"]), [as_series(*r.metrics["loss"]) for r in seeds])

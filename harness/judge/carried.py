@@ -219,6 +219,5 @@ def seeds_spread(original: Series, members: list[Series]) -> Series:
     for member in members:
         found, other = _at(member, s)
         widest = np.where(found, np.maximum(widest, _distance(v, other)), widest)
-    keep = np.isfinite(widest) | (widest == np.inf)
-    keep &= widest >= 0
+    keep = widest >= 0  # -inf: no other seed logged the step
     return s[keep], widest[keep]

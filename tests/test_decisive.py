@@ -130,8 +130,19 @@ def test_the_text_says_what_judged_the_verdict() -> None:
     # Per metric, what the envelope saw, beside where the values first differed.
     loss = next(line for line in lines if line.startswith("  loss:"))
     assert loss.endswith("inside the rounding envelope at its 12 judged steps (first differs at step 0)"), loss
-    # An envelope over the first 4 steps, the tolerance after them: both named, and each metric's steps after it.
+    # An envelope over the first 4 steps, carried forward after them: both named, and each metric's steps after it.
     short = judge_rounding(compare_runs(original, inside), original, inside, _envelope(original, steps=4))
+    assert short.verdict == WITHIN_ROUNDING, short.summary()
+    lines = comparison_lines(short, [])
+    assert any("(judged by the rounding envelope of calibration cal00000 over the first 4 steps, then by it carried "
+               "forward at its members' growth rate, and the tolerance for the rest)" in line for line in lines), lines
+    loss = next(line for line in lines if line.startswith("  loss:"))
+    assert loss.endswith("inside the rounding envelope at its 4 judged steps, the envelope carried forward at its 8 "
+                         "steps after them (first differs at step 0)"), loss
+    # Members that never moved the loss: nothing to carry, the tolerance after the 4 steps.
+    still = rounding.measure(original.run_id, "cal00000", original.metrics,
+                             [{"loss": (STEPS.copy(), LOSS.copy())} for _ in range(4)], 4, weights_differed=4)
+    short = judge_rounding(compare_runs(original, inside), original, inside, still)
     assert short.verdict == DIVERGED and short.divergence.step == 4
     lines = comparison_lines(short, [])
     assert any("(judged by the rounding envelope of calibration cal00000 over the first 4 steps, then the tolerance)"

@@ -20,7 +20,7 @@ from harness.judge import noise, rounding
 from harness.judge.compare import DIVERGED, INCONCLUSIVE, WITHIN_NOISE, WITHIN_ROUNDING, WITHIN_TOLERANCE, compare_runs
 from harness.judge.delta import environment_delta
 from harness.judge.handoff import judge_noise, judge_rounding
-from harness.judge.metricdiff import KIND_ROUNDING
+from harness.judge.metricdiff import KIND_ROUNDING, as_series
 from harness.judge.report import render_markdown
 from harness.runtime.perturb import NUDGE, NUDGE_ULPS, nudge, nudge_ulps
 
@@ -144,12 +144,13 @@ def test_a_sudden_parting_after_steps_well_inside_is_diverged_with_a_note_on_wha
     assert not any("sudden" in n for n in judge_rounding(compare_runs(original, replay), original, replay, env).notes)
 
 
-def test_after_the_envelope_the_tolerance_decides_and_the_line_says_which_judgement_did() -> None:
+def test_after_the_envelope_a_metric_the_members_never_moved_is_judged_by_the_tolerance_and_the_line_says_so() -> None:
     original = _run("orig0000", LOSS)
-    env = _envelope(original, steps=4)
+    still = [{"loss": (STEPS.copy(), LOSS.copy())} for _ in range(4)]  # no member moved the loss: no growth to carry
+    env = rounding.measure(original.run_id, "cal00000", original.metrics, still, 4, weights_differed=4)
     replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == DIVERGED and cmp.divergence.step == 4 and cmp.rounding.within
+    assert cmp.verdict == DIVERGED and cmp.divergence.step == 4 and cmp.rounding.within and not cmp.rounding.carried
     # ... and says how to hold them to rounding too.
     assert cmp.summary().endswith("; the first 4 steps inside the rounding envelope of 4 members over the first 4 steps, "
                                   "the steps after them judged by the tolerance (to hold them to rounding too: harness "
@@ -161,6 +162,61 @@ def test_after_the_envelope_the_tolerance_decides_and_the_line_says_which_judgem
     # replay --steps 4: the envelope covers all it judged.
     early = judge_rounding(compare_runs(original, replay, first_steps=4), original, replay, env)
     assert early.verdict == WITHIN_ROUNDING and early.summary().startswith("WITHIN_ROUNDING over the first 4 of 12 steps")
+
+
+def test_after_the_envelope_the_members_growth_carries_it_and_a_late_jump_still_leaves_it() -> None:
+    """Steps from M on: the envelope carried forward at the members' growth rate, fitted on the window's second half
+    (here exactly 1/6 per step), from its width at step M-1; the line says which steps each envelope judged."""
+    from harness.judge import carried
+
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=8)
+    g = carried.growth(env.metrics["loss"], 8)
+    assert g is not None and g.last == 7 and abs(g.rate - 1 / 6) < 1e-9, g
+    assert g.width == pytest.approx(rounding.SAFETY * _rounding_growth(3)[7])  # the widest member, at step 7
+    assert carried.growth(env.metrics["loss"], 2) is None  # two steps fit no rate
+    honest = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
+    cmp = judge_rounding(compare_runs(original, honest), original, honest, env)
+    assert cmp.verdict == WITHIN_ROUNDING and cmp.exit_code == 0, cmp.summary()
+    assert cmp.rounding.carried["loss"].judged == 4 and cmp.rounding.carried["loss"].outside is None
+    assert ("(steps 0-7 by the rounding envelope of 4 members over the first 8 steps, loss steps 8-11 by the envelope "
+            "carried forward x1.1814 per step from ±1.03e-05 relative at step 7)") in cmp.summary(), cmp.summary()
+    # A change from step 10 that jumps: rounding grows from where the replay was, it does not jump past the members.
+    late = LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0))
+    late[10:] *= 1 + 1e-3
+    replay = _replay(original, late)
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == DIVERGED and cmp.divergence.kind == KIND_ROUNDING and cmp.divergence.step == 10, cmp.summary()
+    assert "outside the envelope carried forward from step 7 at its members' growth rate" in cmp.summary()
+    assert "loss steps 8-11 by the envelope carried forward" in cmp.summary()
+    # Where the members measured no growth, the tolerance holds those steps bit for bit: this honest replay is DIVERGED.
+    assert judge_rounding(compare_runs(original, honest), original, honest, rounding.measure(
+        original.run_id, "cal00000", original.metrics, [], 8)).verdict != WITHIN_ROUNDING
+
+
+def test_a_carried_envelope_wider_than_its_ceiling_decides_nothing_and_a_study_takes_over_where_they_meet() -> None:
+    from harness.judge import carried
+
+    original = _run("orig0000", LOSS)
+    fast = [{"loss": (STEPS.copy(), LOSS * (1 + (-1) ** k * 1e-5 * (k + 1) * np.exp(STEPS / 2.0)))} for k in range(4)]
+    env = rounding.measure(original.run_id, "cal00000", original.metrics, fast, 8, weights_differed=4)
+    # The replay grows as fast as the members did: beyond carried.CEILING (and the width measured at step 7) at
+    # step 8, inside the carried width - rounding's growth and a change both fit.
+    rel = 2.5e-4 * np.exp(STEPS / 2.0)
+    replay = _replay(original, LOSS * (1 + rel))
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
+    assert cmp.verdict == INCONCLUSIVE and cmp.exit_code == 1, cmp.summary()
+    assert cmp.summary().startswith("INCONCLUSIVE: loss at step 8: "), cmp.summary()
+    assert "a study of the run's seeds (harness run ... --seeds N) judges those steps, or a calibration that measures " \
+           "them (harness calibrate orig0000 --steps 9)" in cmp.summary()
+    # With a study: the carried envelope judges until it meets the seeds' spread, the seeds from there.
+    seeds = [_run(f"seed{k:04d}", LOSS * (1 + 0.005 * (k + 1) * (-1) ** k)) for k in range(4)]
+    spread = carried.seeds_spread(as_series(*original.metrics["loss"]), [as_series(*r.metrics["loss"]) for r in seeds])
+    assert spread[1] == pytest.approx(0.02 * LOSS)
+    cmp = judge_rounding(compare_runs(original, replay), original, replay, env, seeds=seeds)
+    held = cmp.rounding.carried["loss"]
+    assert (held.first, held.seeds_from, held.undecided) == (8, 9, None) and cmp.verdict == DIVERGED, cmp.summary()
+    assert cmp.divergence.kind != KIND_ROUNDING and cmp.divergence.step >= held.seeds_from  # for judge_noise to take
 
 
 def test_a_member_that_blew_up_holds_the_replay_only_to_the_steps_before_it() -> None:

@@ -217,7 +217,7 @@ def replay(
     failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
     comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
                               incomplete_original=incomplete, first_steps=steps)
-    comparison = with_rounding(tracker, comparison, a, b, envelope)
+    comparison = with_rounding(tracker, comparison, a, b, envelope, study_members)
     comparison = with_noise(tracker, comparison, a, b, study_members)
     record_verdict(tracker, replay_id, a, b, comparison, changes)
     # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
@@ -251,9 +251,11 @@ def calibration_envelope(tracker: Tracker, run_id: str) -> Any:
     return envelope_of(tracker, run_id)
 
 
-def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord, envelope: Any = False) -> Comparison:
+def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord, envelope: Any = False,
+                  members: list[RunRecord] | None = None) -> Comparison:
     """A replay of a calibrated run that is not bit-identical, held to the calibration's rounding envelope (`envelope`:
-    the one read before the replay ran; False: read it now)."""
+    the one read before the replay ran; False: read it now). A study member's steps after the envelope's are held to
+    it carried forward until it meets the seeds' spread (`members`: the study's, read here when not given)."""
     if meets(cmp.verdict, Policy.SETTLED) or not cmp.of_replay:
         return cmp
     if envelope is False:
@@ -261,7 +263,10 @@ def with_rounding(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
     if envelope is None:
         return cmp
     moved = weights_distance(tracker, envelope, b.run_id)
-    cmp = judge_rounding(cmp, a, b, envelope, moved)
+    study_id = a.facts.get(T.STUDY)
+    if members is None and study_id is not None and not meets(cmp.verdict, Policy.SETTLED):
+        members = member_records(tracker, load_study(tracker, study_id))
+    cmp = judge_rounding(cmp, a, b, envelope, moved, members if study_id is not None else None)
     w = envelope.weights
     if moved is None and w is not None and cmp.rounding is not None and (b.steps_total or 0) >= w.step:
         cmp.notes.append(f"{b.run_id} recorded no sketch of its weights after step {w.step} (a harness before "

@@ -121,8 +121,7 @@ class Comparison:
         if self.rounding is not None and self.rounding.within and self.verdict != WITHIN_ROUNDING:
             # The envelope held over its steps; what came after decided (the tolerance, or the seeds' noise).
             by = "the seeds' noise" if self.noise is not None else "the tolerance"
-            line += (f"; the first {self.rounding.steps} steps inside {self.rounding.describe_envelope()}, "
-                     f"the steps after them judged by {by}")
+            line += f"; {self.rounding.after_line(by, self.run_a)}"
             if self.verdict == DIVERGED and self.noise is None and not self.rounding.blown_up:
                 # Most often one ulp after the calibrated steps, judged bit for bit: the fix is a longer envelope.
                 line += (f" (to hold them to rounding too: harness calibrate {self.run_a} --steps N, up to the run's "
@@ -199,6 +198,8 @@ class Comparison:
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
             return f"{WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}{self._weights_as_members()}"
+        if self.verdict == INCONCLUSIVE and self.noise is None and self.rounding and self.rounding.undecided():
+            return f"{INCONCLUSIVE}: {self.rounding.undecided_line(self.run_a)}"
         if self.verdict == INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
             return (f"{INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "
                     f"first outside the tolerance {self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from harness.fmt import the
-from harness.judge import noise, rounding
+from harness.judge import carried, noise, rounding
 from harness.judge.compare import (
     DIVERGED,
     INCONCLUSIVE,
@@ -39,11 +39,12 @@ from harness.rundata import RunRecord
 
 
 def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope,
-                   weights: Distance | None = None) -> Comparison:
+                   weights: Distance | None = None, seeds: list[RunRecord] | None = None) -> Comparison:
     """A replay of a calibrated run that is not bit-identical, held step by step to the rounding envelope over the
     envelope's first M steps. Inside at every judged value: WITHIN_ROUNDING where the envelope covered every step
-    compared, else the steps from M on are judged as without a calibration (the tolerance here, the seeds' noise by
-    the caller) and the line says so. Outside: DIVERGED at the first step outside, naming the metric and the envelope.
+    compared, else the steps from M on are held to the envelope carried forward at the members' growth rate, as far
+    as it decides (_after_envelope), and the line says which steps each envelope judged. Outside: DIVERGED at the
+    first step outside, naming the metric and the envelope. `seeds`: the members of the run's study, if any.
     `weights`: the replay's weights after the M steps, their distance from the run's (both sketched); held to the
     members' distances, so weights that moved where no metric showed it are outside too.
 
@@ -111,21 +112,74 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     if judged.covers_run:
         cmp.verdict, cmp.divergence = WITHIN_ROUNDING, None
         return cmp
-    # The steps from M on, as without a calibration: metrics by the tolerance, weights by their fingerprints.
-    after = {name: _first_outside(name, orig[name], rep[name], cmp.tolerance, m) for name in sorted(orig) if name in rep}
+    return _after_envelope(cmp, original, replay, envelope, judged, orig, rep, m, seeds)
+
+
+def _after_envelope(cmp: Comparison, original: RunRecord, replay: RunRecord, envelope: Envelope,
+                    judged: rounding.RoundingJudgement, orig: dict[str, Any], rep: dict[str, Any], m: int,
+                    seeds: list[RunRecord] | None) -> Comparison:
+    """The steps from M on of a replay inside the envelope: each metric the envelope held, by the envelope carried
+    forward at its members' growth rate (harness/judge/carried.py) up to where it meets the seeds' spread (`seeds`: a
+    study's other members); the rest - a metric the members never moved, the steps the seeds judge - as without a
+    calibration: metrics by the tolerance, weights by their fingerprints."""
+    tolerance_from: dict[str, int] = {}
+    # A member that blew up: the run is on the edge of stability there, and no growth rate carries past it.
+    held_names = [] if judged.blown_up else sorted(judged.judged)
+    grown_by = {name: carried.growth(envelope.metrics[name], m) for name in held_names if name in rep}
+    rates = [(g.rate, name) for name, g in grown_by.items() if g is not None]
+    fastest = (max(rates)[1], max(rates)[0]) if rates else None
+    for name in grown_by:
+        grown = grown_by[name] or carried.growth(envelope.metrics[name], m, borrow=fastest)
+        if grown is None:
+            continue
+        spread = None
+        if seeds:
+            spread = carried.seeds_spread(orig[name], [as_series(*r.metrics[name]) for r in seeds
+                                                      if name in r.metrics and r.run_id != original.run_id])
+        held = carried.judge(name, grown, orig[name], rep[name], m, spread)
+        if held is None:
+            continue
+        judged.carried[name] = held
+        if held.seeds_from is not None:
+            tolerance_from[name] = held.seeds_from
+    outside = [c.outside for c in judged.carried.values() if c.outside is not None]
+    if outside:
+        first = min(outside, key=lambda o: (o.step, o.metric))
+        rel = first.distance / abs(first.original) if first.original else math.inf
+        cmp.verdict = DIVERGED
+        cmp.divergence = Divergence(KIND_ROUNDING, first.step, first.metric, first.original, first.replay,
+                                    first.distance, rel, f"at step {first.step}: {first.describe()}, outside the "
+                                    f"envelope carried forward from step {m - 1} at its members' growth rate "
+                                    f"(calibration {envelope.calibration_id})")
+        return cmp
+    # Steps no carried envelope judged: by the tolerance, as without a calibration.
+    after = {name: _first_outside(name, orig[name], rep[name], cmp.tolerance,
+                                  tolerance_from.get(name, m) if name in judged.carried else m)
+             for name in sorted(orig) if name in rep and (name not in judged.carried or name in tolerance_from)}
     judged.after = {name: None if d is None else d.step for name, d in after.items() if name in judged.judged}
     rest = [d for d in after.values() if d is not None]
     fps = cmp.fingerprints
     late_fp = fps.first_mismatch_step is not None and fps.first_mismatch_step >= m or fps.final_equal is False
+    # Weights that differ after M are what every member's did, where the carried envelopes held all the metrics.
+    weights_held = bool(judged.carried) and envelope.weights_differed > 0
     if rest:
         cmp.verdict, cmp.divergence = DIVERGED, min(rest, key=lambda d: (d.step, d.metric or ""))
-    elif late_fp and not weights_may_differ(cmp.tolerance):
+    elif late_fp and not weights_may_differ(cmp.tolerance) and not weights_held:
         cmp.verdict = DIVERGED
         cmp.divergence = Divergence(KIND_FINGERPRINT, None, detail=(
             f"the weights after the first {m} steps differ (final {(original.final_fingerprint or 'none')[:12]} vs "
             f"{(replay.final_fingerprint or 'none')[:12]}); --tolerance weights=any would let the metrics decide"))
+    elif (undecided := judged.undecided()) is not None:
+        # Beyond the ceiling, inside the carried width: rounding's growth and a change both fit.
+        cmp.verdict = INCONCLUSIVE
+        cmp.divergence = Divergence(KIND_ROUNDING, undecided.step, undecided.metric, undecided.original,
+                                    undecided.replay, undecided.distance,
+                                    undecided.distance / abs(undecided.original) if undecided.original else math.inf,
+                                    f"at step {undecided.step}: {undecided.describe()}")
     else:
-        exact = all(_bitwise_from(orig[n], rep[n], m) for n in orig if n in rep) and not late_fp
+        tol_names = [n for n in after if n in orig]
+        exact = all(_bitwise_from(orig[n], rep[n], tolerance_from.get(n, m)) for n in tol_names)
+        exact = exact and (not late_fp or weights_held)
         cmp.verdict, cmp.divergence = (WITHIN_ROUNDING if exact else WITHIN_TOLERANCE), None
     return cmp
 

@@ -29,11 +29,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from harness.fmt import fmt_pair, fmt_short
+
+if TYPE_CHECKING:
+    from harness.judge.carried import Carried
 
 FORMAT = 1
 SAFETY = 8.0
@@ -221,6 +224,43 @@ class RoundingJudgement:
     # Per metric held to the envelope, the first step from M on outside its tolerance (None: none), where the steps
     # after the envelope were judged by the tolerance (handoff.judge_rounding).
     after: dict[str, int | None] = field(default_factory=dict)
+    # Per metric, its steps from M on held to the envelope carried forward at the members' growth rate (carried.py).
+    carried: dict[str, Carried] = field(default_factory=dict)
+
+    def undecided(self) -> Outside | None:
+        """The first value beyond where a carried envelope decides (its ceiling), yet inside its width."""
+        found = [c.undecided for c in self.carried.values() if c.undecided is not None]
+        return min(found, key=lambda o: (o.step, o.metric)) if found else None
+
+    def after_line(self, by: str, run_id: str) -> str:
+        """What judged the steps after the envelope's, for the verdict line (`by`: the tolerance, the seeds' noise)."""
+        line = f"the first {self.steps} steps inside {self.describe_envelope()}"
+        if not self.carried:
+            return f"{line}, the steps after them judged by {by}"
+        line = f"{line}, {self.carried_spans()}"
+        rest = [n for n in self.after if n not in self.carried] + [c.metric for c in self.carried.values()
+                                                                  if c.seeds_from is not None]
+        return f"{line}; the rest ({', '.join(sorted(rest))}) judged by {by}" if rest else line
+
+    def undecided_line(self, run_id: str) -> str:
+        """INCONCLUSIVE: the value the carried envelope could not decide, and what would."""
+        o = self.undecided()
+        assert o is not None
+        c = self.carried[o.metric]
+        return (f"{o.metric} at step {o.step}: {fmt_pair(o.original, o.replay)} (abs {fmt_short(o.distance)}), beyond "
+                f"{fmt_short(o.half_width)} ({c.ceiling_words()}) but inside the envelope carried forward "
+                f"(±{fmt_short(c.undecided_width)}), which there would hold a real change too; a study of the run's "
+                f"seeds (harness run ... --seeds N) judges those steps, "
+                f"or a calibration that measures them (harness calibrate {run_id} --steps {o.step + 1})")
+
+    def carried_spans(self) -> str:
+        """Per metric, the steps the carried envelope judged and how it grew."""
+        return "; ".join(c.describe() for _, c in sorted(self.carried.items()) if c.judged)
+
+    def carried_from(self) -> str:
+        """Which steps the measured envelope judged and which the carried one, in words."""
+        spans = self.carried_spans()
+        return f"steps 0-{self.steps - 1} by {self.describe_envelope()}, {spans}" if spans else ""
 
     @property
     def within(self) -> bool:
@@ -251,6 +291,12 @@ class RoundingJudgement:
     def headline(self) -> str:
         where = f"{self.describe_envelope()} (calibration {self.calibration_id})"
         weights = "" if self.weights is None else f"; {self.weights.describe()}"
+        if self.within and self.carried:
+            judged = sum(c.judged for c in self.carried.values())
+            widest = max(c.widest for c in self.carried.values())
+            return (f"inside {where} at all {self.judged_steps} judged values, at most {self.widest:.2g}x its "
+                    f"half-width{weights}, and inside the envelope carried forward at its members' growth rate at "
+                    f"{judged} more, at most {widest:.2g}x its half-width ({self.carried_from()})")
         if self.within:
             return (f"inside {where} at all {self.judged_steps} judged values, at most "
                     f"{self.widest:.2g}x its half-width{weights}")

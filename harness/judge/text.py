@@ -66,6 +66,10 @@ def judged_by(cmp: Comparison) -> str:
     if r is None:
         return f"judged by {seeds or 'tolerance'}"
     envelope = f"the rounding envelope of calibration {r.calibration_id}"
+    if r.within and r.carried:
+        rest = f", and {seeds or 'the tolerance'} for the rest" if r.after else ""
+        return (f"judged by {envelope} over the first {r.steps} steps, then by it carried forward at its members' "
+                f"growth rate{rest}")
     if r.within and not r.covers_run:
         return f"judged by {envelope} over the first {r.steps} steps, then {seeds or 'the tolerance'}"
     return f"judged by {envelope}"
@@ -91,6 +95,12 @@ def envelope_first(m: MetricStats, cmp: Comparison) -> str | None:
         seen = f"first outside the rounding envelope at step {outside.step}"
     else:
         seen = f"inside the rounding envelope at its {r.judged[m.name]} judged steps"
+        held = r.carried.get(m.name)
+        if held is not None and held.judged:
+            gone = held.outside or held.undecided
+            seen += (f", the envelope carried forward at its {held.judged} steps after them" if gone is None else
+                     f", first {'outside' if held.outside else 'beyond the ceiling of'} the envelope carried forward "
+                     f"at step {gone.step}")
         if m.name in r.after:
             step = r.after[m.name]
             seen += (f", within its tolerance from step {r.steps} on" if step is None

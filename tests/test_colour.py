@@ -60,3 +60,19 @@ def test_verdicts_and_errors_are_coloured_on_a_terminal_only(project: Project, r
         assert plain.returncode == 2 and plain.stderr.startswith("Error: ") and "\x1b[" not in plain.stderr
     as_json = project.cli("compare", run, run, "--json", color=True, env=ON_A_TERMINAL)
     assert "\x1b[" not in as_json.stdout + as_json.stderr and json.loads(as_json.stdout)["verdict"] == "BITWISE"
+
+
+def test_a_line_written_above_the_bar_keeps_no_colour_in_a_pipe(capsys: pytest.CaptureFixture) -> None:
+    """While ranks run, warnings go above the step bar (tqdm's write, which keeps what it is given): in a pipe or a
+    file they come without escape codes, as click.echo's lines do."""
+    import click
+
+    from harness import events
+    from harness.cli.progress import Bar
+
+    bar = Bar()
+    bar.steps(events.Steps("linear_ddp, 2 ranks", done=0, total=10))
+    bar.write(click.style("Warning:", fg="yellow", bold=True) + " something")
+    bar.steps(events.Steps("linear_ddp, 2 ranks", done=10, total=10, ended=True))
+    err = capsys.readouterr().err
+    assert "Warning: something" in err and "\x1b[" not in err, repr(err)

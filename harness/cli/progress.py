@@ -85,6 +85,7 @@ class Bar:
         """A line on stderr: above the bar while there is one."""
         with self._lock:
             if self._bar is not None:
-                self._bar.write(line, file=sys.stderr)
+                # tqdm writes what it is given: a colour only where click.echo would keep it (a terminal).
+                self._bar.write(line if sys.stderr.isatty() else click.unstyle(line), file=sys.stderr)
                 return
         click.echo(line, err=True)

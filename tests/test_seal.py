@@ -13,7 +13,6 @@ import json
 import shutil
 import sqlite3
 import tarfile
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import Project, make_project
-from harness.commands import bundle
-from harness.record import seal
+
 import harness
 from harness import tags as T
+from harness.commands import bundle
 from harness.errors import EXIT_USAGE
+from harness.record import seal
 from harness.store.tracking import Tracker
 
 FIX = ("Use an intact copy of the run (its original store, or a bundle exported before the edit), or record it "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from signal import SIGINT, SIGTERM, Signals
 from typing import Any
 
-from harness import events, tags as T
+from harness import events, executors, tags as T
 from harness.commands.options import CalibrateOptions
 from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, StoreUnavailable, UsageError
 from harness.fmt import json_safe
@@ -35,7 +35,7 @@ from harness.record import derived, loading, redaction
 from harness.record.calibration import left_behind
 from harness.runtime.perturb import KERNELS, NUDGE, NUDGE_ULPS, REFERENCE, kernels_of
 from harness.store.failures import unwritable
-from harness.store.tracking import Tracker
+from harness.store.tracking import RunRecord, Tracker
 
 DEFAULT_MEMBERS = 8
 # The steps after M are judged as without a calibration - by default bit for bit, where another machine's one-ulp
@@ -114,27 +114,38 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     with calibrating, derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}",
                                      heartbeat_s=calibrating.heartbeat_s) as opened_id:
         cal_id = calibrating.holds(opened_id)
-        ids: list[str] = []
+        def member_tags(i: int) -> dict[str, str]:
+            return {T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id, T.CALIBRATION_KERNELS: kernels_of(i).describe()}
+
+        options = dict(follow=False, tracker=tracker, steps=m, localize=False, sketch_at=m, overrides=secrets)
+        outcomes = []
+        if one_launch(loaded, record):
+            # Every member in one set of ranks, one segment each, each recorded as the replay it replaces.
+            result = replay(original.run_id, perturb_seed=REFERENCE, extra_tags=member_tags(REFERENCE),
+                            then=[(i, member_tags(i)) for i in range(1, k + 1)], **options)
+            outcomes = [result.outcome, *result.members]
+        else:
+            for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
+                events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
+                                            f"calibration {cal_id}: the run itself (the reference)", i, k))
+                outcome = replay(original.run_id, perturb_seed=i, extra_tags=member_tags(i), **options).outcome
+                outcomes.append(outcome)
+                if outcome.status != T.FINISHED:
+                    break
+        ids = [outcome.run_id for outcome in outcomes]
         records = []
-        for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
-            events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
-                                        f"calibration {cal_id}: the run itself (the reference)", i, k))
-            result = replay(original.run_id, follow=False, tracker=tracker, steps=m, perturb_seed=i, localize=False,
-                            sketch_at=m, overrides=secrets,
-                            extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
-                                        T.CALIBRATION_KERNELS: kernels_of(i).describe()})
-            ids.append(result.outcome.run_id)
+        for i, outcome in enumerate(outcomes):
             which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
-            if result.outcome.status == T.KILLED and result.outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
-                signum = result.outcome.exit_code - 128
+            if outcome.status == T.KILLED and outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
+                signum = outcome.exit_code - 128
                 raise Interrupted(signum, f"calibration {cal_id} interrupted by {Signals(signum).name} while "
                                           f"{which} ran: it is marked KILLED and records no envelope. Run harness "
                                           f"calibrate {original.run_id} again.")
-            if result.outcome.status != T.FINISHED:
-                raise HarnessError(f"calibration {which} (run {result.outcome.run_id}) {result.outcome.status}: "
-                                   f"{result.outcome.message or 'see its logs'}. The run's first {m} steps do not "
+            if outcome.status != T.FINISHED:
+                raise HarnessError(f"calibration {which} (run {outcome.run_id}) {outcome.status}: "
+                                   f"{outcome.message or 'see its logs'}. The run's first {m} steps do not "
                                    "re-execute here; replay it to see why.", EXIT_FAILED)
-            records.append(tracker.load_record(result.outcome.run_id))
+            records.append(tracker.load_record(outcome.run_id))
         reference, members_ = records[0], records[1:]
         held = record.checkpoints.get(m) if m < total else record.final_fingerprint
         logged = {(key, step): value for key, by_step in reproduced.series(reference.metrics).items()
@@ -169,6 +180,14 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
+
+
+def one_launch(loaded: loading.Loaded, record: RunRecord) -> bool:
+    """Whether the members run in one set of ranks (one segment each), else one replay each: the run's backend runs
+    members (executors.Backend.runs_members), and its training logged nothing through MLflow itself - such values
+    go to the run its ranks were started for, not to each member's."""
+    return (executors.backend(str(loaded.recorded.cfg.executor)).runs_members
+            and not record.facts.get(T.USER_MLFLOW_METRICS))
 
 
 def secrets_given(loaded: loading.Loaded, overrides: list[str]) -> list[str]:

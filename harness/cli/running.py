@@ -326,7 +326,7 @@ def calibrate(run_id: str, overrides: tuple[str, ...], members: int | None, step
         from harness.commands import documents
 
         _emit(documents.calibrate(done))
-    click.echo(done.summary())
+    click.echo(done.table())
     click.echo(done.calibration_id)
 
 

@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from signal import SIGINT, SIGTERM, Signals
 from typing import Any
 
-from harness import events, executors, tags as T
+import numpy as np
+
+from harness import events, executors, seeds, tags as T
 from harness.commands.options import CalibrateOptions
 from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, StoreUnavailable, UsageError
-from harness.fmt import json_safe
+from harness.executors import procs
+from harness.fmt import fmt_short, json_safe, text_table
 from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
 from harness.judge.weightdistance import Sketch, distance
@@ -69,6 +72,39 @@ class Calibration:
                 f"differed after step {env.steps}{weights}; the run's first {env.steps} steps {again} here")
 
 
+    def table(self, columns: int = 4) -> str:
+        """What the calibration measured, for the terminal: the envelope's half-width (what a replay's value may lie
+        from the run's) at `columns` steps spread over the M, per metric; the weights' after step M; what a replay of
+        the run is held to."""
+        env = self.envelope
+        m = env.steps
+        again = {True: "re-executed bit for bit here", False: "did NOT re-execute bit for bit here (in the envelope)",
+                 None: "not re-executed"}[env.reference_bitwise]
+        lines = [f"calibration {self.calibration_id} of run {self.run_id}: {env.members} members x {m} steps; the run "
+                 f"itself {again}"]
+        at = sorted({round(i * (m - 1) / max(columns - 1, 1)) for i in range(columns)})
+        rows = [["half-width", *(f"step {step}" for step in at)]]
+        for name, metric in sorted(env.metrics.items()):
+            widths = metric.half_widths()
+            # A value logged less often (once an epoch): its latest at or before the column's step.
+            held = [int(np.searchsorted(metric.steps, step, side="right")) - 1 for step in at]
+            rows.append([name, *(f"±{fmt_short(float(widths[i]))}" if i >= 0 else "-" for i in held)])
+        if len(rows) > 1:
+            lines.append(text_table(rows))
+        weights = ""
+        if env.weights is not None:
+            w = env.weights
+            lines.append(f"weights after step {w.step}: ±{fmt_short(w.half_width())} relative (members up to "
+                         f"{fmt_short(max(w.distances, default=0.0))}, farthest tensor {w.widest_tensor or 'none'}; "
+                         f"{env.weights_differed} of {env.members} differed)")
+            weights = f" and its weights after step {w.step} within ±{fmt_short(w.half_width())}"
+        tail = (f"; steps {m}-{self.steps_of_run - 1} by the tolerance" if m < self.steps_of_run - 1 else
+                f"; step {m} by the tolerance" if m == self.steps_of_run - 1 else "")
+        lines.append(f"a replay of run {self.run_id} is WITHIN_ROUNDING where every logged value of steps 0-{m - 1} "
+                     f"lies within the half-width{weights}, else DIVERGED at the first step outside{tail}")
+        return "\n".join(lines)
+
+
 def check_options(members: int | None, steps: int | None) -> None:
     """What can be refused before the store is read (nothing is recorded)."""
     if members is not None and not 2 <= members <= MAX_MEMBERS:
@@ -91,6 +127,7 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     loaded = loading.load(tracker, derived.followed(tracker, tracker.harness_run(run_id), "calibrating"),
                           loading.CALIBRATE)
     original = loaded.summary
+    _warm(loaded)
     record = tracker.load_record(original.run_id)
     total = original_steps(record)
     if total < 1:
@@ -117,7 +154,8 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         def member_tags(i: int) -> dict[str, str]:
             return {T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id, T.CALIBRATION_KERNELS: kernels_of(i).describe()}
 
-        options = dict(follow=False, tracker=tracker, steps=m, localize=False, sketch_at=m, overrides=secrets)
+        options: dict[str, Any] = {"follow": False, "tracker": tracker, "steps": m, "localize": False, "sketch_at": m,
+                                   "overrides": secrets}
         outcomes = []
         if one_launch(loaded, record):
             # Every member in one set of ranks, one segment each, each recorded as the replay it replaces.
@@ -188,6 +226,15 @@ def one_launch(loaded: loading.Loaded, record: RunRecord) -> bool:
     go to the run its ranks were started for, not to each member's."""
     return (executors.backend(str(loaded.recorded.cfg.executor)).runs_members
             and not record.facts.get(T.USER_MLFLOW_METRICS))
+
+
+def _warm(loaded: loading.Loaded) -> None:
+    """Start the rank server now, under the run's string-hash seed as its ranks will take it, so that its torch
+    import overlaps the reads and records before the members' ranks start (as `harness run` does)."""
+    cfg = loaded.recorded.cfg
+    if executors.backend(str(cfg.executor)).early_ranks and str(cfg.launcher.value) == "forkserver":
+        seeds.apply_recorded_hash_seed(loaded.summary.tags, loaded.summary.run_id)
+        procs.warm()
 
 
 def secrets_given(loaded: loading.Loaded, overrides: list[str]) -> list[str]:

@@ -130,9 +130,9 @@ def test_calibrate_follows_a_replay_to_its_run_in_one_line(tiny, killed) -> None
 
 
 def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store's disk fills once the calibration and its reference are recorded (right before member 1): the error
-    is exit 1, never a refusal that "recorded nothing", and names each run the store holds, in the state it holds it,
-    with the command that closes what stays RUNNING."""
+    """The store's disk fills once the calibration is recorded, right before its members' runs are (they run in one
+    launch, recorded together): the error is exit 1, never a refusal that "recorded nothing", and names each run the
+    store holds, in the state it holds it, with the command that closes what stays RUNNING."""
     from harness.commands import calibrate as calibrate_command, replay as replay_command
     from harness.commands.options import CalibrateOptions
 
@@ -146,8 +146,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
 
         def filling(*args, **kwargs):
             calls.append(kwargs["perturb_seed"])
-            if len(calls) == 2:
-                fill_disk(disk)
+            fill_disk(disk)
             return replay_command.replay(*args, **kwargs)
 
         monkeypatch.chdir(project.root)
@@ -160,7 +159,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
                               (T.CALIBRATION_OF, T.CALIBRATION)).fetchall()
     cal, = [(rid, status) for rid, status, key, _ in rows if key == T.CALIBRATION_OF]
     members = [(rid, status) for rid, status, key, value in rows if key == T.CALIBRATION and value == cal[0]]
-    assert len(members) == 1 and members[0][1] == "FINISHED", rows  # the reference; member 1 got no row
+    assert calls == [0] and members == [], rows  # one launch for all of them: no member got a row
     err = raised.value
     assert err.exit_code == EXIT_FAILED, err
     close = "" if cal[1] != "RUNNING" else (
@@ -168,7 +167,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
         "FAILED.")
     assert str(err).startswith(f"the tracking store {store.uri} is full ("), err
     assert str(err).endswith(
-        f"then rerun. It left calibration {cal[0]} {cal[1]}, with no envelope, and its member replays: {members[0][0]} "
-        f"FINISHED.{close} Then calibrate again: harness calibrate {run.last_line}."), err
+        f"then rerun. It left calibration {cal[0]} {cal[1]}, with no envelope, and its member replays: none.{close} "
+        f"Then calibrate again: harness calibrate {run.last_line}."), err
     trees = git(project.root, "worktree", "list", "--porcelain")
     assert trees.count("worktree ") == 1, trees  # the refused member's checkout is gone too

@@ -610,6 +610,7 @@ def test_a_bundle_carries_the_calibration_and_the_imported_run_is_judged_by_it(p
 
 
 def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_path) -> None:
+    import contextlib
     import os
     import signal
     import time
@@ -621,14 +622,20 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_
     env = {"PID_DIR": str(tmp_path)}
     run = project.harness("run", exp, train, env=env)
     assert run.returncode == 0, run.stderr
+    pid = tmp_path / "rank0"
+    pid.unlink()
     proc = project.popen("calibrate", run.last_line, "--members", "2", "--steps", "29", env=env)
     deadline = time.monotonic() + 120
-    while not any(r.data.tags.get(tags.PERTURB_SEED) == "1" and r.info.status == "RUNNING" and
-                  r.data.tags.get(tags.CALIBRATION_OF) is None and r.data.tags.get(tags.REPLAY_OF) == run.last_line
-                  for r in project.all_runs()):
+    # The members run one after another in the same ranks, each train() writing rank 0's pid file as it starts: the
+    # second write is member 1's start.
+    starts: set[int] = set()
+    while len(starts) < 2:
+        with contextlib.suppress(FileNotFoundError):
+            starts.add(pid.stat().st_mtime_ns)
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "member 1 never started"
-        time.sleep(0.2)
+        time.sleep(0.05)
+    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -639,4 +646,7 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_
     killed = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == run.last_line]
     assert [r.info.status for r in killed] == ["KILLED"]
     its_members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == killed[0].info.run_id]
-    assert sorted(r.info.status for r in its_members) == ["FINISHED", "KILLED"]  # the reference ran, 1 killed, 2 never
+    # The reference ran, member 1 was killed; member 2, recorded with them, never started and says so.
+    assert sorted(r.info.status for r in its_members) == ["FINISHED", "KILLED", "KILLED"]
+    never = next(r for r in its_members if r.data.tags[tags.PERTURB_SEED] == "2")
+    assert never.data.tags[tags.STATUS_REASON] == "never started: interrupted while calibration member 1 ran"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -204,10 +205,17 @@ Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
             )
 
         members = [(Steering(steps, seed, sketch_at), tags) for seed, tags in then or []]
-        job = recorded.job(tree, exp_dir, record=recording(extra), topology=topology, data=data.paths,
-                           steering=steering, members=[(s, recording({**extra, **tags, **s.tags()}))
-                                                       for s, tags in members])
-        outcome = executors.run(job)
+        # A calibration's ranks start now, and import torch while its members' runs are recorded (as harness run's).
+        ranks = executors.early_ranks(cfg, topology or Topology()) if members else None
+        try:
+            job = recorded.job(tree, exp_dir, record=recording(extra), topology=topology, data=data.paths,
+                               steering=steering, ranks=ranks,
+                               members=[(s, recording({**extra, **tags, **s.tags()})) for s, tags in members])
+            outcome = executors.run(job)
+        finally:
+            if ranks is not None:
+                ranks.stop()
+                shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
         replay_id = outcome.run_id
 
     if job.topology.node_rank != 0 or perturb_seed is not None:  # one job, one verdict: node 0's; a member: none

@@ -143,7 +143,7 @@ class LocalHandle(RanksHandle):
         """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
         node = self.node
         if node is None:
-            ranks = self.job.ranks  # started by commands.run.start_ranks before the run was recorded
+            ranks = self.job.ranks  # started by executors.early_ranks before the run was recorded
             assert ranks is None or isinstance(ranks, Ranks), ranks
             launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=ranks, on_ranks=on_ranks)
             return

@@ -154,19 +154,19 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         def member_tags(i: int) -> dict[str, str]:
             return {T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id, T.CALIBRATION_KERNELS: kernels_of(i).describe()}
 
-        options: dict[str, Any] = {"follow": False, "tracker": tracker, "steps": m, "localize": False, "sketch_at": m,
-                                   "overrides": secrets}
+        each: dict[str, Any] = {"follow": False, "tracker": tracker, "steps": m, "localize": False, "sketch_at": m,
+                                "overrides": secrets}
         outcomes = []
         if one_launch(loaded, record):
             # Every member in one set of ranks, one segment each, each recorded as the replay it replaces.
             result = replay(original.run_id, perturb_seed=REFERENCE, extra_tags=member_tags(REFERENCE),
-                            then=[(i, member_tags(i)) for i in range(1, k + 1)], **options)
+                            then=[(i, member_tags(i)) for i in range(1, k + 1)], **each)
             outcomes = [result.outcome, *result.members]
         else:
             for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
                 events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
                                             f"calibration {cal_id}: the run itself (the reference)", i, k))
-                outcome = replay(original.run_id, perturb_seed=i, extra_tags=member_tags(i), **options).outcome
+                outcome = replay(original.run_id, perturb_seed=i, extra_tags=member_tags(i), **each).outcome
                 outcomes.append(outcome)
                 if outcome.status != T.FINISHED:
                     break

@@ -122,7 +122,7 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         if channel is not None and not spec.members:
             channel.send(Determinism(settings, env_vars()))
             channel.send(RankFacts(device_facts(device), nccl_conf()))
-        own_kernels = (torch.backends.mkldnn.enabled, torch.get_num_threads())
+        own_kernels = (bool(torch.backends.mkldnn.enabled), torch.get_num_threads())
         for index, plan in enumerate(spec.segments or [spec.checkpoints]):
             if index:
                 # Each segment starts as a fresh rank does: what train() draws before the checkpoint is loaded

@@ -117,6 +117,12 @@ def test_calibrate_asks_for_a_secret_as_replay_does(tiny) -> None:
     assert len(members) == 3 and all(m.info.status == "FINISHED" for m in members)
     assert all(T.CHANGES not in m.data.tags for m in members)  # a secret given again is no change
     assert "pw-calib-7f3a" not in done.stderr + done.stdout
+    # One launch for the 3 of them: one bar, not each member's training output; then a short table, the id last.
+    assert "epoch 1/1" not in done.stderr, done.stderr
+    table = done.stdout.strip().splitlines()
+    assert table[0] == f"calibration {done.last_line} of run {run}: 2 members x 1 steps; the run itself re-executed " \
+                       "bit for bit here", table
+    assert table[1].split() == ["half-width", "step", "0"] and table[-1] == done.last_line, table
 
 
 def test_calibrate_follows_a_replay_to_its_run_in_one_line(tiny, killed) -> None:

@@ -4,8 +4,9 @@ K members replay the run's first M steps as recorded - its commit, config, seed,
 its weights nudged (harness/runtime/perturb.py: each element by up to 256 float32 ulps, the seed i of member i) and
 on its share of the machine's other CPU kernels (oneDNN off, another thread count, both, or the run's own:
 perturb.KERNELS, tagged harness.calibration.kernels), so that the envelope holds what another convolution library or
-reduction split does to the run, not only a nudged start (docs/verdicts.md measures why). They are ordinary replay runs,
-nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
+reduction split does to the run, not only a nudged start (docs/verdicts.md measures why). One launch runs them all, one
+segment each in the same ranks (where the run's backend can: executors.Backend.runs_members; else each is a launch of
+its own), and each is recorded as an ordinary replay run, nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
 by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
 sealed when it closes; a replay of the run finds it (record/calibration.py `envelope_of`) and is judged against it.
 
@@ -119,7 +120,8 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
 
     `replay`: commands/replay.py's replay, handed in by the API. A calibration's members are replays, so this verb
     composes that one; it is given it rather than importing it, so that no verb imports another (pyproject.toml's
-    independence contract) and a member is exactly what `harness replay --steps M` runs."""
+    independence contract) and a member is recorded exactly as `harness replay --steps M` records one (replay's
+    `then`: the members after the reference, run by the same ranks)."""
     run_id, members, steps, tracking_uri = options.run_id, options.members, options.steps, options.tracking_uri
     check_options(members, steps)
     tracker = tracker or Tracker(tracking_uri)

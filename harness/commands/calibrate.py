@@ -1,14 +1,15 @@
 """`harness calibrate RUN_ID`: measure how far rounding alone carries a run's first steps (harness/judge/rounding.py).
 
 K members replay the run's first M steps as recorded - its commit, config, seed, data, image and executor - each with
-its weights nudged (harness/runtime/perturb.py: each element by up to 256 float32 ulps, the seed i of member i) and
-on its share of the machine's other CPU kernels (oneDNN off, another thread count, both, or the run's own:
-perturb.KERNELS, tagged harness.calibration.kernels), so that the envelope holds what another convolution library or
-reduction split does to the run, not only a nudged start (docs/verdicts.md measures why). One launch runs them all, one
-segment each in the same ranks (where the run's backend can: executors.Backend.runs_members; else each is a launch of
-its own), and each is recorded as an ordinary replay run, nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
-by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
-sealed when it closes; a replay of the run finds it (record/calibration.py `envelope_of`) and is judged against it.
+its weights nudged (harness/runtime/perturb.py: each element by up to 256 float32 ulps, the seed i of member i) and on
+its share of the machine's other CPU kernels (oneDNN off, another thread count, both, or the run's own: perturb.KERNELS,
+tagged harness.calibration.kernels), so that the envelope holds what another convolution library or reduction split does
+to the run, not only a nudged start (docs/verdicts.md measures why). One launch runs them all, one segment each in the
+same ranks (where the run's backend can: executors.Backend.runs_members; else each is a launch of its own), and each is
+recorded as an ordinary replay run, nested under one run of kind `calibration` (itself nested under the run), tagged
+`harness.calibration`, and judged by nobody: what they are is the reference. The calibration run holds the envelope
+(calibration/envelope.json) and is sealed when it closes; a replay of the run finds it (record/calibration.py
+`envelope_of`) and is judged against it.
 
 The id given may be a replay's (or an audit's): the run it was made from is calibrated, as replay follows it. Secrets
 the record hides are given again as replay takes them (KEY=VALUE, or the environment variable the run read); no other

@@ -46,7 +46,7 @@ class Follower:
         self._closed = False
         self._thread = threading.Thread(target=events.carry(self._follow), name="harness-follow", daemon=True)
         if self._show:
-            events.emit(events.Steps(label))
+            events.emit(events.Steps(label, 0, self._total))
             self._thread.start()
 
     def segment(self, index: int) -> None:

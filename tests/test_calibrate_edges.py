@@ -117,6 +117,12 @@ def test_calibrate_asks_for_a_secret_as_replay_does(tiny) -> None:
     assert len(members) == 3 and all(m.info.status == "FINISHED" for m in members)
     assert all(T.CHANGES not in m.data.tags for m in members)  # a secret given again is no change
     assert "pw-calib-7f3a" not in done.stderr + done.stdout
+    # One launch for the 3 of them: one bar, not each member's training output; then a short table, the id last.
+    assert "epoch 1/1" not in done.stderr, done.stderr
+    table = done.stdout.strip().splitlines()
+    assert table[0] == f"calibration {done.last_line} of run {run}: 2 members x 1 steps; the run itself re-executed " \
+                       "bit for bit here", table
+    assert table[1].split() == ["half-width", "step", "0"] and table[-1] == done.last_line, table
 
 
 def test_calibrate_follows_a_replay_to_its_run_in_one_line(tiny, killed) -> None:
@@ -130,9 +136,9 @@ def test_calibrate_follows_a_replay_to_its_run_in_one_line(tiny, killed) -> None
 
 
 def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store's disk fills once the calibration and its reference are recorded (right before member 1): the error
-    is exit 1, never a refusal that "recorded nothing", and names each run the store holds, in the state it holds it,
-    with the command that closes what stays RUNNING."""
+    """The store's disk fills once the calibration is recorded, right before its members' runs are (they run in one
+    launch, recorded together): the error is exit 1, never a refusal that "recorded nothing", and names each run the
+    store holds, in the state it holds it, with the command that closes what stays RUNNING."""
     from harness.commands import calibrate as calibrate_command, replay as replay_command
     from harness.commands.options import CalibrateOptions
 
@@ -146,8 +152,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
 
         def filling(*args, **kwargs):
             calls.append(kwargs["perturb_seed"])
-            if len(calls) == 2:
-                fill_disk(disk)
+            fill_disk(disk)
             return replay_command.replay(*args, **kwargs)
 
         monkeypatch.chdir(project.root)
@@ -160,7 +165,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
                               (T.CALIBRATION_OF, T.CALIBRATION)).fetchall()
     cal, = [(rid, status) for rid, status, key, _ in rows if key == T.CALIBRATION_OF]
     members = [(rid, status) for rid, status, key, value in rows if key == T.CALIBRATION and value == cal[0]]
-    assert len(members) == 1 and members[0][1] == "FINISHED", rows  # the reference; member 1 got no row
+    assert calls == [0] and members == [], rows  # one launch for all of them: no member got a row
     err = raised.value
     assert err.exit_code == EXIT_FAILED, err
     close = "" if cal[1] != "RUNNING" else (
@@ -168,7 +173,7 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
         "FAILED.")
     assert str(err).startswith(f"the tracking store {store.uri} is full ("), err
     assert str(err).endswith(
-        f"then rerun. It left calibration {cal[0]} {cal[1]}, with no envelope, and its member replays: {members[0][0]} "
-        f"FINISHED.{close} Then calibrate again: harness calibrate {run.last_line}."), err
+        f"then rerun. It left calibration {cal[0]} {cal[1]}, with no envelope, and its member replays: none.{close} "
+        f"Then calibrate again: harness calibrate {run.last_line}."), err
     trees = git(project.root, "worktree", "list", "--porcelain")
     assert trees.count("worktree ") == 1, trees  # the refused member's checkout is gone too

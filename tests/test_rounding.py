@@ -77,6 +77,28 @@ def test_the_envelope_is_the_widest_member_widened_by_its_running_maximum_and_fl
         rounding.Envelope.from_dict({**doc, "format": 99})
 
 
+def test_calibrate_ends_with_a_table_of_half_widths_and_what_a_replay_is_held_to() -> None:
+    """The terminal's end of `harness calibrate`: the half-width per metric at a few steps spread over the M (a value
+    logged less often: its latest at or before the column's step), the weights', the rule a replay is judged by."""
+    from harness.commands.calibrate import Calibration
+
+    original = _run("orig0000", LOSS)
+    env = _envelope(original, steps=8)
+    env.metrics["val"] = rounding.MetricEnvelope([3, 7], [0.5, 0.25], [1e-6, 2e-6])  # once an "epoch"
+    env.weights, env.reference_bitwise = rounding.WeightsEnvelope(8, "ref00000", [1e-5, 3e-5], "fc.weight"), True
+    widths, val = env.metrics["loss"].half_widths(), env.metrics["val"].half_widths()
+    lines = Calibration("orig0000", "cal00000", env, ["m1", "m2"], 12).table().splitlines()
+    assert lines[0] == "calibration cal00000 of run orig0000: 4 members x 8 steps; the run itself re-executed bit for bit here"
+    assert lines[1].split() == ["half-width", "step", "0", "step", "2", "step", "5", "step", "7"]
+    assert lines[2].split() == ["loss", *(f"±{w:.3g}" for w in widths[[0, 2, 5, 7]])]
+    assert lines[3].split() == ["val", "-", "-", f"±{val[0]:.3g}", f"±{val[1]:.3g}"]
+    assert lines[4] == (f"weights after step 8: ±{8 * 3e-5:.3g} relative (members up to 3e-05, farthest tensor "
+                        "fc.weight; 4 of 4 differed)")
+    assert lines[5] == (f"a replay of run orig0000 is WITHIN_ROUNDING where every logged value of steps 0-7 lies within "
+                        f"the half-width and its weights after step 8 within ±{8 * 3e-5:.3g}, else DIVERGED at the "
+                        "first step outside; steps 8-11 by the tolerance")
+
+
 def test_a_replay_inside_the_envelope_is_within_rounding_and_says_against_what() -> None:
     original = _run("orig0000", LOSS)
     env = _envelope(original, steps=12)
@@ -666,6 +688,7 @@ def test_a_bundle_carries_the_calibration_and_the_imported_run_is_judged_by_it(p
 
 
 def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_path) -> None:
+    import contextlib
     import os
     import signal
     import time
@@ -677,14 +700,20 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_
     env = {"PID_DIR": str(tmp_path)}
     run = project.harness("run", exp, train, env=env)
     assert run.returncode == 0, run.stderr
+    pid = tmp_path / "rank0"
+    pid.unlink()
     proc = project.popen("calibrate", run.last_line, "--members", "2", "--steps", "29", env=env)
     deadline = time.monotonic() + 120
-    while not any(r.data.tags.get(tags.PERTURB_SEED) == "1" and r.info.status == "RUNNING" and
-                  r.data.tags.get(tags.CALIBRATION_OF) is None and r.data.tags.get(tags.REPLAY_OF) == run.last_line
-                  for r in project.all_runs()):
+    # The members run one after another in the same ranks, each train() writing rank 0's pid file as it starts: the
+    # second write is member 1's start.
+    starts: set[int] = set()
+    while len(starts) < 2:
+        with contextlib.suppress(FileNotFoundError):
+            starts.add(pid.stat().st_mtime_ns)
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "member 1 never started"
-        time.sleep(0.2)
+        time.sleep(0.05)
+    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -695,4 +724,7 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_
     killed = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == run.last_line]
     assert [r.info.status for r in killed] == ["KILLED"]
     its_members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == killed[0].info.run_id]
-    assert sorted(r.info.status for r in its_members) == ["FINISHED", "KILLED"]  # the reference ran, 1 killed, 2 never
+    # The reference ran, member 1 was killed; member 2, recorded with them, never started and says so.
+    assert sorted(r.info.status for r in its_members) == ["FINISHED", "KILLED", "KILLED"]
+    never = next(r for r in its_members if r.data.tags[tags.PERTURB_SEED] == "2")
+    assert never.data.tags[tags.STATUS_REASON] == "never started: interrupted while calibration member 1 ran"

@@ -104,6 +104,29 @@ def test_the_bar_ends_full_when_the_ranks_end_well(monkeypatch: pytest.MonkeyPat
     assert (last.done, last.total) == (172, 184) and "| 172/184 [" in shown.splitlines()[-1]
 
 
+def test_a_calibrations_members_count_on_one_bar_and_their_output_is_not_shown(tmp_path: Path) -> None:
+    """Calibration members run one after another in the same ranks, each from step 0: one count over all of them
+    (3 members x 10 steps), rank 0's training output (the same each time) not told, the run's own total ignored."""
+    from harness.executors.follow import Follower
+
+    said: list[events.Event] = []
+    (tmp_path / "rank0.log").write_text("epoch 1/1 loss 1.0\n")
+    clock = [-1.0]
+    with events.listening(said.append):
+        follower = Follower(tmp_path / "rank0.log", "calibrating", segments=(3, 10))
+        follower.follow_steps(clock)
+        follower.total(184)  # a member's own count
+        clock[0] = 9
+        time.sleep(0.3)  # the follower's thread reads the clock every 0.2 s
+        follower.segment(1)
+        clock[0] = 4
+        time.sleep(0.3)
+        follower.close(finished=True, steps=10)
+    steps = [(e.done, e.total) for e in said if isinstance(e, events.Steps)]
+    assert steps[0] == (0, 30) and (10, 30) in steps and (15, 30) in steps and steps[-1] == (30, 30), steps
+    assert not [e for e in said if isinstance(e, events.RankOutput)]
+
+
 def _spec(log_dir: Path) -> LaunchSpec:
     return LaunchSpec(
         code_dir=str(ROOT / "experiments" / "linear_ddp"), entry_file="train.py", entry_func="train", world_size=2,

@@ -312,7 +312,8 @@ def calibrate(run_id: str, overrides: tuple[str, ...], members: int | None, step
     from the run, in every logged value and in their weights after step M, is how far rounding alone carries it. The run itself
     is re-executed once more, unnudged, as the reference. A later replay that is not bit-identical (another CPU's or
     GPU's kernels) is judged against that envelope step by step and on its weights after step M: WITHIN_ROUNDING,
-    or DIVERGED at the first step outside it. Costs (K + 1) x M training steps (said first). RUN_ID may be a replay
+    or DIVERGED at the first step outside it. Costs (K + 1) x M training steps (said first), run one after another
+    by one set of ranks under one progress bar; a short table of the envelope ends it. RUN_ID may be a replay
     or an audit: the run it was made from is calibrated. KEY=VALUE gives back a secret the record hides, as to
     `harness replay` (no other change is taken). The last line of stdout is the calibration run's id. Exit 0
     calibrated, 1 a member failed (or the store failed once the calibration was recorded: said what it left), 2 bad
@@ -326,7 +327,7 @@ def calibrate(run_id: str, overrides: tuple[str, ...], members: int | None, step
         from harness.commands import documents
 
         _emit(documents.calibrate(done))
-    click.echo(done.summary())
+    click.echo(done.table())
     click.echo(done.calibration_id)
 
 

@@ -1,13 +1,15 @@
 """`harness calibrate RUN_ID`: measure how far rounding alone carries a run's first steps (harness/judge/rounding.py).
 
 K members replay the run's first M steps as recorded - its commit, config, seed, data, image and executor - each with
-its weights nudged (harness/runtime/perturb.py: each element by up to 256 float32 ulps, the seed i of member i) and
-on its share of the machine's other CPU kernels (oneDNN off, another thread count, both, or the run's own:
-perturb.KERNELS, tagged harness.calibration.kernels), so that the envelope holds what another convolution library or
-reduction split does to the run, not only a nudged start (docs/verdicts.md measures why). They are ordinary replay runs,
-nested under one run of kind `calibration` (itself nested under the run), tagged `harness.calibration`, and judged
-by nobody: what they are is the reference. The calibration run holds the envelope (calibration/envelope.json) and is
-sealed when it closes; a replay of the run finds it (record/calibration.py `envelope_of`) and is judged against it.
+its weights nudged (harness/runtime/perturb.py: each element by up to 256 float32 ulps, the seed i of member i) and on
+its share of the machine's other CPU kernels (oneDNN off, another thread count, both, or the run's own: perturb.KERNELS,
+tagged harness.calibration.kernels), so that the envelope holds what another convolution library or reduction split does
+to the run, not only a nudged start (docs/verdicts.md measures why). One launch runs them all, one segment each in the
+same ranks (where the run's backend can: executors.Backend.runs_members; else each is a launch of its own), and each is
+recorded as an ordinary replay run, nested under one run of kind `calibration` (itself nested under the run), tagged
+`harness.calibration`, and judged by nobody: what they are is the reference. The calibration run holds the envelope
+(calibration/envelope.json) and is sealed when it closes; a replay of the run finds it (record/calibration.py
+`envelope_of`) and is judged against it.
 
 The id given may be a replay's (or an audit's): the run it was made from is calibrated, as replay follows it. Secrets
 the record hides are given again as replay takes them (KEY=VALUE, or the environment variable the run read); no other
@@ -24,10 +26,13 @@ from dataclasses import dataclass
 from signal import SIGINT, SIGTERM, Signals
 from typing import Any
 
-from harness import events, tags as T
+import numpy as np
+
+from harness import events, executors, seeds, tags as T
 from harness.commands.options import CalibrateOptions
 from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, StoreUnavailable, UsageError
-from harness.fmt import json_safe
+from harness.executors import procs
+from harness.fmt import fmt_short, json_safe, text_table
 from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
 from harness.judge.weightdistance import Sketch, distance
@@ -35,7 +40,7 @@ from harness.record import derived, loading, redaction
 from harness.record.calibration import left_behind
 from harness.runtime.perturb import KERNELS, NUDGE, NUDGE_ULPS, REFERENCE, kernels_of
 from harness.store.failures import unwritable
-from harness.store.tracking import Tracker
+from harness.store.tracking import RunRecord, Tracker
 
 DEFAULT_MEMBERS = 8
 # The steps after M are judged as without a calibration - by default bit for bit, where another machine's one-ulp
@@ -69,6 +74,39 @@ class Calibration:
                 f"differed after step {env.steps}{weights}; the run's first {env.steps} steps {again} here")
 
 
+    def table(self, columns: int = 4) -> str:
+        """What the calibration measured, for the terminal: the envelope's half-width (what a replay's value may lie
+        from the run's) at `columns` steps spread over the M, per metric; the weights' after step M; what a replay of
+        the run is held to."""
+        env = self.envelope
+        m = env.steps
+        again = {True: "re-executed bit for bit here", False: "did NOT re-execute bit for bit here (in the envelope)",
+                 None: "not re-executed"}[env.reference_bitwise]
+        lines = [f"calibration {self.calibration_id} of run {self.run_id}: {env.members} members x {m} steps; the run "
+                 f"itself {again}"]
+        at = sorted({round(i * (m - 1) / max(columns - 1, 1)) for i in range(columns)})
+        rows = [["half-width", *(f"step {step}" for step in at)]]
+        for name, metric in sorted(env.metrics.items()):
+            widths = metric.half_widths()
+            # A value logged less often (once an epoch): its latest at or before the column's step.
+            held = [int(np.searchsorted(metric.steps, step, side="right")) - 1 for step in at]
+            rows.append([name, *(f"±{fmt_short(float(widths[i]))}" if i >= 0 else "-" for i in held)])
+        if len(rows) > 1:
+            lines.append(text_table(rows))
+        weights = ""
+        if env.weights is not None:
+            w = env.weights
+            lines.append(f"weights after step {w.step}: ±{fmt_short(w.half_width())} relative (members up to "
+                         f"{fmt_short(max(w.distances, default=0.0))}, farthest tensor {w.widest_tensor or 'none'}; "
+                         f"{env.weights_differed} of {env.members} differed)")
+            weights = f" and its weights after step {w.step} within ±{fmt_short(w.half_width())}"
+        tail = (f"; steps {m}-{self.steps_of_run - 1} by the tolerance" if m < self.steps_of_run - 1 else
+                f"; step {m} by the tolerance" if m == self.steps_of_run - 1 else "")
+        lines.append(f"a replay of run {self.run_id} is WITHIN_ROUNDING where every logged value of steps 0-{m - 1} "
+                     f"lies within the half-width{weights}, else DIVERGED at the first step outside{tail}")
+        return "\n".join(lines)
+
+
 def check_options(members: int | None, steps: int | None) -> None:
     """What can be refused before the store is read (nothing is recorded)."""
     if members is not None and not 2 <= members <= MAX_MEMBERS:
@@ -83,7 +121,8 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
 
     `replay`: commands/replay.py's replay, handed in by the API. A calibration's members are replays, so this verb
     composes that one; it is given it rather than importing it, so that no verb imports another (pyproject.toml's
-    independence contract) and a member is exactly what `harness replay --steps M` runs."""
+    independence contract) and a member is recorded exactly as `harness replay --steps M` records one (replay's
+    `then`: the members after the reference, run by the same ranks)."""
     run_id, members, steps, tracking_uri = options.run_id, options.members, options.steps, options.tracking_uri
     check_options(members, steps)
     tracker = tracker or Tracker(tracking_uri)
@@ -91,6 +130,7 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     loaded = loading.load(tracker, derived.followed(tracker, tracker.harness_run(run_id), "calibrating"),
                           loading.CALIBRATE)
     original = loaded.summary
+    _warm(loaded)
     record = tracker.load_record(original.run_id)
     total = original_steps(record)
     if total < 1:
@@ -114,27 +154,39 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     with calibrating, derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}",
                                      heartbeat_s=calibrating.heartbeat_s) as opened_id:
         cal_id = calibrating.holds(opened_id)
-        ids: list[str] = []
+        def member_tags(i: int) -> dict[str, str]:
+            return {T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id, T.CALIBRATION_KERNELS: kernels_of(i).describe()}
+
+        each: dict[str, Any] = {"follow": False, "tracker": tracker, "steps": m, "localize": False, "sketch_at": m,
+                                "overrides": secrets}
+        outcomes = []
+        if one_launch(loaded, record):
+            # Every member in one set of ranks, one segment each, each recorded as the replay it replaces.
+            result = replay(original.run_id, perturb_seed=REFERENCE, extra_tags=member_tags(REFERENCE),
+                            then=[(i, member_tags(i)) for i in range(1, k + 1)], **each)
+            outcomes = [result.outcome, *result.members]
+        else:
+            for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
+                events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
+                                            f"calibration {cal_id}: the run itself (the reference)", i, k))
+                outcome = replay(original.run_id, perturb_seed=i, extra_tags=member_tags(i), **each).outcome
+                outcomes.append(outcome)
+                if outcome.status != T.FINISHED:
+                    break
+        ids = [outcome.run_id for outcome in outcomes]
         records = []
-        for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
-            events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
-                                        f"calibration {cal_id}: the run itself (the reference)", i, k))
-            result = replay(original.run_id, follow=False, tracker=tracker, steps=m, perturb_seed=i, localize=False,
-                            sketch_at=m, overrides=secrets,
-                            extra_tags={T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id,
-                                        T.CALIBRATION_KERNELS: kernels_of(i).describe()})
-            ids.append(result.outcome.run_id)
+        for i, outcome in enumerate(outcomes):
             which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
-            if result.outcome.status == T.KILLED and result.outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
-                signum = result.outcome.exit_code - 128
+            if outcome.status == T.KILLED and outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
+                signum = outcome.exit_code - 128
                 raise Interrupted(signum, f"calibration {cal_id} interrupted by {Signals(signum).name} while "
                                           f"{which} ran: it is marked KILLED and records no envelope. Run harness "
                                           f"calibrate {original.run_id} again.")
-            if result.outcome.status != T.FINISHED:
-                raise HarnessError(f"calibration {which} (run {result.outcome.run_id}) {result.outcome.status}: "
-                                   f"{result.outcome.message or 'see its logs'}. The run's first {m} steps do not "
+            if outcome.status != T.FINISHED:
+                raise HarnessError(f"calibration {which} (run {outcome.run_id}) {outcome.status}: "
+                                   f"{outcome.message or 'see its logs'}. The run's first {m} steps do not "
                                    "re-execute here; replay it to see why.", EXIT_FAILED)
-            records.append(tracker.load_record(result.outcome.run_id))
+            records.append(tracker.load_record(outcome.run_id))
         reference, members_ = records[0], records[1:]
         held = record.checkpoints.get(m) if m < total else record.final_fingerprint
         logged = {(key, step): value for key, by_step in reproduced.series(reference.metrics).items()
@@ -169,6 +221,23 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
         done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
+
+
+def one_launch(loaded: loading.Loaded, record: RunRecord) -> bool:
+    """Whether the members run in one set of ranks (one segment each), else one replay each: the run's backend runs
+    members (executors.Backend.runs_members), and its training logged nothing through MLflow itself - such values
+    go to the run its ranks were started for, not to each member's."""
+    return (executors.backend(str(loaded.recorded.cfg.executor)).runs_members
+            and not record.facts.get(T.USER_MLFLOW_METRICS))
+
+
+def _warm(loaded: loading.Loaded) -> None:
+    """Start the rank server now, under the run's string-hash seed as its ranks will take it, so that its torch
+    import overlaps the reads and records before the members' ranks start (as `harness run` does)."""
+    cfg = loaded.recorded.cfg
+    if executors.backend(str(cfg.executor)).early_ranks and str(cfg.launcher.value) == "forkserver":
+        seeds.apply_recorded_hash_seed(loaded.summary.tags, loaded.summary.run_id)
+        procs.warm()
 
 
 def secrets_given(loaded: loading.Loaded, overrides: list[str]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ class ReplayResult:
     changes: list[str]
     records: tuple[RunRecord, RunRecord] | None = None  # (original, replay) as judged
     localized: Any = None  # trace.Localized: where a DIVERGED replay first differed (replay --localize)
+    members: list[Outcome] = field(default_factory=list)  # `then`'s calibration members, in order
 
     @property
     def judged(self) -> Comparison:
@@ -116,6 +118,7 @@ def replay(
     steps: int | None = None,
     perturb_seed: int | None = None,
     sketch_at: int | None = None,
+    then: list[tuple[int, dict[str, str]]] | None = None,
 ) -> ReplayResult:
     """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
     the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
@@ -125,7 +128,9 @@ def replay(
     and judge those steps (harness.replay.steps). `perturb_seed`: a calibration member (harness calibrate) - the
     weights start nudged; it is the reference, so it is not judged (its comparison is None); `sketch_at`: its
     rank 0 sketches the weights after that many steps (a replay of a calibrated run sketches them at the calibration's
-    M by itself, to hold them to the members'). `localizer`: what
+    M by itself, to hold them to the members'). `then`: further calibration members, (perturb seed, their tags), run
+by the same ranks after this one and each recorded as a replay of its own (a backend that runs members:
+Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
     traces a DIVERGED replay where `localize` asks for it (commands/trace.py's after_replay, which the API hands in:
     the trace verb is not imported here); None: no replay is localized."""
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
@@ -193,18 +198,28 @@ def replay(
         # was recorded: its untracked files are not refused a second time.
         git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
 
-        def record(tags: dict[str, str]) -> str:
-            return create_record(
-                tracker, cfg, exp_dir, git, image=tags, extra_tags=extra,
+        def recording(tagged: dict[str, str]) -> Callable[[dict[str, str]], str]:
+            return lambda tags: create_record(
+                tracker, cfg, exp_dir, git, image=tags, extra_tags=tagged,
                 run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
             )
 
-        job = recorded.job(tree, exp_dir, record=record, topology=topology, data=data.paths, steering=steering)
-        outcome = executors.run(job)
+        members = [(Steering(steps, seed, sketch_at), tags) for seed, tags in then or []]
+        # A calibration's ranks start now, and import torch while its members' runs are recorded (as harness run's).
+        ranks = executors.early_ranks(cfg, topology or Topology()) if members else None
+        try:
+            job = recorded.job(tree, exp_dir, record=recording(extra), topology=topology, data=data.paths,
+                               steering=steering, ranks=ranks,
+                               members=[(s, recording({**extra, **tags, **s.tags()})) for s, tags in members])
+            outcome = executors.run(job)
+        finally:
+            if ranks is not None:
+                ranks.stop()
+                shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
         replay_id = outcome.run_id
 
     if job.topology.node_rank != 0 or perturb_seed is not None:  # one job, one verdict: node 0's; a member: none
-        return ReplayResult(original, outcome, None, changes)
+        return ReplayResult(original, outcome, None, changes, members=job.member_outcomes)
     a = a or tracker.load_record(run_id)
     b = tracker.load_record(replay_id)
     killed = b.facts.get(T.FAILED_SIGNAL)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from harness import events, executors, scratch, seeds, tags as T
+from harness import events, executors, seeds, tags as T
 from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
 from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
@@ -248,7 +248,7 @@ def run(
     # the entry only once the run exists, and a record that fails stops them. Torch is imported (to spawn)
     # before MLflow, not beside it in a thread: imports hold the GIL, and torch's import walks sys.modules,
     # so importing both at once was 2-3 s slower than one after the other.
-    ranks = start_ranks(cfg, topology)
+    ranks = executors.early_ranks(cfg, topology)
     try:
         tracker = Tracker(tracking_uri)
         inputs = JobInputs(git.root, Path(exp_dir), data=data_paths(checked.data),
@@ -269,22 +269,6 @@ def run(
         if ranks is not None:
             ranks.stop()
             shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
-
-
-def start_ranks(cfg: DictConfig, topology: Topology) -> Any:
-    """launch.Ranks for a single-node job of a backend that starts them early (Backend.early_ranks), started now
-    (in a fresh work folder); None for any other."""
-    if not executors.backend(str(cfg.executor)).early_ranks or topology.multi_node or topology.launcher != "spawn":
-        return None
-
-    from harness.executors import launch
-
-    work = scratch.make("run")
-    try:
-        return launch.start_ranks(cfg.world_size, work / "logs", method=procs.Method(cfg.launcher))
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
 
 
 def execute_recorded(

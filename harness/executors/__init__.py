@@ -50,7 +50,7 @@ ENTRY_POINTS = "harness.executors"  # the entry-point group of outside backends
 __all__ = [
     "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "JobEvent", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
     "Outcome", "Output", "Submitted", "Topology", "backend", "backends", "get", "options_for", "register", "run",
-    "check_segments", "executing", "run_job", "run_segments", "schema", "topology_from_env",
+    "check_segments", "early_ranks", "executing", "run_job", "run_segments", "schema", "topology_from_env",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
@@ -177,3 +177,22 @@ def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
     check = getattr(declared.executor(), "check_segments", None)
     if here and check is not None:
         check(cfg)
+
+
+def early_ranks(cfg: DictConfig, topology: Topology) -> Any:
+    """This node's ranks started now (launch.Ranks, in a fresh work folder: the caller stops them and removes it) for
+    a single-node job of a backend that starts them early (Backend.early_ranks), so that they import torch while the
+    run is recorded; None for any other."""
+    if not backend(str(cfg.executor)).early_ranks or topology.multi_node or topology.launcher != "spawn":
+        return None
+    import shutil
+
+    from harness import scratch
+    from harness.executors import launch, procs
+
+    work = scratch.make("run")
+    try:
+        return launch.start_ranks(cfg.world_size, work / "logs", method=procs.Method(cfg.launcher))
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise

@@ -122,6 +122,12 @@ class Job:
     # Called once this node's ranks have ended well, before the run is closed: a line naming what of the code or data
     # they read the record no longer holds (the run closes FAILED with it), or None.
     verify: Callable[[], str | None] | None = None
+    # harness calibrate: further members run by the same ranks after this job's own, each recorded as a run of its
+    # own - (its steering, what creates its run as `record` does). Only a backend whose `Backend.runs_members` says
+    # so takes them; its wait() sets `member_outcomes` (in order) beside the job's own outcome.
+    members: list[tuple[Steering, Callable[[dict[str, str]], str]]] = field(default_factory=list)
+    member_ids: list[str] = field(default_factory=list)
+    member_outcomes: list[Outcome] = field(default_factory=list)
 
     @property
     def code_root(self) -> Path:
@@ -259,6 +265,7 @@ class Backend:
     # entry script must guard its __main__, and torchrun may start this process as one of them
     early_ranks: bool = False  # a single node's ranks start (and import torch) before the run is recorded (warm ranks)
     parallel_members: bool = False  # a study may run several members at once (--parallel)
+    runs_members: bool = False  # runs a calibration's members in one launch of one node's ranks (Job.members)
     runs_working_tree: bool = False  # the ranks run the working tree as it is, not a checkout of the recorded code
     # (--allow-secret-in-diff cuts secrets from the record only: a checkout would run code without them)
     places_nodes: bool = False  # it chooses the job's nodes itself (a scheduler): --nnodes & co do not apply, and

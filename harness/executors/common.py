@@ -28,8 +28,8 @@ from harness.executors.failures import failure_details, killed_by
 from harness.executors.follow import Follower
 from harness.executors.launch import resolve_device
 from harness.executors.multinode import Node, differing
-from harness.messages import Message
-from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, open_checkpoints
+from harness.messages import Message, SegmentStart, UserSeeds
+from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, lock_lines, open_checkpoints
 from harness.runtime.rank.spec import LaunchSpec
 from harness.secrets import known_values
 from harness.systems import docker
@@ -149,30 +149,54 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
                  on_event: Callable[[JobEvent], None], closing: Callable[[], None]) -> Outcome:
     """The side that runs rank 0: the ranks run by `run`, rank 0's messages fed to the job's recorder (and passed
     on to `on_event`), the run closed. `closing()` is called once the ranks have ended, before the record is
-    closed; `node`: the job's rendezvous when it spans several nodes (or torchrun's ranks)."""
+    closed; `node`: the job's rendezvous when it spans several nodes (or torchrun's ranks).
+
+    A calibration's further members (`job.members`, their runs `job.member_ids`) run in the same ranks after the
+    job's own, one segment each: each segment's messages go to its member's recorder, and each member's run is
+    closed as a replay of its own would be (one that never started, as the segment that ended the ranks ended)."""
     cfg = job.cfg
     log_dir = work / "logs"
     log_dir.mkdir(exist_ok=True)
-    recorder = Recorder(job.tracker, job.run_id, cfg, work, lambda shown: follower.show(shown), job.resume_step,
-                        job.steering)
-    follower = Follower(log_dir / "rank0.log", f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}",
-                        show=not job.options.quiet, hidden=known_values(to_container(cfg), os.environ))
+    recorders = [Recorder(job.tracker, run_id, cfg, work, lambda shown: follower.show(shown), job.resume_step,
+                          steering)
+                 for run_id, steering in [(job.run_id, job.steering),
+                                          *zip(job.member_ids, (s for s, _ in job.members))]]
+    recorder = recorders[0]
+    steps = job.steering.stop_at or 0
+    label = f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}"
+    follower = Follower(log_dir / "rank0.log", f"calibrating {label}, {len(recorders)} x {steps} steps" if
+                        job.members else label, show=not job.options.quiet,
+                        hidden=known_values(to_container(cfg), os.environ),
+                        segments=(len(recorders), steps) if job.members and steps else None)
     ended: Failed | Killed | BaseException | None = None
+    current = [0]  # the member whose segment rank 0 runs
     try:
         device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
         # Ranks started before the record measured torch's facts there; the launcher never imports torch for them.
-        recorder.start(device, backend, job.ranks.torch_facts() if job.ranks is not None else None)
+        measured = job.ranks.torch_facts() if job.ranks is not None else None
+        lock = lock_lines()
+        for each in recorders:
+            each.start(device, backend, measured, lock)
         spec = spec_for(device, backend, log_dir, recorder.plan)
         spec.run_id = job.run_id
         spec.env.update(recorder.rank_env())
+        if job.members:
+            spec.segments, spec.members = [each.plan for each in recorders], True
 
         def on_message(msg: Message) -> None:
-            recorder.feed(msg)
+            if isinstance(msg, SegmentStart):
+                current[0] = msg.index
+                follower.segment(msg.index)
+            elif isinstance(msg, UserSeeds):  # sent once, at the ranks' end: every member ran the same code
+                for each in recorders:
+                    each.feed(msg)
+            else:
+                recorders[current[0]].feed(msg)
             on_event(msg)
 
         # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
         run(spec, on_message, lambda ranks: follower.follow_steps(ranks.progress))
-        ended = recorder.ranks_done()
+        ended = next((done for done in (each.ranks_done() for each in recorders) if done is not None), None)
         changed = job.verify() if ended is None and job.verify is not None else None
         if changed is not None:  # no rank failed: the record would not hold what they read
             ended = Failed(changed, None, changed)
@@ -196,8 +220,26 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
             recorder.note("logs", f"the rank logs of node {', '.join(map(str, missing))} did not reach node 0: the "
                           "record holds node 0's logs only for them")
 
-    closed = recorder.end(ended, collect=None if node is None else collect_logs)
-    return Outcome(job.run_id, closed.status, closed.exit_code, closed.message, closed.fingerprints)
+    outcomes: dict[int, Outcome] = {}
+    # The segment that ended the ranks last: a launcher's own error is raised again once its run is closed.
+    for index in sorted(range(len(recorders)), key=lambda i: i == current[0]):
+        each = recorders[index]
+        this = ended if ended is None or index == current[0] else _member_ended(ended, index, current[0])
+        closed = each.end(this, collect=None if node is None else collect_logs)
+        outcomes[index] = Outcome(each.run_id, closed.status, closed.exit_code, closed.message, closed.fingerprints)
+    job.member_outcomes = [outcomes[i] for i in range(1, len(recorders))]
+    return outcomes[0]
+
+
+def _member_ended(ended: Failed | Killed | BaseException, index: int, current: int) -> Failed | Killed | None:
+    """How a calibration member's run ends when another member's segment ended the ranks: one that ran before it
+    finished; one after it never started, and ends as that one did, saying so."""
+    if index < current:
+        return None
+    if isinstance(ended, Killed):
+        return Killed(f"never started: interrupted while calibration member {current} ran", ended.exit_code)
+    line = f"never started: the ranks ended while calibration member {current} ran"
+    return Failed(line, None, line)
 
 
 def ranks_only(job: Job, work: Path, node: Node, spec_for: SpecFor, run: RunRanks,

@@ -24,10 +24,13 @@ def said(text: str) -> events.Notice | events.Warning:
 class Follower:
     """Follows rank 0's log file and step clock while the ranks run, and tells them as RankOutput and Steps."""
 
-    def __init__(self, log_path: Path, label: str, show: bool = True, hidden: Set[str] = frozenset()) -> None:
+    def __init__(self, log_path: Path, label: str, show: bool = True, hidden: Set[str] = frozenset(),
+                 segments: tuple[int, int] | None = None) -> None:
         """`show=False`: rank 0's output, its steps and the launcher's lines are not told while the ranks run (runs
         at once would interleave; rank 0's log is still kept). `hidden`: the secret values harness knows of the
-        run (secrets.known_values), cut from rank 0's lines as they are from its stored log."""
+        run (secrets.known_values), cut from rank 0's lines as they are from its stored log. `segments`: (count,
+        steps each) of a calibration's members run one after another by these ranks: one count over all of them
+        (`segment` says which runs), and rank 0's output, the same training again and again, is not told."""
         self._log_path = log_path
         self._hidden = set(hidden)
         self._label = label
@@ -35,14 +38,26 @@ class Follower:
         self._total: int | None = None
         self._done = 0
         self._progress: object = None  # the ranks' progress array: rank 0's step is at index 0
+        self._segments = segments
+        self._base = 0  # the steps of the segments before the one running
+        if segments is not None:
+            self._total = segments[0] * segments[1]
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=events.carry(self._follow), name="harness-follow", daemon=True)
         if self._show:
-            events.emit(events.Steps(label))
+            events.emit(events.Steps(label, 0, self._total))
             self._thread.start()
 
+    def segment(self, index: int) -> None:
+        """Segment `index` starts (its ranks' step clock was reset before it was said)."""
+        if self._segments is not None:
+            self._base = index * self._segments[1]
+            self._done = max(self._done, self._base)
+
     def total(self, steps: int) -> None:
+        if self._segments is not None:  # each member's own count: the bar counts them all
+            return
         self._total = steps
         if self._show and not self._closed:
             events.emit(events.Steps(self._label, self._done, steps))
@@ -57,6 +72,8 @@ class Follower:
             return
         # Steps may start at 0 (or at a resumed step) and repeat (several log() calls per step): the furthest counts.
         step = int(progress[0])  # type: ignore[index]
+        if self._segments is not None:
+            step = self._base + min(step, self._segments[1] - 1)
         if step >= 0 and step + 1 > self._done:
             done = step + 1
             self._done = done
@@ -85,10 +102,10 @@ class Follower:
                 chunk = ""
             pending += chunk
             *lines, pending = pending.split("\n")
-            for line in lines:
+            for line in lines if self._segments is None else ():
                 events.emit(events.RankOutput(scrub_known(line, self._hidden)))
             if stopping:
-                if pending:
+                if pending and self._segments is None:
                     events.emit(events.RankOutput(scrub_known(pending, self._hidden)))
                 return
 
@@ -105,6 +122,6 @@ class Follower:
             return
         done, total = self._done, self._total
         if finished:
-            done = steps if steps is not None else max(done, total or 0)
+            done = steps if steps is not None and self._segments is None else max(done, total or 0)
             total = done
         events.emit(events.Steps(self._label, done, total, ended=True))

@@ -86,7 +86,7 @@ class LocalExecutor(Executor):
 EXECUTOR = LocalExecutor
 BACKEND = Backend(
     name="local", executor=LocalExecutor, runs_segments=True,
-    ranks_here=True, early_ranks=True, parallel_members=True, runs_working_tree=True,
+    ranks_here=True, early_ranks=True, parallel_members=True, runs_working_tree=True, runs_members=True,
     help="ranks run on this machine (or on several, one `harness run --nnodes` each)",
 )
 
@@ -114,6 +114,7 @@ class LocalHandle(RanksHandle):
         try:
             if not topo.multi_node:
                 job.run_id = job.record(tags) if job.record else job.run_id
+                job.member_ids = [record(tags) for _, record in job.members]  # each member's run, as the job's
                 return
             from harness.executors.multinode import Node, node_facts
 
@@ -142,7 +143,7 @@ class LocalHandle(RanksHandle):
         """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
         node = self.node
         if node is None:
-            ranks = self.job.ranks  # started by commands.run.start_ranks before the run was recorded
+            ranks = self.job.ranks  # started by executors.early_ranks before the run was recorded
             assert ranks is None or isinstance(ranks, Ranks), ranks
             launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=ranks, on_ranks=on_ranks)
             return

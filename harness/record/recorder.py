@@ -176,9 +176,11 @@ class Recorder:
             self.prior_direct = set(filter(None, prior.facts.get(T.USER_MLFLOW_METRICS, "").split(",")))
 
     # -- start ------------------------------------------------------------------------------------------
-    def start(self, device: str, backend: str, measured: Mapping[str, str] | None = None) -> None:
+    def start(self, device: str, backend: str, measured: Mapping[str, str] | None = None,
+              lock: Future[list[str]] | None = None) -> None:
         """The ranks are about to start on `device` with `backend`: record where, and open the run's writers.
-        `measured`: the torch facts a rank took (provenance.torch_facts), if one did."""
+        `measured`: the torch facts a rank took (provenance.torch_facts), if one did; `lock`: the package lock
+        another run of the same launch is reading (`lock_lines`), else read here."""
         tracker, run_id, cfg, resume_step = self.tracker, self.run_id, self.cfg, self.resume_step
         facts = {T.ENV_PREFIX + k: v for k, v in runtime_facts(measured).items()}
         facts.update({T.DEVICE: device, T.BACKEND: backend})
@@ -195,7 +197,8 @@ class Recorder:
         if resolved:
             tracker.log_params(run_id, resolved)
         # Where the ranks run: every installed distribution (seconds to read), written while they start.
-        self.lock = _in_thread(lambda: tracker.log_text(run_id, "\n".join(package_lock()) + "\n", T.ARTIFACT_LOCK))
+        lines = lock or lock_lines()
+        self.lock = _in_thread(lambda: tracker.log_text(run_id, "\n".join(lines.result()) + "\n", T.ARTIFACT_LOCK))
 
         self.heartbeat = tracker.heartbeat(run_id, cfg.heartbeat_s, self.outages)
         self.ckpts = open_checkpoints(tracker, run_id, cfg, resume_step)
@@ -452,6 +455,11 @@ class Recorder:
                 self.view(Line("Warning: the model's weights never changed (its fingerprint at the end equals the one "
                                "at ctx.ddp): nothing was trained. Check the loss, the learning rate and "
                                "optimizer.step()."))
+
+
+def lock_lines() -> Future[list[str]]:
+    """Every installed distribution (provenance.package_lock), read in a thread: seconds, while the ranks start."""
+    return _in_thread(package_lock)
 
 
 def _in_thread(fn: Callable[[], Any]) -> Future[Any]:

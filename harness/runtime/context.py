@@ -20,6 +20,7 @@ from harness.messages import (
     Final,
     Fingerprint,
     Initial,
+    Message,
     SegmentStart,
     Total,
 )
@@ -459,10 +460,13 @@ class Context(Stepping):
             dist.barrier()
 
     # -- used by the launcher, not by the training code ------------------------------------------
-    def announce_segment(self, index: int) -> None:
-        """Tell the launcher that audit segment `index` is about to run (rank 0 only). Called by the launcher."""
+    def announce_segment(self, index: int, *said: Message) -> None:
+        """Tell the launcher that audit segment `index` is about to run (rank 0 only), then `said` (a calibration
+        member's settings), through the one ordered sender: what follows the start belongs to the segment. Called by
+        the launcher."""
         if self.is_main:
-            self._send(SegmentStart(index))
+            for message in (SegmentStart(index), *said):
+                self._send(message)
 
     def finish(self) -> None:
         """End training: check the ranks hold one model, and send rank 0's final fingerprint and step count.

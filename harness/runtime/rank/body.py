@@ -119,9 +119,10 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 profile=spec.profile,
             )
 
-        if channel is not None:
+        if channel is not None and not spec.members:
             channel.send(Determinism(settings, env_vars()))
             channel.send(RankFacts(device_facts(device), nccl_conf()))
+        own_kernels = (bool(torch.backends.mkldnn.enabled), torch.get_num_threads())
         for index, plan in enumerate(spec.segments or [spec.checkpoints]):
             if index:
                 # Each segment starts as a fresh rank does: what train() draws before the checkpoint is loaded
@@ -129,14 +130,20 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
                 seed_everything(spec.rank_seeds[rank])
             ctx = make_context(plan)
             usermlflow.notify_with(ctx._notice)
-            if spec.segments:
+            if spec.members:
+                beat(progress, local_rank, -1)  # the launcher counts this member's steps from its start
+                # A member's record says the settings it ran on, as a member launched alone reads them at its start.
+                settings = member_kernels(spec, plan.perturb_seed, own_kernels)
+                ctx.announce_segment(index, Determinism(settings, env_vars()),
+                                     RankFacts(device_facts(device), nccl_conf()))
+            elif spec.segments:
                 ctx.announce_segment(index)
             try:
                 _train(fn, ctx)
                 regroup(spec, rank, store, timeout, device)
                 ctx.finish()
             except StopSegment:  # an audit segment (or replay --steps K) ended: every rank stops at the same step
-                if not spec.segments:  # replay --steps K: the run itself ends there, and is wrapped up as at an end
+                if not spec.segments or spec.members:  # replay --steps K: the run ends there, wrapped up as at an end
                     ctx.finish_stopped()
             finally:
                 ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
@@ -162,6 +169,24 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             seeds_seen.stop()  # torchrun runs the body in its launcher's process, which lives on
         if channel is not None:
             channel.close()
+
+
+def member_kernels(spec: LaunchSpec, seed: int | None, own: tuple[bool, int]) -> dict[str, str]:
+    """Calibration member `seed`'s kernels in this process (the run's own first, then its share: perturb.py), and
+    the determinism settings read back as a rank launched for it alone reads them, watched from here on."""
+    import torch
+
+    from harness.runtime.determinism import set_determinism, start_watch
+
+    torch.backends.mkldnn.enabled = own[0]  # type: ignore[assignment]  # a module property (ContextProp)
+    torch.set_num_threads(own[1])
+    if seed is not None:
+        perturb.use_kernels(seed)
+    settings = set_determinism(Level(spec.determinism))
+    start_watch(Level(spec.determinism), settings)
+    settings["world_size_invariant"] = str(spec.invariant_shards > 0)
+    settings["shards"] = str(spec.invariant_shards or "none")
+    return settings
 
 
 def _train(fn: Callable[[Any], Any], ctx: Any) -> None:

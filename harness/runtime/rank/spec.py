@@ -49,6 +49,9 @@ class LaunchSpec:
     run_id: str = ""  # ctx.run_id: the MLflow run this job records ("" for a re-execution: audit, trace)
     # Audit: run the entry once per plan in the same ranks (start-up is paid once, not per segment).
     segments: list[Any] = field(default_factory=list)
+    # harness calibrate: the segments are its members (each plan's perturb_seed), each recorded as a run of its own:
+    # each starts on its own kernels, says its determinism settings again and ends as a replay --steps M ends.
+    members: bool = False
     # Topology: this launcher spawns `nproc` ranks (0: all of world_size), global ranks from
     # node_rank * nproc. Every rank meets the others through the TCPStore at master_addr:port, which
     # this launcher hosts on a single node, and node 0's launcher hosts across nodes.

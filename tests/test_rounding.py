@@ -718,7 +718,8 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     # Said before the cost is paid: the step the envelope will not cover.
-    assert "; a replay's step 29 stays judged by the tolerance (--steps 30 holds the whole run to rounding)" in err, err
+    assert ("; a replay's step 29 is held to the envelope carried forward at the members' growth rate (--steps 30 "
+            "measures the whole run)") in err, err
     assert "interrupted by SIGINT while member 1 ran: it is marked KILLED and records no envelope. Run harness " \
            f"calibrate {run.last_line} again." in err, err
     killed = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION_OF) == run.last_line]

@@ -277,11 +277,12 @@ class _Calibrating:
 
 
 def _tail_said(m: int, total: int) -> str:
-    """The steps a replay is still judged on by the tolerance (after the envelope's M), said before the cost is paid."""
+    """How a replay's steps after the envelope's M are judged (judge/carried.py), said before the cost is paid."""
     if m >= total:
         return ""
-    tail = f"step {m} stays" if m == total - 1 else f"steps {m}-{total - 1} stay"
-    return f"; a replay's {tail} judged by the tolerance (--steps {total} holds the whole run to rounding)"
+    tail = f"step {m} is" if m == total - 1 else f"steps {m}-{total - 1} are"
+    return (f"; a replay's {tail} held to the envelope carried forward at the members' growth rate (--steps {total} "
+            "measures the whole run)")
 
 
 def weights_spread(tracker: Tracker, calibration_id: str, reference_id: str, member_ids: list[str], steps: int

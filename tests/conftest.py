@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,17 @@ from infra import lab_server, slurm, two_hosts  # noqa: F401  (fixtures, re-expo
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "experiments"
+
+
+def script(name: str) -> types.ModuleType:
+    """scripts/<name>.py as a module (the scripts are no package): its functions tested as the library's are."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 # One rank server kept warm between the session's commands (harness/executors/rankserver.py) instead of one per
 # launch: no torch import per command, about half the CPU of a small run. Every forked rank is still a fork of a

@@ -4,7 +4,6 @@ The whole script runs in CI itself, which sets up through it (.ci/run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -16,11 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bootstrap():
-    spec = importlib.util.spec_from_file_location("bootstrap", ROOT / "scripts" / "bootstrap.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import script
+
+    return script("bootstrap")
 
 
 @pytest.mark.parametrize("system,driver,chosen,answers,args,said", [

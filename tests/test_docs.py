@@ -13,11 +13,9 @@ DOCS = ROOT / "docs"
 
 
 def _gen_docs():
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import script
+
+    return script("gen_docs")
 
 
 GEN = _gen_docs()

@@ -13,9 +13,9 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -60,6 +60,15 @@ class RunRecord:
     performance: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class UiLinks:
+    """Where to look at a run in the MLflow UI, as the command that made or judged it says it."""
+
+    page: str | None  # the run's page while a UI serves the store (its tracking server, or a `harness ui`); else None
+    hint: str  # one line: open `page`, or the command that starts a UI and the link it will answer at
+    curves: tuple[str, ...] = ()  # a judged replay: where its curves and report are, and their pages while served
+
+
 def same_value(recorded: float, again: float) -> bool:
     """One logged value against another, bit for bit as IEEE doubles: a NaN equals a NaN of the same bits and
     -0.0 is not 0.0 (`==` says the opposite of both). The rule for "the same value" wherever a value logged again

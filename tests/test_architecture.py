@@ -70,12 +70,56 @@ def test_the_independence_contract_names_every_verb_module() -> None:
     contract = text[text.index('type = "independence"'):]
     contract = contract[:contract.index("]") + 1]
     named = set(re.findall(r'"harness\.commands\.(\w+)"', contract))
-    # The composing layer, and the modules the verbs and the CLI share that are no verb: the options types, what
-    # the CLI draws from below the commands (terminal) and the backend names it offers (placement); a bundle's format (bundleformat).
-    composing = {"__init__", "api", "api_bundles", "documents", "options", "terminal", "placement",
-                 "bundleformat"}
+    # The composing layer, and the modules the verbs and the CLI share that are no verb: the options types, the
+    # results' lines as the CLI prints them (text), the backends as it offers them (backends); a bundle's format.
+    composing = {"__init__", "api", "api_bundles", "documents", "options", "text", "backends", "bundleformat"}
     verbs = {p.stem for p in (ROOT / "harness" / "commands").glob("*.py")} - composing
     assert named == verbs, (sorted(verbs - named), sorted(named - verbs))
+
+
+# What starts a process: the CLI parses, calls a command and prints; a server, a rank or a tool it needs is started
+# below it (the MLflow UI: harness/store/ui.py), where its life - its process group, its deadlines - is owned.
+_PROCESS_MODULES = {"subprocess", "multiprocessing", "pty", "concurrent.futures"}
+_PROCESS_CALLS = {"Popen", "fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "create_subprocess_exec",
+                  "create_subprocess_shell", "ProcessPoolExecutor"}
+
+
+def _starts_processes(path: Path) -> list[str]:
+    """Where the module at `path` imports a module that starts processes, or calls what starts one."""
+    found = []
+    shown = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in _PROCESS_CALLS or re.fullmatch(r"(spawn|exec)[lv]p?e?", name):
+                found.append(f"{shown}:{node.lineno} calls {ast.unparse(func)}()")
+            continue
+        else:
+            continue
+        for name in names:
+            if name in _PROCESS_MODULES or name.split(".")[0] in _PROCESS_MODULES - {"concurrent.futures"}:
+                found.append(f"{shown}:{node.lineno} imports {name}")
+    return found
+
+
+def test_the_cli_starts_no_process() -> None:
+    started = [where for path in sorted((ROOT / "harness" / "cli").rglob("*.py")) for where in _starts_processes(path)]
+    assert not started, ("the CLI only parses, calls a command and prints: start the process in the layer that owns "
+                         "its life (a server: harness/store/ui.py, behind a command):\n" + "\n".join(started))
+
+
+def test_the_process_check_sees_each_way_to_start_one(tmp_path: Path) -> None:
+    module = tmp_path / "starts.py"
+    module.write_text("import os\nimport subprocess\nfrom multiprocessing import Process\n"
+                      "p = subprocess.Popen(['true'])\nos.system('true')\nos.spawnlp(0, 'true')\nos.fork()\n")
+    found = [line.split(" ", 1)[1] for line in _starts_processes(module)]
+    assert found == ["imports subprocess", "imports multiprocessing", "imports multiprocessing.Process",
+                     "calls subprocess.Popen()", "calls os.system()", "calls os.spawnlp()", "calls os.fork()"], found
 
 
 # A module is one concept, small enough to read in one sitting (docs/architecture.md, the house rules): past this

@@ -6,6 +6,10 @@ see MLflow's default columns - none of these. What MLflow itself offers to carry
 is a *shared view*: its state as JSON in the experiment tag `mlflow.sharedViewState.<key>`, opened
 by `?viewStateShareKey=<key>`. harness writes one such view per experiment (key `harness`) and
 links to it; a user can leave it ("Exit shared view") or save it as their own.
+
+This module also owns the life of the server `harness ui` runs on a local store: its port (UI_PORT unless
+given), its start in a process group of its own, the wait until it answers (READY_TIMEOUT_S) and its stop
+(STOP_TIMEOUT_S), and the note that says which `harness ui` serves a store, so that other commands link to it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,6 +31,7 @@ from urllib.parse import quote, urlsplit
 
 from harness import events, scratch, tags as T
 from harness.errors import HarnessError
+from harness.rundata import UiLinks
 from harness.store.fastpath import mlflow_file
 from harness.store.reach import artifact_path, artifact_root, default_uri, display_uri
 
@@ -115,6 +121,15 @@ def hint(uri: str, experiment_id: str, run_id: str) -> str:
         return f"Open it in the MLflow UI: {run_link(base, experiment_id, run_id)}"
     store = "" if uri == default_uri() else f" --tracking-uri {display_uri(uri)}"  # never a password on the terminal
     return f"Open it in the MLflow UI: harness ui{store}, then {run_link(f'http://127.0.0.1:{UI_PORT}', experiment_id, run_id)}"
+
+
+def links(uri: str, run: RunSummary, curves_too: bool = False) -> UiLinks:
+    """Where to look at `run`: its page while a UI serves the store, the line that says it, and (`curves_too`: a
+    judged replay) where its curves are."""
+    base = server_url(uri) or served_at(uri)
+    return UiLinks(page=run_link(base, run.experiment_id, run.run_id) if base else None,
+                   hint=hint(uri, run.experiment_id, run.run_id),
+                   curves=tuple(curves(uri, run)) if curves_too else ())
 
 
 def compare_link(base_url: str, run_ids: list[str], experiment_ids: list[str]) -> str:
@@ -245,6 +260,16 @@ def page(base_url: str, experiment_id: str | None) -> str:
     return link(base_url, experiment_id) if experiment_id else f"{base_url.rstrip('/')}/#/experiments"
 
 
+def start(uri: str, host: str, port: int) -> subprocess.Popen:
+    """MLflow's UI server on the store at host:port, started now (it answers seconds later: wait_ready).
+
+    Its own process group: the server's worker goes with it, whoever stops it (stop). Its log goes to stderr: the
+    caller's stdout carries only what the caller prints.
+    """
+    cmd, env = ui_command(uri, host, port)
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr)
+
+
 def wait_ready(server: subprocess.Popen, base_url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
     """Until the server answers /health; one line if it exits or does not answer in time."""
     deadline = time.monotonic() + timeout_s
@@ -266,16 +291,19 @@ def wait_ready(server: subprocess.Popen, base_url: str, timeout_s: float = READY
             time.sleep(0.25)
 
 
-def stop(server: subprocess.Popen) -> None:
-    """The server and its worker go with `harness ui`, whoever stops it."""
+STOP_TIMEOUT_S = 10.0  # a server that ignores SIGTERM this long is killed
+
+
+def stop(server: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """The server and its worker (its process group), asked to stop, then killed past `timeout_s`."""
     if server.poll() is not None:
         return
     try:
         os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=10)
+        server.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=10)
+        server.wait(timeout=timeout_s)
     except ProcessLookupError:
         pass
 
@@ -298,8 +326,6 @@ def ui_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str
     with 7 consumers. The UI is for one reader: one uvicorn process, no job runner, started with the
     environment `mlflow server` gives it (MLflow 3's server reads its settings from these variables).
     """
-    import sys
-
     root = artifact_root(uri)
     # Its own warnings only: no line per request or per start-up stage, no access log.
     cmd = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", "1",

@@ -31,6 +31,7 @@ from harness.commands import (
     runs as runs_command,
     study,
     trace as trace_command,
+    ui as ui_command,
     verify as verify_command,
 )
 from harness.commands.api_bundles import (
@@ -342,21 +343,26 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
                                    "apply. Replay one member on several nodes with `harness replay MEMBER_ID ...`.")
             if o.members_seed is not None and o.members is None:
                 raise UsageError("--members-seed draws --members K of the study's members; pass --members too.")
-            return replay_command.replay_study(
+            studied = replay_command.replay_study(
                 study_id, members=o.members, draw_seed=o.members_seed, world_size=o.world_size,
                 overrides=list(o.overrides), allow_changes=o.allow_changes, allow_data_changes=o.allow_data_changes,
                 data_paths=dict(o.data_paths), tracker=tracker, executor=o.executor, tolerances=list(o.tolerances),
                 repo=o.repo,
             )
+            studied.ui = ui_command.links(tracker, studied.run_id)
+            return studied
         if o.members is not None or o.members_seed is not None:
             raise UsageError(f"--members and --members-seed apply to a study; run {o.run_id} is not one.")
-        return replay_command.replay(
+        result = replay_command.replay(
             o.run_id, world_size=o.world_size, overrides=list(o.overrides), allow_changes=o.allow_changes,
             allow_data_changes=o.allow_data_changes, data_paths=dict(o.data_paths), tracker=tracker, repo=o.repo,
             executor=o.executor, allow_incomplete=o.allow_incomplete, follow=o.follow,
             placement=o.placement.backend_overrides(), topology=layout, localize=o.localize,
             tolerances=list(o.tolerances), steps=o.steps, localizer=trace_command.after_replay,
         )
+        if result.comparison is not None:  # judged here (node 0 of a multi-node replay): where to look at it
+            result.ui = ui_command.links(tracker, result.outcome.run_id, curves=True)
+        return result
 
 
 def _study_to_replay(tracker: Tracker, run_id: str, follow: bool) -> str | None:
@@ -404,7 +410,12 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
             return found
         if o.report is not None:
             raise UsageError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
-        return replay_command.compare(o.run_a, o.run_b, o.tracking_uri, tolerances=list(o.tolerances))
+        compared = replay_command.compare(o.run_a, o.run_b, o.tracking_uri, tolerances=list(o.tolerances))
+        if compared.of_replay:
+            judged = tracker.get_run(o.run_b)
+            if judged.tags.get(T.VERDICT):  # a judged replay carries its curves (an unjudged one, a member: none)
+                compared.ui = ui_command.links(tracker, judged, curves=True)
+        return compared
 
 
 # -- resume, audit, trace, verify -----------------------------------------------------------------------

@@ -38,6 +38,7 @@ from harness.record.calibration import envelope_of, weights_distance
 from harness.record.newrun import create_record
 from harness.record.replays import record_replay_verdicts
 from harness.record.study import StudyRecord, load_study, member_records
+from harness.rundata import UiLinks
 from harness.runtime.plan import Steering
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 from harness.systems import git as gitsource
@@ -52,6 +53,7 @@ class ReplayResult:
     records: tuple[RunRecord, RunRecord] | None = None  # (original, replay) as judged
     localized: Any = None  # trace.Localized: where a DIVERGED replay first differed (replay --localize)
     members: list[Outcome] = field(default_factory=list)  # `then`'s calibration members, in order
+    ui: UiLinks | None = None  # where to look at the replay and its curves in the MLflow UI (None: not judged here)
 
     @property
     def judged(self) -> Comparison:
@@ -351,6 +353,7 @@ class StudyReplayResult:
     equivalence: list[Any] = field(default_factory=list)  # noise.Equivalence per metric, when judged by noise
     draw_seed: int | None = None  # the seed that drew --members K
     reason: str = ""  # why the verdict is what it is, in a clause
+    ui: UiLinks | None = None  # where to look at the study replay in the MLflow UI
 
     @property
     def exit_code(self) -> int:

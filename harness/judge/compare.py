@@ -39,7 +39,7 @@ from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
 from harness.judge.tolerance import _tolerance_for, judged_tolerance, never_judged, weights_may_differ
 from harness.judge.undetermined import looks_like_clock, not_determined
 from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
-from harness.rundata import RunRecord, own_metric
+from harness.rundata import RunRecord, UiLinks, own_metric
 
 # The verdicts, by their names here too (harness/judge/verdicts.py holds them, their exit codes and policies).
 BITWISE = Verdict.BITWISE
@@ -106,6 +106,9 @@ class Comparison:
     # Metrics that differ where every fingerprint and every other value is bit-identical: not determined by the
     # training (harness/judge/undetermined.py), named beside a BITWISE verdict.
     undetermined: list[str] = field(default_factory=list)
+    # Where to look at run B in the MLflow UI (a judged replay: its curves too): the command's to set, which reads
+    # the store (harness.commands.ui); never part of the verdict or its record.
+    ui: UiLinks | None = None
 
     @property
     def exit_code(self) -> int:
@@ -241,7 +244,8 @@ class Comparison:
         """JSON-serialisable; inf and nan become the strings "inf", "-inf" and "nan". `run_a` is the reference and
         `relation` says what `run_b` is to it: "replay" (a replay of it) or "independent" (two runs compared)."""
         return json_safe({"verdict": self.verdict, "summary": self.summary(), "exit_code": self.exit_code,
-                          "relation": RELATION_REPLAY if self.of_replay else RELATION_INDEPENDENT, **asdict(self)})
+                          "relation": RELATION_REPLAY if self.of_replay else RELATION_INDEPENDENT,
+                          **{k: v for k, v in asdict(self).items() if k != "ui"}})
 
 
 def evaluation_keys(*records: RunRecord) -> dict[str, str]:

@@ -1,8 +1,6 @@
 """What a command says on the terminal: the --quiet / --verbose voice, the library's events drawn on stderr, its JSON
-document on stdout, an expected failure's one line, and its exit code.
-
-The names with a leading underscore are shared by harness/cli's own modules only: the commands use them as they did
-when they all lived in one module.
+document on stdout, an expected failure's one line, and its exit code: what every command module of harness/cli
+draws with (its public names), and the helpers behind them (a leading underscore: this module's own).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from harness.errors import HarnessError
 from harness.secrets import scrub
 
 
-class _Voice:
+class Voice:
     """How much the CLI says on stderr (the global --quiet / --verbose); stdout carries only results either way."""
 
     quiet = False  # only warnings and errors: no notices, progress or links (the job's own output neither)
@@ -39,7 +37,7 @@ class _Drawer:
         self._bar = progress.Bar()
 
     def __call__(self, event: events.Event) -> None:
-        if _Voice.quiet and not isinstance(event, events.Warning):
+        if Voice.quiet and not isinstance(event, events.Warning):
             return
         if isinstance(event, events.Steps):
             self._bar.steps(event)
@@ -51,7 +49,7 @@ class _Drawer:
             self._bar.write(scrub(event.line()))
 
 
-_draw = _Drawer()
+draw = _Drawer()
 
 
 # A verdict's (and an error's) colour on a terminal, by its tone (harness/judge/verdicts.py `tone`).
@@ -62,40 +60,40 @@ _VERDICT_AT = re.compile(r"(verdict: )([A-Z_]+)")
 def _coloured(text: str, tone: str | None) -> str:
     """`text` in its tone's colour. click.echo drops the colour where the stream is no terminal (a pipe, a file);
     never any with --json or with NO_COLOR set to anything (https://no-color.org)."""
-    if tone is None or _Voice.plain or os.environ.get("NO_COLOR"):
+    if tone is None or Voice.plain or os.environ.get("NO_COLOR"):
         return text
     return click.style(text, fg=_COLOURS[tone], bold=True)
 
 
-def _verdict(line: str) -> None:
+def say_verdict(line: str) -> None:
     """A `verdict: NAME ...` line on stdout, NAME in its colour: green a pass, red DIVERGED, yellow the others."""
-    from harness.commands.terminal import verdict_tone
+    from harness.commands.text import tone
 
     found = _VERDICT_AT.search(line)
     if found is not None:
         name = found.group(2)
-        line = line[:found.start(2)] + _coloured(name, verdict_tone(name)) + line[found.end(2):]
+        line = line[:found.start(2)] + _coloured(name, tone(name)) + line[found.end(2):]
     click.echo(line)
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     """A line of the CLI's own for the user (a link, where a report went), on stderr; --quiet leaves it out."""
-    if not _Voice.quiet:
+    if not Voice.quiet:
         click.echo(line, err=True)
 
 
-def _emit(doc: dict[str, Any]) -> NoReturn:
+def emit(doc: dict[str, Any]) -> NoReturn:
     """A command's JSON document (harness/commands/documents.py) on stdout, then its exit code."""
     from harness.commands import documents
 
     click.echo(scrub(documents.dumps(doc)))  # the same scrubber as every line: a reason may quote outside text
-    _exit(doc["exit_code"])
+    exit_with(doc["exit_code"])
 
 
 def _refused(message: str, exit_code: int, as_json: bool) -> NoReturn:
     """An expected failure: its one line on stderr (and with --json its document on stdout); --verbose adds the
     traceback."""
-    if _Voice.verbose:
+    if Voice.verbose:
         import traceback
 
         click.echo(traceback.format_exc().rstrip(), err=True)
@@ -105,10 +103,10 @@ def _refused(message: str, exit_code: int, as_json: bool) -> NoReturn:
         from harness.commands import documents
 
         click.echo(documents.dumps(documents.error(click.get_current_context().command.name or "", exit_code, message)))
-    _exit(exit_code)
+    exit_with(exit_code)
 
 
-def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+def expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """HarnessError -> `Error: ...` on one line and its exit code; no traceback.
 
     A tracking-store failure that got past the Tracker (MLflow, SQLAlchemy or HTTP) is one line too:
@@ -118,24 +116,24 @@ def _expected_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         as_json = bool(kwargs.get("as_json"))
-        _Voice.plain = as_json
+        Voice.plain = as_json
         try:
-            with events.listening(_draw):  # what the library says on its way, on stderr
+            with events.listening(draw):  # what the library says on its way, on stderr
                 return fn(*args, **kwargs)
         except HarnessError as err:
             _refused(str(err), err.exit_code, as_json)
         except Exception as err:
-            from harness.commands.terminal import is_store_error, resolve_uri, store_failure
+            from harness.commands.text import store_failure
 
-            if not is_store_error(err):
+            failure = store_failure(err, kwargs.get("tracking_uri"))
+            if failure is None:
                 raise
-            failure = store_failure(err, resolve_uri(kwargs.get("tracking_uri")))
             _refused(str(failure), failure.exit_code, as_json)
 
     return wrapper
 
 
-def _exit(code: int) -> NoReturn:
+def exit_with(code: int) -> NoReturn:
     """Exit with `code`. torchrun stops every other rank the moment one exits: a rank that has said why it
     stops keeps its own exit code rather than dying of that SIGTERM on its way out."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):

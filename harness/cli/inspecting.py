@@ -10,8 +10,8 @@ from typing import Any
 import click
 
 from harness import tags as T
-from harness.cli.console import _draw, _emit, _expected_errors, _say, _verdict
-from harness.cli.options import _EXECUTOR, _TRACKING_HELP, _ExecutorOption, _json_option
+from harness.cli.console import draw, emit, expected_errors, say, say_verdict
+from harness.cli.options import EXECUTOR, TRACKING_HELP, ExecutorOption, json_option
 from harness.errors import EXIT_SIGINT
 
 
@@ -25,9 +25,9 @@ from harness.errors import EXIT_SIGINT
               help="Only runs of this kind (nested ones too).")
 @click.option("--status", type=click.Choice(T.LISTED_STATUSES, case_sensitive=False), default=None,
               help="Only runs with this status (nested ones too).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def runs(experiment: str | None, limit: int, show_all: bool, kind: str | None, status: str | None,
          tracking_uri: str | None, as_json: bool) -> None:
     """List recent runs: id, experiment, start, status, world size, commit, image digest, replay verdicts.
@@ -43,10 +43,10 @@ def runs(experiment: str | None, limit: int, show_all: bool, kind: str | None, s
     """
     from harness.commands import api, documents
 
-    listed = api.runs(api.RunsOptions(experiment, limit, tracking_uri=tracking_uri, on_event=_draw, all=show_all,
+    listed = api.runs(api.RunsOptions(experiment, limit, tracking_uri=tracking_uri, on_event=draw, all=show_all,
                                       kind=kind, status=status.upper() if status else None))
     if as_json:
-        _emit(documents.runs(listed.runs))
+        emit(documents.runs(listed.runs))
     click.echo(listed.table())
 
 
@@ -55,8 +55,8 @@ def runs(experiment: str | None, limit: int, show_all: bool, kind: str | None, s
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=click.IntRange(1, 65535), default=5050, show_default=True,
               help="Port to listen on (5000 is left to a local registry). `run` and `replay` link to it while it runs.")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@expected_errors
 def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -> None:
     """Open the MLflow UI on EXPERIMENT's runs and replays (default: the newest run's experiment).
 
@@ -67,56 +67,21 @@ def ui(experiment: str | None, host: str, port: int, tracking_uri: str | None) -
     printed, 2 bad input (an unknown experiment, a port in use, a server that never answered).
     """
     import signal
-    import subprocess
 
-    from harness.commands.terminal import Tracker, display_uri, mlflow_ui, resolve_uri, server_url, ui_command
-
-    uri = resolve_uri(tracking_uri)
-    served = server_url(uri)
-    if served:  # a tracking server is its own UI
-        tracker = Tracker(uri)
-        experiment_id = mlflow_ui.prepare(tracker, experiment)
-        click.echo(mlflow_ui.page(served, experiment_id))
-        _say_overlay(tracker, served, experiment_id)
-        return
-    base = mlflow_ui.link_base(host, port)  # what a browser here opens (bound to 0.0.0.0: the loopback)
-    click.echo(f"Starting the MLflow UI for {display_uri(uri)} at {base} (Ctrl-C to stop) ...", err=True)
-    cmd, env = ui_command(uri, host, port)
-    # Its own process group: the server's worker goes with it, whoever stops `harness ui`. Its log goes
-    # to stderr: stdout carries only the link.
-    server = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr)
+    from harness.commands import ui as ui_command
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, stop)  # the server goes with `harness ui` (serve stops it), however it is stopped
     try:
-        # Meanwhile (the server takes seconds to answer): pick the experiment and save its view. Read-only
-        # (writable=False): a current local store is read without MLflow, which opens only to write the view.
-        experiment_id = mlflow_ui.prepare(Tracker(uri, writable=False, must_exist=False), experiment)
-        mlflow_ui.wait_ready(server, base)
-        with mlflow_ui.announced(uri, base):  # `run` and `replay` link to this port while it serves
-            click.echo(mlflow_ui.page(base, experiment_id))
-            _say_overlay(Tracker(uri, writable=False, must_exist=False), base, experiment_id)
-            sys.exit(server.wait())
+        with ui_command.serve(ui_command.UiOptions(experiment, host, port, tracking_uri)) as serving:
+            click.echo(serving.page)
+            if serving.overlay is not None:  # on stderr: stdout carries only the page's link
+                say(f"Run {serving.overlaid} and its replays, every metric overlaid: {serving.overlay}")
+            sys.exit(serving.wait())
     except KeyboardInterrupt:
-        mlflow_ui.stop(server)
         sys.exit(EXIT_SIGINT)
-    finally:
-        mlflow_ui.stop(server)
-
-
-def _say_overlay(tracker: Any, base: str, experiment_id: str | None) -> None:
-    """On stderr (stdout carries only the page's link): the newest replay's run and its replays, curves overlaid."""
-    from harness.commands.terminal import mlflow_ui
-
-    if experiment_id is None:
-        return
-    found = mlflow_ui.overlay(tracker, experiment_id)
-    if found is not None:
-        original, replays = found
-        click.echo(f"Run {original} and its replays, every metric overlaid: "
-                   f"{mlflow_ui.compare_link(base, [original, *replays], [experiment_id])}", err=True)
 
 
 @click.command()
@@ -128,9 +93,9 @@ def _say_overlay(tracker: Any, base: str, experiment_id: str | None) -> None:
               help="Judge METRIC with this tolerance instead of the recorded replay.tolerance. Repeatable. "
                    "METRIC=inf leaves METRIC unjudged (a wall clock: train_runtime=inf). "
                    "weights=any lets the metrics decide where the parameters' fingerprints differ.")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerances: tuple[str, ...],
             tracking_uri: str | None, as_json: bool) -> None:
     """Compare two existing runs (any experiments): environment delta and verdict, no rerun.
@@ -143,8 +108,7 @@ def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerance
     with its module, shapes, dtypes, the user's line and a likely cause; nothing is recorded.
     Exit 0 identical, 1 they differ.
     """
-    from harness.commands import api, documents
-    from harness.commands.terminal import Tracker, comparison_lines, mlflow_ui, verdict_line
+    from harness.commands import api, documents, text
     from harness.commands.trace import TraceDiff
     from harness.errors import UsageError
 
@@ -152,24 +116,22 @@ def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerance
         raise UsageError("compare needs a run: pass RUN (compared with its newest replay) or RUN_A RUN_B (two runs, "
                          "or two traces).")
     found = api.compare(api.CompareOptions(run_a, run_b, tuple(tolerances), report=report, tracking_uri=tracking_uri,
-                                           on_event=_draw))
+                                           on_event=draw))
     if isinstance(found, TraceDiff) and report is not None:
-        _say(f"Report: {report}")
-    if not isinstance(found, TraceDiff) and found.of_replay:
-        tracker = Tracker(tracking_uri, writable=False)
-        judged = tracker.get_run(found.run_b)
-        if judged.tags.get(T.VERDICT):  # a judged replay carries its curves (an unjudged one, a member: none)
-            for line in mlflow_ui.curves(tracker.uri, judged):
-                _say(line)
+        say(f"Report: {report}")
+    if not isinstance(found, TraceDiff) and found.ui is not None:  # a judged replay carries its curves
+        for line in found.ui.curves:
+            say(line)
     if as_json:
-        _emit(documents.compare(found))
+        emit(documents.compare(found))
     if isinstance(found, TraceDiff):
         for line in found.lines():
             click.echo(line)
         sys.exit(1 if found.differs else 0)
-    for line in comparison_lines(found, []):
+    *lines, verdict = text.comparison_lines(found)
+    for line in lines:
         click.echo(line)
-    _verdict(verdict_line(found))
+    say_verdict(verdict)
     sys.exit(found.exit_code)
 
 
@@ -178,9 +140,9 @@ def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerance
 @click.option("--status", "status", type=click.Choice(list(T.INCOMPLETE)), required=True,
               help="How to close the run.")
 @click.option("--force", is_flag=True, help="Close a run that has no heartbeat tags (nothing shows it is alive).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def mark(run_id: str, status: str, force: bool, tracking_uri: str | None, as_json: bool) -> None:
     """Close a RUNNING run whose launcher is gone (stale heartbeat) as FAILED or KILLED.
 
@@ -190,9 +152,9 @@ def mark(run_id: str, status: str, force: bool, tracking_uri: str | None, as_jso
     """
     from harness.commands import api, documents
 
-    done = api.mark(api.MarkOptions(run_id, status, force=force, tracking_uri=tracking_uri, on_event=_draw))
+    done = api.mark(api.MarkOptions(run_id, status, force=force, tracking_uri=tracking_uri, on_event=draw))
     if as_json:
-        _emit(documents.mark(done.run_id, done.status, done.reason))
+        emit(documents.mark(done.run_id, done.status, done.reason))
     click.echo(f"Run {done.run_id} is now {done.status}: {done.reason}.")
 
 
@@ -201,9 +163,9 @@ def mark(run_id: str, status: str, force: bool, tracking_uri: str | None, as_jso
 @click.option("--segments", "-k", type=click.IntRange(min=1), required=True,
               help="How many checkpoint-to-checkpoint segments to replay.")
 @click.option("--seed", type=int, default=None, help="Seed of the random draw (printed; default: random).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None, as_json: bool) -> None:
     """Verify a FINISHED run by replaying K random segments between its checkpoints.
 
@@ -214,17 +176,17 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
     """
     from harness.commands import api
 
-    result = api.audit(api.AuditOptions(run_id, segments, seed=seed, tracking_uri=tracking_uri, on_event=_draw))
+    result = api.audit(api.AuditOptions(run_id, segments, seed=seed, tracking_uri=tracking_uri, on_event=draw))
     if as_json:
         from harness.commands import documents
 
-        _emit(documents.audit(result))
+        emit(documents.audit(result))
     for s in result.drawn:
         click.echo(f"segment {s.index} steps {s.start}-{s.end}: {'ok' if s.ok else 'FAILED'}"
                    f"{'' if s.ok else ' - ' + s.detail} ({s.seconds:.1f}s)")
     click.echo(f"P(catching one bad segment) = {len(result.drawn)}/{result.segments_total} = "
                f"{result.catch_probability:.2f}; compute = {result.step_fraction:.1%} of a full replay's steps")
-    _verdict(f"verdict: {result.summary()}")
+    say_verdict(f"verdict: {result.summary()}")
     click.echo(result.audit_id)
     sys.exit(result.exit_code)
 
@@ -233,9 +195,9 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
 @click.argument("run_id")
 @click.option("--step", type=click.IntRange(min=0), required=True, help="The training step to trace (0-based).")
 @click.option("--ranks", default="0", show_default=True, help="The ranks to trace, separated by commas.")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None, as_json: bool) -> None:
     """Trace every op of step STEP of RUN_ID: name, module, input/output tensor hashes, the user's line.
 
@@ -247,13 +209,13 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None, as_json:
     from harness.commands import api
     from harness.commands.trace import parse_ranks
 
-    result = api.trace(api.TraceOptions(run_id, step, parse_ranks(ranks), tracking_uri=tracking_uri, on_event=_draw))
+    result = api.trace(api.TraceOptions(run_id, step, parse_ranks(ranks), tracking_uri=tracking_uri, on_event=draw))
     if result.reproduced is False:
         click.echo(f"Warning: the re-execution did not reproduce the run's record: {result.detail}", err=True)
     if as_json:
         from harness.commands import documents
 
-        _emit(documents.trace(result))
+        emit(documents.trace(result))
     start = "step 0" if result.from_checkpoint is None else f"the checkpoint of step {result.from_checkpoint}"
     click.echo(f"traced step {result.step} of run {result.traced} on rank{'s' if len(result.ranks) > 1 else ''} "
                f"{','.join(map(str, result.ranks))} from {start} ({result.seconds:.1f}s)")
@@ -269,9 +231,9 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None, as_json:
               help="Then trace the culprit's probe against GOOD and name the first op that differs.")
 @click.option("--resume", "resume", default=None, metavar="BISECT_ID",
               help="Take up the probes of an earlier bisect of GOOD and BAD that was cut short (not run again).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | None, tracking_uri: str | None,
            as_json: bool) -> None:
     """Find which difference between runs GOOD and BAD flips the result: a commit between theirs, a config key.
@@ -285,11 +247,11 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
     from harness.commands import api
 
     result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, localize=localize,
-                                          resume=resume, on_event=_draw))
+                                          resume=resume, on_event=draw))
     if as_json:
         from harness.commands import documents
 
-        _emit(documents.bisect(result))
+        emit(documents.bisect(result))
     for line in result.lines():
         click.echo(line)
     click.echo(result.run_id)
@@ -304,11 +266,11 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
 @click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
 @click.option("--allow-changes", is_flag=True, help="--replay: replay with the KEY=VALUE overrides given after CLAIMS_FILE (a flag).")
-@click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
+@click.option("--executor", type=EXECUTOR, default=None, cls=ExecutorOption,
               help="--replay: where the replays run (default: as recorded).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, members: int | None, world_size: int | None,
            allow_changes: bool, executor: str | None, tracking_uri: str | None, as_json: bool) -> None:
     """Check a paper's claims (CLAIMS_FILE) against the recorded studies and runs, optionally replaying them.
@@ -319,20 +281,19 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
     Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
     """
-    from harness.commands import api
-    from harness.commands.terminal import CLAIMS_HEADER, claims_rows
+    from harness.commands import api, text
     from harness.fmt import text_table
 
     result = api.verify(api.VerifyOptions(
         claims_file, tuple(overrides), replay=do_replay, members=members, world_size=world_size,
-        allow_changes=allow_changes, executor=executor, tracking_uri=tracking_uri, on_event=_draw,
+        allow_changes=allow_changes, executor=executor, tracking_uri=tracking_uri, on_event=draw,
     ))
-    _say(f"Report: {result.report_path}")
+    say(f"Report: {result.report_path}")
     if as_json:
         from harness.commands import documents
 
-        _emit(documents.verify(result))
-    click.echo(text_table([CLAIMS_HEADER, *claims_rows(result.verdicts, result.replayed)]))
+        emit(documents.verify(result))
+    click.echo(text_table(text.claims_table(result)))
     for verdict in result.verdicts:
         if verdict.typo:
             click.echo(f"Note: claim {verdict.claim.id}: {verdict.typo}")

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from harness.cli import inspecting, moving, running
-from harness.cli.console import _Voice
+from harness.cli.console import Voice
 from harness.cli.help import OrderedGroup, teach
 from harness.secrets import scrub
 
@@ -70,7 +70,7 @@ def main(quiet: bool, verbose: bool) -> None:
     """
     if quiet and verbose:
         raise click.UsageError("--quiet and --verbose contradict each other; pass one.")
-    _Voice.quiet, _Voice.verbose = quiet, verbose
+    Voice.quiet, Voice.verbose = quiet, verbose
 
 
 # Every click command the command modules define, in their order (`harness --help` lists them in help.ORDER): a

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from harness.cli.console import _draw, _emit, _expected_errors, _say
-from harness.cli.options import _TRACKING_HELP, _json_option
+from harness.cli.console import draw, emit, expected_errors, say
+from harness.cli.options import TRACKING_HELP, json_option
 from harness.commands.bundleformat import DEFAULT_MAX_RATIO, DEFAULT_MAX_UNPACKED_MIB, MIB, RATIO_FLOOR
 
 
@@ -25,9 +25,9 @@ from harness.commands.bundleformat import DEFAULT_MAX_RATIO, DEFAULT_MAX_UNPACKE
                    "and deleted since leaves with the history).")
 @click.option("--sign", "sign_key", type=click.Path(path_type=Path), default=None,
               help="An ed25519 private key (PEM): also write OUTPUT.intoto.json, a signed attestation of the run.")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool, with_data: bool, tree_only: bool,
             sign_key: Path | None, tracking_uri: str | None, as_json: bool) -> None:
     """Write RUN_ID, its code and its replays to one portable bundle.
@@ -41,14 +41,14 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
 
     result = api.export(api.ExportOptions(run_id, output, with_checkpoints=with_checkpoints, with_image=with_image,
                                           with_data=with_data, sign_key=sign_key, tracking_uri=tracking_uri,
-                                          tree_only=tree_only, on_event=_draw))
+                                          tree_only=tree_only, on_event=draw))
     image = f", image {result.image}" if result.image else ""
-    _say(f"Exported run {result.run_id} ({len(result.replays)} replays{image}): {result.members} files, "
+    say(f"Exported run {result.run_id} ({len(result.replays)} replays{image}): {result.members} files, "
          f"{result.size} bytes.")
     if result.signed is not None:
-        _say(f"Signed attestation: {result.signed}")
+        say(f"Signed attestation: {result.signed}")
     if as_json:
-        _emit(documents.export(result, None if result.signed is None else str(result.signed)))
+        emit(documents.export(result, None if result.signed is None else str(result.signed)))
     click.echo(str(result.path))
 
 
@@ -62,9 +62,9 @@ def export_(run_id: str, output: Path, with_checkpoints: bool, with_image: bool,
 @click.option("--max-ratio", metavar="N", type=click.FloatRange(min=1), default=DEFAULT_MAX_RATIO, show_default=True,
               help=f"Refuse a bundle that unpacks to more than N times its size (past {RATIO_FLOOR // MIB} MiB "
                    "unpacked): a decompression bomb.")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def import_(bundle: Path, data_dir: Path | None, max_unpacked_mib: float, max_ratio: float, tracking_uri: str | None,
             as_json: bool) -> None:
     """Verify BUNDLE (from `harness export`) and import its run and replays into this store.
@@ -79,20 +79,20 @@ def import_(bundle: Path, data_dir: Path | None, max_unpacked_mib: float, max_ra
     """
     from harness.commands import api, documents
 
-    result = api.import_(api.ImportOptions(bundle, data_dir=data_dir, tracking_uri=tracking_uri, on_event=_draw,
+    result = api.import_(api.ImportOptions(bundle, data_dir=data_dir, tracking_uri=tracking_uri, on_event=draw,
                                            max_unpacked_mib=max_unpacked_mib, max_ratio=max_ratio))
     if result.already:
-        _say(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.")
+        say(f"Run {result.original_id} is already in this store as {result.run_id}; nothing imported.")
     else:
         image = f"; image {result.image} loaded" if result.image else ""
-        _say(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.")
+        say(f"Imported run {result.original_id} as {result.run_id} with {len(result.replays)} replays{image}.")
     if result.data:
         # Quoted for a shell: the command is meant to be pasted, and data folders often hold spaces.
         where = shlex.join(["replay", result.run_id, *(w for name, path in sorted(result.data.items())
                                                        for w in ("--data", f"{name}={path}"))])
-        _say(f"Its declared data is in {', '.join(result.data.values())}: harness {where}")
+        say(f"Its declared data is in {', '.join(result.data.values())}: harness {where}")
     if as_json:
-        _emit(documents.import_(result))
+        emit(documents.import_(result))
     click.echo(result.run_id)
 
 
@@ -100,9 +100,9 @@ def import_(bundle: Path, data_dir: Path | None, max_unpacked_mib: float, max_ra
 @click.argument("run_id")
 @click.option("--key", type=click.Path(path_type=Path), required=True, help="The ed25519 private key (PEM) to sign with.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The attestation to write (.json).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_json: bool) -> None:
     """Sign an attestation of sealed run RUN_ID with a key the store does not hold.
 
@@ -113,9 +113,9 @@ def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_js
     """
     from harness.commands import api, documents
 
-    done = api.attest(api.AttestOptions(run_id, key, output, tracking_uri=tracking_uri, on_event=_draw))
+    done = api.attest(api.AttestOptions(run_id, key, output, tracking_uri=tracking_uri, on_event=draw))
     if as_json:
-        _emit(documents.attest(done.run_id, str(done.path)))
+        emit(documents.attest(done.run_id, str(done.path)))
     click.echo(str(done.path))
 
 
@@ -123,9 +123,9 @@ def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_js
 @click.argument("run_id")
 @click.option("--attestation", type=click.Path(path_type=Path), required=True, help="From `harness attest` or `export --sign`.")
 @click.option("--key", type=click.Path(path_type=Path), required=True, help="The signer's ed25519 public key (PEM).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str | None, as_json: bool) -> None:
     """Check that RUN_ID is the run an attestation signed by KEY attests, and unchanged since.
 
@@ -136,9 +136,9 @@ def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str |
     from harness.commands import api, documents
 
     held = api.verify_record(api.VerifyRecordOptions(run_id, attestation, key, tracking_uri=tracking_uri,
-                                                     on_event=_draw))
+                                                     on_event=draw))
     run_id, doc = held.run_id, held.statement
     if as_json:
-        _emit(documents.verify_record(run_id, doc))
+        emit(documents.verify_record(run_id, doc))
     click.echo(f"Run {run_id} is the attested run {doc['predicate']['run_id']}, unchanged: final weights sha256 "
                f"{doc['subject'][0]['digest']['sha256']}.")

@@ -9,15 +9,15 @@ from typing import Any
 
 import click
 
-_TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
-_SECRET_IN_DIFF_HELP = ("Record uncommitted changes that hold a secret (a token, a password assigned a literal, a URL's "
+TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db)."
+SECRET_IN_DIFF_HELP = ("Record uncommitted changes that hold a secret (a token, a password assigned a literal, a URL's "
                         "password) with each such secret cut from the stored patch; the run is tagged "
                         "harness.git.patch_redacted and a replay warns that its code is not exact there.")
 _JSON_HELP = ("Print the result as one JSON document on stdout, and nothing else there (a refusal too: its `error`); "
               "the keys are in docs/json.md.")
 
 
-def _json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)(fn)
 
 
@@ -28,33 +28,33 @@ class _ExecutorName(click.ParamType):
     name = "executor"
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
-        from harness.commands.placement import backends
+        from harness.commands import backends
 
-        return "[" + "|".join(backends()) + "]"
+        return "[" + "|".join(backends.names()) + "]"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         return str(value)
 
 
-_EXECUTOR = _ExecutorName()
+EXECUTOR = _ExecutorName()
 
 
-class _ExecutorOption(click.Option):
+class ExecutorOption(click.Option):
     """--executor: its help ends with every registered backend's own line (Backend.help), read from the registry
     only when the help is shown (so that a command that runs no job never loads the backends)."""
 
     def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
-        from harness.commands.placement import backends
+        from harness.commands import backends
 
         own = self.help or ""
-        self.help = own + " " + "; ".join(f"{name}: {b.help}" for name, b in backends().items() if b.help) + "."
+        self.help = own + " " + "; ".join(backends.help_lines()) + "."
         try:
             return super().get_help_record(ctx)
         finally:
             self.help = own
 
 
-class _BackendCommand(click.Command):
+class BackendCommand(click.Command):
     """A command that takes the backends' own options (harness/executors: each backend declares its CliOptions).
 
     They are made into click options when the command is first parsed or its help shown, so that the commands
@@ -70,25 +70,22 @@ class _BackendCommand(click.Command):
 
 
 def _backend_click_options(command: str) -> list[click.Parameter]:
-    from harness.commands.placement import backends
+    from harness.commands import backends
 
     made: list[click.Parameter] = []
-    for declared in backends().values():
-        for opt in declared.cli:
-            if command not in opt.commands:
-                continue
-            if opt.type is bool:
-                made.append(click.Option([opt.flag, opt.dest], is_flag=True, default=None, help=opt.help))
-            elif opt.type is int:
-                made.append(click.Option([opt.flag, opt.dest], type=click.IntRange(min=opt.min), default=None,
-                                         help=opt.help))
-            else:
-                made.append(click.Option([opt.flag, opt.dest], type=opt.type, default=None, help=opt.help))
+    for opt in backends.options(command):
+        if opt.type is bool:
+            made.append(click.Option([opt.flag, opt.dest], is_flag=True, default=None, help=opt.help))
+        elif opt.type is int:
+            made.append(click.Option([opt.flag, opt.dest], type=click.IntRange(min=opt.min), default=None,
+                                     help=opt.help))
+        else:
+            made.append(click.Option([opt.flag, opt.dest], type=opt.type, default=None, help=opt.help))
     return made
 
 
-def _placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Where the job runs: its nodes (shared by run and replay); the backends' own options follow (_BackendCommand)."""
+def placement_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Where the job runs: its nodes (shared by run and replay); the backends' own options follow (BackendCommand)."""
     options = [
         click.option("--nnodes", type=click.IntRange(min=1), default=None,
                      help="Nodes of a multi-node job; run the same command on each with its --node-rank."),

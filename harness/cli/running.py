@@ -9,31 +9,31 @@ from typing import Any
 
 import click
 
-from harness.cli.console import _draw, _emit, _exit, _expected_errors, _say, _verdict, _Voice
+from harness.cli.console import Voice, draw, emit, exit_with, expected_errors, say, say_verdict
 from harness.cli.options import (
-    _EXECUTOR,
-    _SECRET_IN_DIFF_HELP,
-    _TRACKING_HELP,
-    _BackendCommand,
-    _ExecutorOption,
-    _json_option,
-    _placement_options,
+    EXECUTOR,
+    SECRET_IN_DIFF_HELP,
+    TRACKING_HELP,
+    BackendCommand,
+    ExecutorOption,
+    json_option,
+    placement_options,
 )
 from harness.errors import UsageError
 from harness.secrets import scrub
 
 
-@click.command(cls=_BackendCommand, context_settings={"ignore_unknown_options": False})
+@click.command(cls=BackendCommand, context_settings={"ignore_unknown_options": False})
 @click.argument("experiment_dir", type=click.Path(path_type=Path))
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--require-clean", is_flag=True, help="Refuse to run when the git tree has uncommitted changes.")
-@click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
+@click.option("--executor", type=EXECUTOR, default=None, cls=ExecutorOption,
               help="Where the ranks run (default: `executor` in experiment.yaml).")
-@_placement_options
+@placement_options
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Record untracked files named like secrets (.env, *.pem, id_rsa, ...) in the code patch.")
-@click.option("--allow-secret-in-diff", is_flag=True, help=_SECRET_IN_DIFF_HELP)
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
+@click.option("--allow-secret-in-diff", is_flag=True, help=SECRET_IN_DIFF_HELP)
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
 @click.option("--seeds", "seeds_n", type=int, default=None,
               help="Run a study: N runs with seeds seed, seed+1, ..., seed+N-1, nested under one study run.")
 @click.option("--parallel", type=int, default=None, help="A study's members run J at once (default 1).")
@@ -44,8 +44,8 @@ from harness.secrets import scrub
               help="The run's name in MLflow and its UI (default: the experiment's name and the id's first 8 digits).")
 @click.option("--tag", "user_tags", multiple=True, metavar="KEY=VALUE",
               help="A tag of your own on the run (a study: on it and its members); not harness.* or mlflow.*. Repeatable.")
-@_json_option
-@_expected_errors
+@json_option
+@expected_errors
 def run(
     experiment_dir: Path,
     overrides: tuple[str, ...],
@@ -77,7 +77,7 @@ def run(
         experiment_dir, tuple(overrides), seeds=seeds_n, parallel=parallel, require_clean=require_clean,
         executor=executor, placement=api.Placement.of(placement),
         allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
-        tracking_uri=tracking_uri, on_event=_draw,
+        tracking_uri=tracking_uri, on_event=draw,
         calibrate=calibrate, name=name, tags=tuple(user_tags),
     ))
     # torchrun gathers every rank's stdout on one terminal: the job's one run id is said once, by rank 0.
@@ -87,34 +87,32 @@ def run(
 def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool, print_id: bool = True) -> None:
     """A run's or a study's end: its table (a study), why it ended so, the link; its id last on stdout (with
     --json its document instead)."""
-    from harness.commands import documents
+    from harness.commands import documents, ui
     from harness.commands.study import StudyOutcome
-    from harness.commands.terminal import Tracker
 
     study = isinstance(outcome, StudyOutcome)
-    if study and not _Voice.quiet:
+    if study and not Voice.quiet:
         click.echo(outcome.table, err=True)
     if outcome.message:
         click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     if print_id or study:
-        tracker = Tracker(tracking_uri)
         try:
-            summary = tracker.get_run(outcome.run_id)
+            seen = ui.seen(outcome.run_id, tracking_uri)
         except Exception:
             # The run is closed already; a store busy with other commands' closes (SQLite locked) must not keep its
             # id off stdout. Without --json the id is all a script needs; with it, the document needs the summary.
             if as_json:
                 raise
-            _say(f"{'Study' if study else 'Run'} {outcome.run_id} {outcome.status}.")
+            say(f"{'Study' if study else 'Run'} {outcome.run_id} {outcome.status}.")
             click.echo(outcome.run_id)
-            _exit(outcome.exit_code)
+            exit_with(outcome.exit_code)
         what = f"Study {outcome.run_id} {outcome.status} ({len(outcome.members)} seeds)." if study else \
-            f"Run {outcome.run_id} ({summary.run_name}) {outcome.status}."
-        _say(f"{what} {tracker.ui_hint(summary)}")
+            f"Run {outcome.run_id} ({seen.summary.run_name}) {outcome.status}."
+        say(f"{what} {seen.ui.hint}")
         if as_json:
-            _emit(documents.run(command, outcome, summary))
+            emit(documents.run(command, outcome, seen.summary))
         click.echo(outcome.run_id)
-    _exit(outcome.exit_code)
+    exit_with(outcome.exit_code)
 
 
 @click.command()
@@ -123,10 +121,10 @@ def _finish(command: str, outcome: Any, tracking_uri: str | None, as_json: bool,
 @click.option("--require-clean", is_flag=True, help="Refuse when the git tree has uncommitted changes.")
 @click.option("--allow-untracked-secrets", is_flag=True,
               help="Accept untracked files whose names mark them as secrets (they would be recorded).")
-@click.option("--allow-secret-in-diff", is_flag=True, help=_SECRET_IN_DIFF_HELP)
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--allow-secret-in-diff", is_flag=True, help=SECRET_IN_DIFF_HELP)
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def check(
     experiment_dir: Path, overrides: tuple[str, ...], require_clean: bool, allow_untracked_secrets: bool,
     allow_secret_in_diff: bool, tracking_uri: str | None, as_json: bool,
@@ -141,14 +139,14 @@ def check(
 
     checked = api.check(api.CheckOptions(
         experiment_dir, tuple(overrides), require_clean=require_clean, allow_untracked_secrets=allow_untracked_secrets,
-        allow_secret_in_diff=allow_secret_in_diff, tracking_uri=tracking_uri, on_event=_draw,
+        allow_secret_in_diff=allow_secret_in_diff, tracking_uri=tracking_uri, on_event=draw,
     ))
     for warning in checked.warnings:
         click.echo(f"Warning: {scrub(warning)}", err=True)
     if checked.data_stats is not None:
-        _say(checked.data_stats.summary())
+        say(checked.data_stats.summary())
     if as_json:
-        _emit(documents.check(checked, str(experiment_dir)))
+        emit(documents.check(checked, str(experiment_dir)))
     cfg = checked.cfg
     dirty = "+uncommitted changes" if checked.git.dirty else "clean"
     study = "" if cfg.seeds is None else \
@@ -167,7 +165,7 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-@click.command(cls=_BackendCommand)
+@click.command(cls=BackendCommand)
 @click.argument("run_id")
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="Replay with another number of ranks.")
@@ -178,9 +176,9 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
               help="Replay although the declared data no longer hashes as recorded (reported; never BITWISE).")
 @click.option("--data", "data_paths", multiple=True, metavar="NAME=PATH",
               help="Read declared data NAME from PATH on this machine (e.g. where `harness import` put it). Repeatable.")
-@click.option("--executor", type=_EXECUTOR, default=None, cls=_ExecutorOption,
+@click.option("--executor", type=EXECUTOR, default=None, cls=ExecutorOption,
               help="Where the replay runs (default: as recorded).")
-@_placement_options
+@placement_options
 @click.option("--allow-incomplete", is_flag=True,
               help="Replay a FAILED or KILLED run and compare only the steps it reached.")
 @click.option("--no-follow", is_flag=True,
@@ -199,9 +197,9 @@ def _data_paths(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--steps", type=int, default=None, metavar="K",
               help="A first check before a full replay: train only the first K steps, stop there, and judge those "
                    "(the weights only where the original checkpointed step K). Recorded as harness.replay.steps.")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def replay(
     run_id: str,
     overrides: tuple[str, ...],
@@ -233,51 +231,48 @@ def replay(
     `verdict: ...` and the replay's run id. Exit 0 reproduced, 1 diverged, inconclusive or nothing to compare,
     2 bad input (also a FAILED, KILLED or RUNNING run without --allow-incomplete).
     """
-    from harness.commands import api, documents
+    from harness.commands import api, documents, text
     from harness.commands.replay import StudyReplayResult
-    from harness.commands.terminal import Tracker, comparison_lines, mlflow_ui, study_replay_lines, verdict_line
 
     result = api.replay(api.ReplayOptions(
         run_id, tuple(overrides), world_size=world_size, allow_changes=allow_changes,
         allow_data_changes=allow_data_changes, data_paths=_data_paths(data_paths), executor=executor,
         placement=api.Placement.of(placement), allow_incomplete=allow_incomplete, follow=not no_follow,
         members=members, members_seed=members_seed, localize=localize, tolerances=tuple(tolerances),
-        steps=steps, tracking_uri=tracking_uri, on_event=_draw,
+        steps=steps, tracking_uri=tracking_uri, on_event=draw,
     ))
-    if as_json and (isinstance(result, StudyReplayResult) or result.comparison is not None):
-        _say(Tracker(tracking_uri).ui_hint(result.run_id if isinstance(result, StudyReplayResult) else result.outcome.run_id))
-        _emit(documents.replay(result))
+    if as_json and result.ui is not None:  # judged here: a study replay, or a replay this node judged
+        say(result.ui.hint)
+        emit(documents.replay(result))
     if isinstance(result, StudyReplayResult):
-        lines = study_replay_lines(result)
-        for line in lines[:-1]:
+        *lines, verdict = text.replay_lines(result)
+        for line in lines:
             click.echo(line)
-        _verdict(lines[-1])
+        say_verdict(verdict)
         click.echo(result.run_id)
         sys.exit(result.exit_code)
     if result.comparison is None:  # another node of a multi-node replay: node 0 judges and records the verdict
         click.echo(f"Replay {result.outcome.run_id} {result.outcome.status} on this node; node 0 judges it.", err=True)
         if as_json:
-            _emit(documents.replay(result))
+            emit(documents.replay(result))
         click.echo(result.outcome.run_id)
-        _exit(result.outcome.exit_code)
-    for line in comparison_lines(result.comparison, result.changes):
+        exit_with(result.outcome.exit_code)
+    *lines, verdict = text.replay_lines(result)
+    for line in lines:
         click.echo(line)
-    for line in result.localized.lines() if result.localized is not None else []:
-        click.echo(line)
-    tracker = Tracker(tracking_uri)
-    _say(tracker.ui_hint(result.outcome.run_id))
-    for line in mlflow_ui.curves(tracker.uri, tracker.get_run(result.outcome.run_id)):
-        _say(line)
-    _verdict(verdict_line(result.comparison))
+    if result.ui is not None:
+        for line in (result.ui.hint, *result.ui.curves):
+            say(line)
+    say_verdict(verdict)
     click.echo(result.outcome.run_id)
     sys.exit(result.comparison.exit_code)
 
 
 @click.command()
 @click.argument("run_id")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
     """Continue a FAILED or KILLED run from its last complete checkpoint, in the same MLflow run.
 
@@ -289,7 +284,7 @@ def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
     """
     from harness.commands import api
 
-    _finish("resume", api.resume(api.ResumeOptions(run_id, tracking_uri=tracking_uri, on_event=_draw)), tracking_uri,
+    _finish("resume", api.resume(api.ResumeOptions(run_id, tracking_uri=tracking_uri, on_event=draw)), tracking_uri,
             as_json)
 
 
@@ -300,9 +295,9 @@ def resume(run_id: str, tracking_uri: str | None, as_json: bool) -> None:
               help="How many nudged re-executions (default 8, at most 32).")
 @click.option("--steps", "-m", type=int, default=None,
               help="How many first steps each re-executes (default: 50, or the run's steps when fewer).")
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_json_option
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@json_option
+@expected_errors
 def calibrate(run_id: str, overrides: tuple[str, ...], members: int | None, steps: int | None,
               tracking_uri: str | None, as_json: bool) -> None:
     """Measure the rounding envelope of a FINISHED run's first steps, for WITHIN_ROUNDING verdicts.
@@ -322,11 +317,11 @@ def calibrate(run_id: str, overrides: tuple[str, ...], members: int | None, step
     from harness.commands import api
 
     done = api.calibrate(api.CalibrateOptions(run_id, members=members, steps=steps, overrides=tuple(overrides),
-                                              tracking_uri=tracking_uri, on_event=_draw))
+                                              tracking_uri=tracking_uri, on_event=draw))
     if as_json:
         from harness.commands import documents
 
-        _emit(documents.calibrate(done))
+        emit(documents.calibrate(done))
     click.echo(done.table())
     click.echo(done.calibration_id)
 
@@ -335,14 +330,13 @@ def calibrate(run_id: str, overrides: tuple[str, ...], members: int | None, step
 @click.argument("run_id")
 @click.option("--code-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--resume-step", type=int, default=None)
-@click.option("--tracking-uri", default=None, help=_TRACKING_HELP)
-@_expected_errors
+@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
+@expected_errors
 def execute(run_id: str, code_dir: Path, resume_step: int | None, tracking_uri: str | None) -> None:
     """Run an already recorded run where this command runs (inside a container, or a Slurm job's task)."""
-    from harness.commands import run as runner
-    from harness.commands.placement import topology_from_env
+    from harness.commands import backends
 
-    outcome = runner.execute_recorded(run_id, code_dir, tracking_uri, resume_step, topology_from_env())
+    outcome = backends.execute(run_id, code_dir, tracking_uri, resume_step)
     if outcome.message:
         click.echo(f"{outcome.status}: {scrub(outcome.message)}", err=True)
     sys.exit(outcome.exit_code)

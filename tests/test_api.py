@@ -24,7 +24,7 @@ from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome
 from harness.errors import HarnessError
 from harness.executors import Outcome
-from harness.judge.compare import BITWISE
+from harness.judge.compare import BITWISE, Comparison
 
 
 def test_import_harness_leaves_the_api_unloaded_until_it_is_used() -> None:
@@ -48,6 +48,13 @@ def test_a_run_and_its_replay_through_the_api_are_bitwise_and_say_nothing_unaske
     assert isinstance(result, ReplayResult)
     assert result.judged.verdict == BITWISE, result.judged.summary()
     assert result.original.run_id == outcome.run_id
+    # Where to look at it, carried by the result: no UI serves this store, so the hint says how to start one.
+    assert result.ui is not None and result.ui.page is None, result.ui
+    assert result.ui.hint.startswith("Open it in the MLflow UI: harness ui --tracking-uri ") and \
+        result.ui.hint.endswith(f"/runs/{result.outcome.run_id}?workflowType=machine_learning"), result.ui.hint
+    assert result.ui.curves[0].startswith("Curves (original and replay overlaid) in "), result.ui.curves
+    compared = harness.compare(harness.CompareOptions(outcome.run_id, tracking_uri=p.uri))
+    assert isinstance(compared, Comparison) and compared.ui == result.ui, (compared.ui, result.ui)
     # Without on_event nothing reaches stderr: neither the launcher's words (the CLI would have said "harness:
     # recording linear_ddp, ...") nor rank 0's output or a progress bar; rank 0's log holds its output all the same.
     assert capfd.readouterr().err == ""

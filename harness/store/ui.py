@@ -116,7 +116,10 @@ def run_link(base_url: str, experiment_id: str, run_id: str) -> str:
 def hint(uri: str, experiment_id: str, run_id: str) -> str:
     """Where to look at a run: on the store's server, on the `harness ui` serving this store now, else the command
     that starts one and the link it will answer at (its default port)."""
-    base = server_url(uri) or served_at(uri)
+    return _hint(uri, server_url(uri) or served_at(uri), experiment_id, run_id)
+
+
+def _hint(uri: str, base: str | None, experiment_id: str, run_id: str) -> str:
     if base:
         return f"Open it in the MLflow UI: {run_link(base, experiment_id, run_id)}"
     store = "" if uri == default_uri() else f" --tracking-uri {display_uri(uri)}"  # never a password on the terminal
@@ -128,7 +131,7 @@ def links(uri: str, run: RunSummary, curves_too: bool = False) -> UiLinks:
     judged replay) where its curves are."""
     base = server_url(uri) or served_at(uri)
     return UiLinks(page=run_link(base, run.experiment_id, run.run_id) if base else None,
-                   hint=hint(uri, run.experiment_id, run.run_id),
+                   hint=_hint(uri, base, run.experiment_id, run.run_id),
                    curves=tuple(curves(uri, run)) if curves_too else ())
 
 

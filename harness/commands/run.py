@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from harness import events, executors, seeds, tags as T
 from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
 from harness.errors import RepositoryError, SecretRefused, UsageError
-from harness.executors import Here, Job, JobInputs, Outcome, Topology
+from harness.executors import Here, Job, JobInputs, Outcome, Topology, TorchrunEnv
 from harness.fmt import plain_name, printable
 from harness.record import confine, loading, redaction, unchanged
 from harness.record.newrun import PARAM_LIMIT, Labels, create_record, data_paths, experiment_name, fit_params
@@ -28,7 +28,7 @@ from harness.systems.git import GitState
 if TYPE_CHECKING:  # imported where a run hashes its data, as the functions below do
     from harness.record.data import HashStats
 
-__all__ = ["Outcome", "Preflight", "check", "preflight", "run", "execute_recorded"]
+__all__ = ["Outcome", "Preflight", "check", "placed", "preflight", "run", "execute_recorded"]
 
 
 @dataclasses.dataclass
@@ -176,6 +176,13 @@ def _record_warnings(git: GitState, cfg: DictConfig, require_clean: bool) -> lis
             + gitsource.framework_hint(gitsource.framework_outputs(list(git.untracked)))
         )
     return warnings
+
+
+def placed(topology: Topology | None) -> tuple[Topology, TorchrunEnv | None]:
+    """The job's topology (None: torchrun's, when torchrun started this process, else one node) and what torchrun told
+    this process when it started it (executors.placed, which the topology carries as `torchrun`)."""
+    topology = executors.placed(topology)
+    return topology, topology.torchrun
 
 
 def check(

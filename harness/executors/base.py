@@ -3,6 +3,9 @@
 run, replay and resume build a `Job` and hand it to `run_job` (audit and trace to `run_segments`); they never
 learn which backend runs the ranks. A backend is one module declaring `BACKEND`, whose `Executor` provides:
 
+- `warm(cfg, topology)`, `check_here(cfg, topology)` and `start_here(cfg, topology, here)`: what happens on this
+  machine before anything is recorded (the rank server's imports, the device, the main guard, the warm ranks), the
+  decision returned as a `Here` that the `Job` carries; the defaults do nothing, for ranks that run elsewhere;
 - `prepare(job)` (one instance per job) refuses, before anything is recorded, what cannot run there (no GPU, no image
   digest, no Slurm), and returns the tags that say where the job runs;
 - `start(job, on_event)` records the run when `job.record` asks for it (node 0 only: a job is exactly
@@ -330,9 +333,10 @@ class Backend:
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)
     # What the commands need to know of the backend's jobs, declared here so that none of them tests a backend's
     # name (tests/test_architecture.py: harness.commands imports no backend module).
-    ranks_here: bool = False  # the ranks run on this machine, under this process: the device is checked here, the
-    # entry script must guard its __main__, and torchrun may start this process as one of them
-    early_ranks: bool = False  # a single node's ranks start (and import torch) before the run is recorded (warm ranks)
+    ranks_here: bool = False  # the ranks run on this machine, under this process (its executor checks the device and
+    # the entry's __main__ guard here), and torchrun may start this process as one of them
+    early_ranks: bool = False  # its executor's start_here starts a single node's ranks (which import torch) before the
+    # run is recorded (warm ranks)
     parallel_members: bool = False  # a study may run several members at once (--parallel)
     runs_members: bool = False  # runs a calibration's members in one launch of one node's ranks (Job.members)
     runs_working_tree: bool = False  # the ranks run the working tree as it is, not a checkout of the recorded code

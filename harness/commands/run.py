@@ -67,7 +67,9 @@ def preflight(
 
     read_ns = time.time_ns()
     topology = topology or Topology()
-    cfg = _load(Path(exp_dir), [*overrides, f"executor={executor}"] if executor is not None else list(overrides))
+    if executor is not None:
+        overrides = [*overrides, f"executor={executor}"]
+    cfg = _load(Path(exp_dir), overrides)
     runner = executors.executor_for(str(cfg.executor), topology)
     # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
     hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=topology.torchrun is None)

@@ -104,6 +104,38 @@ def test_topology_from_plain_variables_and_none_without_them() -> None:
     assert topology_from_env({"MASTER_ADDR": "h", "RANK": "0"}) is None  # a torchrun-style rank, not a node
 
 
+def test_torchrun_placement_is_decided_once_and_the_executor_prepares_what_runs_here() -> None:
+    """torchrun's variables make one topology that carries them; the executor that runs it is torchrun's; what happens
+    on this machine before the record is the executor's decision (a Here), none for a backend whose ranks run elsewhere."""
+    env = {"TORCHELASTIC_RUN_ID": "j", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    layout = executors.torchrun_topology(env)
+    assert layout is not None and layout.torchrun is not None
+    assert (layout.nnodes, layout.node_rank, layout.launcher, layout.torchrun.rank) == (2, 1, "torchrun", 3)
+    assert not layout.speaks_for_job and Topology().speaks_for_job  # torchrun's rank 0 alone says the run id
+    assert executors.torchrun_topology({}) is None
+    assert executors.placed(layout) is layout and executors.placed(Topology(nnodes=2)) == Topology(nnodes=2)
+    assert executors.executor_for("local", layout).name == "torchrun"
+    assert executors.executor_for("local", Topology()).name == "local"
+    with pytest.raises(HarnessError, match=r"^torchrun started this process \(rank 3 of 4\): --nnodes cannot apply"):
+        executors.check_torchrun(layout, None, ["--nnodes"])
+    with pytest.raises(HarnessError, match=r"--executor docker does not apply"):
+        executors.check_torchrun(layout, "docker", [])
+    base = {"image": "none", "entry": "train.py:train", "device": "cpu"}
+    cfg = config.compose([("x", OmegaConf.create({**base, "world_size": 4, "threads_per_rank": 4096}))],
+                         executors.schema())
+    here = executors.get("local").check_here(cfg, Topology())
+    assert (here.device, here.backend, here.ranks, here.starts_all) == ("cpu", "gloo", None, False)
+    assert len(here.warnings) == 1 and "x threads_per_rank 4096" in here.warnings[0]
+    assert executors.executor_for("local", layout).check_here(cfg, layout).warnings[0].startswith("world_size 2 x")
+    assert executors.get("docker").check_here(cfg, Topology()) == executors.Here()
+    assert executors.get("docker").start_here(cfg, Topology(), here) is here
+    assert not executors.get("docker").warm(cfg, Topology(), before=lambda: pytest.fail("docker warms nothing"))
+    two = config.compose([("x", OmegaConf.create({**base, "world_size": 2}))], executors.schema())
+    with pytest.raises(HarnessError, match=r"^torchrun started 4 ranks but world_size is 2"):
+        executors.executor_for("local", layout).start_here(two, layout, here)
+
+
 @pytest.mark.parametrize("env, message", [
     ({"NODE_RANK": "0", "NNODES": "2"}, "MASTER_ADDR/MASTER_PORT are not set"),
     ({"NODE_RANK": "x", "NNODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "not numbers"),

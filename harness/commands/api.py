@@ -66,8 +66,15 @@ from harness.commands.verify import VerifyResult
 from harness.config import as_override
 from harness.errors import UsageError
 from harness.events import Listener
-from harness.executors import Outcome, Topology, backend, backends, topology_from_env
-from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
+from harness.executors import (
+    Outcome,
+    Topology,
+    backend,
+    backends,
+    check_torchrun,
+    topology_from_env,
+    torchrun_topology,
+)
 from harness.judge.compare import Comparison
 from harness.judge.tolerance import parse_tolerances
 from harness.record.newrun import Labels, labels
@@ -170,14 +177,13 @@ def known_executor(name: str | None) -> None:
         backend(name)
 
 
-def topology(executor: str | None, placement: Placement, torchrun: bool = False) -> Topology | None:
-    """This process's place in the job; under torchrun (when `torchrun`), torchrun's layout. None: the backend
-    chooses the job's nodes (Backend.places_nodes: a scheduler's tasks learn their place from it)."""
+def topology(executor: str | None, placement: Placement, torchrun: Topology | None = None) -> Topology | None:
+    """This process's place in the job; under torchrun (`torchrun`: its layout, torchrun_topology()), torchrun's. None:
+    the backend chooses the job's nodes (Backend.places_nodes: a scheduler's tasks learn their place from it)."""
     known_executor(executor)
-    if torchrun:
-        layout = _torchrun_layout(executor, placement.given())
-        if layout is not None:
-            return layout
+    if torchrun is not None:
+        check_torchrun(torchrun, executor, placement.given())  # torchrun's layout leaves no placement to choose
+        return torchrun
     if executor is not None and backend(executor).places_nodes:
         return None
     p = placement
@@ -189,25 +195,11 @@ def topology(executor: str | None, placement: Placement, torchrun: bool = False)
     return Topology(nnodes=p.nnodes, node_rank=p.node_rank or 0, master_addr=p.master_addr, master_port=p.master_port or 0)
 
 
-def _torchrun_layout(executor: str | None, given: list[str]) -> Topology | None:
-    """The job's layout when torchrun started this process, else None; torchrun's layout leaves no placement to choose."""
-    env = torchrun_env()
-    if env is None:
-        return None
-    if given:
-        raise UsageError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
-                           "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
-    if executor is not None and not backend(executor).ranks_here:
-        raise UsageError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
-                           f"apply. Run `harness run --executor {executor} ...` without torchrun.")
-    return torchrun_topology(env)
-
-
 def speaks_for_job() -> bool:
     """Whether this process says the job's run id: torchrun gathers every rank's stdout on one terminal, so
     only its rank 0 does; any other launcher is the job's one voice on its node."""
-    env = torchrun_env()
-    return env is None or env.rank == 0
+    layout = torchrun_topology()
+    return layout is None or layout.speaks_for_job
 
 
 # -- run ------------------------------------------------------------------------------------------------
@@ -237,21 +229,22 @@ def run(options: RunOptions) -> Outcome | StudyOutcome:
     o = options
     with _command(o.on_event):
         named = labels(o.name, o.tags)  # refused before anything is checked or recorded
+        torchrun = torchrun_topology()  # this process is one of torchrun's ranks: decided once, handed down
         if o.calibrate and (o.seeds is not None or o.parallel is not None or o.placement.multi_node()
-                            or torchrun_env() is not None):
+                            or torchrun is not None):
             raise UsageError("--calibrate calibrates one run on this machine, not a study or a multi-node job. Drop "
                                "it, and calibrate a run afterwards with `harness calibrate RUN_ID`.")
         overrides = [*o.overrides, *o.placement.backend_overrides()]
         if o.seeds is not None or o.parallel is not None:
             multi = o.placement.multi_node()
-            if multi or torchrun_env() is not None:
+            if multi or torchrun is not None:
                 raise UsageError(f"a study runs its members one job after another on this machine: "
                                    f"{', '.join(multi) or 'torchrun'} cannot apply. Drop them, or run single runs.")
             known_executor(o.executor)
             study.check_counts(o.seeds, o.parallel)
             checked = _checked(o, overrides, Topology(), warm_ranks=False)
             return _run_study(o, checked, named)
-        layout, torchrun = run_command.placed(topology(o.executor, o.placement, torchrun=True))
+        layout = topology(o.executor, o.placement, torchrun) or Topology()
         checked = _checked(o, overrides, layout)
         if checked.cfg.seeds is not None:  # `seeds: [...]` in the config: a study, from the config checked here (one load)
             if torchrun is not None or layout.multi_node:

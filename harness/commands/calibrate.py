@@ -31,7 +31,7 @@ import numpy as np
 from harness import events, executors, seeds, tags as T
 from harness.commands.options import CalibrateOptions
 from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, StoreUnavailable, UsageError
-from harness.executors import procs
+from harness.executors import Topology
 from harness.fmt import fmt_short, json_safe, text_table
 from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
@@ -235,9 +235,8 @@ def _warm(loaded: loading.Loaded) -> None:
     """Start the rank server now, under the run's string-hash seed as its ranks will take it, so that its torch
     import overlaps the reads and records before the members' ranks start (as `harness run` does)."""
     cfg = loaded.recorded.cfg
-    if executors.backend(str(cfg.executor)).early_ranks and str(cfg.launcher.value) == "forkserver":
-        seeds.apply_recorded_hash_seed(loaded.summary.tags, loaded.summary.run_id)
-        procs.warm()
+    executors.get(str(cfg.executor)).warm(
+        cfg, Topology(), before=lambda: seeds.apply_recorded_hash_seed(loaded.summary.tags, loaded.summary.run_id))
 
 
 def secrets_given(loaded: loading.Loaded, overrides: list[str]) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,10 +13,8 @@ from omegaconf import DictConfig
 
 from harness import events, executors, seeds, tags as T
 from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
-from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
-from harness.executors import procs
-from harness.executors.base import Job, JobInputs, Outcome, Topology
+from harness.executors import Here, Job, JobInputs, Outcome, Topology, TorchrunEnv
 from harness.fmt import plain_name, printable
 from harness.record import confine, loading, redaction, unchanged
 from harness.record.newrun import PARAM_LIMIT, Labels, create_record, data_paths, experiment_name, fit_params
@@ -29,7 +26,6 @@ from harness.systems import git as gitsource
 from harness.systems.git import GitState
 
 if TYPE_CHECKING:  # imported where a run hashes its data, as the functions below do
-    from harness.executors.torchrun import TorchrunEnv
     from harness.record.data import HashStats
 
 __all__ = ["Outcome", "Preflight", "check", "placed", "preflight", "run", "execute_recorded"]
@@ -45,6 +41,8 @@ class Preflight:
     data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
     data_stats: HashStats | None = None  # what hashing it read
     read_ns: int | None = None  # time.time_ns() before the code and the data were read: a file written after changed
+    topology: Topology = dataclasses.field(default_factory=Topology)  # where this process sits in the job
+    here: Here = dataclasses.field(default_factory=Here)  # what the backend decided on this machine (its device)
 
 
 def preflight(
@@ -56,64 +54,99 @@ def preflight(
     allow_untracked_secrets: bool = False,
     allow_secret_in_diff: bool = False,
     tracking_uri: str | None = None,
-    nnodes: int = 1,
+    topology: Topology | None = None,
     warm_ranks: bool = False,
-    torchrun: bool = False,
 ) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
-    `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks. `warm_ranks`: this process will
-    start the job's ranks, so the rank server starts its imports as soon as the config says it is wanted.
-    `torchrun`: torchrun started this process as a rank (its string-hash seed was fixed when it started).
+    `topology`: where this process sits in the job, as the API decided it (None: one node, this process starting its
+    ranks); under torchrun it is a rank, whose string-hash seed was fixed when it started. `warm_ranks`: this process
+    will start the job's ranks, so the backend may start their imports as soon as the config says it is wanted.
     """
-    from harness.executors.launch import capacity_warning, resolve_device
     from harness.record import data
 
     read_ns = time.time_ns()
+    topology = topology or Topology()
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
-    name = experiment_name(Path(exp_dir))
-    if not plain_name(name):  # before anything else: every run it records would be named so
+    cfg = _load(Path(exp_dir), overrides)
+    runner = executors.executor_for(str(cfg.executor), topology)
+    # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
+    hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=topology.torchrun is None)
+    if warm_ranks:
+        runner.warm(cfg, topology)  # its torch import overlaps git, the data's hashes, MLflow and the record
+    git = _code(Path(exp_dir), cfg, tracking_uri, allow_untracked_secrets)
+    warnings: list[str] = boolean_words(list(overrides), cfg)
+    git = _secrets_in_diff(git, cfg, tracking_uri, allow_secret_in_diff, warnings)
+    warnings += _record_warnings(git, cfg, require_clean)
+    here = runner.check_here(cfg, topology)  # the device, refused before recording
+    warnings += here.warnings
+    if hash_seed.source == seeds.FROM_TORCHRUN:
+        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
+    profiled = profile_warning(cfg.profile)
+    if profiled:
+        warnings.append(profiled)
+    # Last: the other checks are instant, and hashing (cached) may read gigabytes.
+    stats = data.HashStats()
+    manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
+    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None, read_ns, topology, here)
+
+
+def _load(exp_dir: Path, overrides: list[str]) -> DictConfig:
+    """The experiment's config, validated; its folder's name first: every run it records would be named so."""
+    name = experiment_name(exp_dir)
+    if not plain_name(name):
         raise UsageError(
             f"the experiment folder's name '{printable(name)}' is no plain name (it holds a newline, a tab or another "
             "control character, or a backslash, or is over 256 characters); it names the MLflow experiment, and a "
             "bundle of its runs could not be imported. Rename the folder.")
-    cfg = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
-    declared = executors.backend(str(cfg.executor))
-    # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
-    hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=not torchrun)
-    if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
-        procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
+    return load_experiment(exp_dir, overrides, schema=executors.schema())
+
+
+def _code(exp_dir: Path, cfg: DictConfig, tracking_uri: str | None, allow_untracked_secrets: bool) -> GitState:
+    """The code's state in git, the entry and what it links to confined to the repository."""
     git = gitsource.inspect(
-        Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
+        exp_dir, max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
         exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
     )
-    confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
-                       gitsource.recorded_symlinks(git.root, Path(exp_dir)))
-    warnings: list[str] = boolean_words(list(overrides), cfg)
+    confine.check_code(git.root, exp_dir, split_entry(cfg.entry)[0], gitsource.recorded_symlinks(git.root, exp_dir))
+    return git
+
+
+def _secrets_in_diff(git: GitState, cfg: DictConfig, tracking_uri: str | None, allow: bool,
+                     warnings: list[str]) -> GitState:
+    """Secrets in the uncommitted changes: refused, or (`allow`) cut from the patch the store gets, said in `warnings`."""
     keys = redaction.known_keys(resolve_uri(tracking_uri)) if git.dirty else {}
     in_diff = redaction.patch_secrets(git.patch, keys) if git.dirty else []
     for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules
         in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch, keys)]
     if any(not f.cuttable for f in in_diff):
         raise SecretRefused(redaction.uncuttable_refusal([f for f in in_diff if not f.cuttable]))
-    if in_diff and not allow_secret_in_diff:
+    if in_diff and not allow:
         raise SecretRefused(redaction.patch_refusal(in_diff))
-    if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
-        where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
-        if not declared.runs_working_tree:  # it runs a checkout of the record: code without them
-            raise SecretRefused(
-                f"--allow-secret-in-diff cuts the secrets at {', '.join(where)} from the recorded code, and the "
-                f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "
-                "environment variables, or use --executor local."
-            )
-        git = dataclasses.replace(
-            git, patch=redaction.redact_patch(git.patch), redacted=where,
-            submodules=tuple(dataclasses.replace(sub, patch=redaction.redact_patch(sub.patch)) for sub in git.submodules))
-        warnings.append(
-            f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "
-            "the code that ran there (tagged harness.git.patch_redacted); a replay runs those lines with <redacted>."
+    if not in_diff:
+        return git
+    # The store gets the patch with the secrets cut out; the ranks run the working tree as it is.
+    where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
+    if not executors.backend(str(cfg.executor)).runs_working_tree:  # it runs a checkout of the record: code without them
+        raise SecretRefused(
+            f"--allow-secret-in-diff cuts the secrets at {', '.join(where)} from the recorded code, and the "
+            f"{cfg.executor} executor runs the recorded code, not the working tree. Move the secrets to "
+            "environment variables, or use --executor local."
         )
+    warnings.append(
+        f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "
+        "the code that ran there (tagged harness.git.patch_redacted); a replay runs those lines with <redacted>."
+    )
+    return dataclasses.replace(
+        git, patch=redaction.redact_patch(git.patch), redacted=where,
+        submodules=tuple(dataclasses.replace(sub, patch=redaction.redact_patch(sub.patch)) for sub in git.submodules))
+
+
+def _record_warnings(git: GitState, cfg: DictConfig, require_clean: bool) -> list[str]:
+    """What the record will hold otherwise than given: long values, secrets in the config, the store's files, a dirty
+    tree (refused with `require_clean`)."""
+    warnings: list[str] = []
     long = fit_params(flatten(cfg))[1]
     if long:
         warnings.append(
@@ -144,32 +177,14 @@ def preflight(
             + (f" Untracked files among them: {gitsource.first_few(git.untracked)}." if git.untracked else "")
             + gitsource.framework_hint(gitsource.framework_outputs(list(git.untracked)))
         )
-    if declared.ranks_here:
-        here = max(cfg.world_size // nnodes, 1)
-        device, _ = resolve_device(cfg.device.value, cfg.backend.value, here)  # refuse before recording
-        warning = capacity_warning(device, here, cfg.threads_per_rank)
-        if warning:
-            warnings.append(warning)
-    if hash_seed.source == seeds.FROM_TORCHRUN:
-        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
-    profiled = profile_warning(cfg.profile)
-    if profiled:
-        warnings.append(profiled)
-    # Last: the other checks are instant, and hashing (cached) may read gigabytes.
-    stats = data.HashStats()
-    manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
-    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None, read_ns)
+    return warnings
 
 
 def placed(topology: Topology | None) -> tuple[Topology, TorchrunEnv | None]:
-    """The job's topology (None: torchrun's, when torchrun started this process, else one node) and torchrun's
-    environment when torchrun started it."""
-    from harness.executors.torchrun import topology as torchrun_topology, torchrun_env
-
-    torchrun = torchrun_env() if topology is None or topology.launcher == "torchrun" else None
-    if topology is None:
-        topology = torchrun_topology(torchrun) if torchrun else Topology()
-    return topology, torchrun
+    """The job's topology (None: torchrun's, when torchrun started this process, else one node) and what torchrun told
+    this process when it started it (executors.placed, which the topology carries as `torchrun`)."""
+    topology = executors.placed(topology)
+    return topology, topology.torchrun
 
 
 def check(
@@ -184,16 +199,16 @@ def check(
     allow_secret_in_diff: bool = False,
     warm_ranks: bool = True,
 ) -> Preflight:
-    """What `harness run` checks before it records: the store reached, then preflight. `warm_ranks`: this process may
-    start the job's ranks (not under torchrun), so the rank server may start its imports at once."""
-    topology, torchrun = placed(topology)
+    """What `harness run` checks before it records: the store reached, then preflight. `topology`: as the API decided
+    it (None: torchrun's when torchrun started this process, else one node). `warm_ranks`: this process may start the
+    job's ranks, so the backend may start their imports at once."""
+    topology = executors.placed(topology)
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
     probe_store(resolve_uri(tracking_uri), True, store_timeout())
     return preflight(
         exp_dir, overrides, require_clean=require_clean, executor=executor,
         allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
-        tracking_uri=tracking_uri, nnodes=topology.nnodes, warm_ranks=warm_ranks and torchrun is None,
-        torchrun=torchrun is not None,
+        tracking_uri=tracking_uri, topology=topology, warm_ranks=warm_ranks,
     )
 
 
@@ -213,62 +228,57 @@ def run(
     checked: Preflight | None = None,
 ) -> Outcome:
     """Validate, record, launch: the Outcome. Bad input raises HarnessError before any run is created. `checked`:
-    what check() found, when the caller checked already (the API, which routes a config with `seeds` to a study).
+    what check() found, when the caller checked already (the API, which routes a config with `seeds` to a study);
+    its topology is the job's.
 
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
-    from harness.executors.torchrun import check_config
-
-    topology, torchrun = placed(topology)
     if checked is None:
         checked = check(
             exp_dir, overrides, topology=topology, require_clean=require_clean, tracking_uri=tracking_uri,
             executor=executor, allow_untracked_secrets=allow_untracked_secrets,
             allow_secret_in_diff=allow_secret_in_diff,
         )
-    cfg, git = checked.cfg, checked.git
+    cfg, git, topology = checked.cfg, checked.git, checked.topology
     if cfg.seeds is not None:  # the API routes a study (harness/commands/api.py): one run is not one
         raise UsageError("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
                            "one of them, or set seeds=null for a single run.")
-    if torchrun is not None:
-        # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it
-        # refuses before torchrun stops the others.
-        check_config(torchrun, cfg.world_size)
-    elif executors.backend(str(cfg.executor)).ranks_here and not topology.multi_node:
-        procs.check_main_guarded()  # a script that would run again in every rank: said before "recording"
-        # The first line, once the input is known good (bad input stays one line) and before torch, MLflow
-        # and the store, which take seconds.
-        count = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
-        events.emit(events.Notice(f"harness: recording {printable(Path(exp_dir).resolve().name)}, starting {count}"))
-    for warning in checked.warnings:
-        events.emit(events.Warning(warning))
-    if checked.data_stats is not None:
-        events.emit(events.Notice(checked.data_stats.summary()))
-    # This node's ranks start now and import torch while MLflow loads and the run is recorded; they run
-    # the entry only once the run exists, and a record that fails stops them. Torch is imported (to spawn)
-    # before MLflow, not beside it in a thread: imports hold the GIL, and torch's import walks sys.modules,
-    # so importing both at once was 2-3 s slower than one after the other.
-    ranks = executors.early_ranks(cfg, topology)
+    runner = executors.executor_for(str(cfg.executor), topology)
+    # This node's ranks start now and import torch while MLflow loads and the run is recorded; they run the entry
+    # only once the run exists, and a record that fails stops them. Torch is imported (to spawn) before MLflow, not
+    # beside it in a thread: imports hold the GIL, and torch's import walks sys.modules, so importing both at once
+    # was 2-3 s slower than one after the other.
+    here = runner.start_here(cfg, topology, checked.here)
     try:
+        _say_checked(checked, here, Path(exp_dir))
         tracker = Tracker(tracking_uri)
-        inputs = JobInputs(git.root, Path(exp_dir), data=data_paths(checked.data),
-                           code_id=git_code_id(git))
+        inputs = JobInputs(git.root, Path(exp_dir), data=data_paths(checked.data), code_id=git_code_id(git))
         job = Job(
             tracker, cfg, inputs,
             record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data,
                                               extra_tags=dict(named.tags) if named else None,
                                               run_name=named.name if named else None),
-            topology=topology, ranks=ranks,
+            topology=topology, ranks=here.ranks, here=here,
             # The ranks that run the working tree itself could import an edit made while they run: looked at again.
             verify=lambda: unchanged.changes(git if executors.backend(str(cfg.executor)).runs_working_tree else None,
                                              checked.data, checked.read_ns),
             options=executors.options_for(cfg.executor, **{"allow_unpinned": allow_unpinned, **(job_options or {})}),
         )
-        return executors.run(job)
+        return executors.run_job(runner, job)
     finally:
-        if ranks is not None:
-            ranks.stop()
-            shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
+        here.stop()
+
+
+def _say_checked(checked: Preflight, here: Here, exp_dir: Path) -> None:
+    """What the checks found, once the input is known good (bad input stays one line) and before torch, MLflow and the
+    store, which take seconds: the first line (this process starts every rank), the warnings, the data's hashing."""
+    if here.starts_all:
+        count = f"{checked.cfg.world_size} rank{'s' if checked.cfg.world_size != 1 else ''}"
+        events.emit(events.Notice(f"harness: recording {printable(exp_dir.resolve().name)}, starting {count}"))
+    for warning in checked.warnings:
+        events.emit(events.Warning(warning))
+    if checked.data_stats is not None:
+        events.emit(events.Notice(checked.data_stats.summary()))
 
 
 def execute_recorded(

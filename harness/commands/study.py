@@ -21,7 +21,6 @@ from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, SecretRefused, UsageError
 from harness.executors import Job, JobInputs
 from harness.executors.base import Outcome, signals_to
-from harness.executors.launch import resolve_device
 from harness.fmt import text_table
 from harness.judge.metricdiff import as_series
 from harness.judge.noise import MIN_SEEDS, final_values, spread
@@ -222,97 +221,28 @@ def run_study(
     (commands/run.py `check`: the store probed, the config loaded and validated once), by the API, which decides that
     this is a study (--seeds, or `seeds:` in the config).
     """
-    from omegaconf import OmegaConf
-
     check_counts(seeds_n, parallel)
-    cfg, git = checked.cfg, checked.git
-    if git.redacted:
-        raise SecretRefused(
-            "a study runs its members from a checkout of the recorded code, and --allow-secret-in-diff cut "
-            f"secrets from that record ({', '.join(git.redacted)}): the members would not run your code. Move the "
-            "secrets to environment variables, or run single runs."
-        )
-    seeds = resolve_seeds(None if cfg.seeds is None else list(cfg.seeds), int(cfg.seed), seeds_n)
-    jobs_at_once = min(parallel or 1, len(seeds))
-    backend = str(cfg.executor)
-    declared = executors.backend(backend)
-    if jobs_at_once > 1 and not declared.parallel_members:
-        able = " or ".join(n for n, b in executors.backends().items() if b.parallel_members)  # Backend.parallel_members
-        raise UsageError(f"--parallel {parallel} needs the {able} executor (this study runs on {backend}); drop --parallel.")
-    warnings = list(checked.warnings)
-    if len(seeds) < MIN_SEEDS:
-        warnings.append(f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}: {FEW_SEEDS_WARNING}.")
-    if declared.ranks_here:
-        device, _ = resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size)
-        warning = parallel_warning(jobs_at_once, cfg.world_size, cfg.threads_per_rank, device)
-        if warning:
-            warnings.append(warning)
-    for warning in warnings:
-        _say(f"Warning: {warning}")
-    if checked.data_stats is not None:
-        _say(checked.data_stats.summary())
-
-    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))], executors.schema())
+    seeds, jobs_at_once = _planned(checked, seeds_n, parallel)
     tracker = Tracker(tracking_uri)
-    name = Path(exp_dir).resolve().name
-    given = named.name if named is not None else None
-    user_tags = dict(named.tags) if named is not None else {}
-    data_paths = paths_of(checked.data)
-    # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
-    placement = executors.get(backend).prepare(Job(tracker, study_cfg, JobInputs(git.root, Path(exp_dir), data=data_paths)))
-    study_tags = {
-        **user_tags, T.KIND: T.KIND_STUDY, T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)),
-        T.STUDY_PARALLEL: str(jobs_at_once),
-    }
-    study_id = create_record(tracker, study_cfg, Path(exp_dir), git, image=placement, extra_tags=study_tags,
-                                    run_name=given or f"{name}-study{len(seeds)}", data=checked.data)
-    _say(f"study {study_id}: {len(seeds)} seeds ({_seed_list(seeds)}), {jobs_at_once} at once")
+    study_id = _record_study(tracker, Path(exp_dir), checked, seeds, jobs_at_once, named)
     heartbeat = None
     status, code, message = T.FAILED, EXIT_FAILED, ""
     members: list[Member] = []
     table = ""
-    study = _Study(jobs_at_once, None, backend)
+    study = _Study(jobs_at_once, None, str(checked.cfg.executor))
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(signals_to(study.on_signal))
-        heartbeat = tracker.heartbeat(study_id, float(cfg.heartbeat_s))
+        heartbeat = tracker.heartbeat(study_id, float(checked.cfg.heartbeat_s))
         # Every member runs the code recorded with the study, from one worktree: editing the working tree
         # while an hours-long study runs cannot change its later members.
-        with checkout(tracker, tracker.get_run(study_id), git.root) as (tree, tree_exp):
-
-            def make_job(seed: int) -> Any:
-                member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))],
-                                     executors.schema())
-                extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
-
-                def record(tags: dict[str, str]) -> str:
-                    return create_record(tracker, member_cfg, Path(exp_dir), git, image=tags, extra_tags=extra,
-                                         run_name=f"{given or name}-seed{seed}", data=checked.data)
-
-                inputs = JobInputs(tree, tree_exp, code_id=git_code_id(git), data=data_paths)
-                options = executors.options_for(
-                    backend, **{"allow_unpinned": allow_unpinned, **(job_options or {}), "quiet": jobs_at_once > 1})
-                # The members run the checkout, which nobody edits; the data they read is the live one.
-                return Job(tracker, member_cfg, inputs, record=record, options=options,
-                           verify=lambda: unchanged.changes(None, checked.data, checked.read_ns))
-
-            study.make_job = make_job
-
+        with checkout(tracker, tracker.get_run(study_id), checked.git.root) as (tree, tree_exp):
+            study.make_job = _member_jobs(tracker, study_id, Path(exp_dir), checked, JobInputs(tree, tree_exp),
+                                          quiet=jobs_at_once > 1, named=named,
+                                          options={"allow_unpinned": allow_unpinned, **(job_options or {})})
             members = study.run(seeds)
         table = record_summary(tracker, study_id, seeds, members)
-        failed = [m for m in members if m.status not in (T.FINISHED, NOT_STARTED)]
-        if study.signum is not None:
-            status, code = T.KILLED, 128 + study.signum
-            message = f"interrupted by {signal.Signals(study.signum).name}: every started member was stopped"
-        elif failed:
-            first = failed[0]
-            why = first.outcome.message if first.outcome is not None else first.error
-            message = f"member seed {first.seed} (run {first.run_id or 'not recorded'}) failed: {why}"
-        else:
-            status, code = T.FINISHED, EXIT_OK
-        if study.late and code == EXIT_OK:
-            _say(f"{signal.Signals(study.late).name} arrived while the study was being recorded; it was recorded in full first.")
-            code = 128 + study.late
+        status, code, message = _how_it_ended(study, members)
         tracker.set_tags(study_id, {T.STATUS_REASON: closing.cut(message)} if message else {})
     except BaseException as err:
         with contextlib.suppress(Exception):
@@ -329,6 +259,104 @@ def run_study(
                             closing.close(tracker, m.run_id, T.FAILED)
             closing.close(tracker, study_id, status)
     return StudyOutcome(study_id, status, code, members, message, table)
+
+
+def _planned(checked: Any, seeds_n: int | None, parallel: int | None) -> tuple[list[int], int]:
+    """The study's seeds and how many members run at once, refused where the study cannot run; its warnings said."""
+    cfg, git = checked.cfg, checked.git
+    if git.redacted:
+        raise SecretRefused(
+            "a study runs its members from a checkout of the recorded code, and --allow-secret-in-diff cut "
+            f"secrets from that record ({', '.join(git.redacted)}): the members would not run your code. Move the "
+            "secrets to environment variables, or run single runs."
+        )
+    seeds = resolve_seeds(None if cfg.seeds is None else list(cfg.seeds), int(cfg.seed), seeds_n)
+    jobs_at_once = min(parallel or 1, len(seeds))
+    backend = str(cfg.executor)
+    if jobs_at_once > 1 and not executors.backend(backend).parallel_members:
+        able = " or ".join(n for n, b in executors.backends().items() if b.parallel_members)  # Backend.parallel_members
+        raise UsageError(f"--parallel {parallel} needs the {able} executor (this study runs on {backend}); drop --parallel.")
+    warnings = list(checked.warnings)
+    if len(seeds) < MIN_SEEDS:
+        warnings.append(f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}: {FEW_SEEDS_WARNING}.")
+    device = checked.here.device  # decided by the backend when the experiment was checked; None: its ranks run elsewhere
+    warning = parallel_warning(jobs_at_once, cfg.world_size, cfg.threads_per_rank, device) if device else None
+    if warning:
+        warnings.append(warning)
+    for warning in warnings:
+        _say(f"Warning: {warning}")
+    if checked.data_stats is not None:
+        _say(checked.data_stats.summary())
+    return seeds, jobs_at_once
+
+
+def _record_study(tracker: Tracker, exp_dir: Path, checked: Any, seeds: list[int], jobs_at_once: int,
+                  named: Labels | None) -> str:
+    """The study's run (the parent of its members), once the executor has said it can run the config."""
+    from omegaconf import OmegaConf
+
+    cfg, git = checked.cfg, checked.git
+    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))], executors.schema())
+    name = exp_dir.resolve().name
+    # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
+    inputs = JobInputs(git.root, exp_dir, data=paths_of(checked.data))
+    placement = executors.get(str(cfg.executor)).prepare(Job(tracker, study_cfg, inputs, here=checked.here))
+    study_tags = {
+        **(dict(named.tags) if named is not None else {}), T.KIND: T.KIND_STUDY,
+        T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)), T.STUDY_PARALLEL: str(jobs_at_once),
+    }
+    given = named.name if named is not None else None
+    study_id = create_record(tracker, study_cfg, exp_dir, git, image=placement, extra_tags=study_tags,
+                             run_name=given or f"{name}-study{len(seeds)}", data=checked.data)
+    _say(f"study {study_id}: {len(seeds)} seeds ({_seed_list(seeds)}), {jobs_at_once} at once")
+    return study_id
+
+
+def _member_jobs(tracker: Tracker, study_id: str, exp_dir: Path, checked: Any, tree: JobInputs, *, quiet: bool,
+                 named: Labels | None, options: Mapping[str, Any]) -> Callable[[int], Job]:
+    """What makes each seed's job: the study's config with its seed, run from the study's checkout (`tree`)."""
+    from omegaconf import OmegaConf
+
+    cfg, git = checked.cfg, checked.git
+    name = exp_dir.resolve().name
+    given = named.name if named is not None else None
+    user_tags = dict(named.tags) if named is not None else {}
+    inputs = JobInputs(tree.root, tree.exp_dir, code_id=git_code_id(git), data=paths_of(checked.data))
+    job_options = executors.options_for(str(cfg.executor), **{**options, "quiet": quiet})
+
+    def make_job(seed: int) -> Job:
+        member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))],
+                             executors.schema())
+        extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
+
+        def record(tags: dict[str, str]) -> str:
+            return create_record(tracker, member_cfg, exp_dir, git, image=tags, extra_tags=extra,
+                                 run_name=f"{given or name}-seed{seed}", data=checked.data)
+
+        # The members run the checkout, which nobody edits; the data they read is the live one.
+        return Job(tracker, member_cfg, inputs, record=record, options=job_options, here=checked.here,
+                   verify=lambda: unchanged.changes(None, checked.data, checked.read_ns))
+
+    return make_job
+
+
+def _how_it_ended(study: _Study, members: list[Member]) -> tuple[str, int, str]:
+    """The study's status, exit code and reason, from its members' and the signals that came."""
+    status, code, message = T.FAILED, EXIT_FAILED, ""
+    failed = [m for m in members if m.status not in (T.FINISHED, NOT_STARTED)]
+    if study.signum is not None:
+        status, code = T.KILLED, 128 + study.signum
+        message = f"interrupted by {signal.Signals(study.signum).name}: every started member was stopped"
+    elif failed:
+        first = failed[0]
+        why = first.outcome.message if first.outcome is not None else first.error
+        message = f"member seed {first.seed} (run {first.run_id or 'not recorded'}) failed: {why}"
+    else:
+        status, code = T.FINISHED, EXIT_OK
+    if study.late and code == EXIT_OK:
+        _say(f"{signal.Signals(study.late).name} arrived while the study was being recorded; it was recorded in full first.")
+        code = 128 + study.late
+    return status, code, message
 
 
 _say_lock = threading.Lock()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -32,6 +32,7 @@ from harness.executors.base import (
     CliOption,
     Executor,
     Handle,
+    Here,
     Job,
     JobEvent,
     JobInputs,
@@ -40,6 +41,7 @@ from harness.executors.base import (
     Output,
     Submitted,
     Topology,
+    TorchrunEnv,
     run_job,
 )
 from harness.messages import Message
@@ -48,9 +50,10 @@ BUILTIN = ("local", "docker", "slurm")  # each is a module of this package decla
 ENTRY_POINTS = "harness.executors"  # the entry-point group of outside backends
 
 __all__ = [
-    "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "JobEvent", "Executor", "Handle", "Job", "JobInputs", "JobOptions",
-    "Outcome", "Output", "Submitted", "Topology", "backend", "backends", "get", "options_for", "register", "run",
-    "check_segments", "early_ranks", "executing", "run_job", "run_segments", "schema", "topology_from_env",
+    "BUILTIN", "ENTRY_POINTS", "Backend", "CliOption", "JobEvent", "Executor", "Handle", "Here", "Job", "JobInputs",
+    "JobOptions", "Outcome", "Output", "Submitted", "Topology", "TorchrunEnv", "backend", "backends", "get",
+    "options_for", "register", "run", "check_segments", "check_torchrun", "early_ranks", "executing", "executor_for",
+    "placed", "run_job", "run_segments", "schema", "topology_from_env", "torchrun_topology",
 ]
 
 _REGISTRY: dict[str, Backend] = {}
@@ -142,6 +145,47 @@ def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology | No
     return plain(env)
 
 
+def torchrun_topology(environ: Mapping[str, str] | None = None) -> Topology | None:
+    """This process's place when torchrun started it as one of the job's ranks (what torchrun told it attached, as
+    Topology.torchrun), else None; HarnessError for torchrun variables harness cannot lay out as nodes."""
+    from harness.executors.torchrun import topology, torchrun_env
+
+    env = torchrun_env(environ)
+    return topology(env) if env is not None else None
+
+
+def check_torchrun(layout: Topology, executor: str | None, given: Sequence[str]) -> None:
+    """Under torchrun (`layout`) torchrun places the ranks: no placement option `given` applies, and only a backend
+    whose ranks run on this machine (Backend.ranks_here) can run this process's rank. One line (exit 2) else."""
+    env = layout.torchrun
+    assert env is not None, layout
+    if given:
+        raise UsageError(f"torchrun started this process (rank {env.rank} of {env.world_size}): {', '.join(given)} "
+                         "cannot apply, torchrun places the ranks. Drop them, or pass torchrun's own --nnodes & co.")
+    if executor is not None and not backend(executor).ranks_here:
+        raise UsageError(f"torchrun started this process, so its rank runs here: --executor {executor} does not "
+                         f"apply. Run `harness run --executor {executor} ...` without torchrun.")
+
+
+def placed(topology: Topology | None = None) -> Topology:
+    """The job's topology: `topology` as given (torchrun's variables attached when torchrun launched it), else
+    torchrun's when torchrun started this process, else one node. What a library caller that decided no placement
+    gets; the API decides it (harness/commands/api.py) and hands it down."""
+    if topology is not None and (topology.launcher != "torchrun" or topology.torchrun is not None):
+        return topology
+    return torchrun_topology() or topology or Topology()
+
+
+def executor_for(name: str, topology: Topology) -> Executor:
+    """The executor that runs a job of backend `name` placed at `topology`: torchrun's when torchrun started this
+    process as one of the ranks (torchrun is a launcher mode of local, not a backend), else the backend's."""
+    if topology.launcher == "torchrun":
+        from harness.executors.torchrun import TorchrunExecutor
+
+        return TorchrunExecutor()
+    return get(name)
+
+
 def executing(name: str) -> Executor:
     """What `harness _execute` runs a recorded job of backend `name` with, where that backend sent it (a container,
     a batch job's task): the backend it declares (`Backend.executes`), else itself."""
@@ -150,11 +194,7 @@ def executing(name: str) -> Executor:
 
 def run(job: Job, on_event: Callable[[JobEvent], None] | None = None) -> Outcome:
     """Run `job` on the backend its config names; when torchrun started this process, as its rank."""
-    if job.topology.launcher == "torchrun":
-        from harness.executors.torchrun import TorchrunExecutor
-
-        return run_job(TorchrunExecutor(), job, on_event)
-    return run_job(get(job.executor), job, on_event)
+    return run_job(executor_for(job.executor, job.topology), job, on_event)
 
 
 def run_segments(job: Job, plans: list[Any], on_message: Callable[[Message], None], what: str) -> None:
@@ -180,19 +220,7 @@ def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
 
 
 def early_ranks(cfg: DictConfig, topology: Topology) -> Any:
-    """This node's ranks started now (launch.Ranks, in a fresh work folder: the caller stops them and removes it) for
-    a single-node job of a backend that starts them early (Backend.early_ranks), so that they import torch while the
-    run is recorded; None for any other."""
-    if not backend(str(cfg.executor)).early_ranks or topology.multi_node or topology.launcher != "spawn":
-        return None
-    import shutil
-
-    from harness import scratch
-    from harness.executors import launch, procs
-
-    work = scratch.make("run")
-    try:
-        return launch.start_ranks(cfg.world_size, work / "logs", method=procs.Method(cfg.launcher))
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+    """This node's ranks started now, for a single-node job of a backend that starts them early (its executor's
+    start_here: the warm ranks), so that they import torch while the run is recorded; None for any other. The caller
+    stops them and removes their work folder (Here.stop)."""
+    return executor_for(str(cfg.executor), topology).start_here(cfg, topology, Here()).ranks

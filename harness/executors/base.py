@@ -3,6 +3,9 @@
 run, replay and resume build a `Job` and hand it to `run_job` (audit and trace to `run_segments`); they never
 learn which backend runs the ranks. A backend is one module declaring `BACKEND`, whose `Executor` provides:
 
+- `warm(cfg, topology)`, `check_here(cfg, topology)` and `start_here(cfg, topology, here)`: what happens on this
+  machine before anything is recorded (the rank server's imports, the device, the main guard, the warm ranks), the
+  decision returned as a `Here` that the `Job` carries; the defaults do nothing, for ranks that run elsewhere;
 - `prepare(job)` (one instance per job) refuses, before anything is recorded, what cannot run there (no GPU, no image
   digest, no Slurm), and returns the tags that say where the job runs;
 - `start(job, on_event)` records the run when `job.record` asks for it (node 0 only: a job is exactly
@@ -20,6 +23,7 @@ each backend module and collected by the registry in `harness/executors/__init__
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import threading
 import time
@@ -53,8 +57,29 @@ JobEvent = Message | Output | Submitted
 
 
 @dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun told a rank process it started: where it sits in the job and where the job's store is."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int  # this node's rank among torchrun's agents
+    master_addr: str
+    master_port: int
+    agent_store: bool  # the agent hosts the store at master_addr:master_port; every rank is a client
+    run_id: str = ""  # TORCHELASTIC_RUN_ID
+    restart: int = 0  # TORCHELASTIC_RESTART_COUNT: a restarted attempt must not read the last one's keys
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+
+@dataclass(frozen=True)
 class Topology:
-    """Where this process sits in a job that may span several nodes (one launcher per node)."""
+    """Where this process sits in a job that may span several nodes (one launcher per node), torchrun's ranks
+    included: decided once, by the API (harness/commands/api.py), and handed down to the job and its backend."""
 
     nnodes: int = 1
     node_rank: int = 0
@@ -63,10 +88,17 @@ class Topology:
     launcher: str = "spawn"  # spawn | slurm | torchrun: who started this process
     # The tags the backend that placed this process gives the run (Backend.place: Slurm's job id and node list).
     scheduler: dict[str, str] = field(default_factory=dict)
+    torchrun: TorchrunEnv | None = None  # what torchrun told this process, when it started it as one of the ranks
 
     @property
     def multi_node(self) -> bool:
         return self.nnodes > 1
+
+    @property
+    def speaks_for_job(self) -> bool:
+        """Whether this process says the job's run id: torchrun gathers every rank's stdout on one terminal, so only
+        its rank 0 does; any other launcher is the job's one voice on its node."""
+        return self.torchrun is None or self.torchrun.rank == 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +132,24 @@ class Ranks(Protocol):
 
 
 @dataclass
+class Here:
+    """What a backend decided and prepared on this machine before the job is recorded: decided once (Executor.check_here,
+    then Executor.start_here) and handed down in Job.here, so that nothing after it asks again."""
+
+    device: str | None = None  # the device this node's ranks compute on, checked here; None: they run elsewhere
+    backend: str | None = None  # their process group's backend (gloo | nccl)
+    warnings: tuple[str, ...] = ()  # what does not stop the job (more rank threads than CPU cores)
+    starts_all: bool = False  # this process starts every rank of the job, here (one node, torchrun's ranks aside)
+    ranks: Ranks | None = None  # this node's ranks, started before the record (warm ranks): stop() ends them
+
+    def stop(self) -> None:
+        """End the ranks started early (if any) and remove their work folder: the job that adopted them has ended."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            shutil.rmtree(Path(self.ranks.log_dir).parent, ignore_errors=True)
+
+
+@dataclass
 class Job:
     """A job as every backend sees it: the resolved config, its code and data, and the run that records it."""
 
@@ -119,6 +169,9 @@ class Job:
     # This node's ranks, started before the run is recorded (local, one node); the local backend adopts
     # them (and their log folder), any other leaves them to whoever started them to stop.
     ranks: Ranks | None = None
+    # What the backend decided on this machine before the record (the device its ranks use): None, it decides in
+    # prepare() and keeps it here, so that the device is resolved once per job.
+    here: Here | None = None
     # Called once this node's ranks have ended well, before the run is closed: a line naming what of the code or data
     # they read the record no longer holds (the run closes FAILED with it), or None.
     verify: Callable[[], str | None] | None = None
@@ -217,6 +270,25 @@ class Handle(ABC):
 class Executor(ABC):
     name: ClassVar[str]
 
+    # -- what happens on this machine before anything is recorded: the commands call these in order, and never
+    # test what kind of backend they hold (a backend whose ranks run elsewhere keeps the defaults: nothing here).
+    def warm(self, cfg: DictConfig, topology: Topology, before: Callable[[], object] | None = None) -> bool:
+        """Start now what this node's ranks will import (the rank server), so that it overlaps the reads of the code
+        and the data; whether it started. `before` is called first when it does: the string-hash seed the ranks
+        take must be in the environment before the server starts."""
+        return False
+
+    def check_here(self, cfg: DictConfig, topology: Topology) -> Here:
+        """What this machine must hold for this node's ranks (the device, enough of them), checked before anything is
+        recorded: the decision, or HarnessError."""
+        return Here()
+
+    def start_here(self, cfg: DictConfig, topology: Topology, here: Here) -> Here:
+        """Last before the run is recorded: refuse what this node's ranks cannot start with (an entry that runs again
+        in every rank, a world size other than the launcher's) and start them early (the warm ranks), so that they
+        import torch while the run is recorded. `here`: check_here's decision; returned with what this did."""
+        return here
+
     def prepare(self, job: Job) -> dict[str, str]:
         """Refuse what cannot run on this backend; the tags that record where the job runs."""
         return {}
@@ -261,9 +333,10 @@ class Backend:
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)
     # What the commands need to know of the backend's jobs, declared here so that none of them tests a backend's
     # name (tests/test_architecture.py: harness.commands imports no backend module).
-    ranks_here: bool = False  # the ranks run on this machine, under this process: the device is checked here, the
-    # entry script must guard its __main__, and torchrun may start this process as one of them
-    early_ranks: bool = False  # a single node's ranks start (and import torch) before the run is recorded (warm ranks)
+    ranks_here: bool = False  # the ranks run on this machine, under this process (its executor checks the device and
+    # the entry's __main__ guard here), and torchrun may start this process as one of them
+    early_ranks: bool = False  # its executor's start_here starts a single node's ranks (which import torch) before the
+    # run is recorded (warm ranks)
     parallel_members: bool = False  # a study may run several members at once (--parallel)
     runs_members: bool = False  # runs a calibration's members in one launch of one node's ranks (Job.members)
     runs_working_tree: bool = False  # the ranks run the working tree as it is, not a checkout of the recorded code

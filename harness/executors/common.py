@@ -8,6 +8,7 @@ the image the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,10 +24,22 @@ from omegaconf import DictConfig
 from harness import events, tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
-from harness.executors.base import FAILED, FINISHED, KILLED, PENDING, RUNNING, Handle, Job, JobEvent, Outcome
+from harness.executors.base import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    PENDING,
+    RUNNING,
+    Handle,
+    Here,
+    Job,
+    JobEvent,
+    Outcome,
+    Topology,
+)
 from harness.executors.failures import failure_details, killed_by
 from harness.executors.follow import Follower
-from harness.executors.launch import resolve_device
+from harness.executors.launch import capacity_warning, resolve_device
 from harness.executors.multinode import Node, differing
 from harness.messages import Message, SegmentStart, UserSeeds
 from harness.record.recorder import Failed, Killed, Recorder, checkpoint_plan, lock_lines, open_checkpoints
@@ -110,6 +123,26 @@ def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]
     return resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size if nproc is None else nproc)
 
 
+def check_device_here(cfg: DictConfig, topology: Topology) -> Here:
+    """Executor.check_here of a backend whose ranks run on this machine: this node's share of the ranks has the device
+    it asks for (refused before anything is recorded), and a warning when they are more threads than cores."""
+    nproc = max(cfg.world_size // topology.nnodes, 1)
+    device, backend = resolve_device(cfg.device.value, cfg.backend.value, nproc)
+    warning = capacity_warning(device, nproc, cfg.threads_per_rank)
+    return Here(device, backend, (warning,) if warning else ())
+
+
+def device_of(job: Job, nproc: int) -> tuple[str, str]:
+    """This node's device and backend: as decided before the record (Job.here), else checked now and kept there, so
+    that a job resolves its device once."""
+    here = job.here
+    if here is None or here.device is None or here.backend is None:
+        device, backend = check_runnable(job.cfg, nproc)
+        job.here = here = dataclasses.replace(here or Here(), device=device, backend=backend)
+    assert here.device is not None and here.backend is not None
+    return here.device, here.backend
+
+
 def config_id(cfg: DictConfig) -> str:
     """The resolved config's digest: every node of a job must run the same one."""
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
@@ -154,48 +187,19 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
     A calibration's further members (`job.members`, their runs `job.member_ids`) run in the same ranks after the
     job's own, one segment each: each segment's messages go to its member's recorder, and each member's run is
     closed as a replay of its own would be (one that never started, as the segment that ended the ranks ended)."""
-    cfg = job.cfg
     log_dir = work / "logs"
     log_dir.mkdir(exist_ok=True)
-    recorders = [Recorder(job.tracker, run_id, cfg, work, lambda shown: follower.show(shown), job.resume_step,
+    recorders = [Recorder(job.tracker, run_id, job.cfg, work, lambda shown: follower.show(shown), job.resume_step,
                           steering)
                  for run_id, steering in [(job.run_id, job.steering),
                                           *zip(job.member_ids, (s for s, _ in job.members))]]
-    recorder = recorders[0]
-    steps = job.steering.stop_at or 0
-    label = f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}"
-    follower = Follower(log_dir / "rank0.log", f"calibrating {label}, {len(recorders)} x {steps} steps" if
-                        job.members else label, show=not job.options.quiet,
-                        hidden=known_values(to_container(cfg), os.environ),
-                        segments=(len(recorders), steps) if job.members and steps else None)
+    follower = _follower(job, log_dir, len(recorders))
     ended: Failed | Killed | BaseException | None = None
     current = [0]  # the member whose segment rank 0 runs
     try:
-        device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
-        # Ranks started before the record measured torch's facts there; the launcher never imports torch for them.
-        measured = job.ranks.torch_facts() if job.ranks is not None else None
-        lock = lock_lines()
-        for each in recorders:
-            each.start(device, backend, measured, lock)
-        spec = spec_for(device, backend, log_dir, recorder.plan)
-        spec.run_id = job.run_id
-        spec.env.update(recorder.rank_env())
-        if job.members:
-            spec.segments, spec.members = [each.plan for each in recorders], True
-
-        def on_message(msg: Message) -> None:
-            if isinstance(msg, SegmentStart):
-                current[0] = msg.index
-                follower.segment(msg.index)
-            elif isinstance(msg, UserSeeds):  # sent once, at the ranks' end: every member ran the same code
-                for each in recorders:
-                    each.feed(msg)
-            else:
-                recorders[current[0]].feed(msg)
-            on_event(msg)
-
+        spec = _first_spec(job, recorders, spec_for, log_dir)
         # The bar counts rank 0's steps as its clock has them (optimizer steps), whatever it logs at.
-        run(spec, on_message, lambda ranks: follower.follow_steps(ranks.progress))
+        run(spec, _feeding(recorders, current, follower, on_event), lambda ranks: follower.follow_steps(ranks.progress))
         ended = next((done for done in (each.ranks_done() for each in recorders) if done is not None), None)
         changed = job.verify() if ended is None and job.verify is not None else None
         if changed is not None:  # no rank failed: the record would not hold what they read
@@ -211,7 +215,56 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
             node.fail(f"node 0: {err}")
     finally:
         closing()
-        follower.close(finished=ended is None, steps=recorder.final.get("steps_total"))
+        follower.close(finished=ended is None, steps=recorders[0].final.get("steps_total"))
+    return _close_records(job, recorders, ended, current[0], node, log_dir)
+
+
+def _follower(job: Job, log_dir: Path, count: int) -> Follower:
+    """The progress view of rank 0's log: the job's steps, or a calibration's members one segment after another."""
+    steps = job.steering.stop_at or 0
+    label = f"{Path(job.exp_dir).resolve().name} x{job.cfg.world_size}"
+    return Follower(log_dir / "rank0.log", f"calibrating {label}, {count} x {steps} steps" if job.members else label,
+                    show=not job.options.quiet, hidden=known_values(to_container(job.cfg), os.environ),
+                    segments=(count, steps) if job.members and steps else None)
+
+
+def _first_spec(job: Job, recorders: list[Recorder], spec_for: SpecFor, log_dir: Path) -> LaunchSpec:
+    """Each run's record started on the device decided for this node, and the ranks' spec that feeds the first."""
+    device, backend = device_of(job, job.cfg.world_size // job.topology.nnodes)
+    # Ranks started before the record measured torch's facts there; the launcher never imports torch for them.
+    measured = job.ranks.torch_facts() if job.ranks is not None else None
+    lock = lock_lines()
+    for each in recorders:
+        each.start(device, backend, measured, lock)
+    spec = spec_for(device, backend, log_dir, recorders[0].plan)
+    spec.run_id = job.run_id
+    spec.env.update(recorders[0].rank_env())
+    if job.members:
+        spec.segments, spec.members = [each.plan for each in recorders], True
+    return spec
+
+
+def _feeding(recorders: list[Recorder], current: list[int], follower: Follower,
+             on_event: Callable[[JobEvent], None]) -> Callable[[Message], None]:
+    """Rank 0's messages to the recorder of the segment it runs (`current[0]`, which a SegmentStart moves on)."""
+    def on_message(msg: Message) -> None:
+        if isinstance(msg, SegmentStart):
+            current[0] = msg.index
+            follower.segment(msg.index)
+        elif isinstance(msg, UserSeeds):  # sent once, at the ranks' end: every member ran the same code
+            for each in recorders:
+                each.feed(msg)
+        else:
+            recorders[current[0]].feed(msg)
+        on_event(msg)
+
+    return on_message
+
+
+def _close_records(job: Job, recorders: list[Recorder], ended: Failed | Killed | BaseException | None, current: int,
+                   node: Node | None, log_dir: Path) -> Outcome:
+    """Close every run the ranks fed, the job's own first in the outcome; a calibration's members' outcomes beside."""
+    recorder = recorders[0]
 
     def collect_logs() -> None:  # the other nodes' rank logs, before the record is closed and sealed
         assert node is not None
@@ -222,9 +275,9 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
 
     outcomes: dict[int, Outcome] = {}
     # The segment that ended the ranks last: a launcher's own error is raised again once its run is closed.
-    for index in sorted(range(len(recorders)), key=lambda i: i == current[0]):
+    for index in sorted(range(len(recorders)), key=lambda i: i == current):
         each = recorders[index]
-        this = ended if ended is None or index == current[0] else _member_ended(ended, index, current[0])
+        this = ended if ended is None or index == current else _member_ended(ended, index, current)
         closed = each.end(this, collect=None if node is None else collect_logs)
         outcomes[index] = Outcome(each.run_id, closed.status, closed.exit_code, closed.message, closed.fingerprints)
     job.member_outcomes = [outcomes[i] for i in range(1, len(recorders))]
@@ -249,7 +302,7 @@ def ranks_only(job: Job, work: Path, node: Node, spec_for: SpecFor, run: RunRank
     cfg = job.cfg
     log_dir = work / "logs"
     log_dir.mkdir()
-    device, backend = check_runnable(cfg, cfg.world_size // job.topology.nnodes)
+    device, backend = device_of(job, cfg.world_size // job.topology.nnodes)
     # Node 0's launcher uploads the steps: it reads this node's rank files from the shared staging folder.
     plan = checkpoint_plan(open_checkpoints(job.tracker, job.run_id, cfg, job.resume_step), cfg, job.resume_step,
                            job.steering)

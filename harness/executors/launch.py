@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import events
-from harness.errors import BackendError, ConfigError, Interrupted, RunFailed
+from harness.errors import BackendError, ConfigError, HarnessError, Interrupted, RunFailed
 from harness.executors import procs, stall, stuck
 from harness.executors.failures import FROM_OUTSIDE, RankError, diagnose, failed, phase, stack_location
 from harness.messages import Message
@@ -235,52 +235,21 @@ def launch(
     try:
         if ranks is None:
             ranks = start_ranks(spec.local_ranks, spec.log_dir, spec.node_rank, procs.Method(spec.launcher))
-        context, progress = ranks.context, ranks.progress
+        context = ranks.context
         if on_ranks is not None:
             on_ranks(ranks)
         # The ranks' time without progress counts from now: waiting for the record was not theirs.
         for rank in range(spec.local_ranks):
-            beat(progress, rank, -1)
+            beat(ranks.progress, rank, -1)
         drain = threading.Thread(target=events.carry(_read_channel), args=(ranks.reader, on_message), name="harness-channel",
                                  daemon=True)
         drain.start()
         ranks.send(spec)
-        watch = stall.StallWatch(spec.local_ranks, spec.stall_s)
         try:
-            while not context.join(timeout=0.5, grace_period=_GRACE_S):
-                signum = cancelled() if cancelled is not None else None
-                if signum:
-                    raise Interrupted(signum)
-                if check is not None:
-                    check()
-                if _left(context.processes, progress):
-                    break  # the others are stopped below: they would only wait for it, or lose their peer
-                silent = _silent_ranks(progress, context.processes, spec.timeout_s)
-                if silent:
-                    raise _stalled(spec, context.processes, progress, silent)
-                try:
-                    verdict = watch.check(progress, [p.pid for p in context.processes if p.is_alive()])
-                except Exception:  # reading /proc must never end a job: the next poll looks again
-                    verdict = None
-                if verdict is not None:
-                    quiet = _silent_ranks(progress, context.processes, verdict.threshold_s / 2)
-                    raise _stalled(spec, context.processes, progress, quiet, verdict)
-            left = _left(context.processes, progress)
-            if left:
-                context.stop(_GRACE_S)
-                raise _left_failure(spec, progress, left)
+            _supervise(spec, context, ranks.progress, cancelled, check)
         except procs.RankFailed as err:
-            signum = _signalled_too(err, cancelled)
-            if signum:  # a scheduler signals every process of the job: the ranks died of the launcher's signal
-                raise Interrupted(signum) from None
-            context.stop(_GRACE_S)  # every rank's error record is final before it is read
-            left = _left(context.processes, progress)
-            if left:  # the others' failures (a peer's connection reset, a store gone) follow from its leaving
-                raise _left_failure(spec, progress, left) from None
-            rank, line, text, expected, peer = diagnose(spec, err)
-            killed = (err.signal_name if isinstance(err, procs.RankExited) and err.signal_name in FROM_OUTSIDE
-                      and line.startswith(f"rank {rank} was killed") else None)
-            raise RunFailed(line) from RankError(rank, text, expected, peer, killed)
+            failure, cause = _rank_failure(spec, context, ranks.progress, err, cancelled)
+            raise failure from cause
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None
     except _Terminate:
@@ -298,6 +267,52 @@ def launch(
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         del own_store  # the store's server stops with its last reference
+
+
+def _supervise(spec: LaunchSpec, context: procs.Processes, progress: Any, cancelled: Callable[[], int | None] | None,
+               check: Callable[[], None] | None) -> None:
+    """Poll this node's ranks until they have all ended: stop them when told (Interrupted), when the job failed
+    elsewhere (`check` raises), when one left without returning, or when they make no progress (RunFailed)."""
+    watch = stall.StallWatch(spec.local_ranks, spec.stall_s)
+    while not context.join(timeout=0.5, grace_period=_GRACE_S):
+        signum = cancelled() if cancelled is not None else None
+        if signum:
+            raise Interrupted(signum)
+        if check is not None:
+            check()
+        if _left(context.processes, progress):
+            break  # the others are stopped below: they would only wait for it, or lose their peer
+        silent = _silent_ranks(progress, context.processes, spec.timeout_s)
+        if silent:
+            raise _stalled(spec, context.processes, progress, silent)
+        try:
+            verdict = watch.check(progress, [p.pid for p in context.processes if p.is_alive()])
+        except Exception:  # reading /proc must never end a job: the next poll looks again
+            verdict = None
+        if verdict is not None:
+            quiet = _silent_ranks(progress, context.processes, verdict.threshold_s / 2)
+            raise _stalled(spec, context.processes, progress, quiet, verdict)
+    left = _left(context.processes, progress)
+    if left:
+        context.stop(_GRACE_S)
+        raise _left_failure(spec, progress, left)
+
+
+def _rank_failure(spec: LaunchSpec, context: procs.Processes, progress: Any, err: procs.RankFailed,
+                  cancelled: Callable[[], int | None] | None) -> tuple[HarnessError, RankError | None]:
+    """What a rank's failure means for the job, and the cause it is raised from: the launcher's own signal, a rank
+    that left (the others' failures follow from it), or the failing rank and its line (RunFailed, from its RankError)."""
+    signum = _signalled_too(err, cancelled)
+    if signum:  # a scheduler signals every process of the job: the ranks died of the launcher's signal
+        return Interrupted(signum), None
+    context.stop(_GRACE_S)  # every rank's error record is final before it is read
+    left = _left(context.processes, progress)
+    if left:  # the others' failures (a peer's connection reset, a store gone) follow from its leaving
+        return _left_failure(spec, progress, left), None
+    rank, line, text, expected, peer = diagnose(spec, err)
+    killed = (err.signal_name if isinstance(err, procs.RankExited) and err.signal_name in FROM_OUTSIDE
+              and line.startswith(f"rank {rank} was killed") else None)
+    return RunFailed(line), RankError(rank, text, expected, peer, killed)
 
 
 def _signalled_too(err: procs.RankFailed, cancelled: Callable[[], int | None] | None) -> int | None:

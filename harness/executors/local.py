@@ -8,6 +8,7 @@ through the rendezvous (executors/multinode.py).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,29 +18,45 @@ from omegaconf import DictConfig
 
 from harness import events, scratch, tags as T
 from harness.config import check_nodes
+from harness.configschema import Launcher
 from harness.errors import Interrupted, RunFailed
 from harness.executors import procs
 from harness.executors.base import (
     Backend,
     Executor,
     Handle,
+    Here,
     Job,
     JobEvent,
+    Topology,
 )
 from harness.executors.common import (
     RanksHandle,
+    check_device_here,
     check_runnable,
     config_id,
+    device_of,
     launch_spec,
     local_image_tags,
     node_tags,
     record_and_publish,
 )
 from harness.executors.failures import failure_details, is_peer_failure
-from harness.executors.launch import Ranks, launch
+from harness.executors.launch import Ranks, launch, start_ranks
 from harness.executors.multinode import check_topology
 from harness.messages import Message
 from harness.runtime.rank.spec import LaunchSpec
+
+
+def early_ranks(cfg: DictConfig) -> Ranks:
+    """This node's ranks started now (in a fresh work folder: Here.stop ends them and removes it), before the run is
+    recorded, so that they import torch meanwhile; they run the entry once the job's spec reaches them."""
+    work = scratch.make("run")
+    try:
+        return start_ranks(cfg.world_size, work / "logs", method=procs.Method(cfg.launcher))
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
 
 
 def run_segments(
@@ -63,10 +80,30 @@ def run_segments(
 class LocalExecutor(Executor):
     name = "local"
 
+    def warm(self, cfg: DictConfig, topology: Topology, before: Callable[[], object] | None = None) -> bool:
+        # One node's ranks fork from the rank server: its torch import overlaps git, the data's hashes, MLflow and
+        # the record. Several nodes' ranks start once the rendezvous is made, which waits for every node anyway.
+        if topology.nnodes != 1 or cfg.launcher is not Launcher.forkserver:
+            return False
+        if before is not None:
+            before()
+        procs.warm()
+        return True
+
+    def check_here(self, cfg: DictConfig, topology: Topology) -> Here:
+        return check_device_here(cfg, topology)
+
+    def start_here(self, cfg: DictConfig, topology: Topology, here: Here) -> Here:
+        if topology.multi_node:  # the ranks start once the nodes have met; the main guard is checked in prepare()
+            return here
+        procs.check_main_guarded()  # a script that would run again in every rank: said before "recording"
+        ranks = early_ranks(cfg) if topology.launcher == "spawn" else None
+        return dataclasses.replace(here, starts_all=True, ranks=ranks)
+
     def prepare(self, job: Job) -> dict[str, str]:
         check_topology(job.topology)
         check_nodes(job.topology.nnodes, job.cfg.world_size, "--nnodes")
-        check_runnable(job.cfg, job.cfg.world_size // job.topology.nnodes)
+        device_of(job, job.cfg.world_size // job.topology.nnodes)
         procs.check_main_guarded()  # the ranks start in this process: before the run is recorded
         return local_image_tags(str(job.cfg.image))
 
@@ -143,7 +180,7 @@ class LocalHandle(RanksHandle):
         """Run the ranks; across nodes, a failure anywhere ends every node and is named once."""
         node = self.node
         if node is None:
-            ranks = self.job.ranks  # started by executors.early_ranks before the run was recorded
+            ranks = self.job.ranks  # started by start_here (early_ranks) before the run was recorded
             assert ranks is None or isinstance(ranks, Ranks), ranks
             launch(spec, on_message, cancelled=lambda: self.cancelled, ranks=ranks, on_ranks=on_ranks)
             return

@@ -17,23 +17,27 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig
 
 from harness import scratch, tags as T
 from harness.errors import BackendError, HarnessError, Interrupted, RunFailed
 from harness.executors.base import (
     Executor,
     Handle,
+    Here,
     Job,
     JobEvent,
     Topology,
+    TorchrunEnv as TorchrunEnv,  # defined beside Topology, which carries it; its public name is this module's too
 )
 from harness.executors.common import (
     RanksHandle,
-    check_runnable,
+    check_device_here,
     config_id,
+    device_of,
     launch_spec,
     local_image_tags,
     node_tags,
@@ -48,26 +52,6 @@ from harness.runtime.rank.body import run_rank
 from harness.runtime.rank.failure import failure_record
 
 LAUNCHER = "torchrun"
-
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    """What torchrun told this rank process: where it sits in the job and where the job's store is."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    group_rank: int  # this node's rank among torchrun's agents
-    master_addr: str
-    master_port: int
-    agent_store: bool  # the agent hosts the store at master_addr:master_port; every rank is a client
-    run_id: str = ""  # TORCHELASTIC_RUN_ID
-    restart: int = 0  # TORCHELASTIC_RESTART_COUNT: a restarted attempt must not read the last one's keys
-
-    @property
-    def nnodes(self) -> int:
-        return self.world_size // self.local_world_size
 
 
 def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
@@ -109,7 +93,7 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
 def topology(env: TorchrunEnv) -> Topology:
     """The job's nodes as torchrun laid them out (node_rank: this node's group rank)."""
     return Topology(nnodes=env.nnodes, node_rank=env.group_rank, master_addr=env.master_addr,
-                    master_port=env.master_port, launcher=LAUNCHER)
+                    master_port=env.master_port, launcher=LAUNCHER, torchrun=env)
 
 
 def check_config(env: TorchrunEnv, world_size: int) -> None:
@@ -124,8 +108,19 @@ def check_config(env: TorchrunEnv, world_size: int) -> None:
 class TorchrunExecutor(Executor):
     name = LAUNCHER
 
+    def check_here(self, cfg: DictConfig, topology: Topology) -> Here:
+        return check_device_here(cfg, topology)
+
+    def start_here(self, cfg: DictConfig, topology: Topology, here: Here) -> Here:
+        # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it refuses
+        # before torchrun stops the others.
+        env = topology.torchrun or torchrun_env()
+        if env is not None:
+            check_config(env, int(cfg.world_size))
+        return here
+
     def prepare(self, job: Job) -> dict[str, str]:
-        env = torchrun_env()
+        env = job.topology.torchrun or torchrun_env()
         if env is None:
             raise BackendError("the torchrun launch style needs a process started by torchrun (RANK, WORLD_SIZE, "
                                "LOCAL_WORLD_SIZE are not set).")
@@ -135,7 +130,7 @@ class TorchrunExecutor(Executor):
                 f"executor=local, or run `harness run --executor {job.executor} ...` without torchrun."
             )
         check_config(env, int(job.cfg.world_size))
-        check_runnable(job.cfg, env.local_world_size)
+        device_of(job, env.local_world_size)
         self.env = env
         return local_image_tags(str(job.cfg.image))
 

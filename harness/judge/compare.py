@@ -20,23 +20,23 @@ from harness.fmt import fmt_short, json_safe, the
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
 from harness.judge.decisive import first_decisive
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
-from harness.judge.fingerprints import FingerprintStats, _compare_fingerprints
+from harness.judge.fingerprints import FingerprintStats, compare_fingerprints
 from harness.judge.metricdiff import (
     KIND_FINGERPRINT,
     KIND_REPLAY_FAILED,
     MLFLOW_STEP,
     Divergence,
     MetricStats,
-    _compare_metric,
-    _metric_only_in_one,
-    _upto,
     as_series,
+    compare_metric,
+    metric_only_in_one,
+    up_to,
 )
 from harness.judge.noise import NoiseJudgement
 from harness.judge.perf import SpeedDelta, speed_delta
 from harness.judge.rounding import RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
-from harness.judge.tolerance import _tolerance_for, judged_tolerance, never_judged, weights_may_differ
+from harness.judge.tolerance import judged_tolerance, never_judged, tolerance_for, weights_may_differ
 from harness.judge.undetermined import looks_like_clock, not_determined
 from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
 from harness.rundata import RunRecord, own_metric
@@ -367,13 +367,13 @@ def compare_runs(
     stepped = {k: v for k, v in orig_metrics.items() if k not in own}  # the original's values at training steps
     if incomplete_original:
         last = max((int(s[-1]) for s, _ in stepped.values()), default=-1)
-        rep_metrics = {**_upto(_without(rep_metrics, own), last), **_as_far(rep_metrics, orig_metrics, own)}
+        rep_metrics = {**up_to(_without(rep_metrics, own), last), **_as_far(rep_metrics, orig_metrics, own)}
         steps = np.unique(np.concatenate([s for s, _ in stepped.values()])) if stepped else np.empty(0)
         reached = Reached(original.status, len(steps))
     elif first_steps is not None:
         # An index of its own is no step: the replay's values of one are what it logged before step K.
-        orig_metrics = {**_upto(stepped, first_steps - 1), **_as_far(orig_metrics, rep_metrics, own)}
-        rep_metrics = {**_upto(_without(rep_metrics, own), first_steps - 1), **_only(rep_metrics, own)}
+        orig_metrics = {**up_to(stepped, first_steps - 1), **_as_far(orig_metrics, rep_metrics, own)}
+        rep_metrics = {**up_to(_without(rep_metrics, own), first_steps - 1), **_only(rep_metrics, own)}
         reached = FirstSteps(original.status, first_steps, original_steps(original))
     clamped = (not original.metrics_exact, not replay.metrics_exact)
 
@@ -386,13 +386,13 @@ def compare_runs(
             # it, or stepped no optimizer (which its other values and weights show).
             notes.append(f"{name} recorded by {the(labels[0] if name in orig_metrics else labels[1])} only: not compared")
             continue
-        rtol, atol = _tolerance_for(tol, name)
+        rtol, atol = tolerance_for(tol, name)
         if name not in rep_metrics:
-            st, div = _metric_only_in_one(name, *orig_metrics[name], True, rtol, atol)
+            st, div = metric_only_in_one(name, *orig_metrics[name], True, rtol, atol)
         elif name not in orig_metrics:
-            st, div = _metric_only_in_one(name, *rep_metrics[name], False, rtol, atol)
+            st, div = metric_only_in_one(name, *rep_metrics[name], False, rtol, atol)
         else:
-            st, div = _compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol, clamped)
+            st, div = compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol, clamped)
         st.evaluation, st.counts = name in evaluation, own.get(name)
         stats.append(st)
         if div is not None:
@@ -410,7 +410,7 @@ def compare_runs(
     metric_div = (min(firsts, key=lambda d: (looks_like_clock(d.metric or ""), d.counts is not None, d.step,
                                              d.metric or "")) if firsts else None)
     clocks_only = bool(firsts) and all(looks_like_clock(d.metric or "") for d in firsts)
-    fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)
+    fps = compare_fingerprints(original, replay, incomplete_original, first_steps)
 
     failure = replay_failed
     if failure is None and replay.status != tags.FINISHED:

@@ -27,12 +27,12 @@ from harness.judge.metricdiff import (
     KIND_ROUNDING,
     KIND_VALUE,
     Divergence,
-    _compare_metric,
-    _upto,
     as_series,
+    compare_metric,
+    up_to,
 )
 from harness.judge.rounding import Envelope
-from harness.judge.tolerance import _tolerance_for, never_judged, weights_may_differ
+from harness.judge.tolerance import never_judged, tolerance_for, weights_may_differ
 from harness.judge.verdicts import Policy, meets
 from harness.judge.weightdistance import Distance
 from harness.rundata import RunRecord
@@ -63,7 +63,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     orig = {k: as_series(*v) for k, v in original.metrics.items() if k in compared}
     rep = {k: as_series(*v) for k, v in replay.metrics.items() if k in compared}
     if first_steps is not None:
-        orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
+        orig, rep = up_to(orig, first_steps - 1), up_to(rep, first_steps - 1)
     m = envelope.steps
     blown = envelope.blown_up()
     if blown is not None:  # an envelope of inf from there would hold any replay: it holds the steps before only
@@ -203,8 +203,8 @@ def _from(series: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray
 def _first_outside(name: str, a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
                    tol: Mapping[str, Any], first: int) -> Divergence | None:
     """The first value at a step >= `first` outside the tolerance (the steps after a rounding envelope)."""
-    rtol, atol = _tolerance_for(tol, name)
-    _, div = _compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
+    rtol, atol = tolerance_for(tol, name)
+    _, div = compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
     return div
 
 

@@ -38,19 +38,8 @@ from harness.judge.rounding import RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
 from harness.judge.tolerance import judged_tolerance, never_judged, tolerance_for, weights_may_differ
 from harness.judge.undetermined import looks_like_clock, not_determined
-from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
+from harness.judge.verdicts import Policy, Verdict, exit_code, meets
 from harness.rundata import RunRecord, own_metric
-
-# The verdicts, by their names here too (harness/judge/verdicts.py holds them, their exit codes and policies).
-BITWISE = Verdict.BITWISE
-WITHIN_ROUNDING = Verdict.WITHIN_ROUNDING
-WITHIN_TOLERANCE = Verdict.WITHIN_TOLERANCE
-WITHIN_NOISE = Verdict.WITHIN_NOISE
-DIVERGED = Verdict.DIVERGED
-INCONCLUSIVE = Verdict.INCONCLUSIVE
-NOTHING_TO_COMPARE = Verdict.NOTHING_TO_COMPARE
-VERDICTS = tuple(Verdict)
-REPRODUCED = verdicts(Policy.REPRODUCED)  # exit 0
 
 
 @dataclass
@@ -118,11 +107,11 @@ class Comparison:
     def summary(self) -> str:
         """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
         line = self._verdict_line()
-        if self.rounding is not None and self.rounding.within and self.verdict != WITHIN_ROUNDING:
+        if self.rounding is not None and self.rounding.within and self.verdict != Verdict.WITHIN_ROUNDING:
             # The envelope held over its steps; what came after decided (the tolerance, or the seeds' noise).
             by = "the seeds' noise" if self.noise is not None else "the tolerance"
             line += f"; {self.rounding.after_line(by, self.run_a)}"
-            if self.verdict == DIVERGED and self.noise is None and not self.rounding.blown_up:
+            if self.verdict == Verdict.DIVERGED and self.noise is None and not self.rounding.blown_up:
                 # Most often one ulp after the calibrated steps, judged bit for bit: the fix is a longer envelope.
                 line += (f" (to hold them to rounding too: harness calibrate {self.run_a} --steps N, up to the run's "
                          "steps; or replay --tolerance METRIC=ATOL,RTOL)")
@@ -145,7 +134,7 @@ class Comparison:
         head = f"{self.verdict}:"
         line = (f"{self.verdict} {reached.clause()}:{line[len(head):]}" if line.startswith(head)
                 else f"{line} ({reached.clause()})")
-        if self.verdict == DIVERGED:
+        if self.verdict == Verdict.DIVERGED:
             return line
         if self.fingerprints.final_equal is None:
             held = self.rounding.weights if self.rounding is not None else None
@@ -159,7 +148,7 @@ class Comparison:
     def checkpoint_lines(self) -> list[str]:
         """Where the weights parted, for the verdict output: said on a divergence, or whenever tensors differ."""
         ck = self.checkpoints
-        if ck is None or (self.verdict != DIVERGED and ck.first_diff_step is None and not ck.desynced_ranks):
+        if ck is None or (self.verdict != Verdict.DIVERGED and ck.first_diff_step is None and not ck.desynced_ranks):
             return []
         lines = [ck.describe(self.labels)]
         for label, steps in ck.desynced_ranks.items():
@@ -179,10 +168,10 @@ class Comparison:
         return ""
 
     def _verdict_line(self) -> str:
-        if self.verdict == NOTHING_TO_COMPARE:
-            return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
+        if self.verdict == Verdict.NOTHING_TO_COMPARE:
+            return (f"{Verdict.NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
                     "log metrics with ctx.log and register the model with ctx.ddp")
-        if self.verdict == WITHIN_ROUNDING and self.rounding is not None:
+        if self.verdict == Verdict.WITHIN_ROUNDING and self.rounding is not None:
             # The training code's metrics: harness's learning rate is the recorded one, bit for bit, or this is no
             # rounding.
             mine = [m for m in self.metrics if not own_metric(m.name)] or self.metrics
@@ -197,27 +186,27 @@ class Comparison:
                 what = f"{shape} bit-identical, the weights not"
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
-            return f"{WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}{self._weights_as_members()}"
-        if self.verdict == INCONCLUSIVE and self.noise is None and self.rounding and self.rounding.undecided():
-            return f"{INCONCLUSIVE}: {self.rounding.undecided_line(self.run_a)}"
-        if self.verdict == INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
-            return (f"{INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "
+            return f"{Verdict.WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}{self._weights_as_members()}"
+        if self.verdict == Verdict.INCONCLUSIVE and self.noise is None and self.rounding and self.rounding.undecided():
+            return f"{Verdict.INCONCLUSIVE}: {self.rounding.undecided_line(self.run_a)}"
+        if self.verdict == Verdict.INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
+            return (f"{Verdict.INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "
                     f"first outside the tolerance {self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
-        if self.verdict == WITHIN_NOISE and self.noise is not None:
+        if self.verdict == Verdict.WITHIN_NOISE and self.noise is not None:
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "the config changed"
-            return (f"{WITHIN_NOISE}: {self.noise.headline()}; {why}, first outside the tolerance "
+            return (f"{Verdict.WITHIN_NOISE}: {self.noise.headline()}; {why}, first outside the tolerance "
                     f"{self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
-        if self.verdict == DIVERGED and self.divergence is not None:
+        if self.verdict == Verdict.DIVERGED and self.divergence is not None:
             if self.divergence.kind == KIND_REPLAY_FAILED:
-                return f"{DIVERGED}: {self.divergence.describe(self.labels)}"
-            line = f"{DIVERGED} {self.divergence.describe(self.labels)}"
+                return f"{Verdict.DIVERGED}: {self.divergence.describe(self.labels)}"
+            line = f"{Verdict.DIVERGED} {self.divergence.describe(self.labels)}"
             return line if self.noise is None else f"{line}; {self.noise.headline()}"
         shape = _shape(self.metrics)
         fps = self.fingerprints
-        if self.verdict == BITWISE:
+        if self.verdict == Verdict.BITWISE:
             same = _shape([m for m in self.metrics if m.name not in self.undetermined])
-            line = f"{BITWISE}: {same} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
+            line = f"{Verdict.BITWISE}: {same} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
             if self.bitwise_blockers:
                 names = [d.name for d in self.delta if d.breaks_bitwise]
                 line += f"; bitwise despite {_changes(len(names))}: {', '.join(names)}"
@@ -305,13 +294,13 @@ def follows(judged: str, recorded: str, calibrated: bool, studied: bool, undeter
     DIVERGED into WITHIN_NOISE or INCONCLUSIVE: those are read from runs a bundle need not carry. `undetermined`: the
     judgement is BITWISE naming values the training does not determine (Comparison.undetermined), which a harness
     without that rule recorded as DIVERGED on those values - the stricter verdict on the same evidence."""
-    if judged == recorded or (undetermined and judged == BITWISE and recorded == DIVERGED):
+    if judged == recorded or (undetermined and judged == Verdict.BITWISE and recorded == Verdict.DIVERGED):
         return True
     if meets(judged, Policy.SETTLED) or meets(recorded, Policy.SETTLED):
         return False
     if calibrated:
         return True
-    return studied and judged == DIVERGED and recorded in (WITHIN_NOISE, INCONCLUSIVE)
+    return studied and judged == Verdict.DIVERGED and recorded in (Verdict.WITHIN_NOISE, Verdict.INCONCLUSIVE)
 
 
 def compare_runs(
@@ -322,7 +311,7 @@ def compare_runs(
     incomplete_original: bool = False,
     first_steps: int | None = None,
 ) -> Comparison:
-    """Compare a replay with its original and give the verdict (one of VERDICTS).
+    """Compare a replay with its original and give the verdict (a Verdict).
 
     With `incomplete_original` (a FAILED or KILLED original), only the steps the original reached
     are judged, and its missing final fingerprint is no divergence. With `first_steps` K (replay --steps K),
@@ -449,19 +438,19 @@ def compare_runs(
                                     metric_div.counts)
         else:
             divergence = Divergence(KIND_REPLAY_FAILED, None, detail=detail)
-        verdict = DIVERGED
+        verdict = Verdict.DIVERGED
     elif decisive is not None:
         # A value neither rounding nor a seed moves (the learning rate, the data order) decides, at its step, what
         # else differed and whatever an envelope or a study would say (harness/judge/decisive.py).
-        divergence, verdict = decisive, DIVERGED
+        divergence, verdict = decisive, Verdict.DIVERGED
     elif not stats and fps.compared == 0:
-        divergence, verdict = None, NOTHING_TO_COMPARE
+        divergence, verdict = None, Verdict.NOTHING_TO_COMPARE
     elif undetermined and metric_div is not None:
         # The weights and every other value bit-identical: what differs is no function of the training. (Values that
         # differ within their tolerance stay WITHIN_TOLERANCE, a pass already.)
-        divergence, verdict = None, BITWISE
+        divergence, verdict = None, Verdict.BITWISE
     elif metric_div is not None and not (clocks_only and weights_differ):
-        divergence, verdict = metric_div, DIVERGED
+        divergence, verdict = metric_div, Verdict.DIVERGED
         if clocks_only:
             notes.append(_clock_hint(sorted({d.metric or "" for d in firsts})))
     elif weights_differ:
@@ -481,13 +470,13 @@ def compare_runs(
             detail += f"; besides, {', '.join(sorted({d.metric or '' for d in firsts}))} (named like a clock) differ"
         elif stats and not all(s.bitwise_equal for s in stats):
             detail += "; every metric within its tolerance: --tolerance weights=any would let the metrics decide"
-        divergence, verdict = Divergence(KIND_FINGERPRINT, step, detail=detail), DIVERGED
+        divergence, verdict = Divergence(KIND_FINGERPRINT, step, detail=detail), Verdict.DIVERGED
     else:
         divergence = None
         # What was observed decides: bit-identical values and fingerprints are BITWISE even where the delta
         # predicted otherwise (the changes are listed beside it).
         exact = all(s.bitwise_equal for s in stats) and fps.all_equal
-        verdict = BITWISE if exact else WITHIN_TOLERANCE
+        verdict = Verdict.BITWISE if exact else Verdict.WITHIN_TOLERANCE
 
     return Comparison(
         checkpoints=checkpoints,
@@ -509,7 +498,7 @@ def compare_runs(
         notes=notes,
         failed_alike=failed_alike,
         speed=speed_delta(original, replay, labels),
-        undetermined=undetermined if verdict == BITWISE else [],
+        undetermined=undetermined if verdict == Verdict.BITWISE else [],
     )
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from harness import tags
 from harness.fmt import fmt_short, fmt_value, markdown_table, md_cell, md_code
-from harness.judge.compare import BITWISE, Comparison, FirstSteps
+from harness.judge.compare import Comparison, FirstSteps
 from harness.judge.delta import summarized
 from harness.judge.metricdiff import KIND_REPLAY_FAILED, MetricStats, as_series
 from harness.judge.noise import FALSE_ALARM, percent
@@ -55,7 +55,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     if cmp.notes:
         out += ["Notes:", ""] + [f"- {md_cell(n)}" for n in cmp.notes] + [""]
 
-    if not cmp.bitwise_possible and cmp.verdict == BITWISE:
+    if not cmp.bitwise_possible and cmp.verdict == Verdict.BITWISE:
         out += ["> **Bitwise despite** environment changes that usually alter the arithmetic:", ">"]
         out += [f"> - {md_cell(b)}" for b in cmp.bitwise_blockers]
         out += [">", "> Every value and fingerprint came out bit-identical all the same.", ""]

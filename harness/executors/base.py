@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from harness import events
 from harness.events import Output, Submitted
 from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
-from harness.runtime.plan import UNSTEERED, Steering
+from harness.runtime.plan import UNSTEERED, LaunchPlan
 from harness.store.tracking import RunSummary, Tracker
 
 
@@ -112,7 +112,7 @@ class Job:
     record: Callable[[dict[str, str]], str] | None = None
     recorded: RunSummary | None = None  # replay/resume: the run whose image digest is reused
     resume_step: int | None = None
-    steering: Steering = UNSTEERED  # replay --steps K, a calibration member's nudge, the weights' sketch
+    steering: LaunchPlan = UNSTEERED  # its recorded part: replay --steps K, a calibration member's nudge, the weights' sketch
     topology: Topology = field(default_factory=Topology)
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()
     options: JobOptions = field(default_factory=JobOptions)  # the backend's own options type (Backend.options)
@@ -125,7 +125,7 @@ class Job:
     # harness calibrate: further members run by the same ranks after this job's own, each recorded as a run of its
     # own - (its steering, what creates its run as `record` does). Only a backend whose `Backend.runs_members` says
     # so takes them; its wait() sets `member_outcomes` (in order) beside the job's own outcome.
-    members: list[tuple[Steering, Callable[[dict[str, str]], str]]] = field(default_factory=list)
+    members: list[tuple[LaunchPlan, Callable[[dict[str, str]], str]]] = field(default_factory=list)
     member_ids: list[str] = field(default_factory=list)
     member_outcomes: list[Outcome] = field(default_factory=list)
 

@@ -33,7 +33,7 @@ from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import InvariantModule, InvariantStep, broadcast_parameters
 from harness.runtime.metrics import Logged, logged_twice, metric_value, not_own
 from harness.runtime.outbox import Outbox
-from harness.runtime.plan import CheckpointPlan, ProfilePlan
+from harness.runtime.plan import LaunchPlan, ProfilePlan
 from harness.runtime.states import Copies, check_trackable
 from harness.runtime.stepping import Stepping, StopSegment as StopSegment  # StopSegment: the launcher's
 from harness.runtime.steps import StepClock, StepHook
@@ -84,7 +84,7 @@ class Context(Stepping):
         rank_seed: int,
         fingerprint_every: int,
         channel: Connection | None,
-        checkpoints: CheckpointPlan | None = None,
+        checkpoints: LaunchPlan | None = None,
         invariant_shards: int = 0,
         progress: Callable[[int], None] | None = None,
         output_dir: str = "",

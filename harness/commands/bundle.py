@@ -41,7 +41,7 @@ from harness.record import closing, data, loading, redaction, seal
 from harness.record.checkout import recorded_submodules
 from harness.record.data import sha256_file
 from harness.store.failures import unwritable
-from harness.store.reach import exclusive
+from harness.store.locks import exclusive
 from harness.store.tracking import Tracker, import_complete
 from harness.systems import docker, git as gitsource, gitbundle
 

@@ -18,7 +18,7 @@ from harness.errors import EXIT_FAILED, StoreUnavailable
 from harness.record import seal
 from harness.store.failures import transient, unwritable
 from harness.store.outages import Outages, Patient
-from harness.store.reach import reason_of
+from harness.store.probe import reason_of
 from harness.store.tracking import Tracker
 
 REASON_LIMIT = 500  # characters of a reason kept as harness.status_reason

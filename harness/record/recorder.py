@@ -57,9 +57,9 @@ from harness.runtime import usermlflow, userseed
 from harness.runtime.plan import UNSTEERED, LaunchPlan
 from harness.secrets import known_values, scrub
 from harness.store.outages import Outages, Patient
-from harness.store.reach import absolute_uri
 from harness.store.seriesfile import save_series
 from harness.store.tracking import Tracker
+from harness.store.uris import absolute_uri
 
 if TYPE_CHECKING:
     from harness.rundata import RunRecord

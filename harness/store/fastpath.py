@@ -16,7 +16,8 @@ from typing import Any
 
 from harness import scratch
 from harness.rundata import RunSummary
-from harness.store.reach import database_file, display_uri, schema_error, sqlite_path
+from harness.store.probe import schema_error
+from harness.store.uris import database_file, display_uri, sqlite_path
 
 _READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other
 

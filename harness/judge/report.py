@@ -29,6 +29,22 @@ def _stat(m: MetricStats, value: float) -> str:
 
 def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     """The comparison as a Markdown document, verdict first and evidence after."""
+    out = _head(cmp) + _changes_section(cmp, changes) + _config_section(cmp) + _environment_section(cmp)
+    out += _metrics_section(cmp) + _fingerprints_section(cmp)
+    out += _checkpoint_section(cmp) + _data_order_section(cmp)
+    out += _noise_section(cmp)
+    out += _speed_section(cmp)
+    out += _divergence_section(cmp)
+    return "\n".join(out)
+
+
+# The report belongs to a replay run, so its columns are always the original and the replay.
+_A_LABEL, _B_LABEL = "Original", "Replay"
+
+
+def _head(cmp: Comparison) -> list[str]:
+    """The verdict, the two runs, and what a reader must know before the evidence: weights that never changed, the
+    steps that were compared, the notes, and whether the environment left bitwise possible."""
     out: list[str] = [
         f"# Replay verdict: {cmp.verdict}",
         "",
@@ -54,7 +70,6 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
                 "and its missing final fingerprint is not held against the replay.", ""]
     if cmp.notes:
         out += ["Notes:", ""] + [f"- {md_cell(n)}" for n in cmp.notes] + [""]
-
     if not cmp.bitwise_possible and cmp.verdict == Verdict.BITWISE:
         out += ["> **Bitwise despite** environment changes that usually alter the arithmetic:", ">"]
         out += [f"> - {md_cell(b)}" for b in cmp.bitwise_blockers]
@@ -63,8 +78,12 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out += ["> **Bitwise impossible** because the environment changed in ways that alter the arithmetic:", ">"]
         out += [f"> - {md_cell(b)}" for b in cmp.bitwise_blockers]
         out += [">", f"> The verdict is {md_cell(judged_by(cmp))} instead.", ""]
+    return out
 
-    out += ["## Changes requested", ""]
+
+def _changes_section(cmp: Comparison, changes: list[str] | None) -> list[str]:
+    """The overrides the replay was allowed, and the tolerance it was judged by where the user gave one."""
+    out = ["## Changes requested", ""]
     if changes:
         out += ["Overrides allowed with `--allow-changes`:", ""]
         out += [f"- {md_code(c)}" for c in changes]
@@ -78,69 +97,77 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     weights = weights_line(cmp)
     if weights:
         out += ["", f"Tolerance: {md_cell(weights)}."]
-    out.append("")
+    return out + [""]
 
-    # The report belongs to a replay run, so its columns are always the original and the replay.
-    a_label, b_label = "Original", "Replay"
-    out += ["## Config delta", ""]
+
+def _config_section(cmp: Comparison) -> list[str]:
+    out = ["## Config delta", ""]
     if cmp.config_delta:
         rows = [[md_code(c.key), md_code(c.a), md_code(c.b), "yes" if c.affects_result else "no (how it is run or judged)"]
                 for c in cmp.config_delta]
-        out += markdown_table(["Key", a_label, b_label, "Affects the result"], rows)
+        out += markdown_table(["Key", _A_LABEL, _B_LABEL, "Affects the result"], rows)
     else:
         out.append("No differences in the recorded config.")
-    out.append("")
+    return out + [""]
 
-    out += ["## Environment delta", ""]
+
+def _environment_section(cmp: Comparison) -> list[str]:
+    out = ["## Environment delta", ""]
     if cmp.delta:
         rows = []
         for fact in summarized(cmp.delta, cmp.labels):
             name = f"**{md_cell(fact.name)}** (breaks bitwise)" if fact.breaks_bitwise else md_cell(fact.name)
             rows.append([name, md_code(fact.a), md_code(fact.b), md_cell(fact.note)])
-        out += markdown_table(["Fact", a_label, b_label, "Note"], rows)
+        out += markdown_table(["Fact", _A_LABEL, _B_LABEL, "Note"], rows)
     else:
         out.append("No differences in recorded facts or locked packages.")
-    out.append("")
+    return out + [""]
 
-    out += ["## Metrics", ""]
+
+def _metrics_section(cmp: Comparison) -> list[str]:
+    out = ["## Metrics", ""]
     if cmp.metrics:
-        rows = []
-        for m in cmp.metrics:
-            where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
-            seen = None if one_run(m) else envelope_first(m, cmp)
-            if seen is not None:  # the envelope decided: what it saw, not the tolerance's first divergence
-                first = md_cell(seen)
-            elif m.first_divergence is None:
-                first = "-"
-            elif one_run(m):
-                first = first_divergence(m, ("original", "replay"))
-            else:
-                first = f"{m.counts + ' ' if m.counts else ''}{m.first_divergence} ({m.first_divergence_kind})"
-            gaps = []
-            if m.missing_steps and m.in_replay:
-                gaps.append(f"{m.missing_steps} missing in replay")
-            if m.extra_steps and m.in_original:
-                gaps.append(f"{m.extra_steps} extra in replay")
-            rows.append([
-                md_cell(m.name) + ("" if where == "both" else f" ({where})"),
-                str(m.steps_compared) + (f" ({', '.join(gaps)})" if gaps else ""),
-                _stat(m, m.max_abs_diff),
-                _stat(m, m.max_rel_diff),
-                first,
-                "yes" if m.bitwise_equal else "no (not determined by the training)" if m.name in cmp.undetermined else "no",
-                f"{fmt_short(m.rtol)} / {fmt_short(m.atol)}",
-            ])
         out += markdown_table(
             ["Metric", "Steps compared", "Max abs diff", "Max rel diff", "First divergence", "Bit-identical",
              "rtol / atol"],
-            rows,
+            [_metric_row(m, cmp) for m in cmp.metrics],
         )
     else:
         out.append("Neither run logged any metric.")
-    out.append("")
+    return out + [""]
 
+
+def _metric_row(m: MetricStats, cmp: Comparison) -> list[str]:
+    """One metric's row: where it was logged, how many steps were compared, how far apart, where it first parted."""
+    where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
+    seen = None if one_run(m) else envelope_first(m, cmp)
+    if seen is not None:  # the envelope decided: what it saw, not the tolerance's first divergence
+        first = md_cell(seen)
+    elif m.first_divergence is None:
+        first = "-"
+    elif one_run(m):
+        first = first_divergence(m, ("original", "replay"))
+    else:
+        first = f"{m.counts + ' ' if m.counts else ''}{m.first_divergence} ({m.first_divergence_kind})"
+    gaps = []
+    if m.missing_steps and m.in_replay:
+        gaps.append(f"{m.missing_steps} missing in replay")
+    if m.extra_steps and m.in_original:
+        gaps.append(f"{m.extra_steps} extra in replay")
+    return [
+        md_cell(m.name) + ("" if where == "both" else f" ({where})"),
+        str(m.steps_compared) + (f" ({', '.join(gaps)})" if gaps else ""),
+        _stat(m, m.max_abs_diff),
+        _stat(m, m.max_rel_diff),
+        first,
+        "yes" if m.bitwise_equal else "no (not determined by the training)" if m.name in cmp.undetermined else "no",
+        f"{fmt_short(m.rtol)} / {fmt_short(m.atol)}",
+    ]
+
+
+def _fingerprints_section(cmp: Comparison) -> list[str]:
     fps = cmp.fingerprints
-    out += ["## Parameter fingerprints", ""]
+    out = ["## Parameter fingerprints", ""]
     if fps.compared == 0:
         out.append("Neither run recorded parameter fingerprints.")
     else:
@@ -152,13 +179,12 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
             f"- First mismatching step: {first}",
             f"- Final fingerprint: {final}",
         ]
-    out.append("")
+    return out + [""]
 
-    out += _checkpoint_section(cmp) + _data_order_section(cmp)
-    out += _noise_section(cmp)
-    out += _speed_section(cmp)
 
-    out += ["## First divergence", ""]
+def _divergence_section(cmp: Comparison) -> list[str]:
+    """Where the runs first parted, in full: the value, the step, how far."""
+    out = ["## First divergence", ""]
     d = cmp.divergence
     if d is None and cmp.undetermined:
         out.append(f"None: {md_cell(', '.join(cmp.undetermined))} differ, but not as a function of the training: every "
@@ -180,8 +206,7 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         if d.detail and d.kind != KIND_REPLAY_FAILED:
             rows.append(["Detail", md_cell(d.detail)])
         out += markdown_table(["", ""], rows)
-    out.append("")
-    return "\n".join(out)
+    return out + [""]
 
 
 def _speed_section(cmp: Comparison) -> list[str]:

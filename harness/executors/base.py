@@ -260,7 +260,7 @@ class Backend:
     cli: tuple[CliOption, ...] = ()
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)
     # What the commands need to know of the backend's jobs, declared here so that none of them tests a backend's
-    # name (tests/test_architecture.py: harness.commands imports no backend module).
+    # name: the commands import no backend module (an import contract), so a new backend needs no command changed.
     ranks_here: bool = False  # the ranks run on this machine, under this process: the device is checked here, the
     # entry script must guard its __main__, and torchrun may start this process as one of them
     early_ranks: bool = False  # a single node's ranks start (and import torch) before the run is recorded (warm ranks)

@@ -274,7 +274,7 @@ class Tracker:
     def terminate_run(self, run_id: str, status: str, end_time: int | None = None) -> None:
         """End the run as `status` (at `end_time`, ms since the epoch; now when None). The store's plain primitive:
         every run harness closes is closed through record/closing.py, which seals it first, and nothing else calls
-        this (tests/test_architecture.py)."""
+        this: a close made elsewhere could skip the seal."""
         self.client.set_terminated(run_id, status, end_time)
 
     # -- copying a run whole (harness export / import) ------------------------------------------

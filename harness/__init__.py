@@ -21,7 +21,7 @@ _ERRORS = (
 )
 
 # Every verb of the command line, by its name (`import` is Python's word: `harness.import_`), and its options; the
-# typed names type checkers see are in __init__.pyi (tests/test_api.py holds the two to the same list).
+# typed names type checkers see are in __init__.pyi, which must list the same names: a name missing there is untyped.
 __all__ = [
     "AttestOptions", "Attested", "AuditOptions", "BisectOptions", "CalibrateOptions", "CheckOptions", "CompareOptions",
     "ExportOptions", "ImportOptions", "MarkOptions", "Marked", "Placement", "RecordVerified", "ReplayOptions",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -113,3 +114,20 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list
     The one way a report draws a table (replay, verify, audit, bisect, a trace's localization)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def md_cell(value: object) -> str:
+    """A Markdown table cell: pipes and newlines would break the row."""
+    text = "" if value is None else str(value)
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("\r", " ")
+
+
+def md_code(value: object) -> str:
+    """An outside value as inline Markdown code that renders literally whatever backticks it holds."""
+    if value is None:
+        return "*(absent)*"
+    text = md_cell(value)
+    # Fence with more backticks than the value holds, so any value renders literally.
+    ticks = "`" * (max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"

@@ -23,7 +23,7 @@ from harness import secrets, tags as T
 from harness.errors import EXIT_USAGE, HarnessError
 from harness.record import provenance, redaction
 from harness.runtime.cfgview import redacted_view
-from harness.store.reach import reason_of
+from harness.store.probe import reason_of
 
 # Tokens are put together here, so that this file holds none of them whole (and no scanner of this repository
 # takes the tests for a leak).

@@ -24,7 +24,8 @@ from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.study import StudyOutcome
 from harness.errors import HarnessError
 from harness.executors import Outcome
-from harness.judge.compare import BITWISE, Comparison
+from harness.judge.compare import Comparison
+from harness.judge.verdicts import Verdict
 
 
 def test_import_harness_leaves_the_api_unloaded_until_it_is_used() -> None:
@@ -46,7 +47,7 @@ def test_a_run_and_its_replay_through_the_api_are_bitwise_and_say_nothing_unaske
     assert isinstance(outcome, Outcome) and outcome.status == "FINISHED", outcome
     result = harness.replay(harness.ReplayOptions(outcome.run_id, tracking_uri=p.uri, repo=p.root))
     assert isinstance(result, ReplayResult)
-    assert result.judged.verdict == BITWISE, result.judged.summary()
+    assert result.judged.verdict == Verdict.BITWISE, result.judged.summary()
     assert result.original.run_id == outcome.run_id
     # Where to look at it, carried by the result: no UI serves this store, so the hint says how to start one.
     assert result.ui is not None and result.ui.page is None, result.ui
@@ -90,7 +91,7 @@ def test_a_study_is_run_and_replayed_through_the_api_as_the_cli_does(fresh_proje
     said.clear()
     result = harness.replay(harness.ReplayOptions(study.run_id, tracking_uri=p.uri, repo=p.root, on_event=said.append))
     assert isinstance(result, StudyReplayResult)
-    assert result.verdict == BITWISE and len(result.members) == 2, result.summary()
+    assert result.verdict == Verdict.BITWISE and len(result.members) == 2, result.summary()
     assert [e.done for e in said if isinstance(e, events.Progress)] == [1, 2]
     # A replay of the study replay means the study again (follow), as on the command line.
     with pytest.raises(HarnessError) as err:
@@ -260,7 +261,7 @@ def test_the_docs_snippet_runs_as_a_script_and_without_its_guard_is_refused_befo
                          timeout=600)
     assert ran.returncode == 0, ran.stderr
     *_, ran_line, verdict, speed = ran.stdout.splitlines()
-    assert ran_line.endswith(" FINISHED") and verdict == BITWISE, ran.stdout
+    assert ran_line.endswith(" FINISHED") and verdict == Verdict.BITWISE, ran.stdout
     assert speed.startswith("performance: replay ") and speed.endswith("(wall clock: not part of the verdict)"), speed
 
 

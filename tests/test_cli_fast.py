@@ -117,7 +117,7 @@ def test_another_revision_is_refused_as_mlflow_would(tmp_path: Path, revision: s
     CLI), named from the migration scripts without importing MLflow; a store not made yet is left to MLflow."""
     import sqlite3
 
-    from harness.store.reach import schema_error
+    from harness.store.probe import schema_error
 
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import Project
+
 from harness import tags as T
 from harness.errors import EXIT_FAILED, EXIT_USAGE, HarnessError
 
@@ -249,7 +249,7 @@ class _Holder:
 
 def test_opening_lock_is_waited_for_while_it_changes_hands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Busy, not hung: other processes taking turns for longer than the store timeout in all is waited out."""
-    from harness.store.reach import hold_limit, opening
+    from harness.store.locks import hold_limit, opening
 
     monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")  # each holder may keep it 3 s (hold_limit)
     # Shared locks, so that each next holder takes the lock before the last lets go: the lock is never free while
@@ -279,7 +279,7 @@ def test_opening_lock_is_waited_for_while_it_changes_hands(tmp_path: Path, monke
 
 
 def test_opening_lock_held_without_letting_go_names_the_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.store.reach import opening
+    from harness.store.locks import opening
 
     monkeypatch.setenv("HARNESS_STORE_TIMEOUT_S", "0.5")
     holder = _Holder(tmp_path)

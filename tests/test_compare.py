@@ -8,15 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from records import FACTS, LOCK, clone, make_record, tol
 
 from harness import tags
 from harness.errors import HarnessError
-from harness.judge.compare import BITWISE, DIVERGED, NOTHING_TO_COMPARE, VERDICTS, WITHIN_TOLERANCE, Comparison, compare_runs
-from harness.judge.tolerance import format_tolerances, judged_tolerance, parse_tolerances
+from harness.judge.compare import Comparison, compare_runs
 from harness.judge.delta import environment_delta
 from harness.judge.report import plot_metrics, render_markdown
 from harness.judge.text import comparison_lines
-from records import FACTS, LOCK, clone, make_record, tol
+from harness.judge.tolerance import format_tolerances, judged_tolerance, parse_tolerances
+from harness.judge.verdicts import Verdict
 
 
 def test_identical_runs_are_bitwise() -> None:
@@ -25,7 +26,7 @@ def test_identical_runs_are_bitwise() -> None:
     b.facts[tags.KIND] = "replay"  # role tags are not facts
     b.facts[tags.REPLAY_OF] = a.run_id
     cmp = compare_runs(a, b)
-    assert cmp.verdict == BITWISE
+    assert cmp.verdict == Verdict.BITWISE
     assert cmp.exit_code == 0
     assert cmp.bitwise_possible and cmp.bitwise_blockers == []
     assert cmp.delta == []
@@ -42,7 +43,7 @@ def test_one_ulp_at_step_7_with_zero_tolerance_diverges() -> None:
     b.metrics["loss"][1][7] = np.nextafter(orig, np.inf)
     b.final_fingerprint = "e" * 64  # a loss that parted parts the weights
     cmp = compare_runs(a, b)
-    assert cmp.verdict == DIVERGED and cmp.exit_code == 1
+    assert cmp.verdict == Verdict.DIVERGED and cmp.exit_code == 1
     d = cmp.divergence
     assert d is not None
     assert (d.kind, d.step, d.metric) == ("value", 7, "loss")
@@ -62,11 +63,11 @@ def test_one_ulp_within_atol() -> None:
     b = clone(a)
     b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
     cmp = compare_runs(a, b, tolerance=tol(atol=1e-12))
-    assert cmp.verdict == WITHIN_TOLERANCE and cmp.exit_code == 0
+    assert cmp.verdict == Verdict.WITHIN_TOLERANCE and cmp.exit_code == 0
     assert cmp.divergence is None
     # Same records judged with the tolerance stored in the original's config.
     a.config = {"replay": {"tolerance": tol(atol=1e-12)}}
-    assert compare_runs(a, b).verdict == WITHIN_TOLERANCE
+    assert compare_runs(a, b).verdict == Verdict.WITHIN_TOLERANCE
 
 
 def test_per_metric_tolerance_overrides_default() -> None:
@@ -76,11 +77,11 @@ def test_per_metric_tolerance_overrides_default() -> None:
     # Default would pass it, the stricter per-metric entry must not (where the weights parted too).
     cmp = compare_runs(a, clone(b, final_fingerprint="e" * 64),
                        tolerance=tol(atol=1e-2, metrics={"acc": {"rtol": 0.0, "atol": 1e-6}}))
-    assert cmp.verdict == DIVERGED
+    assert cmp.verdict == Verdict.DIVERGED
     assert (cmp.divergence.metric, cmp.divergence.step) == ("acc", 0)
     # And the other way round: a loose per-metric entry beats a zero default.
     cmp = compare_runs(a, b, tolerance=tol(metrics={"acc": {"rtol": 0.0, "atol": 1e-2}}))
-    assert cmp.verdict == WITHIN_TOLERANCE
+    assert cmp.verdict == Verdict.WITHIN_TOLERANCE
     acc = next(m for m in cmp.metrics if m.name == "acc")
     assert acc.atol == 1e-2 and acc.max_abs_diff == pytest.approx(1e-3)
 
@@ -90,7 +91,7 @@ def test_relative_tolerance_uses_original_magnitude() -> None:
     b = clone(a)
     b.metrics["x"][1][:] = [100.5, 101.0, 101.5]
     cmp = compare_runs(a, b, tolerance=tol(rtol=0.01))
-    assert cmp.verdict == DIVERGED
+    assert cmp.verdict == Verdict.DIVERGED
     assert cmp.divergence.step == 2 and cmp.divergence.rel_diff == pytest.approx(0.015)
 
 
@@ -100,7 +101,7 @@ def test_missing_step_diverges_at_that_step() -> None:
     s, v = b.metrics["acc"]
     b.metrics["acc"] = (np.delete(s, 12), np.delete(v, 12))
     cmp = compare_runs(a, b, tolerance=tol(atol=1.0))
-    assert cmp.verdict == DIVERGED
+    assert cmp.verdict == Verdict.DIVERGED
     d = cmp.divergence
     assert (d.kind, d.step, d.metric) == ("missing_step", 12, "acc")
     assert d.original == a.metrics["acc"][1][12] and d.replay is None
@@ -133,7 +134,7 @@ def test_extra_metric_diverges() -> None:
     b = clone(a)
     b.metrics["lr"] = (np.arange(3, 20, dtype=np.int64), np.full(17, 0.1))
     cmp = compare_runs(a, b, tolerance=tol(atol=1.0))
-    assert cmp.verdict == DIVERGED
+    assert cmp.verdict == Verdict.DIVERGED
     assert (cmp.divergence.kind, cmp.divergence.metric, cmp.divergence.step) == ("extra_metric", "lr", 3)
     c = clone(a)
     del c.metrics["acc"]
@@ -165,19 +166,19 @@ def test_differing_fingerprints_diverge_unless_the_tolerance_lets_weights_differ
     b = clone(a)
     b.fingerprints[10] = "2" * 64
     cmp = compare_runs(a, b)
-    assert cmp.verdict == DIVERGED
+    assert cmp.verdict == Verdict.DIVERGED
     assert (cmp.divergence.kind, cmp.divergence.step) == ("fingerprint", 10)
     assert cmp.fingerprints.first_mismatch_step == 10 and cmp.fingerprints.equal == 2
     # Other weights are never within a tolerance set for the metrics, even with every value bit-identical.
     loose = compare_runs(a, b, tolerance=tol(rtol=1e-3, atol=1e-3))
-    assert loose.verdict == DIVERGED and loose.divergence.kind == "fingerprint" and loose.exit_code == 1
+    assert loose.verdict == Verdict.DIVERGED and loose.divergence.kind == "fingerprint" and loose.exit_code == 1
     # Only weights=any (config replay.tolerance.weights, or --tolerance weights=any) leaves them to the metrics.
     allowed = compare_runs(a, b, tolerance={**tol(rtol=1e-9), "weights": "any"})
-    assert allowed.verdict == WITHIN_TOLERANCE and allowed.exit_code == 0
+    assert allowed.verdict == Verdict.WITHIN_TOLERANCE and allowed.exit_code == 0
     assert "2/3 fingerprints equal (weights may differ: weights=any)" in allowed.summary()
     a.config = {"replay": {"tolerance": {"default": {"rtol": 1e-9, "atol": 0.0}, "metrics": {}, "weights": "any"}}}
-    assert compare_runs(a, b).verdict == WITHIN_TOLERANCE
-    assert compare_runs(a, b, tolerance=judged_tolerance(a, b, parse_tolerances(["weights=exact"]))).verdict == DIVERGED
+    assert compare_runs(a, b).verdict == Verdict.WITHIN_TOLERANCE
+    assert compare_runs(a, b, tolerance=judged_tolerance(a, b, parse_tolerances(["weights=exact"]))).verdict == Verdict.DIVERGED
 
 
 def test_values_within_tolerance_with_other_weights_diverge_and_say_how_to_let_the_metrics_decide() -> None:
@@ -185,7 +186,7 @@ def test_values_within_tolerance_with_other_weights_diverge_and_say_how_to_let_t
     b = clone(a, final_fingerprint="e" * 64)
     b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
     cmp = compare_runs(a, b, tolerance=tol(atol=1e-9))
-    assert cmp.verdict == DIVERGED and cmp.divergence.kind == "fingerprint"
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.kind == "fingerprint"
     assert "weights=any would let the metrics decide" in cmp.summary()
 
 
@@ -193,7 +194,7 @@ def test_final_fingerprint_mismatch_blocks_bitwise() -> None:
     a = make_record()
     b = clone(a, final_fingerprint="e" * 64)
     cmp = compare_runs(a, b)
-    assert cmp.verdict == DIVERGED and cmp.divergence.kind == "fingerprint"
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.kind == "fingerprint"
     assert cmp.fingerprints.final_equal is False and cmp.divergence.step is None
 
 
@@ -203,7 +204,7 @@ def test_bit_identical_despite_a_world_size_change_is_bitwise_and_lists_it() -> 
     b.facts[tags.WORLD_SIZE] = "4"
     cmp = compare_runs(a, b)
     # What was observed decides: every value and fingerprint bit-identical is BITWISE, the change beside it.
-    assert cmp.verdict == BITWISE and cmp.exit_code == 0
+    assert cmp.verdict == Verdict.BITWISE and cmp.exit_code == 0
     assert cmp.summary() == (f"BITWISE: 2 metrics x 20 steps bit-identical, 3 fingerprints equal; "
                              f"bitwise despite 1 environment change: {tags.WORLD_SIZE}")
     assert any(line.startswith("Bitwise despite environment changes") for line in comparison_lines(cmp, []))
@@ -212,7 +213,7 @@ def test_bit_identical_despite_a_world_size_change_is_bitwise_and_lists_it() -> 
     near_b = clone(b)
     near_b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
     near = compare_runs(a, near_b, tolerance=tol(atol=1e-9))
-    assert near.verdict == WITHIN_TOLERANCE and "bitwise impossible (1 environment change)" in near.summary()
+    assert near.verdict == Verdict.WITHIN_TOLERANCE and "bitwise impossible (1 environment change)" in near.summary()
     assert cmp.bitwise_possible is False
     assert [d.name for d in cmp.delta] == [tags.WORLD_SIZE]
     d = cmp.delta[0]
@@ -243,20 +244,20 @@ def test_harness_own_bookkeeping_is_never_in_the_environment_delta() -> None:
     # A replay of a calibrated run sketches its weights after the calibration's steps (harness.weights.sketch_at),
     # and stops where asked: what harness did with the run, not what it ran under. It printed
     # "Environment delta: harness.weights.sketch_at: None -> 50 (differs)" on a BITWISE replay.
-    from harness.runtime.plan import Steering
+    from harness.runtime.plan import LaunchPlan
 
     a = make_record()
     a.facts[tags.CALIBRATION_MEMBERS] = "4"
     b = clone(a)
-    b.facts.update(Steering(stop_at=50, sketch_at=50).tags())
+    b.facts.update(LaunchPlan(stop_at=50, sketch_at=50).tags())
     b.facts.update({tags.REPLAY_OF: a.run_id, tags.KIND: tags.KIND_REPLAY, tags.STUDY_REPLAY: "s" * 32})
     assert environment_delta(a, b) == []
     lines = comparison_lines(compare_runs(a, b), [])
     assert "Environment delta: none" in lines, lines
     # The nudge of a calibration member changes its arithmetic: it is a condition, and stays in the delta.
-    b.facts.update(Steering(perturb_seed=3).tags())
+    b.facts.update(LaunchPlan(perturb_seed=3).tags())
     assert [d.name for d in environment_delta(a, b)] == [tags.PERTURB_SEED]
-    assert set(Steering(stop_at=1, sketch_at=1).tags()) <= tags.BOOKKEEPING
+    assert set(LaunchPlan(stop_at=1, sketch_at=1).tags()) <= tags.BOOKKEEPING
 
 
 def test_a_run_on_the_host_proves_nothing_about_an_image_either_way() -> None:
@@ -282,7 +283,7 @@ def test_replay_failed_diverges_but_keeps_metric_table() -> None:
     b = clone(a, status="FAILED")
     b.metrics = {k: (s[:8], v[:8]) for k, (s, v) in b.metrics.items()}
     cmp = compare_runs(a, b, replay_failed="rank 1 raised RuntimeError")
-    assert cmp.verdict == DIVERGED and cmp.exit_code == 1
+    assert cmp.verdict == Verdict.DIVERGED and cmp.exit_code == 1
     assert cmp.divergence.kind == "replay_failed"
     assert "rank 1 raised RuntimeError" in cmp.divergence.detail
     assert cmp.divergence.step == 8  # where the logged metrics stop
@@ -291,7 +292,7 @@ def test_replay_failed_diverges_but_keeps_metric_table() -> None:
     # A non-FINISHED status alone is enough.
     c = clone(a, status="KILLED")
     cmp = compare_runs(a, c)
-    assert cmp.verdict == DIVERGED and "KILLED" in cmp.divergence.detail
+    assert cmp.verdict == Verdict.DIVERGED and "KILLED" in cmp.divergence.detail
 
 
 def test_nan_matches_nan_but_not_a_number() -> None:
@@ -299,11 +300,11 @@ def test_nan_matches_nan_but_not_a_number() -> None:
     a.metrics["loss"][1][3] = np.nan
     b = clone(a)
     cmp = compare_runs(a, b)
-    assert cmp.verdict == BITWISE
+    assert cmp.verdict == Verdict.BITWISE
     b.metrics["loss"][1][3] = 0.25
     b.final_fingerprint = "e" * 64
     cmp = compare_runs(a, b, tolerance=tol(rtol=1.0, atol=1.0))
-    assert cmp.verdict == DIVERGED
+    assert cmp.verdict == Verdict.DIVERGED
     assert (cmp.divergence.step, cmp.divergence.metric) == (3, "loss")
     assert math.isnan(cmp.divergence.original) and cmp.divergence.replay == 0.25
 
@@ -311,10 +312,10 @@ def test_nan_matches_nan_but_not_a_number() -> None:
 def test_infinite_values() -> None:
     a = make_record(metrics={"x": (np.arange(3), np.array([1.0, np.inf, 2.0]))})
     b = clone(a)
-    assert compare_runs(a, b).verdict == BITWISE
+    assert compare_runs(a, b).verdict == Verdict.BITWISE
     b.metrics["x"][1][1] = 1e300
     # rtol * |inf| is inf, but an infinite difference must still fail.
-    assert compare_runs(a, b, tolerance=tol(rtol=0.5)).verdict == DIVERGED
+    assert compare_runs(a, b, tolerance=tol(rtol=0.5)).verdict == Verdict.DIVERGED
 
 
 def test_negative_zero_is_within_tolerance_not_bitwise() -> None:
@@ -322,7 +323,7 @@ def test_negative_zero_is_within_tolerance_not_bitwise() -> None:
     b = clone(a)
     b.metrics["x"][1][1] = -0.0
     cmp = compare_runs(a, b)
-    assert cmp.verdict == WITHIN_TOLERANCE
+    assert cmp.verdict == Verdict.WITHIN_TOLERANCE
     assert cmp.metrics[0].bitwise_equal is False and cmp.metrics[0].max_abs_diff == 0.0
 
 
@@ -391,7 +392,7 @@ def test_to_dict_is_json_serialisable() -> None:
     cmp = compare_runs(a, b)
     text = json.dumps(cmp.to_dict(), allow_nan=False)
     back = json.loads(text)
-    assert back["verdict"] == DIVERGED and back["exit_code"] == 1
+    assert back["verdict"] == Verdict.DIVERGED and back["exit_code"] == 1
     assert back["bitwise_possible"] is False
     by_name = {m["name"]: m for m in back["metrics"]}
     assert by_name["loss"]["max_abs_diff"] == "nan"
@@ -460,7 +461,7 @@ def test_unsorted_duplicate_steps_are_normalised() -> None:
     a = make_record(metrics={"x": (np.array([2, 0, 1, 1]), np.array([3.0, 1.0, 9.0, 2.0]))})
     b = make_record(run_id="r", metrics={"x": (np.array([0, 1, 2]), np.array([1.0, 2.0, 3.0]))})
     cmp = compare_runs(a, b)
-    assert cmp.verdict == BITWISE and cmp.metrics[0].steps_compared == 3
+    assert cmp.verdict == Verdict.BITWISE and cmp.metrics[0].steps_compared == 3
 
 
 def test_large_comparison_finds_first_divergence() -> None:
@@ -490,7 +491,7 @@ def test_nan_with_other_payload_and_inf_are_bitwise() -> None:
     b.metrics["x"][1][1] = _nan(0x1234, negative=True)  # another payload and sign: still NaN
     assert b.metrics["x"][1][1:2].view(np.int64)[0] != a.metrics["x"][1][1:2].view(np.int64)[0]
     cmp = compare_runs(a, b)
-    assert cmp.verdict == BITWISE and cmp.metrics[0].bitwise_equal
+    assert cmp.verdict == Verdict.BITWISE and cmp.metrics[0].bitwise_equal
     assert cmp.summary().startswith("BITWISE: 1 metric x 5 steps bit-identical")
     b.metrics["x"][1][2] = -np.inf  # inf != -inf
     assert compare_runs(a, b, tolerance=tol(rtol=1.0, atol=1.0)).divergence.step == 2
@@ -502,28 +503,29 @@ def test_clamped_history_values_are_never_bitwise() -> None:
     a.metrics_exact = False  # read from MLflow's history: series.npz was missing
     b = clone(a)
     cmp = compare_runs(a, b)
-    assert cmp.verdict == WITHIN_TOLERANCE and not cmp.metrics[0].bitwise_equal
+    assert cmp.verdict == Verdict.WITHIN_TOLERANCE and not cmp.metrics[0].bitwise_equal
     assert cmp.notes == [f"metrics of run A {a.run_id} were read from MLflow's metric history "
                          "(metrics/series.npz is missing), which stores +-inf as +-1.8e308: such values are not "
                          "counted as bit-identical"]
     exact = make_record(metrics={"x": (np.arange(3), np.array([1.0, 3.0, 2.0]))})
     exact.metrics_exact = False  # history without clamped values is exact: BITWISE stays possible
-    assert compare_runs(exact, clone(exact)).verdict == BITWISE
+    assert compare_runs(exact, clone(exact)).verdict == Verdict.BITWISE
 
 
 def test_nothing_to_compare_is_not_a_pass() -> None:
     a = make_record(metrics={}, fingerprints={}, final=None)
     cmp = compare_runs(a, clone(a))
-    assert NOTHING_TO_COMPARE in VERDICTS
-    assert cmp.verdict == NOTHING_TO_COMPARE and cmp.exit_code == 1
+    assert Verdict.NOTHING_TO_COMPARE in tuple(Verdict)
+    assert cmp.verdict == Verdict.NOTHING_TO_COMPARE and cmp.exit_code == 1
     assert cmp.summary() == (
         "NOTHING_TO_COMPARE: there was nothing to compare (no metrics, no fingerprints): "
         "log metrics with ctx.log and register the model with ctx.ddp"
     )
-    assert json.loads(json.dumps(cmp.to_dict()))["verdict"] == NOTHING_TO_COMPARE
+    assert json.loads(json.dumps(cmp.to_dict()))["verdict"] == Verdict.NOTHING_TO_COMPARE
     assert render_markdown(cmp).startswith("# Replay verdict: NOTHING_TO_COMPARE")
     # A fingerprint alone is something to compare.
-    assert compare_runs(make_record(metrics={}, fingerprints={}), clone(make_record(metrics={}, fingerprints={}))).verdict == BITWISE
+    alone = make_record(metrics={}, fingerprints={})
+    assert compare_runs(alone, clone(make_record(metrics={}, fingerprints={}))).verdict == Verdict.BITWISE
 
 
 def test_weights_that_never_changed_are_said_next_to_the_verdict() -> None:
@@ -571,10 +573,10 @@ def test_incomplete_original_is_judged_up_to_where_it_stopped() -> None:
     replay = clone(full)
     replay.facts[tags.REPLAY_OF] = failed.run_id
     cmp = compare_runs(failed, replay, incomplete_original=True)
-    assert cmp.verdict == BITWISE, cmp.summary()
+    assert cmp.verdict == Verdict.BITWISE, cmp.summary()
     assert cmp.summary() == ("BITWISE: 2 metrics x 12 steps bit-identical, 2 fingerprints equal "
                              "(compared the 12 steps the FAILED original reached)")
-    assert compare_runs(failed, replay).verdict == DIVERGED  # without it, the missing steps count
+    assert compare_runs(failed, replay).verdict == Verdict.DIVERGED  # without it, the missing steps count
     replay.metrics["loss"][1][11] += 1e-9
     assert compare_runs(failed, replay, incomplete_original=True).divergence.step == 11
 
@@ -588,14 +590,14 @@ def test_a_failure_that_recurs_the_same_way_is_reproduced() -> None:
     replay = clone(failed)
     replay.facts[tags.REPLAY_OF] = failed.run_id
     cmp = compare_runs(failed, replay, replay_failed=f"the replay FAILED: {reason}", incomplete_original=True)
-    assert cmp.verdict == BITWISE and cmp.failed_alike, cmp.summary()
+    assert cmp.verdict == Verdict.BITWISE and cmp.failed_alike, cmp.summary()
     assert cmp.summary().endswith("(compared the 12 steps the FAILED original reached; the replay failed the same way)")
     assert f"the replay failed as the original did: {reason}" in cmp.notes
     # Another reason is a divergence, even over identical steps.
     replay.facts[tags.STATUS_REASON] = "rank 1 was killed by SIGKILL"
     other = compare_runs(failed, replay, replay_failed="the replay FAILED: rank 1 was killed by SIGKILL",
                          incomplete_original=True)
-    assert other.verdict == DIVERGED and other.summary().startswith("DIVERGED: replay failed: the replay FAILED")
+    assert other.verdict == Verdict.DIVERGED and other.summary().startswith("DIVERGED: replay failed: the replay FAILED")
 
 
 def test_two_plain_runs_are_named_run_a_and_run_b() -> None:
@@ -603,7 +605,7 @@ def test_two_plain_runs_are_named_run_a_and_run_b() -> None:
     b = clone(a, run_id="runb0000")
     b.metrics = {k: (s[:8], v[:8]) for k, (s, v) in a.metrics.items()}
     cmp = compare_runs(a, b)
-    assert cmp.verdict == DIVERGED and not cmp.of_replay
+    assert cmp.verdict == Verdict.DIVERGED and not cmp.of_replay
     assert "logged by run A but not by run B" in cmp.summary(), cmp.summary()
 
 
@@ -626,7 +628,7 @@ def test_data_order_tells_a_data_change_from_an_arithmetic_one() -> None:
     b.metrics["loss"][1][7] = np.nextafter(a.metrics["loss"][1][7], np.inf)
     b.final_fingerprint = "e" * 64
     same = compare_runs(a, b)
-    assert same.verdict == DIVERGED and same.data_order.first_diff_step is None
+    assert same.verdict == Verdict.DIVERGED and same.data_order.first_diff_step is None
     assert "data order: identical at the 20 common steps" in comparison_lines(same, [])[-1]
     b.data_order[5] = "f" * 16
     moved = compare_runs(a, b)
@@ -662,7 +664,7 @@ def test_host_gpus_never_break_bitwise_and_a_cpu_run_ignores_gpu_facts() -> None
     delta = delta_of(a, b)
     assert set(delta) == {tags.ENV_PREFIX + "gpu", tags.ENV_PREFIX + "gpu_count"}
     assert not any(d.breaks_bitwise for d in delta.values())
-    assert compare_runs(make_record(facts=a), make_record(facts=b)).verdict == BITWISE
+    assert compare_runs(make_record(facts=a), make_record(facts=b)).verdict == Verdict.BITWISE
     # Even a GPU model recorded for rank 0 of a cpu run (no GPU kernel ran) does not.
     cpu_on_gpu = on("cpu", "gloo", **{**CPU_DEVICE, tags.DEVICE_PREFIX + "name": "NVIDIA H200"})
     assert not delta_of(a, cpu_on_gpu)[tags.DEVICE_PREFIX + "name"].breaks_bitwise
@@ -749,5 +751,5 @@ def test_the_learning_rate_is_judged_but_a_record_made_before_harness_logged_it_
     old = clone(a)
     del old.metrics[tags.METRIC_LR]
     judged = compare_runs(old, clone(a))
-    assert judged.verdict == BITWISE and judged.summary().startswith("BITWISE: 2 metrics x 20 steps bit-identical")
+    assert judged.verdict == Verdict.BITWISE and judged.summary().startswith("BITWISE: 2 metrics x 20 steps bit-identical")
     assert "harness.lr recorded by run B only: not compared" in judged.notes  # two independent runs: A and B

@@ -13,18 +13,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import EXPERIMENTS, Project, git, make_project, mlflow_server
-from harness.commands import bundle
-from harness.record import confine
-from harness.systems import docker
-from harness.systems import git as gitsource, gitworktree
-from harness.record import provenance
-from harness.record import redaction
-from harness.runtime import usermlflow
+
 from harness import secrets, tags as T
 from harness.cli.main import main
+from harness.commands import bundle
 from harness.errors import EXIT_USAGE, HarnessError
+from harness.record import confine, provenance, redaction
+from harness.runtime import usermlflow
+from harness.systems import docker, git as gitsource, gitworktree
 
 SECRET = "sk-test0123456789abcdefghijklmnopqrstuv"
 PASSWORD = "hunter2pw"
@@ -136,9 +133,9 @@ def test_a_commit_holding_a_git_path_is_one_line(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, "init", "-q")
-    blob = gitsource._run(repo, ["hash-object", "-w", "--stdin"], stdin=b"evil\n").decode().strip()
-    sub = gitsource._run(repo, ["mktree"], stdin=f"100644 blob {blob}\tconfig\n".encode()).decode().strip()
-    top = gitsource._run(repo, ["mktree"], stdin=f"040000 tree {sub}\t.git\n100644 blob {blob}\tok\n".encode())
+    blob = gitsource.run_git(repo, ["hash-object", "-w", "--stdin"], stdin=b"evil\n").decode().strip()
+    sub = gitsource.run_git(repo, ["mktree"], stdin=f"100644 blob {blob}\tconfig\n".encode()).decode().strip()
+    top = gitsource.run_git(repo, ["mktree"], stdin=f"040000 tree {sub}\t.git\n100644 blob {blob}\tok\n".encode())
     commit = git(repo, "commit-tree", top.decode().strip(), "-m", "x")
     with pytest.raises(HarnessError, match=r"cannot be checked out \(error: invalid path '\.git/config'\)") as err:
         with gitworktree.worktree(repo, commit, None, base=tmp_path):

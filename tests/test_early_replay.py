@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from harness import tags
-from harness.judge.compare import BITWISE, DIVERGED, WITHIN_NOISE, compare_runs
-from harness.judge.handoff import judge_noise
 from conftest import Project, pid_alive
 from records import clone, make_record
+
+from harness import tags
+from harness.judge.compare import compare_runs
+from harness.judge.handoff import judge_noise
+from harness.judge.verdicts import Verdict
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_first_steps_replay_is_bitwise_and_stops_there(project: Project, checkpo
     assert "Environment delta: none" in result.stdout, result.stdout
     run = project.client().get_run(result.last_line)
     assert run.info.status == "FINISHED"
-    assert run.data.tags[tags.REPLAY_STEPS] == "3" and run.data.tags[tags.VERDICT] == BITWISE
+    assert run.data.tags[tags.REPLAY_STEPS] == "3" and run.data.tags[tags.VERDICT] == Verdict.BITWISE
     assert logged_steps(project, result.last_line) == {0, 1, 2}
     assert "Traceback" not in result.stderr and "peer" not in result.stderr.lower()
 
@@ -56,7 +57,7 @@ def test_a_changed_learning_rate_diverges_at_its_step(project: Project, checkpoi
     assert verdict.startswith("verdict: DIVERGED at step 0: harness.lr 0.01 vs 0.05 ") and verdict.endswith(
         "(over the first 3 of 5 steps)"), verdict
     run = project.client().get_run(result.last_line)
-    assert run.info.status == "FINISHED" and run.data.tags[tags.VERDICT] == DIVERGED
+    assert run.info.status == "FINISHED" and run.data.tags[tags.VERDICT] == Verdict.DIVERGED
 
 
 def test_a_loop_of_its_own_stops_at_the_step_and_leaves_no_rank(project: Project, tmp_path: Path) -> None:
@@ -117,10 +118,10 @@ def test_a_first_check_is_judged_against_the_seeds_before_its_stop() -> None:
     steps, loss = original.metrics["loss"]
     replay.metrics = {"loss": (steps[:3].copy(), np.array([loss[0], loss[1], 1.05]))}
     cmp = judge_noise(compare_runs(original, replay, first_steps=3), original, replay, "study0", members)
-    assert cmp.verdict == WITHIN_NOISE and cmp.noise is not None
+    assert cmp.verdict == Verdict.WITHIN_NOISE and cmp.noise is not None
     assert cmp.noise.checks[-1].label == "loss at step 2" and cmp.noise.checks[-1].value == 1.05
     assert cmp.summary().startswith("WITHIN_NOISE over the first 3 of 10 steps: every segment mean and value before "
                                     "step 3 inside its"), cmp.summary()
     far = clone(replay)
     far.metrics = {"loss": (steps[:3].copy(), np.array([loss[0], loss[1], 30.0]))}
-    assert judge_noise(compare_runs(original, far, first_steps=3), original, far, "study0", members).verdict == DIVERGED
+    assert judge_noise(compare_runs(original, far, first_steps=3), original, far, "study0", members).verdict == Verdict.DIVERGED

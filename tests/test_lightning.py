@@ -293,7 +293,8 @@ def test_an_evaluation_that_differs_is_named_at_its_training_step_never_at_a_bat
         lit: Project, evaluated_run: str, evaluated_replay) -> None:
     """What an lr x2 change does to the record, judged: the validation epoch after step 3 differs first, and an
     evaluation batch's value is named by its own index ("test batch 0"), never as training step 0."""
-    from harness.judge.compare import DIVERGED, compare_runs
+    from harness.judge.compare import compare_runs
+    from harness.judge.verdicts import Verdict
     from harness.store.tracking import Tracker
 
     assert evaluated_replay.returncode == 0, evaluated_replay.stderr
@@ -308,7 +309,7 @@ def test_an_evaluation_that_differs_is_named_at_its_training_step_never_at_a_bat
         return compare_runs(original, replay)
 
     every = changed(("val_loss_step", "val_loss_epoch", "test_loss_step", "test_loss_epoch"))
-    assert every.verdict == DIVERGED and every.summary().startswith("DIVERGED at step 3: val_loss_epoch "), every.summary()
+    assert every.verdict == Verdict.DIVERGED and every.summary().startswith("DIVERGED at step 3: val_loss_epoch "), every.summary()
     batches = changed(("test_loss_step",))
     assert batches.summary().startswith("DIVERGED at test batch 0: test_loss_step "), batches.summary()
     assert next(m for m in batches.metrics if m.name == "test_loss_step").counts == "test batch"

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import OTHER_HARDWARE
+from records import clone, make_record
 from scipy import stats
 
 from harness import tags
 from harness.judge import noise
-from harness.judge.compare import DIVERGED, INCONCLUSIVE, WITHIN_NOISE, compare_runs
+from harness.judge.compare import compare_runs
 from harness.judge.handoff import judge_noise
 from harness.judge.report import render_markdown
-from conftest import OTHER_HARDWARE
-from records import clone, make_record
+from harness.judge.verdicts import Verdict
 
 SEEDS = [0.91, 0.87, 0.95, 0.89, 0.93]
 
@@ -99,9 +100,9 @@ def test_a_cross_hardware_difference_inside_the_seeds_spread_is_within_noise() -
     original = MEMBERS[0]
     replay = _replay_of(original, 0.9100001)
     cmp = compare_runs(original, replay)
-    assert cmp.verdict == DIVERGED and not cmp.bitwise_possible
+    assert cmp.verdict == Verdict.DIVERGED and not cmp.bitwise_possible
     cmp = judge_noise(cmp, original, replay, "study0", MEMBERS)
-    assert cmp.verdict == WITHIN_NOISE and cmp.exit_code == 0
+    assert cmp.verdict == Verdict.WITHIN_NOISE and cmp.exit_code == 0
     # Each metric's curve (10 steps) in 4 segments by their means, and its last value: 10 checks sharing the bound.
     parts = [(0, 2), (3, 5), (6, 7), (8, 9), (9, 9)]
     assert [(c.metric, c.steps) for c in cmp.noise.checks] == [(m, k) for m in ("acc", "loss") for k in parts]
@@ -112,7 +113,7 @@ def test_a_cross_hardware_difference_inside_the_seeds_spread_is_within_noise() -
     assert "false-alarm bound 1% for the replay: 10 checks at 0.033% each" in cmp.summary()
     assert "threads" not in cmp.summary() and "bitwise impossible (1 environment change)" in cmp.summary()
     doc = json.loads(json.dumps(cmp.to_dict()))
-    assert doc["verdict"] == WITHIN_NOISE and doc["noise"]["within"] is True
+    assert doc["verdict"] == Verdict.WITHIN_NOISE and doc["noise"]["within"] is True
     assert doc["noise"]["checks"][-1]["spread"]["n"] == 5 and doc["noise"]["checks"][-1]["steps"] == [9, 9]
     report = render_markdown(cmp)
     assert "## Run-to-run noise" in report and "**inside**" in report and "3 of 5" in report
@@ -123,7 +124,7 @@ def test_a_difference_outside_the_seeds_spread_stays_diverged_with_the_numbers()
     original = MEMBERS[0]
     replay = _replay_of(original, 2.0)  # a change that matters: far from every seed (sd 0.03)
     cmp = judge_noise(compare_runs(original, replay), original, replay, "study0", MEMBERS)
-    assert cmp.verdict == DIVERGED and cmp.exit_code == 1
+    assert cmp.verdict == Verdict.DIVERGED and cmp.exit_code == 1
     # Both the last segment's mean and the last value are outside; each is named with its numbers.
     assert "outside the seeds' noise: loss mean over steps 8-9: replay 1." in cmp.summary()
     assert "; loss at step 9: replay 2 OUTSIDE the 99.97% prediction interval (log scale)" in cmp.summary()
@@ -134,7 +135,7 @@ def test_too_few_seeds_is_said_not_passed() -> None:
     original = MEMBERS[0]
     replay = _replay_of(original, 0.9100001)
     cmp = judge_noise(compare_runs(original, replay), original, replay, "study0", MEMBERS[:2])
-    assert cmp.verdict == DIVERGED
+    assert cmp.verdict == Verdict.DIVERGED
     assert "not judged against the seeds' noise: too few seeds to judge (2 < 3)" in cmp.summary()
 
 
@@ -142,7 +143,7 @@ def test_same_environment_difference_is_never_noise() -> None:
     original = MEMBERS[0]
     replay = _replay_of(original, 0.9100001, threads=original.facts[tags.THREADS_PER_RANK])
     cmp = judge_noise(compare_runs(original, replay), original, replay, "study0", MEMBERS)
-    assert cmp.verdict == DIVERGED and cmp.noise is None
+    assert cmp.verdict == Verdict.DIVERGED and cmp.noise is None
     assert any("same environment with the same config" in n for n in cmp.notes)
 
 
@@ -152,10 +153,10 @@ def test_a_failed_or_shorter_replay_is_never_noise() -> None:
     steps, loss = replay.metrics["loss"]
     replay.metrics["loss"] = (steps[:-1], loss[:-1])
     cmp = judge_noise(compare_runs(original, replay), original, replay, "study0", MEMBERS)
-    assert cmp.verdict == DIVERGED and cmp.noise is None
+    assert cmp.verdict == Verdict.DIVERGED and cmp.noise is None
     failed = _replay_of(original, 0.9100001)
     cmp = judge_noise(compare_runs(original, failed, replay_failed="rank 1 raised"), original, failed, "study0", MEMBERS)
-    assert cmp.verdict == DIVERGED and cmp.noise is None
+    assert cmp.verdict == Verdict.DIVERGED and cmp.noise is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def test_a_cross_hardware_replay_of_a_member_is_within_noise(project, wide_study
     assert _verdict(result).startswith("verdict: WITHIN_NOISE: every segment mean and final value inside its ")
     assert "prediction interval of 3 seeds" in _verdict(result)
     replay = project.client().get_run(result.last_line)
-    assert replay.data.tags[tags.VERDICT] == WITHIN_NOISE
+    assert replay.data.tags[tags.VERDICT] == Verdict.WITHIN_NOISE
     local = project.client().download_artifacts(result.last_line, tags.ARTIFACT_COMPARISON, str(tmp_path))
     doc = json.loads(Path(local).read_text())
     # The difference is real (not bit-identical), and tiny against the seeds' spread.
@@ -195,7 +196,7 @@ def test_a_first_check_of_a_member_is_judged_against_the_seeds_at_its_last_step(
                            "intervals could not have caught a doubled learning rate: loss "), line
     assert " seeds would narrow it enough, or calibrate the run (harness calibrate RUN_ID)" in line
     replay = project.client().get_run(result.last_line)
-    assert replay.data.tags[tags.VERDICT] == INCONCLUSIVE and replay.data.tags[tags.REPLAY_STEPS] == "4"
+    assert replay.data.tags[tags.VERDICT] == Verdict.INCONCLUSIVE and replay.data.tags[tags.REPLAY_STEPS] == "4"
 
 
 def test_a_planted_learning_rate_change_is_diverged_before_the_seeds_are_consulted(project, wide_study) -> None:
@@ -210,7 +211,7 @@ def test_a_planted_learning_rate_change_is_diverged_before_the_seeds_are_consult
     assert "noise" not in line and "seeds" not in line, line
     assert "harness.lr differs at step 0: a value neither rounding nor a seed moves decides the verdict; not judged " \
            "against the noise of study " in result.stdout, result.stdout
-    assert project.client().get_run(result.last_line).data.tags[tags.VERDICT] == DIVERGED
+    assert project.client().get_run(result.last_line).data.tags[tags.VERDICT] == Verdict.DIVERGED
 
 
 def test_a_study_replay_judges_its_members_together(project, wide_study) -> None:
@@ -223,14 +224,14 @@ def test_a_study_replay_judges_its_members_together(project, wide_study) -> None
     run = client.get_run(result.last_line)
     assert run.data.tags[tags.KIND] == tags.KIND_STUDY_REPLAY and run.data.tags[tags.REPLAY_OF] == study_id
     assert run.data.tags[tags.MLFLOW_PARENT_RUN_ID] == study_id and run.data.tags[tags.STUDY_MEMBERS_SEED] == "7"
-    assert run.data.tags[tags.VERDICT] == WITHIN_NOISE and run.info.status == "FINISHED"
+    assert run.data.tags[tags.VERDICT] == Verdict.WITHIN_NOISE and run.info.status == "FINISHED"
     replays = [r for r in project.all_runs() if r.data.tags.get(tags.STUDY_REPLAY) == result.last_line]
     # The same seed draws the same members: random.Random(7).sample(range(3), 2).
     import random
 
     drawn = sorted(random.Random(7).sample(range(3), 2))
     assert sorted(r.data.tags[tags.REPLAY_OF] for r in replays) == sorted(members[i] for i in drawn)
-    assert all(r.data.tags[tags.VERDICT] == WITHIN_NOISE for r in replays)
+    assert all(r.data.tags[tags.VERDICT] == Verdict.WITHIN_NOISE for r in replays)
 
 
 def test_study_replay_options_are_checked_before_anything_runs(project, wide_study) -> None:

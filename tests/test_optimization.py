@@ -18,9 +18,10 @@ from torch import nn
 import harness
 from harness import tags as T
 from harness.config import compose
-from harness.executors import schema
 from harness.errors import ExperimentError
-from harness.judge.compare import BITWISE, DIVERGED, compare_runs
+from harness.executors import schema
+from harness.judge.compare import compare_runs
+from harness.judge.verdicts import Verdict
 from harness.messages import Metrics, MetricsBatch, Optimization
 from harness.record.recorder import Recorder
 from harness.runtime.context import Context
@@ -190,14 +191,14 @@ def test_the_recorder_writes_the_set_up_as_tags_and_an_artifact(tmp_path: Path, 
     assert record.metrics["eval_loss"][0].tolist() == [5] and record.metrics["eval_loss"][1].tolist() == [0.75]
     assert tags[T.USER_MLFLOW_METRICS] == "eval_loss"
     replay = tracker.load_record(run_id)
-    assert compare_runs(record, replay).verdict == BITWISE
+    assert compare_runs(record, replay).verdict == Verdict.BITWISE
     assert compare_runs(record, replay).summary().startswith(
         "BITWISE: 2 metrics (7 values) + harness.amp.scale, harness.lr, harness.lr.group1 bit-identical")
     replay.metrics["eval_loss"] = (np.array([5]), np.array([0.5]))
     replay.final_fingerprint = "e" * 64  # weights that parted too (with them equal, eval_loss is no function of the training)
     judged = compare_runs(record, replay)
     # Its step is the script's own (an epoch, say), not a training step: the verdict says so.
-    assert judged.verdict == DIVERGED and judged.summary().startswith("DIVERGED at MLflow step 5: eval_loss 0.75 vs 0.5")
+    assert judged.verdict == Verdict.DIVERGED and judged.summary().startswith("DIVERGED at MLflow step 5: eval_loss 0.75 vs 0.5")
     # A training-step metric that differs too is the first divergence, wherever the script's own step lies.
     steps, loss = replay.metrics["loss"]
     replay.metrics["loss"] = (steps, np.where(steps == 5, loss + 1, loss))

@@ -21,7 +21,8 @@ from harness import tags as T
 from harness.commands.verify import judge, judge_replay
 from harness.errors import HarnessError
 from harness.judge.claims import Claim, Printed, Source
-from harness.judge.compare import BITWISE, compare_runs
+from harness.judge.compare import compare_runs
+from harness.judge.verdicts import Verdict
 from harness.rundata import RunSummary
 from harness.runtime.perf import StepTimer, covered, is_communication, summary
 from harness.runtime.plan import ProfilePlan
@@ -94,7 +95,7 @@ def test_every_run_records_its_step_times_without_the_profiled_step(project: Pro
 def test_a_profiled_run_and_an_unprofiled_replay_are_bitwise(project: Project, replayed: tuple[str, str]) -> None:
     replay_id, out = replayed
     lines = out.strip().splitlines()
-    assert lines[-2].startswith(f"verdict: {BITWISE}"), out
+    assert lines[-2].startswith(f"verdict: {Verdict.BITWISE}"), out
     speed = next(line for line in lines if line.startswith("performance: "))
     assert "per step" in speed and "communication share" in speed and "-> not profiled" in speed
     assert "performance" not in lines[-2]  # beside the verdict, never in it
@@ -108,7 +109,7 @@ def test_compare_prints_the_step_time_ratio(project: Project, profiled: str, rep
     result = project.cli("compare", profiled, replayed[0])
     assert result.returncode == 0, result.stdout
     lines = result.stdout.strip().splitlines()
-    assert lines[-1].startswith(f"verdict: {BITWISE}")
+    assert lines[-1].startswith(f"verdict: {Verdict.BITWISE}")
     speed = lines[-2]
     assert speed.startswith("performance: replay ") and ("x slower per step" in speed or "x faster per step" in speed
                                                           or "as fast per step" in speed), speed
@@ -128,7 +129,7 @@ def test_wall_clock_never_changes_a_verdict(project: Project, profiled: str, rep
                    facts={**b.facts, T.PERF_STEP_MEDIAN_S: str(float(b.facts[T.PERF_STEP_MEDIAN_S]) * 100),
                           T.PERF_STEP_MAX_MEDIAN_S: str(float(b.facts[T.PERF_STEP_MAX_MEDIAN_S]) * 100)})
     before, after = compare_runs(a, b), compare_runs(a, slow)
-    assert before.verdict == after.verdict == BITWISE and before.summary() == after.summary()
+    assert before.verdict == after.verdict == Verdict.BITWISE and before.summary() == after.summary()
     assert after.speed is not None and after.speed.ratio is not None and after.speed.ratio > 20
     assert "x slower per step" in (after.speed.line() or "")
 

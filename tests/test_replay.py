@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import OTHER_HARDWARE, WIDE_CONFIG, WIDE_TRAIN, Project, git
 from snippets import UNSEEDED
 
@@ -103,7 +102,7 @@ def test_replay_and_compare_say_where_the_curves_are(project: Project, original:
     """The pictures a judged replay records (replay/metric_<name>.png, original and replay overlaid) are named with
     their path; `compare RUN` alone compares the run with its newest replay, and says the same."""
     replay_id = clean_replay.last_line
-    from harness.store.reach import artifact_path
+    from harness.store.uris import artifact_path
 
     folder = Path(str(artifact_path(project.client().get_run(replay_id).info.artifact_uri))) / "replay"
     said = (f"Curves (original and replay overlaid) in {folder}: metric_harness.lr.png, metric_loss.png; the report: "

@@ -17,11 +17,12 @@ from records import clone, make_record, tol
 
 from harness import tags
 from harness.judge import noise, rounding
-from harness.judge.compare import DIVERGED, INCONCLUSIVE, WITHIN_NOISE, WITHIN_ROUNDING, WITHIN_TOLERANCE, compare_runs
+from harness.judge.compare import compare_runs
 from harness.judge.delta import environment_delta
 from harness.judge.handoff import judge_noise, judge_rounding
 from harness.judge.metricdiff import KIND_ROUNDING, as_series
 from harness.judge.report import render_markdown
+from harness.judge.verdicts import Verdict
 from harness.runtime.perturb import NUDGE, NUDGE_ULPS, nudge, nudge_ulps
 
 STEPS = np.arange(12, dtype=np.int64)
@@ -104,9 +105,9 @@ def test_a_replay_inside_the_envelope_is_within_rounding_and_says_against_what()
     env = _envelope(original, steps=12)
     replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
     cmp = compare_runs(original, replay)
-    assert cmp.verdict == DIVERGED  # zero tolerance: without a calibration it is a divergence
+    assert cmp.verdict == Verdict.DIVERGED  # zero tolerance: without a calibration it is a divergence
     cmp = judge_rounding(cmp, original, replay, env)
-    assert cmp.verdict == WITHIN_ROUNDING and cmp.exit_code == 0 and cmp.divergence is None
+    assert cmp.verdict == Verdict.WITHIN_ROUNDING and cmp.exit_code == 0 and cmp.divergence is None
     line = cmp.summary()
     assert line.startswith("WITHIN_ROUNDING: 1 metric x 12 steps not bit-identical, inside the rounding envelope of 4 "
                            "members over the first 12 steps (calibration cal00000) at all 12 judged values, at most ")
@@ -122,7 +123,7 @@ def test_a_replay_whose_values_are_bit_identical_but_weights_not_says_so() -> No
     env = _envelope(original, steps=12)
     replay = _replay(original, LOSS.copy())
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == WITHIN_ROUNDING, cmp.summary()
+    assert cmp.verdict == Verdict.WITHIN_ROUNDING, cmp.summary()
     assert cmp.summary().startswith("WITHIN_ROUNDING: 1 metric x 12 steps bit-identical, the weights not, inside "), cmp.summary()
     replay.metrics["acc"] = (STEPS.copy(), np.ones(12))
     original.metrics["acc"] = (STEPS.copy(), np.ones(12))
@@ -140,13 +141,13 @@ def test_a_real_change_leaves_the_envelope_at_its_first_step_and_no_seed_rescues
     changed[1:] *= 1 + 1.7e-4  # lr x1.02 at step 1 (the issue's measured size)
     replay = _replay(original, changed)
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == DIVERGED and cmp.divergence.kind == KIND_ROUNDING and cmp.divergence.step == 1
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.kind == KIND_ROUNDING and cmp.divergence.step == 1
     assert cmp.summary().startswith("DIVERGED at step 1: loss at step 1: 1 vs 1.0002 (abs 0.00017, envelope ±")
     assert "outside at 7 of 8 judged steps, outside the rounding envelope of 4 members over the first 8 steps " \
            "(calibration cal00000)" in cmp.summary()
     # A study member outside its rounding envelope is not judged against the seeds: a seed explains no such change.
     members = [_run(f"m{i}", LOSS * (1 + 0.05 * i)) for i in range(5)]
-    assert judge_noise(cmp, original, replay, "study0", members).verdict == DIVERGED
+    assert judge_noise(cmp, original, replay, "study0", members).verdict == Verdict.DIVERGED
 
 
 def test_a_sudden_parting_after_steps_well_inside_is_diverged_with_a_note_on_what_else_does_that() -> None:
@@ -156,7 +157,7 @@ def test_a_sudden_parting_after_steps_well_inside_is_diverged_with_a_note_on_wha
     jumped[6:] *= 1 + 5e-5  # a max-pool tie flipped at step 6, say: inside before, far outside after
     replay = _replay(original, jumped)
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == DIVERGED and cmp.divergence.step == 6
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.step == 6
     note = next(n for n in cmp.notes if "sudden parting" in n)
     assert note.startswith("loss stayed inside the envelope for its 6 judged steps before step 6 (at most ") and \
         "harness calibrate RUN_ID --members 32" in note
@@ -172,7 +173,7 @@ def test_after_the_envelope_a_metric_the_members_never_moved_is_judged_by_the_to
     env = rounding.measure(original.run_id, "cal00000", original.metrics, still, 4, weights_differed=4)
     replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == DIVERGED and cmp.divergence.step == 4 and cmp.rounding.within and not cmp.rounding.carried
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.step == 4 and cmp.rounding.within and not cmp.rounding.carried
     # ... and says how to hold them to rounding too.
     assert cmp.summary().endswith("; the first 4 steps inside the rounding envelope of 4 members over the first 4 steps, "
                                   "the steps after them judged by the tolerance (to hold them to rounding too: harness "
@@ -180,10 +181,10 @@ def test_after_the_envelope_a_metric_the_members_never_moved_is_judged_by_the_to
                                   "METRIC=ATOL,RTOL)"), cmp.summary()
     loose = judge_rounding(compare_runs(original, replay, tolerance={**tol(rtol=1e-3), "weights": "any"}), original,
                            replay, env)
-    assert loose.verdict == WITHIN_TOLERANCE and loose.summary().endswith("judged by the tolerance")
+    assert loose.verdict == Verdict.WITHIN_TOLERANCE and loose.summary().endswith("judged by the tolerance")
     # replay --steps 4: the envelope covers all it judged.
     early = judge_rounding(compare_runs(original, replay, first_steps=4), original, replay, env)
-    assert early.verdict == WITHIN_ROUNDING and early.summary().startswith("WITHIN_ROUNDING over the first 4 of 12 steps")
+    assert early.verdict == Verdict.WITHIN_ROUNDING and early.summary().startswith("WITHIN_ROUNDING over the first 4 of 12 steps")
 
 
 def test_after_the_envelope_the_members_growth_carries_it_and_a_late_jump_still_leaves_it() -> None:
@@ -199,7 +200,7 @@ def test_after_the_envelope_the_members_growth_carries_it_and_a_late_jump_still_
     assert carried.growth(env.metrics["loss"], 2) is None  # two steps fit no rate
     honest = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
     cmp = judge_rounding(compare_runs(original, honest), original, honest, env)
-    assert cmp.verdict == WITHIN_ROUNDING and cmp.exit_code == 0, cmp.summary()
+    assert cmp.verdict == Verdict.WITHIN_ROUNDING and cmp.exit_code == 0, cmp.summary()
     assert cmp.rounding.carried["loss"].judged == 4 and cmp.rounding.carried["loss"].outside is None
     assert ("(steps 0-7 by the rounding envelope of 4 members over the first 8 steps, loss steps 8-11 by the envelope "
             "carried forward x1.1814 per step from ±1.03e-05 relative at step 7)") in cmp.summary(), cmp.summary()
@@ -208,12 +209,12 @@ def test_after_the_envelope_the_members_growth_carries_it_and_a_late_jump_still_
     late[10:] *= 1 + 1e-3
     replay = _replay(original, late)
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == DIVERGED and cmp.divergence.kind == KIND_ROUNDING and cmp.divergence.step == 10, cmp.summary()
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.kind == KIND_ROUNDING and cmp.divergence.step == 10, cmp.summary()
     assert "outside the envelope carried forward from step 7 at its members' growth rate" in cmp.summary()
     assert "loss steps 8-11 by the envelope carried forward" in cmp.summary()
     # Where the members measured no growth, the tolerance holds those steps bit for bit: this honest replay is DIVERGED.
     assert judge_rounding(compare_runs(original, honest), original, honest, rounding.measure(
-        original.run_id, "cal00000", original.metrics, [], 8)).verdict != WITHIN_ROUNDING
+        original.run_id, "cal00000", original.metrics, [], 8)).verdict != Verdict.WITHIN_ROUNDING
 
 
 def test_a_carried_envelope_wider_than_its_ceiling_decides_nothing_and_a_study_takes_over_where_they_meet() -> None:
@@ -227,7 +228,7 @@ def test_a_carried_envelope_wider_than_its_ceiling_decides_nothing_and_a_study_t
     rel = 2.5e-4 * np.exp(STEPS / 2.0)
     replay = _replay(original, LOSS * (1 + rel))
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == INCONCLUSIVE and cmp.exit_code == 1, cmp.summary()
+    assert cmp.verdict == Verdict.INCONCLUSIVE and cmp.exit_code == 1, cmp.summary()
     assert cmp.summary().startswith("INCONCLUSIVE: loss at step 8: "), cmp.summary()
     assert "a study of the run's seeds (harness run ... --seeds N) judges those steps, or a calibration that measures " \
            "them (harness calibrate orig0000 --steps 9)" in cmp.summary()
@@ -237,7 +238,7 @@ def test_a_carried_envelope_wider_than_its_ceiling_decides_nothing_and_a_study_t
     assert spread[1] == pytest.approx(0.02 * LOSS)
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env, seeds=seeds)
     held = cmp.rounding.carried["loss"]
-    assert (held.first, held.seeds_from, held.undecided) == (8, 9, None) and cmp.verdict == DIVERGED, cmp.summary()
+    assert (held.first, held.seeds_from, held.undecided) == (8, 9, None) and cmp.verdict == Verdict.DIVERGED, cmp.summary()
     assert cmp.divergence.kind != KIND_ROUNDING and cmp.divergence.step >= held.seeds_from  # for judge_noise to take
 
 
@@ -251,7 +252,7 @@ def test_a_member_that_blew_up_holds_the_replay_only_to_the_steps_before_it() ->
     changed[4:] *= 1.5  # a real change from step 4: its envelope of inf there held it (WITHIN_ROUNDING, exit 0)
     replay = _replay(original, changed)
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == DIVERGED and cmp.divergence.step == 4, cmp.summary()
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.step == 4, cmp.summary()
     assert cmp.rounding.steps == 3 and cmp.rounding.blown_up
     assert "the first 3 steps inside the rounding envelope of 4 members over the first 3 steps, the steps after them " \
            "judged by the tolerance" in cmp.summary() and "--steps N" not in cmp.summary()  # more steps would not help
@@ -271,7 +272,7 @@ def test_an_envelope_whose_members_kept_the_weights_explains_no_other_weights() 
     env.weights_differed = 0
     replay = _replay(original, LOSS * (1 + 2e-7))
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
-    assert cmp.verdict == DIVERGED and cmp.rounding is None
+    assert cmp.verdict == Verdict.DIVERGED and cmp.rounding is None
     assert any("members ended equal to the original's" in n for n in cmp.notes)
 
 
@@ -402,14 +403,14 @@ def test_a_member_whose_script_wraps_its_own_ddp_is_nudged_when_it_makes_its_opt
     from torch import nn
 
     from harness.runtime.context import Context
-    from harness.runtime.plan import CheckpointPlan
+    from harness.runtime.plan import LaunchPlan
 
     def member(perturb_seed: int | None, register_after: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(0)
         model = nn.Linear(16, 4)
         start = model.weight.detach().clone()
         _, there = mp.Pipe()
-        plan = None if perturb_seed is None else CheckpointPlan("", 0, perturb_seed=perturb_seed)
+        plan = None if perturb_seed is None else LaunchPlan("", 0, perturb_seed=perturb_seed)
         ctx = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0, rank_seed=0,
                       fingerprint_every=100, channel=there, output_dir=str(tmp_path / f"out{perturb_seed}"),
                       checkpoints=plan)
@@ -466,11 +467,11 @@ def test_weights_that_left_the_members_distance_diverge_though_every_metric_is_i
     env.weights = rounding.WeightsEnvelope(12, "ref00000", [1e-7, 3e-7, 2e-7, 1.5e-7], "fc.weight")
     replay = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
     inside = judge_rounding(compare_runs(original, replay), original, replay, env, Distance(2e-6, "fc.weight", 3e-6))
-    assert inside.verdict == WITHIN_ROUNDING
+    assert inside.verdict == Verdict.WITHIN_ROUNDING
     assert "; the weights after step 12: relative distance 2e-06 from the run's, 0.83x the envelope's half-width " \
            "(members up to 3e-07)" in inside.summary(), inside.summary()
     outside = judge_rounding(compare_runs(original, replay), original, replay, env, Distance(5e-5, "fc.bias", 1e-4))
-    assert outside.verdict == DIVERGED and outside.divergence.kind == KIND_ROUNDING and outside.divergence.step == 12
+    assert outside.verdict == Verdict.DIVERGED and outside.divergence.kind == KIND_ROUNDING and outside.divergence.step == 12
     assert outside.summary().startswith("DIVERGED at step 12: the weights after step 12: relative distance 5e-05 from "
                                         "the run's (farthest: fc.bias), outside the envelope ±2.4e-06 (members up to "
                                         "3e-07), outside the rounding envelope of 4 members"), outside.summary()
@@ -491,7 +492,7 @@ def test_a_seed_verdict_that_could_not_have_caught_a_doubled_learning_rate_is_in
     replay = _replay(original, original.metrics["loss"][1] * (1 + 1e-6))
     replay.facts[tags.THREADS_PER_RANK] = "2"
     cmp = judge_noise(compare_runs(original, replay), original, replay, "study0", wide)
-    assert cmp.noise.within and cmp.verdict == INCONCLUSIVE and cmp.exit_code == 1
+    assert cmp.noise.within and cmp.verdict == Verdict.INCONCLUSIVE and cmp.exit_code == 1
     power = cmp.noise.power
     assert power is not None and not power.caught and power.seeds == 3
     assert cmp.summary().startswith("INCONCLUSIVE: inside the noise of 3 seeds, but its intervals could not have caught "
@@ -502,7 +503,7 @@ def test_a_seed_verdict_that_could_not_have_caught_a_doubled_learning_rate_is_in
     replay = _replay(close[0], close[0].metrics["loss"][1] * (1 + 1e-6))
     replay.facts[tags.THREADS_PER_RANK] = "2"
     cmp = judge_noise(compare_runs(close[0], replay), close[0], replay, "study0", close)
-    assert cmp.verdict == WITHIN_NOISE and cmp.noise.power.caught
+    assert cmp.verdict == Verdict.WITHIN_NOISE and cmp.noise.power.caught
 
 
 def test_seeds_needed_is_the_fewest_that_would_exclude_the_doubled_rate() -> None:
@@ -623,7 +624,7 @@ def test_other_cpu_kernels_are_within_rounding_and_a_2_percent_learning_rate_is_
     assert line.startswith(("verdict: WITHIN_ROUNDING: 1 metric x 5 steps not bit-identical, inside the rounding "
                             "envelope of 8 members over the first 5 steps", "verdict: BITWISE")), line
     replayed = project.client().get_run(other.last_line)
-    assert replayed.data.tags[tags.VERDICT] in (WITHIN_ROUNDING, "BITWISE")
+    assert replayed.data.tags[tags.VERDICT] in (Verdict.WITHIN_ROUNDING, "BITWISE")
     # The replay sketched its weights after the calibration's 5 steps and was held to the members' distances.
     assert replayed.data.tags[tags.SKETCH_AT] == "5"
     if line.startswith("verdict: WITHIN_ROUNDING"):

@@ -93,14 +93,14 @@ def _context(tmp_path: Path, monkeypatch, resume_step: int | None = None):
 
     from harness.runtime import optimization
     from harness.runtime.context import Context
-    from harness.runtime.plan import CheckpointPlan
+    from harness.runtime.plan import LaunchPlan
 
     # Rank 0's watch of schedulers and autocast is not what these tests look at: its wrappers of torch's classes stay
     # out of this process (a class whose __new__ was patched and deleted again makes no LR scheduler afterwards).
     monkeypatch.setattr(optimization.Watch, "start", lambda watch: watch)
 
     reader, writer = mp.Pipe(duplex=False)
-    plan = CheckpointPlan(str(tmp_path / "checkpoints"), every=2, resume_step=resume_step)
+    plan = LaunchPlan(str(tmp_path / "checkpoints"), every=2, resume_step=resume_step)
     ctx = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), cfg={}, seed=0, rank_seed=0,
                   fingerprint_every=5, channel=writer, checkpoints=plan, output_dir=str(tmp_path / "out"))
     return ctx, reader

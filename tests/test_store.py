@@ -195,7 +195,7 @@ def test_store_failing_mid_command_is_not_no_run(tmp_path: Path) -> None:
 
 def test_artifact_path_undoes_percent_escapes_as_mlflow_does() -> None:
     # MLflow stores Path.as_uri() of an artifact folder: a store under "store B" has "store%20B" in it.
-    from harness.store.reach import artifact_path
+    from harness.store.uris import artifact_path
 
     assert artifact_path(Path("/tmp/store B/1/x/artifacts").as_uri()) == Path("/tmp/store B/1/x/artifacts")
     assert artifact_path("/plain/path") == Path("/plain/path")

@@ -11,13 +11,14 @@ from records import clone, make_record
 
 from harness import tags
 from harness.errors import UsageError
-from harness.judge.compare import BITWISE, DIVERGED, compare_runs, follows, judged_again
+from harness.judge.compare import compare_runs, follows, judged_again
 from harness.judge.delta import IGNORED_TAGS
 from harness.judge.metricdiff import KIND_FINGERPRINT
 from harness.judge.report import render_markdown
 from harness.judge.text import comparison_lines
 from harness.judge.tolerance import format_tolerances, judged_tolerance, never_judged, parse_tolerances
 from harness.judge.undetermined import looks_like_clock
+from harness.judge.verdicts import Verdict
 
 CLOCKS = ("mfu", "train_runtime")
 
@@ -44,15 +45,16 @@ def test_a_clock_that_differs_where_the_training_is_bit_identical_stays_bitwise(
     a = _run()
     b = _replay_of(a)
     cmp = compare_runs(a, b)
-    assert (cmp.verdict, cmp.exit_code, cmp.divergence) == (BITWISE, 0, None)
+    assert (cmp.verdict, cmp.exit_code, cmp.divergence) == (Verdict.BITWISE, 0, None)
     assert cmp.undetermined == list(CLOCKS)
     assert cmp.summary() == (
         "BITWISE: 1 metric x 10 steps bit-identical, 3 fingerprints equal; mfu, train_runtime differ: not determined "
         "by the training (every fingerprint and every other value bit-identical)")
     # Judged again from the two records (verify, bundles) it is the same verdict; the report and the lines name them.
-    assert judged_again(a, b).verdict == BITWISE and cmp.to_dict()["undetermined"] == list(CLOCKS)
+    assert judged_again(a, b).verdict == Verdict.BITWISE and cmp.to_dict()["undetermined"] == list(CLOCKS)
     # A bundle's replay recorded DIVERGED on them (by a harness without this rule) still follows from its records.
-    assert follows(BITWISE, DIVERGED, False, False, undetermined=True) and not follows(BITWISE, DIVERGED, False, False)
+    assert follows(Verdict.BITWISE, Verdict.DIVERGED, False, False, undetermined=True)
+    assert not follows(Verdict.BITWISE, Verdict.DIVERGED, False, False)
     md = render_markdown(cmp)
     assert "| mfu | 10 |" in md and "no (not determined by the training)" in md
     assert "None: mfu, train_runtime differ, but not as a function of the training" in md
@@ -62,26 +64,26 @@ def test_a_clock_that_differs_where_the_training_is_bit_identical_stays_bitwise(
     # Only where the evidence is there. The weights that never moved would be equal whatever happened:
     still = _replay_of(a)
     still.facts[tags.WEIGHTS_CHANGED] = "false"
-    assert compare_runs(a, still).verdict == DIVERGED
+    assert compare_runs(a, still).verdict == Verdict.DIVERGED
     # no final weights compared (a record without them):
-    assert compare_runs(clone(a, final_fingerprint=None), _replay_of(a, final_fingerprint=None)).verdict == DIVERGED
+    assert compare_runs(clone(a, final_fingerprint=None), _replay_of(a, final_fingerprint=None)).verdict == Verdict.DIVERGED
     # another value differs too (the loss, by one ulp, within no tolerance):
     loss = _replay_of(a)
     loss.metrics["loss"][1][7] = np.nextafter(loss.metrics["loss"][1][7], 1.0)
-    assert compare_runs(a, loss).verdict == DIVERGED
+    assert compare_runs(a, loss).verdict == Verdict.DIVERGED
     # nothing else logged to be bit-identical beside them:
     bare = clone(a, metrics={k: v for k, v in a.metrics.items() if k != "loss"})
-    assert compare_runs(bare, _replay_of(bare)).verdict == DIVERGED
+    assert compare_runs(bare, _replay_of(bare)).verdict == Verdict.DIVERGED
     # a step of it logged by one run only (the code took another path):
     extra = _replay_of(a)
     extra.metrics["train_runtime"] = (np.array([8, 9]), np.array([11.0, 13.75]))
-    assert compare_runs(a, extra).verdict == DIVERGED
+    assert compare_runs(a, extra).verdict == Verdict.DIVERGED
     # harness's own learning rate is set by the training:
     own = {**a.metrics, tags.METRIC_LR: (np.arange(10), np.full(10, 0.1))}
     lr = clone(a, metrics=own)
     lr_b = clone(lr)
     lr_b.metrics[tags.METRIC_LR] = (np.arange(10), np.full(10, 0.2))
-    assert compare_runs(lr, lr_b).verdict == DIVERGED
+    assert compare_runs(lr, lr_b).verdict == Verdict.DIVERGED
 
 
 def test_where_anything_else_differs_the_clock_is_not_the_divergence_named() -> None:
@@ -90,7 +92,7 @@ def test_where_anything_else_differs_the_clock_is_not_the_divergence_named() -> 
     b = _replay_of(a, final_fingerprint="e" * 64)
     b.metrics["loss"][1][7:] += 1e-3
     cmp = compare_runs(a, b)
-    assert cmp.verdict == DIVERGED and cmp.undetermined == []
+    assert cmp.verdict == Verdict.DIVERGED and cmp.undetermined == []
     assert (cmp.divergence.step, cmp.divergence.metric) == (7, "loss")
     assert cmp.summary().startswith("DIVERGED at step 7: loss ")
     # Only the clocks differ, the weights too: the weights are the divergence, the clocks said beside it.
@@ -103,7 +105,7 @@ def test_where_anything_else_differs_the_clock_is_not_the_divergence_named() -> 
     e = clone(d)
     e.metrics["mfu"] = (e.metrics["mfu"][0], e.metrics["mfu"][1] * 2)
     cmp = compare_runs(d, e)
-    assert cmp.verdict == DIVERGED and cmp.divergence.metric == "mfu"
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.metric == "mfu"
     assert any("--tolerance mfu=inf leaves it unjudged" in note for note in cmp.notes), cmp.notes
     # A name is a hint, not proof: it orders what is named, never what is judged.
     assert all(map(looks_like_clock, ["mfu", "train/mfu", "eval_runtime", "train_samples_per_second",
@@ -132,16 +134,16 @@ def test_a_tolerance_of_inf_leaves_the_metric_unjudged_and_nan_is_refused() -> N
     tol = judged_tolerance(a, b, given)
     assert never_judged(tol, "eval_runtime") and not never_judged(tol, "loss")
     cmp = compare_runs(a, b, tolerance=tol)
-    assert cmp.verdict == BITWISE and [m.name for m in cmp.metrics] == ["loss"]
+    assert cmp.verdict == Verdict.BITWISE and [m.name for m in cmp.metrics] == ["loss"]
     assert "eval_runtime not judged: its tolerance is inf" in cmp.notes
     assert "eval_runtime never judged (inf)" in "\n".join(comparison_lines(cmp, []))
     # Recorded on the replay (harness.replay.tolerance), it is what the replay is judged by again.
     b.facts[tags.TOLERANCE] = format_tolerances(given)
-    assert judged_again(a, b).verdict == BITWISE
+    assert judged_again(a, b).verdict == Verdict.BITWISE
     # The config's form (replay.tolerance.metrics.KEY: {atol: .inf}) is the same; an infinite default judges as before.
     b.facts.pop(tags.TOLERANCE)
     b.config = {"replay": {"tolerance": {"metrics": {"eval_runtime": {"atol": math.inf}}}}}
-    assert compare_runs(a, b).verdict == BITWISE
+    assert compare_runs(a, b).verdict == Verdict.BITWISE
     b.config = {"replay": {"tolerance": {"default": {"atol": math.inf}}}}
     assert compare_runs(a, b).verdict == "WITHIN_TOLERANCE"
 
@@ -183,7 +185,7 @@ def test_the_replay_records_the_undetermined_metrics_and_counts_as_bitwise() -> 
     a = _run()
     cmp = compare_runs(a, _replay_of(a))
     recorded = verdict_tags(cmp, render_markdown(cmp))  # what record_verdict writes on the replay run
-    assert recorded[tags.VERDICT] == BITWISE and recorded[tags.UNDETERMINED] == "mfu,train_runtime"
+    assert recorded[tags.VERDICT] == Verdict.BITWISE and recorded[tags.UNDETERMINED] == "mfu,train_runtime"
     assert "not determined by the training" in recorded[tags.MLFLOW_RUN_NOTE]  # the MLflow UI's description
     replay = RunSummary(run_id="r1", experiment="exp", experiment_id="1", run_name="replay", status="FINISHED",
                         start_time=0, end_time=0, tags={tags.KIND: tags.KIND_REPLAY, tags.REPLAY_OF: a.run_id,
@@ -207,9 +209,9 @@ def test_a_loss_or_an_evaluation_over_equal_weights_is_never_waved_through() -> 
         else:
             b.metrics["loss"] = (b.metrics["loss"][0], b.metrics["loss"][1] * 1.5)
         cmp = compare_runs(base, b)
-        assert (cmp.verdict, cmp.undetermined) == (DIVERGED, []), cmp.summary()
+        assert (cmp.verdict, cmp.undetermined) == (Verdict.DIVERGED, []), cmp.summary()
     # harness's own learning rate, bit-identical, vouches for nothing: a clock beside it alone stays DIVERGED.
     lr_only = {tags.METRIC_LR: (np.arange(10), np.full(10, 0.1)), "mfu": a.metrics["mfu"]}
     c = clone(a, metrics=lr_only)
     assert compare_runs(c, _replay_of(clone(c, metrics={**lr_only, "train_runtime": a.metrics["train_runtime"]}))
-                        ).verdict == DIVERGED
+                        ).verdict == Verdict.DIVERGED

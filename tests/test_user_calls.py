@@ -133,7 +133,7 @@ def test_the_users_own_mlflow_calls_land_in_the_harness_run(project: Project) ->
 
 
 def test_absolute_uri_resolves_only_relative_sqlite_paths(tmp_path: Path, monkeypatch) -> None:
-    from harness.store.reach import absolute_uri
+    from harness.store.uris import absolute_uri
 
     monkeypatch.chdir(tmp_path)
     assert absolute_uri("sqlite:///./mlruns/mlflow.db?timeout=30") == f"sqlite:///{tmp_path}/mlruns/mlflow.db?timeout=30"

@@ -9,7 +9,7 @@ import pytest
 
 from harness.commands import bisect, documents
 from harness.errors import EXIT_FAILED, EXIT_OK
-from harness.judge import compare, report, verify_report
+from harness.judge import report, verify_report
 from harness.judge.verdicts import ROWS, Policy, Verdict, exit_code, listed, meets, verdicts
 from harness.record.replays import tally
 
@@ -34,8 +34,8 @@ def test_every_verdict_has_an_exit_code_words_and_a_place_in_every_policy() -> N
 def test_the_policies_are_what_the_commands_decided_before_the_table() -> None:
     assert verdicts(Policy.SAME_TRAINING) == ("BITWISE", "WITHIN_ROUNDING")  # a study replay's WITHIN_ROUNDING
     assert bisect.INNOCENT == ("BITWISE", "WITHIN_ROUNDING", "WITHIN_TOLERANCE")  # a probe that keeps its change
-    assert compare.REPRODUCED == ("BITWISE", "WITHIN_ROUNDING", "WITHIN_TOLERANCE", "WITHIN_NOISE")  # exit 0
-    assert [exit_code(v) for v in compare.VERDICTS] == [0, 0, 0, 0, 1, 1, 1]
+    assert verdicts(Policy.REPRODUCED) == ("BITWISE", "WITHIN_ROUNDING", "WITHIN_TOLERANCE", "WITHIN_NOISE")  # exit 0
+    assert [exit_code(v) for v in Verdict] == [0, 0, 0, 0, 1, 1, 1]
     # A tag's text that is no verdict (a replay's status, UNVERIFIED, an older harness's name) passes nothing.
     for other in ("FAILED", "UNVERIFIED", "bitwise", "", None):
         assert not any(meets(other, p) for p in Policy) and exit_code(other or "") == EXIT_FAILED

@@ -83,11 +83,11 @@ from harness.record.study import is_study
 from harness.store.tracking import Tracker, full_ids
 
 if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: imported where they run, so that
-    # compare and replay stay as light as they are (tests/test_cli_fast.py: compare imports no torch)
+    # compare and replay stay as light as they are (compare imports no torch: it starts in well under a second)
     from harness.commands.audit import AuditResult
 
-# Every verb of the command line but `ui` (a server that runs until Ctrl-C) and the internal `_execute`
-# (tests/test_api.py walks the click group).
+# Every verb of the command line but `ui` (a server that runs until Ctrl-C) and the internal `_execute`: what the
+# command line can do, a program can call.
 __all__ = [
     "AttestOptions", "Attested", "AuditOptions", "BisectOptions", "CalibrateOptions", "CheckOptions", "CompareOptions",
     "ExportOptions", "ImportOptions", "MarkOptions", "Marked", "Placement", "RecordVerified", "ReplayOptions",

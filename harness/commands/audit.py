@@ -22,11 +22,10 @@ from harness.executors import Job
 from harness.executors.base import SegmentMessages
 from harness.fmt import markdown_table
 from harness.judge import reproduced
-from harness.judge.compare import BITWISE, DIVERGED
-from harness.judge.verdicts import exit_code
+from harness.judge.verdicts import Verdict, exit_code
 from harness.record import checkpoints as checkpoint_store, derived, loading
 from harness.runtime import boundaries, checkpoint
-from harness.runtime.plan import CheckpointPlan
+from harness.runtime.plan import LaunchPlan
 from harness.store.tracking import Tracker
 
 
@@ -67,9 +66,9 @@ class AuditResult:
         failed = [s for s in self.drawn if not s.ok]
         if failed:
             s = failed[0]
-            return f"{DIVERGED} in segment {s.index} (steps {s.start}-{s.end}): {s.detail}"
+            return f"{Verdict.DIVERGED} in segment {s.index} (steps {s.start}-{s.end}): {s.detail}"
         return (
-            f"{BITWISE}: {len(self.drawn)} of {self.segments_total} segments reproduced their end fingerprints "
+            f"{Verdict.BITWISE}: {len(self.drawn)} of {self.segments_total} segments reproduced their end fingerprints "
             f"({self.step_fraction:.0%} of the run's steps)"
         )
 
@@ -129,7 +128,7 @@ def audit(options: AuditOptions) -> AuditResult:
     for i, seg in enumerate(drawn, 1):
         events.emit(events.Progress(f"  segment {seg.index} [{seg.start}-{seg.end}): "
                                     f"{'ok' if seg.ok else 'FAILED: ' + seg.detail}", i, len(drawn)))
-    verdict = BITWISE if all(s.ok for s in drawn) else DIVERGED
+    verdict = Verdict.BITWISE if all(s.ok for s in drawn) else Verdict.DIVERGED
     result = AuditResult(run_id, "", seed, len(chain), drawn, record.steps_total or 0, verdict)
     result.audit_id = _record(tracker, run, result)
     return result
@@ -167,7 +166,7 @@ def _run_segments(segments: list[Segment], record, job: Job, directory: Path) ->
     """Replay `segments` in one set of ranks; returns those left unrun when a segment crashed them."""
     plans = [
         # The final segment runs to the end of training; the others stop at their end checkpoint.
-        CheckpointPlan(str(directory), 0, resume_step=seg.start, stop_at=None if seg.end not in record.checkpoints else seg.end)
+        LaunchPlan(str(directory), 0, resume_step=seg.start, stop_at=None if seg.end not in record.checkpoints else seg.end)
         for seg in segments
     ]
     messages = SegmentMessages(len(plans))

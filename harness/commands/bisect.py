@@ -23,9 +23,9 @@ from harness.commands.options import BisectOptions
 from harness.config import as_override
 from harness.errors import EXIT_FAILED, EXIT_OK, RepositoryError, RunRefused, UsageError
 from harness.fmt import markdown_table
-from harness.judge.compare import DIVERGED, NOTHING_TO_COMPARE, Comparison, compare_runs
+from harness.judge.compare import Comparison, compare_runs
 from harness.judge.delta import ConfigChange, config_delta, environment_delta
-from harness.judge.verdicts import Policy, verdicts
+from harness.judge.verdicts import Policy, Verdict, verdicts
 from harness.record import derived, loading
 from harness.rundata import RunRecord
 from harness.store.tracking import Tracker
@@ -152,7 +152,7 @@ def bisect(options: BisectOptions, *, replay: Callable[..., Any], compare: Calla
     bad = loading.load(tracker, tracker.harness_run(bad_id), loading.COMPARE).summary
     a, b = tracker.load_record(good.run_id), tracker.load_record(bad.run_id)
     judged = compare_runs(a, b)
-    if judged.verdict in (*INNOCENT, NOTHING_TO_COMPARE):
+    if judged.verdict in (*INNOCENT, Verdict.NOTHING_TO_COMPARE):
         raise UsageError(f"runs {good.run_id} and {bad.run_id} do not differ in their results ({judged.summary()}): "
                            "there is nothing to bisect. Give a run and one whose result differs from it.")
     if good.tags.get(T.EXPERIMENT_PATH) != bad.tags.get(T.EXPERIMENT_PATH):
@@ -205,7 +205,7 @@ def bisect(options: BisectOptions, *, replay: Callable[..., Any], compare: Calla
 def _localize(tracker: Tracker, result: BisectResult, probe: Probe, repo: Path | None,
               compare: Callable[..., Comparison], localizer: Callable[..., Any]) -> None:
     """Where the culprit's probe first differs from GOOD, recorded on that probe as replay --localize records it."""
-    if probe.verdict != DIVERGED:
+    if probe.verdict != Verdict.DIVERGED:
         return
     events.emit(events.Notice(f"bisect: localizing the culprit's probe {probe.run_id}"))
     replayed = probe.replayed

@@ -16,9 +16,9 @@ from typing import Any
 
 from harness import events, npzfile, scratch, tags as T
 from harness.commands.bundleformat import (
-    _FIX,
     ARTIFACTS,
     CODE_BUNDLE,
+    DAMAGED_FIX,
     DATA_DIR,
     FORMAT,
     IMAGE_TAR,
@@ -30,9 +30,9 @@ from harness.commands.bundleformat import (
     Limits,
     Manifest,
     Member,
-    _loads,
     check_name,
     check_plain_name,
+    load_document,
     verify,
 )
 from harness.errors import DataChanged, HarnessError, RepositoryError, RunRefused, UsageError
@@ -41,7 +41,7 @@ from harness.record import closing, data, loading, redaction, seal
 from harness.record.checkout import recorded_submodules
 from harness.record.data import sha256_file
 from harness.store.failures import unwritable
-from harness.store.reach import exclusive
+from harness.store.locks import exclusive
 from harness.store.tracking import Tracker, import_complete
 from harness.systems import docker, git as gitsource, gitbundle
 
@@ -237,7 +237,7 @@ def _strings(value: Any) -> dict[str, str]:
 def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
     """A run's record.json, every field checked and every metric write parsed before anything is written."""
     try:
-        record = _loads((folder / RECORD).read_bytes())
+        record = load_document((folder / RECORD).read_bytes())
         if record["run_id"] != run_id:
             raise ValueError(f"run_id {record['run_id']!r} where the manifest says {run_id!r}")
         check_plain_name(record["experiment"], "experiment name")
@@ -254,7 +254,7 @@ def _load_record(folder: Path, run_id: str) -> dict[str, Any]:
                              for key, writes in record["metrics"].items() for v, ts, step in writes]
         return record
     except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
-        raise BundleError(f"the bundle's {folder.name}/{RECORD} is missing or malformed ({err!s}). {_FIX}") from None
+        raise BundleError(f"the bundle's {folder.name}/{RECORD} is missing or malformed ({err!s}). {DAMAGED_FIX}") from None
 
 
 # Tags whose value is the id of another run.
@@ -334,7 +334,7 @@ def _hold_verdicts(tracker: Any, record: dict[str, Any], replays: list[dict[str,
                        undetermined=bool(again.undetermined)):
             raise BundleError(
                 f"replay {rec['run_id']} (in the bundle) records the verdict {verdict}, but its metrics and weights "
-                f"against the original's judge {judged}: the verdict does not follow from the record; refused. {_FIX}")
+                f"against the original's judge {judged}: the verdict does not follow from the record; refused. {DAMAGED_FIX}")
 
 
 def _judge_again(unpacked: Path, record: dict[str, Any], replays: list[dict[str, Any]]) -> None:
@@ -400,7 +400,7 @@ def _import_unpacked(tracker: Any, unpacked: Path, manifest: Manifest, data_dir:
         return ImportResult(found.run_id, original, already=True)
     replays = [_load_record(unpacked / REPLAYS_DIR / r, r) for r in manifest.replays]
     if not (unpacked / CODE_BUNDLE).is_file():
-        raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {_FIX}")
+        raise BundleError(f"the bundle holds no {CODE_BUNDLE}; the run could not be replayed from it. {DAMAGED_FIX}")
     image = None
     if manifest.image is not None and (unpacked / IMAGE_TAR).is_file():
         # Before the store is written: an image that is not the recorded one leaves the store untouched.

@@ -30,7 +30,8 @@ DATA_DIR = "data"  # data/<name>/<file>: the declared data's bytes (--with-data)
 # The manifest is read whole before anything is checked against it: a bound keeps a hostile one from filling memory.
 MAX_MANIFEST_BYTES = 64 << 20
 _CHUNK = 1 << 20
-_FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
+# The way out of every refusal of a damaged or hostile bundle, the last words of its error.
+DAMAGED_FIX = "Export the run again from its store, or ask whoever sent it for an intact copy."
 MIB = 1 << 20
 # How far an import lets a bundle unpack, checked on the manifest's sizes before any member is unpacked: a manifest
 # that lists a member's true size and sha256 passes every other check, so only these bound a decompression bomb.
@@ -110,12 +111,12 @@ def _shown(name: str) -> str:
 def check_name(name: str) -> None:
     """Refuse a member name that could land outside the folder it is extracted into."""
     if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
-        raise BundleError(f"bundle member '{_shown(name)}' has an absolute name; refused. {_FIX}")
+        raise BundleError(f"bundle member '{_shown(name)}' has an absolute name; refused. {DAMAGED_FIX}")
     parts = PurePosixPath(name).parts
     if ".." in name.split("/"):
-        raise BundleError(f"bundle member '{_shown(name)}' climbs out of the bundle ('..'); refused. {_FIX}")
+        raise BundleError(f"bundle member '{_shown(name)}' climbs out of the bundle ('..'); refused. {DAMAGED_FIX}")
     if any(p in ("", ".") for p in name.rstrip("/").split("/")) or not parts:
-        raise BundleError(f"bundle member '{_shown(name)}' is not a plain relative name; refused. {_FIX}")
+        raise BundleError(f"bundle member '{_shown(name)}' is not a plain relative name; refused. {DAMAGED_FIX}")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -128,7 +129,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _loads(data: bytes) -> Any:
+def load_document(data: bytes) -> Any:
     """A bundle's JSON document; ValueError for one that is malformed, duplicates a key or nests past the stack."""
     try:
         return json.loads(data, object_pairs_hook=_unique_keys)
@@ -145,11 +146,11 @@ def check_plain_name(value: Any, what: str) -> str:
 
 def parse_manifest(data: bytes) -> Manifest:
     try:
-        doc = _loads(data)
+        doc = load_document(data)
     except ValueError as err:
-        raise BundleError(f"the bundle's {MANIFEST} is not valid JSON ({err}). {_FIX}") from None
+        raise BundleError(f"the bundle's {MANIFEST} is not valid JSON ({err}). {DAMAGED_FIX}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
-        raise BundleError(f"the bundle's {MANIFEST} has no format number; this is not a harness bundle. {_FIX}")
+        raise BundleError(f"the bundle's {MANIFEST} has no format number; this is not a harness bundle. {DAMAGED_FIX}")
     if doc["format"] > FORMAT:
         raise BundleError(
             f"the bundle has format {doc['format']}, newer than this harness reads (up to {FORMAT}); it was made by "
@@ -173,9 +174,9 @@ def parse_manifest(data: bytes) -> Manifest:
     except BundleError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise BundleError(f"the bundle's {MANIFEST} is malformed (at {err!s}). {_FIX}") from None
+        raise BundleError(f"the bundle's {MANIFEST} is malformed (at {err!s}). {DAMAGED_FIX}") from None
     if MANIFEST in members:
-        raise BundleError(f"the bundle's {MANIFEST} lists itself. {_FIX}")
+        raise BundleError(f"the bundle's {MANIFEST} lists itself. {DAMAGED_FIX}")
     return manifest
 
 
@@ -214,14 +215,14 @@ def _copy_checked(src: IO[bytes], dest: Path, name: str, expected: Member) -> No
             if written > expected.size:
                 raise BundleError(
                     f"bundle member '{_shown(name)}' is larger than its manifest says ({expected.size} bytes); "
-                    f"refused. {_FIX}"
+                    f"refused. {DAMAGED_FIX}"
                 )
             digest.update(chunk)
             out.write(chunk)
     if written != expected.size or digest.hexdigest() != expected.sha256:
         raise BundleError(
             f"bundle member '{_shown(name)}' was altered: sha256 {digest.hexdigest()} ({written} bytes), the "
-            f"manifest says {expected.sha256} ({expected.size} bytes); refused. {_FIX}"
+            f"manifest says {expected.sha256} ({expected.size} bytes); refused. {DAMAGED_FIX}"
         )
 
 
@@ -259,7 +260,7 @@ def _check_tail(tar: tarfile.TarFile, stream: _Stream, archive: Path) -> None:
     tail = (stream.last[-taken:] if taken > 0 else b"") + stream.read(_MAX_TAIL + 1)
     if len(tail) > _MAX_TAIL or tail.count(0) != len(tail):
         raise BundleError(f"the bundle '{archive}' holds data after its last member (a member header that understates "
-                          f"its size?); refused. {_FIX}")
+                          f"its size?); refused. {DAMAGED_FIX}")
 
 
 def verify(archive: Path, dest: Path, limits: Limits | None = None) -> Manifest:
@@ -287,9 +288,9 @@ def verify(archive: Path, dest: Path, limits: Limits | None = None) -> Manifest:
         with raw, tar:
             first = tar.next()
             if first is None or first.name != MANIFEST or not first.isreg():
-                raise BundleError(f"'{archive}' does not start with {MANIFEST}; it is not a harness bundle. {_FIX}")
+                raise BundleError(f"'{archive}' does not start with {MANIFEST}; it is not a harness bundle. {DAMAGED_FIX}")
             if first.size > MAX_MANIFEST_BYTES:
-                raise BundleError(f"the bundle's {MANIFEST} is {first.size} bytes, over {MAX_MANIFEST_BYTES}. {_FIX}")
+                raise BundleError(f"the bundle's {MANIFEST} is {first.size} bytes, over {MAX_MANIFEST_BYTES}. {DAMAGED_FIX}")
             manifest = parse_manifest(tar.extractfile(first).read())  # type: ignore[union-attr]
             (limits or Limits()).check(manifest, archive.stat().st_size)
             needed = sum(m.size for m in manifest.members.values())
@@ -305,21 +306,21 @@ def verify(archive: Path, dest: Path, limits: Limits | None = None) -> Manifest:
                 kind = _kind(member)
                 if kind is not None:
                     raise BundleError(f"bundle member '{_shown(name)}' is {kind}; only files and folders are "
-                                      f"accepted. {_FIX}")
+                                      f"accepted. {DAMAGED_FIX}")
                 check_name(name)
                 name = name.rstrip("/")
                 expected = manifest.members.get(name)
                 if member.isdir():  # harness export writes files only; its manifest lists no folder
                     raise BundleError(f"bundle member '{_shown(name)}' is a folder the manifest does not list; "
-                                      f"refused. {_FIX}")
+                                      f"refused. {DAMAGED_FIX}")
                 if expected is None:
-                    raise BundleError(f"bundle member '{_shown(name)}' is not in the manifest; refused. {_FIX}")
+                    raise BundleError(f"bundle member '{_shown(name)}' is not in the manifest; refused. {DAMAGED_FIX}")
                 if name in seen:
-                    raise BundleError(f"bundle member '{_shown(name)}' appears twice; refused. {_FIX}")
+                    raise BundleError(f"bundle member '{_shown(name)}' appears twice; refused. {DAMAGED_FIX}")
                 if member.size > expected.size:
                     raise BundleError(
                         f"bundle member '{_shown(name)}' is larger than its manifest says ({member.size} > "
-                        f"{expected.size} bytes); refused. {_FIX}"
+                        f"{expected.size} bytes); refused. {DAMAGED_FIX}"
                     )
                 seen.add(name)
                 target = dest / name
@@ -327,8 +328,8 @@ def verify(archive: Path, dest: Path, limits: Limits | None = None) -> Manifest:
                 _copy_checked(tar.extractfile(member), target, name, expected)  # type: ignore[arg-type]
             _check_tail(tar, stream, archive)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
-        raise BundleError(f"the bundle '{archive}' is damaged or cut short: {err}. {_FIX}") from None
+        raise BundleError(f"the bundle '{archive}' is damaged or cut short: {err}. {DAMAGED_FIX}") from None
     missing = sorted(set(manifest.members) - seen)
     if missing:
-        raise BundleError(f"the bundle lacks '{_shown(missing[0])}', which its manifest lists; refused. {_FIX}")
+        raise BundleError(f"the bundle lacks '{_shown(missing[0])}', which its manifest lists; refused. {DAMAGED_FIX}")
     return manifest

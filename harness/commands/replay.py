@@ -18,21 +18,10 @@ from harness.errors import RunFailed, UsageError
 from harness.executors import Outcome, Topology
 from harness.fmt import json_safe
 from harness.judge import noise
-from harness.judge.compare import (
-    BITWISE,
-    DIVERGED,
-    INCONCLUSIVE,
-    NOTHING_TO_COMPARE,
-    WITHIN_NOISE,
-    WITHIN_ROUNDING,
-    WITHIN_TOLERANCE,
-    Comparison,
-    compare_runs,
-    original_steps,
-)
+from harness.judge.compare import Comparison, compare_runs, original_steps
 from harness.judge.handoff import judge_noise, judge_rounding
 from harness.judge.tolerance import format_tolerances, judged_tolerance, parse_tolerances
-from harness.judge.verdicts import Policy, exit_code, meets
+from harness.judge.verdicts import Policy, Verdict, exit_code, meets
 from harness.record import derived, loading, redaction, seal
 from harness.record.calibration import envelope_of, weights_distance
 from harness.record.newrun import create_record
@@ -239,7 +228,7 @@ Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
     record_verdict(tracker, replay_id, a, b, comparison, changes)
     # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
     localized = None
-    if comparison.verdict == DIVERGED and localizer is not None and (localize or (localize is None and a.checkpoints)):
+    if comparison.verdict == Verdict.DIVERGED and localizer is not None and (localize or (localize is None and a.checkpoints)):
         localized = localizer(tracker, replay_id, comparison, changes, a, b, repo)
     record_replay_verdicts(tracker, original)
     return ReplayResult(original, outcome, comparison, changes, (a, b), localized)
@@ -295,7 +284,7 @@ def with_noise(tracker: Tracker, cmp: Comparison, a: RunRecord, b: RunRecord,
                members: list[RunRecord] | None = None) -> Comparison:
     """A difference from a study member that bitwise could not hold to, judged against the study's seeds."""
     study_id = a.facts.get(T.STUDY)
-    if study_id is None or cmp.verdict != DIVERGED:
+    if study_id is None or cmp.verdict != Verdict.DIVERGED:
         return cmp
     if members is None:
         members = member_records(tracker, load_study(tracker, study_id))
@@ -379,23 +368,23 @@ def _draw(members: list[Any], k: int | None, seed: int | None) -> tuple[list[Any
 def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], study_id: str) -> tuple[str, list[Any], str]:
     """The study replay's verdict from its members' comparisons; several members are judged together (TOST)."""
     verdicts = [r.judged.verdict for r in results]
-    if all(v == BITWISE for v in verdicts):
-        return BITWISE, [], "every member bit-identical"
+    if all(v == Verdict.BITWISE for v in verdicts):
+        return Verdict.BITWISE, [], "every member bit-identical"
     if all(meets(v, Policy.SAME_TRAINING) for v in verdicts):
-        return WITHIN_ROUNDING, [], "every member bit-identical or within its rounding envelope"
+        return Verdict.WITHIN_ROUNDING, [], "every member bit-identical or within its rounding envelope"
     if all(meets(v, Policy.WITHIN_TOLERANCE) for v in verdicts):
-        return WITHIN_TOLERANCE, [], "every member within tolerance"
-    if NOTHING_TO_COMPARE in verdicts:
-        return NOTHING_TO_COMPARE, [], "a member had nothing to compare"
-    if INCONCLUSIVE in verdicts and DIVERGED not in verdicts:
-        first = next(r for r in results if r.judged.verdict == INCONCLUSIVE)
-        return INCONCLUSIVE, [], f"seed {first.original.tags.get(T.SEED)}: {first.judged.summary()}"
+        return Verdict.WITHIN_TOLERANCE, [], "every member within tolerance"
+    if Verdict.NOTHING_TO_COMPARE in verdicts:
+        return Verdict.NOTHING_TO_COMPARE, [], "a member had nothing to compare"
+    if Verdict.INCONCLUSIVE in verdicts and Verdict.DIVERGED not in verdicts:
+        first = next(r for r in results if r.judged.verdict == Verdict.INCONCLUSIVE)
+        return Verdict.INCONCLUSIVE, [], f"seed {first.original.tags.get(T.SEED)}: {first.judged.summary()}"
     # Only differences in values that were judged against the seeds can be noise.
     unjudged = [r for r in results if not meets(r.judged.verdict, Policy.WITHIN_TOLERANCE)
                 and (r.judged.noise is None or r.judged.noise.reason)]
     if unjudged:
         first = unjudged[0]
-        return DIVERGED, [], f"seed {first.original.tags.get(T.SEED)}: {first.judged.summary()}"
+        return Verdict.DIVERGED, [], f"seed {first.original.tags.get(T.SEED)}: {first.judged.summary()}"
     if len(results) == 1:
         return verdicts[0], [], results[0].judged.summary()
     tests = []
@@ -404,9 +393,9 @@ def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], s
         tests.append(noise.equivalence(metric, [a[metric] for a, _ in finals], [b[metric] for _, b in finals],
                                        [s[metric] for s in seeds if metric in s]))
     if tests and all(t.equivalent for t in tests):
-        return WITHIN_NOISE, tests, f"the {len(results)} replays are equivalent to their originals within one seed sd (TOST)"
+        return Verdict.WITHIN_NOISE, tests, f"the {len(results)} replays are equivalent to their originals within one seed sd (TOST)"
     failing = [t for t in tests if not t.equivalent]
-    return DIVERGED, tests, "not equivalent within the seeds' noise: " + "; ".join(t.describe() for t in failing)
+    return Verdict.DIVERGED, tests, "not equivalent within the seeds' noise: " + "; ".join(t.describe() for t in failing)
 
 
 def replay_study(

@@ -22,7 +22,7 @@ from harness.judge.undetermined import looks_like_clock
 from harness.record import checkpoints as checkpoint_store, closing, loading, wholeness
 from harness.rundata import same_value, series
 from harness.runtime import boundaries, states
-from harness.runtime.plan import CheckpointPlan
+from harness.runtime.plan import LaunchPlan
 from harness.store.tracking import RunRecord, Tracker
 
 LIKELY_CAUSES = (
@@ -154,11 +154,11 @@ def prove(record: RunRecord, job: Job, directory: Path, earlier: int | None, ste
         # On through `step` without stopping where a metric's next value lies past the record: its tensors reported
         # at `step`, its values after it the ones the re-execution from `step` must log.
         stop = unrecorded if unrecorded > max(until or 0, step) else step
-        plans.append(CheckpointPlan(str(directory), 0, resume_step=earlier, stop_at=stop,
+        plans.append(LaunchPlan(str(directory), 0, resume_step=earlier, stop_at=stop,
                                     digest_at=step if stop > step else None))
         what.append(f"steps {earlier}-{stop} from the checkpoint of step {earlier}")
     if through is not None:
-        plans.append(CheckpointPlan(str(directory), 0, resume_step=step, stop_at=through))
+        plans.append(LaunchPlan(str(directory), 0, resume_step=step, stop_at=through))
         span = f"step {step}" if through - 1 == step else f"steps {step}-{through - 1}"
         what.append(f"{span} from the checkpoint of step {step}")
     if not plans:

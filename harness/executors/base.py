@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from harness import events
 from harness.events import Output, Submitted
 from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
-from harness.runtime.plan import UNSTEERED, Steering
+from harness.runtime.plan import UNSTEERED, LaunchPlan
 from harness.store.tracking import RunSummary, Tracker
 
 
@@ -162,7 +162,7 @@ class Job:
     record: Callable[[dict[str, str]], str] | None = None
     recorded: RunSummary | None = None  # replay/resume: the run whose image digest is reused
     resume_step: int | None = None
-    steering: Steering = UNSTEERED  # replay --steps K, a calibration member's nudge, the weights' sketch
+    steering: LaunchPlan = UNSTEERED  # its recorded part: replay --steps K, a calibration member's nudge, the weights' sketch
     topology: Topology = field(default_factory=Topology)
     placement: dict[str, str] = field(default_factory=dict)  # the backend's tags, from prepare()
     options: JobOptions = field(default_factory=JobOptions)  # the backend's own options type (Backend.options)
@@ -178,7 +178,7 @@ class Job:
     # harness calibrate: further members run by the same ranks after this job's own, each recorded as a run of its
     # own - (its steering, what creates its run as `record` does). Only a backend whose `Backend.runs_members` says
     # so takes them; its wait() sets `member_outcomes` (in order) beside the job's own outcome.
-    members: list[tuple[Steering, Callable[[dict[str, str]], str]]] = field(default_factory=list)
+    members: list[tuple[LaunchPlan, Callable[[dict[str, str]], str]]] = field(default_factory=list)
     member_ids: list[str] = field(default_factory=list)
     member_outcomes: list[Outcome] = field(default_factory=list)
 
@@ -332,7 +332,7 @@ class Backend:
     cli: tuple[CliOption, ...] = ()
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)
     # What the commands need to know of the backend's jobs, declared here so that none of them tests a backend's
-    # name (tests/test_architecture.py: harness.commands imports no backend module).
+    # name: the commands import no backend module (an import contract), so a new backend needs no command changed.
     ranks_here: bool = False  # the ranks run on this machine, under this process (its executor checks the device and
     # the entry's __main__ guard here), and torchrun may start this process as one of them
     early_ranks: bool = False  # its executor's start_here starts a single node's ranks (which import torch) before the

@@ -32,8 +32,9 @@ from harness.executors.remote import Ended, RemoteExecutor, RemoteHandle, execut
 from harness.record.recorder import ENV_DIGEST
 from harness.record.redaction import redact
 from harness.secrets import env_name_is_secret
-from harness.store.reach import SUPPRESS_URL, artifact_path, database_file
+from harness.store.probe import SUPPRESS_URL
 from harness.store.tracking import Tracker
+from harness.store.uris import artifact_path, database_file
 from harness.systems import docker
 
 WORKSPACE = "/workspace"  # where the code (repository root or replay worktree) is mounted

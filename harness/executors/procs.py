@@ -12,7 +12,8 @@ descriptor the launcher holds (its store's connections, the write end of the ran
 sees EOF) and whatever locks its threads held. A forkserver child gets only the descriptors passed to it, the
 server's signal handlers put back, and the launcher's sys.path and working directory (multiprocessing's spawn
 preparation); what the fork carries over besides - the server's environment, numpy's global RNG - the rank's entry
-(runtime/rank/child.py) resets to what a spawned rank would have (tests/test_launcher.py checks each against a spawned rank).
+(runtime/rank/child.py) resets to what a spawned rank would have, so a rank's arithmetic does not depend on how it
+was started.
 
 torch's `mp.spawn` is an import plus a little bookkeeping; this module is the bookkeeping: each process runs
 `fn(index, *args)`, an exception in it is written to the process's error file as its formatted traceback, and

@@ -47,7 +47,7 @@ from harness.executors.common import local_image_tags
 from harness.executors.multinode import node_topology
 from harness.executors.remote import Ended, RemoteExecutor, RemoteHandle, execute_command, this_python
 from harness.record.checkout import checkout
-from harness.store.reach import database_file
+from harness.store.uris import database_file
 
 
 @dataclass

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.fmt import fmt_short
-from harness.judge.rounding import _TINY, FLOOR_ULPS, SAFETY, MetricEnvelope, Outside, Series, _at, _distance
+from harness.judge.rounding import FLOOR_ULPS, SAFETY, TINY, MetricEnvelope, Outside, Series, abs_distance, series_at
 
 # Standard errors added to the fitted rate: the rate the window supports, not its point estimate.
 GROWTH_SIGMAS = 2.0
@@ -87,7 +87,7 @@ def growth(env: MetricEnvelope, m: int, safety: float | None = None, borrow: tup
     s, original, dev = s[keep], original[keep], dev[keep]
     if not s.size or not np.all(np.isfinite(dev)):
         return None
-    absolute = bool(np.any(original <= _TINY))
+    absolute = bool(np.any(original <= TINY))
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = dev if absolute else dev / original
     r = np.maximum.accumulate(rel)
@@ -157,15 +157,15 @@ def judge(name: str, growth_: Growth, original: Series, replay: Series, m: int,
     seed distance from the original per step (the carried envelope judges only the steps before it meets it).
     None where both runs logged no step >= `m`."""
     every = np.asarray(original[0])
-    ov, rv = _at(original, every), _at(replay, every)
+    ov, rv = series_at(original, every), series_at(replay, every)
     both = ov[0] & rv[0]
     every, o, r = every[both], ov[1][both], rv[1][both]
-    dist = _distance(o, r)
+    dist = abs_distance(o, r)
     # The replay's own widest relative distance before each step: rounding grows from where the replay is, at most
     # SAFETY x the members' rate per step, or jumps to where the members were (a flipped choice), not past both.
     value = np.abs(o)
     with np.errstate(invalid="ignore", divide="ignore"):
-        own = dist if growth_.absolute else np.where(value > _TINY, dist / np.maximum(value, _TINY), dist)
+        own = dist if growth_.absolute else np.where(value > TINY, dist / np.maximum(value, TINY), dist)
     prior = np.concatenate([[0.0], np.maximum.accumulate(own)[:-1]]) if own.size else own
     after = every >= m
     s, o, r, dist, prior, value = every[after], o[after], r[after], dist[after], prior[after], value[after]
@@ -177,7 +177,7 @@ def judge(name: str, growth_: Growth, original: Series, replay: Series, m: int,
     widths = np.maximum(np.minimum(growth_.half_widths(s, o), np.nan_to_num(jump, nan=np.inf)), floor)
     seeds_from = None
     if seeds_spread is not None:
-        found, spread = _at(seeds_spread, s)
+        found, spread = series_at(seeds_spread, s)
         met = found & (widths >= spread)
         if met.any():
             i = int(np.argmax(met))
@@ -217,7 +217,7 @@ def seeds_spread(original: Series, members: list[Series]) -> Series:
     s, v = np.asarray(original[0]), np.asarray(original[1], dtype=np.float64)
     widest = np.full(s.size, -np.inf)
     for member in members:
-        found, other = _at(member, s)
-        widest = np.where(found, np.maximum(widest, _distance(v, other)), widest)
+        found, other = series_at(member, s)
+        widest = np.where(found, np.maximum(widest, abs_distance(v, other)), widest)
     keep = widest >= 0  # -inf: no other seed logged the step
     return s[keep], widest[keep]

@@ -13,8 +13,8 @@ from typing import Any
 from harness import tags as T
 from harness.errors import HarnessError, UsageError
 from harness.fmt import json_float
-from harness.judge.compare import WITHIN_NOISE
 from harness.judge.perf import MEDIAN_OF
+from harness.judge.verdicts import Verdict as ReplayVerdict
 from harness.rundata import RunRecord, RunSummary, wall_clock
 
 VALUES = ("final", "max", "min")  # per run: the value at the last step, or the best over all steps
@@ -277,7 +277,7 @@ def _rtol(path: Path, where: str, metric: str, text: str | None, paper: Printed,
 HOLDS = "HOLDS"
 # A mean over seeds printed otherwise than recorded, but where the mean of another N seeds could land
 # (noise.another_mean): the claim stands, the printed digits are not these runs'. It holds.
-CLAIM_WITHIN_NOISE = WITHIN_NOISE
+CLAIM_WITHIN_NOISE = ReplayVerdict.WITHIN_NOISE
 MISPRINTED = "MISPRINTED"  # the printed number (or its +-) is not what the runs produced, nor within their noise
 NOT_REPRODUCED = "NOT_REPRODUCED"  # printed correctly, but the replay DIVERGED or had nothing to compare
 # The facts shown per run in the report's environment section: (label, tag).

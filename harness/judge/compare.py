@@ -20,37 +20,26 @@ from harness.fmt import fmt_short, json_safe, the
 from harness.judge.dataorder import DataOrderDiff, diff_data_order
 from harness.judge.decisive import first_decisive
 from harness.judge.delta import ConfigChange, FactDelta, config_delta, environment_delta
-from harness.judge.fingerprints import FingerprintStats, _compare_fingerprints
+from harness.judge.fingerprints import FingerprintStats, compare_fingerprints
 from harness.judge.metricdiff import (
     KIND_FINGERPRINT,
     KIND_REPLAY_FAILED,
     MLFLOW_STEP,
     Divergence,
     MetricStats,
-    _compare_metric,
-    _metric_only_in_one,
-    _upto,
     as_series,
+    compare_metric,
+    metric_only_in_one,
+    up_to,
 )
 from harness.judge.noise import NoiseJudgement
 from harness.judge.perf import SpeedDelta, speed_delta
 from harness.judge.rounding import RoundingJudgement
 from harness.judge.tensordiff import CheckpointDiff, diff_checkpoints
-from harness.judge.tolerance import _tolerance_for, judged_tolerance, never_judged, weights_may_differ
+from harness.judge.tolerance import judged_tolerance, never_judged, tolerance_for, weights_may_differ
 from harness.judge.undetermined import looks_like_clock, not_determined
-from harness.judge.verdicts import Policy, Verdict, exit_code, meets, verdicts
+from harness.judge.verdicts import Policy, Verdict, exit_code, meets
 from harness.rundata import RunRecord, UiLinks, own_metric
-
-# The verdicts, by their names here too (harness/judge/verdicts.py holds them, their exit codes and policies).
-BITWISE = Verdict.BITWISE
-WITHIN_ROUNDING = Verdict.WITHIN_ROUNDING
-WITHIN_TOLERANCE = Verdict.WITHIN_TOLERANCE
-WITHIN_NOISE = Verdict.WITHIN_NOISE
-DIVERGED = Verdict.DIVERGED
-INCONCLUSIVE = Verdict.INCONCLUSIVE
-NOTHING_TO_COMPARE = Verdict.NOTHING_TO_COMPARE
-VERDICTS = tuple(Verdict)
-REPRODUCED = verdicts(Policy.REPRODUCED)  # exit 0
 
 
 @dataclass
@@ -121,11 +110,11 @@ class Comparison:
     def summary(self) -> str:
         """The verdict in one line, with what limits it (an incomplete original, weights that never changed)."""
         line = self._verdict_line()
-        if self.rounding is not None and self.rounding.within and self.verdict != WITHIN_ROUNDING:
+        if self.rounding is not None and self.rounding.within and self.verdict != Verdict.WITHIN_ROUNDING:
             # The envelope held over its steps; what came after decided (the tolerance, or the seeds' noise).
             by = "the seeds' noise" if self.noise is not None else "the tolerance"
             line += f"; {self.rounding.after_line(by, self.run_a)}"
-            if self.verdict == DIVERGED and self.noise is None and not self.rounding.blown_up:
+            if self.verdict == Verdict.DIVERGED and self.noise is None and not self.rounding.blown_up:
                 # Most often one ulp after the calibrated steps, judged bit for bit: the fix is a longer envelope.
                 line += (f" (to hold them to rounding too: harness calibrate {self.run_a} --steps N, up to the run's "
                          "steps; or replay --tolerance METRIC=ATOL,RTOL)")
@@ -148,7 +137,7 @@ class Comparison:
         head = f"{self.verdict}:"
         line = (f"{self.verdict} {reached.clause()}:{line[len(head):]}" if line.startswith(head)
                 else f"{line} ({reached.clause()})")
-        if self.verdict == DIVERGED:
+        if self.verdict == Verdict.DIVERGED:
             return line
         if self.fingerprints.final_equal is None:
             held = self.rounding.weights if self.rounding is not None else None
@@ -162,7 +151,7 @@ class Comparison:
     def checkpoint_lines(self) -> list[str]:
         """Where the weights parted, for the verdict output: said on a divergence, or whenever tensors differ."""
         ck = self.checkpoints
-        if ck is None or (self.verdict != DIVERGED and ck.first_diff_step is None and not ck.desynced_ranks):
+        if ck is None or (self.verdict != Verdict.DIVERGED and ck.first_diff_step is None and not ck.desynced_ranks):
             return []
         lines = [ck.describe(self.labels)]
         for label, steps in ck.desynced_ranks.items():
@@ -182,10 +171,10 @@ class Comparison:
         return ""
 
     def _verdict_line(self) -> str:
-        if self.verdict == NOTHING_TO_COMPARE:
-            return (f"{NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
+        if self.verdict == Verdict.NOTHING_TO_COMPARE:
+            return (f"{Verdict.NOTHING_TO_COMPARE}: there was nothing to compare (no metrics, no fingerprints): "
                     "log metrics with ctx.log and register the model with ctx.ddp")
-        if self.verdict == WITHIN_ROUNDING and self.rounding is not None:
+        if self.verdict == Verdict.WITHIN_ROUNDING and self.rounding is not None:
             # The training code's metrics: harness's learning rate is the recorded one, bit for bit, or this is no
             # rounding.
             mine = [m for m in self.metrics if not own_metric(m.name)] or self.metrics
@@ -200,27 +189,27 @@ class Comparison:
                 what = f"{shape} bit-identical, the weights not"
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "in the same environment (the machine's own run-to-run variation)"
-            return f"{WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}{self._weights_as_members()}"
-        if self.verdict == INCONCLUSIVE and self.noise is None and self.rounding and self.rounding.undecided():
-            return f"{INCONCLUSIVE}: {self.rounding.undecided_line(self.run_a)}"
-        if self.verdict == INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
-            return (f"{INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "
+            return f"{Verdict.WITHIN_ROUNDING}: {what}, {self.rounding.headline()}; {why}{self._weights_as_members()}"
+        if self.verdict == Verdict.INCONCLUSIVE and self.noise is None and self.rounding and self.rounding.undecided():
+            return f"{Verdict.INCONCLUSIVE}: {self.rounding.undecided_line(self.run_a)}"
+        if self.verdict == Verdict.INCONCLUSIVE and self.noise is not None and self.noise.power is not None:
+            return (f"{Verdict.INCONCLUSIVE}: inside the noise of {self.noise.seeds} seeds, but {self.noise.power.describe()}; "
                     f"first outside the tolerance {self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
-        if self.verdict == WITHIN_NOISE and self.noise is not None:
+        if self.verdict == Verdict.WITHIN_NOISE and self.noise is not None:
             n = len(self.bitwise_blockers)
             why = f"bitwise impossible ({_changes(n)})" if n else "the config changed"
-            return (f"{WITHIN_NOISE}: {self.noise.headline()}; {why}, first outside the tolerance "
+            return (f"{Verdict.WITHIN_NOISE}: {self.noise.headline()}; {why}, first outside the tolerance "
                     f"{self.divergence.describe(self.labels) if self.divergence else 'nowhere'}")
-        if self.verdict == DIVERGED and self.divergence is not None:
+        if self.verdict == Verdict.DIVERGED and self.divergence is not None:
             if self.divergence.kind == KIND_REPLAY_FAILED:
-                return f"{DIVERGED}: {self.divergence.describe(self.labels)}"
-            line = f"{DIVERGED} {self.divergence.describe(self.labels)}"
+                return f"{Verdict.DIVERGED}: {self.divergence.describe(self.labels)}"
+            line = f"{Verdict.DIVERGED} {self.divergence.describe(self.labels)}"
             return line if self.noise is None else f"{line}; {self.noise.headline()}"
         shape = _shape(self.metrics)
         fps = self.fingerprints
-        if self.verdict == BITWISE:
+        if self.verdict == Verdict.BITWISE:
             same = _shape([m for m in self.metrics if m.name not in self.undetermined])
-            line = f"{BITWISE}: {same} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
+            line = f"{Verdict.BITWISE}: {same} bit-identical, {fps.compared} fingerprint{'' if fps.compared == 1 else 's'} equal"
             if self.bitwise_blockers:
                 names = [d.name for d in self.delta if d.breaks_bitwise]
                 line += f"; bitwise despite {_changes(len(names))}: {', '.join(names)}"
@@ -309,13 +298,13 @@ def follows(judged: str, recorded: str, calibrated: bool, studied: bool, undeter
     DIVERGED into WITHIN_NOISE or INCONCLUSIVE: those are read from runs a bundle need not carry. `undetermined`: the
     judgement is BITWISE naming values the training does not determine (Comparison.undetermined), which a harness
     without that rule recorded as DIVERGED on those values - the stricter verdict on the same evidence."""
-    if judged == recorded or (undetermined and judged == BITWISE and recorded == DIVERGED):
+    if judged == recorded or (undetermined and judged == Verdict.BITWISE and recorded == Verdict.DIVERGED):
         return True
     if meets(judged, Policy.SETTLED) or meets(recorded, Policy.SETTLED):
         return False
     if calibrated:
         return True
-    return studied and judged == DIVERGED and recorded in (WITHIN_NOISE, INCONCLUSIVE)
+    return studied and judged == Verdict.DIVERGED and recorded in (Verdict.WITHIN_NOISE, Verdict.INCONCLUSIVE)
 
 
 def compare_runs(
@@ -326,7 +315,7 @@ def compare_runs(
     incomplete_original: bool = False,
     first_steps: int | None = None,
 ) -> Comparison:
-    """Compare a replay with its original and give the verdict (one of VERDICTS).
+    """Compare a replay with its original and give the verdict (a Verdict).
 
     With `incomplete_original` (a FAILED or KILLED original), only the steps the original reached
     are judged, and its missing final fingerprint is no divergence. With `first_steps` K (replay --steps K),
@@ -338,161 +327,23 @@ def compare_runs(
     labels = ("original", "replay") if of_replay else ("run A", "run B")
     delta = environment_delta(original, replay, labels)
     blockers = [f"{d.name}: {d.note}" for d in delta if d.breaks_bitwise]
-    notes = [
-        f"metrics of {the(label)} {rec.run_id} were read from MLflow's metric history ({tags.ARTIFACT_SERIES} is missing), "
-        "which stores +-inf as +-1.8e308: such values are not counted as bit-identical"
-        for label, rec in zip(labels, (original, replay)) if not rec.metrics_exact
-    ]
-    if bool(original.config) != bool(replay.config):
-        notes.append(f"config recorded in {the(labels[0] if original.config else labels[1])} only: no config delta")
-
-    orig_metrics = {k: as_series(*v) for k, v in original.metrics.items()}
-    rep_metrics = {k: as_series(*v) for k, v in replay.metrics.items()}
-    # A key with no logged values carries no evidence; treat it as absent.
-    orig_metrics = {k: v for k, v in orig_metrics.items() if v[0].size}
-    rep_metrics = {k: v for k, v in rep_metrics.items() if v[0].size}
-    unjudged = sorted(k for k in orig_metrics.keys() | rep_metrics.keys() if never_judged(tol, k))
-    if unjudged:
-        notes.append(f"{', '.join(unjudged)} not judged: {'its' if len(unjudged) == 1 else 'their'} tolerance is inf")
-        orig_metrics = {k: v for k, v in orig_metrics.items() if k not in unjudged}
-        rep_metrics = {k: v for k, v in rep_metrics.items() if k not in unjudged}
-    evaluation = evaluation_keys(original, replay)
-    own = {k: counts for k, counts in evaluation.items() if counts != tags.EVAL_AT_STEP}
-    reached = None
-    if incomplete_original or first_steps is not None:
-        # The script's own MLflow metrics are at its own steps (an epoch, MLflow's default 0), not training steps: a
-        # cut by training step cannot tell which of them the original had logged by then.
-        direct = sorted(user_mlflow_metrics(original, replay) & (orig_metrics.keys() | rep_metrics.keys()))
-        if direct:
-            notes.append(f"{', '.join(direct)} (logged through MLflow at the script's own steps) not compared: only a "
-                         "whole run's are")
-            orig_metrics = {k: v for k, v in orig_metrics.items() if k not in direct}
-            rep_metrics = {k: v for k, v in rep_metrics.items() if k not in direct}
-    stepped = {k: v for k, v in orig_metrics.items() if k not in own}  # the original's values at training steps
-    if incomplete_original:
-        last = max((int(s[-1]) for s, _ in stepped.values()), default=-1)
-        rep_metrics = {**_upto(_without(rep_metrics, own), last), **_as_far(rep_metrics, orig_metrics, own)}
-        steps = np.unique(np.concatenate([s for s, _ in stepped.values()])) if stepped else np.empty(0)
-        reached = Reached(original.status, len(steps))
-    elif first_steps is not None:
-        # An index of its own is no step: the replay's values of one are what it logged before step K.
-        orig_metrics = {**_upto(stepped, first_steps - 1), **_as_far(orig_metrics, rep_metrics, own)}
-        rep_metrics = {**_upto(_without(rep_metrics, own), first_steps - 1), **_only(rep_metrics, own)}
-        reached = FirstSteps(original.status, first_steps, original_steps(original))
-    clamped = (not original.metrics_exact, not replay.metrics_exact)
-
-    stats: list[MetricStats] = []
-    firsts: list[Divergence] = []
-    div: Divergence | None
-    for name in sorted(orig_metrics.keys() | rep_metrics.keys()):
-        if own_metric(name) and (name in orig_metrics) != (name in rep_metrics):
-            # harness's own metric (the learning rate) in one run only: the other was recorded before harness logged
-            # it, or stepped no optimizer (which its other values and weights show).
-            notes.append(f"{name} recorded by {the(labels[0] if name in orig_metrics else labels[1])} only: not compared")
-            continue
-        rtol, atol = _tolerance_for(tol, name)
-        if name not in rep_metrics:
-            st, div = _metric_only_in_one(name, *orig_metrics[name], True, rtol, atol)
-        elif name not in orig_metrics:
-            st, div = _metric_only_in_one(name, *rep_metrics[name], False, rtol, atol)
-        else:
-            st, div = _compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol, clamped)
-        st.evaluation, st.counts = name in evaluation, own.get(name)
-        stats.append(st)
-        if div is not None:
-            div.counts = own.get(name)
-            firsts.append(div)
-
-    # Smallest step wins, ties by metric name (stats are already in name order). A value at an index of its own (an
-    # evaluation batch's, or a metric the script logged through MLflow at steps of its own) decides only where no
-    # training step differs: its index cannot be set against training steps. A metric named like a clock (mfu,
-    # train_runtime) decides only where no other metric differs: a clock differs whenever anything else does.
-    own_steps = user_mlflow_metrics(original, replay)
-    for d in firsts:
-        if d.metric in own_steps:
-            d.counts = MLFLOW_STEP
-    metric_div = (min(firsts, key=lambda d: (looks_like_clock(d.metric or ""), d.counts is not None, d.step,
-                                             d.metric or "")) if firsts else None)
-    clocks_only = bool(firsts) and all(looks_like_clock(d.metric or "") for d in firsts)
-    fps = _compare_fingerprints(original, replay, incomplete_original, first_steps)
-
-    failure = replay_failed
-    if failure is None and replay.status != tags.FINISHED:
-        reason = replay.facts.get(tags.STATUS_REASON)
-        failure = f"{labels[1]} status {replay.status}" + (f" ({reason})" if reason else "")
-    failed_alike = bool(
-        incomplete_original and failure is not None and replay.status == original.status
-        and replay.facts.get(tags.STATUS_REASON) is not None
-        and replay.facts.get(tags.STATUS_REASON) == original.facts.get(tags.STATUS_REASON)
-    )
-    if failed_alike:
-        # A deterministic failure that recurs at the same point, for the same reason, is reproduced too.
-        notes.append(f"{the(labels[1])} failed as {the(labels[0])} did: {replay.facts[tags.STATUS_REASON]}")
-        failure = None
-
-    last_step = max((int(s[-1]) for s, _ in stepped.values()), default=None) if incomplete_original else None
-    if first_steps is not None:  # a checkpoint of step K holds the weights after the K steps both ran
-        checkpoints = diff_checkpoints(original, replay, labels, first_steps)
-        data_order = diff_data_order(original, replay, labels, first_steps - 1)
-    else:
-        checkpoints = diff_checkpoints(original, replay, labels, last_step)
-        data_order = diff_data_order(original, replay, labels, last_step)
+    notes = _record_notes(original, replay, labels)
+    series = _judged_series(original, replay, tol, notes, incomplete_original, first_steps)
+    stats, firsts = _metric_stats(series, tol, (not original.metrics_exact, not replay.metrics_exact), labels, notes)
+    fps = compare_fingerprints(original, replay, incomplete_original, first_steps)
+    failure, failed_alike = _failure(original, replay, replay_failed, incomplete_original, labels, notes)
+    # Where the judged steps end: a checkpoint of step K holds the weights after the K steps both ran.
+    last_step = (max((int(s[-1]) for s, _ in series.stepped.values()), default=None)
+                 if incomplete_original and first_steps is None else None)
+    checkpoints = diff_checkpoints(original, replay, labels, first_steps if first_steps is not None else last_step)
+    data_order = diff_data_order(original, replay, labels, first_steps - 1 if first_steps is not None else last_step)
     unchanged = [label for label, rec in zip(labels, (original, replay)) if rec.facts.get(tags.WEIGHTS_CHANGED) == "false"]
     undetermined = not_determined(stats, fps, failed=failure is not None, weights_unchanged=bool(unchanged),
                                   checkpoints=checkpoints, data_order=data_order)
-    weights_differ = not fps.all_equal and not weights_may_differ(tol)
     decisive = first_decisive(firsts, data_order, original.facts.get(tags.SEED) == replay.facts.get(tags.SEED))
-
-    divergence: Divergence | None
-    if failure is not None:
-        detail = f"{labels[1]} failed: {failure}"
-        if metric_div is not None:
-            detail += f"; first metric difference {metric_div.describe(labels)}"
-            divergence = Divergence(KIND_REPLAY_FAILED, metric_div.step, metric_div.metric, metric_div.original,
-                                    metric_div.replay, metric_div.abs_diff, metric_div.rel_diff, detail,
-                                    metric_div.counts)
-        else:
-            divergence = Divergence(KIND_REPLAY_FAILED, None, detail=detail)
-        verdict = DIVERGED
-    elif decisive is not None:
-        # A value neither rounding nor a seed moves (the learning rate, the data order) decides, at its step, what
-        # else differed and whatever an envelope or a study would say (harness/judge/decisive.py).
-        divergence, verdict = decisive, DIVERGED
-    elif not stats and fps.compared == 0:
-        divergence, verdict = None, NOTHING_TO_COMPARE
-    elif undetermined and metric_div is not None:
-        # The weights and every other value bit-identical: what differs is no function of the training. (Values that
-        # differ within their tolerance stay WITHIN_TOLERANCE, a pass already.)
-        divergence, verdict = None, BITWISE
-    elif metric_div is not None and not (clocks_only and weights_differ):
-        divergence, verdict = metric_div, DIVERGED
-        if clocks_only:
-            notes.append(_clock_hint(sorted({d.metric or "" for d in firsts})))
-    elif weights_differ:
-        # Other weights are never within a tolerance set for the metrics: a fingerprint is a digest, so how far the
-        # weights moved cannot be judged from it. Only an explicit weights=any leaves them to the metrics.
-        if fps.first_mismatch_step is not None:
-            step = fps.first_mismatch_step
-            detail = f"{original.fingerprints.get(step, 'none')[:12]} vs {replay.fingerprints.get(step, 'none')[:12]}"
-        elif first_steps is not None:  # the replay's weights after K steps against the original's checkpoint of K
-            step = first_steps
-            detail = (f"after {first_steps} steps: the original's checkpoint {original.checkpoints[first_steps][:12]} "
-                      f"vs {(replay.final_fingerprint or 'none')[:12]}")
-        else:
-            step = None
-            detail = f"final {(original.final_fingerprint or 'none')[:12]} vs {(replay.final_fingerprint or 'none')[:12]}"
-        if clocks_only:
-            detail += f"; besides, {', '.join(sorted({d.metric or '' for d in firsts}))} (named like a clock) differ"
-        elif stats and not all(s.bitwise_equal for s in stats):
-            detail += "; every metric within its tolerance: --tolerance weights=any would let the metrics decide"
-        divergence, verdict = Divergence(KIND_FINGERPRINT, step, detail=detail), DIVERGED
-    else:
-        divergence = None
-        # What was observed decides: bit-identical values and fingerprints are BITWISE even where the delta
-        # predicted otherwise (the changes are listed beside it).
-        exact = all(s.bitwise_equal for s in stats) and fps.all_equal
-        verdict = BITWISE if exact else WITHIN_TOLERANCE
-
+    divergence, verdict = _decide(original, replay, labels, stats, firsts, fps, failure, decisive,
+                                  bool(undetermined), not fps.all_equal and not weights_may_differ(tol), first_steps,
+                                  notes)
     return Comparison(
         checkpoints=checkpoints,
         data_order=data_order,
@@ -509,12 +360,195 @@ def compare_runs(
         config_delta=config_delta(original.config, replay.config, original.facts, replay.facts),
         of_replay=of_replay,
         weights_unchanged_in=unchanged,
-        reached=reached,
+        reached=series.reached,
         notes=notes,
         failed_alike=failed_alike,
         speed=speed_delta(original, replay, labels),
-        undetermined=undetermined if verdict == BITWISE else [],
+        undetermined=undetermined if verdict == Verdict.BITWISE else [],
     )
+
+
+def _record_notes(original: RunRecord, replay: RunRecord, labels: tuple[str, str]) -> list[str]:
+    """What the two records leave out that the judgement cannot see: exact series, a config."""
+    notes = [
+        f"metrics of {the(label)} {rec.run_id} were read from MLflow's metric history ({tags.ARTIFACT_SERIES} is missing), "
+        "which stores +-inf as +-1.8e308: such values are not counted as bit-identical"
+        for label, rec in zip(labels, (original, replay)) if not rec.metrics_exact
+    ]
+    if bool(original.config) != bool(replay.config):
+        notes.append(f"config recorded in {the(labels[0] if original.config else labels[1])} only: no config delta")
+    return notes
+
+
+@dataclass
+class _Series:
+    """The metric series a comparison judges, cut to the steps both runs are held to."""
+
+    original: dict[str, tuple[np.ndarray, np.ndarray]]
+    replay: dict[str, tuple[np.ndarray, np.ndarray]]
+    evaluation: dict[str, str]  # every evaluation metric, and the index it counts (tags.EVAL_AT_STEP: training steps)
+    own: dict[str, str]  # the evaluation metrics at an index of their own (not training steps)
+    stepped: dict[str, tuple[np.ndarray, np.ndarray]]  # the original's values at training steps
+    reached: Reached | None = None
+
+
+def _judged_series(original: RunRecord, replay: RunRecord, tol: Mapping[str, Any], notes: list[str],
+                   incomplete_original: bool, first_steps: int | None) -> _Series:
+    """Both runs' metric series that are judged: none without values, none whose tolerance is inf, and, for an
+    incomplete original or replay --steps K, only the steps both runs are held to (said in `notes`)."""
+    # A key with no logged values carries no evidence; treat it as absent.
+    orig_metrics = {k: s for k, v in original.metrics.items() if (s := as_series(*v))[0].size}
+    rep_metrics = {k: s for k, v in replay.metrics.items() if (s := as_series(*v))[0].size}
+    unjudged = sorted(k for k in orig_metrics.keys() | rep_metrics.keys() if never_judged(tol, k))
+    if unjudged:
+        notes.append(f"{', '.join(unjudged)} not judged: {'its' if len(unjudged) == 1 else 'their'} tolerance is inf")
+    if incomplete_original or first_steps is not None:
+        # The script's own MLflow metrics are at its own steps (an epoch, MLflow's default 0), not training steps: a
+        # cut by training step cannot tell which of them the original had logged by then.
+        direct = sorted((user_mlflow_metrics(original, replay) & (orig_metrics.keys() | rep_metrics.keys()))
+                        - set(unjudged))
+        if direct:
+            notes.append(f"{', '.join(direct)} (logged through MLflow at the script's own steps) not compared: only a "
+                         "whole run's are")
+        unjudged += direct
+    orig_metrics = {k: v for k, v in orig_metrics.items() if k not in unjudged}
+    rep_metrics = {k: v for k, v in rep_metrics.items() if k not in unjudged}
+    evaluation = evaluation_keys(original, replay)
+    own = {k: counts for k, counts in evaluation.items() if counts != tags.EVAL_AT_STEP}
+    out = _Series(orig_metrics, rep_metrics, evaluation, own, {k: v for k, v in orig_metrics.items() if k not in own})
+    if incomplete_original:
+        last = max((int(s[-1]) for s, _ in out.stepped.values()), default=-1)
+        out.replay = {**up_to(_without(rep_metrics, own), last), **_as_far(rep_metrics, orig_metrics, own)}
+        steps = np.unique(np.concatenate([s for s, _ in out.stepped.values()])) if out.stepped else np.empty(0)
+        out.reached = Reached(original.status, len(steps))
+    elif first_steps is not None:
+        # An index of its own is no step: the replay's values of one are what it logged before step K.
+        out.original = {**up_to(out.stepped, first_steps - 1), **_as_far(orig_metrics, rep_metrics, own)}
+        out.replay = {**up_to(_without(rep_metrics, own), first_steps - 1), **_only(rep_metrics, own)}
+        out.reached = FirstSteps(original.status, first_steps, original_steps(original))
+    return out
+
+
+def _metric_stats(series: _Series, tol: Mapping[str, Any], clamped: tuple[bool, bool], labels: tuple[str, str],
+                  notes: list[str]) -> tuple[list[MetricStats], list[Divergence]]:
+    """Each judged metric held to its tolerance, in name order: its stats, and the first divergence of each that has
+    one. `clamped`: whether each run's series were read back from MLflow's history (inf clamped)."""
+    stats: list[MetricStats] = []
+    firsts: list[Divergence] = []
+    div: Divergence | None
+    orig_metrics, rep_metrics = series.original, series.replay
+    for name in sorted(orig_metrics.keys() | rep_metrics.keys()):
+        if own_metric(name) and (name in orig_metrics) != (name in rep_metrics):
+            # harness's own metric (the learning rate) in one run only: the other was recorded before harness logged
+            # it, or stepped no optimizer (which its other values and weights show).
+            notes.append(f"{name} recorded by {the(labels[0] if name in orig_metrics else labels[1])} only: not compared")
+            continue
+        rtol, atol = tolerance_for(tol, name)
+        if name not in rep_metrics:
+            st, div = metric_only_in_one(name, *orig_metrics[name], True, rtol, atol)
+        elif name not in orig_metrics:
+            st, div = metric_only_in_one(name, *rep_metrics[name], False, rtol, atol)
+        else:
+            st, div = compare_metric(name, *orig_metrics[name], *rep_metrics[name], rtol, atol, clamped)
+        st.evaluation, st.counts = name in series.evaluation, series.own.get(name)
+        stats.append(st)
+        if div is not None:
+            div.counts = series.own.get(name)
+            firsts.append(div)
+    return stats, firsts
+
+
+def _failure(original: RunRecord, replay: RunRecord, replay_failed: str | None, incomplete_original: bool,
+             labels: tuple[str, str], notes: list[str]) -> tuple[str | None, bool]:
+    """(how the replay failed, None: it did not; whether it failed as the incomplete original did, which is no
+    failure: a deterministic failure that recurs at the same point, for the same reason, is reproduced too)."""
+    failure = replay_failed
+    if failure is None and replay.status != tags.FINISHED:
+        reason = replay.facts.get(tags.STATUS_REASON)
+        failure = f"{labels[1]} status {replay.status}" + (f" ({reason})" if reason else "")
+    failed_alike = bool(
+        incomplete_original and failure is not None and replay.status == original.status
+        and replay.facts.get(tags.STATUS_REASON) is not None
+        and replay.facts.get(tags.STATUS_REASON) == original.facts.get(tags.STATUS_REASON)
+    )
+    if failed_alike:
+        notes.append(f"{the(labels[1])} failed as {the(labels[0])} did: {replay.facts[tags.STATUS_REASON]}")
+        return None, True
+    return failure, False
+
+
+def _first_metric_divergence(original: RunRecord, replay: RunRecord, firsts: list[Divergence]) -> Divergence | None:
+    """Smallest step wins, ties by metric name (`firsts` is in name order). A value at an index of its own (an
+    evaluation batch's, or a metric the script logged through MLflow at steps of its own) decides only where no
+    training step differs: its index cannot be set against training steps. A metric named like a clock (mfu,
+    train_runtime) decides only where no other metric differs: a clock differs whenever anything else does."""
+    own_steps = user_mlflow_metrics(original, replay)
+    for d in firsts:
+        if d.metric in own_steps:
+            d.counts = MLFLOW_STEP
+    return (min(firsts, key=lambda d: (looks_like_clock(d.metric or ""), d.counts is not None, d.step, d.metric or ""))
+            if firsts else None)
+
+
+def _decide(original: RunRecord, replay: RunRecord, labels: tuple[str, str], stats: list[MetricStats],
+            firsts: list[Divergence], fps: FingerprintStats, failure: str | None, decisive: Divergence | None,
+            undetermined: bool, weights_differ: bool, first_steps: int | None,
+            notes: list[str]) -> tuple[Divergence | None, Verdict]:
+    """The verdict, and the divergence that decides it, from what was compared: a failure first, then a decisive
+    value, then the metrics, then the weights."""
+    metric_div = _first_metric_divergence(original, replay, firsts)
+    clocks_only = bool(firsts) and all(looks_like_clock(d.metric or "") for d in firsts)
+    if failure is not None:
+        detail = f"{labels[1]} failed: {failure}"
+        if metric_div is None:
+            return Divergence(KIND_REPLAY_FAILED, None, detail=detail), Verdict.DIVERGED
+        detail += f"; first metric difference {metric_div.describe(labels)}"
+        return Divergence(KIND_REPLAY_FAILED, metric_div.step, metric_div.metric, metric_div.original,
+                          metric_div.replay, metric_div.abs_diff, metric_div.rel_diff, detail,
+                          metric_div.counts), Verdict.DIVERGED
+    if decisive is not None:
+        # A value neither rounding nor a seed moves (the learning rate, the data order) decides, at its step, what
+        # else differed and whatever an envelope or a study would say (harness/judge/decisive.py).
+        return decisive, Verdict.DIVERGED
+    if not stats and fps.compared == 0:
+        return None, Verdict.NOTHING_TO_COMPARE
+    if undetermined and metric_div is not None:
+        # The weights and every other value bit-identical: what differs is no function of the training. (Values that
+        # differ within their tolerance stay WITHIN_TOLERANCE, a pass already.)
+        return None, Verdict.BITWISE
+    if metric_div is not None and not (clocks_only and weights_differ):
+        if clocks_only:
+            notes.append(_clock_hint(sorted({d.metric or "" for d in firsts})))
+        return metric_div, Verdict.DIVERGED
+    if weights_differ:
+        return _weights_divergence(original, replay, fps, first_steps, stats, firsts, clocks_only), Verdict.DIVERGED
+    # What was observed decides: bit-identical values and fingerprints are BITWISE even where the delta
+    # predicted otherwise (the changes are listed beside it).
+    exact = all(s.bitwise_equal for s in stats) and fps.all_equal
+    return None, Verdict.BITWISE if exact else Verdict.WITHIN_TOLERANCE
+
+
+def _weights_divergence(original: RunRecord, replay: RunRecord, fps: FingerprintStats, first_steps: int | None,
+                        stats: list[MetricStats], firsts: list[Divergence], clocks_only: bool) -> Divergence:
+    """Where the weights first differed. Other weights are never within a tolerance set for the metrics: a fingerprint
+    is a digest, so how far the weights moved cannot be judged from it. Only an explicit weights=any leaves them to
+    the metrics."""
+    step: int | None
+    if fps.first_mismatch_step is not None:
+        step = fps.first_mismatch_step
+        detail = f"{original.fingerprints.get(step, 'none')[:12]} vs {replay.fingerprints.get(step, 'none')[:12]}"
+    elif first_steps is not None:  # the replay's weights after K steps against the original's checkpoint of K
+        step = first_steps
+        detail = (f"after {first_steps} steps: the original's checkpoint {original.checkpoints[first_steps][:12]} "
+                  f"vs {(replay.final_fingerprint or 'none')[:12]}")
+    else:
+        step = None
+        detail = f"final {(original.final_fingerprint or 'none')[:12]} vs {(replay.final_fingerprint or 'none')[:12]}"
+    if clocks_only:
+        detail += f"; besides, {', '.join(sorted({d.metric or '' for d in firsts}))} (named like a clock) differ"
+    elif stats and not all(s.bitwise_equal for s in stats):
+        detail += "; every metric within its tolerance: --tolerance weights=any would let the metrics decide"
+    return Divergence(KIND_FINGERPRINT, step, detail=detail)
 
 
 def _clock_hint(names: list[str]) -> str:

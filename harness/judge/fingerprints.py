@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.judge.metricdiff import _upto
+from harness.judge.metricdiff import up_to
 from harness.rundata import RunRecord
 
 
@@ -22,7 +22,7 @@ class FingerprintStats:
         return self.compared == self.equal
 
 
-def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bool = False,
+def compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bool = False,
                           first: int | None = None) -> FingerprintStats:
     """`first` (replay --steps K): only the fingerprints of steps < K, and the replay's last weights (after K steps)
     held to the original's checkpoint of step K where one is recorded - the original's final weights are not K's."""
@@ -32,7 +32,7 @@ def _compare_fingerprints(original: RunRecord, replay: RunRecord, incomplete: bo
         last = max(fa, default=-1)
         fb = {k: v for k, v in fb.items() if k <= last}
     elif first is not None:
-        fa, fb = _upto(fa, first - 1), _upto(fb, first - 1)
+        fa, fb = up_to(fa, first - 1), up_to(fb, first - 1)
     stats = FingerprintStats()
     for step in sorted(fa.keys() | fb.keys()):
         stats.compared += 1

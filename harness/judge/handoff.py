@@ -11,29 +11,20 @@ import numpy as np
 
 from harness.fmt import the
 from harness.judge import carried, noise, rounding
-from harness.judge.compare import (
-    DIVERGED,
-    INCONCLUSIVE,
-    WITHIN_NOISE,
-    WITHIN_ROUNDING,
-    WITHIN_TOLERANCE,
-    Comparison,
-    FirstSteps,
-    user_mlflow_metrics,
-)
+from harness.judge.compare import Comparison, FirstSteps, user_mlflow_metrics
 from harness.judge.decisive import named
 from harness.judge.metricdiff import (
     KIND_FINGERPRINT,
     KIND_ROUNDING,
     KIND_VALUE,
     Divergence,
-    _compare_metric,
-    _upto,
     as_series,
+    compare_metric,
+    up_to,
 )
 from harness.judge.rounding import Envelope
-from harness.judge.tolerance import _tolerance_for, never_judged, weights_may_differ
-from harness.judge.verdicts import Policy, meets
+from harness.judge.tolerance import never_judged, tolerance_for, weights_may_differ
+from harness.judge.verdicts import Policy, Verdict, meets
 from harness.judge.weightdistance import Distance
 from harness.rundata import RunRecord
 
@@ -63,7 +54,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     orig = {k: as_series(*v) for k, v in original.metrics.items() if k in compared}
     rep = {k: as_series(*v) for k, v in replay.metrics.items() if k in compared}
     if first_steps is not None:
-        orig, rep = _upto(orig, first_steps - 1), _upto(rep, first_steps - 1)
+        orig, rep = up_to(orig, first_steps - 1), up_to(rep, first_steps - 1)
     m = envelope.steps
     blown = envelope.blown_up()
     if blown is not None:  # an envelope of inf from there would hold any replay: it holds the steps before only
@@ -93,7 +84,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
     cmp.rounding = judged
     outside = judged.first()
     if outside is None and judged.weights is not None and not judged.weights.inside:
-        cmp.verdict = DIVERGED
+        cmp.verdict = Verdict.DIVERGED
         cmp.divergence = Divergence(KIND_ROUNDING, judged.weights.step, detail=(
             f"at step {judged.weights.step}: {judged.weights.describe()}, outside {judged.describe_envelope()} "
             f"(calibration {envelope.calibration_id})"))
@@ -102,7 +93,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
         rel = outside.distance / abs(outside.original) if outside.original else math.inf
         detail = (f"at step {outside.step}: {outside.describe()}, outside {judged.describe_envelope()} "
                   f"(calibration {envelope.calibration_id})")
-        cmp.verdict = DIVERGED
+        cmp.verdict = Verdict.DIVERGED
         cmp.divergence = Divergence(KIND_ROUNDING, outside.step, outside.metric, outside.original, outside.replay,
                                     outside.distance, rel, detail)
         sudden = judged.sudden(cmp.bitwise_possible and _identical_before(orig, rep, cmp, outside.step))
@@ -110,7 +101,7 @@ def judge_rounding(cmp: Comparison, original: RunRecord, replay: RunRecord, enve
             cmp.notes.append(sudden)
         return cmp
     if judged.covers_run:
-        cmp.verdict, cmp.divergence = WITHIN_ROUNDING, None
+        cmp.verdict, cmp.divergence = Verdict.WITHIN_ROUNDING, None
         return cmp
     return _after_envelope(cmp, original, replay, envelope, judged, orig, rep, m, seeds)
 
@@ -146,7 +137,7 @@ def _after_envelope(cmp: Comparison, original: RunRecord, replay: RunRecord, env
     if outside:
         first = min(outside, key=lambda o: (o.step, o.metric))
         rel = first.distance / abs(first.original) if first.original else math.inf
-        cmp.verdict = DIVERGED
+        cmp.verdict = Verdict.DIVERGED
         cmp.divergence = Divergence(KIND_ROUNDING, first.step, first.metric, first.original, first.replay,
                                     first.distance, rel, f"at step {first.step}: {first.describe()}, outside the "
                                     f"envelope carried forward from step {m - 1} at its members' growth rate "
@@ -163,15 +154,15 @@ def _after_envelope(cmp: Comparison, original: RunRecord, replay: RunRecord, env
     # Weights that differ after M are what every member's did, where the carried envelopes held all the metrics.
     weights_held = bool(judged.carried) and envelope.weights_differed > 0
     if rest:
-        cmp.verdict, cmp.divergence = DIVERGED, min(rest, key=lambda d: (d.step, d.metric or ""))
+        cmp.verdict, cmp.divergence = Verdict.DIVERGED, min(rest, key=lambda d: (d.step, d.metric or ""))
     elif late_fp and not weights_may_differ(cmp.tolerance) and not weights_held:
-        cmp.verdict = DIVERGED
+        cmp.verdict = Verdict.DIVERGED
         cmp.divergence = Divergence(KIND_FINGERPRINT, None, detail=(
             f"the weights after the first {m} steps differ (final {(original.final_fingerprint or 'none')[:12]} vs "
             f"{(replay.final_fingerprint or 'none')[:12]}); --tolerance weights=any would let the metrics decide"))
     elif (undecided := judged.undecided()) is not None:
         # Beyond the ceiling, inside the carried width: rounding's growth and a change both fit.
-        cmp.verdict = INCONCLUSIVE
+        cmp.verdict = Verdict.INCONCLUSIVE
         cmp.divergence = Divergence(KIND_ROUNDING, undecided.step, undecided.metric, undecided.original,
                                     undecided.replay, undecided.distance,
                                     undecided.distance / abs(undecided.original) if undecided.original else math.inf,
@@ -180,7 +171,7 @@ def _after_envelope(cmp: Comparison, original: RunRecord, replay: RunRecord, env
         tol_names = [n for n in after if n in orig]
         exact = all(_bitwise_from(orig[n], rep[n], tolerance_from.get(n, m)) for n in tol_names)
         exact = exact and (not late_fp or weights_held)
-        cmp.verdict, cmp.divergence = (WITHIN_ROUNDING if exact else WITHIN_TOLERANCE), None
+        cmp.verdict, cmp.divergence = (Verdict.WITHIN_ROUNDING if exact else Verdict.WITHIN_TOLERANCE), None
     return cmp
 
 
@@ -203,8 +194,8 @@ def _from(series: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray
 def _first_outside(name: str, a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
                    tol: Mapping[str, Any], first: int) -> Divergence | None:
     """The first value at a step >= `first` outside the tolerance (the steps after a rounding envelope)."""
-    rtol, atol = _tolerance_for(tol, name)
-    _, div = _compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
+    rtol, atol = tolerance_for(tol, name)
+    _, div = compare_metric(name, *_from(a, first), *_from(b, first), rtol, atol, (False, False))
     return div
 
 
@@ -240,7 +231,7 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     """
     if _decided(cmp, f"the noise of study {study_id}"):
         return cmp
-    if cmp.verdict != DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
+    if cmp.verdict != Verdict.DIVERGED or cmp.divergence is None or cmp.divergence.kind not in (KIND_VALUE, KIND_FINGERPRINT):
         return cmp  # (a replay outside a calibration's rounding envelope is KIND_ROUNDING: no seed explains it)
     if any(m.missing_steps or m.extra_steps or not (m.in_original and m.in_replay) for m in cmp.metrics):
         return cmp
@@ -261,5 +252,5 @@ def judge_noise(cmp: Comparison, original: RunRecord, replay: RunRecord, study_i
     cmp.noise = noise.judge_curves(study_id, curves(replay), curves(original), [curves(m) for m in members],
                                    before=before)
     if cmp.noise.within:
-        cmp.verdict = INCONCLUSIVE if cmp.noise.vacuous else WITHIN_NOISE
+        cmp.verdict = Verdict.INCONCLUSIVE if cmp.noise.vacuous else Verdict.WITHIN_NOISE
     return cmp

@@ -121,8 +121,10 @@ def as_series(steps: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
     return s, v
 
 
-def _metric_only_in_one(name: str, steps: np.ndarray, values: np.ndarray, in_original: bool,
+def metric_only_in_one(name: str, steps: np.ndarray, values: np.ndarray, in_original: bool,
                         rtol: float, atol: float) -> tuple[MetricStats, Divergence]:
+    """A metric one run logged and the other did not: its stats and the divergence at its first step (a missing
+    metric when `in_original`, an extra one when only the replay logged it)."""
     kind = KIND_MISSING_METRIC if in_original else KIND_EXTRA_METRIC
     step = int(steps[0])
     value = float(values[0])
@@ -137,8 +139,11 @@ def _metric_only_in_one(name: str, steps: np.ndarray, values: np.ndarray, in_ori
     return stats, div
 
 
-def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, vb: np.ndarray,
+def compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, vb: np.ndarray,
                     rtol: float, atol: float, clamped: tuple[bool, bool] = (False, False)) -> tuple[MetricStats, Divergence | None]:
+    """One metric of both runs (steps `sa`, values `va` of the original; `sb`, `vb` of the replay), held to `rtol` and
+    `atol`: its stats and its first divergence (None: none). `clamped`: whether each side was read back from a store
+    that clamps infinities to +-DBL_MAX, where those values cannot be proved bit-identical."""
     if sa.size == sb.size and np.array_equal(sa, sb):
         # The usual case: both runs logged the same steps, so no set operations are needed.
         common, a, b = sa, va, vb
@@ -207,7 +212,7 @@ def _compare_metric(name: str, sa: np.ndarray, va: np.ndarray, sb: np.ndarray, v
     return stats, first
 
 
-def _upto(series: dict[Any, Any], last: int) -> dict[Any, Any]:
+def up_to(series: dict[Any, Any], last: int) -> dict[Any, Any]:
     """Only what was logged at steps <= `last`: metric series (steps, values), or step -> fingerprint; a metric with
     nothing left is dropped (it carries no evidence, as a key with no values does)."""
     out: dict[Any, Any] = {}

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from harness import tags
-from harness.fmt import fmt_short, fmt_value, markdown_table
-from harness.judge.compare import BITWISE, Comparison, FirstSteps
+from harness.fmt import fmt_short, fmt_value, markdown_table, md_cell, md_code
+from harness.judge.compare import Comparison, FirstSteps
 from harness.judge.delta import summarized
 from harness.judge.metricdiff import KIND_REPLAY_FAILED, MetricStats, as_series
 from harness.judge.noise import FALSE_ALARM, percent
@@ -23,35 +23,35 @@ from harness.rundata import RunRecord
 _VERDICT_WORDS = {v.value: v.row.words for v in Verdict}
 
 
-def _cell(value: object) -> str:
-    """A Markdown table cell: pipes and newlines would break the row."""
-    text = "" if value is None else str(value)
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("\r", " ")
-
-
-def _code(value: object) -> str:
-    if value is None:
-        return "*(absent)*"
-    text = _cell(value)
-    # Fence with more backticks than the value holds, so any value renders literally.
-    ticks = "`" * (max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{ticks}{pad}{text}{pad}{ticks}"
-
-
 def _stat(m: MetricStats, value: float) -> str:
     return "n/a" if m.steps_compared == 0 else fmt_short(value)
 
 
 def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
     """The comparison as a Markdown document, verdict first and evidence after."""
+    out = _head(cmp) + _changes_section(cmp, changes) + _config_section(cmp) + _environment_section(cmp)
+    out += _metrics_section(cmp) + _fingerprints_section(cmp)
+    out += _checkpoint_section(cmp) + _data_order_section(cmp)
+    out += _noise_section(cmp)
+    out += _speed_section(cmp)
+    out += _divergence_section(cmp)
+    return "\n".join(out)
+
+
+# The report belongs to a replay run, so its columns are always the original and the replay.
+_A_LABEL, _B_LABEL = "Original", "Replay"
+
+
+def _head(cmp: Comparison) -> list[str]:
+    """The verdict, the two runs, and what a reader must know before the evidence: weights that never changed, the
+    steps that were compared, the notes, and whether the environment left bitwise possible."""
     out: list[str] = [
         f"# Replay verdict: {cmp.verdict}",
         "",
         f"**{cmp.summary()}**",
         "",
-        f"- Original run: {_code(cmp.run_a)}",
-        f"- Replay run: {_code(cmp.run_b)}",
+        f"- Original run: {md_code(cmp.run_a)}",
+        f"- Replay run: {md_code(cmp.run_b)}",
         f"- Outcome: the replay {_VERDICT_WORDS.get(cmp.verdict, cmp.verdict)} (exit code {cmp.exit_code})",
         "",
     ]
@@ -69,94 +69,105 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
         out += [f"> The original is {cmp.reached.status}: only the {cmp.reached.steps} steps it reached were compared, "
                 "and its missing final fingerprint is not held against the replay.", ""]
     if cmp.notes:
-        out += ["Notes:", ""] + [f"- {_cell(n)}" for n in cmp.notes] + [""]
-
-    if not cmp.bitwise_possible and cmp.verdict == BITWISE:
+        out += ["Notes:", ""] + [f"- {md_cell(n)}" for n in cmp.notes] + [""]
+    if not cmp.bitwise_possible and cmp.verdict == Verdict.BITWISE:
         out += ["> **Bitwise despite** environment changes that usually alter the arithmetic:", ">"]
-        out += [f"> - {_cell(b)}" for b in cmp.bitwise_blockers]
+        out += [f"> - {md_cell(b)}" for b in cmp.bitwise_blockers]
         out += [">", "> Every value and fingerprint came out bit-identical all the same.", ""]
     elif not cmp.bitwise_possible:
         out += ["> **Bitwise impossible** because the environment changed in ways that alter the arithmetic:", ">"]
-        out += [f"> - {_cell(b)}" for b in cmp.bitwise_blockers]
-        out += [">", f"> The verdict is {_cell(judged_by(cmp))} instead.", ""]
+        out += [f"> - {md_cell(b)}" for b in cmp.bitwise_blockers]
+        out += [">", f"> The verdict is {md_cell(judged_by(cmp))} instead.", ""]
+    return out
 
-    out += ["## Changes requested", ""]
+
+def _changes_section(cmp: Comparison, changes: list[str] | None) -> list[str]:
+    """The overrides the replay was allowed, and the tolerance it was judged by where the user gave one."""
+    out = ["## Changes requested", ""]
     if changes:
         out += ["Overrides allowed with `--allow-changes`:", ""]
-        out += [f"- {_code(c)}" for c in changes]
+        out += [f"- {md_code(c)}" for c in changes]
     else:
         out.append("None: the replay used the recorded configuration.")
     given = given_tolerances(cmp)
     if given:
         out += ["", "Tolerance given with `--tolerance` (over the recorded `replay.tolerance`):", ""]
-        out += [f"- {_code(m)}: never judged (inf)" if math.isinf(atol) or math.isinf(rtol)
-                else f"- {_code(m)}: atol {fmt_short(atol)}, rtol {fmt_short(rtol)}" for m, atol, rtol in given]
+        out += [f"- {md_code(m)}: never judged (inf)" if math.isinf(atol) or math.isinf(rtol)
+                else f"- {md_code(m)}: atol {fmt_short(atol)}, rtol {fmt_short(rtol)}" for m, atol, rtol in given]
     weights = weights_line(cmp)
     if weights:
-        out += ["", f"Tolerance: {_cell(weights)}."]
-    out.append("")
+        out += ["", f"Tolerance: {md_cell(weights)}."]
+    return out + [""]
 
-    # The report belongs to a replay run, so its columns are always the original and the replay.
-    a_label, b_label = "Original", "Replay"
-    out += ["## Config delta", ""]
+
+def _config_section(cmp: Comparison) -> list[str]:
+    out = ["## Config delta", ""]
     if cmp.config_delta:
-        rows = [[_code(c.key), _code(c.a), _code(c.b), "yes" if c.affects_result else "no (how it is run or judged)"]
+        rows = [[md_code(c.key), md_code(c.a), md_code(c.b), "yes" if c.affects_result else "no (how it is run or judged)"]
                 for c in cmp.config_delta]
-        out += markdown_table(["Key", a_label, b_label, "Affects the result"], rows)
+        out += markdown_table(["Key", _A_LABEL, _B_LABEL, "Affects the result"], rows)
     else:
         out.append("No differences in the recorded config.")
-    out.append("")
+    return out + [""]
 
-    out += ["## Environment delta", ""]
+
+def _environment_section(cmp: Comparison) -> list[str]:
+    out = ["## Environment delta", ""]
     if cmp.delta:
         rows = []
         for fact in summarized(cmp.delta, cmp.labels):
-            name = f"**{_cell(fact.name)}** (breaks bitwise)" if fact.breaks_bitwise else _cell(fact.name)
-            rows.append([name, _code(fact.a), _code(fact.b), _cell(fact.note)])
-        out += markdown_table(["Fact", a_label, b_label, "Note"], rows)
+            name = f"**{md_cell(fact.name)}** (breaks bitwise)" if fact.breaks_bitwise else md_cell(fact.name)
+            rows.append([name, md_code(fact.a), md_code(fact.b), md_cell(fact.note)])
+        out += markdown_table(["Fact", _A_LABEL, _B_LABEL, "Note"], rows)
     else:
         out.append("No differences in recorded facts or locked packages.")
-    out.append("")
+    return out + [""]
 
-    out += ["## Metrics", ""]
+
+def _metrics_section(cmp: Comparison) -> list[str]:
+    out = ["## Metrics", ""]
     if cmp.metrics:
-        rows = []
-        for m in cmp.metrics:
-            where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
-            seen = None if one_run(m) else envelope_first(m, cmp)
-            if seen is not None:  # the envelope decided: what it saw, not the tolerance's first divergence
-                first = _cell(seen)
-            elif m.first_divergence is None:
-                first = "-"
-            elif one_run(m):
-                first = first_divergence(m, ("original", "replay"))
-            else:
-                first = f"{m.counts + ' ' if m.counts else ''}{m.first_divergence} ({m.first_divergence_kind})"
-            gaps = []
-            if m.missing_steps and m.in_replay:
-                gaps.append(f"{m.missing_steps} missing in replay")
-            if m.extra_steps and m.in_original:
-                gaps.append(f"{m.extra_steps} extra in replay")
-            rows.append([
-                _cell(m.name) + ("" if where == "both" else f" ({where})"),
-                str(m.steps_compared) + (f" ({', '.join(gaps)})" if gaps else ""),
-                _stat(m, m.max_abs_diff),
-                _stat(m, m.max_rel_diff),
-                first,
-                "yes" if m.bitwise_equal else "no (not determined by the training)" if m.name in cmp.undetermined else "no",
-                f"{fmt_short(m.rtol)} / {fmt_short(m.atol)}",
-            ])
         out += markdown_table(
             ["Metric", "Steps compared", "Max abs diff", "Max rel diff", "First divergence", "Bit-identical",
              "rtol / atol"],
-            rows,
+            [_metric_row(m, cmp) for m in cmp.metrics],
         )
     else:
         out.append("Neither run logged any metric.")
-    out.append("")
+    return out + [""]
 
+
+def _metric_row(m: MetricStats, cmp: Comparison) -> list[str]:
+    """One metric's row: where it was logged, how many steps were compared, how far apart, where it first parted."""
+    where = "both" if m.in_original and m.in_replay else ("original only" if m.in_original else "replay only")
+    seen = None if one_run(m) else envelope_first(m, cmp)
+    if seen is not None:  # the envelope decided: what it saw, not the tolerance's first divergence
+        first = md_cell(seen)
+    elif m.first_divergence is None:
+        first = "-"
+    elif one_run(m):
+        first = first_divergence(m, ("original", "replay"))
+    else:
+        first = f"{m.counts + ' ' if m.counts else ''}{m.first_divergence} ({m.first_divergence_kind})"
+    gaps = []
+    if m.missing_steps and m.in_replay:
+        gaps.append(f"{m.missing_steps} missing in replay")
+    if m.extra_steps and m.in_original:
+        gaps.append(f"{m.extra_steps} extra in replay")
+    return [
+        md_cell(m.name) + ("" if where == "both" else f" ({where})"),
+        str(m.steps_compared) + (f" ({', '.join(gaps)})" if gaps else ""),
+        _stat(m, m.max_abs_diff),
+        _stat(m, m.max_rel_diff),
+        first,
+        "yes" if m.bitwise_equal else "no (not determined by the training)" if m.name in cmp.undetermined else "no",
+        f"{fmt_short(m.rtol)} / {fmt_short(m.atol)}",
+    ]
+
+
+def _fingerprints_section(cmp: Comparison) -> list[str]:
     fps = cmp.fingerprints
-    out += ["## Parameter fingerprints", ""]
+    out = ["## Parameter fingerprints", ""]
     if fps.compared == 0:
         out.append("Neither run recorded parameter fingerprints.")
     else:
@@ -168,36 +179,34 @@ def render_markdown(cmp: Comparison, changes: list[str] | None = None) -> str:
             f"- First mismatching step: {first}",
             f"- Final fingerprint: {final}",
         ]
-    out.append("")
+    return out + [""]
 
-    out += _checkpoint_section(cmp) + _data_order_section(cmp)
-    out += _noise_section(cmp)
-    out += _speed_section(cmp)
 
-    out += ["## First divergence", ""]
+def _divergence_section(cmp: Comparison) -> list[str]:
+    """Where the runs first parted, in full: the value, the step, how far."""
+    out = ["## First divergence", ""]
     d = cmp.divergence
     if d is None and cmp.undetermined:
-        out.append(f"None: {_cell(', '.join(cmp.undetermined))} differ, but not as a function of the training: every "
+        out.append(f"None: {md_cell(', '.join(cmp.undetermined))} differ, but not as a function of the training: every "
                    "fingerprint and every other value is bit-identical.")
     elif d is None:
         out.append("None: every metric stayed within its tolerance at every step.")
     else:
         if d.kind == KIND_REPLAY_FAILED:
-            out += [f"The replay did not finish: {_cell(d.detail)}", ""]
-        rows = [["Kind", _cell(d.kind)], ["Step", "-" if d.step is None else str(d.step)]]
+            out += [f"The replay did not finish: {md_cell(d.detail)}", ""]
+        rows = [["Kind", md_cell(d.kind)], ["Step", "-" if d.step is None else str(d.step)]]
         if d.metric is not None:
             rows += [
-                ["Metric", _cell(d.metric)],
+                ["Metric", md_cell(d.metric)],
                 ["Original", fmt_value(d.original)],
                 ["Replay", fmt_value(d.replay)],
                 ["Abs diff", fmt_short(d.abs_diff)],
                 ["Rel diff", fmt_short(d.rel_diff)],
             ]
         if d.detail and d.kind != KIND_REPLAY_FAILED:
-            rows.append(["Detail", _cell(d.detail)])
+            rows.append(["Detail", md_cell(d.detail)])
         out += markdown_table(["", ""], rows)
-    out.append("")
-    return "\n".join(out)
+    return out + [""]
 
 
 def _speed_section(cmp: Comparison) -> list[str]:
@@ -221,7 +230,7 @@ def _speed_section(cmp: Comparison) -> list[str]:
         ["Communication share (profiled step)", share(a.comm_share), share(b.comm_share)],
         ["Steps counted (after warm-up, unprofiled)", str(a.steps or "-"), str(b.steps or "-")],
     ]
-    out = ["## Performance (wall clock: not part of the verdict)", "", _cell(speed.line() or ""), ""]
+    out = ["## Performance (wall clock: not part of the verdict)", "", md_cell(speed.line() or ""), ""]
     out += markdown_table(["", "Original", "Replay"], rows)
     out += ["", f"Per-step times: `{tags.ARTIFACT_PLOTS_DIR}/{STEP_TIMES_PLOT}`.", ""]
     return out
@@ -234,16 +243,16 @@ def _checkpoint_section(cmp: Comparison) -> list[str]:
         return []
     out = ["## Checkpoint tensors", ""]
     if ck.missing_in or ck.common_steps == 0:
-        return out + [_cell(ck.describe(cmp.labels)), ""]
+        return out + [md_cell(ck.describe(cmp.labels)), ""]
     last = "none" if ck.last_equal_step is None else f"step {ck.last_equal_step}"
     out += [f"- Common checkpoint steps: {ck.common_steps}", f"- Last with every tensor equal: {last}"]
     if ck.first_diff_step is None:
         out.append("- First differing: none")
     else:
-        out += [f"- First differing: step {ck.first_diff_step}: {_cell(ck.what_differs(cmp.labels))}", ""]
+        out += [f"- First differing: step {ck.first_diff_step}: {md_cell(ck.what_differs(cmp.labels))}", ""]
         a, b = cmp.labels
-        rows = [[_code(n), "differs"] for n in ck.differing]
-        rows += [[_code(n), f"only in {a}"] for n in ck.only_in_a] + [[_code(n), f"only in {b}"] for n in ck.only_in_b]
+        rows = [[md_code(n), "differs"] for n in ck.differing]
+        rows += [[md_code(n), f"only in {a}"] for n in ck.only_in_a] + [[md_code(n), f"only in {b}"] for n in ck.only_in_b]
         out += markdown_table(["Tensor", f"at step {ck.first_diff_step}"], rows)
     for label, steps in ck.desynced_ranks.items():
         shown = "; ".join(f"step {s}: ranks {', '.join(map(str, r))}" for s, r in steps.items())
@@ -256,29 +265,29 @@ def _data_order_section(cmp: Comparison) -> list[str]:
     """Whether both runs drew the same samples at each ctx.loader step (dataorder.py)."""
     if cmp.data_order is None:
         return []
-    return ["## Data order", "", _cell(cmp.data_order.describe(cmp.labels)), ""]
+    return ["## Data order", "", md_cell(cmp.data_order.describe(cmp.labels)), ""]
 
 
 def render_study_markdown(result: Any) -> str:
     """A study replay (replay.StudyReplayResult): every member's verdict, then the test that judged them together."""
     study = result.study
-    out = [f"# Study replay verdict: {result.verdict}", "", f"**{_cell(result.summary())}**", "",
-           f"- Study: {_code(study.run_id)} ({len(study.members)} members, seeds {_cell(', '.join(map(str, study.seeds)))})",
-           f"- Study replay run: {_code(result.run_id)}"]
+    out = [f"# Study replay verdict: {result.verdict}", "", f"**{md_cell(result.summary())}**", "",
+           f"- Study: {md_code(study.run_id)} ({len(study.members)} members, seeds {md_cell(', '.join(map(str, study.seeds)))})",
+           f"- Study replay run: {md_code(result.run_id)}"]
     if result.draw_seed is not None:
         out.append(f"- Members drawn at random with seed {result.draw_seed} (`--members {len(result.members)} "
                    f"--members-seed {result.draw_seed}` draws them again)")
     out += ["", "## Members", ""]
-    rows = [[_cell(r.original.tags.get("harness.seed", "")), _code(r.original.run_id), _code(r.outcome.run_id),
-             _cell(r.comparison.summary())] for r in result.members]
+    rows = [[md_cell(r.original.tags.get("harness.seed", "")), md_code(r.original.run_id), md_code(r.outcome.run_id),
+             md_cell(r.comparison.summary())] for r in result.members]
     out += markdown_table(["Seed", "Member", "Replay", "Verdict"], rows) + [""]
     if result.equivalence:
         out += ["## Equivalence within the seeds' noise", "",
                 "Two one-sided tests on the paired differences replay - original of the replayed members: the "
                 "replays are equivalent when the 90% confidence interval of the mean difference lies within "
                 "+- one standard deviation of the seeds' final values.", ""]
-        rows = [[_cell(t.metric), str(t.k), f"{t.mean_diff:.3g}", f"[{t.ci90[0]:.3g}, {t.ci90[1]:.3g}]",
-                 f"+-{t.margin:.3g}", _cell(t.reason) if t.reason else ("**yes**" if t.equivalent else "**NO**")]
+        rows = [[md_cell(t.metric), str(t.k), f"{t.mean_diff:.3g}", f"[{t.ci90[0]:.3g}, {t.ci90[1]:.3g}]",
+                 f"+-{t.margin:.3g}", md_cell(t.reason) if t.reason else ("**yes**" if t.equivalent else "**NO**")]
                 for t in result.equivalence]
         out += markdown_table(["Metric", "Members", "Mean difference", "90% CI", "Margin (seed sd)", "Equivalent"], rows)
         out.append("")
@@ -291,21 +300,21 @@ def _noise_section(cmp: Comparison) -> list[str]:
     if j is None:
         return []
     out = ["## Run-to-run noise", "",
-           f"The original is a member of study {_code(j.study_id)} ({j.seeds} seeds). Each {j.what} of the replay "
+           f"The original is a member of study {md_code(j.study_id)} ({j.seeds} seeds). Each {j.what} of the replay "
            "is judged against the prediction interval of the seeds' values at that step, "
            "mean +- t(N-1, 1 - a/2) x sd x sqrt(1 + 1/N): where one more seed would land 1 - a of the time, with a "
            f"set so that an honest replay is called DIVERGED at most {percent(FALSE_ALARM)} of the time over all its "
-           f"checks ({_cell(j.family()) if j.checks else 'Bonferroni'}; measured in benchmarks/verdict_bench.py).", ""]
+           f"checks ({md_cell(j.family()) if j.checks else 'Bonferroni'}; measured in benchmarks/verdict_bench.py).", ""]
     if j.reason:
-        return out + [f"**Not judged:** {_cell(j.reason)}", ""]
+        return out + [f"**Not judged:** {md_cell(j.reason)}", ""]
     rows = []
     for c in j.checks:
         s = c.spread
         rows.append([
-            _cell(c.label), fmt_value(c.value), fmt_value(c.original), f"{s.mean:.6g}", f"{s.std:.3g}",
+            md_cell(c.label), fmt_value(c.value), fmt_value(c.original), f"{s.mean:.6g}", f"{s.std:.3g}",
             f"[{c.interval[0]:.6g}, {c.interval[1]:.6g}] ({percent(c.level)}{', log scale' if c.log else ''})",
             f"{c.below} of {s.n}",
-            _cell(c.reason) if c.reason else ("**inside**" if c.inside else "**OUTSIDE**"),
+            md_cell(c.reason) if c.reason else ("**inside**" if c.inside else "**OUTSIDE**"),
         ])
     out += markdown_table(["Metric", "Replay", "Original", "Seeds' mean", "Seeds' sd", "Prediction interval",
                    "Seeds below the replay", "Verdict"], rows)

@@ -42,7 +42,7 @@ FORMAT = 1
 SAFETY = 8.0
 FLOOR_ULPS = 4
 # How close to zero an original value may be before relative distances mean nothing: below it, absolute.
-_TINY = 1e-30
+TINY = 1e-30
 # A replay that stayed well inside this many judged steps of a metric before leaving it parted suddenly (a note).
 SUDDEN_AFTER = 3
 # The weights' envelope is never narrower than this relative distance: what the sketches' float64 sums round off
@@ -66,10 +66,10 @@ class MetricEnvelope:
         original = np.abs(np.asarray(self.original, dtype=np.float64))
         dev = np.asarray(self.deviation, dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
-            rel = np.where(original > _TINY, dev / np.maximum(original, _TINY), dev)
+            rel = np.where(original > TINY, dev / np.maximum(original, TINY), dev)
         rel = np.maximum.accumulate(rel) if rel.size else rel
         with np.errstate(invalid="ignore"):
-            width = (SAFETY if safety is None else safety) * np.where(original > _TINY, rel * original, rel)
+            width = (SAFETY if safety is None else safety) * np.where(original > TINY, rel * original, rel)
         width = np.nan_to_num(width, nan=np.inf)  # inf x 0: a member that went to NaN or inf there
         floor = (FLOOR_ULPS if floor_ulps is None else floor_ulps) * np.spacing(original.astype(np.float32)).astype(np.float64)
         return np.maximum(width, floor)
@@ -171,13 +171,13 @@ def measure(run_id: str, calibration_id: str, original: Mapping[str, Series], me
         dev = np.zeros(s.size)
         for member in members:
             if name in member:
-                found, other = _at(member[name], s)
-                dev = np.maximum(dev, np.where(found, _distance(v, other), 0.0))
+                found, other = series_at(member[name], s)
+                dev = np.maximum(dev, np.where(found, abs_distance(v, other), 0.0))
         metrics[name] = MetricEnvelope([int(x) for x in s], [float(x) for x in v], [float(x) for x in dev])
     return Envelope(run_id, calibration_id, len(members), steps, metrics, weights_differed, weights=weights)
 
 
-def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def abs_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """|a - b|: 0 where both are equal (inf == inf) or both NaN, inf where one side only is NaN or infinite."""
     same = (a == b) | (np.isnan(a) & np.isnan(b))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -352,9 +352,9 @@ def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[st
             continue  # a metric missing from one run is a divergence of its own (compare.py)
         es = np.asarray(env.steps)
         widths = env.half_widths(safety, floor_ulps)
-        ov, rv = _at(original[name], es), _at(replay[name], es)
+        ov, rv = series_at(original[name], es), series_at(replay[name], es)
         judged = (es < last) & ov[0] & rv[0]
-        dist = _distance(ov[1], rv[1])
+        dist = abs_distance(ov[1], rv[1])
         inside = (dist == 0) | (dist <= widths)  # equal values are inside even where the width is nan (inf values)
         bad = judged & ~inside
         n = int(judged.sum())
@@ -376,7 +376,7 @@ def judge(envelope: Envelope, original: Mapping[str, Series], replay: Mapping[st
     return out
 
 
-def _at(series: Series, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def series_at(series: Series, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(logged?, value) of `series` at each of `steps` (nan where not logged)."""
     s, v = np.asarray(series[0]), np.asarray(series[1], dtype=np.float64)
     if not s.size:

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from harness.fmt import the
-from harness.judge.compare import BITWISE, Comparison
+from harness.judge.compare import Comparison
 from harness.judge.decisive import named
 from harness.judge.delta import summarized
 from harness.judge.metricdiff import (
@@ -21,6 +21,7 @@ from harness.judge.metricdiff import (
     MetricStats,
 )
 from harness.judge.tolerance import WEIGHTS, weights_may_differ
+from harness.judge.verdicts import Verdict
 
 
 def first_divergence(m: MetricStats, labels: tuple[str, str]) -> str:
@@ -79,7 +80,7 @@ def bitwise_line(cmp: Comparison) -> str | None:
     """The environment changes that usually rule out bitwise: bitwise despite them, or what judged instead."""
     if cmp.bitwise_possible:
         return None
-    if cmp.verdict == BITWISE:
+    if cmp.verdict == Verdict.BITWISE:
         return "Bitwise despite environment changes that usually alter the arithmetic: " + "; ".join(cmp.bitwise_blockers)
     return f"A bitwise match is impossible ({judged_by(cmp)}): " + "; ".join(cmp.bitwise_blockers)
 

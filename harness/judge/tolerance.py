@@ -115,7 +115,8 @@ def _tol_pair(entry: Mapping[str, Any] | None, where: str) -> tuple[float, float
     return rtol, atol
 
 
-def _tolerance_for(tolerance: Mapping[str, Any], metric: str) -> tuple[float, float]:
+def tolerance_for(tolerance: Mapping[str, Any], metric: str) -> tuple[float, float]:
+    """(rtol, atol) for `metric`: its own entry under `metrics`, else the `default` one (0, 0 where neither)."""
     per_metric = tolerance.get("metrics") or {}
     if metric in per_metric:
         return _tol_pair(per_metric[metric], f"'{metric}'")

@@ -2,8 +2,8 @@
 
 A policy names a question that commands ask of a verdict ("is this the same training?", "did it reproduce?"), so
 that each question is answered here and nowhere else. Adding a verdict is one member below, with its row, plus
-the judge that gives it (harness/judge/compare.py, rounding.py, noise.py); tests/test_verdicts.py fails on a row
-that leaves out a policy.
+the judge that gives it (harness/judge/compare.py, rounding.py, noise.py). Every row answers every policy, so no
+command has to guess what a new verdict means for its question.
 """
 
 from __future__ import annotations

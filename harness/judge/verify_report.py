@@ -8,10 +8,9 @@ import io
 import math
 from typing import TYPE_CHECKING
 
-from harness.fmt import markdown_table
+from harness.fmt import markdown_table, md_cell, md_code
 from harness.judge.claims import environment, fmt
 from harness.judge.noise import percent, spread
-from harness.judge.report import _cell, _code
 from harness.judge.verdicts import Verdict as ReplayVerdict
 
 if TYPE_CHECKING:
@@ -122,16 +121,16 @@ def _sources(verdicts: list[Verdict]) -> list[Source]:
 
 def render_markdown(verdicts: list[Verdict], replayed: bool, changes: list[str], run_id: str) -> str:
     held = sum(v.holds for v in verdicts)
-    out = [f"# Claims check: {held} of {len(verdicts)} hold", "", f"- Verify run: {_code(run_id)}",
+    out = [f"# Claims check: {held} of {len(verdicts)} hold", "", f"- Verify run: {md_code(run_id)}",
            f"- Replayed: {'yes' if replayed else 'no (checked against the record only)'}"]
     if changes:
-        out.append("- Changes allowed for the replays: " + ", ".join(_code(c) for c in changes))
-    out += [""] + markdown_table(HEADER, [[_cell(x) for x in row] for row in rows(verdicts, replayed)]) + [""]
+        out.append("- Changes allowed for the replays: " + ", ".join(md_code(c) for c in changes))
+    out += [""] + markdown_table(HEADER, [[md_cell(x) for x in row] for row in rows(verdicts, replayed)]) + [""]
     for v in verdicts:
-        out += [f"## {_cell(v.claim.id)}: {v.outcome}", ""]
+        out += [f"## {md_cell(v.claim.id)}: {v.outcome}", ""]
         if v.claim.text:
-            out += [f"*{_cell(v.claim.text)}*", ""]
-        out += [f"- {_cell(line)}" for line in why(v)]
+            out += [f"*{md_cell(v.claim.text)}*", ""]
+        out += [f"- {md_cell(line)}" for line in why(v)]
         out += [f"- Recorded values (one per run): {', '.join(f'{x:.6g}' for x in v.values)}"]
         if v.replayed_values:
             out += [f"- Replayed values: {', '.join(f'{x:.6g}' for x in v.replayed_values)}"]
@@ -139,14 +138,14 @@ def render_markdown(verdicts: list[Verdict], replayed: bool, changes: list[str],
     out += ["## Environment", ""]
     for s in _sources(verdicts):
         label = "study" if s.is_study else "run"
-        out += [f"### {label} {_cell(s.run_id)}", ""]
-        facts = [[_cell(k), _code(o)] for k, o in environment(s.records)]
+        out += [f"### {label} {md_cell(s.run_id)}", ""]
+        facts = [[md_cell(k), md_code(o)] for k, o in environment(s.records)]
         if s.replays:
             replays = dict(environment(s.replays))
-            facts = [[_cell(k), _code(o), _code(replays[k])] for k, o in environment(s.records)]
+            facts = [[md_cell(k), md_code(o), md_code(replays[k])] for k, o in environment(s.records)]
             out += markdown_table(["fact", "original runs", "replays"], facts)
             out += ["", "What differed (why the replays could not be bitwise):", ""]
-            out += [f"- {_cell(b)}" for b in s.blockers] or ["- nothing: bitwise was possible"]
+            out += [f"- {md_cell(b)}" for b in s.blockers] or ["- nothing: bitwise was possible"]
         else:
             out += markdown_table(["fact", "original runs"], facts)
         out.append("")

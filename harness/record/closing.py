@@ -3,7 +3,7 @@ studies, `harness mark`, imports), so that none can skip the seal or cut its rea
 
 A close writes the status reason (cut to REASON_LIMIT characters, here only), seals the run's record as it is
 about to close (record/seal.py), then ends it in the store (Tracker.terminate_run, the store's plain primitive, which
-nothing else calls: tests/test_architecture.py). The recorder's close, whose closing writes may meet a full or
+nothing else calls: a close made elsewhere could skip the seal). The recorder's close, whose closing writes may meet a full or
 vanished store, goes through `close_or_keep`, which keeps the outcome on disk when the store cannot take it.
 """
 
@@ -18,7 +18,7 @@ from harness.errors import EXIT_FAILED, StoreUnavailable
 from harness.record import seal
 from harness.store.failures import transient, unwritable
 from harness.store.outages import Outages, Patient
-from harness.store.reach import reason_of
+from harness.store.probe import reason_of
 from harness.store.tracking import Tracker
 
 REASON_LIMIT = 500  # characters of a reason kept as harness.status_reason

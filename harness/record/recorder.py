@@ -54,16 +54,15 @@ from harness.record.provenance import package_lock, runtime_facts
 from harness.record.results import record_performance, record_results
 from harness.rundata import own_metric
 from harness.runtime import usermlflow, userseed
-from harness.runtime.plan import UNSTEERED, Steering
+from harness.runtime.plan import UNSTEERED, LaunchPlan
 from harness.secrets import known_values, scrub
 from harness.store.outages import Outages, Patient
-from harness.store.reach import absolute_uri
 from harness.store.seriesfile import save_series
 from harness.store.tracking import Tracker
+from harness.store.uris import absolute_uri
 
 if TYPE_CHECKING:
     from harness.rundata import RunRecord
-    from harness.runtime.plan import CheckpointPlan
     from harness.store.writers import Heartbeat, MetricWriter
 
 ENV_DIGEST = "HARNESS_IMAGE_DIGEST"  # a container cannot learn its own digest: the docker backend tells it
@@ -120,19 +119,16 @@ def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step
 
 
 def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None,
-                    steering: Steering = UNSTEERED) -> CheckpointPlan | None:
-    """Checkpoints live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI
-    lists them with the run. The launch's `steering` travels with the plan: its `stop_at` (replay --steps K) stops
-    the ranks where step K would begin, at the same boundary an audit segment ends at, whether or not the run
-    checkpoints."""
-    from harness.runtime.plan import CheckpointPlan
-
-    if store is None and not steering:
+                    steering: LaunchPlan = UNSTEERED) -> LaunchPlan | None:
+    """The launch's plan for its ranks: `steering` (its recorded part) with the run's checkpoint store. Checkpoints
+    live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI lists them with the
+    run. The recorded part travels whether or not the run checkpoints: its `stop_at` (replay --steps K) stops the
+    ranks where step K would begin, at the same boundary an audit segment ends at."""
+    if store is None and not steering.steered:
         return None
-    plan = CheckpointPlan("", 0) if store is None else CheckpointPlan(str(store.directory), cfg.checkpoint_every,
-                                                                      resume_step=resume_step)
-    plan.stop_at, plan.perturb_seed, plan.sketch_at = steering.stop_at, steering.perturb_seed, steering.sketch_at
-    return plan
+    if store is None:
+        return steering.with_store("", 0, None)
+    return steering.with_store(str(store.directory), cfg.checkpoint_every, resume_step)
 
 
 class Recorder:
@@ -144,7 +140,7 @@ class Recorder:
 
     def __init__(self, tracker: Tracker, run_id: str, cfg: DictConfig, work: Path,
                  view: Callable[[Shown], None], resume_step: int | None = None,
-                 steering: Steering = UNSTEERED) -> None:
+                 steering: LaunchPlan = UNSTEERED) -> None:
         self.tracker, self.run_id, self.cfg, self.work = tracker, run_id, cfg, work
         self.view = view
         self.resume_step = resume_step
@@ -154,7 +150,7 @@ class Recorder:
         self.heartbeat: Heartbeat | None = None
         self.ckpts: Any = None
         self.lock: Future[Any] | None = None
-        self.plan: CheckpointPlan | None = None  # where the ranks save and load checkpoints (set by start)
+        self.plan: LaunchPlan | None = None  # where the ranks save and load checkpoints (set by start)
         self.fingerprints: dict[int, str] = {}
         self.notices: dict[str, str] = {}  # the ranks' warnings about the record, by kind
         self.final: dict[str, Any] = {"checkpoints": {}, "checkpoint_tensors": {}, "data_order": {}, "notices": self.notices,

@@ -18,7 +18,7 @@ from typing import Any
 
 from harness.errors import HarnessError, SecretRefused
 from harness.secrets import in_file, in_line, is_secret, known_in, scrub, secret_copies, token_shape
-from harness.store.reach import KEY_DIR_ENV, key_dir, key_file
+from harness.store.uris import KEY_DIR_ENV, key_dir, key_file
 
 # What the record holds instead of a secret: a keyed digest (HMAC-SHA256 under the store's own random key,
 # key_file) so that two runs of one store with the same secret compare equal, but a guess ("hunter2") cannot

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from harness import events, tags as T
 from harness.errors import HarnessError, UsageError
-from harness.judge.compare import VERDICTS
+from harness.judge.verdicts import Verdict
 from harness.record import nesting, seal
 from harness.store.tracking import RunSummary, Tracker
 
@@ -17,9 +17,12 @@ from harness.store.tracking import RunSummary, Tracker
 UNVERIFIED = "UNVERIFIED"
 
 
+_VERDICTS = tuple(Verdict)
+
+
 def _order(verdict: str) -> tuple[int, str]:
     # Verdicts in their documented order; a replay without one (still running, crashed) shows its status after.
-    return (VERDICTS.index(verdict), "") if verdict in VERDICTS else (len(VERDICTS), verdict)
+    return (_VERDICTS.index(verdict), "") if verdict in _VERDICTS else (len(_VERDICTS), verdict)
 
 
 def verdict_of(run: RunSummary, trusted: Callable[[RunSummary], bool] | None) -> str | None:

@@ -24,13 +24,13 @@ from harness.errors import HarnessError
 from harness.messages import Checkpoint
 from harness.runtime import checkpoint as ckpt, replicas, sharding, states
 from harness.runtime.fingerprint import fingerprint
-from harness.runtime.plan import CheckpointPlan
+from harness.runtime.plan import LaunchPlan
 
 
 class CheckpointSteps:
     """The checkpoints of one rank's plan (None: a run that saves and resumes none)."""
 
-    def __init__(self, plan: CheckpointPlan | None, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, plan: LaunchPlan | None, rank: int, world_size: int, device: torch.device) -> None:
         self._plan = plan
         self._rank, self._world_size, self._device = rank, world_size, device
         self._saved: set[int] = set()  # steps checkpointed by this rank

@@ -33,7 +33,7 @@ from harness.runtime.fingerprint import fingerprint
 from harness.runtime.invariant import InvariantModule, InvariantStep, broadcast_parameters
 from harness.runtime.metrics import Logged, logged_twice, metric_value, not_own
 from harness.runtime.outbox import Outbox
-from harness.runtime.plan import CheckpointPlan, ProfilePlan
+from harness.runtime.plan import LaunchPlan, ProfilePlan
 from harness.runtime.states import Copies, check_trackable
 from harness.runtime.stepping import Stepping, StopSegment as StopSegment  # StopSegment: the launcher's
 from harness.runtime.steps import StepClock, StepHook
@@ -84,7 +84,7 @@ class Context(Stepping):
         rank_seed: int,
         fingerprint_every: int,
         channel: Connection | None,
-        checkpoints: CheckpointPlan | None = None,
+        checkpoints: LaunchPlan | None = None,
         invariant_shards: int = 0,
         progress: Callable[[int], None] | None = None,
         output_dir: str = "",
@@ -103,55 +103,11 @@ class Context(Stepping):
         self._every = fingerprint_every
         self._channel = channel  # only rank 0 holds one
         self._outbox = Outbox(channel) if channel is not None else None
-        self._model: torch.nn.Module | None = None
-        self._samplers: list[Any] = []  # of ctx.loader's loaders: ctx.epochs calls their set_epoch
-        self._data_order = SampleOrder(world_size, rank, invariant_shards)
-        self._steps_per_epoch: int | None = None
-        self._next_fingerprint = 0
-        self._fingerprints: dict[int, str] = {}  # rank 0: every Fingerprint sent, so that a checkpoint carries them
-        self._last_step: int | None = None
-        self._plan = checkpoints
-        self._checkpoints = CheckpointSteps(checkpoints, rank, world_size, device)
-        self._shards = invariant_shards  # > 0: world-size-invariant mode
-        self._shard = loaders.Shard(world_size, rank, seed, rank_seed, device, invariant_shards)
-        self._invariant_step: Any = None
-        self._tracked: dict[str, Any] = {}
-        self._loaders: list[DataLoader] = []
-        self._train_loader: DataLoader | None = None
-        self._epoch = 0
-        self._epoch_start_generator: torch.Tensor | None = None
-        self._resume: tuple[ckpt.TrainingPosition, dict] | None = None  # until the first batch after it
         self._progress = progress  # tells the launcher this rank is alive, and at which step
-        self._in_backward = False  # invariant mode: gradients may reach the model only inside ctx.backward
-        # What drives the loop, so what a step boundary is: "loader" (the training ctx.loader's fetches),
-        # "steps" (ctx.steps() iterations) or None (a loop of the user's own: only optimizer steps are seen).
-        self._driver: str | None = None
-        # The framework whose loop runs the steps or feeds their batches (boundaries.LIGHTNING, .ACCELERATE), set by
-        # its integration: a step boundary missing there has another way out than a loop of the user's own.
-        self._framework: str | None = None
-        self._loop_sent = False
-        self._sketched = False
-        self._digested = False
-        self._logged = Logged()  # rank 0: what was logged, at which steps, by training or an evaluation
-        self._noted: set[str] = set()  # notices already sent
-        self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
-        self._forward_hook: hooks.Handle | None = None
-        self._initial_fingerprint: str | None = None  # rank 0: the registered model's, when it was registered
-        self._copies = Copies()
-        # plan.trace_step's op trace; the experiment folder fixed at start: the training code may os.chdir() away.
-        self._trace = StepTrace(checkpoints, rank, world_size, invariant_shards, code_dir or str(Path.cwd()), device)
-        # Every step's wall time and loader wait; torch.profiler over the planned steps (profile: in experiment.yaml).
-        self._timer = perf.StepTimer(rank, device, profile)
-        self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
-        # A calibration member (harness calibrate): its trained weights start nudged (its reference, member 0, is
-        # the run itself). Every optimizer made from here on has its parameters nudged as it is made.
-        nudged = checkpoints.perturb_seed if checkpoints is not None else None
-        self._member = perturb.MemberNudge(nudged) if nudged not in (None, perturb.REFERENCE) else None
-        if self._member is not None:
-            self._member.install()
-        # Rank 0 of a recorded job: what trains the model (optimizer, LR schedulers, GradScaler, autocast), the
-        # learning rate of every step and the GradScaler's scale.
-        self._optimization = optimization.Watch(self._coming_step).start() if self._outbox is not None else None
+        self._plan = checkpoints
+        self._shards = invariant_shards  # > 0: world-size-invariant mode
+        self._init_loop_state()
+        self._init_step_work(checkpoints, code_dir, profile)
         self.output_dir = Path(output_dir) if output_dir else Path.cwd() / "outputs"
         """A folder for files the run produces (checkpoints of your own, samples, plots): they become the
         run's artifacts under outputs/. Write there, not into the experiment folder, which is code."""
@@ -168,6 +124,61 @@ class Context(Stepping):
             # Step 0 of a loop harness does not drive begins with train() itself; a loader or ctx.steps
             # that turns up restarts the trace at its first batch.
             self._trace.start(0, self._model)
+
+    def _init_loop_state(self) -> None:
+        """What the context learns as the training loop runs: the model, the loaders, the epoch, the steps seen."""
+        world_size, rank = self.world_size, self.rank
+        self._model: torch.nn.Module | None = None
+        self._samplers: list[Any] = []  # of ctx.loader's loaders: ctx.epochs calls their set_epoch
+        self._data_order = SampleOrder(world_size, rank, self._shards)
+        self._steps_per_epoch: int | None = None
+        self._next_fingerprint = 0
+        self._fingerprints: dict[int, str] = {}  # rank 0: every Fingerprint sent, so that a checkpoint carries them
+        self._last_step: int | None = None
+        self._shard = loaders.Shard(world_size, rank, self.seed, self.rank_seed, self.device, self._shards)
+        self._invariant_step: Any = None
+        self._tracked: dict[str, Any] = {}
+        self._loaders: list[DataLoader] = []
+        self._train_loader: DataLoader | None = None
+        self._epoch = 0
+        self._epoch_start_generator: torch.Tensor | None = None
+        self._resume: tuple[ckpt.TrainingPosition, dict] | None = None  # until the first batch after it
+        self._in_backward = False  # invariant mode: gradients may reach the model only inside ctx.backward
+        # What drives the loop, so what a step boundary is: "loader" (the training ctx.loader's fetches),
+        # "steps" (ctx.steps() iterations) or None (a loop of the user's own: only optimizer steps are seen).
+        self._driver: str | None = None
+        # The framework whose loop runs the steps or feeds their batches (boundaries.LIGHTNING, .ACCELERATE), set by
+        # its integration: a step boundary missing there has another way out than a loop of the user's own.
+        self._framework: str | None = None
+        self._loop_sent = False
+        self._sketched = False
+        self._digested = False
+        self._logged = Logged()  # rank 0: what was logged, at which steps, by training or an evaluation
+        self._noted: set[str] = set()  # notices already sent
+        self._stepped_params: torch.nn.Module | None = None  # the optimizer's parameters, when no model is registered
+        self._forward_hook: hooks.Handle | None = None
+        self._initial_fingerprint: str | None = None  # rank 0: the registered model's, when it was registered
+        self._copies = Copies()
+
+    def _init_step_work(self, plan: LaunchPlan | None, code_dir: str, profile: ProfilePlan | None) -> None:
+        """What the launch plan asks of the steps: checkpoints, an op trace, timing, a calibration member's nudge,
+        and, on rank 0 of a recorded job, the watch on what trains the model."""
+        rank, world_size, device = self.rank, self.world_size, self.device
+        self._checkpoints = CheckpointSteps(plan, rank, world_size, device)
+        # plan.trace_step's op trace; the experiment folder fixed at start: the training code may os.chdir() away.
+        self._trace = StepTrace(plan, rank, world_size, self._shards, code_dir or str(Path.cwd()), device)
+        # Every step's wall time and loader wait; torch.profiler over the planned steps (profile: in experiment.yaml).
+        self._timer = perf.StepTimer(rank, device, profile)
+        self.clock = StepClock(self._on_begin, self._on_end, self._beat_now, self._on_optimizer, self._on_first_step)
+        # A calibration member (harness calibrate): its trained weights start nudged (its reference, member 0, is
+        # the run itself). Every optimizer made from here on has its parameters nudged as it is made.
+        nudged = plan.perturb_seed if plan is not None else None
+        self._member = perturb.MemberNudge(nudged) if nudged not in (None, perturb.REFERENCE) else None
+        if self._member is not None:
+            self._member.install()
+        # Rank 0 of a recorded job: what trains the model (optimizer, LR schedulers, GradScaler, autocast), the
+        # learning rate of every step and the GradScaler's scale.
+        self._optimization = optimization.Watch(self._coming_step).start() if self._outbox is not None else None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The context is the rank's link to its launcher (a pipe, a sender thread, shared memory): copying it would

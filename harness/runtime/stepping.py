@@ -35,7 +35,7 @@ from harness.runtime.dataorder import SampleOrder
 from harness.runtime.fingerprint import fingerprint
 from harness.runtime.outbox import Outbox
 from harness.runtime.perturb import MemberNudge
-from harness.runtime.plan import CheckpointPlan
+from harness.runtime.plan import LaunchPlan
 from harness.runtime.steps import StepClock, optimizer_parameters
 from harness.runtime.tracing import StepTrace
 
@@ -51,7 +51,7 @@ class Stepping:
     world_size: int
     device: torch.device
     clock: StepClock
-    _plan: CheckpointPlan | None
+    _plan: LaunchPlan | None
     _checkpoints: CheckpointSteps
     _trace: StepTrace
     _timer: perf.StepTimer

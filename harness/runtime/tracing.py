@@ -10,13 +10,13 @@ import torch
 
 from harness.optrace import tracefile
 from harness.optrace.tracer import OpTracer
-from harness.runtime.plan import CheckpointPlan
+from harness.runtime.plan import LaunchPlan
 
 
 class StepTrace:
     """This rank's trace of plan.trace_step, when the plan asks for one."""
 
-    def __init__(self, plan: CheckpointPlan | None, rank: int, world_size: int, shards: int, code_dir: str,
+    def __init__(self, plan: LaunchPlan | None, rank: int, world_size: int, shards: int, code_dir: str,
                  device: torch.device) -> None:
         self._plan = plan
         self._rank, self._world_size, self._shards = rank, world_size, shards

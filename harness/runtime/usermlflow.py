@@ -41,7 +41,7 @@ SCRATCH_DIR = "user-mlflow"  # beside the job's logs/ folder, removed with the j
 def run_env(tracking_uri: str, run_id: str, experiment_id: str, experiment_name: str) -> dict[str, str]:
     """What rank 0 gets so that the user's fluent MLflow calls land in the job's run (LaunchSpec.env).
 
-    `tracking_uri` is already absolute (harness.store.reach.absolute_uri, the launcher's to call): a rank runs
+    `tracking_uri` is already absolute (harness.store.uris.absolute_uri, the launcher's to call): a rank runs
     in the code folder, and this layer never reaches the store."""
     return {TRACKING_URI: tracking_uri, RUN_ID: run_id, EXPERIMENT_ID: experiment_id, EXPERIMENT_NAME: experiment_name}
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from harness.errors import HarnessError, StoreUnavailable
-from harness.store.reach import OTHER_STORE, display_uri, reason_of, schema_error
+from harness.store.probe import OTHER_STORE, reason_of, schema_error
+from harness.store.uris import display_uri
 
 
 def open_error(shown: str, err: BaseException) -> HarnessError:

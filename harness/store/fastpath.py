@@ -16,7 +16,8 @@ from typing import Any
 
 from harness import scratch
 from harness.rundata import RunSummary
-from harness.store.reach import database_file, display_uri, schema_error, sqlite_path
+from harness.store.probe import schema_error
+from harness.store.uris import database_file, display_uri, sqlite_path
 
 _READ_TIMEOUT_S = 30  # a reader waits out a writer's lock as long as the writers wait for each other
 
@@ -30,11 +31,10 @@ _MIGRATIONS = ("store", "db_migrations", "versions")
 _REVISION = re.compile(r"^(down_)?revision\s*(?::[^=]*)?=\s*(.+)$", re.MULTILINE)
 # The filters harness's own queries use: one tag equal to a value, or present at all (LIKE '%').
 _TAG_FILTER = re.compile(r"tags\.`([^`]+)` (=|LIKE) '([^'%]*|%)'")
-# The schema revisions (MLflow's alembic heads) this raw SQL was checked against by its differential tests
-# (tests/test_cli_fast.py, tests/test_metric_sink.py, tests/test_store.py: the same answers and rows as MLflow's
-# own client), with the MLflow versions tested. "Equals the installed head" alone would trust a schema no test has
-# seen: an MLflow whose head is not listed is read and written through MLflow itself (slower, never wrong), and
-# tests/test_cli_fast.py::test_installed_mlflow_schema_was_tested fails until its head is checked and added here.
+# The schema revisions (MLflow's alembic heads) this raw SQL was checked against by differential tests (the same
+# answers and rows as MLflow's own client), with the MLflow versions tested. "Equals the installed head" alone would
+# trust a schema nothing has compared: an MLflow whose head is not listed is read and written through MLflow itself
+# (slower, never wrong) until its head is checked against MLflow's client and added here.
 TESTED_SCHEMA_REVISIONS = {
     "dc11669786a5": "mlflow 3.17.2",
 }
@@ -290,8 +290,8 @@ class SqliteMetricSink:
     project's machines: 40 s at the end of a 200k-point run); the same rows inserted with executemany take a few
     microseconds. The rows are MLflow's own: `metrics` deduplicated on its primary key, NaN stored as 0 with
     is_nan, +-inf as +-max float, and `latest_metrics` updated by MLflow's rule (the greatest (step, timestamp,
-    value) wins). Keys pass MLflow's own name check first. tests/test_metric_sink.py reads both paths back through MLflow's
-    client and asserts the same answers. Any other store (a server, PostgreSQL, a schema of another revision) keeps
+    value) wins). Keys pass MLflow's own name check first, so both paths read back the same through MLflow's
+    client. Any other store (a server, PostgreSQL, a schema of another revision) keeps
     MLflow's log_batch.
     """
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from harness import tags as T
 from harness.store.failures import transient
-from harness.store.reach import env_seconds
+from harness.store.probe import env_seconds
 
 if TYPE_CHECKING:
     from harness.store.tracking import Tracker

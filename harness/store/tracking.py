@@ -29,19 +29,10 @@ from harness.store.failures import (
     unwritable,
 )
 from harness.store.fastpath import SINK_CHUNK, SqliteMetricSink, SqliteReader, create_whole
+from harness.store.locks import opening
 from harness.store.outages import Outages
-from harness.store.reach import (
-    MLFLOW_HTTP_DEFAULTS,
-    SUPPRESS_URL,
-    artifact_path,
-    artifact_root,
-    database_file,
-    display_uri,
-    opening,
-    probe_store,
-    resolve_uri,
-    store_timeout,
-)
+from harness.store.probe import MLFLOW_HTTP_DEFAULTS, SUPPRESS_URL, probe_store, store_timeout
+from harness.store.uris import artifact_path, artifact_root, database_file, display_uri, resolve_uri
 from harness.store.writers import MLFLOW_BATCH, Heartbeat, MetricWriter
 
 # A run id is MLflow's 32 hex digits; a shorter unique start of one names it too (as git's and docker's ids do).
@@ -283,7 +274,7 @@ class Tracker:
     def terminate_run(self, run_id: str, status: str, end_time: int | None = None) -> None:
         """End the run as `status` (at `end_time`, ms since the epoch; now when None). The store's plain primitive:
         every run harness closes is closed through record/closing.py, which seals it first, and nothing else calls
-        this (tests/test_architecture.py)."""
+        this: a close made elsewhere could skip the seal."""
         self.client.set_terminated(run_id, status, end_time)
 
     # -- copying a run whole (harness export / import) ------------------------------------------

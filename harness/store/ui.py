@@ -33,7 +33,7 @@ from harness import events, scratch, tags as T
 from harness.errors import HarnessError
 from harness.rundata import UiLinks
 from harness.store.fastpath import mlflow_file
-from harness.store.reach import artifact_path, artifact_root, default_uri, display_uri
+from harness.store.uris import artifact_path, artifact_root, default_uri, display_uri
 
 if TYPE_CHECKING:
     from harness.rundata import RunSummary
@@ -188,7 +188,7 @@ def curves(uri: str, run: RunSummary) -> list[str]:
 
 
 def _announcement(uri: str) -> Path:
-    from harness.store.reach import absolute_uri
+    from harness.store.uris import absolute_uri
 
     return scratch.cache_dir() / "ui" / f"{hashlib.sha256(absolute_uri(uri).encode()).hexdigest()[:16]}.json"
 

@@ -14,7 +14,8 @@ from harness.rundata import same_value, series
 from harness.store.failures import transient, unwritable
 from harness.store.fastpath import SINK_CHUNK, SqliteMetricSink
 from harness.store.outages import Outages
-from harness.store.reach import display_uri, reason_of
+from harness.store.probe import reason_of
+from harness.store.uris import display_uri
 
 if TYPE_CHECKING:
     from harness.store.tracking import Tracker

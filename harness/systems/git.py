@@ -35,14 +35,14 @@ SECRET_PATTERNS = (
 # Options that pin the patch's format: the user's diff config (noprefix, mnemonicPrefix, color,
 # external diff, textconv, renames, context lines, algorithm, order, relative, submodule log
 # format) must not change the bytes recorded, nor make a patch that `git apply` rejects.
-_DIFF_ARGS = (
+DIFF_ARGS = (
     "--binary", "--full-index", "--unified=3", "--diff-algorithm=myers", "--indent-heuristic", "--no-renames",
     "--no-color", "--no-ext-diff", "--no-textconv", "--no-relative", "--ignore-submodules=none",
     "--submodule=short", "-O/dev/null", "--src-prefix=a/", "--dst-prefix=b/",
 )
 # Settings with no command-line option that still change the bytes: fixed, so the same tree gives
 # the same patch (and sha256) whoever records it. Names stay readable UTF-8 in the patch.
-_DIFF_CONFIG = ("core.quotepath=off", "diff.suppressBlankEmpty=false")
+DIFF_CONFIG = ("core.quotepath=off", "diff.suppressBlankEmpty=false")
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,15 @@ class GitFailed(RepositoryError):
         self.detail = detail
 
 
-def _git():  # lazy: gitpython spawns `git` on import checks
+def gitpython():
+    """The `git` module of gitpython, imported on first use: importing it spawns `git` to check the install, which
+    `harness --help` and the commands that never read a repository should not pay for."""
     import git
 
     return git
 
 
-def _run(
+def run_git(
     cwd: Path, args: list[str], index: Path | None = None, config: tuple[str, ...] = (), stdin: bytes | None = None
 ) -> bytes:
     """`git -c CONFIG.. ARGS` in `cwd`, stdout as bytes; with `index`, against that index file, not the user's."""
@@ -176,7 +178,7 @@ def first_few(names: tuple[str, ...] | list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _show(path: bytes) -> str:
+def shown_path(path: bytes) -> str:
     """A git path for a one-line message (never for git itself): a newline or a byte that is not
     UTF-8 in a name is shown escaped, so the message stays one printable line."""
     text = os.fsdecode(path)
@@ -184,7 +186,7 @@ def _show(path: bytes) -> str:
 
 
 def open_repo(path: Path):
-    git = _git()
+    git = gitpython()
     try:
         return git.Repo(path, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
@@ -226,7 +228,7 @@ def inspect(
 
 def _gitlinks(root: Path, commit: str) -> list[tuple[bytes, str]]:
     """(path, commit) of every submodule `commit` records (its gitlinks)."""
-    out = _run(root, ["ls-tree", "-r", "-z", "--full-tree", commit])
+    out = run_git(root, ["ls-tree", "-r", "-z", "--full-tree", commit])
     links = []
     for entry in filter(None, out.split(b"\0")):
         meta, _, path = entry.partition(b"\t")
@@ -247,14 +249,14 @@ def _submodules(root: Path, commit: str, prefix: str, max_mib: float | None, all
         if not (sub_root / ".git").exists():
             continue
         path = prefix + os.fsdecode(rel)
-        head = _run(sub_root, ["rev-parse", "--verify", "-q", "HEAD"]).strip().decode("ascii")
+        head = run_git(sub_root, ["rev-parse", "--verify", "-q", "HEAD"]).strip().decode("ascii")
         if head != recorded:  # the superproject's own check (_refuse_gitlinks) sees this first; a nested one's is here
             raise RepositoryError(
-                f"submodule '{_show(os.fsencode(path))}' is checked out at {head[:12]}, not at the commit recorded in {commit[:12]}; the "
-                f"code record cannot hold a submodule change. Commit the submodule update, or check it out at the "
+                f"submodule '{shown_path(os.fsencode(path))}' is checked out at {head[:12]}, not at the commit recorded "
+                f"in {commit[:12]}; the code record cannot hold a submodule change. Commit the submodule update, or check it out at the "
                 "recorded commit."
             )
-        untracked = _check_untracked(sub_root, max_mib, allow_secrets, [], _show(os.fsencode(path)) + "/")
+        untracked = _check_untracked(sub_root, max_mib, allow_secrets, [], shown_path(os.fsencode(path)) + "/")
         patch, tree = _working_tree_patch(sub_root, recorded, [])
         yield Submodule(path, recorded, patch, untracked, tree)
         yield from _submodules(sub_root, recorded, path + "/", max_mib, allow_secrets)
@@ -273,7 +275,7 @@ def _exclusions(root: Path, paths: tuple[Path, ...]) -> tuple[list[str], tuple[s
     if present:
         names = b"".join(os.fsencode(rel) + b"\0" for rel in present)
         try:  # check-ignore exits 1 when none of them is ignored
-            ignored = {os.fsdecode(p) for p in _run(root, ["check-ignore", "-z", "--stdin"], stdin=names).split(b"\0") if p}
+            ignored = {os.fsdecode(p) for p in run_git(root, ["check-ignore", "-z", "--stdin"], stdin=names).split(b"\0") if p}
         except GitFailed:
             ignored = set()
     excluded = tuple(rel for rel in present if rel not in ignored)
@@ -292,15 +294,15 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
                      shown: str = "") -> tuple[str, ...]:
     """Refuse untracked files the record must not or cannot hold; returns the untracked files it will hold.
     `shown`: what messages put before a path (a submodule's own path and a slash)."""
-    out = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
+    out = run_git(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec])
     secrets: list[tuple[bytes, str]] = []
-    names = tuple(_show(rel) for rel in filter(None, out.split(b"\0")))
+    names = tuple(shown_path(rel) for rel in filter(None, out.split(b"\0")))
     sizes: list[tuple[int, bytes]] = []  # every untracked file the patch will hold: the limit bounds their total too
     for rel in filter(None, out.split(b"\0")):
         # ls-files stops at a nested repository and names its folder with a trailing slash.
         if rel.endswith(b"/"):
             raise RepositoryError(
-                f"'{shown}{_show(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
+                f"'{shown}{shown_path(rel.rstrip(b'/'))}' is an untracked git repository inside the repository; the code record "
                 "cannot hold it. Add it to .gitignore, or add it as a submodule and commit the submodule."
             )
         pattern = secret_pattern(rel)
@@ -313,32 +315,32 @@ def _check_untracked(root: Path, max_mib: float | None, allow_secrets: bool, pat
             size = os.lstat(os.path.join(os.fsencode(root), rel)).st_size
             if size > max_mib * MIB:
                 raise RepositoryError(
-                    f"'{shown}{_show(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
+                    f"'{shown}{shown_path(rel)}' is an untracked file of {size / MIB:.2f} MiB ({size} bytes), over the code "
                     f"record's limit of {max_mib:g} MiB (record.max_untracked_mib). Commit it, add it to "
                     "a .gitignore, or keep data outside the repository and declare it as data; or raise the "
-                    "limit (record.max_untracked_mib=50)." + framework_hint(framework_outputs([_show(rel)]))
+                    "limit (record.max_untracked_mib=50)." + framework_hint(framework_outputs([shown_path(rel)]))
                 )
             sizes.append((size, rel))
     total = sum(size for size, _ in sizes)
     if max_mib is not None and total > max_mib * MIB:
-        largest = ", ".join(f"'{_show(rel)}' ({size / MIB:.2f} MiB)" for size, rel in sorted(sizes, reverse=True)[:3])
+        largest = ", ".join(f"'{shown_path(rel)}' ({size / MIB:.2f} MiB)" for size, rel in sorted(sizes, reverse=True)[:3])
         raise RepositoryError(
             f"the {len(sizes)} untracked files hold {total / MIB:.2f} MiB ({total} bytes) together, over the code "
             f"record's limit of {max_mib:g} MiB (record.max_untracked_mib), which bounds their total as well as each "
             f"one; the largest: {largest}. Commit them, add them to a .gitignore, or keep data outside "
             "the repository and declare it as data; or raise the limit (record.max_untracked_mib=50)."
-            + framework_hint(framework_outputs([_show(rel) for _, rel in sizes]))
+            + framework_hint(framework_outputs([shown_path(rel) for _, rel in sizes]))
         )
     if len(secrets) == 1:
         (rel, pattern), = secrets
         raise SecretRefused(
-            f"'{shown}{_show(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
+            f"'{shown}{shown_path(rel)}' is an untracked file whose name marks it as a secret ({pattern}); it would be "
             "stored with the run's code. Add it to .gitignore, commit it if it holds no secret, or pass "
             "--allow-untracked-secrets knowingly."
         )
     if secrets:  # every one at once: fixing them one run at a time would be tedious
         raise SecretRefused(
-            f"{first_few([shown + _show(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
+            f"{first_few([shown + shown_path(rel) for rel, _ in secrets], 10)} are untracked files whose names mark them as "
             "secrets; they would be stored with the run's code. Add them to .gitignore, commit those that hold no secret, "
             "or pass --allow-untracked-secrets knowingly."
         )
@@ -351,12 +353,12 @@ def _working_tree_patch(root: Path, commit: str, pathspec: list[str]) -> tuple[b
         # A throwaway index seeded from HEAD: `add -A` then sees untracked files too, and the
         # user's real index (staged work) stays exactly as it was.
         index = Path(tmp, "index")
-        _run(root, ["read-tree", commit], index)
+        run_git(root, ["read-tree", commit], index)
         # safecrlf would stop `add` with git's own message; the round trip below names the file instead.
-        _run(root, ["add", "-A", "--", *pathspec], index, ("core.safecrlf=false",))
+        run_git(root, ["add", "-A", "--", *pathspec], index, ("core.safecrlf=false",))
         _refuse_gitlinks(root, commit, index)
-        patch = _run(root, ["diff", "--cached", *_DIFF_ARGS, commit], index, _DIFF_CONFIG)
-        tree = _run(root, ["write-tree"], index).strip().decode("ascii")
+        patch = run_git(root, ["diff", "--cached", *DIFF_ARGS, commit], index, DIFF_CONFIG)
+        tree = run_git(root, ["write-tree"], index).strip().decode("ascii")
         if not patch:
             return b"", tree
         mismatch = verify_patch(root, commit, patch, root, expected_tree=tree)
@@ -403,13 +405,13 @@ def _changed_since(root: Path, tree: str, pathspec: list[str], shown: str,
         # A throwaway index seeded from the recorded tree: `add -u` takes the working tree's bytes for the files it
         # holds, and adds none it does not (a huge output is never hashed into the object store).
         index = Path(tmp, "index")
-        _run(root, ["read-tree", tree], index)
-        _run(root, ["add", "-u", "--", *pathspec], index, ("core.safecrlf=false",))
-        now = _run(root, ["write-tree"], index).strip().decode("ascii")
+        run_git(root, ["read-tree", tree], index)
+        run_git(root, ["add", "-u", "--", *pathspec], index, ("core.safecrlf=false",))
+        now = run_git(root, ["write-tree"], index).strip().decode("ascii")
         changed = [] if now == tree else [
-            p for p in _run(root, ["diff-tree", "-r", "-z", "--name-only", "--no-renames", tree, now]).split(b"\0") if p]
+            p for p in run_git(root, ["diff-tree", "-r", "-z", "--name-only", "--no-renames", tree, now]).split(b"\0") if p]
         # Untracked as this index sees them: not in the recorded tree, and not ignored.
-        added = _run(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec], index)
+        added = run_git(root, ["ls-files", "-z", "--others", "--exclude-standard", "--", *pathspec], index)
         changed += [p for p in added.split(b"\0") if p.endswith(b".py")]
         # Python's caches of its sources, rewritten by any import of a source newer than its cache: the sources
         # are what is held to the record.
@@ -417,7 +419,7 @@ def _changed_since(root: Path, tree: str, pathspec: list[str], shown: str,
         written = []
         if since_ns is not None:
             seen = set(changed)
-            for p in _run(root, ["ls-files", "-z", "--cached", "--", *pathspec], index).split(b"\0"):
+            for p in run_git(root, ["ls-files", "-z", "--cached", "--", *pathspec], index).split(b"\0"):
                 if not p or p in seen or _bytecode(p):
                     continue
                 with contextlib.suppress(OSError):
@@ -425,7 +427,7 @@ def _changed_since(root: Path, tree: str, pathspec: list[str], shown: str,
                     # ctime too: a file moved into place (an editor's save) keeps the mtime it was written with.
                     if not stat.S_ISDIR(st.st_mode) and max(st.st_mtime_ns, st.st_ctime_ns) >= since_ns:
                         written.append(p)
-    return [shown + _show(p) for p in changed], [shown + _show(p) for p in written]
+    return [shown + shown_path(p) for p in changed], [shown + shown_path(p) for p in written]
 
 
 def _bytecode(path: bytes) -> bool:
@@ -434,7 +436,7 @@ def _bytecode(path: bytes) -> bool:
 
 def _raw_changes(cwd: Path, commit: str, index: Path) -> list[tuple[str, str, str, bytes]]:
     """(old mode, new mode, new blob id, path) of every entry of `index` that differs from `commit`."""
-    out = _run(cwd, ["diff-index", "--cached", "-z", "--raw", "--no-abbrev", "--no-renames",
+    out = run_git(cwd, ["diff-index", "--cached", "-z", "--raw", "--no-abbrev", "--no-renames",
                      "--ignore-submodules=none", commit], index)
     fields = out.split(b"\0")
     changes = []
@@ -450,14 +452,15 @@ def _refuse_gitlinks(root: Path, commit: str, index: Path) -> None:
         if MODE_GITLINK in (old_mode, new_mode):
             # Untracked nested repositories are refused earlier; this is a submodule whose checkout moved.
             raise RepositoryError(
-                f"submodule '{_show(path)}' is checked out at {new_id[:12]}, not at the commit recorded in "
+                f"submodule '{shown_path(path)}' is checked out at {new_id[:12]}, not at the commit recorded in "
                 f"{commit[:12]}; the code record cannot hold a submodule change. Commit the submodule update "
-                f"(git add '{_show(path)}' && git commit), or check it out at the recorded commit."
+                f"(git add '{shown_path(path)}' && git commit), or check it out at the recorded commit."
             )
 
 
-def _object_format(cwd: Path) -> str:
-    return _run(cwd, ["rev-parse", "--show-object-format"]).strip().decode("ascii")
+def repo_object_format(cwd: Path) -> str:
+    """The hash the repository at `cwd` names its objects with (`sha1` or `sha256`): a copy must use the same one."""
+    return run_git(cwd, ["rev-parse", "--show-object-format"]).strip().decode("ascii")
 
 
 def blob_id(data: bytes, object_format: str = "sha1") -> str:
@@ -494,16 +497,16 @@ def verify_patch(
     of their target, deleted paths by absence. With `expected_tree`, the scratch index must also
     write exactly that tree, so no change was left out of the patch. None when all match.
     """
-    object_format = _object_format(repo_root)
-    file_mode = _run(repo_root, ["config", "--type=bool", "--default=true", "core.fileMode"]).strip() == b"true"
+    object_format = repo_object_format(repo_root)
+    file_mode = run_git(repo_root, ["config", "--type=bool", "--default=true", "core.fileMode"]).strip() == b"true"
     with scratch.folder("index") as tmp:
         index = Path(tmp, "index")
         patch_file = Path(tmp, "uncommitted.patch")
         patch_file.write_bytes(patch)
-        _run(repo_root, ["read-tree", commit], index)
-        _run(repo_root, ["apply", "--cached", "--binary", "--whitespace=nowarn", str(patch_file)], index)
+        run_git(repo_root, ["read-tree", commit], index)
+        run_git(repo_root, ["apply", "--cached", "--binary", "--whitespace=nowarn", str(patch_file)], index)
         if expected_tree is not None:
-            tree = _run(repo_root, ["write-tree"], index).strip().decode("ascii")
+            tree = run_git(repo_root, ["write-tree"], index).strip().decode("ascii")
             if tree != expected_tree:
                 return Mismatch(None, expected_tree, tree)
         root = os.fsencode(tree_root)
@@ -514,12 +517,12 @@ def verify_patch(
             if not file_mode and expected and found and {expected[0], found[0]} <= regular:
                 found = (expected[0], found[1])  # core.fileMode=false: git ignores the executable bit, so do we
             if expected != found:
-                return Mismatch(_show(path), _describe(expected), _describe(found))
+                return Mismatch(shown_path(path), _describe(expected), _describe(found))
     return None
 
 
 def has_commit(root: Path, commit: str) -> bool:
-    git = _git()
+    git = gitpython()
     repo = open_repo(root)
     try:
         repo.commit(commit)
@@ -533,13 +536,13 @@ def commits_between(root: Path, older: str, newer: str) -> list[tuple[str, str]]
     Empty when `older` is no ancestor of `newer` (the caller says so)."""
     if not is_ancestor(root, older, newer):
         return []
-    out = _run(root, ["log", "--ancestry-path", "--first-parent", "--reverse", "--format=%H %s", f"{older}..{newer}"])
+    out = run_git(root, ["log", "--ancestry-path", "--first-parent", "--reverse", "--format=%H %s", f"{older}..{newer}"])
     return [(line[:40], line[41:]) for line in out.decode(errors="replace").splitlines() if line.strip()]
 
 
 def is_ancestor(root: Path, older: str, newer: str) -> bool:
     try:
-        _run(root, ["merge-base", "--is-ancestor", older, newer])
+        run_git(root, ["merge-base", "--is-ancestor", older, newer])
         return True
     except GitFailed:
         return False
@@ -547,7 +550,7 @@ def is_ancestor(root: Path, older: str, newer: str) -> bool:
 
 def find_repo(path: Path) -> Path | None:
     """The working tree of the repository holding `path`, None when there is none."""
-    git = _git()
+    git = gitpython()
     try:
         return Path(git.Repo(path, search_parent_directories=True).working_tree_dir)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
@@ -561,9 +564,9 @@ def recorded_symlinks(root: Path, folder: Path) -> list[Path]:
     except ValueError:
         return []
     spec = ["--", rel] if rel != "." else []
-    links = [p[p.index(b"\t") + 1:] for p in _run(root, ["ls-files", "-z", "-s", *spec]).split(b"\0")
+    links = [p[p.index(b"\t") + 1:] for p in run_git(root, ["ls-files", "-z", "-s", *spec]).split(b"\0")
              if p.startswith(MODE_SYMLINK.encode())]
-    others = [p for p in _run(root, ["ls-files", "-z", "--others", "--exclude-standard", *spec]).split(b"\0") if p]
+    others = [p for p in run_git(root, ["ls-files", "-z", "--others", "--exclude-standard", *spec]).split(b"\0") if p]
     out = [Path(os.fsdecode(os.path.join(os.fsencode(root), p))) for p in links]
     out += [path for p in others if (path := Path(os.fsdecode(os.path.join(os.fsencode(root), p)))).is_symlink()]
     return out

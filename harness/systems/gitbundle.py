@@ -13,14 +13,14 @@ from pathlib import Path
 from harness import scratch
 from harness.errors import RepositoryError
 from harness.systems.git import (
-    _DIFF_ARGS,
-    _DIFF_CONFIG,
+    DIFF_ARGS,
+    DIFF_CONFIG,
     GIT_TIMEOUT_S,
     GitFailed,
     Submodule,
-    _object_format,
-    _run,
     has_commit,
+    repo_object_format,
+    run_git,
 )
 
 BUNDLE_REF = "refs/harness/recorded"  # the one ref of a run's code bundle, naming the recorded commit
@@ -30,7 +30,7 @@ SUBMODULE_REFS = "refs/harness/submodules/"  # a code bundle's refs naming its s
 
 
 def _objects(root: Path) -> str:
-    return _run(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
+    return run_git(root, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
 
 
 def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Submodule] = (),
@@ -58,16 +58,16 @@ def bundle_commit(root: Path, commit: str, dest: Path, submodules: Sequence[Subm
         alternates.append(_objects(sub_root))
     with scratch.folder("bundle") as tmp:
         bare = Path(tmp, "scratch.git")
-        _run(Path(tmp), ["init", "-q", "--bare", f"--object-format={_object_format(root)}", str(bare)])
+        run_git(Path(tmp), ["init", "-q", "--bare", f"--object-format={repo_object_format(root)}", str(bare)])
         (bare / "objects" / "info" / "alternates").write_text("".join(f"{a}\n" for a in alternates))
-        _run(bare, ["update-ref", BUNDLE_REF, commit])
+        run_git(bare, ["update-ref", BUNDLE_REF, commit])
         refs = [BUNDLE_REF]
         for index, sub in enumerate(submodules):
             refs.append(f"{SUBMODULE_REFS}{index}")
-            _run(bare, ["update-ref", refs[-1], sub.commit])
+            run_git(bare, ["update-ref", refs[-1], sub.commit])
         if tree_only:
             (bare / "shallow").write_text("".join(f"{c}\n" for c in sorted({commit, *(s.commit for s in submodules)})))
-        _run(bare, ["bundle", "create", "-q", str(dest), *refs])
+        run_git(bare, ["bundle", "create", "-q", str(dest), *refs])
 
 
 def shipped_changes(root: Path, commit: str, tree_only: bool = False) -> Iterator[tuple[str, str, bytes]]:
@@ -75,14 +75,14 @@ def shipped_changes(root: Path, commit: str, tree_only: bool = False) -> Iterato
     or with `tree_only` the commit alone as one patch creating its tree. The patches are exact bytes, binary
     hunks included, in the record's own diff format (systems/git.py)."""
     if tree_only:
-        empty = _run(root, ["hash-object", "-t", "tree", "--stdin"], stdin=b"").strip().decode("ascii")
-        message = _run(root, ["log", "-1", "--format=%B", commit]).decode(errors="replace")
-        yield commit, message, _run(root, ["diff", *_DIFF_ARGS, empty, commit], config=_DIFF_CONFIG)
+        empty = run_git(root, ["hash-object", "-t", "tree", "--stdin"], stdin=b"").strip().decode("ascii")
+        message = run_git(root, ["log", "-1", "--format=%B", commit]).decode(errors="replace")
+        yield commit, message, run_git(root, ["diff", *DIFF_ARGS, empty, commit], config=DIFF_CONFIG)
         return
     # One `git log -p` for the whole history, read as it comes (a long history with binaries runs to gigabytes):
     # a marker no commit message holds opens each commit.
-    args = ["git", *(a for item in _DIFF_CONFIG for a in ("-c", item)), "log", "-p",
-            "--format=%x01%x02%H%n%B%x01%x03", *_DIFF_ARGS, commit]
+    args = ["git", *(a for item in DIFF_CONFIG for a in ("-c", item)), "log", "-p",
+            "--format=%x01%x02%H%n%B%x01%x03", *DIFF_ARGS, commit]
     deadline = time.monotonic() + GIT_TIMEOUT_S
     with subprocess.Popen(args, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
         assert proc.stdout is not None  # stdout=PIPE
@@ -113,21 +113,21 @@ def _commit_of(chunk: bytes) -> tuple[str, str, bytes]:
 @contextlib.contextmanager
 def repository_from_bundle(bundle: Path, commit: str) -> Iterator[Path]:
     """A temporary repository holding only what `bundle` holds; refused unless it contains `commit`."""
-    heads = _run(bundle.parent, ["bundle", "list-heads", str(bundle)]).split()
+    heads = run_git(bundle.parent, ["bundle", "list-heads", str(bundle)]).split()
     object_format = "sha256" if heads and len(heads[0]) == 64 else "sha1"
     tmp = scratch.make("bundled")
     try:
         repo = tmp / "repo"
-        _run(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])
+        run_git(tmp, ["init", "-q", f"--object-format={object_format}", str(repo)])
         specs = [f"{BUNDLE_REF}:{BUNDLE_REF}"]
         if any(h.startswith(SUBMODULE_REFS.encode()) for h in heads):  # the submodules' commits, when it carries them
             specs.append(f"{SUBMODULE_REFS}*:{SUBMODULE_REFS}*")
         try:
-            _run(repo, ["fetch", "-q", str(bundle), *specs])
+            run_git(repo, ["fetch", "-q", str(bundle), *specs])
         except GitFailed:  # a bundle without history (export --tree-only): the repository is made shallow there
             ids = [h.decode("ascii") for h in heads if len(h) in (40, 64) and not h.startswith(b"refs/")]
             (repo / ".git" / "shallow").write_text("".join(f"{i}\n" for i in ids))
-            _run(repo, ["fetch", "-q", str(bundle), *specs])
+            run_git(repo, ["fetch", "-q", str(bundle), *specs])
         if not has_commit(repo, commit):
             raise RepositoryError(
                 f"the code bundle {bundle.name} does not hold the recorded commit {commit[:12]}. "

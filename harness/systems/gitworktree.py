@@ -17,12 +17,12 @@ from harness.errors import RepositoryError
 from harness.systems.git import (
     GitFailed,
     Submodule,
-    _git,
-    _object_format,
-    _run,
-    _show,
+    gitpython,
     has_commit,
     open_repo,
+    repo_object_format,
+    run_git,
+    shown_path,
     verify_patch,
 )
 
@@ -33,7 +33,7 @@ _STALE = re.compile(rf"{_WORKTREE_PREFIX}(\d+)-[^/]*/tree$")
 def prune_stale_worktrees(repo: Any) -> list[str]:
     """Remove the worktrees that harness processes killed before their cleanup left registered in the user's
     repository (`git worktree list`), with their folders; returns their paths."""
-    git = _git()
+    git = gitpython()
     removed: list[str] = []
     try:
         listing = repo.git.worktree("list", "--porcelain")
@@ -60,7 +60,7 @@ def _apply(path: Path, commit: str, patch: bytes, patch_file: Path, what: str) -
     """Apply a recorded patch to the checkout at `path` (of `commit`) and check every byte it touches."""
     patch_file.write_bytes(patch)
     try:
-        _run(path, ["apply", "--binary", "--whitespace=nowarn", str(patch_file)])
+        run_git(path, ["apply", "--binary", "--whitespace=nowarn", str(patch_file)])
     except GitFailed as err:
         raise RepositoryError(
             f"the recorded patch{what} does not apply to {commit[:12]}: {err.detail}. "
@@ -83,7 +83,7 @@ def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Pa
     Its objects come from the repository's own checkout of it (root/PATH), or from `root` itself when that holds
     them (a code bundle carries the submodules' commits): a shared clone borrows them, so nothing is fetched from
     the submodule's URL and nothing is registered in the user's repositories."""
-    shown = _show(os.fsencode(sub.path))
+    shown = shown_path(os.fsencode(sub.path))
     dest = tree / sub.path
     if not dest.resolve().is_relative_to(tree.resolve()):  # a symbolic link of the commit on the way
         raise RepositoryError(f"submodule '{shown}' lies outside the worktree of the recorded commit (a symbolic link "
@@ -99,15 +99,15 @@ def _check_out_submodule(root: Path, tree: Path, sub: Submodule, scratch_dir: Pa
             f"Fetch it there (git -C '{shown}' fetch), or run this inside a clone that has it."
         )
     dest.mkdir(parents=True, exist_ok=True)
-    shallow = Path(_run(source, ["rev-parse", "--path-format=absolute", "--git-path", "shallow"]).strip().decode())
+    shallow = Path(run_git(source, ["rev-parse", "--path-format=absolute", "--git-path", "shallow"]).strip().decode())
     if shallow.is_file():  # a code bundle without history (export --tree-only): git's clone would not borrow from it
-        _run(dest, ["init", "-q", f"--object-format={_object_format(source)}", "."])
-        objects = _run(source, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
+        run_git(dest, ["init", "-q", f"--object-format={repo_object_format(source)}", "."])
+        objects = run_git(source, ["rev-parse", "--path-format=absolute", "--git-path", "objects"]).strip().decode()
         (dest / ".git" / "objects" / "info" / "alternates").write_text(objects + "\n")
         shutil.copyfile(shallow, dest / ".git" / "shallow")
     else:
-        _run(dest, ["clone", "-q", "--no-checkout", "--shared", str(source), "."])
-    _run(dest, ["checkout", "-q", "--detach", sub.commit])
+        run_git(dest, ["clone", "-q", "--no-checkout", "--shared", str(source), "."])
+    run_git(dest, ["checkout", "-q", "--detach", sub.commit])
     if sub.patch:
         _apply(dest, sub.commit, sub.patch, scratch_dir / "submodule.patch", f" of submodule '{shown}'")
 
@@ -120,7 +120,7 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
 
     `base`: the folder to make it in (default: the system's temporary folder).
     """
-    git = _git()
+    git = gitpython()
     repo = open_repo(root)
     prune_stale_worktrees(repo)
     # The pid in the name: a worktree whose process was killed is known as stale by the next one.
@@ -134,7 +134,7 @@ def worktree(root: Path, commit: str, patch: bytes | None, base: Path | None = N
             repo.git.worktree("prune")
         lines = [line.strip() for line in str(err.stderr or "").splitlines() if line.strip()]
         said = [line[line.index("error:"):] for line in lines if "error:" in line] or [lines[-1].strip("'")] if lines else []
-        detail = _show(os.fsencode(said[0])) if said else f"exit {err.status}"
+        detail = shown_path(os.fsencode(said[0])) if said else f"exit {err.status}"
         raise RepositoryError(
             f"commit {commit[:12]} cannot be checked out ({detail}); git refuses its tree (a '.git' path, or a "
             "name this filesystem cannot hold). Replay a run whose commit git can check out."

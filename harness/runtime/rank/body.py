@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,10 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
     to spec.master_addr:spec.port as a client, or, for ranks this node's launcher spawned with port 0, the first
     of them hosts it (local_store).
     """
-    import torch
+    import torch.distributed as dist
+
+    from harness.runtime.groupkeep import keep_default_group
+
     started = time.time()
     rank = spec.global_rank(local_rank)
     hosts = store is None and not spec.port and progress is not None
@@ -54,40 +58,9 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         usermlflow.keep_run_open(run_id)
     seeds_seen = None
     kept = None
-
-    import torch.distributed as dist
-    from omegaconf import OmegaConf
-
-    from harness.runtime.context import Context, StopSegment
-    from harness.runtime.determinism import seed_everything, set_determinism, start_watch
-    from harness.runtime.groupkeep import keep_default_group
-
     try:
-        forkgate.start_worker()  # harness's threads exist before the training code can fork (runtime/forkgate.py)
-        family.hold_children()  # what the rank forks dies with it
-        torch.set_num_threads(spec.threads_per_rank)
-        with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
-            torch.set_num_interop_threads(1)
-        if spec.checkpoints is not None and spec.checkpoints.perturb_seed is not None:
-            # A calibration member: on its share of the machine's other kernels, before the settings are read.
-            perturb.use_kernels(spec.checkpoints.perturb_seed)
-        settings = set_determinism(Level(spec.determinism))
-        start_watch(Level(spec.determinism), settings)  # read back again during training; setters name the user's line
-        settings["world_size_invariant"] = str(spec.invariant_shards > 0)
-        settings["shards"] = str(spec.invariant_shards or "none")
-        seed_everything(spec.rank_seeds[rank])
-        if spec.device == "cuda":
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
-        else:
-            device = torch.device("cpu")
-        timeout = datetime.timedelta(seconds=spec.timeout_s + PG_MARGIN_S)
-        if store is None:  # every rank is a client of the launcher's store (node 0's across nodes): one port per job
-            store = dist.TCPStore(spec.master_addr, spec.port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            spec.backend, store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=spec.world_size,
-            timeout=timeout, **device_id(device),
-        )
+        settings = _settle(spec, rank)
+        here = _join(spec, rank, local_rank, channel, progress, store)
         # The training code's destroy_process_group() waits for harness's end; its init_process_group() gets this group.
         kept = keep_default_group(spec.backend, spec.world_size, rank)
         beat(progress, local_rank, -1)
@@ -97,56 +70,10 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
         seeds_seen = userseed.watch(spec.code_dir)
         fn = import_entry(spec)
         beat(progress, local_rank, -1)
-
-        def make_context(plan: Any) -> Context:
-            return Context(
-                rank=rank,
-                world_size=spec.world_size,
-                local_rank=local_rank,
-                device=device,
-                cfg=OmegaConf.create(spec.train_cfg),
-                seed=spec.seed,
-                rank_seed=spec.rank_seeds[rank],
-                fingerprint_every=spec.fingerprint_every,
-                channel=channel,
-                checkpoints=plan,
-                invariant_shards=spec.invariant_shards,
-                progress=functools.partial(beat, progress, local_rank),
-                output_dir=spec.output_dir,
-                data=spec.data,
-                run_id=spec.run_id,
-                code_dir=spec.code_dir,
-                profile=spec.profile,
-            )
-
         if channel is not None and not spec.members:
             channel.send(Determinism(settings, env_vars()))
-            channel.send(RankFacts(device_facts(device), nccl_conf()))
-        own_kernels = (bool(torch.backends.mkldnn.enabled), torch.get_num_threads())
-        for index, plan in enumerate(spec.segments or [spec.checkpoints]):
-            if index:
-                # Each segment starts as a fresh rank does: what train() draws before the checkpoint is loaded
-                # (nanoGPT's first batch) must come out as in the process that will resume from it.
-                seed_everything(spec.rank_seeds[rank])
-            ctx = make_context(plan)
-            usermlflow.notify_with(ctx._notice)
-            if spec.members:
-                beat(progress, local_rank, -1)  # the launcher counts this member's steps from its start
-                # A member's record says the settings it ran on, as a member launched alone reads them at its start.
-                settings = member_kernels(spec, plan.perturb_seed, own_kernels)
-                ctx.announce_segment(index, Determinism(settings, env_vars()),
-                                     RankFacts(device_facts(device), nccl_conf()))
-            elif spec.segments:
-                ctx.announce_segment(index)
-            try:
-                _train(fn, ctx)
-                regroup(spec, rank, store, timeout, device)
-                ctx.finish()
-            except StopSegment:  # an audit segment (or replay --steps K) ended: every rank stops at the same step
-                if not spec.segments or spec.members:  # replay --steps K: the run ends there, wrapped up as at an end
-                    ctx.finish_stopped()
-            finally:
-                ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
+            channel.send(RankFacts(device_facts(here.device), nccl_conf()))
+        _run_segments(fn, here)
         beat(progress, local_rank, TEARDOWN)  # trained: tearing down, which must end within timeout_s too
         userseed.send_once(seeds_seen, channel.send if channel is not None else None)
         kept.stop()
@@ -171,22 +98,145 @@ def run_rank(spec: LaunchSpec, local_rank: int, channel: Any, progress: Any = No
             channel.close()
 
 
-def member_kernels(spec: LaunchSpec, seed: int | None, own: tuple[bool, int]) -> dict[str, str]:
-    """Calibration member `seed`'s kernels in this process (the run's own first, then its share: perturb.py), and
-    the determinism settings read back as a rank launched for it alone reads them, watched from here on."""
+@dataclass
+class _Here:
+    """Where this rank runs and how it reaches the others and the launcher: what each segment's context is made of."""
+
+    spec: LaunchSpec
+    rank: int
+    local_rank: int
+    device: torch.device
+    channel: Any
+    progress: Any
+    store: Any
+    timeout: datetime.timedelta
+
+
+def _settle(spec: LaunchSpec, rank: int) -> dict[str, str]:
+    """This process as the rank's arithmetic needs it before anything runs: harness's threads, the kernels'
+    threads, a calibration member's kernels, the determinism settings (returned as read back) and the seeds."""
     import torch
 
+    from harness.runtime.determinism import seed_everything
+
+    forkgate.start_worker()  # harness's threads exist before the training code can fork (runtime/forkgate.py)
+    family.hold_children()  # what the rank forks dies with it
+    torch.set_num_threads(spec.threads_per_rank)
+    with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
+        torch.set_num_interop_threads(1)
+    if spec.checkpoints is not None and spec.checkpoints.perturb_seed is not None:
+        # A calibration member: on its share of the machine's other kernels, before the settings are read.
+        perturb.use_kernels(spec.checkpoints.perturb_seed)
+    settings = _determinism(spec)
+    seed_everything(spec.rank_seeds[rank])
+    return settings
+
+
+def _determinism(spec: LaunchSpec) -> dict[str, str]:
+    """The determinism settings set and read back, watched from here on (setters name the user's line)."""
     from harness.runtime.determinism import set_determinism, start_watch
 
-    torch.backends.mkldnn.enabled = own[0]  # type: ignore[assignment]  # a module property (ContextProp)
-    torch.set_num_threads(own[1])
-    if seed is not None:
-        perturb.use_kernels(seed)
     settings = set_determinism(Level(spec.determinism))
     start_watch(Level(spec.determinism), settings)
     settings["world_size_invariant"] = str(spec.invariant_shards > 0)
     settings["shards"] = str(spec.invariant_shards or "none")
     return settings
+
+
+def _join(spec: LaunchSpec, rank: int, local_rank: int, channel: Any, progress: Any, store: Any) -> _Here:
+    """The rank's device, and the job's default process group joined on its store."""
+    import torch
+    import torch.distributed as dist
+
+    if spec.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=spec.timeout_s + PG_MARGIN_S)
+    if store is None:  # every rank is a client of the launcher's store (node 0's across nodes): one port per job
+        store = dist.TCPStore(spec.master_addr, spec.port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        spec.backend, store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=spec.world_size,
+        timeout=timeout, **device_id(device),
+    )
+    return _Here(spec, rank, local_rank, device, channel, progress, store, timeout)
+
+
+def _context(here: _Here, plan: Any) -> Any:
+    """The Context that `train(ctx)` receives for one segment (`plan`: its launch plan)."""
+    from omegaconf import OmegaConf
+
+    from harness.runtime.context import Context
+
+    spec = here.spec
+    return Context(
+        rank=here.rank,
+        world_size=spec.world_size,
+        local_rank=here.local_rank,
+        device=here.device,
+        cfg=OmegaConf.create(spec.train_cfg),
+        seed=spec.seed,
+        rank_seed=spec.rank_seeds[here.rank],
+        fingerprint_every=spec.fingerprint_every,
+        channel=here.channel,
+        checkpoints=plan,
+        invariant_shards=spec.invariant_shards,
+        progress=functools.partial(beat, here.progress, here.local_rank),
+        output_dir=spec.output_dir,
+        data=spec.data,
+        run_id=spec.run_id,
+        code_dir=spec.code_dir,
+        profile=spec.profile,
+    )
+
+
+def _run_segments(fn: Callable[[Any], Any], here: _Here) -> None:
+    """The entry function once per segment (once for a run; once per audit segment or calibration member), each
+    with a context of its own."""
+    import torch
+
+    from harness.runtime.context import StopSegment
+    from harness.runtime.determinism import seed_everything
+
+    spec = here.spec
+    own_kernels = (bool(torch.backends.mkldnn.enabled), torch.get_num_threads())
+    for index, plan in enumerate(spec.segments or [spec.checkpoints]):
+        if index:
+            # Each segment starts as a fresh rank does: what train() draws before the checkpoint is loaded
+            # (nanoGPT's first batch) must come out as in the process that will resume from it.
+            seed_everything(spec.rank_seeds[here.rank])
+        ctx = _context(here, plan)
+        usermlflow.notify_with(ctx._notice)
+        if spec.members:
+            beat(here.progress, here.local_rank, -1)  # the launcher counts this member's steps from its start
+            # A member's record says the settings it ran on, as a member launched alone reads them at its start.
+            settings = member_kernels(spec, plan.perturb_seed, own_kernels)
+            ctx.announce_segment(index, Determinism(settings, env_vars()),
+                                 RankFacts(device_facts(here.device), nccl_conf()))
+        elif spec.segments:
+            ctx.announce_segment(index)
+        try:
+            _train(fn, ctx)
+            regroup(spec, here.rank, here.store, here.timeout, here.device)
+            ctx.finish()
+        except StopSegment:  # an audit segment (or replay --steps K) ended: every rank stops at the same step
+            if not spec.segments or spec.members:  # replay --steps K: the run ends there, wrapped up as at an end
+                ctx.finish_stopped()
+        finally:
+            ctx.close()  # rank 0's buffered metrics reach the launcher, also when fn raised
+
+
+def member_kernels(spec: LaunchSpec, seed: int | None, own: tuple[bool, int]) -> dict[str, str]:
+    """Calibration member `seed`'s kernels in this process (the run's own first, then its share: perturb.py), and
+    the determinism settings read back as a rank launched for it alone reads them, watched from here on."""
+    import torch
+
+    torch.backends.mkldnn.enabled = own[0]  # type: ignore[assignment]  # a module property (ContextProp)
+    torch.set_num_threads(own[1])
+    if seed is not None:
+        perturb.use_kernels(seed)
+    return _determinism(spec)
 
 
 def _train(fn: Callable[[Any], Any], ctx: Any) -> None:

@@ -24,8 +24,17 @@ from harness.messages import (
     SegmentStart,
     Total,
 )
-from harness.optrace import hooks
-from harness.runtime import checkpoint as ckpt, determinism, loaders, optimization, perf, perturb, replicas, sharding
+from harness.runtime import (
+    checkpoint as ckpt,
+    determinism,
+    hooks,
+    loaders,
+    optimization,
+    perf,
+    perturb,
+    replicas,
+    sharding,
+)
 from harness.runtime.cfgview import redacted_view
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder

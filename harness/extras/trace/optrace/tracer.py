@@ -25,10 +25,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.errors import HarnessError
-from harness.optrace import hooks
-from harness.optrace.environment import device_facts, generator_states, settings
-from harness.optrace.signatures import flat_tensors, order_free_digest, params_repr, tensor_sig, written_args
-from harness.optrace.trace import (
+from harness.extras.trace.optrace.environment import device_facts, generator_states, settings
+from harness.extras.trace.optrace.signatures import (
+    flat_tensors,
+    order_free_digest,
+    params_repr,
+    tensor_sig,
+    written_args,
+)
+from harness.extras.trace.optrace.trace import (
     ACCUMULATION_OPS,
     BACKWARD,
     BACKWARD_UNKNOWN_MODULE,
@@ -40,6 +45,7 @@ from harness.optrace.trace import (
     Trace,
     op_base,
 )
+from harness.runtime import hooks
 
 # Ops whose output holds undefined memory: hashing it would report garbage as a difference.
 _UNINITIALIZED_OUTPUT = frozenset({

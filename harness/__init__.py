@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 from typing import Any
 
 from harness import aliases
@@ -44,7 +45,9 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("harness.errors"), name)
     if name in _CORE:
         return getattr(importlib.import_module("harness.commands.api"), name)
-    if not name.startswith("_"):  # a probe of a dunder (a tool's hasattr) loads no extra
+    # An extra's verb or its options. Not a dunder (a tool's hasattr), nor a submodule not imported yet: `from
+    # harness import events` asks here first, before it imports harness.events.
+    if not name.startswith("_") and importlib.util.find_spec(f"harness.{name}") is None:
         with contextlib.suppress(AttributeError):
-            return importlib.import_module("harness.extensions").api(name)  # an extra's verb or its options
+            return importlib.import_module("harness.extensions").api(name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

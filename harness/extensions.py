@@ -3,7 +3,7 @@
 The core (run, replay, compare, the record, the UI) imports no extra (pyproject.toml's contract); it reaches them
 through this registry, as the commands reach a backend through harness.executors. An extra declares, by module
 path, the click commands it adds to the `harness` group (`cli`), the names it adds to the Python API (`api`:
-`harness.NAME`), and the extension points of the core it fills (`hooks`: point -> "module:attribute"), so that
+`harness.NAME`, named in `names`), and the extension points of the core it fills (`hooks`: point -> "module:attribute"), so that
 declaring one loads nothing: `harness --help` and `import harness` stay instant, and a rank loads only the hook
 it calls.
 
@@ -55,7 +55,8 @@ class Extra:
 
     name: str
     cli: str | None = None  # the module whose click commands join the `harness` group
-    api: str | None = None  # the module whose `__all__` names join the Python API (harness.NAME)
+    api: str | None = None  # the module of the names it adds to the Python API (harness.NAME)
+    names: tuple[str, ...] = ()  # those names (the module's __all__): known without importing it
     hooks: Mapping[str, str] = field(default_factory=dict)  # extension point -> "module:attribute"
 
 
@@ -116,13 +117,8 @@ def cli_modules() -> list[ModuleType]:
 
 
 def api_names() -> dict[str, str]:
-    """The names the extras add to the Python API (each API module's `__all__`), with the module of each."""
-    names: dict[str, str] = {}
-    for extra in extras().values():
-        if extra.api is not None:
-            module = _loads(extra, "API", extra.api)
-            names.update(dict.fromkeys(getattr(module, "__all__", ()), extra.api))
-    return names
+    """The names the extras add to the Python API, with the module of each (none is imported)."""
+    return {name: extra.api for extra in extras().values() if extra.api is not None for name in extra.names}
 
 
 def api(name: str) -> Any:

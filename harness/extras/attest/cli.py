@@ -28,9 +28,9 @@ def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_js
     """
     from harness.commands.documents import document
     from harness.errors import EXIT_OK
-    from harness.extras.attest.api import AttestOptions, attest as attested
+    from harness.extras.attest import api
 
-    done = attested(AttestOptions(run_id, key, output, tracking_uri=tracking_uri, on_event=_draw))
+    done = api.attest(api.AttestOptions(run_id, key, output, tracking_uri=tracking_uri, on_event=_draw))
     if as_json:
         _emit(document("attest", EXIT_OK, {"run_id": done.run_id, "path": str(done.path)}))
     click.echo(str(done.path))
@@ -52,9 +52,9 @@ def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str |
     """
     from harness.commands.documents import document
     from harness.errors import EXIT_OK
-    from harness.extras.attest.api import VerifyRecordOptions, verify_record as verified
+    from harness.extras.attest import api
 
-    held = verified(VerifyRecordOptions(run_id, attestation, key, tracking_uri=tracking_uri, on_event=_draw))
+    held = api.verify_record(api.VerifyRecordOptions(run_id, attestation, key, tracking_uri=tracking_uri, on_event=_draw))
     run_id, doc = held.run_id, held.statement
     if as_json:
         _emit(document("verify-record", EXIT_OK, {

@@ -3,4 +3,5 @@ the result, found by replays of the good run with part of the bad one's changes.
 
 from harness.extensions import Extra
 
-EXTRA = Extra("bisect", cli="harness.extras.bisect.cli", api="harness.extras.bisect.api")
+EXTRA = Extra("bisect", cli="harness.extras.bisect.cli", api="harness.extras.bisect.api",
+              names=("BisectOptions", "bisect"))

@@ -37,9 +37,9 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
     culprit, and the bisect run's id as the last line. Run it inside a clone holding both commits.
     Exit 0 a culprit was found, 1 none was (said why), 2 bad input (nothing recorded).
     """
-    from harness.extras.bisect.api import BisectOptions, bisect as bisected
+    from harness.extras.bisect import api
 
-    result = bisected(BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, localize=localize,
+    result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, localize=localize,
                                     resume=resume, on_event=_draw))
     if as_json:
         _emit(document(result))

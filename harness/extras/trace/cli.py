@@ -28,10 +28,10 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None, as_json:
     trace/rank<R>.jsonl.gz). Compare two traces with `harness compare TRACE_A TRACE_B`. Prints the
     trace run's id as the last line. Exit 0 traced, 1 the ranks failed, 2 bad input (nothing recorded).
     """
-    from harness.extras.trace.api import TraceOptions, trace as traced
+    from harness.extras.trace import api
     from harness.extras.trace.command import parse_ranks
 
-    result = traced(TraceOptions(run_id, step, parse_ranks(ranks), tracking_uri=tracking_uri, on_event=_draw))
+    result = api.trace(api.TraceOptions(run_id, step, parse_ranks(ranks), tracking_uri=tracking_uri, on_event=_draw))
     if result.reproduced is False:
         click.echo(f"Warning: the re-execution did not reproduce the run's record: {result.detail}", err=True)
     if as_json:

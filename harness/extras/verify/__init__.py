@@ -3,4 +3,5 @@ replaying them; the claims, their verdicts and the report."""
 
 from harness.extensions import Extra
 
-EXTRA = Extra("verify", cli="harness.extras.verify.cli", api="harness.extras.verify.api")
+EXTRA = Extra("verify", cli="harness.extras.verify.cli", api="harness.extras.verify.api",
+              names=("VerifyOptions", "verify"))

@@ -38,11 +38,11 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
     `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
     Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
     """
-    from harness.extras.verify.api import VerifyOptions, verify as verified
+    from harness.extras.verify import api
     from harness.extras.verify.report import HEADER, rows
     from harness.fmt import text_table
 
-    result = verified(VerifyOptions(
+    result = api.verify(api.VerifyOptions(
         claims_file, tuple(overrides), replay=do_replay, members=members, world_size=world_size,
         allow_changes=allow_changes, executor=executor, tracking_uri=tracking_uri, on_event=_draw,
     ))

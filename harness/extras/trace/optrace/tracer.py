@@ -7,7 +7,7 @@ float64 copy (a reduction, not the exact bytes), stringifies every call's argume
 not need), keeps its hooks in process-global lists, and its ModTracker names no module for a
 backward op. What it does well - a dispatch mode under autograd - is what this module does too.
 
-What a trace holds is in harness/optrace/trace.py, the tensors' signatures in signatures.py, the step's settings
+What a trace holds is in trace.py, the tensors' signatures in signatures.py, the step's settings
 in environment.py, the file in tracefile.py and the diff of two traces in diff.py.
 """
 

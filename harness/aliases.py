@@ -29,6 +29,7 @@ MOVED = {
     "harness.judge.claims": "harness.extras.verify.claims",
     "harness.judge.verify_report": "harness.extras.verify.report",
     "harness.record.attest": "harness.extras.attest.signing",
+    "harness.runtime.invariant": "harness.extras.invariant.training",
 }
 
 

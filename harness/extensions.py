@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from harness import events
 
-BUILTIN = ("trace", "bisect", "verify", "attest")  # each a package of harness.extras declaring EXTRA
+BUILTIN = ("trace", "bisect", "verify", "attest", "invariant")  # each a package of harness.extras declaring EXTRA
 ENTRY_POINTS = "harness.extras"  # the entry-point group of outside extras
 
 # The extension points the core calls, and what each is handed (the extra's function decides the rest).
@@ -35,6 +35,7 @@ LOCALIZE = "replay.localize"  # a DIVERGED replay's first differing op: (tracker
 COMPARE = "compare"  # compare's other meanings: (tracker, run_a, run_b, report) -> a result, or None (two runs)
 SIGN = "export.sign"  # export --sign: (tracker, run_id, key) -> the attestation's bytes
 STEP_TRACER = "rank.step_tracer"  # inside a rank: (code_dir, model, meta, device) -> the traced step's tracer
+INVARIANT = "rank.invariant"  # inside a rank: () -> world-size-invariant mode's model wrapper, step and samplers
 
 
 class Compared(Protocol):

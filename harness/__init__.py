@@ -9,10 +9,15 @@ graph of every module that reads `harness.__version__`, the rank's code among th
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 from typing import Any
 
-from harness.version import __version__
+from harness import aliases
+from harness.version import __version__ as __version__
+
+aliases.install()  # the old import paths of what moved into harness/extras (harness.optrace, harness.judge.claims...)
 
 # What a call raises, by what went wrong (harness/errors.py, a leaf): each a HarnessError with its exit code.
 _ERRORS = (
@@ -20,21 +25,29 @@ _ERRORS = (
     "RunNotFound", "RunRefused", "SecretRefused", "StoreUnavailable", "UsageError",
 )
 
-# Every verb of the command line, by its name (`import` is Python's word: `harness.import_`), and its options; the
-# typed names type checkers see are in __init__.pyi, which must list the same names: a name missing there is untyped.
-__all__ = [
-    "AttestOptions", "Attested", "AuditOptions", "BisectOptions", "CalibrateOptions", "CheckOptions", "CompareOptions",
-    "ExportOptions", "ImportOptions", "MarkOptions", "Marked", "Placement", "RecordVerified", "ReplayOptions",
-    "ResumeOptions", "RunOptions", "RunsOptions", "TraceOptions", "VerifyOptions", "VerifyRecordOptions",
-    "__version__", "attest", "audit", "bisect", "calibrate", "check", "compare", "export", "import_", "mark",
-    "replay", "resume", "run", "runs", "trace", "verify", "verify_record",
-    *_ERRORS,
-]
+# Every verb of the core's command line, by its name (`import` is Python's word: `harness.import_`), and its options;
+# the extras' (trace, bisect, verify, attest, verify_record and theirs) come from the registry (harness.extensions).
+# The typed names type checkers see are in __init__.pyi (tests/test_api.py holds the two to the same list).
+_CORE = (
+    "AuditOptions", "CalibrateOptions", "CheckOptions", "CompareOptions", "ExportOptions", "ImportOptions",
+    "MarkOptions", "Marked", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "RunsOptions", "audit",
+    "calibrate", "check", "compare", "export", "import_", "mark", "replay", "resume", "run", "runs",
+)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__ and name != "__version__":
-        # On first use: the API loads the config schema (omegaconf), the store and the executors. By importlib:
-        # harness's own code inside a rank imports this package (its version), and must not reach the store.
-        return getattr(importlib.import_module("harness.errors" if name in _ERRORS else "harness.commands.api"), name)
+    # On first use: the API loads the config schema (omegaconf), the store and the executors. By importlib:
+    # harness's own code inside a rank imports this package (its version), and must not reach the store.
+    if name == "__all__":
+        extras = importlib.import_module("harness.extensions").api_names()
+        return sorted({"__version__", *_CORE, *_ERRORS, *extras})
+    if name in _ERRORS:
+        return getattr(importlib.import_module("harness.errors"), name)
+    if name in _CORE:
+        return getattr(importlib.import_module("harness.commands.api"), name)
+    # An extra's verb or its options. Not a dunder (a tool's hasattr), nor a submodule not imported yet: `from
+    # harness import events` asks here first, before it imports harness.events.
+    if not name.startswith("_") and importlib.util.find_spec(f"harness.{name}") is None:
+        with contextlib.suppress(AttributeError):
+            return importlib.import_module("harness.extensions").api(name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

@@ -2,10 +2,7 @@
 __init__.py loads only on first use."""
 
 from harness.commands.api import (
-    Attested as Attested,
-    AttestOptions as AttestOptions,
     AuditOptions as AuditOptions,
-    BisectOptions as BisectOptions,
     CalibrateOptions as CalibrateOptions,
     CheckOptions as CheckOptions,
     CompareOptions as CompareOptions,
@@ -14,17 +11,11 @@ from harness.commands.api import (
     Marked as Marked,
     MarkOptions as MarkOptions,
     Placement as Placement,
-    RecordVerified as RecordVerified,
     ReplayOptions as ReplayOptions,
     ResumeOptions as ResumeOptions,
     RunOptions as RunOptions,
     RunsOptions as RunsOptions,
-    TraceOptions as TraceOptions,
-    VerifyOptions as VerifyOptions,
-    VerifyRecordOptions as VerifyRecordOptions,
-    attest as attest,
     audit as audit,
-    bisect as bisect,
     calibrate as calibrate,
     check as check,
     compare as compare,
@@ -35,9 +26,6 @@ from harness.commands.api import (
     resume as resume,
     run as run,
     runs as runs,
-    trace as trace,
-    verify as verify,
-    verify_record as verify_record,
 )
 from harness.errors import (
     BackendError as BackendError,
@@ -53,6 +41,17 @@ from harness.errors import (
     StoreUnavailable as StoreUnavailable,
     UsageError as UsageError,
 )
+from harness.extras.attest.api import (
+    Attested as Attested,
+    AttestOptions as AttestOptions,
+    RecordVerified as RecordVerified,
+    VerifyRecordOptions as VerifyRecordOptions,
+    attest as attest,
+    verify_record as verify_record,
+)
+from harness.extras.bisect.api import BisectOptions as BisectOptions, bisect as bisect
+from harness.extras.trace.api import TraceOptions as TraceOptions, trace as trace
+from harness.extras.verify.api import VerifyOptions as VerifyOptions, verify as verify
 
 __version__: str
 __all__: list[str]

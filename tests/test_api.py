@@ -303,7 +303,8 @@ def test_every_cli_verb_has_a_typed_api_function_that_the_cli_calls() -> None:
         body = inspect.getsource(inspect.unwrap(cli.commands[verb].callback))
         if f"api.{name}(" not in body:
             uncalled.append(verb)
-    assert not missing, f"CLI verbs without an API function (add one to harness/commands/api.py): {missing}"
+    assert not missing, (f"CLI verbs without an API function (add one to harness/commands/api.py, or to the "
+                         f"extra's api module): {missing}")
     assert not uncalled, f"CLI verbs that do not call their API function: {uncalled}"
 
 
@@ -314,7 +315,10 @@ def test_every_public_name_resolves_and_type_checkers_see_the_same_names() -> No
     # __init__.pyi is what mypy and IDEs read (the package is lazy at run time): the same names, from the API.
     stub = ast.parse((ROOT / "harness" / "__init__.pyi").read_text())
     imports = [node for node in stub.body if isinstance(node, ast.ImportFrom)]
-    assert sorted(str(node.module) for node in imports) == ["harness.commands.api", "harness.errors"]
+    from harness import extensions
+
+    extras = {extra.api for extra in extensions.extras().values() if extra.api is not None}
+    assert sorted(str(node.module) for node in imports) == sorted(["harness.commands.api", "harness.errors", *extras])
     stubbed = [a.asname or a.name for node in imports for a in node.names]
     assert sorted(stubbed) == sorted(set(harness.__all__) - {"__version__"})
     # The errors a call raises: every HarnessError subclass of harness/errors.py, each with its exit code.

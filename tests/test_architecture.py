@@ -120,6 +120,39 @@ def test_the_process_check_sees_each_way_to_start_one(tmp_path: Path) -> None:
     found = [line.split(" ", 1)[1] for line in _starts_processes(module)]
     assert found == ["imports subprocess", "imports multiprocessing", "imports multiprocessing.Process",
                      "calls subprocess.Popen()", "calls os.system()", "calls os.spawnlp()", "calls os.fork()"], found
+def test_every_extra_is_registered_and_held_apart() -> None:
+    """A folder added to harness/extras is an extra the registry loads (extensions.BUILTIN) and the contract holds
+    apart from the others; the core's own contract forbids importing any of them."""
+    import importlib
+
+    from harness import extensions
+
+    folders = {p.name for p in (ROOT / "harness" / "extras").iterdir() if (p / "__init__.py").is_file()}
+    assert set(extensions.BUILTIN) == folders
+    text = (ROOT / "pyproject.toml").read_text()
+    contract = text[text.index('name = "The extras stand alone'):]
+    contract = contract[:contract.index("]") + 1]
+    assert set(re.findall(r'"harness\.extras\.(\w+)"', contract)) == folders
+    assert set(extensions.extras()) >= folders
+    for extra in extensions.extras().values():  # the names the registry gives without importing are the module's
+        assert extra.api is None or set(extra.names) == set(importlib.import_module(extra.api).__all__), extra.name
+
+
+def test_the_old_import_paths_give_the_moved_modules() -> None:
+    """What moved into harness/extras is imported under its old name as the same module object (no second copy:
+    a class compared with isinstance, a monkeypatch, are the module's own)."""
+    import importlib
+
+    from harness import aliases
+
+    for old, new in aliases.MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from harness.optrace.tracer import OpTracer  # a submodule of a moved package
+
+    assert OpTracer.__module__ == "harness.extras.trace.optrace.tracer"
+    assert importlib.import_module("harness.optrace.diff") is importlib.import_module("harness.extras.trace.optrace.diff")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("harness.optrace.nothing")
 
 
 # A module is one concept, small enough to read in one sitting (docs/architecture.md, the house rules): past this

@@ -1,4 +1,4 @@
-"""The in-process op tracer and the trace diff (harness/optrace/): planted causes, each localised
+"""The in-process op tracer and the trace diff (harness/extras/trace/optrace/): planted causes, each localised
 to the right op, module and user line, in user code written to a folder and imported for real.
 
 No harness runs: every trace here is one step of a tiny model in this process.

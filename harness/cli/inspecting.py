@@ -1,5 +1,5 @@
-"""The commands that look into recorded runs: list them (runs, ui), compare two, close a stale one (mark), and the
-tools for a suspicious run: audit, trace, bisect, verify a paper's claims."""
+"""The commands that look into recorded runs: list them (runs, ui), compare two, close a stale one (mark), and
+audit a suspicious one. trace, bisect and verify are extras' commands (harness/extras)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import click
 
 from harness import tags as T
 from harness.cli.console import draw, emit, expected_errors, say, say_verdict
-from harness.cli.options import EXECUTOR, TRACKING_HELP, ExecutorOption, json_option
+from harness.cli.options import TRACKING_HELP, json_option
 from harness.errors import EXIT_SIGINT
 
 
@@ -109,7 +109,6 @@ def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerance
     Exit 0 identical, 1 they differ.
     """
     from harness.commands import api, documents, text
-    from harness.commands.trace import TraceDiff
     from harness.errors import UsageError
 
     if run_a is None:
@@ -117,17 +116,17 @@ def compare(run_a: str | None, run_b: str | None, report: Path | None, tolerance
                          "or two traces).")
     found = api.compare(api.CompareOptions(run_a, run_b, tuple(tolerances), report=report, tracking_uri=tracking_uri,
                                            on_event=draw))
-    if isinstance(found, TraceDiff) and report is not None:
+    if not isinstance(found, api.Comparison) and report is not None:  # two traces: the trace extra wrote the report
         say(f"Report: {report}")
-    if not isinstance(found, TraceDiff) and found.ui is not None:  # a judged replay carries its curves
+    if isinstance(found, api.Comparison) and found.ui is not None:  # a judged replay carries its curves
         for line in found.ui.curves:
             say(line)
     if as_json:
         emit(documents.compare(found))
-    if isinstance(found, TraceDiff):
+    if not isinstance(found, api.Comparison):  # what an extra compares (two traces): its lines and its exit code
         for line in found.lines():
             click.echo(line)
-        sys.exit(1 if found.differs else 0)
+        sys.exit(found.exit_code)
     *lines, verdict = text.comparison_lines(found)
     for line in lines:
         click.echo(line)
@@ -188,115 +187,4 @@ def audit(run_id: str, segments: int, seed: int | None, tracking_uri: str | None
                f"{result.catch_probability:.2f}; compute = {result.step_fraction:.1%} of a full replay's steps")
     say_verdict(f"verdict: {result.summary()}")
     click.echo(result.audit_id)
-    sys.exit(result.exit_code)
-
-
-@click.command()
-@click.argument("run_id")
-@click.option("--step", type=click.IntRange(min=0), required=True, help="The training step to trace (0-based).")
-@click.option("--ranks", default="0", show_default=True, help="The ranks to trace, separated by commas.")
-@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
-@json_option
-@expected_errors
-def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None, as_json: bool) -> None:
-    """Trace every op of step STEP of RUN_ID: name, module, input/output tensor hashes, the user's line.
-
-    Restarts from the run's checkpoint at or before STEP (else from step 0), re-executes up to STEP
-    with the recorded code and config, and records the trace as a run nested under RUN_ID (artifacts
-    trace/rank<R>.jsonl.gz). Compare two traces with `harness compare TRACE_A TRACE_B`. Prints the
-    trace run's id as the last line. Exit 0 traced, 1 the ranks failed, 2 bad input (nothing recorded).
-    """
-    from harness.commands import api
-    from harness.commands.trace import parse_ranks
-
-    result = api.trace(api.TraceOptions(run_id, step, parse_ranks(ranks), tracking_uri=tracking_uri, on_event=draw))
-    if result.reproduced is False:
-        click.echo(f"Warning: the re-execution did not reproduce the run's record: {result.detail}", err=True)
-    if as_json:
-        from harness.commands import documents
-
-        emit(documents.trace(result))
-    start = "step 0" if result.from_checkpoint is None else f"the checkpoint of step {result.from_checkpoint}"
-    click.echo(f"traced step {result.step} of run {result.traced} on rank{'s' if len(result.ranks) > 1 else ''} "
-               f"{','.join(map(str, result.ranks))} from {start} ({result.seconds:.1f}s)")
-    click.echo(result.run_id)
-
-
-@click.command()
-@click.argument("good")
-@click.argument("bad")
-@click.option("--max-probes", type=click.IntRange(min=1), default=24, show_default=True,
-              help="At most this many probe replays; then it says how far the search got.")
-@click.option("--localize", is_flag=True,
-              help="Then trace the culprit's probe against GOOD and name the first op that differs.")
-@click.option("--resume", "resume", default=None, metavar="BISECT_ID",
-              help="Take up the probes of an earlier bisect of GOOD and BAD that was cut short (not run again).")
-@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
-@json_option
-@expected_errors
-def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | None, tracking_uri: str | None,
-           as_json: bool) -> None:
-    """Find which difference between runs GOOD and BAD flips the result: a commit between theirs, a config key.
-
-    Each probe is a replay of GOOD, recorded and nested under one bisect run, with part of BAD's changes: the
-    code of a commit on the path from GOOD's commit to BAD's (halved each time), or some of BAD's config values
-    (split in halves until one alone flips it). Prints each probe, what cannot be varied on this machine, the
-    culprit, and the bisect run's id as the last line. Run it inside a clone holding both commits.
-    Exit 0 a culprit was found, 1 none was (said why), 2 bad input (nothing recorded).
-    """
-    from harness.commands import api
-
-    result = api.bisect(api.BisectOptions(good, bad, max_probes=max_probes, tracking_uri=tracking_uri, localize=localize,
-                                          resume=resume, on_event=draw))
-    if as_json:
-        from harness.commands import documents
-
-        emit(documents.bisect(result))
-    for line in result.lines():
-        click.echo(line)
-    click.echo(result.run_id)
-    sys.exit(result.exit_code)
-
-
-@click.command()
-@click.argument("claims_file", type=click.Path(path_type=Path))
-@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
-@click.option("--replay", "do_replay", is_flag=True,
-              help="Replay each study or run the claims rest on (once) and judge the claims on the replays.")
-@click.option("--members", type=click.IntRange(min=1), default=None, help="--replay: replay K members of each study (default: all).")
-@click.option("--world-size", type=click.IntRange(min=1), default=None, help="--replay: replay with another number of ranks.")
-@click.option("--allow-changes", is_flag=True, help="--replay: replay with the KEY=VALUE overrides given after CLAIMS_FILE (a flag).")
-@click.option("--executor", type=EXECUTOR, default=None, cls=ExecutorOption,
-              help="--replay: where the replays run (default: as recorded).")
-@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
-@json_option
-@expected_errors
-def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, members: int | None, world_size: int | None,
-           allow_changes: bool, executor: str | None, tracking_uri: str | None, as_json: bool) -> None:
-    """Check a paper's claims (CLAIMS_FILE) against the recorded studies and runs, optionally replaying them.
-
-    Each claim's printed number must be what its runs produced, rounded as printed (HOLDS), or a mean
-    within the seeds' noise (WITHIN_NOISE), else MISPRINTED; with --replay its replay must reproduce
-    it (BITWISE, WITHIN_ROUNDING, WITHIN_TOLERANCE or WITHIN_NOISE). Prints the claims table,
-    `claims: H of N hold`, and the verify run's id as the last line; the report's path on stderr.
-    Exit 0 every claim holds, 1 one does not, 2 bad input (nothing recorded).
-    """
-    from harness.commands import api, text
-    from harness.fmt import text_table
-
-    result = api.verify(api.VerifyOptions(
-        claims_file, tuple(overrides), replay=do_replay, members=members, world_size=world_size,
-        allow_changes=allow_changes, executor=executor, tracking_uri=tracking_uri, on_event=draw,
-    ))
-    say(f"Report: {result.report_path}")
-    if as_json:
-        from harness.commands import documents
-
-        emit(documents.verify(result))
-    click.echo(text_table(text.claims_table(result)))
-    for verdict in result.verdicts:
-        if verdict.typo:
-            click.echo(f"Note: claim {verdict.claim.id}: {verdict.typo}")
-    click.echo(f"claims: {result.held} of {len(result.verdicts)} hold")
-    click.echo(result.run_id)
     sys.exit(result.exit_code)

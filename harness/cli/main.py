@@ -1,5 +1,6 @@
 """The `harness` command group: its global options (--quiet, --verbose), and every command in it. The commands live
-by the order a user meets them (running.py, inspecting.py, moving.py); what they share in console.py and options.py.
+by the order a user meets them (running.py, inspecting.py, moving.py), the extras' in their folders (harness/extras,
+found through harness.extensions); what they share in console.py and options.py.
 torch and mlflow load only when a command needs them.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import click
 
+from harness import extensions
 from harness.cli import inspecting, moving, running
 from harness.cli.console import Voice
 from harness.cli.help import OrderedGroup, teach
@@ -73,9 +75,10 @@ def main(quiet: bool, verbose: bool) -> None:
     Voice.quiet, Voice.verbose = quiet, verbose
 
 
-# Every click command the command modules define, in their order (`harness --help` lists them in help.ORDER): a
-# command added to one of them is in the group without a second list to keep.
-for _commands in (running, inspecting, moving):
+# Every click command the command modules define, in their order (`harness --help` lists them in help.ORDER), then
+# the extras' (harness/extras and outside packages, from the registry): a command added to one of them is in the
+# group without a second list to keep.
+for _commands in (running, inspecting, moving, *extensions.cli_modules()):
     for _command in vars(_commands).values():
         if isinstance(_command, click.Command):
             main.add_command(_command)

@@ -1,5 +1,5 @@
-"""The commands that move and sign records: export a run to a bundle, import one, attest a run, verify an
-attestation."""
+"""The commands that move records: export a run to a bundle, import one. attest and verify-record, which sign and
+check a record, are the attest extra's (harness/extras/attest)."""
 
 from __future__ import annotations
 
@@ -94,51 +94,3 @@ def import_(bundle: Path, data_dir: Path | None, max_unpacked_mib: float, max_ra
     if as_json:
         emit(documents.import_(result))
     click.echo(result.run_id)
-
-
-@click.command()
-@click.argument("run_id")
-@click.option("--key", type=click.Path(path_type=Path), required=True, help="The ed25519 private key (PEM) to sign with.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The attestation to write (.json).")
-@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
-@json_option
-@expected_errors
-def attest(run_id: str, key: Path, output: Path, tracking_uri: str | None, as_json: bool) -> None:
-    """Sign an attestation of sealed run RUN_ID with a key the store does not hold.
-
-    The attestation is an in-toto Statement (subject: the final weights' digest, harness.fingerprint;
-    predicate: the run's id, status, seal and commit) in a DSSE envelope signed with ed25519. Check it with
-    `harness verify-record RUN_ID --attestation FILE --key PUBLIC.pem`. Exit 0 written, 2 bad input (an edited
-    or unsealed run, no final weights, a key that is not ed25519).
-    """
-    from harness.commands import api, documents
-
-    done = api.attest(api.AttestOptions(run_id, key, output, tracking_uri=tracking_uri, on_event=draw))
-    if as_json:
-        emit(documents.attest(done.run_id, str(done.path)))
-    click.echo(str(done.path))
-
-
-@click.command(name="verify-record")
-@click.argument("run_id")
-@click.option("--attestation", type=click.Path(path_type=Path), required=True, help="From `harness attest` or `export --sign`.")
-@click.option("--key", type=click.Path(path_type=Path), required=True, help="The signer's ed25519 public key (PEM).")
-@click.option("--tracking-uri", default=None, help=TRACKING_HELP)
-@json_option
-@expected_errors
-def verify_record(run_id: str, attestation: Path, key: Path, tracking_uri: str | None, as_json: bool) -> None:
-    """Check that RUN_ID is the run an attestation signed by KEY attests, and unchanged since.
-
-    The signature must verify with KEY, the run's seal must hold and be the attested one (an imported copy of
-    the attested run: its seal must hold), and its final weights' digest must be the attested subject. Exit 0
-    holds, 2 refused (one line saying which check failed).
-    """
-    from harness.commands import api, documents
-
-    held = api.verify_record(api.VerifyRecordOptions(run_id, attestation, key, tracking_uri=tracking_uri,
-                                                     on_event=draw))
-    run_id, doc = held.run_id, held.statement
-    if as_json:
-        emit(documents.verify_record(run_id, doc))
-    click.echo(f"Run {run_id} is the attested run {doc['predicate']['run_id']}, unchanged: final weights sha256 "
-               f"{doc['subject'][0]['digest']['sha256']}.")

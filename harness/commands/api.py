@@ -21,48 +21,34 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import events, seeds, tags as T
+from harness import events, extensions, seeds, tags as T
 from harness.commands import (
-    bisect as bisect_command,
     calibrate as calibrate_command,
     mark as mark_command,
     replay as replay_command,
     run as run_command,
     runs as runs_command,
     study,
-    trace as trace_command,
     ui as ui_command,
-    verify as verify_command,
 )
 from harness.commands.api_bundles import (
-    Attested,
-    AttestOptions,
-    ExportOptions,
-    ImportOptions,
-    RecordVerified,
-    VerifyRecordOptions,
-    attest,
-    export,
-    import_,
-    verify_record,
+    ExportOptions as ExportOptions,
+    ImportOptions as ImportOptions,
+    export as export,
+    import_ as import_,
 )
-from harness.commands.bisect import BisectResult
 from harness.commands.calibrate import Calibration
 from harness.commands.options import (
     AuditOptions as AuditOptions,
-    BisectOptions as BisectOptions,
     CalibrateOptions as CalibrateOptions,
     MarkOptions as MarkOptions,
     ResumeOptions as ResumeOptions,
     RunsOptions as RunsOptions,
-    VerifyOptions as VerifyOptions,
 )
 from harness.commands.replay import ReplayResult, StudyReplayResult
 from harness.commands.run import Preflight
 from harness.commands.runs import Listing
 from harness.commands.study import StudyOutcome
-from harness.commands.trace import TraceDiff, TraceResult
-from harness.commands.verify import VerifyResult
 from harness.config import as_override
 from harness.errors import UsageError
 from harness.events import Listener
@@ -86,15 +72,24 @@ if TYPE_CHECKING:  # audit and resume load torch (checkpoints) at import: import
     # compare and replay stay as light as they are (compare imports no torch: it starts in well under a second)
     from harness.commands.audit import AuditResult
 
-# Every verb of the command line but `ui` (a server that runs until Ctrl-C) and the internal `_execute`: what the
-# command line can do, a program can call.
-__all__ = [
-    "AttestOptions", "Attested", "AuditOptions", "BisectOptions", "CalibrateOptions", "CheckOptions", "CompareOptions",
-    "ExportOptions", "ImportOptions", "MarkOptions", "Marked", "Placement", "RecordVerified", "ReplayOptions",
-    "ResumeOptions", "RunOptions", "RunsOptions", "TraceOptions", "VerifyOptions", "VerifyRecordOptions", "attest",
-    "audit", "bisect", "calibrate", "check", "compare", "export", "import_", "mark", "replay", "resume", "run", "runs",
-    "trace", "verify", "verify_record",
+# Every verb of the core's command line but `ui` (a server that runs until Ctrl-C) and the internal `_execute`
+# (tests/test_api.py walks the click group); the extras' verbs are added by __getattr__ below.
+CORE = [
+    "AuditOptions", "CalibrateOptions", "CheckOptions", "CompareOptions", "ExportOptions", "ImportOptions",
+    "MarkOptions", "Marked", "Placement", "ReplayOptions", "ResumeOptions", "RunOptions", "RunsOptions", "audit",
+    "calibrate", "check", "compare", "export", "import_", "mark", "replay", "resume", "run", "runs",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`__all__` (the core's verbs and the extras') and the extras' names (api.trace, api.TraceOptions...), from the
+    registry: this module imports no extra (pyproject.toml's contract)."""
+    if name == "__all__":
+        return sorted({*CORE, *extensions.api_names()})
+    if not name.startswith("_"):  # a probe of a dunder (a tool's hasattr) loads no extra
+        with contextlib.suppress(AttributeError):
+            return extensions.api(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager
@@ -351,7 +346,7 @@ def replay(options: ReplayOptions) -> ReplayResult | StudyReplayResult:
             allow_data_changes=o.allow_data_changes, data_paths=dict(o.data_paths), tracker=tracker, repo=o.repo,
             executor=o.executor, allow_incomplete=o.allow_incomplete, follow=o.follow,
             placement=o.placement.backend_overrides(), topology=layout, localize=o.localize,
-            tolerances=list(o.tolerances), steps=o.steps, localizer=trace_command.after_replay,
+            tolerances=list(o.tolerances), steps=o.steps, localizer=extensions.hook(extensions.LOCALIZE),
         )
         if result.comparison is not None:  # judged here (node 0 of a multi-node replay): where to look at it
             result.ui = ui_command.links(tracker, result.outcome.run_id, curves=True)
@@ -381,9 +376,9 @@ class CompareOptions:
     on_event: Listener | None = None
 
 
-def compare(options: CompareOptions) -> Comparison | TraceDiff:
-    """Judge two existing runs against each other (a Comparison), or localize two traces (a TraceDiff); nothing
-    is rerun or recorded."""
+def compare(options: CompareOptions) -> Comparison | extensions.Compared:
+    """Judge two existing runs against each other (a Comparison), or what an extra compares (two traces: the trace
+    extra's TraceDiff); nothing is rerun or recorded."""
     with _command(options.on_event):
         parse_tolerances(list(options.tolerances))  # bad input is said before the store is opened, as replay says it
         o = _with_full_ids(options, "run_a", *(("run_b",) if options.run_b is not None else ()))
@@ -391,15 +386,9 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
         if o.run_b is None:
             o = replace(o, run_b=newest_replay(tracker, o.run_a))
         assert o.run_b is not None
-        traces = [trace_command.is_trace(tracker.harness_run(r)) for r in (o.run_a, o.run_b)]
-        if any(traces) and not all(traces):
-            which, other = (o.run_a, o.run_b) if traces[0] else (o.run_b, o.run_a)
-            raise UsageError(f"run {which} is a trace and run {other} is not; compare two traces (harness trace "
-                               f"{other} --step K makes one) or two runs.")
-        if all(traces):
-            found = trace_command.diff(tracker, o.run_a, o.run_b)
-            if o.report is not None:
-                trace_command.write_report(found, o.report)
+        other = extensions.hook(extensions.COMPARE)  # two traces (the trace extra), else None: two runs
+        found = other(tracker, o.run_a, o.run_b, o.report) if other is not None else None
+        if found is not None:
             return found
         if o.report is not None:
             raise UsageError("--report applies to two trace runs (harness trace); drop it, or pass two trace ids.")
@@ -411,7 +400,7 @@ def compare(options: CompareOptions) -> Comparison | TraceDiff:
         return compared
 
 
-# -- resume, audit, trace, verify -----------------------------------------------------------------------
+# -- resume, audit ------------------------------------------------------------------------------------------
 def resume(options: ResumeOptions) -> Outcome:
     """Prove the resume against the record, then continue the run in the same MLflow run: its Outcome."""
     from harness.commands import resume as resume_command  # loads torch (see the imports above)
@@ -426,39 +415,6 @@ def audit(options: AuditOptions) -> AuditResult:
     with _command(options.on_event):
         return audit_command.audit(_with_full_ids(options, "run_id"))
 
-
-@dataclass(frozen=True)
-class TraceOptions:
-    """`harness trace RUN_ID --step STEP`: every op of one step, recorded as a trace run nested under RUN_ID."""
-
-    run_id: str
-    step: int
-    ranks: tuple[int, ...] = (0,)
-    tracking_uri: str | None = None
-    repo: Path | None = None
-    on_event: Listener | None = None
-
-
-def trace(options: TraceOptions) -> TraceResult:
-    with _command(options.on_event):
-        options = _with_full_ids(options, "run_id")
-        return trace_command.trace(options.run_id, step=options.step, ranks=options.ranks,
-                                   tracking_uri=options.tracking_uri, repo=options.repo)[0]
-
-
-def verify(options: VerifyOptions) -> VerifyResult:
-    o = options
-    with _command(o.on_event):
-        known_executor(o.executor)
-        return verify_command.verify(
-            o, replays=verify_command.Replays(replay_command.replay, replay_command.replay_study))
-
-
-def bisect(options: BisectOptions) -> BisectResult:
-    with _command(options.on_event):
-        # A bisect's probes are replays, judged and localized as replay's: those verbs are handed to it.
-        return bisect_command.bisect(_with_full_ids(options, "good", "bad", "resume"), replay=replay_command.replay,
-                                     compare=replay_command.compare, localizer=trace_command.after_replay)
 
 
 # -- check, runs, mark ----------------------------------------------------------------------------------

@@ -14,16 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from harness.commands.bisect import BisectResult
 from harness.commands.bundle import ExportResult, ImportResult
 from harness.commands.calibrate import Calibration
 from harness.commands.replay import ReplayResult, StudyReplayResult, study_document
 from harness.commands.run import Preflight
 from harness.commands.study import StudyOutcome
-from harness.commands.trace import TraceDiff, TraceResult
-from harness.commands.verify import VerifyResult
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
 from harness.executors import Outcome
+from harness.extensions import Compared
 from harness.fmt import json_safe
 from harness.judge.compare import Comparison
 from harness.judge.verdicts import Policy, listed
@@ -35,7 +33,7 @@ if TYPE_CHECKING:  # audit loads torch at import; its result is only read here (
 SCHEMA = 1
 
 _BAD_INPUT = "bad input: refused in one line, nothing recorded"
-_TRACES = "compare (two traces)"  # compare's meanings where it compares two traces
+TRACES = "compare (two traces)"  # compare's meanings where it compares two traces
 _INTERRUPTED = {EXIT_SIGINT: "interrupted (SIGINT)", EXIT_SIGTERM: "terminated (SIGTERM)"}
 
 # What each command's exit codes mean (the same as its --help and docs/troubleshooting.md).
@@ -48,7 +46,7 @@ EXIT_MEANINGS: dict[str, dict[int, str]] = {
                EXIT_FAILED: "diverged, inconclusive, nothing to compare, or the replay failed", EXIT_USAGE: _BAD_INPUT},
     "compare": {EXIT_OK: "reproduced", EXIT_FAILED: "diverged or nothing to compare",
                 EXIT_USAGE: "bad input (compare records nothing)"},
-    _TRACES: {EXIT_OK: "the traces are identical", EXIT_FAILED: "the traces differ",
+    TRACES: {EXIT_OK: "the traces are identical", EXIT_FAILED: "the traces differ",
               EXIT_USAGE: "bad input (compare records nothing)"},
     "calibrate": {EXIT_OK: "calibrated",
                   EXIT_FAILED: "a member failed, or the store failed once the calibration was recorded (said what it left)",
@@ -135,15 +133,11 @@ def replay(result: ReplayResult | StudyReplayResult) -> dict[str, Any]:
     })
 
 
-def compare(found: Comparison | TraceDiff) -> dict[str, Any]:
-    """`compare`: two runs (the comparison's keys at the top, `run_a`/`run_b` and their `relation`), or two traces."""
-    if isinstance(found, TraceDiff):
-        loc = found.localization
-        return document("compare", EXIT_FAILED if found.differs else EXIT_OK, {
-            "relation": "traces", "run_a": found.a_id, "run_b": found.b_id, "rank": found.rank,
-            "differs": found.differs, "status": loc.status, "op_index": loc.index, "likely_cause": loc.likely_cause,
-            "lines": found.lines(),
-        }, meanings=_TRACES)
+def compare(found: Comparison | Compared) -> dict[str, Any]:
+    """`compare`: two runs (the comparison's keys at the top, `run_a`/`run_b` and their `relation`), or what an
+    extra compares (two traces: its own document)."""
+    if not isinstance(found, Comparison):
+        return found.document()
     return document("compare", found.exit_code, found.to_dict())
 
 
@@ -163,35 +157,6 @@ def audit(result: AuditResult) -> dict[str, Any]:
     })
 
 
-def trace(result: TraceResult) -> dict[str, Any]:
-    return document("trace", EXIT_OK, {
-        "run_id": result.run_id, "traced": result.traced, "step": result.step, "ranks": list(result.ranks),
-        "from_checkpoint": result.from_checkpoint, "reproduced": result.reproduced, "detail": result.detail or None,
-        "seconds": result.seconds,
-    })
-
-
-def bisect(result: BisectResult) -> dict[str, Any]:
-    commit = result.culprit_commit
-    return document("bisect", result.exit_code, {
-        "run_id": result.run_id, "good": result.good, "bad": result.bad, "found": result.found,
-        "culprit": {"commit": None if commit is None else {"sha": commit[0], "subject": commit[1]},
-                    "config": [asdict(c) for c in result.culprit_keys]},
-        "probes": [{"what": p.what, "run_id": p.run_id, "verdict": p.verdict, "summary": p.summary,
-                    "reused_from": p.reused_from} for p in result.probes],
-        "not_varied": list(result.not_varied), "unresolved": result.unresolved,
-        "localized": result.localized.lines() if result.localized is not None else None,
-    })
-
-
-def verify(result: VerifyResult) -> dict[str, Any]:
-    return document("verify", result.exit_code, {
-        "run_id": result.run_id, "claims_file": str(result.claims_file), "replayed": result.replayed,
-        "held": result.held, "total": len(result.verdicts), "report": result.report_path,
-        "claims": [v.to_dict() for v in result.verdicts],
-    })
-
-
 def runs(listed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return document("runs", EXIT_OK, {"runs": list(listed)})
 
@@ -207,17 +172,6 @@ def import_(result: ImportResult) -> dict[str, Any]:
     return document("import", EXIT_OK, {
         "run_id": result.run_id, "original_id": result.original_id, "already": result.already,
         "replays": list(result.replays), "image": result.image, "data": dict(result.data or {}),
-    })
-
-
-def attest(run_id: str, path: str) -> dict[str, Any]:
-    return document("attest", EXIT_OK, {"run_id": run_id, "path": path})
-
-
-def verify_record(run_id: str, statement: Mapping[str, Any]) -> dict[str, Any]:
-    return document("verify-record", EXIT_OK, {
-        "run_id": run_id, "attested_run_id": statement["predicate"]["run_id"],
-        "sha256": statement["subject"][0]["digest"]["sha256"], "holds": True,
     })
 
 

@@ -122,7 +122,7 @@ def replay(
     M by itself, to hold them to the members'). `then`: further calibration members, (perturb seed, their tags), run
 by the same ranks after this one and each recorded as a replay of its own (a backend that runs members:
 Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
-    traces a DIVERGED replay where `localize` asks for it (commands/trace.py's after_replay, which the API hands in:
+    traces a DIVERGED replay where `localize` asks for it (the trace extra's after_replay, which the API hands in:
     the trace verb is not imported here); None: no replay is localized."""
     given = parse_tolerances(tolerances)  # bad input is said before anything else happens
     check_steps(steps, allow_incomplete)

@@ -2,8 +2,8 @@
 tone a verdict is marked in; a tracking store's failure as its one line.
 
 The CLI imports only the commands and the leaves (the import contract in pyproject.toml): what it prints of a
-comparison, a study replay or a claims check is rendered here from the result it was handed, by the judge's one
-rendering of each (harness/judge/text.py, verify_report.py).
+comparison or a study replay is rendered here from the result it was handed, by the judge's one rendering of each
+(harness/judge/text.py); an extra renders its own results (harness/extras).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from harness.errors import HarnessError
 
 if TYPE_CHECKING:
     from harness.commands.replay import ReplayResult, StudyReplayResult
-    from harness.commands.verify import VerifyResult
     from harness.judge.compare import Comparison
 
-__all__ = ["claims_table", "comparison_lines", "replay_lines", "store_failure", "tone"]
+__all__ = ["comparison_lines", "replay_lines", "store_failure", "tone"]
 
 
 def comparison_lines(comparison: Comparison) -> list[str]:
@@ -39,13 +38,6 @@ def replay_lines(result: ReplayResult | StudyReplayResult) -> list[str]:
         return []
     localized = result.localized.lines() if result.localized is not None else []
     return [*lines(result.comparison, result.changes), *localized, verdict_line(result.comparison)]
-
-
-def claims_table(result: VerifyResult) -> list[list[str]]:
-    """`harness verify`: the claims table, its header first."""
-    from harness.judge.verify_report import HEADER, rows
-
-    return [list(HEADER), *rows(result.verdicts, result.replayed)]
 
 
 def tone(verdict: str) -> str | None:

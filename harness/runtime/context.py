@@ -24,13 +24,21 @@ from harness.messages import (
     SegmentStart,
     Total,
 )
-from harness.optrace import hooks
-from harness.runtime import checkpoint as ckpt, determinism, loaders, optimization, perf, perturb, replicas, sharding
+from harness.runtime import (
+    checkpoint as ckpt,
+    determinism,
+    hooks,
+    loaders,
+    optimization,
+    perf,
+    perturb,
+    replicas,
+    sharding,
+)
 from harness.runtime.cfgview import redacted_view
 from harness.runtime.checkpoint_steps import CheckpointSteps
 from harness.runtime.dataorder import SampleOrder
 from harness.runtime.fingerprint import fingerprint
-from harness.runtime.invariant import InvariantModule, InvariantStep, broadcast_parameters
 from harness.runtime.metrics import Logged, logged_twice, metric_value, not_own
 from harness.runtime.outbox import Outbox
 from harness.runtime.plan import LaunchPlan, ProfilePlan
@@ -215,12 +223,13 @@ class Context(Stepping):
         if self._shards:
             # Invariant mode reduces gradients itself (ctx.backward), in one canonical order; DDP's
             # all-reduce would add them in a world-size-dependent order. Start from rank 0's weights, as DDP does.
-
-            broadcast_parameters(model)
-            self._invariant_step = InvariantStep(self._shards, self.world_size, self.rank, self.seed)
+            # The mode is the invariant extra's (loaders.invariant_mode: the registry).
+            mode = loaders.invariant_mode()
+            mode.broadcast_parameters(model)
+            self._invariant_step = mode.InvariantStep(self._shards, self.world_size, self.rank, self.seed)
             self._guard_gradients(model)
             self._send_initial(model)
-            return InvariantModule(model)
+            return mode.InvariantModule(model)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         wrapped = DDP(model, **ddp_kwargs)  # broadcasts rank 0's weights: the initial fingerprint comes after

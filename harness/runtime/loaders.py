@@ -14,9 +14,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from harness.errors import ExperimentError, HarnessError
+from harness import extensions
+from harness.errors import ConfigError, ExperimentError, HarnessError
 from harness.runtime.checkpoint import TrainingPosition, set_generator_state
-from harness.runtime.invariant import EvalSampler, KeyedDataset, ShardBatchSampler
 
 
 class Loader(DataLoader):
@@ -40,7 +40,7 @@ def batch_order(loader: DataLoader) -> list[np.ndarray] | None:
     digests. Iterating that sampler again draws nothing (its permutation is a function of seed and epoch); any
     other sampler might draw from a global RNG, so it is not read (None)."""
     batches: Any = loader.batch_sampler
-    if isinstance(batches, ShardBatchSampler):
+    if shards_global_batches(batches):
         # World-size-invariant mode: the global batch, which every world size shares, not this rank's part of it.
         batches = batches.global_view()
     elif batches is None or not isinstance(getattr(batches, "sampler", None), DistributedSampler):
@@ -110,10 +110,11 @@ def make(
 def _invariant(
     shard: Shard, dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int, **loader_kwargs: Any
 ) -> tuple[Loader, Any]:
-    keyed = KeyedDataset(dataset, shard.seed)
+    mode = invariant_mode()
+    keyed = mode.KeyedDataset(dataset, shard.seed)
     common = _common(shard, num_workers, loader_kwargs)
     if shuffle:
-        sampler: Any = ShardBatchSampler(
+        sampler: Any = mode.ShardBatchSampler(
             len(dataset), batch_size, shard.shards, shard.world_size, shard.rank, shard.seed  # type: ignore[arg-type]
         )
         dl = Loader(keyed, batch_sampler=sampler, num_workers=num_workers, **common)
@@ -121,9 +122,24 @@ def _invariant(
         # loader.sampler.set_epoch(epoch), as with a DistributedSampler, must keep working.
         object.__setattr__(dl, "sampler", sampler)
     else:
-        sampler = EvalSampler(len(dataset), shard.world_size, shard.rank, chunk=batch_size)  # type: ignore[arg-type]
+        sampler = mode.EvalSampler(len(dataset), shard.world_size, shard.rank, chunk=batch_size)  # type: ignore[arg-type]
         dl = Loader(keyed, batch_size=batch_size, sampler=sampler, num_workers=num_workers, **common)
     return dl, sampler
+
+
+def invariant_mode() -> Any:
+    """World-size-invariant mode's rank-side parts, from the invariant extra (harness/extras/invariant) through the
+    registry: the runtime imports no extra."""
+    make = extensions.hook(extensions.INVARIANT)
+    if make is None:
+        raise ConfigError("determinism.world_size_invariant=true: no extra registers world-size-invariant mode here "
+                          "(harness.extras.invariant does); reinstall harness, or set it to false.")
+    return make()
+
+
+def shards_global_batches(batches: Any) -> bool:
+    """A batch sampler of invariant mode: its global_view() is the global batch every world size shares."""
+    return callable(getattr(batches, "global_view", None))
 
 
 def _common(shard: Shard, num_workers: int, loader_kwargs: dict[str, Any]) -> dict[str, Any]:

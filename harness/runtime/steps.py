@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from harness.optrace import hooks
+from harness.runtime import hooks
 from harness.runtime.optimization import ScalerSteps
 
 

@@ -1,5 +1,6 @@
 """`harness trace` inside a rank: the op trace of plan.trace_step, begun and ended at the step's boundaries and written
-once, whole (a trace file that exists is a whole trace)."""
+once, whole (a trace file that exists is a whole trace). The tracer is the trace extra's (harness/extras/trace),
+reached through the registry's STEP_TRACER point: the runtime imports no extra."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import torch
 
-from harness.optrace import tracefile
-from harness.optrace.tracer import OpTracer
+from harness import extensions
+from harness.errors import ExperimentError
 from harness.runtime.plan import LaunchPlan
 
 
@@ -22,7 +23,7 @@ class StepTrace:
         self._rank, self._world_size, self._shards = rank, world_size, shards
         self._code_dir = code_dir  # the experiment folder, fixed at start: the training code may os.chdir() away
         self._device = device
-        self.tracer: OpTracer | None = None  # of plan.trace_step while it runs
+        self.tracer: Any = None  # of plan.trace_step while it runs (the trace extra's StepTracer)
         self._written = False
 
     def wanted(self, step: int) -> bool:
@@ -38,8 +39,12 @@ class StepTrace:
             self.tracer.__exit__(None, None, None)
         _refuse_sharded(model)
         meta = {"step": step, "rank": self._rank, "world_size": self._world_size, "invariant_shards": self._shards}
+        make = extensions.hook(extensions.STEP_TRACER)
+        if make is None:
+            raise ExperimentError("a trace of this step was asked for, and no extra registers the step tracer here "
+                                  "(harness.extras.trace does); reinstall harness.")
         # The model is the module inside DDP (ctx.ddp keeps it): its submodules' names are the user's.
-        self.tracer = OpTracer(self._code_dir, model=model, meta=meta, optimizer_hooks=False, device=self._device)
+        self.tracer = make(self._code_dir, model, meta, self._device)
         self.tracer.__enter__()
 
     def end(self, before: int | None = None) -> None:
@@ -53,7 +58,7 @@ class StepTrace:
 
         path = Path(plan.trace_dir) / f"rank{self._rank}.jsonl.gz"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(tracefile.dumps(tracer.result()))
+        tmp.write_bytes(tracer.dumps())
         tmp.replace(path)
         self._written = True
 
@@ -77,7 +82,6 @@ class StepTrace:
 def _refuse_sharded(model: torch.nn.Module | None) -> None:
     """The op tracer (a dispatch mode) and FSDP2's resizing of its parameters' storages do not go together: torch
     raises `Trying to resize storage that is not resizable` inside the traced step. Said in one line instead."""
-    from harness.errors import ExperimentError
     from harness.runtime.sharding import holds_sharded
 
     if holds_sharded(model):

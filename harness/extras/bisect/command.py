@@ -139,7 +139,7 @@ def bisect(options: BisectOptions, *, replay: Callable[..., Any], compare: Calla
     machinery, on the probe that carried the culprit alone). `resume`: an earlier bisect of the same two runs (cut
     short by --max-probes or a kill): its probes are taken up, not run again; --max-probes counts new ones.
 
-    `replay`, `compare`, `localizer`: commands/replay.py's replay and compare and commands/trace.py's after_replay,
+    `replay`, `compare`, `localizer`: commands/replay.py's replay and compare and the trace extra's after_replay,
     handed in by the API. A bisect's probes are replays, judged and localized as `harness replay` judges and localizes
     one, so this verb composes those; it is given them rather than importing them, so that no verb imports another
     (pyproject.toml's independence contract)."""

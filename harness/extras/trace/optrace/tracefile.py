@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.optrace.trace import OpRecord, TensorSig, Trace
+from harness.extras.trace.optrace.trace import OpRecord, TensorSig, Trace
 
 FORMAT = "harness-optrace"
 FORMAT_VERSION = 1

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness import events, executors, scratch, tags as T
-from harness.errors import HarnessError, RunRefused, UsageError
+from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunRefused, UsageError
 from harness.executors import Job
 from harness.executors.base import SegmentMessages
+from harness.extras.trace.optrace import tracefile
+from harness.extras.trace.optrace.diff import localize, render_html, render_markdown
+from harness.extras.trace.optrace.trace import IDENTICAL, INPUTS_DIFFER_FROM_START, Localization, Trace
 from harness.judge import reproduced
 from harness.judge.delta import config_delta, environment_delta
-from harness.optrace import tracefile
-from harness.optrace.diff import localize, render_html, render_markdown
-from harness.optrace.trace import IDENTICAL, INPUTS_DIFFER_FROM_START, Localization, Trace
 from harness.record import derived, loading, seal
 from harness.store.tracking import RunRecord, RunSummary, Tracker
 
@@ -71,6 +71,21 @@ class TraceDiff:
 
     def html(self) -> str:
         return render_html(self.localization, self.a, self.b)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FAILED if self.differs else EXIT_OK
+
+    def document(self) -> dict[str, Any]:
+        """`compare`'s --json document of two traces (docs/json.md)."""
+        from harness.commands import documents
+
+        loc = self.localization
+        return documents.document("compare", self.exit_code, {
+            "relation": "traces", "run_a": self.a_id, "run_b": self.b_id, "rank": self.rank,
+            "differs": self.differs, "status": loc.status, "op_index": loc.index, "likely_cause": loc.likely_cause,
+            "lines": self.lines(),
+        }, meanings=documents.TRACES)
 
 
 def describe(loc: Any, rank: int | None = None) -> list[str]:

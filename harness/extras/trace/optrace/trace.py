@@ -91,7 +91,7 @@ class Localization:
     index: int | None  # the op (same index in both traces); None when IDENTICAL
     a: OpRecord | None
     b: OpRecord | None
-    likely_cause: str | None  # from harness.optrace.rules; None when no rule knows
+    likely_cause: str | None  # from harness.extras.trace.optrace.rules; None when no rule knows
     detail: list[str]  # human lines: shapes, dtypes, which tensors differ, ops matched before
     # True when the culprit's inputs are equal only as a multiset of contributions (see order_free)
     order_only: bool = False

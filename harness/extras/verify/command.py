@@ -16,8 +16,7 @@ import numpy as np
 from harness import events, tags as T
 from harness.commands.options import VerifyOptions
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError, RunRefused, UsageError
-from harness.judge import perf
-from harness.judge.claims import (
+from harness.extras.verify.claims import (
     CLAIM_WITHIN_NOISE,
     HOLDS,
     MISPRINTED,
@@ -30,9 +29,10 @@ from harness.judge.claims import (
     possible_typo,
     prints_as,
 )
+from harness.extras.verify.report import render_html, render_markdown
+from harness.judge import perf
 from harness.judge.noise import MIN_SEEDS, another_mean, claims_level, spread
 from harness.judge.verdicts import Policy, meets
-from harness.judge.verify_report import render_html, render_markdown
 from harness.record import derived, loading, seal
 from harness.record.study import is_study, load_study, member_records
 from harness.store.tracking import RunRecord, RunSummary, Tracker

@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from harness.optrace.trace import ACCUMULATION_OPS, Localization, Trace
+from harness.extras.trace.optrace.trace import ACCUMULATION_OPS, Localization, Trace
 
 RANDOM_OPS = frozenset({
     "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "rand", "rand_like",

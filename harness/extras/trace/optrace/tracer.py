@@ -7,7 +7,7 @@ float64 copy (a reduction, not the exact bytes), stringifies every call's argume
 not need), keeps its hooks in process-global lists, and its ModTracker names no module for a
 backward op. What it does well - a dispatch mode under autograd - is what this module does too.
 
-What a trace holds is in harness/optrace/trace.py, the tensors' signatures in signatures.py, the step's settings
+What a trace holds is in trace.py, the tensors' signatures in signatures.py, the step's settings
 in environment.py, the file in tracefile.py and the diff of two traces in diff.py.
 """
 
@@ -25,10 +25,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.errors import HarnessError
-from harness.optrace import hooks
-from harness.optrace.environment import device_facts, generator_states, settings
-from harness.optrace.signatures import flat_tensors, order_free_digest, params_repr, tensor_sig, written_args
-from harness.optrace.trace import (
+from harness.extras.trace.optrace.environment import device_facts, generator_states, settings
+from harness.extras.trace.optrace.signatures import (
+    flat_tensors,
+    order_free_digest,
+    params_repr,
+    tensor_sig,
+    written_args,
+)
+from harness.extras.trace.optrace.trace import (
     ACCUMULATION_OPS,
     BACKWARD,
     BACKWARD_UNKNOWN_MODULE,
@@ -40,6 +45,7 @@ from harness.optrace.trace import (
     Trace,
     op_base,
 )
+from harness.runtime import hooks
 
 # Ops whose output holds undefined memory: hashing it would report garbage as a difference.
 _UNINITIALIZED_OUTPUT = frozenset({

@@ -8,13 +8,13 @@ import io
 import math
 from typing import TYPE_CHECKING
 
+from harness.extras.verify.claims import environment, fmt
 from harness.fmt import markdown_table, md_cell, md_code
-from harness.judge.claims import environment, fmt
 from harness.judge.noise import percent, spread
 from harness.judge.verdicts import Verdict as ReplayVerdict
 
 if TYPE_CHECKING:
-    from harness.judge.claims import Source, Verdict
+    from harness.extras.verify.claims import Source, Verdict
 
 # Verdict colours of the HTML page (background of the verdict cell): a claim's outcome, a replay's verdict.
 _COLOURS = {"HOLDS": "#c8f0c8", "MISPRINTED": "#ffd9a8", "NOT_REPRODUCED": "#f7b8b8",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from harness.optrace.report import html, markdown
-from harness.optrace.rules import likely_cause
-from harness.optrace.trace import (
+from harness.extras.trace.optrace.report import html, markdown
+from harness.extras.trace.optrace.rules import likely_cause
+from harness.extras.trace.optrace.trace import (
     CULPRIT,
     IDENTICAL,
     INPUTS_DIFFER_FROM_START,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from harness.optrace.trace import TensorSig
+from harness.extras.trace.optrace.trace import TensorSig
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

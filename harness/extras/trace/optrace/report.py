@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html as _html
 
+from harness.extras.trace.optrace.trace import Localization, OpRecord, Trace, describe_sig
 from harness.fmt import markdown_table
-from harness.optrace.trace import Localization, OpRecord, Trace, describe_sig
 
 _HEADLINES = {
     "IDENTICAL": "No difference found",

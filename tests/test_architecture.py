@@ -95,6 +95,32 @@ def test_no_module_passes_600_lines() -> None:
     assert not stale, f"within {MAX_MODULE_LINES} lines now: take them off _OVER_600_FOR_NOW: {stale}"
 
 
+MAX_COMMAND_PARAMETERS = 8
+# The extras' verbs (trace, bisect, verify): they move to harness/extras/, each in its own folder, where this budget
+# does not look; until then their keyword lists are theirs.
+_EXTRAS = {"trace.py", "bisect.py", "verify.py"}
+
+
+def test_no_public_command_function_takes_more_than_8_parameters() -> None:
+    """A verb takes its options object (plus at most the store or a listener), not the options spread as keywords:
+    a public function of harness/commands/ with more parameters than MAX_COMMAND_PARAMETERS (self excluded) is
+    named with its count."""
+    over = []
+    for path in sorted((ROOT / "harness" / "commands").glob("*.py")):
+        if path.name in _EXTRAS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg)))]
+            count = len([n for n in names if n not in ("self", "cls")])
+            if count > MAX_COMMAND_PARAMETERS:
+                over.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}: {count} parameters")
+    assert not over, (f"take the verb's options object (harness/commands/options.py) instead of more than "
+                      f"{MAX_COMMAND_PARAMETERS} parameters:\n" + "\n".join(over))
+
+
 def _import_graph() -> dict[str, set[str]]:
     """harness's modules and what each imports when it runs: import statements (at the top or inside functions) and
     module names written as strings (importlib, a forkserver's preload), but not imports under `if TYPE_CHECKING:`,

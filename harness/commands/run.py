@@ -6,13 +6,13 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from harness import events, executors, seeds, tags as T
+from harness.commands.options import CheckOptions, RunOptions
 from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
 from harness.configschema import Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
@@ -47,19 +47,7 @@ class Preflight:
     read_ns: int | None = None  # time.time_ns() before the code and the data were read: a file written after changed
 
 
-def preflight(
-    exp_dir: Path,
-    overrides: list[str],
-    *,
-    require_clean: bool = False,
-    executor: str | None = None,
-    allow_untracked_secrets: bool = False,
-    allow_secret_in_diff: bool = False,
-    tracking_uri: str | None = None,
-    nnodes: int = 1,
-    warm_ranks: bool = False,
-    torchrun: bool = False,
-) -> Preflight:
+def preflight(options: CheckOptions, *, nnodes: int = 1, warm_ranks: bool = False, torchrun: bool = False) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
     `nnodes`: the nodes the job spans; each holds world_size / nnodes of its ranks. `warm_ranks`: this process will
@@ -70,6 +58,8 @@ def preflight(
     from harness.record import data
 
     read_ns = time.time_ns()
+    exp_dir, overrides, executor, tracking_uri = options.experiment_dir, list(options.overrides), options.executor, \
+        options.tracking_uri
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
     name = experiment_name(Path(exp_dir))
@@ -85,7 +75,7 @@ def preflight(
     if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = gitsource.inspect(
-        Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
+        Path(exp_dir), max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=options.allow_untracked_secrets,
         exclude=tuple(local_paths(resolve_uri(tracking_uri))),  # the store records runs; it is not their code
     )
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
@@ -97,7 +87,7 @@ def preflight(
         in_diff += [dataclasses.replace(f, path=f"{sub.path}/{f.path}") for f in redaction.patch_secrets(sub.patch, keys)]
     if any(not f.cuttable for f in in_diff):
         raise SecretRefused(redaction.uncuttable_refusal([f for f in in_diff if not f.cuttable]))
-    if in_diff and not allow_secret_in_diff:
+    if in_diff and not options.allow_secret_in_diff:
         raise SecretRefused(redaction.patch_refusal(in_diff))
     if in_diff:  # the store gets the patch with the secrets cut out; the ranks run the working tree as it is
         where = tuple(dict.fromkeys(f"{f.path}:{f.line}" for f in in_diff))
@@ -131,7 +121,7 @@ def preflight(
             f"of the code record. Add {', '.join(sorted({p.split('/')[0] + '/' for p in git.excluded}))} to .gitignore."
         )
     if git.dirty:
-        if require_clean:
+        if options.require_clean:
             raise RepositoryError(
                 f"the working tree of {git.root} has uncommitted changes and --require-clean was given. "
                 "Commit or stash them."
@@ -172,46 +162,18 @@ def placed(topology: Topology | None) -> tuple[Topology, TorchrunEnv | None]:
     return topology, torchrun
 
 
-def check(
-    exp_dir: Path,
-    overrides: list[str],
-    *,
-    topology: Topology | None = None,
-    require_clean: bool = False,
-    tracking_uri: str | None = None,
-    executor: str | None = None,
-    allow_untracked_secrets: bool = False,
-    allow_secret_in_diff: bool = False,
-    warm_ranks: bool = True,
-) -> Preflight:
+def check(options: CheckOptions, *, topology: Topology | None = None, warm_ranks: bool = True) -> Preflight:
     """What `harness run` checks before it records: the store reached, then preflight. `warm_ranks`: this process may
     start the job's ranks (not under torchrun), so the rank server may start its imports at once."""
     topology, torchrun = placed(topology)
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
-    probe_store(resolve_uri(tracking_uri), True, store_timeout())
-    return preflight(
-        exp_dir, overrides, require_clean=require_clean, executor=executor,
-        allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
-        tracking_uri=tracking_uri, nnodes=topology.nnodes, warm_ranks=warm_ranks and torchrun is None,
-        torchrun=torchrun is not None,
-    )
+    probe_store(resolve_uri(options.tracking_uri), True, store_timeout())
+    return preflight(options, nnodes=topology.nnodes, warm_ranks=warm_ranks and torchrun is None,
+                     torchrun=torchrun is not None)
 
 
-def run(
-    exp_dir: Path,
-    overrides: list[str],
-    *,
-    require_clean: bool = False,
-    tracking_uri: str | None = None,
-    executor: str | None = None,
-    allow_unpinned: bool = False,
-    allow_untracked_secrets: bool = False,
-    allow_secret_in_diff: bool = False,
-    topology: Topology | None = None,
-    job_options: Mapping[str, Any] | None = None,
-    named: Labels | None = None,
-    checked: Preflight | None = None,
-) -> Outcome:
+def run(options: RunOptions, *, topology: Topology | None = None, named: Labels | None = None,
+        checked: Preflight | None = None) -> Outcome:
     """Validate, record, launch: the Outcome. Bad input raises HarnessError before any run is created. `checked`:
     what check() found, when the caller checked already (the API, which routes a config with `seeds` to a study).
 
@@ -220,12 +182,9 @@ def run(
     from harness.executors.torchrun import check_config
 
     topology, torchrun = placed(topology)
+    exp_dir, tracking_uri = options.experiment_dir, options.tracking_uri
     if checked is None:
-        checked = check(
-            exp_dir, overrides, topology=topology, require_clean=require_clean, tracking_uri=tracking_uri,
-            executor=executor, allow_untracked_secrets=allow_untracked_secrets,
-            allow_secret_in_diff=allow_secret_in_diff,
-        )
+        checked = check(options.checks(), topology=topology)
     cfg, git = checked.cfg, checked.git
     if cfg.seeds is not None:  # the API routes a study (harness/commands/api.py): one run is not one
         raise UsageError("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
@@ -262,7 +221,8 @@ def run(
             # The ranks that run the working tree itself could import an edit made while they run: looked at again.
             verify=lambda: unchanged.changes(git if executors.backend(str(cfg.executor)).runs_working_tree else None,
                                              checked.data, checked.read_ns),
-            options=executors.options_for(cfg.executor, **{"allow_unpinned": allow_unpinned, **(job_options or {})}),
+            options=executors.options_for(cfg.executor, **{"allow_unpinned": options.allow_unpinned,
+                                                                    **options.placement.job_options()}),
         )
         return executors.run(job)
     finally:

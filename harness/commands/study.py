@@ -11,12 +11,13 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import events, executors, scratch, tags as T
+from harness.commands.options import RunOptions
 from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, SecretRefused, UsageError
 from harness.executors import Job, JobInputs
@@ -206,14 +207,9 @@ class _Study:
 
 
 def run_study(
-    exp_dir: Path,
+    options: RunOptions,
     *,
     checked: Any,  # commands/run.py's Preflight (a verb's type: not imported here)
-    seeds_n: int | None = None,
-    parallel: int | None = None,
-    tracking_uri: str | None = None,
-    allow_unpinned: bool = False,
-    job_options: Mapping[str, Any] | None = None,
     named: Labels | None = None,
 ) -> StudyOutcome:
     """Record the study, run one ordinary run per seed from one checkout of the recorded code.
@@ -224,6 +220,8 @@ def run_study(
     """
     from omegaconf import OmegaConf
 
+    exp_dir, seeds_n, parallel, tracking_uri = options.experiment_dir, options.seeds, options.parallel, \
+        options.tracking_uri
     check_counts(seeds_n, parallel)
     cfg, git = checked.cfg, checked.git
     if git.redacted:
@@ -290,10 +288,10 @@ def run_study(
                                          run_name=f"{given or name}-seed{seed}", data=checked.data)
 
                 inputs = JobInputs(tree, tree_exp, code_id=git_code_id(git), data=data_paths)
-                options = executors.options_for(
-                    backend, **{"allow_unpinned": allow_unpinned, **(job_options or {}), "quiet": jobs_at_once > 1})
+                chosen = executors.options_for(
+                    backend, **{"allow_unpinned": options.allow_unpinned, **options.placement.job_options(), "quiet": jobs_at_once > 1})
                 # The members run the checkout, which nobody edits; the data they read is the live one.
-                return Job(tracker, member_cfg, inputs, record=record, options=options,
+                return Job(tracker, member_cfg, inputs, record=record, options=chosen,
                            verify=lambda: unchanged.changes(None, checked.data, checked.read_ns))
 
             study.make_job = make_job

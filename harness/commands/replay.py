@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,9 @@ class _Prepared:
     data: Any  # record/rerun.py DataCheck
     steering: Steering
     envelope: Any  # the calibration's rounding envelope, or None
+    given: Any  # the tolerances given for this judgement (judge/tolerance.py)
+    study_members: Sequence[RunRecord] | None  # the study's member records, when the caller has them
+    judged: tuple[RunRecord, RunRecord, Comparison] | None = None  # set where the verdict was sealed with the run
 
     @property
     def run_id(self) -> str:
@@ -131,7 +134,7 @@ def replay(options: ReplayOptions, context: ReplayContext | None = None) -> Repl
     outcome, job = _launch(p, options, context)
     if job.topology.node_rank != 0 or context.perturb_seed is not None:  # one job, one verdict: node 0's; a member: none
         return ReplayResult(p.original, outcome, None, p.changes, members=job.member_outcomes)
-    return _judge(p, outcome, options, context, given)
+    return _judge(p, outcome, options, context)
 
 
 def _prepare(options: ReplayOptions, context: ReplayContext, tracker: Tracker, given: Any) -> _Prepared:
@@ -161,7 +164,8 @@ def _prepare(options: ReplayOptions, context: ReplayContext, tracker: Tracker, g
     if context.commit is not None and context.commit != original.tags.get(T.GIT_COMMIT):
         changes.append(f"commit={context.commit[:12]}")
     tags = _replay_tags(original, context, changes, given, steering, data)
-    return _Prepared(tracker, original, loaded, a, cfg, changes, tags, data, steering, envelope)
+    return _Prepared(tracker, original, loaded, a, cfg, changes, tags, data, steering, envelope, given,
+                     context.study_members)
 
 
 def _config(options: ReplayOptions, recorded: Any, tracker: Tracker) -> tuple[DictConfig, list[str]]:
@@ -224,9 +228,11 @@ def _launch(p: _Prepared, options: ReplayOptions, context: ReplayContext) -> tup
         # A calibration's ranks start now, and import torch while its members' runs are recorded (as harness run's).
         ranks = executors.early_ranks(p.cfg, context.topology or Topology()) if members else None
         try:
+            judge = None if context.perturb_seed is not None else _judging(p, options)
             job = p.loaded.recorded.job(
                 tree, exp_dir, record=recording(p.tags), topology=context.topology, data=p.data.paths, steering=s,
-                ranks=ranks, members=[(m, recording({**p.tags, **tags, **m.tags()})) for m, tags in members])
+                ranks=ranks, members=[(m, recording({**p.tags, **tags, **m.tags()})) for m, tags in members],
+                judge=judge)
             outcome = executors.run(job)
         finally:
             if ranks is not None:
@@ -235,26 +241,50 @@ def _launch(p: _Prepared, options: ReplayOptions, context: ReplayContext) -> tup
     return outcome, job
 
 
-def _judge(p: _Prepared, outcome: Outcome, options: ReplayOptions, context: ReplayContext,
-           given: Any) -> ReplayResult:
-    """The replay judged against the original, the verdict recorded on it (and localized where asked)."""
-    tracker, run_id, replay_id = p.tracker, p.run_id, outcome.run_id
-    a = p.a or tracker.load_record(run_id)
-    b = tracker.load_record(replay_id)
-    killed = b.facts.get(T.FAILED_SIGNAL)
-    if outcome.status == T.FAILED and killed:
-        # Killed from outside (the OOM killer, kill -9): what the code would have done is unknown, so no verdict is
-        # recorded against the original; the replay stays FAILED, with its reason.
-        raise RunFailed(f"replay {replay_id} FAILED: {outcome.message}. A rank killed by {killed} from outside (the OOM "
-                        f"killer, kill -9) is a failed replay, no verdict: none was recorded against run {run_id}. Free "
-                        f"what killed it (memory), then replay it again: harness replay {run_id}")
-    failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
-    members = list(context.study_members) if context.study_members is not None else None
-    comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
+def _judging(p: _Prepared, options: ReplayOptions) -> Callable[[str, str, str], None]:
+    """The judge the replay's job calls once the replay's record is complete, before it is sealed and closed
+    (executors' Job.judge): the verdict is written then, and the run sealed once, with it. A replay killed from
+    outside gets no verdict (raised once it is closed)."""
+    def judge(replay_id: str, status: str, message: str) -> None:
+        b = p.tracker.load_record(replay_id)
+        b.status = status  # as it is about to be closed
+        if status == T.FAILED and b.facts.get(T.FAILED_SIGNAL):
+            return
+        p.judged = _verdict(p, b, status, message, options, sealed=False)
+    return judge
+
+
+def _verdict(p: _Prepared, b: RunRecord, status: str, message: str, options: ReplayOptions,
+             sealed: bool) -> tuple[RunRecord, RunRecord, Comparison]:
+    """The replay judged against the original and the verdict recorded on it (`sealed`: onto the closed run)."""
+    tracker = p.tracker
+    a = p.a or tracker.load_record(p.run_id)
+    failed = None if status == T.FINISHED else f"the replay {status}: {message}"
+    members = list(p.study_members) if p.study_members is not None else None
+    comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, p.given), replay_failed=failed,
                               incomplete_original=p.loaded.incomplete, first_steps=options.steps)
     comparison = with_rounding(tracker, comparison, a, b, p.envelope, members)
     comparison = with_noise(tracker, comparison, a, b, members)
-    record_verdict(tracker, replay_id, a, b, comparison, p.changes)
+    record_verdict(tracker, b.run_id, a, b, comparison, p.changes, sealed=sealed)
+    return a, b, comparison
+
+
+def _judge(p: _Prepared, outcome: Outcome, options: ReplayOptions, context: ReplayContext) -> ReplayResult:
+    """The replay judged (where its backend did not judge it before its seal: after, onto the closed run), and
+    localized where asked."""
+    tracker, run_id, replay_id = p.tracker, p.run_id, outcome.run_id
+    if p.judged is not None:
+        a, b, comparison = p.judged
+    else:
+        b = tracker.load_record(replay_id)
+        killed = b.facts.get(T.FAILED_SIGNAL)
+        if outcome.status == T.FAILED and killed:
+            # Killed from outside (the OOM killer, kill -9): what the code would have done is unknown, so no verdict
+            # is recorded against the original; the replay stays FAILED, with its reason.
+            raise RunFailed(f"replay {replay_id} FAILED: {outcome.message}. A rank killed by {killed} from outside (the "
+                            f"OOM killer, kill -9) is a failed replay, no verdict: none was recorded against run "
+                            f"{run_id}. Free what killed it (memory), then replay it again: harness replay {run_id}")
+        a, b, comparison = _verdict(p, b, outcome.status, outcome.message, options, sealed=True)
     # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
     localized = None
     localize = options.localize
@@ -331,13 +361,15 @@ def verdict_tags(comparison: Comparison, markdown: str) -> dict[str, str]:
     return out
 
 
-def record_verdict(
-    tracker: Tracker, replay_id: str, a: RunRecord, b: RunRecord, comparison: Comparison, changes: list[str]
-) -> None:
-    """Verdict tag, markdown report, comparison JSON and one plot per metric on the replay run."""
+def record_verdict(tracker: Tracker, replay_id: str, a: RunRecord, b: RunRecord, comparison: Comparison,
+                   changes: list[str], sealed: bool = True) -> None:
+    """Verdict tag, markdown report, comparison JSON and one plot per metric on the replay run. `sealed`: the run is
+    closed and sealed already (its backend closed it elsewhere), so its seal says a verdict is being written, and it
+    is sealed again with it; else the run's close seals it once, verdict included."""
     from harness.judge.report import plot_metrics, render_markdown
 
-    seal.open_for_verdict(tracker, replay_id)
+    if sealed:
+        seal.open_for_verdict(tracker, replay_id)
     markdown = render_markdown(comparison, changes)
     tracker.set_tags(replay_id, verdict_tags(comparison, markdown))
     tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
@@ -345,7 +377,8 @@ def record_verdict(
     with scratch.folder("plots") as tmp:
         plot_metrics(a, b, comparison, Path(tmp))
         tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
-    seal.seal(tracker, replay_id)  # the replay closed before its verdict was written: sealed again with it
+    if sealed:
+        seal.seal(tracker, replay_id)
 
 
 def compare(options: CompareOptions) -> Comparison:

@@ -162,6 +162,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
                  for run_id, steering in [(job.run_id, job.steering),
                                           *zip(job.member_ids, (s for s, _ in job.members))]]
     recorder = recorders[0]
+    recorder.judge = _judging(job)
     steps = job.steering.stop_at or 0
     label = f"{Path(job.exp_dir).resolve().name} x{cfg.world_size}"
     follower = Follower(log_dir / "rank0.log", f"calibrating {label}, {len(recorders)} x {steps} steps" if
@@ -328,3 +329,15 @@ class RanksHandle(Handle):
         finally:
             self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _judging(job: Job) -> Callable[[str, str, str], None] | None:
+    """The job's judge, which marks the job judged once it has run (Job.judge)."""
+    judge = job.judge
+    if judge is None:
+        return None
+
+    def run(run_id: str, status: str, message: str) -> None:
+        judge(run_id, status, message)
+        job.judged = True
+    return run

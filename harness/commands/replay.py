@@ -105,7 +105,8 @@ class _Prepared:
     envelope: Any  # the calibration's rounding envelope, or None
     given: Any  # the tolerances given for this judgement (judge/tolerance.py)
     study_members: Sequence[RunRecord] | None  # the study's member records, when the caller has them
-    judged: tuple[RunRecord, RunRecord, Comparison] | None = None  # set where the verdict was sealed with the run
+    # (status judged, original, replay, comparison): set where the verdict was written before the run's seal
+    judged: tuple[str, RunRecord, RunRecord, Comparison] | None = None
 
     @property
     def run_id(self) -> str:
@@ -250,7 +251,7 @@ def _judging(p: _Prepared, options: ReplayOptions) -> Callable[[str, str, str], 
         b.status = status  # as it is about to be closed
         if status == T.FAILED and b.facts.get(T.FAILED_SIGNAL):
             return
-        p.judged = _verdict(p, b, status, message, options, sealed=False)
+        p.judged = (status, *_verdict(p, b, status, message, options, sealed=False))
     return judge
 
 
@@ -273,9 +274,9 @@ def _judge(p: _Prepared, outcome: Outcome, options: ReplayOptions, context: Repl
     """The replay judged (where its backend did not judge it before its seal: after, onto the closed run), and
     localized where asked."""
     tracker, run_id, replay_id = p.tracker, p.run_id, outcome.run_id
-    if p.judged is not None:
-        a, b, comparison = p.judged
-    else:
+    if p.judged is not None and p.judged[0] == outcome.status:
+        _, a, b, comparison = p.judged
+    else:  # judged after the close (a store that failed the close too: judged again as it ended)
         b = tracker.load_record(replay_id)
         killed = b.facts.get(T.FAILED_SIGNAL)
         if outcome.status == T.FAILED and killed:

@@ -13,7 +13,7 @@ from typing import Any
 from harness import events
 from harness.commands import bundle as bundle_command
 from harness.commands.bundle import ExportResult, ImportResult
-from harness.commands.bundleformat import DEFAULT_MAX_RATIO, DEFAULT_MAX_UNPACKED_MIB, Limits
+from harness.commands.options import ExportOptions as ExportOptions, ImportOptions as ImportOptions
 from harness.errors import HarnessError
 from harness.events import Listener
 from harness.record import attest as attest_record
@@ -38,31 +38,13 @@ def _full_id(run_id: str, tracking_uri: str | None) -> str:
 
 
 # -- export, import --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExportOptions:
-    """`harness export RUN_ID -o BUNDLE`: the run, its code and its replays in one portable bundle."""
-
-    run_id: str
-    output: Path  # the bundle to write (.tar.gz)
-    with_checkpoints: bool = False
-    with_image: bool = False  # the pinned image (docker save); import loads it
-    with_data: bool = False  # the declared data's files, checked against their recorded sha256
-    sign_key: Path | None = None  # an ed25519 private key (PEM): also write OUTPUT.intoto.json
-    tracking_uri: str | None = None
-    repo: Path | None = None  # the clone holding the recorded commit (default: found from the cwd)
-    tree_only: bool = False  # the code bundle without the git history before the recorded commit
-    on_event: Listener | None = None
-
-
 def export(options: ExportOptions) -> ExportResult:
     o = options
     with events.listening(o.on_event):
         # Signed first: a bad key writes no bundle.
         envelope = None if o.sign_key is None else attest_record.sign(Tracker(o.tracking_uri, writable=False),
                                                                       o.run_id, o.sign_key)
-        result = bundle_command.export(o.run_id, o.output, with_checkpoints=o.with_checkpoints,
-                                       with_image=o.with_image, with_data=o.with_data, tracking_uri=o.tracking_uri,
-                                       repo=o.repo, tree_only=o.tree_only)
+        result = bundle_command.export(o)
         if envelope is not None:
             result.signed = o.output.with_name(o.output.name + ".intoto.json")
             try:
@@ -73,26 +55,11 @@ def export(options: ExportOptions) -> ExportResult:
         return result
 
 
-@dataclass(frozen=True)
-class ImportOptions:
-    """`harness import BUNDLE`: verify a bundle and import its run and replays into this store."""
-
-    bundle: Path
-    data_dir: Path | None = None  # where the declared data goes (default ./harness-data/ORIGINAL_RUN_ID)
-    tracking_uri: str | None = None
-    on_event: Listener | None = None
-    # The bounds checked on the manifest before anything is unpacked: every member's listed size summed (MiB), and
-    # that sum over the bundle file's size. Raise them for a legitimately huge bundle from a source you trust.
-    max_unpacked_mib: float = DEFAULT_MAX_UNPACKED_MIB
-    max_ratio: float = DEFAULT_MAX_RATIO
-
-
 def import_(options: ImportOptions) -> ImportResult:
     """`import` is Python's word: the verb's function is `harness.import_`."""
     o = options
     with events.listening(o.on_event):
-        return bundle_command.import_bundle(o.bundle, tracking_uri=o.tracking_uri, data_dir=o.data_dir,
-                                            limits=Limits(o.max_unpacked_mib, o.max_ratio))
+        return bundle_command.import_bundle(o)
 
 
 # -- attest, verify-record -----------------------------------------------------------------------------

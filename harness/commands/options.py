@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.commands.bundleformat import DEFAULT_MAX_RATIO, DEFAULT_MAX_UNPACKED_MIB, Limits
 from harness.errors import UsageError
 from harness.events import Listener
 
@@ -272,3 +273,37 @@ class CompareOptions:
     report: Path | None = None  # two traces: also write the localization report here (HTML if .html, else markdown)
     tracking_uri: str | None = None
     on_event: Listener | None = None
+
+
+# -- export, import --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExportOptions:
+    """`harness export RUN_ID -o BUNDLE`: the run, its code and its replays in one portable bundle."""
+
+    run_id: str
+    output: Path  # the bundle to write (.tar.gz)
+    with_checkpoints: bool = False
+    with_image: bool = False  # the pinned image (docker save); import loads it
+    with_data: bool = False  # the declared data's files, checked against their recorded sha256
+    sign_key: Path | None = None  # an ed25519 private key (PEM): also write OUTPUT.intoto.json
+    tracking_uri: str | None = None
+    repo: Path | None = None  # the clone holding the recorded commit (default: found from the cwd)
+    tree_only: bool = False  # the code bundle without the git history before the recorded commit
+    on_event: Listener | None = None
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    """`harness import BUNDLE`: verify a bundle and import its run and replays into this store."""
+
+    bundle: Path
+    data_dir: Path | None = None  # where the declared data goes (default ./harness-data/ORIGINAL_RUN_ID)
+    tracking_uri: str | None = None
+    on_event: Listener | None = None
+    # The bounds checked on the manifest before anything is unpacked: every member's listed size summed (MiB), and
+    # that sum over the bundle file's size. Raise them for a legitimately huge bundle from a source you trust.
+    max_unpacked_mib: float = DEFAULT_MAX_UNPACKED_MIB
+    max_ratio: float = DEFAULT_MAX_RATIO
+
+    def limits(self) -> Limits:
+        return Limits(self.max_unpacked_mib, self.max_ratio)

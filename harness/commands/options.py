@@ -306,4 +306,5 @@ class ImportOptions:
     max_ratio: float = DEFAULT_MAX_RATIO
 
     def limits(self) -> Limits:
+        """The bounds as the bundle's check takes them."""
         return Limits(self.max_unpacked_mib, self.max_ratio)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import Project, make_project
+from harness.commands.options import ImportOptions
 from harness import npzfile, tags as T
 from harness.commands import bundle, bundleformat
 from harness.errors import EXIT_USAGE, HarnessError
@@ -261,7 +262,7 @@ def test_a_bomb_over_the_ratio_limit_is_refused_with_the_default_limits(
         copied.append(name), real_copy(src, dest, name, expected)))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(bundle.BundleError) as err:
-        bundle.import_bundle(path, tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(path, tracking_uri=uri))
     message = str(err.value)
     assert message.startswith(f"bundle member '{BOMB}' ({200 << 20} bytes) is the largest of "), message
     assert " times the bundle's " in message and "over the import's limit of 100 times" in message, message
@@ -340,7 +341,7 @@ def test_a_seal_manifest_nested_past_the_stack_is_refused_in_one_line(exported: 
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(HarnessError) as err:
-        bundle.import_bundle(forge(exported, tmp_path / "deep.tar.gz", deepen), tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(forge(exported, tmp_path / "deep.tar.gz", deepen), tracking_uri=uri))
     assert str(err.value).startswith(f"run {exported.replay_id} (in the bundle) was changed after it was sealed: the "
                                      f"seal's manifest {T.ARTIFACT_SEAL} or the tag {T.SEAL}. "), err.value
     assert err.value.exit_code == EXIT_USAGE

@@ -175,12 +175,6 @@ def test_no_module_passes_600_lines() -> None:
 # A function is one step, readable without a scroll: past this many lines (its `def` to its last line; a command's
 # decorators are its options table, not its body) it holds a second step that wants a name of its own.
 MAX_FUNCTION_LINES = 80
-# TEMPORARY: functions past it whose cut into named steps comes with their owners' reworking of them (the options
-# object carried down, placement decided once). A line here goes when its cut lands; add none.
-_OVER_80_FOR_NOW = frozenset({
-    "harness/commands/replay.py:replay",
-    "harness/commands/calibrate.py:calibrate",
-})
 
 
 def _function_lengths() -> dict[str, int]:
@@ -205,11 +199,9 @@ def _function_lengths() -> dict[str, int]:
 def test_no_function_passes_80_lines() -> None:
     lengths = _function_lengths()
     over = [f"{name}: {n} lines" for name, n in sorted(lengths.items())
-            if n > MAX_FUNCTION_LINES and name not in _OVER_80_FOR_NOW]
+            if n > MAX_FUNCTION_LINES]
     assert not over, (f"cut each into named steps of at most {MAX_FUNCTION_LINES} lines (a helper per step, named "
                       "for what it does):\n" + "\n".join(over))
-    stale = sorted(name for name in _OVER_80_FOR_NOW if lengths.get(name, 0) <= MAX_FUNCTION_LINES)
-    assert not stale, f"within {MAX_FUNCTION_LINES} lines now (or gone): take them off _OVER_80_FOR_NOW: {stale}"
 
 
 def _private(name: str) -> bool:
@@ -252,6 +244,29 @@ def test_no_private_name_crosses_a_module() -> None:
     crossings = _private_crossings()
     assert not crossings, ("make each public (drop the underscore, say what it is in a docstring) or move it to the "
                            "module that uses it:\n" + "\n".join(crossings))
+
+
+MAX_COMMAND_PARAMETERS = 8
+
+
+def test_no_public_command_function_takes_more_than_8_parameters() -> None:
+    """A verb takes its options object (plus at most the store or a listener), not the options spread as keywords:
+    a public function of harness/commands/ (or of an extra's command.py and api.py) with more parameters than
+    MAX_COMMAND_PARAMETERS (self excluded) is named with its count."""
+    over = []
+    verbs = [*(ROOT / "harness" / "commands").glob("*.py"), *(ROOT / "harness" / "extras").rglob("command.py"),
+             *(ROOT / "harness" / "extras").rglob("api.py")]
+    for path in sorted(verbs):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg)))]
+            count = len([n for n in names if n not in ("self", "cls")])
+            if count > MAX_COMMAND_PARAMETERS:
+                over.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}: {count} parameters")
+    assert not over, (f"take the verb's options object (harness/commands/options.py) instead of more than "
+                      f"{MAX_COMMAND_PARAMETERS} parameters:\n" + "\n".join(over))
 
 
 def _import_graph() -> dict[str, set[str]]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Project, make_project
+from harness.commands.options import ImportOptions
 from harness.commands import bundle
 from harness import tags as T
 from harness.errors import EXIT_USAGE, HarnessError
@@ -275,7 +276,7 @@ def test_altered_member_of_a_real_bundle_is_refused_and_nothing_written(exported
             dst.addfile(member, io.BytesIO(data) if data is not None else None)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(HarnessError, match=r"uncommitted\.patch' was altered") as err:
-        bundle.import_bundle(altered, tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(altered, tracking_uri=uri))
     assert "\n" not in str(err.value) and err.value.exit_code == EXIT_USAGE
     assert not (tmp_path / "mlflow.db").exists()  # refused before the store was even opened
 
@@ -422,7 +423,7 @@ def test_malformed_bundle_is_refused_before_anything_is_written(kind: str, tmp_p
     path = make(tmp_path / "bad.tar.gz")
     outside = tmp_path.parent / "evil"
     with pytest.raises(HarnessError, match=message) as err:
-        bundle.import_bundle(path, tracking_uri=empty_store)
+        bundle.import_bundle(ImportOptions(path, tracking_uri=empty_store))
     assert "\n" not in str(err.value)
     assert err.value.exit_code == EXIT_USAGE
     db = Path(empty_store.removeprefix("sqlite:///"))

@@ -150,10 +150,10 @@ def test_a_full_disk_during_a_calibration_says_what_it_left(tmp_path: Path, monk
         assert run.returncode == 0, run.stderr
         calls: list[int] = []
 
-        def filling(*args, **kwargs):
-            calls.append(kwargs["perturb_seed"])
+        def filling(options, context):
+            calls.append(context.perturb_seed)
             fill_disk(disk)
-            return replay_command.replay(*args, **kwargs)
+            return replay_command.replay(options, context)
 
         monkeypatch.chdir(project.root)
         with pytest.raises(StoreUnavailable) as raised:

@@ -18,6 +18,7 @@ from conftest import EXPERIMENTS, Project, git, make_project, mlflow_server
 from harness import secrets, tags as T
 from harness.cli.main import main
 from harness.commands import bundle
+from harness.commands.options import ImportOptions
 from harness.errors import EXIT_USAGE, HarnessError
 from harness.record import confine, provenance, redaction
 from harness.runtime import usermlflow
@@ -181,7 +182,7 @@ def test_a_bundle_whose_experiment_name_is_a_path_is_refused(experiment: str, tm
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (tmp_path / "store").mkdir()
     with pytest.raises(HarnessError, match="experiment name") as err:
-        bundle.import_bundle(_bundle(tmp_path / "b.tar.gz", _record(experiment)), tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(_bundle(tmp_path / "b.tar.gz", _record(experiment)), tracking_uri=uri))
     assert "\n" not in str(err.value) and err.value.exit_code == EXIT_USAGE
     assert not (tmp_path / "store" / "mlflow.db").exists()  # refused before the store was even opened
     assert not (tmp_path / "evil").exists() and not Path("/tmp/evil").exists()
@@ -191,14 +192,14 @@ def test_unlisted_folders_and_duplicate_keys_are_refused(tmp_path: Path) -> None
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     many = [_folder(f"run/d{i}") for i in range(50)]
     with pytest.raises(HarnessError, match="'run/d0' is a folder the manifest does not list"):
-        bundle.import_bundle(_bundle(tmp_path / "dirs.tar.gz", extra=many), tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(_bundle(tmp_path / "dirs.tar.gz", extra=many), tracking_uri=uri))
     assert not (tmp_path / "mlflow.db").exists()
     twice = b'{"format": 1, "run_id": "r", "run_id": "s", "replays": [], "members": {}}'
     with pytest.raises(HarnessError, match="not valid JSON .*key 'run_id' appears twice"):
-        bundle.import_bundle(_bundle(tmp_path / "twice.tar.gz", raw_manifest=twice), tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(_bundle(tmp_path / "twice.tar.gz", raw_manifest=twice), tracking_uri=uri))
     rec = json.dumps(_record())[:-1] + ', "experiment": "other"}'
     with pytest.raises(HarnessError, match="record.json is missing or malformed .*appears twice"):
-        bundle.import_bundle(_bundle(tmp_path / "rec.tar.gz", raw_record=rec.encode()), tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(_bundle(tmp_path / "rec.tar.gz", raw_record=rec.encode()), tracking_uri=uri))
     assert not (tmp_path / "mlflow.db").exists()
 
 
@@ -223,7 +224,7 @@ def test_references_to_runs_outside_the_bundle_never_land(tmp_path: Path, store_
     forged = {T.KIND: T.KIND_REPLAY, T.REPLAY_OF: victim, T.MLFLOW_PARENT_RUN_ID: victim, T.STUDY: victim,
               T.AUDIT_OF: victim, T.TRACE_OF: victim, "harness.verdict": "BITWISE"}
     with pytest.raises(HarnessError, match="carries no seal") as refused:
-        bundle.import_bundle(_bundle(tmp_path / "forged.tar.gz", _record(tags=forged)), tracking_uri=uri)
+        bundle.import_bundle(ImportOptions(_bundle(tmp_path / "forged.tar.gz", _record(tags=forged)), tracking_uri=uri))
     assert refused.value.exit_code == EXIT_USAGE
     assert tracker.children(victim) == []
     assert [r.run_id for r in tracker.search(None, max_results=10)] == [victim]

@@ -330,6 +330,7 @@ def test_replay_refuses_changed_data_before_launch(
             assert result.stderr.strip().splitlines()[-1].startswith(f"Error: {expected}"), result.stderr
             assert result.stderr.strip().endswith(way)
         else:  # the same library call in this process (no interpreter start-up to pay)
+            from harness.commands.options import ReplayOptions
             from harness.commands.replay import replay
 
             if case == "missing":
@@ -339,7 +340,7 @@ def test_replay_refuses_changed_data_before_launch(
             for key, value in env.items():
                 monkeypatch.setenv(key, value)
             with pytest.raises(DataChanged) as err:
-                replay(data_run, tracking_uri=project.uri, repo=project.root)
+                replay(ReplayOptions(data_run, tracking_uri=project.uri, repo=project.root))
             assert str(err.value).startswith(expected) and str(err.value).endswith(way)
             assert err.value.exit_code == 2
     finally:

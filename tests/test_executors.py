@@ -272,11 +272,12 @@ def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) ->
     """The local backend's handle through run_job: PENDING once the run is recorded (its ranks not yet running),
     FINISHED once wait() has closed the run."""
     from harness.commands import run as runner
+    from harness.commands.options import CheckOptions
     from harness.record.newrun import create_record
     from harness.store.tracking import Tracker
 
     exp = project.root / "experiments" / "linear_ddp"
-    checked = runner.preflight(exp, ["train.epochs=1", CPU], tracking_uri=project.uri)
+    checked = runner.preflight(CheckOptions(exp, ("train.epochs=1", CPU), tracking_uri=project.uri))
     tracker = Tracker(project.uri)
     job = executors.Job(
         tracker, checked.cfg, executors.JobInputs(checked.git.root, exp, code_id=checked.git.commit),

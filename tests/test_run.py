@@ -347,6 +347,7 @@ def test_signal_while_recording_waits_until_the_run_is_closed(project: Project) 
         "import os, signal, sys\n"
         "from pathlib import Path\n"
         "from harness.commands import run as runner\n"
+        "from harness.commands.options import RunOptions\n"
         "from harness.record import recorder\n"
         "original = recorder.record_results\n"
         "def record(*args, **kwargs):\n"
@@ -356,7 +357,7 @@ def test_signal_while_recording_waits_until_the_run_is_closed(project: Project) 
         "from harness import events\n"
         "if __name__ == '__main__':\n"
         "    with events.listening(lambda event: print(event.line(), file=sys.stderr)):\n"
-        "        outcome = runner.run(Path('experiments/linear_ddp'), ['train.epochs=1', 'device=cpu'])\n"
+        "        outcome = runner.run(RunOptions(Path('experiments/linear_ddp'), ('train.epochs=1', 'device=cpu')))\n"
         "    print(outcome.run_id)\n"
         "    sys.exit(outcome.exit_code)\n"
     )

@@ -180,12 +180,13 @@ def test_an_override_yes_no_on_off_that_became_a_boolean_is_warned_with_the_quot
     import subprocess
 
     from harness.commands import run as runner
+    from harness.commands.options import CheckOptions
 
     exp = project.root / "experiments" / "linear_ddp"
     typed = subprocess.run(["bash", "-c", """printf '%s\\n' train.eval_strategy='"no"' train.report="no" """],
                            capture_output=True, text=True, check=True).stdout.split()
-    checked = runner.preflight(exp, ["train.eval_strategy=no", "train.push=On", "determinism.level=off", *typed[1:],
-                                     "device=cpu"], tracking_uri=project.uri)
+    checked = runner.preflight(CheckOptions(exp, ("train.eval_strategy=no", "train.push=On", "determinism.level=off",
+                                                  *typed[1:], "device=cpu"), tracking_uri=project.uri))
     assert checked.cfg.train.eval_strategy is False and checked.cfg.train.push is True
     said = [w for w in checked.warnings if w.startswith("override ")]
     assert said == [
@@ -201,7 +202,7 @@ def test_an_override_yes_no_on_off_that_became_a_boolean_is_warned_with_the_quot
         "train.report='\"no\"' (the shell alone drops the quotes of train.report=\"no\"); in experiment.yaml: "
         "report: \"no\".",
     ], said
-    quoted = runner.preflight(exp, [typed[0], "device=cpu"], tracking_uri=project.uri)
+    quoted = runner.preflight(CheckOptions(exp, (typed[0], "device=cpu"), tracking_uri=project.uri))
     assert quoted.cfg.train.eval_strategy == "no" and not [w for w in quoted.warnings if w.startswith("override ")]
 
 

@@ -175,11 +175,12 @@ def test_a_study_config_is_no_single_run(study_project: Project) -> None:
     """Only the API decides that a config is a study: the run verb, called with one, refuses it in one line (it does
     not start a study of its own) and records nothing."""
     from harness.commands import run as run_command
+    from harness.commands.options import RunOptions
 
     before = len(study_project.all_runs())
     with pytest.raises(HarnessError) as err:
-        run_command.run(study_project.root / "experiments" / "linear_ddp", ["seeds=[1,2]", "device=cpu"],
-                        tracking_uri=study_project.uri)
+        run_command.run(RunOptions(study_project.root / "experiments" / "linear_ddp", ("seeds=[1,2]", "device=cpu"),
+                                   tracking_uri=study_project.uri))
     assert str(err.value) == ("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
                               "one of them, or set seeds=null for a single run.")
     assert len(study_project.all_runs()) == before

@@ -377,14 +377,14 @@ def test_changes_without_replay_are_refused(study: Study, paper: Path) -> None:
 def test_a_claim_finds_its_run_in_a_store_it_was_imported_into(study: Study, tmp_path: Path) -> None:
     """The paper names the run id of the authors' store; an evaluator's import gives it a new id here."""
     from harness.commands.bundle import export, import_bundle
-    from harness.commands.options import VerifyOptions
+    from harness.commands.options import ExportOptions, ImportOptions, VerifyOptions
     from harness.commands.verify import verify
 
     member = study.members[2]
     bundle = tmp_path / "run.tar.gz"
-    export(member, bundle, tracking_uri=study.project.uri, repo=study.project.root)
+    export(ExportOptions(member, bundle, tracking_uri=study.project.uri, repo=study.project.root))
     other = f"sqlite:///{tmp_path / 'evaluator.db'}"
-    imported = import_bundle(bundle, tracking_uri=other, data_dir=tmp_path / "data")
+    imported = import_bundle(ImportOptions(bundle, tracking_uri=other, data_dir=tmp_path / "data"))
     assert imported.run_id != member
     claims = tmp_path / "claims.yaml"
     claims.write_text(f"claims:\n  - id: c\n    run: {member}\n    metric: loss\n    paper: {study.final[2]:.4f}\n")

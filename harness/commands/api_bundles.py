@@ -6,15 +6,13 @@ One typed options object in, one typed result out, as for every verb; the comman
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from harness import events, extensions
 from harness.commands import bundle as bundle_command
 from harness.commands.bundle import ExportResult, ImportResult
-from harness.commands.bundleformat import DEFAULT_MAX_RATIO, DEFAULT_MAX_UNPACKED_MIB, Limits
+from harness.commands.options import ExportOptions as ExportOptions, ImportOptions as ImportOptions
 from harness.errors import HarnessError, UsageError
-from harness.events import Listener
 from harness.store.tracking import Tracker
 
 __all__ = ["ExportOptions", "ImportOptions", "export", "import_"]
@@ -30,30 +28,12 @@ def write_attestation(path: Path, data: bytes) -> None:
 
 
 # -- export, import --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExportOptions:
-    """`harness export RUN_ID -o BUNDLE`: the run, its code and its replays in one portable bundle."""
-
-    run_id: str
-    output: Path  # the bundle to write (.tar.gz)
-    with_checkpoints: bool = False
-    with_image: bool = False  # the pinned image (docker save); import loads it
-    with_data: bool = False  # the declared data's files, checked against their recorded sha256
-    sign_key: Path | None = None  # an ed25519 private key (PEM): also write OUTPUT.intoto.json
-    tracking_uri: str | None = None
-    repo: Path | None = None  # the clone holding the recorded commit (default: found from the cwd)
-    tree_only: bool = False  # the code bundle without the git history before the recorded commit
-    on_event: Listener | None = None
-
-
 def export(options: ExportOptions) -> ExportResult:
     o = options
     with events.listening(o.on_event):
         # Signed first: a bad key writes no bundle.
         envelope = None if o.sign_key is None else _sign(o)
-        result = bundle_command.export(o.run_id, o.output, with_checkpoints=o.with_checkpoints,
-                                       with_image=o.with_image, with_data=o.with_data, tracking_uri=o.tracking_uri,
-                                       repo=o.repo, tree_only=o.tree_only)
+        result = bundle_command.export(o)
         if envelope is not None:
             result.signed = o.output.with_name(o.output.name + ".intoto.json")
             try:
@@ -74,23 +54,8 @@ def _sign(o: ExportOptions) -> bytes:
     return signed
 
 
-@dataclass(frozen=True)
-class ImportOptions:
-    """`harness import BUNDLE`: verify a bundle and import its run and replays into this store."""
-
-    bundle: Path
-    data_dir: Path | None = None  # where the declared data goes (default ./harness-data/ORIGINAL_RUN_ID)
-    tracking_uri: str | None = None
-    on_event: Listener | None = None
-    # The bounds checked on the manifest before anything is unpacked: every member's listed size summed (MiB), and
-    # that sum over the bundle file's size. Raise them for a legitimately huge bundle from a source you trust.
-    max_unpacked_mib: float = DEFAULT_MAX_UNPACKED_MIB
-    max_ratio: float = DEFAULT_MAX_RATIO
-
-
 def import_(options: ImportOptions) -> ImportResult:
     """`import` is Python's word: the verb's function is `harness.import_`."""
     o = options
     with events.listening(o.on_event):
-        return bundle_command.import_bundle(o.bundle, tracking_uri=o.tracking_uri, data_dir=o.data_dir,
-                                            limits=Limits(o.max_unpacked_mib, o.max_ratio))
+        return bundle_command.import_bundle(o)

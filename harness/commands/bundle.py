@@ -27,7 +27,6 @@ from harness.commands.bundleformat import (
     REPLAYS_DIR,
     RUN_DIR,
     BundleError,
-    Limits,
     Manifest,
     Member,
     check_name,
@@ -35,6 +34,7 @@ from harness.commands.bundleformat import (
     load_document,
     verify,
 )
+from harness.commands.options import ExportOptions, ImportOptions
 from harness.errors import DataChanged, HarnessError, RepositoryError, RunRefused, UsageError
 from harness.judge.compare import follows, judged_again
 from harness.record import closing, data, loading, redaction, seal
@@ -118,13 +118,12 @@ def _stage_data(tracker: Any, run_id: str, dest: Path) -> None:
                 )
 
 
-def export(
-    run_id: str, out: Path, *, with_checkpoints: bool = False, with_image: bool = False, with_data: bool = False,
-    tracking_uri: str | None = None, repo: Path | None = None, tree_only: bool = False,
-) -> ExportResult:
-    """Write RUN_ID's record, code bundle, replays (and image) to `out` (.tar.gz), with a manifest of sha256s.
-    `tree_only`: the code bundle holds the recorded commits without the history before them."""
-    tracker = Tracker(tracking_uri, writable=False)
+def export(options: ExportOptions) -> ExportResult:
+    """Write the run's record, code bundle, replays (and image) to `options.output` (.tar.gz), with a manifest of
+    sha256s. `tree_only`: the code bundle holds the recorded commits without the history before them."""
+    run_id, out, with_checkpoints, repo, tree_only = options.run_id, options.output, options.with_checkpoints, \
+        options.repo, options.tree_only
+    tracker = Tracker(options.tracking_uri, writable=False)
     run_id = tracker.resolve_id(run_id)
     run = tracker.harness_run(run_id)
     loading.refuse(loading.EXPORT, run)
@@ -167,9 +166,9 @@ def export(
                 f"commit {commit[:12]} of run {run_id} is not in {where}. Run the export inside a clone that has it "
                 f"(git fetch {run.tags.get(T.GIT_REPO_URL) or '<remote>'} {commit})."
             )
-        if with_image:
+        if options.with_image:
             image = _stage_image(run, stage / IMAGE_TAR)
-        if with_data:
+        if options.with_data:
             _stage_data(tracker, run_id, stage / DATA_DIR)
         members = {}
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
@@ -351,12 +350,13 @@ def _judge_again(unpacked: Path, record: dict[str, Any], replays: list[dict[str,
         _hold_verdicts(judge, record, replays, ids)
 
 
-def import_bundle(archive: Path, *, tracking_uri: str | None = None, data_dir: Path | None = None,
-                  limits: Limits | None = None) -> ImportResult:
-    """Verify `archive` whole (within `limits`), then copy its run (keeping its id as a tag) and replays into this store.
+def import_bundle(options: ImportOptions) -> ImportResult:
+    """Verify the bundle whole (within the options' limits), then copy its run (keeping its id as a tag) and replays
+    into this store.
 
     A second import of the same run finds the first and writes nothing.
     """
+    archive, tracking_uri, data_dir, limits = options.bundle, options.tracking_uri, options.data_dir, options.limits()
     with scratch.folder("import") as tmp:
         unpacked = Path(tmp, "bundle")
         unpacked.mkdir()

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from signal import SIGINT, SIGTERM, Signals
 from typing import Any
 
 import numpy as np
 
 from harness import events, executors, seeds, tags as T
-from harness.commands.options import CalibrateOptions
+from harness.commands.options import CalibrateOptions, ReplayContext, ReplayOptions
 from harness.errors import EXIT_FAILED, HarnessError, Interrupted, RunRefused, StoreUnavailable, UsageError
-from harness.executors import Topology
+from harness.executors import Outcome, Topology
 from harness.fmt import fmt_short, json_safe, text_table
 from harness.judge import reproduced, rounding
 from harness.judge.compare import original_steps
@@ -116,18 +116,21 @@ def check_options(members: int | None, steps: int | None) -> None:
         raise UsageError(f"--steps {steps}: a calibration re-executes at least 1 step. Pass --steps 1 or more.")
 
 
-def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker: Tracker | None = None) -> Calibration:
+# The replay verb as calibrate calls it: commands/replay.py's replay, handed in by the API.
+Replay = Callable[[ReplayOptions, ReplayContext], Any]
+
+
+def calibrate(options: CalibrateOptions, *, replay: Replay, tracker: Tracker | None = None) -> Calibration:
     """Re-execute the first `steps` steps of `run_id` `members` times with nudged weights; record the envelope.
 
     `replay`: commands/replay.py's replay, handed in by the API. A calibration's members are replays, so this verb
     composes that one; it is given it rather than importing it, so that no verb imports another (pyproject.toml's
     independence contract) and a member is recorded exactly as `harness replay --steps M` records one (replay's
     `then`: the members after the reference, run by the same ranks)."""
-    run_id, members, steps, tracking_uri = options.run_id, options.members, options.steps, options.tracking_uri
-    check_options(members, steps)
-    tracker = tracker or Tracker(tracking_uri)
+    check_options(options.members, options.steps)
+    tracker = tracker or Tracker(options.tracking_uri)
     # A replay's (or audit's) id means the run it re-executed: its own first steps are no reference of their own.
-    loaded = loading.load(tracker, derived.followed(tracker, tracker.harness_run(run_id), "calibrating"),
+    loaded = loading.load(tracker, derived.followed(tracker, tracker.harness_run(options.run_id), "calibrating"),
                           loading.CALIBRATE)
     original = loaded.summary
     _warm(loaded)
@@ -135,10 +138,11 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     total = original_steps(record)
     if total < 1:
         raise RunRefused(f"run {original.run_id} logged no step: there is nothing to calibrate.")
-    k = members or DEFAULT_MEMBERS
-    if steps is not None and steps > total:
-        raise UsageError(f"--steps {steps}: run {original.run_id} took {total} steps. Pass --steps {total} or fewer.")
-    m = steps or min(DEFAULT_STEPS, total)
+    k = options.members or DEFAULT_MEMBERS
+    if options.steps is not None and options.steps > total:
+        raise UsageError(f"--steps {options.steps}: run {original.run_id} took {total} steps. Pass --steps {total} "
+                         "or fewer.")
+    m = options.steps or min(DEFAULT_STEPS, total)
     secrets = secrets_given(loaded, list(options.overrides))
     kernels = ", ".join(kind.describe() for kind in KERNELS[:k])
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
@@ -154,73 +158,94 @@ def calibrate(options: CalibrateOptions, *, replay: Callable[..., Any], tracker:
     with calibrating, derived.opened(tracker, original.experiment, run_tags, f"calibration-of-{original.run_name}",
                                      heartbeat_s=calibrating.heartbeat_s) as opened_id:
         cal_id = calibrating.holds(opened_id)
-        def member_tags(i: int) -> dict[str, str]:
-            return {T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id, T.CALIBRATION_KERNELS: kernels_of(i).describe()}
-
-        each: dict[str, Any] = {"follow": False, "tracker": tracker, "steps": m, "localize": False, "sketch_at": m,
-                                "overrides": secrets}
-        outcomes = []
-        if one_launch(loaded, record):
-            # Every member in one set of ranks, one segment each, each recorded as the replay it replaces.
-            result = replay(original.run_id, perturb_seed=REFERENCE, extra_tags=member_tags(REFERENCE),
-                            then=[(i, member_tags(i)) for i in range(1, k + 1)], **each)
-            outcomes = [result.outcome, *result.members]
-        else:
-            for i in range(REFERENCE, k + 1):  # the reference first: a run that does not re-execute fails there
-                events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
-                                            f"calibration {cal_id}: the run itself (the reference)", i, k))
-                outcome = replay(original.run_id, perturb_seed=i, extra_tags=member_tags(i), **each).outcome
-                outcomes.append(outcome)
-                if outcome.status != T.FINISHED:
-                    break
-        ids = [outcome.run_id for outcome in outcomes]
-        records = []
-        for i, outcome in enumerate(outcomes):
-            which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
-            if outcome.status == T.KILLED and outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
-                signum = outcome.exit_code - 128
-                raise Interrupted(signum, f"calibration {cal_id} interrupted by {Signals(signum).name} while "
-                                          f"{which} ran: it is marked KILLED and records no envelope. Run harness "
-                                          f"calibrate {original.run_id} again.")
-            if outcome.status != T.FINISHED:
-                raise HarnessError(f"calibration {which} (run {outcome.run_id}) {outcome.status}: "
-                                   f"{outcome.message or 'see its logs'}. The run's first {m} steps do not "
-                                   "re-execute here; replay it to see why.", EXIT_FAILED)
-            records.append(tracker.load_record(outcome.run_id))
-        reference, members_ = records[0], records[1:]
-        held = record.checkpoints.get(m) if m < total else record.final_fingerprint
-        logged = {(key, step): value for key, by_step in reproduced.series(reference.metrics).items()
-                  for step, value in by_step.items()}
-        again = reproduced.values(reproduced.series(record.metrics), logged, complete=True, end=m)
-        weights_again = held is None or reference.final_fingerprint == held
-        bitwise = again.reproduced is not False and weights_again
-        if not bitwise:
-            what = again.mismatch or f"its weights after step {m}"
-            events.emit(events.Warning(
-                f"the run's first {m} steps did not re-execute bit for bit here (its reference, run {reference.run_id}: "
-                f"{what}): the envelope holds this machine's run-to-run variation too, or another machine's kernels"))
-        held = held or reference.final_fingerprint  # the run's own weights after M steps
-        differed = sum(1 for r in members_ if held is None or r.final_fingerprint != held)
-        weights = weights_spread(tracker, cal_id, reference.run_id, [r.run_id for r in members_], m)
-        envelope = rounding.measure(original.run_id, cal_id, record.metrics,
-                                    [r.metrics for r in members_] + ([] if bitwise else [reference.metrics]), m,
-                                    differed, weights)
-        envelope.members, envelope.reference_bitwise, envelope.nudge = k, bitwise, NUDGE
-        if differed == 0:
-            events.emit(events.Warning(
-                f"no member's weights differed from the run's after step {m}: nothing the members' nudge moved reached "
-                "the weights (the run trains no floating-point parameter, or training washed the nudge out), so this "
-                "calibration judges no replay whose weights differ"))
-        blown = envelope.blown_up()
-        if blown is not None:
-            events.emit(events.Warning(
-                f"a member went to NaN or inf in {blown[0]} at step {blown[1]} where the run did not: rounding alone "
-                f"breaks this run there, so its replays are held to the envelope over the first {blown[1]} steps only "
-                "(a smaller learning rate, or gradient clipping, keeps a run off that edge)"))
+        member = ReplayOptions(original.run_id, overrides=tuple(secrets), follow=False, steps=m, localize=False)
+        outcomes = _run_members(replay, member, ReplayContext(tracker=tracker, sketch_at=m), cal_id,
+                                k, one_launch(loaded, record))
+        records = _finished(tracker, outcomes, cal_id, original.run_id, m)
+        envelope = _envelope(tracker, record, records, cal_id, m, total)
+        envelope.members, envelope.nudge = k, NUDGE
         tracker.log_text(cal_id, json.dumps(json_safe(envelope.to_dict()), indent=2), T.ARTIFACT_ENVELOPE)
-        done = Calibration(original.run_id, cal_id, envelope, ids[1:], total, reference.run_id)
+        done = Calibration(original.run_id, cal_id, envelope, [o.run_id for o in outcomes[1:]], total,
+                           records[0].run_id)
         tracker.set_tags(cal_id, {T.MLFLOW_RUN_NOTE: done.summary()})
     return done
+
+
+def _run_members(replay: Replay, member: ReplayOptions, context: ReplayContext, cal_id: str, k: int,
+                 together: bool) -> list[Outcome]:
+    """The reference (the run itself, not nudged) and the k nudged members, each recorded as a replay nested under
+    the calibration: in one set of ranks, one segment each (`together`), else one replay each, the reference first
+    (a run that does not re-execute fails there)."""
+    def tagged(i: int) -> dict[str, str]:
+        return {T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id, T.CALIBRATION_KERNELS: kernels_of(i).describe()}
+
+    if together:
+        result = replay(member, replace(context, perturb_seed=REFERENCE, extra_tags=tagged(REFERENCE),
+                                        then=[(i, tagged(i)) for i in range(1, k + 1)]))
+        return [result.outcome, *result.members]
+    outcomes = []
+    for i in range(REFERENCE, k + 1):
+        events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
+                                    f"calibration {cal_id}: the run itself (the reference)", i, k))
+        outcome = replay(member, replace(context, perturb_seed=i, extra_tags=tagged(i))).outcome
+        outcomes.append(outcome)
+        if outcome.status != T.FINISHED:
+            break
+    return outcomes
+
+
+def _finished(tracker: Tracker, outcomes: list[Outcome], cal_id: str, run_id: str, m: int) -> list[RunRecord]:
+    """The members' records, the reference first; a member that did not finish ends the calibration, in words."""
+    records = []
+    for i, outcome in enumerate(outcomes):
+        which = "its reference (the run itself)" if i == REFERENCE else f"member {i}"
+        if outcome.status == T.KILLED and outcome.exit_code in (128 + SIGINT, 128 + SIGTERM):
+            signum = outcome.exit_code - 128
+            raise Interrupted(signum, f"calibration {cal_id} interrupted by {Signals(signum).name} while "
+                                      f"{which} ran: it is marked KILLED and records no envelope. Run harness "
+                                      f"calibrate {run_id} again.")
+        if outcome.status != T.FINISHED:
+            raise HarnessError(f"calibration {which} (run {outcome.run_id}) {outcome.status}: "
+                               f"{outcome.message or 'see its logs'}. The run's first {m} steps do not "
+                               "re-execute here; replay it to see why.", EXIT_FAILED)
+        records.append(tracker.load_record(outcome.run_id))
+    return records
+
+
+def _envelope(tracker: Tracker, record: RunRecord, records: list[RunRecord], cal_id: str, m: int,
+              total: int) -> rounding.Envelope:
+    """The rounding envelope the members span around the run's first m steps, and whether the reference
+    re-executed them bit for bit (else its own values widen the envelope); each surprise said as a warning."""
+    reference, members = records[0], records[1:]
+    held = record.checkpoints.get(m) if m < total else record.final_fingerprint
+    logged = {(key, step): value for key, by_step in reproduced.series(reference.metrics).items()
+              for step, value in by_step.items()}
+    again = reproduced.values(reproduced.series(record.metrics), logged, complete=True, end=m)
+    bitwise = again.reproduced is not False and (held is None or reference.final_fingerprint == held)
+    if not bitwise:
+        what = again.mismatch or f"its weights after step {m}"
+        events.emit(events.Warning(
+            f"the run's first {m} steps did not re-execute bit for bit here (its reference, run {reference.run_id}: "
+            f"{what}): the envelope holds this machine's run-to-run variation too, or another machine's kernels"))
+    held = held or reference.final_fingerprint  # the run's own weights after M steps
+    differed = sum(1 for r in members if held is None or r.final_fingerprint != held)
+    weights = weights_spread(tracker, cal_id, reference.run_id, [r.run_id for r in members], m)
+    envelope = rounding.measure(record.run_id, cal_id, record.metrics,
+                                [r.metrics for r in members] + ([] if bitwise else [reference.metrics]), m,
+                                differed, weights)
+    envelope.reference_bitwise = bitwise
+    if differed == 0:
+        events.emit(events.Warning(
+            f"no member's weights differed from the run's after step {m}: nothing the members' nudge moved reached "
+            "the weights (the run trains no floating-point parameter, or training washed the nudge out), so this "
+            "calibration judges no replay whose weights differ"))
+    blown = envelope.blown_up()
+    if blown is not None:
+        events.emit(events.Warning(
+            f"a member went to NaN or inf in {blown[0]} at step {blown[1]} where the run did not: rounding alone "
+            f"breaks this run there, so its replays are held to the envelope over the first {blown[1]} steps only "
+            "(a smaller learning rate, or gradient clipping, keeps a run off that edge)"))
+    return envelope
 
 
 def one_launch(loaded: loading.Loaded, record: RunRecord) -> bool:

@@ -5,13 +5,18 @@ Every document carries `command`, `schema` (this module's SCHEMA, raised when a 
 always the run the command made or names as its result (the id its text output prints last). A refused
 command's document is the same head with `error`, the one line the text output prints. inf and nan are the
 strings "inf", "-inf" and "nan", so that every document is strict JSON.
+
+A result that is a dataclass is its document: each field under its name (`keys`), with the renames, the fields left
+out and the values added that the documented shape (docs/json.md) names beside it, so that a field added to a result
+reaches `--json` without a line here.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.commands.bundle import ExportResult, ImportResult
@@ -86,6 +91,32 @@ def dumps(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, indent=2, allow_nan=False)
 
 
+def keys(result: Any, *, rename: Mapping[str, str] | None = None, drop: Iterable[str] = (),
+         **added: Any) -> dict[str, Any]:
+    """A result dataclass as a document's keys: every field by its name (or `rename`'s), less `drop`, then `added`
+    (what a property or a method says; an added key replaces a field's). A value that is a dataclass is its fields, one
+    with `to_dict` that document, a path its string."""
+    left_out, renamed = set(drop), dict(rename or {})
+    body = {renamed.get(f.name, f.name): plain(getattr(result, f.name)) for f in fields(result)
+            if f.name not in left_out}
+    return {**body, **added}
+
+
+def plain(value: Any) -> Any:
+    """A field's value as a document holds it."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
 # -- one function per result type ------------------------------------------------------------------------
 def run(command: str, outcome: Outcome | StudyOutcome, summary: RunSummary | None = None) -> dict[str, Any]:
     """`run` and `resume`: the run (or study) id, its name, how it ended; a study's members."""
@@ -142,19 +173,14 @@ def compare(found: Comparison | Compared) -> dict[str, Any]:
 
 
 def calibrate(done: Calibration) -> dict[str, Any]:
-    return document("calibrate", EXIT_OK, {
-        "run_id": done.calibration_id, "calibrated": done.run_id, "members": list(done.member_ids),
-        "reference": done.reference_id, "steps_of_run": done.steps_of_run, "summary": done.summary(), "envelope": done.envelope.to_dict(),
-    })
+    return document("calibrate", EXIT_OK, keys(done, summary=done.summary(), rename={
+        "calibration_id": "run_id", "run_id": "calibrated", "member_ids": "members", "reference_id": "reference"}))
 
 
 def audit(result: AuditResult) -> dict[str, Any]:
-    return document("audit", result.exit_code, {
-        "run_id": result.audit_id, "audited": result.run_id, "verdict": result.verdict, "summary": result.summary(),
-        "seed": result.seed, "segments_total": result.segments_total, "steps_total": result.steps_total,
-        "catch_probability": result.catch_probability, "step_fraction": result.step_fraction,
-        "segments": [asdict(s) for s in result.drawn],
-    })
+    return document("audit", result.exit_code, keys(
+        result, rename={"audit_id": "run_id", "run_id": "audited", "drawn": "segments"}, summary=result.summary(),
+        catch_probability=result.catch_probability, step_fraction=result.step_fraction))
 
 
 def runs(listed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -162,17 +188,11 @@ def runs(listed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def export(result: ExportResult, attestation: str | None) -> dict[str, Any]:
-    return document("export", EXIT_OK, {
-        "run_id": result.run_id, "path": str(result.path), "replays": list(result.replays), "members": result.members,
-        "size": result.size, "image": result.image, "attestation": attestation,
-    })
+    return document("export", EXIT_OK, keys(result, drop=("signed",), attestation=attestation))
 
 
 def import_(result: ImportResult) -> dict[str, Any]:
-    return document("import", EXIT_OK, {
-        "run_id": result.run_id, "original_id": result.original_id, "already": result.already,
-        "replays": list(result.replays), "image": result.image, "data": dict(result.data or {}),
-    })
+    return document("import", EXIT_OK, keys(result))
 
 
 def mark(run_id: str, status: str, reason: str) -> dict[str, Any]:

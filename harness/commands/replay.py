@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from harness import events, executors, scratch, tags as T
+from harness.commands.options import CompareOptions, ReplayContext, ReplayOptions
 from harness.config import compose, parse_overrides, validate
 from harness.errors import RunFailed, UsageError
 from harness.executors import Outcome, Topology
@@ -74,97 +75,116 @@ def apply_changes(
     return new, changes
 
 
-# What traces a DIVERGED replay and records where it first differed, on the replay: (tracker, replay_id, comparison,
-# changes, original's record, replay's record, repo) -> trace.Localized. The trace verb's after_replay is one.
-Localizer = Callable[[Tracker, str, Comparison, list[str], RunRecord, RunRecord, Path | None], Any]
-
-
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
     """The run a replay or an audit was made from (and so on), which is what replaying it means."""
     return derived.followed(tracker, run, "replaying")
 
 
-def replay(
-    run_id: str,
-    *,
-    world_size: int | None = None,
-    overrides: list[str] | None = None,
-    allow_changes: bool = False,
-    allow_data_changes: bool = False,
-    data_paths: dict[str, str] | None = None,
-    tracking_uri: str | None = None,
-    repo: Path | None = None,
-    executor: str | None = None,
-    allow_incomplete: bool = False,
-    follow: bool = True,
-    topology: Topology | None = None,
-    placement: list[str] | None = None,
-    tracker: Tracker | None = None,
-    extra_tags: dict[str, str] | None = None,
-    study_members: list[RunRecord] | None = None,
-    localize: bool | None = None,
-    localizer: Localizer | None = None,
-    tolerances: list[str] | None = None,
-    commit: str | None = None,
-    steps: int | None = None,
-    perturb_seed: int | None = None,
-    sketch_at: int | None = None,
-    then: list[tuple[int, dict[str, str]]] | None = None,
-) -> ReplayResult:
-    """Rerun `run_id` as recorded and judge it. `study_members`: the records of the study it belongs to, when
-    the caller has them already (a study replay judges every member against the same seeds). `tolerances`:
-    METRIC=ATOL[,RTOL] specs that override the recorded replay.tolerance for this judgement (recorded). `commit`:
-    run the code of that commit of the repository instead of the recorded one (harness bisect's probes; the replay
-    records the commit it ran). `steps` K: a first check - train only the first K steps, stop every rank there,
-    and judge those steps (harness.replay.steps). `perturb_seed`: a calibration member (harness calibrate) - the
-    weights start nudged; it is the reference, so it is not judged (its comparison is None); `sketch_at`: its
-    rank 0 sketches the weights after that many steps (a replay of a calibrated run sketches them at the calibration's
-    M by itself, to hold them to the members'). `then`: further calibration members, (perturb seed, their tags), run
-by the same ranks after this one and each recorded as a replay of its own (a backend that runs members:
-Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
-    traces a DIVERGED replay where `localize` asks for it (the trace extra's after_replay, which the API hands in:
-    the trace verb is not imported here); None: no replay is localized."""
-    given = parse_tolerances(tolerances)  # bad input is said before anything else happens
-    check_steps(steps, allow_incomplete)
-    # First: an unreachable store is said before torch is even loaded.
-    tracker = tracker or Tracker(tracking_uri)
+@dataclass
+class _Prepared:
+    """A replay as it stands before it is launched: what is replayed, how, and what the replay run is tagged with."""
 
-    original = tracker.harness_run(run_id)
-    if follow:
+    tracker: Tracker
+    original: RunSummary
+    loaded: loading.Loaded
+    a: RunRecord | None  # the original's record, where it was read already
+    cfg: DictConfig
+    changes: list[str]
+    tags: dict[str, str]
+    data: Any  # record/rerun.py DataCheck
+    steering: Steering
+    envelope: Any  # the calibration's rounding envelope, or None
+    given: Any  # the tolerances given for this judgement (judge/tolerance.py)
+    study_members: Sequence[RunRecord] | None  # the study's member records, when the caller has them
+    # (status judged, original, replay, comparison): set where the verdict was written before the run's seal
+    judged: tuple[str, RunRecord, RunRecord, Comparison] | None = None
+
+    @property
+    def run_id(self) -> str:
+        return self.original.run_id
+
+
+def replay(options: ReplayOptions, context: ReplayContext | None = None) -> ReplayResult:
+    """Rerun `options.run_id` as recorded and judge it.
+
+    `context` (options.py ReplayContext) is what the composing layer adds: the store held open, the job's topology,
+    the localizer that traces a DIVERGED replay where `localize` asks for it (the trace extra's after_replay, which
+    the API hands in: no extra is imported here), a study's member records (a study replay judges every
+    member against the same seeds), a commit to run instead of the recorded one (bisect's probes; the replay records
+    the commit it ran), and a calibration's members: `perturb_seed`, whose weights start nudged and which is the
+    reference, so not judged (its comparison is None); `sketch_at`, the step after which rank 0 sketches the weights
+    (a replay of a calibrated run sketches them at the calibration's M by itself, to hold them to the members');
+    `then`, further members run by the same ranks after this one, each recorded as a replay of its own (a backend
+    that runs members: Backend.runs_members; their outcomes in ReplayResult.members). `options.steps` K: a first
+    check - train only the first K steps, stop every rank there, and judge those steps (harness.replay.steps)."""
+    context = context or ReplayContext()
+    given = parse_tolerances(list(options.tolerances))  # bad input is said before anything else happens
+    check_steps(options.steps, options.allow_incomplete)
+    # First: an unreachable store is said before torch is even loaded.
+    tracker = context.tracker or Tracker(options.tracking_uri)
+    p = _prepare(options, context, tracker, given)
+    outcome, job = _launch(p, options, context)
+    if job.topology.node_rank != 0 or context.perturb_seed is not None:  # one job, one verdict: node 0's; a member: none
+        return ReplayResult(p.original, outcome, None, p.changes, members=job.member_outcomes)
+    return _judge(p, outcome, options, context)
+
+
+def _prepare(options: ReplayOptions, context: ReplayContext, tracker: Tracker, given: Any) -> _Prepared:
+    """Everything checked and decided before anything is recorded or launched: the run edited since its seal, not
+    complete, its calibration edited, its data changed - each refused here, not after the run."""
+    original = tracker.harness_run(options.run_id)
+    if options.follow:
         original = follow_original(tracker, original)
-        run_id = original.run_id
-    # Before anything is recorded: a run that is no training job, edited since its seal, or not complete is refused.
-    loaded = loading.load(tracker, original, loading.REPLAY, allow_incomplete=allow_incomplete)
-    incomplete = loaded.incomplete
-    recorded = loaded.recorded
+    loaded = loading.load(tracker, original, loading.REPLAY, allow_incomplete=options.allow_incomplete)
     # A study replay has the member's record already (it judges every member against the same seeds).
-    a = next((m for m in study_members or [] if m.run_id == run_id), None)
-    if steps is not None:
-        a = a or tracker.load_record(run_id)
-        check_steps_of(steps, a)
-    overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
-    cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
-    changes = [redaction.redact_override(c, redaction.store_key(tracker.uri)) for c in changes]  # recorded and printed: no secret in them
-    if executor is not None and executor != str(cfg.executor):
-        # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
-        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))], executors.schema())
-        changes.append(f"executor={executor}")
+    a = next((m for m in context.study_members or [] if m.run_id == original.run_id), None)
+    if options.steps is not None:
+        a = a or tracker.load_record(original.run_id)
+        check_steps_of(options.steps, a)
+    cfg, changes = _config(options, loaded.recorded, tracker)
+    loaded.recorded.cfg = cfg
+    envelope = None if context.perturb_seed is not None else calibration_envelope(tracker, original.run_id)
+    sketch_at = context.sketch_at
+    if envelope is not None and envelope.weights is not None and (options.steps is None
+                                                                   or options.steps >= envelope.weights.step):
+        sketch_at = envelope.weights.step  # its weights after the calibration's M steps, held to the members'
+    data = loaded.recorded.check_data(options.repo, allow_changes=options.allow_data_changes,
+                                      flag="--allow-data-changes", paths=dict(options.data_paths))
+    if data.stats is not None:
+        events.emit(events.Notice(data.stats.summary()))
+    steering = Steering(stop_at=options.steps, perturb_seed=context.perturb_seed, sketch_at=sketch_at)
+    if context.commit is not None and context.commit != original.tags.get(T.GIT_COMMIT):
+        changes.append(f"commit={context.commit[:12]}")
+    tags = _replay_tags(original, context, changes, given, steering, data)
+    return _Prepared(tracker, original, loaded, a, cfg, changes, tags, data, steering, envelope, given,
+                     context.study_members)
+
+
+def _config(options: ReplayOptions, recorded: Any, tracker: Tracker) -> tuple[DictConfig, list[str]]:
+    """The config the replay runs and its changes (recorded and printed: no secret in them): the user's, then where
+    it runs - a choice of the replay, not a change of the experiment, so no --allow-changes."""
+    overrides = recorded.restore_secrets(list(options.overrides))  # a secret passed again is no change
+    cfg, changes = apply_changes(recorded.cfg, options.world_size, overrides, options.allow_changes)
+    changes = [redaction.redact_override(c, redaction.store_key(tracker.uri)) for c in changes]
+    if options.executor is not None and options.executor != str(cfg.executor):
+        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": options.executor}))],
+                      executors.schema())
+        changes.append(f"executor={options.executor}")
+    placement = options.placement.backend_overrides()
     if placement:  # the backends' options (--nodes, --partition, ...): where the replay runs, likewise
         cfg = compose([("recorded config", cfg), ("backend options", parse_overrides(placement))], executors.schema())
         validate(cfg, None, executors.schema())
         changes.extend(placement)
-    recorded.cfg = cfg
-    # Before anything is recorded or launched: a calibration edited since its seal is refused here, not after the run.
-    envelope = None if perturb_seed is not None else calibration_envelope(tracker, run_id)
-    if envelope is not None and envelope.weights is not None and (steps is None or steps >= envelope.weights.step):
-        sketch_at = envelope.weights.step  # its weights after the calibration's M steps, held to the members'
-    # Before anything is recorded or launched: the data must hash as recorded (or the change be allowed).
-    data = recorded.check_data(repo, allow_changes=allow_data_changes, flag="--allow-data-changes", paths=data_paths)
-    if data.stats is not None:
-        events.emit(events.Notice(data.stats.summary()))
-    # Where each secret came from (harness.config_redacted) is carried, for a replay of this replay.
-    # A patch --allow-secret-in-diff cut secrets from is carried too: this replay's code is not exact there either.
-    extra = derived.tags(T.KIND_REPLAY, original, copy=(T.CONFIG_REDACTED, T.GIT_PATCH_REDACTED), extra=extra_tags)
+    return cfg, changes
+
+
+def _replay_tags(original: RunSummary, context: ReplayContext, changes: list[str], given: Any, steering: Steering,
+                 data: Any) -> dict[str, str]:
+    """The replay run's tags from its creation (a container's or batch job's ranks read the steering there). Where
+    each secret came from (harness.config_redacted) is carried, for a replay of this replay; a patch
+    --allow-secret-in-diff cut secrets from is carried too: this replay's code is not exact there either."""
+    extra = derived.tags(T.KIND_REPLAY, original, copy=(T.CONFIG_REDACTED, T.GIT_PATCH_REDACTED),
+                         extra=dict(context.extra_tags) or None)
     if original.tags.get(T.GIT_PATCH_REDACTED):
         events.emit(events.Warning(
             f"run {original.run_id} was recorded with secrets cut from its code patch (--allow-secret-in-diff, at "
@@ -174,64 +194,97 @@ Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
         extra[T.CHANGES] = " ".join(changes)
     if given:
         extra[T.TOLERANCE] = format_tolerances(given)
-    steering = Steering(stop_at=steps, perturb_seed=perturb_seed, sketch_at=sketch_at)
-    extra.update(steering.tags())  # on the run from its creation: a container's or batch job's ranks read it there
+    extra.update(steering.tags())
     if data.changes:
         extra[T.DATA_CHANGES] = "\n".join(c.line() for c in data.changes)
         for change in data.changes:
             events.emit(events.Warning(f"{change.line()} (allowed by --allow-data-changes)"))
+    return extra
 
-    if commit is not None and commit != original.tags.get(T.GIT_COMMIT):
-        changes.append(f"commit={commit[:12]}")
-        extra[T.CHANGES] = " ".join(changes)
-    with recorded.code(repo, commit=commit) as (tree, exp_dir):
+
+def _launch(p: _Prepared, options: ReplayOptions, context: ReplayContext) -> tuple[Outcome, Any]:
+    """Record the replay run and run its ranks on the recorded code (or `context.commit`'s): the outcome and the job."""
+    with p.loaded.recorded.code(options.repo, commit=context.commit) as (tree, exp_dir):
         # The worktree holds exactly the recorded code (checked above), which was admitted when it
         # was recorded: its untracked files are not refused a second time.
         git = gitsource.inspect(exp_dir, max_untracked_mib=None, allow_secrets=True)
 
         def recording(tagged: dict[str, str]) -> Callable[[dict[str, str]], str]:
             return lambda tags: create_record(
-                tracker, cfg, exp_dir, git, image=tags, extra_tags=tagged,
-                run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
+                p.tracker, p.cfg, exp_dir, git, image=tags, extra_tags=tagged,
+                run_name=f"replay-of-{p.original.run_name}", experiment=p.original.experiment, data=p.data.manifest,
             )
 
-        members = [(Steering(steps, seed, sketch_at), tags) for seed, tags in then or []]
+        s = p.steering
+        members = [(Steering(s.stop_at, seed, s.sketch_at), dict(tags)) for seed, tags in context.then]
         # A calibration's ranks start now, and import torch while its members' runs are recorded (as harness run's).
-        ranks = executors.early_ranks(cfg, topology or Topology()) if members else None
+        ranks = executors.early_ranks(p.cfg, context.topology or Topology()) if members else None
         try:
-            job = recorded.job(tree, exp_dir, record=recording(extra), topology=topology, data=data.paths,
-                               steering=steering, ranks=ranks,
-                               members=[(s, recording({**extra, **tags, **s.tags()})) for s, tags in members])
+            judge = None if context.perturb_seed is not None else _judging(p, options)
+            job = p.loaded.recorded.job(
+                tree, exp_dir, record=recording(p.tags), topology=context.topology, data=p.data.paths, steering=s,
+                ranks=ranks, members=[(m, recording({**p.tags, **tags, **m.tags()})) for m, tags in members],
+                judge=judge)
             outcome = executors.run(job)
         finally:
             if ranks is not None:
                 ranks.stop()
                 shutil.rmtree(Path(ranks.log_dir).parent, ignore_errors=True)
-        replay_id = outcome.run_id
+    return outcome, job
 
-    if job.topology.node_rank != 0 or perturb_seed is not None:  # one job, one verdict: node 0's; a member: none
-        return ReplayResult(original, outcome, None, changes, members=job.member_outcomes)
-    a = a or tracker.load_record(run_id)
-    b = tracker.load_record(replay_id)
-    killed = b.facts.get(T.FAILED_SIGNAL)
-    if outcome.status == T.FAILED and killed:
-        # Killed from outside (the OOM killer, kill -9): what the code would have done is unknown, so no verdict is
-        # recorded against the original; the replay stays FAILED, with its reason.
-        raise RunFailed(f"replay {replay_id} FAILED: {outcome.message}. A rank killed by {killed} from outside (the OOM "
-                        f"killer, kill -9) is a failed replay, no verdict: none was recorded against run {run_id}. Free "
-                        f"what killed it (memory), then replay it again: harness replay {run_id}")
-    failed = None if outcome.status == T.FINISHED else f"the replay {outcome.status}: {outcome.message}"
-    comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, given), replay_failed=failed,
-                              incomplete_original=incomplete, first_steps=steps)
-    comparison = with_rounding(tracker, comparison, a, b, envelope, study_members)
-    comparison = with_noise(tracker, comparison, a, b, study_members)
-    record_verdict(tracker, replay_id, a, b, comparison, changes)
+
+def _judging(p: _Prepared, options: ReplayOptions) -> Callable[[str, str, str], None]:
+    """The judge the replay's job calls once the replay's record is complete, before it is sealed and closed
+    (executors' Job.judge): the verdict is written then, and the run sealed once, with it. A replay killed from
+    outside gets no verdict (raised once it is closed)."""
+    def judge(replay_id: str, status: str, message: str) -> None:
+        b = p.tracker.load_record(replay_id)
+        b.status = status  # as it is about to be closed
+        if status == T.FAILED and b.facts.get(T.FAILED_SIGNAL):
+            return
+        p.judged = (status, *_verdict(p, b, status, message, options, sealed=False))
+    return judge
+
+
+def _verdict(p: _Prepared, b: RunRecord, status: str, message: str, options: ReplayOptions,
+             sealed: bool) -> tuple[RunRecord, RunRecord, Comparison]:
+    """The replay judged against the original and the verdict recorded on it (`sealed`: onto the closed run)."""
+    tracker = p.tracker
+    a = p.a or tracker.load_record(p.run_id)
+    failed = None if status == T.FINISHED else f"the replay {status}: {message}"
+    members = list(p.study_members) if p.study_members is not None else None
+    comparison = compare_runs(a, b, tolerance=judged_tolerance(a, b, p.given), replay_failed=failed,
+                              incomplete_original=p.loaded.incomplete, first_steps=options.steps)
+    comparison = with_rounding(tracker, comparison, a, b, p.envelope, members)
+    comparison = with_noise(tracker, comparison, a, b, members)
+    record_verdict(tracker, b.run_id, a, b, comparison, p.changes, sealed=sealed)
+    return a, b, comparison
+
+
+def _judge(p: _Prepared, outcome: Outcome, options: ReplayOptions, context: ReplayContext) -> ReplayResult:
+    """The replay judged (where its backend did not judge it before its seal: after, onto the closed run), and
+    localized where asked."""
+    tracker, run_id, replay_id = p.tracker, p.run_id, outcome.run_id
+    if p.judged is not None and p.judged[0] == outcome.status:
+        _, a, b, comparison = p.judged
+    else:  # judged after the close (a store that failed the close too: judged again as it ended)
+        b = tracker.load_record(replay_id)
+        killed = b.facts.get(T.FAILED_SIGNAL)
+        if outcome.status == T.FAILED and killed:
+            # Killed from outside (the OOM killer, kill -9): what the code would have done is unknown, so no verdict
+            # is recorded against the original; the replay stays FAILED, with its reason.
+            raise RunFailed(f"replay {replay_id} FAILED: {outcome.message}. A rank killed by {killed} from outside (the "
+                            f"OOM killer, kill -9) is a failed replay, no verdict: none was recorded against run "
+                            f"{run_id}. Free what killed it (memory), then replay it again: harness replay {run_id}")
+        a, b, comparison = _verdict(p, b, outcome.status, outcome.message, options, sealed=True)
     # localize None: automatic when the run has checkpoints (a trace then re-executes at most checkpoint_every steps).
     localized = None
-    if comparison.verdict == Verdict.DIVERGED and localizer is not None and (localize or (localize is None and a.checkpoints)):
-        localized = localizer(tracker, replay_id, comparison, changes, a, b, repo)
-    record_replay_verdicts(tracker, original)
-    return ReplayResult(original, outcome, comparison, changes, (a, b), localized)
+    localize = options.localize
+    if comparison.verdict == Verdict.DIVERGED and context.localizer is not None and (
+            localize or (localize is None and a.checkpoints)):
+        localized = context.localizer(tracker, replay_id, comparison, p.changes, a, b, options.repo)
+    record_replay_verdicts(tracker, p.original)
+    return ReplayResult(p.original, outcome, comparison, p.changes, (a, b), localized)
 
 
 def check_steps(steps: int | None, allow_incomplete: bool = False) -> None:
@@ -300,13 +353,15 @@ def verdict_tags(comparison: Comparison, markdown: str) -> dict[str, str]:
     return out
 
 
-def record_verdict(
-    tracker: Tracker, replay_id: str, a: RunRecord, b: RunRecord, comparison: Comparison, changes: list[str]
-) -> None:
-    """Verdict tag, markdown report, comparison JSON and one plot per metric on the replay run."""
+def record_verdict(tracker: Tracker, replay_id: str, a: RunRecord, b: RunRecord, comparison: Comparison,
+                   changes: list[str], sealed: bool = True) -> None:
+    """Verdict tag, markdown report, comparison JSON and one plot per metric on the replay run. `sealed`: the run is
+    closed and sealed already (its backend closed it elsewhere), so its seal says a verdict is being written, and it
+    is sealed again with it; else the run's close seals it once, verdict included."""
     from harness.judge.report import plot_metrics, render_markdown
 
-    seal.open_for_verdict(tracker, replay_id)
+    if sealed:
+        seal.open_for_verdict(tracker, replay_id)
     markdown = render_markdown(comparison, changes)
     tracker.set_tags(replay_id, verdict_tags(comparison, markdown))
     tracker.log_text(replay_id, markdown, T.ARTIFACT_REPORT)
@@ -314,14 +369,18 @@ def record_verdict(
     with scratch.folder("plots") as tmp:
         plot_metrics(a, b, comparison, Path(tmp))
         tracker.log_dir(replay_id, Path(tmp), T.ARTIFACT_PLOTS_DIR)
-    seal.seal(tracker, replay_id)  # the replay closed before its verdict was written: sealed again with it
+    if sealed:
+        seal.seal(tracker, replay_id)
 
 
-def compare(run_a: str, run_b: str, tracking_uri: str | None = None, tolerances: list[str] | None = None) -> Comparison:
+def compare(options: CompareOptions) -> Comparison:
     """Delta and verdict between two existing runs, judged by run A's tolerance (a replay of A: the replay's, as
-    judged_tolerance says) with `tolerances` (METRIC=ATOL[,RTOL]) on top; nothing is rerun or recorded."""
-    given = parse_tolerances(tolerances)
-    tracker = Tracker(tracking_uri, writable=False)  # comparing only reads
+    judged_tolerance says) with `options.tolerances` (METRIC=ATOL[,RTOL]) on top; nothing is rerun or recorded."""
+    run_a, run_b = options.run_a, options.run_b
+    if run_b is None:
+        raise UsageError(f"compare judges two runs: run {run_a} alone has no second run to be judged against.")
+    given = parse_tolerances(list(options.tolerances))
+    tracker = Tracker(options.tracking_uri, writable=False)  # comparing only reads
     first, second = loading.load(tracker, run_a, loading.COMPARE), loading.load(tracker, run_b, loading.COMPARE)
     a, b = first.record, second.record
     failed = None if b.status == T.FINISHED else f"run {run_b} is {b.status}"
@@ -398,29 +457,21 @@ def _study_verdict(results: list[ReplayResult], seeds: list[dict[str, float]], s
     return Verdict.DIVERGED, tests, "not equivalent within the seeds' noise: " + "; ".join(t.describe() for t in failing)
 
 
-def replay_study(
-    study_id: str,
-    *,
-    members: int | None = None,
-    draw_seed: int | None = None,
-    tracking_uri: str | None = None,
-    tracker: Tracker | None = None,
-    **options: Any,
-) -> StudyReplayResult:
-    """Replay every member of a study (or `members` drawn with a recorded seed) and judge them together.
-
-    `options` are replay()'s (world_size, overrides, allow_changes, executor, ...), the same for every member.
-    """
+def replay_study(options: ReplayOptions, context: ReplayContext | None = None) -> StudyReplayResult:
+    """Replay every member of study `options.run_id` (or `options.members` drawn with a recorded seed,
+    `options.members_seed`) and judge them together; the other options are each member's replay's."""
     from harness.judge.report import render_study_markdown
 
-    given = parse_tolerances(options.get("tolerances"))  # bad input: said before the study replay is recorded
-    tracker = tracker or Tracker(tracking_uri)
-    recorded = load_study(tracker, study_id)
+    given = parse_tolerances(list(options.tolerances))  # bad input: said before the study replay is recorded
+    context = context or ReplayContext()
+    tracker = context.tracker or Tracker(options.tracking_uri)
+    recorded = load_study(tracker, options.run_id)
+    members = options.members
     loading.refuse(loading.STUDY_REPLAY, recorded.run)
     finished = [m for m in recorded.members if m.status == T.FINISHED]
     if members is not None and members < 1:
         raise UsageError(f"--members {members}: pass at least 1.")
-    chosen, seed = _draw(finished, members, draw_seed)
+    chosen, seed = _draw(finished, members, options.members_seed)
     for member in chosen:  # every member before the study replay is recorded
         seal.check(tracker, member.run_id)
     members_judged = member_records(tracker, recorded)
@@ -434,10 +485,12 @@ def replay_study(
             events.emit(events.Progress(f"study replay {run_id}: member {i} of {len(chosen)} "
                                         f"(seed {member.tags.get(T.SEED)}, run {member.run_id})", i, len(chosen)))
             # A member's difference is judged against the seeds' noise; tracing every member is not asked for.
-            result = replay(member.run_id, follow=False, tracker=tracker, extra_tags={T.STUDY_REPLAY: run_id},
-                            study_members=members_judged, **{"localize": False, **options})
-            results.append(result)
-        verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in members_judged], study_id)
+            member_replay = replace(options, run_id=member.run_id, follow=False, localize=False, members=None,
+                                    members_seed=None)
+            results.append(replay(member_replay, replace(context, tracker=tracker, study_members=members_judged,
+                                                         extra_tags={**context.extra_tags, T.STUDY_REPLAY: run_id})))
+        verdict, tests, reason = _study_verdict(results, [noise.final_values(m.metrics) for m in members_judged],
+                                                options.run_id)
         out = StudyReplayResult(recorded, run_id, verdict, results, tests, seed, reason)
         markdown = render_study_markdown(out)
         tracker.set_tags(run_id, {T.VERDICT: verdict, T.MLFLOW_RUN_NOTE: markdown,

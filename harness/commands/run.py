@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from harness import events, executors, seeds, tags as T
+from harness.commands.options import CheckOptions, RunOptions
 from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
 from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import Here, Job, JobInputs, Outcome, Topology, TorchrunEnv
@@ -45,18 +45,7 @@ class Preflight:
     here: Here = dataclasses.field(default_factory=Here)  # what the backend decided on this machine (its device)
 
 
-def preflight(
-    exp_dir: Path,
-    overrides: list[str],
-    *,
-    require_clean: bool = False,
-    executor: str | None = None,
-    allow_untracked_secrets: bool = False,
-    allow_secret_in_diff: bool = False,
-    tracking_uri: str | None = None,
-    topology: Topology | None = None,
-    warm_ranks: bool = False,
-) -> Preflight:
+def preflight(options: CheckOptions, *, topology: Topology | None = None, warm_ranks: bool = False) -> Preflight:
     """Every check that needs neither the store nor an engine; raises HarnessError, records nothing.
 
     `topology`: where this process sits in the job, as the API decided it (None: one node, this process starting its
@@ -67,18 +56,20 @@ def preflight(
 
     read_ns = time.time_ns()
     topology = topology or Topology()
+    exp_dir, overrides, executor, tracking_uri = Path(options.experiment_dir), list(options.overrides), \
+        options.executor, options.tracking_uri
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
-    cfg = _load(Path(exp_dir), overrides)
+    cfg = _load(exp_dir, overrides)
     runner = executors.executor_for(str(cfg.executor), topology)
     # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
     hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=topology.torchrun is None)
     if warm_ranks:
         runner.warm(cfg, topology)  # its torch import overlaps git, the data's hashes, MLflow and the record
-    git = _code(Path(exp_dir), cfg, tracking_uri, allow_untracked_secrets)
+    git = _code(exp_dir, cfg, tracking_uri, options.allow_untracked_secrets)
     warnings: list[str] = boolean_words(list(overrides), cfg)
-    git = _secrets_in_diff(git, cfg, tracking_uri, allow_secret_in_diff, warnings)
-    warnings += _record_warnings(git, cfg, require_clean)
+    git = _secrets_in_diff(git, cfg, tracking_uri, options.allow_secret_in_diff, warnings)
+    warnings += _record_warnings(git, cfg, options.require_clean)
     here = runner.check_here(cfg, topology)  # the device, refused before recording
     warnings += here.warnings
     if hash_seed.source == seeds.FROM_TORCHRUN:
@@ -187,58 +178,27 @@ def placed(topology: Topology | None) -> tuple[Topology, TorchrunEnv | None]:
     return topology, topology.torchrun
 
 
-def check(
-    exp_dir: Path,
-    overrides: list[str],
-    *,
-    topology: Topology | None = None,
-    require_clean: bool = False,
-    tracking_uri: str | None = None,
-    executor: str | None = None,
-    allow_untracked_secrets: bool = False,
-    allow_secret_in_diff: bool = False,
-    warm_ranks: bool = True,
-) -> Preflight:
+def check(options: CheckOptions, *, topology: Topology | None = None, warm_ranks: bool = True) -> Preflight:
     """What `harness run` checks before it records: the store reached, then preflight. `topology`: as the API decided
     it (None: torchrun's when torchrun started this process, else one node). `warm_ranks`: this process may start the
     job's ranks, so the backend may start their imports at once."""
     topology = executors.placed(topology)
     # A store that cannot be reached is said in a second, before the config, git and torch are looked at.
-    probe_store(resolve_uri(tracking_uri), True, store_timeout())
-    return preflight(
-        exp_dir, overrides, require_clean=require_clean, executor=executor,
-        allow_untracked_secrets=allow_untracked_secrets, allow_secret_in_diff=allow_secret_in_diff,
-        tracking_uri=tracking_uri, topology=topology, warm_ranks=warm_ranks,
-    )
+    probe_store(resolve_uri(options.tracking_uri), True, store_timeout())
+    return preflight(options, topology=topology, warm_ranks=warm_ranks)
 
 
-def run(
-    exp_dir: Path,
-    overrides: list[str],
-    *,
-    require_clean: bool = False,
-    tracking_uri: str | None = None,
-    executor: str | None = None,
-    allow_unpinned: bool = False,
-    allow_untracked_secrets: bool = False,
-    allow_secret_in_diff: bool = False,
-    topology: Topology | None = None,
-    job_options: Mapping[str, Any] | None = None,
-    named: Labels | None = None,
-    checked: Preflight | None = None,
-) -> Outcome:
+def run(options: RunOptions, *, topology: Topology | None = None, named: Labels | None = None,
+        checked: Preflight | None = None) -> Outcome:
     """Validate, record, launch: the Outcome. Bad input raises HarnessError before any run is created. `checked`:
     what check() found, when the caller checked already (the API, which routes a config with `seeds` to a study);
     its topology is the job's.
 
     Started by torchrun, this process runs as the rank torchrun made it (executors/torchrun.py).
     """
+    exp_dir, tracking_uri = Path(options.experiment_dir), options.tracking_uri
     if checked is None:
-        checked = check(
-            exp_dir, overrides, topology=topology, require_clean=require_clean, tracking_uri=tracking_uri,
-            executor=executor, allow_untracked_secrets=allow_untracked_secrets,
-            allow_secret_in_diff=allow_secret_in_diff,
-        )
+        checked = check(options.checks(), topology=topology)
     cfg, git, topology = checked.cfg, checked.git, checked.topology
     if cfg.seeds is not None:  # the API routes a study (harness/commands/api.py): one run is not one
         raise UsageError("the config sets `seeds`: it is a study, which `harness run` and harness.run() run. Use "
@@ -262,7 +222,8 @@ def run(
             # The ranks that run the working tree itself could import an edit made while they run: looked at again.
             verify=lambda: unchanged.changes(git if executors.backend(str(cfg.executor)).runs_working_tree else None,
                                              checked.data, checked.read_ns),
-            options=executors.options_for(cfg.executor, **{"allow_unpinned": allow_unpinned, **(job_options or {})}),
+            options=executors.options_for(cfg.executor, **{"allow_unpinned": options.allow_unpinned,
+                                                                    **options.placement.job_options()}),
         )
         return executors.run_job(runner, job)
     finally:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import events, executors, scratch, tags as T
+from harness.commands.options import RunOptions
 from harness.config import MAX_SEED, check_seeds, compose
 from harness.errors import EXIT_FAILED, EXIT_OK, SecretRefused, UsageError
 from harness.executors import Job, JobInputs
@@ -205,14 +206,9 @@ class _Study:
 
 
 def run_study(
-    exp_dir: Path,
+    options: RunOptions,
     *,
     checked: Any,  # commands/run.py's Preflight (a verb's type: not imported here)
-    seeds_n: int | None = None,
-    parallel: int | None = None,
-    tracking_uri: str | None = None,
-    allow_unpinned: bool = False,
-    job_options: Mapping[str, Any] | None = None,
     named: Labels | None = None,
 ) -> StudyOutcome:
     """Record the study, run one ordinary run per seed from one checkout of the recorded code.
@@ -221,6 +217,8 @@ def run_study(
     (commands/run.py `check`: the store probed, the config loaded and validated once), by the API, which decides that
     this is a study (--seeds, or `seeds:` in the config).
     """
+    exp_dir, seeds_n, parallel, tracking_uri = options.experiment_dir, options.seeds, options.parallel, \
+        options.tracking_uri
     check_counts(seeds_n, parallel)
     seeds, jobs_at_once = _planned(checked, seeds_n, parallel)
     tracker = Tracker(tracking_uri)
@@ -239,7 +237,8 @@ def run_study(
         with checkout(tracker, tracker.get_run(study_id), checked.git.root) as (tree, tree_exp):
             study.make_job = _member_jobs(tracker, study_id, Path(exp_dir), checked, JobInputs(tree, tree_exp),
                                           quiet=jobs_at_once > 1, named=named,
-                                          options={"allow_unpinned": allow_unpinned, **(job_options or {})})
+                                          options={"allow_unpinned": options.allow_unpinned,
+                                                   **options.placement.job_options()})
             members = study.run(seeds)
         table = record_summary(tracker, study_id, seeds, members)
         status, code, message = _how_it_ended(study, members)

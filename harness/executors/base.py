@@ -181,6 +181,11 @@ class Job:
     members: list[tuple[LaunchPlan, Callable[[dict[str, str]], str]]] = field(default_factory=list)
     member_ids: list[str] = field(default_factory=list)
     member_outcomes: list[Outcome] = field(default_factory=list)
+    # Called with the run's id, status and message once its closing writes went through, before it is sealed and
+    # ended: what it writes (a replay's verdict) is sealed with the run, once. Only a backend that closes the run in
+    # this process calls it (its `judged` then says so); elsewhere the caller writes after the close.
+    judge: Callable[[str, str, str], None] | None = None
+    judged: bool = False
 
     @property
     def code_root(self) -> Path:

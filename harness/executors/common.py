@@ -194,6 +194,7 @@ def record_ranks(job: Job, work: Path, node: Node | None, spec_for: SpecFor, run
                  for run_id, steering in [(job.run_id, job.steering),
                                           *zip(job.member_ids, (s for s, _ in job.members))]]
     follower = _follower(job, log_dir, len(recorders))
+    recorders[0].judge = _judging(job)
     ended: Failed | Killed | BaseException | None = None
     current = [0]  # the member whose segment rank 0 runs
     try:
@@ -381,3 +382,15 @@ class RanksHandle(Handle):
         finally:
             self.state = outcome.status if outcome is not None and outcome.status in (FINISHED, KILLED) else FAILED
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _judging(job: Job) -> Callable[[str, str, str], None] | None:
+    """The job's judge, which marks the job judged once it has run (Job.judge)."""
+    judge = job.judge
+    if judge is None:
+        return None
+
+    def run(run_id: str, status: str, message: str) -> None:
+        judge(run_id, status, message)
+        job.judged = True
+    return run

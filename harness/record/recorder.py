@@ -145,6 +145,8 @@ class Recorder:
         self.view = view
         self.resume_step = resume_step
         self.steering = steering
+        # What is written onto the run after its closing writes and before its seal (executors' Job.judge).
+        self.judge: Callable[[str, str, str], None] | None = None
         self.outages = Outages()  # the store going away mid-run: writes are retried, the run records it
         self.writer: MetricWriter | None = None
         self.heartbeat: Heartbeat | None = None
@@ -393,6 +395,8 @@ class Recorder:
             patient.set_tags(run_id, outages.tags())
             if ckpts is not None:
                 ckpts.cleanup()
+            if self.judge is not None:  # the record complete: judged now, so that the seal holds the verdict
+                self.judge(run_id, status, message)
         except Exception as err:  # the record is incomplete: whatever ran, the run cannot be FINISHED
             failed_write = err
         closing.close_or_keep(patient, self.run_id, status, message, failed_write, outages=outages, keep=self._keep_outcome)

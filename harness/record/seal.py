@@ -48,8 +48,9 @@ _warned: set[str] = set()  # unsealed runs already warned about in this process:
 
 
 class _Local:
-    """A local artifact file; its sha256 is remembered by (path, size, mtime) for the process, since a replay is
-    sealed again after its verdict and a checkpoint need not be hashed twice."""
+    """A local artifact file; its sha256 is remembered by (path, size, mtime) for the process, since a run may be
+    sealed again (a resume, a replay's verdict written after a remote close) and a checkpoint need not be hashed
+    twice."""
 
     _digests: dict[tuple[str, int, int], str] = {}
 

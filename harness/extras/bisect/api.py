@@ -7,6 +7,7 @@ from typing import Any
 
 from harness import events, extensions, seeds
 from harness.commands import replay as replay_command
+from harness.commands.api import by_keywords, compare_by_keywords
 from harness.commands.options import BisectOptions
 from harness.errors import UsageError
 from harness.extras.bisect import command as bisect_command
@@ -28,7 +29,7 @@ def bisect(options: BisectOptions) -> BisectResult:
         if o.localize and localizer is None:
             raise UsageError("--localize traces the culprit, which needs the trace extra (harness.extras.trace); "
                              "drop --localize.")
-        return bisect_command.bisect(o, replay=replay_command.replay, compare=replay_command.compare,
+        return bisect_command.bisect(o, replay=by_keywords(replay_command.replay), compare=compare_by_keywords,
                                      localizer=localizer or _unlocalized)
 
 

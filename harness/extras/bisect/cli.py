@@ -50,16 +50,13 @@ def bisect(good: str, bad: str, max_probes: int, localize: bool, resume: str | N
 
 
 def document(result: BisectResult) -> dict[str, Any]:
-    """`bisect`'s --json document (docs/json.md)."""
-    from harness.commands.documents import document as made
+    """`bisect`'s --json document (docs/json.md): the result's fields, the culprit and each probe shaped as documented."""
+    from harness.commands.documents import document as made, keys
 
     commit = result.culprit_commit
-    return made("bisect", result.exit_code, {
-        "run_id": result.run_id, "good": result.good, "bad": result.bad, "found": result.found,
-        "culprit": {"commit": None if commit is None else {"sha": commit[0], "subject": commit[1]},
-                    "config": [asdict(c) for c in result.culprit_keys]},
-        "probes": [{"what": p.what, "run_id": p.run_id, "verdict": p.verdict, "summary": p.summary,
-                    "reused_from": p.reused_from} for p in result.probes],
-        "not_varied": list(result.not_varied), "unresolved": result.unresolved,
-        "localized": result.localized.lines() if result.localized is not None else None,
-    })
+    return made("bisect", result.exit_code, keys(
+        result, drop=("culprit_commit", "culprit_keys", "culprit_probe"), found=result.found,
+        culprit={"commit": None if commit is None else {"sha": commit[0], "subject": commit[1]},
+                 "config": [asdict(c) for c in result.culprit_keys]},
+        probes=[keys(p, drop=("replayed",)) for p in result.probes],
+        localized=result.localized.lines() if result.localized is not None else None))

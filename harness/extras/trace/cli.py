@@ -43,12 +43,8 @@ def trace(run_id: str, step: int, ranks: str, tracking_uri: str | None, as_json:
 
 
 def document(result: TraceResult) -> dict[str, Any]:
-    """`trace`'s --json document (docs/json.md)."""
-    from harness.commands.documents import document as made
+    """`trace`'s --json document (docs/json.md): the result's fields."""
+    from harness.commands.documents import document as made, keys
     from harness.errors import EXIT_OK
 
-    return made("trace", EXIT_OK, {
-        "run_id": result.run_id, "traced": result.traced, "step": result.step, "ranks": list(result.ranks),
-        "from_checkpoint": result.from_checkpoint, "reproduced": result.reproduced, "detail": result.detail or None,
-        "seconds": result.seconds,
-    })
+    return made("trace", EXIT_OK, keys(result, detail=result.detail or None))

@@ -129,6 +129,16 @@ def parse_ranks(text: str | None) -> tuple[int, ...]:
     return ranks
 
 
+@dataclass(frozen=True)
+class Nesting:
+    """Where trace runs go and how many are made: nested under `parent` (default: the traced run), `copies`
+    independent traces of the one step (replay --localize takes two), each tagged with `purpose`."""
+
+    parent: str | None = None
+    copies: int = 1
+    purpose: str = ""
+
+
 def trace(
     run_id: str,
     *,
@@ -137,15 +147,12 @@ def trace(
     tracker: Tracker | None = None,
     tracking_uri: str | None = None,
     repo: Path | None = None,
-    parent: str | None = None,
-    copies: int = 1,
-    purpose: str = "",
+    nesting: Nesting = Nesting(),
 ) -> list[TraceResult]:
-    """Trace step `step` of `run_id` on `ranks`; `copies` independent traces (replay --localize takes two).
-
-    Each trace is a run of kind trace nested under `parent` (default: the traced run). Bad input is said
-    before anything runs or is recorded.
+    """Trace step `step` of `run_id` on `ranks`, as `nesting` says (one trace nested under the traced run, by
+    default). Bad input is said before anything runs or is recorded.
     """
+    parent, copies, purpose = nesting.parent, nesting.copies, nesting.purpose
     from harness.record import checkpoints as checkpoint_store
     from harness.runtime.plan import CheckpointPlan
 
@@ -362,8 +369,8 @@ def localize_replay(tracker: Tracker, original: str, replay_id: str, step: int, 
     Every trace is a run nested under the replay.
     """
     events.emit(events.Progress(f"Localizing step {step}: tracing the original's step twice on this machine", 1, 2))
-    mine = trace(original, step=step, tracker=tracker, repo=repo, parent=replay_id, copies=2,
-                 purpose="original (nondeterminism check)")
+    mine = trace(original, step=step, tracker=tracker, repo=repo,
+                 nesting=Nesting(replay_id, copies=2, purpose="original (nondeterminism check)"))
     ids = [t.run_id for t in mine]
     first = diff(tracker, ids[0], ids[1])
     first.purpose = "the original's step, twice on this machine"
@@ -373,7 +380,7 @@ def localize_replay(tracker: Tracker, original: str, replay_id: str, step: int, 
     if replay_run.status != T.FINISHED:
         return Localized(step, None, ids, note=f"the replay {replay_run.status}; its step cannot be traced")
     events.emit(events.Progress(f"Localizing step {step}: tracing the replay's step", 2, 2))
-    theirs = trace(replay_id, step=step, tracker=tracker, repo=repo, parent=replay_id, purpose="replay")
+    theirs = trace(replay_id, step=step, tracker=tracker, repo=repo, nesting=Nesting(replay_id, purpose="replay"))
     ids.append(theirs[0].run_id)
     second = diff(tracker, ids[0], ids[2])
     second.purpose = "the original's step and the replay's"
@@ -384,7 +391,7 @@ def localize_replay(tracker: Tracker, original: str, replay_id: str, step: int, 
     # before, say, read first by an embedding lookup): the step before holds the op that made them differ.
     events.emit(events.Progress(f"Localizing step {step - 1}: step {step}'s inputs already differed; tracing the "
                                 "step before in both", 2, 2))
-    before = [trace(run, step=step - 1, tracker=tracker, repo=repo, parent=replay_id, purpose=purpose)[0].run_id
+    before = [trace(run, step=step - 1, tracker=tracker, repo=repo, nesting=Nesting(replay_id, purpose=purpose))[0].run_id
               for run, purpose in ((original, "original (the step before)"), (replay_id, "replay (the step before)"))]
     ids += before
     earlier = diff(tracker, *before)

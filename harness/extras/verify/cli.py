@@ -59,11 +59,8 @@ def verify(claims_file: Path, overrides: tuple[str, ...], do_replay: bool, membe
 
 
 def document(result: VerifyResult) -> dict[str, Any]:
-    """`verify`'s --json document (docs/json.md)."""
-    from harness.commands.documents import document as made
+    """`verify`'s --json document (docs/json.md): the result's fields, the verdicts as `claims`."""
+    from harness.commands.documents import document as made, keys
 
-    return made("verify", result.exit_code, {
-        "run_id": result.run_id, "claims_file": str(result.claims_file), "replayed": result.replayed,
-        "held": result.held, "total": len(result.verdicts), "report": result.report_path,
-        "claims": [v.to_dict() for v in result.verdicts],
-    })
+    return made("verify", result.exit_code, keys(
+        result, rename={"verdicts": "claims", "report_path": "report"}, held=result.held, total=len(result.verdicts)))

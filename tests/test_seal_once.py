@@ -16,7 +16,7 @@ from conftest import CPU, Project
 import harness
 from harness import tags as T
 from harness.commands.replay import ReplayResult
-from harness.judge.compare import BITWISE
+from harness.judge.verdicts import Verdict
 from harness.record import seal
 from harness.store.tracking import Tracker
 
@@ -41,7 +41,7 @@ def test_a_replay_is_sealed_once_with_its_verdict_and_never_reopened(
     for name in ("seal", "open_for_verdict", "open_for_resume"):
         monkeypatch.setattr(seal, name, counted(name))
     result = harness.replay(harness.ReplayOptions(outcome.run_id, tracking_uri=p.uri, repo=p.root))
-    assert isinstance(result, ReplayResult) and result.judged.verdict == BITWISE, result
+    assert isinstance(result, ReplayResult) and result.judged.verdict == Verdict.BITWISE, result
     replay_id = result.outcome.run_id
     assert calls[("seal", replay_id)] == 1, calls
     assert calls[("open_for_verdict", replay_id)] == 0 and calls[("open_for_resume", replay_id)] == 0, calls
@@ -50,6 +50,6 @@ def test_a_replay_is_sealed_once_with_its_verdict_and_never_reopened(
     monkeypatch.undo()
     tracker = Tracker(p.uri, writable=False)
     closed = tracker.harness_run(replay_id)
-    assert closed.status == "FINISHED" and closed.tags.get(T.VERDICT) == BITWISE, closed.tags
+    assert closed.status == "FINISHED" and closed.tags.get(T.VERDICT) == Verdict.BITWISE, closed.tags
     assert seal.verdict_sealed(tracker, closed)  # the seal holds the verdict and the closed status
     seal.check(tracker, replay_id)  # and the whole record as it is now

@@ -8,13 +8,14 @@ import enum
 import importlib.util
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, errors as oc_errors
 
-from harness.configschema import Backend, Device, Schema
+from harness.configschema import Backend, Device, ExperimentConfig, Schema
 from harness.errors import ConfigError
 
 EXPERIMENT_FILE = "experiment.yaml"
@@ -261,9 +262,39 @@ def _check_sections(content: Any, schema: DictConfig, source: str, prefix: str =
         raise ConfigError(f"{source}: '{full}' is {what}; set them by name (e.g. {example}), not {full}={value._value()!r}.")
 
 
+@dataclass(frozen=True)
+class Experiment:
+    """A loaded, validated experiment. `config`: its typed values (the schema's class, with the backends' sections),
+    which the launcher, the record and the ranks read. `composed`: the OmegaConf tree they were read from, its
+    interpolations unresolved - the edge where OmegaConf is kept: the recorded config.yaml and params are written
+    from it, and the record names the environment variable a secret came from (`${oc.env:NAME}`).
+
+    Never changed in place: a change (overrides, --allow-changes, --world-size, a study member's seed) is a new
+    Experiment (`with_changes`), composed and validated like the first."""
+
+    config: ExperimentConfig
+    composed: DictConfig
+
+    @classmethod
+    def of(cls, composed: DictConfig) -> Experiment:
+        """The typed experiment of a composed, validated config."""
+        typed = OmegaConf.to_object(composed)
+        assert isinstance(typed, ExperimentConfig), type(typed)  # compose() builds on Schema.cls
+        return cls(typed, composed)
+
+    def with_changes(self, changes: Sequence[tuple[str, Any]], schema: Schema, *, source: str = "config",
+                     check: bool = True) -> Experiment:
+        """This experiment with `changes` merged in ((source, DictConfig or mapping) pairs, as compose() takes
+        them): a new Experiment. `check` False leaves validate() to the caller (where the code is at hand)."""
+        composed = compose([(source, self.composed), *changes], schema)
+        if check:
+            validate(composed, None, schema)
+        return Experiment.of(composed)
+
+
 def load_experiment(
     exp_dir: Path, overrides: list[str] | None = None, check_entry: bool = True, *, schema: Schema,
-) -> DictConfig:
+) -> Experiment:
     """Read EXP_DIR/experiment.yaml, apply overrides, validate; nothing runs before this passes."""
     exp_dir = Path(exp_dir)
     path = exp_dir / EXPERIMENT_FILE
@@ -289,7 +320,7 @@ def load_experiment(
     cfg = compose(sources, schema)
     check_resolvable(cfg)
     validate(cfg, exp_dir if check_entry else None, schema)
-    return cfg
+    return Experiment.of(cfg)
 
 
 def _load_yaml(path: Path) -> Any:
@@ -484,22 +515,27 @@ def split_entry(entry: str) -> tuple[str, str]:
     return match["file"], match["func"]
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def _tree(cfg: DictConfig | ExperimentConfig) -> DictConfig:
+    return cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
 
 
-def to_container(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+def to_yaml(cfg: DictConfig | ExperimentConfig) -> str:
+    return OmegaConf.to_yaml(_tree(cfg), resolve=True)
 
 
-def from_yaml(text: str, schema: Schema, source: str = "recorded config") -> DictConfig:
-    """A stored resolved config back into a validated DictConfig (replay never reads the folder's YAML)."""
+def to_container(cfg: DictConfig | ExperimentConfig) -> dict[str, Any]:
+    """The resolved config as plain values (enums as their names): what a secret is looked for in."""
+    return OmegaConf.to_container(_tree(cfg), resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def from_yaml(text: str, schema: Schema, source: str = "recorded config") -> Experiment:
+    """A stored resolved config back into a validated Experiment (replay never reads the folder's YAML)."""
     cfg = compose([(source, OmegaConf.create(text))], schema)
     validate(cfg, None, schema)
-    return cfg
+    return Experiment.of(cfg)
 
 
-def flatten(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
+def flatten(cfg: DictConfig | ExperimentConfig | Mapping[str, Any]) -> dict[str, str]:
     """Resolved config (or its plain-dict form) as dotted params, the way MLflow shows them."""
     out: dict[str, str] = {}
 
@@ -512,7 +548,7 @@ def flatten(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
         else:
             out[prefix] = str(node)
 
-    walk("", to_container(cfg) if isinstance(cfg, DictConfig) else cfg)
+    walk("", to_container(cfg) if isinstance(cfg, (DictConfig, ExperimentConfig)) else cfg)
     return out
 
 

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from harness import events, executors, scratch, tags as T
-from harness.config import compose, parse_overrides, validate
+from harness.config import Experiment, parse_overrides
 from harness.errors import RunFailed, UsageError
 from harness.executors import Outcome, Topology
 from harness.fmt import json_safe
@@ -61,26 +61,25 @@ class ReplayResult:
 
 
 def apply_changes(
-    cfg: DictConfig, world_size: int | None, overrides: list[str], allow_changes: bool
-) -> tuple[DictConfig, list[str]]:
-    """--world-size and KEY=VALUE changes; the latter only with --allow-changes. Returns what changed."""
+    recorded: Experiment, world_size: int | None, overrides: list[str], allow_changes: bool
+) -> tuple[Experiment, list[str]]:
+    """--world-size and KEY=VALUE changes; the latter only with --allow-changes. Returns the experiment to replay (a
+    new one where anything changed) and what changed."""
     if overrides and not allow_changes:
         raise UsageError(
             f"replay uses the recorded config; overrides {' '.join(overrides)} would change it. "
             "Pass --allow-changes to replay with them (they are recorded and reported)."
         )
     changes = list(overrides)
-    fragments = [("recorded config", cfg)]
+    fragments: list[tuple[str, Any]] = []
     if overrides:
         fragments.append(("overrides", parse_overrides(overrides)))
-    if world_size is not None and world_size != cfg.world_size:
+    if world_size is not None and world_size != recorded.config.world_size:
         fragments.append(("--world-size", OmegaConf.create({"world_size": world_size})))
         changes.append(f"world_size={world_size}")
-    if len(fragments) == 1:
-        return cfg, []
-    new = compose(fragments, executors.schema())
-    validate(new, None, executors.schema())
-    return new, changes
+    if not fragments:
+        return recorded, []
+    return recorded.with_changes(fragments, executors.schema(), source="recorded config"), changes
 
 
 # What traces a DIVERGED replay and records where it first differed, on the replay: (tracker, replay_id, comparison,
@@ -152,17 +151,19 @@ Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
         a = a or tracker.load_record(run_id)
         check_steps_of(steps, a)
     overrides = recorded.restore_secrets(overrides or [])  # a secret passed again is no change
-    cfg, changes = apply_changes(recorded.cfg, world_size, overrides, allow_changes)
+    experiment, changes = apply_changes(recorded.experiment, world_size, overrides, allow_changes)
     changes = [redaction.redact_override(c, redaction.store_key(tracker.uri)) for c in changes]  # recorded and printed: no secret in them
-    if executor is not None and executor != str(cfg.executor):
+    if executor is not None and executor != experiment.config.executor:
         # Where it runs is a choice of the replay, not a change of the experiment: no --allow-changes.
-        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": executor}))], executors.schema())
+        experiment = experiment.with_changes([("--executor", OmegaConf.create({"executor": executor}))],
+                                             executors.schema(), source="recorded config", check=False)
         changes.append(f"executor={executor}")
     if placement:  # the backends' options (--nodes, --partition, ...): where the replay runs, likewise
-        cfg = compose([("recorded config", cfg), ("backend options", parse_overrides(placement))], executors.schema())
-        validate(cfg, None, executors.schema())
+        experiment = experiment.with_changes([("backend options", parse_overrides(placement))], executors.schema(),
+                                             source="recorded config")
         changes.extend(placement)
-    recorded.cfg = cfg
+    recorded.experiment = experiment
+    cfg = experiment.config
     # Before anything is recorded or launched: a calibration edited since its seal is refused here, not after the run.
     envelope = None if perturb_seed is not None else calibration_envelope(tracker, run_id)
     if envelope is not None and envelope.weights is not None and (steps is None or steps >= envelope.weights.step):
@@ -200,7 +201,7 @@ Backend.runs_members; their outcomes in ReplayResult.members). `localizer`: what
 
         def recording(tagged: dict[str, str]) -> Callable[[dict[str, str]], str]:
             return lambda tags: create_record(
-                tracker, cfg, exp_dir, git, image=tags, extra_tags=tagged,
+                tracker, experiment, exp_dir, git, image=tags, extra_tags=tagged,
                 run_name=f"replay-of-{original.run_name}", experiment=original.experiment, data=data.manifest,
             )
 

@@ -10,11 +10,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
 from harness import events, executors, seeds, tags as T
-from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
-from harness.configschema import Launcher
+from harness.config import (
+    Experiment,
+    boolean_words,
+    compose,
+    flatten,
+    load_experiment,
+    profile_warning,
+    split_entry,
+    to_container,
+)
+from harness.configschema import ExperimentConfig, Launcher
 from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import procs
 from harness.executors.base import Job, JobInputs, Outcome, Topology
@@ -37,14 +44,19 @@ __all__ = ["Outcome", "Preflight", "check", "placed", "preflight", "run", "execu
 
 @dataclasses.dataclass
 class Preflight:
-    """What `harness run` checked before recording: the validated config, the code state, and warnings."""
+    """What `harness run` checked before recording: the validated experiment, the code state, and warnings."""
 
-    cfg: DictConfig
+    experiment: Experiment
     git: GitState
     warnings: list[str]
     data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
     data_stats: HashStats | None = None  # what hashing it read
     read_ns: int | None = None  # time.time_ns() before the code and the data were read: a file written after changed
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        """The experiment's typed values."""
+        return self.experiment.config
 
 
 def preflight(
@@ -78,10 +90,11 @@ def preflight(
             f"the experiment folder's name '{printable(name)}' is no plain name (it holds a newline, a tab or another "
             "control character, or a backslash, or is over 256 characters); it names the MLflow experiment, and a "
             "bundle of its runs could not be imported. Rename the folder.")
-    cfg = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
-    declared = executors.backend(str(cfg.executor))
+    experiment = load_experiment(Path(exp_dir), overrides, schema=executors.schema())
+    cfg = experiment.config
+    declared = executors.backend(cfg.executor)
     # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
-    hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=not torchrun)
+    hash_seed = seeds.pin_hash_seed(cfg.seed, starts_ranks=not torchrun)
     if warm_ranks and declared.early_ranks and nnodes == 1 and cfg.launcher is Launcher.forkserver:
         procs.warm()  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = gitsource.inspect(
@@ -90,7 +103,7 @@ def preflight(
     )
     confine.check_code(git.root, Path(exp_dir), split_entry(cfg.entry)[0],
                        gitsource.recorded_symlinks(git.root, Path(exp_dir)))
-    warnings: list[str] = boolean_words(list(overrides), cfg)
+    warnings: list[str] = boolean_words(list(overrides), experiment.composed)
     keys = redaction.known_keys(resolve_uri(tracking_uri)) if git.dirty else {}
     in_diff = redaction.patch_secrets(git.patch, keys) if git.dirty else []
     for sub in git.submodules:  # a submodule's own uncommitted changes are stored beside the patch, by the same rules
@@ -114,14 +127,14 @@ def preflight(
             f"--allow-secret-in-diff: the secrets at {', '.join(where)} are cut from the stored patch, so it is not "
             "the code that ran there (tagged harness.git.patch_redacted); a replay runs those lines with <redacted>."
         )
-    long = fit_params(flatten(cfg))[1]
+    long = fit_params(flatten(experiment.composed))[1]
     if long:
         warnings.append(
             f"{len(long)} config value{'s are' if len(long) > 1 else ' is'} longer than MLflow's {PARAM_LIMIT}-character "
             f"params ({', '.join(long[:3])}{', ...' if len(long) > 3 else ''}): recorded in params as length and sha256, "
             "whole in config.yaml."
         )
-    _, secret_keys = redaction.redact(to_container(cfg), None)
+    _, secret_keys = redaction.redact(to_container(experiment.composed), None)
     if secret_keys:
         warnings.append(redaction.warning(secret_keys))
     if git.excluded:
@@ -151,14 +164,14 @@ def preflight(
         if warning:
             warnings.append(warning)
     if hash_seed.source == seeds.FROM_TORCHRUN:
-        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
+        warnings.append(seeds.unpinned_warning(cfg.seed))
     profiled = profile_warning(cfg.profile)
     if profiled:
         warnings.append(profiled)
     # Last: the other checks are instant, and hashing (cached) may read gigabytes.
     stats = data.HashStats()
     manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
-    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None, read_ns)
+    return Preflight(experiment, git, warnings, manifest, stats if manifest is not None else None, read_ns)
 
 
 def placed(topology: Topology | None) -> tuple[Topology, TorchrunEnv | None]:
@@ -255,7 +268,7 @@ def run(
                            code_id=git_code_id(git))
         job = Job(
             tracker, cfg, inputs,
-            record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data,
+            record=lambda tags: create_record(tracker, checked.experiment, Path(exp_dir), git, image=tags, data=checked.data,
                                               extra_tags=dict(named.tags) if named else None,
                                               run_name=named.name if named else None),
             topology=topology, ranks=ranks,
@@ -282,15 +295,16 @@ def execute_recorded(
 
     tracker = Tracker(tracking_uri)
     run = loading.load(tracker, run_id, loading.EXECUTE).summary
-    cfg = recorded_config(tracker, run)
+    experiment = recorded_config(tracker, run)
     seeds.apply_recorded_hash_seed(run.tags, run.run_id)  # the submitting side recorded it; these ranks start here
-    container = to_container(cfg)
+    container = to_container(experiment.composed)
     if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
         restored, _ = redaction.restore(
             container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id,
             redaction.store_key(tracker.uri),
         )
-        cfg = compose([("recorded config", OmegaConf.create(restored))], executors.schema())
+        experiment = Experiment.of(compose([("recorded config", OmegaConf.create(restored))], executors.schema()))
+    cfg = experiment.config
     code_dir = Path(code_dir)
     rel = confine.recorded_path(run.tags.get(T.EXPERIMENT_PATH, ""), "experiment folder", run_id)
     root = code_dir.resolve()
@@ -309,7 +323,7 @@ def execute_recorded(
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),
     )
-    return executors.run_job(executors.executing(str(cfg.executor)), job)
+    return executors.run_job(executors.executing(cfg.executor), job)
 
 
 def _add_tags(tracker: Tracker, run_id: str, tags: dict[str, str]) -> str:

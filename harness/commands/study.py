@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import events, executors, scratch, tags as T
-from harness.config import MAX_SEED, check_seeds, compose
+from harness.config import MAX_SEED, check_seeds
 from harness.errors import EXIT_FAILED, EXIT_OK, SecretRefused, UsageError
 from harness.executors import Job, JobInputs
 from harness.executors.base import Outcome, signals_to
@@ -252,19 +252,20 @@ def run_study(
     if checked.data_stats is not None:
         _say(checked.data_stats.summary())
 
-    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))], executors.schema())
+    study_exp = checked.experiment.with_changes([("study", OmegaConf.create({"seeds": seeds}))], executors.schema(),
+                                                check=False)
     tracker = Tracker(tracking_uri)
     name = Path(exp_dir).resolve().name
     given = named.name if named is not None else None
     user_tags = dict(named.tags) if named is not None else {}
     data_paths = paths_of(checked.data)
     # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
-    placement = executors.get(backend).prepare(Job(tracker, study_cfg, JobInputs(git.root, Path(exp_dir), data=data_paths)))
+    placement = executors.get(backend).prepare(Job(tracker, study_exp.config, JobInputs(git.root, Path(exp_dir), data=data_paths)))
     study_tags = {
         **user_tags, T.KIND: T.KIND_STUDY, T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)),
         T.STUDY_PARALLEL: str(jobs_at_once),
     }
-    study_id = create_record(tracker, study_cfg, Path(exp_dir), git, image=placement, extra_tags=study_tags,
+    study_id = create_record(tracker, study_exp, Path(exp_dir), git, image=placement, extra_tags=study_tags,
                                     run_name=given or f"{name}-study{len(seeds)}", data=checked.data)
     _say(f"study {study_id}: {len(seeds)} seeds ({_seed_list(seeds)}), {jobs_at_once} at once")
     heartbeat = None
@@ -281,19 +282,20 @@ def run_study(
         with checkout(tracker, tracker.get_run(study_id), git.root) as (tree, tree_exp):
 
             def make_job(seed: int) -> Any:
-                member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))],
-                                     executors.schema())
+                member = checked.experiment.with_changes(
+                    [("member", OmegaConf.create({"seed": seed, "seeds": None}))], executors.schema(),
+                    source="study config", check=False)
                 extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
 
                 def record(tags: dict[str, str]) -> str:
-                    return create_record(tracker, member_cfg, Path(exp_dir), git, image=tags, extra_tags=extra,
+                    return create_record(tracker, member, Path(exp_dir), git, image=tags, extra_tags=extra,
                                          run_name=f"{given or name}-seed{seed}", data=checked.data)
 
                 inputs = JobInputs(tree, tree_exp, code_id=git_code_id(git), data=data_paths)
                 options = executors.options_for(
                     backend, **{"allow_unpinned": allow_unpinned, **(job_options or {}), "quiet": jobs_at_once > 1})
                 # The members run the checkout, which nobody edits; the data they read is the live one.
-                return Job(tracker, member_cfg, inputs, record=record, options=options,
+                return Job(tracker, member.config, inputs, record=record, options=options,
                            verify=lambda: unchanged.changes(None, checked.data, checked.read_ns))
 
             study.make_job = make_job

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Protocol
 from omegaconf import DictConfig
 
 from harness import events
+from harness.configschema import ExperimentConfig
 from harness.events import Output, Submitted
 from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
 from harness.runtime.plan import UNSTEERED, Steering
@@ -104,7 +105,7 @@ class Job:
     """A job as every backend sees it: the resolved config, its code and data, and the run that records it."""
 
     tracker: Tracker
-    cfg: DictConfig
+    cfg: ExperimentConfig  # the typed experiment (config.Experiment.config): never changed in place
     inputs: JobInputs
     run_id: str = ""  # set once recorded
     # Creates (run, replay) or reopens (resume) the job's one MLflow run with the backend's tags and

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from harness import events, scratch, tags as T
 from harness.config import check_nodes
+from harness.configschema import ExperimentConfig
 from harness.errors import Interrupted, RunFailed
 from harness.executors import procs
 from harness.executors.base import (
@@ -43,7 +42,7 @@ from harness.runtime.rank.spec import LaunchSpec
 
 
 def run_segments(
-    cfg: DictConfig, exp_dir: Path, plans: list[Any], on_message: Callable[[Message], None],
+    cfg: ExperimentConfig, exp_dir: Path, plans: list[Any], on_message: Callable[[Message], None],
     data: dict[str, str] | None = None,
 ) -> None:
     """Run the entry once per checkpoint plan in one set of local ranks (audit: start-up is paid once).
@@ -75,7 +74,7 @@ class LocalExecutor(Executor):
         handle.start()
         return handle
 
-    def check_segments(self, cfg: DictConfig) -> None:
+    def check_segments(self, cfg: ExperimentConfig) -> None:
         check_runnable(cfg)
         procs.check_main_guarded()
 

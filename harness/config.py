@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, errors as oc_errors
 
-from harness.configschema import Backend, Device, ExperimentConfig, Schema
+from harness.configschema import Backend, Device, ExperimentConfig, ProfileConfig, Schema
 from harness.errors import ConfigError
 
 EXPERIMENT_FILE = "experiment.yaml"
@@ -287,9 +287,7 @@ class Experiment:
         """This experiment with `changes` merged in ((source, DictConfig or mapping) pairs, as compose() takes
         them): a new Experiment. `check` False leaves validate() to the caller (where the code is at hand)."""
         composed = compose([(source, self.composed), *changes], schema)
-        if check:
-            validate(composed, None, schema)
-        return Experiment.of(composed)
+        return Experiment(validate(composed, None, schema), composed) if check else Experiment.of(composed)
 
 
 def load_experiment(
@@ -318,9 +316,7 @@ def load_experiment(
     if overrides:
         sources.append(("overrides", parse_overrides(overrides)))
     cfg = compose(sources, schema)
-    check_resolvable(cfg)
-    validate(cfg, exp_dir if check_entry else None, schema)
-    return Experiment.of(cfg)
+    return Experiment(validate(cfg, exp_dir if check_entry else None, schema), cfg)
 
 
 def _load_yaml(path: Path) -> Any:
@@ -378,7 +374,7 @@ def check_layout(shards: int, world_size: int) -> None:
         )
 
 
-def check_profile(profile: Any, world_size: int) -> None:
+def check_profile(profile: ProfileConfig, world_size: int) -> None:
     """profile.steps are step indexes (>= 0, each once), profile.ranks ranks of this world, samples_per_step >= 0."""
     steps, ranks = list(profile.steps), list(profile.ranks)
     bad = [s for s in steps if s < 0]
@@ -406,7 +402,7 @@ PROFILE_MANY = 10
 PROFILE_STEP_KB = 70
 
 
-def profile_warning(profile: Any) -> str | None:
+def profile_warning(profile: ProfileConfig) -> str | None:
     """The cost of many profiled steps, said before the run (None for PROFILE_MANY or fewer): the files they add to
     the run's artifacts and the time the profiler adds to each."""
     traces = len(profile.steps) * len(profile.ranks)
@@ -421,24 +417,29 @@ def profile_warning(profile: Any) -> str | None:
             f"show what a step spends its time on (profile.steps=[10,11,12]).")
 
 
-def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
-    """Checks the schema cannot express: required keys, ranges, the entry function exists."""
-    if OmegaConf.is_missing(cfg, "image"):
+def validate(composed: DictConfig, exp_dir: Path | None, schema: Schema) -> ExperimentConfig:
+    """Checks the schema cannot express: required keys, ranges, the entry function exists; returns the typed values
+    it checked. The required keys are read from the composed tree (a typed value holds no "missing")."""
+    if OmegaConf.is_missing(composed, "image"):
         raise ConfigError(
             f"missing required key 'image'. Set it in {EXPERIMENT_FILE} to the container image the experiment "
             "runs in (name:tag or name@sha256:<digest>), or to `image: none` for an experiment that only runs locally."
         )
-    if OmegaConf.is_missing(cfg, "entry"):
+    if OmegaConf.is_missing(composed, "entry"):
         raise ConfigError(f"missing required key 'entry'. Set it in {EXPERIMENT_FILE}, e.g. entry: train.py:train.")
+    check_resolvable(composed)
+    cfg = OmegaConf.to_object(composed)
+    assert isinstance(cfg, ExperimentConfig), type(cfg)  # compose() builds on Schema.cls
     if cfg.world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {cfg.world_size}.")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"seed must be within [0, 2**63-1] (0 to {MAX_SEED}), got {cfg.seed}.")
     if cfg.seeds is not None:
         check_seeds(list(cfg.seeds))
-    for name in ("heartbeat_s", "timeout_s", "rendezvous_timeout_s"):
-        if not cfg[name] > 0:
-            raise ConfigError(f"{name} must be > 0 seconds, got {cfg[name]}.")
+    for name, value in (("heartbeat_s", cfg.heartbeat_s), ("timeout_s", cfg.timeout_s),
+                        ("rendezvous_timeout_s", cfg.rendezvous_timeout_s)):
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0 seconds, got {value}.")
     if not cfg.stall_s >= 0:
         raise ConfigError(f"stall_s must be >= 0 seconds (0: off), got {cfg.stall_s}.")
     if not cfg.record.max_untracked_mib >= 0:
@@ -456,7 +457,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
         check_layout(cfg.determinism.shards, cfg.world_size)
     if cfg.backend == Backend.nccl and cfg.device == Device.cpu:
         raise ConfigError("backend nccl needs device cuda (or auto); use backend gloo for cpu.")
-    if not str(cfg.image).strip():
+    if not cfg.image.strip():
         raise ConfigError(
             "image is empty; pin a container image as name:tag or name@sha256:<digest>, or write `image: none` "
             "for an experiment that only runs locally."
@@ -468,7 +469,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
         tol = cfg.replay.tolerance.default if name == "default" else cfg.replay.tolerance.metrics[name]
         if not (tol.rtol >= 0 and tol.atol >= 0):
             raise ConfigError(f"replay.tolerance '{name}': rtol and atol must be >= 0.")
-    match = _ENTRY_RE.match(str(cfg.entry))
+    match = _ENTRY_RE.match(cfg.entry)
     if not match:
         raise ConfigError(f"entry '{cfg.entry}' must be FILE.py:FUNCTION, e.g. train.py:train.")
     if match["file"].startswith("/") or match["file"].startswith("~"):
@@ -478,6 +479,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
         )
     if exp_dir is not None:
         check_entry(exp_dir, match["file"], match["func"])
+    return cfg
 
 
 def check_seeds(seeds: list[int]) -> None:
@@ -531,8 +533,7 @@ def to_container(cfg: DictConfig | ExperimentConfig) -> dict[str, Any]:
 def from_yaml(text: str, schema: Schema, source: str = "recorded config") -> Experiment:
     """A stored resolved config back into a validated Experiment (replay never reads the folder's YAML)."""
     cfg = compose([(source, OmegaConf.create(text))], schema)
-    validate(cfg, None, schema)
-    return Experiment.of(cfg)
+    return Experiment(validate(cfg, None, schema), cfg)
 
 
 def flatten(cfg: DictConfig | ExperimentConfig | Mapping[str, Any]) -> dict[str, str]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 
 _Section = TypeVar("_Section")
 
@@ -188,7 +188,7 @@ class ExperimentConfig:
 class BackendSchema:
     name: str
     section: type | None = None  # a dataclass, merged in as `name:`
-    check: Callable[[DictConfig], None] | None = None  # run by validate() on every config
+    check: Callable[[ExperimentConfig], None] | None = None  # run by validate() on every config
 
 
 @dataclass(frozen=True)

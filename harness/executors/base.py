@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from omegaconf import DictConfig
-
 from harness import events
 from harness.configschema import ExperimentConfig
 from harness.events import Output, Submitted
@@ -256,7 +254,7 @@ class Backend:
     executor: Callable[[], Executor]  # a fresh executor per job
     help: str = ""  # one line: where the ranks run
     section: type | None = None  # its config section, a dataclass; merged into the schema as `NAME:`
-    check: Callable[[DictConfig], None] | None = None  # checks of a composed config the schema cannot express
+    check: Callable[[ExperimentConfig], None] | None = None  # checks of a config the schema cannot express
     options: type[JobOptions] = JobOptions
     cli: tuple[CliOption, ...] = ()
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)

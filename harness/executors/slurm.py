@@ -24,10 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from harness import events, tags as T
 from harness.config import check_nodes
+from harness.configschema import ExperimentConfig
 from harness.errors import EXIT_FAILED, EXIT_OK, BackendError, ConfigError, UsageError
 from harness.executors.base import (
     FAILED,
@@ -66,15 +65,16 @@ class SlurmConfig:
     """How often the submitting process asks the scheduler whether the job still runs."""
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: ExperimentConfig) -> None:
     """The `slurm:` section's ranges (checked on every config, whichever executor it names)."""
-    check_nodes(cfg.slurm.nodes, cfg.world_size, "slurm.nodes (--nodes)")
-    if cfg.slurm.gpus_per_node < 0:
-        raise ConfigError(f"slurm.gpus_per_node must be >= 0, got {cfg.slurm.gpus_per_node}.")
-    if cfg.slurm.cpus_per_task is not None and cfg.slurm.cpus_per_task < 1:
-        raise ConfigError(f"slurm.cpus_per_task must be >= 1, got {cfg.slurm.cpus_per_task}.")
-    if not cfg.slurm.poll_s > 0:
-        raise ConfigError(f"slurm.poll_s must be > 0 seconds, got {cfg.slurm.poll_s}.")
+    slurm = cfg.section("slurm", SlurmConfig)
+    check_nodes(slurm.nodes, cfg.world_size, "slurm.nodes (--nodes)")
+    if slurm.gpus_per_node < 0:
+        raise ConfigError(f"slurm.gpus_per_node must be >= 0, got {slurm.gpus_per_node}.")
+    if slurm.cpus_per_task is not None and slurm.cpus_per_task < 1:
+        raise ConfigError(f"slurm.cpus_per_task must be >= 1, got {slurm.cpus_per_task}.")
+    if not slurm.poll_s > 0:
+        raise ConfigError(f"slurm.poll_s must be > 0 seconds, got {slurm.poll_s}.")
 
 
 _CALL_S = 30.0  # deadline of one sbatch/scontrol/scancel call

@@ -8,13 +8,14 @@ import enum
 import importlib.util
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, errors as oc_errors
 
-from harness.configschema import Backend, Device, Schema
+from harness.configschema import Backend, Device, ExperimentConfig, ProfileConfig, Schema
 from harness.errors import ConfigError
 
 EXPERIMENT_FILE = "experiment.yaml"
@@ -261,9 +262,37 @@ def _check_sections(content: Any, schema: DictConfig, source: str, prefix: str =
         raise ConfigError(f"{source}: '{full}' is {what}; set them by name (e.g. {example}), not {full}={value._value()!r}.")
 
 
+@dataclass(frozen=True)
+class Experiment:
+    """A loaded, validated experiment. `config`: its typed values (the schema's class, with the backends' sections),
+    which the launcher, the record and the ranks read. `composed`: the OmegaConf tree they were read from, its
+    interpolations unresolved - the edge where OmegaConf is kept: the recorded config.yaml and params are written
+    from it, and the record names the environment variable a secret came from (`${oc.env:NAME}`).
+
+    Never changed in place: a change (overrides, --allow-changes, --world-size, a study member's seed) is a new
+    Experiment (`with_changes`), composed and validated like the first."""
+
+    config: ExperimentConfig
+    composed: DictConfig
+
+    @classmethod
+    def of(cls, composed: DictConfig) -> Experiment:
+        """The typed experiment of a composed, validated config."""
+        typed = OmegaConf.to_object(composed)
+        assert isinstance(typed, ExperimentConfig), type(typed)  # compose() builds on Schema.cls
+        return cls(typed, composed)
+
+    def with_changes(self, changes: Sequence[tuple[str, Any]], schema: Schema, *, source: str = "config",
+                     check: bool = True) -> Experiment:
+        """This experiment with `changes` merged in ((source, DictConfig or mapping) pairs, as compose() takes
+        them): a new Experiment. `check` False leaves validate() to the caller (where the code is at hand)."""
+        composed = compose([(source, self.composed), *changes], schema)
+        return Experiment(validate(composed, None, schema), composed) if check else Experiment.of(composed)
+
+
 def load_experiment(
     exp_dir: Path, overrides: list[str] | None = None, check_entry: bool = True, *, schema: Schema,
-) -> DictConfig:
+) -> Experiment:
     """Read EXP_DIR/experiment.yaml, apply overrides, validate; nothing runs before this passes."""
     exp_dir = Path(exp_dir)
     path = exp_dir / EXPERIMENT_FILE
@@ -287,9 +316,7 @@ def load_experiment(
     if overrides:
         sources.append(("overrides", parse_overrides(overrides)))
     cfg = compose(sources, schema)
-    check_resolvable(cfg)
-    validate(cfg, exp_dir if check_entry else None, schema)
-    return cfg
+    return Experiment(validate(cfg, exp_dir if check_entry else None, schema), cfg)
 
 
 def _load_yaml(path: Path) -> Any:
@@ -347,7 +374,7 @@ def check_layout(shards: int, world_size: int) -> None:
         )
 
 
-def check_profile(profile: Any, world_size: int) -> None:
+def check_profile(profile: ProfileConfig, world_size: int) -> None:
     """profile.steps are step indexes (>= 0, each once), profile.ranks ranks of this world, samples_per_step >= 0."""
     steps, ranks = list(profile.steps), list(profile.ranks)
     bad = [s for s in steps if s < 0]
@@ -375,7 +402,7 @@ PROFILE_MANY = 10
 PROFILE_STEP_KB = 70
 
 
-def profile_warning(profile: Any) -> str | None:
+def profile_warning(profile: ProfileConfig) -> str | None:
     """The cost of many profiled steps, said before the run (None for PROFILE_MANY or fewer): the files they add to
     the run's artifacts and the time the profiler adds to each."""
     traces = len(profile.steps) * len(profile.ranks)
@@ -390,24 +417,29 @@ def profile_warning(profile: Any) -> str | None:
             f"show what a step spends its time on (profile.steps=[10,11,12]).")
 
 
-def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
-    """Checks the schema cannot express: required keys, ranges, the entry function exists."""
-    if OmegaConf.is_missing(cfg, "image"):
+def validate(composed: DictConfig, exp_dir: Path | None, schema: Schema) -> ExperimentConfig:
+    """Checks the schema cannot express: required keys, ranges, the entry function exists; returns the typed values
+    it checked. The required keys are read from the composed tree (a typed value holds no "missing")."""
+    if OmegaConf.is_missing(composed, "image"):
         raise ConfigError(
             f"missing required key 'image'. Set it in {EXPERIMENT_FILE} to the container image the experiment "
             "runs in (name:tag or name@sha256:<digest>), or to `image: none` for an experiment that only runs locally."
         )
-    if OmegaConf.is_missing(cfg, "entry"):
+    if OmegaConf.is_missing(composed, "entry"):
         raise ConfigError(f"missing required key 'entry'. Set it in {EXPERIMENT_FILE}, e.g. entry: train.py:train.")
+    check_resolvable(composed)
+    cfg = OmegaConf.to_object(composed)
+    assert isinstance(cfg, ExperimentConfig), type(cfg)  # compose() builds on Schema.cls
     if cfg.world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {cfg.world_size}.")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"seed must be within [0, 2**63-1] (0 to {MAX_SEED}), got {cfg.seed}.")
     if cfg.seeds is not None:
         check_seeds(list(cfg.seeds))
-    for name in ("heartbeat_s", "timeout_s", "rendezvous_timeout_s"):
-        if not cfg[name] > 0:
-            raise ConfigError(f"{name} must be > 0 seconds, got {cfg[name]}.")
+    for name, value in (("heartbeat_s", cfg.heartbeat_s), ("timeout_s", cfg.timeout_s),
+                        ("rendezvous_timeout_s", cfg.rendezvous_timeout_s)):
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0 seconds, got {value}.")
     if not cfg.stall_s >= 0:
         raise ConfigError(f"stall_s must be >= 0 seconds (0: off), got {cfg.stall_s}.")
     if not cfg.record.max_untracked_mib >= 0:
@@ -425,7 +457,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
         check_layout(cfg.determinism.shards, cfg.world_size)
     if cfg.backend == Backend.nccl and cfg.device == Device.cpu:
         raise ConfigError("backend nccl needs device cuda (or auto); use backend gloo for cpu.")
-    if not str(cfg.image).strip():
+    if not cfg.image.strip():
         raise ConfigError(
             "image is empty; pin a container image as name:tag or name@sha256:<digest>, or write `image: none` "
             "for an experiment that only runs locally."
@@ -437,7 +469,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
         tol = cfg.replay.tolerance.default if name == "default" else cfg.replay.tolerance.metrics[name]
         if not (tol.rtol >= 0 and tol.atol >= 0):
             raise ConfigError(f"replay.tolerance '{name}': rtol and atol must be >= 0.")
-    match = _ENTRY_RE.match(str(cfg.entry))
+    match = _ENTRY_RE.match(cfg.entry)
     if not match:
         raise ConfigError(f"entry '{cfg.entry}' must be FILE.py:FUNCTION, e.g. train.py:train.")
     if match["file"].startswith("/") or match["file"].startswith("~"):
@@ -447,6 +479,7 @@ def validate(cfg: DictConfig, exp_dir: Path | None, schema: Schema) -> None:
         )
     if exp_dir is not None:
         check_entry(exp_dir, match["file"], match["func"])
+    return cfg
 
 
 def check_seeds(seeds: list[int]) -> None:
@@ -484,22 +517,26 @@ def split_entry(entry: str) -> tuple[str, str]:
     return match["file"], match["func"]
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def _tree(cfg: DictConfig | ExperimentConfig) -> DictConfig:
+    return cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
 
 
-def to_container(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+def to_yaml(cfg: DictConfig | ExperimentConfig) -> str:
+    return OmegaConf.to_yaml(_tree(cfg), resolve=True)
 
 
-def from_yaml(text: str, schema: Schema, source: str = "recorded config") -> DictConfig:
-    """A stored resolved config back into a validated DictConfig (replay never reads the folder's YAML)."""
+def to_container(cfg: DictConfig | ExperimentConfig) -> dict[str, Any]:
+    """The resolved config as plain values (enums as their names): what a secret is looked for in."""
+    return OmegaConf.to_container(_tree(cfg), resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def from_yaml(text: str, schema: Schema, source: str = "recorded config") -> Experiment:
+    """A stored resolved config back into a validated Experiment (replay never reads the folder's YAML)."""
     cfg = compose([(source, OmegaConf.create(text))], schema)
-    validate(cfg, None, schema)
-    return cfg
+    return Experiment(validate(cfg, None, schema), cfg)
 
 
-def flatten(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
+def flatten(cfg: DictConfig | ExperimentConfig | Mapping[str, Any]) -> dict[str, str]:
     """Resolved config (or its plain-dict form) as dotted params, the way MLflow shows them."""
     out: dict[str, str] = {}
 
@@ -512,7 +549,7 @@ def flatten(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
         else:
             out[prefix] = str(node)
 
-    walk("", to_container(cfg) if isinstance(cfg, DictConfig) else cfg)
+    walk("", to_container(cfg) if isinstance(cfg, (DictConfig, ExperimentConfig)) else cfg)
     return out
 
 

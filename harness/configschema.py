@@ -8,9 +8,11 @@ import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
+
+_Section = TypeVar("_Section")
 
 
 class Backend(enum.Enum):
@@ -155,6 +157,24 @@ class ExperimentConfig:
     """Data the training reads, name -> file or folder (relative to this folder; $VAR and ~ expanded):
     hashed in full at run start, recorded, checked again by replay; `ctx.data["name"]` is the path."""
 
+    # Not fields: what the experiment's values decide. An experiment is never changed in place (a change is a new
+    # one: config.Experiment.with_changes), so a value derived from it once holds for its life.
+
+    @functools.cached_property
+    def rank_seeds(self) -> tuple[int, ...]:
+        """Every rank's seed, derived from `seed` once per experiment: the record (harness.rank_seeds), the check of
+        the seeds the training code set, and the ranks (LaunchSpec.rank_seeds) read this one value."""
+        from harness.seeds import derive_rank_seeds
+
+        return tuple(derive_rank_seeds(self.seed, self.world_size))
+
+    def section(self, name: str, kind: type[_Section]) -> _Section:
+        """A backend's own section (`slurm:`), typed: the sections are fields of the schema's class (Schema.cls),
+        which only the registry of backends knows."""
+        value = getattr(self, name)
+        if not isinstance(value, kind):
+            raise TypeError(f"section {name!r} is a {type(value).__name__}, not a {kind.__name__}")
+        return value
 
 
 # -- the backends' sections ---------------------------------------------------------------------------------
@@ -168,7 +188,7 @@ class ExperimentConfig:
 class BackendSchema:
     name: str
     section: type | None = None  # a dataclass, merged in as `name:`
-    check: Callable[[DictConfig], None] | None = None  # run by validate() on every config
+    check: Callable[[ExperimentConfig], None] | None = None  # run by validate() on every config
 
 
 @dataclass(frozen=True)
@@ -181,16 +201,23 @@ class Schema:
         return [b.name for b in self.backends]
 
     @functools.cached_property
-    def cls(self) -> type:
-        """ExperimentConfig with each backend's section inserted after `executor` (a dataclass made once)."""
-        fields: list[Any] = []
+    def cls(self) -> type[ExperimentConfig]:
+        """ExperimentConfig with each backend's section inserted after `executor` (a subclass made once)."""
+        sections = [(b.name, b.section, field(default_factory=b.section)) for b in self.backends if b.section]
+        made = dataclasses.make_dataclass("ExperimentConfig", sections, bases=(ExperimentConfig,),
+                                          namespace={"__module__": __name__})
+        # A subclass's own fields follow its base's; the sections belong after `executor`, where experiment.yaml,
+        # the recorded config.yaml and the schema's reference have them (OmegaConf reads dataclasses.fields' order).
+        order: list[str] = []
         for f in dataclasses.fields(ExperimentConfig):
-            fields.append((f.name, f.type, f))
+            order.append(f.name)
             if f.name == "executor":
-                fields += [(b.name, b.section, field(default_factory=b.section)) for b in self.backends if b.section]
-        return dataclasses.make_dataclass("ExperimentConfig", fields, namespace={"__module__": __name__})
+                order += [name for name, _, _ in sections]
+        own = made.__dataclass_fields__  # type: ignore[attr-defined]
+        made.__dataclass_fields__ = {name: own[name] for name in order}  # type: ignore[attr-defined]
+        return made
 
     @functools.cached_property
-    def defaults(self) -> Any:
+    def defaults(self) -> ExperimentConfig:
         """An instance of `cls` with every default: what a key's type is, for the error lines."""
         return self.cls()

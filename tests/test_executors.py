@@ -175,10 +175,10 @@ def test_the_sbatch_script_is_the_golden_file(tmp_path: Path) -> None:
     from harness.executors.slurm import batch_script
 
     exp = tmp_path / "repo" / "experiments" / "golden run"
-    cfg = config.compose([("golden", OmegaConf.create({
+    cfg = config.Experiment.of(config.compose([("golden", OmegaConf.create({
         "image": "none", "entry": "train.py:train", "executor": "slurm", "world_size": 4, "threads_per_rank": 2,
         "slurm": {"nodes": 2, "partition": "debug", "time": "01:00:00", "gpus_per_node": 1},
-    }))], executors.schema())
+    }))], executors.schema())).config
     job = executors.Job(None, cfg, executors.JobInputs(tmp_path / "repo", exp), run_id="0123456789abcdef0123456789abcdef",
                         resume_step=40)  # type: ignore[arg-type]  (the script needs no store)
     script = batch_script(job, exp, tmp_path / "jobs" / job.run_id, f"sqlite:///{tmp_path}/store dir/mlflow.db")
@@ -281,7 +281,7 @@ def test_a_handle_says_where_its_job_stands_without_waiting(project: Project) ->
     tracker = Tracker(project.uri)
     job = executors.Job(
         tracker, checked.cfg, executors.JobInputs(checked.git.root, exp, code_id=checked.git.commit),
-        record=lambda tags: create_record(tracker, checked.cfg, exp, checked.git, image=tags),
+        record=lambda tags: create_record(tracker, checked.experiment, exp, checked.git, image=tags),
     )
     handles: list[executors.Handle] = []
     seen: list[str] = []
@@ -373,7 +373,8 @@ def test_the_remote_base_records_closes_what_vanished_and_says_the_outcome(tmp_p
     from harness.store.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    cfg = config.compose([("x", OmegaConf.create({"image": "none", "entry": "train.py:train"}))], executors.schema())
+    cfg = config.Experiment.of(config.compose([("x", OmegaConf.create({"image": "none", "entry": "train.py:train"}))],
+                                              executors.schema())).config
 
     created: list[str] = []
 

@@ -17,7 +17,8 @@ from torch import nn
 
 import harness
 from harness import tags as T
-from harness.config import compose
+from harness.config import Experiment, compose
+from harness.executors import schema
 from harness.errors import ExperimentError
 from harness.executors import schema
 from harness.judge.compare import compare_runs
@@ -158,7 +159,8 @@ def test_the_recorder_writes_the_set_up_as_tags_and_an_artifact(tmp_path: Path, 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = tracker.create_run("optimization", {T.VERSION: harness.__version__, T.EXECUTOR: "local"})
     (tmp_path / "work" / "logs").mkdir(parents=True)
-    recorder = Recorder(tracker, run_id, compose([("test", {})], schema()), tmp_path / "work", lambda shown: None)
+    cfg = Experiment.of(compose([("test", {"image": "none", "entry": "train.py:train"})], schema())).config
+    recorder = Recorder(tracker, run_id, cfg, tmp_path / "work", lambda shown: None)
     recorder.start("cpu", "gloo")
     for msg in mixed:
         recorder.feed(msg)

@@ -16,7 +16,7 @@ import pytest
 
 import harness
 from harness import tags as T
-from harness.config import compose
+from harness.config import Experiment, compose
 from harness.executors import schema
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.messages import Checkpoint, Final, Fingerprint, Initial, Metrics, MetricsBatch, Notice, Total
@@ -45,7 +45,8 @@ class Started:
     def __init__(self, tmp_path: Path, **overrides: object) -> None:
         self.tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
         self.run_id = self.tracker.create_run("recorder", {T.VERSION: harness.__version__, T.EXECUTOR: "local"})
-        self.cfg = compose([("test", {"world_size": 2, **overrides})], schema())
+        self.cfg = Experiment.of(compose([("test", {"image": "none", "entry": "train.py:train", "world_size": 2,
+                                                   **overrides})], schema())).config
         self.work = tmp_path / "work"
         (self.work / "logs").mkdir(parents=True)
         (self.work / "logs" / "rank0.log").write_text("step 0\nstep 1\n")

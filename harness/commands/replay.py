@@ -10,11 +10,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from harness import events, executors, scratch, tags as T
 from harness.commands.options import CompareOptions, ReplayContext, ReplayOptions
-from harness.config import compose, parse_overrides, validate
+from harness.config import Experiment, parse_overrides
+from harness.configschema import ExperimentConfig
 from harness.errors import RunFailed, UsageError
 from harness.executors import Outcome, Topology
 from harness.fmt import json_safe
@@ -53,26 +54,25 @@ class ReplayResult:
 
 
 def apply_changes(
-    cfg: DictConfig, world_size: int | None, overrides: list[str], allow_changes: bool
-) -> tuple[DictConfig, list[str]]:
-    """--world-size and KEY=VALUE changes; the latter only with --allow-changes. Returns what changed."""
+    recorded: Experiment, world_size: int | None, overrides: list[str], allow_changes: bool
+) -> tuple[Experiment, list[str]]:
+    """--world-size and KEY=VALUE changes; the latter only with --allow-changes. Returns the experiment to replay (a
+    new one where anything changed) and what changed."""
     if overrides and not allow_changes:
         raise UsageError(
             f"replay uses the recorded config; overrides {' '.join(overrides)} would change it. "
             "Pass --allow-changes to replay with them (they are recorded and reported)."
         )
     changes = list(overrides)
-    fragments = [("recorded config", cfg)]
+    fragments: list[tuple[str, Any]] = []
     if overrides:
         fragments.append(("overrides", parse_overrides(overrides)))
-    if world_size is not None and world_size != cfg.world_size:
+    if world_size is not None and world_size != recorded.config.world_size:
         fragments.append(("--world-size", OmegaConf.create({"world_size": world_size})))
         changes.append(f"world_size={world_size}")
-    if len(fragments) == 1:
-        return cfg, []
-    new = compose(fragments, executors.schema())
-    validate(new, None, executors.schema())
-    return new, changes
+    if not fragments:
+        return recorded, []
+    return recorded.with_changes(fragments, executors.schema(), source="recorded config"), changes
 
 
 def follow_original(tracker: Tracker, run: RunSummary) -> RunSummary:
@@ -88,7 +88,7 @@ class _Prepared:
     original: RunSummary
     loaded: loading.Loaded
     a: RunRecord | None  # the original's record, where it was read already
-    cfg: DictConfig
+    experiment: Experiment  # what the replay runs: the recorded experiment with the replay's changes
     changes: list[str]
     tags: dict[str, str]
     data: Any  # record/rerun.py DataCheck
@@ -102,6 +102,10 @@ class _Prepared:
     @property
     def run_id(self) -> str:
         return self.original.run_id
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        return self.experiment.config
 
 
 def replay(options: ReplayOptions, context: ReplayContext | None = None) -> ReplayResult:
@@ -141,8 +145,8 @@ def _prepare(options: ReplayOptions, context: ReplayContext, tracker: Tracker, g
     if options.steps is not None:
         a = a or tracker.load_record(original.run_id)
         check_steps_of(options.steps, a)
-    cfg, changes = _config(options, loaded.recorded, tracker)
-    loaded.recorded.cfg = cfg
+    experiment, changes = _config(options, loaded.recorded, tracker)
+    loaded.recorded.experiment = experiment
     envelope = None if context.perturb_seed is not None else calibration_envelope(tracker, original.run_id)
     sketch_at = context.sketch_at
     if envelope is not None and envelope.weights is not None and (options.steps is None
@@ -156,26 +160,26 @@ def _prepare(options: ReplayOptions, context: ReplayContext, tracker: Tracker, g
     if context.commit is not None and context.commit != original.tags.get(T.GIT_COMMIT):
         changes.append(f"commit={context.commit[:12]}")
     tags = _replay_tags(original, context, changes, given, steering, data)
-    return _Prepared(tracker, original, loaded, a, cfg, changes, tags, data, steering, envelope, given,
+    return _Prepared(tracker, original, loaded, a, experiment, changes, tags, data, steering, envelope, given,
                      context.study_members)
 
 
-def _config(options: ReplayOptions, recorded: Any, tracker: Tracker) -> tuple[DictConfig, list[str]]:
+def _config(options: ReplayOptions, recorded: Any, tracker: Tracker) -> tuple[Experiment, list[str]]:
     """The config the replay runs and its changes (recorded and printed: no secret in them): the user's, then where
     it runs - a choice of the replay, not a change of the experiment, so no --allow-changes."""
     overrides = recorded.restore_secrets(list(options.overrides))  # a secret passed again is no change
-    cfg, changes = apply_changes(recorded.cfg, options.world_size, overrides, options.allow_changes)
+    experiment, changes = apply_changes(recorded.experiment, options.world_size, overrides, options.allow_changes)
     changes = [redaction.redact_override(c, redaction.store_key(tracker.uri)) for c in changes]
-    if options.executor is not None and options.executor != str(cfg.executor):
-        cfg = compose([("recorded config", cfg), ("--executor", OmegaConf.create({"executor": options.executor}))],
-                      executors.schema())
+    if options.executor is not None and options.executor != experiment.config.executor:
+        experiment = experiment.with_changes([("--executor", OmegaConf.create({"executor": options.executor}))],
+                                             executors.schema(), source="recorded config", check=False)
         changes.append(f"executor={options.executor}")
     placement = options.placement.backend_overrides()
     if placement:  # the backends' options (--nodes, --partition, ...): where the replay runs, likewise
-        cfg = compose([("recorded config", cfg), ("backend options", parse_overrides(placement))], executors.schema())
-        validate(cfg, None, executors.schema())
+        experiment = experiment.with_changes([("backend options", parse_overrides(placement))], executors.schema(),
+                                             source="recorded config")
         changes.extend(placement)
-    return cfg, changes
+    return experiment, changes
 
 
 def _replay_tags(original: RunSummary, context: ReplayContext, changes: list[str], given: Any, steering: Steering,
@@ -211,7 +215,7 @@ def _launch(p: _Prepared, options: ReplayOptions, context: ReplayContext) -> tup
 
         def recording(tagged: dict[str, str]) -> Callable[[dict[str, str]], str]:
             return lambda tags: create_record(
-                p.tracker, p.cfg, exp_dir, git, image=tags, extra_tags=tagged,
+                p.tracker, p.experiment, exp_dir, git, image=tags, extra_tags=tagged,
                 run_name=f"replay-of-{p.original.run_name}", experiment=p.original.experiment, data=p.data.manifest,
             )
 

@@ -8,11 +8,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
 from harness import events, executors, seeds, tags as T
 from harness.commands.options import CheckOptions, RunOptions
-from harness.config import boolean_words, compose, flatten, load_experiment, profile_warning, split_entry, to_container
+from harness.config import (
+    Experiment,
+    boolean_words,
+    compose,
+    flatten,
+    load_experiment,
+    profile_warning,
+    split_entry,
+    to_container,
+)
+from harness.configschema import ExperimentConfig
 from harness.errors import RepositoryError, SecretRefused, UsageError
 from harness.executors import Here, Job, JobInputs, Outcome, Topology, TorchrunEnv
 from harness.fmt import plain_name, printable
@@ -33,9 +41,9 @@ __all__ = ["Outcome", "Preflight", "check", "placed", "preflight", "run", "execu
 
 @dataclasses.dataclass
 class Preflight:
-    """What `harness run` checked before recording: the validated config, the code state, and warnings."""
+    """What `harness run` checked before recording: the validated experiment, the code state, and warnings."""
 
-    cfg: DictConfig
+    experiment: Experiment
     git: GitState
     warnings: list[str]
     data: dict | None = None  # the declared data's manifest, hashed before anything is recorded
@@ -43,6 +51,11 @@ class Preflight:
     read_ns: int | None = None  # time.time_ns() before the code and the data were read: a file written after changed
     topology: Topology = dataclasses.field(default_factory=Topology)  # where this process sits in the job
     here: Here = dataclasses.field(default_factory=Here)  # what the backend decided on this machine (its device)
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        """The experiment's typed values."""
+        return self.experiment.config
 
 
 def preflight(options: CheckOptions, *, topology: Topology | None = None, warm_ranks: bool = False) -> Preflight:
@@ -60,30 +73,32 @@ def preflight(options: CheckOptions, *, topology: Topology | None = None, warm_r
         options.executor, options.tracking_uri
     if executor is not None:
         overrides = [*overrides, f"executor={executor}"]
-    cfg = _load(exp_dir, overrides)
+    experiment = _load(exp_dir, overrides)
+    cfg = experiment.config
     runner = executors.executor_for(str(cfg.executor), topology)
     # Before any rank or rank server starts: they take the string-hash seed from this process's environment.
-    hash_seed = seeds.pin_hash_seed(int(cfg.seed), starts_ranks=topology.torchrun is None)
+    hash_seed = seeds.pin_hash_seed(cfg.seed, starts_ranks=topology.torchrun is None)
     if warm_ranks:
         runner.warm(cfg, topology)  # its torch import overlaps git, the data's hashes, MLflow and the record
     git = _code(exp_dir, cfg, tracking_uri, options.allow_untracked_secrets)
-    warnings: list[str] = boolean_words(list(overrides), cfg)
+    warnings: list[str] = boolean_words(list(overrides), experiment.composed)
     git = _secrets_in_diff(git, cfg, tracking_uri, options.allow_secret_in_diff, warnings)
-    warnings += _record_warnings(git, cfg, options.require_clean)
+    warnings += _record_warnings(git, experiment, options.require_clean)
     here = runner.check_here(cfg, topology)  # the device, refused before recording
     warnings += here.warnings
     if hash_seed.source == seeds.FROM_TORCHRUN:
-        warnings.append(seeds.unpinned_warning(int(cfg.seed)))
+        warnings.append(seeds.unpinned_warning(cfg.seed))
     profiled = profile_warning(cfg.profile)
     if profiled:
         warnings.append(profiled)
     # Last: the other checks are instant, and hashing (cached) may read gigabytes.
     stats = data.HashStats()
     manifest = data.resolve_and_hash(cfg.data, Path(exp_dir), git.root, stats)
-    return Preflight(cfg, git, warnings, manifest, stats if manifest is not None else None, read_ns, topology, here)
+    return Preflight(experiment, git, warnings, manifest, stats if manifest is not None else None, read_ns, topology,
+                     here)
 
 
-def _load(exp_dir: Path, overrides: list[str]) -> DictConfig:
+def _load(exp_dir: Path, overrides: list[str]) -> Experiment:
     """The experiment's config, validated; its folder's name first: every run it records would be named so."""
     name = experiment_name(exp_dir)
     if not plain_name(name):
@@ -94,7 +109,7 @@ def _load(exp_dir: Path, overrides: list[str]) -> DictConfig:
     return load_experiment(exp_dir, overrides, schema=executors.schema())
 
 
-def _code(exp_dir: Path, cfg: DictConfig, tracking_uri: str | None, allow_untracked_secrets: bool) -> GitState:
+def _code(exp_dir: Path, cfg: ExperimentConfig, tracking_uri: str | None, allow_untracked_secrets: bool) -> GitState:
     """The code's state in git, the entry and what it links to confined to the repository."""
     git = gitsource.inspect(
         exp_dir, max_untracked_mib=cfg.record.max_untracked_mib, allow_secrets=allow_untracked_secrets,
@@ -104,7 +119,7 @@ def _code(exp_dir: Path, cfg: DictConfig, tracking_uri: str | None, allow_untrac
     return git
 
 
-def _secrets_in_diff(git: GitState, cfg: DictConfig, tracking_uri: str | None, allow: bool,
+def _secrets_in_diff(git: GitState, cfg: ExperimentConfig, tracking_uri: str | None, allow: bool,
                      warnings: list[str]) -> GitState:
     """Secrets in the uncommitted changes: refused, or (`allow`) cut from the patch the store gets, said in `warnings`."""
     keys = redaction.known_keys(resolve_uri(tracking_uri)) if git.dirty else {}
@@ -134,18 +149,18 @@ def _secrets_in_diff(git: GitState, cfg: DictConfig, tracking_uri: str | None, a
         submodules=tuple(dataclasses.replace(sub, patch=redaction.redact_patch(sub.patch)) for sub in git.submodules))
 
 
-def _record_warnings(git: GitState, cfg: DictConfig, require_clean: bool) -> list[str]:
+def _record_warnings(git: GitState, experiment: Experiment, require_clean: bool) -> list[str]:
     """What the record will hold otherwise than given: long values, secrets in the config, the store's files, a dirty
     tree (refused with `require_clean`)."""
     warnings: list[str] = []
-    long = fit_params(flatten(cfg))[1]
+    long = fit_params(flatten(experiment.composed))[1]
     if long:
         warnings.append(
             f"{len(long)} config value{'s are' if len(long) > 1 else ' is'} longer than MLflow's {PARAM_LIMIT}-character "
             f"params ({', '.join(long[:3])}{', ...' if len(long) > 3 else ''}): recorded in params as length and sha256, "
             "whole in config.yaml."
         )
-    _, secret_keys = redaction.redact(to_container(cfg), None)
+    _, secret_keys = redaction.redact(to_container(experiment.composed), None)
     if secret_keys:
         warnings.append(redaction.warning(secret_keys))
     if git.excluded:
@@ -215,7 +230,7 @@ def run(options: RunOptions, *, topology: Topology | None = None, named: Labels 
         inputs = JobInputs(git.root, Path(exp_dir), data=data_paths(checked.data), code_id=git_code_id(git))
         job = Job(
             tracker, cfg, inputs,
-            record=lambda tags: create_record(tracker, cfg, Path(exp_dir), git, image=tags, data=checked.data,
+            record=lambda tags: create_record(tracker, checked.experiment, Path(exp_dir), git, image=tags, data=checked.data,
                                               extra_tags=dict(named.tags) if named else None,
                                               run_name=named.name if named else None),
             topology=topology, ranks=here.ranks, here=here,
@@ -253,15 +268,16 @@ def execute_recorded(
 
     tracker = Tracker(tracking_uri)
     run = loading.load(tracker, run_id, loading.EXECUTE).summary
-    cfg = recorded_config(tracker, run)
+    experiment = recorded_config(tracker, run)
     seeds.apply_recorded_hash_seed(run.tags, run.run_id)  # the submitting side recorded it; these ranks start here
-    container = to_container(cfg)
+    container = to_container(experiment.composed)
     if redaction.redacted_keys(container):  # a batch job has the submitting shell's variables
         restored, _ = redaction.restore(
             container, [], redaction.parse_sources(run.tags.get(T.CONFIG_REDACTED)), os.environ, run_id,
             redaction.store_key(tracker.uri),
         )
-        cfg = compose([("recorded config", OmegaConf.create(restored))], executors.schema())
+        experiment = Experiment.of(compose([("recorded config", OmegaConf.create(restored))], executors.schema()))
+    cfg = experiment.config
     code_dir = Path(code_dir)
     rel = confine.recorded_path(run.tags.get(T.EXPERIMENT_PATH, ""), "experiment folder", run_id)
     root = code_dir.resolve()
@@ -280,7 +296,7 @@ def execute_recorded(
         # The run exists; the tags this process learns (where it ran, the nodes) are added to it.
         record=lambda tags: _add_tags(tracker, run_id, tags),
     )
-    return executors.run_job(executors.executing(str(cfg.executor)), job)
+    return executors.run_job(executors.executing(cfg.executor), job)
 
 
 def _add_tags(tracker: Tracker, run_id: str, tags: dict[str, str]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 from harness import events, executors, scratch, tags as T
 from harness.commands.options import RunOptions
-from harness.config import MAX_SEED, check_seeds, compose
+from harness.config import MAX_SEED, check_seeds
 from harness.errors import EXIT_FAILED, EXIT_OK, SecretRefused, UsageError
 from harness.executors import Job, JobInputs
 from harness.executors.base import Outcome, signals_to
@@ -295,17 +295,18 @@ def _record_study(tracker: Tracker, exp_dir: Path, checked: Any, seeds: list[int
     from omegaconf import OmegaConf
 
     cfg, git = checked.cfg, checked.git
-    study_cfg = compose([("config", cfg), ("study", OmegaConf.create({"seeds": seeds}))], executors.schema())
+    study_exp = checked.experiment.with_changes([("study", OmegaConf.create({"seeds": seeds}))], executors.schema(),
+                                                check=False)
     name = exp_dir.resolve().name
     # The executor refuses what cannot run (no GPU, no engine) before the study is recorded.
     inputs = JobInputs(git.root, exp_dir, data=paths_of(checked.data))
-    placement = executors.get(str(cfg.executor)).prepare(Job(tracker, study_cfg, inputs, here=checked.here))
+    placement = executors.get(str(cfg.executor)).prepare(Job(tracker, study_exp.config, inputs, here=checked.here))
     study_tags = {
         **(dict(named.tags) if named is not None else {}), T.KIND: T.KIND_STUDY,
         T.STUDY_SEEDS: ",".join(map(str, seeds)), T.STUDY_SIZE: str(len(seeds)), T.STUDY_PARALLEL: str(jobs_at_once),
     }
     given = named.name if named is not None else None
-    study_id = create_record(tracker, study_cfg, exp_dir, git, image=placement, extra_tags=study_tags,
+    study_id = create_record(tracker, study_exp, exp_dir, git, image=placement, extra_tags=study_tags,
                              run_name=given or f"{name}-study{len(seeds)}", data=checked.data)
     _say(f"study {study_id}: {len(seeds)} seeds ({_seed_list(seeds)}), {jobs_at_once} at once")
     return study_id
@@ -324,16 +325,17 @@ def _member_jobs(tracker: Tracker, study_id: str, exp_dir: Path, checked: Any, t
     job_options = executors.options_for(str(cfg.executor), **{**options, "quiet": quiet})
 
     def make_job(seed: int) -> Job:
-        member_cfg = compose([("study config", cfg), ("member", OmegaConf.create({"seed": seed, "seeds": None}))],
-                             executors.schema())
+        member = checked.experiment.with_changes(
+            [("member", OmegaConf.create({"seed": seed, "seeds": None}))], executors.schema(),
+            source="study config", check=False)
         extra = {**user_tags, T.STUDY: study_id, T.MLFLOW_PARENT_RUN_ID: study_id}
 
         def record(tags: dict[str, str]) -> str:
-            return create_record(tracker, member_cfg, exp_dir, git, image=tags, extra_tags=extra,
+            return create_record(tracker, member, exp_dir, git, image=tags, extra_tags=extra,
                                  run_name=f"{given or name}-seed{seed}", data=checked.data)
 
         # The members run the checkout, which nobody edits; the data they read is the live one.
-        return Job(tracker, member_cfg, inputs, record=record, options=job_options, here=checked.here,
+        return Job(tracker, member.config, inputs, record=record, options=job_options, here=checked.here,
                    verify=lambda: unchanged.changes(None, checked.data, checked.read_ns))
 
     return make_job

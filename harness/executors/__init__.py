@@ -23,9 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
-from omegaconf import DictConfig
-
 from harness import configschema, events
+from harness.configschema import ExperimentConfig
 from harness.errors import BackendError, UsageError
 from harness.executors.base import (
     Backend,
@@ -206,7 +205,7 @@ def run_segments(job: Job, plans: list[Any], on_message: Callable[[Message], Non
     get(job.executor).run_segments(job, plans, on_message)
 
 
-def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
+def check_segments(cfg: ExperimentConfig, what: str, *, here: bool = True) -> None:
     """The backend `cfg` names re-executes segments (and, with `here`, can on this machine): else one line (exit 2),
     before anything is recorded."""
     declared = backend(str(cfg.executor))
@@ -219,7 +218,7 @@ def check_segments(cfg: DictConfig, what: str, *, here: bool = True) -> None:
         check(cfg)
 
 
-def early_ranks(cfg: DictConfig, topology: Topology) -> Any:
+def early_ranks(cfg: ExperimentConfig, topology: Topology) -> Any:
     """This node's ranks started now, for a single-node job of a backend that starts them early (its executor's
     start_here: the warm ranks), so that they import torch while the run is recorded; None for any other. The caller
     stops them and removes their work folder (Here.stop)."""

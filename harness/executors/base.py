@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from omegaconf import DictConfig
-
 from harness import events
+from harness.configschema import ExperimentConfig
 from harness.events import Output, Submitted
 from harness.messages import Final, Message, Metrics, MetricsBatch, SegmentEnd, SegmentStart
 from harness.runtime.plan import UNSTEERED, LaunchPlan
@@ -154,7 +153,7 @@ class Job:
     """A job as every backend sees it: the resolved config, its code and data, and the run that records it."""
 
     tracker: Tracker
-    cfg: DictConfig
+    cfg: ExperimentConfig  # the typed experiment (config.Experiment.config): never changed in place
     inputs: JobInputs
     run_id: str = ""  # set once recorded
     # Creates (run, replay) or reopens (resume) the job's one MLflow run with the backend's tags and
@@ -277,18 +276,18 @@ class Executor(ABC):
 
     # -- what happens on this machine before anything is recorded: the commands call these in order, and never
     # test what kind of backend they hold (a backend whose ranks run elsewhere keeps the defaults: nothing here).
-    def warm(self, cfg: DictConfig, topology: Topology, before: Callable[[], object] | None = None) -> bool:
+    def warm(self, cfg: ExperimentConfig, topology: Topology, before: Callable[[], object] | None = None) -> bool:
         """Start now what this node's ranks will import (the rank server), so that it overlaps the reads of the code
         and the data; whether it started. `before` is called first when it does: the string-hash seed the ranks
         take must be in the environment before the server starts."""
         return False
 
-    def check_here(self, cfg: DictConfig, topology: Topology) -> Here:
+    def check_here(self, cfg: ExperimentConfig, topology: Topology) -> Here:
         """What this machine must hold for this node's ranks (the device, enough of them), checked before anything is
         recorded: the decision, or HarnessError."""
         return Here()
 
-    def start_here(self, cfg: DictConfig, topology: Topology, here: Here) -> Here:
+    def start_here(self, cfg: ExperimentConfig, topology: Topology, here: Here) -> Here:
         """Last before the run is recorded: refuse what this node's ranks cannot start with (an entry that runs again
         in every rank, a world size other than the launcher's) and start them early (the warm ranks), so that they
         import torch while the run is recorded. `here`: check_here's decision; returned with what this did."""
@@ -332,7 +331,7 @@ class Backend:
     executor: Callable[[], Executor]  # a fresh executor per job
     help: str = ""  # one line: where the ranks run
     section: type | None = None  # its config section, a dataclass; merged into the schema as `NAME:`
-    check: Callable[[DictConfig], None] | None = None  # checks of a composed config the schema cannot express
+    check: Callable[[ExperimentConfig], None] | None = None  # checks of a config the schema cannot express
     options: type[JobOptions] = JobOptions
     cli: tuple[CliOption, ...] = ()
     runs_segments: bool = False  # can re-execute checkpoint segments (audit, trace)

@@ -19,10 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
 from harness import events, tags as T
 from harness.config import is_no_image, split_entry, to_container, to_yaml
+from harness.configschema import ExperimentConfig
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted, RunFailed
 from harness.executors.base import (
     FAILED,
@@ -84,14 +83,13 @@ def local_image_tags(image: str) -> dict[str, str]:
 
 
 def launch_spec(
-    cfg: DictConfig, code_dir: Path, device: str, backend: str, log_dir: Path, checkpoints: Any = None,
-    data: dict[str, str] | None = None,
+    cfg: ExperimentConfig, code_dir: Path, device: str, backend: str, log_dir: Path,
+    checkpoints: CheckpointPlan | None = None, data: dict[str, str] | None = None,
 ) -> LaunchSpec:
-    """The plain-values description of the ranks for this config (see runtime/rank/spec.py: LaunchSpec)."""
+    """The plain-values description of the ranks for this experiment (see runtime/rank/spec.py: LaunchSpec)."""
     from harness.runtime.plan import ProfilePlan
-    from harness.seeds import derive_rank_seeds
 
-    entry_file, entry_func = split_entry(str(cfg.entry))
+    entry_file, entry_func = split_entry(cfg.entry)
     return LaunchSpec(
         code_dir=str(Path(code_dir).resolve()),
         entry_file=entry_file,
@@ -100,7 +98,7 @@ def launch_spec(
         device=device,
         backend=backend,
         seed=cfg.seed,
-        rank_seeds=derive_rank_seeds(cfg.seed, cfg.world_size),
+        rank_seeds=list(cfg.rank_seeds),
         threads_per_rank=cfg.threads_per_rank,
         determinism=cfg.determinism.level.value,
         fingerprint_every=cfg.fingerprint_every,
@@ -108,22 +106,22 @@ def launch_spec(
         log_dir=str(log_dir),
         checkpoints=checkpoints,
         invariant_shards=cfg.determinism.shards if cfg.determinism.world_size_invariant else 0,
-        timeout_s=float(cfg.timeout_s),
-        stall_s=float(cfg.stall_s),
+        timeout_s=cfg.timeout_s,
+        stall_s=cfg.stall_s,
         launcher=cfg.launcher.value,
         output_dir=str(Path(log_dir).parent / "outputs"),
         data=dict(data or {}),
         profile=ProfilePlan(str(Path(log_dir).parent / T.ARTIFACT_PROFILE_DIR), tuple(cfg.profile.steps),
-                            tuple(cfg.profile.ranks), int(cfg.profile.samples_per_step)),
+                            tuple(cfg.profile.ranks), cfg.profile.samples_per_step),
     )
 
 
-def check_runnable(cfg: DictConfig, nproc: int | None = None) -> tuple[str, str]:
+def check_runnable(cfg: ExperimentConfig, nproc: int | None = None) -> tuple[str, str]:
     """This machine can run `nproc` ranks (default: all of world_size) of `cfg`: (device, backend), or HarnessError."""
     return resolve_device(cfg.device.value, cfg.backend.value, cfg.world_size if nproc is None else nproc)
 
 
-def check_device_here(cfg: DictConfig, topology: Topology) -> Here:
+def check_device_here(cfg: ExperimentConfig, topology: Topology) -> Here:
     """Executor.check_here of a backend whose ranks run on this machine: this node's share of the ranks has the device
     it asks for (refused before anything is recorded), and a warning when they are more threads than cores."""
     nproc = max(cfg.world_size // topology.nnodes, 1)
@@ -143,7 +141,7 @@ def device_of(job: Job, nproc: int) -> tuple[str, str]:
     return here.device, here.backend
 
 
-def config_id(cfg: DictConfig) -> str:
+def config_id(cfg: ExperimentConfig) -> str:
     """The resolved config's digest: every node of a job must run the same one."""
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
 

@@ -13,10 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from harness import events, tags as T
 from harness.config import is_no_image, to_container
+from harness.configschema import ExperimentConfig
 from harness.errors import BackendError, ConfigError, SecretRefused
 from harness.executors.base import (
     FAILED,
@@ -218,8 +217,8 @@ class DockerOptions(JobOptions):
     allow_unpinned: bool = False  # run an image pinned by the moving 'latest' tag
 
 
-def check(cfg: DictConfig) -> None:
-    if is_no_image(str(cfg.image)) and str(cfg.executor) == "docker":
+def check(cfg: ExperimentConfig) -> None:
+    if is_no_image(cfg.image) and cfg.executor == "docker":
         raise ConfigError("executor docker needs an image, but image is none. Pin one (name:tag or name@sha256:...).")
 
 

@@ -14,11 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from harness import events, scratch, tags as T
 from harness.config import check_nodes
-from harness.configschema import Launcher
+from harness.configschema import ExperimentConfig, Launcher
 from harness.errors import Interrupted, RunFailed
 from harness.executors import procs
 from harness.executors.base import (
@@ -48,7 +46,7 @@ from harness.messages import Message
 from harness.runtime.rank.spec import LaunchSpec
 
 
-def early_ranks(cfg: DictConfig) -> Ranks:
+def early_ranks(cfg: ExperimentConfig) -> Ranks:
     """This node's ranks started now (in a fresh work folder: Here.stop ends them and removes it), before the run is
     recorded, so that they import torch meanwhile; they run the entry once the job's spec reaches them."""
     work = scratch.make("run")
@@ -60,7 +58,7 @@ def early_ranks(cfg: DictConfig) -> Ranks:
 
 
 def run_segments(
-    cfg: DictConfig, exp_dir: Path, plans: list[Any], on_message: Callable[[Message], None],
+    cfg: ExperimentConfig, exp_dir: Path, plans: list[Any], on_message: Callable[[Message], None],
     data: dict[str, str] | None = None,
 ) -> None:
     """Run the entry once per checkpoint plan in one set of local ranks (audit: start-up is paid once).
@@ -80,7 +78,7 @@ def run_segments(
 class LocalExecutor(Executor):
     name = "local"
 
-    def warm(self, cfg: DictConfig, topology: Topology, before: Callable[[], object] | None = None) -> bool:
+    def warm(self, cfg: ExperimentConfig, topology: Topology, before: Callable[[], object] | None = None) -> bool:
         # One node's ranks fork from the rank server: its torch import overlaps git, the data's hashes, MLflow and
         # the record. Several nodes' ranks start once the rendezvous is made, which waits for every node anyway.
         if topology.nnodes != 1 or cfg.launcher is not Launcher.forkserver:
@@ -90,10 +88,10 @@ class LocalExecutor(Executor):
         procs.warm()
         return True
 
-    def check_here(self, cfg: DictConfig, topology: Topology) -> Here:
+    def check_here(self, cfg: ExperimentConfig, topology: Topology) -> Here:
         return check_device_here(cfg, topology)
 
-    def start_here(self, cfg: DictConfig, topology: Topology, here: Here) -> Here:
+    def start_here(self, cfg: ExperimentConfig, topology: Topology, here: Here) -> Here:
         if topology.multi_node:  # the ranks start once the nodes have met; the main guard is checked in prepare()
             return here
         procs.check_main_guarded()  # a script that would run again in every rank: said before "recording"
@@ -112,7 +110,7 @@ class LocalExecutor(Executor):
         handle.start()
         return handle
 
-    def check_segments(self, cfg: DictConfig) -> None:
+    def check_segments(self, cfg: ExperimentConfig) -> None:
         check_runnable(cfg)
         procs.check_main_guarded()
 

@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
-
 from harness import events, tags as T
+from harness.configschema import ExperimentConfig
 from harness.errors import EXIT_FAILED, EXIT_OK, Interrupted
 from harness.executors.base import Executor, Handle, Job, JobEvent, Outcome
 from harness.executors.local import LocalExecutor
@@ -72,7 +71,7 @@ class RemoteExecutor(Executor):
 
     # A remote run's segments (audit, trace) re-execute on this machine's ranks, as the local backend runs them:
     # what audit and trace have always done with one.
-    def check_segments(self, cfg: DictConfig) -> None:
+    def check_segments(self, cfg: ExperimentConfig) -> None:
         LocalExecutor().check_segments(cfg)
 
     def run_segments(self, job: Job, plans: list[Any], on_message: Callable[[Message], None]) -> None:

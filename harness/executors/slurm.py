@@ -24,10 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from harness import events, tags as T
 from harness.config import check_nodes
+from harness.configschema import ExperimentConfig
 from harness.errors import EXIT_FAILED, EXIT_OK, BackendError, ConfigError, UsageError
 from harness.executors.base import (
     FAILED,
@@ -66,15 +65,16 @@ class SlurmConfig:
     """How often the submitting process asks the scheduler whether the job still runs."""
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: ExperimentConfig) -> None:
     """The `slurm:` section's ranges (checked on every config, whichever executor it names)."""
-    check_nodes(cfg.slurm.nodes, cfg.world_size, "slurm.nodes (--nodes)")
-    if cfg.slurm.gpus_per_node < 0:
-        raise ConfigError(f"slurm.gpus_per_node must be >= 0, got {cfg.slurm.gpus_per_node}.")
-    if cfg.slurm.cpus_per_task is not None and cfg.slurm.cpus_per_task < 1:
-        raise ConfigError(f"slurm.cpus_per_task must be >= 1, got {cfg.slurm.cpus_per_task}.")
-    if not cfg.slurm.poll_s > 0:
-        raise ConfigError(f"slurm.poll_s must be > 0 seconds, got {cfg.slurm.poll_s}.")
+    slurm = cfg.section("slurm", SlurmConfig)
+    check_nodes(slurm.nodes, cfg.world_size, "slurm.nodes (--nodes)")
+    if slurm.gpus_per_node < 0:
+        raise ConfigError(f"slurm.gpus_per_node must be >= 0, got {slurm.gpus_per_node}.")
+    if slurm.cpus_per_task is not None and slurm.cpus_per_task < 1:
+        raise ConfigError(f"slurm.cpus_per_task must be >= 1, got {slurm.cpus_per_task}.")
+    if not slurm.poll_s > 0:
+        raise ConfigError(f"slurm.poll_s must be > 0 seconds, got {slurm.poll_s}.")
 
 
 _CALL_S = 30.0  # deadline of one sbatch/scontrol/scancel call
@@ -105,10 +105,10 @@ def job_dir(run_id: str) -> Path:
 
 def batch_script(job: Job, exp_dir: Path, out: Path, tracking_uri: str) -> str:
     """The sbatch script: resources, the first node's address as the rendezvous, one task per node."""
-    cfg = job.cfg
-    nodes = int(cfg.slurm.nodes)
+    cfg, slurm = job.cfg, job.cfg.section("slurm", SlurmConfig)
+    nodes = slurm.nodes
     per_node = cfg.world_size // nodes
-    cpus = cfg.slurm.cpus_per_task or cfg.threads_per_rank * per_node
+    cpus = slurm.cpus_per_task or cfg.threads_per_rank * per_node
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=harness-{Path(job.exp_dir).resolve().name}",
@@ -117,12 +117,12 @@ def batch_script(job: Job, exp_dir: Path, out: Path, tracking_uri: str) -> str:
         f"#SBATCH --cpus-per-task={cpus}",
         f"#SBATCH --output={out / 'slurm-%j.out'}",
     ]
-    if cfg.slurm.partition:
-        lines.append(f"#SBATCH --partition={cfg.slurm.partition}")
-    if cfg.slurm.time:
-        lines.append(f"#SBATCH --time={cfg.slurm.time}")
-    if cfg.slurm.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={cfg.slurm.gpus_per_node}")
+    if slurm.partition:
+        lines.append(f"#SBATCH --partition={slurm.partition}")
+    if slurm.time:
+        lines.append(f"#SBATCH --time={slurm.time}")
+    if slurm.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={slurm.gpus_per_node}")
     command = execute_command(job, str(Path(exp_dir).resolve()), this_python())
     lines += [
         "set -euo pipefail",
@@ -154,7 +154,7 @@ class SlurmExecutor(RemoteExecutor):
     def prepare(self, job: Job) -> dict[str, str]:
         if job.topology.multi_node:
             raise UsageError("--nnodes is for jobs started by hand on each node; with --executor slurm use --nodes N.")
-        check_nodes(int(job.cfg.slurm.nodes), job.cfg.world_size, "slurm.nodes (--nodes)")
+        check_nodes(job.cfg.section("slurm", SlurmConfig).nodes, job.cfg.world_size, "slurm.nodes (--nodes)")
         if shutil.which("sbatch") is None:
             raise BackendError("sbatch not found: this machine is not a Slurm client. Install Slurm's client commands "
                                "(and point SLURM_CONF at the cluster), or use --executor local.")
@@ -255,7 +255,7 @@ class SlurmHandle(RemoteHandle):
 
     def follow(self) -> Ended:
         tracker, run_id = self.job.tracker, self.job.run_id
-        poll = float(self.job.cfg.slurm.poll_s)
+        poll = self.job.cfg.section("slurm", SlurmConfig).poll_s
         state, reason = "PENDING", ""
         while True:
             self._stream()

@@ -20,9 +20,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from harness import scratch, tags as T
+from harness.configschema import ExperimentConfig
 from harness.errors import BackendError, HarnessError, Interrupted, RunFailed
 from harness.executors.base import (
     Executor,
@@ -108,10 +107,10 @@ def check_config(env: TorchrunEnv, world_size: int) -> None:
 class TorchrunExecutor(Executor):
     name = LAUNCHER
 
-    def check_here(self, cfg: DictConfig, topology: Topology) -> Here:
+    def check_here(self, cfg: ExperimentConfig, topology: Topology) -> Here:
         return check_device_here(cfg, topology)
 
-    def start_here(self, cfg: DictConfig, topology: Topology, here: Here) -> Here:
+    def start_here(self, cfg: ExperimentConfig, topology: Topology, here: Here) -> Here:
         # Before the store is opened (one rank at a time on a fresh one): every rank gets to say why it refuses
         # before torchrun stops the others.
         env = topology.torchrun or torchrun_env()

@@ -18,7 +18,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from harness import tags as T
-from harness.config import flatten, split_entry, to_container, to_yaml
+from harness.config import Experiment, flatten, split_entry, to_container, to_yaml
+from harness.configschema import ExperimentConfig
 from harness.errors import UsageError
 from harness.record import derived, redaction
 from harness.store.tracking import Tracker
@@ -82,9 +83,9 @@ def experiment_name(exp_dir: Path) -> str:
     return Path(exp_dir).resolve().name
 
 
-def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
+def record_tags(cfg: ExperimentConfig, exp_dir: Path, git: GitState, image: dict[str, str]) -> dict[str, str]:
     """Tags known before anything runs: code, image, seeds, topology as configured."""
-    from harness.seeds import derive_rank_seeds, hash_seed_tags
+    from harness.seeds import hash_seed_tags
 
     rel = Path(exp_dir).resolve().relative_to(git.root.resolve()).as_posix()
     source = f"{rel}/{split_entry(cfg.entry)[0]}"
@@ -100,7 +101,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
         T.MLFLOW_SOURCE_NAME: source,
         T.MLFLOW_SOURCE_TYPE: "PROJECT",
         T.SEED: str(cfg.seed),
-        T.RANK_SEEDS: ",".join(map(str, derive_rank_seeds(cfg.seed, cfg.world_size))),
+        T.RANK_SEEDS: ",".join(map(str, cfg.rank_seeds)),
         T.WORLD_SIZE: str(cfg.world_size),
         T.THREADS_PER_RANK: str(cfg.threads_per_rank),
     }
@@ -122,7 +123,7 @@ def record_tags(cfg: DictConfig, exp_dir: Path, git: GitState, image: dict[str, 
 
 def create_record(
     tracker: Tracker,
-    cfg: DictConfig,
+    exp: Experiment,
     exp_dir: Path,
     git: GitState,
     *,
@@ -132,12 +133,13 @@ def create_record(
     experiment: str | None = None,
     data: dict | None = None,
 ) -> str:
-    """One MLflow run holding the resolved config, the code state and the declared data's manifest."""
+    """One MLflow run holding the resolved config (written from `exp.composed`), the code state and the declared
+    data's manifest."""
     from harness.record import data as D
 
-    tags = record_tags(cfg, exp_dir, git, image)
+    tags = record_tags(exp.config, exp_dir, git, image)
     tags.update({T.DATA_PREFIX + name: digest for name, digest in D.digests(data).items()})
-    params, text, redacted = recordable_config(cfg, tracker.uri)
+    params, text, redacted = recordable_config(exp.composed, tracker.uri)
     # "auto" is no device: the param is logged once the launcher resolves it (record/recorder.py Recorder.start).
     params = {k: v for k, v in params.items() if not (k in T.RESOLVED_AT_LAUNCH and v == "auto")}
     if redacted:

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
 from harness import events, tags as T
 from harness.config import flatten, to_container
+from harness.configschema import ExperimentConfig
 from harness.errors import EXIT_FAILED, EXIT_OK, HarnessError
 from harness.judge.delta import setting_risk
 from harness.messages import (
@@ -107,7 +106,7 @@ class Closed:
     fingerprints: dict[int, str]
 
 
-def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step: int | None) -> Any:
+def open_checkpoints(tracker: Tracker, run_id: str, cfg: ExperimentConfig, resume_step: int | None) -> Any:
     """The run's checkpoints (checkpoints.CheckpointStore), None when it neither saves nor loads any."""
     if cfg.checkpoint_every <= 0 and resume_step is None:
         return None
@@ -118,7 +117,7 @@ def open_checkpoints(tracker: Tracker, run_id: str, cfg: DictConfig, resume_step
     return checkpoint_store.open_for(tracker, run_id)
 
 
-def checkpoint_plan(store: Any, cfg: DictConfig, resume_step: int | None,
+def checkpoint_plan(store: Any, cfg: ExperimentConfig, resume_step: int | None,
                     steering: LaunchPlan = UNSTEERED) -> LaunchPlan | None:
     """The launch's plan for its ranks: `steering` (its recorded part) with the run's checkpoint store. Checkpoints
     live in the run's own artifacts (through a staging folder for a server's), so the MLflow UI lists them with the
@@ -138,7 +137,7 @@ class Recorder:
     the store does not take is moved from there to ~/.cache/harness/unsent/<run id>.
     """
 
-    def __init__(self, tracker: Tracker, run_id: str, cfg: DictConfig, work: Path,
+    def __init__(self, tracker: Tracker, run_id: str, cfg: ExperimentConfig, work: Path,
                  view: Callable[[Shown], None], resume_step: int | None = None,
                  steering: LaunchPlan = UNSTEERED) -> None:
         self.tracker, self.run_id, self.cfg, self.work = tracker, run_id, cfg, work
@@ -271,9 +270,9 @@ class Recorder:
                     self.view(Line(line))
             case UserSeeds(calls):
                 final["user_seeds"] = calls
-                fixed = userseed.foreign(calls, int(self.cfg.seed), int(self.cfg.world_size))
+                fixed = userseed.foreign(calls, self.cfg.seed, self.cfg.rank_seeds)
                 if fixed and "user-seeds" not in self.notices:
-                    text = userseed.foreign_warning(fixed, int(self.cfg.seed))
+                    text = userseed.foreign_warning(fixed, self.cfg.seed)
                     self.notices["user-seeds"] = text
                     self.view(Line(f"Warning: {text}"))
             case Total():
@@ -404,7 +403,7 @@ class Recorder:
     def _record_unannounced_checkpoints(self) -> None:
         """Steps complete on disk whose Checkpoint message never came (rank 0 was killed after writing the marker,
         before the message left): recorded from their markers, as the message would have been, and uploaded."""
-        for step, digests in sorted(self.ckpts.saved(int(self.cfg.world_size)).items()):
+        for step, digests in sorted(self.ckpts.saved(self.cfg.world_size).items()):
             if step not in self.final["checkpoints"]:
                 self.feed(Checkpoint(step, digests["sha256"], digests["tensors"], tuple(digests["ranks"])))
 

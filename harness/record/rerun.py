@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from harness import seeds, tags as T
-from harness.config import compose, split_entry, to_container, validate
+from harness.config import Experiment, compose, split_entry, to_container, validate
+from harness.configschema import ExperimentConfig
 from harness.errors import RunRefused, UsageError
 from harness.executors import Job, JobInputs, Topology, schema
 from harness.record import confine, redaction
@@ -22,7 +21,7 @@ from harness.store.tracking import RunSummary, Tracker
 from harness.systems import git as gitsource
 
 
-def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
+def recorded_config(tracker: Tracker, run: RunSummary) -> Experiment:
     """The resolved config stored with the run, with auto device/backend pinned to what it ran on."""
     from omegaconf import OmegaConf
 
@@ -30,7 +29,8 @@ def recorded_config(tracker: Tracker, run: RunSummary) -> DictConfig:
     if text is None:
         raise RunRefused(f"run '{run.run_id}' has no {T.ARTIFACT_CONFIG} artifact; it cannot be replayed.")
     pinned = {key: run.tags[tag] for key, tag in T.RESOLVED_AT_LAUNCH.items() if tag in run.tags}
-    return compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))], schema())
+    return Experiment.of(compose([("recorded config", OmegaConf.create(text)), ("recorded runtime", OmegaConf.create(pinned))],
+                                 schema()))
 
 
 def code_id(commit: str, patch_sha256: str | None, submodules_sha256: str | None = None) -> str:
@@ -54,13 +54,18 @@ def tags_code_id(tags: dict[str, str]) -> str:
 class RecordedRun:
     """A harness run as the store holds it, made ready to run again (by replay, resume, audit and trace).
 
-    The command loads it through harness/record/loading.py (which refuses what it cannot use), may adjust
-    `cfg` (replay's --world-size, overrides, --executor), then enters `code()`.
+    The command loads it through harness/record/loading.py (which refuses what it cannot use), may replace
+    `experiment` by a changed one (replay's --world-size, overrides, --executor), then enters `code()`.
     """
 
     tracker: Tracker
     run: RunSummary
-    cfg: DictConfig  # the resolved config stored with the run, device and backend pinned to what it ran on
+    experiment: Experiment  # the resolved config stored with the run, device and backend pinned to what it ran on
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        """The recorded experiment's typed values."""
+        return self.experiment.config
 
     @classmethod
     def load(cls, tracker: Tracker, run: RunSummary) -> RecordedRun:
@@ -78,7 +83,7 @@ class RecordedRun:
         sources = redaction.parse_sources(self.run.tags.get(T.CONFIG_REDACTED))
         restored, rest = redaction.restore(container, list(overrides), sources, os.environ, self.run.run_id,
                                            redaction.store_key(self.tracker.uri), command)
-        self.cfg = compose([("recorded config", OmegaConf.create(restored))], schema())
+        self.experiment = Experiment.of(compose([("recorded config", OmegaConf.create(restored))], schema()))
         return rest
 
     def job(self, tree: Path, exp_dir: Path, *, record: Any = None, topology: Any = None, **fields: Any) -> Any:
@@ -128,8 +133,8 @@ class RecordedRun:
         """Check out the recorded code and validate `cfg` against it; yields (worktree, experiment folder).
         `commit`: another commit of the same repository instead (harness bisect's probes), without the patch."""
         with checkout(self.tracker, self.run, repo, commit=commit) as (tree, exp_dir):
-            validate(self.cfg, exp_dir, schema())  # the entry must exist in the recorded code
+            validate(self.experiment.composed, exp_dir, schema())  # the entry must exist in the recorded code
             confine.check_code(
-                tree, exp_dir, split_entry(str(self.cfg.entry))[0], gitsource.recorded_symlinks(tree, exp_dir)
+                tree, exp_dir, split_entry(self.cfg.entry)[0], gitsource.recorded_symlinks(tree, exp_dir)
             )  # ...and lie in it
             yield tree, exp_dir

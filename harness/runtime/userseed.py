@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,12 +117,10 @@ def send_once(w: Watch | None, send: Callable[[Any], None] | None) -> None:
         send(message)
 
 
-def foreign(calls: tuple[UserSeed, ...], seed: int, world_size: int) -> list[UserSeed]:
+def foreign(calls: tuple[UserSeed, ...], seed: int, rank_seeds: Sequence[int]) -> list[UserSeed]:
     """The calls that seeded with a value harness did not derive from the recorded seed (its base seed, a rank's
     seed): those values, not the record's seed, decide what the RNGs draw. L.seed_everything(ctx.seed) is not one."""
-    from harness.seeds import derive_rank_seeds
-
-    ours = {str(seed), *map(str, derive_rank_seeds(seed, world_size))}
+    ours = {str(seed), *map(str, rank_seeds)}
     return [c for c in calls if c.value not in ours]
 
 

@@ -31,11 +31,11 @@ def test_a_verdict_line_colours_its_verdict_only(monkeypatch: pytest.MonkeyPatch
     from harness.cli import console
 
     monkeypatch.delenv("NO_COLOR", raising=False)
-    monkeypatch.setattr(console._Voice, "plain", False)
+    monkeypatch.setattr(console.Voice, "plain", False)
     monkeypatch.setattr(console.click.utils, "should_strip_ansi", lambda stream=None, color=None: False)  # a terminal
-    console._verdict("verdict: DIVERGED at step 3 (loss)")
-    console._verdict("verdict: INCONCLUSIVE: 3 of 3 members replayed")
-    console._verdict("verdict: WITHIN_TOLERANCE (atol 1e-06)")
+    console.say_verdict("verdict: DIVERGED at step 3 (loss)")
+    console.say_verdict("verdict: INCONCLUSIVE: 3 of 3 members replayed")
+    console.say_verdict("verdict: WITHIN_TOLERANCE (atol 1e-06)")
     assert capsys.readouterr().out.splitlines() == [
         f"verdict: {RED}{BOLD}DIVERGED{RESET} at step 3 (loss)",
         f"verdict: {YELLOW}{BOLD}INCONCLUSIVE{RESET}: 3 of 3 members replayed",

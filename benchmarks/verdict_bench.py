@@ -70,7 +70,10 @@ class Change:
     new_seed: bool = False
     perturb: int | None = None  # a calibration member: the weights start nudged (harness/runtime/perturb.py)
     nudge: float = NUDGE  # the member's nudge, relative (--nudge-sweep tries others)
-    dropout: float = 0.0  # dropout before the last layer (the rounding table's models use 0.1)
+    dropout: float = 0.0  # dropout on the model's input, added to the model's own (Model.dropout)
+    momentum: float | None = None  # the SGD momentum instead of the model's
+    weight_decay_add: float = 0.0  # added to the model's weight decay
+    flip_label_at: int | None = None  # at this step, the batch's first sample's label is another class's
 
 
 HONEST = [
@@ -105,6 +108,9 @@ class Model:
     momentum: float = 0.9
     weight_decay: float = 5e-3
     eval_every: int = 4
+    dropout: float = 0.0  # dropout on the input
+    accumulate: int = 1  # each step's gradient accumulated over this many micro-batches
+    warmup: int = 0  # the learning rate ramps up linearly over this many steps
 
 
 def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,12 +183,14 @@ def train_sketched(model: Model, seed: int, change: Change, data: Any) -> tuple[
     torch.manual_seed(seed)
     net = model.build()
     inner = net  # what is sketched: the model's own weights, with or without a dropout in front
-    if change.dropout:
-        net = nn.Sequential(nn.Dropout(change.dropout), net)
+    if change.dropout or model.dropout:
+        net = nn.Sequential(nn.Dropout(model.dropout + change.dropout), net)
     if change.perturb is not None:
         nudge(net, change.perturb, change.nudge)
-    opt = torch.optim.SGD(net.parameters(), lr=model.lr * change.lr_scale, momentum=model.momentum,
-                          weight_decay=model.weight_decay if change.weight_decay else 0.0)
+    lr = model.lr * change.lr_scale
+    opt = torch.optim.SGD(net.parameters(), lr=lr,
+                          momentum=model.momentum if change.momentum is None else change.momentum,
+                          weight_decay=(model.weight_decay if change.weight_decay else 0.0) + change.weight_decay_add)
     order = torch.Generator().manual_seed(seed)
     aug = torch.Generator().manual_seed(1000 * change.aug_seed + seed)
     loss_fn = nn.functional.cross_entropy if model.classify else nn.functional.mse_loss
@@ -207,10 +215,15 @@ def train_sketched(model: Model, seed: int, change: Change, data: Any) -> tuple[
             at += model.batch
             x = xs[idx] + 0.05 * torch.randn(xs[idx].shape, generator=aug)  # augmentation: input jitter
             y = ys[idx]
+            if step == change.flip_label_at:
+                y = y.clone()
+                y[0] = (y[0] + 1) % (int(ys.max()) + 1) if model.classify else y[0] + 3.0
+            if model.warmup:
+                opt.param_groups[0]["lr"] = lr * min(1.0, (step + 1) / model.warmup)
             if not (change.skip_zero_grad and step == model.steps // 2):
                 opt.zero_grad()
             total = 0.0
-            parts = change.shards if change.shards > 1 else (2 if change.halves else 1)
+            parts = change.shards if change.shards > 1 else (2 if change.halves else model.accumulate)
             for xp, yp in zip(x.chunk(parts), y.chunk(parts)):
                 loss = loss_fn(net(xp), yp) / parts
                 loss.backward()

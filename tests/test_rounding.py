@@ -78,6 +78,24 @@ def test_the_envelope_is_the_widest_member_widened_by_its_running_maximum_and_fl
         rounding.Envelope.from_dict({**doc, "format": 99})
 
 
+def test_the_factor_comes_from_the_honest_replays_and_a_change_a_few_members_wide_leaves_the_envelope() -> None:
+    """SAFETY is HEADROOM x the widest honest replay measured (in widest members), not the hand-set 8 it replaced:
+    a change that moves the loss by 6x the widest member at its first step (as momentum 0.9 -> 0.91 does on the
+    bench's MLP, benchmarks/margin_bench.py) is DIVERGED there, and an honest replay at the widest measured is inside.
+    The weights and the carried envelope keep WIDE_SAFETY."""
+    assert rounding.SAFETY == pytest.approx(rounding.HEADROOM * rounding.HONEST_WIDEST) and rounding.SAFETY < 6
+    original = _run("orig0000", LOSS)
+    env = _envelope(original)
+    widest = _rounding_growth(3)
+    planted = _replay(original, LOSS * (1 + np.where(STEPS >= 2, 6 * widest, 0.0)))
+    cmp = judge_rounding(compare_runs(original, planted), original, planted, env)
+    assert cmp.verdict == DIVERGED and cmp.divergence.step == 2, cmp.summary()
+    honest = _replay(original, LOSS * (1 + rounding.HONEST_WIDEST * widest))
+    cmp = judge_rounding(compare_runs(original, honest), original, honest, env)
+    assert cmp.verdict == WITHIN_ROUNDING, cmp.summary()
+    assert rounding.WeightsEnvelope(8, "ref", [1e-6], "").half_width() == pytest.approx(rounding.WIDE_SAFETY * 1e-6)
+
+
 def test_calibrate_ends_with_a_table_of_half_widths_and_what_a_replay_is_held_to() -> None:
     """The terminal's end of `harness calibrate`: the half-width per metric at a few steps spread over the M (a value
     logged less often: its latest at or before the column's step), the weights', the rule a replay is judged by."""
@@ -196,7 +214,7 @@ def test_after_the_envelope_the_members_growth_carries_it_and_a_late_jump_still_
     env = _envelope(original, steps=8)
     g = carried.growth(env.metrics["loss"], 8)
     assert g is not None and g.last == 7 and abs(g.rate - 1 / 6) < 1e-9, g
-    assert g.width == pytest.approx(rounding.SAFETY * _rounding_growth(3)[7])  # the widest member, at step 7
+    assert g.width == pytest.approx(rounding.WIDE_SAFETY * _rounding_growth(3)[7])  # the widest member, at step 7
     assert carried.growth(env.metrics["loss"], 2) is None  # two steps fit no rate
     honest = _replay(original, LOSS * (1 + 2e-7 * np.exp(STEPS / 6.0)))
     cmp = judge_rounding(compare_runs(original, honest), original, honest, env)
@@ -223,9 +241,9 @@ def test_a_carried_envelope_wider_than_its_ceiling_decides_nothing_and_a_study_t
     original = _run("orig0000", LOSS)
     fast = [{"loss": (STEPS.copy(), LOSS * (1 + (-1) ** k * 1e-5 * (k + 1) * np.exp(STEPS / 2.0)))} for k in range(4)]
     env = rounding.measure(original.run_id, "cal00000", original.metrics, fast, 8, weights_differed=4)
-    # The replay grows as fast as the members did: beyond carried.CEILING (and the width measured at step 7) at
-    # step 8, inside the carried width - rounding's growth and a change both fit.
-    rel = 2.5e-4 * np.exp(STEPS / 2.0)
+    # The replay grows as fast as the members did, 1.5x the widest inside the window, then beyond carried.CEILING
+    # (and the width measured at step 7) at step 8, inside the carried width - rounding's growth and a change both fit.
+    rel = np.where(STEPS < 8, 6e-5, 2.5e-4) * np.exp(STEPS / 2.0)
     replay = _replay(original, LOSS * (1 + rel))
     cmp = judge_rounding(compare_runs(original, replay), original, replay, env)
     assert cmp.verdict == Verdict.INCONCLUSIVE and cmp.exit_code == 1, cmp.summary()

@@ -7,7 +7,7 @@ them (each step multiplies the distance by about the same factor) and then level
 correlation - at the seeds' spread. So per metric the envelope's relative half-width at step M-1 is carried on by the
 fastest growth rate the window supports:
 
-    half-width(s) = SAFETY x r(M-1) x exp(rate x (s - (M-1))) x |original value at s|
+    half-width(s) = WIDE_SAFETY x r(M-1) x exp(rate x (s - (M-1))) x |original value at s|
 
 where r is the widest member's relative distance, running maximum (rounding.MetricEnvelope.half_widths), and the rate
 is the least-squares slope of log r over the second half of the window plus GROWTH_SIGMAS standard errors, never
@@ -33,7 +33,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.fmt import fmt_short
-from harness.judge.rounding import FLOOR_ULPS, SAFETY, TINY, MetricEnvelope, Outside, Series, abs_distance, series_at
+from harness.judge.rounding import (
+    FLOOR_ULPS,
+    TINY,
+    WIDE_SAFETY,
+    MetricEnvelope,
+    Outside,
+    Series,
+    abs_distance,
+    series_at,
+)
 
 # Standard errors added to the fitted rate: the rate the window supports, not its point estimate.
 GROWTH_SIGMAS = 2.0
@@ -50,7 +59,7 @@ class Growth:
     half-width at the window's last step and the per-step growth rate it is carried on by."""
 
     last: int  # the window's last step of this metric
-    width: float  # SAFETY x r(last): relative half-width there (absolute where `absolute`)
+    width: float  # WIDE_SAFETY x r(last): relative half-width there (absolute where `absolute`)
     rate: float  # natural log per step, conservative
     fitted: int  # window steps the rate was fitted on (0: borrowed)
     absolute: bool = False
@@ -92,7 +101,7 @@ def growth(env: MetricEnvelope, m: int, safety: float | None = None, borrow: tup
         rel = dev if absolute else dev / original
     r = np.maximum.accumulate(rel)
     positive = r > 0
-    width = (SAFETY if safety is None else safety) * float(r[-1])
+    width = (WIDE_SAFETY if safety is None else safety) * float(r[-1])
     if int(positive.sum()) < MIN_FIT:
         if borrow is None or not positive.any():
             return None
@@ -162,7 +171,7 @@ def judge(name: str, growth_: Growth, original: Series, replay: Series, m: int,
     every, o, r = every[both], ov[1][both], rv[1][both]
     dist = abs_distance(o, r)
     # The replay's own widest relative distance before each step: rounding grows from where the replay is, at most
-    # SAFETY x the members' rate per step, or jumps to where the members were (a flipped choice), not past both.
+    # WIDE_SAFETY x the members' rate per step, or jumps to where the members were (a flipped choice), not past both.
     value = np.abs(o)
     with np.errstate(invalid="ignore", divide="ignore"):
         own = dist if growth_.absolute else np.where(value > TINY, dist / np.maximum(value, TINY), dist)
@@ -172,7 +181,7 @@ def judge(name: str, growth_: Growth, original: Series, replay: Series, m: int,
     if not s.size:
         return None
     scale = 1.0 if growth_.absolute else value
-    jump = np.maximum(growth_.width, (SAFETY if safety is None else safety) * growth_.factor * prior) * scale
+    jump = np.maximum(growth_.width, (WIDE_SAFETY if safety is None else safety) * growth_.factor * prior) * scale
     floor = FLOOR_ULPS * np.spacing(value.astype(np.float32)).astype(np.float64)
     widths = np.maximum(np.minimum(growth_.half_widths(s, o), np.nan_to_num(jump, nan=np.inf)), floor)
     seeds_from = None

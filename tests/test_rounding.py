@@ -89,10 +89,10 @@ def test_the_factor_comes_from_the_honest_replays_and_a_change_a_few_members_wid
     widest = _rounding_growth(3)
     planted = _replay(original, LOSS * (1 + np.where(STEPS >= 2, 6 * widest, 0.0)))
     cmp = judge_rounding(compare_runs(original, planted), original, planted, env)
-    assert cmp.verdict == DIVERGED and cmp.divergence.step == 2, cmp.summary()
+    assert cmp.verdict == Verdict.DIVERGED and cmp.divergence.step == 2, cmp.summary()
     honest = _replay(original, LOSS * (1 + rounding.HONEST_WIDEST * widest))
     cmp = judge_rounding(compare_runs(original, honest), original, honest, env)
-    assert cmp.verdict == WITHIN_ROUNDING, cmp.summary()
+    assert cmp.verdict == Verdict.WITHIN_ROUNDING, cmp.summary()
     assert rounding.WeightsEnvelope(8, "ref", [1e-6], "").half_width() == pytest.approx(rounding.WIDE_SAFETY * 1e-6)
 
 

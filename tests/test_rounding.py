@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from harness.judge.handoff import judge_noise, judge_rounding
 from harness.judge.metricdiff import KIND_ROUNDING, as_series
 from harness.judge.report import render_markdown
 from harness.judge.verdicts import Verdict
-from harness.runtime.perturb import NUDGE, NUDGE_ULPS, nudge, nudge_ulps
+from harness.runtime.perturb import NUDGE, NUDGE_ULPS, kernels_of, member_seeds, nudge, nudge_ulps, threads_vary
 
 STEPS = np.arange(12, dtype=np.int64)
 LOSS = 2.0 / (STEPS + 1.0)
@@ -604,7 +605,12 @@ def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(pr
     assert float(cal.data.tags[tags.CALIBRATION_NUDGE]) == NUDGE == 256 * 2.0**-23
     members = [r for r in project.all_runs() if r.data.tags.get(tags.CALIBRATION) == calibrated["calibration"]]
     # Member 0 is the reference: the run itself, re-executed, not nudged; 1-8 are the nudged members.
-    assert sorted(r.data.tags[tags.PERTURB_SEED] for r in members) == [str(i) for i in range(9)]
+    # The thread count varies only where this machine's cores hold 2 ranks on the other count (perturb.threads_vary):
+    # on fewer, the members take the seeds whose kernels keep it.
+    cores = len(os.sched_getaffinity(0))
+    vary = threads_vary(2, 1, cores)
+    seeds = member_seeds(8, vary)
+    assert sorted(int(r.data.tags[tags.PERTURB_SEED]) for r in members) == [0, *seeds]
     assert all(r.data.tags[tags.SKETCH_AT] == "5" for r in members)
     assert all(r.data.tags[tags.MLFLOW_PARENT_RUN_ID] == calibrated["calibration"] and tags.VERDICT not in r.data.tags
                for r in members)
@@ -612,8 +618,8 @@ def test_a_calibration_is_a_sealed_run_of_nudged_members_nested_under_the_run(pr
     # read-back of the settings in force): the thread count doubled, oneDNN off, both, or the run's own.
     ran = {(r.data.tags[tags.CALIBRATION_KERNELS], r.data.tags[tags.DETERMINISM_PREFIX + "intra_op_threads"],
             r.data.tags[tags.DETERMINISM_PREFIX + "onednn_enabled"]) for r in members}
-    assert ran == {("the run's own kernels", "1", "True"), ("oneDNN off", "1", "False"),
-                   ("other thread count", "2", "True"), ("oneDNN off + other thread count", "2", "False")}, ran
+    threaded = {("other thread count", "2", "True"), ("oneDNN off + other thread count", "2", "False")}
+    assert ran == {("the run's own kernels", "1", "True"), ("oneDNN off", "1", "False"), *(threaded if vary else ())}, ran
     doc = json.loads(open(client.download_artifacts(cal.info.run_id, tags.ARTIFACT_ENVELOPE, str(tmp_path))).read())
     assert doc["members"] == 8 and doc["steps"] == 5 and doc["weights_differed"] == 8 and doc["nudge"] == NUDGE
     # The reference re-executed the run bit for bit (same machine), and the weights' distance after the 5 steps is
@@ -748,3 +754,13 @@ def test_ctrl_c_during_a_calibration_marks_it_killed_and_exits_130(project, tmp_
     assert sorted(r.info.status for r in its_members) == ["FINISHED", "KILLED", "KILLED"]
     never = next(r for r in its_members if r.data.tags[tags.PERTURB_SEED] == "2")
     assert never.data.tags[tags.STATUS_REASON] == "never started: interrupted while calibration member 1 ran"
+
+
+def test_members_vary_the_thread_count_only_where_the_cores_hold_it() -> None:
+    """2 ranks of 1 thread on 2 cores: another thread count (2 each) would oversubscribe them, so the members take
+    the seeds whose kernels keep it - still half of them with oneDNN off; on 4 cores they vary it in turn."""
+    assert threads_vary(2, 1, 4) and not threads_vary(2, 1, 2) and threads_vary(2, 4, 4)
+    assert member_seeds(8, True) == list(range(1, 9))
+    kept = member_seeds(8, False)
+    assert len(kept) == 8 == len(set(kept)) and not any(kernels_of(s).other_threads for s in kept)
+    assert {kernels_of(s).onednn_off for s in kept} == {True, False}, kept

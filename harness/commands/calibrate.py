@@ -38,7 +38,15 @@ from harness.judge.compare import original_steps
 from harness.judge.weightdistance import Sketch, distance
 from harness.record import derived, loading, redaction
 from harness.record.calibration import left_behind
-from harness.runtime.perturb import KERNELS, NUDGE, NUDGE_ULPS, REFERENCE, kernels_of
+from harness.runtime.perturb import (
+    NUDGE,
+    NUDGE_ULPS,
+    REFERENCE,
+    kernels_of,
+    member_seeds,
+    other_threads,
+    threads_vary,
+)
 from harness.store.failures import unwritable
 from harness.store.tracking import RunRecord, Tracker
 
@@ -144,12 +152,13 @@ def calibrate(options: CalibrateOptions, *, replay: Replay, tracker: Tracker | N
                          "or fewer.")
     m = options.steps or min(DEFAULT_STEPS, total)
     secrets = secrets_given(loaded, list(options.overrides))
-    kernels = ", ".join(kind.describe() for kind in KERNELS[:k])
+    seeds_, threads_note = _member_seeds(loaded, k)
+    kernels = ", ".join(dict.fromkeys(kernels_of(i).describe() for i in seeds_))
     events.emit(events.Notice(f"calibrate {original.run_id}: {k} members x {m} steps = {k * m} training steps "
                               f"(the run took {total}), each member one replay of its first {m} steps, nudged by up to "
                               f"{NUDGE_ULPS} float32 ulps, in turn on {kernels}; and the run itself once more ({m} steps), the reference "
                               "the members' weights are measured from"
-                              + _tail_said(m, total)))
+                              + threads_note + _tail_said(m, total)))
     run_tags = derived.tags(T.KIND_CALIBRATION, original, version=original.tags.get(T.VERSION),
                             extra={T.CALIBRATION_MEMBERS: str(k), T.CALIBRATION_STEPS: str(m),
                                    T.CALIBRATION_NUDGE: repr(NUDGE)})
@@ -160,7 +169,7 @@ def calibrate(options: CalibrateOptions, *, replay: Replay, tracker: Tracker | N
         cal_id = calibrating.holds(opened_id)
         member = ReplayOptions(original.run_id, overrides=tuple(secrets), follow=False, steps=m, localize=False)
         outcomes = _run_members(replay, member, ReplayContext(tracker=tracker, sketch_at=m), cal_id,
-                                k, one_launch(loaded, record))
+                                seeds_, one_launch(loaded, record))
         records = _finished(tracker, outcomes, cal_id, original.run_id, m)
         envelope = _envelope(tracker, record, records, cal_id, m, total)
         envelope.members, envelope.nudge = k, NUDGE
@@ -171,22 +180,23 @@ def calibrate(options: CalibrateOptions, *, replay: Replay, tracker: Tracker | N
     return done
 
 
-def _run_members(replay: Replay, member: ReplayOptions, context: ReplayContext, cal_id: str, k: int,
+def _run_members(replay: Replay, member: ReplayOptions, context: ReplayContext, cal_id: str, seeds_: list[int],
                  together: bool) -> list[Outcome]:
-    """The reference (the run itself, not nudged) and the k nudged members, each recorded as a replay nested under
-    the calibration: in one set of ranks, one segment each (`together`), else one replay each, the reference first
-    (a run that does not re-execute fails there)."""
+    """The reference (the run itself, not nudged) and the nudged members of perturb seeds `seeds_`, each recorded as
+    a replay nested under the calibration: in one set of ranks, one segment each (`together`), else one replay each,
+    the reference first (a run that does not re-execute fails there)."""
     def tagged(i: int) -> dict[str, str]:
         return {T.CALIBRATION: cal_id, T.MLFLOW_PARENT_RUN_ID: cal_id, T.CALIBRATION_KERNELS: kernels_of(i).describe()}
 
     if together:
         result = replay(member, replace(context, perturb_seed=REFERENCE, extra_tags=tagged(REFERENCE),
-                                        then=[(i, tagged(i)) for i in range(1, k + 1)]))
+                                        then=[(i, tagged(i)) for i in seeds_]))
         return [result.outcome, *result.members]
     outcomes = []
-    for i in range(REFERENCE, k + 1):
-        events.emit(events.Progress(f"calibration {cal_id}: member {i} of {k}" if i != REFERENCE else
-                                    f"calibration {cal_id}: the run itself (the reference)", i, k))
+    k = len(seeds_)
+    for n, i in enumerate([REFERENCE, *seeds_]):
+        events.emit(events.Progress(f"calibration {cal_id}: member {n} of {k}" if i != REFERENCE else
+                                    f"calibration {cal_id}: the run itself (the reference)", n, k))
         outcome = replay(member, replace(context, perturb_seed=i, extra_tags=tagged(i))).outcome
         outcomes.append(outcome)
         if outcome.status != T.FINISHED:
@@ -246,6 +256,23 @@ def _envelope(tracker: Tracker, record: RunRecord, records: list[RunRecord], cal
             f"breaks this run there, so its replays are held to the envelope over the first {blown[1]} steps only "
             "(a smaller learning rate, or gradient clipping, keeps a run off that edge)"))
     return envelope
+
+
+def _member_seeds(loaded: loading.Loaded, k: int) -> tuple[list[int], str]:
+    """The members' perturb seeds, and what the notice adds where the thread count is not varied: a backend whose
+    ranks run on this machine varies it only where its cores hold the ranks on the other count (perturb.threads_vary);
+    one whose ranks run elsewhere always does."""
+    import os
+
+    cfg = loaded.recorded.cfg
+    threads = int(cfg.threads_per_rank)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    here = executors.backend(str(cfg.executor)).ranks_here
+    vary = not here or threads_vary(int(cfg.world_size), threads, cores)
+    note = "" if vary else (
+        f"; the thread count is not varied: {cfg.world_size} ranks x {other_threads(threads)} threads would "
+        f"oversubscribe this machine's {cores} cores, which slows every step many times over")
+    return member_seeds(k, vary), note
 
 
 def one_launch(loaded: loading.Loaded, record: RunRecord) -> bool:

@@ -38,6 +38,7 @@ nothing is nudged there, before its first forward, as a registered model is.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,23 @@ def other_threads(threads: int) -> int:
     """Another intra-op thread count for a run that used `threads`: half as many (a run on one thread: two), so the
     member splits every parallel reduction differently without oversubscribing the cores a many-thread run used."""
     return threads // 2 if threads > 1 else 2
+
+
+def threads_vary(ranks_here: int, threads: int, cores: int) -> bool:
+    """Whether a member may run on another thread count: its `ranks_here` ranks on this machine, each on
+    other_threads(threads), fit its `cores`. Past them, every thread of a parallel region waits on threads the
+    cores cannot run (OpenMP spins at its barriers): measured 5-17x slower a step on 2 ranks x 2 threads over 2 cores,
+    where the same members on their own thread count were not - most of a calibration's cost, for kernels the
+    nudge's spread covers already."""
+    return ranks_here * other_threads(threads) <= cores
+
+
+def member_seeds(count: int, vary_threads: bool = True) -> list[int]:
+    """The perturb seeds of a calibration's `count` members: 1..count, each on its kernels (kernels_of), or where
+    the thread count may not vary (threads_vary), the first `count` seeds whose kernels keep it. The seed alone
+    tells a rank its kernels, so the ranks and the members' records agree on them by construction."""
+    seeds = itertools.count(1)
+    return list(itertools.islice((s for s in seeds if vary_threads or not kernels_of(s).other_threads), count))
 
 
 def use_kernels(seed: int) -> Kernels:

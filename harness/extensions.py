@@ -21,11 +21,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from types import ModuleType
 from typing import Any, Protocol
 
-from harness import events
+from harness import entrypoints, events
 
 BUILTIN = ("trace", "bisect", "verify", "attest", "invariant")  # each a package of harness.extras declaring EXTRA
 ENTRY_POINTS = "harness.extras"  # the entry-point group of outside extras
@@ -73,20 +72,7 @@ def _ensure_loaded() -> None:
 
 
 def _load() -> None:
-    for name in BUILTIN:
-        register(importlib.import_module(f"harness.extras.{name}").EXTRA)
-    for point in metadata.entry_points(group=ENTRY_POINTS):
-        try:
-            loaded = point.load()
-        except Exception as err:  # a broken outside package must not take harness down with it
-            events.emit(events.Warning(f"the extra entry point {point.name} ({point.value}) does not load: {err}"))
-            continue
-        declared = getattr(loaded, "EXTRA", loaded)
-        if not isinstance(declared, Extra):
-            events.emit(events.Warning(f"the extra entry point {point.name} ({point.value}) is not a harness Extra; "
-                                       "ignored."))
-            continue
-        register(declared)
+    entrypoints.load(BUILTIN, "harness.extras", "EXTRA", ENTRY_POINTS, Extra, "extra", register)
 
 
 def register(extra: Extra) -> None:

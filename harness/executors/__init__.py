@@ -17,13 +17,11 @@ or, in-process, through `register(backend)`. run, replay, resume, audit and trac
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
-from importlib import metadata
 from typing import Any
 
-from harness import configschema, events
+from harness import configschema, entrypoints
 from harness.configschema import ExperimentConfig
 from harness.errors import BackendError, UsageError
 from harness.executors.base import (
@@ -89,20 +87,7 @@ def schema() -> configschema.Schema:
 
 
 def _load() -> None:
-    for name in BUILTIN:
-        register(importlib.import_module(f"harness.executors.{name}").BACKEND)
-    for point in metadata.entry_points(group=ENTRY_POINTS):
-        try:
-            loaded = point.load()
-        except Exception as err:  # a broken outside package must not take harness down with it
-            events.emit(events.Warning(f"the executor entry point {point.name} ({point.value}) does not load: {err}"))
-            continue
-        declared = getattr(loaded, "BACKEND", loaded)
-        if not isinstance(declared, Backend):
-            events.emit(events.Warning(f"the executor entry point {point.name} ({point.value}) is not a harness "
-                                       "Backend; ignored."))
-            continue
-        register(declared)
+    entrypoints.load(BUILTIN, "harness.executors", "BACKEND", ENTRY_POINTS, Backend, "executor", register)
 
 
 def backends() -> dict[str, Backend]:

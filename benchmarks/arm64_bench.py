@@ -197,7 +197,9 @@ class Userland:
         wheels = self.inside(WHEELS)
         sh([sys.executable, "-m", "pip", "download", *target, "-d", str(wheels), *wanted.split()], timeout=3600,
            env=host)
+        # --no-warn-conflicts: pip would hold the userland's packages against this machine's own environment.
         sh([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels), *target, "--upgrade",
+            "--no-warn-conflicts",
             "--target", str(self.inside(Path(f"/opt/v/lib/python{python}/site-packages"))), *wanted.split()],
            timeout=3600, env=host)
         self.run(["/opt/v/bin/python", "-c", "import torch, mlflow, omegaconf, git, click, scipy, sklearn, matplotlib"],

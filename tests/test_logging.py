@@ -94,6 +94,24 @@ def test_outbox_sends_a_quiet_loops_points_without_another_log_call() -> None:
     pipe.finish()
 
 
+def test_outbox_close_wakes_an_idle_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibration closes rank 0's outbox once per member, and every run once at its end: an idle sender must hear
+    the close at once, not at its next idle wake. With that wake 30 s off, a close given 5 s ends the thread."""
+    from harness.runtime import outbox as outbox_module
+
+    monkeypatch.setattr(outbox_module, "_IDLE_S", 30.0)
+    pipe = _Reader()
+    outbox = Outbox(pipe.writer)
+    outbox.add(0, {"loss": 0.25}, 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not pipe.got:  # sent: the sender then waits, idle, for the next point
+        time.sleep(SEND_EVERY_S)
+    time.sleep(0.2)
+    outbox.close(timeout_s=5.0)
+    assert not outbox._thread.is_alive(), "close() left the sender asleep on its idle wake"
+    assert [p[:3] for m in pipe.finish() for p in m.points()] == [("loss", 0, 0.25)]
+
+
 def test_outbox_flush_returns_once_everything_before_it_is_in_the_pipe() -> None:
     """What a checkpoint relies on before it marks its step complete: a rank killed the next instant (the pipe's
     writer gone, the sender thread with it) still leaves every earlier point and message for the launcher."""

@@ -98,6 +98,7 @@ class Outbox:
             if self._steps:
                 self._put(self._take())
             self._queue.put(_STOP)
+            self._wake.set()  # an idle sender sleeps on the wake for up to _IDLE_S: every close would wait that long
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             print(f"harness: rank 0 could not hand {self._queue.qsize()} queued metric batches to the launcher within "

@@ -187,7 +187,7 @@ def test_an_override_yes_no_on_off_that_became_a_boolean_is_warned_with_the_quot
                            capture_output=True, text=True, check=True).stdout.split()
     checked = runner.preflight(CheckOptions(exp, ("train.eval_strategy=no", "train.push=On", "determinism.level=off",
                                                   *typed[1:], "device=cpu"), tracking_uri=project.uri))
-    assert checked.cfg.train.eval_strategy is False and checked.cfg.train.push is True
+    assert checked.cfg.train["eval_strategy"] is False and checked.cfg.train["push"] is True
     said = [w for w in checked.warnings if w.startswith("override ")]
     assert said == [
         "override train.eval_strategy=no gives train.eval_strategy the boolean False, not the string 'no': YAML reads "
@@ -203,7 +203,7 @@ def test_an_override_yes_no_on_off_that_became_a_boolean_is_warned_with_the_quot
         "report: \"no\".",
     ], said
     quoted = runner.preflight(CheckOptions(exp, (typed[0], "device=cpu"), tracking_uri=project.uri))
-    assert quoted.cfg.train.eval_strategy == "no" and not [w for w in quoted.warnings if w.startswith("override ")]
+    assert quoted.cfg.train["eval_strategy"] == "no" and not [w for w in quoted.warnings if w.startswith("override ")]
 
 
 def test_the_one_optimizer_over_the_model_is_found_through_a_wrapper_and_not_among_two() -> None:

@@ -247,6 +247,11 @@ class TorchrunHandle(RanksHandle):
                     time.sleep(POLL_S)
                 if posted is not None:
                     raise self._remote(posted)  # noqa: B904 - its __cause__ is the rank's RankError (failures.failed); `from` would replace it
+                # No rank said why: one whose process is gone already ended without a word (SIGKILL: the OOM killer,
+                # kill -9), and this rank's collective broke on its closed connection before torchrun's SIGTERM came.
+                killed = killed_peer(self.peers, rank)
+                if killed is not None:
+                    raise self._killed(killed)  # noqa: B904 - its __cause__ is the rank's RankError (failures.failed)
             failing, tb, expected = failure_details(err)
             node.fail(str(err), failing, traceback=None if expected else tb)
             raise
@@ -259,10 +264,7 @@ class TorchrunHandle(RanksHandle):
             if killed is not None and node.posted() is None:
                 # A rank SIGKILLed (the OOM killer, kill -9) says nothing, and torchrun answers by stopping the others;
                 # a rank that ended of a signal it could catch has posted it before its process ended.
-                line = (f"rank {killed} was killed by SIGKILL (its process ended without a word; torchrun then "
-                        "stopped the other ranks)")
-                node.fail(line, killed)
-                raise failed(line, killed, signal_name="SIGKILL")  # noqa: B904 - its __cause__ is the rank's RankError
+                raise self._killed(killed)  # noqa: B904 - its __cause__ is the rank's RankError
             node.fail(f"rank {rank} was interrupted", rank, signum=err.signum)
             raise
         node.done()
@@ -270,6 +272,13 @@ class TorchrunHandle(RanksHandle):
             late = node.wait_done()
             if late:
                 raise RunFailed(f"rank {', '.join(map(str, late))} did not finish (rank 0 finished)")
+
+    def _killed(self, killed: int) -> HarnessError:
+        """The job's failure where rank `killed` ended without a word (SIGKILL), posted for the other ranks."""
+        line = (f"rank {killed} was killed by SIGKILL (its process ended without a word; torchrun then stopped the "
+                "other ranks)")
+        self.node.fail(line, killed)
+        return failed(line, killed, signal_name="SIGKILL")
 
     def _run_here(self, spec: Any, on_message: Callable[[Message], None]) -> None:
         """The rank's body in this process (runtime/rank/body.py: run_rank); its failure as RunFailed naming the rank and line."""
